@@ -1,0 +1,23 @@
+"""The explicit collector registry: registry key -> builder.
+
+Adding a collector is one module (with its config, metric specs and ``build``) plus one line
+here and one config field in ``agent.config.CollectorsConfig``; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from agent.collectors import host
+from agent.collectors.collector import Collector
+
+if TYPE_CHECKING:
+    from agent.config import AgentConfig
+    from agent.seams import Seams
+
+Builder = Callable[["AgentConfig", "Seams"], Collector]
+
+REGISTRY: dict[str, Builder] = {
+    "host": host.build,
+}

@@ -1,0 +1,91 @@
+"""The agent's configuration: a YAML file validated by strict models.
+
+Unknown keys and wrong types stop start-up with a message naming the key path
+(``collectors.gpu.interval_secnds: unknown key``). Each collector's section is defined beside the
+collector; this module only assembles them. It reads no environment variables.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError
+
+from agent.collectors.collector import StrictModel
+from agent.collectors.host import HostConfig
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message names every offending key path."""
+
+
+class NvmlConfig(StrictModel):
+    # `nvml` is the real library; `fake` the embedded FakeNvml driven by `scenario`. Never
+    # chosen implicitly: a node without NVML reports no GPU samples, it does not fall back.
+    backend: Literal["nvml", "fake"] = "nvml"
+    scenario: str | None = None  # fake only: a scenario YAML path or a shipped scenario name
+    seed: int = 0
+
+
+class AggregatorTarget(StrictModel):
+    url: str | None = None  # e.g. http://aggregator:9500 ; None: do not push reports
+    token_file: str | None = None
+    interval_seconds: float = Field(default=2.5, gt=0)
+    timeout_seconds: float = Field(default=5.0, gt=0)
+    max_backoff_seconds: float = Field(default=60.0, gt=0)
+    # Reports kept while the aggregator is down; the oldest periodic ones go first, events never
+    # silently: dropped events are counted.
+    queue_max_reports: int = Field(default=120, ge=1)
+
+
+class CollectorsConfig(StrictModel):
+    host: HostConfig = HostConfig()
+
+
+class AgentConfig(StrictModel):
+    node: str = Field(default_factory=socket.gethostname, min_length=1)
+    listen: str = "127.0.0.1:9400"
+    state_dir: str | None = None
+    topology: dict[str, str] = Field(default_factory=dict)  # row, rack, leaf_switch, ...
+    nvml: NvmlConfig = NvmlConfig()
+    aggregator: AggregatorTarget = AggregatorTarget()
+    collectors: CollectorsConfig = CollectorsConfig()
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key")
+        else:
+            lines.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def parse_config(data: Any) -> AgentConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return AgentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def load_config(path: str | Path | None) -> AgentConfig:
+    if path is None:
+        return parse_config({})
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+    return parse_config(data)
