@@ -1,0 +1,39 @@
+"""``vigil`` command line: an explicit table of subcommands, each in its own module.
+
+Each command module exposes ``add_parser(subparsers)`` and ``run(args) -> int`` (the exit code).
+Modules are imported lazily so ``vigil xid scan`` does not load aiohttp, and the agent's
+commands never import the aggregator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> module implementing it
+COMMANDS: dict[str, str] = {
+    "agent": "vigil.agent_cmd",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vigil", description="GPU cluster fault detection")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in COMMANDS.values():
+        importlib.import_module(module_name).add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command])
+    try:
+        return int(module.run(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
