@@ -45,6 +45,9 @@ class Event(_Wire):
     rank: int | None = None
     count: int = 1
     last_ts: float | None = None
+    # Which reader saw it ("kmsg", "nvml", "sysfs", "heartbeat"): an Xid seen by both the kernel
+    # log and NVML's event API is one fault, and the aggregator dedups by (gpu, code, time).
+    source: str = ""
 
 
 class GpuState(_Wire):
