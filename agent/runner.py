@@ -1,0 +1,113 @@
+"""The agent's runner: one periodic task per collector, the reporter, and nothing else async.
+
+Each collector's blocking ``collect`` runs in a worker thread with a timeout; a collector whose
+previous call is still running is skipped (never two in flight), and a timed-out or failed cycle
+leaves no samples for that collector (absent, not stale). Events go to the reporter; an urgent
+one makes it push at once. The runner reads no hardware itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from agent.collectors.collector import Collection, Collector
+from agent.metric import MetricKind, MetricSpec, Sample
+from agent.snapshot import CollectorResult, Snapshot
+
+log = logging.getLogger("vigil.agent.runner")
+
+COLLECTOR_SUCCESS = MetricSpec("vigil_collector_success", MetricKind.GAUGE,
+                               "1 if the collector's last cycle succeeded, else 0.", labels=("collector",))
+COLLECTOR_DURATION = MetricSpec("vigil_collector_duration_seconds", MetricKind.GAUGE,
+                                "Wall time of the collector's last cycle.", labels=("collector",), unit="seconds")
+COLLECTOR_SKIPPED = MetricSpec("vigil_collector_skipped_total", MetricKind.COUNTER,
+                               "Cycles skipped because the previous call was still running.",
+                               labels=("collector",))
+RUNNER_SPECS = (COLLECTOR_SUCCESS, COLLECTOR_DURATION, COLLECTOR_SKIPPED)
+
+
+def collect_once(collector: Collector, now: float, timer: Callable[[], float] = time.perf_counter) -> CollectorResult:
+    """Run one cycle synchronously and record its outcome. Exceptions become a failed result:
+    a broken source must never take the agent down."""
+    start = timer()
+    try:
+        collection = collector.collect(now)
+    except Exception as exc:  # noqa: BLE001 - any failure of one source is reported, not raised
+        log.warning("collector %s failed: %s: %s", collector.name, type(exc).__name__, exc)
+        return CollectorResult(Collection(), False, timer() - start, now, f"{type(exc).__name__}: {exc}")
+    return CollectorResult(collection, True, timer() - start, now)
+
+
+class Runner:
+    def __init__(
+        self,
+        collectors: Sequence[Collector],
+        intervals: dict[str, tuple[float, float]],  # name -> (interval_seconds, timeout_seconds)
+        snapshot: Snapshot,
+        on_events: Callable[[Collection], None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.collectors = list(collectors)
+        self._intervals = intervals
+        self.snapshot = snapshot
+        self._on_events = on_events
+        self._clock = clock
+        self._skipped: dict[str, int] = {c.name: 0 for c in collectors}
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, len(self.collectors)), thread_name_prefix="vigil-collect")
+
+    def self_samples(self) -> list[Sample]:
+        out: list[Sample] = []
+        for name, r in self.snapshot.results().items():
+            out.append(Sample.of(COLLECTOR_SUCCESS, 1 if r.success else 0, collector=name))
+            out.append(Sample.of(COLLECTOR_DURATION, r.duration_seconds, collector=name))
+        for name, n in self._skipped.items():
+            out.append(Sample.of(COLLECTOR_SKIPPED, n, collector=name))
+        return out
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for c in self.collectors:
+                    tg.create_task(self._loop(c, stop), name=f"collect-{c.name}")
+        finally:
+            for c in self.collectors:
+                try:
+                    c.close()
+                except Exception as exc:  # noqa: BLE001 - closing must reach every collector
+                    log.warning("closing collector %s: %s", c.name, exc)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _loop(self, collector: Collector, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        interval, timeout = self._intervals.get(collector.name, (1.0, 5.0))
+        in_flight: asyncio.Future[CollectorResult] | None = None
+        next_at = loop.time()
+        while not stop.is_set():
+            if in_flight is not None and not in_flight.done():
+                self._skipped[collector.name] += 1
+            else:
+                now = self._clock()
+                in_flight = loop.run_in_executor(self._pool, collect_once, collector, now)
+                done, _ = await asyncio.wait({in_flight}, timeout=timeout)
+                if done:
+                    result = in_flight.result()
+                else:
+                    result = CollectorResult(Collection(), False, timeout, now, f"timed out after {timeout}s")
+                    log.warning("collector %s timed out after %.1fs", collector.name, timeout)
+                self.snapshot.put(collector.name, result)
+                if result.collection.events:
+                    self._on_events(result.collection)
+            next_at += interval
+            delay = next_at - loop.time()
+            if delay < 0:  # fell behind (slow cycle): start again from now, do not burst
+                next_at = loop.time()
+                delay = 0
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            except TimeoutError:
+                pass

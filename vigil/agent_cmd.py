@@ -1,0 +1,93 @@
+"""``vigil agent``: run the node agent. Flags override the config file for the common cases.
+
+Flags are merged into the configuration before validation, so a bad value names its key path
+just as a typo in the file does. SIGTERM and SIGINT stop the agent cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+import yaml
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("agent", help="run the node agent", description="Run the vigil node agent.")
+    p.add_argument("--config", metavar="FILE", help="agent configuration (YAML)")
+    p.add_argument("--backend", choices=("nvml", "fake"), help="NVML backend (overrides nvml.backend)")
+    p.add_argument("--scenario", metavar="FILE|NAME", help="fake backend scenario (overrides nvml.scenario)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="HTTP address for /metrics (overrides listen)")
+    p.add_argument("--node", help="node name (overrides node; default: the hostname)")
+    p.add_argument("--aggregator", metavar="URL", help="aggregator base URL (overrides aggregator.url)")
+    p.add_argument("--token-file", metavar="FILE", help="bearer token for the aggregator")
+    p.add_argument("--kmsg", metavar="FILE", help="follow FILE instead of the kernel log (drills, tests)")
+    p.add_argument("--sysfs-root", metavar="DIR", help="sysfs mount point (default /sys)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def _merged_config(args: argparse.Namespace) -> Any:
+    from agent.config import ConfigError, parse_config
+
+    data: dict[str, Any] = {}
+    if args.config:
+        try:
+            with open(args.config) as f:
+                loaded = yaml.safe_load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {args.config}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {args.config} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError("invalid configuration: the top level must be a mapping")
+        data = loaded or {}
+    if args.backend:
+        data.setdefault("nvml", {})["backend"] = args.backend
+    if args.scenario:
+        data.setdefault("nvml", {})["scenario"] = args.scenario
+    if args.listen:
+        data["listen"] = args.listen
+    if args.node:
+        data["node"] = args.node
+    if args.aggregator:
+        data.setdefault("aggregator", {})["url"] = args.aggregator
+    if args.token_file:
+        data.setdefault("aggregator", {})["token_file"] = args.token_file
+    return parse_config(data)
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent.config import ConfigError
+    from agent.daemon import Agent, make_seams
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        config = _merged_config(args)
+    except ConfigError as exc:
+        print(f"vigil agent: {exc}", file=sys.stderr)
+        return 2
+    try:
+        seams = make_seams(config, kmsg=args.kmsg, sysfs_root=args.sysfs_root)
+        agent = Agent(config, seams)
+    except (OSError, ValueError) as exc:
+        print(f"vigil agent: cannot start: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await agent.run(stop, on_ready=lambda addr: print(f"vigil agent listening on {addr}", flush=True))
+
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        print(f"vigil agent: {exc}", file=sys.stderr)
+        return 1
+    return 0
