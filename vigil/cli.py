@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # subcommand -> module implementing it
 COMMANDS: dict[str, str] = {
     "agent": "vigil.agent_cmd",
+    "demo": "vigil.demo_cmd",
 }
 
 
