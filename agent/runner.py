@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -107,7 +108,5 @@ class Runner:
             if delay < 0:  # fell behind (slow cycle): start again from now, do not burst
                 next_at = loop.time()
                 delay = 0
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
-            except TimeoutError:
-                pass

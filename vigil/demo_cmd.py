@@ -59,7 +59,7 @@ def _free_port() -> int:
 
 
 def _get_json(url: str, timeout: float = 1.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # loopback only
         return json.loads(resp.read())
 
 
@@ -69,7 +69,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], deadline_seconds: float)
         if proc.poll() is not None:
             raise RuntimeError(f"process for {url} exited with {proc.returncode}")
         try:
-            urllib.request.urlopen(url, timeout=0.5).read()  # noqa: S310 - loopback only
+            urllib.request.urlopen(url, timeout=0.5).read()  # loopback only
             return
         except (urllib.error.URLError, OSError):
             time.sleep(0.1)

@@ -74,7 +74,7 @@ async def test_events_survive_an_aggregator_outage_and_urgent_pushes_at_once() -
         assert carried == [48]  # the event accepted while the aggregator was down is not lost
         assert fake.auth[-1] == "Bearer s3cret"
         # An urgent event is pushed without waiting for the (now long) interval.
-        rep._interval = 30.0  # noqa: SLF001 - make the periodic push irrelevant
+        rep._interval = 30.0  # make the periodic push irrelevant
         await asyncio.sleep(0.1)
         fake.arrived.clear()
         n_before = len(fake.reports)
