@@ -1,0 +1,48 @@
+"""The actuator contract: a synchronous deliverer of admitted decisions to one outside system.
+
+An actuator says which decisions it takes (``handles``) and delivers one (``deliver``), raising
+``DeliveryError`` when it could not; the dispatch worker owns retries, backoff, the dead-letter
+state and threads. An actuator judges nothing and keeps no delivery state of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from aggregator.decision import Decision
+
+
+class DeliveryError(Exception):
+    """Delivery failed. ``retryable`` False means retrying cannot help (e.g. 400 Bad Request,
+    an unknown node): the delivery goes straight to the dead-letter state."""
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class Actuator(Protocol):
+    name: str
+    # Notifiers (Alertmanager, webhook) may be delivered even in dry run, when configured to.
+    notify_in_dry_run: bool
+    timeout_seconds: float
+
+    def handles(self, decision: Decision) -> bool: ...
+
+    def deliver(self, decision: Decision) -> str:
+        """Act on the decision; return a one-line account of what was done. Must be idempotent
+        in ``decision.id``: after a crash the dispatcher may deliver it again."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ActuatorConfig(BaseModel):
+    """Settings every actuator has; an actuator's own config subclasses this."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    timeout_seconds: float = Field(default=10.0, gt=0)
