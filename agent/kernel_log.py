@@ -1,0 +1,547 @@
+"""Kernel-log line parsing: NVRM Xid, NVSwitch SXid, "fallen off the bus" and mlx5 driver errors.
+
+Reads text lines in any of the prefixes the kernel log reaches us with (raw /dev/kmsg records,
+``dmesg``, ``dmesg -T``, ``dmesg --time-format=iso``, ISO 8601, journald/syslog) and turns the
+lines we care about into ``KernelEvent``s. It does not open files, follow logs, map bus ids to
+GPUs or judge severity: the collector follows the source, the aggregator's catalog judges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, BinaryIO, Literal, Protocol
+
+EventKind = Literal["xid", "sxid", "gpu_lost", "mlx5_error"]
+
+# /dev/kmsg record: "<prio>,<seq>,<usec since boot>,<flags>[,...];<message>" (Documentation/ABI/
+# testing/dev-kmsg). Continuation lines of a record start with a space and carry KEY=value pairs.
+_KMSG_RE = re.compile(r"^(?P<prio>\d+),(?P<seq>\d+),(?P<usec>\d+),[^;]*;(?P<msg>.*)$")
+# Timestamp prefixes, tried in order; each strips what it matches and keeps the text as written.
+_PREFIXES = (
+    # dmesg --decode --time-format=iso: "kern  :warn  : 2025-01-21T04:41:44,283302+00:00 "
+    re.compile(r"^(?P<fac>[a-z]+)\s*:(?P<lvl>[a-z]+)\s*:\s+(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[,.]?\d*"
+               r"(?:[+-]\d\d:?\d\d|Z)?)\s+"),
+    # ISO 8601 (journalctl -o short-iso[-precise], rsyslog RFC 3339): "2025-01-21T04:41:44+0000 "
+    re.compile(r"^(?P<ts>\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:[+-]\d\d:?\d\d|Z)?)\s+"),
+    # classic syslog / journalctl -o short: "Aug 17 06:18:01 "
+    re.compile(r"^(?P<ts>[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d)\s+"),
+    # dmesg -T: "[Sun Feb 23 16:24:18 2025] "
+    re.compile(r"^\[(?P<ts>[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]?\d \d\d:\d\d:\d\d \d{4})\]\s?"),
+    # dmesg: "[ 1234.567890] "
+    re.compile(r"^\[\s*(?P<ts>\d+(?:\.\d+)?)\]\s?"),
+)
+# After an ISO/syslog timestamp comes "<host> <ident>[pid]: " (e.g. "node7 kernel: ").
+_HOST_IDENT_RE = re.compile(r"^(?P<host>\S+)\s+(?P<ident>[\w.\-/]+)(?:\[\d+\])?:\s")
+# A bare "kernel: " ident (journald exports without host) and a following uptime bracket.
+_IDENT_RE = re.compile(r"^kernel:\s")
+_UPTIME_RE = re.compile(r"^\[\s*(?P<ts>\d+(?:\.\d+)?)\]\s?")
+
+# NVRM Xid, every driver generation: "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=x, text"
+# (R470+ adds name=; R535+ writes pid='<unknown>'); old drivers may omit pid/name or "PCI:", and
+# some print the function (".0"). GB200-class drivers use PCI domains such as 0018.
+_XID_RE = re.compile(
+    r"NVRM: Xid \((?:PCI:)?(?P<bus>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.[0-7])?\):\s*"
+    r"(?P<code>\d+)(?:,\s*|\s+)(?P<rest>.*)$"
+)
+_PID_RE = re.compile(r"^pid=(?P<pid>'<unknown>'|<unknown>|\d+),\s*")
+_NAME_RE = re.compile(r"^name=(?P<name>.*?),\s*")
+# NVSwitch SXid: "nvidia-nvswitch3: SXid (PCI:0000:c1:00.0): 28006, Non-fatal, Link 46 ..."
+_SXID_RE = re.compile(
+    r"(?P<switch>nvidia-nvswitch\d+): SXid \((?:PCI:)?(?P<bus>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})"
+    r"(?:\.[0-7])?\):\s*(?P<code>\d+)(?:,\s*|\s+)(?P<rest>.*)$"
+)
+# "NVRM: The NVIDIA GPU 0000:b3:00.0" opens the driver's three-line fallen-off-the-bus notice;
+# "NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus." is the one-line form of newer drivers.
+_FALLEN_HEAD_RE = re.compile(r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})")
+_FALLEN_ONE_RE = re.compile(
+    r"NVRM: GPU (?:at )?(?:PCI:)?(?P<bus>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.[0-7])?:?\s.*"
+    r"fallen off the bus"
+)
+_FALLEN_RE = re.compile(r"fallen off the bus", re.IGNORECASE)
+# The head line and the "fallen off the bus" line are at most this many lines apart.
+_FALLEN_SPAN_LINES = 3
+# mlx5_core lines: "mlx5_core 0000:03:00.0: <function>:<line>:(pid N): <text>" or "...: <text>".
+_MLX5_RE = re.compile(
+    r"mlx5_core (?P<bus>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]):?\s+(?P<rest>.*)$"
+)
+# mlx5 messages that report a fault, as (error name, pattern). The driver logs far more
+# informational lines (firmware version, link modes, "Cable plugged"), which are not errors.
+# Sources: NVIDIA NVSentinel syslog-health-monitor nicdriver patterns (handler_test.go) and the
+# messages in Linux drivers/net/ethernet/mellanox/mlx5/core/{cmd,health,events,pci_irq}.c.
+MLX5_ERROR_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("command_timeout", re.compile(r"\btimeout\b.*(?:leak of a command resource|command)|"
+                                   r"\(0x[0-9a-f]+\) timeout", re.IGNORECASE)),
+    ("health_compromised", re.compile(r"health compromised|health poll failed", re.IGNORECASE)),
+    ("firmware_fatal", re.compile(r"(?:fw|firmware) (?:fatal|crashed|syndrome)|assert_var|"
+                                  r"unrecoverable|internal error", re.IGNORECASE)),
+    ("pcie_power", re.compile(r"insufficient power", re.IGNORECASE)),
+    ("module_error", re.compile(r"Port module event\[error\]", re.IGNORECASE)),
+    ("cable_unplugged", re.compile(r"Cable unplugged", re.IGNORECASE)),
+    ("pci_error", re.compile(r"PCI (?:channel|slot) .*(?:failure|frozen)|pci_err_detected|AER",
+                             re.IGNORECASE)),
+    ("cqe_error", re.compile(r"CQE error|error cqe", re.IGNORECASE)),
+)
+
+# Why a line was counted as unparsed (the `reason` label of the unparsed-lines counter).
+REASON_KMSG_RECORD = "malformed_kmsg_record"
+REASON_XID = "malformed_xid"
+REASON_SXID = "malformed_sxid"
+REASON_UNDECODABLE = "undecodable"
+
+
+def normalize_bus_id(bus: str) -> str:
+    """Any PCI bus id form ("0000:3B:00", "00000000:3B:00.0", "3b:00.0") -> "0000:3b:00"."""
+    text = bus.strip().lower()
+    if text.startswith("pci:"):
+        text = text[4:]
+    text = text.split(".", 1)[0]
+    parts = text.split(":")
+    if len(parts) == 2:
+        parts = ["0000", *parts]
+    if len(parts) != 3:
+        raise ValueError(f"not a PCI bus id: {bus!r}")
+    domain, bus_no, device = parts
+    # NVML writes an 8-digit domain ("00000000"); the kernel writes 4 digits.
+    domain = f"{int(domain, 16):04x}"
+    return f"{domain}:{int(bus_no, 16):02x}:{int(device, 16):02x}"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelEvent:
+    """One fault line. ``pci_bus_id`` is normalised ("0000:3b:00"); ``device`` is what the line
+    names the device by (the NVSwitch instance, the mlx5 PCI function); ``text`` is the driver's
+    description after the code, pid and name."""
+
+    kind: EventKind
+    pci_bus_id: str | None
+    code: int | None
+    text: str
+    ts_text: str = ""
+    seq: int | None = None
+    device: str | None = None
+    pid: str | None = None
+    process: str | None = None
+    severity: str | None = None  # SXid "Fatal"/"Non-fatal"
+    error: str | None = None  # mlx5 error name from MLX5_ERROR_PATTERNS
+    line: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedLine:
+    """The result of feeding one line: at most one event, or the reason it was unparsable.
+    ``seq`` is the /dev/kmsg sequence number when the line was a raw record."""
+
+    event: KernelEvent | None = None
+    unparsed: str | None = None
+    seq: int | None = None
+    continuation: bool = False
+
+
+def split_prefix(line: str) -> tuple[str, str, int | None]:
+    """Strip the transport's prefix: returns (timestamp as written, message, kmsg sequence)."""
+    m = _KMSG_RE.match(line)
+    if m:
+        usec = int(m.group("usec"))
+        return f"{usec // 1_000_000}.{usec % 1_000_000:06d}", m.group("msg"), int(m.group("seq"))
+    ts_text = ""
+    rest = line
+    for prefix in _PREFIXES:
+        pm = prefix.match(rest)
+        if pm:
+            ts_text = pm.group("ts")
+            rest = rest[pm.end():]
+            break
+    hm = _HOST_IDENT_RE.match(rest)
+    if hm and ts_text:
+        rest = rest[hm.end():]
+    else:
+        im = _IDENT_RE.match(rest)
+        if im:
+            rest = rest[im.end():]
+    um = _UPTIME_RE.match(rest)
+    if um:
+        if not ts_text:
+            ts_text = um.group("ts")
+        rest = rest[um.end():]
+    return ts_text, rest, None
+
+
+class KernelLogParser:
+    """Stateful line parser: the fallen-off-the-bus notice spans lines, so the parser remembers
+    the last "The NVIDIA GPU <bus>" head for a few lines. Feed lines in log order."""
+
+    def __init__(self, *, raw_kmsg: bool = False) -> None:
+        # raw_kmsg: every line must be a /dev/kmsg record; one that is not is counted as malformed.
+        self._raw_kmsg = raw_kmsg
+        self._fallen_bus: str | None = None
+        self._fallen_age = 0
+
+    def feed(self, line: str) -> ParsedLine:
+        line = line.rstrip("\r\n")
+        if line.startswith(" ") and _looks_like_kmsg_dict(line):
+            return ParsedLine(continuation=True)
+        if "\ufffd" in line:
+            # Bytes that were not UTF-8: a corrupt record; the rest of the log is still read.
+            return ParsedLine(unparsed=REASON_UNDECODABLE)
+        if self._raw_kmsg and not _KMSG_RE.match(line):
+            return ParsedLine(unparsed=REASON_KMSG_RECORD)
+        ts_text, msg, seq = split_prefix(line)
+        event, reason = self._classify(msg.strip(), ts_text, seq, line)
+        return ParsedLine(event=event, unparsed=reason, seq=seq)
+
+    def _classify(self, msg: str, ts_text: str, seq: int | None,
+                  line: str) -> tuple[KernelEvent | None, str | None]:
+        if self._fallen_bus is not None:
+            self._fallen_age += 1
+            if self._fallen_age > _FALLEN_SPAN_LINES:
+                self._fallen_bus = None
+        if "NVRM: Xid" in msg:
+            return _parse_xid(msg, ts_text, seq, line)
+        if "SXid" in msg and "nvswitch" in msg:
+            return _parse_sxid(msg, ts_text, seq, line)
+        if msg.startswith("mlx5_core"):
+            return _parse_mlx5(msg, ts_text, seq, line), None
+        head = _FALLEN_HEAD_RE.search(msg)
+        if head:
+            self._fallen_bus = normalize_bus_id(head.group("bus"))
+            self._fallen_age = 0
+            if not _FALLEN_RE.search(msg):
+                return None, None
+        if _FALLEN_RE.search(msg):
+            one = _FALLEN_ONE_RE.search(msg)
+            bus = normalize_bus_id(one.group("bus")) if one else self._fallen_bus
+            self._fallen_bus = None
+            lost = KernelEvent("gpu_lost", bus, None, "GPU has fallen off the bus", ts_text, seq, line=line)
+            return lost, None
+        return None, None
+
+
+def _looks_like_kmsg_dict(line: str) -> bool:
+    # /dev/kmsg continuation: " SUBSYSTEM=pci" / " DEVICE=+pci:0000:3b:00.0"
+    return re.match(r"^ [A-Z_]+=", line) is not None
+
+
+def _parse_xid(msg: str, ts_text: str, seq: int | None, line: str) -> tuple[KernelEvent | None, str | None]:
+    m = _XID_RE.search(msg)
+    if not m:
+        return None, REASON_XID
+    rest = m.group("rest")
+    pid = process = None
+    pm = _PID_RE.match(rest)
+    if pm:
+        pid = pm.group("pid").strip("'")
+        rest = rest[pm.end():]
+        nm = _NAME_RE.match(rest)
+        if nm:
+            process = nm.group("name")
+            rest = rest[nm.end():]
+    event = KernelEvent("xid", normalize_bus_id(m.group("bus")), int(m.group("code")), rest.strip(), ts_text,
+                        seq, pid=pid, process=process, line=line)
+    return event, None
+
+
+def _parse_sxid(msg: str, ts_text: str, seq: int | None, line: str) -> tuple[KernelEvent | None, str | None]:
+    m = _SXID_RE.search(msg)
+    if not m:
+        return None, REASON_SXID
+    rest = m.group("rest").strip()
+    severity = None
+    sm = re.match(r"^(Fatal|Non-fatal),\s*", rest, re.IGNORECASE)
+    if sm:
+        severity = sm.group(1)
+        rest = rest[sm.end():]
+    event = KernelEvent("sxid", normalize_bus_id(m.group("bus")), int(m.group("code")), rest, ts_text, seq,
+                        device=m.group("switch"), severity=severity, line=line)
+    return event, None
+
+
+def _parse_mlx5(msg: str, ts_text: str, seq: int | None, line: str) -> KernelEvent | None:
+    m = _MLX5_RE.match(msg)
+    if not m:
+        return None
+    rest = m.group("rest").strip()
+    for error, pattern in MLX5_ERROR_PATTERNS:
+        if pattern.search(rest):
+            bus = m.group("bus").lower()
+            return KernelEvent("mlx5_error", normalize_bus_id(bus), None, rest, ts_text, seq, device=bus,
+                               error=error, line=line)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Following a source. Every reader's ``read_lines`` returns what is available now and never
+# blocks beyond a short poll, so a collector cycle stays bounded whatever the source does.
+
+_READ_CHUNK_BYTES = 1 << 16
+# /dev/kmsg returns one record per read(2); a record is at most 8 KiB (CONSOLE_EXT_LOG_MAX).
+_KMSG_READ_BYTES = 8192
+
+
+class LineSource(Protocol):
+    """A followed kernel log: ``read_lines`` drains up to ``max_lines`` complete lines without
+    blocking; ``cursor`` says where the next read starts, for resuming after a restart."""
+
+    raw_kmsg: bool
+
+    def read_lines(self, max_lines: int) -> list[str]: ...
+
+    def cursor(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class FileFollower:
+    """Follows a regular file like ``tail -F``: survives rotation (the path names a new inode:
+    the old file is read to its end first) and truncation (size below our offset: start over).
+    A partial last line waits for its newline."""
+
+    raw_kmsg = False
+
+    def __init__(self, path: str | Path, *, start: Literal["beginning", "end"] = "end",
+                 cursor: Mapping[str, Any] | None = None) -> None:
+        self.path = Path(path)
+        self._fh: BinaryIO | None = None
+        self._inode: int | None = None
+        self._offset = 0
+        self._partial = b""
+        self._start = start
+        self._resume = dict(cursor) if cursor else None
+        self.rotations = 0
+        self.truncations = 0
+
+    def _open(self, initial: bool) -> bool:
+        try:
+            fh = self.path.open("rb")
+        except OSError:
+            return False
+        st = os.fstat(fh.fileno())
+        self._fh, self._inode, self._partial = fh, st.st_ino, b""
+        self._offset = 0
+        if initial:
+            resume = self._resume
+            offset = int(resume.get("offset", -1)) if resume else -1
+            if resume and resume.get("inode") == st.st_ino and 0 <= offset <= st.st_size:
+                self._offset = offset
+            elif resume is None and self._start == "end":
+                self._offset = st.st_size
+        fh.seek(self._offset)
+        return True
+
+    def read_lines(self, max_lines: int) -> list[str]:
+        if self._fh is None and not self._open(initial=self._inode is None):
+            raise FileNotFoundError(f"cannot open kernel log file {self.path}")
+        lines: list[str] = []
+        self._drain(lines, max_lines)
+        if len(lines) >= max_lines:
+            return lines
+        try:
+            st = self.path.stat()
+        except OSError:
+            return lines  # rotated away and not yet recreated: keep the old file open
+        if st.st_ino != self._inode:
+            if self._partial:
+                lines.append(self._partial.decode("utf-8", "replace"))
+            self._close_fh()
+            self.rotations += 1
+            if self._open(initial=False):
+                self._drain(lines, max_lines)
+        elif st.st_size < self._offset:
+            self.truncations += 1
+            assert self._fh is not None
+            self._fh.seek(0)
+            self._offset, self._partial = 0, b""
+            self._drain(lines, max_lines)
+        return lines
+
+    def _drain(self, lines: list[str], max_lines: int) -> None:
+        fh = self._fh
+        assert fh is not None
+        while len(lines) < max_lines:
+            chunk = fh.read(_READ_CHUNK_BYTES)
+            if not chunk:
+                return
+            data = self._partial + chunk
+            parts = data.split(b"\n")
+            self._partial = parts.pop()
+            room = max_lines - len(lines)
+            if len(parts) > room:
+                # Give back what does not fit this cycle: it is read again next cycle.
+                unread = b"\n".join(parts[room:]) + b"\n" + self._partial
+                parts = parts[:room]
+                fh.seek(-len(unread), os.SEEK_CUR)
+                self._partial = b""
+                self._offset = fh.tell()
+                lines.extend(p.decode("utf-8", "replace") for p in parts)
+                return
+            self._offset = fh.tell() - len(self._partial)
+            lines.extend(p.decode("utf-8", "replace") for p in parts)
+
+    def cursor(self) -> dict[str, Any]:
+        return {"path": str(self.path), "inode": self._inode, "offset": self._offset}
+
+    def _close_fh(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def close(self) -> None:
+        self._close_fh()
+
+
+class KmsgReader:
+    """Reads /dev/kmsg without blocking (O_NONBLOCK: EAGAIN means "nothing new"). Opening it
+    replays the ring buffer from its oldest record; the collector skips what it already counted
+    by sequence number. EPIPE means records were overwritten before we read them: counted in
+    ``overruns``, and the next read continues with the oldest record still there."""
+
+    raw_kmsg = True
+
+    def __init__(self, path: str | Path = "/dev/kmsg") -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+        self._partial = b""
+        self.overruns = 0
+
+    def read_lines(self, max_lines: int) -> list[str]:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        lines: list[str] = []
+        while len(lines) < max_lines:
+            try:
+                chunk = os.read(self._fd, _KMSG_READ_BYTES)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                self.overruns += 1
+                continue
+            if not chunk:
+                break  # a regular file standing in for the device: end of file
+            data = self._partial + chunk
+            parts = data.split(b"\n")
+            self._partial = parts.pop()
+            lines.extend(p.decode("utf-8", "replace") for p in parts)
+        return lines
+
+    def cursor(self) -> dict[str, Any]:
+        return {}  # kmsg resumes by sequence number, which the collector tracks
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class StreamReader:
+    """Follows an already-open text stream (a pipe, a socket file, a test's StringIO) through a
+    reader thread feeding a bounded queue: a blocking ``readline`` never holds up a cycle. When
+    the queue is full the thread waits, so nothing read is dropped."""
+
+    raw_kmsg = False
+
+    def __init__(self, stream: IO[str], *, queue_max_lines: int = 100_000, raw_kmsg: bool = False) -> None:
+        self.raw_kmsg = raw_kmsg
+        self._queue: queue.Queue[str | None] = queue.Queue(maxsize=queue_max_lines)
+        self._stream = stream
+        self.ended = False
+        self._thread = threading.Thread(target=self._pump, name="kernel-log-reader", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            for line in self._stream:
+                self._queue.put(line)
+        except (OSError, ValueError):
+            pass  # the stream was closed under us (close()): the reader ends
+        finally:
+            self._queue.put(None)
+
+    def read_lines(self, max_lines: int) -> list[str]:
+        lines: list[str] = []
+        while len(lines) < max_lines:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self.ended = True
+                break
+            lines.append(item)
+        return lines
+
+    def cursor(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.close()
+
+
+class Process(Protocol):
+    """What JournalReader needs of a started command (subprocess.Popen in text mode)."""
+
+    @property
+    def stdout(self) -> IO[str] | None: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+# Starts a long-running command and returns it with its stdout as a text pipe.
+Spawner = Callable[[Sequence[str]], Process]
+
+
+def spawn_process(argv: Sequence[str]) -> Process:
+    """The real spawner: no shell, stdout piped as text, stderr discarded."""
+    return subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            errors="replace")
+
+
+# journalctl -k: the kernel ring buffer as journald stored it; -n 0: only records from now on
+# (journald has no per-reader cursor here, so a restart does not replay and re-count history).
+JOURNAL_ARGV = ("journalctl", "-k", "-f", "-n", "0", "-o", "short-iso", "--no-pager")
+
+
+class JournalReader:
+    """Follows ``journalctl -k -f`` (where /dev/kmsg is not readable) through a StreamReader;
+    ``close`` stops the process by its pid."""
+
+    raw_kmsg = False
+
+    def __init__(self, argv: Sequence[str] = JOURNAL_ARGV, *, spawn: Spawner = spawn_process,
+                 queue_max_lines: int = 100_000) -> None:
+        self._proc = spawn(argv)
+        if self._proc.stdout is None:
+            raise OSError(f"{argv[0]}: no stdout pipe")
+        self._reader = StreamReader(self._proc.stdout, queue_max_lines=queue_max_lines)
+
+    def read_lines(self, max_lines: int) -> list[str]:
+        lines = self._reader.read_lines(max_lines)
+        if not lines and self._reader.ended:
+            raise OSError("journalctl exited")
+        return lines
+
+    def cursor(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=2.0)
+        self._reader.close()
