@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError
 
 from agent.collectors.collector import StrictModel
 from agent.collectors.host import HostConfig
+from agent.collectors.training import TrainingConfig
 
 
 class ConfigError(Exception):
@@ -43,6 +44,7 @@ class AggregatorTarget(StrictModel):
 
 class CollectorsConfig(StrictModel):
     host: HostConfig = HostConfig()
+    training: TrainingConfig = TrainingConfig()
 
 
 class AgentConfig(StrictModel):

@@ -1,0 +1,421 @@
+"""Training collector: per-rank progress from heartbeats (UDP / HTTP, via ``ingest``) and tailed logs.
+
+Emits last step, step and phase times, last progress time and window quantiles per job and rank;
+contributes per-rank window summaries (``RankSummary``) to the Report; and raises urgent ``hang``
+and ``rank_exit`` events, once per episode. It owns no socket (the agent's server feeds
+``ingest``) and judges no slowness: comparing ranks and nodes is the aggregator's work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import psutil
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from agent.collectors.collector import Collection, CollectorConfig, StrictModel
+from agent.metric import MetricKind, MetricSpec, Sample
+from agent.step_log import LineError, LogFollower, StepLine, StepParser, compile_step_regex, make_parser
+from agent.wire import Event, Heartbeat, RankSummary
+
+if TYPE_CHECKING:
+    from agent.config import AgentConfig
+    from agent.seams import Seams
+
+log = logging.getLogger(__name__)
+
+PidAlive = Callable[[int], bool]
+
+
+class LogFileConfig(StrictModel):
+    """A training log to follow when the job cannot be changed to send heartbeats."""
+
+    path: str
+    format: Literal["megatron", "deepspeed", "regex"] = "megatron"
+    regex: str | None = None  # format "regex": named groups step and step_seconds or step_ms
+    job: str | None = Field(default=None, min_length=1, max_length=128)  # default: the file's stem
+    # Megatron and DeepSpeed print on one rank only (the last, resp. rank 0), so one file is one rank.
+    rank: int = Field(default=0, ge=0)
+    gpu: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _regex_matches_format(self) -> LogFileConfig:
+        if self.format == "regex":
+            if self.regex is None:
+                raise ValueError("format 'regex' needs a regex")
+            compile_step_regex(self.regex)
+        elif self.regex is not None:
+            raise ValueError(f"regex is only used with format 'regex', not {self.format!r}")
+        return self
+
+    @property
+    def job_name(self) -> str:
+        return self.job or Path(self.path).stem or self.path
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+class TrainingConfig(CollectorConfig):
+    # Loopback by default: a heartbeat is trusted input about a job, so other hosts may not send one.
+    udp_listen: str = "127.0.0.1:9401"
+    http: bool = True  # also accept POST /v1/heartbeat on the agent's HTTP port
+    # Summaries cover this much recent history: long enough for a stable median at one step per
+    # second, short enough that a rank turning slow shows within one aggregator judging window.
+    window_seconds: float = Field(default=60.0, gt=0)
+    # No step for this long while the process lives is a hang. PyTorch's NCCL process group
+    # times out a stuck collective after 10 minutes by default (torch.distributed
+    # init_process_group, timeout=timedelta(minutes=10)); 5 minutes flags the hang before NCCL
+    # kills the job, and stays above the checkpoint saves and evaluations that pause steps for
+    # a few minutes in large jobs.
+    hang_seconds: float = Field(default=300.0, gt=0)
+    # A rank not heard from for this long and not known to be alive is forgotten, so series of
+    # finished jobs do not accumulate; longer than hang_seconds so a hang is reported first.
+    evict_after_seconds: float = Field(default=900.0, gt=0)
+    max_jobs: int = Field(default=16, ge=1)
+    max_ranks: int = Field(default=256, ge=1)  # per node: 8 GPUs, with room for CPU-side ranks
+    max_steps_per_rank: int = Field(default=2048, ge=16)  # ring buffer for the window's quantiles
+    max_payload_bytes: int = Field(default=4096, ge=256)
+    log_files: list[LogFileConfig] = Field(default_factory=list)
+
+    @field_validator("udp_listen")
+    @classmethod
+    def _valid_listen(cls, value: str) -> str:
+        split_host_port(value)
+        return value
+
+    @property
+    def udp_address(self) -> tuple[str, int]:
+        return split_host_port(self.udp_listen)
+
+
+REJECT_REASONS = ("too_large", "invalid_json", "not_object", "unknown_field", "schema", "too_many_jobs",
+                  "too_many_ranks")
+PHASES = ("compute", "comm", "data")
+LOG_ERROR_REASONS = ("unreadable", "parse")
+
+_JR = ("job", "rank")
+LAST_STEP = MetricSpec("vigil_training_last_step", MetricKind.GAUGE,
+                       "Last step number reported by the rank.", labels=_JR)
+STEP_SECONDS = MetricSpec("vigil_training_step_seconds", MetricKind.GAUGE,
+                          "Duration of the rank's last reported step.", labels=_JR, unit="seconds")
+PHASE_SECONDS = MetricSpec("vigil_training_phase_seconds", MetricKind.GAUGE,
+                           "Time the rank's last step spent in a phase (compute, comm, data).",
+                           labels=(*_JR, "phase"), unit="seconds")
+WINDOW_STEP_SECONDS = MetricSpec("vigil_training_window_step_seconds", MetricKind.GAUGE,
+                                 "Quantile of step duration over the summary window.",
+                                 labels=(*_JR, "quantile"), unit="seconds")
+LAST_PROGRESS = MetricSpec("vigil_training_last_progress_timestamp_seconds", MetricKind.GAUGE,
+                           "Unix time at which the rank's step last advanced.", labels=_JR, unit="seconds")
+RANK_STATE = MetricSpec("vigil_training_rank_state", MetricKind.GAUGE,
+                        "1 for the rank's current state (running, hung, exited), 0 for the others.",
+                        labels=(*_JR, "state"))
+HEARTBEATS = MetricSpec("vigil_training_heartbeats_received_total", MetricKind.COUNTER,
+                        "Heartbeats accepted from the rank.", labels=_JR)
+REJECTED = MetricSpec("vigil_training_heartbeats_rejected_total", MetricKind.COUNTER,
+                      "Heartbeats dropped, by reason.", labels=("reason",))
+RANKS = MetricSpec("vigil_training_ranks", MetricKind.GAUGE, "Ranks currently tracked on this node.")
+EVICTED = MetricSpec("vigil_training_ranks_evicted_total", MetricKind.COUNTER,
+                     "Ranks forgotten after being idle for evict_after_seconds.")
+LOG_LINES = MetricSpec("vigil_training_log_steps_total", MetricKind.COUNTER,
+                       "Progress lines parsed from a followed log file.", labels=("path",))
+LOG_ERRORS = MetricSpec("vigil_training_log_errors_total", MetricKind.COUNTER,
+                        "Problems following a log file, by reason.", labels=("path", "reason"))
+LOG_ROTATIONS = MetricSpec("vigil_training_log_rotations_total", MetricKind.COUNTER,
+                           "Times a followed log file was rotated or truncated.", labels=("path",))
+
+SPECS = (LAST_STEP, STEP_SECONDS, PHASE_SECONDS, WINDOW_STEP_SECONDS, LAST_PROGRESS, RANK_STATE, HEARTBEATS,
+         REJECTED, RANKS, EVICTED, LOG_LINES, LOG_ERRORS, LOG_ROTATIONS)
+
+_HEARTBEAT_FIELDS = frozenset(Heartbeat.model_fields)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")  # json accepts NaN/Infinity unless told not to
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), q in [0, 1]."""
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    pos = (len(sorted_values) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+@dataclass(slots=True)
+class _Record:
+    ts: float
+    step: int
+    step_seconds: float | None
+    compute_seconds: float | None
+    comm_seconds: float | None
+    data_seconds: float | None
+
+
+@dataclass(slots=True)
+class _Rank:
+    job: str
+    rank: int
+    gpu: int | None
+    pid: int | None
+    last: _Record
+    last_progress_ts: float
+    last_seen_ts: float
+    history: deque[_Record]
+    received: int = 0
+    # Step reached before the oldest record in history: the baseline for "steps in window".
+    baseline_step: int | None = None
+    state: Literal["running", "hung", "exited"] = "running"
+    hang_reported: bool = False
+    exit_reported: bool = False
+
+
+@dataclass(slots=True)
+class _Tail:
+    config: LogFileConfig
+    follower: LogFollower
+    parser: StepParser
+    steps: int = 0
+    errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOG_ERROR_REASONS, 0))
+
+
+class TrainingCollector:
+    name = "training"
+    specs: Sequence[MetricSpec] = SPECS
+
+    def __init__(self, config: TrainingConfig, *, pid_alive: PidAlive = psutil.pid_exists) -> None:
+        self._config = config
+        self._pid_alive = pid_alive
+        self._lock = threading.Lock()  # ingest runs on the server's thread, collect on a worker
+        self._ranks: dict[tuple[str, int], _Rank] = {}
+        self._rejected = dict.fromkeys(REJECT_REASONS, 0)
+        self._evicted = 0
+        self._tails = [
+            _Tail(lf, LogFollower(lf.path), make_parser(lf.format, lf.regex)) for lf in config.log_files
+        ]
+
+    @property
+    def config(self) -> TrainingConfig:
+        return self._config
+
+    def ingest(self, payload: bytes, now: float) -> str | None:
+        """Accept one heartbeat (a UDP datagram or an HTTP body). Thread-safe.
+
+        Returns None when accepted, else the reason it was dropped (also counted).
+        """
+        reason = self._ingest(payload, now)
+        if reason is not None:
+            with self._lock:
+                self._rejected[reason] += 1
+        return reason
+
+    def _ingest(self, payload: bytes, now: float) -> str | None:
+        if len(payload) > self._config.max_payload_bytes:
+            return "too_large"
+        try:
+            data = json.loads(payload, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return "invalid_json"
+        if not isinstance(data, dict):
+            return "not_object"
+        if not data.keys() <= _HEARTBEAT_FIELDS:
+            return "unknown_field"
+        try:
+            hb = Heartbeat.model_validate(data)
+        except ValidationError:
+            return "schema"
+        # json reads 1e999 as infinity, which passes a `ge=0` bound.
+        if not all(math.isfinite(v) for v in (hb.step_seconds, hb.compute_seconds, hb.comm_seconds,
+                                              hb.data_seconds) if v is not None):
+            return "schema"
+        record = _Record(now, hb.step, hb.step_seconds, hb.compute_seconds, hb.comm_seconds, hb.data_seconds)
+        with self._lock:
+            return self._observe(hb.job, hb.rank, hb.gpu, hb.pid, record, heartbeat=True)
+
+    def _observe(self, job: str, rank: int, gpu: int | None, pid: int | None, record: _Record, *,
+                 heartbeat: bool) -> str | None:
+        key = (job, rank)
+        state = self._ranks.get(key)
+        if state is None:
+            if len(self._ranks) >= self._config.max_ranks:
+                return "too_many_ranks"
+            jobs = {j for j, _ in self._ranks}
+            if job not in jobs and len(jobs) >= self._config.max_jobs:
+                return "too_many_jobs"
+            state = _Rank(job=job, rank=rank, gpu=gpu, pid=pid, last=record, last_progress_ts=record.ts,
+                          last_seen_ts=record.ts, history=deque(maxlen=self._config.max_steps_per_rank))
+            self._ranks[key] = state
+        else:
+            if record.step != state.last.step:
+                # Any change counts as progress: a lower step is a restart from a checkpoint.
+                state.last_progress_ts = record.ts
+                state.hang_reported = False
+            if pid is not None and pid != state.pid:
+                state.exit_reported = False  # a new process for this rank: a new episode
+            state.pid = pid if pid is not None else state.pid
+            state.gpu = gpu if gpu is not None else state.gpu
+            state.last = record
+            state.last_seen_ts = record.ts
+        if heartbeat:
+            state.received += 1
+        if len(state.history) == state.history.maxlen:
+            state.baseline_step = state.history[0].step
+        state.history.append(record)
+        return None
+
+    def collect(self, now: float) -> Collection:
+        self._read_logs(now)
+        events: list[Event] = []
+        with self._lock:
+            self._evict(now)
+            ranks = list(self._ranks.values())
+            for r in ranks:
+                self._trim(r, now)
+                events.extend(self._watch(r, now))
+            summaries = [self._summary(r, now) for r in ranks]
+            samples = self._samples(ranks, summaries)
+        return Collection(samples=samples, events=events, report={"ranks": summaries})
+
+    def _read_logs(self, now: float) -> None:
+        for tail in self._tails:
+            try:
+                lines = tail.follower.read_lines()
+            except OSError as exc:
+                tail.errors["unreadable"] += 1
+                log.warning("training log %s: %s", tail.config.path, exc)
+                continue
+            for line in lines:
+                try:
+                    parsed = tail.parser.feed(line)
+                except LineError as exc:
+                    tail.errors["parse"] += 1
+                    log.debug("training log %s: %s", tail.config.path, exc)
+                    continue
+                if parsed is not None:
+                    tail.steps += 1
+                    self._observe_line(tail.config, parsed, now)
+
+    def _observe_line(self, lf: LogFileConfig, line: StepLine, now: float) -> None:
+        record = _Record(now, line.step, line.step_seconds, line.compute_seconds, line.comm_seconds,
+                         line.data_seconds)
+        with self._lock:
+            reason = self._observe(lf.job_name, lf.rank, lf.gpu, None, record, heartbeat=False)
+            if reason is not None:
+                # Counted like a heartbeat over the limits, so the operator sees the same reason.
+                self._rejected[reason] += 1
+
+    def _evict(self, now: float) -> None:
+        for key, r in list(self._ranks.items()):
+            idle = now - r.last_seen_ts
+            if idle < self._config.evict_after_seconds:
+                continue
+            # A hung rank whose process still lives stays: forgetting it would look like recovery.
+            if r.pid is not None and r.state != "exited" and self._pid_alive(r.pid):
+                continue
+            del self._ranks[key]
+            self._evicted += 1
+
+    def _trim(self, r: _Rank, now: float) -> None:
+        start = now - self._config.window_seconds
+        while r.history and r.history[0].ts < start:
+            r.baseline_step = r.history.popleft().step
+
+    def _watch(self, r: _Rank, now: float) -> list[Event]:
+        events: list[Event] = []
+        alive = True
+        if r.pid is not None:
+            try:
+                alive = self._pid_alive(r.pid)
+            except Exception as exc:  # noqa: BLE001 - an unknown answer is not an exit
+                log.warning("pid check for %s failed: %s", r.pid, exc)
+        if not alive:
+            r.state = "exited"
+            if not r.exit_reported:
+                r.exit_reported = True
+                events.append(Event(kind="rank_exit", ts=now, urgent=True, source="heartbeat", job=r.job,
+                                    rank=r.rank, gpu=r.gpu,
+                                    message=f"process {r.pid} of rank {r.rank} is gone at step {r.last.step}"))
+        elif now - r.last_progress_ts >= self._config.hang_seconds:
+            r.state = "hung"
+            if not r.hang_reported:
+                r.hang_reported = True
+                stalled = now - r.last_progress_ts
+                events.append(Event(kind="hang", ts=now, urgent=True, source="heartbeat", job=r.job,
+                                    rank=r.rank, gpu=r.gpu,
+                                    message=f"rank {r.rank} has not advanced past step {r.last.step} "
+                                            f"for {stalled:.0f} s"))
+        else:
+            r.state = "running"
+        return events
+
+    def _summary(self, r: _Rank, now: float) -> RankSummary:
+        steps = 0
+        prev = r.baseline_step
+        for rec in r.history:
+            if prev is None:
+                steps += 1  # the first step ever seen
+            elif rec.step > prev:
+                steps += rec.step - prev
+            prev = rec.step
+        quantiles: dict[str, float | None] = {}
+        for name in ("step", *PHASES):
+            values = sorted(v for rec in r.history
+                            if (v := getattr(rec, f"{name}_seconds")) is not None)
+            quantiles[f"{name}_seconds_p50"] = percentile(values, 0.5) if values else None
+            quantiles[f"{name}_seconds_p90"] = percentile(values, 0.9) if values else None
+        return RankSummary(job=r.job, rank=r.rank, gpu=r.gpu, pid=r.pid, state=r.state,
+                           window_seconds=self._config.window_seconds, steps=steps, last_step=r.last.step,
+                           last_progress_ts=r.last_progress_ts, **quantiles)
+
+    def _samples(self, ranks: list[_Rank], summaries: list[RankSummary]) -> list[Sample]:
+        out: list[Sample] = []
+        for r, s in zip(ranks, summaries, strict=True):
+            jr = {"job": r.job, "rank": r.rank}
+            out.append(Sample.of(LAST_STEP, r.last.step, **jr))
+            if r.last.step_seconds is not None:
+                out.append(Sample.of(STEP_SECONDS, r.last.step_seconds, **jr))
+            for phase in PHASES:
+                value = getattr(r.last, f"{phase}_seconds")
+                if value is not None:
+                    out.append(Sample.of(PHASE_SECONDS, value, phase=phase, **jr))
+            if s.step_seconds_p50 is not None and s.step_seconds_p90 is not None:
+                out.append(Sample.of(WINDOW_STEP_SECONDS, s.step_seconds_p50, quantile="0.5", **jr))
+                out.append(Sample.of(WINDOW_STEP_SECONDS, s.step_seconds_p90, quantile="0.9", **jr))
+            out.append(Sample.of(LAST_PROGRESS, r.last_progress_ts, **jr))
+            for state in ("running", "hung", "exited"):
+                out.append(Sample.of(RANK_STATE, 1 if r.state == state else 0, state=state, **jr))
+            if r.received:
+                out.append(Sample.of(HEARTBEATS, r.received, **jr))
+        out.extend(Sample.of(REJECTED, n, reason=reason) for reason, n in self._rejected.items())
+        out.append(Sample.of(RANKS, len(ranks)))
+        out.append(Sample.of(EVICTED, self._evicted))
+        for tail in self._tails:
+            path = tail.config.path
+            out.append(Sample.of(LOG_LINES, tail.steps, path=path))
+            out.append(Sample.of(LOG_ROTATIONS, tail.follower.rotations + tail.follower.truncations, path=path))
+            out.extend(Sample.of(LOG_ERRORS, n, path=path, reason=reason) for reason, n in tail.errors.items())
+        return out
+
+    def close(self) -> None:
+        for tail in self._tails:
+            tail.follower.close()
+
+
+def build(config: AgentConfig, seams: Seams) -> TrainingCollector:
+    # The simulator may replace the process table; a real agent asks psutil.
+    pid_alive = seams.extra.get("pid_alive", psutil.pid_exists)
+    return TrainingCollector(config.collectors.training, pid_alive=pid_alive)
