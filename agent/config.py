@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError
 
 from agent.collectors.collector import StrictModel
 from agent.collectors.host import HostConfig
+from agent.collectors.rdma import RdmaConfig
 from agent.collectors.training import TrainingConfig
 
 
@@ -44,6 +45,7 @@ class AggregatorTarget(StrictModel):
 
 class CollectorsConfig(StrictModel):
     host: HostConfig = HostConfig()
+    rdma: RdmaConfig = RdmaConfig()
     training: TrainingConfig = TrainingConfig()
 
 

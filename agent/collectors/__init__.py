@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from agent.collectors import host, training
+from agent.collectors import host, rdma, training
 from agent.collectors.collector import Collector
 
 if TYPE_CHECKING:
@@ -20,5 +20,6 @@ Builder = Callable[["AgentConfig", "Seams"], Collector]
 
 REGISTRY: dict[str, Builder] = {
     "host": host.build,
+    "rdma": rdma.build,
     "training": training.build,
 }

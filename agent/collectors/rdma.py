@@ -1,0 +1,606 @@
+"""RDMA collector: InfiniBand and RoCE ports read from ``<sysfs>/class/infiniband``.
+
+Reads each port's state, physical state, rate, link layer and every counter in ``counters/`` and
+``hw_counters/``; for RoCE ports also the netdev's ``carrier_changes`` and the per-priority PFC pause
+counters of ``ethtool -S``. Emits them as samples, a ``PortState`` per port (raw counters, deltas,
+per-second rates, reset/saturation flags) and link events. It does not judge error rates (the
+aggregator does) and never turns a counter that went backwards or sits at its saturation value into
+a delta or a rate.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import Field
+
+from agent.collectors.collector import Collection, CollectorConfig
+from agent.metric import MetricKind, MetricSpec, Sample
+from agent.seams import Clock, CommandRunner, run_command
+from agent.wire import Event, PortState
+
+if TYPE_CHECKING:
+    from agent.config import AgentConfig
+    from agent.seams import Seams
+
+log = logging.getLogger("vigil.agent.collectors.rdma")
+
+
+class RdmaConfig(CollectorConfig):
+    # Devices, ports and counter files rarely change (driver reload, hot plug); listing them every
+    # cycle would cost more than reading them. A vanished file or a new device forces a rescan.
+    rescan_interval_seconds: float = Field(default=60.0, gt=0)
+    # PFC counters come from a subprocess per RoCE netdev: too costly for every 1 s cycle.
+    ethtool: bool = True
+    ethtool_interval_seconds: float = Field(default=10.0, gt=0)
+    ethtool_timeout_seconds: float = Field(default=2.0, gt=0)
+
+
+# IBTA port states (PortInfo.PortState) and physical states (PortInfo.PortPhysicalState) as the
+# kernel prints them ("4: ACTIVE", "5: LinkUp"); a port is up only when both say so.
+STATE_ACTIVE = 4
+PHYS_STATE_LINK_UP = 5
+
+_PORT_LABELS = ("device", "port")
+
+DEVICE_INFO = MetricSpec("vigil_rdma_device_info", MetricKind.INFO,
+                         "RDMA device (HCA) identity.", labels=("device", "hca_type", "fw_ver", "board_id"))
+PORT_INFO = MetricSpec("vigil_rdma_port_info", MetricKind.INFO,
+                       "RDMA port link layer (InfiniBand or Ethernet for RoCE) and its netdev, if any.",
+                       labels=("device", "port", "link_layer", "netdev"))
+PORT_STATE = MetricSpec("vigil_rdma_port_state", MetricKind.GAUGE,
+                        "IBTA logical port state code (1 DOWN, 2 INIT, 3 ARMED, 4 ACTIVE, 5 ACTIVE_DEFER); "
+                        "the label carries its name.", labels=("device", "port", "state"))
+PORT_PHYSICAL_STATE = MetricSpec("vigil_rdma_port_physical_state", MetricKind.GAUGE,
+                                 "IBTA physical port state code (2 Polling, 3 Disabled, 5 LinkUp, "
+                                 "6 LinkErrorRecovery, ...); the label carries its name.",
+                                 labels=("device", "port", "physical_state"))
+PORT_RATE = MetricSpec("vigil_rdma_port_rate_bits_per_second", MetricKind.GAUGE,
+                       "Port signalling rate as the kernel reports it.", labels=_PORT_LABELS,
+                       unit="bits_per_second")
+COUNTER_SATURATED = MetricSpec("vigil_rdma_port_counter_saturated", MetricKind.GAUGE,
+                               "1 when a fixed-width IBTA PortCounters counter sits at its maximum and "
+                               "stopped counting (its increase is then unknown), else 0.",
+                               labels=("device", "port", "counter"))
+COUNTER_RESETS = MetricSpec("vigil_rdma_port_counter_resets_total", MetricKind.COUNTER,
+                            "Times a port counter went backwards (driver reload, counter reset, wrap).",
+                            labels=_PORT_LABELS)
+DRIVER_COUNTER = MetricSpec("vigil_rdma_port_driver_counter_total", MetricKind.COUNTER,
+                            "A counters/ or hw_counters/ file with no dedicated metric, by file name.",
+                            labels=("device", "port", "counter"))
+CARRIER_CHANGES = MetricSpec("vigil_rdma_port_carrier_changes_total", MetricKind.COUNTER,
+                             "Carrier up/down transitions of a RoCE port's netdev.", labels=_PORT_LABELS)
+PFC_PAUSE_FRAMES = MetricSpec("vigil_rdma_port_pfc_pause_frames_total", MetricKind.COUNTER,
+                              "PFC pause frames per priority (ethtool -S rx/tx_prio<p>_pause).",
+                              labels=("device", "port", "priority", "direction"))
+PFC_PAUSE_DURATION = MetricSpec("vigil_rdma_port_pfc_pause_duration_seconds_total", MetricKind.COUNTER,
+                                "Time paused by PFC per priority (ethtool -S rx/tx_prio<p>_pause_duration).",
+                                labels=("device", "port", "priority", "direction"), unit="seconds")
+READ_ERRORS = MetricSpec("vigil_rdma_read_errors_total", MetricKind.COUNTER,
+                         "sysfs files or ethtool output that could not be used, by reason "
+                         "(unreadable, empty, malformed, ethtool_failed, ethtool_malformed).",
+                         labels=("device", "reason"))
+
+
+@dataclass(frozen=True, slots=True)
+class CounterDef:
+    """A sysfs counter file with a dedicated metric."""
+
+    spec: MetricSpec
+    # Width in bits of the IBTA PortCounters field behind the file: such a counter stops at
+    # 2**width - 1 instead of wrapping. None where the width is not fixed (64-bit extended
+    # counters, mlx5 hw_counters).
+    width_bits: int | None = None
+    # Raw value * scale = the metric's unit (data counters count 4-byte words).
+    scale: int = 1
+
+
+def _counter(name: str, help_: str, width_bits: int | None = None, scale: int = 1, unit: str = "") -> CounterDef:
+    return CounterDef(MetricSpec(name, MetricKind.COUNTER, help_, labels=_PORT_LABELS, unit=unit), width_bits, scale)
+
+
+# counters/: the IBTA PortCounters / PortCountersExtended attributes. Widths from the IBTA spec's
+# PortCounters attribute as the kernel decodes it (drivers/infiniband/core/sysfs.c, PORT_PMA_ATTR
+# width column: symbol_error 16, link_error_recovery 8, link_downed 8, port_rcv_errors 16, ...,
+# local_link_integrity_errors 4, excessive_buffer_overrun_errors 4, VL15_dropped 16,
+# port_xmit_wait 32). Data and packet counters are 64 bits wide when the HCA supports
+# PortCountersExtended (every ConnectX since ConnectX-3), so no saturation value is assumed.
+# PortXmitData/PortRcvData count octets divided by 4 (IBTA PortCounters), hence scale=4.
+COUNTERS: dict[str, CounterDef] = {
+    "symbol_error": _counter("vigil_rdma_port_symbol_errors_total",
+                             "Minor link errors detected on one or more physical lanes.", 16),
+    "link_error_recovery": _counter("vigil_rdma_port_link_error_recoveries_total",
+                                    "Times the link error recovery process completed successfully.", 8),
+    "link_downed": _counter("vigil_rdma_port_link_downed_total",
+                            "Times the link error recovery process failed and the link went down.", 8),
+    "port_rcv_errors": _counter("vigil_rdma_port_receive_errors_total",
+                                "Received packets containing an error.", 16),
+    "port_rcv_remote_physical_errors": _counter("vigil_rdma_port_receive_remote_physical_errors_total",
+                                                "Received packets marked with the EBP delimiter.", 16),
+    "port_rcv_switch_relay_errors": _counter("vigil_rdma_port_receive_switch_relay_errors_total",
+                                             "Received packets discarded because they could not be forwarded.",
+                                             16),
+    "port_xmit_discards": _counter("vigil_rdma_port_transmit_discards_total",
+                                   "Outbound packets discarded (port down or congested).", 16),
+    "port_xmit_constraint_errors": _counter("vigil_rdma_port_transmit_constraint_errors_total",
+                                            "Outbound packets not sent because of partition/raw constraints.", 8),
+    "port_rcv_constraint_errors": _counter("vigil_rdma_port_receive_constraint_errors_total",
+                                           "Inbound packets discarded because of partition/raw constraints.", 8),
+    "local_link_integrity_errors": _counter("vigil_rdma_port_local_link_integrity_errors_total",
+                                            "Times local physical errors exceeded the LocalPhyErrors threshold.",
+                                            4),
+    "excessive_buffer_overrun_errors": _counter("vigil_rdma_port_excessive_buffer_overrun_errors_total",
+                                                "Times consecutive flow-control update periods had overruns.", 4),
+    "VL15_dropped": _counter("vigil_rdma_port_vl15_dropped_total",
+                             "Incoming VL15 (subnet management) packets dropped for lack of buffers.", 16),
+    "port_xmit_wait": _counter("vigil_rdma_port_transmit_wait_total",
+                               "Ticks during which the port had data to send but sent none (congestion).", 32),
+    "port_xmit_data": _counter("vigil_rdma_port_data_transmitted_bytes_total",
+                               "Data bytes transmitted, all VLs.", scale=4, unit="bytes"),
+    "port_rcv_data": _counter("vigil_rdma_port_data_received_bytes_total",
+                              "Data bytes received, all VLs.", scale=4, unit="bytes"),
+    "port_xmit_packets": _counter("vigil_rdma_port_packets_transmitted_total", "Packets transmitted, all VLs."),
+    "port_rcv_packets": _counter("vigil_rdma_port_packets_received_total", "Packets received, all VLs."),
+    "unicast_xmit_packets": _counter("vigil_rdma_port_unicast_packets_transmitted_total",
+                                     "Unicast packets transmitted."),
+    "unicast_rcv_packets": _counter("vigil_rdma_port_unicast_packets_received_total", "Unicast packets received."),
+    "multicast_xmit_packets": _counter("vigil_rdma_port_multicast_packets_transmitted_total",
+                                       "Multicast packets transmitted."),
+    "multicast_rcv_packets": _counter("vigil_rdma_port_multicast_packets_received_total",
+                                      "Multicast packets received."),
+    # hw_counters/ (mlx5): the RoCE transport and congestion-control counters the aggregator reads.
+    # Names and meanings: NVIDIA "Understanding mlx5 Linux Counters".
+    "out_of_sequence": _counter("vigil_rdma_port_out_of_sequence_total",
+                                "Out-of-sequence packets received (a dropped packet upstream)."),
+    "packet_seq_err": _counter("vigil_rdma_port_packet_sequence_errors_total",
+                               "NAK sequence error packets received."),
+    "local_ack_timeout_err": _counter("vigil_rdma_port_local_ack_timeout_errors_total",
+                                      "Times a sender's QP ack timer expired (lost packets or acks)."),
+    "roce_adp_retrans": _counter("vigil_rdma_port_adaptive_retransmissions_total",
+                                 "RoCE adaptive retransmissions."),
+    "out_of_buffer": _counter("vigil_rdma_port_out_of_buffer_drops_total",
+                              "Packets dropped for lack of a posted receive WQE."),
+    "np_ecn_marked_roce_packets": _counter("vigil_rdma_port_ecn_marked_packets_total",
+                                           "RoCE packets received with an ECN congestion mark."),
+    "np_cnp_sent": _counter("vigil_rdma_port_cnp_sent_total",
+                            "Congestion notification packets sent (this port was the notification point)."),
+    "rp_cnp_handled": _counter("vigil_rdma_port_cnp_handled_total",
+                               "Congestion notification packets handled by the sender (reaction point)."),
+}
+
+# hw_counters/lifespan is the kernel's cache lifetime of hw_counters in ms: a setting, not a count.
+_NOT_COUNTERS = frozenset({"lifespan"})
+
+SPECS: tuple[MetricSpec, ...] = (
+    DEVICE_INFO, PORT_INFO, PORT_STATE, PORT_PHYSICAL_STATE, PORT_RATE, COUNTER_SATURATED, COUNTER_RESETS,
+    DRIVER_COUNTER, CARRIER_CHANGES, PFC_PAUSE_FRAMES, PFC_PAUSE_DURATION, READ_ERRORS,
+    *(d.spec for d in COUNTERS.values()),
+)
+
+_STATE_RE = re.compile(r"^(\d+):\s*(\S.*)$")
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*Gb/sec")
+_ETHTOOL_LINE_RE = re.compile(r"^\s*([^:\s]+):\s*(-?\d+)\s*$")
+_PFC_RE = re.compile(r"^(rx|tx)_prio([0-7])_pause(_duration)?$")
+_MICROSECONDS = 1e-6  # mlx5 *_pause_duration counters count microseconds (kernel mlx5 counters.rst)
+
+
+class _Unusable(Exception):
+    """A file whose content cannot be used; ``reason`` is the read-errors label."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def parse_state(text: str) -> tuple[int, str]:
+    """``"4: ACTIVE"`` -> ``(4, "ACTIVE")``; raises ValueError on anything else."""
+    m = _STATE_RE.match(text.strip())
+    if m is None:
+        raise ValueError(f"not a '<code>: <name>' state: {text!r}")
+    return int(m.group(1)), m.group(2).strip()
+
+
+def parse_rate_bits_per_second(text: str) -> float:
+    """``"400 Gb/sec (4X NDR)"`` -> ``4e11``; raises ValueError on anything else."""
+    m = _RATE_RE.match(text.strip())
+    if m is None:
+        raise ValueError(f"not a '<n> Gb/sec' rate: {text!r}")
+    return float(m.group(1)) * 1e9
+
+
+def parse_ethtool_stats(text: str) -> dict[str, int]:
+    """Parse ``ethtool -S`` output ("NIC statistics:" then "name: value" lines) into a dict.
+
+    Raises ValueError when the header is missing; lines that are not "name: integer" are skipped.
+    """
+    lines = text.splitlines()
+    first = next((ln for ln in lines if ln.strip()), "")
+    if first.strip() != "NIC statistics:":
+        raise ValueError("not ethtool -S output (no 'NIC statistics:' header)")
+    stats: dict[str, int] = {}
+    for line in lines:
+        m = _ETHTOOL_LINE_RE.match(line)
+        if m is not None:
+            stats[m.group(1)] = int(m.group(2))
+    return stats
+
+
+@dataclass(slots=True)
+class _Port:
+    """What a rescan learned about one port; valid until the next rescan."""
+
+    device: str
+    port: int
+    path: str
+    labels: tuple[tuple[str, str], ...]
+    counter_files: list[tuple[str, str]]  # (file name, path) in counters/ then hw_counters/
+    link_layer: str | None
+    netdev: str | None
+    carrier_path: str | None
+
+
+@dataclass(slots=True)
+class _History:
+    """What the previous cycles saw on one port; survives rescans."""
+
+    readings: dict[str, tuple[int, float]] = field(default_factory=dict)  # name -> (raw, read at)
+    state: tuple[int, str] | None = None
+    phys_state: tuple[int, str] | None = None
+    resets: int = 0
+    # Last successful ethtool reading of the netdev and when it was taken.
+    ethtool: dict[str, int] | None = None
+    ethtool_at: float | None = None
+    # When ethtool was last run, successfully or not: a failing ethtool is retried on the same
+    # cadence, not every cycle.
+    ethtool_tried_at: float | None = None
+
+
+class RdmaCollector:
+    name = "rdma"
+    specs: Sequence[MetricSpec] = SPECS
+
+    def __init__(self, config: RdmaConfig, sysfs_root: Path = Path("/sys"), run: CommandRunner = run_command,
+                 clock: Clock = time.time) -> None:
+        self._config = config
+        self._root = Path(sysfs_root)
+        self._ib_dir = str(self._root / "class" / "infiniband")
+        self._run = run
+        self._clock = clock
+        self._ports: list[_Port] = []
+        self._device_info: dict[str, tuple[str, str, str]] = {}
+        self._devices_seen: list[str] = []
+        self._scanned_at: float | None = None
+        self._rescan = True
+        self._history: dict[tuple[str, int], _History] = {}
+        self._errors: Counter[tuple[str, str]] = Counter()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _read(self, path: str) -> str:
+        """The file's text; FileNotFoundError propagates, other OS errors become _Unusable."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            raise _Unusable("unreadable") from None
+        try:
+            data = os.read(fd, 4096)
+        except OSError as exc:
+            # sysfs answers ENOENT/ENODEV on a read when the device went away under us.
+            if exc.errno in (errno.ENOENT, errno.ENODEV):
+                raise FileNotFoundError(path) from None
+            raise _Unusable("unreadable") from None
+        finally:
+            os.close(fd)
+        text = data.decode("ascii", "replace").strip()
+        if not text:
+            raise _Unusable("empty")
+        return text
+
+    def _read_optional(self, path: str) -> str | None:
+        try:
+            return self._read(path)
+        except (FileNotFoundError, _Unusable):
+            return None
+
+    def _count(self, device: str, reason: str) -> None:
+        self._errors[(device, reason)] += 1
+
+    # -- discovery -----------------------------------------------------------------------------
+
+    def _scan(self, devices: list[str]) -> None:
+        ports: list[_Port] = []
+        info: dict[str, tuple[str, str, str]] = {}
+        for device in devices:
+            dev_dir = os.path.join(self._ib_dir, device)
+            hca_type, fw_ver, board_id = (self._read_optional(os.path.join(dev_dir, f)) or ""
+                                          for f in ("hca_type", "fw_ver", "board_id"))
+            info[device] = (hca_type, fw_ver, board_id)
+            try:
+                port_names = os.listdir(os.path.join(dev_dir, "ports"))
+            except FileNotFoundError:
+                continue
+            except OSError:
+                self._count(device, "unreadable")
+                continue
+            for port_name in sorted(port_names, key=lambda p: (len(p), p)):
+                if not port_name.isdigit():
+                    continue
+                ports.append(self._scan_port(device, dev_dir, int(port_name)))
+        self._ports = ports
+        self._device_info = info
+        self._devices_seen = devices
+
+    def _scan_port(self, device: str, dev_dir: str, port: int) -> _Port:
+        path = os.path.join(dev_dir, "ports", str(port))
+        files: list[tuple[str, str]] = []
+        for sub in ("counters", "hw_counters"):
+            sub_dir = os.path.join(path, sub)
+            try:
+                names = sorted(os.listdir(sub_dir))
+            except FileNotFoundError:
+                continue  # irdma has no counters/, older drivers no hw_counters/: absent, not zero
+            except OSError:
+                self._count(device, "unreadable")
+                continue
+            files.extend((n, os.path.join(sub_dir, n)) for n in names if n not in _NOT_COUNTERS)
+        link_layer = self._read_optional(os.path.join(path, "link_layer"))
+        netdev = self._find_netdev(dev_dir, path) if link_layer == "Ethernet" else None
+        carrier = str(self._root / "class" / "net" / netdev / "carrier_changes") if netdev else None
+        return _Port(device, port, path, (("device", device), ("port", str(port))), files, link_layer, netdev,
+                     carrier)
+
+    def _find_netdev(self, dev_dir: str, port_dir: str) -> str | None:
+        # The RoCE GID table names the netdev carrying the port (for a LAG, the bond); fall back to
+        # the PCI function's only netdev.
+        name = self._read_optional(os.path.join(port_dir, "gid_attrs", "ndevs", "0"))
+        if name:
+            return name
+        try:
+            nets = os.listdir(os.path.join(dev_dir, "device", "net"))
+        except OSError:
+            return None
+        return nets[0] if len(nets) == 1 else None
+
+    # -- one cycle -----------------------------------------------------------------------------
+
+    def collect(self, now: float) -> Collection:
+        try:
+            devices = sorted(os.listdir(self._ib_dir))
+        except FileNotFoundError:
+            devices = []  # no RDMA hardware (or no driver): no ports, not a failure
+        except OSError:
+            self._count("", "unreadable")
+            devices = []
+        due = self._scanned_at is None or now - self._scanned_at >= self._config.rescan_interval_seconds
+        if self._rescan or due or devices != self._devices_seen:
+            self._scan(devices)
+            self._scanned_at = now
+            self._rescan = False
+
+        out = Collection()
+        for device, (hca_type, fw_ver, board_id) in self._device_info.items():
+            out.samples.append(Sample.of(DEVICE_INFO, 1, device=device, hca_type=hca_type, fw_ver=fw_ver,
+                                         board_id=board_id))
+        present: set[tuple[str, int]] = set()
+        ports: list[PortState] = []
+        for port in self._ports:
+            key = (port.device, port.port)
+            present.add(key)
+            history = self._history.get(key)
+            first = history is None
+            if history is None:
+                history = self._history[key] = _History()
+            ports.append(self._collect_port(port, history, first, now, out))
+        for key in [k for k in self._history if k not in present]:
+            del self._history[key]
+            out.events.append(Event(kind="link_down", ts=now, urgent=True, source="sysfs", device=key[0],
+                                    port=key[1], message=f"{key[0]} port {key[1]} is no longer present in sysfs"))
+        for (device, reason), n in sorted(self._errors.items()):
+            out.samples.append(Sample.of(READ_ERRORS, n, device=device, reason=reason))
+        out.report = {"ports": ports}
+        return out
+
+    def _collect_port(self, port: _Port, history: _History, first: bool, now: float, out: Collection) -> PortState:
+        labels = port.labels
+        samples = out.samples
+        state = self._read_state(port, "state")
+        phys = self._read_state(port, "phys_state")
+        rate = self._read_rate(port)
+        if state is not None:
+            samples.append(Sample(PORT_STATE.name, float(state[0]), (*labels, ("state", state[1]))))
+        if phys is not None:
+            samples.append(Sample(PORT_PHYSICAL_STATE.name, float(phys[0]), (*labels, ("physical_state", phys[1]))))
+        if rate is not None:
+            samples.append(Sample(PORT_RATE.name, rate, labels))
+        samples.append(Sample(PORT_INFO.name, 1.0, (*labels, ("link_layer", port.link_layer or ""),
+                                                    ("netdev", port.netdev or ""))))
+
+        read_at = self._clock()
+        fresh: dict[str, int] = {}  # raw values read this cycle
+        for name, path in port.counter_files:
+            value = self._read_counter(port, path)
+            if value is not None:
+                fresh[name] = value
+        if port.carrier_path is not None:
+            value = self._read_counter(port, port.carrier_path)
+            if value is not None:
+                fresh["carrier_changes"] = value
+        pfc, pfc_fresh = self._pfc(port, history, now)
+        counters: dict[str, int] = {}
+        for name, raw in fresh.items():
+            counter_def = COUNTERS.get(name)
+            value = raw * counter_def.scale if counter_def is not None else raw
+            counters[name] = value
+            if counter_def is not None:
+                samples.append(Sample(counter_def.spec.name, float(value), labels))
+                if counter_def.width_bits is not None:
+                    saturated = raw >= (1 << counter_def.width_bits) - 1
+                    samples.append(Sample(COUNTER_SATURATED.name, 1.0 if saturated else 0.0,
+                                          (*labels, ("counter", name))))
+            elif name == "carrier_changes":
+                samples.append(Sample(CARRIER_CHANGES.name, float(value), labels))
+            else:
+                samples.append(Sample(DRIVER_COUNTER.name, float(value), (*labels, ("counter", name))))
+        for name, raw in pfc.items():
+            m = _PFC_RE.match(name)
+            assert m is not None  # _pfc only keeps names that match
+            direction, priority, duration = m.group(1), m.group(2), m.group(3)
+            counters[name] = raw
+            pfc_labels = (*labels, ("priority", priority), ("direction", direction))
+            if duration:
+                samples.append(Sample(PFC_PAUSE_DURATION.name, raw * _MICROSECONDS, pfc_labels))
+            else:
+                samples.append(Sample(PFC_PAUSE_FRAMES.name, float(raw), pfc_labels))
+
+        state_out = PortState(device=port.device, port=port.port, state=state[1] if state else None,
+                              phys_state=phys[1] if phys else None, rate_bits_per_second=rate,
+                              link_layer=port.link_layer, netdev=port.netdev, counters=counters)
+        moved: set[str] = set()
+        reset: list[str] = []
+        readings = [(name, raw, read_at) for name, raw in fresh.items()]
+        if pfc_fresh and history.ethtool_at is not None:
+            readings.extend((name, raw, history.ethtool_at) for name, raw in pfc.items())
+        for name, raw, at in readings:
+            previous = history.readings.get(name)
+            history.readings[name] = (raw, at)
+            counter_def = COUNTERS.get(name)
+            scale = counter_def.scale if counter_def is not None else 1
+            saturated = (counter_def is not None and counter_def.width_bits is not None
+                         and raw >= (1 << counter_def.width_bits) - 1)
+            if previous is None:
+                if saturated:
+                    state_out.flags[name] = "saturated"
+                continue
+            prev_raw, prev_at = previous
+            if raw > prev_raw:
+                moved.add(name)
+            if raw < prev_raw:
+                state_out.flags[name] = "reset"
+                reset.append(name)
+            elif saturated:
+                state_out.flags[name] = "saturated"
+            else:
+                delta = (raw - prev_raw) * scale
+                state_out.deltas[name] = delta
+                if at > prev_at:
+                    state_out.rates_per_second[name] = delta / (at - prev_at)
+        history.resets += len(reset)
+        samples.append(Sample(COUNTER_RESETS.name, float(history.resets), labels))
+        if reset:
+            out.events.append(Event(kind="counter_reset", ts=now, source="sysfs", device=port.device,
+                                    port=port.port, count=len(reset),
+                                    message=f"{port.device} port {port.port}: counters went backwards: "
+                                            + ", ".join(sorted(reset))))
+        if not first:
+            event = self._link_event(port, history, state, phys, moved, now)
+            if event is not None:
+                out.events.append(event)
+        if state is not None:
+            history.state = state
+        if phys is not None:
+            history.phys_state = phys
+        return state_out
+
+    def _link_event(self, port: _Port, history: _History, state: tuple[int, str] | None,
+                    phys: tuple[int, str] | None, moved: set[str], now: float) -> Event | None:
+        if history.state is None or history.phys_state is None or state is None or phys is None:
+            return None  # one side unknown: no edge can be claimed
+        was_up = history.state[0] == STATE_ACTIVE and history.phys_state[0] == PHYS_STATE_LINK_UP
+        is_up = state[0] == STATE_ACTIVE and phys[0] == PHYS_STATE_LINK_UP
+        change = f"{history.state[1]}/{history.phys_state[1]} -> {state[1]}/{phys[1]}"
+        where = f"{port.device} port {port.port}"
+        if was_up and not is_up:
+            return Event(kind="link_down", ts=now, urgent=True, source="sysfs", device=port.device,
+                         port=port.port, message=f"{where} went down: {change}")
+        if is_up and not was_up:
+            return Event(kind="link_up", ts=now, source="sysfs", device=port.device, port=port.port,
+                         message=f"{where} came up: {change}")
+        # Up before and now, yet the link went down in between: link_downed (IB) or the netdev's
+        # carrier_changes (RoCE) moved.
+        bounced = sorted(moved & {"link_downed", "carrier_changes"})
+        if is_up and bounced:
+            return Event(kind="link_flap", ts=now, source="sysfs", device=port.device, port=port.port,
+                         message=f"{where} flapped between two readings ({', '.join(bounced)} moved)")
+        return None
+
+    def _read_state(self, port: _Port, name: str) -> tuple[int, str] | None:
+        try:
+            return parse_state(self._read(os.path.join(port.path, name)))
+        except FileNotFoundError:
+            self._rescan = True
+        except _Unusable as exc:
+            self._count(port.device, exc.reason)
+        except ValueError:
+            self._count(port.device, "malformed")
+        return None
+
+    def _read_rate(self, port: _Port) -> float | None:
+        try:
+            return parse_rate_bits_per_second(self._read(os.path.join(port.path, "rate")))
+        except FileNotFoundError:
+            return None  # some drivers have no rate file: absent
+        except _Unusable as exc:
+            self._count(port.device, exc.reason)
+        except ValueError:
+            self._count(port.device, "malformed")
+        return None
+
+    def _read_counter(self, port: _Port, path: str) -> int | None:
+        try:
+            text = self._read(path)
+        except FileNotFoundError:
+            self._rescan = True  # the counter set changed (driver reload): relist next cycle
+            return None
+        except _Unusable as exc:
+            self._count(port.device, exc.reason)
+            return None
+        if text.isdigit():
+            return int(text)
+        if text.startswith("N/A"):
+            return None  # the kernel's "N/A (no PMA)": the hardware does not report it
+        self._count(port.device, "malformed")
+        return None
+
+    def _pfc(self, port: _Port, history: _History, now: float) -> tuple[dict[str, int], bool]:
+        """This port's PFC counters (fresh or the last good reading) and whether they are fresh."""
+        if not self._config.ethtool or port.netdev is None:
+            return {}, False
+        tried = history.ethtool_tried_at
+        if tried is not None and now - tried < self._config.ethtool_interval_seconds:
+            return history.ethtool or {}, False
+        history.ethtool_tried_at = now
+        try:
+            text = self._run(["ethtool", "-S", port.netdev], self._config.ethtool_timeout_seconds)
+            stats = parse_ethtool_stats(text)
+        except (OSError, subprocess.SubprocessError) as exc:
+            self._count(port.device, "ethtool_failed")
+            log.warning("ethtool -S %s failed: %s", port.netdev, exc)
+            history.ethtool = None  # stale PFC values would claim a port is quiet when we cannot tell
+            return {}, False
+        except ValueError as exc:
+            self._count(port.device, "ethtool_malformed")
+            log.warning("ethtool -S %s: %s", port.netdev, exc)
+            history.ethtool = None
+            return {}, False
+        history.ethtool = {k: v for k, v in stats.items() if _PFC_RE.match(k) and v >= 0}
+        history.ethtool_at = self._clock()
+        return history.ethtool, True
+
+    def close(self) -> None:
+        pass
+
+
+def build(config: AgentConfig, seams: Seams) -> RdmaCollector:
+    return RdmaCollector(config.collectors.rdma, sysfs_root=seams.sysfs_root, run=seams.run, clock=seams.clock)
