@@ -161,3 +161,22 @@ def test_address_from_environment(receiver):
     hb = Heartbeat(job="j", rank=0, env={"VIGIL_HEARTBEAT_ADDR": f"{host}:{port}"})
     hb.step(1, 0.1)
     assert json.loads(receiver.recv(4096))["step"] == 1
+
+
+def test_example_training_loop_heartbeats_are_accepted_by_the_collector(receiver):
+    from agent.collectors.training import TrainingCollector, TrainingConfig
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    host, port = receiver.getsockname()
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": root, "VIGIL_HEARTBEAT_ADDR": f"{host}:{port}",
+           "RANK": "2", "LOCAL_RANK": "2"}
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "train_loop.py"), "3"], env=env,
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert "sent 3 heartbeats, dropped 0" in done.stdout
+    collector = TrainingCollector(TrainingConfig(), pid_alive=lambda pid: True)
+    for _ in range(3):
+        assert collector.ingest(receiver.recv(4096), 1000.0) is None
+    (summary,) = collector.collect(1001.0).report["ranks"]
+    assert (summary.job, summary.rank, summary.gpu, summary.last_step, summary.steps) == ("example", 2, 2, 3, 3)
+    assert summary.compute_seconds_p50 is not None and summary.data_seconds_p50 is not None
+    assert summary.step_seconds_p50 is not None and summary.step_seconds_p50 >= summary.compute_seconds_p50

@@ -1,0 +1,36 @@
+"""A PyTorch-style training loop instrumented for vigil: one import, one line per step.
+
+Run beside `vigil agent`: `PYTHONPATH=. python examples/train_loop.py [steps]` (or with vigil
+installed). It sends UDP heartbeats to 127.0.0.1:9401 (or $VIGIL_HEARTBEAT_ADDR); job and rank come
+from torchrun's or Slurm's environment. Without torch installed it times a sleep stand-in.
+"""
+import sys
+import time
+
+from agent.heartbeat import Heartbeat
+
+try:
+    import torch
+except ImportError:
+    torch = None
+if torch is not None:
+    model = torch.nn.Linear(512, 512)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+hb = Heartbeat(job="example")
+steps = int(sys.argv[1]) if len(sys.argv) > 1 else 100
+for step in range(1, steps + 1):
+    with hb.phase("data"):
+        if torch is not None:
+            batch = torch.randn(64, 512)
+        else:
+            time.sleep(0.01)
+    with hb.phase("compute"):
+        if torch is not None:
+            model(batch).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            time.sleep(0.08)
+    hb.step(step)  # the one line: data and compute phases and the step's wall time are measured
+print(f"sent {hb.sent} heartbeats, dropped {hb.dropped}")
