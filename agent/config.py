@@ -18,6 +18,7 @@ from agent.collectors.collector import StrictModel
 from agent.collectors.host import HostConfig
 from agent.collectors.rdma import RdmaConfig
 from agent.collectors.training import TrainingConfig
+from agent.collectors.xid import XidConfig
 
 
 class ConfigError(Exception):
@@ -47,6 +48,7 @@ class CollectorsConfig(StrictModel):
     host: HostConfig = HostConfig()
     rdma: RdmaConfig = RdmaConfig()
     training: TrainingConfig = TrainingConfig()
+    xid: XidConfig = XidConfig()
 
 
 class AgentConfig(StrictModel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from agent.collectors import host, rdma, training
+from agent.collectors import host, rdma, training, xid
 from agent.collectors.collector import Collector
 
 if TYPE_CHECKING:
@@ -22,4 +22,5 @@ REGISTRY: dict[str, Builder] = {
     "host": host.build,
     "rdma": rdma.build,
     "training": training.build,
+    "xid": xid.build,
 }
