@@ -60,11 +60,12 @@ class MegatronParser:
 # DeepSpeed logs through its logger, formatted "[%(asctime)s] [%(levelname)s] [file:line:func] msg"
 # (deepspeed/utils/logging.py), and, every `steps_per_print` steps:
 #   engine._report_progress:  "[Rank 0] step=100, skipped=0, lr=[...], mom=[...]"
+#                             (older releases: "rank:0 step=100, skipped=0, ...")
 #   ThroughputTimer.stop:     "epoch=0/micro_step=400/global_step=100, RunningAvgSamplesPerSec=...,
 #                              CurrSamplesPerSec=..., MemAllocated=...GB, MaxMemAllocated=...GB"
 # Neither line carries the step's duration, so it is derived from the asctime of successive
 # progress lines: (t2 - t1) / (step2 - step1).
-_DEEPSPEED_STEP = re.compile(r"(?:\[Rank \d+\] step=|/global_step=)(\d+),")
+_DEEPSPEED_STEP = re.compile(r"(?:\[Rank \d+\] step=|\brank:\d+ step=|/global_step=)(\d+),")
 _DEEPSPEED_TIME = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3})\]")
 
 

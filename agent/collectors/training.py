@@ -115,8 +115,8 @@ PHASE_SECONDS = MetricSpec("vigil_training_phase_seconds", MetricKind.GAUGE,
                            "Time the rank's last step spent in a phase (compute, comm, data).",
                            labels=(*_JR, "phase"), unit="seconds")
 WINDOW_STEP_SECONDS = MetricSpec("vigil_training_window_step_seconds", MetricKind.GAUGE,
-                                 "Quantile of step duration over the summary window.",
-                                 labels=(*_JR, "quantile"), unit="seconds")
+                                 "Percentile (50, 90) of step duration over the summary window.",
+                                 labels=(*_JR, "percentile"), unit="seconds")
 LAST_PROGRESS = MetricSpec("vigil_training_last_progress_timestamp_seconds", MetricKind.GAUGE,
                            "Unix time at which the rank's step last advanced.", labels=_JR, unit="seconds")
 RANK_STATE = MetricSpec("vigil_training_rank_state", MetricKind.GAUGE,
@@ -140,6 +140,8 @@ SPECS = (LAST_STEP, STEP_SECONDS, PHASE_SECONDS, WINDOW_STEP_SECONDS, LAST_PROGR
          REJECTED, RANKS, EVICTED, LOG_LINES, LOG_ERRORS, LOG_ROTATIONS)
 
 _HEARTBEAT_FIELDS = frozenset(Heartbeat.model_fields)
+# Missing three of its usual progress intervals in a row is not jitter.
+HANG_GAP_FACTOR = 3.0
 
 
 def _reject_constant(name: str) -> float:
@@ -176,6 +178,8 @@ class _Rank:
     last_progress_ts: float
     last_seen_ts: float
     history: deque[_Record]
+    # Seconds between the last two advances: a log printed every 100 iterations advances rarely.
+    progress_gap: float = 0.0
     received: int = 0
     # Step reached before the oldest record in history: the baseline for "steps in window".
     baseline_step: int | None = None
@@ -262,6 +266,8 @@ class TrainingCollector:
         else:
             if record.step != state.last.step:
                 # Any change counts as progress: a lower step is a restart from a checkpoint.
+                if not state.hang_reported:  # a hang's stall is not the rank's usual pace
+                    state.progress_gap = record.ts - state.last_progress_ts
                 state.last_progress_ts = record.ts
                 state.hang_reported = False
             if pid is not None and pid != state.pid:
@@ -321,7 +327,8 @@ class TrainingCollector:
     def _evict(self, now: float) -> None:
         for key, r in list(self._ranks.items()):
             idle = now - r.last_seen_ts
-            if idle < self._config.evict_after_seconds:
+            # Never before its hang could be reported and seen for a while.
+            if idle < max(self._config.evict_after_seconds, 2 * self._hang_threshold(r)):
                 continue
             # A hung rank whose process still lives stays: forgetting it would look like recovery.
             if r.pid is not None and r.state != "exited" and self._pid_alive(r.pid):
@@ -349,7 +356,7 @@ class TrainingCollector:
                 events.append(Event(kind="rank_exit", ts=now, urgent=True, source="heartbeat", job=r.job,
                                     rank=r.rank, gpu=r.gpu,
                                     message=f"process {r.pid} of rank {r.rank} is gone at step {r.last.step}"))
-        elif now - r.last_progress_ts >= self._config.hang_seconds:
+        elif now - r.last_progress_ts >= self._hang_threshold(r):
             r.state = "hung"
             if not r.hang_reported:
                 r.hang_reported = True
@@ -361,6 +368,11 @@ class TrainingCollector:
         else:
             r.state = "running"
         return events
+
+    def _hang_threshold(self, r: _Rank) -> float:
+        # A rank that normally advances less often than hang_seconds (a log line every N
+        # iterations, very long steps) is hung only after missing a few of its own beats.
+        return max(self._config.hang_seconds, HANG_GAP_FACTOR * r.progress_gap)
 
     def _summary(self, r: _Rank, now: float) -> RankSummary:
         steps = 0
@@ -393,8 +405,8 @@ class TrainingCollector:
                 if value is not None:
                     out.append(Sample.of(PHASE_SECONDS, value, phase=phase, **jr))
             if s.step_seconds_p50 is not None and s.step_seconds_p90 is not None:
-                out.append(Sample.of(WINDOW_STEP_SECONDS, s.step_seconds_p50, quantile="0.5", **jr))
-                out.append(Sample.of(WINDOW_STEP_SECONDS, s.step_seconds_p90, quantile="0.9", **jr))
+                out.append(Sample.of(WINDOW_STEP_SECONDS, s.step_seconds_p50, percentile="50", **jr))
+                out.append(Sample.of(WINDOW_STEP_SECONDS, s.step_seconds_p90, percentile="90", **jr))
             out.append(Sample.of(LAST_PROGRESS, r.last_progress_ts, **jr))
             for state in ("running", "hung", "exited"):
                 out.append(Sample.of(RANK_STATE, 1 if r.state == state else 0, state=state, **jr))

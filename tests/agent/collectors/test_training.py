@@ -145,7 +145,7 @@ def test_window_summary_has_quantiles_of_the_window_only():
     assert s.compute_seconds_p50 == pytest.approx(2.75)
     assert s.comm_seconds_p90 == pytest.approx(0.91)
     assert s.data_seconds_p50 == pytest.approx(0.01)
-    assert value(col.samples, "vigil_training_window_step_seconds", job="j1", rank="0", quantile="0.9") \
+    assert value(col.samples, "vigil_training_window_step_seconds", job="j1", rank="0", percentile="90") \
         == pytest.approx(9.1)
 
 
@@ -191,6 +191,15 @@ def test_hang_is_one_urgent_event_per_episode():
     col = c.collect(T0 + 501)
     assert col.events == [] and summary_of(col, "j1", 0).state == "running"
     assert [e.kind for e in c.collect(T0 + 800).events] == ["hang"]  # a new episode
+
+
+def test_a_rank_that_advances_rarely_is_hung_only_after_missing_its_own_beats():
+    c = make(hang_seconds=300)
+    c.ingest(beat(step=100), T0)
+    c.ingest(beat(step=200), T0 + 400)  # e.g. Megatron logging every 100 iterations of 4 s
+    assert c.collect(T0 + 400 + 301).events == []
+    assert c.collect(T0 + 400 + 1199).events == []
+    assert [e.kind for e in c.collect(T0 + 400 + 1200).events] == ["hang"]
 
 
 def test_exit_when_the_process_is_gone():
@@ -272,6 +281,16 @@ def test_regex_log_and_bad_numbers_are_counted(tmp_path):
     assert (s.last_step, s.step_seconds_p90) == (3, pytest.approx(0.51845))
     assert value(col.samples, "vigil_training_phase_seconds", job="run1", rank="7", phase="data") == 0.07
     assert value(col.samples, "vigil_training_log_errors_total", path=str(path), reason="parse") == 1
+
+
+def test_deepspeed_older_progress_line(tmp_path):
+    c, path = log_collector(tmp_path, "deepspeed")
+    append(path, "[2024-05-02 10:20:00,000] [INFO] [engine.py:1200:_report_progress] rank:0 step=50, skipped=0, "
+                 "lr=[0.0001], mom=[(0.9, 0.999)]\n"
+                 "[2024-05-02 10:20:10,000] [INFO] [engine.py:1200:_report_progress] rank:0 step=60, skipped=0, "
+                 "lr=[0.0001], mom=[(0.9, 0.999)]\n")
+    s = summary_of(c.collect(T0), "run1", 7)
+    assert (s.last_step, s.step_seconds_p50) == (60, pytest.approx(1.0))
 
 
 def test_partial_lines_wait_for_their_newline(tmp_path):
