@@ -1,0 +1,1 @@
+"""Packaged data files of the aggregator (the Xid catalog CSV)."""
