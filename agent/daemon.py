@@ -44,7 +44,7 @@ def read_boot_id(path: Path = BOOT_ID_PATH) -> str:
 
 
 def open_nvml(config: AgentConfig, clock: Callable[[], float]) -> Any:
-    from agent.nvml import open_backend  # the backend module pulls in pynvml only when needed
+    from agent.nvml.backend import open_backend  # pulls in pynvml only when needed
 
     return open_backend(config.nvml, clock)
 
