@@ -154,6 +154,28 @@ def occurrence_action(catalog: XidCatalog, code: int, message: str = "") -> Acti
     return entry.action
 
 
+# NVSwitch SXids are not in the Xid catalog. NVIDIA's Fabric Manager user guide: a fatal NVSwitch
+# error needs the NVSwitches and their GPUs reset (on an HGX baseboard, in practice a node reboot);
+# non-fatal ones are logged and training continues.
+SXID_FATAL_ACTION = Action.REBOOT_NODE
+
+
+def event_action(catalog: XidCatalog, kind: str, code: int | None, message: str = "",
+                 severity: str | None = None) -> Action:
+    """What one kernel-log event calls for on its own (``vigil xid scan``): Xids by the catalog,
+    a GPU fallen off the bus as Xid 79, SXids by severity; mlx5 NIC errors alert (the network
+    detectors judge links)."""
+    if kind == "xid" and code is not None:
+        return occurrence_action(catalog, code, message)
+    if kind == "gpu_lost":
+        return catalog.entry(79).action
+    if kind == "sxid":
+        if severity is None:
+            return Action.ALERT
+        return SXID_FATAL_ACTION if severity.lower() == "fatal" else Action.OBSERVE
+    return Action.ALERT
+
+
 def judge_xids(catalog: XidCatalog, occurrences: Sequence[XidOccurrence], *, remap_pending: bool | None,
                remap_failure: bool | None, now: float, window_seconds: float, app_repeat_threshold: int,
                burst_seconds: float = APP_BURST_SECONDS) -> list[XidVerdict]:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, str] = {
     "agent": "vigil.agent_cmd",
     "demo": "vigil.demo_cmd",
+    "xid": "vigil.xid_cmd",
 }
 
 
