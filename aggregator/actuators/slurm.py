@@ -1,0 +1,156 @@
+"""Slurm actuator: drains, resumes and requeues through ``scontrol``.
+
+Removing actions drain the node (``State=DRAIN Reason="vigil: <reason> <decision id>"``); the
+reset, reboot or inspection itself is left to the site's tooling, which reads the reason.
+``resume`` undrains only a node that vigil drained, and ``restart_job`` requeues the job held,
+excludes the bad node and releases it. Commands go through an injectable runner.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+from collections.abc import Sequence
+
+from agent.seams import CommandRunner, run_command
+from aggregator.actuators.actuator import ActuatorConfig, DeliveryError
+from aggregator.decision import REMOVING_ACTIONS, Action, Decision
+
+REASON_PREFIX = "vigil:"
+# Slurm stores the reason as free text; keep it to one readable sinfo line.
+MAX_REASON_CHARS = 200
+# scontrol's messages for mistakes no retry can fix (Slurm 22.05 src/common/slurm_errno.c).
+PERMANENT_ERRORS = (
+    "Invalid node name specified",
+    "Invalid job id specified",
+    "Access/permission denied",
+    "not found",  # `scontrol show node X` for a node slurm.conf does not list
+)
+
+
+class SlurmConfig(ActuatorConfig):
+    scontrol: str = "scontrol"
+    squeue: str = "squeue"
+    # The cluster's slurm.conf, when it is not the default one (passed as SLURM_CONF).
+    slurm_conf: str | None = None
+
+
+def _run_with_conf(conf: str, argv: Sequence[str], timeout_seconds: float) -> str:
+    done = subprocess.run(
+        list(argv),
+        capture_output=True,
+        text=True,
+        timeout=timeout_seconds,
+        check=True,
+        env={**os.environ, "SLURM_CONF": conf},
+    )
+    return done.stdout
+
+
+def _kv(line: str) -> dict[str, str]:
+    """``scontrol show -o`` output as key -> value; Reason is free text up to ``[user@time]``."""
+    out = {m.group(1): m.group(2) for m in re.finditer(r"(\w+)=(\S*)", line)}
+    reason = re.search(r" Reason=(.*?)(?: \[[^\]]*\])?\s*$", line)
+    if reason:
+        out["Reason"] = reason.group(1)
+    return out
+
+
+class SlurmActuator:
+    name = "slurm"
+    notify_in_dry_run = False
+
+    def __init__(self, config: SlurmConfig, run: CommandRunner | None = None) -> None:
+        self.config = config
+        self.timeout_seconds = config.timeout_seconds
+        if run is None:
+            run = functools.partial(_run_with_conf, config.slurm_conf) if config.slurm_conf else run_command
+        self.run = run
+
+    def handles(self, decision: Decision) -> bool:
+        if decision.action is Action.RESTART_JOB:
+            return decision.job is not None
+        return decision.action in REMOVING_ACTIONS or decision.action is Action.RESUME
+
+    def deliver(self, decision: Decision) -> str:
+        if decision.action is Action.RESUME:
+            return self._resume(decision)
+        if decision.action is Action.RESTART_JOB:
+            return self._requeue(decision)
+        return self._drain(decision)
+
+    def close(self) -> None:
+        pass
+
+    @staticmethod
+    def reason_for(decision: Decision) -> str:
+        what = decision.reason if decision.action is Action.DRAIN else f"{decision.action.value}: {decision.reason}"
+        what = " ".join(what.split())  # one line: newlines would end the sinfo row
+        room = MAX_REASON_CHARS - len(REASON_PREFIX) - len(decision.id) - 2
+        return f"{REASON_PREFIX} {what[:room]} {decision.id}"
+
+    def _scontrol(self, *args: str) -> str:
+        try:
+            return self.run([self.config.scontrol, *args], self.timeout_seconds)
+        except subprocess.CalledProcessError as exc:
+            said = " ".join(f"{exc.stdout or ''} {exc.stderr or ''}".split())
+            message = f"scontrol {' '.join(args)}: {said or f'exit status {exc.returncode}'}"
+            raise DeliveryError(message, retryable=not any(p in message for p in PERMANENT_ERRORS)) from exc
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise DeliveryError(f"scontrol {args[0]}: {exc}") from exc
+
+    def _node(self, node: str) -> dict[str, str]:
+        return _kv(self._scontrol("show", "node", "-o", node))
+
+    def _drain(self, decision: Decision) -> str:
+        current = self._node(decision.node)
+        if "DRAIN" in current.get("State", "") and decision.id in current.get("Reason", ""):
+            return f"{decision.node} already drained for {decision.id}"
+        reason = self.reason_for(decision)
+        self._scontrol("update", f"NodeName={decision.node}", "State=DRAIN", f"Reason={reason}")
+        return f"drained {decision.node}: {reason}"
+
+    def _resume(self, decision: Decision) -> str:
+        current = self._node(decision.node)
+        state, reason = current.get("State", ""), current.get("Reason", "")
+        if "DRAIN" not in state and "DOWN" not in state:
+            return f"{decision.node} already in service ({state})"
+        if not reason.startswith(REASON_PREFIX):
+            # Someone else took it out for their own reason; that is theirs to undo.
+            raise DeliveryError(f"{decision.node} was not drained by vigil (reason: {reason!r})", retryable=False)
+        self._scontrol("update", f"NodeName={decision.node}", "State=RESUME")
+        return f"resumed {decision.node}"
+
+    def _job_ids(self, job: str) -> list[str]:
+        if job.isdigit():
+            return [job]
+        try:
+            out = self.run([self.config.squeue, "-h", "-n", job, "-o", "%i"], self.timeout_seconds)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise DeliveryError(f"squeue -n {job}: {exc}") from exc
+        return out.split()
+
+    def _requeue(self, decision: Decision) -> str:
+        assert decision.job is not None  # handles() admits restart_job only with a job
+        ids = self._job_ids(decision.job)
+        if not ids:
+            raise DeliveryError(f"no Slurm job named or numbered {decision.job!r}", retryable=False)
+        done = []
+        for job_id in ids:
+            info = _kv(self._scontrol("show", "job", "-o", job_id))
+            excluded = [n for n in info.get("ExcNodeList", "(null)").split(",") if n and n != "(null)"]
+            if info.get("JobState") in ("RUNNING", "SUSPENDED", "CONFIGURING"):
+                # Held, so it cannot start again before the bad node is excluded.
+                self._scontrol("requeuehold", job_id)
+            if decision.node not in excluded:
+                excluded.append(decision.node)
+                self._scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(excluded)}")
+            self._scontrol("release", job_id)
+            done.append(job_id)
+        return f"requeued job {','.join(done)} excluding {decision.node}"
+
+
+def build(config: SlurmConfig) -> SlurmActuator:
+    return SlurmActuator(config)
