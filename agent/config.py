@@ -15,6 +15,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from agent.collectors.collector import StrictModel
+from agent.collectors.gpu import GpuConfig
 from agent.collectors.host import HostConfig
 from agent.collectors.rdma import RdmaConfig
 from agent.collectors.training import TrainingConfig
@@ -45,6 +46,7 @@ class AggregatorTarget(StrictModel):
 
 
 class CollectorsConfig(StrictModel):
+    gpu: GpuConfig = GpuConfig()
     host: HostConfig = HostConfig()
     rdma: RdmaConfig = RdmaConfig()
     training: TrainingConfig = TrainingConfig()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from agent.collectors import host, rdma, training, xid
+from agent.collectors import gpu, host, rdma, training, xid
 from agent.collectors.collector import Collector
 
 if TYPE_CHECKING:
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 Builder = Callable[["AgentConfig", "Seams"], Collector]
 
 REGISTRY: dict[str, Builder] = {
+    "gpu": gpu.build,
     "host": host.build,
     "rdma": rdma.build,
     "training": training.build,

@@ -1,0 +1,426 @@
+"""GPU collector: every GPU's identity, load, clocks, temperatures, power, memory errors, PCIe and
+NVLink counters and health, read through PynvmlBackend, plus Xid events from NVML's event API.
+
+It emits one series per GPU (labels ``gpu``, ``uuid``), a ``GpuState`` per GPU for the Report, and
+urgent events (gpu_lost, xid) once per occurrence. A GPU that stops answering becomes health
+``lost`` alone; the others keep reporting. It does not parse the kernel log (the xid collector
+owns ``vigil_gpu_xid_errors_total``) and judges nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from pydantic import Field
+
+from agent.collectors.collector import Collection, CollectorConfig
+from agent.metric import MetricKind, MetricSpec, Sample
+from agent.nvml.backend import (
+    CLOCK_EVENT_REASONS,
+    GpuIdentity,
+    GpuReading,
+    NVMLError,
+    PynvmlBackend,
+    error_reason,
+)
+from agent.wire import Event, GpuState
+
+if TYPE_CHECKING:
+    from agent.config import AgentConfig
+    from agent.seams import Seams
+
+log = logging.getLogger(__name__)
+
+HEALTH_STATES = ("ok", "lost", "reset_required", "unavailable")
+
+
+class GpuConfig(CollectorConfig):
+    # NVLink state and error counters are 4 NVML queries per link (72 per H100) and move slowly;
+    # a link that fails mid-cycle also raises Xid 74 through the event API at once.
+    nvlink_interval_seconds: float = Field(default=10.0, gt=0)
+    xid_events: bool = True  # listen to NVML's Xid event API in a worker thread
+    event_wait_ms: int = Field(default=500, ge=10, le=10_000)  # worker's wait; bounds close()
+
+
+_G = ("gpu", "uuid")
+G = MetricKind.GAUGE
+C = MetricKind.COUNTER
+
+INFO = MetricSpec("vigil_gpu_info", MetricKind.INFO, "GPU identity: model, PCI bus id, serial, VBIOS, driver.",
+                  ("gpu", "uuid", "name", "pci_bus_id", "serial", "vbios_version", "driver_version",
+                   "cuda_driver_version"))
+HEALTH = MetricSpec("vigil_gpu_health", G, "1 for the GPU's current NVML health state, 0 for the others.",
+                    (*_G, "state"))
+NVML_AVAILABLE = MetricSpec("vigil_gpu_nvml_available", G, "1 when NVML answers on this node, else 0.")
+NVML_ERRORS = MetricSpec("vigil_gpu_nvml_errors_total", C,
+                         "NVML calls that failed other than with NotSupported, by NVML error.", ("reason",))
+UTILIZATION = MetricSpec("vigil_gpu_utilization_ratio", G, "Share of the last sample period a kernel ran, 0..1.",
+                         _G, "ratio")
+MEMORY_UTILIZATION = MetricSpec("vigil_gpu_memory_utilization_ratio", G,
+                                "Share of the last sample period device memory was read or written.", _G, "ratio")
+MEMORY_USED = MetricSpec("vigil_gpu_memory_used_bytes", G, "Device memory in use.", _G, "bytes")
+MEMORY_TOTAL = MetricSpec("vigil_gpu_memory_total_bytes", G, "Device memory installed.", _G, "bytes")
+SM_CLOCK = MetricSpec("vigil_gpu_sm_clock_hertz", G, "SM clock.", _G, "hertz")
+SM_CLOCK_MAX = MetricSpec("vigil_gpu_sm_clock_max_hertz", G, "Maximum SM clock.", _G, "hertz")
+MEMORY_CLOCK = MetricSpec("vigil_gpu_memory_clock_hertz", G, "Memory clock.", _G, "hertz")
+MEMORY_CLOCK_MAX = MetricSpec("vigil_gpu_memory_clock_max_hertz", G, "Maximum memory clock.", _G, "hertz")
+TEMPERATURE = MetricSpec("vigil_gpu_temperature_celsius", G, "GPU core temperature.", _G, "celsius")
+MEMORY_TEMPERATURE = MetricSpec("vigil_gpu_memory_temperature_celsius", G, "HBM temperature.", _G, "celsius")
+SLOWDOWN_TEMPERATURE = MetricSpec("vigil_gpu_slowdown_temperature_celsius", G,
+                                  "Core temperature at which the GPU slows its clocks.", _G, "celsius")
+SHUTDOWN_TEMPERATURE = MetricSpec("vigil_gpu_shutdown_temperature_celsius", G,
+                                  "Core temperature at which the GPU shuts down.", _G, "celsius")
+MAX_OPERATING_TEMPERATURE = MetricSpec("vigil_gpu_max_operating_temperature_celsius", G,
+                                       "Highest core temperature for normal operation.", _G, "celsius")
+MEMORY_MAX_TEMPERATURE = MetricSpec("vigil_gpu_memory_max_operating_temperature_celsius", G,
+                                    "Highest HBM temperature for normal operation.", _G, "celsius")
+POWER = MetricSpec("vigil_gpu_power_watts", G, "Power draw.", _G, "watts")
+POWER_LIMIT = MetricSpec("vigil_gpu_power_limit_watts", G, "Enforced power limit.", _G, "watts")
+ENERGY = MetricSpec("vigil_gpu_energy_joules_total", C, "Energy used since the driver was loaded.", _G, "joules")
+PSTATE = MetricSpec("vigil_gpu_performance_state", G, "Performance state: 0 (P0, fastest) to 15.", _G)
+CLOCK_EVENT = MetricSpec("vigil_gpu_clock_event_active", G,
+                         "1 while this reason holds the clocks down (NVML clock event reasons).", (*_G, "reason"))
+ECC_ERRORS = MetricSpec("vigil_gpu_ecc_errors_total", C,
+                        "ECC errors; `counter` volatile resets with the driver, aggregate persists.",
+                        (*_G, "error_type", "counter"))
+RETIRED_PAGES = MetricSpec("vigil_gpu_retired_pages_total", C,
+                           "Device memory pages retired, by cause (sbe: repeated single-bit, dbe: double-bit).",
+                           (*_G, "cause"))
+RETIRED_PAGES_PENDING = MetricSpec("vigil_gpu_retired_pages_pending", G,
+                                   "1 when a page retirement waits for the next driver reload.", _G)
+REMAPPED_ROWS = MetricSpec("vigil_gpu_remapped_rows_total", C,
+                           "HBM rows remapped, by the error that caused it.", (*_G, "error_type"))
+REMAP_PENDING = MetricSpec("vigil_gpu_row_remap_pending", G, "1 when a row remap waits for a GPU reset.", _G)
+REMAP_FAILURE = MetricSpec("vigil_gpu_row_remap_failure", G,
+                           "1 when a row remap failed (no spare rows): the GPU needs inspection.", _G)
+PCIE_REPLAY = MetricSpec("vigil_gpu_pcie_replay_total", C, "PCIe replays since the last reset.", _G)
+PCIE_THROUGHPUT = MetricSpec("vigil_gpu_pcie_throughput_bytes_per_second", G,
+                             "PCIe throughput over NVML's last 20 ms sample, by direction.", (*_G, "direction"))
+FAN_SPEED = MetricSpec("vigil_gpu_fan_speed_ratio", G, "Fan speed as a share of its maximum.", _G, "ratio")
+NVLINK_STATE = MetricSpec("vigil_gpu_nvlink_state", G, "1 when the NVLink is active, 0 when down.",
+                          (*_G, "link"))
+NVLINK_ERRORS = MetricSpec("vigil_gpu_nvlink_errors_total", C,
+                           "NVLink data-link errors: crc (flit CRC), replay, recovery.",
+                           (*_G, "link", "error_type"))
+NVML_XID = MetricSpec("vigil_gpu_nvml_xid_events_total", C,
+                      "Xid critical errors delivered by NVML's event API, by Xid code.", (*_G, "code"))
+
+SPECS: tuple[MetricSpec, ...] = (
+    INFO, HEALTH, NVML_AVAILABLE, NVML_ERRORS, UTILIZATION, MEMORY_UTILIZATION, MEMORY_USED, MEMORY_TOTAL,
+    SM_CLOCK, SM_CLOCK_MAX, MEMORY_CLOCK, MEMORY_CLOCK_MAX, TEMPERATURE, MEMORY_TEMPERATURE,
+    SLOWDOWN_TEMPERATURE, SHUTDOWN_TEMPERATURE, MAX_OPERATING_TEMPERATURE, MEMORY_MAX_TEMPERATURE, POWER,
+    POWER_LIMIT, ENERGY, PSTATE, CLOCK_EVENT, ECC_ERRORS, RETIRED_PAGES, RETIRED_PAGES_PENDING, REMAPPED_ROWS,
+    REMAP_PENDING, REMAP_FAILURE, PCIE_REPLAY, PCIE_THROUGHPUT, FAN_SPEED, NVLINK_STATE, NVLINK_ERRORS, NVML_XID,
+)
+
+# Reading field -> spec, for the plain per-GPU gauges and counters.
+_SIMPLE: tuple[tuple[str, MetricSpec], ...] = (
+    ("utilization_gpu_ratio", UTILIZATION),
+    ("utilization_memory_ratio", MEMORY_UTILIZATION),
+    ("memory_used_bytes", MEMORY_USED),
+    ("memory_total_bytes", MEMORY_TOTAL),
+    ("sm_clock_hertz", SM_CLOCK),
+    ("memory_clock_hertz", MEMORY_CLOCK),
+    ("temperature_celsius", TEMPERATURE),
+    ("memory_temperature_celsius", MEMORY_TEMPERATURE),
+    ("power_watts", POWER),
+    ("power_limit_watts", POWER_LIMIT),
+    ("energy_joules", ENERGY),
+    ("performance_state", PSTATE),
+    ("retired_pages_pending", RETIRED_PAGES_PENDING),
+    ("remap_pending", REMAP_PENDING),
+    ("remap_failure", REMAP_FAILURE),
+    ("pcie_replay_total", PCIE_REPLAY),
+    ("fan_speed_ratio", FAN_SPEED),
+)
+_IDENTITY_SIMPLE: tuple[tuple[str, MetricSpec], ...] = (
+    ("sm_clock_max_hertz", SM_CLOCK_MAX),
+    ("memory_clock_max_hertz", MEMORY_CLOCK_MAX),
+    ("slowdown_temperature_celsius", SLOWDOWN_TEMPERATURE),
+    ("shutdown_temperature_celsius", SHUTDOWN_TEMPERATURE),
+    ("gpu_max_temperature_celsius", MAX_OPERATING_TEMPERATURE),
+    ("memory_max_temperature_celsius", MEMORY_MAX_TEMPERATURE),
+)
+_LABELED: tuple[tuple[str, MetricSpec, tuple[tuple[str, str], ...]], ...] = (
+    ("ecc_corrected_volatile", ECC_ERRORS, (("error_type", "corrected"), ("counter", "volatile"))),
+    ("ecc_uncorrected_volatile", ECC_ERRORS, (("error_type", "uncorrected"), ("counter", "volatile"))),
+    ("ecc_corrected_aggregate", ECC_ERRORS, (("error_type", "corrected"), ("counter", "aggregate"))),
+    ("ecc_uncorrected_aggregate", ECC_ERRORS, (("error_type", "uncorrected"), ("counter", "aggregate"))),
+    ("retired_pages_sbe", RETIRED_PAGES, (("cause", "sbe"),)),
+    ("retired_pages_dbe", RETIRED_PAGES, (("cause", "dbe"),)),
+    ("remapped_rows_correctable", REMAPPED_ROWS, (("error_type", "correctable"),)),
+    ("remapped_rows_uncorrectable", REMAPPED_ROWS, (("error_type", "uncorrectable"),)),
+    ("pcie_tx_bytes_per_second", PCIE_THROUGHPUT, (("direction", "tx"),)),
+    ("pcie_rx_bytes_per_second", PCIE_THROUGHPUT, (("direction", "rx"),)),
+)
+
+
+class _Gpu:
+    """What the collector remembers about one GPU between cycles."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.identity: GpuIdentity | None = None
+        self.labels: tuple[tuple[str, str], ...] = (("gpu", str(index)), ("uuid", ""))
+        self.health = "ok"
+        self.static_samples: list[Sample] = []
+        self.nvlink_samples: list[Sample] = []
+        self.nvlink_state: dict[str, int | list[int] | None] = {}
+
+    def identify(self, ident: GpuIdentity) -> None:
+        self.identity = ident
+        self.labels = (("gpu", str(self.index)), ("uuid", ident.uuid))
+        info = Sample.of(INFO, 1, gpu=self.index, uuid=ident.uuid, name=ident.name, pci_bus_id=ident.pci_bus_id,
+                         serial=ident.serial or "", vbios_version=ident.vbios_version or "",
+                         driver_version=ident.driver_version or "",
+                         cuda_driver_version=ident.cuda_driver_version or "")
+        self.static_samples = [info]
+        for attr, spec in _IDENTITY_SIMPLE:
+            value = getattr(ident, attr)
+            if value is not None:
+                self.static_samples.append(Sample(spec.name, value, self.labels))
+
+
+class GpuCollector:
+    name = "gpu"
+    specs: Sequence[MetricSpec] = SPECS
+
+    def __init__(self, config: GpuConfig, backend: PynvmlBackend | None, clock: Callable[[], float]) -> None:
+        self._config = config
+        self._backend = backend
+        self._clock = clock
+        self._gpus: list[_Gpu] | None = None
+        self._nvml_available: bool | None = None
+        self._nvml_errors: dict[str, int] = {}
+        self._nvlink_due = float("-inf")
+        self._xid_counts: dict[tuple[int, int], int] = {}
+        self._xid_queue: deque[tuple[float, int, int]] = deque()
+        self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._reason_labels = tuple((name, ("reason", name)) for name, _ in CLOCK_EVENT_REASONS)
+
+    # --- the cycle -----------------------------------------------------------------------------
+
+    def collect(self, now: float) -> Collection:
+        backend = self._backend
+        events: list[Event] = []
+        if backend is None:
+            self._set_available(False, now, events, "NVML could not be initialised on this node")
+            return Collection([Sample(NVML_AVAILABLE.name, 0.0)], events, {"gpus": [], "nvml_available": False})
+        if self._gpus is None:
+            try:
+                count = backend.device_count()
+            except NVMLError as exc:  # NVML gone: count it and report unavailable, never crash
+                self._count_error(error_reason(exc))
+                self._set_available(False, now, events, f"nvmlDeviceGetCount failed: {exc}")
+                return Collection(self._node_samples(False), events, {"gpus": [], "nvml_available": False})
+            self._gpus = [_Gpu(i) for i in range(count)]
+        nvlinks = now >= self._nvlink_due
+        if nvlinks:
+            self._nvlink_due = now + self._config.nvlink_interval_seconds
+        samples: list[Sample] = []
+        states: list[GpuState] = []
+        for gpu in self._gpus:
+            reading = self._read(backend, gpu, nvlinks)
+            self._transition(gpu, reading.health, now, events)
+            samples.extend(self._gpu_samples(gpu, reading, nvlinks))
+            states.append(self._gpu_state(gpu, reading))
+        available = not self._gpus or any(g.health != "unavailable" for g in self._gpus)
+        self._set_available(available, now, events, "every NVML call fails: driver or library gone")
+        if available and self._config.xid_events and self._worker is None and not self._stop.is_set():
+            self._start_worker(backend)
+        events.extend(self._drain_xids())
+        samples.extend(self._node_samples(available))
+        return Collection(samples, events, {"gpus": states, "nvml_available": available})
+
+    def _read(self, backend: PynvmlBackend, gpu: _Gpu, nvlinks: bool) -> GpuReading:
+        if gpu.identity is None:
+            try:
+                gpu.identify(backend.identity(gpu.index))
+            except NVMLError as exc:  # a GPU that cannot be named yet: health says why
+                self._count_error(error_reason(exc))
+                return GpuReading(index=gpu.index, health=backend.health_of(exc) or "unavailable")
+        reading = backend.read(gpu.index, nvlinks=nvlinks)
+        for _, reason in reading.errors:
+            self._count_error(reason)
+        return reading
+
+    def _transition(self, gpu: _Gpu, health: str, now: float, events: list[Event]) -> None:
+        previous, gpu.health = gpu.health, health
+        if health == previous:
+            return
+        ident = gpu.identity
+        log.warning("GPU %d (%s): health %s -> %s", gpu.index, ident.uuid if ident else "?", previous, health)
+        if health == "lost":
+            events.append(Event(
+                kind="gpu_lost", ts=now, urgent=True, gpu=gpu.index, source="nvml",
+                uuid=ident.uuid if ident else None, pci_bus_id=ident.pci_bus_id if ident else None,
+                message=f"GPU {gpu.index} is lost (NVML_ERROR_GPU_IS_LOST): fell off the bus or hung"))
+
+    def _set_available(self, available: bool, now: float, events: list[Event], why: str) -> None:
+        if available == self._nvml_available:
+            return
+        if not available:
+            log.error("NVML unavailable: %s; no GPU samples until it answers again", why)
+            events.append(Event(kind="nvml_unavailable", ts=now, source="nvml", message=why))
+        self._nvml_available = available
+
+    def _count_error(self, reason: str) -> None:
+        self._nvml_errors[reason] = self._nvml_errors.get(reason, 0) + 1
+
+    # --- samples and report --------------------------------------------------------------------
+
+    def _gpu_samples(self, gpu: _Gpu, r: GpuReading, nvlinks_read: bool) -> list[Sample]:
+        labels = gpu.labels
+        out = [Sample(HEALTH.name, 1.0 if state == r.health else 0.0, (*labels, ("state", state)))
+               for state in HEALTH_STATES]
+        if r.health != "ok":
+            gpu.nvlink_samples = []
+            gpu.nvlink_state = {}
+            out.extend(gpu.static_samples[:1])  # keep the identity of a lost GPU visible
+            return out
+        out.extend(gpu.static_samples)
+        for attr, spec in _SIMPLE:
+            value = getattr(r, attr)
+            if value is not None:
+                out.append(Sample(spec.name, float(value), labels))
+        for attr, spec, extra in _LABELED:
+            value = getattr(r, attr)
+            if value is not None:
+                out.append(Sample(spec.name, float(value), labels + extra))
+        if r.clock_event_reasons is not None:
+            names = set(self._backend.reason_names(r.clock_event_reasons)) if self._backend else set()
+            for name, pair in self._reason_labels:
+                out.append(Sample(CLOCK_EVENT.name, 1.0 if name in names else 0.0, (*labels, pair)))
+        if nvlinks_read:
+            self._remember_nvlinks(gpu, r)
+        out.extend(gpu.nvlink_samples)
+        return out
+
+    @staticmethod
+    def _remember_nvlinks(gpu: _Gpu, r: GpuReading) -> None:
+        samples: list[Sample] = []
+        sums = {"crc": 0, "replay": 0, "recovery": 0}
+        seen = {"crc": False, "replay": False, "recovery": False}
+        down: list[int] = []
+        active = 0
+        for link in r.nvlinks:
+            link_labels = (*gpu.labels, ("link", str(link.link)))
+            if link.active is not None:
+                samples.append(Sample(NVLINK_STATE.name, 1.0 if link.active else 0.0, link_labels))
+                if link.active:
+                    active += 1
+                else:
+                    down.append(link.link)
+            for kind, value in (("crc", link.crc_errors), ("replay", link.replay_errors),
+                                ("recovery", link.recovery_errors)):
+                if value is not None:
+                    samples.append(Sample(NVLINK_ERRORS.name, float(value), (*link_labels, ("error_type", kind))))
+                    sums[kind] += value
+                    seen[kind] = True
+        gpu.nvlink_samples = samples
+        gpu.nvlink_state = {
+            "nvlink_crc_errors_total": sums["crc"] if seen["crc"] else None,
+            "nvlink_replay_errors_total": sums["replay"] if seen["replay"] else None,
+            "nvlink_recovery_errors_total": sums["recovery"] if seen["recovery"] else None,
+            "nvlink_links_active": active if r.nvlinks else None,
+            "nvlink_links_down": down,
+        }
+
+    def _gpu_state(self, gpu: _Gpu, r: GpuReading) -> GpuState:
+        ident = gpu.identity
+        state = GpuState(index=gpu.index, uuid=ident.uuid if ident else "", health=r.health,
+                         name=ident.name if ident else None, pci_bus_id=ident.pci_bus_id if ident else None)
+        if r.health != "ok" or ident is None:
+            return state
+        state.utilization_gpu_ratio = r.utilization_gpu_ratio
+        state.utilization_memory_ratio = r.utilization_memory_ratio
+        state.memory_used_bytes = None if r.memory_used_bytes is None else float(r.memory_used_bytes)
+        state.memory_total_bytes = None if r.memory_total_bytes is None else float(r.memory_total_bytes)
+        state.sm_clock_hertz = r.sm_clock_hertz
+        state.sm_clock_max_hertz = ident.sm_clock_max_hertz
+        state.memory_clock_hertz = r.memory_clock_hertz
+        state.temperature_celsius = r.temperature_celsius
+        state.memory_temperature_celsius = r.memory_temperature_celsius
+        state.slowdown_temperature_celsius = ident.slowdown_temperature_celsius
+        state.shutdown_temperature_celsius = ident.shutdown_temperature_celsius
+        state.memory_max_temperature_celsius = ident.memory_max_temperature_celsius
+        state.power_watts = r.power_watts
+        state.power_limit_watts = r.power_limit_watts
+        state.energy_joules = r.energy_joules
+        state.performance_state = r.performance_state
+        if r.clock_event_reasons is not None and self._backend is not None:
+            state.clock_event_reasons = self._backend.reason_names(r.clock_event_reasons)
+        state.ecc_corrected_volatile = r.ecc_corrected_volatile
+        state.ecc_uncorrected_volatile = r.ecc_uncorrected_volatile
+        state.ecc_corrected_aggregate = r.ecc_corrected_aggregate
+        state.ecc_uncorrected_aggregate = r.ecc_uncorrected_aggregate
+        state.retired_pages_sbe = r.retired_pages_sbe
+        state.retired_pages_dbe = r.retired_pages_dbe
+        state.retired_pages_pending = r.retired_pages_pending
+        state.remapped_rows_correctable = r.remapped_rows_correctable
+        state.remapped_rows_uncorrectable = r.remapped_rows_uncorrectable
+        state.remap_pending = r.remap_pending
+        state.remap_failure = r.remap_failure
+        state.pcie_replay_total = r.pcie_replay_total
+        for key, value in gpu.nvlink_state.items():
+            setattr(state, key, value)
+        return state
+
+    def _node_samples(self, available: bool) -> list[Sample]:
+        out = [Sample(NVML_AVAILABLE.name, 1.0 if available else 0.0)]
+        for reason, count in sorted(self._nvml_errors.items()):
+            out.append(Sample(NVML_ERRORS.name, float(count), (("reason", reason),)))
+        for (index, code), count in sorted(self._xid_counts.items()):
+            labels = self._gpus[index].labels if self._gpus and index < len(self._gpus) else (
+                ("gpu", str(index)), ("uuid", ""))
+            out.append(Sample(NVML_XID.name, float(count), (*labels, ("code", str(code)))))
+        return out
+
+    # --- Xid events ----------------------------------------------------------------------------
+
+    def _start_worker(self, backend: PynvmlBackend) -> None:
+        indices = [g.index for g in self._gpus or () if g.identity is not None]
+        if not indices or not backend.open_events(indices):
+            return
+        self._worker = threading.Thread(target=self._listen, args=(backend,), name="vigil-nvml-xid", daemon=True)
+        self._worker.start()
+
+    def _listen(self, backend: PynvmlBackend) -> None:
+        while not self._stop.is_set():
+            try:
+                event = backend.wait_xid(self._config.event_wait_ms)
+            except NVMLError as exc:  # NVML went away mid-wait: count it, back off, keep listening
+                self._count_error(error_reason(exc))
+                self._stop.wait(1.0)
+                continue
+            if event is not None:
+                self._xid_queue.append((self._clock(), event.index, event.code))
+
+    def _drain_xids(self) -> list[Event]:
+        events = []
+        while self._xid_queue:
+            ts, index, code = self._xid_queue.popleft()
+            key = (index, code)
+            self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
+            ident = self._gpus[index].identity if self._gpus and index < len(self._gpus) else None
+            events.append(Event(kind="xid", ts=ts, urgent=True, code=code, gpu=index, source="nvml",
+                                uuid=ident.uuid if ident else None, pci_bus_id=ident.pci_bus_id if ident else None,
+                                message=f"NVML Xid {code} on GPU {index}"))
+        return events
+
+    def close(self) -> None:
+        self._stop.set()
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.join(timeout=self._config.event_wait_ms / 1000.0 + 2.0)
+            if self._backend is not None:
+                self._backend.close_events()
+
+
+def build(config: AgentConfig, seams: Seams) -> GpuCollector:
+    return GpuCollector(config.collectors.gpu, seams.nvml, seams.clock)

@@ -1,0 +1,491 @@
+"""PynvmlBackend: the only code that calls NVML, over the real pynvml module or FakeNvml.
+
+It reads each GPU's identity once and its dynamic state on demand, converts NVML's units (mW, mJ,
+MHz, percent, KB/s) to base units, turns NotSupported into an absent field (None), maps GPU-level
+errors to a health state (lost, reset_required, unavailable) and waits on NVML's Xid event API.
+It does not emit metrics, keep history or decide anything; the GPU collector does the former.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from pynvml import NVMLError
+
+from agent.nvml.fake import FakeNvml
+
+if TYPE_CHECKING:
+    from agent.config import NvmlConfig
+
+log = logging.getLogger(__name__)
+
+_MHZ = 1_000_000.0
+_MIB = 1024 * 1024
+
+# Clock-event (throttle) reason bits, our short name -> pynvml constant name. Bits from NVML's
+# nvmlClocksEventReasons (NVML API reference, "Clocks Event Reasons"); HW slowdown is set together
+# with its thermal or power-brake cause, as `nvidia-smi -q` nests them.
+CLOCK_EVENT_REASONS: tuple[tuple[str, str], ...] = (
+    ("gpu_idle", "nvmlClocksEventReasonGpuIdle"),
+    ("applications_clocks_setting", "nvmlClocksEventReasonApplicationsClocksSetting"),
+    ("sw_power_cap", "nvmlClocksEventReasonSwPowerCap"),
+    ("hw_slowdown", "nvmlClocksEventReasonHwSlowdown"),
+    ("sync_boost", "nvmlClocksEventReasonSyncBoost"),
+    ("sw_thermal_slowdown", "nvmlClocksEventReasonSwThermalSlowdown"),
+    ("hw_thermal_slowdown", "nvmlClocksEventReasonHwThermalSlowdown"),
+    ("hw_power_brake_slowdown", "nvmlClocksEventReasonHwPowerBrakeSlowdown"),
+    ("display_clock_setting", "nvmlClocksEventReasonDisplayClockSetting"),
+)
+
+NVLINK_ERROR_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("crc", "NVML_NVLINK_ERROR_DL_CRC_FLIT"),
+    ("replay", "NVML_NVLINK_ERROR_DL_REPLAY"),
+    ("recovery", "NVML_NVLINK_ERROR_DL_RECOVERY"),
+)
+
+
+_CONSTANTS = (
+    "NVML_CLOCK_SM", "NVML_CLOCK_MEM", "NVML_TEMPERATURE_GPU", "NVML_MEMORY_ERROR_TYPE_CORRECTED",
+    "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC", "NVML_AGGREGATE_ECC",
+    "NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS", "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR",
+    "NVML_PCIE_UTIL_TX_BYTES", "NVML_PCIE_UTIL_RX_BYTES", "NVML_FI_DEV_MEMORY_TEMP", "NVML_SUCCESS",
+    "NVML_ERROR_NOT_SUPPORTED", "NVML_FEATURE_ENABLED",
+)
+
+
+def error_reason(exc: BaseException) -> str:
+    """NVMLError_GpuIsLost -> "gpu_is_lost": the `reason` label of error counters."""
+    name = type(exc).__name__.removeprefix("NVMLError_")
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower() or "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuIdentity:
+    """What does not change while the driver is loaded: read once per GPU."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str  # as NVML gives it, e.g. "00000000:3B:00.0"
+    serial: str | None
+    vbios_version: str | None
+    driver_version: str | None
+    cuda_driver_version: str | None  # "12.2"
+    memory_total_bytes: int | None
+    sm_clock_max_hertz: float | None
+    memory_clock_max_hertz: float | None
+    slowdown_temperature_celsius: float | None
+    shutdown_temperature_celsius: float | None
+    gpu_max_temperature_celsius: float | None
+    memory_max_temperature_celsius: float | None
+    nvlinks: tuple[int, ...]  # link numbers NVML answers for
+
+
+@dataclass(frozen=True, slots=True)
+class NvLinkReading:
+    link: int
+    active: bool | None
+    crc_errors: int | None
+    replay_errors: int | None
+    recovery_errors: int | None
+
+
+@dataclass(slots=True)
+class GpuReading:
+    """One GPU's dynamic state. None: NVML does not report it on this device (NotSupported) or
+    the read failed (then ``errors`` names why); every field is None unless health is ok."""
+
+    index: int
+    health: str = "ok"  # ok | lost | reset_required | unavailable (agent.wire.GpuHealth)
+    utilization_gpu_ratio: float | None = None
+    utilization_memory_ratio: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    sm_clock_hertz: float | None = None
+    memory_clock_hertz: float | None = None
+    temperature_celsius: float | None = None
+    memory_temperature_celsius: float | None = None
+    power_watts: float | None = None
+    power_limit_watts: float | None = None
+    energy_joules: float | None = None
+    performance_state: int | None = None
+    clock_event_reasons: int | None = None  # NVML bitmask; decode with PynvmlBackend.reason_names
+    ecc_corrected_volatile: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_aggregate: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    retired_pages_sbe: int | None = None
+    retired_pages_dbe: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+    pcie_replay_total: int | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+    fan_speed_ratio: float | None = None
+    nvlinks: tuple[NvLinkReading, ...] = ()
+    # NVML errors other than NotSupported met during this read: (query, reason).
+    errors: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class XidEvent:
+    index: int
+    code: int
+
+
+class _HealthError(Exception):
+    def __init__(self, health: str, reason: str) -> None:
+        super().__init__(health)
+        self.health = health
+        self.reason = reason
+
+
+class PynvmlBackend:
+    """NVML for the agent. ``nvml`` is the pynvml module or a FakeNvml (same names, same units)."""
+
+    def __init__(self, nvml: ModuleType | FakeNvml) -> None:
+        self._nvml: Any = nvml
+        self._error = nvml.NVMLError
+        self._not_supported = nvml.NVMLError_NotSupported
+        self._timeout = nvml.NVMLError_Timeout
+        self._health_of: tuple[tuple[type[BaseException], str], ...] = (
+            (nvml.NVMLError_GpuIsLost, "lost"),
+            (nvml.NVMLError_ResetRequired, "reset_required"),
+            (nvml.NVMLError_Uninitialized, "unavailable"),
+            (nvml.NVMLError_LibraryNotFound, "unavailable"),
+            (nvml.NVMLError_DriverNotLoaded, "unavailable"),
+        )
+        self._health_errors = tuple(cls for cls, _ in self._health_of)
+        self._reason_bits = tuple((name, int(getattr(nvml, const))) for name, const in CLOCK_EVENT_REASONS)
+        self._nvlink_counters = tuple(int(getattr(nvml, const)) for _, const in NVLINK_ERROR_COUNTERS)
+        # Constants looked up once: FakeNvml serves them through __getattr__, which is slow.
+        self._c: dict[str, Any] = {name: getattr(nvml, name) for name in _CONSTANTS}
+        self._handles: dict[int, Any] = {}
+        self._identities: dict[int, GpuIdentity] = {}
+        # Queries a device answered NotSupported: a device capability, so never asked again.
+        self._unsupported: dict[int, set[str]] = {}
+        self._event_set: Any = None
+
+    # --- library -------------------------------------------------------------------------------
+
+    def init(self) -> None:
+        self._nvml.nvmlInit()
+
+    def shutdown(self) -> None:
+        self.close_events()
+        try:
+            self._nvml.nvmlShutdown()
+        except self._error as exc:
+            log.warning("nvmlShutdown failed: %s", exc)
+
+    def device_count(self) -> int:
+        return int(self._nvml.nvmlDeviceGetCount())
+
+    def reason_names(self, mask: int) -> list[str]:
+        return [name for name, bit in self._reason_bits if mask & bit]
+
+    def health_of(self, exc: BaseException) -> str | None:
+        for cls, health in self._health_of:
+            if isinstance(exc, cls):
+                return health
+        return None
+
+    # --- one query -----------------------------------------------------------------------------
+
+    def _query(self, index: int, errors: list[tuple[str, str]], name: str, *args: Any) -> Any:
+        """One NVML call: NotSupported -> None (remembered), health errors raise, others -> None."""
+        unsupported = self._unsupported[index]
+        if name in unsupported:
+            return None
+        try:
+            return getattr(self._nvml, name)(*args)
+        except self._not_supported:
+            unsupported.add(name)
+            return None
+        except self._health_errors as exc:
+            raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
+        except self._error as exc:
+            errors.append((name, error_reason(exc)))
+            return None
+
+    def _handle(self, index: int) -> Any:
+        handle = self._handles.get(index)
+        if handle is None:
+            try:
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
+            except self._health_errors as exc:
+                raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
+            self._handles[index] = handle
+            self._unsupported.setdefault(index, set())
+        return handle
+
+    # --- identity ------------------------------------------------------------------------------
+
+    def identity(self, index: int) -> GpuIdentity:
+        """The GPU's identity and static limits, cached. Raises the NVMLError of a GPU that cannot
+        be identified (lost, reset required, NVML gone); the caller reports it and retries."""
+        cached = self._identities.get(index)
+        if cached is not None:
+            return cached
+        try:
+            ident = self._read_identity(index)
+        except _HealthError as exc:
+            raise exc.__cause__ or exc from None
+        self._identities[index] = ident
+        return ident
+
+    def _read_identity(self, index: int) -> GpuIdentity:
+        nvml = self._nvml
+        h = self._handle(index)
+        errors: list[tuple[str, str]] = []
+        q = self._query
+        uuid = q(index, errors, "nvmlDeviceGetUUID", h)
+        if not uuid:
+            raise nvml.NVMLError_Unknown()  # a GPU without a UUID cannot be named in any series
+        pci = q(index, errors, "nvmlDeviceGetPciInfo", h)
+        cuda = q(index, errors, "nvmlSystemGetCudaDriverVersion")
+        memory = q(index, errors, "nvmlDeviceGetMemoryInfo", h)
+        sm_max = q(index, errors, "nvmlDeviceGetMaxClockInfo", h, nvml.NVML_CLOCK_SM)
+        mem_max = q(index, errors, "nvmlDeviceGetMaxClockInfo", h, nvml.NVML_CLOCK_MEM)
+
+        def threshold(which: int) -> float | None:
+            value = q(index, errors, "nvmlDeviceGetTemperatureThreshold", h, which)
+            return None if value is None else float(value)
+
+        links = []
+        for link in range(int(nvml.NVML_NVLINK_MAX_LINKS)):
+            try:
+                nvml.nvmlDeviceGetNvLinkState(h, link)
+            except self._health_errors:
+                raise
+            except self._error:
+                continue  # NotSupported / InvalidArgument: no such link on this board
+            links.append(link)
+        return GpuIdentity(
+            index=index,
+            uuid=str(uuid),
+            name=str(q(index, errors, "nvmlDeviceGetName", h) or ""),
+            pci_bus_id=str(pci.busId) if pci is not None else "",
+            serial=q(index, errors, "nvmlDeviceGetSerial", h),
+            vbios_version=q(index, errors, "nvmlDeviceGetVbiosVersion", h),
+            driver_version=q(index, errors, "nvmlSystemGetDriverVersion"),
+            cuda_driver_version=None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}",
+            memory_total_bytes=None if memory is None else int(memory.total),
+            sm_clock_max_hertz=None if sm_max is None else sm_max * _MHZ,
+            memory_clock_max_hertz=None if mem_max is None else mem_max * _MHZ,
+            slowdown_temperature_celsius=threshold(nvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+            shutdown_temperature_celsius=threshold(nvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+            gpu_max_temperature_celsius=threshold(nvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX),
+            memory_max_temperature_celsius=threshold(nvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX),
+            nvlinks=tuple(links),
+        )
+
+    # --- dynamic state -------------------------------------------------------------------------
+
+    def read(self, index: int, *, nvlinks: bool = True) -> GpuReading:
+        """The GPU's dynamic state now. Never raises for an NVML error: a lost GPU, one that needs
+        a reset or an NVML that went away is a reading with that health and no values. With
+        ``nvlinks=False`` NVLink is left out (``nvlinks == ()``): 4 queries per link, 18 links on
+        Hopper, are most of a cycle's NVML calls, so the collector reads them less often."""
+        reading = GpuReading(index=index)
+        try:
+            self._read_into(index, reading, nvlinks)
+        except _HealthError as exc:
+            return GpuReading(index=index, health=exc.health, errors=[("device", exc.reason)])
+        return reading
+
+    def _read_into(self, index: int, r: GpuReading, nvlinks: bool) -> None:
+        c = self._c
+        h = self._handle(index)
+        e = r.errors
+        q = self._query
+        util = q(index, e, "nvmlDeviceGetUtilizationRates", h)
+        if util is not None:
+            r.utilization_gpu_ratio = util.gpu / 100.0
+            r.utilization_memory_ratio = util.memory / 100.0
+        memory = q(index, e, "nvmlDeviceGetMemoryInfo", h)
+        if memory is not None:
+            r.memory_used_bytes = int(memory.used)
+            r.memory_total_bytes = int(memory.total)
+        sm = q(index, e, "nvmlDeviceGetClockInfo", h, c["NVML_CLOCK_SM"])
+        r.sm_clock_hertz = None if sm is None else sm * _MHZ
+        mem_clock = q(index, e, "nvmlDeviceGetClockInfo", h, c["NVML_CLOCK_MEM"])
+        r.memory_clock_hertz = None if mem_clock is None else mem_clock * _MHZ
+        temp = q(index, e, "nvmlDeviceGetTemperature", h, c["NVML_TEMPERATURE_GPU"])
+        r.temperature_celsius = None if temp is None else float(temp)
+        r.memory_temperature_celsius = self._memory_temperature(index, e, h)
+        power = q(index, e, "nvmlDeviceGetPowerUsage", h)
+        r.power_watts = None if power is None else power / 1000.0
+        limit = q(index, e, "nvmlDeviceGetEnforcedPowerLimit", h)
+        r.power_limit_watts = None if limit is None else limit / 1000.0
+        energy = q(index, e, "nvmlDeviceGetTotalEnergyConsumption", h)
+        r.energy_joules = None if energy is None else energy / 1000.0
+        r.performance_state = q(index, e, "nvmlDeviceGetPerformanceState", h)
+        r.clock_event_reasons = q(index, e, "nvmlDeviceGetCurrentClocksEventReasons", h)
+        corrected, uncorrected = c["NVML_MEMORY_ERROR_TYPE_CORRECTED"], c["NVML_MEMORY_ERROR_TYPE_UNCORRECTED"]
+        volatile, aggregate = c["NVML_VOLATILE_ECC"], c["NVML_AGGREGATE_ECC"]
+        r.ecc_corrected_volatile = q(index, e, "nvmlDeviceGetTotalEccErrors", h, corrected, volatile)
+        r.ecc_uncorrected_volatile = q(index, e, "nvmlDeviceGetTotalEccErrors", h, uncorrected, volatile)
+        r.ecc_corrected_aggregate = q(index, e, "nvmlDeviceGetTotalEccErrors", h, corrected, aggregate)
+        r.ecc_uncorrected_aggregate = q(index, e, "nvmlDeviceGetTotalEccErrors", h, uncorrected, aggregate)
+        sbe = q(index, e, "nvmlDeviceGetRetiredPages", h,
+                c["NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS"])
+        r.retired_pages_sbe = None if sbe is None else len(sbe)
+        dbe = q(index, e, "nvmlDeviceGetRetiredPages", h, c["NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR"])
+        r.retired_pages_dbe = None if dbe is None else len(dbe)
+        pending = q(index, e, "nvmlDeviceGetRetiredPagesPendingStatus", h)
+        r.retired_pages_pending = None if pending is None else bool(pending)
+        rows = q(index, e, "nvmlDeviceGetRemappedRows", h)
+        if rows is not None:
+            r.remapped_rows_correctable, r.remapped_rows_uncorrectable = int(rows[0]), int(rows[1])
+            r.remap_pending, r.remap_failure = bool(rows[2]), bool(rows[3])
+        r.pcie_replay_total = q(index, e, "nvmlDeviceGetPcieReplayCounter", h)
+        tx = q(index, e, "nvmlDeviceGetPcieThroughput", h, c["NVML_PCIE_UTIL_TX_BYTES"])
+        r.pcie_tx_bytes_per_second = None if tx is None else tx * 1000.0  # NVML reports KB/s
+        rx = q(index, e, "nvmlDeviceGetPcieThroughput", h, c["NVML_PCIE_UTIL_RX_BYTES"])
+        r.pcie_rx_bytes_per_second = None if rx is None else rx * 1000.0
+        fan = q(index, e, "nvmlDeviceGetFanSpeed", h)
+        r.fan_speed_ratio = None if fan is None else fan / 100.0
+        ident = self._identities.get(index)
+        if nvlinks and ident is not None and ident.nvlinks:
+            r.nvlinks = self._read_nvlinks(index, e, h, ident.nvlinks)
+
+    def _memory_temperature(self, index: int, errors: list[tuple[str, str]], h: Any) -> float | None:
+        # HBM temperature has no getter of its own; it is field NVML_FI_DEV_MEMORY_TEMP, whose own
+        # nvmlReturn says NotSupported on boards without an HBM sensor.
+        values = self._query(index, errors, "nvmlDeviceGetFieldValues", h, [self._c["NVML_FI_DEV_MEMORY_TEMP"]])
+        if values is None:
+            return None
+        v = values[0]
+        if v.nvmlReturn != self._c["NVML_SUCCESS"]:
+            if v.nvmlReturn == self._c["NVML_ERROR_NOT_SUPPORTED"]:
+                self._unsupported[index].add("nvmlDeviceGetFieldValues")
+            else:
+                errors.append(("nvmlDeviceGetFieldValues", f"field_return_{int(v.nvmlReturn)}"))
+            return None
+        return float(_field_value(self._nvml, v))
+
+    def _read_nvlinks(self, index: int, e: list[tuple[str, str]], h: Any,
+                      links: tuple[int, ...]) -> tuple[NvLinkReading, ...]:
+        q = self._query
+        enabled = self._c["NVML_FEATURE_ENABLED"]
+        crc, replay, recovery = self._nvlink_counters
+        out = []
+        for link in links:
+            state = q(index, e, "nvmlDeviceGetNvLinkState", h, link)
+            out.append(NvLinkReading(
+                link=link,
+                active=None if state is None else state == enabled,
+                crc_errors=q(index, e, "nvmlDeviceGetNvLinkErrorCounter", h, link, crc),
+                replay_errors=q(index, e, "nvmlDeviceGetNvLinkErrorCounter", h, link, replay),
+                recovery_errors=q(index, e, "nvmlDeviceGetNvLinkErrorCounter", h, link, recovery),
+            ))
+        return tuple(out)
+
+    # --- Xid events ----------------------------------------------------------------------------
+
+    def open_events(self, indices: list[int]) -> list[int]:
+        """Register the GPUs for Xid critical-error events; returns the indices registered."""
+        nvml = self._nvml
+        self._event_set = nvml.nvmlEventSetCreate()
+        registered = []
+        for index in indices:
+            try:
+                nvml.nvmlDeviceRegisterEvents(self._handle(index), nvml.nvmlEventTypeXidCriticalError,
+                                              self._event_set)
+            except (self._error, _HealthError) as exc:
+                log.warning("GPU %d: cannot register for NVML Xid events: %s", index, exc)
+                continue
+            registered.append(index)
+        return registered
+
+    def wait_xid(self, timeout_ms: int) -> XidEvent | None:
+        """The next Xid event, or None after ``timeout_ms``. NVML errors other than the timeout
+        propagate (the caller counts them and backs off)."""
+        if self._event_set is None:
+            return None
+        nvml = self._nvml
+        try:
+            data = nvml.nvmlEventSetWait_v2(self._event_set, timeout_ms)
+        except self._timeout:
+            return None
+        if not data.eventType & nvml.nvmlEventTypeXidCriticalError:
+            return None
+        return XidEvent(index=self._index_of(data.device), code=int(data.eventData))
+
+    def _index_of(self, device: Any) -> int:
+        # By handle first: asking NVML for the index of a GPU that just fell off the bus fails.
+        address = _address(device)
+        for index, handle in self._handles.items():
+            if handle is device or (address is not None and _address(handle) == address):
+                return index
+        return int(self._nvml.nvmlDeviceGetIndex(device))
+
+    def close_events(self) -> None:
+        event_set, self._event_set = self._event_set, None
+        if event_set is not None:
+            try:
+                self._nvml.nvmlEventSetFree(event_set)
+            except self._error as exc:
+                log.warning("nvmlEventSetFree failed: %s", exc)
+
+
+def _address(handle: Any) -> int | None:
+    """The address a pynvml device handle (a ctypes pointer) points at; None for other handles."""
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return None
+
+
+def _field_value(nvml: Any, v: Any) -> float:
+    kind = v.valueType
+    if kind == nvml.NVML_VALUE_TYPE_DOUBLE:
+        return float(v.value.dVal)
+    if kind == nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:
+        return float(v.value.ullVal)
+    if kind == nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
+        return float(v.value.sllVal)
+    if kind == nvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
+        return float(v.value.ulVal)
+    if kind == nvml.NVML_VALUE_TYPE_SIGNED_INT:
+        return float(v.value.siVal)
+    if kind == nvml.NVML_VALUE_TYPE_UNSIGNED_SHORT:
+        return float(v.value.usVal)
+    return float(v.value.uiVal)
+
+
+def open_backend(config: NvmlConfig, clock: Callable[[], float]) -> PynvmlBackend | None:
+    """The backend the configuration asks for, initialised; None (after one ERROR line) when NVML
+    cannot be used. A node without NVML never falls back to the fake."""
+    if config.backend == "fake":
+        from agent.nvml.scenario import DEFAULT_SCENARIO, load_node_scenario
+
+        scenario = DEFAULT_SCENARIO if config.scenario is None else load_node_scenario(config.scenario)
+        nvml: ModuleType | FakeNvml = FakeNvml(scenario, clock, seed=config.seed)
+        what = f"fake NVML ({config.scenario or 'default healthy 8x H100'})"
+    else:
+        try:
+            import pynvml
+        except ImportError as exc:
+            log.error("NVML unavailable: cannot import pynvml (nvidia-ml-py): %s; no GPU metrics", exc)
+            return None
+        nvml = pynvml
+        what = "NVML"
+    backend = PynvmlBackend(nvml)
+    try:
+        backend.init()
+    except NVMLError as exc:  # any failure to load the library means no GPU samples, loudly
+        log.error("%s unavailable: nvmlInit failed: %s (%s); no GPU metrics from this agent",
+                  what, exc, type(exc).__name__)
+        return None
+    return backend

@@ -1,0 +1,506 @@
+"""FakeNvml: a stand-in for the ``pynvml`` module, driven by a node scenario and a clock.
+
+It answers the pynvml functions PynvmlBackend calls, with NVML's names, signatures and units
+(mW, mJ, bytes, MHz, percent, KB/s) and the real ``pynvml.NVMLError_*`` exceptions, so the real
+backend runs in every test. Constants and exception classes are pynvml's own; any other
+attribute fails loudly, so a backend call the fake was not taught cannot pass unnoticed. It does
+not load libnvidia-ml and does no I/O; answers are computed from precomputed tables, cheaply,
+because the fleet simulator runs a thousand of these.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pynvml
+
+from agent.nvml.profiles import PROFILES, DeviceProfile
+from agent.nvml.scenario import NodeScenario
+
+Clock = Callable[[], float]
+
+_NOISE_TABLE_SIZE = 1024
+# Event waits sleep at most this long in real time per call: the scenario clock may be fake, so
+# the fake cannot know when an event "arrives" and re-checks instead (NVML itself blocks).
+_EVENT_POLL_SECONDS = 0.05
+_NO_INSTANCE = 0xFFFFFFFF  # NVML's gpuInstanceId/computeInstanceId outside MIG
+
+_HW_SLOWDOWN = pynvml.nvmlClocksEventReasonHwSlowdown
+_HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown
+_HW_POWER_BRAKE = pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown
+_IDLE = pynvml.nvmlClocksEventReasonGpuIdle
+_NVLINK_COUNTER_KIND = {
+    pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc",
+    pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay",
+    pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
+}
+
+
+def _is_passthrough(value: Any) -> bool:
+    """pynvml attributes the fake re-exports: constants, exception classes and ctypes structs."""
+    if isinstance(value, int | str | float | bytes):
+        return True
+    if isinstance(value, type):
+        return issubclass(value, BaseException | ctypes.Structure | ctypes.Union)
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    start: float
+    end: float
+    reasons: int
+    clock_ratio: float
+    hot: bool  # temperature climbs to the slowdown threshold
+
+
+@dataclass(frozen=True, slots=True)
+class _Growth:
+    start: float
+    end: float
+    rate_per_second: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    at: float
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class FakeEventData:
+    """The fields of pynvml's c_nvmlEventData_t that a reader uses."""
+
+    device: Any
+    eventType: int
+    eventData: int
+    gpuInstanceId: int = _NO_INSTANCE
+    computeInstanceId: int = _NO_INSTANCE
+
+
+class FakeGpuHandle:
+    """One GPU: the scenario's faults for it, precomputed into time windows and steps."""
+
+    def __init__(self, index: int, profile: DeviceProfile, scenario: NodeScenario, seed: int) -> None:
+        self.index = index
+        self.profile = profile
+        digest = hashlib.sha256(f"{seed}:{profile.key}:{index}".encode()).hexdigest()
+        self.uuid = f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+        self.serial = str(1650000000000 + int(digest[32:40], 16) % 1_000_000_000)
+        self.pci_bus_id = profile.pcie_bus_ids[index]
+        self.nvlink_count = profile.nvlink_count
+        rng = random.Random(f"{seed}:{index}")
+        self.noise = tuple(rng.uniform(-1.0, 1.0) for _ in range(_NOISE_TABLE_SIZE))
+        self.energy_base_mj = rng.randrange(10**9, 10**11)  # energy since the driver loaded
+        self.pcie_replay_base = rng.randrange(0, 80)  # the recording shows 52..67 on healthy GPUs
+        self.load = scenario.load
+        self.lost_at = math.inf
+        self.reset_required_at = math.inf
+        self.windows: list[_Window] = []
+        self.ecc_growth: list[_Growth] = []
+        self.ecc_uncorrected: list[_Step] = []
+        self.remap_pending: list[_Step] = []
+        self.remap_failure_at = math.inf
+        self.nvlink_growth: dict[tuple[int, str], list[_Growth]] = {}
+        self.nvlink_down_at: dict[int, float] = {}
+        self.xids: list[tuple[float, int]] = []
+        for fault in scenario.faults:
+            if getattr(fault, "gpu", None) != index:
+                continue
+            at = fault.at_seconds
+            match fault.kind:
+                case "ecc_corrected_growth":
+                    end = at + fault.duration_seconds if fault.duration_seconds else math.inf
+                    self.ecc_growth.append(_Growth(at, end, fault.rate_per_second))
+                case "ecc_uncorrectable":
+                    self.ecc_uncorrected.append(_Step(at, fault.count))
+                case "row_remap_pending":
+                    self.remap_pending.append(_Step(at, fault.rows))
+                case "row_remap_failure":
+                    self.remap_failure_at = min(self.remap_failure_at, at)
+                case "thermal_throttle":
+                    self.windows.append(_Window(at, at + fault.duration_seconds, _HW_SLOWDOWN | _HW_THERMAL,
+                                                fault.clock_ratio, hot=True))
+                case "power_brake":
+                    self.windows.append(_Window(at, at + fault.duration_seconds,
+                                                _HW_SLOWDOWN | _HW_POWER_BRAKE, fault.clock_ratio, hot=False))
+                case "xid":
+                    self.xids.append((at, fault.code))
+                case "gpu_lost":
+                    self.lost_at = min(self.lost_at, at)
+                case "reset_required":
+                    self.reset_required_at = min(self.reset_required_at, at)
+                case "nvlink_errors":
+                    self.nvlink_growth.setdefault((fault.link, fault.error_type), []).append(
+                        _Growth(at, math.inf, fault.rate_per_second))
+                case "nvlink_down":
+                    self.nvlink_down_at[fault.link] = min(self.nvlink_down_at.get(fault.link, math.inf), at)
+        self.xids.sort()
+
+    # --- the state at scenario time t -------------------------------------------------------
+
+    def utilization(self, t: float) -> float:
+        load = self.load
+        if load.utilization == 0.0:
+            return 0.0
+        u = load.utilization + load.noise * self.noise[int(t) % _NOISE_TABLE_SIZE]
+        return 0.0 if u < 0.0 else 1.0 if u > 1.0 else u
+
+    def window(self, t: float) -> _Window | None:
+        for w in self.windows:
+            if w.start <= t < w.end:
+                return w
+        return None
+
+    @staticmethod
+    def grown(growths: Sequence[_Growth], t: float) -> int:
+        total = 0
+        for g in growths:
+            if t >= g.start:
+                total += int(g.rate_per_second * (min(t, g.end) - g.start))
+        return total
+
+    @staticmethod
+    def stepped(steps: Sequence[_Step], t: float) -> int:
+        return sum(s.count for s in steps if t >= s.at)
+
+
+class _FakeEventSet:
+    def __init__(self) -> None:
+        self.devices: dict[int, FakeGpuHandle] = {}
+        self.delivered: dict[int, int] = {}  # gpu index -> how many of its xids were delivered
+        self.freed = threading.Event()
+
+
+class FakeNvml:
+    """Imitates the pynvml module for one node. Scenario time is ``clock() - start``."""
+
+    def __init__(self, scenario: NodeScenario, clock: Clock, start: float | None = None, seed: int = 0) -> None:
+        self.scenario = scenario
+        self._clock = clock
+        self._start = clock() if start is None else start
+        self.profile = PROFILES[scenario.profile]
+        self.handles = [FakeGpuHandle(i, self.profile, scenario, seed) for i in range(scenario.gpus)]
+        self._unavailable_at = min((f.at_seconds for f in scenario.faults if f.kind == "nvml_unavailable"),
+                                   default=math.inf)
+        self._initialized = 0  # NVML counts nvmlInit calls; each needs an nvmlShutdown
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the class does not define: constants pass through, functions fail.
+        value = getattr(pynvml, name, None)
+        if value is not None and _is_passthrough(value):
+            return value
+        raise AttributeError(
+            f"FakeNvml does not implement pynvml.{name}: teach agent/nvml/fake.py before the backend calls it")
+
+    def now(self) -> float:
+        return self._clock() - self._start
+
+    # --- library -------------------------------------------------------------------------------
+
+    def _live(self) -> float:
+        t = self._clock() - self._start
+        if t >= self._unavailable_at:
+            raise pynvml.NVMLError_DriverNotLoaded()
+        if not self._initialized:
+            raise pynvml.NVMLError_Uninitialized()
+        return t
+
+    def _device(self, handle: FakeGpuHandle, function: str) -> float:
+        t = self._live()
+        if t >= handle.lost_at:
+            raise pynvml.NVMLError_GpuIsLost()
+        if t >= handle.reset_required_at:
+            raise pynvml.NVMLError_ResetRequired()
+        if function in handle.profile.not_supported:
+            raise pynvml.NVMLError_NotSupported()
+        return t
+
+    def nvmlInit(self) -> None:
+        if self.now() >= self._unavailable_at:
+            raise pynvml.NVMLError_DriverNotLoaded()
+        self._initialized += 1
+
+    def nvmlShutdown(self) -> None:
+        if not self._initialized:
+            raise pynvml.NVMLError_Uninitialized()
+        self._initialized -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._live()
+        return self.profile.driver_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        self._live()
+        return self.profile.cuda_driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._live()
+        return len(self.handles)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpuHandle:
+        self._live()
+        if not 0 <= index < len(self.handles):
+            raise pynvml.NVMLError_InvalidArgument()
+        handle = self.handles[index]
+        self._device(handle, "nvmlDeviceGetHandleByIndex")
+        return handle
+
+    # --- identity ------------------------------------------------------------------------------
+
+    def nvmlDeviceGetIndex(self, handle: FakeGpuHandle) -> int:
+        self._device(handle, "nvmlDeviceGetIndex")
+        return handle.index
+
+    def nvmlDeviceGetUUID(self, handle: FakeGpuHandle) -> str:
+        self._device(handle, "nvmlDeviceGetUUID")
+        return handle.uuid
+
+    def nvmlDeviceGetName(self, handle: FakeGpuHandle) -> str:
+        self._device(handle, "nvmlDeviceGetName")
+        return handle.profile.name
+
+    def nvmlDeviceGetSerial(self, handle: FakeGpuHandle) -> str:
+        self._device(handle, "nvmlDeviceGetSerial")
+        return handle.serial
+
+    def nvmlDeviceGetVbiosVersion(self, handle: FakeGpuHandle) -> str:
+        self._device(handle, "nvmlDeviceGetVbiosVersion")
+        return handle.profile.vbios_version
+
+    def nvmlDeviceGetPciInfo(self, handle: FakeGpuHandle) -> pynvml.nvmlPciInfo_t:
+        self._device(handle, "nvmlDeviceGetPciInfo")
+        info = pynvml.nvmlPciInfo_t()
+        info.busId = handle.pci_bus_id
+        info.busIdLegacy = handle.pci_bus_id
+        domain, bus, rest = handle.pci_bus_id.split(":")
+        info.domain = int(domain, 16)
+        info.bus = int(bus, 16)
+        info.device = int(rest.split(".")[0], 16)
+        return info
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: FakeGpuHandle, clock_type: int) -> int:
+        self._device(handle, "nvmlDeviceGetMaxClockInfo")
+        if clock_type == pynvml.NVML_CLOCK_SM or clock_type == pynvml.NVML_CLOCK_GRAPHICS:
+            return handle.profile.sm_clock_max_mhz
+        if clock_type == pynvml.NVML_CLOCK_MEM:
+            return handle.profile.memory_clock_max_mhz
+        raise pynvml.NVMLError_InvalidArgument()
+
+    def nvmlDeviceGetTemperatureThreshold(self, handle: FakeGpuHandle, threshold: int) -> int:
+        self._device(handle, "nvmlDeviceGetTemperatureThreshold")
+        p = handle.profile
+        values = {
+            pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: p.shutdown_temperature_celsius,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: p.slowdown_temperature_celsius,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: p.gpu_max_temperature_celsius,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: p.memory_max_temperature_celsius,
+        }
+        if threshold not in values:
+            raise pynvml.NVMLError_NotSupported()
+        return values[threshold]
+
+    # --- dynamic readings ----------------------------------------------------------------------
+
+    def nvmlDeviceGetUtilizationRates(self, handle: FakeGpuHandle) -> pynvml.c_nvmlUtilization_t:
+        t = self._device(handle, "nvmlDeviceGetUtilizationRates")
+        u = handle.utilization(t)
+        rates = pynvml.c_nvmlUtilization_t()
+        rates.gpu = round(u * 100)
+        rates.memory = round(u * 45)  # memory-controller busy share: ~half of SM busy in LLM training
+        return rates
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeGpuHandle) -> pynvml.c_nvmlMemory_t:
+        t = self._device(handle, "nvmlDeviceGetMemoryInfo")
+        total = handle.profile.memory_total_bytes
+        busy = handle.load.memory_used_ratio if handle.utilization(t) > 0 else 0.0
+        used = int(total * busy) // (1024 * 1024) * (1024 * 1024)
+        info = pynvml.c_nvmlMemory_t()
+        info.total = total
+        info.used = used
+        info.free = total - used
+        return info
+
+    def nvmlDeviceGetClockInfo(self, handle: FakeGpuHandle, clock_type: int) -> int:
+        t = self._device(handle, "nvmlDeviceGetClockInfo")
+        p = handle.profile
+        if clock_type == pynvml.NVML_CLOCK_MEM:
+            return p.memory_clock_max_mhz
+        if clock_type != pynvml.NVML_CLOCK_SM and clock_type != pynvml.NVML_CLOCK_GRAPHICS:
+            raise pynvml.NVMLError_InvalidArgument()
+        w = handle.window(t)
+        if w is not None:
+            return int(p.sm_clock_max_mhz * w.clock_ratio)
+        return p.sm_clock_max_mhz if handle.utilization(t) > 0 else p.sm_clock_idle_mhz
+
+    def nvmlDeviceGetTemperature(self, handle: FakeGpuHandle, sensor: int) -> int:
+        t = self._device(handle, "nvmlDeviceGetTemperature")
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise pynvml.NVMLError_InvalidArgument()
+        p = handle.profile
+        w = handle.window(t)
+        if w is not None and w.hot:
+            return p.slowdown_temperature_celsius + 1
+        u = handle.utilization(t)
+        return round(p.temperature_idle_celsius + (p.temperature_busy_celsius - p.temperature_idle_celsius) * u)
+
+    def nvmlDeviceGetFieldValues(self, handle: FakeGpuHandle, field_ids: Sequence[int]) -> Any:
+        t = self._device(handle, "nvmlDeviceGetFieldValues")
+        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        for i, field_id in enumerate(field_ids):
+            v = values[i]
+            v.fieldId = field_id
+            if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+                p = handle.profile
+                u = handle.utilization(t)
+                span = p.memory_temperature_busy_celsius - p.memory_temperature_idle_celsius
+                v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                v.value.uiVal = round(p.memory_temperature_idle_celsius + span * u)
+                v.nvmlReturn = pynvml.NVML_SUCCESS
+            else:
+                v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return values
+
+    def _power_mw(self, handle: FakeGpuHandle, t: float) -> int:
+        p = handle.profile
+        w = handle.window(t)
+        u = handle.utilization(t)
+        if w is not None:
+            u *= w.clock_ratio
+        return int(p.power_idle_mw + (p.power_busy_mw - p.power_idle_mw) * u)
+
+    def nvmlDeviceGetPowerUsage(self, handle: FakeGpuHandle) -> int:
+        t = self._device(handle, "nvmlDeviceGetPowerUsage")
+        return self._power_mw(handle, t)
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: FakeGpuHandle) -> int:
+        self._device(handle, "nvmlDeviceGetEnforcedPowerLimit")
+        return handle.profile.power_limit_mw
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeGpuHandle) -> int:
+        t = self._device(handle, "nvmlDeviceGetTotalEnergyConsumption")
+        # Integrates the noise-free draw (mW * s = mJ) so the counter never goes backwards.
+        p = handle.profile
+        mean_mw = p.power_idle_mw + (p.power_busy_mw - p.power_idle_mw) * handle.load.utilization
+        return handle.energy_base_mj + int(mean_mw * max(t, 0.0))
+
+    def nvmlDeviceGetPerformanceState(self, handle: FakeGpuHandle) -> int:
+        self._device(handle, "nvmlDeviceGetPerformanceState")
+        return 0  # HGX boards in persistence mode sit in P0 even when idle (see the recording)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: FakeGpuHandle) -> int:
+        t = self._device(handle, "nvmlDeviceGetCurrentClocksEventReasons")
+        w = handle.window(t)
+        reasons = w.reasons if w is not None else 0
+        if handle.utilization(t) == 0.0:
+            reasons |= _IDLE
+        return reasons
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: FakeGpuHandle, error_type: int, counter_type: int) -> int:
+        t = self._device(handle, "nvmlDeviceGetTotalEccErrors")
+        if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
+            return handle.grown(handle.ecc_growth, t)
+        if error_type == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+            return handle.stepped(handle.ecc_uncorrected, t)
+        raise pynvml.NVMLError_InvalidArgument()
+
+    def nvmlDeviceGetRetiredPages(self, handle: FakeGpuHandle, cause: int) -> list[int]:
+        self._device(handle, "nvmlDeviceGetRetiredPages")
+        return []
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: FakeGpuHandle) -> int:
+        self._device(handle, "nvmlDeviceGetRetiredPagesPendingStatus")
+        return pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetRemappedRows(self, handle: FakeGpuHandle) -> tuple[int, int, int, int]:
+        t = self._device(handle, "nvmlDeviceGetRemappedRows")
+        pending_rows = handle.stepped(handle.remap_pending, t)
+        failed = t >= handle.remap_failure_at
+        uncorrectable = pending_rows + handle.stepped(handle.ecc_uncorrected, t) + (1 if failed else 0)
+        # A remap waits for the next GPU reset; the failure means no spare row was left.
+        return (0, uncorrectable, 1 if pending_rows else 0, 1 if failed else 0)
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: FakeGpuHandle) -> int:
+        self._device(handle, "nvmlDeviceGetPcieReplayCounter")
+        return handle.pcie_replay_base
+
+    def nvmlDeviceGetPcieThroughput(self, handle: FakeGpuHandle, counter: int) -> int:
+        t = self._device(handle, "nvmlDeviceGetPcieThroughput")
+        u = handle.utilization(t)
+        kb_per_second = handle.profile.pcie_max_bytes_per_second // 1000 // 50  # ~2% of the link
+        share = 1.0 if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES else 0.6
+        return int(kb_per_second * share * (0.05 + u))
+
+    def nvmlDeviceGetFanSpeed(self, handle: FakeGpuHandle) -> int:
+        self._device(handle, "nvmlDeviceGetFanSpeed")
+        return 40
+
+    # --- NVLink --------------------------------------------------------------------------------
+
+    def _link(self, handle: FakeGpuHandle, link: int) -> float:
+        # The device checks of _device, inlined: NVLink queries are most of a cycle's calls.
+        t = self._clock() - self._start
+        if t >= self._unavailable_at:
+            raise pynvml.NVMLError_DriverNotLoaded()
+        if not self._initialized:
+            raise pynvml.NVMLError_Uninitialized()
+        if t >= handle.lost_at:
+            raise pynvml.NVMLError_GpuIsLost()
+        if t >= handle.reset_required_at:
+            raise pynvml.NVMLError_ResetRequired()
+        if not 0 <= link < handle.nvlink_count:
+            raise pynvml.NVMLError_InvalidArgument()
+        return t
+
+    def nvmlDeviceGetNvLinkState(self, handle: FakeGpuHandle, link: int) -> int:
+        t = self._link(handle, link)
+        down = t >= handle.nvlink_down_at.get(link, math.inf)
+        return pynvml.NVML_FEATURE_DISABLED if down else pynvml.NVML_FEATURE_ENABLED
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, handle: FakeGpuHandle, link: int, counter: int) -> int:
+        t = self._link(handle, link)
+        kind = _NVLINK_COUNTER_KIND.get(counter)
+        if kind is None:
+            raise pynvml.NVMLError_NotSupported()
+        if not handle.nvlink_growth:
+            return 0
+        growths = handle.nvlink_growth.get((link, kind))
+        return handle.grown(growths, t) if growths else 0
+
+    # --- events --------------------------------------------------------------------------------
+
+    def nvmlEventSetCreate(self) -> _FakeEventSet:
+        self._live()
+        return _FakeEventSet()
+
+    def nvmlDeviceRegisterEvents(self, handle: FakeGpuHandle, event_types: int, event_set: _FakeEventSet) -> None:
+        self._device(handle, "nvmlDeviceRegisterEvents")
+        if event_types & ~pynvml.nvmlEventTypeXidCriticalError:
+            raise pynvml.NVMLError_NotSupported()  # the fake only produces Xid events
+        event_set.devices[handle.index] = handle
+        event_set.delivered.setdefault(handle.index, 0)
+
+    def nvmlEventSetWait_v2(self, event_set: _FakeEventSet, timeout_ms: int) -> FakeEventData:
+        # Bounded in real time whatever the scenario clock does: a frozen test clock must not hang.
+        polls = math.ceil(timeout_ms / 1000.0 / _EVENT_POLL_SECONDS) if timeout_ms > 0 else 0
+        for attempt in range(polls + 1):
+            t = self._live()
+            for index, handle in event_set.devices.items():
+                sent = event_set.delivered[index]
+                if sent < len(handle.xids) and handle.xids[sent][0] <= t:
+                    event_set.delivered[index] = sent + 1
+                    return FakeEventData(handle, pynvml.nvmlEventTypeXidCriticalError, handle.xids[sent][1])
+            if attempt == polls or event_set.freed.is_set():
+                break
+            event_set.freed.wait(_EVENT_POLL_SECONDS)
+        raise pynvml.NVMLError_Timeout()
+
+    def nvmlEventSetFree(self, event_set: _FakeEventSet) -> None:
+        event_set.freed.set()

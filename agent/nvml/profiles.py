@@ -1,0 +1,182 @@
+"""Device profiles: what one GPU model reports through NVML when idle and when loaded.
+
+Each profile holds a model's identity strings, memory size, clocks and their maxima, power and
+temperature limits, NVLink count and the NVML queries the model answers with NotSupported, as
+FakeNvml needs them. Values come from a recorded ``nvidia-smi -q`` (H100, checked against it by
+tests/agent/nvml/test_profiles.py) or from NVIDIA's published specifications (cited per profile).
+Profiles hold data only; FakeNvml turns them into NVML answers over time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 1024 * 1024
+
+# NVML queries that SXM data-centre boards answer with NVML_ERROR_NOT_SUPPORTED: they have no fan
+# of their own (nvidia-smi prints "Fan Speed: N/A"), and since Ampere HBM errors are handled by row
+# remapping instead of page retirement ("Retired Pages ... N/A" on A100/H100; NVIDIA, "NVIDIA A100
+# Tensor Core GPU Architecture", section "Memory error handling", and the recorded H100 output).
+_SXM_NOT_SUPPORTED = frozenset({
+    "nvmlDeviceGetFanSpeed",
+    "nvmlDeviceGetRetiredPages",
+    "nvmlDeviceGetRetiredPagesPendingStatus",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProfile:
+    key: str  # the scenario's `profile:` value
+    name: str  # nvmlDeviceGetName
+    memory_total_bytes: int  # nvmlDeviceGetMemoryInfo().total
+    sm_clock_max_mhz: int
+    memory_clock_max_mhz: int
+    sm_clock_idle_mhz: int
+    power_limit_mw: int  # enforced power limit (the board's default TDP)
+    power_idle_mw: int
+    power_busy_mw: int  # sustained draw at 100% utilization
+    temperature_idle_celsius: int
+    temperature_busy_celsius: int
+    memory_temperature_idle_celsius: int
+    memory_temperature_busy_celsius: int
+    shutdown_temperature_celsius: int
+    slowdown_temperature_celsius: int
+    gpu_max_temperature_celsius: int
+    memory_max_temperature_celsius: int
+    nvlink_count: int
+    vbios_version: str
+    driver_version: str
+    cuda_driver_version: int  # nvmlSystemGetCudaDriverVersion: 1000 * major + 10 * minor
+    pcie_bus_ids: tuple[str, ...]  # one per GPU slot of the baseboard, NVML's 8-digit-domain form
+    pcie_max_bytes_per_second: int  # for the simulated PCIe throughput
+    not_supported: frozenset[str] = _SXM_NOT_SUPPORTED
+
+
+# HGX H100 8-GPU baseboard, from the recorded `nvidia-smi -q` of driver 535.161.08
+# (tests/fixtures/nvidia-smi/nvidia-smi-q-8xH100-535.161.08.txt, leptonai/gpud). That driver
+# prints temperature limits relative to T.Limit: T.Limit = current + "GPU T.Limit Temp" = 85 C,
+# shutdown at -8 C -> 93 C, slowdown at -2 C -> 87 C, max operating at 0 C -> 85 C. HBM3 max
+# operating temperature 95 C as older drivers print it for H100 SXM (not in the recording).
+H100_SXM_80GB = DeviceProfile(
+    key="h100-sxm-80gb",
+    name="NVIDIA H100 80GB HBM3",
+    memory_total_bytes=81559 * MIB,
+    sm_clock_max_mhz=1980,
+    memory_clock_max_mhz=2619,
+    sm_clock_idle_mhz=86,
+    power_limit_mw=700_000,
+    power_idle_mw=67_740,
+    power_busy_mw=650_000,
+    temperature_idle_celsius=30,
+    temperature_busy_celsius=62,
+    memory_temperature_idle_celsius=39,
+    memory_temperature_busy_celsius=58,
+    shutdown_temperature_celsius=93,
+    slowdown_temperature_celsius=87,
+    gpu_max_temperature_celsius=85,
+    memory_max_temperature_celsius=95,
+    nvlink_count=18,  # NVIDIA H100 Tensor Core GPU datasheet: 18 NVLink 4 links, 900 GB/s
+    vbios_version="96.00.74.00.0D",
+    driver_version="535.161.08",
+    cuda_driver_version=12020,
+    pcie_bus_ids=("00000000:19:00.0", "00000000:3B:00.0", "00000000:4C:00.0", "00000000:5D:00.0",
+                  "00000000:9B:00.0", "00000000:BB:00.0", "00000000:CB:00.0", "00000000:DB:00.0"),
+    pcie_max_bytes_per_second=64_000_000_000,  # PCIe Gen5 x16, per direction
+)
+
+# HGX H200 8-GPU: NVIDIA H200 Tensor Core GPU datasheet (141 GB HBM3e at 4.8 TB/s, up to 700 W
+# TDP, NVLink 900 GB/s = 18 links); clocks as for H100 SXM (same GH100 die, 1980 MHz boost), HBM3e
+# memory clock 3201 MHz and 143771 MiB as NVML reports the 141 GB part. Temperature limits as H100.
+H200_SXM_141GB = DeviceProfile(
+    key="h200-sxm-141gb",
+    name="NVIDIA H200",
+    memory_total_bytes=143771 * MIB,
+    sm_clock_max_mhz=1980,
+    memory_clock_max_mhz=3201,
+    sm_clock_idle_mhz=345,
+    power_limit_mw=700_000,
+    power_idle_mw=75_000,
+    power_busy_mw=660_000,
+    temperature_idle_celsius=31,
+    temperature_busy_celsius=63,
+    memory_temperature_idle_celsius=38,
+    memory_temperature_busy_celsius=60,
+    shutdown_temperature_celsius=93,
+    slowdown_temperature_celsius=87,
+    gpu_max_temperature_celsius=85,
+    memory_max_temperature_celsius=95,
+    nvlink_count=18,
+    vbios_version="96.00.AF.00.01",
+    driver_version="550.90.07",
+    cuda_driver_version=12040,
+    pcie_bus_ids=("00000000:18:00.0", "00000000:2A:00.0", "00000000:3A:00.0", "00000000:5D:00.0",
+                  "00000000:9A:00.0", "00000000:AB:00.0", "00000000:BA:00.0", "00000000:DB:00.0"),
+    pcie_max_bytes_per_second=64_000_000_000,
+)
+
+# HGX A100 8-GPU: NVIDIA A100 Tensor Core GPU datasheet (80 GB HBM2e, 400 W TDP, 1410 MHz boost,
+# NVLink 600 GB/s = 12 links, which the recorded `nvidia-smi nvlink --status` of an A100-SXM4-80GB
+# also shows: 12 links x 25 GB/s). HBM2e memory clock 1593 MHz; temperature limits as A100 SXM
+# nodes print them (shutdown 92 C, slowdown 89 C, max operating 85 C, memory 95 C).
+A100_SXM_80GB = DeviceProfile(
+    key="a100-sxm-80gb",
+    name="NVIDIA A100-SXM4-80GB",
+    memory_total_bytes=81920 * MIB,
+    sm_clock_max_mhz=1410,
+    memory_clock_max_mhz=1593,
+    sm_clock_idle_mhz=210,
+    power_limit_mw=400_000,
+    power_idle_mw=60_000,
+    power_busy_mw=370_000,
+    temperature_idle_celsius=32,
+    temperature_busy_celsius=65,
+    memory_temperature_idle_celsius=36,
+    memory_temperature_busy_celsius=62,
+    shutdown_temperature_celsius=92,
+    slowdown_temperature_celsius=89,
+    gpu_max_temperature_celsius=85,
+    memory_max_temperature_celsius=95,
+    nvlink_count=12,
+    vbios_version="92.00.45.00.06",
+    driver_version="535.161.08",
+    cuda_driver_version=12020,
+    pcie_bus_ids=("00000000:07:00.0", "00000000:0F:00.0", "00000000:47:00.0", "00000000:4E:00.0",
+                  "00000000:87:00.0", "00000000:90:00.0", "00000000:B7:00.0", "00000000:BD:00.0"),
+    pcie_max_bytes_per_second=32_000_000_000,  # PCIe Gen4 x16, per direction
+)
+
+# DGX-1 / HGX-1 V100: NVIDIA Tesla V100 datasheet (32 GB HBM2, 300 W, 1530 MHz boost, 6 NVLink 2
+# links). Volta still retires pages instead of remapping rows (NVIDIA "Dynamic Page Retirement"
+# documentation), so this is the profile where the retired-pages queries answer and the remapped
+# rows query does not.
+V100_SXM2_32GB = DeviceProfile(
+    key="v100-sxm2-32gb",
+    name="Tesla V100-SXM2-32GB",
+    memory_total_bytes=32510 * MIB,
+    sm_clock_max_mhz=1530,
+    memory_clock_max_mhz=877,
+    sm_clock_idle_mhz=135,
+    power_limit_mw=300_000,
+    power_idle_mw=42_000,
+    power_busy_mw=280_000,
+    temperature_idle_celsius=33,
+    temperature_busy_celsius=66,
+    memory_temperature_idle_celsius=34,
+    memory_temperature_busy_celsius=60,
+    shutdown_temperature_celsius=90,
+    slowdown_temperature_celsius=87,
+    gpu_max_temperature_celsius=83,
+    memory_max_temperature_celsius=85,
+    nvlink_count=6,
+    vbios_version="88.00.80.00.01",
+    driver_version="535.161.08",
+    cuda_driver_version=12020,
+    pcie_bus_ids=("00000000:06:00.0", "00000000:07:00.0", "00000000:0A:00.0", "00000000:0B:00.0",
+                  "00000000:85:00.0", "00000000:86:00.0", "00000000:89:00.0", "00000000:8A:00.0"),
+    pcie_max_bytes_per_second=16_000_000_000,  # PCIe Gen3 x16
+    not_supported=frozenset({"nvmlDeviceGetFanSpeed", "nvmlDeviceGetRemappedRows"}),
+)
+
+PROFILES: dict[str, DeviceProfile] = {
+    p.key: p for p in (H100_SXM_80GB, H200_SXM_141GB, A100_SXM_80GB, V100_SXM2_32GB)
+}

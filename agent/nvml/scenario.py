@@ -1,0 +1,196 @@
+"""Node scenarios: the YAML that drives FakeNvml (device profile, GPU count, load, scripted faults).
+
+``load_node_scenario`` accepts a path or the name of a scenario shipped under ``scenarios/node/``
+and returns a validated ``NodeScenario``; a typo or a wrong type raises ``ScenarioError`` naming
+the key path (``faults.2.xid.code: ...``). It describes what happens; FakeNvml makes it happen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from agent.nvml.profiles import PROFILES
+
+# Shipped scenarios live at the repository root beside the fleet scenarios of other issues.
+SCENARIO_DIR = Path(__file__).resolve().parents[2] / "scenarios" / "node"
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be used; the message names every offending key path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Load(_Strict):
+    utilization: float = Field(default=0.0, ge=0, le=1)  # mean GPU utilization, 0..1
+    noise: float = Field(default=0.0, ge=0, le=1)  # +- amplitude around the mean, 0..1
+    memory_used_ratio: float = Field(default=0.0, ge=0, le=1)  # of total memory, when busy
+
+
+class _Fault(_Strict):
+    at_seconds: float = Field(ge=0)  # scenario time at which the fault starts
+    gpu: int = Field(ge=0)
+
+
+class EccCorrectedGrowth(_Fault):
+    kind: Literal["ecc_corrected_growth"]
+    rate_per_second: float = Field(gt=0)
+    duration_seconds: float | None = Field(default=None, gt=0)  # None: grows for ever
+
+
+class EccUncorrectable(_Fault):
+    kind: Literal["ecc_uncorrectable"]
+    count: int = Field(default=1, ge=1)
+
+
+class RowRemapPending(_Fault):
+    kind: Literal["row_remap_pending"]
+    rows: int = Field(default=1, ge=1)
+
+
+class RowRemapFailure(_Fault):
+    kind: Literal["row_remap_failure"]
+
+
+class ThermalThrottle(_Fault):
+    kind: Literal["thermal_throttle"]
+    duration_seconds: float = Field(gt=0)
+    clock_ratio: float = Field(default=0.5, gt=0, le=1)  # SM clock as a share of its maximum
+
+
+class PowerBrake(_Fault):
+    kind: Literal["power_brake"]
+    duration_seconds: float = Field(gt=0)
+    clock_ratio: float = Field(default=0.3, gt=0, le=1)
+
+
+class Xid(_Fault):
+    kind: Literal["xid"]
+    code: int = Field(ge=1, le=65535)
+
+
+class GpuLost(_Fault):
+    kind: Literal["gpu_lost"]
+
+
+class ResetRequired(_Fault):
+    kind: Literal["reset_required"]
+
+
+class NvlinkErrors(_Fault):
+    kind: Literal["nvlink_errors"]
+    link: int = Field(ge=0)
+    rate_per_second: float = Field(gt=0)
+    error_type: Literal["crc", "replay", "recovery"] = "crc"
+
+
+class NvlinkDown(_Fault):
+    kind: Literal["nvlink_down"]
+    link: int = Field(ge=0)
+
+
+class NvmlUnavailable(_Strict):
+    """The driver goes away for the whole node: nvmlInit and every call fail from then on."""
+
+    kind: Literal["nvml_unavailable"]
+    at_seconds: float = Field(ge=0)
+
+
+Fault = Annotated[
+    EccCorrectedGrowth | EccUncorrectable | RowRemapPending | RowRemapFailure | ThermalThrottle | PowerBrake
+    | Xid | GpuLost | ResetRequired | NvlinkErrors | NvlinkDown | NvmlUnavailable,
+    Field(discriminator="kind"),
+]
+
+FAULT_KINDS: tuple[str, ...] = (
+    "ecc_corrected_growth", "ecc_uncorrectable", "row_remap_pending", "row_remap_failure", "thermal_throttle",
+    "power_brake", "xid", "gpu_lost", "reset_required", "nvlink_errors", "nvlink_down", "nvml_unavailable",
+)
+
+
+class NodeScenario(_Strict):
+    description: str = ""
+    profile: str = "h100-sxm-80gb"
+    gpus: int = Field(default=8, ge=1, le=8)
+    load: Load = Load()
+    faults: tuple[Fault, ...] = ()
+
+    @model_validator(mode="after")
+    def _check_references(self) -> NodeScenario:
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile {self.profile!r} is not one of {sorted(PROFILES)}")
+        links = PROFILES[self.profile].nvlink_count
+        for i, fault in enumerate(self.faults):
+            gpu = getattr(fault, "gpu", None)
+            if gpu is not None and gpu >= self.gpus:
+                raise ValueError(f"faults.{i}.gpu: {gpu} but the node has {self.gpus} GPUs")
+            link = getattr(fault, "link", None)
+            if link is not None and link >= links:
+                raise ValueError(f"faults.{i}.link: {link} but {self.profile} has {links} NVLinks")
+        return self
+
+
+def _format(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key")
+        else:
+            lines.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
+    return f"invalid node scenario {source}:\n  " + "\n  ".join(lines)
+
+
+def parse_node_scenario(data: Any, source: str = "<data>") -> NodeScenario:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ScenarioError(f"invalid node scenario {source}: the top level must be a mapping")
+    try:
+        return NodeScenario.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(_format(exc, source)) from None
+
+
+def resolve_scenario_path(path_or_name: str | Path) -> Path:
+    """A path as given if it exists, else a shipped scenario by name (with or without `.yaml`)."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    name = str(path_or_name).removesuffix(".yaml")
+    shipped = SCENARIO_DIR / f"{name}.yaml"
+    if "/" not in name and shipped.is_file():
+        return shipped
+    known = sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
+    raise ScenarioError(f"node scenario {str(path_or_name)!r} is neither a file nor a shipped scenario {known}")
+
+
+def load_node_scenario(path_or_name: str | Path) -> NodeScenario:
+    path = resolve_scenario_path(path_or_name)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ScenarioError(f"cannot read node scenario {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"node scenario {path} is not valid YAML: {exc}") from None
+    return parse_node_scenario(data, str(path))
+
+
+def shipped_scenarios() -> list[str]:
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
+
+
+# The embedded default (`nvml: {backend: fake}` with no scenario): a healthy 8x H100 SXM node busy
+# training; scenarios/node/healthy-h100.yaml says the same in YAML.
+DEFAULT_SCENARIO = NodeScenario(
+    description="healthy HGX H100 node running a training job",
+    profile="h100-sxm-80gb",
+    gpus=8,
+    load=Load(utilization=0.92, noise=0.05, memory_used_ratio=0.85),
+)

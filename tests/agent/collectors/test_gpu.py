@@ -1,0 +1,264 @@
+"""GPU collector over PynvmlBackend over FakeNvml: the series, the report, events, isolation."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from agent.collectors import REGISTRY
+from agent.collectors.gpu import SPECS, GpuCollector, GpuConfig
+from agent.config import parse_config
+from agent.metric import Sample
+from agent.nvml.backend import PynvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.scenario import load_node_scenario, shipped_scenarios
+from agent.seams import Seams
+from agent.wire import Report
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def make(clock):
+    made: list[GpuCollector] = []
+
+    def build(scenario: str = "healthy-h100", **config) -> GpuCollector:
+        fake = FakeNvml(load_node_scenario(scenario), clock, start=0.0)
+        backend = PynvmlBackend(fake)
+        backend.init()
+        config.setdefault("xid_events", False)
+        collector = GpuCollector(GpuConfig(**config), backend, clock)
+        made.append(collector)
+        return collector
+
+    yield build
+    for c in made:
+        c.close()
+
+
+def series(samples: list[Sample], name: str, **labels: str) -> list[Sample]:
+    return [s for s in samples if s.name == name and all(s.label(k) == v for k, v in labels.items())]
+
+
+def value(samples: list[Sample], name: str, **labels: str) -> float:
+    found = series(samples, name, **labels)
+    assert len(found) == 1, (name, labels, found)
+    return found[0].value
+
+
+def test_healthy_h100_node(make, clock):
+    collection = make().collect(0.0)
+    s = collection.samples
+    info = series(s, "vigil_gpu_info")
+    assert len(info) == 8
+    assert {i.label("name") for i in info} == {"NVIDIA H100 80GB HBM3"}
+    assert info[3].label("pci_bus_id") == "00000000:5D:00.0"
+    assert info[0].label("driver_version") == "535.161.08" and info[0].label("cuda_driver_version") == "12.2"
+    uuid = info[0].label("uuid")
+    assert value(s, "vigil_gpu_health", gpu="0", state="ok") == 1
+    assert value(s, "vigil_gpu_health", gpu="0", state="lost") == 0
+    assert value(s, "vigil_gpu_memory_total_bytes", gpu="0", uuid=uuid) == 81559 * 1024**2
+    assert value(s, "vigil_gpu_sm_clock_max_hertz", gpu="0") == 1980e6
+    assert value(s, "vigil_gpu_power_limit_watts", gpu="0") == 700.0
+    assert value(s, "vigil_gpu_slowdown_temperature_celsius", gpu="0") == 87.0
+    assert value(s, "vigil_gpu_ecc_errors_total", gpu="0", error_type="uncorrected", counter="aggregate") == 0
+    assert value(s, "vigil_gpu_clock_event_active", gpu="0", reason="hw_thermal_slowdown") == 0
+    assert len(series(s, "vigil_gpu_clock_event_active", gpu="0")) == 9
+    assert len(series(s, "vigil_gpu_nvlink_state", gpu="0")) == 18
+    assert len(series(s, "vigil_gpu_nvlink_errors_total", gpu="0")) == 54
+    assert value(s, "vigil_gpu_nvml_available") == 1
+    # Absent, never 0: SXM boards have no fan and no page retirement.
+    assert series(s, "vigil_gpu_fan_speed_ratio") == []
+    assert series(s, "vigil_gpu_retired_pages_total") == []
+    # No host label, and every GPU series carries gpu and uuid.
+    assert all(s_.label("host") is None for s_ in s)
+    report = collection.report
+    assert report["nvml_available"] is True
+    gpus = report["gpus"]
+    assert [g.index for g in gpus] == list(range(8))
+    assert gpus[0].uuid == uuid and gpus[0].health == "ok" and gpus[0].nvlink_links_active == 18
+    assert gpus[0].nvlink_crc_errors_total == 0 and gpus[0].nvlink_links_down == []
+    assert collection.events == []
+
+
+def test_report_section_validates_as_wire_report(make):
+    collection = make("faults-h100").collect(0.0)
+    report = Report(node="n1", boot_id="b", seq=0, ts=0.0, interval_seconds=1.0, **collection.report)
+    assert len(report.gpus) == 8
+
+
+def test_every_sample_is_declared_and_every_spec_is_emitted_on_some_scenario(clock):
+    declared = {s.name: s for s in SPECS}
+    emitted: set[str] = set()
+    for name in shipped_scenarios():
+        clock.t = 0.0
+        fake = FakeNvml(load_node_scenario(name), clock, start=0.0)
+        backend = PynvmlBackend(fake)
+        backend.init()
+        collector = GpuCollector(GpuConfig(event_wait_ms=10), backend, clock)
+        try:
+            for t in (0.0, 100.0):
+                clock.t = t
+                for sample in collector.collect(t).samples:
+                    spec = declared.get(sample.name)
+                    assert spec is not None, f"{name}: {sample.name} is not declared"
+                    assert tuple(k for k, _ in sample.labels) == spec.labels, sample
+                    emitted.add(sample.name)
+            if any(f.kind == "xid" for f in fake.scenario.faults):
+                deadline = time.monotonic() + 5.0  # the worker thread delivers within its wait
+                while "vigil_gpu_nvml_xid_events_total" not in emitted and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    emitted |= {s.name for s in collector.collect(100.0).samples}
+        finally:
+            collector.close()
+    # Every shipped profile is a passively cooled data-centre board (nvidia-smi: "Fan Speed: N/A");
+    # the fan series is covered by test_fan_speed_where_the_board_has_a_fan.
+    assert set(declared) - emitted == {"vigil_gpu_fan_speed_ratio"}
+
+
+def test_fan_speed_where_the_board_has_a_fan(clock):
+    fake = FakeNvml(load_node_scenario("healthy-h100"), clock, start=0.0)
+    fake.handles[0].profile = dataclasses.replace(fake.profile, not_supported=frozenset())
+    backend = PynvmlBackend(fake)
+    backend.init()
+    collector = GpuCollector(GpuConfig(xid_events=False), backend, clock)
+    s = collector.collect(0.0).samples
+    assert value(s, "vigil_gpu_fan_speed_ratio", gpu="0") == 0.4
+    assert series(s, "vigil_gpu_fan_speed_ratio", gpu="1") == []
+    assert value(s, "vigil_gpu_retired_pages_total", gpu="0", cause="dbe") == 0
+
+
+def test_gpu_lost_isolates_that_gpu_and_fires_one_urgent_event(make, clock):
+    collector = make("gpu-lost")
+    collector.collect(0.0)
+    clock.t = 60.0
+    first = collector.collect(60.0)
+    s = first.samples
+    assert value(s, "vigil_gpu_health", gpu="7", state="lost") == 1
+    assert value(s, "vigil_gpu_health", gpu="7", state="ok") == 0
+    assert series(s, "vigil_gpu_temperature_celsius", gpu="7") == []
+    assert len(series(s, "vigil_gpu_info", gpu="7")) == 1  # its identity stays visible
+    for i in range(7):
+        assert value(s, "vigil_gpu_health", gpu=str(i), state="ok") == 1
+        assert len(series(s, "vigil_gpu_temperature_celsius", gpu=str(i))) == 1
+    [event] = first.events
+    assert (event.kind, event.gpu, event.urgent, event.source) == ("gpu_lost", 7, True, "nvml")
+    assert event.pci_bus_id == "00000000:DB:00.0" and event.uuid
+    assert first.report["gpus"][7].health == "lost" and first.report["nvml_available"] is True
+    assert value(s, "vigil_gpu_nvml_errors_total", reason="gpu_is_lost") == 1
+    clock.t = 61.0
+    assert collector.collect(61.0).events == []  # once per transition
+
+
+def test_faults_show_at_their_scripted_time(make, clock):
+    collector = make("faults-h100", nvlink_interval_seconds=1.0)
+    clock.t = 5.0
+    early = collector.collect(5.0).samples
+    clock.t = 100.0
+    late_collection = collector.collect(100.0)
+    late = late_collection.samples
+    assert value(early, "vigil_gpu_ecc_errors_total", gpu="1", error_type="corrected", counter="volatile") == 0
+    assert value(late, "vigil_gpu_ecc_errors_total", gpu="1", error_type="corrected", counter="volatile") == 450
+    assert value(early, "vigil_gpu_clock_event_active", gpu="2", reason="hw_thermal_slowdown") == 0
+    assert value(late, "vigil_gpu_clock_event_active", gpu="2", reason="hw_thermal_slowdown") == 1
+    assert value(late, "vigil_gpu_clock_event_active", gpu="2", reason="hw_slowdown") == 1
+    assert value(late, "vigil_gpu_sm_clock_hertz", gpu="2") == 990e6
+    assert value(late, "vigil_gpu_nvlink_errors_total", gpu="3", link="4", error_type="crc") == 1400
+    assert value(late, "vigil_gpu_row_remap_pending", gpu="4") == 1
+    assert value(late, "vigil_gpu_clock_event_active", gpu="5", reason="hw_power_brake_slowdown") == 1
+    assert value(late, "vigil_gpu_nvlink_state", gpu="6", link="9") == 0
+    assert value(late, "vigil_gpu_health", gpu="7", state="lost") == 1
+    gpus = late_collection.report["gpus"]
+    assert gpus[2].clock_event_reasons == ["hw_slowdown", "hw_thermal_slowdown"]
+    assert gpus[3].nvlink_crc_errors_total == 1400
+    assert gpus[6].nvlink_links_down == [9] and gpus[6].nvlink_links_active == 17
+    assert gpus[4].remap_pending is True
+
+
+def test_nvlink_readings_are_reused_between_their_reads(make, clock):
+    collector = make("nvlink-errors", nvlink_interval_seconds=10.0)
+    collector.collect(0.0)
+    clock.t = 65.0
+    cached = collector.collect(5.0).samples  # due again only at 10 s
+    assert value(cached, "vigil_gpu_nvlink_errors_total", gpu="1", link="4", error_type="crc") == 0
+    fresh = collector.collect(10.0).samples
+    assert value(fresh, "vigil_gpu_nvlink_errors_total", gpu="1", link="4", error_type="crc") == 100
+
+
+def test_nvml_unavailable_reports_and_counts(make, clock):
+    collector = make("nvml-unavailable")
+    assert collector.collect(0.0).report["nvml_available"] is True
+    clock.t = 60.0
+    collection = collector.collect(60.0)
+    assert collection.report["nvml_available"] is False
+    assert [e.kind for e in collection.events] == ["nvml_unavailable"]
+    s = collection.samples
+    assert value(s, "vigil_gpu_nvml_available") == 0
+    assert all(value(s, "vigil_gpu_health", gpu=str(i), state="unavailable") == 1 for i in range(8))
+    assert series(s, "vigil_gpu_power_watts") == []
+    assert value(s, "vigil_gpu_nvml_errors_total", reason="driver_not_loaded") == 8
+
+
+def test_no_backend_means_no_gpu_samples_and_one_event(clock):
+    collector = GpuCollector(GpuConfig(), None, clock)
+    first = collector.collect(0.0)
+    assert [s.name for s in first.samples] == ["vigil_gpu_nvml_available"]
+    assert first.samples[0].value == 0
+    assert first.report == {"gpus": [], "nvml_available": False}
+    assert [e.kind for e in first.events] == ["nvml_unavailable"]
+    assert collector.collect(1.0).events == []
+    collector.close()
+
+
+def test_xid_events_from_the_worker_thread(make, clock):
+    collector = make("xid", xid_events=True, event_wait_ms=10)
+    assert collector.collect(0.0).events == []
+    clock.t = 60.0
+    events = []
+    deadline = time.monotonic() + 5.0
+    while not events and time.monotonic() < deadline:  # the worker delivers within its wait
+        events = collector.collect(60.0).events
+        time.sleep(0.01)
+    [event] = events
+    assert (event.kind, event.code, event.gpu, event.urgent, event.source) == ("xid", 79, 4, True, "nvml")
+    assert event.pci_bus_id == "00000000:9B:00.0"
+    s = collector.collect(61.0).samples
+    assert value(s, "vigil_gpu_nvml_xid_events_total", gpu="4", code="79") == 1
+    assert series(s, "vigil_gpu_xid_errors_total") == []  # the kernel-log collector's name
+    collector.close()
+    assert collector._worker is None
+
+
+def test_config_rejects_typos_with_key_path():
+    from agent.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"collectors\.gpu\.nvlink_interval_secnds: unknown key"):
+        parse_config({"collectors": {"gpu": {"nvlink_interval_secnds": 5}}})
+    with pytest.raises(ConfigError, match=r"collectors\.gpu\.event_wait_ms"):
+        parse_config({"collectors": {"gpu": {"event_wait_ms": "soon"}}})
+
+
+def test_registry_builds_from_seams(clock):
+    fake = FakeNvml(load_node_scenario("healthy-a100"), clock, start=0.0)
+    backend = PynvmlBackend(fake)
+    backend.init()
+    config = parse_config({"collectors": {"gpu": {"xid_events": False}}})
+    collector = REGISTRY["gpu"](config, Seams(nvml=backend, clock=clock))
+    try:
+        s = collector.collect(0.0).samples
+        assert len(series(s, "vigil_gpu_nvlink_state", gpu="0")) == 12
+    finally:
+        collector.close()

@@ -1,0 +1,63 @@
+"""The backend's field checks against real NVML: runs under the `gpu` marker on a node with an
+NVIDIA driver and skips elsewhere. The same checks hold over FakeNvml (tests/agent/nvml/test_backend.py)."""
+
+from __future__ import annotations
+
+import pynvml
+import pytest
+
+from agent.nvml.backend import PynvmlBackend
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def backend():
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        pytest.skip(f"no NVIDIA driver: nvmlInit failed ({exc})")
+    pynvml.nvmlShutdown()
+    b = PynvmlBackend(pynvml)
+    b.init()
+    yield b
+    b.shutdown()
+
+
+def test_identity_fields(backend):
+    assert backend.device_count() >= 1
+    ident = backend.identity(0)
+    assert ident.uuid.startswith(("GPU-", "MIG-"))
+    assert ident.name
+    assert len(ident.pci_bus_id.split(":")) == 3
+    assert ident.driver_version and ident.cuda_driver_version
+    assert ident.memory_total_bytes and ident.memory_total_bytes > 1024**3
+    assert ident.sm_clock_max_hertz and ident.sm_clock_max_hertz > 1e8
+
+
+def test_read_fields_have_base_units(backend):
+    backend.identity(0)
+    r = backend.read(0)
+    assert r.health == "ok"
+    if r.utilization_gpu_ratio is not None:
+        assert 0.0 <= r.utilization_gpu_ratio <= 1.0
+    assert r.memory_total_bytes and 0 <= (r.memory_used_bytes or 0) <= r.memory_total_bytes
+    if r.temperature_celsius is not None:
+        assert 0 < r.temperature_celsius < 120
+    if r.power_watts is not None:
+        assert 0 < r.power_watts < 2000  # W, not mW
+    if r.energy_joules is not None:
+        assert r.energy_joules > 0
+    if r.sm_clock_hertz is not None:
+        assert 1e7 < r.sm_clock_hertz < 5e9
+    for link in r.nvlinks:
+        assert link.active in (True, False, None)
+
+
+def test_xid_event_wait_times_out_cleanly(backend):
+    registered = backend.open_events([0])
+    try:
+        event = backend.wait_xid(10) if registered else None
+        assert event is None or (0 <= event.index < backend.device_count() and event.code > 0)
+    finally:
+        backend.close_events()
