@@ -9,6 +9,7 @@ GPUs or judge severity: the collector follows the source, the aggregator's catal
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import re
@@ -97,6 +98,7 @@ REASON_SXID = "malformed_sxid"
 REASON_UNDECODABLE = "undecodable"
 
 
+@functools.lru_cache(maxsize=4096)  # a node has a few dozen devices; a flood repeats them
 def normalize_bus_id(bus: str) -> str:
     """Any PCI bus id form ("0000:3B:00", "00000000:3B:00.0", "3b:00.0") -> "0000:3b:00"."""
     text = bus.strip().lower()

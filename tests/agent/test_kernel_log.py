@@ -320,3 +320,21 @@ def test_journal_reader_spawns_journalctl_and_stops_it() -> None:
     assert ev.code == 79
     reader.close()
     assert proc.terminated
+
+
+def test_real_dev_kmsg_is_read_without_blocking() -> None:
+    if not os.access("/dev/kmsg", os.R_OK):
+        pytest.skip("/dev/kmsg is not readable here (needs CAP_SYSLOG or kernel.dmesg_restrict=0)")
+    try:
+        reader = KmsgReader("/dev/kmsg")
+        first = reader.read_lines(100_000)
+    except PermissionError as exc:
+        pytest.skip(f"/dev/kmsg cannot be opened: {exc}")
+    parser = KernelLogParser(raw_kmsg=True)
+    parsed = [parser.feed(line) for line in first]
+    records = [p for p in parsed if not p.continuation]
+    assert records and all(p.unparsed is None for p in records)
+    seqs = [p.seq for p in records if p.seq is not None]
+    assert len(seqs) == len(records) and seqs == sorted(seqs)
+    reader.read_lines(100_000)  # the ring buffer is drained: this returns at once
+    reader.close()
