@@ -339,6 +339,8 @@ class FileFollower:
 
     def read_lines(self, max_lines: int) -> list[str]:
         if self._fh is None and not self._open(initial=self._inode is None):
+            # Whatever the file holds once it appears was written after we started: read it all.
+            self._start = "beginning"
             raise FileNotFoundError(f"cannot open kernel log file {self.path}")
         lines: list[str] = []
         self._drain(lines, max_lines)

@@ -241,7 +241,12 @@ class XidCollector:
             if source.raw_kmsg and isinstance(saved_seq, int) and self._saved.get("boot_id") == self._boot_id:
                 self._skip_seq = saved_seq  # same boot: the ring buffer replays what we counted
         assert self._parser is not None
-        lines = self._source.read_lines(self._config.max_lines_per_cycle)
+        try:
+            lines = self._source.read_lines(self._config.max_lines_per_cycle)
+        except OSError:
+            if not isinstance(self._source, FileFollower):
+                self.close()  # a dead journalctl or kmsg descriptor: reopened next cycle
+            raise
         self._lines += len(lines)
         for line in lines:
             parsed = self._parser.feed(line)

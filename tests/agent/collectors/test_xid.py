@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -338,3 +339,54 @@ def test_config_rejects_unknown_keys() -> None:
 
     with pytest.raises(ConfigError, match=r"collectors\.xid\.sourc"):
         parse_config({"collectors": {"xid": {"sourc": "file"}}})
+
+
+def test_a_file_that_appears_after_start_is_read_from_its_beginning(tmp_path: Path) -> None:
+    log = tmp_path / "drill.log"
+    c = collector(FileFollower(log, start="end"))
+    with pytest.raises(OSError):
+        c.collect(1.0)
+    log.write_text(f"{XID79}\n")
+    assert value(c.collect(2.0), "vigil_gpu_xid_errors_total", code="79") == 1
+    c.close()
+
+
+class _ExitedJournal:
+    """A journalctl that printed one line and exited."""
+
+    def __init__(self) -> None:
+        self.stdout = io.StringIO(f"2024-01-01T03:04:05+0000 node kernel: {XID79}\n")
+        self.pid = 77
+
+    def terminate(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+    def kill(self) -> None:
+        pass
+
+
+def test_a_dead_journalctl_fails_the_cycle_and_is_restarted() -> None:
+    spawned: list[_ExitedJournal] = []
+
+    def spawn(argv: object) -> _ExitedJournal:
+        spawned.append(_ExitedJournal())
+        return spawned[-1]
+
+    cfg = XidConfig(source="journal")
+    c = XidCollector(cfg, open_source=lambda: open_kernel_log(cfg, None, spawn=spawn))
+    seen = 0.0
+    failures = 0
+    for i in range(400):  # the reader thread delivers the line, then the end of the stream
+        try:
+            seen = value(c.collect(float(i)), "vigil_gpu_xid_errors_total", code="79") or seen
+        except OSError:
+            failures += 1
+            break
+        time.sleep(0.005)
+    assert seen == 1 and failures == 1
+    c.collect(1000.0)  # the next cycle starts a new journalctl
+    assert len(spawned) == 2
+    c.close()
