@@ -1,0 +1,141 @@
+"""Memory detector: GPU memory faults from ECC counters, row remapping and page retirement.
+
+It reads each GPU's ECC counters (as deltas between reports of one boot), row-remap flags and
+retired-page counts. Uncorrectable errors drain, a pending remap asks for a GPU reset, a failed
+remap or the retired-page limit sends the GPU to hardware inspection, and a corrected-error rate
+that jumps far above the GPU's own baseline drains it before it fails. It does not read Xids.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from agent.collectors.collector import StrictModel
+from aggregator.decision import Action, Finding
+from aggregator.fleet import FleetView, GpuHistory, NodeState
+
+NAME = "memory"
+
+
+class MemoryConfig(StrictModel):
+    enabled: bool = True
+    # Any uncorrectable (double-bit) error: the application on that GPU was killed (Xid 48/94/95).
+    uncorrectable_window_seconds: float = Field(default=600.0, gt=0)
+    uncorrectable_action: Action = Action.DRAIN
+    # NVIDIA A100/H100 row remapping guide: a pending remap takes effect at the next GPU reset;
+    # NVSentinel maps DCGM_FR_PENDING_ROW_REMAP to COMPONENT_RESET and ROW_REMAP_FAILURE to
+    # CONTACT_SUPPORT (dcgmerrorsmapping.csv).
+    remap_pending_action: Action = Action.RESET_GPU
+    remap_failure_action: Action = Action.INSPECT_HARDWARE
+    # NVIDIA Dynamic Page Retirement guide: at most 64 pages are retired per GPU and a board with
+    # 60 or more retired pages qualifies for RMA (DCGM_FR_RETIRED_PAGES_LIMIT -> CONTACT_SUPPORT).
+    retired_pages_limit: int = Field(default=60, ge=1)
+    # DCGM_FR_DBE_PENDING_PAGE_RETIREMENTS -> RESTART (the retirement applies on reattach).
+    retired_pending_action: Action = Action.RESET_GPU
+    # Corrected-error surge: the rate over `recent_seconds` against the GPU's own rate over the
+    # preceding history. A surge of corrected errors precedes uncorrectable ones on failing HBM
+    # (Meta, "Llama 3 herd of models" sec. 3.3.4; Google, "DRAM errors in the wild", SIGMETRICS 2009).
+    recent_seconds: float = Field(default=60.0, gt=0)
+    surge_factor: float = Field(default=10.0, gt=1)
+    surge_min_errors: int = Field(default=100, ge=1)
+    # A GPU with no history yet is assumed to see at most one corrected error per hour.
+    baseline_floor_per_second: float = Field(default=1.0 / 3600, gt=0)
+    surge_action: Action = Action.DRAIN
+
+
+class MemoryDetector:
+    name = NAME
+
+    def __init__(self, config: MemoryConfig) -> None:
+        self.config = config
+
+    def evaluate(self, view: FleetView, now: float) -> list[Finding]:
+        out: list[Finding] = []
+        for node in view.nodes.values():
+            for gpu in node.gpus.values():
+                if gpu.last_seen < node.last_seen:
+                    continue  # absent from the latest report: the silence detector's case
+                out.extend(self._judge(node, gpu, now))
+        return out
+
+    def _since(self, gpu: GpuHistory, flag: str) -> float:
+        since = gpu.last_seen
+        for ts, state in reversed(gpu.states):
+            if not getattr(state, flag):
+                break
+            since = ts
+        return since
+
+    def _judge(self, node: NodeState, gpu: GpuHistory, now: float) -> list[Finding]:
+        cfg = self.config
+        state = gpu.last
+        base = {"detector": NAME, "node": node.name, "gpu": gpu.index}
+        out: list[Finding] = []
+        remap_known = state.remap_failure or state.remap_pending
+        if state.remap_failure:
+            out.append(Finding(**base, action=cfg.remap_failure_action, since=self._since(gpu, "remap_failure"),
+                               key="remap_failure", reason=f"GPU {gpu.index}: row remapping failed (no spare rows)",
+                               evidence={"signal": "remap_failure", "uuid": gpu.uuid,
+                                         "remapped_rows_uncorrectable": state.remapped_rows_uncorrectable}))
+        elif state.remap_pending:
+            out.append(Finding(**base, action=cfg.remap_pending_action, since=self._since(gpu, "remap_pending"),
+                               key="remap_pending", reason=f"GPU {gpu.index}: row remap pending, needs a GPU reset",
+                               evidence={"signal": "remap_pending", "uuid": gpu.uuid,
+                                         "remapped_rows_uncorrectable": state.remapped_rows_uncorrectable}))
+        retired = (state.retired_pages_sbe or 0) + (state.retired_pages_dbe or 0)
+        if state.retired_pages_sbe is not None and retired >= cfg.retired_pages_limit:
+            out.append(Finding(**base, action=Action.INSPECT_HARDWARE, since=gpu.first_seen, key="retired_limit",
+                               reason=f"GPU {gpu.index}: {retired} retired pages (limit {cfg.retired_pages_limit})",
+                               evidence={"signal": "retired_pages", "uuid": gpu.uuid, "retired_pages": retired}))
+        elif state.retired_pages_pending:
+            out.append(Finding(**base, action=cfg.retired_pending_action,
+                               since=self._since(gpu, "retired_pages_pending"), key="retired_pending",
+                               reason=f"GPU {gpu.index}: page retirement pending, needs a GPU reset",
+                               evidence={"signal": "retired_pages_pending", "uuid": gpu.uuid}))
+        unc = gpu.counters.deltas("ecc_uncorrected_volatile")
+        if unc is not None and not remap_known:
+            recent = [(ts, d) for ts, d in unc.since(now - cfg.uncorrectable_window_seconds) if d > 0]
+            if recent:
+                total = sum(d for _, d in recent)
+                out.append(Finding(**base, action=cfg.uncorrectable_action, since=recent[0][0], key="uncorrectable",
+                                   reason=f"GPU {gpu.index}: {total:.0f} uncorrectable ECC errors",
+                                   evidence={"signal": "ecc_uncorrected", "uuid": gpu.uuid, "errors": total,
+                                             "window_seconds": cfg.uncorrectable_window_seconds}))
+        surge = self._surge(gpu, now)
+        if surge is not None:
+            out.append(Finding(**base, **surge))
+        return out
+
+    def _surge(self, gpu: GpuHistory, now: float) -> dict[str, object] | None:
+        cfg = self.config
+        series = gpu.counters.deltas("ecc_corrected_volatile")
+        if series is None:
+            return None
+        split = now - cfg.recent_seconds
+        recent_errors = 0.0
+        first_error_ts: float | None = None
+        baseline_errors = 0.0
+        for ts, d in series:
+            if ts >= split:
+                recent_errors += d
+                if d > 0 and first_error_ts is None:
+                    first_error_ts = ts
+            else:
+                baseline_errors += d
+        if recent_errors < cfg.surge_min_errors or first_error_ts is None:
+            return None
+        start = series.first_ts()
+        baseline_seconds = split - start if start is not None else 0.0
+        baseline_rate = baseline_errors / baseline_seconds if baseline_seconds > 0 else 0.0
+        baseline_rate = max(baseline_rate, cfg.baseline_floor_per_second)
+        recent_rate = recent_errors / cfg.recent_seconds
+        if recent_rate < cfg.surge_factor * baseline_rate:
+            return None
+        return {
+            "action": cfg.surge_action, "since": first_error_ts, "key": "corrected_surge",
+            "reason": (f"GPU {gpu.index}: corrected ECC rate {recent_rate:.2f}/s is "
+                       f"{recent_rate / baseline_rate:.0f}x its baseline"),
+            "evidence": {"signal": "ecc_corrected_rate", "uuid": gpu.uuid, "recent_errors": recent_errors,
+                         "recent_rate_per_second": round(recent_rate, 4),
+                         "baseline_rate_per_second": round(baseline_rate, 6)},
+        }

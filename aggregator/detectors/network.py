@@ -1,0 +1,152 @@
+"""Network detector: RDMA ports that are down, flapping, erroring or trained below their rate.
+
+It reads each port's state, rate and counters (deltas between reports of one boot). A port down,
+a flapping link, a symbol/link-integrity error rate above the IBTA bit-error ratio, or a link that
+retrained below the rate it had earlier in this boot drains the node: every collective through
+that rail slows the whole job. Congestion counters (ECN marks, CNPs, PFC pauses) describe the
+fabric, not the node: they only ever produce an ``observe`` finding.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from agent.collectors.collector import StrictModel
+from aggregator.decision import Action, Finding
+from aggregator.fleet import FleetView, NodeState, PortHistory, port_is_active
+
+NAME = "network"
+
+
+class NetworkConfig(StrictModel):
+    enabled: bool = True
+    # A port down longer than this is down; shorter is a flap (counted below).
+    down_seconds: float = Field(default=10.0, ge=0)
+    down_action: Action = Action.DRAIN
+    window_seconds: float = Field(default=600.0, gt=0)
+    # link_downed + link_error_recovery events per window: three retrains in ten minutes is a bad
+    # cable or transceiver (Azure HPC health checks fail a node on repeated "lost carrier" flaps).
+    flap_counters: list[str] = Field(default_factory=lambda: ["link_downed", "link_error_recovery"])
+    flap_threshold: int = Field(default=3, ge=1)
+    flap_action: Action = Action.DRAIN
+    # IBTA specification vol. 2 (physical layer) requires a bit error ratio of at most 1e-12.
+    error_counters: list[str] = Field(default_factory=lambda: ["symbol_error", "local_link_integrity_errors"])
+    max_bit_error_ratio: float = Field(default=1e-12, gt=0)
+    min_errors: int = Field(default=10, ge=1)
+    error_action: Action = Action.DRAIN
+    # A link that trained at 400 Gb/s in this boot and now runs at 200 Gb/s lost lanes or speed.
+    rate_tolerance_ratio: float = Field(default=0.01, ge=0, lt=1)
+    expected_rate_bits_per_second: float | None = Field(default=None, gt=0)
+    degraded_seconds: float = Field(default=30.0, ge=0)
+    degraded_action: Action = Action.DRAIN
+    # Congestion counters inform only. The rate is a site's choice (no standard figure exists).
+    congestion_counters: list[str] = Field(default_factory=lambda: [
+        "np_ecn_marked_roce_packets", "np_cnp_sent", "rp_cnp_handled", "rx_pause", "tx_pause"])
+    congestion_per_second: float = Field(default=10_000.0, gt=0)
+
+
+class NetworkDetector:
+    name = NAME
+
+    def __init__(self, config: NetworkConfig) -> None:
+        self.config = config
+
+    def evaluate(self, view: FleetView, now: float) -> list[Finding]:
+        out: list[Finding] = []
+        for node in view.nodes.values():
+            for port in node.ports.values():
+                if port.last_seen < node.last_seen:
+                    continue
+                out.extend(self._judge(node, port, now))
+        return out
+
+    def _finding(self, node: NodeState, port: PortHistory, action: Action, since: float, key: str,
+                 reason: str, evidence: dict[str, object]) -> Finding:
+        return Finding(detector=NAME, node=node.name, action=action, since=since, key=f"{key}:{port.name}",
+                       reason=f"{port.name}: {reason}",
+                       evidence={"device": port.device, "port": port.port, **evidence})
+
+    def _judge(self, node: NodeState, port: PortHistory, now: float) -> list[Finding]:
+        cfg = self.config
+        out: list[Finding] = []
+        last = port.last
+        t0 = now - cfg.window_seconds
+        if port.active_this_boot and not port_is_active(last):
+            since = port.last_seen
+            for ts, s in reversed(port.states):
+                if port_is_active(s):
+                    break
+                since = ts
+            if now - since >= cfg.down_seconds:
+                out.append(self._finding(node, port, cfg.down_action, since, "port_down",
+                                         f"port {last.state or 'unknown'} for {now - since:.0f} s",
+                                         {"signal": "port_state", "state": last.state, "phys_state": last.phys_state}))
+                return out  # a dead port's error counters say nothing more
+        flaps = sum(port.counters.sum_since(c, t0) for c in cfg.flap_counters)
+        if flaps >= cfg.flap_threshold:
+            out.append(self._finding(node, port, cfg.flap_action, self._first(port, cfg.flap_counters, t0), "flap",
+                                     f"{flaps:.0f} link down/recovery events in {cfg.window_seconds:.0f} s",
+                                     {"signal": "link_flaps", "events": flaps, "window_seconds": cfg.window_seconds}))
+        rate = last.rate_bits_per_second
+        errors = sum(port.counters.sum_since(c, t0) for c in cfg.error_counters)
+        if rate and errors >= cfg.min_errors:
+            covered = self._covered(port, cfg.error_counters, t0)
+            if covered > 0:
+                ber = errors / (rate * covered)
+                if ber > cfg.max_bit_error_ratio:
+                    out.append(self._finding(
+                        node, port, cfg.error_action, self._first(port, cfg.error_counters, t0), "bit_errors",
+                        f"bit error ratio {ber:.1e} over {covered:.0f} s (IBTA limit {cfg.max_bit_error_ratio:.0e})",
+                        {"signal": "symbol_error_rate", "errors": errors, "bit_error_ratio": ber,
+                         "rate_bits_per_second": rate, "window_seconds": round(covered, 1)}))
+        expected = cfg.expected_rate_bits_per_second or port.max_rate_bits_per_second
+        if rate and expected and rate < expected * (1 - cfg.rate_tolerance_ratio) and port_is_active(last):
+            since = port.last_seen
+            for ts, s in reversed(port.states):
+                if not s.rate_bits_per_second or s.rate_bits_per_second >= expected * (1 - cfg.rate_tolerance_ratio):
+                    break
+                since = ts
+            if now - since >= cfg.degraded_seconds:
+                out.append(self._finding(node, port, cfg.degraded_action, since, "degraded",
+                                         f"link at {rate / 1e9:g} Gb/s, expected {expected / 1e9:g} Gb/s",
+                                         {"signal": "rate_bits_per_second", "rate_bits_per_second": rate,
+                                          "expected_rate_bits_per_second": expected}))
+        for counter in cfg.congestion_counters:
+            series = port.counters.deltas(counter)
+            if series is None:
+                continue
+            points = series.since(t0)
+            if len(points) < 2:
+                continue
+            covered = points[-1][0] - points[0][0]
+            if covered <= 0:
+                continue
+            per_second = sum(d for _, d in points[1:]) / covered
+            if per_second >= cfg.congestion_per_second:
+                out.append(self._finding(node, port, Action.OBSERVE, points[0][0], f"congestion_{counter}",
+                                         f"{counter} at {per_second:.0f}/s (fabric congestion, not a node fault)",
+                                         {"signal": counter, "rate_per_second": round(per_second, 1)}))
+        return out
+
+    @staticmethod
+    def _first(port: PortHistory, counters: list[str], t0: float) -> float:
+        firsts: list[float] = []
+        for c in counters:
+            series = port.counters.deltas(c)
+            if series is not None:
+                firsts.extend(ts for ts, d in series.since(t0) if d > 0)
+        return min(firsts) if firsts else port.last_seen
+
+    @staticmethod
+    def _covered(port: PortHistory, counters: list[str], t0: float) -> float:
+        """Seconds of history the error deltas span (each delta covers one report interval)."""
+        spans: list[float] = []
+        for c in counters:
+            series = port.counters.deltas(c)
+            if series is not None:
+                points = series.since(t0)
+                if points:
+                    start = series.first_ts()
+                    begin = max(t0, (start or points[0][0]))
+                    spans.append(points[-1][0] - begin)
+        return max(spans) if spans else 0.0

@@ -1,0 +1,102 @@
+"""PCIe and NVLink detector: replay and link-error rates on a GPU's buses, and NVLinks down.
+
+It reads each GPU's PCIe replay counter and NVLink CRC, replay and recovery counters (as deltas
+between reports of one boot) and the list of NVLinks reported down. Sustained error rates above
+DCGM's thresholds drain the node; a link down asks for a reboot. A healthy H100 accumulates tens
+of PCIe replays between resets, so only rates are judged, never totals.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from agent.collectors.collector import StrictModel
+from aggregator.decision import Action, Finding
+from aggregator.fleet import FleetView, GpuHistory, NodeState
+
+NAME = "pcie_nvlink"
+
+
+class PcieNvlinkConfig(StrictModel):
+    enabled: bool = True
+    window_seconds: float = Field(default=300.0, gt=0)
+    # DCGM health watch (DCGM_FR_PCI_REPLAY_RATE): more than 8 PCIe replays per minute.
+    # NVSentinel maps it to CONTACT_SUPPORT; we drain and let the gate escalate repeats.
+    pcie_replays_per_minute: float = Field(default=8.0, gt=0)
+    pcie_action: Action = Action.DRAIN
+    # DCGM's NVLink health watch flags CRC flit errors above 100 per second on a link
+    # (DCGM_FR_NVLINK_CRC_ERROR_THRESHOLD); replays and recoveries are rarer and judged per minute.
+    nvlink_crc_per_second: float = Field(default=100.0, gt=0)
+    nvlink_replays_per_minute: float = Field(default=10.0, gt=0)
+    nvlink_recoveries_per_minute: float = Field(default=1.0, gt=0)
+    nvlink_action: Action = Action.DRAIN
+    # DCGM_FR_NVLINK_DOWN -> RESTART_VM (NVSentinel dcgmerrorsmapping.csv).
+    link_down_action: Action = Action.REBOOT_NODE
+    # The rate must hold over at least this much history before it counts.
+    min_coverage_seconds: float = Field(default=30.0, gt=0)
+
+
+class PcieNvlinkDetector:
+    name = NAME
+
+    def __init__(self, config: PcieNvlinkConfig) -> None:
+        self.config = config
+
+    def evaluate(self, view: FleetView, now: float) -> list[Finding]:
+        out: list[Finding] = []
+        for node in view.nodes.values():
+            for gpu in node.gpus.values():
+                if gpu.last_seen < node.last_seen:
+                    continue
+                out.extend(self._judge(node, gpu, now))
+        return out
+
+    def _judge(self, node: NodeState, gpu: GpuHistory, now: float) -> list[Finding]:
+        cfg = self.config
+        out: list[Finding] = []
+        checks = (
+            ("pcie_replay_total", cfg.pcie_replays_per_minute / 60.0, cfg.pcie_action, "PCIe replays", 60.0, "min"),
+            ("nvlink_crc_errors_total", cfg.nvlink_crc_per_second, cfg.nvlink_action, "NVLink CRC errors", 1.0, "s"),
+            ("nvlink_replay_errors_total", cfg.nvlink_replays_per_minute / 60.0, cfg.nvlink_action,
+             "NVLink replays", 60.0, "min"),
+            ("nvlink_recovery_errors_total", cfg.nvlink_recoveries_per_minute / 60.0, cfg.nvlink_action,
+             "NVLink recoveries", 60.0, "min"),
+        )
+        t0 = now - cfg.window_seconds
+        for counter, limit_per_second, action, label, scale, per in checks:
+            series = gpu.counters.deltas(counter)
+            if series is None:
+                continue
+            points = series.since(t0)
+            if len(points) < 2:
+                continue
+            # Deltas are increases since the previous report, so the first point's interval
+            # started one report before it: measure coverage from the ring's point before t0.
+            covered = points[-1][0] - points[0][0]
+            if covered < cfg.min_coverage_seconds:
+                continue
+            errors = sum(d for _, d in points[1:])
+            rate = errors / covered
+            if rate <= limit_per_second:
+                continue
+            first = next((ts for ts, d in points if d > 0), points[0][0])
+            out.append(Finding(
+                detector=NAME, node=node.name, gpu=gpu.index, action=action, since=first, key=counter,
+                reason=(f"GPU {gpu.index}: {label} at {rate * scale:.1f}/{per} "
+                        f"(limit {limit_per_second * scale:g}/{per})"),
+                evidence={"signal": counter, "uuid": gpu.uuid, "rate_per_second": round(rate, 4),
+                          "limit_per_second": limit_per_second, "errors": errors,
+                          "window_seconds": round(covered, 1)}))
+        down = gpu.last.nvlink_links_down
+        if down:
+            since = gpu.last_seen
+            for ts, s in reversed(gpu.states):
+                if not s.nvlink_links_down:
+                    break
+                since = ts
+            out.append(Finding(
+                detector=NAME, node=node.name, gpu=gpu.index, action=cfg.link_down_action, since=since,
+                key="nvlink_down", reason=f"GPU {gpu.index}: NVLink(s) {down} down",
+                evidence={"signal": "nvlink_links_down", "uuid": gpu.uuid, "links_down": list(down),
+                          "links_active": gpu.last.nvlink_links_active}))
+        return out

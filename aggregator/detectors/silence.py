@@ -1,0 +1,91 @@
+"""Silence detector: nodes whose reports stop, and GPUs that vanish or lose health in a report.
+
+It reads last-seen times (the aggregator's arrival clock), each boot's set of GPUs and their
+reported health. It alerts on a quiet node and drains it if the silence lasts; it drains a node
+whose GPU fell off the bus and asks for a reset where NVML says one is required. It does not
+guess why a node went quiet (the topology pass groups silent nodes under one rack or switch).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from agent.collectors.collector import StrictModel
+from aggregator.decision import Action, Finding
+from aggregator.fleet import FleetView
+
+NAME = "silence"
+
+
+class SilenceConfig(StrictModel):
+    enabled: bool = True
+    # Six missed reports (15 s at the agent's default 2.5 s) before anyone is paged: one or two
+    # lost POSTs during an aggregator restart or a network blip are normal.
+    alert_after_intervals: float = Field(default=6.0, gt=0)
+    alert_after_seconds_min: float = Field(default=15.0, ge=0)
+    # Two minutes of silence: the node is dead or cut off, and a job scheduled there would hang.
+    drain_after_seconds: float = Field(default=120.0, gt=0)
+    # A GPU that left the reports of this boot without a log line (Xid 79's silent cousin):
+    # NVIDIA's Xid guide asks for a node reboot after a GPU falls off the bus, so it gets drained.
+    gpu_missing_action: Action = Action.DRAIN
+    gpu_lost_action: Action = Action.DRAIN
+    # NVML's "GPU requires reset" (NVML_ERROR_RESET_REQUIRED); NVSentinel maps it to COMPONENT_RESET.
+    gpu_reset_required_action: Action = Action.RESET_GPU
+    nvml_unavailable_after_seconds: float = Field(default=30.0, ge=0)
+
+
+class SilenceDetector:
+    name = NAME
+
+    def __init__(self, config: SilenceConfig) -> None:
+        self.config = config
+
+    def evaluate(self, view: FleetView, now: float) -> list[Finding]:
+        cfg = self.config
+        out: list[Finding] = []
+        for node in view.nodes.values():
+            quiet = now - node.last_seen
+            alert_after = max(cfg.alert_after_seconds_min, cfg.alert_after_intervals * node.interval_seconds)
+            if quiet >= cfg.drain_after_seconds:
+                out.append(Finding(
+                    detector=NAME, node=node.name, action=Action.DRAIN, since=node.last_seen, key="silent",
+                    reason=f"no report for {quiet:.0f} s (drain after {cfg.drain_after_seconds:.0f} s)",
+                    evidence={"signal": "report_silence", "silent_seconds": round(quiet, 1),
+                              "last_seen": node.last_seen, "last_seq": node.seq}))
+            elif quiet >= alert_after:
+                out.append(Finding(
+                    detector=NAME, node=node.name, action=Action.ALERT, since=node.last_seen, key="silent",
+                    reason=f"no report for {quiet:.0f} s (expected every {node.interval_seconds:g} s)",
+                    evidence={"signal": "report_silence", "silent_seconds": round(quiet, 1),
+                              "last_seen": node.last_seen, "last_seq": node.seq}))
+            if quiet >= alert_after:
+                continue  # stale GPU state says nothing about the present
+            for index, since in sorted(node.missing_gpus.items()):
+                uuid = node.gpus[index].uuid if index in node.gpus else None
+                out.append(Finding(
+                    detector=NAME, node=node.name, gpu=index, action=cfg.gpu_missing_action, since=since,
+                    key="gpu_missing",
+                    reason=f"GPU {index} disappeared from the node's reports (fell off the bus?)",
+                    evidence={"signal": "gpu_missing", "uuid": uuid, "missing_since": since}))
+            for index, gpu in sorted(node.gpus.items()):
+                if index in node.missing_gpus or gpu.last_seen < node.last_seen:
+                    continue
+                health = gpu.last.health
+                if health in ("lost", "reset_required"):
+                    since = gpu.last_seen
+                    for ts, state in reversed(gpu.states):
+                        if state.health != health:
+                            break
+                        since = ts
+                    action = cfg.gpu_lost_action if health == "lost" else cfg.gpu_reset_required_action
+                    out.append(Finding(
+                        detector=NAME, node=node.name, gpu=index, action=action, since=since,
+                        key=f"gpu_{health}", reason=f"GPU {index} health is {health!r}",
+                        evidence={"signal": "gpu_health", "health": health, "uuid": gpu.uuid}))
+            if node.nvml_down_since is not None and now - node.nvml_down_since >= cfg.nvml_unavailable_after_seconds:
+                out.append(Finding(
+                    detector=NAME, node=node.name, action=Action.ALERT, since=node.nvml_down_since,
+                    key="nvml_unavailable",
+                    reason="the agent cannot reach NVML: no GPU state from this node",
+                    evidence={"signal": "nvml_unavailable", "since": node.nvml_down_since}))
+        return out

@@ -1,0 +1,153 @@
+"""Straggler detector: the node that slows a synchronous training job down.
+
+It reads every rank's per-window step summaries and compares, window by window, each rank's
+compute time with its job's peers by median and MAD; in synchronous training the culprit is the
+rank with the longest compute and the shortest collective wait. A node flagged in several
+consecutive windows is drained. A slowdown shared by the whole job (data loader, checkpoint,
+every rank slower) moves the median, not the outliers, and drains nobody.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import median
+
+from pydantic import Field
+
+from agent.collectors.collector import StrictModel
+from aggregator.decision import Action, Finding
+from aggregator.fleet import FleetView, JobState
+
+NAME = "straggler"
+
+# 1.4826 * MAD estimates the standard deviation of normally distributed noise (Rousseeuw & Croux,
+# "Alternatives to the median absolute deviation", JASA 1993).
+_MAD_TO_SIGMA = 1.4826
+
+
+class StragglerConfig(StrictModel):
+    enabled: bool = True
+    # Windows are aligned on the aggregator's clock; each rank contributes its latest summary.
+    window_seconds: float = Field(default=5.0, gt=0)
+    # Three consecutive windows (15 s): a single slow window is a GC pause or a checkpoint shard.
+    persistence_windows: int = Field(default=3, ge=1)
+    # Robust z-score of a rank's compute time against its job's ranks in the same window. At 4
+    # sigma the chance of a healthy rank crossing in three independent windows is ~3e-14, which
+    # keeps a 1,000-node fleet under one false drain per 1,000 node-days (DESIGN.md section 9).
+    z_threshold: float = Field(default=4.0, gt=0)
+    # ... and a slowdown large enough to matter: a node 5% slow costs a synchronous job 5%.
+    min_excess_ratio: float = Field(default=0.05, ge=0)
+    # MAD is 0 when ranks are identical; the spread never counts as less than this share of the
+    # median, so measurement quantisation cannot make a 0.1% difference look infinite.
+    min_spread_ratio: float = Field(default=0.005, gt=0)
+    min_ranks: int = Field(default=8, ge=3)
+    # More outlier nodes than this share of the job's nodes is a job-wide effect, not a node.
+    max_outlier_node_share: float = Field(default=0.05, gt=0, le=1)
+    action: Action = Action.DRAIN
+
+
+class _Window:
+    __slots__ = ("comm", "compute", "node")
+
+    def __init__(self, node: str, compute: float, comm: float | None) -> None:
+        self.node = node
+        self.compute = compute
+        self.comm = comm
+
+
+class StragglerDetector:
+    name = NAME
+
+    def __init__(self, config: StragglerConfig) -> None:
+        self.config = config
+
+    def evaluate(self, view: FleetView, now: float) -> list[Finding]:
+        out: list[Finding] = []
+        for job in view.jobs.values():
+            out.extend(self._judge(view, job, now))
+        return out
+
+    def _judge(self, view: FleetView, job: JobState, now: float) -> list[Finding]:
+        cfg = self.config
+        if len(job.ranks) < cfg.min_ranks:
+            return []
+        nodes = {r.node: view.nodes[r.node] for r in job.ranks.values() if r.node in view.nodes}
+        # At least one report per rank per window: the job's slowest reporting interval.
+        width = max([cfg.window_seconds] + [n.interval_seconds for n in nodes.values()])
+        # The window holding `now` is still filling; judge the complete ones before it. One
+        # window more than the persistence is read so that one late report does not reset a run.
+        spans = cfg.persistence_windows + 1
+        last = math.floor(now / width) - 1
+        first = last - spans + 1
+        t0 = first * width
+        t_end = (last + 1) * width
+        windows: list[dict[int, _Window]] = [{} for _ in range(spans)]
+        for rank in job.ranks.values():
+            for ts, s in reversed(rank.summaries):
+                if ts < t0:
+                    break
+                if ts >= t_end or s.steps <= 0:
+                    continue
+                slot = windows[int(ts // width) - first]
+                if rank.rank in slot:
+                    continue  # a later summary in the same window already counted
+                compute = s.compute_seconds_p50 if s.compute_seconds_p50 is not None else s.step_seconds_p50
+                if compute is None:
+                    continue
+                slot[rank.rank] = _Window(rank.node, compute, s.comm_seconds_p50)
+        allowed = max(1, math.floor(cfg.max_outlier_node_share * len(nodes)))
+        flagged_per_window: list[dict[str, dict[str, float | None]]] = []
+        present: list[set[str]] = []
+        for slot in windows:
+            flagged = self._outliers(slot)
+            if len(flagged) > allowed:
+                flagged = {}  # a job-wide effect: nobody is the culprit
+            flagged_per_window.append(flagged)
+            present.append({w.node for w in slot.values()})
+        persistent = []
+        for node in set().union(*flagged_per_window):
+            with_data = [i for i in range(spans) if node in present[i]]
+            if len(with_data) >= cfg.persistence_windows and all(node in flagged_per_window[i] for i in with_data):
+                persistent.append(node)
+        out = []
+        for node in sorted(persistent):
+            ev = next(f[node] for f in reversed(flagged_per_window) if node in f)
+            out.append(Finding(
+                detector=NAME, node=node, job=job.name, action=cfg.action, since=t0, key=job.name,
+                reason=(f"job {job.name}: compute time {ev['excess_ratio'] or 0.0:.1%} above the job median for "
+                        f"{cfg.persistence_windows}+ consecutive {width:g} s windows, with the shortest "
+                        f"collective wait"),
+                evidence={"signal": "compute_seconds_p50", **ev, "windows": cfg.persistence_windows}))
+        return out
+
+    def _outliers(self, slot: dict[int, _Window]) -> dict[str, dict[str, float | None]]:
+        """Nodes with at least one outlier rank in this window, with the worst rank's evidence."""
+        cfg = self.config
+        if len(slot) < cfg.min_ranks:
+            return {}
+        computes = [w.compute for w in slot.values()]
+        med = median(computes)
+        if med <= 0:
+            return {}
+        mad = median(abs(c - med) for c in computes)
+        sigma = max(_MAD_TO_SIGMA * mad, cfg.min_spread_ratio * med)
+        comms = [w.comm for w in slot.values() if w.comm is not None]
+        comm_med = median(comms) if len(comms) >= cfg.min_ranks else None
+        out: dict[str, dict[str, float | None]] = {}
+        for rank, w in slot.items():
+            excess = w.compute - med
+            if excess < cfg.min_excess_ratio * med or excess < cfg.z_threshold * sigma:
+                continue
+            # The straggler waits least in the collective: everyone else waits for it.
+            if comm_med is not None and (w.comm is None or w.comm > comm_med):
+                continue
+            z = excess / sigma
+            prev = out.get(w.node)
+            if prev is None or z > (prev["z"] or 0.0):
+                out[w.node] = {
+                    "rank": rank, "compute_seconds_p50": w.compute, "job_median_compute_seconds": med,
+                    "excess_ratio": round(excess / med, 4), "z": round(z, 2),
+                    "comm_seconds_p50": w.comm,
+                    "job_median_comm_seconds": comm_med,
+                }
+        return out

@@ -1,0 +1,87 @@
+"""The engine: fleet state plus detectors, turning reports into decisions. Synchronous, no I/O.
+
+``ingest`` folds a validated report into the fleet; ``evaluate`` runs every enabled detector on
+the fleet view, lets the topology pass merge shared faults, turns findings into ``Decision``s,
+drops those already emitted, and submits the rest to the sink. Time is always given (``now``),
+so the simulator drives it on a simulated clock and the app on the wall clock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from agent.wire import Report
+from aggregator.config import AggregatorConfig
+from aggregator.decision import Decision, Finding
+from aggregator.detectors import REGISTRY, Detector
+from aggregator.detectors.topology import TopologyAttributor
+from aggregator.fleet import Fleet
+from aggregator.sink import DecisionSink
+
+
+def _episode(f: Finding) -> tuple[str, str, int | None, str | None, str, str]:
+    return (f.detector, f.node, f.gpu, f.job, f.action.value, f.key)
+
+
+class Engine:
+    def __init__(self, config: AggregatorConfig, sink: DecisionSink,
+                 detectors: list[Detector] | None = None) -> None:
+        self.config = config
+        self.sink = sink
+        self.fleet = Fleet(config.fleet)
+        if detectors is None:
+            detectors = [build(getattr(config.detectors, name)) for name, build in REGISTRY.items()
+                         if getattr(config.detectors, name).enabled]
+        self.detectors = detectors
+        topo = config.detectors.topology
+        self.topology = TopologyAttributor(topo) if topo.enabled else None
+        self._emitted: OrderedDict[str, None] = OrderedDict()
+        # An episode that stays active keeps its first decision: a detector whose `since`
+        # slides with its window must not emit a new id every evaluation.
+        self._active: dict[tuple[str, str, int | None, str | None, str, str], str] = {}
+        self.last_findings: list[Finding] = []
+        self.admitted_total = 0
+
+    def ingest(self, report: Report, now: float) -> None:
+        self.fleet.ingest(report, now)
+
+    def findings(self, now: float) -> list[Finding]:
+        view = self.fleet.view()
+        found: list[Finding] = []
+        for detector in self.detectors:
+            found.extend(detector.evaluate(view, now))
+        if self.topology is not None:
+            found = self.topology.evaluate(view, now, found)
+        return found
+
+    def evaluate(self, now: float) -> list[Decision]:
+        self.fleet.forget_idle_jobs(now)
+        found = self.findings(now)
+        self.last_findings = found
+        fresh: list[Decision] = []
+        active: dict[tuple[str, str, int | None, str | None, str, str], str] = {}
+        for f in found:
+            episode = _episode(f)
+            if episode in active:
+                continue
+            previous = self._active.get(episode)
+            if previous is not None:
+                active[episode] = previous
+                continue
+            decision = Decision.from_finding(f, now, dry_run=self.config.dry_run)
+            active[episode] = decision.id
+            if decision.id in self._emitted:
+                continue
+            self._remember(decision.id)
+            fresh.append(decision)
+        self._active = active
+        if not fresh:
+            return []
+        admitted = self.sink.submit(fresh, now, len(self.fleet.view().nodes))
+        self.admitted_total += len(admitted)
+        return admitted
+
+    def _remember(self, decision_id: str) -> None:
+        self._emitted[decision_id] = None
+        while len(self._emitted) > self.config.emitted_memory:
+            self._emitted.popitem(last=False)

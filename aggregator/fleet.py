@@ -1,0 +1,422 @@
+"""Fleet state: the aggregator's bounded, windowed memory of every node, GPU, port and job.
+
+It reads validated ``Report``s and keeps, per node, the latest state plus ring buffers of recent
+states, counter deltas (computed between consecutive reports of one boot, so a reboot resets the
+baseline instead of looking like an error burst), de-duplicated Xid occurrences, and job
+membership from the rank summaries. It judges nothing; detectors read it through ``FleetView``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from pydantic import Field
+
+from agent.collectors.collector import StrictModel
+from agent.wire import Event, GpuState, PortState, RankSummary, Report
+
+# GPU counters whose per-report increase detectors judge (cumulative on the wire).
+GPU_COUNTERS = (
+    "ecc_corrected_volatile",
+    "ecc_uncorrected_volatile",
+    "pcie_replay_total",
+    "nvlink_crc_errors_total",
+    "nvlink_replay_errors_total",
+    "nvlink_recovery_errors_total",
+)
+
+
+class FleetConfig(StrictModel):
+    # 240 reports at the default 2.5 s interval is 10 minutes of history per series.
+    history_reports: int = Field(default=240, ge=4, le=100_000)
+    event_history: int = Field(default=256, ge=8)
+    # An Xid seen by the kernel log and by NVML's event API is one fault; both readers timestamp
+    # it within a second or two of each other.
+    xid_dedup_seconds: float = Field(default=5.0, ge=0)
+    # A job none of whose ranks reported for this long is forgotten (bounded memory).
+    job_forget_seconds: float = Field(default=3600.0, gt=0)
+
+
+def port_is_active(state: PortState) -> bool:
+    """sysfs writes "4: ACTIVE"; agents may send just "ACTIVE"."""
+    return state.state is not None and state.state.upper().endswith("ACTIVE")
+
+
+class Series:
+    """A ring of (ts, value) pairs, oldest first."""
+
+    __slots__ = ("_ring",)
+
+    def __init__(self, maxlen: int) -> None:
+        self._ring: deque[tuple[float, float]] = deque(maxlen=maxlen)
+
+    def append(self, ts: float, value: float) -> None:
+        self._ring.append((ts, value))
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def __iter__(self) -> Iterator[tuple[float, float]]:
+        return iter(self._ring)
+
+    def since(self, t0: float) -> list[tuple[float, float]]:
+        out = []
+        for item in reversed(self._ring):
+            if item[0] < t0:
+                break
+            out.append(item)
+        out.reverse()
+        return out
+
+    def sum_since(self, t0: float) -> float:
+        total = 0.0
+        for ts, value in reversed(self._ring):
+            if ts < t0:
+                break
+            total += value
+        return total
+
+    def first_ts(self) -> float | None:
+        return self._ring[0][0] if self._ring else None
+
+
+@dataclass(slots=True)
+class XidRecord:
+    code: int
+    ts: float
+    count: int
+    message: str
+    sources: set[str]
+
+
+class CounterBaseline:
+    """Turns cumulative counters into deltas; a counter going backwards is a reset, not an error."""
+
+    __slots__ = ("_deltas", "_maxlen", "_prev", "resets")
+
+    def __init__(self, maxlen: int) -> None:
+        self._maxlen = maxlen
+        self._prev: dict[str, int] = {}
+        self._deltas: dict[str, Series] = {}
+        self.resets = 0
+
+    def observe(self, name: str, ts: float, value: int | None) -> None:
+        if value is None:
+            return
+        prev = self._prev.get(name)
+        self._prev[name] = value
+        if prev is None:
+            return
+        if value < prev:
+            self.resets += 1
+            return
+        series = self._deltas.get(name)
+        if series is None:
+            series = self._deltas[name] = Series(self._maxlen)
+        series.append(ts, float(value - prev))
+
+    def forget_baseline(self) -> None:
+        self._prev.clear()
+
+    def deltas(self, name: str) -> Series | None:
+        return self._deltas.get(name)
+
+    def sum_since(self, name: str, t0: float) -> float:
+        series = self._deltas.get(name)
+        return series.sum_since(t0) if series is not None else 0.0
+
+    def names(self) -> list[str]:
+        return list(self._deltas)
+
+
+class GpuHistory:
+    __slots__ = ("counters", "first_seen", "index", "last", "last_seen", "states", "uuid")
+
+    def __init__(self, state: GpuState, ts: float, maxlen: int) -> None:
+        self.index = state.index
+        self.uuid = state.uuid
+        self.first_seen = ts
+        self.last_seen = ts
+        self.last = state
+        self.states: deque[tuple[float, GpuState]] = deque(maxlen=maxlen)
+        self.counters = CounterBaseline(maxlen)
+
+    def observe(self, state: GpuState, ts: float) -> None:
+        self.uuid = state.uuid
+        self.last = state
+        self.last_seen = ts
+        self.states.append((ts, state))
+        c = self.counters
+        c.observe("ecc_corrected_volatile", ts, state.ecc_corrected_volatile)
+        c.observe("ecc_uncorrected_volatile", ts, state.ecc_uncorrected_volatile)
+        c.observe("pcie_replay_total", ts, state.pcie_replay_total)
+        c.observe("nvlink_crc_errors_total", ts, state.nvlink_crc_errors_total)
+        c.observe("nvlink_replay_errors_total", ts, state.nvlink_replay_errors_total)
+        c.observe("nvlink_recovery_errors_total", ts, state.nvlink_recovery_errors_total)
+
+    def states_since(self, t0: float) -> list[tuple[float, GpuState]]:
+        out = []
+        for item in reversed(self.states):
+            if item[0] < t0:
+                break
+            out.append(item)
+        out.reverse()
+        return out
+
+
+class PortHistory:
+    __slots__ = ("active_this_boot", "counters", "device", "first_seen", "last", "last_seen",
+                 "max_rate_bits_per_second", "port", "states")
+
+    def __init__(self, state: PortState, ts: float, maxlen: int) -> None:
+        self.device = state.device
+        self.port = state.port
+        self.first_seen = ts
+        self.last_seen = ts
+        self.last = state
+        self.states: deque[tuple[float, PortState]] = deque(maxlen=maxlen)
+        self.counters = CounterBaseline(maxlen)
+        # The best rate this link trained at in this boot: a later, lower rate is a degraded link.
+        self.max_rate_bits_per_second: float | None = None
+        # Only a port that was up in this boot can go down (a cabled-off second port never was).
+        self.active_this_boot = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.device}/{self.port}"
+
+    def observe(self, state: PortState, ts: float) -> None:
+        self.last = state
+        self.last_seen = ts
+        self.states.append((ts, state))
+        saturated = state.flags
+        for counter, value in state.counters.items():
+            # A saturated counter no longer moves: its delta would read as "no errors".
+            if saturated.get(counter) == "saturated":
+                continue
+            self.counters.observe(counter, ts, value)
+        if port_is_active(state):
+            self.active_this_boot = True
+        rate = state.rate_bits_per_second
+        if rate is not None and (self.max_rate_bits_per_second is None or rate > self.max_rate_bits_per_second):
+            self.max_rate_bits_per_second = rate
+
+    def states_since(self, t0: float) -> list[tuple[float, PortState]]:
+        out = []
+        for item in reversed(self.states):
+            if item[0] < t0:
+                break
+            out.append(item)
+        out.reverse()
+        return out
+
+
+class RankHistory:
+    __slots__ = ("gpu", "job", "last", "last_seen", "node", "rank", "report_ts", "summaries")
+
+    def __init__(self, summary: RankSummary, node: str, ts: float, maxlen: int) -> None:
+        self.job = summary.job
+        self.rank = summary.rank
+        self.node = node
+        self.gpu = summary.gpu
+        self.last = summary
+        self.last_seen = ts
+        self.report_ts = ts
+        self.summaries: deque[tuple[float, RankSummary]] = deque(maxlen=maxlen)
+
+    def observe(self, summary: RankSummary, node: str, ts: float, report_ts: float) -> None:
+        self.node = node
+        self.gpu = summary.gpu
+        self.last = summary
+        self.last_seen = ts
+        # The agent's clock: compare with the summary's last_progress_ts, never with ours.
+        self.report_ts = report_ts
+        self.summaries.append((ts, summary))
+
+
+@dataclass(slots=True)
+class JobState:
+    name: str
+    ranks: dict[int, RankHistory] = field(default_factory=dict)
+    last_seen: float = 0.0
+
+    def nodes(self) -> set[str]:
+        return {r.node for r in self.ranks.values()}
+
+
+class NodeState:
+    """One node as the aggregator knows it. ``last_seen`` is arrival time on the aggregator's
+    clock (``now`` at ingest), so a node with a skewed clock cannot look alive or dead."""
+
+    def __init__(self, report: Report, now: float, config: FleetConfig) -> None:
+        self.name = report.node
+        self.first_seen = now
+        self.last_seen = now
+        self.last_report_ts = report.ts
+        self.boot_id = report.boot_id
+        self.boot_started = now
+        self.seq = report.seq
+        self.interval_seconds = report.interval_seconds
+        self.topology: dict[str, str] = dict(report.topology)
+        self.nvml_available = report.nvml_available
+        self.nvml_down_since: float | None = None
+        self.failed_collectors: list[str] = []
+        self.reports = 0
+        self.seq_gaps = 0
+        self.reboots = 0
+        self.gpus: dict[int, GpuHistory] = {}
+        self.ports: dict[tuple[str, int], PortHistory] = {}
+        # GPU index -> when it went missing from the reports of this boot (fell off the bus).
+        self.missing_gpus: dict[int, float] = {}
+        self.gpus_this_boot: set[int] = set()
+        self.events: deque[tuple[float, Event]] = deque(maxlen=config.event_history)
+        # GPU index (None: not attributable to one GPU) -> recent de-duplicated Xids.
+        self.xids: dict[int | None, deque[XidRecord]] = {}
+        self.ranks: dict[tuple[str, int], RankHistory] = {}
+        self.host = report.host
+
+
+class Fleet:
+    """Mutable fleet state. ``ingest`` is the only writer; detectors get ``view()``."""
+
+    def __init__(self, config: FleetConfig | None = None) -> None:
+        self.config = config or FleetConfig()
+        self._nodes: dict[str, NodeState] = {}
+        self._jobs: dict[str, JobState] = {}
+
+    def ingest(self, report: Report, now: float) -> None:
+        cfg = self.config
+        node = self._nodes.get(report.node)
+        if node is None:
+            node = self._nodes[report.node] = NodeState(report, now, cfg)
+        elif report.boot_id != node.boot_id:
+            node.reboots += 1
+            node.boot_id = report.boot_id
+            node.boot_started = now
+            node.gpus_this_boot.clear()
+            node.missing_gpus.clear()
+            for gpu in node.gpus.values():
+                gpu.counters.forget_baseline()
+            for port in node.ports.values():
+                port.counters.forget_baseline()
+                port.max_rate_bits_per_second = None
+                port.active_this_boot = False
+        elif report.seq <= node.seq and report.ts <= node.last_report_ts:
+            # A replayed or reordered report of this boot: its counters are older than what we
+            # hold, so applying them would fake a reset. Keep its events, which dedup absorbs.
+            self._ingest_events(node, report)
+            node.last_seen = max(node.last_seen, now)
+            return
+        elif report.seq != node.seq + 1:
+            node.seq_gaps += 1
+        node.seq = report.seq
+        node.last_seen = now
+        node.last_report_ts = report.ts
+        node.interval_seconds = report.interval_seconds
+        node.reports += 1
+        if report.topology:
+            node.topology = dict(report.topology)
+        if not report.nvml_available and node.nvml_down_since is None:
+            node.nvml_down_since = now
+        elif report.nvml_available:
+            node.nvml_down_since = None
+        node.nvml_available = report.nvml_available
+        node.failed_collectors = list(report.failed_collectors)
+        if report.host is not None:
+            node.host = report.host
+        ts = now
+        maxlen = cfg.history_reports
+        seen: set[int] = set()
+        for state in report.gpus:
+            seen.add(state.index)
+            hist = node.gpus.get(state.index)
+            if hist is None or hist.uuid != state.uuid:
+                hist = node.gpus[state.index] = GpuHistory(state, ts, maxlen)
+            hist.observe(state, ts)
+        # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
+        # reader itself failed (then the report says so and "no data" is not "no GPU").
+        gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors
+        if gpu_reader_ok:
+            for index in node.gpus_this_boot - seen:
+                node.missing_gpus.setdefault(index, ts)
+            for index in seen:
+                node.missing_gpus.pop(index, None)
+            node.gpus_this_boot |= seen
+        for pstate in report.ports:
+            key = (pstate.device, pstate.port)
+            phist = node.ports.get(key)
+            if phist is None:
+                phist = node.ports[key] = PortHistory(pstate, ts, maxlen)
+            phist.observe(pstate, ts)
+        for summary in report.ranks:
+            job = self._jobs.get(summary.job)
+            if job is None:
+                job = self._jobs[summary.job] = JobState(summary.job)
+            job.last_seen = ts
+            rhist = job.ranks.get(summary.rank)
+            if rhist is None:
+                rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, maxlen)
+            elif rhist.node != node.name:
+                old = self._nodes.get(rhist.node)
+                if old is not None:
+                    old.ranks.pop((summary.job, summary.rank), None)
+            rhist.observe(summary, node.name, ts, report.ts)
+            node.ranks[(summary.job, summary.rank)] = rhist
+        self._ingest_events(node, report)
+
+    def _ingest_events(self, node: NodeState, report: Report) -> None:
+        for event in report.events:
+            node.events.append((event.ts, event))
+            if event.kind == "xid" and event.code is not None:
+                self._record_xid(node, event)
+
+    def _record_xid(self, node: NodeState, event: Event) -> None:
+        gpu = event.gpu
+        if gpu is None:
+            for hist in node.gpus.values():
+                if (event.pci_bus_id and hist.last.pci_bus_id
+                        and hist.last.pci_bus_id.lower() == event.pci_bus_id.lower()) or (
+                        event.uuid and hist.uuid == event.uuid):
+                    gpu = hist.index
+                    break
+        ring = node.xids.get(gpu)
+        if ring is None:
+            ring = node.xids[gpu] = deque(maxlen=self.config.event_history)
+        window = self.config.xid_dedup_seconds
+        for rec in reversed(ring):
+            if rec.code == event.code and abs(rec.ts - event.ts) <= window:
+                rec.count = max(rec.count, event.count)
+                rec.sources.add(event.source)
+                return
+            if event.ts - rec.ts > window:
+                break
+        ring.append(XidRecord(event.code or 0, event.ts, event.count, event.message, {event.source}))
+
+    def forget_idle_jobs(self, now: float) -> None:
+        horizon = now - self.config.job_forget_seconds
+        for name in [n for n, j in self._jobs.items() if j.last_seen < horizon]:
+            job = self._jobs.pop(name)
+            for rank in job.ranks.values():
+                node = self._nodes.get(rank.node)
+                if node is not None:
+                    node.ranks.pop((name, rank.rank), None)
+
+    def view(self) -> FleetView:
+        return FleetView(self._nodes, self._jobs)
+
+
+class FleetView:
+    """What detectors see: read-only mappings over the fleet (detectors must not mutate state)."""
+
+    __slots__ = ("jobs", "nodes")
+
+    def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState]) -> None:
+        self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
+        self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
+
+    def members(self, label: str, value: str) -> list[str]:
+        """Nodes whose topology label ``label`` (e.g. leaf_switch) equals ``value``."""
+        return [n.name for n in self.nodes.values() if n.topology.get(label) == value]

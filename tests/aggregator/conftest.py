@@ -1,0 +1,118 @@
+"""Fake agents for the aggregator's tests: nodes that build ``Report``s the way the agent does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from agent.wire import Event, GpuState, PortState, RankSummary, Report
+
+GBPS = 1e9
+
+
+class FakeNode:
+    """One node's agent: 8 H100s and 8 NDR ports by default, cumulative counters, a seq per boot."""
+
+    def __init__(self, name: str, *, gpus: int = 8, ports: int = 8, interval: float = 2.5,
+                 topology: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.interval = interval
+        self.boot_id = f"boot-{name}-1"
+        self.seq = 0
+        self.topology = topology or {}
+        self.nvml_available = True
+        self.gpus: dict[int, dict[str, Any]] = {
+            i: {"index": i, "uuid": f"GPU-{name}-{i}", "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0",
+                "utilization_gpu_ratio": 0.97, "sm_clock_hertz": 1.98e9, "sm_clock_max_hertz": 1.98e9,
+                "temperature_celsius": 62.0, "memory_temperature_celsius": 70.0,
+                "memory_max_temperature_celsius": 95.0, "power_watts": 650.0,
+                "clock_event_reasons": ["sw_power_cap"], "ecc_corrected_volatile": 0,
+                "ecc_uncorrected_volatile": 0, "retired_pages_sbe": 0, "retired_pages_dbe": 0,
+                "remap_pending": False, "remap_failure": False, "pcie_replay_total": 40,
+                "nvlink_crc_errors_total": 0, "nvlink_replay_errors_total": 0,
+                "nvlink_recovery_errors_total": 0, "nvlink_links_active": 18}
+            for i in range(gpus)}
+        self.ports: dict[int, dict[str, Any]] = {
+            p: {"device": f"mlx5_{p}", "port": 1, "state": "ACTIVE", "phys_state": "LinkUp",
+                "rate_bits_per_second": 400 * GBPS, "link_layer": "InfiniBand",
+                "counters": {"symbol_error": 0, "link_error_recovery": 0, "link_downed": 0,
+                             "local_link_integrity_errors": 0, "port_rcv_errors": 0,
+                             "np_ecn_marked_roce_packets": 0}}
+            for p in range(ports)}
+        self.ranks: list[RankSummary] = []
+
+    def reboot(self) -> None:
+        self.boot_id = self.boot_id.rsplit("-", 1)[0] + f"-{int(self.boot_id.rsplit('-', 1)[1]) + 1}"
+        self.seq = 0
+        for g in self.gpus.values():
+            for k in ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
+                      "nvlink_crc_errors_total"):
+                g[k] = 0
+        for p in self.ports.values():
+            p["counters"] = dict.fromkeys(p["counters"], 0)
+
+    def report(self, ts: float, *, events: list[Event] | None = None, urgent: bool = False,
+               drop_gpus: tuple[int, ...] = ()) -> Report:
+        self.seq += 1
+        return Report(
+            node=self.name, boot_id=self.boot_id, seq=self.seq, ts=ts, interval_seconds=self.interval,
+            urgent=urgent, topology=dict(self.topology), nvml_available=self.nvml_available,
+            gpus=[GpuState(**g) for i, g in self.gpus.items() if i not in drop_gpus],
+            ports=[PortState(**p) for p in self.ports.values()],
+            ranks=list(self.ranks), events=list(events or []))
+
+
+def rank_summary(job: str, rank: int, *, compute: float, comm: float, ts: float, gpu: int | None = None,
+                 step: int = 100, progress_ts: float | None = None, state: str = "running",
+                 window: float = 2.5, steps: int = 3) -> RankSummary:
+    return RankSummary(job=job, rank=rank, gpu=gpu, state=state, window_seconds=window, steps=steps,  # type: ignore[arg-type]
+                       last_step=step, last_progress_ts=ts if progress_ts is None else progress_ts,
+                       step_seconds_p50=compute + comm, compute_seconds_p50=compute, comm_seconds_p50=comm)
+
+
+@pytest.fixture
+def make_node() -> Callable[..., FakeNode]:
+    return FakeNode
+
+
+def set_training(nodes: list[FakeNode], job: str, ts: float, *, noise: Callable[[], float] = lambda: 0.0,
+                 slow: dict[str, float] | None = None, scale: float = 1.0, ranks_per_node: int = 8,
+                 compute: float = 0.8, collective: float = 0.1, step: int = 100,
+                 progress_ts: float | None = None) -> None:
+    """Synchronous data-parallel training: every rank's step ends together, so a rank's
+    collective wait is the slowest rank's compute minus its own, plus the collective itself.
+    ``slow`` maps node -> compute factor; ``noise`` returns a relative jitter per rank."""
+    slow = slow or {}
+    computes: list[tuple[FakeNode, int, float]] = []
+    for n_index, node in enumerate(nodes):
+        for local in range(ranks_per_node):
+            c = compute * scale * slow.get(node.name, 1.0) * (1.0 + noise())
+            computes.append((node, n_index * ranks_per_node + local, c))
+    slowest = max(c for _, _, c in computes)
+    for node in nodes:
+        node.ranks = []
+    for node, rank, c in computes:
+        node.ranks.append(rank_summary(job, rank, compute=c, comm=slowest - c + collective * scale, ts=ts,
+                                       gpu=rank % ranks_per_node, step=step, progress_ts=progress_ts))
+
+
+def drive(engine: Any, nodes: list[FakeNode], start: float, end: float, *,
+          before: Callable[[float], None] | None = None, skip: Callable[[FakeNode, float], bool] | None = None,
+          ) -> list[Any]:
+    """Every node reports each interval from ``start`` to ``end``; the engine evaluates after each
+    round. Returns every decision admitted."""
+    decisions = []
+    interval = nodes[0].interval
+    t = start
+    while t <= end:
+        if before is not None:
+            before(t)
+        for node in nodes:
+            if skip is not None and skip(node, t):
+                continue
+            engine.ingest(node.report(t), t)
+        decisions.extend(engine.evaluate(t))
+        t += interval
+    return decisions

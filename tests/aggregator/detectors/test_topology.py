@@ -1,0 +1,44 @@
+from aggregator.config import AggregatorConfig
+from aggregator.decision import Action
+from aggregator.engine import Engine
+from aggregator.sink import RecordingSink
+from tests.aggregator.conftest import FakeNode, drive
+
+
+def leaf_fleet(n=8, per_leaf=4):
+    return [FakeNode(f"n{i}", topology={"leaf_switch": f"leaf-{i // per_leaf}", "rack": "rack-0"})
+            for i in range(n)]
+
+
+def port_errors(nodes, names, start):
+    def before(t):
+        if t >= start:
+            for node in nodes:
+                if node.name in names:
+                    node.ports[0]["counters"]["symbol_error"] += 5000
+    return before
+
+
+def test_errors_on_every_node_of_one_leaf_indict_the_switch_not_the_nodes():
+    nodes = leaf_fleet()
+    engine = Engine(AggregatorConfig(), RecordingSink())
+    decisions = drive(engine, nodes, 0.0, 200.0, before=port_errors(nodes, {"n4", "n5", "n6", "n7"}, 100.0))
+    assert sorted((d.action, d.node, d.component) for d in decisions) == [
+        (Action.ALERT, "leaf-1", "leaf-1"), (Action.INSPECT_HARDWARE, "leaf-1", "leaf-1")]
+    assert decisions[0].evidence["nodes"] == ["n4", "n5", "n6", "n7"]
+    assert decisions[0].evidence["signal"] == "symbol_error_rate"
+
+
+def test_one_bad_cable_under_a_leaf_drains_only_that_node():
+    nodes = leaf_fleet()
+    engine = Engine(AggregatorConfig(), RecordingSink())
+    decisions = drive(engine, nodes, 0.0, 200.0, before=port_errors(nodes, {"n5"}, 100.0))
+    assert [(d.action, d.node) for d in decisions] == [(Action.DRAIN, "n5")]
+
+
+def test_rack_power_loss_is_one_ticket_not_a_drain_per_node():
+    nodes = leaf_fleet(8, per_leaf=4)
+    engine = Engine(AggregatorConfig(), RecordingSink())
+    decisions = drive(engine, nodes, 0.0, 250.0, skip=lambda node, t: t >= 100.0)
+    assert sorted((d.action, d.component) for d in decisions) == [
+        (Action.ALERT, "rack-0"), (Action.INSPECT_HARDWARE, "rack-0")]
