@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ from agent.config import ConfigError, parse_config
 from agent.exporter import SnapshotExporter, make_registry, render
 from agent.metric import Sample
 from agent.seams import Seams
-from agent.wire import PortState
+from agent.wire import PortState, Report
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sysfs"
 H100 = FIXTURES / "h100"
@@ -59,6 +59,9 @@ class FakeRunner:
         return answer
 
 
+OPEN_RIGS: list[Rig] = []
+
+
 class Rig:
     """A collector over a writable copy of a fixture root, with a clock that moves with `now`."""
 
@@ -68,6 +71,7 @@ class Rig:
         self.runner = runner or FakeRunner({})
         self.collector = RdmaCollector(RdmaConfig.model_validate(config), sysfs_root=root, run=self.runner,
                                        clock=self.clock)
+        OPEN_RIGS.append(self)
 
     def cycle(self, advance: float = 1.0) -> Collection:
         self.clock.t += advance
@@ -75,6 +79,13 @@ class Rig:
 
     def port_file(self, device: str, rel: str) -> Path:
         return self.root / "class" / "infiniband" / device / "ports" / "1" / rel
+
+
+@pytest.fixture(autouse=True)
+def _close_collectors() -> Iterator[None]:
+    yield
+    while OPEN_RIGS:
+        OPEN_RIGS.pop().collector.close()  # the collector keeps sysfs files open between cycles
 
 
 def copy_root(src: Path, tmp_path: Path) -> Path:
@@ -271,13 +282,27 @@ def test_absent_counter_files_give_no_sample(h100: Rig) -> None:
     assert [x for x in s if x.name == "vigil_rdma_read_errors_total"] == []
 
 
-def test_file_vanishing_between_cycles_is_absent_and_rescanned(h100: Rig) -> None:
-    h100.cycle()
-    h100.port_file("mlx5_0", "counters/symbol_error").unlink()
-    s = h100.cycle().samples
+def test_file_vanishing_between_cycles_is_absent_and_rescanned(tmp_path: Path) -> None:
+    # Read by path: an unlinked regular file is gone at once. (A kept-open sysfs attribute answers
+    # ENODEV when its device goes away, which takes the same path; a regular file cannot.)
+    rig = Rig(copy_root(H100, tmp_path), keep_files_open=False)
+    rig.cycle()
+    rig.port_file("mlx5_0", "counters/symbol_error").unlink()
+    s = rig.cycle().samples
     assert value(s, "vigil_rdma_port_symbol_errors_total", device="mlx5_0", port="1") is None
     assert value(s, "vigil_rdma_port_link_downed_total", device="mlx5_0", port="1") == 0
     assert [x for x in s if x.name == "vigil_rdma_read_errors_total"] == []
+
+
+def test_kept_open_files_see_new_values_and_drop_after_the_rescan(tmp_path: Path) -> None:
+    rig = Rig(copy_root(H100, tmp_path), rescan_interval_seconds=30)
+    rig.cycle()
+    rig.port_file("mlx5_0", "counters/symbol_error").write_text("5\n")
+    s = rig.cycle().samples
+    assert value(s, "vigil_rdma_port_symbol_errors_total", device="mlx5_0", port="1") == 5
+    rig.port_file("mlx5_0", "counters/symbol_error").unlink()
+    s = rig.cycle(advance=30).samples
+    assert value(s, "vigil_rdma_port_symbol_errors_total", device="mlx5_0", port="1") is None
 
 
 def test_new_counter_file_appears_after_the_rescan_interval(tmp_path: Path) -> None:
@@ -421,7 +446,10 @@ def test_config_rejects_unknown_key_with_its_path() -> None:
 def test_registry_builds_from_seams() -> None:
     clock = FakeClock()
     collector = REGISTRY["rdma"](parse_config({}), Seams(sysfs_root=H100, run=FakeRunner({}), clock=clock))
-    c = collector.collect(clock.t)
+    try:
+        c = collector.collect(clock.t)
+    finally:
+        collector.close()
     assert collector.name == "rdma"
     assert len(c.report["ports"]) == 3
 
@@ -442,3 +470,15 @@ def test_metrics_exposition_of_the_real_tree(h100: Rig) -> None:
     assert 'vigil_rdma_port_rate_bits_per_second{device="mlx5_1",port="1"} 4e+11' in text
     assert 'vigil_rdma_port_link_downed_total{device="mlx5_1",port="1"} 255.0' in text
     assert "# TYPE vigil_rdma_port_symbol_errors_total counter" in text
+
+
+def test_port_states_survive_the_report_wire_round_trip(h100: Rig) -> None:
+    h100.cycle()
+    h100.port_file("mlx5_0", "counters/port_xmit_data").write_text(f"{MLX5_0_XMIT_WORDS + 250}\n")
+    c = h100.cycle(advance=0.5)
+    report = Report(node="n1", boot_id="b", seq=1, ts=h100.clock.t, interval_seconds=2.5,
+                    ports=c.report["ports"], events=c.events)
+    back = Report.model_validate_json(report.model_dump_json())
+    ps = next(p for p in back.ports if p.device == "mlx5_0")
+    assert ps.deltas["port_xmit_data"] == 1000 and ps.rates_per_second["port_xmit_data"] == 2000.0
+    assert next(p for p in back.ports if p.device == "mlx5_1").flags["link_downed"] == "saturated"

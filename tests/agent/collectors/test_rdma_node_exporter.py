@@ -95,7 +95,11 @@ def test_node_exporter_and_vigil_agree_on_every_common_value(tmp_path: Path) -> 
     shutil.copytree(FIXTURE_ROOT, sysfs)
     exposition = _scrape_node_exporter(binary, sysfs)
 
-    ours_samples = RdmaCollector(RdmaConfig(), sysfs_root=sysfs).collect(time.time()).samples
+    collector = RdmaCollector(RdmaConfig(), sysfs_root=sysfs)
+    try:
+        ours_samples = collector.collect(time.time()).samples
+    finally:
+        collector.close()
     ours: dict[tuple[str, str, str], float] = {}
     for s in ours_samples:
         device, port = s.label("device"), s.label("port")
