@@ -1,0 +1,122 @@
+"""Simulated nodes: the real agent pipeline per node, with the world replaced through its seams.
+
+Each ``SimNode`` has a FakeNvml driven by its part of the fleet scenario, a kernel log (a text
+stream the real xid collector follows), an InfiniBand sysfs tree (shared read-only until the
+node's ports get a fault), and the registry's real collectors; ``tick`` runs the due collectors
+through the runner's ``collect_once`` and builds the Report with the reporter's ``build_report``.
+It judges nothing and never reads the wall clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from agent.collectors.collector import Collector
+from agent.config import AgentConfig
+from agent.reporter import build_report
+from agent.runner import collect_once
+from agent.seams import Seams
+from agent.snapshot import Snapshot
+from agent.wire import Event, Report
+from sim.fabric import NodeFabric
+
+log = logging.getLogger("vigil.sim.fleet")
+
+# Trailing text the driver prints for well-known Xids (NVIDIA Xid catalog, "Xid Errors" r555).
+XID_TEXT = {
+    13: "Graphics SM Warp Exception on (GPC 0, TPC 1, SM 0): Out Of Range Address",
+    31: "Ch 00000008, intr 10000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f1c_4e000000",
+    43: "Ch 00000010",
+    48: "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer",
+    63: "Row Remapper: New row marked for remapping, reset gpu to activate.",
+    64: "Row Remapper: Failed to remap row",
+    74: "NVLink: fatal error detected on link 3(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)",
+    79: "GPU has fallen off the bus.",
+    92: "High single-bit ECC error rate",
+    94: "Contained: SM (0x1). RST: No, D-RST: No",
+    95: "Uncontained: LTC TAG (0x2,0x0). RST: Yes, D-RST: No",
+    119: "Timeout after 6s of waiting for RPC response from GPU0 GSP!",
+}
+
+
+class KernelLog:
+    """The node's kernel log as the xid collector follows it: a file, appended to in dmesg form
+    (nodes without kernel faults share one empty file)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, uptime_seconds: float, message: str) -> None:
+        with self.path.open("a") as fh:
+            fh.write(f"[{uptime_seconds:12.6f}] {message}\n")
+
+
+class SimNode:
+    """One node's agent: collectors over its seams, a snapshot, a report sequence."""
+
+    def __init__(self, config: AgentConfig, seams: Seams, collectors: Sequence[Collector], *,
+                 boot_id: str, kernel_log: KernelLog, fabric: NodeFabric | None,
+                 intervals: dict[str, float], report_interval_seconds: float) -> None:
+        self.name = config.node
+        self.config = config
+        self.seams = seams
+        self.collectors = list(collectors)
+        self.training = next((c for c in self.collectors if c.name == "training"), None)
+        self.kernel_log = kernel_log
+        self.fabric = fabric
+        self.boot_id = boot_id
+        self.snapshot = Snapshot()
+        self.seq = 0
+        self.silent = False
+        self._intervals = intervals
+        self._next_due: dict[str, float] = {}
+        self._report_interval = report_interval_seconds
+        self._topology = dict(config.topology)
+        self.pci_bus_ids: list[str] = []
+
+    def ingest_heartbeat(self, payload: bytes, now: float) -> str | None:
+        if self.training is None:
+            return "no training collector"
+        ingest: Callable[[bytes, float], str | None] = self.training.ingest  # type: ignore[attr-defined]
+        return ingest(payload, now)
+
+    def tick(self, now: float) -> Report | None:
+        """Run every collector that is due and build this cycle's report (None while silent)."""
+        if self.silent:
+            return None
+        events: list[Event] = []
+        for collector in self.collectors:
+            due = self._next_due.get(collector.name, now)
+            if now + 1e-9 < due:
+                continue
+            result = collect_once(collector, now)
+            self.snapshot.put(collector.name, result)
+            events.extend(result.collection.events)
+            self._next_due[collector.name] = now + self._intervals.get(collector.name, self._report_interval)
+        report = build_report(
+            self.snapshot, events, node=self.name, boot_id=self.boot_id, seq=self.seq, ts=now,
+            interval_seconds=self._report_interval, topology=self._topology,
+            urgent=any(e.urgent for e in events))
+        self.seq += 1
+        return report
+
+    def reboot(self, boot_id: str) -> None:
+        """Back from silence: a new boot, counters and sequence start again."""
+        self.boot_id = boot_id
+        self.seq = 0
+
+    def close(self) -> None:
+        for collector in self.collectors:
+            try:
+                collector.close()
+            except Exception as exc:  # noqa: BLE001 - closing must reach every collector
+                log.warning("closing %s on %s: %s", collector.name, self.name, exc)
+
+
+def kernel_xid_line(bus_id: str, code: int, text: str, pid: int | None = None) -> str:
+    """An NVRM Xid line as drivers R535+ print it."""
+    body = text or XID_TEXT.get(code, "")
+    pid_text = str(pid) if pid is not None else "'<unknown>'"
+    return f"NVRM: Xid (PCI:{bus_id}): {code}, pid={pid_text}, name=python3, {body}".rstrip(", ")

@@ -1,0 +1,151 @@
+"""The simulation's report page: ``index.html`` with PNG plots (matplotlib, Agg backend).
+
+Per job: step time over time, each node's compute time (the fleet's spread as a band, nodes with
+a fault or a decision as their own lines) with fault and decision marks; and the fleet's state
+over time (nodes reporting, silent, with an active fault, removed by a decision). It reads a
+``SimResult`` and its ``Score``; it runs and judges nothing.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sim.run import SimResult
+from sim.score import Score, summary
+
+_MAX_HIGHLIGHTED = 6  # more individual lines than this make a plot unreadable
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window, never need a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _job_plot(result: SimResult, index: int, path: Path) -> None:
+    plt = _pyplot()
+    trace = result.jobs[index]
+    sc = result.scenario
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
+    t = np.array(trace.t) / 60.0
+    if len(t):
+        ax1.plot(t, trace.step_seconds, color="black", lw=1.0, label="job step time")
+        comp = np.vstack(trace.node_compute_seconds)  # (windows, nodes)
+        lo, med, hi = np.percentile(comp, [1, 50, 99], axis=1)
+        ax2.fill_between(t, lo, hi, color="tab:blue", alpha=0.25, label="nodes, p1-p99")
+        ax2.plot(t, med, color="tab:blue", lw=1.0, label="nodes, median")
+        faulty = {n for f in sc.faults for n in sc.fault_nodes(f)}
+        decided = {d.node for d in result.decisions if d.admitted}
+        marked = [n for n in trace.nodes if n in faulty or n in decided][:_MAX_HIGHLIGHTED]
+        col = {n: i for i, n in enumerate(trace.nodes)}
+        for n in marked:
+            ax2.plot(t, comp[:, col[n]], lw=1.2, label=n)
+    nodes = set(trace.nodes)
+    for f in sc.faults:
+        if nodes & set(sc.fault_nodes(f)) or getattr(f, "job", None) == trace.name:
+            for ax in (ax1, ax2):
+                ax.axvline(f.at_seconds / 60.0, color="tab:red", ls="--", lw=0.9)
+            ax1.annotate(f.kind, (f.at_seconds / 60.0, 1.0), xycoords=("data", "axes fraction"),
+                         rotation=90, va="top", ha="right", fontsize=7, color="tab:red")
+    for d in result.decisions:
+        if d.admitted and (d.node in nodes or d.job == trace.name):
+            for ax in (ax1, ax2):
+                ax.axvline(d.t / 60.0, color="tab:green", ls=":", lw=0.9)
+            ax2.annotate(f"{d.action} {d.node}", (d.t / 60.0, 0.0), xycoords=("data", "axes fraction"),
+                         rotation=90, va="bottom", ha="left", fontsize=7, color="tab:green")
+    ax1.set_ylabel("step seconds")
+    ax2.set_ylabel("compute seconds")
+    ax2.set_xlabel("simulated minutes")
+    ax1.set_title(f"job {trace.name}: {len(trace.nodes)} nodes (red: faults, green: decisions)")
+    ax1.legend(loc="upper left", fontsize=8)
+    ax2.legend(loc="upper left", fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _fleet_plot(result: SimResult, path: Path) -> None:
+    plt = _pyplot()
+    sc = result.scenario
+    t = np.array(result.fleet_t)
+    faulted = np.zeros(len(t))
+    for f in sc.faults:
+        end = getattr(f, "until_seconds", None)
+        end = np.inf if end is None else end
+        faulted += len(sc.fault_nodes(f)) * ((t >= f.at_seconds) & (t < end))
+    removed = np.zeros(len(t))
+    seen: set[str] = set()
+    for d in sorted((d for d in result.decisions if d.admitted and d.action in
+                     ("drain", "reset_gpu", "reboot_node", "inspect_hardware")), key=lambda d: d.t):
+        if d.node not in seen:
+            seen.add(d.node)
+            removed += t >= d.t
+    fig, ax = plt.subplots(figsize=(11, 4))
+    minutes = t / 60.0
+    ax.plot(minutes, result.fleet_reporting, label="nodes reporting")
+    ax.plot(minutes, result.fleet_silent, label="nodes silent")
+    ax.plot(minutes, faulted, label="faults active (node count)")
+    ax.plot(minutes, removed, label="nodes removed by a decision")
+    ax.set_xlabel("simulated minutes")
+    ax.set_ylabel("nodes")
+    ax.set_yscale("symlog")
+    ax.set_title(f"fleet of {sc.fleet.nodes} nodes")
+    ax.legend(loc="center right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_report(result: SimResult, s: Score, directory: Path) -> Path:
+    """Write the page and its plots under ``directory``; returns the index.html path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    _fleet_plot(result, directory / "fleet.png")
+    job_pngs = []
+    for i, trace in enumerate(result.jobs):
+        name = f"job-{i}.png"
+        _job_plot(result, i, directory / name)
+        job_pngs.append((trace.name, name))
+    data = summary(result, s)
+    esc = html.escape
+    rows = "".join(
+        f"<tr><td>{esc(e['subject'])}</td><td>{esc(', '.join(e['action']))}</td><td>{e['within_seconds']:g}</td>"
+        f"<td>{'' if e['fault_at_seconds'] is None else e['fault_at_seconds']}</td>"
+        f"<td>{'' if e['latency_seconds'] is None else e['latency_seconds']}</td>"
+        f"<td class={'ok' if e['met'] else 'bad'}>{'met' if e['met'] else 'MISSED'}</td></tr>"
+        for e in data["expectations"])
+    drows = "".join(
+        f"<tr><td>{d.t:g}</td><td>{esc(d.node)}</td><td>{esc(d.action)}</td><td>{esc(d.detector)}</td>"
+        f"<td>{'admitted' if d.admitted else 'refused: ' + esc(d.verdict)}</td><td>{esc(d.reason)}</td></tr>"
+        for d in result.decisions[:500])
+    jobs = "".join(f"<h2>job {esc(n)}</h2><img src='{p}' alt='job {esc(n)}'>" for n, p in job_pngs)
+    lat = data["detection_latency_seconds"]
+    verdict = "PASS" if data["pass"] else "FAIL"
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>vigil sim: {esc(result.scenario.name)}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1100px}} td,th{{padding:2px 8px;text-align:left}}
+.ok{{color:#080}} .bad{{color:#b00;font-weight:bold}} img{{max-width:100%}}</style></head><body>
+<h1>{esc(result.scenario.name)}: <span class={'ok' if data['pass'] else 'bad'}>{verdict}</span></h1>
+<p>{esc(result.scenario.description)}</p>
+<p>{result.scenario.fleet.nodes} nodes, {data['simulated_seconds']:g} simulated seconds in
+{data['wall_seconds']:g} s wall, seed {result.seed}; {data['reports']} reports, {data['heartbeats']} heartbeats.
+Precision {data['precision']}, recall {data['recall']}, false drains {data['false_drains']},
+detection latency p50 {lat['p50']} s, p95 {lat['p95']} s, max {lat['max']} s;
+breaker expected {data['breaker']['expected']}, tripped {data['breaker']['tripped']}.</p>
+<h2>expectations</h2><table><tr><th>subject</th><th>action</th><th>within s</th><th>fault at s</th>
+<th>latency s</th><th></th></tr>{rows}</table>
+<h2>fleet</h2><img src="fleet.png" alt="fleet state over time">
+{jobs}
+<h2>decisions</h2><table><tr><th>t s</th><th>node</th><th>action</th><th>detector</th><th>gate</th>
+<th>reason</th></tr>{drows}</table>
+</body></html>
+"""
+    index = directory / "index.html"
+    index.write_text(page)
+    return index

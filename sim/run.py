@@ -1,0 +1,482 @@
+"""The simulation driver: a fleet scenario run through the real agent and aggregator code.
+
+Every report interval of simulated time it applies the faults that are due (FakeNvml keeps its
+own schedule), steps the training jobs and feeds their heartbeats to each node's training
+collector, ticks every node's collectors, builds and ingests the reports into the real engine
+(detectors, then the gate in dry run over an in-memory store), and records every decision with
+its simulated time. It scores nothing (sim.score does) and never sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from agent.config import AgentConfig, parse_config
+from agent.seams import Seams
+from agent.wire import Report
+from sim import fabric
+from sim.clock import SimClock
+from sim.fleet import KernelLog, SimNode, kernel_xid_line
+from sim.scenario import (
+    DataStall,
+    Hang,
+    KernelXid,
+    NvmlFault,
+    PortDown,
+    PortErrors,
+    PortFlap,
+    Scenario,
+    ScenarioError,
+    Silence,
+    SlowNode,
+    format_validation_error,
+)
+from sim.training import JobModel, StepBatch
+
+log = logging.getLogger("vigil.sim")
+
+Progress = Callable[[float, float], None]  # (simulated seconds done, total)
+
+
+@dataclass(frozen=True)
+class SimDecision:
+    """One decision the engine proposed, with what the gate made of it."""
+
+    t: float  # simulated seconds since the start
+    node: str
+    action: str
+    detector: str
+    reason: str
+    admitted: bool
+    verdict: str
+    gpu: int | None = None
+    job: str | None = None
+    component: str | None = None
+    id: str = ""
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass
+class JobTrace:
+    """What the plots need of a job: per window, the job's step time and each node's compute."""
+
+    name: str
+    nodes: list[str]
+    t: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    node_compute_seconds: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class SimResult:
+    scenario: Scenario
+    seed: int
+    decisions: list[SimDecision]
+    simulated_seconds: float
+    wall_seconds: float
+    reports: int
+    heartbeats: int
+    heartbeats_rejected: dict[str, int]
+    breaker_tripped: bool
+    collectors: list[str]
+    jobs: list[JobTrace]
+    # Per tick: simulated seconds, reporting nodes, silent nodes.
+    fleet_t: list[float] = field(default_factory=list)
+    fleet_reporting: list[int] = field(default_factory=list)
+    fleet_silent: list[int] = field(default_factory=list)
+
+
+# What an agent does not do in the simulator: psutil would read this machine, not a simulated
+# node; and NVML's Xid event API needs a worker thread per node that waits in real time, which
+# would make runs depend on the machine's speed. Every Xid the driver reports also goes to the
+# kernel log, so the simulator writes NVML Xid faults there and the xid collector reads them.
+_SIM_AGENT_DEFAULTS: dict[str, Any] = {
+    "collectors": {"host": {"enabled": False}, "gpu": {"xid_events": False}},
+}
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def agent_config(scenario: Scenario) -> AgentConfig:
+    """The agent configuration every simulated node shares (name and topology aside)."""
+    data = _merge(_SIM_AGENT_DEFAULTS, {"collectors": scenario.agent.get("collectors", {})})
+    data = _merge(data, {k: v for k, v in scenario.agent.items() if k != "collectors"})
+    data.update({"node": "sim", "nvml": {"backend": "fake"}})
+    return parse_config(data)
+
+
+def open_fake_backend(node_scenario: Any, clock: SimClock, seed: int) -> Any:
+    """The real PynvmlBackend over a FakeNvml: only NVIDIA's library is left out."""
+    from agent.nvml.backend import PynvmlBackend
+    from agent.nvml.fake import FakeNvml
+
+    backend = PynvmlBackend(nvml=FakeNvml(node_scenario, clock, start=clock.start, seed=seed))
+    backend.init()
+    return backend
+
+
+class Simulation:
+    """One run of a scenario; ``run()`` returns the result. Construct with ``engine=`` to judge
+    with something other than the aggregator configured by the scenario (tests do)."""
+
+    def __init__(self, scenario: Scenario, *, seed: int | None = None, engine: Any = None,
+                 json_round_trip: bool = False, progress: Progress | None = None,
+                 workdir: Path | None = None) -> None:
+        self.scenario = scenario
+        self.seed = scenario.seed if seed is None else seed
+        self.clock = SimClock()
+        self._json = json_round_trip
+        self._progress = progress
+        self._tmp = tempfile.TemporaryDirectory(prefix="vigil-sim-") if workdir is None else None
+        self.workdir = workdir if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
+        self._engine_given = engine is not None
+        self.sink: Any = None
+        if engine is not None:
+            self.engine = engine
+        else:
+            self.engine, self.sink = build_engine(scenario)
+        self.nodes: dict[str, SimNode] = {}
+        self._faults_by_node: dict[str, list[Any]] = {}
+        self._schedule: list[tuple[float, int, Callable[[], None]]] = []
+        self.jobs: list[JobModel] = []
+        self._port_rates: list[tuple[float, float, str, int, str, float]] = []
+        self._port_carry: dict[tuple[str, int, str], float] = {}
+        self._boots = 0
+        self._store_seq = 0
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        sc = self.scenario
+        names = sc.node_names()
+        for fault in sc.faults:
+            for n in sc.fault_nodes(fault):
+                self._faults_by_node.setdefault(n, []).append(fault)
+        base = agent_config(sc)
+        from agent.daemon import build_collectors
+        from agent.nvml.profiles import PROFILES
+        from agent.nvml.scenario import NodeScenario
+
+        load = {"utilization": sc.fleet.load, "noise": 0.05, "memory_used_ratio": 0.8}
+        healthy = NodeScenario.model_validate({"profile": sc.fleet.profile, "gpus": sc.fleet.gpus_per_node,
+                                               "load": load})
+        shared_sysfs = fabric.build_tree(self.workdir / "sysfs-shared", sc.fleet.hcas_per_node)
+        quiet_log = self.workdir / "kern-quiet.log"
+        quiet_log.touch()
+        bus_ids = [_log_bus_id(b) for b in PROFILES[sc.fleet.profile].pcie_bus_ids]
+        intervals = {name: getattr(base.collectors, name).interval_seconds
+                     for name in type(base.collectors).model_fields}
+        for i, name in enumerate(names):
+            faults = self._faults_by_node.get(name, [])
+            nvml_faults = [f.node_fault() for f in faults if isinstance(f, NvmlFault)]
+            node_sc = healthy if not nvml_faults else NodeScenario.model_validate(
+                {"profile": sc.fleet.profile, "gpus": sc.fleet.gpus_per_node, "load": load,
+                 "faults": nvml_faults})
+            ports_faulty = any(isinstance(f, PortDown | PortFlap | PortErrors) for f in faults)
+            sysfs = fabric.build_tree(self.workdir / "sysfs" / name, sc.fleet.hcas_per_node) \
+                if ports_faulty else shared_sysfs
+            kern = quiet_log
+            if any(isinstance(f, KernelXid) or (isinstance(f, NvmlFault) and f.kind in _LOGGED)
+                   for f in faults):
+                kern = self.workdir / "kern" / f"{name}.log"
+                kern.parent.mkdir(parents=True, exist_ok=True)
+                kern.touch()
+            config = base.model_copy(update={"node": name, "topology": sc.topology_of(i)})
+            seams = Seams(nvml=open_fake_backend(node_sc, self.clock, seed=self.seed * 100_003 + i),
+                          sysfs_root=sysfs, kmsg=kern, clock=self.clock,
+                          extra={"pid_alive": lambda pid: True})
+            node = SimNode(config, seams, build_collectors(config, seams), boot_id=self._boot_id(),
+                           kernel_log=KernelLog(kern), fabric=fabric.NodeFabric(sysfs) if ports_faulty else None,
+                           intervals=intervals, report_interval_seconds=sc.report_interval_seconds)
+            node.pci_bus_ids = bus_ids
+            self.nodes[name] = node
+        self._schedule_faults()
+        for job in sc.jobs:
+            job_faults: list[SlowNode | DataStall | Hang] = []
+            fault_nodes: dict[int, list[str]] = {}
+            for f in sc.faults:
+                if isinstance(f, SlowNode) or (isinstance(f, DataStall | Hang) and f.job == job.name):
+                    fault_nodes[len(job_faults)] = sc.fault_nodes(f)
+                    job_faults.append(f)
+            self.jobs.append(JobModel(job, sc.resolve_nodes(job.nodes), job_faults, fault_nodes,
+                                      seed=self.seed, start=self.clock.start))
+
+    def _boot_id(self) -> str:
+        self._boots += 1
+        return f"sim-{self.seed}-{self._boots:06d}"
+
+    def _at(self, t: float, action: Callable[[], None]) -> None:
+        self._schedule.append((t, len(self._schedule), action))
+
+    def _schedule_faults(self) -> None:
+        for fault in self.scenario.faults:
+            for name in self.scenario.fault_nodes(fault):
+                node = self.nodes[name]
+                self._schedule_fault(fault, node)
+        self._schedule.sort(key=lambda e: (e[0], e[1]))
+
+    def _schedule_fault(self, fault: Any, node: SimNode) -> None:
+        t0 = fault.at_seconds
+        if isinstance(fault, KernelXid):
+            line = kernel_xid_line(node.pci_bus_ids[fault.gpu], fault.code, fault.text)
+            self._at(t0, lambda: node.kernel_log.write(self.clock.elapsed + 60.0, line))
+        elif isinstance(fault, PortDown):
+            assert node.fabric is not None
+            fab = node.fabric
+            self._at(t0, lambda: fab.set_link(fault.hca, False))
+            if fault.duration_seconds is not None:
+                self._at(t0 + fault.duration_seconds, lambda: fab.set_link(fault.hca, True))
+        elif isinstance(fault, PortFlap):
+            assert node.fabric is not None
+            fab = node.fabric
+            for k in range(fault.count):
+                down = t0 + k * fault.period_seconds
+                self._at(down, lambda: fab.set_link(fault.hca, False, polling=True))
+                self._at(down + fault.period_seconds / 2, lambda: fab.set_link(fault.hca, True))
+        elif isinstance(fault, PortErrors):
+            end = fault.until_seconds if fault.until_seconds is not None else math.inf
+            self._port_rates.append((t0, end, node.name, fault.hca, fault.counter, fault.per_second))
+        elif isinstance(fault, Silence):
+            self._at(t0, lambda: setattr(node, "silent", True))
+            if fault.until_seconds is not None:
+                def back() -> None:
+                    node.silent = False
+                    node.reboot(self._boot_id())
+                self._at(fault.until_seconds, back)
+        elif isinstance(fault, NvmlFault) and fault.kind in _LOGGED:
+            code = int((fault.model_extra or {}).get("code", 0)) if fault.kind == "xid" else _LOGGED[fault.kind]
+            line = kernel_xid_line(node.pci_bus_ids[fault.gpu or 0], code, "")
+            self._at(t0, lambda: node.kernel_log.write(self.clock.elapsed + 60.0, line))
+        # NVML faults run inside FakeNvml; slow nodes, stalls and hangs inside the job model.
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        try:
+            self._build()
+            result = self._loop(wall0)
+        finally:
+            for node in self.nodes.values():
+                node.close()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+        return result
+
+    def _loop(self, wall0: float) -> SimResult:
+        sc = self.scenario
+        dt = sc.report_interval_seconds
+        ticks = max(1, math.ceil(sc.duration_seconds / dt - 1e-9))
+        decisions: list[SimDecision] = []
+        traces = [JobTrace(j.job.name, j.nodes) for j in self.jobs]
+        reports = heartbeats = 0
+        fleet_t: list[float] = []
+        reporting: list[int] = []
+        silent: list[int] = []
+        next_event = 0
+        fleet_nodes = len(self.nodes)
+        prev = 0.0
+        for k in range(1, ticks + 1):
+            t = min(k * dt, sc.duration_seconds)
+            while next_event < len(self._schedule) and self._schedule[next_event][0] <= t:
+                at, _, action = self._schedule[next_event]
+                self.clock.advance_to(max(at, self.clock.elapsed))
+                action()
+                next_event += 1
+            self.clock.advance_to(t)
+            self._grow_port_counters(prev, t)
+            for model, trace in zip(self.jobs, traces, strict=True):
+                batch = model.advance(self.clock.now)
+                heartbeats += self._feed(model, batch)
+                _trace(trace, model, batch, t)
+            now = self.clock.now
+            n_reporting = 0
+            for node in self.nodes.values():
+                report = node.tick(now)
+                if report is None:
+                    continue
+                if self._json:
+                    report = Report.model_validate_json(report.model_dump_json(exclude_none=True))
+                self.engine.ingest(report, now)
+                n_reporting += 1
+            reports += n_reporting
+            for d in self._evaluate(now, fleet_nodes):
+                decisions.append(d)
+            fleet_t.append(t)
+            reporting.append(n_reporting)
+            silent.append(sum(1 for n in self.nodes.values() if n.silent))
+            prev = t
+            if self._progress is not None:
+                self._progress(t, sc.duration_seconds)
+        rejected: dict[str, int] = {}
+        for node in self.nodes.values():
+            for reason, n in getattr(node.training, "_rejected", {}).items():
+                if n:
+                    rejected[reason] = rejected.get(reason, 0) + n
+        return SimResult(
+            scenario=sc, seed=self.seed, decisions=decisions, simulated_seconds=self.clock.elapsed,
+            wall_seconds=time.perf_counter() - wall0, reports=reports, heartbeats=heartbeats,
+            heartbeats_rejected=rejected, breaker_tripped=self._breaker_tripped(decisions),
+            collectors=sorted({c.name for n in self.nodes.values() for c in n.collectors}),
+            jobs=traces, fleet_t=fleet_t, fleet_reporting=reporting, fleet_silent=silent)
+
+    def _grow_port_counters(self, t0: float, t1: float) -> None:
+        for start, end, name, hca, counter, per_second in self._port_rates:
+            a, b = max(t0, start), min(t1, end)
+            if b <= a:
+                continue
+            key = (name, hca, counter)
+            amount = self._port_carry.get(key, 0.0) + per_second * (b - a)
+            whole = int(amount)
+            self._port_carry[key] = amount - whole
+            fab = self.nodes[name].fabric
+            if whole and fab is not None:
+                fab.add_counter(hca, counter, whole)
+
+    def _feed(self, model: JobModel, batch: StepBatch) -> int:
+        """Give each node's training collector its ranks' heartbeats for the window: every step
+        when there are few, else an even sample that keeps the last step (the window summary's
+        step count comes from step numbers, its quantiles from the sample)."""
+        k = len(batch.step)
+        if k == 0:
+            return 0
+        per_window = self.scenario.heartbeats_per_rank
+        rows = np.arange(k) if k <= per_window else np.unique(
+            np.linspace(0, k - 1, per_window).round().astype(int))
+        job = model.job.name
+        r_per = model.ranks_per_node
+        gpus = self.scenario.fleet.gpus_per_node
+        sent = 0
+        steps = batch.step[rows]
+        ends = batch.end_ts[rows]
+        step_s = batch.step_seconds[rows]
+        comp = batch.compute_seconds[rows]
+        comm = batch.comm_seconds[rows]
+        data = batch.data_seconds[rows]
+        for i, name in enumerate(model.nodes):
+            node = self.nodes[name]
+            if node.silent:
+                continue
+            for local in range(r_per):
+                rank = i * r_per + local
+                stop = batch.stop_ts[rank]
+                for j in range(len(rows)):
+                    end = float(ends[j])
+                    if end > stop:
+                        break
+                    payload = (
+                        f'{{"job":"{job}","rank":{rank},"step":{int(steps[j])},'
+                        f'"step_seconds":{step_s[j, rank]:.6f},"compute_seconds":{comp[j, rank]:.6f},'
+                        f'"comm_seconds":{comm[j, rank]:.6f},"data_seconds":{data[j, rank]:.6f},'
+                        f'"gpu":{local % gpus}}}'
+                    ).encode()
+                    node.ingest_heartbeat(payload, end)
+                    sent += 1
+        return sent
+
+    def _evaluate(self, now: float, fleet_nodes: int) -> list[SimDecision]:
+        t = now - self.clock.start
+        if self.sink is None:  # an engine given by a test: it returns what it decided
+            return [_sim_decision(d, t, True, "admitted") for d in self.engine.evaluate(now)]
+        store = self.sink.store
+        before = self._store_seq
+        self.engine.evaluate(now)
+        rows = _rows_after(store, before)
+        if rows:
+            self._store_seq = max(r.seq for r in rows)
+        return [_sim_decision(r.decision, t, r.admitted, r.verdict) for r in sorted(rows, key=lambda r: r.seq)]
+
+    def _breaker_tripped(self, decisions: list[SimDecision]) -> bool:
+        if self.sink is None:
+            return False
+        return bool(self.sink.store.breaker().tripped)
+
+
+def _trace(trace: JobTrace, model: JobModel, batch: StepBatch, t: float) -> None:
+    if len(batch.step) == 0:
+        return
+    trace.t.append(t)
+    trace.step_seconds.append(float(batch.step_seconds[:, 0].mean()))
+    per_node = batch.compute_seconds.mean(axis=0).reshape(len(model.nodes), model.ranks_per_node).mean(axis=1)
+    trace.node_compute_seconds.append(per_node.astype(np.float32))
+
+
+def _sim_decision(d: Any, t: float, admitted: bool, verdict: str) -> SimDecision:
+    return SimDecision(t=round(t, 3), node=d.node, action=str(d.action), detector=d.detector, reason=d.reason,
+                       admitted=admitted, verdict=verdict, gpu=d.gpu, job=d.job, component=d.component,
+                       id=d.id, evidence=json.loads(json.dumps(d.evidence, default=str)))
+
+
+def _rows_after(store: Any, seq: int) -> list[Any]:
+    """Store rows written after ``seq`` (newest first from the store; fetched in growing pages)."""
+    limit = 64
+    while True:
+        rows = store.decisions(limit=limit)
+        if len(rows) < limit or rows[-1].seq <= seq:
+            return [r for r in rows if r.seq > seq]
+        limit *= 4
+
+
+# NVML faults the driver also writes to the kernel log, with the Xid it logs for them (NVIDIA
+# Xid catalog: 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus).
+_LOGGED = {"xid": 0, "ecc_uncorrectable": 48, "row_remap_pending": 63, "row_remap_failure": 64,
+           "nvlink_down": 74, "gpu_lost": 79}
+
+
+def _log_bus_id(nvml_bus_id: str) -> str:
+    """NVML's "00000000:3B:00.0" as the driver's log writes it: "0000:3b:00"."""
+    parts = nvml_bus_id.lower().split(":")
+    if len(parts) != 3:
+        return nvml_bus_id.lower()
+    return f"{parts[0][-4:]}:{parts[1]}:{parts[2].split('.')[0]}"
+
+
+def build_engine(scenario: Scenario) -> tuple[Any, Any]:
+    """The real aggregator: engine and detectors configured by the scenario, then the gate in dry
+    run over an in-memory store. Configuration errors name their key path under ``aggregator.``
+    or ``gate.``."""
+    from pydantic import ValidationError
+
+    from agent.config import ConfigError
+    from aggregator.config import parse_config as parse_aggregator_config
+    from aggregator.dispatch import GatedSink
+    from aggregator.engine import Engine
+    from aggregator.gate import Gate, GateConfig
+    from aggregator.store import Store
+
+    try:
+        config = parse_aggregator_config({**scenario.aggregator, "dry_run": True})
+    except ConfigError as exc:
+        raise ScenarioError(f"scenario {scenario.name}: aggregator: {exc}") from None
+    try:
+        gate_config = GateConfig.model_validate({**scenario.gate, "dry_run": True})
+    except ValidationError as exc:
+        raise ScenarioError(format_validation_error(exc, f"{scenario.name} (gate)")) from None
+    store = Store(":memory:")
+    sink = GatedSink(Gate(gate_config), store, actuators={})
+    # cast: GatedSink.recent lacks the protocol's default argument (aggregator/dispatch.py)
+    return Engine(config, cast(Any, sink)), sink
+
+
+def run_scenario(scenario: Scenario, *, seed: int | None = None, engine: Any = None,
+                 json_round_trip: bool = False, progress: Progress | None = None) -> SimResult:
+    return Simulation(scenario, seed=seed, engine=engine, json_round_trip=json_round_trip,
+                      progress=progress).run()

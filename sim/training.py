@@ -1,0 +1,154 @@
+"""The training job model: per-rank step and phase times of a synchronous data-parallel job.
+
+Each step every rank computes (its own time, jittered, slower on a slow node), loads data, then
+meets the others in a collective; so every rank's step takes as long as the slowest rank's
+compute + data plus the collective itself, and the slow rank is the one with the longest compute
+and the shortest collective wait. It emits the heartbeats the ranks would send; it does not
+deliver them (the fleet feeds them to the real training collector).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.scenario import DataStall, Hang, Job, SlowNode
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The steps a job finished in one window: arrays of shape (steps, ranks) except ``step``
+    and ``end_ts`` (shape (steps,))."""
+
+    step: np.ndarray
+    end_ts: np.ndarray
+    step_seconds: np.ndarray
+    compute_seconds: np.ndarray
+    comm_seconds: np.ndarray
+    data_seconds: np.ndarray
+    # Per rank, when it stopped stepping (inf: still running); its steps after that are not real.
+    stop_ts: np.ndarray
+
+
+class JobModel:
+    """One job on ``nodes`` (names, in rank order), stepping on the simulated clock."""
+
+    def __init__(self, job: Job, nodes: list[str], faults: list[SlowNode | DataStall | Hang],
+                 fault_nodes: dict[int, list[str]], *, seed: int, start: float) -> None:
+        self.job = job
+        self.nodes = nodes
+        self.ranks_per_node = job.ranks_per_node
+        self.n_ranks = len(nodes) * job.ranks_per_node
+        self._node_index = {n: i for i, n in enumerate(nodes)}
+        self._rng = np.random.default_rng([seed, _stable_hash(job.name)])
+        self._base_compute = job.step_seconds * job.phases.compute
+        self._base_comm = job.step_seconds * job.phases.comm
+        self._base_data = job.step_seconds * job.phases.data
+        self._start = start
+        self._t = start + job.start_seconds  # when the step in progress began
+        self._step = 0
+        self._pending: tuple[np.ndarray, np.ndarray, np.ndarray, float] | None = None
+        # Fault schedule as (start, end, rank mask, value), resolved once.
+        self._slow: list[tuple[float, float, np.ndarray, float]] = []
+        self._stall: list[tuple[float, float, float]] = []
+        self._hang: list[tuple[float, np.ndarray, float]] = []
+        for i, fault in enumerate(faults):
+            t0 = start + fault.at_seconds
+            if isinstance(fault, SlowNode):
+                end = start + fault.until_seconds if fault.until_seconds is not None else np.inf
+                self._slow.append((t0, end, self._mask(fault_nodes[i]), fault.factor))
+            elif isinstance(fault, DataStall):
+                end = start + fault.until_seconds if fault.until_seconds is not None else np.inf
+                self._stall.append((t0, end, fault.extra_seconds))
+            else:
+                self._hang.append((t0, self._mask(fault_nodes[i]), fault.others_continue_seconds))
+        self._stop = self.stop_ts()
+        self._job_stop = float(self._stop.max())
+
+    def _mask(self, nodes: list[str]) -> np.ndarray:
+        mask = np.zeros(self.n_ranks, dtype=bool)
+        r = self.ranks_per_node
+        for n in nodes:
+            i = self._node_index.get(n)
+            if i is not None:
+                mask[i * r:(i + 1) * r] = True
+        return mask
+
+    def rank_of(self, node: str, local: int) -> int:
+        return self._node_index[node] * self.ranks_per_node + local
+
+    def stop_ts(self) -> np.ndarray:
+        """Per rank, when it stops stepping: its own hang, or the job blocking behind one."""
+        stop = np.full(self.n_ranks, np.inf)
+        for t0, mask, others in self._hang:
+            stop = np.minimum(stop, np.where(mask, t0, t0 + others))
+        return stop
+
+    def _noise(self, shape: tuple[int, ...]) -> np.ndarray:
+        sigma = self.job.noise.sigma
+        z = self._rng.standard_normal(shape)
+        if self.job.noise.kind == "lognormal":
+            return np.exp(sigma * z - sigma * sigma / 2.0)  # mean 1
+        return np.maximum(0.05, 1.0 + sigma * z)
+
+    def _draw(self, t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        n = self.n_ranks
+        factor = np.ones(n)
+        for t0, t1, mask, f in self._slow:
+            if t0 <= t < t1:
+                factor[mask] *= f
+        compute = self._base_compute * factor * self._noise((n,))
+        extra = sum(x for t0, t1, x in self._stall if t0 <= t < t1)
+        data = (self._base_data + extra) * self._noise((n,))
+        ready = compute + data
+        if self._hang:
+            ready = np.where(self._stop > t, ready, 0.0)  # stopped ranks hold nobody up any more
+        collective = self._base_comm * float(self._noise((1,))[0])
+        step_seconds = float(ready.max()) + collective
+        # Every rank waits in the collective for the slowest one, then for the collective itself.
+        return compute, step_seconds - ready, data, step_seconds
+
+    def advance(self, until: float) -> StepBatch:
+        """Run every step that finishes by ``until`` (simulated Unix time)."""
+        steps: list[int] = []
+        ends: list[float] = []
+        rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = []
+        n = self.n_ranks
+        while True:
+            if self._pending is None:
+                self._pending = self._draw(self._t)
+            compute, comm, data, step_seconds = self._pending
+            end = self._t + step_seconds
+            if end > until:
+                break  # finishes in a later window, with the draws it already has
+            if self._hang and end > self._job_stop:
+                break  # the job is blocked in a collective that a stopped rank never reaches
+            self._pending = None
+            self._t = end
+            self._step += 1
+            steps.append(self._step)
+            ends.append(end)
+            rows.append((compute, comm, data, step_seconds))
+        k = len(steps)
+        stop = self._stop
+        if k == 0:
+            empty = np.zeros((0, n))
+            return StepBatch(np.zeros(0, dtype=np.int64), np.zeros(0), empty, empty, empty, empty, stop)
+        compute = np.vstack([r[0] for r in rows])
+        comm = np.vstack([r[1] for r in rows])
+        data = np.vstack([r[2] for r in rows])
+        step_s = np.repeat(np.array([r[3] for r in rows])[:, None], n, axis=1)
+        return StepBatch(np.array(steps, dtype=np.int64), np.array(ends), step_s, compute, comm, data, stop)
+
+    @property
+    def last_step(self) -> int:
+        return self._step
+
+
+def _stable_hash(text: str) -> int:
+    """A seed component from a name that does not change between runs (unlike hash())."""
+    h = 2166136261
+    for ch in text.encode():
+        h = ((h ^ ch) * 16777619) & 0xFFFFFFFF
+    return h

@@ -1,0 +1,105 @@
+"""Fleet scenario validation: key-path errors, node sets, components, shortened runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sim.scenario import ScenarioError, load_scenario, parse_scenario, shipped_scenarios, shortened
+
+BASE = {"duration_seconds": 600, "fleet": {"nodes": 64}}
+
+
+def _bad(extra: dict, *, fleet: dict | None = None) -> str:
+    data = {**BASE, **extra}
+    if fleet is not None:
+        data["fleet"] = fleet
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario(data, "test.yaml")
+    return str(err.value)
+
+
+def test_typo_names_its_key_path() -> None:
+    msg = _bad({}, fleet={"nodes": 4, "gpu_per_node": 8})
+    assert "test.yaml" in msg and "fleet.gpu_per_node: unknown key" in msg
+
+
+def test_wrong_type_names_the_fault_and_its_kind() -> None:
+    msg = _bad({"faults": [{"kind": "slow_node", "node": "node-0001", "at_seconds": "soon"}]})
+    assert "faults.0.slow_node.at_seconds" in msg
+
+
+def test_unknown_fault_kind_lists_the_known_ones() -> None:
+    msg = _bad({"faults": [{"kind": "gpu_on_fire", "node": "node-0001", "at_seconds": 1}]})
+    assert "faults.0" in msg and "gpu_on_fire" in msg and "slow_node" in msg
+
+
+def test_unknown_node_and_job_references() -> None:
+    assert "faults.0.node: unknown node 'node-0099'" in _bad(
+        {"faults": [{"kind": "silence", "node": "node-0099", "at_seconds": 1}]})
+    assert "faults.0.job: unknown job 'nope'" in _bad(
+        {"faults": [{"kind": "data_stall", "job": "nope", "at_seconds": 1, "extra_seconds": 1}]})
+    assert "expect.0.node" in _bad({"expect": [{"node": "gpu-7", "action": "drain", "within_seconds": 9}]})
+    assert "jobs.0.nodes" in _bad({"jobs": [{"name": "a", "step_seconds": 1, "nodes": "node-0010..node-0100"}]})
+
+
+def test_nvml_fault_fields_are_checked_by_the_node_scenario_model() -> None:
+    msg = _bad({"faults": [{"kind": "xid", "node": "node-0001", "at_seconds": 1, "gpu": 0}]})
+    assert "faults.0.xid.code" in msg
+    msg = _bad({"faults": [{"kind": "ecc_corrected_growth", "node": "node-0001", "at_seconds": 1, "gpu": 0,
+                            "rate_per_second": 5, "colour": "red"}]})
+    assert "faults.0.ecc_corrected_growth.colour: unknown key" in msg
+
+
+def test_fault_needs_exactly_one_target_and_phases_sum_to_one() -> None:
+    assert "exactly one of node, nodes, component" in _bad(
+        {"faults": [{"kind": "silence", "node": "node-0001", "component": "rack-000", "at_seconds": 1}]})
+    assert "must be 1" in _bad({"jobs": [{"name": "a", "step_seconds": 1, "phases": {"compute": 0.5}}]})
+
+
+def test_ranges_components_and_fault_times() -> None:
+    sc = parse_scenario({
+        **BASE,
+        "fleet": {"nodes": 64, "topology": {"nodes_per_rack": 4, "racks_per_row": 4, "nodes_per_leaf": 16}},
+        "faults": [{"kind": "port_errors", "component": "leaf-001", "at_seconds": 100}],
+        "expect": [{"component": "leaf-001", "action": "inspect_hardware", "within_seconds": 60},
+                   {"node": "node-0020", "action": "alert", "within_seconds": 60}],
+    })
+    assert sc.resolve_nodes("node-0002..node-0005") == ["node-0002", "node-0003", "node-0004", "node-0005"]
+    assert sc.topology_of(17) == {"row": "row-01", "rack": "rack-004", "leaf_switch": "leaf-001"}
+    assert sc.fault_nodes(sc.faults[0]) == [f"node-{i:04d}" for i in range(16, 32)]
+    assert sc.subject_fault_time(sc.expect[0]) == 100.0
+    assert sc.subject_fault_time(sc.expect[1]) == 100.0  # a node under the faulty leaf
+
+
+def test_shortened_drops_what_it_cannot_judge() -> None:
+    sc = parse_scenario({
+        **BASE,
+        "faults": [{"kind": "silence", "node": "node-0001", "at_seconds": 100},
+                   {"kind": "silence", "node": "node-0002", "at_seconds": 500}],
+        "expect": [{"node": "node-0001", "action": "drain", "within_seconds": 60},
+                   {"node": "node-0002", "action": "drain", "within_seconds": 60}],
+    })
+    short = shortened(sc, 300)
+    assert short.duration_seconds == 300
+    assert [f.node for f in short.faults] == ["node-0001"]
+    assert [e.node for e in short.expect] == ["node-0001"]
+
+
+def test_bad_yaml_file_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("fleet: [unclosed\n")
+    with pytest.raises(ScenarioError, match="not valid YAML"):
+        load_scenario(bad)
+    with pytest.raises(ScenarioError, match="cannot read scenario"):
+        load_scenario(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("path", shipped_scenarios(), ids=lambda p: p.stem)
+def test_every_shipped_scenario_loads_and_has_answers(path: Path) -> None:
+    sc = load_scenario(path)
+    assert sc.name == path.stem
+    assert sc.description
+    # a scenario without expectations must at least say that nothing may be drained
+    assert sc.expect or not sc.faults or sc.expect_breaker != "any" or "no drain" in sc.description.lower()

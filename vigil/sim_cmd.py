@@ -1,0 +1,99 @@
+"""``vigil sim``: run a fleet scenario through the real agent and aggregator on a simulated clock.
+
+Prints a short verdict (or one JSON object with ``--json``), optionally writes a report page
+with plots, and exits 0 only when every expectation is met and nothing else was drained. A
+progress bar goes to stderr when it is a terminal. It decides nothing itself: sim.score does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("sim", help="run a simulated fleet scenario and score the decisions",
+                       description="Run a fleet scenario (scenarios/*.yaml) through the real agent and "
+                                   "aggregator on a simulated clock; exit 0 when every expectation is met.")
+    p.add_argument("--scenario", required=True, metavar="FILE|NAME",
+                   help="a scenario file, or the name of a shipped one (e.g. slow-node-1024)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the full result")
+    p.add_argument("--report", metavar="DIR", help="write index.html and PNG plots to DIR")
+    p.add_argument("--seed", type=int, help="override the scenario's seed")
+    p.add_argument("--duration", type=float, metavar="SECONDS",
+                   help="simulate only the first SECONDS (faults and expectations after it are dropped)")
+    p.add_argument("--log-level", default="ERROR", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+class ProgressBar:
+    """A one-line bar on a terminal; silent otherwise (CI logs stay clean)."""
+
+    def __init__(self, stream: TextIO, width: int = 40) -> None:
+        self._stream = stream
+        self._width = width
+        self._last = -1
+
+    def __call__(self, done: float, total: float) -> None:
+        share = min(1.0, done / total) if total > 0 else 1.0
+        filled = int(share * self._width)
+        if filled == self._last and share < 1.0:
+            return
+        self._last = filled
+        bar = "#" * filled + "." * (self._width - filled)
+        self._stream.write(f"\r[{bar}] {share * 100:5.1f}%  {done:,.0f}/{total:,.0f} simulated s")
+        if share >= 1.0:
+            self._stream.write("\n")
+        self._stream.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim.run import run_scenario
+    from sim.scenario import ScenarioError, load_scenario, shortened
+    from sim.score import score, summary
+
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        scenario = load_scenario(args.scenario)
+        if args.duration is not None:
+            scenario = shortened(scenario, args.duration)
+    except ScenarioError as exc:
+        print(f"vigil sim: {exc}", file=sys.stderr)
+        return 2
+    progress = ProgressBar(sys.stderr) if sys.stderr.isatty() and not args.json else None
+    result = run_scenario(scenario, seed=args.seed, progress=progress)
+    s = score(result)
+    data = summary(result, s)
+    if args.report:
+        from sim.report import write_report
+
+        index = write_report(result, s, Path(args.report))
+        data["report"] = str(index)
+    if args.json:
+        print(json.dumps(data, indent=None, default=str))
+    else:
+        _print_text(data)
+    return 0 if s.passed else 1
+
+
+def _print_text(data: dict[str, Any]) -> None:
+    print(f"scenario {data['scenario']} (seed {data['seed']}): {'PASS' if data['pass'] else 'FAIL'}")
+    print(f"  {data['nodes']} nodes, {data['simulated_seconds']:g} simulated s in {data['wall_seconds']:g} s wall")
+    for e in data["expectations"]:
+        state = "met   " if e["met"] else "MISSED"
+        lat = "-" if e["latency_seconds"] is None else f"{e['latency_seconds']:g} s"
+        print(f"  {state} {e['subject']}: {'/'.join(e['action'])} within {e['within_seconds']:g} s "
+              f"(latency {lat})")
+    for d in data["false_drain_decisions"]:
+        print(f"  FALSE DRAIN {d['node']}: {d['action']} by {d['detector']} at {d['t']:g} s: {d['reason']}")
+    lat = data["detection_latency_seconds"]
+    print(f"  precision {data['precision']}, recall {data['recall']}, false drains {data['false_drains']}, "
+          f"latency p50 {lat['p50']} p95 {lat['p95']} max {lat['max']}")
+    b = data["breaker"]
+    if b["expected"] != "any":
+        print(f"  breaker: expected {b['expected']}, tripped {b['tripped']}")
+    if "report" in data:
+        print(f"  report: {data['report']}")
