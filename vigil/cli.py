@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "agent": "vigil.agent_cmd",
     "demo": "vigil.demo_cmd",
     "xid": "vigil.xid_cmd",
+    "sim": "vigil.sim_cmd",
 }
 
 
