@@ -75,10 +75,10 @@ COUNTER_SATURATED = MetricSpec("vigil_rdma_port_counter_saturated", MetricKind.G
                                "1 when a fixed-width IBTA PortCounters counter sits at its maximum and "
                                "stopped counting (its increase is then unknown), else 0.",
                                labels=("device", "port", "counter"))
-COUNTER_RESETS = MetricSpec("vigil_rdma_port_counter_resets_total", MetricKind.COUNTER,
+COUNTER_RESETS = MetricSpec("vigil_rdma_port_stat_resets_total", MetricKind.COUNTER,
                             "Times a port counter went backwards (driver reload, counter reset, wrap).",
                             labels=_PORT_LABELS)
-DRIVER_COUNTER = MetricSpec("vigil_rdma_port_driver_counter_total", MetricKind.COUNTER,
+DRIVER_COUNTER = MetricSpec("vigil_rdma_port_driver_stat_total", MetricKind.COUNTER,
                             "A counters/ or hw_counters/ file with no dedicated metric, by file name.",
                             labels=("device", "port", "counter"))
 CARRIER_CHANGES = MetricSpec("vigil_rdma_port_carrier_changes_total", MetricKind.COUNTER,

@@ -149,9 +149,9 @@ def test_real_tree_counters_with_data_in_bytes(h100: Rig) -> None:
     assert value(s, "vigil_rdma_port_transmit_wait_total", device="mlx5_0", port="1") == 2489603687
     assert value(s, "vigil_rdma_port_adaptive_retransmissions_total", device="mlx5_0", port="1") == 3
     # hw_counters without a dedicated metric are still exported, by file name; lifespan is a setting
-    assert value(s, "vigil_rdma_port_driver_counter_total", device="mlx5_0", port="1",
+    assert value(s, "vigil_rdma_port_driver_stat_total", device="mlx5_0", port="1",
                  counter="rx_write_requests") == 3809045607
-    assert value(s, "vigil_rdma_port_driver_counter_total", device="mlx5_0", port="1", counter="lifespan") is None
+    assert value(s, "vigil_rdma_port_driver_stat_total", device="mlx5_0", port="1", counter="lifespan") is None
     ps = port_state(c, "mlx5_0")
     assert ps.counters["port_xmit_data"] == MLX5_0_XMIT_WORDS * 4
     assert ps.counters["rx_dct_connect"] == 422237
@@ -227,7 +227,7 @@ def test_counter_going_backwards_is_flagged_reset_never_negative(h100: Rig) -> N
     assert "port_rcv_data" not in ps.deltas and "port_rcv_data" not in ps.rates_per_second
     assert all(d >= 0 for d in ps.deltas.values())
     assert ps.counters["port_rcv_data"] == 4000
-    assert value(c.samples, "vigil_rdma_port_counter_resets_total", device="mlx5_0", port="1") == 1
+    assert value(c.samples, "vigil_rdma_port_stat_resets_total", device="mlx5_0", port="1") == 1
     (ev,) = [e for e in c.events if e.kind == "counter_reset"]
     assert ev.device == "mlx5_0" and "port_rcv_data" in ev.message and not ev.urgent
     # Next cycle counts from the new base again
