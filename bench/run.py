@@ -16,6 +16,8 @@ from bench.measure import Measurement
 
 MODULES = [
     "bench.bench_agent",
+    "bench.bench_gpu",
+    "bench.bench_xid",
     "bench.bench_heartbeat",
     "bench.bench_ingest",
     "bench.bench_latency",

@@ -71,10 +71,12 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"vigil agent: {exc}", file=sys.stderr)
         return 2
+    from agent.nvml.scenario import ScenarioError
+
     try:
         seams = make_seams(config, kmsg=args.kmsg, sysfs_root=args.sysfs_root)
         agent = Agent(config, seams)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ScenarioError) as exc:
         print(f"vigil agent: cannot start: {exc}", file=sys.stderr)
         return 2
 

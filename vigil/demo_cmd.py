@@ -41,7 +41,7 @@ XID_NODE = "gpu-node-02"
 SLOW_NODE = "gpu-node-04"
 XID_AT_SECONDS = 15.0
 SLOW_FROM_SECONDS = 5.0
-XID_LINE = ("NVRM: Xid (PCI:0000:18:00): 79, pid='<unknown>', name=<unknown>, "
+XID_LINE = ("NVRM: Xid (PCI:0000:19:00): 79, pid='<unknown>', name=<unknown>, "
             "GPU has fallen off the bus.\n")
 
 

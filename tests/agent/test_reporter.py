@@ -73,6 +73,8 @@ async def test_events_survive_an_aggregator_outage_and_urgent_pushes_at_once() -
         carried = [e.code for r in fake.reports for e in r.events]
         assert carried == [48]  # the event accepted while the aggregator was down is not lost
         assert fake.auth[-1] == "Bearer s3cret"
+        success = [s.value for s in rep.samples() if s.name == "vigil_agent_last_report_success_timestamp_seconds"]
+        assert len(success) == 1 and success[0] > 0
         # An urgent event is pushed without waiting for the (now long) interval.
         rep._interval = 30.0  # make the periodic push irrelevant
         await asyncio.sleep(0.1)
