@@ -16,26 +16,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from aggregator.actuators.actuator import Actuator, DeliveryError
+from aggregator.actuators.actuator import Actuator, DeliveryError, DispatchConfig
 from aggregator.decision import Decision
 from aggregator.gate import Gate, Verdict
 from aggregator.store import Delivery, Store
 
+__all__ = ["DispatchConfig", "Dispatcher", "GatedSink"]
+
 log = logging.getLogger(__name__)
-
-
-class DispatchConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = True
-    max_attempts: int = Field(default=8, ge=1)
-    base_backoff_seconds: float = Field(default=1.0, gt=0)
-    max_backoff_seconds: float = Field(default=300.0, gt=0)
-    # How often the worker looks for due retries when nothing wakes it.
-    poll_seconds: float = Field(default=1.0, gt=0)
-    concurrency: int = Field(default=8, ge=1)
 
 
 class GatedSink:

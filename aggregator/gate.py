@@ -56,7 +56,7 @@ class MaintenanceWindow(BaseModel):
 
 
 class GateConfig(BaseModel):
-    """Defaults are conservative: dry run, and a breaker that stops after 5% of the fleet.
+    """Defaults are conservative: a breaker that stops after 5% of the fleet.
 
     The 5% share follows the common practice of fleet operators (e.g. Meta's and Google's
     published automated-repair systems cap concurrent repairs at a few percent of a cluster):
@@ -64,7 +64,9 @@ class GateConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dry_run: bool = True
+    # The global switch is the aggregator's top-level ``dry_run``, carried on every Decision; this
+    # forces dry run at the gate as well (a decision is dry if either says so).
+    dry_run: bool = False
     # The same node+action (and job, for restart_job) within this window is a duplicate.
     dedup_seconds: float = Field(default=600.0, ge=0)
     # After a removing action, further removing actions on that node wait this long (a reset or

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from aggregator.decision import Action, Decision
 from aggregator.gate import BreakerRecord, GateState, NodeRecord, Verdict
 
@@ -72,13 +70,6 @@ CREATE TABLE IF NOT EXISTS breaker (
 """
 
 
-class StoreConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    path: str = "vigil-decisions.sqlite3"  # relative to the working directory
-    busy_timeout_seconds: float = Field(default=5.0, gt=0)
-
-
 @dataclass(frozen=True)
 class Delivery:
     decision_id: str
@@ -116,10 +107,6 @@ class Store:
         self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_seconds * 1000)}")
         self._db.executescript(SCHEMA)
         self.state = self._load_state()
-
-    @classmethod
-    def open(cls, config: StoreConfig) -> Store:
-        return cls(config.path, config.busy_timeout_seconds)
 
     def close(self) -> None:
         with self._lock:

@@ -46,3 +46,17 @@ class ActuatorConfig(BaseModel):
 
     enabled: bool = False
     timeout_seconds: float = Field(default=10.0, gt=0)
+
+
+class DispatchConfig(BaseModel):
+    """Delivery retries (``actuators.delivery``): jittered exponential backoff, then dead letter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    max_attempts: int = Field(default=8, ge=1)
+    base_backoff_seconds: float = Field(default=1.0, gt=0)
+    max_backoff_seconds: float = Field(default=300.0, gt=0)
+    # How often the worker looks for due retries when nothing wakes it.
+    poll_seconds: float = Field(default=1.0, gt=0)
+    concurrency: int = Field(default=8, ge=1)

@@ -1,0 +1,128 @@
+"""Alertmanager actuator: each admitted decision becomes an alert posted to ``/api/v2/alerts``.
+
+Labels ``alertname=VigilDecision, node, action, detector, severity`` identify the alert (plus
+``gpu``/``job`` where the decision has them); annotations carry the reason and the decision id.
+A ``resume`` resolves every VigilDecision alert still firing for that node (re-posted with
+``endsAt`` = the resume's time). Routing, grouping and silencing stay with Alertmanager.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import Field
+
+from aggregator.actuators.actuator import ActuatorConfig, DeliveryError
+from aggregator.decision import REMOVING_ACTIONS, Action, Decision
+
+ALERTNAME = "VigilDecision"
+
+
+class AlertmanagerConfig(ActuatorConfig):
+    url: str = "http://127.0.0.1:9093"
+    # Alerts inform people, so they are sent in dry run too (marked dry_run) unless disabled.
+    notify_in_dry_run: bool = True
+    # An alert with no endsAt resolves after Alertmanager's resolve_timeout (5 min by default);
+    # a drained node stays drained until resumed, so the alert is posted to last this long.
+    firing_seconds: float = Field(default=7 * 86400.0, gt=0)
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def severity(action: Action) -> str:
+    if action in REMOVING_ACTIONS:
+        return "critical"
+    return "warning" if action in (Action.RESTART_JOB, Action.ALERT) else "info"
+
+
+def alert_for(decision: Decision, firing_seconds: float) -> dict[str, Any]:
+    labels = {
+        "alertname": ALERTNAME,
+        "node": decision.node,
+        "action": decision.action.value,
+        "detector": decision.detector,
+        "severity": severity(decision.action),
+    }
+    if decision.gpu is not None:
+        labels["gpu"] = str(decision.gpu)
+    if decision.job is not None:
+        labels["job"] = decision.job
+    return {
+        "labels": labels,
+        "annotations": {
+            "reason": decision.reason,
+            "decision_id": decision.id,
+            "dry_run": str(decision.dry_run).lower(),
+        },
+        "startsAt": _iso(decision.ts),
+        "endsAt": _iso(decision.ts + firing_seconds),
+    }
+
+
+class AlertmanagerActuator:
+    name = "alertmanager"
+
+    def __init__(self, config: AlertmanagerConfig) -> None:
+        self.config = config
+        self.base = config.url.rstrip("/")
+        self.notify_in_dry_run = config.notify_in_dry_run
+        self.timeout_seconds = config.timeout_seconds
+
+    def handles(self, decision: Decision) -> bool:
+        return decision.action is not Action.OBSERVE
+
+    def deliver(self, decision: Decision) -> str:
+        if decision.action is Action.RESUME:
+            firing = self._firing(decision.node)
+            for alert in firing:
+                alert["endsAt"] = _iso(decision.ts)
+            if firing:
+                self._post(firing)
+            return f"resolved {len(firing)} alert(s) for {decision.node}"
+        self._post([alert_for(decision, self.config.firing_seconds)])
+        return f"alert {decision.action.value} on {decision.node} posted"
+
+    def close(self) -> None:
+        pass
+
+    def _firing(self, node: str) -> list[dict[str, Any]]:
+        query = urllib.parse.urlencode(
+            [("filter", f'alertname="{ALERTNAME}"'), ("filter", f'node="{node}"'), ("active", "true")]
+        )
+        found = self._request("GET", f"{self.base}/api/v2/alerts?{query}", None)
+        return [
+            {k: a[k] for k in ("labels", "annotations", "startsAt") if k in a}
+            for a in found
+            # the breaker's alert (detector "gate") is about the fleet, not this node: a reset clears it
+            if isinstance(a, dict) and a.get("labels", {}).get("detector") != "gate"
+        ]
+
+    def _post(self, alerts: list[dict[str, Any]]) -> None:
+        self._request("POST", f"{self.base}/api/v2/alerts", alerts)
+
+    def _request(self, method: str, url: str, body: Any) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            with exc:  # it holds the response's socket
+                detail = exc.read()[:300].decode(errors="replace")
+            raise DeliveryError(
+                f"{method} {url}: HTTP {exc.code} {detail}", exc.code >= 500 or exc.code == 429
+            ) from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise DeliveryError(f"{method} {url}: {exc}") from exc
+        return json.loads(raw) if raw.strip() else None
+
+
+def build(config: AlertmanagerConfig) -> AlertmanagerActuator:
+    return AlertmanagerActuator(config)

@@ -1,0 +1,169 @@
+"""Kubernetes actuator: cordons, taints and marks a node, and evicts its pods, through the API server.
+
+A removing action sets ``spec.unschedulable``, the taint ``vigil.io/unhealthy=<action>:NoSchedule``
+and a ``VigilUnhealthy`` node condition, then asks for a policy/v1 Eviction of each pod on the
+node (DaemonSet and mirror pods stay): a PodDisruptionBudget's 429 is retried later, not fatal.
+``resume`` undoes the three marks; ``restart_job`` evicts the job's pods on that node. It uses
+the official ``kubernetes`` client and decides nothing itself.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from aggregator.actuators.actuator import ActuatorConfig, DeliveryError
+from aggregator.decision import REMOVING_ACTIONS, Action, Decision
+
+# 429: the eviction would violate a PodDisruptionBudget; 404: the pod is already gone
+# (Kubernetes docs, "API-initiated Eviction").
+PDB_BLOCKED, GONE = 429, 404
+
+
+class KubernetesConfig(ActuatorConfig):
+    # None: in-cluster service account, or the kubeconfig when running outside a cluster.
+    api_url: str | None = None
+    token_file: str | None = None
+    ca_file: str | None = None
+    verify_tls: bool = True
+    taint_key: str = "vigil.io/unhealthy"
+    condition_type: str = "VigilUnhealthy"
+    evict_pods: bool = True
+    # Label that names a pod's training job, for restart_job.
+    job_label: str = "vigil.io/job"
+    notify_in_dry_run: bool = False
+    evict_timeout_seconds: float = Field(default=10.0, gt=0)
+
+
+def _now_iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class KubernetesActuator:
+    name = "kubernetes"
+
+    def __init__(self, config: KubernetesConfig, api_client: Any = None) -> None:
+        from kubernetes import client  # optional dependency: loaded when used
+        from kubernetes import config as kube_config
+
+        self.config = config
+        self.notify_in_dry_run = config.notify_in_dry_run
+        self.timeout_seconds = config.timeout_seconds
+        self._client = client
+        if api_client is None:
+            if config.api_url:
+                conf = client.Configuration()
+                conf.host = config.api_url
+                conf.verify_ssl = config.verify_tls
+                if config.ca_file:
+                    conf.ssl_ca_cert = config.ca_file
+                if config.token_file:
+                    conf.api_key = {"authorization": "Bearer " + Path(config.token_file).read_text().strip()}
+                api_client = client.ApiClient(conf)
+            else:
+                try:
+                    kube_config.load_incluster_config()
+                except kube_config.ConfigException:
+                    kube_config.load_kube_config()
+                api_client = client.ApiClient()
+        # Any: the client's models type every field Optional; the API server fills the ones we read.
+        self.api: Any = client.CoreV1Api(api_client)
+
+    def handles(self, decision: Decision) -> bool:
+        if decision.action is Action.RESTART_JOB:
+            return decision.job is not None
+        return decision.action in REMOVING_ACTIONS or decision.action is Action.RESUME
+
+    def deliver(self, decision: Decision) -> str:
+        try:
+            if decision.action is Action.RESUME:
+                self._mark(decision, unhealthy=False)
+                return f"uncordoned {decision.node}"
+            if decision.action is Action.RESTART_JOB:
+                n = self._evict(decision.node, f"{self.config.job_label}={decision.job}")
+                return f"evicted {n} pod(s) of job {decision.job} on {decision.node}"
+            self._mark(decision, unhealthy=True)
+            n = self._evict(decision.node, None) if self.config.evict_pods else 0
+            return f"cordoned and tainted {decision.node}, evicted {n} pod(s)"
+        except self._client.ApiException as exc:
+            raise DeliveryError(
+                f"kubernetes: HTTP {exc.status} {exc.reason}", retryable=exc.status >= 500 or exc.status == 429
+            ) from exc
+        except OSError as exc:  # urllib3 connection errors derive from OSError
+            raise DeliveryError(f"kubernetes: {exc}") from exc
+
+    def close(self) -> None:
+        self.api.api_client.close()
+
+    def _mark(self, decision: Decision, unhealthy: bool) -> None:
+        node = self.api.read_node(decision.node, _request_timeout=self.timeout_seconds)
+        taints = [t for t in (node.spec.taints or []) if t.key != self.config.taint_key]
+        body_taints = [{"key": t.key, "value": t.value, "effect": t.effect} for t in taints]
+        if unhealthy:
+            body_taints.append({"key": self.config.taint_key, "value": decision.action.value, "effect": "NoSchedule"})
+        # Taints have no merge key: the whole list is written back, ours replaced, others kept.
+        self.api.patch_node(
+            decision.node,
+            {"spec": {"unschedulable": unhealthy, "taints": body_taints}},
+            _request_timeout=self.timeout_seconds,
+        )
+        condition = {
+            "type": self.config.condition_type,
+            "status": "True" if unhealthy else "False",
+            "reason": "Vigil" + "".join(p.title() for p in decision.action.value.split("_")),
+            "message": f"{decision.reason} (decision {decision.id})",
+            "lastTransitionTime": _now_iso(decision.ts),
+            "lastHeartbeatTime": _now_iso(decision.ts),
+        }
+        # Strategic merge on conditions (merge key "type") keeps the kubelet's own conditions.
+        self.api.patch_node_status(
+            decision.node,
+            {"status": {"conditions": [condition]}},
+            _content_type="application/strategic-merge-patch+json",
+            _request_timeout=self.timeout_seconds,
+        )
+
+    def _evict(self, node: str, label_selector: str | None) -> int:
+        pods = self.api.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node}",
+            label_selector=label_selector,
+            _request_timeout=self.timeout_seconds,
+        ).items
+        blocked, evicted = [], 0
+        for pod in pods:
+            meta = pod.metadata
+            if meta.deletion_timestamp is not None:
+                continue
+            if any(ref.kind == "DaemonSet" for ref in meta.owner_references or []):
+                continue  # the DaemonSet controller would put it straight back
+            if "kubernetes.io/config.mirror" in (meta.annotations or {}):
+                continue  # static pods are the kubelet's, not the API server's
+            eviction = self._client.V1Eviction(
+                metadata=self._client.V1ObjectMeta(name=meta.name, namespace=meta.namespace)
+            )
+            try:
+                self.api.create_namespaced_pod_eviction(
+                    meta.name, meta.namespace, eviction, _request_timeout=self.config.evict_timeout_seconds
+                )
+                evicted += 1
+            except self._client.ApiException as exc:
+                if exc.status == GONE:
+                    continue
+                if exc.status == PDB_BLOCKED:
+                    blocked.append(f"{meta.namespace}/{meta.name}")
+                    continue
+                raise
+        if blocked:
+            raise DeliveryError(
+                f"kubernetes: {len(blocked)} pod(s) on {node} held by a PodDisruptionBudget: {', '.join(blocked)}"
+                f" ({evicted} evicted); will retry",
+                retryable=True,
+            )
+        return evicted
+
+
+def build(config: KubernetesConfig) -> KubernetesActuator:
+    return KubernetesActuator(config)
