@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # subcommand -> module implementing it
 COMMANDS: dict[str, str] = {
     "agent": "vigil.agent_cmd",
+    "aggregator": "vigil.aggregator_cmd",
     "demo": "vigil.demo_cmd",
     "xid": "vigil.xid_cmd",
     "sim": "vigil.sim_cmd",
