@@ -1,0 +1,115 @@
+"""POST /v1/alertmanager: a site's Alertmanager proposes decisions that pass through the gate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from aggregator.alertmanager_input import add_routes
+from aggregator.decision import Action
+from aggregator.dispatch import GatedSink
+from aggregator.gate import Gate, GateConfig
+from aggregator.store import Store
+
+NOW = 1_714_557_600.0  # 2024-05-01T10:00:00Z
+
+
+def payload(node: str = "gpu-7", action: str = "drain", status: str = "firing", **labels: str) -> dict[str, Any]:
+    """A version-4 body as Alertmanager 0.25 sends it."""
+    return {
+        "version": "4",
+        "groupKey": '{}:{alertname="GpuHot"}',
+        "truncatedAlerts": 0,
+        "status": status,
+        "receiver": "vigil",
+        "groupLabels": {"alertname": "GpuHot"},
+        "commonLabels": {},
+        "commonAnnotations": {},
+        "externalURL": "http://alertmanager:9093",
+        "alerts": [
+            {
+                "status": status,
+                "labels": {"alertname": "GpuHot", "instance": f"{node}:9400", "vigil_action": action, **labels},
+                "annotations": {"summary": "HBM above 95 C for 10 minutes"},
+                "startsAt": "2024-05-01T09:50:00Z",
+                "endsAt": "0001-01-01T00:00:00Z",
+                "generatorURL": "http://prometheus:9090/graph",
+                "fingerprint": "a1b2c3d4",
+            }
+        ],
+    }
+
+
+async def client_for(tmp_path, gate: GateConfig) -> tuple[TestClient, Store, Any]:
+    store = Store(tmp_path / "d.db")
+    sink = GatedSink(Gate(gate), store, {})
+    app = web.Application()
+    counts = add_routes(app, sink, clock=lambda: NOW, dry_run=False, fleet_nodes=lambda: 100, breaker=sink)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    return client, store, counts
+
+
+async def test_firing_alert_with_vigil_action_becomes_a_gated_decision(tmp_path) -> None:
+    client, store, _ = await client_for(tmp_path, GateConfig())
+    resp = await client.post("/v1/alertmanager", json=payload())
+    assert resp.status == 200
+    out = await resp.json()
+    assert out["proposed"] == 1 and len(out["admitted"]) == 1
+    [row] = store.decisions()
+    d = row.decision
+    assert (d.node, d.action, d.detector, d.reason) == (
+        "gpu-7",
+        Action.DRAIN,
+        "alertmanager",
+        "HBM above 95 C for 10 minutes",
+    )
+    # Alertmanager repeats its notification every group_interval: the same alert is one decision.
+    again = await (await client.post("/v1/alertmanager", json=payload())).json()
+    assert again["admitted"] == [] and len(store.decisions()) == 1
+    await client.close()
+
+
+async def test_alert_input_cannot_bypass_opt_out_or_the_breaker(tmp_path) -> None:
+    client, store, _ = await client_for(tmp_path, GateConfig(opt_out_nodes=["gpu-7"], breaker_max_nodes=1))
+    assert (await (await client.post("/v1/alertmanager", json=payload())).json())["admitted"] == []
+    assert store.decisions()[0].verdict == "opt_out"
+    assert len((await (await client.post("/v1/alertmanager", json=payload("gpu-1"))).json())["admitted"]) == 1
+    tripped = await (await client.post("/v1/alertmanager", json=payload("gpu-2"))).json()
+    assert store.decisions(admitted_only=True)[0].decision.action is Action.ALERT  # the breaker's alert
+    assert store.breaker().tripped and len(tripped["admitted"]) == 1
+    reset = await (await client.post("/v1/breaker/reset")).json()
+    assert reset == {"reset": True, "was_tripped": True} and not store.breaker().tripped
+    await client.close()
+
+
+async def test_resolved_unlabelled_and_unknown_actions_are_skipped_and_counted(tmp_path) -> None:
+    client, _, counts = await client_for(tmp_path, GateConfig())
+    body = payload()
+    body["alerts"] += [
+        {**body["alerts"][0], "status": "resolved"},
+        {**body["alerts"][0], "labels": {"alertname": "Other", "instance": "gpu-8:9400"}},
+        {**body["alerts"][0], "labels": {"instance": "gpu-9:9400", "vigil_action": "format_disk"}},
+    ]
+    out = await (await client.post("/v1/alertmanager", json=body)).json()
+    assert out["proposed"] == 1
+    assert out["skipped"] == {"resolved": 1, "no_vigil_action": 1, "unknown_action": 1}
+    assert counts["unknown_action"] == 1
+    await client.close()
+
+
+async def test_malformed_bodies_get_400_with_the_reason(tmp_path) -> None:
+    client, store, counts = await client_for(tmp_path, GateConfig())
+    resp = await client.post("/v1/alertmanager", data=b"{not json", headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and (await resp.json())["error"] == "malformed"
+    no_alerts = {k: v for k, v in payload().items() if k != "alerts"}
+    resp = await client.post("/v1/alertmanager", json=no_alerts)
+    body = await resp.json()
+    assert resp.status == 400 and body["detail"].startswith("alerts:")
+    resp = await client.post("/v1/alertmanager", json={**payload(), "version": "3"})
+    assert resp.status == 400 and (await resp.json())["error"] == "unsupported_version"
+    assert counts == {"malformed": 2, "unsupported_version": 1}
+    assert store.decisions() == []
+    await client.close()
