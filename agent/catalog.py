@@ -1,0 +1,39 @@
+"""The agent's metric catalog: every MetricSpec the agent can put on /metrics, gathered from each
+collector module's declarations and the runner's and reporter's self-metrics.
+
+Rules, dashboards and the dcgm-exporter compatibility layer are checked against it, so a renamed
+metric breaks a test instead of silently emptying a panel. It reads declarations only; it builds
+no collector and touches no hardware.
+"""
+
+from __future__ import annotations
+
+from agent.collectors import gpu, host, rdma, training, xid
+from agent.metric import MetricSpec
+from agent.reporter import REPORTER_SPECS
+from agent.runner import RUNNER_SPECS
+
+# One entry per collector module in agent.collectors.REGISTRY; a test keeps the two in step.
+COLLECTOR_SPECS: dict[str, tuple[MetricSpec, ...]] = {
+    "gpu": tuple(gpu.SPECS),
+    "host": tuple(host.SPECS),
+    "rdma": tuple(rdma.SPECS),
+    "training": tuple(training.SPECS),
+    "xid": tuple(xid.SPECS),
+}
+
+
+def agent_specs() -> list[MetricSpec]:
+    """Every metric the agent may emit, each once, in declaration order.
+
+    Two modules declaring one name differently is a bug the exporter would also refuse, so it
+    raises here too rather than pick one.
+    """
+    out: dict[str, MetricSpec] = {}
+    for specs in (*COLLECTOR_SPECS.values(), RUNNER_SPECS, REPORTER_SPECS):
+        for spec in specs:
+            known = out.get(spec.name)
+            if known is not None and known != spec:
+                raise ValueError(f"metric {spec.name} is declared twice, differently")
+            out[spec.name] = spec
+    return list(out.values())

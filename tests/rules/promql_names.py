@@ -1,0 +1,65 @@
+"""Metric names used by a PromQL expression, and the catalog they must come from.
+
+A small lexer, not a parser: promtool checks syntax; this only has to find every series selector's
+name. String literals, label matchers, durations, grouping clauses and function names are removed;
+what is left that looks like an identifier is a metric name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+from agent.catalog import agent_specs
+from agent.metric import MetricSpec
+
+# Series Prometheus makes itself (target health, alert state) rather than scraping them.
+PROMETHEUS_BUILTINS = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped", "ALERTS",
+                                  "ALERTS_FOR_STATE"})
+
+_KEYWORDS = frozenset({"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
+                       "offset", "bool", "atan2", "inf", "nan", "Inf", "NaN", "start", "end"})
+_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
+_MATCHERS_RE = re.compile(r"\{[^{}]*\}")
+_RANGE_RE = re.compile(r"\[[^\]]*\]")
+_GROUPING_RE = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
+_IDENT_RE = re.compile(r"(?<![\w:.])([a-zA-Z_:][a-zA-Z0-9_:]*)\b(\s*\()?")
+
+
+def metric_names(expr: str) -> set[str]:
+    """Names of the series an expression selects (function names and keywords excluded)."""
+    text = _STRING_RE.sub('""', expr)
+    text = _MATCHERS_RE.sub("", text)
+    text = _RANGE_RE.sub("", text)
+    # `sum by (x) (...)` -> `sum (...)`, so the aggregation reads as a call like any function.
+    text = _GROUPING_RE.sub(lambda m: "" if m.group(1) in ("by", "without") else m.group(1), text)
+    text = re.sub(r"\b\d+(\.\d+)?([eE][+-]?\d+)?[smhdwy]?\b", " ", text)  # numbers and durations
+    names: set[str] = set()
+    for m in _IDENT_RE.finditer(text):
+        name, call = m.group(1), m.group(2)
+        if call or name in _KEYWORDS:
+            continue
+        names.add(name)
+    return names
+
+
+def aggregator_specs() -> list[MetricSpec]:
+    """The aggregator's metric declarations, if aggregator/metrics.py declares any (MetricSpec
+    module attributes or tuples of them); empty while it does not exist."""
+    try:
+        module = importlib.import_module("aggregator.metrics")
+    except ModuleNotFoundError:
+        return []
+    found: dict[str, MetricSpec] = {}
+    for value in vars(module).values():
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for item in items:
+            if isinstance(item, MetricSpec):
+                found[item.name] = item
+    return list(found.values())
+
+
+def catalog_names() -> set[str]:
+    names: set[str] = set(PROMETHEUS_BUILTINS)
+    names.update(spec.name for spec in (*agent_specs(), *aggregator_specs()))
+    return names
