@@ -49,6 +49,8 @@ class GatedSink:
 
     def submit(self, decisions: Sequence[Decision], now: float, fleet_nodes: int) -> list[Decision]:
         admitted: list[Decision] = []
+        # The breaker may have been reset by `vigil aggregator breaker reset` in another process.
+        self.store.state.breaker = self.store.breaker()
         for decision in decisions:
             prior = self.store.verdict_of(decision.id)
             if prior is not None and prior[0]:

@@ -1,0 +1,87 @@
+"""``vigil aggregator decisions`` and ``vigil aggregator breaker reset``: read the decision store.
+
+They open the aggregator's SQLite store directly (WAL allows it while the service runs), list
+each decision with its gate verdict and its delivery state per actuator, and reset the circuit
+breaker by hand. They judge and deliver nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aggregator.store import Store
+
+
+def add_decisions_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", metavar="PATH", default="vigil-aggregator.sqlite", help="decision store path")
+    p.add_argument("--limit", type=int, default=50, help="most recent N decisions (default 50)")
+    p.add_argument("--node", help="only this node")
+    p.add_argument("--json", action="store_true", help="one JSON document instead of text")
+
+
+def add_breaker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("breaker_action", choices=("reset", "show"), help="reset the tripped breaker, or show it")
+    p.add_argument("--store", metavar="PATH", default="vigil-aggregator.sqlite", help="decision store path")
+
+
+def _open(path: str) -> Store | None:
+    from aggregator.store import Store
+
+    if not Path(path).exists():
+        print(f"vigil aggregator: no decision store at {path}", file=sys.stderr)
+        return None
+    return Store(path)
+
+
+def decisions(args: argparse.Namespace) -> int:
+    from aggregator.store import decisions_as_dicts
+
+    store = _open(args.store)
+    if store is None:
+        return 1
+    try:
+        rows = store.decisions(limit=args.limit, node=args.node)
+        if args.json:
+            print(json.dumps({"breaker": vars(store.breaker()), "decisions": decisions_as_dicts(rows)}, indent=2))
+            return 0
+        b = store.breaker()
+        if b.tripped:
+            print(f"CIRCUIT BREAKER TRIPPED: {b.reason} (reset: vigil aggregator breaker reset)")
+        for r in rows:
+            d = r.decision
+            when = datetime.fromtimestamp(d.ts, UTC).strftime("%Y-%m-%d %H:%M:%S")
+            verdict = r.verdict if r.admitted else f"REFUSED {r.verdict}"
+            esc = f" (proposed {r.proposed_action.value})" if r.proposed_action is not d.action else ""
+            dry = " [dry run]" if d.dry_run else ""
+            print(f"{when} {d.id} {d.node} {d.action.value}{esc} by {d.detector}: {verdict}{dry}")
+            print(f"    reason: {d.reason}")
+            if r.detail:
+                print(f"    gate: {r.detail}")
+            for x in r.deliveries:
+                err = f" last error: {x.last_error}" if x.last_error else ""
+                print(f"    {x.actuator}: {x.state} after {x.attempts} attempt(s){err} {x.detail}".rstrip())
+        return 0
+    finally:
+        store.close()
+
+
+def breaker(args: argparse.Namespace) -> int:
+    store = _open(args.store)
+    if store is None:
+        return 1
+    try:
+        if args.breaker_action == "show":
+            b = store.breaker()
+            print(f"tripped: {b.reason}" if b.tripped else "closed (acting normally)")
+            return 0
+        before = store.reset_breaker()
+        print("circuit breaker reset" if before.tripped else "circuit breaker was not tripped")
+        return 0
+    finally:
+        store.close()
