@@ -22,7 +22,9 @@ import agent
 from agent.collectors import REGISTRY
 from agent.collectors.collector import Collection, Collector
 from agent.config import AgentConfig
-from agent.exporter import SnapshotExporter, make_registry
+from prometheus_client import CollectorRegistry
+
+from agent.exporter import SnapshotExporter, render
 from agent.reporter import REPORTER_SPECS, Reporter
 from agent.runner import RUNNER_SPECS, Runner
 from agent.seams import Seams
@@ -84,7 +86,12 @@ class Agent:
         specs = [s for c in self.collectors for s in c.specs] + [*RUNNER_SPECS, *REPORTER_SPECS]
         self.exporter = SnapshotExporter(specs, [self.snapshot.samples, self.runner.self_samples,
                                                  self.reporter.samples])
-        self.registry = make_registry(self.exporter)
+        # Add-on prometheus-client collectors (e.g. dcgm-exporter compatibility) register here;
+        # vigil's own series are rendered by the exporter's direct encoder.
+        self.registry = CollectorRegistry(auto_describe=False)
+
+    def render_metrics(self) -> bytes:
+        return render(self.exporter, self.registry)
 
     def _on_events(self, collection: Collection) -> None:
         self.reporter.add_events(collection.events)
@@ -107,7 +114,7 @@ class Agent:
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[str], None] | None = None) -> None:
         host, port = split_hostport(self.config.listen, "listen")
-        app = make_app(snapshot=self.snapshot, registry=self.registry, state_extra=self.state_extra,
+        app = make_app(snapshot=self.snapshot, render_metrics=self.render_metrics, state_extra=self.state_extra,
                        heartbeat_sink=self.heartbeat_sink(), clock=self.seams.clock)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

@@ -14,7 +14,7 @@ from enum import StrEnum
 PREFIX = "vigil_"
 
 # Base units a metric name may end in (Prometheus naming conventions); `_total` follows the unit.
-_UNIT_SUFFIXES = ("seconds", "bytes", "celsius", "watts", "joules", "hertz", "ratio", "bits_per_second")
+_UNIT_SUFFIXES = ("seconds", "bytes", "celsius", "watts", "joules", "hertz", "ratio", "bytes_per_second")
 _NAME_RE = re.compile(r"^vigil_[a-z][a-z0-9_]*$")
 
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from agent.exporter import CONTENT_TYPE, render
+from agent.exporter import CONTENT_TYPE
 from agent.snapshot import Snapshot
 
 log = logging.getLogger("vigil.agent.server")
@@ -39,7 +39,7 @@ class _HeartbeatDatagrams(asyncio.DatagramProtocol):
 def make_app(
     *,
     snapshot: Snapshot,
-    registry: Any,
+    render_metrics: Callable[[], bytes],
     state_extra: Callable[[], dict[str, Any]],
     heartbeat_sink: HeartbeatSink | None,
     clock: Callable[[], float],
@@ -47,7 +47,7 @@ def make_app(
     app = web.Application(client_max_size=1 << 20)
 
     async def metrics(_: web.Request) -> web.Response:
-        body = render(registry)
+        body = render_metrics()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def healthz(_: web.Request) -> web.Response:

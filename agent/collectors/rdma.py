@@ -68,10 +68,11 @@ PORT_PHYSICAL_STATE = MetricSpec("vigil_rdma_port_physical_state", MetricKind.GA
                                  "IBTA physical port state code (2 Polling, 3 Disabled, 5 LinkUp, "
                                  "6 LinkErrorRecovery, ...); the label carries its name.",
                                  labels=("device", "port", "physical_state"))
-PORT_RATE = MetricSpec("vigil_rdma_port_rate_bits_per_second", MetricKind.GAUGE,
-                       "Port signalling rate as the kernel reports it.", labels=_PORT_LABELS,
-                       unit="bits_per_second")
-COUNTER_SATURATED = MetricSpec("vigil_rdma_port_counter_saturated", MetricKind.GAUGE,
+PORT_RATE = MetricSpec("vigil_rdma_port_rate_bytes_per_second", MetricKind.GAUGE,
+                       "Port data rate as the kernel reports it (its Gb/sec divided by 8: Prometheus' base "
+                       "unit is bytes, as node_exporter's node_infiniband_rate_bytes_per_second).",
+                       labels=_PORT_LABELS, unit="bytes_per_second")
+COUNTER_SATURATED = MetricSpec("vigil_rdma_port_stat_saturated", MetricKind.GAUGE,
                                "1 when a fixed-width IBTA PortCounters counter sits at its maximum and "
                                "stopped counting (its increase is then unknown), else 0.",
                                labels=("device", "port", "counter"))
@@ -509,7 +510,7 @@ class RdmaCollector:
         if phys is not None:
             samples.append(Sample(PORT_PHYSICAL_STATE.name, float(phys[0]), (*labels, ("physical_state", phys[1]))))
         if rate is not None:
-            samples.append(Sample(PORT_RATE.name, rate, labels))
+            samples.append(Sample(PORT_RATE.name, rate / 8, labels))
         samples.append(Sample(PORT_INFO.name, 1.0, (*labels, ("link_layer", port.link_layer or ""),
                                                     ("netdev", port.netdev or ""))))
 

@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import parse_config
 from agent.daemon import Agent
-from agent.exporter import render
 from agent.nvml.backend import PynvmlBackend
 from agent.nvml.fake import FakeNvml
 from agent.nvml.scenario import load_node_scenario
@@ -53,7 +52,7 @@ def make_agent(tmp_path: Path, scenario: str, clock: FakeClock, sysfs: Path | No
 def scrape(agent: Agent, now: float) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     for c in agent.collectors:
         agent.snapshot.put(c.name, collect_once(c, now))
-    text = render(agent.registry).decode()
+    text = agent.render_metrics().decode()
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -132,7 +131,7 @@ def _render_normalised(agent: Agent, now: float) -> str:
     for c in agent.collectors:
         agent.snapshot.put(c.name, collect_once(c, now))
     keep = []
-    for line in render(agent.registry).decode().splitlines():
+    for line in agent.render_metrics().decode().splitlines():
         if re.search(r"vigil_host_|vigil_collector_duration_seconds", line):
             continue
         keep.append(line)

@@ -20,7 +20,7 @@ from agent.collectors.rdma import (
     parse_state,
 )
 from agent.config import ConfigError, parse_config
-from agent.exporter import SnapshotExporter, make_registry, render
+from agent.exporter import SnapshotExporter, render
 from agent.metric import Sample
 from agent.seams import Seams
 from agent.wire import PortState, Report
@@ -124,8 +124,8 @@ def test_real_tree_shows_every_port_state_rate_and_identity(h100: Rig) -> None:
     s = c.samples
     assert value(s, "vigil_rdma_port_state", device="mlx5_0", port="1", state="ACTIVE") == 4
     assert value(s, "vigil_rdma_port_physical_state", device="mlx5_0", port="1", physical_state="LinkUp") == 5
-    assert value(s, "vigil_rdma_port_rate_bits_per_second", device="mlx5_0", port="1") == 400e9
-    assert value(s, "vigil_rdma_port_rate_bits_per_second", device="mlx5_bond_0", port="1") == 200e9
+    assert value(s, "vigil_rdma_port_rate_bytes_per_second", device="mlx5_0", port="1") == 50e9
+    assert value(s, "vigil_rdma_port_rate_bytes_per_second", device="mlx5_bond_0", port="1") == 25e9
     assert value(s, "vigil_rdma_device_info", device="mlx5_bond_0", hca_type="MT41692", fw_ver="32.38.3056",
                  board_id="MT_0000000884") == 1
     assert value(s, "vigil_rdma_port_info", device="mlx5_0", port="1", link_layer="InfiniBand", netdev="") == 1
@@ -165,9 +165,9 @@ def test_real_tree_saturated_counters_are_flagged_not_rated(h100: Rig) -> None:
     c1 = h100.cycle()
     s = c1.samples
     # link_downed is 8 bits wide: 255 means it stopped counting; excessive_buffer_overrun_errors is 4 bits: 15
-    assert value(s, "vigil_rdma_port_counter_saturated", device="mlx5_1", port="1", counter="link_downed") == 1
-    assert value(s, "vigil_rdma_port_counter_saturated", device="mlx5_0", port="1", counter="link_downed") == 0
-    assert value(s, "vigil_rdma_port_counter_saturated", device="mlx5_0", port="1",
+    assert value(s, "vigil_rdma_port_stat_saturated", device="mlx5_1", port="1", counter="link_downed") == 1
+    assert value(s, "vigil_rdma_port_stat_saturated", device="mlx5_0", port="1", counter="link_downed") == 0
+    assert value(s, "vigil_rdma_port_stat_saturated", device="mlx5_0", port="1",
                  counter="excessive_buffer_overrun_errors") == 1
     assert value(s, "vigil_rdma_port_link_downed_total", device="mlx5_1", port="1") == 255
     assert port_state(c1, "mlx5_1").flags["link_downed"] == "saturated"
@@ -248,7 +248,7 @@ def test_truncated_and_garbage_files_are_skipped_and_counted(h100: Rig) -> None:
     c = h100.cycle()
     s = c.samples
     for name in ("vigil_rdma_port_symbol_errors_total", "vigil_rdma_port_receive_errors_total",
-                 "vigil_rdma_port_vl15_dropped_total", "vigil_rdma_port_rate_bits_per_second"):
+                 "vigil_rdma_port_vl15_dropped_total", "vigil_rdma_port_rate_bytes_per_second"):
         assert value(s, name, device="mlx5_0", port="1") is None, name
     assert [x for x in s if x.name == "vigil_rdma_port_state" and x.label("device") == "mlx5_0"] == []
     # the rest of the port, and the other ports, are intact
@@ -465,9 +465,9 @@ def test_every_sample_is_declared_with_its_labels_in_order(roce: Rig, h100: Rig)
 
 def test_metrics_exposition_of_the_real_tree(h100: Rig) -> None:
     samples = h100.cycle().samples
-    text = render(make_registry(SnapshotExporter(SPECS, [lambda: samples]))).decode()
+    text = render(SnapshotExporter(SPECS, [lambda: samples])).decode()
     assert 'vigil_rdma_port_state{device="mlx5_0",port="1",state="ACTIVE"} 4.0' in text
-    assert 'vigil_rdma_port_rate_bits_per_second{device="mlx5_1",port="1"} 4e+11' in text
+    assert 'vigil_rdma_port_rate_bytes_per_second{device="mlx5_1",port="1"} 5e+10' in text
     assert 'vigil_rdma_port_link_downed_total{device="mlx5_1",port="1"} 255.0' in text
     assert "# TYPE vigil_rdma_port_symbol_errors_total counter" in text
 

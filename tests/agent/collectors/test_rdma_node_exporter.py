@@ -50,7 +50,7 @@ SAME_VALUE: dict[str, tuple[str, float]] = {
     "node_infiniband_vl15_dropped_total": ("vigil_rdma_port_vl15_dropped_total", 1),
     "node_infiniband_state_id": ("vigil_rdma_port_state", 1),
     "node_infiniband_physical_state_id": ("vigil_rdma_port_physical_state", 1),
-    "node_infiniband_rate_bytes_per_second": ("vigil_rdma_port_rate_bits_per_second", 1 / 8),
+    "node_infiniband_rate_bytes_per_second": ("vigil_rdma_port_rate_bytes_per_second", 1),
 }
 # Compared by labels below; node_exporter reads no hw_counters in 1.5.0.
 OTHER_NODE_SERIES = {"node_infiniband_info"}

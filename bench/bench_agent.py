@@ -1,0 +1,98 @@
+"""Agent CPU per collection cycle and /metrics render time on an 8-GPU node (DESIGN.md section 9).
+
+The node is the real agent over FakeNvml (8x H100 SXM), an 8-HCA sysfs tree built from the
+recorded H100 InfiniBand snapshot, a kernel log file, and 8 training ranks sending one heartbeat
+per step. CPU is process time (all threads), so the NVML event worker counts too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from agent.config import parse_config
+from agent.daemon import Agent
+from agent.nvml.backend import PynvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.scenario import load_node_scenario
+from agent.runner import collect_once
+from agent.seams import Seams
+from bench.measure import Measurement
+
+FIXTURE_IB = Path(__file__).parent.parent / "tests" / "fixtures" / "sysfs" / "h100" / "class" / "infiniband"
+CYCLES = 300
+RENDERS = 500
+
+
+def _sysfs_with_8_hcas(root: Path) -> Path:
+    ib = root / "class" / "infiniband"
+    ib.mkdir(parents=True)
+    for i in range(8):
+        shutil.copytree(FIXTURE_IB / "mlx5_0", ib / f"mlx5_{i}")
+    return root
+
+
+def build_node(tmp: Path, clock: "Clock") -> Agent:
+    kmsg = tmp / "kern.log"
+    kmsg.write_text("")
+    config = parse_config({"node": "bench-node", "nvml": {"backend": "fake", "scenario": "healthy-h100"}})
+    backend = PynvmlBackend(FakeNvml(load_node_scenario("healthy-h100"), clock, start=clock()))
+    backend.init()
+    seams = Seams(nvml=backend, clock=clock, kmsg=str(kmsg), sysfs_root=_sysfs_with_8_hcas(tmp / "sys"),
+                  state_dir=tmp, extra={"pid_alive": lambda pid: True})
+    return Agent(config, seams)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def measure() -> list[Measurement]:
+    clock = Clock()
+    with tempfile.TemporaryDirectory(prefix="vigil-bench-") as d:
+        agent = build_node(Path(d), clock)
+        training = next(c for c in agent.collectors if c.name == "training")
+        try:
+            cpu: list[float] = []
+            for cycle in range(CYCLES + 20):
+                clock.t += 1.0
+                for rank in range(8):
+                    hb = {"job": "bench", "rank": rank, "step": cycle, "step_seconds": 1.0, "compute_seconds": 0.8,
+                          "comm_seconds": 0.15, "data_seconds": 0.05, "gpu": rank, "pid": 4242}
+                    training.ingest(json.dumps(hb).encode(), clock.t)  # type: ignore[attr-defined]
+                start = time.process_time()
+                for c in agent.collectors:
+                    agent.snapshot.put(c.name, collect_once(c, clock.t))
+                if cycle >= 20:  # the first cycles build caches and baselines
+                    cpu.append(time.process_time() - start)
+            renders: list[float] = []
+            for _ in range(RENDERS):
+                start = time.perf_counter()
+                body = agent.render_metrics()
+                renders.append(time.perf_counter() - start)
+            series = sum(1 for line in body.splitlines() if not line.startswith(b"#"))
+        finally:
+            for c in agent.collectors:
+                c.close()
+    cpu_ms = statistics.mean(cpu) * 1000
+    renders.sort()
+    p99_ms = renders[int(len(renders) * 0.99) - 1] * 1000
+    return [
+        Measurement("agent CPU per collection cycle (8 GPUs + 8 HCAs + 8 ranks, fake NVML)", cpu_ms, "ms", 2.0,
+                    note=f"mean of {CYCLES} cycles, every collector each cycle (host's 5 s cadence not credited)"),
+        Measurement("/metrics render, 8-GPU node (p99)", p99_ms, "ms", 2.0,
+                    note=f"{series} series, {len(body) / 1024:.0f} KiB, {RENDERS} renders"),
+    ]
+
+
+if __name__ == "__main__":
+    for m in measure():
+        print(m)
