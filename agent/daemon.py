@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 import agent
 from agent.collectors import REGISTRY
 from agent.collectors.collector import Collection, Collector
 from agent.config import AgentConfig
-from prometheus_client import CollectorRegistry
-
 from agent.exporter import SnapshotExporter, render
 from agent.reporter import REPORTER_SPECS, Reporter
 from agent.runner import RUNNER_SPECS, Runner

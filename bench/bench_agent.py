@@ -36,7 +36,7 @@ def _sysfs_with_8_hcas(root: Path) -> Path:
     return root
 
 
-def build_node(tmp: Path, clock: "Clock") -> Agent:
+def build_node(tmp: Path, clock: Clock) -> Agent:
     kmsg = tmp / "kern.log"
     kmsg.write_text("")
     config = parse_config({"node": "bench-node", "nvml": {"backend": "fake", "scenario": "healthy-h100"}})
