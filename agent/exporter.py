@@ -32,6 +32,14 @@ def _escape_label_value(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+def _format_value(v: float) -> str:
+    """Go's float formatting as prometheus-client writes it; repr is the same for ordinary values."""
+    r = repr(v)
+    if r.find(".") > 6 or "n" in r:  # large values switch to exponents sooner in Go; inf and nan
+        return floatToGoString(v)
+    return r
+
+
 def _escape_help(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\n", "\\n")
 
@@ -53,7 +61,8 @@ class SnapshotExporter(PromCollector):
                   f"{'counter' if spec.kind is MetricKind.COUNTER else 'gauge'}\n"
             for name, spec in self._specs.items()
         }
-        self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+        # (name, labels) -> (value, rendered line, line prefix)
+        self._lines: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, str, str]] = {}
 
     @property
     def specs(self) -> dict[str, MetricSpec]:
@@ -74,28 +83,37 @@ class SnapshotExporter(PromCollector):
             yield name, spec, samples
 
     def render_text(self) -> bytes:
-        """The exposition, byte for byte what prometheus-client renders from ``collect``."""
+        """The exposition, byte for byte what prometheus-client renders from ``collect``.
+
+        Each series' line is cached with its value: between cycles most values do not change
+        (limits, identities, idle counters), so a scrape mostly joins cached strings."""
         out: list[str] = []
-        prefixes = self._prefixes
-        if len(prefixes) > _PREFIX_CACHE_MAX:
-            prefixes.clear()
+        lines = self._lines
+        if len(lines) > _PREFIX_CACHE_MAX:
+            lines.clear()
         for name, _spec, samples in self._grouped():
             out.append(self._headers[name])
             seen: set[tuple[tuple[str, str], ...]] = set()
             for s in samples:
-                if s.labels in seen:
+                labels = s.labels
+                if labels in seen:
                     continue
-                seen.add(s.labels)
-                key = (name, s.labels)
-                prefix = prefixes.get(key)
-                if prefix is None:
-                    if s.labels:
-                        inner = ",".join(f'{k}="{_escape_label_value(v)}"' for k, v in sorted(s.labels))
-                        prefix = f"{name}{{{inner}}} "
-                    else:
-                        prefix = f"{name} "
-                    prefixes[key] = prefix
-                out.append(prefix + floatToGoString(s.value) + "\n")
+                seen.add(labels)
+                key = (name, labels)
+                cached = lines.get(key)
+                if cached is not None and cached[0] == s.value:
+                    out.append(cached[1])
+                    continue
+                if cached is not None:
+                    prefix = cached[2]
+                elif labels:
+                    inner = ",".join(f'{k}="{_escape_label_value(v)}"' for k, v in sorted(labels))
+                    prefix = f"{name}{{{inner}}} "
+                else:
+                    prefix = f"{name} "
+                line = prefix + _format_value(s.value) + "\n"
+                lines[key] = (s.value, line, prefix)
+                out.append(line)
         return "".join(out).encode()
 
     def collect(self) -> Iterator[Metric]:

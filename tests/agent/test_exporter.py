@@ -47,3 +47,16 @@ def test_a_metric_declared_twice_differently_is_refused() -> None:
         assert "declared twice" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_value_formatting_matches_the_library_across_magnitudes() -> None:
+    values = [0.0, -0.0, 1.0, -3.5, 1e-9, 123456.0, 1234567.0, 12345678.9, 2.5276063744e10, 1e22,
+              float("inf"), float("-inf"), float("nan"), 7.0, 0.1]
+    spec = MetricSpec("vigil_agent_probe", MetricKind.GAUGE, "probe", labels=("i",))
+    state = {"v": values}
+    exporter = SnapshotExporter([spec], [lambda: [Sample.of(spec, v, i=i) for i, v in enumerate(state["v"])]])
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(exporter)
+    assert exporter.render_text() == generate_latest(registry)
+    state["v"] = [v * 3 + 1 for v in values]  # changed values must not come from the line cache
+    assert exporter.render_text() == generate_latest(registry)
