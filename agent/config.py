@@ -20,6 +20,7 @@ from agent.collectors.host import HostConfig
 from agent.collectors.rdma import RdmaConfig
 from agent.collectors.training import TrainingConfig
 from agent.collectors.xid import XidConfig
+from agent.dcgm_compat import ExporterConfig
 
 
 class ConfigError(Exception):
@@ -61,6 +62,7 @@ class AgentConfig(StrictModel):
     nvml: NvmlConfig = NvmlConfig()
     aggregator: AggregatorTarget = AggregatorTarget()
     collectors: CollectorsConfig = CollectorsConfig()
+    exporter: ExporterConfig = ExporterConfig()  # dcgm_compat: also serve DCGM_FI_DEV_* series
 
 
 def format_validation_error(exc: ValidationError) -> str:

@@ -23,6 +23,7 @@ import agent
 from agent.collectors import REGISTRY
 from agent.collectors.collector import Collection, Collector
 from agent.config import AgentConfig
+from agent.dcgm_compat import DcgmCompatCollector
 from agent.exporter import SnapshotExporter, render
 from agent.reporter import REPORTER_SPECS, Reporter
 from agent.runner import RUNNER_SPECS, Runner
@@ -88,6 +89,8 @@ class Agent:
         # Add-on prometheus-client collectors (e.g. dcgm-exporter compatibility) register here;
         # vigil's own series are rendered by the exporter's direct encoder.
         self.registry = CollectorRegistry(auto_describe=False)
+        if config.exporter.dcgm_compat:
+            self.registry.register(DcgmCompatCollector(self.snapshot.samples, hostname=config.node))
 
     def render_metrics(self) -> bytes:
         return render(self.exporter, self.registry)
