@@ -7,11 +7,9 @@ what is left that looks like an identifier is a metric name.
 
 from __future__ import annotations
 
-import importlib
 import re
 
 from agent.catalog import agent_specs
-from agent.metric import MetricSpec
 
 # Series Prometheus makes itself (target health, alert state) rather than scraping them.
 PROMETHEUS_BUILTINS = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped", "ALERTS",
@@ -43,23 +41,23 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
-def aggregator_specs() -> list[MetricSpec]:
-    """The aggregator's metric declarations, if aggregator/metrics.py declares any (MetricSpec
-    module attributes or tuples of them); empty while it does not exist."""
+def aggregator_names() -> set[str]:
+    """Series names the aggregator's /metrics carries (aggregator/metrics.py builds prometheus-client
+    metrics, not MetricSpecs, so they are listed from a throw-away instance's registry)."""
     try:
-        module = importlib.import_module("aggregator.metrics")
-    except ModuleNotFoundError:
-        return []
-    found: dict[str, MetricSpec] = {}
-    for value in vars(module).values():
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        for item in items:
-            if isinstance(item, MetricSpec):
-                found[item.name] = item
-    return list(found.values())
+        from aggregator.metrics import AggregatorMetrics
+    except ImportError:  # not landed yet: no aggregator metric can be used
+        return set()
+    names: set[str] = set()
+    for family in AggregatorMetrics(lambda: {}).registry.collect():
+        # A labelled metric with no children yet has no samples, so names come from the type.
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                    "summary": ("_sum", "_count", "")}.get(family.type, ("",))
+        names.update(family.name + suffix for suffix in suffixes)
+    return names
 
 
 def catalog_names() -> set[str]:
     names: set[str] = set(PROMETHEUS_BUILTINS)
-    names.update(spec.name for spec in (*agent_specs(), *aggregator_specs()))
-    return names
+    names.update(spec.name for spec in agent_specs())
+    return names | aggregator_names()
