@@ -9,6 +9,7 @@ the official ``kubernetes`` client and decides nothing itself.
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,19 @@ class KubernetesConfig(ActuatorConfig):
     evict_timeout_seconds: float = Field(default=10.0, gt=0)
 
 
+def _status_message(body: object) -> str:
+    """The API server's own explanation from its Status body (": node \"x\" not found"), if any."""
+    if isinstance(body, bytes):
+        body = body.decode(errors="replace")
+    if not isinstance(body, str) or not body:
+        return ""
+    try:
+        message = json.loads(body).get("message", "")
+    except (ValueError, AttributeError):
+        return ""
+    return f": {message}" if isinstance(message, str) and message else ""
+
+
 def _now_iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -52,12 +66,17 @@ class KubernetesActuator:
         self.config = config
         self.notify_in_dry_run = config.notify_in_dry_run
         self.timeout_seconds = config.timeout_seconds
+        from urllib3.exceptions import HTTPError as Urllib3Error  # the client's transport
+
         self._client = client
+        self._urllib3_error = Urllib3Error
         if api_client is None:
             if config.api_url:
                 conf = client.Configuration()
                 conf.host = config.api_url
                 conf.verify_ssl = config.verify_tls
+                # The dispatcher owns retries (with backoff, across restarts); none inside a delivery.
+                conf.retries = 0
                 if config.ca_file:
                     conf.ssl_ca_cert = config.ca_file
                 if config.token_file:
@@ -90,9 +109,11 @@ class KubernetesActuator:
             return f"cordoned and tainted {decision.node}, evicted {n} pod(s)"
         except self._client.ApiException as exc:
             raise DeliveryError(
-                f"kubernetes: HTTP {exc.status} {exc.reason}", retryable=exc.status >= 500 or exc.status == 429
+                f"kubernetes: HTTP {exc.status} {exc.reason}{_status_message(exc.body)}",
+                retryable=exc.status >= 500 or exc.status == 429,
             ) from exc
-        except OSError as exc:  # urllib3 connection errors derive from OSError
+        except (self._urllib3_error, OSError) as exc:
+            # Connection refused/reset and timeouts reach us as urllib3's MaxRetryError (not an OSError).
             raise DeliveryError(f"kubernetes: {exc}") from exc
 
     def close(self) -> None:
@@ -141,8 +162,12 @@ class KubernetesActuator:
                 continue  # the DaemonSet controller would put it straight back
             if "kubernetes.io/config.mirror" in (meta.annotations or {}):
                 continue  # static pods are the kubelet's, not the API server's
+            # apiVersion and kind as kubectl drain sends them: policy/v1 is the served version
+            # since Kubernetes 1.22 (policy/v1beta1 was removed in 1.25).
             eviction = self._client.V1Eviction(
-                metadata=self._client.V1ObjectMeta(name=meta.name, namespace=meta.namespace)
+                api_version="policy/v1",
+                kind="Eviction",
+                metadata=self._client.V1ObjectMeta(name=meta.name, namespace=meta.namespace),
             )
             try:
                 self.api.create_namespaced_pod_eviction(

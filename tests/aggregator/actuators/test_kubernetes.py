@@ -1,0 +1,457 @@
+"""Kubernetes actuator against a local fake API server that answers as the real one does.
+
+The fake (aiohttp on 127.0.0.1, a random port) keeps Nodes and Pods, applies strategic-merge
+patches to a node and to its status subresource (conditions merge by ``type``, taints replace
+the list), lists pods by ``fieldSelector=spec.nodeName=`` and ``labelSelector``, and answers a
+policy/v1 Eviction with 201, or with 429 when a PodDisruptionBudget protects the pod. The
+actuator talks to it through the official ``kubernetes`` client, unmodified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from aggregator.actuators.actuator import DeliveryError
+from aggregator.actuators.kubernetes import KubernetesActuator, KubernetesConfig
+from aggregator.decision import Action, Decision
+
+pytest.importorskip("kubernetes", reason="the Kubernetes actuator needs the kubernetes client (pip install vigil[k8s])")
+
+T0 = 1_700_000_000.0
+NODE = "gpu-node-7"
+PATCH_TYPES = (
+    "application/strategic-merge-patch+json",
+    "application/merge-patch+json",
+    "application/json-patch+json",
+    "application/apply-patch+yaml",
+)
+# The API server's message for a PDB-blocked eviction (k8s.io/kubernetes pkg/registry/core/pod/storage/eviction.go).
+PDB_MESSAGE = "Cannot evict pod as it would violate the pod's disruption budget."
+
+
+def status(code: int, reason: str, message: str, **details: Any) -> web.Response:
+    body: dict[str, Any] = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Success" if code < 400 else "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+    if details:
+        body["details"] = details
+    headers = {"Retry-After": "10"} if code == 429 else None
+    return web.json_response(body, status=code, headers=headers)
+
+
+def make_node(name: str, taints: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "uid": f"uid-{name}",
+            "resourceVersion": "1000",
+            "creationTimestamp": "2024-05-01T00:00:00Z",
+            "labels": {"kubernetes.io/hostname": name, "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        },
+        "spec": {"podCIDR": "10.0.7.0/24", **({"taints": taints} if taints else {})},
+        "status": {
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "KubeletReady",
+                    "message": "kubelet is posting ready status",
+                    "lastHeartbeatTime": "2024-05-01T00:00:00Z",
+                    "lastTransitionTime": "2024-05-01T00:00:00Z",
+                }
+            ],
+            "capacity": {"nvidia.com/gpu": "8"},
+        },
+    }
+
+
+def make_pod(
+    name: str,
+    node: str,
+    namespace: str = "training",
+    labels: dict[str, str] | None = None,
+    owner_kind: str | None = None,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "uid": f"uid-{namespace}-{name}",
+        "resourceVersion": "2000",
+        "labels": labels or {},
+    }
+    if owner_kind:
+        meta["ownerReferences"] = [
+            {"apiVersion": "apps/v1", "kind": owner_kind, "name": f"{name}-owner", "uid": "uid-owner",
+             "controller": True}
+        ]
+    if annotations:
+        meta["annotations"] = annotations
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "trainer:1"}]},
+        "status": {"phase": "Running"},
+    }
+
+
+@dataclass
+class FakeApiServer:
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pods: list[dict[str, Any]] = field(default_factory=list)
+    pdb_protected: set[str] = field(default_factory=set)  # "namespace/name"
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
+    fail_with: int | None = None  # answer every request with this status (an API server outage)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._record])
+        app.router.add_get("/api/v1/nodes/{name}", self.get_node)
+        app.router.add_patch("/api/v1/nodes/{name}", self.patch_node)
+        app.router.add_patch("/api/v1/nodes/{name}/status", self.patch_node_status)
+        app.router.add_get("/api/v1/pods", self.list_pods)
+        app.router.add_post("/api/v1/namespaces/{namespace}/pods/{name}/eviction", self.evict)
+        return app
+
+    def of(self, method: str, path_end: str = "") -> list[dict[str, Any]]:
+        return [r for r in self.requests if r["method"] == method and r["path"].endswith(path_end)]
+
+    @web.middleware
+    async def _record(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        raw = await request.read()
+        self.requests.append(
+            {
+                "method": request.method,
+                "path": request.path,
+                "query": dict(request.query),
+                "content_type": request.headers.get("Content-Type", ""),
+                "body": json.loads(raw) if raw else None,
+            }
+        )
+        if self.fail_with is not None:
+            return status(self.fail_with, "InternalError", "etcdserver: request timed out")
+        return await handler(request)
+
+    def _node(self, request: web.Request) -> dict[str, Any] | None:
+        return self.nodes.get(request.match_info["name"])
+
+    def _not_found(self, kind: str, name: str) -> web.Response:
+        return status(404, "NotFound", f'{kind} "{name}" not found', name=name, kind=kind.lower() + "s")
+
+    async def get_node(self, request: web.Request) -> web.Response:
+        node = self._node(request)
+        if node is None:
+            return self._not_found("nodes", request.match_info["name"])
+        return web.json_response(node)
+
+    def _check_patch(self, request: web.Request) -> web.Response | None:
+        if request.content_type not in PATCH_TYPES:
+            return status(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
+                          f"accepted media types include: {', '.join(PATCH_TYPES)}")
+        if request.content_type != "application/strategic-merge-patch+json":
+            return status(400, "BadRequest", "this fake only applies strategic merge patches")
+        return None
+
+    async def patch_node(self, request: web.Request) -> web.Response:
+        node = self._node(request)
+        if node is None:
+            return self._not_found("nodes", request.match_info["name"])
+        if (bad := self._check_patch(request)) is not None:
+            return bad
+        patch = await request.json()
+        spec = node["spec"]
+        for key, value in patch.get("spec", {}).items():
+            # Node.spec.taints has no patchMergeKey: a strategic merge replaces the whole list.
+            if value is None or value is False or value == []:
+                spec.pop(key, None)  # omitempty: false and empty are not serialised
+            else:
+                spec[key] = copy.deepcopy(value)
+        node["metadata"]["resourceVersion"] = str(int(node["metadata"]["resourceVersion"]) + 1)
+        return web.json_response(node)
+
+    async def patch_node_status(self, request: web.Request) -> web.Response:
+        node = self._node(request)
+        if node is None:
+            return self._not_found("nodes", request.match_info["name"])
+        if (bad := self._check_patch(request)) is not None:
+            return bad
+        patch = await request.json()
+        if set(patch) - {"status"}:
+            return status(400, "BadRequest", "the status subresource only takes status")
+        conditions = node["status"]["conditions"]
+        # NodeStatus.conditions: patchMergeKey "type", so each condition replaces its namesake.
+        for cond in patch["status"].get("conditions", []):
+            for i, old in enumerate(conditions):
+                if old["type"] == cond["type"]:
+                    conditions[i] = {**old, **cond}
+                    break
+            else:
+                conditions.append(dict(cond))
+        return web.json_response(node)
+
+    async def list_pods(self, request: web.Request) -> web.Response:
+        field_selector = request.query.get("fieldSelector", "")
+        items = self.pods
+        if field_selector:
+            key, sep, value = field_selector.partition("=")
+            if key != "spec.nodeName" or not sep:
+                return status(400, "BadRequest", f'field label not supported: "{key}"')
+            items = [p for p in items if p["spec"]["nodeName"] == value]
+        for term in filter(None, request.query.get("labelSelector", "").split(",")):
+            key, _, value = term.partition("=")
+            items = [p for p in items if p["metadata"]["labels"].get(key) == value]
+        return web.json_response(
+            {"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "3000"}, "items": items}
+        )
+
+    async def evict(self, request: web.Request) -> web.Response:
+        ns, name = request.match_info["namespace"], request.match_info["name"]
+        body = await request.json()
+        # The API server defaults a missing apiVersion/kind to the endpoint's; it refuses others.
+        if body.get("apiVersion", "policy/v1") not in ("policy/v1", "policy/v1beta1") or body.get(
+            "kind", "Eviction"
+        ) != "Eviction":
+            return status(400, "BadRequest", f"unexpected eviction {body.get('apiVersion')}/{body.get('kind')}")
+        if body.get("metadata", {}).get("name") != name:
+            return status(400, "BadRequest", "name in URL does not match name in Eviction object")
+        pod = next(
+            (p for p in self.pods if p["metadata"]["name"] == name and p["metadata"]["namespace"] == ns), None
+        )
+        if pod is None:
+            return self._not_found("pods", name)
+        if f"{ns}/{name}" in self.pdb_protected:
+            return status(
+                429,
+                "TooManyRequests",
+                PDB_MESSAGE,
+                causes=[
+                    {
+                        "reason": "DisruptionBudget",
+                        "message": "The disruption budget trainers needs 4 healthy pods and has 4 currently",
+                    }
+                ],
+            )
+        # The API server deletes the pod gracefully: it stays listed with a deletionTimestamp.
+        pod["metadata"]["deletionTimestamp"] = "2024-05-01T00:10:00Z"
+        self.evicted.append(f"{ns}/{name}")
+        return status(201, "", "")
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[tuple[FakeApiServer, str]]:
+    fake = FakeApiServer()
+    fake.nodes[NODE] = make_node(NODE, taints=[{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}])
+    fake.nodes["gpu-node-8"] = make_node("gpu-node-8")
+    fake.pods = [
+        make_pod("trainer-0", NODE, labels={"vigil.io/job": "llm-7b"}),
+        make_pod("trainer-1", NODE, labels={"vigil.io/job": "llm-7b"}),
+        make_pod("eval-0", NODE, namespace="eval", labels={"vigil.io/job": "eval-3"}),
+        make_pod("dcgm-exporter-x1", NODE, namespace="gpu-operator", owner_kind="DaemonSet"),
+        make_pod(f"kube-proxy-{NODE}", NODE, namespace="kube-system",
+                 annotations={"kubernetes.io/config.mirror": "abc123"}),
+        make_pod("trainer-2", "gpu-node-8", labels={"vigil.io/job": "llm-7b"}),
+    ]
+    server = TestServer(fake.app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield fake, f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+
+
+def actuator(url: str, **kw: Any) -> KubernetesActuator:
+    return KubernetesActuator(KubernetesConfig(**{"enabled": True, "api_url": url, "timeout_seconds": 5.0, **kw}))
+
+
+def dec(action: Action, node: str = NODE, id: str = "d-0123456789abcdef01", job: str | None = None) -> Decision:
+    return Decision(
+        id=id, ts=T0, node=node, action=action, reason="Xid 79: GPU has fallen off the bus",
+        detector="xid", job=job, dry_run=False,
+    )
+
+
+async def deliver(act: KubernetesActuator, decision: Decision) -> str:
+    # The client is blocking (urllib3); the fake server needs this event loop free meanwhile.
+    return await asyncio.to_thread(act.deliver, decision)
+
+
+def vigil_taints(node: dict[str, Any]) -> list[dict[str, str]]:
+    return [t for t in node["spec"].get("taints", []) if t["key"] == "vigil.io/unhealthy"]
+
+
+def condition(node: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in node["status"]["conditions"] if c["type"] == type_), None)
+
+
+async def test_drain_cordons_taints_marks_and_evicts_the_nodes_own_pods(api) -> None:
+    fake, url = api
+    act = actuator(url)
+    try:
+        out = await deliver(act, dec(Action.DRAIN))
+    finally:
+        act.close()
+    node = fake.nodes[NODE]
+    assert node["spec"]["unschedulable"] is True
+    # Ours added, the GPU operator's taint kept.
+    assert node["spec"]["taints"] == [
+        {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+        {"key": "vigil.io/unhealthy", "value": "drain", "effect": "NoSchedule"},
+    ]
+    cond = condition(node, "VigilUnhealthy")
+    assert cond is not None and cond["status"] == "True" and cond["reason"] == "VigilDrain"
+    assert "d-0123456789abcdef01" in cond["message"]
+    assert condition(node, "Ready") == make_node(NODE)["status"]["conditions"][0]  # the kubelet's, untouched
+    # Pods scheduled elsewhere, DaemonSet pods and static (mirror) pods stay.
+    assert sorted(fake.evicted) == ["eval/eval-0", "training/trainer-0", "training/trainer-1"]
+    listing = fake.of("GET", "/api/v1/pods")
+    assert listing and listing[0]["query"]["fieldSelector"] == f"spec.nodeName={NODE}"
+    patches = fake.of("PATCH")
+    assert [p["path"] for p in patches] == [f"/api/v1/nodes/{NODE}", f"/api/v1/nodes/{NODE}/status"]
+    assert {p["content_type"] for p in patches} == {"application/strategic-merge-patch+json"}
+    eviction = fake.of("POST", "/eviction")[0]
+    assert eviction["body"]["apiVersion"] == "policy/v1" and eviction["body"]["kind"] == "Eviction"
+    assert "evicted 3 pod(s)" in out and NODE in out
+    assert fake.nodes["gpu-node-8"] == make_node("gpu-node-8")
+
+
+async def test_a_second_drain_replaces_the_vigil_taint_instead_of_stacking_it(api) -> None:
+    fake, url = api
+    act = actuator(url, evict_pods=False)
+    try:
+        await deliver(act, dec(Action.RESET_GPU, id="d-first"))
+        await deliver(act, dec(Action.REBOOT_NODE, id="d-second"))
+    finally:
+        act.close()
+    node = fake.nodes[NODE]
+    assert vigil_taints(node) == [{"key": "vigil.io/unhealthy", "value": "reboot_node", "effect": "NoSchedule"}]
+    assert len(node["spec"]["taints"]) == 2
+    conds = [c for c in node["status"]["conditions"] if c["type"] == "VigilUnhealthy"]
+    assert len(conds) == 1 and conds[0]["reason"] == "VigilRebootNode" and "d-second" in conds[0]["message"]
+    assert fake.evicted == [] and not fake.of("GET", "/api/v1/pods")
+
+
+async def test_pdb_429_is_a_retryable_delivery_error_and_the_retry_finishes_the_job(api) -> None:
+    fake, url = api
+    fake.pdb_protected.add("training/trainer-1")
+    act = actuator(url)
+    try:
+        with pytest.raises(DeliveryError) as err:
+            await deliver(act, dec(Action.DRAIN))
+        assert err.value.retryable
+        assert "training/trainer-1" in str(err.value) and "PodDisruptionBudget" in str(err.value)
+        # The node is already out of scheduling and the unprotected pods are gone.
+        assert fake.nodes[NODE]["spec"]["unschedulable"] is True
+        assert sorted(fake.evicted) == ["eval/eval-0", "training/trainer-0"]
+        assert len(fake.of("POST", "/eviction")) == 3
+
+        # The budget allows it later (a replacement became healthy): the dispatcher's retry.
+        fake.pdb_protected.clear()
+        out = await deliver(act, dec(Action.DRAIN))
+    finally:
+        act.close()
+    assert sorted(fake.evicted) == ["eval/eval-0", "training/trainer-0", "training/trainer-1"]
+    # Pods already terminating are not asked again: exactly one more eviction request.
+    assert len(fake.of("POST", "/eviction")) == 4
+    assert "evicted 1 pod(s)" in out
+    assert len(vigil_taints(fake.nodes[NODE])) == 1
+
+
+async def test_resume_uncordons_removes_only_our_taint_and_clears_the_condition(api) -> None:
+    fake, url = api
+    act = actuator(url)
+    try:
+        await deliver(act, dec(Action.DRAIN))
+        evictions = len(fake.of("POST", "/eviction"))
+        out = await deliver(act, dec(Action.RESUME, id="d-resume"))
+    finally:
+        act.close()
+    node = fake.nodes[NODE]
+    assert "unschedulable" not in node["spec"]  # false is not serialised: schedulable again
+    assert node["spec"]["taints"] == [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
+    cond = condition(node, "VigilUnhealthy")
+    assert cond is not None and cond["status"] == "False" and "d-resume" in cond["message"]
+    assert condition(node, "Ready") is not None and condition(node, "Ready")["status"] == "True"  # type: ignore[index]
+    assert len(fake.of("POST", "/eviction")) == evictions  # resuming evicts nothing
+    assert out == f"uncordoned {NODE}"
+
+
+async def test_restart_job_evicts_only_that_jobs_pods_on_that_node(api) -> None:
+    fake, url = api
+    act = actuator(url)
+    try:
+        out = await deliver(act, dec(Action.RESTART_JOB, job="llm-7b"))
+    finally:
+        act.close()
+    assert sorted(fake.evicted) == ["training/trainer-0", "training/trainer-1"]  # not gpu-node-8's trainer-2
+    listing = fake.of("GET", "/api/v1/pods")[0]["query"]
+    assert listing == {"fieldSelector": f"spec.nodeName={NODE}", "labelSelector": "vigil.io/job=llm-7b"}
+    node = fake.nodes[NODE]
+    assert "unschedulable" not in node["spec"] and not vigil_taints(node)  # the node stays in service
+    assert "2 pod(s) of job llm-7b" in out
+
+
+async def test_unknown_node_is_a_permanent_error(api) -> None:
+    fake, url = api
+    act = actuator(url)
+    try:
+        with pytest.raises(DeliveryError) as err:
+            await deliver(act, dec(Action.DRAIN, node="no-such-node"))
+    finally:
+        act.close()
+    assert not err.value.retryable and "404" in str(err.value) and 'nodes "no-such-node" not found' in str(err.value)
+    assert not fake.of("PATCH") and not fake.evicted
+
+
+async def test_api_server_errors_are_retryable(api) -> None:
+    fake, url = api
+    fake.fail_with = 503
+    act = actuator(url)
+    try:
+        with pytest.raises(DeliveryError) as err:
+            await deliver(act, dec(Action.DRAIN))
+    finally:
+        act.close()
+    assert err.value.retryable and "503" in str(err.value)
+
+
+async def test_an_unreachable_api_server_is_a_retryable_delivery_error() -> None:
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    act = actuator(f"http://127.0.0.1:{port}", timeout_seconds=2.0)
+    try:
+        with pytest.raises(DeliveryError) as err:
+            await deliver(act, dec(Action.DRAIN))
+    finally:
+        act.close()
+    assert err.value.retryable and "kubernetes" in str(err.value)
+
+
+def test_handles_removing_actions_resume_and_restart_job_with_a_job_only() -> None:
+    act = actuator("http://127.0.0.1:1")
+    try:
+        assert act.handles(dec(Action.DRAIN)) and act.handles(dec(Action.RESUME))
+        assert act.handles(dec(Action.INSPECT_HARDWARE)) and act.handles(dec(Action.RESTART_JOB, job="j"))
+        assert not act.handles(dec(Action.RESTART_JOB)) and not act.handles(dec(Action.ALERT))
+        assert not act.handles(dec(Action.OBSERVE))
+    finally:
+        act.close()
