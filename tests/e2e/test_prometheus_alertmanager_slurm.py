@@ -1,0 +1,153 @@
+"""End to end with the real programs: vigil agents on the fake NVML backend -> Debian's prometheus
+scraping them with rules/ loaded -> a hardware alert fires -> Debian's prometheus-alertmanager,
+routed by deploy/alertmanager/alertmanager.yml, posts it to the aggregator's webhook.
+
+Node vnode1 runs the shipped row-remap-failure scenario (GPU 6 runs out of spare rows), its fault
+brought forward from 60 s to 3 s; vnode2 runs the healthy H100 scenario and must raise nothing.
+Every process is ours, on loopback, stopped by its pid; the test is bounded by DEADLINE_SECONDS.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from aggregator.alertmanager_input import WebhookPayload, decisions_from_payload
+from aggregator.decision import Action
+from tests.e2e.conftest import Processes, WebhookReceiver, free_port, http_json, wait_for, which
+
+pytestmark = pytest.mark.external
+
+ROOT = Path(__file__).resolve().parents[2]
+DEADLINE_SECONDS = 60.0
+FAULT_AT_SECONDS = 3.0
+PROMETHEUS = which("prometheus")
+ALERTMANAGER = which("prometheus-alertmanager") or which("alertmanager")
+
+
+def _scenario(tmp: Path, name: str, fault_at: float | None) -> Path:
+    """A shipped node scenario, its faults moved to ``fault_at`` seconds so the test stays short."""
+    data = yaml.safe_load((ROOT / "scenarios" / "node" / f"{name}.yaml").read_text())
+    if fault_at is not None:
+        assert data["faults"], name
+        for fault in data["faults"]:
+            fault["at_seconds"] = fault_at
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _start_agent(procs: Processes, tmp: Path, node: str, scenario: Path) -> str:
+    listen = f"127.0.0.1:{free_port()}"
+    kmsg = tmp / f"{node}.kmsg"
+    kmsg.write_text("")
+    sysfs = tmp / f"{node}-sys"
+    sysfs.mkdir()
+    config = tmp / f"{node}-agent.yml"
+    # The training collector's UDP heartbeat port is per host; these two agents share one host.
+    config.write_text(yaml.safe_dump({"collectors": {"training": {"enabled": False}}}))
+    procs.start(f"agent-{node}", [sys.executable, "-m", "vigil", "agent", "--config", str(config),
+                                  "--backend", "fake", "--scenario", str(scenario), "--listen", listen,
+                                  "--node", node, "--kmsg", str(kmsg), "--sysfs-root", str(sysfs),
+                                  "--log-level", "WARNING"])
+    return listen
+
+
+def _prometheus_config(agents: dict[str, str], alertmanager: str) -> dict[str, Any]:
+    return {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
+        "rule_files": [str(p) for p in sorted((ROOT / "rules").glob("*.rules.yml"))],
+        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]},
+        "scrape_configs": [{
+            "job_name": "vigil-agent",
+            # The exposition has no host label; the target's `node` label names the node.
+            "static_configs": [{"targets": [addr], "labels": {"node": node}} for node, addr in agents.items()],
+        }],
+    }
+
+
+def _alertmanager_config(webhook_url: str) -> dict[str, Any]:
+    """The shipped routing, with the aggregator's URL pointed at this test and short waits."""
+    config = yaml.safe_load((ROOT / "deploy" / "alertmanager" / "alertmanager.yml").read_text())
+    for receiver in config["receivers"]:
+        if receiver["name"] == "vigil-aggregator":
+            receiver["webhook_configs"][0]["url"] = webhook_url
+        else:  # no pager or ticket system here
+            receiver.pop("webhook_configs", None)
+    config["route"].update(group_wait="1s", group_interval="1s")
+    return config
+
+
+@pytest.mark.skipif(PROMETHEUS is None or ALERTMANAGER is None,
+                    reason="needs Debian's prometheus and prometheus-alertmanager (apt-get install prometheus "
+                           "prometheus-alertmanager)")
+def test_hardware_fault_pages_through_prometheus_and_alertmanager(tmp_path: Path, processes: Processes,
+                                                                 webhook: WebhookReceiver) -> None:
+    assert PROMETHEUS is not None and ALERTMANAGER is not None
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    faulty = _scenario(tmp_path, "row-remap-failure", FAULT_AT_SECONDS)
+    agents = {
+        "vnode1": _start_agent(processes, tmp_path, "vnode1", faulty),
+        "vnode2": _start_agent(processes, tmp_path, "vnode2", _scenario(tmp_path, "healthy-h100", None)),
+    }
+
+    am_addr = f"127.0.0.1:{free_port()}"
+    am_config = tmp_path / "alertmanager.yml"
+    am_config.write_text(yaml.safe_dump(_alertmanager_config(f"http://127.0.0.1:{webhook.port}/v1/alertmanager")))
+    processes.start("alertmanager", [ALERTMANAGER, f"--config.file={am_config}",
+                                     f"--storage.path={tmp_path / 'am-data'}", f"--web.listen-address={am_addr}",
+                                     "--cluster.listen-address=", "--log.level=warn"])
+
+    prom_addr = f"127.0.0.1:{free_port()}"
+    prom_config = tmp_path / "prometheus.yml"
+    prom_config.write_text(yaml.safe_dump(_prometheus_config(agents, am_addr)))
+    processes.start("prometheus", [PROMETHEUS, f"--config.file={prom_config}",
+                                   f"--storage.tsdb.path={tmp_path / 'prom-data'}",
+                                   f"--web.listen-address={prom_addr}", "--log.level=warn"])
+
+    def query(expr: str) -> list[dict[str, Any]]:
+        processes.check_alive()
+        url = f"http://{prom_addr}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        return list(http_json(url)["data"]["result"])
+
+    # Both agents are scraped, under their node names.
+    up = wait_for("both agents scraped", lambda: {r["metric"]["node"] for r in query('up{job="vigil-agent"} == 1')}
+                  == {"vnode1", "vnode2"}, deadline, processes.logs)
+    assert up
+
+    # The fault reaches Prometheus: vnode1 GPU 6 reports a failed row remap, nothing else does.
+    failed = wait_for("vigil_gpu_row_remap_failure == 1", lambda: query("vigil_gpu_row_remap_failure == 1"),
+                      deadline, processes.logs)
+    assert [(r["metric"]["node"], r["metric"]["gpu"]) for r in failed] == [("vnode1", "6")]
+    assert "instance" in failed[0]["metric"] and "host" not in failed[0]["metric"]
+
+    # The rule fires, and Alertmanager holds the alert.
+    def am_alerts() -> list[dict[str, Any]]:
+        processes.check_alive()
+        return [a for a in http_json(f"http://{am_addr}/api/v2/alerts") if a["labels"]["alertname"].startswith("Vigil")]
+
+    alerts = wait_for("VigilGpuRowRemapFailure in Alertmanager",
+                      lambda: [a for a in am_alerts() if a["labels"]["alertname"] == "VigilGpuRowRemapFailure"],
+                      deadline, processes.logs)
+    labels = alerts[0]["labels"]
+    assert (labels["node"], labels["gpu"], labels["severity"], labels["vigil_action"]) == (
+        "vnode1", "6", "page", "inspect_hardware")
+    assert alerts[0]["annotations"]["summary"] == "Row remap failed on vnode1 GPU 6"
+
+    # Alertmanager delivers it on the aggregator route, and the aggregator's webhook model reads it
+    # as one inspect_hardware decision for vnode1.
+    bodies = wait_for("the webhook delivery", lambda: list(webhook.bodies), deadline, processes.logs)
+    assert webhook.paths[0] == "/v1/alertmanager"
+    payload = WebhookPayload.model_validate(bodies[0])
+    decisions, skipped = decisions_from_payload(payload, now=time.time(), dry_run=False)
+    assert [(d.node, d.action, d.gpu) for d in decisions] == [("vnode1", Action.INSPECT_HARDWARE, 6)], skipped
+
+    # The healthy node raised nothing, on either tier.
+    assert not [a for a in am_alerts() if a["labels"].get("node") == "vnode2"]
+    assert not [r for r in query('ALERTS{node="vnode2"}')]
