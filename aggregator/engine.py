@@ -28,7 +28,9 @@ class Engine:
                  detectors: list[Detector] | None = None) -> None:
         self.config = config
         self.sink = sink
-        self.fleet = Fleet(config.fleet)
+        net = config.detectors.network
+        judged = [*net.flap_counters, *net.error_counters, *net.congestion_counters] if net.enabled else []
+        self.fleet = Fleet(config.fleet, port_counters=judged)
         if detectors is None:
             detectors = [build(getattr(config.detectors, name)) for name, build in REGISTRY.items()
                          if getattr(config.detectors, name).enabled]

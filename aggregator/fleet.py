@@ -9,29 +9,26 @@ membership from the rank summaries. It judges nothing; detectors read it through
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import NamedTuple
 
 from pydantic import Field
 
 from agent.collectors.collector import StrictModel
 from agent.wire import Event, GpuState, PortState, RankSummary, Report
 
-# GPU counters whose per-report increase detectors judge (cumulative on the wire).
-GPU_COUNTERS = (
-    "ecc_corrected_volatile",
-    "ecc_uncorrected_volatile",
-    "pcie_replay_total",
-    "nvlink_crc_errors_total",
-    "nvlink_replay_errors_total",
-    "nvlink_recovery_errors_total",
-)
-
 
 class FleetConfig(StrictModel):
-    # 240 reports at the default 2.5 s interval is 10 minutes of history per series.
+    # Non-zero counter increases kept per series (zero increases are not stored: a healthy
+    # counter costs nothing). 240 is 10 minutes of a counter that moves every 2.5 s report.
     history_reports: int = Field(default=240, ge=4, le=100_000)
+    # Compact per-report GPU and port samples (flags, clocks, state) for persistence checks:
+    # 48 reports is 2 minutes at 2.5 s. Memory: ~100 bytes x 48 x 100k GPUs = ~0.5 GB.
+    state_history_reports: int = Field(default=48, ge=4, le=10_000)
+    # Per-rank window summaries kept for the straggler's consecutive-window test.
+    rank_history_reports: int = Field(default=16, ge=2, le=10_000)
     event_history: int = Field(default=256, ge=8)
     # An Xid seen by the kernel log and by NVML's event API is one fault; both readers timestamp
     # it within a second or two of each other.
@@ -93,92 +90,143 @@ class XidRecord:
 
 
 class CounterBaseline:
-    """Turns cumulative counters into deltas; a counter going backwards is a reset, not an error."""
+    """Turns cumulative counters into increases; a counter going backwards is a reset, not an
+    error. Only non-zero increases are stored, with the span each counter has been observed over
+    (its baseline start and latest reading), so a rate over a window is exact without a point per
+    report."""
 
-    __slots__ = ("_deltas", "_maxlen", "_prev", "resets")
+    __slots__ = ("_deltas", "_maxlen", "_prev", "_span", "resets")
 
     def __init__(self, maxlen: int) -> None:
         self._maxlen = maxlen
         self._prev: dict[str, int] = {}
         self._deltas: dict[str, Series] = {}
+        # name -> [baseline start ts, latest reading ts]
+        self._span: dict[str, list[float]] = {}
         self.resets = 0
 
     def observe(self, name: str, ts: float, value: int | None) -> None:
         if value is None:
             return
-        prev = self._prev.get(name)
-        self._prev[name] = value
-        if prev is None:
+        prev_values = self._prev
+        prev = prev_values.get(name)
+        prev_values[name] = value
+        if prev is None or value < prev:
+            if prev is not None:
+                self.resets += 1
+            self._span[name] = [ts, ts]
             return
-        if value < prev:
-            self.resets += 1
+        self._span[name][1] = ts
+        if value == prev:
             return
         series = self._deltas.get(name)
         if series is None:
             series = self._deltas[name] = Series(self._maxlen)
-        series.append(ts, float(value - prev))
+        series._ring.append((ts, float(value - prev)))
 
     def forget_baseline(self) -> None:
         self._prev.clear()
+        self._span.clear()
 
-    def deltas(self, name: str) -> Series | None:
-        return self._deltas.get(name)
+    def increases_since(self, name: str, t0: float) -> list[tuple[float, float]]:
+        """Non-zero increases reported at or after ``t0``."""
+        series = self._deltas.get(name)
+        return series.since(t0) if series is not None else []
 
     def sum_since(self, name: str, t0: float) -> float:
         series = self._deltas.get(name)
         return series.sum_since(t0) if series is not None else 0.0
 
-    def names(self) -> list[str]:
-        return list(self._deltas)
+    def covered_seconds(self, name: str, t0: float) -> float:
+        """Seconds since ``t0`` over which ``name``'s increases are known (0: no baseline)."""
+        span = self._span.get(name)
+        if span is None:
+            return 0.0
+        return max(0.0, span[1] - max(t0, span[0]))
+
+    def baseline_since(self, name: str) -> float | None:
+        """From when increases of ``name`` are completely known: the baseline start, or the
+        oldest increase still held once the ring has dropped older ones."""
+        span = self._span.get(name)
+        if span is None:
+            return None
+        series = self._deltas.get(name)
+        if series is not None and len(series) == self._maxlen:
+            oldest = series.first_ts()
+            if oldest is not None:
+                return max(span[0], oldest)
+        return span[0]
+
+
+class GpuSample(NamedTuple):
+    """What persistence checks need from one report of one GPU (the full state is ``last``)."""
+
+    ts: float
+    health: str
+    utilization_gpu_ratio: float | None
+    sm_clock_hertz: float | None
+    sm_clock_max_hertz: float | None
+    clock_event_reasons: tuple[str, ...]
+    memory_temperature_celsius: float | None
+    memory_max_temperature_celsius: float | None
+    remap_pending: bool | None
+    remap_failure: bool | None
+    retired_pages_pending: bool | None
+    nvlink_links_down: tuple[int, ...]
+
+
+class PortSample(NamedTuple):
+    ts: float
+    active: bool
+    state: str | None
+    rate_bits_per_second: float | None
 
 
 class GpuHistory:
-    __slots__ = ("counters", "first_seen", "index", "last", "last_seen", "states", "uuid")
+    __slots__ = ("counters", "first_seen", "index", "last", "last_seen", "samples", "uuid")
 
-    def __init__(self, state: GpuState, ts: float, maxlen: int) -> None:
+    def __init__(self, state: GpuState, ts: float, maxlen: int, state_maxlen: int) -> None:
         self.index = state.index
         self.uuid = state.uuid
         self.first_seen = ts
         self.last_seen = ts
         self.last = state
-        self.states: deque[tuple[float, GpuState]] = deque(maxlen=maxlen)
+        self.samples: deque[GpuSample] = deque(maxlen=state_maxlen)
         self.counters = CounterBaseline(maxlen)
 
-    def observe(self, state: GpuState, ts: float) -> None:
-        self.uuid = state.uuid
-        self.last = state
+    def observe(self, s: GpuState, ts: float) -> None:
+        self.uuid = s.uuid
+        self.last = s
         self.last_seen = ts
-        self.states.append((ts, state))
-        c = self.counters
-        c.observe("ecc_corrected_volatile", ts, state.ecc_corrected_volatile)
-        c.observe("ecc_uncorrected_volatile", ts, state.ecc_uncorrected_volatile)
-        c.observe("pcie_replay_total", ts, state.pcie_replay_total)
-        c.observe("nvlink_crc_errors_total", ts, state.nvlink_crc_errors_total)
-        c.observe("nvlink_replay_errors_total", ts, state.nvlink_replay_errors_total)
-        c.observe("nvlink_recovery_errors_total", ts, state.nvlink_recovery_errors_total)
-
-    def states_since(self, t0: float) -> list[tuple[float, GpuState]]:
-        out = []
-        for item in reversed(self.states):
-            if item[0] < t0:
-                break
-            out.append(item)
-        out.reverse()
-        return out
+        self.samples.append(GpuSample(
+            ts, s.health, s.utilization_gpu_ratio, s.sm_clock_hertz, s.sm_clock_max_hertz,
+            tuple(s.clock_event_reasons), s.memory_temperature_celsius, s.memory_max_temperature_celsius,
+            s.remap_pending, s.remap_failure, s.retired_pages_pending, tuple(s.nvlink_links_down)))
+        observe = self.counters.observe
+        observe("ecc_corrected_volatile", ts, s.ecc_corrected_volatile)
+        observe("ecc_uncorrected_volatile", ts, s.ecc_uncorrected_volatile)
+        observe("pcie_replay_total", ts, s.pcie_replay_total)
+        observe("nvlink_crc_errors_total", ts, s.nvlink_crc_errors_total)
+        observe("nvlink_replay_errors_total", ts, s.nvlink_replay_errors_total)
+        observe("nvlink_recovery_errors_total", ts, s.nvlink_recovery_errors_total)
 
 
 class PortHistory:
     __slots__ = ("active_this_boot", "counters", "device", "first_seen", "last", "last_seen",
-                 "max_rate_bits_per_second", "port", "states")
+                 "max_rate_bits_per_second", "port", "samples", "tracked")
 
-    def __init__(self, state: PortState, ts: float, maxlen: int) -> None:
+    def __init__(self, state: PortState, ts: float, maxlen: int, state_maxlen: int,
+                 tracked: frozenset[str] | None) -> None:
         self.device = state.device
         self.port = state.port
         self.first_seen = ts
         self.last_seen = ts
         self.last = state
-        self.states: deque[tuple[float, PortState]] = deque(maxlen=maxlen)
+        self.samples: deque[PortSample] = deque(maxlen=state_maxlen)
         self.counters = CounterBaseline(maxlen)
+        # Counters some detector judges (None: all). A port carries ~30 counters, most of them
+        # traffic volumes nobody judges here; skipping them is most of the ingest cost saved.
+        self.tracked = tracked
         # The best rate this link trained at in this boot: a later, lower rate is a degraded link.
         self.max_rate_bits_per_second: float | None = None
         # Only a port that was up in this boot can go down (a cabled-off second port never was).
@@ -191,31 +239,26 @@ class PortHistory:
     def observe(self, state: PortState, ts: float) -> None:
         self.last = state
         self.last_seen = ts
-        self.states.append((ts, state))
-        saturated = state.flags
-        for counter, value in state.counters.items():
-            # A saturated counter no longer moves: its delta would read as "no errors".
-            if saturated.get(counter) == "saturated":
-                continue
-            self.counters.observe(counter, ts, value)
-        if port_is_active(state):
-            self.active_this_boot = True
+        active = port_is_active(state)
         rate = state.rate_bits_per_second
+        self.samples.append(PortSample(ts, active, state.state, rate))
+        flags = state.flags
+        counters = state.counters
+        observe = self.counters.observe
+        names = counters if self.tracked is None else self.tracked.intersection(counters)
+        for counter in names:
+            # A saturated counter no longer moves: its delta would read as "no errors".
+            if flags and flags.get(counter) == "saturated":
+                continue
+            observe(counter, ts, counters[counter])
+        if active:
+            self.active_this_boot = True
         if rate is not None and (self.max_rate_bits_per_second is None or rate > self.max_rate_bits_per_second):
             self.max_rate_bits_per_second = rate
 
-    def states_since(self, t0: float) -> list[tuple[float, PortState]]:
-        out = []
-        for item in reversed(self.states):
-            if item[0] < t0:
-                break
-            out.append(item)
-        out.reverse()
-        return out
-
 
 class RankHistory:
-    __slots__ = ("gpu", "job", "last", "last_seen", "node", "rank", "report_ts", "summaries")
+    __slots__ = ("gpu", "job", "last", "last_seen", "node", "rank", "report_ts", "windows")
 
     def __init__(self, summary: RankSummary, node: str, ts: float, maxlen: int) -> None:
         self.job = summary.job
@@ -225,16 +268,20 @@ class RankHistory:
         self.last = summary
         self.last_seen = ts
         self.report_ts = ts
-        self.summaries: deque[tuple[float, RankSummary]] = deque(maxlen=maxlen)
+        # (arrival ts, compute p50 (step p50 when phases are not reported), comm p50), only for
+        # windows in which the rank made steps.
+        self.windows: deque[tuple[float, float, float | None]] = deque(maxlen=maxlen)
 
-    def observe(self, summary: RankSummary, node: str, ts: float, report_ts: float) -> None:
+    def observe(self, s: RankSummary, node: str, ts: float, report_ts: float) -> None:
         self.node = node
-        self.gpu = summary.gpu
-        self.last = summary
+        self.gpu = s.gpu
+        self.last = s
         self.last_seen = ts
         # The agent's clock: compare with the summary's last_progress_ts, never with ours.
         self.report_ts = report_ts
-        self.summaries.append((ts, summary))
+        compute = s.compute_seconds_p50 if s.compute_seconds_p50 is not None else s.step_seconds_p50
+        if s.steps > 0 and compute is not None:
+            self.windows.append((ts, compute, s.comm_seconds_p50))
 
 
 @dataclass(slots=True)
@@ -282,8 +329,10 @@ class NodeState:
 class Fleet:
     """Mutable fleet state. ``ingest`` is the only writer; detectors get ``view()``."""
 
-    def __init__(self, config: FleetConfig | None = None) -> None:
+    def __init__(self, config: FleetConfig | None = None, *, port_counters: Collection[str] | None = None) -> None:
+        """``port_counters``: the RDMA counters detectors judge (None: keep deltas of all)."""
         self.config = config or FleetConfig()
+        self._port_counters = frozenset(port_counters) if port_counters is not None else None
         self._nodes: dict[str, NodeState] = {}
         self._jobs: dict[str, JobState] = {}
 
@@ -334,7 +383,7 @@ class Fleet:
             seen.add(state.index)
             hist = node.gpus.get(state.index)
             if hist is None or hist.uuid != state.uuid:
-                hist = node.gpus[state.index] = GpuHistory(state, ts, maxlen)
+                hist = node.gpus[state.index] = GpuHistory(state, ts, maxlen, cfg.state_history_reports)
             hist.observe(state, ts)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
@@ -349,7 +398,8 @@ class Fleet:
             key = (pstate.device, pstate.port)
             phist = node.ports.get(key)
             if phist is None:
-                phist = node.ports[key] = PortHistory(pstate, ts, maxlen)
+                phist = node.ports[key] = PortHistory(pstate, ts, maxlen, cfg.state_history_reports,
+                                                      self._port_counters)
             phist.observe(pstate, ts)
         for summary in report.ranks:
             job = self._jobs.get(summary.job)
@@ -358,7 +408,7 @@ class Fleet:
             job.last_seen = ts
             rhist = job.ranks.get(summary.rank)
             if rhist is None:
-                rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, maxlen)
+                rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
             elif rhist.node != node.name:
                 old = self._nodes.get(rhist.node)
                 if old is not None:

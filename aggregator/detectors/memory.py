@@ -60,10 +60,10 @@ class MemoryDetector:
 
     def _since(self, gpu: GpuHistory, flag: str) -> float:
         since = gpu.last_seen
-        for ts, state in reversed(gpu.states):
-            if not getattr(state, flag):
+        for sample in reversed(gpu.samples):
+            if not getattr(sample, flag):
                 break
-            since = ts
+            since = sample.ts
         return since
 
     def _judge(self, node: NodeState, gpu: GpuHistory, now: float) -> list[Finding]:
@@ -92,9 +92,8 @@ class MemoryDetector:
                                since=self._since(gpu, "retired_pages_pending"), key="retired_pending",
                                reason=f"GPU {gpu.index}: page retirement pending, needs a GPU reset",
                                evidence={"signal": "retired_pages_pending", "uuid": gpu.uuid}))
-        unc = gpu.counters.deltas("ecc_uncorrected_volatile")
-        if unc is not None and not remap_known:
-            recent = [(ts, d) for ts, d in unc.since(now - cfg.uncorrectable_window_seconds) if d > 0]
+        if not remap_known:
+            recent = gpu.counters.increases_since("ecc_uncorrected_volatile", now - cfg.uncorrectable_window_seconds)
             if recent:
                 total = sum(d for _, d in recent)
                 out.append(Finding(**base, action=cfg.uncorrectable_action, since=recent[0][0], key="uncorrectable",
@@ -108,24 +107,19 @@ class MemoryDetector:
 
     def _surge(self, gpu: GpuHistory, now: float) -> dict[str, object] | None:
         cfg = self.config
-        series = gpu.counters.deltas("ecc_corrected_volatile")
-        if series is None:
-            return None
+        counters = gpu.counters
+        name = "ecc_corrected_volatile"
         split = now - cfg.recent_seconds
-        recent_errors = 0.0
-        first_error_ts: float | None = None
-        baseline_errors = 0.0
-        for ts, d in series:
-            if ts >= split:
-                recent_errors += d
-                if d > 0 and first_error_ts is None:
-                    first_error_ts = ts
-            else:
-                baseline_errors += d
-        if recent_errors < cfg.surge_min_errors or first_error_ts is None:
+        recent = counters.increases_since(name, split)
+        recent_errors = sum(d for _, d in recent)
+        if recent_errors < cfg.surge_min_errors:
             return None
-        start = series.first_ts()
-        baseline_seconds = split - start if start is not None else 0.0
+        first_error_ts = recent[0][0]
+        start = counters.baseline_since(name)
+        if start is None:
+            return None
+        baseline_seconds = split - start
+        baseline_errors = counters.sum_since(name, start) - recent_errors
         baseline_rate = baseline_errors / baseline_seconds if baseline_seconds > 0 else 0.0
         baseline_rate = max(baseline_rate, cfg.baseline_floor_per_second)
         recent_rate = recent_errors / cfg.recent_seconds

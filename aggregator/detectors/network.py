@@ -40,8 +40,10 @@ class NetworkConfig(StrictModel):
     degraded_seconds: float = Field(default=30.0, ge=0)
     degraded_action: Action = Action.DRAIN
     # Congestion counters inform only. The rate is a site's choice (no standard figure exists).
+    # PFC pause frames per priority as ethtool -S names them on mlx5 (rx_prio3_pause, ...).
     congestion_counters: list[str] = Field(default_factory=lambda: [
-        "np_ecn_marked_roce_packets", "np_cnp_sent", "rp_cnp_handled", "rx_pause", "tx_pause"])
+        "np_ecn_marked_roce_packets", "np_cnp_sent", "rp_cnp_handled",
+        *(f"{d}_prio{p}_pause" for d in ("rx", "tx") for p in range(8))])
     congestion_per_second: float = Field(default=10_000.0, gt=0)
 
 
@@ -73,10 +75,10 @@ class NetworkDetector:
         t0 = now - cfg.window_seconds
         if port.active_this_boot and not port_is_active(last):
             since = port.last_seen
-            for ts, s in reversed(port.states):
-                if port_is_active(s):
+            for sample in reversed(port.samples):
+                if sample.active:
                     break
-                since = ts
+                since = sample.ts
             if now - since >= cfg.down_seconds:
                 out.append(self._finding(node, port, cfg.down_action, since, "port_down",
                                          f"port {last.state or 'unknown'} for {now - since:.0f} s",
@@ -102,51 +104,34 @@ class NetworkDetector:
         expected = cfg.expected_rate_bits_per_second or port.max_rate_bits_per_second
         if rate and expected and rate < expected * (1 - cfg.rate_tolerance_ratio) and port_is_active(last):
             since = port.last_seen
-            for ts, s in reversed(port.states):
-                if not s.rate_bits_per_second or s.rate_bits_per_second >= expected * (1 - cfg.rate_tolerance_ratio):
+            for sample in reversed(port.samples):
+                rate_then = sample.rate_bits_per_second
+                if not rate_then or rate_then >= expected * (1 - cfg.rate_tolerance_ratio):
                     break
-                since = ts
+                since = sample.ts
             if now - since >= cfg.degraded_seconds:
                 out.append(self._finding(node, port, cfg.degraded_action, since, "degraded",
                                          f"link at {rate / 1e9:g} Gb/s, expected {expected / 1e9:g} Gb/s",
                                          {"signal": "rate_bits_per_second", "rate_bits_per_second": rate,
                                           "expected_rate_bits_per_second": expected}))
         for counter in cfg.congestion_counters:
-            series = port.counters.deltas(counter)
-            if series is None:
-                continue
-            points = series.since(t0)
-            if len(points) < 2:
-                continue
-            covered = points[-1][0] - points[0][0]
+            covered = port.counters.covered_seconds(counter, t0)
             if covered <= 0:
                 continue
-            per_second = sum(d for _, d in points[1:]) / covered
+            increases = port.counters.increases_since(counter, t0)
+            per_second = sum(d for _, d in increases) / covered
             if per_second >= cfg.congestion_per_second:
-                out.append(self._finding(node, port, Action.OBSERVE, points[0][0], f"congestion_{counter}",
+                out.append(self._finding(node, port, Action.OBSERVE, increases[0][0], f"congestion_{counter}",
                                          f"{counter} at {per_second:.0f}/s (fabric congestion, not a node fault)",
                                          {"signal": counter, "rate_per_second": round(per_second, 1)}))
         return out
 
     @staticmethod
     def _first(port: PortHistory, counters: list[str], t0: float) -> float:
-        firsts: list[float] = []
-        for c in counters:
-            series = port.counters.deltas(c)
-            if series is not None:
-                firsts.extend(ts for ts, d in series.since(t0) if d > 0)
+        firsts = [inc[0][0] for c in counters if (inc := port.counters.increases_since(c, t0))]
         return min(firsts) if firsts else port.last_seen
 
     @staticmethod
     def _covered(port: PortHistory, counters: list[str], t0: float) -> float:
-        """Seconds of history the error deltas span (each delta covers one report interval)."""
-        spans: list[float] = []
-        for c in counters:
-            series = port.counters.deltas(c)
-            if series is not None:
-                points = series.since(t0)
-                if points:
-                    start = series.first_ts()
-                    begin = max(t0, (start or points[0][0]))
-                    spans.append(points[-1][0] - begin)
-        return max(spans) if spans else 0.0
+        """Seconds since ``t0`` over which the error counters' increases are known."""
+        return max((port.counters.covered_seconds(c, t0) for c in counters), default=0.0)

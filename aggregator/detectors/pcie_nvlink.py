@@ -64,24 +64,16 @@ class PcieNvlinkDetector:
         )
         t0 = now - cfg.window_seconds
         for counter, limit_per_second, action, label, scale, per in checks:
-            series = gpu.counters.deltas(counter)
-            if series is None:
-                continue
-            points = series.since(t0)
-            if len(points) < 2:
-                continue
-            # Deltas are increases since the previous report, so the first point's interval
-            # started one report before it: measure coverage from the ring's point before t0.
-            covered = points[-1][0] - points[0][0]
+            covered = gpu.counters.covered_seconds(counter, t0)
             if covered < cfg.min_coverage_seconds:
                 continue
-            errors = sum(d for _, d in points[1:])
+            increases = gpu.counters.increases_since(counter, t0)
+            errors = sum(d for _, d in increases)
             rate = errors / covered
             if rate <= limit_per_second:
                 continue
-            first = next((ts for ts, d in points if d > 0), points[0][0])
             out.append(Finding(
-                detector=NAME, node=node.name, gpu=gpu.index, action=action, since=first, key=counter,
+                detector=NAME, node=node.name, gpu=gpu.index, action=action, since=increases[0][0], key=counter,
                 reason=(f"GPU {gpu.index}: {label} at {rate * scale:.1f}/{per} "
                         f"(limit {limit_per_second * scale:g}/{per})"),
                 evidence={"signal": counter, "uuid": gpu.uuid, "rate_per_second": round(rate, 4),
@@ -90,10 +82,10 @@ class PcieNvlinkDetector:
         down = gpu.last.nvlink_links_down
         if down:
             since = gpu.last_seen
-            for ts, s in reversed(gpu.states):
-                if not s.nvlink_links_down:
+            for sample in reversed(gpu.samples):
+                if not sample.nvlink_links_down:
                     break
-                since = ts
+                since = sample.ts
             out.append(Finding(
                 detector=NAME, node=node.name, gpu=gpu.index, action=cfg.link_down_action, since=since,
                 key="nvlink_down", reason=f"GPU {gpu.index}: NVLink(s) {down} down",

@@ -73,10 +73,10 @@ class SilenceDetector:
                 health = gpu.last.health
                 if health in ("lost", "reset_required"):
                     since = gpu.last_seen
-                    for ts, state in reversed(gpu.states):
-                        if state.health != health:
+                    for sample in reversed(gpu.samples):
+                        if sample.health != health:
                             break
-                        since = ts
+                        since = sample.ts
                     action = cfg.gpu_lost_action if health == "lost" else cfg.gpu_reset_required_action
                     out.append(Finding(
                         detector=NAME, node=node.name, gpu=index, action=action, since=since,

@@ -83,18 +83,15 @@ class StragglerDetector:
         t_end = (last + 1) * width
         windows: list[dict[int, _Window]] = [{} for _ in range(spans)]
         for rank in job.ranks.values():
-            for ts, s in reversed(rank.summaries):
+            for ts, compute, comm in reversed(rank.windows):
                 if ts < t0:
                     break
-                if ts >= t_end or s.steps <= 0:
+                if ts >= t_end:
                     continue
                 slot = windows[int(ts // width) - first]
                 if rank.rank in slot:
                     continue  # a later summary in the same window already counted
-                compute = s.compute_seconds_p50 if s.compute_seconds_p50 is not None else s.step_seconds_p50
-                if compute is None:
-                    continue
-                slot[rank.rank] = _Window(rank.node, compute, s.comm_seconds_p50)
+                slot[rank.rank] = _Window(rank.node, compute, comm)
         allowed = max(1, math.floor(cfg.max_outlier_node_share * len(nodes)))
         flagged_per_window: list[dict[str, dict[str, float | None]]] = []
         present: list[set[str]] = []

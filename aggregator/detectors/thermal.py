@@ -12,9 +12,8 @@ from __future__ import annotations
 from pydantic import Field
 
 from agent.collectors.collector import StrictModel
-from agent.wire import GpuState
 from aggregator.decision import Action, Finding
-from aggregator.fleet import FleetView, GpuHistory, NodeState
+from aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
 
 NAME = "thermal"
 
@@ -55,7 +54,7 @@ class ThermalDetector:
                 out.extend(self._judge(node, gpu, now))
         return out
 
-    def _throttled(self, s: GpuState) -> bool:
+    def _throttled(self, s: GpuSample) -> bool:
         cfg = self.config
         if s.utilization_gpu_ratio is None or s.sm_clock_hertz is None or not s.sm_clock_max_hertz:
             return False
@@ -63,25 +62,24 @@ class ThermalDetector:
                 and s.sm_clock_hertz / s.sm_clock_max_hertz <= cfg.max_clock_ratio
                 and not self._reasons.isdisjoint(s.clock_event_reasons))
 
-    def _hbm_hot(self, s: GpuState) -> bool:
+    def _hbm_hot(self, s: GpuSample) -> bool:
         if s.memory_temperature_celsius is None:
             return False
         limit = s.memory_max_temperature_celsius or self.config.memory_max_celsius_default
         return s.memory_temperature_celsius >= limit - self.config.memory_margin_celsius
 
-    def _run(self, gpu: GpuHistory, test: str) -> tuple[float, int, GpuState] | None:
-        """Start, length and first state of the current run of states passing ``test``."""
+    def _run(self, gpu: GpuHistory, test: str) -> tuple[float, int] | None:
+        """Start and length of the current run of samples passing ``test``."""
         check = self._throttled if test == "throttle" else self._hbm_hot
         start: float | None = None
         n = 0
-        first: GpuState | None = None
-        for ts, s in reversed(gpu.states):
+        for s in reversed(gpu.samples):
             if not check(s):
                 break
-            start, n, first = ts, n + 1, s
-        if start is None or first is None:
+            start, n = s.ts, n + 1
+        if start is None:
             return None
-        return start, n, first
+        return start, n
 
     def _judge(self, node: NodeState, gpu: GpuHistory, now: float) -> list[Finding]:
         cfg = self.config
@@ -91,7 +89,7 @@ class ThermalDetector:
             run = self._run(gpu, test)
             if run is None:
                 continue
-            start, n, _ = run
+            start, n = run
             if n < cfg.min_reports or now - start < cfg.persistence_seconds:
                 continue
             if test == "throttle":

@@ -106,14 +106,15 @@ def test_job_membership_follows_rank_summaries_and_idle_jobs_are_forgotten():
 
 
 def test_history_is_bounded():
-    fleet, node = Fleet(FleetConfig(history_reports=10)), FakeNode("n1", gpus=1, ports=1)
+    fleet, node = Fleet(FleetConfig(history_reports=10, state_history_reports=10)), FakeNode("n1", gpus=1, ports=1)
     for i in range(50):
         node.gpus[0]["ecc_corrected_volatile"] = i
         fleet.ingest(node.report(i * 2.5), i * 2.5)
     gpu = fleet.view().nodes["n1"].gpus[0]
-    assert len(gpu.states) == 10
-    series = gpu.counters.deltas("ecc_corrected_volatile")
-    assert series is not None and len(series) == 10
+    assert len(gpu.samples) == 10
+    # 49 increases of 1 happened; the ring keeps the last 10 and knows they cover 25 s
+    assert gpu.counters.sum_since("ecc_corrected_volatile", 0.0) == 10
+    assert gpu.counters.baseline_since("ecc_corrected_volatile") == 40 * 2.5
 
 
 def test_topology_members():
