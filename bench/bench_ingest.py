@@ -68,7 +68,7 @@ def _report(node: int, seq: int, ts: float) -> Report:
 
 
 def payloads() -> list[tuple[float, bytes]]:
-    out = []
+    out: list[tuple[float, bytes]] = []
     for seq in range(1, ROUNDS + 1):
         ts = 1.7e9 + seq * INTERVAL_SECONDS
         out.extend((ts, _report(n, seq, ts).model_dump_json(exclude_none=True).encode()) for n in range(NODES))
