@@ -1,0 +1,321 @@
+"""Builds vigil's Grafana dashboards (fleet overview, node drill-down, job view) as JSON.
+
+Run ``python -m dashboards.build`` after editing; the JSON files beside this script are its output
+and a test checks they are in step. Plain data, no Grafana library: each panel is a title, a
+unit and PromQL over the metrics the agent and aggregator declare (a test checks every name and
+parses every expression with promtool). It does not talk to a Grafana server.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OUT_DIR = Path(__file__).resolve().parent
+DS = {"type": "prometheus", "uid": "${datasource}"}
+AGENT = 'job=~"vigil-agent.*"'
+WIDTH = 24  # Grafana's grid is 24 columns wide
+
+
+@dataclass
+class Target:
+    expr: str
+    legend: str = ""
+    instant: bool = False
+
+
+@dataclass
+class Panel:
+    title: str
+    targets: list[Target]
+    kind: str = "timeseries"
+    unit: str = "short"
+    width: int = 12
+    height: int = 8
+    description: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Row:
+    title: str
+
+
+def _datasource_var() -> dict[str, Any]:
+    return {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+            "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []}
+
+
+def _query_var(name: str, label: str, query: str, *, multi: bool = False) -> dict[str, Any]:
+    var: dict[str, Any] = {
+        "name": name, "label": label, "type": "query", "datasource": DS,
+        "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
+        "refresh": 2, "sort": 3 if name == "gpu" else 1, "hide": 0, "current": {}, "options": [],
+        "multi": multi, "includeAll": multi,
+    }
+    if multi:
+        var["allValue"] = ".*"
+    return var
+
+
+def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
+    targets = []
+    for i, t in enumerate(panel.targets):
+        target: dict[str, Any] = {"refId": chr(ord("A") + i), "datasource": DS, "expr": t.expr,
+                                  "legendFormat": t.legend or "__auto", "range": not t.instant,
+                                  "instant": t.instant}
+        if panel.kind == "table":
+            target["format"] = "table"
+        targets.append(target)
+    defaults: dict[str, Any] = {"unit": panel.unit, **panel.defaults}
+    out: dict[str, Any] = {
+        "id": panel_id, "type": panel.kind, "title": panel.title, "datasource": DS,
+        "gridPos": {"h": panel.height, "w": panel.width, "x": x, "y": y},
+        "targets": targets, "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": panel.options,
+    }
+    if panel.description:
+        out["description"] = panel.description
+    return out
+
+
+def dashboard(uid: str, title: str, description: str, variables: list[dict[str, Any]],
+              items: list[Panel | Row]) -> dict[str, Any]:
+    panels: list[dict[str, Any]] = []
+    x = y = 0
+    row_height = 0
+    for panel_id, item in enumerate(items, start=1):
+        if isinstance(item, Row):
+            y += row_height
+            x, row_height = 0, 0
+            panels.append({"id": panel_id, "type": "row", "title": item.title, "collapsed": False,
+                           "gridPos": {"h": 1, "w": WIDTH, "x": 0, "y": y}, "panels": []})
+            y += 1
+            continue
+        if x + item.width > WIDTH:
+            y += row_height
+            x, row_height = 0, 0
+        panels.append(_panel_json(item, panel_id, x, y))
+        x += item.width
+        row_height = max(row_height, item.height)
+    return {
+        "uid": uid, "title": title, "description": description, "tags": ["vigil"],
+        "editable": True, "graphTooltip": 1, "schemaVersion": 39, "version": 1,
+        "time": {"from": "now-6h", "to": "now"}, "refresh": "30s", "timezone": "browser",
+        "annotations": {"list": []},
+        "templating": {"list": [_datasource_var(), *variables]},
+        "links": [{"title": "vigil dashboards", "type": "dashboards", "tags": ["vigil"], "asDropdown": True,
+                   "includeVars": True, "keepTime": True}],
+        "panels": panels,
+    }
+
+
+def _table(title: str, expr: str, width: int = 12, unit: str = "short", description: str = "") -> Panel:
+    return Panel(title, [Target(expr, instant=True)], kind="table", unit=unit, width=width, description=description)
+
+
+def fleet() -> dict[str, Any]:
+    items: list[Panel | Row] = [
+        Row("Fleet"),
+        Panel("Agents up", [Target(f"count(up{{{AGENT}}} == 1)", instant=True)], kind="stat", width=4, height=5),
+        Panel("Agents down", [Target(f"count(up{{{AGENT}}} == 0) or vector(0)", instant=True)], kind="stat",
+              width=4, height=5, defaults={"thresholds": {"mode": "absolute", "steps": [
+                  {"color": "green", "value": None}, {"color": "red", "value": 1}]}}),
+        Panel("Nodes by aggregator state", [Target("sum by (state) (vigil_aggregator_nodes)", "{{state}}")],
+              width=8, height=5, description="The aggregator's verdict per node: ok, suspect, failing, silent.",
+              options={"stacking": {"mode": "normal"}}),
+        Panel("Firing vigil alerts", [Target('count by (severity) (ALERTS{alertstate="firing", alertname=~"Vigil.*"})',
+                                             "{{severity}}")], width=8, height=5),
+        Row("Decisions"),
+        Panel("Decisions by action", [Target(
+            "sum by (action) (increase(vigil_aggregator_decisions_total[$__rate_interval]))", "{{action}}")],
+            width=12, description="Decisions the aggregator admitted through its gate."),
+        Panel("Decisions by detector", [Target(
+            "sum by (detector) (increase(vigil_aggregator_decisions_total[$__rate_interval]))", "{{detector}}")],
+            width=12),
+        Panel("Reports ingested per second", [Target("sum(rate(vigil_aggregator_reports_total[$__rate_interval]))",
+                                                     "accepted"),
+                                              Target("sum by (reason) (rate(vigil_aggregator_report_rejections_total"
+                                                     "[$__rate_interval]))", "rejected: {{reason}}")],
+              unit="reqps", width=12),
+        Panel("Aggregator evaluation time (p99)", [Target(
+            "histogram_quantile(0.99, sum by (le) (rate(vigil_aggregator_evaluate_duration_seconds_bucket"
+            "[$__rate_interval])))", "p99")], unit="s", width=12),
+        Row("GPU faults"),
+        Panel("Xid rate by code", [Target("sum by (code) (node_gpu_code:vigil_gpu_xid_errors:rate5m)",
+                                          "Xid {{code}}")], unit="ops", width=12),
+        Panel("GPUs with a failed or pending row remap",
+              [Target("sum(vigil_gpu_row_remap_failure)", "remap failed"),
+               Target("sum(vigil_gpu_row_remap_pending)", "remap pending"),
+               Target('sum(vigil_gpu_health{state!="ok"})', "not healthy")], width=12),
+        _table("Worst GPUs: Xids in the range",
+               'topk(10, sum by (node, gpu, uuid) (increase(vigil_gpu_xid_errors_total[$__range]))) > 0'),
+        _table("Worst GPUs: corrected ECC errors per second",
+               'topk(10, node_gpu:vigil_gpu_ecc_errors:rate5m{error_type="corrected"}) > 0'),
+        _table("Hottest GPUs", "topk(10, vigil_gpu_temperature_celsius)", unit="celsius"),
+        _table("Most throttled GPUs (share of 5 min)",
+               'topk(10, node_gpu_reason:vigil_gpu_clock_event_active:avg5m{reason!="sw_power_cap"}) > 0',
+               unit="percentunit"),
+        Row("Fabric"),
+        _table("RDMA ports not ACTIVE", "vigil_rdma_port_state < 4", width=12),
+        Panel("Symbol errors per second (worst ports)",
+              [Target("topk(10, node_device_port:vigil_rdma_port_symbol_errors:rate5m) > 0",
+                      "{{node}} {{device}}/{{port}}")], unit="ops", width=12),
+    ]
+    return dashboard("vigil-fleet", "vigil / Fleet overview",
+                     "Every node's agent, the aggregator's verdicts and decisions, and the worst GPUs and ports.",
+                     [], items)
+
+
+def node() -> dict[str, Any]:
+    sel = 'node="$node", gpu=~"$gpu"'
+    gpu_legend = "GPU {{gpu}}"
+    items: list[Panel | Row] = [
+        Row("Identity and health"),
+        _table("GPUs", 'vigil_gpu_info{node="$node"}', width=16),
+        Panel("Collectors succeeding", [Target('vigil_collector_success{node="$node"}', "{{collector}}")],
+              kind="state-timeline", width=8, height=8),
+        Panel("GPU health", [Target(f'vigil_gpu_health{{{sel}}} == 1', gpu_legend + " {{state}}")],
+              kind="state-timeline", width=24, height=6),
+        Row("Clocks, temperatures, power"),
+        Panel("SM clock", [Target(f"vigil_gpu_sm_clock_hertz{{{sel}}}", gpu_legend)], unit="hertz", width=8),
+        Panel("Memory clock", [Target(f"vigil_gpu_memory_clock_hertz{{{sel}}}", gpu_legend)], unit="hertz", width=8),
+        Panel("Utilization", [Target(f"vigil_gpu_utilization_ratio{{{sel}}}", gpu_legend)], unit="percentunit",
+              width=8),
+        Panel("GPU temperature", [Target(f"vigil_gpu_temperature_celsius{{{sel}}}", gpu_legend),
+                                  Target(f"max(vigil_gpu_slowdown_temperature_celsius{{{sel}}})", "slowdown")],
+              unit="celsius", width=8),
+        Panel("HBM temperature", [Target(f"vigil_gpu_memory_temperature_celsius{{{sel}}}", gpu_legend),
+                                  Target(f"max(vigil_gpu_memory_max_operating_temperature_celsius{{{sel}}})",
+                                         "max operating")], unit="celsius", width=8),
+        Panel("Power", [Target(f"vigil_gpu_power_watts{{{sel}}}", gpu_legend),
+                        Target(f"max(vigil_gpu_power_limit_watts{{{sel}}})", "limit")], unit="watt", width=8),
+        Panel("Clock event reasons (throttling)",
+              [Target(f'vigil_gpu_clock_event_active{{{sel}, reason!="gpu_idle"}} == 1', gpu_legend + " {{reason}}")],
+              kind="state-timeline", width=24, height=8,
+              description="NVML clock event reasons holding the clocks down; sw_power_cap is normal at full load."),
+        Row("Memory errors"),
+        Panel("ECC errors per second", [Target(
+            f'rate(vigil_gpu_ecc_errors_total{{{sel}, counter="volatile"}}[$__rate_interval])',
+            gpu_legend + " {{error_type}}")], unit="ops", width=8),
+        Panel("Remapped rows", [Target(f"vigil_gpu_remapped_rows_total{{{sel}}}", gpu_legend + " {{error_type}}")],
+              width=8),
+        Panel("Row remap pending / failed", [Target(f"vigil_gpu_row_remap_pending{{{sel}}}", gpu_legend + " pending"),
+                                             Target(f"vigil_gpu_row_remap_failure{{{sel}}}", gpu_legend + " failed")],
+              width=8),
+        Panel("Retired pages", [Target(f"vigil_gpu_retired_pages_total{{{sel}}}", gpu_legend + " {{cause}}")],
+              width=12, description="Page retirement (pre-A100 GPUs); A100 and later remap rows instead."),
+        Panel("Xids in the range", [Target(f"increase(vigil_gpu_xid_errors_total{{{sel}}}[$__range])",
+                                           gpu_legend + " Xid {{code}}", instant=True)], kind="table", width=12),
+        Row("NVLink and PCIe"),
+        Panel("NVLink links down", [Target(f"vigil_gpu_nvlink_state{{{sel}}} == 0", gpu_legend + " link {{link}}")],
+              kind="state-timeline", width=12),
+        Panel("NVLink errors per second", [Target(
+            f"sum by (gpu, error_type) (rate(vigil_gpu_nvlink_errors_total{{{sel}}}[$__rate_interval]))",
+            gpu_legend + " {{error_type}}")], unit="ops", width=12),
+        Panel("PCIe replays per second", [Target(
+            f"rate(vigil_gpu_pcie_replay_total{{{sel}}}[$__rate_interval])", gpu_legend)], unit="ops", width=12),
+        Panel("PCIe throughput", [Target(f"vigil_gpu_pcie_throughput_bytes_per_second{{{sel}}}",
+                                         gpu_legend + " {{direction}}")], unit="Bps", width=12),
+        Row("RDMA ports"),
+        Panel("Port state", [Target('vigil_rdma_port_state{node="$node"}', "{{device}}/{{port}} {{state}}")],
+              kind="state-timeline", width=12,
+              description="IBTA logical port state: 4 is ACTIVE; anything else carries no traffic."),
+        Panel("Port rate", [Target('vigil_rdma_port_rate_bytes_per_second{node="$node"}', "{{device}}/{{port}}")],
+              unit="Bps", width=12),
+        Panel("Data received / transmitted", [
+            Target('rate(vigil_rdma_port_data_received_bytes_total{node="$node"}[$__rate_interval])',
+                   "{{device}}/{{port}} rx"),
+            Target('rate(vigil_rdma_port_data_transmitted_bytes_total{node="$node"}[$__rate_interval])',
+                   "{{device}}/{{port}} tx")], unit="Bps", width=12),
+        Panel("Link errors per second", [
+            Target('rate(vigil_rdma_port_symbol_errors_total{node="$node"}[$__rate_interval])',
+                   "{{device}}/{{port}} symbol"),
+            Target('rate(vigil_rdma_port_receive_errors_total{node="$node"}[$__rate_interval])',
+                   "{{device}}/{{port}} receive"),
+            Target('rate(vigil_rdma_port_link_error_recoveries_total{node="$node"}[$__rate_interval])',
+                   "{{device}}/{{port}} recoveries"),
+            Target('rate(vigil_rdma_port_link_downed_total{node="$node"}[$__rate_interval])',
+                   "{{device}}/{{port}} downed")], unit="ops", width=12),
+        Panel("Congestion (transmit wait, ECN, PFC pauses)", [
+            Target('rate(vigil_rdma_port_transmit_wait_total{node="$node"}[$__rate_interval])',
+                   "{{device}}/{{port}} xmit wait"),
+            Target('rate(vigil_rdma_port_ecn_marked_packets_total{node="$node"}[$__rate_interval])',
+                   "{{device}}/{{port}} ECN"),
+            Target('sum by (device, port) (rate(vigil_rdma_port_pfc_pause_frames_total{node="$node"}'
+                   '[$__rate_interval]))', "{{device}}/{{port}} PFC")], unit="ops", width=24),
+    ]
+    variables = [_query_var("node", "Node", "label_values(vigil_gpu_info, node)"),
+                 _query_var("gpu", "GPU", 'label_values(vigil_gpu_info{node="$node"}, gpu)', multi=True)]
+    return dashboard("vigil-node", "vigil / Node drill-down",
+                     "One node: every GPU's clocks, temperatures, power, throttling, memory errors, NVLink and "
+                     "PCIe, and every RDMA port.", variables, items)
+
+
+def job() -> dict[str, Any]:
+    sel = 'training_job="$training_job"'
+    items: list[Panel | Row] = [
+        Row("Step time"),
+        Panel("Step time per rank", [Target(f"node_training_job_rank:vigil_training_step_seconds:last{{{sel}}}",
+                                            "rank {{rank}} ({{node}})")], unit="s", width=16),
+        Panel("Job step time", [Target(f"training_job:vigil_training_step_seconds:median{{{sel}}}", "median"),
+                                Target(f"training_job:vigil_training_step_seconds:p90{{{sel}}}", "p90"),
+                                Target(f"training_job:vigil_training_step_seconds:max{{{sel}}}", "slowest rank")],
+              unit="s", width=8),
+        Panel("Straggler score per node", [Target(
+            f"node_training_job:vigil_training_step_seconds:ratio_to_job_median{{{sel}}}", "{{node}}")],
+            width=12, description="The node's slowest rank over the job's median rank (1.0 = on pace); "
+                                  "the ticket alert fires above 1.2 for 10 minutes.",
+            defaults={"thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None},
+                                                                   {"color": "red", "value": 1.2}]}}),
+        _table("Slowest nodes now", f"topk(10, node_training_job:vigil_training_step_seconds:ratio_to_job_median"
+                                    f"{{{sel}}})", width=12),
+        Row("Where the step goes"),
+        Panel("Compute / comm / data split (job median)", [Target(
+            f"quantile by (phase) (0.5, node_training_job_rank_phase:vigil_training_phase_seconds:last{{{sel}}})",
+            "{{phase}}")], unit="s", width=12, options={"stacking": {"mode": "normal"}},
+            description="In synchronous training the slow rank has the longest compute and the shortest comm wait."),
+        Panel("Compute time per rank", [Target(
+            f'node_training_job_rank_phase:vigil_training_phase_seconds:last{{{sel}, phase="compute"}}',
+            "rank {{rank}} ({{node}})")], unit="s", width=12),
+        Panel("Comm time per rank", [Target(
+            f'node_training_job_rank_phase:vigil_training_phase_seconds:last{{{sel}, phase="comm"}}',
+            "rank {{rank}} ({{node}})")], unit="s", width=12),
+        Panel("Data loading time per rank", [Target(
+            f'node_training_job_rank_phase:vigil_training_phase_seconds:last{{{sel}, phase="data"}}',
+            "rank {{rank}} ({{node}})")], unit="s", width=12),
+        Row("Progress"),
+        Panel("Ranks not running", [Target(
+            'vigil_training_rank_state{exported_job="$training_job", state!="running"} == 1',
+            "rank {{rank}} ({{node}}) {{state}}")], kind="state-timeline", width=12),
+        Panel("Heartbeats per second", [Target(
+            'sum by (node) (rate(vigil_training_heartbeats_received_total{exported_job="$training_job"}'
+            '[$__rate_interval]))', "{{node}}")], unit="ops", width=12),
+    ]
+    variables = [_query_var("training_job", "Job",
+                            "label_values(node_training_job_rank:vigil_training_step_seconds:last, training_job)")]
+    return dashboard("vigil-job", "vigil / Training job",
+                     "One training job: per-rank step time, its compute/comm/data split, and the straggler score.",
+                     variables, items)
+
+
+DASHBOARDS = {"vigil-fleet.json": fleet, "vigil-node.json": node, "vigil-job.json": job}
+
+
+def render(build: Any) -> str:
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    out = Path(argv[0]) if argv else OUT_DIR
+    for name, build in DASHBOARDS.items():
+        (out / name).write_text(render(build))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
