@@ -35,7 +35,7 @@ def panels(board: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def expressions() -> list[tuple[str, str]]:
-    out = []
+    out: list[tuple[str, str]] = []
     for name, board in dashboards().items():
         for panel in panels(board):
             out.extend((f"{name}: {panel['title']}", t["expr"]) for t in panel["targets"])
