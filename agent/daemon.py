@@ -8,6 +8,7 @@ asyncio loop. It contains no collection logic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -27,6 +28,7 @@ from agent.dcgm_compat import DcgmCompatCollector
 from agent.exporter import SnapshotExporter, render
 from agent.reporter import REPORTER_SPECS, Reporter
 from agent.runner import RUNNER_SPECS, Runner
+from agent.sd_notify import SdNotifier
 from agent.seams import Seams
 from agent.server import HeartbeatSink, make_app, split_hostport, start_udp
 from agent.snapshot import Snapshot
@@ -134,14 +136,28 @@ class Agent:
                  self.config.node, self.config.nvml.backend, ", ".join(c.name for c in self.collectors))
         if on_ready:
             on_ready(address)
+        notifier = SdNotifier.from_environment()  # systemd Type=notify: no-op outside systemd
+        notifier.ready(f"serving {address}")
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.runner.run(stop))
                 tg.create_task(self.reporter.run(stop))
+                tg.create_task(watchdog_pings(notifier, stop))
         finally:
+            notifier.stopping()
             if udp is not None:
                 udp.close()
             await runner.cleanup()
+
+
+async def watchdog_pings(notifier: SdNotifier, stop: asyncio.Event) -> None:
+    """Pings systemd's watchdog from the event loop at half WatchdogSec: a wedged loop (which would
+    also stop scrapes and reports) misses its pings and systemd restarts the agent."""
+    interval = notifier.watchdog_interval_seconds
+    while interval is not None and not stop.is_set():
+        notifier.watchdog()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
 
 
 def make_seams(config: AgentConfig, *, kmsg: str | None = None, sysfs_root: str | None = None,
