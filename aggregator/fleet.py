@@ -389,11 +389,15 @@ class Fleet:
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors
         if gpu_reader_ok:
-            for index in node.gpus_this_boot - seen:
-                node.missing_gpus.setdefault(index, ts)
-            for index in seen:
-                node.missing_gpus.pop(index, None)
-            node.gpus_this_boot |= seen
+            known = node.gpus_this_boot
+            if not known <= seen:
+                for index in known - seen:
+                    node.missing_gpus.setdefault(index, ts)
+            if node.missing_gpus:
+                for index in seen:
+                    node.missing_gpus.pop(index, None)
+            if not seen <= known:
+                known |= seen
         for pstate in report.ports:
             key = (pstate.device, pstate.port)
             phist = node.ports.get(key)
@@ -401,20 +405,24 @@ class Fleet:
                 phist = node.ports[key] = PortHistory(pstate, ts, maxlen, cfg.state_history_reports,
                                                       self._port_counters)
             phist.observe(pstate, ts)
+        jobs = self._jobs
+        job: JobState | None = None
         for summary in report.ranks:
-            job = self._jobs.get(summary.job)
-            if job is None:
-                job = self._jobs[summary.job] = JobState(summary.job)
-            job.last_seen = ts
+            if job is None or job.name != summary.job:
+                job = jobs.get(summary.job)
+                if job is None:
+                    job = jobs[summary.job] = JobState(summary.job)
+                job.last_seen = ts
             rhist = job.ranks.get(summary.rank)
             if rhist is None:
                 rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
+                node.ranks[(summary.job, summary.rank)] = rhist
             elif rhist.node != node.name:
                 old = self._nodes.get(rhist.node)
                 if old is not None:
                     old.ranks.pop((summary.job, summary.rank), None)
+                node.ranks[(summary.job, summary.rank)] = rhist
             rhist.observe(summary, node.name, ts, report.ts)
-            node.ranks[(summary.job, summary.rank)] = rhist
         self._ingest_events(node, report)
 
     def _ingest_events(self, node: NodeState, report: Report) -> None:
