@@ -1,0 +1,193 @@
+"""deploy/: Kubernetes manifests (kubernetes-validate --strict; the prometheus-operator CRDs it has
+no schema for are checked structurally), systemd units (systemd-analyze verify), Prometheus and
+Alertmanager configs (promtool, amtool), and the example agent/aggregator configs (the real
+config models)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from agent.config import parse_config as parse_agent_config
+from aggregator.config import parse_config as parse_aggregator_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+KUBERNETES_VALIDATE = Path(sys.executable).parent / "kubernetes-validate"
+CRD_KINDS = {"PodMonitor", "ServiceMonitor"}
+
+
+def documents() -> list[dict[str, Any]]:
+    return [d for path in K8S for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in documents() if d["kind"] == kind}
+
+
+def run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+@pytest.mark.external
+@pytest.mark.skipif(not KUBERNETES_VALIDATE.exists(), reason="kubernetes-validate missing (pip install '.[test]')")
+def test_manifests_validate_strictly() -> None:
+    done = run([str(KUBERNETES_VALIDATE), "--strict", *map(str, K8S)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Only the CRDs lack a schema; every built-in kind was checked.
+    skipped = [line for line in (done.stdout + done.stderr).splitlines() if "Couldn't find schema" in line]
+    assert {k for k in CRD_KINDS if any(f"kind {k} " in line for line in skipped)} == CRD_KINDS
+    assert len(skipped) == len(CRD_KINDS)
+
+
+@pytest.mark.external
+@pytest.mark.skipif(not KUBERNETES_VALIDATE.exists(), reason="kubernetes-validate missing (pip install '.[test]')")
+def test_the_validator_rejects_an_unknown_field(tmp_path: Path) -> None:
+    bad = yaml.safe_load((DEPLOY / "kubernetes" / "namespace.yaml").read_text())
+    bad["spec"] = {"finalizerz": []}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    assert run([str(KUBERNETES_VALIDATE), "--strict", str(path)]).returncode != 0
+
+
+def test_agent_daemonset_has_only_the_access_it_needs() -> None:
+    ds = by_kind("DaemonSet")["vigil-agent"]
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["hostNetwork"] is True and pod["runtimeClassName"] == "nvidia"
+    assert pod["automountServiceAccountToken"] is False
+    # Watches every GPU without taking one from the scheduler.
+    assert "nvidia.com/gpu" not in str(container.get("resources", {}))
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/host/sys"]["readOnly"] and mounts["/dev/kmsg"]["readOnly"]
+    host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert host_paths == {"/sys", "/dev/kmsg", "/var/lib/vigil-agent"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # privileged is there for /dev/kmsg alone, and the manifest says why.
+    text = (DEPLOY / "kubernetes" / "agent-daemonset.yaml").read_text()
+    assert container["securityContext"]["privileged"] is True and "device cgroup" in text
+    assert "--node=$(NODE_NAME)" in container["args"] and "--sysfs-root=/host/sys" in container["args"]
+
+
+def test_aggregator_rbac_can_cordon_and_evict_and_nothing_else() -> None:
+    role = by_kind("ClusterRole")["vigil-aggregator"]
+    granted = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    for need in [("nodes", "patch"), ("nodes/status", "patch"), ("pods", "list"), ("pods/eviction", "create")]:
+        assert need in granted
+    assert not {v for _, v in granted} & {"delete", "*", "escalate", "bind", "impersonate"}
+    assert not {r for r, _ in granted} & {"secrets", "*", "configmaps"}
+    binding = by_kind("ClusterRoleBinding")["vigil-aggregator"]
+    assert binding["subjects"][0]["name"] == by_kind("Deployment")["vigil-aggregator"]["spec"]["template"][
+        "spec"]["serviceAccountName"]
+
+
+def test_monitors_select_the_workloads_and_name_the_node() -> None:
+    # No schema for the CRDs in kubernetes-validate: the references are checked here.
+    pm = by_kind("PodMonitor")["vigil-agent"]
+    ds = by_kind("DaemonSet")["vigil-agent"]
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pm["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    ports = {p["name"] for p in ds["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] in ports
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoint["relabelings"]
+    sm = by_kind("ServiceMonitor")["vigil-aggregator"]
+    svc = by_kind("Service")["vigil-aggregator"]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+
+
+def test_shipped_configs_parse_with_the_real_models() -> None:
+    cms = by_kind("ConfigMap")
+    agent_cm = parse_agent_config(yaml.safe_load(cms["vigil-agent"]["data"]["agent.yml"]))
+    assert agent_cm.listen == "0.0.0.0:9400" and agent_cm.collectors.training.udp_listen == "0.0.0.0:9401"
+    aggregator_cm = parse_aggregator_config(yaml.safe_load(cms["vigil-aggregator"]["data"]["aggregator.yml"]))
+    assert aggregator_cm.dry_run is True and aggregator_cm.port == 9500
+    agent = parse_agent_config(yaml.safe_load((DEPLOY / "config" / "agent.yml").read_text()))
+    assert agent.aggregator.url and agent.nvml.backend == "nvml"
+    aggregator = parse_aggregator_config(yaml.safe_load((DEPLOY / "config" / "aggregator.yml").read_text()))
+    assert aggregator.dry_run is True
+    # The agent pushes to the aggregator's Service on its port.
+    svc_port = by_kind("Service")["vigil-aggregator"]["spec"]["ports"][0]["port"]
+    assert agent_cm.aggregator.url == f"http://vigil-aggregator.vigil.svc:{svc_port}"
+
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+
+
+@pytest.mark.external
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze missing (apt-get install systemd)")
+def test_systemd_units_verify(tmp_path: Path) -> None:
+    # verify insists ExecStart exists: point it at this checkout's vigil instead of /opt/vigil.
+    vigil = Path(sys.executable).parent / "vigil"
+    units = []
+    for unit in sorted((DEPLOY / "systemd").glob("*.service")):
+        path = tmp_path / unit.name
+        path.write_text(unit.read_text().replace("/opt/vigil/bin/vigil", str(vigil)))
+        units.append(str(path))
+    done = run([str(SYSTEMD_ANALYZE), "verify", *units])
+    # Unknown keys and bad values are warnings on stderr with rc 0, so stderr must be clean too.
+    complaints = [line for line in done.stderr.splitlines() if "vigil-" in line]
+    assert done.returncode == 0 and not complaints, done.stderr
+
+
+def test_agent_unit_is_notify_with_a_watchdog() -> None:
+    text = (DEPLOY / "systemd" / "vigil-agent.service").read_text()
+    assert "Type=notify" in text and "WatchdogSec=" in text and "NotifyAccess=main" in text
+
+
+PROMTOOL = shutil.which("promtool")
+
+
+@pytest.mark.external
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool missing (apt-get install prometheus)")
+@pytest.mark.parametrize("name", ["prometheus.yml", "prometheus-shard.yml", "prometheus-global.yml"])
+def test_prometheus_configs_check(tmp_path: Path, name: str) -> None:
+    # As installed: the config in /etc/prometheus, vigil's rules in /etc/prometheus/rules.
+    shutil.copy(DEPLOY / "prometheus" / name, tmp_path / name)
+    (tmp_path / "rules").mkdir()
+    for rules in (ROOT / "rules").glob("*.rules.yml"):
+        shutil.copy(rules, tmp_path / "rules" / rules.name)
+    done = run([str(PROMTOOL), "check", "config", name], cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    if name != "prometheus-global.yml":
+        assert "vigil-alerts.rules.yml" in done.stdout
+
+
+def test_scale_out_shards_and_writes_remotely() -> None:
+    shard = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-shard.yml").read_text())
+    relabel = shard["scrape_configs"][0]["relabel_configs"]
+    assert any(r.get("action") == "hashmod" for r in relabel) and any(r.get("action") == "keep" for r in relabel)
+    assert shard["remote_write"][0]["url"].endswith("/api/v1/write")
+    fed = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-global.yml").read_text())
+    assert fed["scrape_configs"][0]["metrics_path"] == "/federate"
+
+
+AMTOOL = shutil.which("amtool")
+
+
+@pytest.mark.external
+@pytest.mark.skipif(AMTOOL is None, reason="amtool missing (apt-get install prometheus-alertmanager)")
+def test_alertmanager_config_checks() -> None:
+    done = run([str(AMTOOL), "check-config", str(DEPLOY / "alertmanager" / "alertmanager.yml")])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.external
+@pytest.mark.skipif(AMTOOL is None, reason="amtool missing (apt-get install prometheus-alertmanager)")
+def test_alertmanager_routes_actions_to_the_aggregator_and_tickets_to_people() -> None:
+    config = str(DEPLOY / "alertmanager" / "alertmanager.yml")
+
+    def receivers(*labels: str) -> str:
+        return run([str(AMTOOL), "config", "routes", "test", f"--config.file={config}", *labels]).stdout.strip()
+
+    assert receivers("alertname=VigilGpuLost", "severity=page", "vigil_action=drain", "node=n1") == \
+        "vigil-aggregator,pager"
+    assert receivers("alertname=VigilGpuPowerBrake", "severity=ticket", "node=n1") == "tickets"
