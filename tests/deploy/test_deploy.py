@@ -191,3 +191,12 @@ def test_alertmanager_routes_actions_to_the_aggregator_and_tickets_to_people() -
     assert receivers("alertname=VigilGpuLost", "severity=page", "vigil_action=drain", "node=n1") == \
         "vigil-aggregator,pager"
     assert receivers("alertname=VigilGpuPowerBrake", "severity=ticket", "node=n1") == "tickets"
+
+
+@pytest.mark.external
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool missing (apt-get install prometheus)")
+def test_local_prometheus_config_loads_the_checkouts_rules() -> None:
+    # The README's try-it config reads rules/ in place, relative to deploy/prometheus/.
+    done = run([str(PROMTOOL), "check", "config", str(DEPLOY / "prometheus" / "prometheus-local.yml")])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "vigil-alerts.rules.yml" in done.stdout and "vigil-recording.rules.yml" in done.stdout
