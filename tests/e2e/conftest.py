@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.slurm_cluster import slurm_cluster  # noqa: F401 - a real slurmctld for the drain test
+
 T = TypeVar("T")
 SEARCH_PATH = "/usr/bin:/usr/sbin:/bin:/sbin:/usr/local/bin"
 

@@ -1,26 +1,40 @@
 """End to end with the real programs: vigil agents on the fake NVML backend -> Debian's prometheus
 scraping them with rules/ loaded -> a hardware alert fires -> Debian's prometheus-alertmanager,
-routed by deploy/alertmanager/alertmanager.yml, posts it to the aggregator's webhook.
+routed by deploy/alertmanager/alertmanager.yml, posts it to the aggregator's POST /v1/alertmanager
+-> the aggregator's gate admits it and its Slurm actuator drains the node in a real slurmctld.
 
 Node vnode1 runs the shipped row-remap-failure scenario (GPU 6 runs out of spare rows), its fault
 brought forward from 60 s to 3 s; vnode2 runs the healthy H100 scenario and must raise nothing.
-Every process is ours, on loopback, stopped by its pid; the test is bounded by DEADLINE_SECONDS.
+The node names are the Slurm test cluster's (tests/slurm_cluster.py). Every process is ours, on
+loopback, stopped by its pid; each test is bounded by DEADLINE_SECONDS.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sys
+import threading
 import time
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
+from aiohttp import web
 
-from aggregator.alertmanager_input import WebhookPayload, decisions_from_payload
+from aggregator.actuators.actuator import DispatchConfig
+from aggregator.actuators.slurm import SlurmActuator, SlurmConfig
+from aggregator.alertmanager_input import WebhookPayload, add_routes, decisions_from_payload
 from aggregator.decision import Action
+from aggregator.dispatch import Dispatcher, GatedSink
+from aggregator.gate import Gate, GateConfig
+from aggregator.sink import DecisionSink
+from aggregator.store import Store
 from tests.e2e.conftest import Processes, WebhookReceiver, free_port, http_json, wait_for, which
+from tests.slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.external
 
@@ -84,56 +98,71 @@ def _alertmanager_config(webhook_url: str) -> dict[str, Any]:
     return config
 
 
-@pytest.mark.skipif(PROMETHEUS is None or ALERTMANAGER is None,
-                    reason="needs Debian's prometheus and prometheus-alertmanager (apt-get install prometheus "
-                           "prometheus-alertmanager)")
-def test_hardware_fault_pages_through_prometheus_and_alertmanager(tmp_path: Path, processes: Processes,
-                                                                 webhook: WebhookReceiver) -> None:
+@dataclass
+class Pipeline:
+    prometheus: str
+    alertmanager: str
+    processes: Processes
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        self.processes.check_alive()
+        url = f"http://{self.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        return list(http_json(url)["data"]["result"])
+
+    def alerts(self) -> list[dict[str, Any]]:
+        self.processes.check_alive()
+        return [a for a in http_json(f"http://{self.alertmanager}/api/v2/alerts")
+                if a["labels"]["alertname"].startswith("Vigil")]
+
+
+def start_pipeline(tmp_path: Path, processes: Processes, aggregator_webhook: str) -> Pipeline:
+    """vnode1 (faulty) and vnode2 (healthy) agents, Alertmanager posting to ``aggregator_webhook``,
+    and Prometheus scraping the agents with rules/ and alerting to that Alertmanager."""
     assert PROMETHEUS is not None and ALERTMANAGER is not None
-    deadline = time.monotonic() + DEADLINE_SECONDS
     faulty = _scenario(tmp_path, "row-remap-failure", FAULT_AT_SECONDS)
     agents = {
         "vnode1": _start_agent(processes, tmp_path, "vnode1", faulty),
         "vnode2": _start_agent(processes, tmp_path, "vnode2", _scenario(tmp_path, "healthy-h100", None)),
     }
-
     am_addr = f"127.0.0.1:{free_port()}"
     am_config = tmp_path / "alertmanager.yml"
-    am_config.write_text(yaml.safe_dump(_alertmanager_config(f"http://127.0.0.1:{webhook.port}/v1/alertmanager")))
+    am_config.write_text(yaml.safe_dump(_alertmanager_config(aggregator_webhook)))
     processes.start("alertmanager", [ALERTMANAGER, f"--config.file={am_config}",
                                      f"--storage.path={tmp_path / 'am-data'}", f"--web.listen-address={am_addr}",
                                      "--cluster.listen-address=", "--log.level=warn"])
-
     prom_addr = f"127.0.0.1:{free_port()}"
     prom_config = tmp_path / "prometheus.yml"
     prom_config.write_text(yaml.safe_dump(_prometheus_config(agents, am_addr)))
     processes.start("prometheus", [PROMETHEUS, f"--config.file={prom_config}",
                                    f"--storage.tsdb.path={tmp_path / 'prom-data'}",
                                    f"--web.listen-address={prom_addr}", "--log.level=warn"])
+    return Pipeline(prom_addr, am_addr, processes)
 
-    def query(expr: str) -> list[dict[str, Any]]:
-        processes.check_alive()
-        url = f"http://{prom_addr}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        return list(http_json(url)["data"]["result"])
+
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None or ALERTMANAGER is None,
+    reason="needs Debian's prometheus and prometheus-alertmanager (apt-get install prometheus prometheus-alertmanager)")
+
+
+@needs_prometheus
+def test_hardware_fault_pages_through_prometheus_and_alertmanager(tmp_path: Path, processes: Processes,
+                                                                 webhook: WebhookReceiver) -> None:
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    p = start_pipeline(tmp_path, processes, f"http://127.0.0.1:{webhook.port}/v1/alertmanager")
 
     # Both agents are scraped, under their node names.
-    up = wait_for("both agents scraped", lambda: {r["metric"]["node"] for r in query('up{job="vigil-agent"} == 1')}
-                  == {"vnode1", "vnode2"}, deadline, processes.logs)
-    assert up
+    wait_for("both agents scraped", lambda: {r["metric"]["node"] for r in p.query('up{job="vigil-agent"} == 1')}
+             == {"vnode1", "vnode2"}, deadline, processes.logs)
 
     # The fault reaches Prometheus: vnode1 GPU 6 reports a failed row remap, nothing else does.
-    failed = wait_for("vigil_gpu_row_remap_failure == 1", lambda: query("vigil_gpu_row_remap_failure == 1"),
+    failed = wait_for("vigil_gpu_row_remap_failure == 1", lambda: p.query("vigil_gpu_row_remap_failure == 1"),
                       deadline, processes.logs)
     assert [(r["metric"]["node"], r["metric"]["gpu"]) for r in failed] == [("vnode1", "6")]
     assert "instance" in failed[0]["metric"] and "host" not in failed[0]["metric"]
 
     # The rule fires, and Alertmanager holds the alert.
-    def am_alerts() -> list[dict[str, Any]]:
-        processes.check_alive()
-        return [a for a in http_json(f"http://{am_addr}/api/v2/alerts") if a["labels"]["alertname"].startswith("Vigil")]
-
     alerts = wait_for("VigilGpuRowRemapFailure in Alertmanager",
-                      lambda: [a for a in am_alerts() if a["labels"]["alertname"] == "VigilGpuRowRemapFailure"],
+                      lambda: [a for a in p.alerts() if a["labels"]["alertname"] == "VigilGpuRowRemapFailure"],
                       deadline, processes.logs)
     labels = alerts[0]["labels"]
     assert (labels["node"], labels["gpu"], labels["severity"], labels["vigil_action"]) == (
@@ -149,5 +178,89 @@ def test_hardware_fault_pages_through_prometheus_and_alertmanager(tmp_path: Path
     assert [(d.node, d.action, d.gpu) for d in decisions] == [("vnode1", Action.INSPECT_HARDWARE, 6)], skipped
 
     # The healthy node raised nothing, on either tier.
-    assert not [a for a in am_alerts() if a["labels"].get("node") == "vnode2"]
-    assert not [r for r in query('ALERTS{node="vnode2"}')]
+    assert not [a for a in p.alerts() if a["labels"].get("node") == "vnode2"]
+    assert not p.query('ALERTS{node="vnode2"}')
+
+
+class GatedAggregator:
+    """The aggregator's decision path, assembled from its own parts in a thread of this process:
+    POST /v1/alertmanager (aggregator.alertmanager_input) -> GatedSink (gate + SQLite store, not in
+    dry run) -> Dispatcher -> SlurmActuator. `vigil aggregator` does not yet let a configuration
+    choose the gate and the Slurm actuator; when it does, this becomes that process."""
+
+    def __init__(self, store_path: Path, slurm: SlurmCluster) -> None:
+        self.store_path = store_path
+        self.slurm = slurm
+        self.port = 0
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._main, daemon=True)
+
+    def __enter__(self) -> GatedAggregator:
+        self._thread.start()
+        if not self.ready.wait(10) or self.error is not None:
+            raise AssertionError(f"aggregator did not start: {self.error!r}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # noqa: BLE001 - reported to the test through .error
+            self.error = exc
+            self.ready.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        store = Store(self.store_path)
+        actuators = {"slurm": SlurmActuator(SlurmConfig(enabled=True), run=self.slurm.run)}
+        dispatcher = Dispatcher(store, actuators, DispatchConfig(base_backoff_seconds=0.5, max_backoff_seconds=2))
+        sink = GatedSink(Gate(GateConfig(dry_run=False)), store, actuators, wake=dispatcher.wake)
+        app = web.Application()
+        # cast: GatedSink.recent lacks the protocol's default limit; the routes never call it.
+        add_routes(app, cast(DecisionSink, sink), clock=time.time, dry_run=False,
+                   fleet_nodes=lambda: len(self.slurm.nodes), breaker=sink)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        delivering = asyncio.create_task(dispatcher.run())
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.port = int(runner.addresses[0][1])
+            self.ready.set()
+            await self._stop.wait()
+        finally:
+            delivering.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await delivering
+            await runner.cleanup()
+            dispatcher.close()
+            store.close()
+
+
+@needs_prometheus
+def test_hardware_fault_drains_the_node_in_slurm(tmp_path: Path, processes: Processes,
+                                                 slurm_cluster: SlurmCluster) -> None:
+    slurm_cluster.reset()
+    assert {"vnode1", "vnode2"} <= set(slurm_cluster.nodes)
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    with GatedAggregator(tmp_path / "decisions.sqlite", slurm_cluster) as aggregator:
+        p = start_pipeline(tmp_path, processes, f"http://127.0.0.1:{aggregator.port}/v1/alertmanager")
+
+        def drained() -> bool:
+            processes.check_alive()
+            return "drain" in slurm_cluster.sinfo_state("vnode1")
+
+        wait_for("vnode1 drained in Slurm", drained, deadline,
+                 lambda: processes.logs() + f"\nalerts: {p.alerts()}")
+        reason = slurm_cluster.reason("vnode1")
+        assert reason.startswith("vigil: inspect_hardware:"), reason
+        assert slurm_cluster.sinfo_state("vnode2") == "idle"
+        assert [a["labels"]["node"] for a in p.alerts()] == ["vnode1"]
