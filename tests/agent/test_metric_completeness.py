@@ -1,0 +1,128 @@
+"""The metric catalog is honest: every series the agent emits is declared, and every declared
+metric is emitted on some shipped scenario or recorded input (so dashboards and rules built on the
+declarations have something to show)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from agent.config import parse_config
+from agent.daemon import Agent
+from agent.nvml.backend import PynvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.scenario import SCENARIO_DIR, load_node_scenario
+from agent.runner import collect_once
+from agent.seams import Seams
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+START = 1_700_000_000.0
+# Declared metrics that no shipped scenario can produce, each with why and where it is tested.
+NOT_ON_ANY_SCENARIO = {
+    # Every profiled board (H100/H200/A100 SXM, V100 SXM2) is passively cooled: NVML raises
+    # NotSupported for the fan, as nvidia-smi's "Fan Speed: N/A". tests/agent/collectors/test_gpu.py.
+    "vigil_gpu_fan_speed_ratio",
+    # An OS read error of the kernel log itself. tests/agent/collectors/test_xid.py.
+    "vigil_kernel_log_read_errors_total",
+    # Needs an aggregator that accepts a report. tests/agent/test_reporter.py.
+    "vigil_agent_last_report_success_timestamp_seconds",
+}
+# Kernel-log inputs that carry Xid, SXid, fallen-off-the-bus and mlx5 lines between them.
+KERNEL_LOGS = sorted((FIXTURES / "kernel-log").glob("*.log")) + sorted((FIXTURES / "kernel-log").glob("*.txt"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = START
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _truncate(path: Path) -> None:
+    path.write_text("")
+
+
+def _append(path: Path, text: str) -> None:
+    with path.open("a") as f:
+        f.write(text)
+
+
+def _names_emitted(agent: Agent, clock: Clock, times: list[float], feed: list[tuple[float, object]]) -> set[str]:
+    names: set[str] = set()
+    pending = sorted(feed, key=lambda f: f[0])
+    for t in times:
+        clock.t = START + t
+        while pending and pending[0][0] <= t:
+            _, action = pending.pop(0)
+            action()  # type: ignore[operator]
+        for c in agent.collectors:
+            agent.snapshot.put(c.name, collect_once(c, clock.t))
+        for source in (agent.snapshot.samples, agent.runner.self_samples, agent.reporter.samples):
+            names.update(s.name for s in source())
+    return names
+
+
+@pytest.fixture(scope="module")
+def emitted_and_declared(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[str], set[str]]:
+    emitted: set[str] = set()
+    declared: set[str] = set()
+    scenarios = sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
+    sysfs_trees = [FIXTURES / "sysfs" / "h100", FIXTURES / "sysfs" / "roce"]
+    ethtool = (FIXTURES / "sysfs" / "ethtool-S-mlx5-ens1f0np0.txt").read_text()
+    for i, scenario in enumerate(scenarios):
+        tmp = tmp_path_factory.mktemp(scenario)
+        kmsg = tmp / "kern.log"
+        kmsg.write_text("")
+        sysfs = tmp / "sys"
+        shutil.copytree(sysfs_trees[i % 2], sysfs)
+        megatron = tmp / "megatron.log"
+        megatron.write_text("")
+        config = parse_config({
+            "node": "n1", "nvml": {"backend": "fake", "scenario": scenario},
+            "collectors": {"gpu": {"xid_events": True, "nvlink_interval_seconds": 1},
+                           "training": {"log_files": [{"path": str(megatron), "format": "megatron",
+                                                       "job": "llm", "rank": 0}]}},
+        })
+        clock = Clock()
+        backend = PynvmlBackend(FakeNvml(load_node_scenario(scenario), clock, start=START))
+        try:
+            backend.init()
+        except Exception:  # noqa: BLE001 - the nvml-unavailable scenario: the agent runs without NVML
+            backend = None
+        seams = Seams(nvml=backend, clock=clock, kmsg=str(kmsg), sysfs_root=sysfs, state_dir=tmp,
+                      run=lambda argv, timeout: ethtool, extra={"pid_alive": lambda pid: False})
+        agent = Agent(config, seams)
+        declared.update(agent.exporter.specs)
+        training = next(c for c in agent.collectors if c.name == "training")
+        feed = [
+            (2.0, lambda k=kmsg: k.write_text("".join(p.read_text() for p in KERNEL_LOGS))),
+            (3.0, lambda m=megatron: m.write_text((FIXTURES / "training-logs" / "megatron.log").read_text())),
+            (3.0, lambda t=training: t.ingest(b"not json", START + 3)),  # counted as rejected
+            # A truncated sysfs counter and a mangled NVRM line: counted under a reason, never fatal.
+            (4.0, lambda root=sysfs: _truncate(next(root.glob("class/infiniband/*/ports/1/counters/symbol_error")))),
+            (4.0, lambda k=kmsg: _append(k, "NVRM: Xid (PCI:0000:zz:00): banana\n")),
+        ]
+        for step in range(5):
+            hb = {"job": "llm", "rank": 1, "step": step, "step_seconds": 1.0, "compute_seconds": 0.7,
+                  "comm_seconds": 0.25, "data_seconds": 0.05, "gpu": 1, "pid": 999_999}
+            feed.append((1.0 + step * 0.1, lambda t=training, h=hb: t.ingest(json.dumps(h).encode(), START + 1)))
+        try:
+            emitted |= _names_emitted(agent, clock, [0, 1, 2, 4, 15, 45, 70, 100, 400, 1300], feed)
+        finally:
+            for c in agent.collectors:
+                c.close()
+    return emitted, declared
+
+
+def test_every_emitted_metric_is_declared(emitted_and_declared: tuple[set[str], set[str]]) -> None:
+    emitted, declared = emitted_and_declared
+    assert emitted - declared == set()
+
+
+def test_every_declared_metric_is_emitted_somewhere(emitted_and_declared: tuple[set[str], set[str]]) -> None:
+    emitted, declared = emitted_and_declared
+    assert declared - emitted == NOT_ON_ANY_SCENARIO
