@@ -61,11 +61,13 @@ class HangDetector:
         for r in live:
             stall[r.rank] = (now - r.last_seen) + max(0.0, r.report_ts - r.last.last_progress_ts)
         stopped = [r for r in live if stall[r.rank] >= cfg.stall_seconds or r.last.state in ("hung", "exited")]
-        if not stopped and not silent_node_ranks:
-            return []
         moving = [r for r in live if r not in stopped]
+        if moving and not stopped:
+            # A silent node whose peers still progress is not holding the job up (in synchronous
+            # training they could not progress without it): that is the silence detector's case.
+            return []
         if moving:
-            culprits = stopped + silent_node_ranks
+            culprits = stopped
             why = "ranks stopped while their peers progressed"
         else:
             culprits = self._blame(live, stall, silent_node_ranks)

@@ -76,3 +76,15 @@ def test_finished_job_is_not_a_hang():
             fleet.ingest(n.report(t), t)
         t += 2.5
     assert DETECTOR.evaluate(fleet.view(), t) == []
+
+
+def test_silent_node_whose_peers_progress_is_not_a_hang():
+    nodes = nodes_()
+    fleet = run(nodes, 100.0)
+    t = 102.5
+    while t < 200:
+        set_training(nodes, "job", t, ranks_per_node=2, step=int(t))
+        for n in nodes[1:]:  # n0's agent stopped reporting; the job still steps
+            fleet.ingest(n.report(t), t)
+        t += 2.5
+    assert DETECTOR.evaluate(fleet.view(), t) == []
