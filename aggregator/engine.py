@@ -14,13 +14,9 @@ from agent.wire import Report
 from aggregator.config import AggregatorConfig
 from aggregator.decision import Decision, Finding
 from aggregator.detectors import REGISTRY, Detector
-from aggregator.detectors.topology import TopologyAttributor
+from aggregator.detectors.topology import Episode, TopologyAttributor, episode
 from aggregator.fleet import Fleet
 from aggregator.sink import DecisionSink
-
-
-def _episode(f: Finding) -> tuple[str, str, int | None, str | None, str, str]:
-    return (f.detector, f.node, f.gpu, f.job, f.action.value, f.key)
 
 
 class Engine:
@@ -40,7 +36,9 @@ class Engine:
         self._emitted: OrderedDict[str, None] = OrderedDict()
         # An episode that stays active keeps its first decision: a detector whose `since`
         # slides with its window must not emit a new id every evaluation.
-        self._active: dict[tuple[str, str, int | None, str | None, str, str], str] = {}
+        self._active: dict[Episode, str] = {}
+        # When each current finding's episode was first found (the topology hold counts from it).
+        self._first_seen: dict[Episode, float] = {}
         self.last_findings: list[Finding] = []
         self.admitted_total = 0
 
@@ -52,8 +50,10 @@ class Engine:
         found: list[Finding] = []
         for detector in self.detectors:
             found.extend(detector.evaluate(view, now))
+        previous = self._first_seen
+        self._first_seen = {ep: previous.get(ep, now) for ep in map(episode, found)}
         if self.topology is not None:
-            found = self.topology.evaluate(view, now, found)
+            found = self.topology.evaluate(view, now, found, self._first_seen)
         return found
 
     def evaluate(self, now: float) -> list[Decision]:
@@ -61,17 +61,17 @@ class Engine:
         found = self.findings(now)
         self.last_findings = found
         fresh: list[Decision] = []
-        active: dict[tuple[str, str, int | None, str | None, str, str], str] = {}
+        active: dict[Episode, str] = {}
         for f in found:
-            episode = _episode(f)
-            if episode in active:
+            ep = episode(f)
+            if ep in active:
                 continue
-            previous = self._active.get(episode)
+            previous = self._active.get(ep)
             if previous is not None:
-                active[episode] = previous
+                active[ep] = previous
                 continue
             decision = Decision.from_finding(f, now, dry_run=self.config.dry_run)
-            active[episode] = decision.id
+            active[ep] = decision.id
             if decision.id in self._emitted:
                 continue
             self._remember(decision.id)

@@ -11,6 +11,7 @@ judged together rather than draining the first node to report.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 from pydantic import Field
 
@@ -31,9 +32,17 @@ class TopologyConfig(StrictModel):
     # At least 3 nodes and half of those under the component: two bad cables are two bad cables.
     min_nodes: int = Field(default=3, ge=2)
     min_share: float = Field(default=0.5, gt=0, le=1)
-    # How long a new per-node finding of an eligible fault waits for its neighbours: two report
-    # intervals at the agent's default 2.5 s.
+    # How long a new per-node finding of an eligible fault waits for its neighbours (counted from
+    # when it was first found): two report intervals at the agent's default 2.5 s.
     hold_seconds: float = Field(default=5.0, ge=0)
+
+
+Episode = tuple[str, str, int | None, str | None, str, str]
+
+
+def episode(f: Finding) -> Episode:
+    """What identifies one finding across evaluations (its ``since`` may slide with a window)."""
+    return (f.detector, f.node, f.gpu, f.job, f.action.value, f.key)
 
 
 class TopologyAttributor:
@@ -43,10 +52,13 @@ class TopologyAttributor:
         self.config = config
         self._eligible = frozenset(config.detectors)
 
-    def evaluate(self, view: FleetView, now: float, findings: list[Finding]) -> list[Finding]:
+    def evaluate(self, view: FleetView, now: float, findings: list[Finding],
+                 first_seen: Mapping[Episode, float] | None = None) -> list[Finding]:
         """The findings to act on: ``findings`` with shared faults replaced by component findings
-        and recent eligible ones held back."""
+        and new eligible ones held back. ``first_seen`` says when each finding's episode was first
+        found (the engine keeps it); without it, a finding counts from its ``since``."""
         cfg = self.config
+        first_seen = first_seen or {}
         eligible = [f for f in findings if f.detector in self._eligible and f.action is not Action.OBSERVE]
         groups: dict[tuple[str, str, str, str], list[Finding]] = defaultdict(list)
         for f in eligible:
@@ -93,7 +105,7 @@ class TopologyAttributor:
             if id(f) in absorbed:
                 continue
             if (f.detector in self._eligible and f.action is not Action.OBSERVE
-                    and now - f.since < cfg.hold_seconds):
+                    and now - first_seen.get(episode(f), f.since) < cfg.hold_seconds):
                 continue  # wait for the neighbours' reports
             out.append(f)
         return out

@@ -42,3 +42,13 @@ def test_rack_power_loss_is_one_ticket_not_a_drain_per_node():
     decisions = drive(engine, nodes, 0.0, 250.0, skip=lambda node, t: t >= 100.0)
     assert sorted((d.action, d.component) for d in decisions) == [
         (Action.ALERT, "rack-0"), (Action.INSPECT_HARDWARE, "rack-0")]
+
+
+def test_rack_going_dark_over_several_seconds_is_still_one_ticket():
+    # The nodes' last reports land over 5 s (staggered agents): the first node's silence must
+    # wait for its neighbours instead of being alerted alone.
+    nodes = leaf_fleet(8, per_leaf=4)
+    engine = Engine(AggregatorConfig(), RecordingSink())
+    decisions = drive(engine, nodes, 0.0, 250.0, skip=lambda node, t: t >= 100.0 + 2.5 * (int(node.name[1:]) % 3))
+    assert sorted((d.action, d.component) for d in decisions) == [
+        (Action.ALERT, "rack-0"), (Action.INSPECT_HARDWARE, "rack-0")]
