@@ -64,9 +64,14 @@ class Sample:
     @staticmethod
     def of(spec: MetricSpec, value: float, **labels: object) -> Sample:
         """Build a sample of ``spec``; label values are stringified and must match the spec's names."""
-        if labels.keys() != set(spec.labels):
-            raise ValueError(f"{spec.name}: labels {sorted(labels)} != declared {sorted(spec.labels)}")
-        return Sample(spec.name, float(value), tuple((k, str(labels[k])) for k in spec.labels))
+        names = spec.labels
+        if len(labels) != len(names):
+            raise ValueError(f"{spec.name}: labels {sorted(labels)} != declared {sorted(names)}")
+        try:
+            pairs = tuple([(k, v if isinstance(v := labels[k], str) else str(v)) for k in names])
+        except KeyError:
+            raise ValueError(f"{spec.name}: labels {sorted(labels)} != declared {sorted(names)}") from None
+        return Sample(spec.name, float(value), pairs)
 
     def label(self, key: str) -> str | None:
         for k, v in self.labels:

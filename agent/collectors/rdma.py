@@ -37,6 +37,10 @@ log = logging.getLogger("vigil.agent.collectors.rdma")
 
 
 class RdmaConfig(CollectorConfig):
+    # Every 2 s: on real HCAs each counters/ read is a firmware (MAD) query, and the judgements
+    # built on these counters are rates and flap counts over tens of seconds; a port going down
+    # is still seen within 2 s (node_exporter's usual scrape is 15 s).
+    interval_seconds: float = Field(default=2.0, gt=0)
     # Devices, ports and counter files rarely change (driver reload, hot plug); listing them every
     # cycle would cost more than reading them. A vanished file or a new device forces a rescan.
     rescan_interval_seconds: float = Field(default=60.0, gt=0)

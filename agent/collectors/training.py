@@ -375,18 +375,28 @@ class TrainingCollector:
         return max(self._config.hang_seconds, HANG_GAP_FACTOR * r.progress_gap)
 
     def _summary(self, r: _Rank, now: float) -> RankSummary:
+        # One pass over the window into one list per phase: this runs for every rank every cycle.
         steps = 0
         prev = r.baseline_step
+        columns: tuple[list[float], list[float], list[float], list[float]] = ([], [], [], [])
+        step_v, compute_v, comm_v, data_v = columns
         for rec in r.history:
             if prev is None:
                 steps += 1  # the first step ever seen
             elif rec.step > prev:
                 steps += rec.step - prev
             prev = rec.step
+            if rec.step_seconds is not None:
+                step_v.append(rec.step_seconds)
+            if rec.compute_seconds is not None:
+                compute_v.append(rec.compute_seconds)
+            if rec.comm_seconds is not None:
+                comm_v.append(rec.comm_seconds)
+            if rec.data_seconds is not None:
+                data_v.append(rec.data_seconds)
         quantiles: dict[str, float | None] = {}
-        for name in ("step", *PHASES):
-            values = sorted(v for rec in r.history
-                            if (v := getattr(rec, f"{name}_seconds")) is not None)
+        for name, values in zip(("step", *PHASES), columns, strict=True):
+            values.sort()
             quantiles[f"{name}_seconds_p50"] = percentile(values, 0.5) if values else None
             quantiles[f"{name}_seconds_p90"] = percentile(values, 0.9) if values else None
         return RankSummary(job=r.job, rank=r.rank, gpu=r.gpu, pid=r.pid, state=r.state,
