@@ -24,12 +24,17 @@ from pydantic import ValidationError
 
 from agent.config import ConfigError
 from agent.wire import Report
+from aggregator.actuators import build_actuators
+from aggregator.alertmanager_input import add_routes
 from aggregator.config import AggregatorConfig
 from aggregator.decision import REMOVING_ACTIONS, Action, Decision, Finding
+from aggregator.dispatch import Dispatcher, GatedSink
 from aggregator.engine import Engine
 from aggregator.fleet import NodeState
+from aggregator.gate import Gate
 from aggregator.metrics import CONTENT_TYPE, AggregatorMetrics
-from aggregator.sink import DecisionSink, RecordingSink
+from aggregator.sink import DecisionSink
+from aggregator.store import Store
 
 log = logging.getLogger("vigil.aggregator")
 
@@ -246,7 +251,10 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         decisions = sink.recent(MAX_DECISIONS_LIMIT if node else limit)
         if node:
             decisions = [d for d in decisions if d.node == node][:limit]
-        return web.json_response({"decisions": [d.model_dump(mode="json") for d in decisions]})
+        body: dict[str, Any] = {"decisions": [d.model_dump(mode="json") for d in decisions]}
+        if isinstance(sink, GatedSink):  # delivery state per actuator, from the store
+            body["deliveries"] = {d.id: sink.delivery_states(d.id) for d in decisions}
+        return web.json_response(body)
 
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -261,23 +269,34 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     app.router.add_get("/v1/decisions", list_decisions)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
+    add_routes(app, sink, clock=clock, dry_run=config.dry_run, fleet_nodes=lambda: len(engine.fleet.view().nodes),
+               breaker=sink if isinstance(sink, GatedSink) else None)
     return app
 
 
-def build_sink(config: AggregatorConfig) -> DecisionSink:
-    """The sink the service hands decisions to (the gate replaces this with its GatedSink)."""
-    return RecordingSink()
+def build_sink(config: AggregatorConfig) -> tuple[GatedSink, Dispatcher]:
+    """The gate over the durable store, and the worker that delivers what it admits."""
+    try:
+        actuators = build_actuators(config.actuators)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    store = Store(config.store_path)
+    dispatcher = Dispatcher(store, actuators, config.actuators.delivery)
+    return GatedSink(Gate(config.gate), store, actuators, wake=dispatcher.wake), dispatcher
 
 
 async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
                 on_ready: Callable[[str], None] | None = None) -> None:
     """Run the service until ``stop`` is set (or forever)."""
-    sink = build_sink(config)
+    sink, dispatcher = build_sink(config)
     engine = Engine(config, sink)
     app = make_app(config, engine, sink)
     tune_gc()
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
+    # Deliveries left open by a previous run (a crash between store and delivery) go out first.
+    delivering = asyncio.create_task(dispatcher.run(), name="vigil-aggregator-dispatch") \
+        if config.actuators.delivery.enabled else None
     try:
         site = web.TCPSite(runner, config.host, config.port, shutdown_timeout=1.0)
         await site.start()
@@ -286,3 +305,10 @@ async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
         await (stop or asyncio.Event()).wait()
     finally:
         await runner.cleanup()
+        if delivering is not None:
+            # A delivery cut off here stays open in the store and is retried at the next start.
+            delivering.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await delivering
+        dispatcher.close()
+        sink.store.close()

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from agent.collectors.collector import StrictModel
 from agent.config import ConfigError, format_validation_error
+from aggregator.actuators import ActuatorsConfig
 from aggregator.detectors.hang import HangConfig
 from aggregator.detectors.memory import MemoryConfig
 from aggregator.detectors.network import NetworkConfig
@@ -26,6 +27,7 @@ from aggregator.detectors.thermal import ThermalConfig
 from aggregator.detectors.topology import TopologyConfig
 from aggregator.detectors.xid import XidConfig
 from aggregator.fleet import FleetConfig
+from aggregator.gate import GateConfig
 
 __all__ = ["AggregatorConfig", "ConfigError", "DetectorsConfig", "load_config", "parse_config"]
 
@@ -56,6 +58,8 @@ class AggregatorConfig(StrictModel):
     emitted_memory: int = Field(default=100_000, ge=100)
     fleet: FleetConfig = FleetConfig()
     detectors: DetectorsConfig = DetectorsConfig()
+    gate: GateConfig = GateConfig()
+    actuators: ActuatorsConfig = ActuatorsConfig()
 
     @field_validator("listen")
     @classmethod

@@ -74,8 +74,16 @@ class GatedSink:
             self.wake()
         return admitted
 
-    def recent(self, limit: int) -> list[Decision]:
+    def recent(self, limit: int = 100) -> list[Decision]:
         return [r.decision for r in self.store.decisions(limit=limit, admitted_only=True)]
+
+    def delivery_states(self, decision_id: str) -> list[dict[str, object]]:
+        """Each actuator's delivery of one decision, as ``GET /v1/decisions`` shows it."""
+        return [
+            {"actuator": x.actuator, "state": x.state, "attempts": x.attempts, "last_error": x.last_error,
+             "detail": x.detail}
+            for x in self.store.deliveries(decision_id)
+        ]
 
     def reset_breaker(self) -> bool:
         """The manual reset; returns whether the breaker was tripped."""

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from vigil.decisions_cmd import add_breaker_args, add_decisions_args, breaker, decisions
+
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="aggregator configuration (YAML)")
@@ -85,6 +87,8 @@ def serve(args: argparse.Namespace) -> int:
 # sub-action -> (help, add its arguments, run it)
 ACTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "serve": ("run the aggregator service (the default)", _serve_args, serve),
+    "decisions": ("list decisions with their gate verdict and delivery state", add_decisions_args, decisions),
+    "breaker": ("show or reset the cluster circuit breaker", add_breaker_args, breaker),
 }
 
 
