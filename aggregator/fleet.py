@@ -37,6 +37,11 @@ class FleetConfig(StrictModel):
     job_forget_seconds: float = Field(default=3600.0, gt=0)
 
 
+# GPU counters whose increases detectors judge, in the order GpuHistory reads them.
+GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
+                "nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
+
+
 def port_is_active(state: PortState) -> bool:
     """sysfs writes "4: ACTIVE"; agents may send just "ACTIVE"."""
     return state.state is not None and state.state.upper().endswith("ACTIVE")
@@ -91,42 +96,53 @@ class XidRecord:
 
 class CounterBaseline:
     """Turns cumulative counters into increases; a counter going backwards is a reset, not an
-    error. Only non-zero increases are stored, with the span each counter has been observed over
-    (its baseline start and latest reading), so a rate over a window is exact without a point per
-    report."""
+    error. Only non-zero increases are stored, with when each counter's baseline began and when
+    the counters were last read, so a rate over a window is exact without a point per report."""
 
-    __slots__ = ("_deltas", "_maxlen", "_prev", "_span", "resets")
+    __slots__ = ("_deltas", "_last_names", "_last_values", "_maxlen", "_prev", "_start", "last_ts", "resets")
 
     def __init__(self, maxlen: int) -> None:
         self._maxlen = maxlen
         self._prev: dict[str, int] = {}
         self._deltas: dict[str, Series] = {}
-        # name -> [baseline start ts, latest reading ts]
-        self._span: dict[str, list[float]] = {}
+        self._start: dict[str, float] = {}
+        self._last_names: tuple[str, ...] | None = None
+        self._last_values: tuple[int | None, ...] | None = None
+        self.last_ts = 0.0
         self.resets = 0
 
     def observe(self, name: str, ts: float, value: int | None) -> None:
-        if value is None:
+        self.observe_values(ts, (name,), (value,))
+
+    def observe_values(self, ts: float, names: tuple[str, ...], values: tuple[int | None, ...]) -> None:
+        """Counters ``names`` read together at ``ts`` (None: not read this time). The ingest hot
+        path: most reports change none of the judged counters, which costs one comparison."""
+        self.last_ts = ts
+        if values == self._last_values and names is self._last_names:
             return
+        self._last_names, self._last_values = names, values
         prev_values = self._prev
-        prev = prev_values.get(name)
-        prev_values[name] = value
-        if prev is None or value < prev:
-            if prev is not None:
-                self.resets += 1
-            self._span[name] = [ts, ts]
-            return
-        self._span[name][1] = ts
-        if value == prev:
-            return
-        series = self._deltas.get(name)
-        if series is None:
-            series = self._deltas[name] = Series(self._maxlen)
-        series._ring.append((ts, float(value - prev)))
+        for name, value in zip(names, values, strict=True):
+            if value is None:
+                continue
+            prev = prev_values.get(name)
+            if prev == value:
+                continue
+            prev_values[name] = value
+            if prev is None or value < prev:
+                if prev is not None:
+                    self.resets += 1
+                self._start[name] = ts
+                continue
+            series = self._deltas.get(name)
+            if series is None:
+                series = self._deltas[name] = Series(self._maxlen)
+            series._ring.append((ts, float(value - prev)))
 
     def forget_baseline(self) -> None:
         self._prev.clear()
-        self._span.clear()
+        self._start.clear()
+        self._last_values = None
 
     def increases_since(self, name: str, t0: float) -> list[tuple[float, float]]:
         """Non-zero increases reported at or after ``t0``."""
@@ -139,23 +155,23 @@ class CounterBaseline:
 
     def covered_seconds(self, name: str, t0: float) -> float:
         """Seconds since ``t0`` over which ``name``'s increases are known (0: no baseline)."""
-        span = self._span.get(name)
-        if span is None:
+        start = self._start.get(name)
+        if start is None:
             return 0.0
-        return max(0.0, span[1] - max(t0, span[0]))
+        return max(0.0, self.last_ts - max(t0, start))
 
     def baseline_since(self, name: str) -> float | None:
         """From when increases of ``name`` are completely known: the baseline start, or the
         oldest increase still held once the ring has dropped older ones."""
-        span = self._span.get(name)
-        if span is None:
+        start = self._start.get(name)
+        if start is None:
             return None
         series = self._deltas.get(name)
         if series is not None and len(series) == self._maxlen:
             oldest = series.first_ts()
             if oldest is not None:
-                return max(span[0], oldest)
-        return span[0]
+                return max(start, oldest)
+        return start
 
 
 class GpuSample(NamedTuple):
@@ -202,18 +218,14 @@ class GpuHistory:
             ts, s.health, s.utilization_gpu_ratio, s.sm_clock_hertz, s.sm_clock_max_hertz,
             tuple(s.clock_event_reasons), s.memory_temperature_celsius, s.memory_max_temperature_celsius,
             s.remap_pending, s.remap_failure, s.retired_pages_pending, tuple(s.nvlink_links_down)))
-        observe = self.counters.observe
-        observe("ecc_corrected_volatile", ts, s.ecc_corrected_volatile)
-        observe("ecc_uncorrected_volatile", ts, s.ecc_uncorrected_volatile)
-        observe("pcie_replay_total", ts, s.pcie_replay_total)
-        observe("nvlink_crc_errors_total", ts, s.nvlink_crc_errors_total)
-        observe("nvlink_replay_errors_total", ts, s.nvlink_replay_errors_total)
-        observe("nvlink_recovery_errors_total", ts, s.nvlink_recovery_errors_total)
+        self.counters.observe_values(ts, GPU_COUNTERS, (
+            s.ecc_corrected_volatile, s.ecc_uncorrected_volatile, s.pcie_replay_total, s.nvlink_crc_errors_total,
+            s.nvlink_replay_errors_total, s.nvlink_recovery_errors_total))
 
 
 class PortHistory:
-    __slots__ = ("active_this_boot", "counters", "device", "first_seen", "last", "last_seen",
-                 "max_rate_bits_per_second", "port", "samples", "tracked")
+    __slots__ = ("_names", "_names_for", "active_this_boot", "counters", "device", "first_seen", "last",
+                 "last_seen", "max_rate_bits_per_second", "port", "samples", "tracked")
 
     def __init__(self, state: PortState, ts: float, maxlen: int, state_maxlen: int,
                  tracked: frozenset[str] | None) -> None:
@@ -227,6 +239,8 @@ class PortHistory:
         # Counters some detector judges (None: all). A port carries ~30 counters, most of them
         # traffic volumes nobody judges here; skipping them is most of the ingest cost saved.
         self.tracked = tracked
+        self._names: tuple[str, ...] = ()
+        self._names_for = -1
         # The best rate this link trained at in this boot: a later, lower rate is a degraded link.
         self.max_rate_bits_per_second: float | None = None
         # Only a port that was up in this boot can go down (a cabled-off second port never was).
@@ -242,15 +256,18 @@ class PortHistory:
         active = port_is_active(state)
         rate = state.rate_bits_per_second
         self.samples.append(PortSample(ts, active, state.state, rate))
-        flags = state.flags
         counters = state.counters
-        observe = self.counters.observe
-        names = counters if self.tracked is None else self.tracked.intersection(counters)
-        for counter in names:
+        if len(counters) != self._names_for:
+            # The judged counters this port has; a port's counter set does not change between
+            # reports, so this is recomputed only when its size does (a missing one reads None).
+            self._names = tuple(counters if self.tracked is None else self.tracked.intersection(counters))
+            self._names_for = len(counters)
+        values = tuple(map(counters.get, self._names))
+        flags = state.flags
+        if flags:
             # A saturated counter no longer moves: its delta would read as "no errors".
-            if flags and flags.get(counter) == "saturated":
-                continue
-            observe(counter, ts, counters[counter])
+            values = tuple(None if flags.get(c) == "saturated" else v for c, v in zip(self._names, values, strict=True))
+        self.counters.observe_values(ts, self._names, values)
         if active:
             self.active_this_boot = True
         if rate is not None and (self.max_rate_bits_per_second is None or rate > self.max_rate_bits_per_second):
