@@ -1,0 +1,204 @@
+"""A real ``vigil aggregator`` process and a loopback webhook receiver, for end-to-end tests.
+
+``AggregatorProcess`` writes a config, starts ``python -m vigil aggregator --config ...`` on
+127.0.0.1, waits for its "listening" line, and stops it by pid (SIGTERM, or SIGKILL to crash it).
+``WebhookReceiver`` is the site's side of the webhook: it checks each request's HMAC signature,
+applies each ``Idempotency-Key`` once (as a receiver of at-least-once delivery must), and can be
+told to fail or to hold requests. Both are bounded in time and loopback only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agent.wire import Report
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_SECONDS = 20.0
+SECRET = b"webhook-shared-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_seconds: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_seconds}s waiting for {what}")
+        time.sleep(0.05)
+
+
+class WebhookReceiver:
+    """``fail_status``: answer every request with it (an outage); ``hold``: keep each request
+    open until released (a slow receiver). ``applied`` counts each key's first valid arrival."""
+
+    def __init__(self, secret: bytes = SECRET) -> None:
+        self.secret = secret
+        self.fail_status: int | None = None
+        self.hold = threading.Event()
+        self.hold.set()  # set: answer at once
+        self.arrivals: Counter[str] = Counter()  # key -> requests seen (retries and repeats included)
+        self.applied: dict[str, dict[str, Any]] = {}  # key -> the decision, applied once
+        self.bad_signatures = 0
+        self.in_flight = 0
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                expected = "sha256=" + hmac.new(receiver.secret, body, hashlib.sha256).hexdigest()
+                if not hmac.compare_digest(self.headers.get("X-Vigil-Signature", ""), expected):
+                    with receiver._lock:
+                        receiver.bad_signatures += 1
+                    self._answer(401)
+                    return
+                key = self.headers.get("Idempotency-Key", "")
+                with receiver._lock:
+                    receiver.arrivals[key] += 1
+                    failing = receiver.fail_status
+                    if failing is None:
+                        # Applied before answering, as a real receiver commits first: the sender
+                        # may still die before it reads the 200, and send it again.
+                        receiver.applied.setdefault(key, json.loads(body))
+                    receiver.in_flight += 1
+                try:
+                    receiver.hold.wait(timeout=30)
+                    self._answer(failing if failing is not None else 200)
+                finally:
+                    with receiver._lock:
+                        receiver.in_flight -= 1
+
+            def _answer(self, status: int) -> None:
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                except OSError:
+                    pass  # the sender is gone (killed mid-request)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/vigil"
+        self._thread = threading.Thread(target=self.server.serve_forever, name="webhook-receiver", daemon=True)
+        self._thread.start()
+
+    def actions(self) -> Counter[str]:
+        with self._lock:
+            return Counter(d["action"] for d in self.applied.values())
+
+    def close(self) -> None:
+        self.hold.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=5)
+
+
+class AggregatorProcess:
+    def __init__(self, root: Path, config: dict[str, Any]) -> None:
+        self.root = root
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config_path = root / "aggregator.yaml"
+        self.store_path = root / "decisions.sqlite"
+        config = {**config, "listen": f"127.0.0.1:{self.port}", "store_path": str(self.store_path)}
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = root / "aggregator.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vigil", "aggregator", "--config", str(self.config_path)],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
+        finally:
+            log.close()
+        try:
+            wait_for("the aggregator to listen", self._listening, START_TIMEOUT_SECONDS)
+        except AssertionError:
+            self.stop()
+            raise AssertionError(f"aggregator did not start:\n{self.log_path.read_text()[-3000:]}") from None
+
+    def _listening(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"aggregator exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+        return "listening on" in self.log_path.read_text()
+
+    def kill(self) -> None:
+        """A crash: SIGKILL, no clean-up of any kind."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self.proc = None
+        self._mark_log("--- killed ---")
+
+    def stop(self) -> int | None:
+        """SIGTERM by pid and reap it; returns its exit status."""
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        self._mark_log("--- stopped ---")
+        return proc.returncode
+
+    def _mark_log(self, line: str) -> None:
+        # The "listening" check reads the log: a restart must wait for its own line.
+        text = self.log_path.read_text().replace("listening on", "listened on")
+        self.log_path.write_text(text + line + "\n")
+
+    def post_report(self, report: Report) -> None:
+        self.request("POST", "/v1/reports", report.model_dump_json(exclude_none=True).encode(), expect=202)
+
+    def request(self, method: str, path: str, body: bytes | None = None, expect: int = 200) -> Any:
+        req = urllib.request.Request(
+            self.url + path, data=body, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            with exc:
+                status, raw = exc.code, exc.read()
+        assert status == expect, f"{method} {path}: {status} {raw[:500]!r}"
+        return json.loads(raw) if raw else None
+
+    def decisions(self) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+        body = self.request("GET", "/v1/decisions?limit=1000")
+        return body["decisions"], body.get("deliveries", {})
