@@ -25,8 +25,9 @@ class FleetConfig(StrictModel):
     # counter costs nothing). 240 is 10 minutes of a counter that moves every 2.5 s report.
     history_reports: int = Field(default=240, ge=4, le=100_000)
     # Compact per-report GPU and port samples (flags, clocks, state) for persistence checks:
-    # 48 reports is 2 minutes at 2.5 s. Memory: ~100 bytes x 48 x 100k GPUs = ~0.5 GB.
-    state_history_reports: int = Field(default=48, ge=4, le=10_000)
+    # 32 reports is 80 s at 2.5 s, enough for the thermal detector's 60 s persistence. The
+    # whole fleet state measures ~0.25 MB per 8-GPU node (~3 GB for 12,500 nodes).
+    state_history_reports: int = Field(default=32, ge=4, le=10_000)
     # Per-rank window summaries kept for the straggler's consecutive-window test.
     rank_history_reports: int = Field(default=16, ge=2, le=10_000)
     event_history: int = Field(default=256, ge=8)
@@ -194,7 +195,6 @@ class GpuSample(NamedTuple):
 class PortSample(NamedTuple):
     ts: float
     active: bool
-    state: str | None
     rate_bits_per_second: float | None
 
 
@@ -255,7 +255,7 @@ class PortHistory:
         self.last_seen = ts
         active = port_is_active(state)
         rate = state.rate_bits_per_second
-        self.samples.append(PortSample(ts, active, state.state, rate))
+        self.samples.append(PortSample(ts, active, rate))
         counters = state.counters
         if len(counters) != self._names_for:
             # The judged counters this port has; a port's counter set does not change between
