@@ -182,8 +182,9 @@ class Simulation:
         quiet_log = self.workdir / "kern-quiet.log"
         quiet_log.touch()
         bus_ids = [_log_bus_id(b) for b in PROFILES[sc.fleet.profile].pcie_bus_ids]
-        intervals = {name: getattr(base.collectors, name).interval_seconds
-                     for name in type(base.collectors).model_fields}
+        # Collectors run once per report (a real agent collects more often than it reports; the
+        # report carries only the latest result, so the aggregator sees the same thing).
+        intervals: dict[str, float] = {}
         for i, name in enumerate(names):
             faults = self._faults_by_node.get(name, [])
             nvml_faults = [f.node_fault() for f in faults if isinstance(f, NvmlFault)]
@@ -200,12 +201,17 @@ class Simulation:
                 kern.parent.mkdir(parents=True, exist_ok=True)
                 kern.touch()
             config = base.model_copy(update={"node": name, "topology": sc.topology_of(i)})
+            node_intervals = dict(intervals)
+            noisy = {"gpu": bool(nvml_faults), "rdma": ports_faulty, "xid": kern != quiet_log}
+            for collector, seconds in sc.quiet_collector_intervals.items():
+                if not noisy.get(collector, False):
+                    node_intervals[collector] = seconds
             seams = Seams(nvml=open_fake_backend(node_sc, self.clock, seed=self.seed * 100_003 + i),
                           sysfs_root=sysfs, kmsg=kern, clock=self.clock,
                           extra={"pid_alive": lambda pid: True})
             node = SimNode(config, seams, build_collectors(config, seams), boot_id=self._boot_id(),
                            kernel_log=KernelLog(kern), fabric=fabric.NodeFabric(sysfs) if ports_faulty else None,
-                           intervals=intervals, report_interval_seconds=sc.report_interval_seconds)
+                           intervals=node_intervals, report_interval_seconds=sc.report_interval_seconds)
             node.pci_bus_ids = bus_ids
             self.nodes[name] = node
         self._schedule_faults()

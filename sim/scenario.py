@@ -273,6 +273,12 @@ class Scenario(_Strict):
     # sample ending at the last step (1,000 nodes x 8 ranks at one step a second would otherwise
     # cost more than everything else together); the summary's step count stays exact.
     heartbeats_per_rank: int = Field(default=4, ge=1)
+    # On a node whose source of a collector has no fault injected (no NVML fault for `gpu`, no
+    # port fault for `rdma`, no kernel-log line for `xid`), run that collector this often
+    # instead of every report; its last result rides every report meanwhile, as with a real
+    # agent whose collector interval is longer than its report interval. Costly collectors on
+    # quiet nodes are what bounds a 1,000-node run; the faulty nodes always run every report.
+    quiet_collector_intervals: dict[str, float] = Field(default_factory=dict)
     fleet: Fleet
     jobs: list[Job] = Field(default_factory=list)
     faults: list[Fault] = Field(default_factory=list)

@@ -2,10 +2,11 @@
 and was anything else drained.
 
 An expectation is met by the first admitted decision on its node (or on its component, or on a
-node under it) with one of its actions, within its time limit after the fault. Every admitted
-decision that removes capacity (DESIGN.md section 3: drain, reset, reboot, inspect) and answers
-no expectation is a false drain. Precision and recall are over those decisions and expectations.
-It runs nothing; it reads a ``SimResult``.
+node under it) with one of its actions, within its time limit after the fault. An admitted
+decision that removes capacity (DESIGN.md section 3: drain, reset, reboot, inspect) is a false
+drain unless it answers an expectation or hits a node that had a fault of its own injected by
+then (a node-level fault, not a job-wide stall or a fault of the switch above it). Precision and
+recall are over those decisions and expectations. It runs nothing; it reads a ``SimResult``.
 """
 
 from __future__ import annotations
@@ -81,6 +82,17 @@ def _decision_subjects(d: SimDecision) -> set[str]:
     return {d.node} | ({d.component} if d.component else set())
 
 
+def _node_fault_times(scenario: Scenario) -> dict[str, float]:
+    """Nodes with a fault of their own (targeted by node or nodes), and when it began."""
+    out: dict[str, float] = {}
+    for fault in scenario.faults:
+        if (fault.node is None and fault.nodes is None) or fault.kind == "data_stall":
+            continue
+        for n in scenario.fault_nodes(fault):
+            out[n] = min(out.get(n, fault.at_seconds), fault.at_seconds)
+    return out
+
+
 def score(result: SimResult) -> Score:
     scenario = result.scenario
     admitted = [d for d in result.decisions if d.admitted]
@@ -104,6 +116,10 @@ def score(result: SimResult) -> Score:
         latency = None if hit is None else round(hit.t - start, 3)
         met = hit is not None and latency is not None and latency <= exp.within_seconds
         outcomes.append(ExpectationResult(exp, fault_t, met, hit, latency))
+    broken = _node_fault_times(scenario)
+    for i, d in enumerate(admitted):
+        if d.action in _ACTING and d.node in broken and d.t >= broken[d.node]:
+            answered.add(i)
     false_drains = [d for i, d in enumerate(admitted) if d.action in _REMOVING and i not in answered]
     true_decisions = sum(1 for i in answered if admitted[i].action in _ACTING)
     wanted = scenario.expect_breaker

@@ -71,3 +71,11 @@ def test_breaker_expectation() -> None:
     healthy = SCENARIO.model_copy(update={"expect": [], "faults": []})
     s = score(_result([], scenario=healthy))
     assert s.passed and s.precision is None and s.recall is None
+
+
+def test_removing_a_node_with_its_own_fault_is_not_false_but_one_under_a_faulty_switch_is() -> None:
+    sc = SCENARIO.model_copy(update={"expect": []})
+    s = score(_result([_d(150, "node-0003", "drain"),  # slow node, after its fault
+                       _d(250, "node-0017", "drain")],  # under leaf-002, whose switch is at fault
+                      scenario=sc))
+    assert [d.node for d in s.false_drains] == ["node-0017"]
