@@ -8,6 +8,7 @@ membership from the rank summaries. It judges nothing; detectors read it through
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -100,7 +101,8 @@ class CounterBaseline:
     error. Only non-zero increases are stored, with when each counter's baseline began and when
     the counters were last read, so a rate over a window is exact without a point per report."""
 
-    __slots__ = ("_deltas", "_last_names", "_last_values", "_maxlen", "_prev", "_start", "last_ts", "resets")
+    __slots__ = ("_deltas", "_last_names", "_last_values", "_maxlen", "_prev", "_start", "last_increase_ts",
+                 "last_ts", "resets")
 
     def __init__(self, maxlen: int) -> None:
         self._maxlen = maxlen
@@ -110,6 +112,8 @@ class CounterBaseline:
         self._last_names: tuple[str, ...] | None = None
         self._last_values: tuple[int | None, ...] | None = None
         self.last_ts = 0.0
+        # When any counter last increased: detectors skip a quiet GPU or port in O(1).
+        self.last_increase_ts = -math.inf
         self.resets = 0
 
     def observe(self, name: str, ts: float, value: int | None) -> None:
@@ -139,6 +143,7 @@ class CounterBaseline:
             if series is None:
                 series = self._deltas[name] = Series(self._maxlen)
             series._ring.append((ts, float(value - prev)))
+            self.last_increase_ts = ts
 
     def forget_baseline(self) -> None:
         self._prev.clear()

@@ -92,7 +92,8 @@ class MemoryDetector:
                                since=self._since(gpu, "retired_pages_pending"), key="retired_pending",
                                reason=f"GPU {gpu.index}: page retirement pending, needs a GPU reset",
                                evidence={"signal": "retired_pages_pending", "uuid": gpu.uuid}))
-        if not remap_known:
+        moved = gpu.counters.last_increase_ts
+        if not remap_known and moved >= now - cfg.uncorrectable_window_seconds:
             recent = gpu.counters.increases_since("ecc_uncorrected_volatile", now - cfg.uncorrectable_window_seconds)
             if recent:
                 total = sum(d for _, d in recent)
@@ -100,7 +101,7 @@ class MemoryDetector:
                                    reason=f"GPU {gpu.index}: {total:.0f} uncorrectable ECC errors",
                                    evidence={"signal": "ecc_uncorrected", "uuid": gpu.uuid, "errors": total,
                                              "window_seconds": cfg.uncorrectable_window_seconds}))
-        surge = self._surge(gpu, now)
+        surge = self._surge(gpu, now) if moved >= now - cfg.recent_seconds else None
         if surge is not None:
             out.append(Finding(**base, **surge))
         return out

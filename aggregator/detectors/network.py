@@ -84,24 +84,10 @@ class NetworkDetector:
                                          f"port {last.state or 'unknown'} for {now - since:.0f} s",
                                          {"signal": "port_state", "state": last.state, "phys_state": last.phys_state}))
                 return out  # a dead port's error counters say nothing more
-        flaps = sum(port.counters.sum_since(c, t0) for c in cfg.flap_counters)
-        if flaps >= cfg.flap_threshold:
-            out.append(self._finding(node, port, cfg.flap_action, self._first(port, cfg.flap_counters, t0), "flap",
-                                     f"{flaps:.0f} link down/recovery events in {cfg.window_seconds:.0f} s",
-                                     {"signal": "link_flaps", "events": flaps, "window_seconds": cfg.window_seconds}))
-        rate = last.rate_bits_per_second
-        errors = sum(port.counters.sum_since(c, t0) for c in cfg.error_counters)
-        if rate and errors >= cfg.min_errors:
-            covered = self._covered(port, cfg.error_counters, t0)
-            if covered > 0:
-                ber = errors / (rate * covered)
-                if ber > cfg.max_bit_error_ratio:
-                    out.append(self._finding(
-                        node, port, cfg.error_action, self._first(port, cfg.error_counters, t0), "bit_errors",
-                        f"bit error ratio {ber:.1e} over {covered:.0f} s (IBTA limit {cfg.max_bit_error_ratio:.0e})",
-                        {"signal": "symbol_error_rate", "errors": errors, "bit_error_ratio": ber,
-                         "rate_bits_per_second": rate, "window_seconds": round(covered, 1)}))
+        if port.counters.last_increase_ts >= t0:
+            out.extend(self._judge_counters(node, port, now))
         expected = cfg.expected_rate_bits_per_second or port.max_rate_bits_per_second
+        rate = last.rate_bits_per_second
         if rate and expected and rate < expected * (1 - cfg.rate_tolerance_ratio) and port_is_active(last):
             since = port.last_seen
             for sample in reversed(port.samples):
@@ -114,6 +100,30 @@ class NetworkDetector:
                                          f"link at {rate / 1e9:g} Gb/s, expected {expected / 1e9:g} Gb/s",
                                          {"signal": "rate_bits_per_second", "rate_bits_per_second": rate,
                                           "expected_rate_bits_per_second": expected}))
+        return out
+
+    def _judge_counters(self, node: NodeState, port: PortHistory, now: float) -> list[Finding]:
+        """Flaps, bit errors and congestion: only for a port whose counters moved in the window."""
+        cfg = self.config
+        out: list[Finding] = []
+        t0 = now - cfg.window_seconds
+        flaps = sum(port.counters.sum_since(c, t0) for c in cfg.flap_counters)
+        if flaps >= cfg.flap_threshold:
+            out.append(self._finding(node, port, cfg.flap_action, self._first(port, cfg.flap_counters, t0), "flap",
+                                     f"{flaps:.0f} link down/recovery events in {cfg.window_seconds:.0f} s",
+                                     {"signal": "link_flaps", "events": flaps, "window_seconds": cfg.window_seconds}))
+        rate = port.last.rate_bits_per_second
+        errors = sum(port.counters.sum_since(c, t0) for c in cfg.error_counters)
+        if rate and errors >= cfg.min_errors:
+            covered = self._covered(port, cfg.error_counters, t0)
+            if covered > 0:
+                ber = errors / (rate * covered)
+                if ber > cfg.max_bit_error_ratio:
+                    out.append(self._finding(
+                        node, port, cfg.error_action, self._first(port, cfg.error_counters, t0), "bit_errors",
+                        f"bit error ratio {ber:.1e} over {covered:.0f} s (IBTA limit {cfg.max_bit_error_ratio:.0e})",
+                        {"signal": "symbol_error_rate", "errors": errors, "bit_error_ratio": ber,
+                         "rate_bits_per_second": rate, "window_seconds": round(covered, 1)}))
         for counter in cfg.congestion_counters:
             covered = port.counters.covered_seconds(counter, t0)
             if covered <= 0:

@@ -41,6 +41,16 @@ class PcieNvlinkDetector:
 
     def __init__(self, config: PcieNvlinkConfig) -> None:
         self.config = config
+        cfg = config
+        # counter, limit per second, action, label, display scale and unit
+        self._checks = (
+            ("pcie_replay_total", cfg.pcie_replays_per_minute / 60.0, cfg.pcie_action, "PCIe replays", 60.0, "min"),
+            ("nvlink_crc_errors_total", cfg.nvlink_crc_per_second, cfg.nvlink_action, "NVLink CRC errors", 1.0, "s"),
+            ("nvlink_replay_errors_total", cfg.nvlink_replays_per_minute / 60.0, cfg.nvlink_action,
+             "NVLink replays", 60.0, "min"),
+            ("nvlink_recovery_errors_total", cfg.nvlink_recoveries_per_minute / 60.0, cfg.nvlink_action,
+             "NVLink recoveries", 60.0, "min"),
+        )
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -54,16 +64,10 @@ class PcieNvlinkDetector:
     def _judge(self, node: NodeState, gpu: GpuHistory, now: float) -> list[Finding]:
         cfg = self.config
         out: list[Finding] = []
-        checks = (
-            ("pcie_replay_total", cfg.pcie_replays_per_minute / 60.0, cfg.pcie_action, "PCIe replays", 60.0, "min"),
-            ("nvlink_crc_errors_total", cfg.nvlink_crc_per_second, cfg.nvlink_action, "NVLink CRC errors", 1.0, "s"),
-            ("nvlink_replay_errors_total", cfg.nvlink_replays_per_minute / 60.0, cfg.nvlink_action,
-             "NVLink replays", 60.0, "min"),
-            ("nvlink_recovery_errors_total", cfg.nvlink_recoveries_per_minute / 60.0, cfg.nvlink_action,
-             "NVLink recoveries", 60.0, "min"),
-        )
         t0 = now - cfg.window_seconds
-        for counter, limit_per_second, action, label, scale, per in checks:
+        # No counter moved in the window: nothing to rate.
+        for counter, limit_per_second, action, label, scale, per in (
+                self._checks if gpu.counters.last_increase_ts >= t0 else ()):
             covered = gpu.counters.covered_seconds(counter, t0)
             if covered < cfg.min_coverage_seconds:
                 continue

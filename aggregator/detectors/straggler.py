@@ -55,16 +55,35 @@ class _Window:
         self.comm = comm
 
 
+# Per window index: (node -> evidence of its worst outlier rank, nodes with data in the window).
+_Judged = tuple[dict[str, dict[str, float | None]], set[str]]
+
+
+class _JobMemo:
+    """Judgements of a job's complete windows. A complete window's data never changes (reports
+    land in the window of their arrival), so each is judged once instead of every evaluation."""
+
+    __slots__ = ("job", "width", "windows")
+
+    def __init__(self, job: JobState, width: float) -> None:
+        self.job = job
+        self.width = width
+        self.windows: dict[int, _Judged] = {}
+
+
 class StragglerDetector:
     name = NAME
 
     def __init__(self, config: StragglerConfig) -> None:
         self.config = config
+        self._memo: dict[str, _JobMemo] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
         for job in view.jobs.values():
             out.extend(self._judge(view, job, now))
+        for name in [n for n, m in self._memo.items() if view.jobs.get(n) is not m.job]:
+            del self._memo[name]
         return out
 
     def _judge(self, view: FleetView, job: JobState, now: float) -> list[Finding]:
@@ -79,36 +98,31 @@ class StragglerDetector:
         spans = cfg.persistence_windows + 1
         last = math.floor(now / width) - 1
         first = last - spans + 1
-        t0 = first * width
-        t_end = (last + 1) * width
-        windows: list[dict[int, _Window]] = [{} for _ in range(spans)]
-        for rank in job.ranks.values():
-            for ts, compute, comm in reversed(rank.windows):
-                if ts < t0:
-                    break
-                if ts >= t_end:
-                    continue
-                slot = windows[int(ts // width) - first]
-                if rank.rank in slot:
-                    continue  # a later summary in the same window already counted
-                slot[rank.rank] = _Window(rank.node, compute, comm)
+        memo = self._memo.get(job.name)
+        if memo is None or memo.job is not job or memo.width != width:
+            memo = self._memo[job.name] = _JobMemo(job, width)
+        for index in [i for i in memo.windows if i < first or i > last]:
+            del memo.windows[index]
         allowed = max(1, math.floor(cfg.max_outlier_node_share * len(nodes)))
-        flagged_per_window: list[dict[str, dict[str, float | None]]] = []
-        present: list[set[str]] = []
-        for slot in windows:
-            flagged = self._outliers(slot)
-            if len(flagged) > allowed:
-                flagged = {}  # a job-wide effect: nobody is the culprit
-            flagged_per_window.append(flagged)
-            present.append({w.node for w in slot.values()})
+        judged: list[_Judged] = []
+        for index in range(first, last + 1):
+            done = memo.windows.get(index)
+            if done is None:
+                slot = self._window(job, index * width, (index + 1) * width)
+                flagged = self._outliers(slot)
+                if len(flagged) > allowed:
+                    flagged = {}  # a job-wide effect: nobody is the culprit
+                done = memo.windows[index] = (flagged, {w.node for w in slot.values()})
+            judged.append(done)
         persistent = []
-        for node in set().union(*flagged_per_window):
-            with_data = [i for i in range(spans) if node in present[i]]
-            if len(with_data) >= cfg.persistence_windows and all(node in flagged_per_window[i] for i in with_data):
+        for node in set().union(*(flagged for flagged, _ in judged)):
+            with_data = [(flagged, present) for flagged, present in judged if node in present]
+            if len(with_data) >= cfg.persistence_windows and all(node in f for f, _ in with_data):
                 persistent.append(node)
+        t0 = first * width
         out = []
         for node in sorted(persistent):
-            ev = next(f[node] for f in reversed(flagged_per_window) if node in f)
+            ev = next(f[node] for f, _ in reversed(judged) if node in f)
             out.append(Finding(
                 detector=NAME, node=node, job=job.name, action=cfg.action, since=t0, key=job.name,
                 reason=(f"job {job.name}: compute time {ev['excess_ratio'] or 0.0:.1%} above the job median for "
@@ -116,6 +130,19 @@ class StragglerDetector:
                         f"collective wait"),
                 evidence={"signal": "compute_seconds_p50", **ev, "windows": cfg.persistence_windows}))
         return out
+
+    @staticmethod
+    def _window(job: JobState, start: float, end: float) -> dict[int, _Window]:
+        """Each rank's latest summary that arrived in [start, end)."""
+        slot: dict[int, _Window] = {}
+        for rank in job.ranks.values():
+            for ts, compute, comm in reversed(rank.windows):
+                if ts < start:
+                    break
+                if ts < end:
+                    slot[rank.rank] = _Window(rank.node, compute, comm)
+                    break
+        return slot
 
     def _outliers(self, slot: dict[int, _Window]) -> dict[str, dict[str, float | None]]:
         """Nodes with at least one outlier rank in this window, with the worst rank's evidence."""
