@@ -13,6 +13,7 @@ declare -A need=(
   [slurmd]=slurmd
   [scontrol]=slurm-client
   [munged]=munge
+  [systemd-analyze]=systemd
 )
 missing=()
 for bin in "${!need[@]}"; do
