@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from agent.config import AgentConfig, parse_config
+from agent.config import AgentConfig, ConfigError, parse_config
 from agent.seams import Seams
 from agent.wire import Report
 from sim import fabric
@@ -120,7 +120,10 @@ def agent_config(scenario: Scenario) -> AgentConfig:
     data = _merge(_SIM_AGENT_DEFAULTS, {"collectors": scenario.agent.get("collectors", {})})
     data = _merge(data, {k: v for k, v in scenario.agent.items() if k != "collectors"})
     data.update({"node": "sim", "nvml": {"backend": "fake"}})
-    return parse_config(data)
+    try:
+        return parse_config(data)
+    except ConfigError as exc:
+        raise ScenarioError(f"scenario {scenario.name}: agent: {exc}") from None
 
 
 def open_fake_backend(node_scenario: Any, clock: SimClock, seed: int) -> Any:
@@ -145,14 +148,16 @@ class Simulation:
         self.clock = SimClock()
         self._json = json_round_trip
         self._progress = progress
-        self._tmp = tempfile.TemporaryDirectory(prefix="vigil-sim-") if workdir is None else None
-        self.workdir = workdir if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         self._engine_given = engine is not None
         self.sink: Any = None
+        # Configuration errors surface here, before anything is created on disk.
+        self.agent_config = agent_config(scenario)
         if engine is not None:
             self.engine = engine
         else:
             self.engine, self.sink = build_engine(scenario)
+        self._tmp = tempfile.TemporaryDirectory(prefix="vigil-sim-") if workdir is None else None
+        self.workdir = workdir if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         self.nodes: dict[str, SimNode] = {}
         self._faults_by_node: dict[str, list[Any]] = {}
         self._schedule: list[tuple[float, int, Callable[[], None]]] = []
@@ -170,7 +175,7 @@ class Simulation:
         for fault in sc.faults:
             for n in sc.fault_nodes(fault):
                 self._faults_by_node.setdefault(n, []).append(fault)
-        base = agent_config(sc)
+        base = self.agent_config
         from agent.daemon import build_collectors
         from agent.nvml.profiles import PROFILES
         from agent.nvml.scenario import NodeScenario
@@ -461,7 +466,6 @@ def build_engine(scenario: Scenario) -> tuple[Any, Any]:
     or ``gate.``."""
     from pydantic import ValidationError
 
-    from agent.config import ConfigError
     from aggregator.config import parse_config as parse_aggregator_config
     from aggregator.dispatch import GatedSink
     from aggregator.engine import Engine
