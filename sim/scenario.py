@@ -493,8 +493,8 @@ def shortened(scenario: Scenario, duration_seconds: float) -> Scenario:
     kept = scenario.model_copy(update={"faults": faults, "duration_seconds": duration_seconds})
     expect = []
     for exp in scenario.expect:
-        start = kept.subject_fault_time(exp)
-        if start is not None and start + exp.within_seconds <= duration_seconds:
+        start = scenario.subject_fault_time(exp) or 0.0
+        if start + exp.within_seconds <= duration_seconds:
             expect.append(exp)
     data = kept.model_dump(exclude_defaults=False)
     data["expect"] = [e.model_dump(exclude_none=True) for e in expect]

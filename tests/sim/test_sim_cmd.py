@@ -1,0 +1,68 @@
+"""`vigil sim`: exit codes, the JSON object, the report page."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.sim.conftest import raw
+from vigil.cli import main
+from vigil.sim_cmd import ProgressBar
+
+
+def _write(tmp_path: Path, data: dict, name: str = "s.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_json_object_and_exit_zero_when_met(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, raw("kernel-xid-79"))
+    assert main(["sim", "--scenario", str(path), "--json", "--duration", "120"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("decisions", "expectations", "precision", "recall", "false_drains", "detection_latency_seconds",
+                "simulated_seconds", "wall_seconds", "pass"):
+        assert key in out
+    assert out["pass"] is True and out["simulated_seconds"] == 120.0
+    assert out["expectations"][0]["met"] and out["expectations"][0]["latency_seconds"] == 0.0
+    assert set(out["detection_latency_seconds"]) == {"p50", "p95", "max"}
+
+
+def test_exit_one_when_an_expectation_is_missed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = raw("kernel-xid-79")
+    data["expect"][0]["node"] = "node-0006"  # the Xid is on node-0005
+    assert main(["sim", "--scenario", str(_write(tmp_path, data)), "--duration", "120"]) == 1
+    text = capsys.readouterr().out
+    assert "FAIL" in text and "MISSED node-0006" in text
+
+
+def test_exit_two_and_key_path_on_a_bad_scenario(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = raw("kernel-xid-79")
+    data["fleet"]["nodez"] = 3
+    assert main(["sim", "--scenario", str(_write(tmp_path, data))]) == 2
+    assert "fleet.nodez: unknown key" in capsys.readouterr().err
+
+
+def test_report_page_with_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, raw("kernel-xid-79"))
+    out_dir = tmp_path / "report"
+    assert main(["sim", "--scenario", str(path), "--duration", "120", "--report", str(out_dir)]) == 0
+    page = (out_dir / "index.html").read_text()
+    assert "PASS" in page and "node-0005" in page and "reboot_node" in page
+    for png in ("fleet.png", "job-0.png"):
+        assert f'src="{png}"' in page or f"src='{png}'" in page
+        assert (out_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "report:" in capsys.readouterr().out
+
+
+def test_progress_bar_draws_and_ends_with_a_newline() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(stream, width=10)
+    bar(50, 100)
+    bar(100, 100)
+    text = stream.getvalue()
+    assert "[#####.....]" in text and "[##########]" in text and text.endswith("\n")
