@@ -116,8 +116,15 @@ class StragglerDetector:
             judged.append(done)
         persistent = []
         for node in set().union(*(flagged for flagged, _ in judged)):
-            with_data = [(flagged, present) for flagged, present in judged if node in present]
-            if len(with_data) >= cfg.persistence_windows and all(node in f for f, _ in with_data):
+            # The run of flagged windows ending now; a window without the node's data (a late
+            # report) neither breaks nor extends it.
+            run = 0
+            for flagged, present in reversed(judged):
+                if node in flagged:
+                    run += 1
+                elif node in present:
+                    break
+            if run >= cfg.persistence_windows:
                 persistent.append(node)
         t0 = first * width
         out = []

@@ -134,3 +134,22 @@ def test_one_clear_outlier_is_flagged_and_is_the_only_one(n, culprit, factor):
     flagged = run(nodes_(n), slow={name: factor}, seconds=25.0)
     assert {x for _, f in flagged for x in f} == {name}
     assert any(f == [name] for _, f in flagged)
+
+
+def test_a_late_report_neither_breaks_nor_fakes_persistence():
+    nodes = nodes_(16)
+    fleet = Fleet()
+    found = []
+    for i in range(16):
+        t = i * 2.5
+        set_training(nodes, "job", t, slow={"n0003": 1.2})
+        for n in nodes:
+            if n.name == "n0003" and t in (15.0, 17.5):  # one whole 5 s window without its data
+                continue
+            fleet.ingest(n.report(t), t)
+        found.append((t, [f.node for f in DETECTOR.evaluate(fleet.view(), t)]))
+    first = next(t for t, f in found if f)
+    assert first <= 30.0
+    assert {n for _, f in found for n in f} == {"n0003"}
+    # three flagged windows are needed even with a gap: not before 15 s of flagged data
+    assert all(not f for t, f in found if t < 15.0)
