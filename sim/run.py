@@ -382,17 +382,17 @@ class Simulation:
         comp = batch.compute_seconds[rows]
         comm = batch.comm_seconds[rows]
         data = batch.data_seconds[rows]
+        alive = batch.alive[rows]
         for i, name in enumerate(model.nodes):
             node = self.nodes[name]
             if node.silent:
                 continue
             for local in range(r_per):
                 rank = i * r_per + local
-                stop = batch.stop_ts[rank]
                 for j in range(len(rows)):
+                    if not alive[j, rank]:
+                        continue
                     end = float(ends[j])
-                    if end > stop:
-                        break
                     payload = (
                         f'{{"job":"{job}","rank":{rank},"step":{int(steps[j])},'
                         f'"step_seconds":{step_s[j, rank]:.6f},"compute_seconds":{comp[j, rank]:.6f},'

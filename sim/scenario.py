@@ -223,6 +223,7 @@ class Hang(_FaultBase):
     kind: Literal["hang"]
     job: str
     others_continue_seconds: float = Field(default=60.0, ge=0)
+    until_seconds: float | None = None  # the job is restarted then and steps again
 
 
 class Silence(_FaultBase):
@@ -239,19 +240,21 @@ Fault = Annotated[
 
 
 class Expectation(_Strict):
-    """A decision the aggregator must take: on ``node`` (or ``component``), one of ``action``,
-    within ``within_seconds`` of ``after_seconds`` (default: the first fault on that subject)."""
+    """A decision the aggregator must take: on ``node`` (or ``component``, or ``job``), one of
+    ``action``, within ``within_seconds`` of ``after_seconds`` (default: the first fault on that
+    subject)."""
 
     node: str | None = None
     component: str | None = None
+    job: str | None = None
     action: str | list[str]
     within_seconds: float = Field(gt=0)
     after_seconds: float | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _one_subject(self) -> Expectation:
-        if (self.node is None) == (self.component is None):
-            raise ValueError("give exactly one of node, component")
+        if sum(x is not None for x in (self.node, self.component, self.job)) != 1:
+            raise ValueError("give exactly one of node, component, job")
         return self
 
     @property
@@ -260,7 +263,7 @@ class Expectation(_Strict):
 
     @property
     def subject(self) -> str:
-        return self.node if self.node is not None else str(self.component)
+        return next(str(x) for x in (self.node, self.component, self.job) if x is not None)
 
 
 class Scenario(_Strict):
@@ -324,6 +327,8 @@ class Scenario(_Strict):
                 raise ValueError(f"expect.{i}.node: unknown node {exp.node!r}")
             if exp.component is not None and exp.component not in components:
                 raise ValueError(f"expect.{i}.component: unknown component {exp.component!r}")
+            if exp.job is not None and exp.job not in jobs:
+                raise ValueError(f"expect.{i}.job: unknown job {exp.job!r}")
         return self
 
     # -- resolution -----------------------------------------------------------------------------
@@ -371,6 +376,8 @@ class Scenario(_Strict):
         for fault in self.faults:
             if exp.component is not None:
                 hit = fault.component == exp.component or exp.component in self._fault_components(fault)
+            elif exp.job is not None:
+                hit = getattr(fault, "job", None) == exp.job
             else:
                 hit = exp.node in self.fault_nodes(fault)
             if hit:

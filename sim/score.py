@@ -34,7 +34,8 @@ class ExpectationResult:
     def to_json(self) -> dict[str, Any]:
         e = self.expectation
         return {
-            "subject": e.subject, "kind": "node" if e.node is not None else "component",
+            "subject": e.subject,
+            "kind": "node" if e.node is not None else "job" if e.job is not None else "component",
             "action": list(e.actions), "within_seconds": e.within_seconds, "fault_at_seconds": self.fault_t,
             "met": self.met, "latency_seconds": self.latency_seconds,
             "decision": self.decision.to_json() if self.decision else None,
@@ -74,12 +75,14 @@ def _subjects(scenario: Scenario, exp: Expectation) -> set[str]:
     """Names a decision may carry to answer ``exp``: the node, or the component and its nodes."""
     if exp.node is not None:
         return {exp.node}
+    if exp.job is not None:
+        return {f"job:{exp.job}"}
     assert exp.component is not None
     return {exp.component, *scenario.components().get(exp.component, [])}
 
 
 def _decision_subjects(d: SimDecision) -> set[str]:
-    return {d.node} | ({d.component} if d.component else set())
+    return {d.node} | ({d.component} if d.component else set()) | ({f"job:{d.job}"} if d.job else set())
 
 
 def _node_fault_times(scenario: Scenario) -> dict[str, float]:
@@ -111,7 +114,7 @@ def score(result: SimResult) -> Score:
                 hit = d
         # Later repeats and escalations on the same subject answer the same fault: not false drains.
         for i, d in enumerate(admitted):
-            if _decision_subjects(d) & subjects and d.t >= start and d.action in _ACTING:
+            if exp.job is None and _decision_subjects(d) & subjects and d.t >= start and d.action in _ACTING:
                 answered.add(i)
         latency = None if hit is None else round(hit.t - start, 3)
         met = hit is not None and latency is not None and latency <= exp.within_seconds

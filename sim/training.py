@@ -27,8 +27,8 @@ class StepBatch:
     compute_seconds: np.ndarray
     comm_seconds: np.ndarray
     data_seconds: np.ndarray
-    # Per rank, when it stopped stepping (inf: still running); its steps after that are not real.
-    stop_ts: np.ndarray
+    # (steps, ranks): False where the rank had stopped (hung) and sent nothing for that step.
+    alive: np.ndarray
 
 
 class JobModel:
@@ -52,7 +52,7 @@ class JobModel:
         # Fault schedule as (start, end, rank mask, value), resolved once.
         self._slow: list[tuple[float, float, np.ndarray, float]] = []
         self._stall: list[tuple[float, float, float]] = []
-        self._hang: list[tuple[float, np.ndarray, float]] = []
+        self._hang: list[tuple[float, np.ndarray, float, float]] = []
         for i, fault in enumerate(faults):
             t0 = start + fault.at_seconds
             if isinstance(fault, SlowNode):
@@ -62,9 +62,8 @@ class JobModel:
                 end = start + fault.until_seconds if fault.until_seconds is not None else np.inf
                 self._stall.append((t0, end, fault.extra_seconds))
             else:
-                self._hang.append((t0, self._mask(fault_nodes[i]), fault.others_continue_seconds))
-        self._stop = self.stop_ts()
-        self._job_stop = float(self._stop.max())
+                end = start + fault.until_seconds if fault.until_seconds is not None else np.inf
+                self._hang.append((t0, self._mask(fault_nodes[i]), fault.others_continue_seconds, end))
 
     def _mask(self, nodes: list[str]) -> np.ndarray:
         mask = np.zeros(self.n_ranks, dtype=bool)
@@ -78,12 +77,21 @@ class JobModel:
     def rank_of(self, node: str, local: int) -> int:
         return self._node_index[node] * self.ranks_per_node + local
 
-    def stop_ts(self) -> np.ndarray:
-        """Per rank, when it stops stepping: its own hang, or the job blocking behind one."""
-        stop = np.full(self.n_ranks, np.inf)
-        for t0, mask, others in self._hang:
-            stop = np.minimum(stop, np.where(mask, t0, t0 + others))
-        return stop
+    def stopped_at(self, t: float) -> np.ndarray:
+        """Ranks whose own process is stopped at ``t`` (a hang episode on their node)."""
+        stopped = np.zeros(self.n_ranks, dtype=bool)
+        for t0, mask, _, t1 in self._hang:
+            if t0 <= t < t1:
+                stopped |= mask
+        return stopped
+
+    def _blocked(self, start: float, end: float) -> float | None:
+        """If a step running from ``start`` to ``end`` cannot finish because the job is blocked
+        behind a stopped rank, when the job runs again (inf: never); else None."""
+        for t0, _, others, t1 in self._hang:
+            if t0 + others < end and start < t1:
+                return t1
+        return None
 
     def _noise(self, shape: tuple[int, ...]) -> np.ndarray:
         sigma = self.job.noise.sigma
@@ -103,7 +111,7 @@ class JobModel:
         data = (self._base_data + extra) * self._noise((n,))
         ready = compute + data
         if self._hang:
-            ready = np.where(self._stop > t, ready, 0.0)  # stopped ranks hold nobody up any more
+            ready = np.where(self.stopped_at(t), 0.0, ready)  # stopped ranks hold nobody up any more
         collective = self._base_comm * float(self._noise((1,))[0])
         step_seconds = float(ready.max()) + collective
         # Every rank waits in the collective for the slowest one, then for the collective itself.
@@ -114,6 +122,7 @@ class JobModel:
         steps: list[int] = []
         ends: list[float] = []
         rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = []
+        alive: list[np.ndarray] = []
         n = self.n_ranks
         while True:
             if self._pending is None:
@@ -122,24 +131,33 @@ class JobModel:
             end = self._t + step_seconds
             if end > until:
                 break  # finishes in a later window, with the draws it already has
-            if self._hang and end > self._job_stop:
-                break  # the job is blocked in a collective that a stopped rank never reaches
+            resume = self._blocked(self._t, end) if self._hang else None
+            if resume is not None:
+                # Blocked in a collective a stopped rank never reaches, until the job restarts
+                # (from its last step: checkpoint reloads are not modelled).
+                if resume > until:
+                    break
+                self._t = resume
+                self._pending = None
+                continue
             self._pending = None
             self._t = end
             self._step += 1
             steps.append(self._step)
             ends.append(end)
             rows.append((compute, comm, data, step_seconds))
+            alive.append(~self.stopped_at(end) if self._hang else np.ones(n, dtype=bool))
         k = len(steps)
-        stop = self._stop
         if k == 0:
             empty = np.zeros((0, n))
-            return StepBatch(np.zeros(0, dtype=np.int64), np.zeros(0), empty, empty, empty, empty, stop)
+            return StepBatch(np.zeros(0, dtype=np.int64), np.zeros(0), empty, empty, empty, empty,
+                             np.zeros((0, n), dtype=bool))
         compute = np.vstack([r[0] for r in rows])
         comm = np.vstack([r[1] for r in rows])
         data = np.vstack([r[2] for r in rows])
         step_s = np.repeat(np.array([r[3] for r in rows])[:, None], n, axis=1)
-        return StepBatch(np.array(steps, dtype=np.int64), np.array(ends), step_s, compute, comm, data, stop)
+        return StepBatch(np.array(steps, dtype=np.int64), np.array(ends), step_s, compute, comm, data,
+                         np.vstack(alive))
 
     @property
     def last_step(self) -> int:

@@ -67,7 +67,18 @@ def test_hang_stops_its_ranks_then_the_job() -> None:
     hang = Hang(kind="hang", job="train", node="n03", at_seconds=30, others_continue_seconds=40)
     m = _model([hang])
     batch = m.advance(1000.0 + 300)
-    assert batch.stop_ts[12] == 1030.0 and batch.stop_ts[0] == 1070.0
     assert batch.end_ts.max() <= 1070.0
     assert batch.end_ts.max() > 1060.0  # the others went on after the hang
+    late = batch.end_ts > 1031.0
+    assert not batch.alive[late][:, 12:16].any() and batch.alive[late][:, :12].all()
     assert len(m.advance(1000.0 + 600).step) == 0
+
+
+def test_a_restarted_job_steps_again() -> None:
+    hang = Hang(kind="hang", job="train", nodes=NODES, at_seconds=30, others_continue_seconds=0,
+                until_seconds=200)
+    m = _model([hang])
+    stuck = m.advance(1000.0 + 190)
+    assert stuck.end_ts.max() <= 1030.0
+    again = m.advance(1000.0 + 300)
+    assert again.end_ts.min() > 1200.0 and len(again.step) > 40 and again.alive.all()
