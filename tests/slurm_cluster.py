@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.loopback import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "scontrol", "sinfo", "sbatch", "squeue")
 # Debian puts the daemons in /usr/sbin, which a non-login PATH may lack.
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
@@ -31,10 +32,7 @@ START_TIMEOUT_SECONDS = 30.0
 NODE_NAMES = ("vnode1", "vnode2", "vnode3")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_free_port = free_port
 
 
 def _which(name: str) -> str | None:

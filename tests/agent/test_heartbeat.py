@@ -12,6 +12,7 @@ import pytest
 
 from agent.heartbeat import Heartbeat, resolve_addr, resolve_identity
 from agent.wire import Heartbeat as WireHeartbeat
+from tests.loopback import free_port
 
 
 class FakeClock:
@@ -31,12 +32,7 @@ def receiver():
     sock.close()
 
 
-def _free_port() -> int:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()  # nothing listens there any more
-    return int(port)
+_free_port = free_port
 
 
 def test_import_pulls_in_no_agent_dependencies():

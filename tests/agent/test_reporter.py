@@ -1,6 +1,5 @@
 import asyncio
 import json
-import socket
 
 from aiohttp import web
 
@@ -8,12 +7,9 @@ from agent.collectors.collector import Collection
 from agent.reporter import Reporter, build_report
 from agent.snapshot import CollectorResult, Snapshot
 from agent.wire import Event, GpuState, Report
+from tests.loopback import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_free_port = free_port
 
 
 class FakeAggregator:

@@ -14,7 +14,6 @@ import hmac
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,16 +29,13 @@ from typing import Any
 import yaml
 
 from agent.wire import Report
+from tests.loopback import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 20.0
 SECRET = b"webhook-shared-secret"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout_seconds: float = 15.0) -> None:

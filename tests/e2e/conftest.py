@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -29,10 +28,6 @@ def which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path=SEARCH_PATH)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_json(url: str, body: Any = None, timeout_seconds: float = 2.0) -> Any:

@@ -33,7 +33,8 @@ from aggregator.dispatch import Dispatcher, GatedSink
 from aggregator.gate import Gate, GateConfig
 from aggregator.sink import DecisionSink
 from aggregator.store import Store
-from tests.e2e.conftest import Processes, WebhookReceiver, free_port, http_json, wait_for, which
+from tests.e2e.conftest import Processes, WebhookReceiver, http_json, wait_for, which
+from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.external

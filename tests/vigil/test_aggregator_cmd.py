@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.loopback import free_port
 from vigil.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_config_typo_exits_2_naming_the_key(tmp_path, capsys):

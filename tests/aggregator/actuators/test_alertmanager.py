@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -15,6 +14,7 @@ import pytest
 
 from aggregator.actuators.alertmanager import AlertmanagerActuator, AlertmanagerConfig, alert_for
 from aggregator.decision import Action, Decision
+from tests.loopback import free_port
 
 BINARY = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 CONFIG = """\
@@ -25,10 +25,7 @@ receivers:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_free_port = free_port
 
 
 @pytest.fixture(scope="module")
