@@ -38,6 +38,7 @@ NODES: list[tuple[str, str | None, str]] = [
     ("gpu-node-05", "demo-gpu-lost", "GPU 5 falls off the bus at ~25 s"),
 ]
 XID_NODE = "gpu-node-02"
+TABLE_NODE = "gpu-node-03"  # the node whose GPUs the view lists one by one
 SLOW_NODE = "gpu-node-04"
 XID_AT_SECONDS = 15.0
 SLOW_FROM_SECONDS = 5.0
@@ -123,6 +124,31 @@ class TrainingJob(threading.Thread):
             self.stop.wait(0.5)
 
 
+def _gpu_table(node: Node) -> list[str]:
+    """One row per GPU of one node, from the agent's own /v1/state (its last report)."""
+    try:
+        state = _get_json(f"http://127.0.0.1:{node.port}/v1/state")
+        gpus = (state.get("last_report") or {}).get("gpus", [])
+    except (urllib.error.URLError, OSError, ValueError):
+        gpus = []
+    out = [f"{node.name} GPUs:",
+           f"  {'gpu':>3} {'name':<24} {'health':<8} {'util':>5} {'SM MHz':>7} {'temp C':>6} {'HBM C':>6} "
+           f"{'power W':>8} {'ECC corr':>8} {'ECC unc':>7} {'remap':<8} throttle"]
+    for g in gpus:
+        def num(key: str, scale: float = 1.0, fmt: str = "{:.0f}", g: dict[str, Any] = g) -> str:
+            v = g.get(key)
+            return fmt.format(v * scale) if v is not None else "-"
+        remap = "FAILED" if g.get("remap_failure") else ("pending" if g.get("remap_pending") else "ok")
+        out.append(f"  {g['index']:>3} {str(g.get('name', ''))[:24]:<24} {g.get('health', '?'):<8} "
+                   f"{num('utilization_gpu_ratio', 100, '{:.0f}%'):>5} {num('sm_clock_hertz', 1e-6):>7} "
+                   f"{num('temperature_celsius'):>6} {num('memory_temperature_celsius'):>6} "
+                   f"{num('power_watts'):>8} {num('ecc_corrected_volatile'):>8} {num('ecc_uncorrected_volatile'):>7} "
+                   f"{remap:<8} {','.join(g.get('clock_event_reasons') or []) or '-'}")
+    if not gpus:
+        out.append("  (no report yet)")
+    return out
+
+
 def _render(nodes: list[Node], agg: str, started: float, decisions: list[dict[str, Any]]) -> str:
     lines = [f"vigil demo  t={time.time() - started:5.1f}s   aggregator {agg}", ""]
     lines.append(f"{'node':<13} {'fault':<52} {'GPUs ok':>7} {'hot':>4} {'max C':>6} {'state':<10}")
@@ -141,7 +167,7 @@ def _render(nodes: list[Node], agg: str, started: float, decisions: list[dict[st
         agg_state = str(agg_nodes.get(node.name, {}).get("state", "?"))
         lines.append(f"{node.name:<13} {node.fault[:52]:<52} {ok:>4}/{len(gpus):<2} {throttled:>4} "
                      f"{(max(temps) if temps else 0):>6.0f} {agg_state:<10}")
-    lines += ["", "decisions:"]
+    lines += ["", *_gpu_table(next(n for n in nodes if n.name == TABLE_NODE)), "", "decisions:"]
     for d in decisions[-12:]:
         where = d["node"] + (f" gpu {d['gpu']}" if d.get("gpu") is not None else "")
         lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(d['ts']))}  {d['action']:<16} {where:<20} "
@@ -165,8 +191,13 @@ def run(args: argparse.Namespace) -> int:
     decisions: list[dict[str, Any]] = []
     try:
         agg_log = open(workdir / "aggregator.log", "wb")  # noqa: SIM115 - closed with the process
-        agg_proc = subprocess.Popen([*exe, "aggregator", "--listen", f"127.0.0.1:{agg_port}",
-                                     "--store", str(workdir / "decisions.sqlite")],
+        # Dry run (nothing is acted on), and a breaker that lets the demo's 4 faulty nodes of 5
+        # through: on a real fleet that share of removals is exactly what the breaker stops.
+        (workdir / "aggregator.yaml").write_text(yaml.safe_dump({
+            "listen": f"127.0.0.1:{agg_port}", "store_path": str(workdir / "decisions.sqlite"),
+            "dry_run": True, "gate": {"breaker_max_share": 1.0},
+        }))
+        agg_proc = subprocess.Popen([*exe, "aggregator", "--config", str(workdir / "aggregator.yaml")],
                                     stdout=agg_log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
         procs.append(agg_proc)
         _wait_http(f"{agg}/healthz", agg_proc, 30)
