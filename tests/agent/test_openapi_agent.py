@@ -1,0 +1,69 @@
+"""docs/openapi-agent.yaml against the running agent: the Heartbeat schema is the wire model's,
+and every documented path answers with the documented shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from aiohttp.test_utils import TestClient, TestServer
+from openapi_spec_validator import validate as validate_spec
+
+from agent.collectors.collector import Collection
+from agent.collectors.training import TrainingCollector, TrainingConfig
+from agent.server import make_app
+from agent.snapshot import CollectorResult, Snapshot
+from agent.wire import Heartbeat
+
+SPEC: dict[str, Any] = yaml.safe_load((Path(__file__).resolve().parents[2] / "docs" / "openapi-agent.yaml").read_text())
+
+
+def check(body: Any, schema: str) -> None:
+    jsonschema.validate(body, {**SPEC, "$ref": f"#/components/schemas/{schema}"}, cls=jsonschema.Draft202012Validator)
+
+
+def test_spec_is_valid_and_heartbeat_matches_the_wire_model() -> None:
+    validate_spec(SPEC)
+    doc = SPEC["components"]["schemas"]["Heartbeat"]
+    assert set(doc["properties"]) == set(Heartbeat.model_fields)
+    assert set(doc["required"]) == {n for n, f in Heartbeat.model_fields.items() if f.is_required()}
+
+
+@pytest.fixture
+async def client() -> Any:
+    snapshot = Snapshot()
+    snapshot.put("host", CollectorResult(Collection(), True, 0.001, 1.0))
+    training = TrainingCollector(TrainingConfig(), pid_alive=lambda pid: True)
+    app = make_app(snapshot=snapshot, render_metrics=lambda: b"# nothing\n",
+                   state_extra=lambda: {"node": "n1", "version": "0", "boot_id": "b", "nvml_backend": "fake",
+                                        "last_report": None},
+                   heartbeat_sink=training, clock=lambda: 100.0)
+    async with TestClient(TestServer(app)) as c:
+        yield c
+
+
+async def test_every_documented_path_answers_as_documented(client: TestClient) -> None:
+    hb = {"job": "llm", "rank": 3, "step": 10, "step_seconds": 1.2, "compute_seconds": 0.9, "gpu": 3, "pid": 77}
+    check(hb, "Heartbeat")
+    resp = await client.post("/v1/heartbeat", data=json.dumps(hb))
+    assert resp.status == 202
+    check(await resp.json(), "Accepted")
+    for bad, reason in ((b"{not json", "invalid_json"), (json.dumps({**hb, "rnak": 1}).encode(), "unknown_field"),
+                        (json.dumps({**hb, "step": -1}).encode(), "schema")):
+        resp = await client.post("/v1/heartbeat", data=bad)
+        assert resp.status == 400
+        body = await resp.json()
+        check(body, "Error")
+        assert body["error"] == reason
+    resp = await client.get("/v1/state")
+    check(await resp.json(), "State")
+    resp = await client.get("/healthz")
+    check(await resp.json(), "Health")
+    resp = await client.get("/metrics")
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+    documented = {(p, m) for p, ops in SPEC["paths"].items() for m in ops}
+    assert documented == {("/v1/heartbeat", "post"), ("/v1/state", "get"), ("/metrics", "get"), ("/healthz", "get")}
