@@ -38,12 +38,18 @@ def _job_plot(result: SimResult, index: int, path: Path) -> None:
     if len(t):
         ax1.plot(t, trace.step_seconds, color="black", lw=1.0, label="job step time")
         comp = np.vstack(trace.node_compute_seconds)  # (windows, nodes)
-        lo, med, hi = np.percentile(comp, [1, 50, 99], axis=1)
-        ax2.fill_between(t, lo, hi, color="tab:blue", alpha=0.25, label="nodes, p1-p99")
+        lo, med, hi = np.percentile(comp, [5, 50, 95], axis=1)
+        ax2.fill_between(t, lo, hi, color="tab:blue", alpha=0.25, label="nodes, p5-p95")
         ax2.plot(t, med, color="tab:blue", lw=1.0, label="nodes, median")
-        faulty = {n for f in sc.faults for n in sc.fault_nodes(f)}
-        decided = {d.node for d in result.decisions if d.admitted}
-        marked = [n for n in trace.nodes if n in faulty or n in decided][:_MAX_HIGHLIGHTED]
+        # Worth a line of their own, most telling first: nodes made slow or hung, nodes the
+        # training detectors acted on, then other nodes with a fault of their own.
+        members = set(trace.nodes)
+        first = [n for f in sc.faults if f.kind in ("slow_node", "hang") and (f.node or f.nodes)
+                 for n in sc.fault_nodes(f)]
+        second = [d.node for d in result.decisions if d.admitted and d.job == trace.name
+                  and d.detector in ("straggler", "hang")]
+        third = [n for f in sc.faults if f.node or f.nodes for n in sc.fault_nodes(f)]
+        marked = list(dict.fromkeys(n for n in (*first, *second, *third) if n in members))[:_MAX_HIGHLIGHTED]
         col = {n: i for i, n in enumerate(trace.nodes)}
         for n in marked:
             ax2.plot(t, comp[:, col[n]], lw=1.2, label=n)

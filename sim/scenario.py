@@ -225,6 +225,10 @@ class Hang(_FaultBase):
     others_continue_seconds: float = Field(default=60.0, ge=0)
     until_seconds: float | None = None  # the job is restarted then and steps again
 
+    @classmethod
+    def _target_optional(cls) -> bool:
+        return True  # no target: every rank of the job stops at once (a software bug)
+
 
 class Silence(_FaultBase):
     """The node stops reporting (power loss, kernel panic, network partition)."""
@@ -375,13 +379,17 @@ class Scenario(_Strict):
         times = []
         for fault in self.faults:
             if exp.component is not None:
-                hit = fault.component == exp.component or exp.component in self._fault_components(fault)
+                hit = fault.component == exp.component
             elif exp.job is not None:
-                hit = getattr(fault, "job", None) == exp.job
+                hit = getattr(fault, "job", None) == exp.job and fault.node is None and fault.nodes is None
             else:
-                hit = exp.node in self.fault_nodes(fault)
+                targeted = fault.node is not None or fault.nodes is not None or fault.component is not None
+                hit = targeted and exp.node in self.fault_nodes(fault)
             if hit:
                 times.append(fault.at_seconds)
+        if not times and exp.component is not None:
+            # No fault of the component itself: the first fault of a node under it.
+            times = [f.at_seconds for f in self.faults if exp.component in self._fault_components(f)]
         return min(times) if times else None
 
     def _fault_components(self, fault: Any) -> set[str]:
