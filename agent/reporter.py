@@ -147,12 +147,15 @@ class Reporter:
         timeout = aiohttp.ClientTimeout(total=self._timeout)
         async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
             while not stop.is_set():
-                delay = backoff if backoff > 0 else self._interval
+                # An urgent event that arrived while the previous report was in flight goes out now:
+                # the wake flag is cleared only after a wait, never before, so it cannot be lost.
+                if not self._urgent:
+                    delay = backoff if backoff > 0 else self._interval
+                    waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())}
+                    _, pending = await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+                    for w in pending:
+                        w.cancel()
                 self._wake.clear()
-                waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())}
-                _, pending = await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-                for w in pending:
-                    w.cancel()
                 if stop.is_set():
                     break
                 report, n = self.next_report()

@@ -117,7 +117,8 @@ def measure() -> list[Measurement]:
                 except subprocess.TimeoutExpired:
                     p.kill()
             receiver.shutdown()
-    latencies = sorted(_Receiver.arrivals[n] - t for n, t in written.items() if n in _Receiver.arrivals)
+    per_node = {n: round(_Receiver.arrivals[n] - t, 3) for n, t in written.items() if n in _Receiver.arrivals}
+    latencies = sorted(per_node.values())
     missing = NODES - len(latencies)
     if not latencies:
         raise RuntimeError("no decision reached the webhook receiver")

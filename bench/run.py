@@ -21,6 +21,7 @@ MODULES = [
     "bench.bench_heartbeat",
     "bench.bench_ingest",
     "bench.bench_latency",
+    "bench.bench_rdma",
     "bench.bench_sim",
 ]
 

@@ -116,3 +116,40 @@ def test_unknown_scenario_is_a_clear_error(tmp_path: Path, flag: str) -> None:
                            "--listen", f"127.0.0.1:{_free_port()}"], capture_output=True, text=True, timeout=30)
     assert done.returncode != 0
     assert "no-such-scenario" in done.stderr
+
+
+def test_the_example_training_loop_shows_its_steps_in_the_agents_metrics(tmp_path: Path) -> None:
+    """Issue 5: examples/train_loop.py against `vigil agent --backend fake`."""
+    udp = free_port()
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(f"collectors: {{training: {{udp_listen: '127.0.0.1:{udp}'}}}}\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vigil", "agent", "--config", str(cfg), "--backend", "fake",
+         "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "agent did not come up"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=0.5).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        root = Path(__file__).resolve().parents[2]
+        env = {**os.environ, "VIGIL_HEARTBEAT_ADDR": f"127.0.0.1:{udp}", "RANK": "5", "LOCAL_RANK": "5",
+               "PYTHONPATH": str(root)}
+        done = subprocess.run([sys.executable, str(root / "examples" / "train_loop.py"), "12"], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert "sent 12 heartbeats" in done.stdout
+        text = ""
+        deadline = time.monotonic() + 10
+        while 'vigil_training_last_step{job="example",rank="5"} 12.0' not in text:
+            assert time.monotonic() < deadline, text[-2000:]
+            time.sleep(0.3)
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        assert 'vigil_training_phase_seconds{job="example",phase="compute",rank="5"}' in text
+    finally:
+        _stop(proc)

@@ -96,3 +96,44 @@ def test_pending_events_are_bounded_and_drops_counted() -> None:
     samples = {s.name: s.value for s in rep.samples() if not s.labels}
     assert samples["vigil_agent_events_dropped_total"] == 2
     json.loads(report.model_dump_json())
+
+
+async def test_an_urgent_event_arriving_during_a_push_is_not_held_until_the_next_interval() -> None:
+    """Regression: the wake flag was cleared at the top of the loop, after an urgent event had set
+    it during the previous POST, so that event waited a whole interval."""
+    got: asyncio.Queue[Report] = asyncio.Queue()
+    first_post_started = asyncio.Event()
+    release_first_post = asyncio.Event()
+
+    async def handle(request: web.Request) -> web.Response:
+        report = Report.model_validate_json(await request.read())
+        if report.seq == 0:
+            first_post_started.set()
+            await release_first_post.wait()  # the periodic report is in flight...
+        await got.put(report)
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/v1/reports", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    rep = Reporter(url=f"http://127.0.0.1:{port}", token=None, node="n1", boot_id="b", topology={},
+                   snapshot=_snapshot(), interval_seconds=0.05)
+    stop = asyncio.Event()
+    task = asyncio.create_task(rep.run(stop))
+    try:
+        await asyncio.wait_for(first_post_started.wait(), 5)
+        rep._interval = 60.0  # from now on only an urgent event can cause a push
+        rep.add_events([Event(kind="xid", ts=1.0, code=79, urgent=True)])  # ...when the Xid arrives
+        release_first_post.set()
+        first = await asyncio.wait_for(got.get(), 5)
+        assert first.seq == 0 and not first.events
+        second = await asyncio.wait_for(got.get(), 5)  # not 60 s later
+        assert [e.code for e in second.events] == [79] and second.urgent
+    finally:
+        stop.set()
+        release_first_post.set()
+        await asyncio.wait_for(task, 5)
+        await runner.cleanup()
