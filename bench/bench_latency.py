@@ -26,7 +26,7 @@ import yaml
 
 from bench.measure import Measurement
 
-NODES = 10
+NODES = 20
 XID_79 = ("[ 2071.315227] NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, "
           "GPU has fallen off the bus.\n")
 
