@@ -69,6 +69,9 @@ def split_host_port(value: str) -> tuple[str, int]:
 
 
 class TrainingConfig(CollectorConfig):
+    # Heartbeats are taken in as they arrive (ingest); a cycle only summarises the window for
+    # /metrics and the report, so it runs at the report cadence rather than every second.
+    interval_seconds: float = Field(default=2.5, gt=0)
     # Loopback by default: a heartbeat is trusted input about a job, so other hosts may not send one.
     udp_listen: str = "127.0.0.1:9401"
     http: bool = True  # also accept POST /v1/heartbeat on the agent's HTTP port
