@@ -96,9 +96,11 @@ class GpuState(_Wire):
 
 
 class PortState(_Wire):
-    """One RDMA port. ``counters`` are raw (data counters already in bytes); ``deltas`` and
-    ``rates_per_second`` are since the previous cycle, omitted for a counter that went backwards
-    or sits at its saturation value, which is named in ``flags`` ("reset" or "saturated")."""
+    """One RDMA port. ``counters`` are raw (data counters already in bytes). ``deltas`` and
+    ``rates_per_second`` are since the agent's previous cycle and list only counters that moved
+    (absent: unchanged); a counter that went backwards or sits at its saturation value has none
+    and is named in ``flags`` ("reset" or "saturated") instead. The aggregator judges over its
+    own window from the raw counters; these are for a reader of a single report."""
 
     device: str
     port: int

@@ -545,6 +545,8 @@ class RdmaCollector:
             if saturated:
                 flags[name] = "saturated"
                 return
+            if raw == prev_raw:
+                return  # the report carries deltas and rates of counters that moved, not 45 zeros
             delta = (raw - prev_raw) * scale
             deltas[name] = delta
             if at > prev_at:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,18 @@ def _names_emitted(agent: Agent, clock: Clock, times: list[float], feed: list[tu
             agent.snapshot.put(c.name, collect_once(c, clock.t))
         for source in (agent.snapshot.samples, agent.runner.self_samples, agent.reporter.samples):
             names.update(s.name for s in source())
+    # NVML's Xid event worker waits in real time while this clock is fake: give it real time,
+    # collecting again until nothing new has appeared for longer than its 0.5 s wait (bounded at 5 s).
+    deadline = time.monotonic() + 5
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - quiet_since < 0.6:
+        time.sleep(0.1)
+        before = len(names)
+        for c in agent.collectors:
+            agent.snapshot.put(c.name, collect_once(c, clock.t))
+        names.update(s.name for s in agent.snapshot.samples())
+        if len(names) > before:
+            quiet_since = time.monotonic()
     return names
 
 
