@@ -47,6 +47,7 @@ class GpuConfig(CollectorConfig):
 
 
 _G = ("gpu", "uuid")
+_Labels = tuple[tuple[str, str], ...]
 G = MetricKind.GAUGE
 C = MetricKind.COUNTER
 
@@ -170,10 +171,13 @@ class _Gpu:
         self.static_samples: list[Sample] = []
         self.nvlink_samples: list[Sample] = []
         self.nvlink_state: dict[str, int | list[int] | None] = {}
+        # link -> (state labels, (crc, replay, recovery) error labels); cleared when labels change
+        self.link_label_cache: dict[int, tuple[_Labels, tuple[_Labels, ...]]] = {}
 
     def identify(self, ident: GpuIdentity) -> None:
         self.identity = ident
         self.labels = (("gpu", str(self.index)), ("uuid", ident.uuid))
+        self.link_label_cache = {}
         info = Sample.of(INFO, 1, gpu=self.index, uuid=ident.uuid, name=ident.name, pci_bus_id=ident.pci_bus_id,
                          serial=ident.serial or "", vbios_version=ident.vbios_version or "",
                          driver_version=ident.driver_version or "",
@@ -308,18 +312,25 @@ class GpuCollector:
         seen = {"crc": False, "replay": False, "recovery": False}
         down: list[int] = []
         active = 0
+        cache = gpu.link_label_cache
         for link in r.nvlinks:
-            link_labels = (*gpu.labels, ("link", str(link.link)))
+            labels = cache.get(link.link)
+            if labels is None:  # 18 links x 4 series per H100: build each label set once
+                state_labels = (*gpu.labels, ("link", str(link.link)))
+                labels = cache[link.link] = (state_labels, tuple(
+                    (*state_labels, ("error_type", kind)) for kind in ("crc", "replay", "recovery")))
+            state_labels, (crc_labels, replay_labels, recovery_labels) = labels
             if link.active is not None:
-                samples.append(Sample(NVLINK_STATE.name, 1.0 if link.active else 0.0, link_labels))
+                samples.append(Sample(NVLINK_STATE.name, 1.0 if link.active else 0.0, state_labels))
                 if link.active:
                     active += 1
                 else:
                     down.append(link.link)
-            for kind, value in (("crc", link.crc_errors), ("replay", link.replay_errors),
-                                ("recovery", link.recovery_errors)):
+            for kind, value, error_labels in (("crc", link.crc_errors, crc_labels),
+                                              ("replay", link.replay_errors, replay_labels),
+                                              ("recovery", link.recovery_errors, recovery_labels)):
                 if value is not None:
-                    samples.append(Sample(NVLINK_ERRORS.name, float(value), (*link_labels, ("error_type", kind))))
+                    samples.append(Sample(NVLINK_ERRORS.name, float(value), error_labels))
                     sums[kind] += value
                     seen[kind] = True
         gpu.nvlink_samples = samples
