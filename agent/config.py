@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from agent.collectors.collector import StrictModel
 from agent.collectors.gpu import GpuConfig
@@ -21,6 +21,8 @@ from agent.collectors.rdma import RdmaConfig
 from agent.collectors.training import TrainingConfig
 from agent.collectors.xid import XidConfig
 from agent.dcgm_compat import ExporterConfig
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class ConfigError(Exception):
@@ -76,20 +78,8 @@ def format_validation_error(exc: ValidationError) -> str:
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
-def parse_config(data: Any) -> AgentConfig:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"invalid configuration: the top level must be a mapping, got {type(data).__name__}")
-    try:
-        return AgentConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
-
-
-def load_config(path: str | Path | None) -> AgentConfig:
-    if path is None:
-        return parse_config({})
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's top-level mapping (empty file: {}), or a ConfigError saying why not."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -98,4 +88,28 @@ def load_config(path: str | Path | None) -> AgentConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
-    return parse_config(data)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def validate_config(model: type[_M], data: Any) -> _M:
+    """``data`` validated as ``model``; errors name every offending key path (agent and aggregator)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def parse_config(data: Any) -> AgentConfig:
+    return validate_config(AgentConfig, data)
+
+
+def load_config(path: str | Path | None) -> AgentConfig:
+    return parse_config({} if path is None else read_config_file(path))

@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
 from agent.collectors.collector import StrictModel
-from agent.config import ConfigError, format_validation_error
+from agent.config import ConfigError, read_config_file, validate_config
 from aggregator.actuators import ActuatorsConfig
 from aggregator.detectors.hang import HangConfig
 from aggregator.detectors.memory import MemoryConfig
@@ -79,25 +78,8 @@ class AggregatorConfig(StrictModel):
 
 
 def parse_config(data: Any) -> AggregatorConfig:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"invalid configuration: the top level must be a mapping, got {type(data).__name__}")
-    try:
-        return AggregatorConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+    return validate_config(AggregatorConfig, data)
 
 
 def load_config(path: str | Path | None) -> AggregatorConfig:
-    if path is None:
-        return parse_config({})
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
-    return parse_config(data)
+    return parse_config({} if path is None else read_config_file(path))

@@ -13,8 +13,6 @@ import signal
 import sys
 from typing import Any
 
-import yaml
-
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("agent", help="run the node agent", description="Run the vigil node agent.")
@@ -31,20 +29,9 @@ def add_parser(sub: Any) -> None:
 
 
 def _merged_config(args: argparse.Namespace) -> Any:
-    from agent.config import ConfigError, parse_config
+    from agent.config import parse_config, read_config_file
 
-    data: dict[str, Any] = {}
-    if args.config:
-        try:
-            with open(args.config) as f:
-                loaded = yaml.safe_load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {args.config}: {exc.strerror or exc}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config {args.config} is not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError("invalid configuration: the top level must be a mapping")
-        data = loaded or {}
+    data: dict[str, Any] = read_config_file(args.config) if args.config else {}
     if args.backend:
         data.setdefault("nvml", {})["backend"] = args.backend
     if args.scenario:

@@ -15,8 +15,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import yaml
-
 from vigil.decisions_cmd import add_breaker_args, add_decisions_args, breaker, decisions
 
 
@@ -29,20 +27,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _merged_config(args: argparse.Namespace) -> Any:
-    from aggregator.config import ConfigError, parse_config
+    from agent.config import read_config_file
+    from aggregator.config import parse_config
 
-    data: dict[str, Any] = {}
-    if args.config:
-        try:
-            with open(args.config) as f:
-                loaded = yaml.safe_load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {args.config}: {exc.strerror or exc}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config {args.config} is not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError("invalid configuration: the top level must be a mapping")
-        data = loaded or {}
+    data: dict[str, Any] = read_config_file(args.config) if args.config else {}
     if args.listen:
         data["listen"] = args.listen
     if args.token_file:
