@@ -198,3 +198,16 @@ class AggregatorProcess:
     def decisions(self) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
         body = self.request("GET", "/v1/decisions?limit=1000")
         return body["decisions"], body.get("deliveries", {})
+
+
+def slurm_aggregator_config(scontrol: str, slurm_conf: str) -> dict[str, Any]:
+    """An aggregator that acts (not dry run) through the Slurm actuator, evaluating and delivering
+    quickly enough for a test."""
+    return {
+        "dry_run": False,
+        "evaluate_interval_seconds": 0.5,
+        "actuators": {
+            "slurm": {"enabled": True, "scontrol": scontrol, "slurm_conf": slurm_conf},
+            "delivery": {"base_backoff_seconds": 0.2, "max_backoff_seconds": 1, "poll_seconds": 0.2},
+        },
+    }

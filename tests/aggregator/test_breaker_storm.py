@@ -19,7 +19,13 @@ from aggregator.dispatch import DispatchConfig, Dispatcher, GatedSink
 from aggregator.engine import Engine
 from aggregator.gate import Gate
 from aggregator.store import Store
-from tests.aggregator.aggregator_process import SECRET, AggregatorProcess, WebhookReceiver, wait_for
+from tests.aggregator.aggregator_process import (
+    SECRET,
+    AggregatorProcess,
+    WebhookReceiver,
+    slurm_aggregator_config,
+    wait_for,
+)
 from tests.aggregator.conftest import FakeNode
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
 
@@ -123,15 +129,8 @@ async def test_a_storm_on_40_percent_of_the_fleet_drains_the_budget_alerts_once_
 @pytest.fixture
 def slurm_aggregator(tmp_path: Path, slurm_cluster: SlurmCluster) -> Iterator[AggregatorProcess]:  # noqa: F811
     slurm_cluster.reset()
-    agg = AggregatorProcess(tmp_path, {
-        "dry_run": False,
-        "evaluate_interval_seconds": 0.5,
-        "actuators": {
-            "slurm": {"enabled": True, "scontrol": slurm_cluster.scontrol,
-                      "slurm_conf": str(slurm_cluster.root / "slurm.conf")},
-            "delivery": {"base_backoff_seconds": 0.2, "max_backoff_seconds": 1, "poll_seconds": 0.2},
-        },
-    })
+    agg = AggregatorProcess(tmp_path, slurm_aggregator_config(slurm_cluster.scontrol,
+                                                              str(slurm_cluster.root / "slurm.conf")))
     try:
         yield agg
     finally:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.aggregator.aggregator_process import REPO, AggregatorProcess, wait_for
+from tests.aggregator.aggregator_process import REPO, AggregatorProcess, slurm_aggregator_config, wait_for
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
 
@@ -60,15 +60,8 @@ class Agents:
 @pytest.fixture
 def aggregator(tmp_path: Path, slurm_cluster: SlurmCluster) -> Iterator[AggregatorProcess]:  # noqa: F811
     slurm_cluster.reset()
-    agg = AggregatorProcess(tmp_path, {
-        "dry_run": False,
-        "evaluate_interval_seconds": 0.5,
-        "actuators": {
-            "slurm": {"enabled": True, "scontrol": slurm_cluster.scontrol,
-                      "slurm_conf": str(slurm_cluster.root / "slurm.conf")},
-            "delivery": {"base_backoff_seconds": 0.2, "max_backoff_seconds": 1, "poll_seconds": 0.2},
-        },
-    })
+    agg = AggregatorProcess(tmp_path, slurm_aggregator_config(slurm_cluster.scontrol,
+                                                              str(slurm_cluster.root / "slurm.conf")))
     try:
         yield agg
     finally:
