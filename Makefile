@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: test demo bench lint typecheck system-packages clean
+.PHONY: test test-all demo bench lint typecheck system-packages clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The full-length simulations (marked slow, ~10 min) run in `make test-all`; `make test` runs every
+# shipped scenario trimmed to its deadlines.
 test: $(STAMP) system-packages lint typecheck
+	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP) system-packages lint typecheck
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)

@@ -204,7 +204,8 @@ def start_cluster(root: Path, nodes: Sequence[str] = NODE_NAMES) -> SlurmCluster
     except (AssertionError, OSError) as exc:
         cluster.stop()
         tail = (root / "slurmctld.log").read_text()[-2000:] if (root / "slurmctld.log").exists() else ""
-        pytest.skip(f"the Slurm test cluster did not come up: {exc}\n{tail}")
+        # The programs are installed (a missing one skipped above): not starting is a failure.
+        pytest.fail(f"the Slurm test cluster did not come up: {exc}\n{tail}")
     finally:
         log.close()
     return cluster

@@ -90,8 +90,7 @@ def test_aggregator_and_gate_config_errors_name_their_key_path(quick_xid) -> Non
 @pytest.mark.parametrize("name", sorted(BIG))
 def test_big_scenario_passes(name: str) -> None:
     path = next((p for p in shipped_scenarios() if p.stem == name), None)
-    if path is None:
-        pytest.skip(f"{name} is not shipped")
+    assert path is not None, f"{name} is not shipped"
     sc = load_scenario(path)
     # The 24-hour fleet runs its first simulated hour here; `make bench` measures the rest.
     s = score(run_scenario(shortened(sc, min(horizon(sc), 3600))))

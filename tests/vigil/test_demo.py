@@ -7,10 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-
-@pytest.mark.slow
 def test_demo_decides_each_injected_fault_and_leaves_the_healthy_node_alone(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "vigil", "demo", "--seconds", "50", "--workdir", str(tmp_path)],
                           capture_output=True, text=True, timeout=180)

@@ -57,7 +57,7 @@ def alertmanager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                         break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.skip(f"alertmanager did not start: {(root / 'am.log').read_text()[-500:]}")
+                    pytest.fail(f"alertmanager did not start: {(root / 'am.log').read_text()[-500:]}")
                 time.sleep(0.2)
         yield url
     finally:
