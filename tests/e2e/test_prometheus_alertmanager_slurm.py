@@ -1,7 +1,8 @@
 """End to end with the real programs: vigil agents on the fake NVML backend -> Debian's prometheus
 scraping them with rules/ loaded -> a hardware alert fires -> Debian's prometheus-alertmanager,
 routed by deploy/alertmanager/alertmanager.yml, posts it to the aggregator's POST /v1/alertmanager
--> the aggregator's gate admits it and its Slurm actuator drains the node in a real slurmctld.
+-> the real `vigil aggregator` process's gate admits it and its Slurm actuator drains the node in a
+real slurmctld.
 
 Node vnode1 runs the shipped row-remap-failure scenario (GPU 6 runs out of spare rows), its fault
 brought forward from 60 s to 3 s; vnode2 runs the healthy H100 scenario and must raise nothing.
@@ -11,28 +12,19 @@ loopback, stopped by its pid; each test is bounded by DEADLINE_SECONDS.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import sys
-import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import yaml
-from aiohttp import web
 
-from aggregator.actuators.actuator import DispatchConfig
-from aggregator.actuators.slurm import SlurmActuator, SlurmConfig
-from aggregator.alertmanager_input import WebhookPayload, add_routes, decisions_from_payload
+from aggregator.alertmanager_input import WebhookPayload, decisions_from_payload
 from aggregator.decision import Action
-from aggregator.dispatch import Dispatcher, GatedSink
-from aggregator.gate import Gate, GateConfig
-from aggregator.sink import DecisionSink
-from aggregator.store import Store
+from tests.aggregator.aggregator_process import AggregatorProcess, slurm_aggregator_config
 from tests.e2e.conftest import Processes, WebhookReceiver, http_json, wait_for, which
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster
@@ -183,77 +175,19 @@ def test_hardware_fault_pages_through_prometheus_and_alertmanager(tmp_path: Path
     assert not p.query('ALERTS{node="vnode2"}')
 
 
-class GatedAggregator:
-    """The aggregator's decision path, assembled from its own parts in a thread of this process:
-    POST /v1/alertmanager (aggregator.alertmanager_input) -> GatedSink (gate + SQLite store, not in
-    dry run) -> Dispatcher -> SlurmActuator. `vigil aggregator` does not yet let a configuration
-    choose the gate and the Slurm actuator; when it does, this becomes that process."""
-
-    def __init__(self, store_path: Path, slurm: SlurmCluster) -> None:
-        self.store_path = store_path
-        self.slurm = slurm
-        self.port = 0
-        self.ready = threading.Event()
-        self.error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._main, daemon=True)
-
-    def __enter__(self) -> GatedAggregator:
-        self._thread.start()
-        if not self.ready.wait(10) or self.error is not None:
-            raise AssertionError(f"aggregator did not start: {self.error!r}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=10)
-
-    def _main(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as exc:  # noqa: BLE001 - reported to the test through .error
-            self.error = exc
-            self.ready.set()
-
-    async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        store = Store(self.store_path)
-        actuators = {"slurm": SlurmActuator(SlurmConfig(enabled=True), run=self.slurm.run)}
-        dispatcher = Dispatcher(store, actuators, DispatchConfig(base_backoff_seconds=0.5, max_backoff_seconds=2))
-        sink = GatedSink(Gate(GateConfig(dry_run=False)), store, actuators, wake=dispatcher.wake)
-        app = web.Application()
-        # cast: GatedSink.recent lacks the protocol's default limit; the routes never call it.
-        add_routes(app, cast(DecisionSink, sink), clock=time.time, dry_run=False,
-                   fleet_nodes=lambda: len(self.slurm.nodes), breaker=sink)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        delivering = asyncio.create_task(dispatcher.run())
-        try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            self.port = int(runner.addresses[0][1])
-            self.ready.set()
-            await self._stop.wait()
-        finally:
-            delivering.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await delivering
-            await runner.cleanup()
-            dispatcher.close()
-            store.close()
-
-
 @needs_prometheus
 def test_hardware_fault_drains_the_node_in_slurm(tmp_path: Path, processes: Processes,
                                                  slurm_cluster: SlurmCluster) -> None:
     slurm_cluster.reset()
     assert {"vnode1", "vnode2"} <= set(slurm_cluster.nodes)
     deadline = time.monotonic() + DEADLINE_SECONDS
-    with GatedAggregator(tmp_path / "decisions.sqlite", slurm_cluster) as aggregator:
-        p = start_pipeline(tmp_path, processes, f"http://127.0.0.1:{aggregator.port}/v1/alertmanager")
+    # The real `vigil aggregator` process: gate, SQLite store, dispatcher and the Slurm actuator.
+    (tmp_path / "aggregator").mkdir()
+    aggregator = AggregatorProcess(tmp_path / "aggregator", slurm_aggregator_config(
+        slurm_cluster.scontrol, str(slurm_cluster.root / "slurm.conf")))
+    aggregator.start()
+    try:
+        p = start_pipeline(tmp_path, processes, f"{aggregator.url}/v1/alertmanager")
 
         def drained() -> bool:
             processes.check_alive()
@@ -265,3 +199,8 @@ def test_hardware_fault_drains_the_node_in_slurm(tmp_path: Path, processes: Proc
         assert reason.startswith("vigil: inspect_hardware:"), reason
         assert slurm_cluster.sinfo_state("vnode2") == "idle"
         assert [a["labels"]["node"] for a in p.alerts()] == ["vnode1"]
+        decisions, _ = aggregator.decisions()
+        assert [d["node"] for d in decisions] == ["vnode1"] and decisions[0]["detector"] == "alertmanager"
+        assert decisions[0]["id"] in reason
+    finally:
+        aggregator.stop()
