@@ -21,6 +21,7 @@ from agent.collectors.rdma import RdmaConfig
 from agent.collectors.training import TrainingConfig
 from agent.collectors.xid import XidConfig
 from agent.dcgm_compat import ExporterConfig
+from agent.validation import format_validation_error
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -65,17 +66,6 @@ class AgentConfig(StrictModel):
     aggregator: AggregatorTarget = AggregatorTarget()
     collectors: CollectorsConfig = CollectorsConfig()
     exporter: ExporterConfig = ExporterConfig()  # dcgm_compat: also serve DCGM_FI_DEV_* series
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        if err["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown key")
-        else:
-            lines.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from agent.config import AgentConfig, ConfigError, parse_config
 from agent.seams import Seams
+from agent.validation import format_validation_error
 from agent.wire import Report
 from sim import fabric
 from sim.clock import SimClock
@@ -39,7 +40,6 @@ from sim.scenario import (
     ScenarioError,
     Silence,
     SlowNode,
-    format_validation_error,
 )
 from sim.training import JobModel, StepBatch
 
@@ -479,7 +479,7 @@ def build_engine(scenario: Scenario) -> tuple[Any, Any]:
     try:
         gate_config = GateConfig.model_validate({**scenario.gate, "dry_run": True})
     except ValidationError as exc:
-        raise ScenarioError(format_validation_error(exc, f"{scenario.name} (gate)")) from None
+        raise ScenarioError(format_validation_error(exc, f"invalid scenario {scenario.name} (gate)")) from None
     store = Store(":memory:")
     sink = GatedSink(Gate(gate_config), store, actuators={})
     # cast: GatedSink.recent lacks the protocol's default argument (aggregator/dispatch.py)

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from agent.validation import format_validation_error
+
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 
 # The node-level FakeNvml fault kinds (agent/nvml scenario contract); the simulator passes these
@@ -448,24 +450,6 @@ def _check_nodeset(nodeset: NodeSet, names: set[str], name_format: str, where: s
         raise ValueError(f"{where}: range {nodeset!r} runs backwards")
 
 
-def format_validation_error(exc: ValidationError, source: str) -> str:
-    lines = []
-    for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"])
-        if not path:  # cross-reference checks name their own key path in the message
-            lines.append(err["msg"].removeprefix("Value error, "))
-        elif err["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown key")
-        elif err["type"] == "missing":
-            lines.append(f"{path}: required key missing")
-        else:
-            msg = err["msg"].removeprefix("Value error, ")
-            got = err.get("input")
-            tail = "" if isinstance(got, dict | list) else f" (got {got!r})"
-            lines.append(f"{path}: {msg}{tail}")
-    return f"invalid scenario {source}:\n  " + "\n  ".join(lines)
-
-
 def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
     if not isinstance(data, dict):
         raise ScenarioError(f"invalid scenario {source}: the top level must be a mapping, "
@@ -473,7 +457,7 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError(format_validation_error(exc, source)) from None
+        raise ScenarioError(format_validation_error(exc, f"invalid scenario {source}")) from None
 
 
 def load_scenario(path_or_name: str | Path) -> Scenario:

@@ -54,3 +54,4 @@ class CollectorConfig(StrictModel):
     enabled: bool = True
     interval_seconds: float = Field(default=1.0, gt=0)
     timeout_seconds: float = Field(default=5.0, gt=0)
+

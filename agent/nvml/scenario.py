@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agent.nvml.profiles import PROFILES
+from agent.validation import format_validation_error
 
 # Shipped scenarios live at the repository root beside the fleet scenarios of other issues.
 SCENARIO_DIR = Path(__file__).resolve().parents[2] / "scenarios" / "node"
@@ -136,17 +137,6 @@ class NodeScenario(_Strict):
         return self
 
 
-def _format(exc: ValidationError, source: str) -> str:
-    lines = []
-    for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        if err["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown key")
-        else:
-            lines.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
-    return f"invalid node scenario {source}:\n  " + "\n  ".join(lines)
-
-
 def parse_node_scenario(data: Any, source: str = "<data>") -> NodeScenario:
     if data is None:
         data = {}
@@ -155,7 +145,7 @@ def parse_node_scenario(data: Any, source: str = "<data>") -> NodeScenario:
     try:
         return NodeScenario.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError(_format(exc, source)) from None
+        raise ScenarioError(format_validation_error(exc, f"invalid node scenario {source}")) from None
 
 
 def resolve_scenario_path(path_or_name: str | Path) -> Path:
