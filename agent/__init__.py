@@ -3,4 +3,4 @@
 The agent observes and reports; it never judges. It must not import ``aggregator``.
 """
 
-__version__ = "0.1.0"
+from vigil import __version__ as __version__  # one release number: vigil/__init__.py

@@ -1,5 +1,5 @@
 """The agent's metric catalog: every MetricSpec the agent can put on /metrics, gathered from each
-collector module's declarations and the runner's and reporter's self-metrics.
+collector module's declarations and the runner's, reporter's and server's self-metrics.
 
 Rules, dashboards and the dcgm-exporter compatibility layer are checked against it, so a renamed
 metric breaks a test instead of silently emptying a panel. It reads declarations only; it builds
@@ -12,6 +12,7 @@ from agent.collectors import gpu, host, rdma, training, xid
 from agent.metric import MetricSpec
 from agent.reporter import REPORTER_SPECS
 from agent.runner import RUNNER_SPECS
+from agent.server import SERVER_SPECS
 
 # One entry per collector module in agent.collectors.REGISTRY; a test keeps the two in step.
 COLLECTOR_SPECS: dict[str, tuple[MetricSpec, ...]] = {
@@ -30,7 +31,7 @@ def agent_specs() -> list[MetricSpec]:
     raises here too rather than pick one.
     """
     out: dict[str, MetricSpec] = {}
-    for specs in (*COLLECTOR_SPECS.values(), RUNNER_SPECS, REPORTER_SPECS):
+    for specs in (*COLLECTOR_SPECS.values(), RUNNER_SPECS, REPORTER_SPECS, SERVER_SPECS):
         for spec in specs:
             known = out.get(spec.name)
             if known is not None and known != spec:

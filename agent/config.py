@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from agent.collectors.collector import StrictModel
 from agent.collectors.gpu import GpuConfig
@@ -21,7 +21,9 @@ from agent.collectors.rdma import RdmaConfig
 from agent.collectors.training import TrainingConfig
 from agent.collectors.xid import XidConfig
 from agent.dcgm_compat import ExporterConfig
-from agent.validation import format_validation_error
+from agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
+from agent.validation import HostPort, format_validation_error
+from agent.wire import NodeName
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -39,14 +41,38 @@ class NvmlConfig(StrictModel):
 
 
 class AggregatorTarget(StrictModel):
-    url: str | None = None  # e.g. http://aggregator:9500 ; None: do not push reports
-    token_file: str | None = None
+    # e.g. https://aggregator:9500 ; None: do not push reports. https verifies the aggregator's
+    # certificate (the system's CAs, or only ca_file's) and its hostname, always.
+    url: str | None = None
+    token_file: str | None = None  # this node's token, sent as "Authorization: Bearer"
+    ca_file: str | None = None  # PEM CA bundle that signed the aggregator's certificate
+    cert_file: str | None = None  # client certificate (PEM) where the site uses mTLS ...
+    key_file: str | None = None  # ... and its key
     interval_seconds: float = Field(default=2.5, gt=0)
     timeout_seconds: float = Field(default=5.0, gt=0)
     max_backoff_seconds: float = Field(default=60.0, gt=0)
-    # Reports kept while the aggregator is down; the oldest periodic ones go first, events never
-    # silently: dropped events are counted.
-    queue_max_reports: int = Field(default=120, ge=1)
+    # Every report is built at or under this (agent/limits.py: the aggregator's max_body_bytes
+    # default); a 413 from an aggregator configured lower makes the agent split further.
+    max_report_bytes: int = Field(default=REPORT_MAX_BYTES, ge=16 * 1024)
+    # Events kept (serialized) while the aggregator cannot take them; past it the oldest are
+    # dropped, counted in vigil_agent_events_dropped_total{reason="backlog_full"} and logged.
+    max_pending_event_bytes: int = Field(default=PENDING_EVENTS_MAX_BYTES, ge=16 * 1024)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return url
+
+    @model_validator(mode="after")
+    def _tls_needs_https(self) -> AggregatorTarget:
+        tls = [k for k in ("ca_file", "cert_file", "key_file") if getattr(self, k)]
+        if tls and not (self.url or "").startswith("https://"):
+            raise ValueError(f"aggregator.{tls[0]}: only used with an https:// aggregator.url")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("aggregator.cert_file and aggregator.key_file go together (mTLS client certificate)")
+        return self
 
 
 class CollectorsConfig(StrictModel):
@@ -58,8 +84,19 @@ class CollectorsConfig(StrictModel):
 
 
 class AgentConfig(StrictModel):
-    node: str = Field(default_factory=socket.gethostname, min_length=1)
-    listen: str = "127.0.0.1:9400"
+    # What the aggregator knows this node as: a hostname (agent/wire.py's one rule), so that a
+    # typo'd name fails here, at start-up, instead of in every report.
+    node: NodeName = Field(default_factory=socket.gethostname, validate_default=True)
+    # /metrics, /healthz and /v1/state. It may be any address (0.0.0.0 for Prometheus): heartbeats
+    # have their own node-local listener (collectors.training.udp_listen, unix_socket).
+    # 19400: 9400 is dcgm-exporter's and 9100 node_exporter's, and the Prometheus default-port list
+    # (9100-9999) is fully allocated; 19400 is outside it, below the ephemeral range, and reads as
+    # "dcgm-exporter's port + 10000" so both can run side by side during a migration.
+    listen: HostPort = "127.0.0.1:19400"
+    # Open connections to that listener beyond this are closed at accept and counted
+    # (vigil_agent_connections_refused_total): a node has one or two scrapers, and a flood must
+    # not use up the file descriptors the reporter needs.
+    listen_max_connections: int = Field(default=64, ge=1, le=4096)
     state_dir: str | None = None
     topology: dict[str, str] = Field(default_factory=dict)  # row, rack, leaf_switch, ...
     nvml: NvmlConfig = NvmlConfig()
@@ -94,7 +131,7 @@ def validate_config(model: type[_M], data: Any) -> _M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc, model=model)) from None
 
 
 def parse_config(data: Any) -> AgentConfig:

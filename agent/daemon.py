@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -26,14 +28,38 @@ from agent.collectors.collector import Collection, Collector
 from agent.config import AgentConfig
 from agent.dcgm_compat import DcgmCompatCollector
 from agent.exporter import SnapshotExporter, render
-from agent.reporter import REPORTER_SPECS, Reporter
+from agent.reporter import REPORTER_SPECS, Reporter, client_ssl_context
 from agent.runner import RUNNER_SPECS, Runner
 from agent.sd_notify import SdNotifier
 from agent.seams import Seams
-from agent.server import HeartbeatSink, make_app, split_hostport, start_udp
+from agent.server import (
+    IDLE_TIMEOUT_SECONDS,
+    ConnectionLimit,
+    HeartbeatIntake,
+    HeartbeatSink,
+    is_loopback_host,
+    make_app,
+    make_heartbeat_app,
+    serve_bounded,
+    split_hostport,
+    start_udp,
+    start_unix,
+)
 from agent.snapshot import Snapshot
+from vigil.build_info import register_build_info
 
 log = logging.getLogger("vigil.agent")
+
+_T = TypeVar("_T")
+
+
+async def _bind(start: Awaitable[_T], address: str, key: str) -> _T:
+    """``start`` (a socket bind); an OSError naming the address and the config key when it fails
+    ("Address already in use" alone does not say which of a host's agents holds what)."""
+    try:
+        return await start
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {address} ({key}): {exc.strerror or exc}") from None
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
@@ -75,22 +101,33 @@ class Agent:
         if config.aggregator.token_file:
             token = Path(config.aggregator.token_file).read_text().strip()
         self.boot_id = read_boot_id()
+        target = config.aggregator
+        if token and target.url and target.url.startswith("http://"):
+            log.warning("aggregator.url %s is plain http: this node's token crosses the network readable; "
+                        "use https:// with aggregator.ca_file", target.url)
         self.reporter = Reporter(
-            url=config.aggregator.url, token=token, node=config.node, boot_id=self.boot_id,
-            topology=config.topology, snapshot=self.snapshot, interval_seconds=config.aggregator.interval_seconds,
-            timeout_seconds=config.aggregator.timeout_seconds,
-            max_backoff_seconds=config.aggregator.max_backoff_seconds, clock=seams.clock)
+            url=target.url, token=token, node=config.node, boot_id=self.boot_id,
+            topology=config.topology, snapshot=self.snapshot, interval_seconds=target.interval_seconds,
+            timeout_seconds=target.timeout_seconds, max_backoff_seconds=target.max_backoff_seconds,
+            max_report_bytes=target.max_report_bytes, max_pending_event_bytes=target.max_pending_event_bytes,
+            ssl_context=client_ssl_context(target.url, target.ca_file, target.cert_file, target.key_file),
+            state_dir=seams.state_dir, clock=seams.clock)
+        self.heartbeats = HeartbeatIntake(self.heartbeat_sink(), seams.clock)
+        self.connections = ConnectionLimit(config.listen_max_connections)
         intervals = {}
         for c in self.collectors:
             section = getattr(config.collectors, c.name)
             intervals[c.name] = (section.interval_seconds, section.timeout_seconds)
         self.runner = Runner(self.collectors, intervals, self.snapshot, self._on_events, clock=seams.clock)
-        specs = [s for c in self.collectors for s in c.specs] + [*RUNNER_SPECS, *REPORTER_SPECS]
+        specs = [s for c in self.collectors for s in c.specs] + [*RUNNER_SPECS, *REPORTER_SPECS,
+                                                                 *self.heartbeats.specs, *self.connections.specs]
         self.exporter = SnapshotExporter(specs, [self.snapshot.samples, self.runner.self_samples,
-                                                 self.reporter.samples])
+                                                 self.reporter.samples, self.heartbeats.samples,
+                                                 self.connections.samples])
         # Add-on prometheus-client collectors (e.g. dcgm-exporter compatibility) register here;
         # vigil's own series are rendered by the exporter's direct encoder.
         self.registry = CollectorRegistry(auto_describe=False)
+        register_build_info(self.registry, "agent")
         if config.exporter.dcgm_compat:
             self.registry.register(DcgmCompatCollector(self.snapshot.samples, hostname=config.node))
 
@@ -107,47 +144,93 @@ class Agent:
         return None
 
     def state_extra(self) -> dict[str, Any]:
-        last = self.reporter.last_report
+        last = self.reporter.last_report_body
         return {
             "node": self.config.node,
             "version": agent.__version__,
             "boot_id": self.boot_id,
             "nvml_backend": self.config.nvml.backend,
-            "last_report": last.model_dump(mode="json", exclude_none=True) if last else None,
+            "last_report": json.loads(last) if last else None,
         }
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[str], None] | None = None) -> None:
         host, port = split_hostport(self.config.listen, "listen")
         app = make_app(snapshot=self.snapshot, render_metrics=self.render_metrics, state_extra=self.state_extra,
-                       heartbeat_sink=self.heartbeat_sink(), clock=self.seams.clock)
-        runner = web.AppRunner(app, access_log=None)
+                       intake=self.heartbeats)
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=IDLE_TIMEOUT_SECONDS)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        udp = None
-        sink = self.heartbeat_sink()
-        training_cfg = getattr(self.config.collectors, "training", None)
-        if sink is not None and training_cfg is not None:
-            uhost, uport = split_hostport(training_cfg.udp_listen, "collectors.training.udp_listen")
-            udp = await start_udp(sink, uhost, uport, self.seams.clock)
-        bound = runner.addresses[0] if runner.addresses else (host, port)
-        address = f"{bound[0]}:{bound[1]}"
-        log.info("vigil agent %s on %s (node %s, backend %s, collectors: %s)", agent.__version__, address,
-                 self.config.node, self.config.nvml.backend, ", ".join(c.name for c in self.collectors))
-        if on_ready:
-            on_ready(address)
-        notifier = SdNotifier.from_environment()  # systemd Type=notify: no-op outside systemd
-        notifier.ready(f"serving {address}")
+        listeners = _Listeners()
         try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self.runner.run(stop))
-                tg.create_task(self.reporter.run(stop))
-                tg.create_task(watchdog_pings(notifier, stop))
+            listeners.server = await _bind(serve_bounded(runner, host, port, self.connections), self.config.listen,
+                                           "listen")
+            await self._start_heartbeat_listeners(listeners)
+            sockets = listeners.server.sockets
+            bound = sockets[0].getsockname() if sockets else (host, port)
+            address = f"{bound[0]}:{bound[1]}"
+            log.info("vigil agent %s on %s (node %s, backend %s, collectors: %s)", agent.__version__, address,
+                     self.config.node, self.config.nvml.backend, ", ".join(c.name for c in self.collectors))
+            if on_ready:
+                on_ready(address)
+            notifier = SdNotifier.from_environment()  # systemd Type=notify: no-op outside systemd
+            notifier.ready(f"serving {address}")
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(self.runner.run(stop))
+                    tg.create_task(self.reporter.run(stop))
+                    tg.create_task(watchdog_pings(notifier, stop))
+            finally:
+                notifier.stopping()
         finally:
-            notifier.stopping()
-            if udp is not None:
-                udp.close()
+            await listeners.close()
             await runner.cleanup()
+
+    async def _start_heartbeat_listeners(self, listeners: _Listeners) -> None:
+        """UDP and HTTP on collectors.training.udp_listen, and the Unix socket if configured: the
+        node-local doors for heartbeats, apart from the /metrics listener."""
+        cfg = self.config.collectors.training
+        if self.heartbeats.sink is None:
+            return
+        host, port = split_hostport(cfg.udp_listen, "collectors.training.udp_listen")
+        if not is_loopback_host(host):
+            log.warning("collectors.training.udp_listen %s is not a loopback address: heartbeats from other "
+                        "hosts are refused and counted (not_local); pods reach the agent through "
+                        "collectors.training.unix_socket", cfg.udp_listen)
+        listeners.datagrams.append(await _bind(start_udp(self.heartbeats, host, port), cfg.udp_listen,
+                                              "collectors.training.udp_listen"))
+        if cfg.http:
+            listeners.http = web.AppRunner(make_heartbeat_app(self.heartbeats), access_log=None)
+            await listeners.http.setup()
+            await _bind(web.TCPSite(listeners.http, host, port).start(), cfg.udp_listen,
+                        "collectors.training.udp_listen (http)")
+        if cfg.unix_socket:
+            listeners.datagrams.append(await _bind(start_unix(self.heartbeats, cfg.unix_socket), cfg.unix_socket,
+                                              "collectors.training.unix_socket"))
+            listeners.unix_socket = (cfg.unix_socket, os.stat(cfg.unix_socket).st_ino)
+        log.info("heartbeats on %s (UDP%s)%s", cfg.udp_listen, ", HTTP" if cfg.http else "",
+                 f" and unix:{cfg.unix_socket}" if cfg.unix_socket else "")
+
+
+class _Listeners:
+    """What ``Agent.run`` opened, closed in one place whether start-up finished or not."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.Server | None = None
+        self.http: web.AppRunner | None = None
+        self.datagrams: list[asyncio.DatagramTransport] = []
+        self.unix_socket: tuple[str, int] | None = None  # (path, inode): remove ours, never a successor's
+
+    async def close(self) -> None:
+        for transport in self.datagrams:
+            transport.close()
+        if self.unix_socket is not None:
+            path, inode = self.unix_socket
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+        if self.http is not None:
+            await self.http.cleanup()
+        if self.server is not None:
+            self.server.close()
 
 
 async def watchdog_pings(notifier: SdNotifier, stop: asyncio.Event) -> None:

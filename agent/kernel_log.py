@@ -1,9 +1,11 @@
 """Kernel-log line parsing: NVRM Xid, NVSwitch SXid, "fallen off the bus" and mlx5 driver errors.
 
 Reads text lines in any of the prefixes the kernel log reaches us with (raw /dev/kmsg records,
-``dmesg``, ``dmesg -T``, ``dmesg --time-format=iso``, ISO 8601, journald/syslog) and turns the
-lines we care about into ``KernelEvent``s. It does not open files, follow logs, map bus ids to
-GPUs or judge severity: the collector follows the source, the aggregator's catalog judges.
+``dmesg``, ``dmesg -T``, ``dmesg --time-format=iso``, ISO 8601, journald/syslog, and any of these
+behind a pdsh/clush "<host>: " prefix) and turns the lines we care about into ``KernelEvent``s,
+one per fault: companion and detail lines fold into the fault they belong to. It does not open
+files, follow logs, map bus ids to GPUs or judge severity: the collector follows the source, the
+aggregator's catalogs judge.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import re
 import subprocess
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Literal, Protocol
+from typing import IO, Any, BinaryIO, Literal, NamedTuple, Protocol
 
 EventKind = Literal["xid", "sxid", "gpu_lost", "mlx5_error"]
 
@@ -44,6 +47,15 @@ _HOST_IDENT_RE = re.compile(r"^(?P<host>\S+)\s+(?P<ident>[\w.\-/]+)(?:\[\d+\])?:
 # A bare "kernel: " ident (journald exports without host) and a following uptime bracket.
 _IDENT_RE = re.compile(r"^kernel:\s")
 _UPTIME_RE = re.compile(r"^\[\s*(?P<ts>\d+(?:\.\d+)?)\]\s?")
+# A log collected from many hosts by pdsh/clush ("pdsh -w gpu[001-512] dmesg") has "<host>: " in front
+# of each host's line as that host wrote it. Accepted only when what follows is itself a kernel-log
+# line (a timestamp or a driver's tag), so "NVRM: ..." or "nvidia-nvswitch0: SXid ..." is never
+# mistaken for a host.
+_COLLECTED_HOST_RE = re.compile(
+    r"^(?P<host>[A-Za-z0-9][\w.\-]*):[ \t]+"
+    r"(?=\[|\d|[A-Z][a-z]{2} [ \d]\d |[a-z]+\s*:\s*[a-z]+\s*:|<\d+>|NVRM:|nvidia-nvswitch\d+:|mlx5_core|kernel:)"
+)
+_NOT_A_HOST_RE = re.compile(r"^(?:NVRM|kernel|mlx5_core|nvidia-nvswitch\d+)$")
 
 # NVRM Xid, every driver generation: "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=x, text"
 # (R470+ adds name=; R535+ writes pid='<unknown>'); old drivers may omit pid/name or "PCI:", and
@@ -59,6 +71,11 @@ _SXID_RE = re.compile(
     r"(?P<switch>nvidia-nvswitch\d+): SXid \((?:PCI:)?(?P<bus>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})"
     r"(?:\.[0-7])?\):\s*(?P<code>\d+)(?:,\s*|\s+)(?P<rest>.*)$"
 )
+# The NVSwitch driver follows an SXid's headline with detail lines of the same switch and code
+# (open-gpu-kernel-modules, nvswitch's error reporting; real lines: NVIDIA/nvtrust issue 124):
+#   "nvidia-nvswitch3: SXid (PCI:0000:04:00.0): 22013, Severity 0 Engine instance 44 Sub-engine instance 00"
+#   "nvidia-nvswitch3: SXid (PCI:0000:04:00.0): 22013, Data {0x0000002c, 0x0000002c, ...}"
+_SXID_DETAIL_RE = re.compile(r"^(?:Severity \d+ Engine instance|Data \{)")
 # "NVRM: The NVIDIA GPU 0000:b3:00.0" opens the driver's three-line fallen-off-the-bus notice;
 # "NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus." is the one-line form of newer drivers.
 _FALLEN_HEAD_RE = re.compile(r"NVRM: The NVIDIA GPU (?P<bus>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})")
@@ -69,6 +86,9 @@ _FALLEN_ONE_RE = re.compile(
 _FALLEN_RE = re.compile(r"fallen off the bus", re.IGNORECASE)
 # The head line and the "fallen off the bus" line are at most this many lines apart.
 _FALLEN_SPAN_LINES = 3
+# Xid 79 is ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS (NVIDIA Xid catalog); newer drivers print
+# the one-line notice right after it for the same GPU: one fault, carried by the Xid.
+XID_FALLEN_OFF_BUS = 79
 # mlx5_core lines: "mlx5_core 0000:03:00.0: <function>:<line>:(pid N): <text>" or "...: <text>".
 _MLX5_RE = re.compile(
     r"mlx5_core (?P<bus>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]):?\s+(?P<rest>.*)$"
@@ -81,8 +101,9 @@ MLX5_ERROR_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("command_timeout", re.compile(r"\btimeout\b.*(?:leak of a command resource|command)|"
                                    r"\(0x[0-9a-f]+\) timeout", re.IGNORECASE)),
     ("health_compromised", re.compile(r"health compromised|health poll failed", re.IGNORECASE)),
+    # "poll_health: Fatal error 1 detected": the health poll read a fatal firmware state.
     ("firmware_fatal", re.compile(r"(?:fw|firmware) (?:fatal|crashed|syndrome)|assert_var|"
-                                  r"unrecoverable|internal error", re.IGNORECASE)),
+                                  r"unrecoverable|internal error|Fatal error \d* ?detected", re.IGNORECASE)),
     ("pcie_power", re.compile(r"insufficient power", re.IGNORECASE)),
     ("module_error", re.compile(r"Port module event\[error\]", re.IGNORECASE)),
     ("cable_unplugged", re.compile(r"Cable unplugged", re.IGNORECASE)),
@@ -90,6 +111,24 @@ MLX5_ERROR_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
                              re.IGNORECASE)),
     ("cqe_error", re.compile(r"CQE error|error cqe", re.IGNORECASE)),
 )
+# An mlx5 health event (the poll's "health compromised", a firmware assert) is followed by the
+# driver's dump of the health buffer, one register per line (Linux mlx5/core/health.c,
+# print_health_info): assert_var[0..4], assert_exit_ptr, ..., synd ("firmware internal error").
+# The dump's lines that read as errors themselves (assert_var, synd) belong to the health event.
+_MLX5_HEALTH_ERRORS = frozenset({"health_compromised", "firmware_fatal"})
+
+# Folding: a line that only continues or details a fault already reported (the fallen-off
+# notice after its Xid 79, an SXid's detail lines, an mlx5 health dump) belongs to that fault.
+# The driver prints them in the same interrupt or work item: within 5 ms in the real logs of
+# tests/fixtures/kernel-log (nvtrust issue 124: 2-5 ms; Xid 79 and its notice share a second).
+# Syslog stamps whole seconds, so two lines of one fault can straddle a second boundary: 2 s.
+FOLD_WINDOW_SECONDS = 2.0
+# Lines without a usable timestamp fold by distance instead: the companion follows within this
+# many lines of the same host (an mlx5 health dump is 19 lines, its last error line the 17th).
+FOLD_SPAN_LINES = 24
+# Per-host folding state is kept for at most this many hosts (a collected log names each host;
+# hostile input must not grow the parser without bound): the least recently seen is dropped.
+MAX_HOSTS = 4096
 
 # Why a line was counted as unparsed (the `reason` label of the unparsed-lines counter).
 REASON_KMSG_RECORD = "malformed_kmsg_record"
@@ -116,11 +155,37 @@ def normalize_bus_id(bus: str) -> str:
     return f"{domain}:{int(bus_no, 16):02x}:{int(device, 16):02x}"
 
 
+@functools.lru_cache(maxsize=4096)
+def timestamp_seconds(ts_text: str) -> float | None:
+    """A line's timestamp as seconds on its own clock (uptime for dmesg and kmsg, wall time for the
+    others; syslog has no year), for measuring the distance between lines of one log; None when
+    the text is no timestamp we know."""
+    if not ts_text:
+        return None
+    try:
+        if ts_text[0].isdigit() and ("-" not in ts_text[:5]):
+            return float(ts_text)
+        if ts_text[0].isdigit():
+            text = ts_text.replace(",", ".")
+            if text.endswith(("Z", "z")):
+                text = text[:-1] + "+00:00"
+            return datetime.fromisoformat(text).timestamp()
+        for fmt in ("%a %b %d %H:%M:%S %Y", "%b %d %H:%M:%S"):
+            try:
+                return datetime.strptime(" ".join(ts_text.split()), fmt).replace(tzinfo=UTC).timestamp()
+            except ValueError:
+                continue
+    except ValueError:
+        return None
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class KernelEvent:
-    """One fault line. ``pci_bus_id`` is normalised ("0000:3b:00"); ``device`` is what the line
-    names the device by (the NVSwitch instance, the mlx5 PCI function); ``text`` is the driver's
-    description after the code, pid and name."""
+    """One fault. ``pci_bus_id`` is normalised ("0000:3b:00"); ``device`` is what the line names
+    the device by (the NVSwitch instance, the mlx5 PCI function); ``text`` is the driver's
+    description after the code, pid and name; ``host`` is the host a collected or syslog line
+    names (None for a node's own log)."""
 
     kind: EventKind
     pci_bus_id: str | None
@@ -131,28 +196,44 @@ class KernelEvent:
     device: str | None = None
     pid: str | None = None
     process: str | None = None
-    severity: str | None = None  # SXid "Fatal"/"Non-fatal"
+    severity: str | None = None  # SXid "Fatal"/"Non-fatal" as the line says it
     error: str | None = None  # mlx5 error name from MLX5_ERROR_PATTERNS
     line: str = ""
+    host: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ParsedLine:
     """The result of feeding one line: at most one event, or the reason it was unparsable.
-    ``seq`` is the /dev/kmsg sequence number when the line was a raw record."""
+    ``seq`` is the /dev/kmsg sequence number when the line was a raw record. ``folded`` names
+    the kind of the earlier event this line continues (it is part of that fault, not a new one)."""
 
     event: KernelEvent | None = None
     unparsed: str | None = None
     seq: int | None = None
     continuation: bool = False
+    folded: EventKind | None = None
 
 
-def split_prefix(line: str) -> tuple[str, str, int | None]:
-    """Strip the transport's prefix: returns (timestamp as written, message, kmsg sequence)."""
+class SplitLine(NamedTuple):
+    ts_text: str
+    msg: str
+    seq: int | None
+    host: str | None
+
+
+def split_line(line: str) -> SplitLine:
+    """Strip the transport's prefixes: a collecting tool's "<host>: ", then the timestamp, the
+    syslog host and ident, the uptime bracket; returns what they said and the message."""
+    host: str | None = None
+    cm = _COLLECTED_HOST_RE.match(line)
+    if cm and not _NOT_A_HOST_RE.match(cm.group("host")):
+        host = cm.group("host")
+        line = line[cm.end():]
     m = _KMSG_RE.match(line)
     if m:
         usec = int(m.group("usec"))
-        return f"{usec // 1_000_000}.{usec % 1_000_000:06d}", m.group("msg"), int(m.group("seq"))
+        return SplitLine(f"{usec // 1_000_000}.{usec % 1_000_000:06d}", m.group("msg"), int(m.group("seq")), host)
     ts_text = ""
     rest = line
     for prefix in _PREFIXES:
@@ -164,6 +245,8 @@ def split_prefix(line: str) -> tuple[str, str, int | None]:
     hm = _HOST_IDENT_RE.match(rest)
     if hm and ts_text:
         rest = rest[hm.end():]
+        if host is None:
+            host = hm.group("host")
     else:
         im = _IDENT_RE.match(rest)
         if im:
@@ -173,18 +256,43 @@ def split_prefix(line: str) -> tuple[str, str, int | None]:
         if not ts_text:
             ts_text = um.group("ts")
         rest = rest[um.end():]
-    return ts_text, rest, None
+    return SplitLine(ts_text, rest, None, host)
+
+
+def split_prefix(line: str) -> tuple[str, str, int | None]:
+    """Strip the transport's prefix: returns (timestamp as written, message, kmsg sequence)."""
+    ts_text, msg, seq, _host = split_line(line)
+    return ts_text, msg, seq
+
+
+@dataclass(frozen=True, slots=True)
+class _Open:
+    """A reported fault that later lines may still continue: where and when it was seen."""
+
+    line_no: int
+    at: float | None
+
+
+@dataclass(slots=True)
+class _HostState:
+    """One host's folding memory (a collected log interleaves hosts; each folds on its own)."""
+
+    line_no: int = 0
+    fallen_bus: str | None = None
+    fallen_age: int = 0
+    # (kind, device, code) of a fault that may still be continued -> where it was seen.
+    open: dict[tuple[str, str, int], _Open] = field(default_factory=dict)
 
 
 class KernelLogParser:
-    """Stateful line parser: the fallen-off-the-bus notice spans lines, so the parser remembers
-    the last "The NVIDIA GPU <bus>" head for a few lines. Feed lines in log order."""
+    """Stateful line parser: the fallen-off-the-bus notice spans lines, and a fault's companion
+    and detail lines are folded into the fault (``ParsedLine.folded``) instead of being reported
+    again. Feed lines in log order; a collected log's hosts are followed separately."""
 
     def __init__(self, *, raw_kmsg: bool = False) -> None:
         # raw_kmsg: every line must be a /dev/kmsg record; one that is not is counted as malformed.
         self._raw_kmsg = raw_kmsg
-        self._fallen_bus: str | None = None
-        self._fallen_age = 0
+        self._hosts: dict[str | None, _HostState] = {}
 
     def feed(self, line: str) -> ParsedLine:
         line = line.rstrip("\r\n")
@@ -195,16 +303,35 @@ class KernelLogParser:
             return ParsedLine(unparsed=REASON_UNDECODABLE)
         if self._raw_kmsg and not _KMSG_RE.match(line):
             return ParsedLine(unparsed=REASON_KMSG_RECORD)
-        ts_text, msg, seq = split_prefix(line)
-        event, reason = self._classify(msg.strip(), ts_text, seq, line)
-        return ParsedLine(event=event, unparsed=reason, seq=seq)
+        ts_text, msg, seq, host = split_line(line)
+        state = self._state(host)
+        state.line_no += 1
+        event, reason = self._classify(state, msg.strip(), ts_text, seq, line)
+        if event is None:
+            return ParsedLine(unparsed=reason, seq=seq)
+        if event.host != host:
+            event = replace(event, host=host)
+        folded = self._fold(state, event)
+        if folded is not None:
+            return ParsedLine(seq=seq, folded=folded)
+        return ParsedLine(event=event, seq=seq)
 
-    def _classify(self, msg: str, ts_text: str, seq: int | None,
+    def _state(self, host: str | None) -> _HostState:
+        state = self._hosts.get(host)
+        if state is None:
+            if len(self._hosts) >= MAX_HOSTS:
+                del self._hosts[next(iter(self._hosts))]
+            state = self._hosts[host] = _HostState()
+        elif len(self._hosts) > 1 and next(reversed(self._hosts)) != host:
+            self._hosts[host] = self._hosts.pop(host)  # most recently seen last
+        return state
+
+    def _classify(self, state: _HostState, msg: str, ts_text: str, seq: int | None,
                   line: str) -> tuple[KernelEvent | None, str | None]:
-        if self._fallen_bus is not None:
-            self._fallen_age += 1
-            if self._fallen_age > _FALLEN_SPAN_LINES:
-                self._fallen_bus = None
+        if state.fallen_bus is not None:
+            state.fallen_age += 1
+            if state.fallen_age > _FALLEN_SPAN_LINES:
+                state.fallen_bus = None
         if "NVRM: Xid" in msg:
             return _parse_xid(msg, ts_text, seq, line)
         if "SXid" in msg and "nvswitch" in msg:
@@ -213,17 +340,71 @@ class KernelLogParser:
             return _parse_mlx5(msg, ts_text, seq, line), None
         head = _FALLEN_HEAD_RE.search(msg)
         if head:
-            self._fallen_bus = normalize_bus_id(head.group("bus"))
-            self._fallen_age = 0
+            state.fallen_bus = normalize_bus_id(head.group("bus"))
+            state.fallen_age = 0
             if not _FALLEN_RE.search(msg):
                 return None, None
         if _FALLEN_RE.search(msg):
             one = _FALLEN_ONE_RE.search(msg)
-            bus = normalize_bus_id(one.group("bus")) if one else self._fallen_bus
-            self._fallen_bus = None
+            bus = normalize_bus_id(one.group("bus")) if one else state.fallen_bus
+            state.fallen_bus = None
             lost = KernelEvent("gpu_lost", bus, None, "GPU has fallen off the bus", ts_text, seq, line=line)
             return lost, None
         return None, None
+
+    def _fold(self, state: _HostState, ev: KernelEvent) -> EventKind | None:
+        """The kind of the open fault this event continues, or None after opening ``ev`` as one."""
+        if ev.kind == "xid" and ev.code != XID_FALLEN_OFF_BUS:
+            return None  # nothing folds into other Xids, and a flood of them must stay cheap
+        if ev.kind == "mlx5_error" and ev.error not in _MLX5_HEALTH_ERRORS:
+            return None
+        at = timestamp_seconds(ev.ts_text)
+        if ev.kind == "gpu_lost":
+            # The notice after the Xid 79 of the same GPU (or a repeat of the notice): one fault.
+            bus = ev.pci_bus_id or ""
+            if self._near(state, ("xid", bus, XID_FALLEN_OFF_BUS), at):
+                return "xid"
+            if self._near(state, ("gpu_lost", bus, -1), at):
+                return "gpu_lost"
+            self._open(state, ("gpu_lost", ev.pci_bus_id or "", -1), at)
+            return None
+        if ev.kind == "sxid":
+            assert ev.code is not None
+            key = ("sxid", f"{ev.device}/{ev.pci_bus_id}", ev.code)
+            if _SXID_DETAIL_RE.match(ev.text) and self._near(state, key, at):
+                return "sxid"
+            if not _SXID_DETAIL_RE.match(ev.text):
+                self._open(state, key, at)  # a headline: its details follow
+            return None
+        if ev.kind == "mlx5_error":
+            # "health compromised" always starts a fault; the dump's error-looking lines after it
+            # (or after a first firmware-fatal line) belong to it.
+            key = ("mlx5_error", ev.device or "", -1)
+            if ev.error != "health_compromised" and self._near(state, key, at):
+                return "mlx5_error"
+            self._open(state, key, at)
+            return None
+        self._open(state, ("xid", ev.pci_bus_id or "", XID_FALLEN_OFF_BUS), at)  # an Xid 79
+        return None
+
+    @staticmethod
+    def _open(state: _HostState, key: tuple[str, str, int], at: float | None) -> None:
+        if len(state.open) >= 256:
+            state.open.pop(next(iter(state.open)))
+        state.open.pop(key, None)
+        state.open[key] = _Open(state.line_no, at)
+
+    @staticmethod
+    def _near(state: _HostState, key: tuple[str, str, int], at: float | None) -> bool:
+        """Whether the open fault ``key`` was seen close enough before this line to own it. The
+        window is anchored at the fault's first line, so a device that repeats a fault every
+        second is not folded into one event forever."""
+        seen = state.open.get(key)
+        if seen is None:
+            return False
+        if seen.at is not None and at is not None:
+            return abs(at - seen.at) <= FOLD_WINDOW_SECONDS
+        return state.line_no - seen.line_no <= FOLD_SPAN_LINES
 
 
 def _looks_like_kmsg_dict(line: str) -> bool:

@@ -1,9 +1,12 @@
 """The reporter: builds compact Reports from the snapshot and pushes them to the aggregator.
 
-A report carries the collectors' report contributions (GPU, port, rank and host state) and every
-event since the last acknowledged report. Events are kept until the aggregator accepts them, so
-an aggregator that is down loses nothing but the oldest events past a bound (counted); an urgent
-event makes the reporter push at once. It judges nothing.
+A report carries the collectors' report contributions (GPU, port, rank and host state) and the
+oldest pending events that fit under the aggregator's body limit (agent/limits.py). Events are
+kept, serialized, until the aggregator accepts them: a backlog goes out over as many reports as it
+takes, oldest first, and a 413 splits the report instead of dropping it. Only the bound on the
+backlog, an event no report can carry, or a report the aggregator refuses for its content drops
+events, each counted by reason and logged; pending events are journaled (agent/backlog.py), so a
+restart or a crash keeps them. An urgent event makes the reporter push at once. It judges nothing.
 """
 
 from __future__ import annotations
@@ -11,28 +14,48 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from agent.backlog import Backlog
+from agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
 from agent.metric import MetricKind, MetricSpec, Sample
 from agent.snapshot import Snapshot
 from agent.wire import Event, Report
+from vigil import __version__
 
 log = logging.getLogger("vigil.agent.reporter")
 
+RESULTS = ("ok", "error", "split", "rejected")
 REPORTS = MetricSpec("vigil_agent_reports_total", MetricKind.COUNTER,
-                     "Reports pushed to the aggregator, by result (ok, error, rejected).", labels=("result",))
+                     "Reports pushed to the aggregator, by result: ok, error (not delivered, retried), split "
+                     "(413: resent in smaller parts), rejected (refused for its content).", labels=("result",))
+ERROR_REASONS = ("unreachable", "timeout", "tls", "unauthorized", "throttled", "server_error")
+REPORT_ERRORS = MetricSpec("vigil_agent_report_errors_total", MetricKind.COUNTER,
+                           "Reports not delivered (kept and retried), by reason: unreachable, timeout, tls "
+                           "(certificate not verified), unauthorized (401/403), throttled (408/429), "
+                           "server_error (5xx).", labels=("reason",))
 EVENTS_PENDING = MetricSpec("vigil_agent_events_pending", MetricKind.GAUGE,
                             "Events waiting for the aggregator to accept them.")
+EVENTS_PENDING_BYTES = MetricSpec("vigil_agent_events_pending_bytes", MetricKind.GAUGE,
+                                  "Serialized size of the events waiting for the aggregator.", unit="bytes")
+DROP_REASONS = ("backlog_full", "too_large", "rejected", "unreadable")
 EVENTS_DROPPED = MetricSpec("vigil_agent_events_dropped_total", MetricKind.COUNTER,
-                            "Events dropped because the pending queue was full (aggregator down too long).")
+                            "Events dropped, by reason: backlog_full (aggregator unreachable too long, oldest "
+                            "dropped), too_large (one event the aggregator refused alone with 413), rejected "
+                            "(in a report the aggregator refused for its content), unreadable (a line of the "
+                            "saved backlog that does not parse).", labels=("reason",))
 LAST_SUCCESS = MetricSpec("vigil_agent_last_report_success_timestamp_seconds", MetricKind.GAUGE,
                           "Unix time of the last report the aggregator accepted.", unit="seconds")
-REPORTER_SPECS = (REPORTS, EVENTS_PENDING, EVENTS_DROPPED, LAST_SUCCESS)
+REPORTER_SPECS = (REPORTS, REPORT_ERRORS, EVENTS_PENDING, EVENTS_PENDING_BYTES, EVENTS_DROPPED, LAST_SUCCESS)
+
+_EVENTS_KEY = b',"events":['
+_CLOSE = b"]}"
 
 # Sections a collector may contribute; anything else in a Collection.report is a programming error.
 _REPORT_SECTIONS = frozenset({"gpus", "ports", "ranks", "host", "nvml_available"})
@@ -64,8 +87,23 @@ def build_report(
         topology=dict(topology),
         events=list(events),
         failed_collectors=snapshot.failed(),
+        agent_version=__version__,
         **sections,
     )
+
+
+def client_ssl_context(url: str | None, ca_file: str | None = None, cert_file: str | None = None,
+                       key_file: str | None = None) -> ssl.SSLContext | None:
+    """The TLS context for an https aggregator: the system's trust store, or only ``ca_file``'s CAs;
+    with ``cert_file``/``key_file`` a client certificate for sites that use mTLS. Hostnames are
+    always verified. None for http (no TLS)."""
+    if not url or not url.startswith("https://"):
+        return None
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert_file:
+        context.load_cert_chain(cert_file, key_file)
+    return context
 
 
 class Reporter:
@@ -81,7 +119,10 @@ class Reporter:
         interval_seconds: float = 2.5,
         timeout_seconds: float = 5.0,
         max_backoff_seconds: float = 60.0,
-        max_pending_events: int = 10_000,
+        max_report_bytes: int = REPORT_MAX_BYTES,
+        max_pending_event_bytes: int = PENDING_EVENTS_MAX_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
+        state_dir: Path | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._url = url.rstrip("/") + "/v1/reports" if url else None
@@ -93,104 +134,204 @@ class Reporter:
         self._interval = interval_seconds
         self._timeout = timeout_seconds
         self._max_backoff = max_backoff_seconds
-        self._pending: deque[Event] = deque()
-        self._max_pending = max_pending_events
+        self._ssl = ssl_context
+        self._backlog = Backlog(max_pending_event_bytes, state_dir)
+        # Reports are built at or under this; a 413 lowers it to what the aggregator took.
+        self.body_limit_bytes = max_report_bytes
+        self._state_bytes = 0
         self._clock = clock
         self._seq = 0
         self._wake = asyncio.Event()
         self._urgent = False
-        self.counts = {"ok": 0, "error": 0, "rejected": 0}
-        self.dropped_events = 0
+        self.counts = dict.fromkeys(RESULTS, 0)
+        self.errors = dict.fromkeys(ERROR_REASONS, 0)
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.last_success_ts: float | None = None
-        self.last_report: Report | None = None
+        self.last_report_body: bytes | None = None
+        recovered: list[bytes] = []
+        for raw in self._backlog.recover():
+            try:
+                Event.model_validate_json(raw)
+            except ValueError:
+                self.dropped["unreadable"] += 1
+                continue
+            recovered.append(raw)
+        if recovered or self.dropped["unreadable"]:
+            log.info("resending %d event(s) a previous run left pending (%d unreadable, dropped)", len(recovered),
+                     self.dropped["unreadable"])
+        self._append(recovered)
+
+    @property
+    def dropped_events(self) -> int:
+        return sum(self.dropped.values())
+
+    @property
+    def pending_events(self) -> int:
+        return len(self._backlog)
+
+    @property
+    def last_report(self) -> Report | None:
+        """The last report built, parsed back (for /v1/state and tests; the loop keeps only bytes)."""
+        return Report.model_validate_json(self.last_report_body) if self.last_report_body else None
 
     def add_events(self, events: Sequence[Event]) -> None:
         """Called on the event loop by the runner after a collector cycle."""
-        for ev in events:
-            if len(self._pending) >= self._max_pending:
-                self._pending.popleft()
-                self.dropped_events += 1
-            self._pending.append(ev)
+        self._append([ev.model_dump_json(exclude_none=True).encode() for ev in events])
         if any(ev.urgent for ev in events):
             self._urgent = True
             self._wake.set()
 
+    def _append(self, raws: list[bytes]) -> None:
+        dropped = self._backlog.append(raws)
+        if dropped:
+            self.dropped["backlog_full"] += dropped
+            log.error("event backlog full (%d bytes, aggregator unreachable): dropped the %d oldest event(s); "
+                      "%d dropped so far", self._backlog.max_bytes, dropped, self.dropped["backlog_full"])
+
     def samples(self) -> list[Sample]:
         out = [Sample.of(REPORTS, n, result=r) for r, n in self.counts.items()]
-        out.append(Sample.of(EVENTS_PENDING, len(self._pending)))
-        out.append(Sample.of(EVENTS_DROPPED, self.dropped_events))
+        out.extend(Sample.of(REPORT_ERRORS, n, reason=r) for r, n in self.errors.items())
+        out.append(Sample.of(EVENTS_PENDING, len(self._backlog)))
+        out.append(Sample.of(EVENTS_PENDING_BYTES, self._backlog.bytes))
+        out.extend(Sample.of(EVENTS_DROPPED, n, reason=r) for r, n in self.dropped.items())
         if self.last_success_ts is not None:
             out.append(Sample.of(LAST_SUCCESS, self.last_success_ts))
         return out
 
-    def next_report(self) -> tuple[Report, int]:
-        """The report to send now and how many pending events it carries."""
-        n = len(self._pending)
+    def build_body(self) -> tuple[bytes, int, int]:
+        """The next report's JSON body, the id just past the last event it carries, and how many.
+
+        The body holds the snapshot's state and the oldest pending events that keep it within
+        ``body_limit_bytes``, and at least one event if any is pending (the aggregator's 413 then
+        says whether that one can go at all)."""
         report = build_report(
-            self._snapshot, list(self._pending), node=self._node, boot_id=self._boot_id, seq=self._seq,
-            ts=self._clock(), interval_seconds=self._interval, topology=self._topology, urgent=self._urgent)
+            self._snapshot, (), node=self._node, boot_id=self._boot_id, seq=self._seq, ts=self._clock(),
+            interval_seconds=self._interval, topology=self._topology, urgent=self._urgent)
+        # Every attempt gets a new seq, a resent backlog included: a report the aggregator took
+        # but whose answer was lost is never followed by another with the same seq (a replay).
         self._seq += 1
         self._urgent = False
-        return report, n
+        head = report.model_dump_json(exclude_none=True, exclude={"events"}).encode()
+        size = len(head) - 1 + len(_EVENTS_KEY) + len(_CLOSE)
+        self._state_bytes = size  # the report without events: what a split cannot shrink
+        taken: list[bytes] = []
+        for raw in self._backlog:
+            grown = size + len(raw) + (1 if taken else 0)
+            if taken and grown > self.body_limit_bytes:
+                break
+            taken.append(raw)
+            size = grown
+        body = head[:-1] + _EVENTS_KEY + b",".join(taken) + _CLOSE
+        self.last_report_body = body
+        return body, self._backlog.first_id + len(taken), len(taken)
+
+    def next_report(self) -> tuple[Report, int]:
+        """The report to send now, parsed, and how many pending events it carries (tests, benches)."""
+        body, _, n = self.build_body()
+        return Report.model_validate_json(body), n
 
     def acknowledge(self, n_events: int) -> None:
-        for _ in range(min(n_events, len(self._pending))):
-            self._pending.popleft()
+        self._backlog.release_through(self._backlog.first_id + n_events)
 
     async def run(self, stop: asyncio.Event) -> None:
         if self._url is None:
             log.info("no aggregator configured: reports are built for /v1/state only")
-        backoff = 0.0
         headers = {"Content-Type": "application/json"}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
         timeout = aiohttp.ClientTimeout(total=self._timeout)
-        async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
-            while not stop.is_set():
-                # An urgent event that arrived while the previous report was in flight goes out now:
-                # the wake flag is cleared only after a wait, never before, so it cannot be lost.
-                if not self._urgent:
-                    delay = backoff if backoff > 0 else self._interval
-                    waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())}
-                    _, pending = await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-                    for w in pending:
-                        w.cancel()
-                self._wake.clear()
-                if stop.is_set():
-                    break
-                report, n = self.next_report()
-                self.last_report = report
-                if self._url is None:
-                    self.acknowledge(n)
-                    continue
-                ok = await self._post(session, report)
-                if ok:
-                    self.acknowledge(n)
-                    backoff = 0.0
-                else:
-                    # Jittered exponential backoff; events stay pending and ride the next report.
-                    backoff = min(self._max_backoff, max(1.0, backoff * 2)) * random.uniform(0.8, 1.2)
+        connector = aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else True)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as session:
+                await self._loop(session, stop)
+        finally:
+            self._backlog.close()
 
-    async def _post(self, session: aiohttp.ClientSession, report: Report) -> bool:
+    async def _loop(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        backoff = 0.0
+        more = False  # a backlog remains after an accepted report: send the next part at once
+        while not stop.is_set():
+            # An urgent event that arrived while the previous report was in flight goes out now:
+            # the wake flag is cleared only after a wait, never before, so it cannot be lost.
+            if not self._urgent and not more:
+                delay = backoff if backoff > 0 else self._interval
+                waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())}
+                _, pending = await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+                for w in pending:
+                    w.cancel()
+            self._wake.clear()
+            if stop.is_set():
+                break
+            body, end_id, n = self.build_body()
+            if self._url is None:
+                self._backlog.release_through(end_id)
+                more = False
+                continue
+            outcome = await self._post(session, body, n)
+            if outcome == "retry":
+                # Jittered exponential backoff; events stay pending and ride the next report.
+                backoff = min(self._max_backoff, max(1.0, backoff * 2)) * random.uniform(0.8, 1.2)
+                more = False
+                continue
+            if outcome == "ok":
+                self._backlog.release_through(end_id)
+            elif outcome in ("rejected", "too_large"):  # logged in _post; counted here, once
+                self.dropped[outcome] += self._backlog.release_through(end_id)
+            backoff = 0.0
+            more = bool(self._backlog) and outcome != "state_too_large"
+
+    async def _post(self, session: aiohttp.ClientSession, body: bytes, n_events: int) -> str:
+        """One POST: "ok", "retry" (keep everything, back off), "split" (413: smaller next time),
+        "too_large" (413 for a single event: it is dropped), "rejected" (the aggregator refused
+        the content: its events are dropped) or "state_too_large" (413 with no events)."""
         assert self._url is not None
-        body = report.model_dump_json(exclude_none=True)
         try:
             async with session.post(self._url, data=body) as resp:
-                if resp.status < 300:
+                status = resp.status
+                if status < 300:
                     self.counts["ok"] += 1
                     self.last_success_ts = self._clock()
-                    return True
+                    return "ok"
                 text = (await resp.text())[:300]
-                if 400 <= resp.status < 500 and resp.status not in (401, 408, 429):
-                    # The aggregator refused this report's content: resending it would fail again.
-                    # Count it loudly and drop the events it carried rather than loop forever.
-                    self.counts["rejected"] += 1
-                    log.error("aggregator rejected report seq=%d: %d %s", report.seq, resp.status, text)
-                    return True
-                self.counts["error"] += 1
-                log.warning("aggregator answered %d: %s", resp.status, text)
-                return False
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            self.counts["error"] += 1
-            log.warning("cannot reach aggregator at %s: %s", self._url, exc or type(exc).__name__)
-            return False
+        except aiohttp.ClientSSLError as exc:
+            return self._error("tls", f"TLS to {self._url} failed (certificate not verified?): {exc}")
+        except TimeoutError:
+            return self._error("timeout", f"aggregator at {self._url} did not answer in {self._timeout}s")
+        except (aiohttp.ClientError, OSError) as exc:
+            return self._error("unreachable", f"cannot reach aggregator at {self._url}: {exc or type(exc).__name__}")
+        if status == 413:
+            return self._split(len(body), n_events)
+        if status in (401, 403):
+            return self._error("unauthorized", f"aggregator refused this node's credential: {status} {text}")
+        if status in (408, 429):
+            return self._error("throttled", f"aggregator answered {status}: {text}")
+        if status >= 500:
+            return self._error("server_error", f"aggregator answered {status}: {text}")
+        # Any other 4xx: the aggregator refused this report's content and would refuse it again.
+        self.counts["rejected"] += 1
+        log.error("aggregator rejected a report (%d bytes, %d event(s), dropped and counted): %d %s",
+                  len(body), n_events, status, text)
+        return "rejected"
+
+    def _error(self, reason: str, message: str) -> str:
+        self.counts["error"] += 1
+        self.errors[reason] += 1
+        log.warning("%s", message)
+        return "retry"
+
+    def _split(self, body_bytes: int, n_events: int) -> str:
+        self.counts["split"] += 1
+        if n_events == 0:
+            log.error("aggregator refused a report of %d bytes with no events (413): the node's state alone "
+                      "is over its max_body_bytes; raise it (agent/limits.py)", body_bytes)
+            return "state_too_large"
+        if n_events == 1:
+            log.error("aggregator refused one event alone (413, report of %d bytes): dropped and counted",
+                      body_bytes)
+            return "too_large"
+        # Halve the events' share, not the whole body: the state part is the same in every report.
+        events_bytes = max(0, body_bytes - self._state_bytes)
+        self.body_limit_bytes = min(self.body_limit_bytes, self._state_bytes + events_bytes // 2)
+        log.warning("aggregator refused a report of %d bytes (413): reports now kept under %d bytes",
+                    body_bytes, self.body_limit_bytes)
+        return "split"

@@ -32,6 +32,7 @@ class Seams:
     # NVML is unavailable on this node: then there are no GPU samples and a loud log line.
     nvml: Any = None
     sysfs_root: Path = Path("/sys")
+    proc_root: Path = Path("/proc")  # process table: which job a GPU's processes belong to
     # Kernel log source: a path (a file to follow, or /dev/kmsg) or an open text stream.
     kmsg: str | Path | IO[str] | None = None
     run: CommandRunner = run_command

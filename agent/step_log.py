@@ -1,15 +1,18 @@
 """Training progress from log files: follow a file across rotation and truncation, parse step lines.
 
-Parsers turn Megatron-LM iteration lines, DeepSpeed progress lines, or lines matching a user's
-regex with named groups into ``StepLine``s; ``LogFollower`` hands back the complete lines appended
-since the last read, without blocking. Neither keeps per-rank state nor decides anything: the
-``training`` collector does.
+Parsers turn Megatron-LM iteration lines, DeepSpeed progress lines (every release's format,
+timed from one consistent clock per log), or lines matching a user's regex with named groups
+into ``StepLine``s, and report a long gap as a pause rather than a step; ``LogFollower`` hands
+back the complete lines appended since the last read, without blocking. Neither keeps per-rank
+state nor decides anything: the ``training`` collector does.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
@@ -17,13 +20,16 @@ from typing import Protocol
 
 @dataclass(frozen=True, slots=True)
 class StepLine:
-    """One progress line: the step reached and, where the log says, the time one step took."""
+    """One progress line: the step reached and, where the log says, the time one step took.
+    ``pause_seconds`` is set instead of ``step_seconds`` when the time since the previous
+    progress line was a pause (a resume, a restart, a long checkpoint), not steps."""
 
     step: int
     step_seconds: float | None = None
     compute_seconds: float | None = None
     comm_seconds: float | None = None
     data_seconds: float | None = None
+    pause_seconds: float | None = None
 
 
 class LineError(ValueError):
@@ -34,17 +40,58 @@ class StepParser(Protocol):
     def feed(self, line: str) -> StepLine | None: ...
 
 
+# A gap between two progress lines is a pause, not steps, when it is longer than a minute AND its
+# per-step time is more than PAUSE_FACTOR x the median of the last accepted step times: a
+# slowdown the detectors must see (5-30% in DESIGN.md's budget, a few x at worst) stays a step,
+# while a resume after a crash or a checkpoint of minutes does not become one enormous step.
+PAUSE_MIN_GAP_SECONDS = 60.0
+PAUSE_FACTOR = 3.0
+# Before any step time is known, only a gap longer than the training collector's default hang
+# threshold (300 s, which stays under PyTorch NCCL's 10-minute collective timeout) is a pause.
+PAUSE_UNREFERENCED_SECONDS = 300.0
+# The same slow pace this many times in a row is the job's new pace, not a pause.
+PAUSE_ACCEPT_AFTER = 3
+_PAUSE_REFERENCE_STEPS = 5
+
+
+class PauseGuard:
+    """Tells a pause from steps, from the gap between two progress lines and the per-step time."""
+
+    def __init__(self) -> None:
+        self._recent: deque[float] = deque(maxlen=_PAUSE_REFERENCE_STEPS)
+        self._flagged = 0
+
+    def is_pause(self, gap_seconds: float, per_step_seconds: float) -> bool:
+        if self._recent:
+            reference = statistics.median(self._recent)
+            pause = gap_seconds > PAUSE_MIN_GAP_SECONDS and per_step_seconds > PAUSE_FACTOR * reference
+        else:
+            pause = gap_seconds > PAUSE_UNREFERENCED_SECONDS
+        if pause:
+            self._flagged += 1
+            if self._flagged < PAUSE_ACCEPT_AFTER:
+                return True
+        self._flagged = 0
+        self._recent.append(per_step_seconds)
+        return False
+
+
 # Megatron-LM's training_log() (megatron/training/training.py) prints, on the last rank, every
 # --log-interval iterations:
 #   " [2024-05-02 10:11:12] iteration      100/  500000 | consumed samples: ... |
 #     elapsed time per iteration (ms): 1234.5 | ..."
-# The elapsed time is the mean over the log interval. Some forks print "(ms): 1234.5/1200.1"
+# The elapsed time is the mean over the log interval, measured by Megatron's own interval timer
+# (the clock used here: iteration line to iteration line). Some forks print "(ms): 1234.5/1200.1"
 # (last/running mean); the first number is taken.
 _MEGATRON_ITER = re.compile(r"\biteration\s+(\d+)\s*/\s*(?:\d+|infinity)\s*\|")
 _MEGATRON_ELAPSED = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.eE+-]+)")
 
 
 class MegatronParser:
+    def __init__(self) -> None:
+        self._prev_step: int | None = None
+        self._pauses = PauseGuard()
+
     def feed(self, line: str) -> StepLine | None:
         it = _MEGATRON_ITER.search(line)
         if it is None:
@@ -53,54 +100,110 @@ class MegatronParser:
         if elapsed is None:
             return None  # an iteration line without timing (e.g. a validation header)
         step = int(it.group(1))
-        ms = _finite(elapsed.group(1), "elapsed time per iteration (ms)")
-        return StepLine(step=step, step_seconds=ms / 1000.0)
+        seconds = _finite(elapsed.group(1), "elapsed time per iteration (ms)") / 1000.0
+        prev, self._prev_step = self._prev_step, step
+        steps = step - prev if prev is not None and step > prev else 1
+        if self._pauses.is_pause(seconds * steps, seconds):
+            return StepLine(step=step, pause_seconds=seconds * steps)
+        return StepLine(step=step, step_seconds=seconds)
 
 
 # DeepSpeed logs through its logger, formatted "[%(asctime)s] [%(levelname)s] [file:line:func] msg"
-# (deepspeed/utils/logging.py), and, every `steps_per_print` steps:
+# (deepspeed/utils/logging.py). Two progress lines, each every `steps_per_print` steps:
 #   engine._report_progress:  "[Rank 0] step=100, skipped=0, lr=[...], mom=[...]"
 #                             (older releases: "rank:0 step=100, skipped=0, ...")
 #   ThroughputTimer.stop:     "epoch=0/micro_step=400/global_step=100, RunningAvgSamplesPerSec=...,
 #                              CurrSamplesPerSec=..., MemAllocated=...GB, MaxMemAllocated=...GB"
-# Neither line carries the step's duration, so it is derived from the asctime of successive
-# progress lines: (t2 - t1) / (step2 - step1).
-_DEEPSPEED_STEP = re.compile(r"(?:\[Rank \d+\] step=|\brank:\d+ step=|/global_step=)(\d+),")
-_DEEPSPEED_TIME = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3})\]")
+#                             (before 0.8: "0/400, RunningAvgSamplesPerSec=..., CurrSamplesPerSec=...",
+#                             and earlier "0/400, SamplesPerSec=...", the count in micro steps;
+#                             0.7.7 printed it every step whatever steps_per_print said).
+# Neither carries the step's duration, so it is derived from the asctime of successive lines of
+# ONE kind: (t2 - t1) / (step2 - step1). The timer line is stamped when the step ends; the step=
+# line is stamped before it, by up to half a second in real logs (deepspeed issue 3742), so
+# mixing the two makes steps look shorter. Once a log shows a timer line, only timer lines time
+# steps. The asctime is found anywhere on the line: a tqdm bar or a launcher's "stdout: " may
+# come first.
+_DEEPSPEED_STEP = re.compile(r"(?:\[Rank \d+\] step=|\brank:\d+ step=)(\d+),")
+_DEEPSPEED_TIMER = re.compile(r"/global_step=(\d+),")
+_DEEPSPEED_OLD_TIMER = re.compile(r"(?:^|\s)\d+/(\d+), (?:RunningAvgSamplesPerSec|SamplesPerSec)=")
+_DEEPSPEED_TIME = re.compile(r"\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3})\]")
+# An old-format timer line and a step= line stamped within this of each other report the same
+# optimizer step; their counts give the gradient-accumulation factor (micro steps per step).
+_SAME_STEP_SECONDS = 1.0
 
 
 class DeepSpeedParser:
     def __init__(self) -> None:
-        self._prev: tuple[int, float] | None = None  # (step, log time) of the previous progress line
+        self._timer_seen = False
+        self._prev: tuple[int, float] | None = None  # (step, log time) of the previous timing line
+        self._last_step: int | None = None  # the last step handed out
+        self._step_line: tuple[int, float | None] | None = None  # the last step= line
+        self._micro_per_step = 1
+        self._pauses = PauseGuard()
 
     def feed(self, line: str) -> StepLine | None:
-        m = _DEEPSPEED_STEP.search(line)
-        if m is None:
+        found = self._progress(line)
+        if found is None:
             return None
-        step = int(m.group(1))
-        logged_at = _deepspeed_time(line)
-        step_seconds = None
+        step, logged_at = found
+        step_seconds = pause_seconds = None
         if logged_at is not None and self._prev is not None:
             prev_step, prev_at = self._prev
             if step > prev_step and logged_at >= prev_at:
-                step_seconds = (logged_at - prev_at) / (step - prev_step)
-        if self._prev is not None and step == self._prev[0]:
-            # Both progress lines of one step are printed together; the second adds nothing.
-            return None
+                gap = logged_at - prev_at
+                per_step = gap / (step - prev_step)
+                if self._pauses.is_pause(gap, per_step):
+                    pause_seconds = gap
+                else:
+                    step_seconds = per_step
         self._prev = (step, logged_at) if logged_at is not None else None
-        return StepLine(step=step, step_seconds=step_seconds)
+        if step == self._last_step:
+            return None  # both progress lines of one step: the second adds nothing
+        self._last_step = step
+        return StepLine(step=step, step_seconds=step_seconds, pause_seconds=pause_seconds)
+
+    def _progress(self, line: str) -> tuple[int, float | None] | None:
+        """(step, log time) of a progress line of the clock in use (timer lines once seen)."""
+        m = _DEEPSPEED_STEP.search(line)
+        if m is not None:
+            step, logged_at = int(m.group(1)), _deepspeed_time(line, m.start())
+            self._step_line = (step, logged_at)
+            if self._timer_seen:
+                return None  # the timer line of the same step times it and reports it
+            return step, logged_at
+        m = _DEEPSPEED_TIMER.search(line)
+        old = None if m is not None else _DEEPSPEED_OLD_TIMER.search(line)
+        if m is None and old is None:
+            return None
+        timer = m if m is not None else old
+        assert timer is not None
+        logged_at = _deepspeed_time(line, timer.start())
+        if not self._timer_seen:
+            self._timer_seen = True
+            self._prev = None  # the step= clock ends here; timer-to-timer from the next one
+        if m is not None:
+            return int(m.group(1)), logged_at
+        micro = int(timer.group(1))
+        paired = self._step_line
+        if (paired is not None and paired[0] > 0 and micro % paired[0] == 0 and logged_at is not None
+                and paired[1] is not None and abs(logged_at - paired[1]) <= _SAME_STEP_SECONDS):
+            self._micro_per_step = micro // paired[0]
+        return micro // self._micro_per_step, logged_at
 
 
-def _deepspeed_time(line: str) -> float | None:
-    m = _DEEPSPEED_TIME.match(line)
-    if m is None:
+def _deepspeed_time(line: str, before: int) -> float | None:
+    """The last DeepSpeed asctime stamp on the line before position ``before``."""
+    found = None
+    for found in _DEEPSPEED_TIME.finditer(line, 0, before):  # noqa: B007 - the last one is wanted
+        pass
+    if found is None:
         return None
     try:
-        stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")
+        stamp = datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S")
     except ValueError:
         return None
     # Naive local time: only differences between lines of one file are used.
-    return stamp.timestamp() + int(m.group(2)) / 1000.0
+    return stamp.timestamp() + int(found.group(2)) / 1000.0
 
 
 REGEX_SECONDS_GROUPS = ("step_seconds", "compute_seconds", "comm_seconds", "data_seconds")

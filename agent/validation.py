@@ -1,15 +1,74 @@
 """How a configuration or scenario that fails validation is reported: one line per error, each
-naming its key path (``collectors.gpu.interval_secnds: unknown key``). Shared by the agent's and
-aggregator's configs and both kinds of scenario; it imports nothing of ours, so anything may use it.
+naming its key path and, for a typo, the closest known key (``collectors.gpu.interval_secnds:
+unknown key (did you mean 'interval_seconds'?)``); and the one parser of listen addresses
+(``HOST:PORT``, ``[V6]:PORT``, ``:PORT``). It imports nothing of ours, so anything may use it.
 """
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+import difflib
+import typing
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ValidationError
+
+# `:PORT` listens on every IPv4 interface, as in Go's and Prometheus's flags.
+ALL_INTERFACES = "0.0.0.0"
 
 
-def format_validation_error(exc: ValidationError, header: str = "invalid configuration") -> str:
-    """One line per error, each naming its key path: how every config and scenario error reads."""
+def split_host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT`` or ``:PORT`` as (host, port); a ValueError saying what is expected
+    otherwise. Port 0 asks the kernel for a free port (tests)."""
+    host, sep, port = value.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or host.startswith("[") != host.endswith("]"):
+        raise ValueError("expected HOST:PORT or :PORT (e.g. 127.0.0.1:9411 or :9411)")
+    return host.strip("[]") or ALL_INTERFACES, int(port)
+
+
+def _canonical_host_port(value: str) -> str:
+    host, port = split_host_port(value)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# A listen address in a config model: validated, and `:PORT` spelled out as `0.0.0.0:PORT`.
+HostPort = Annotated[str, AfterValidator(_canonical_host_port)]
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The model a field's annotation holds (``X``, ``X | None``, ``list[X]``, ``dict[str, X]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if arg is not annotation:
+            found = _section(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def closest_key(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | None:
+    """The known key closest to the unknown last element of ``loc`` (difflib), walking ``model``
+    along the rest of the path; None when nothing is close or the path leaves the models."""
+    section: type[BaseModel] | None = model
+    for part in loc[:-1]:
+        if section is None:
+            return None
+        if not isinstance(part, str):
+            continue  # a list index: stay on the item's model
+        if part not in section.model_fields:
+            return None  # a mapping key or a union's tag: no guess rather than a wrong one
+        section = _section(section.model_fields[part].annotation)
+    if section is None or not isinstance(loc[-1], str):
+        return None
+    known = [*section.model_fields, *(f.alias for f in section.model_fields.values() if f.alias)]
+    matches = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def format_validation_error(exc: ValidationError, header: str = "invalid configuration",
+                            model: type[BaseModel] | None = None) -> str:
+    """One line per error, each naming its key path: how every config and scenario error reads.
+    With ``model``, an unknown key names the closest known one."""
     lines = []
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"])
@@ -17,7 +76,8 @@ def format_validation_error(exc: ValidationError, header: str = "invalid configu
         if not path:  # cross-field checks name their own key path in the message
             lines.append(msg)
         elif err["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown key")
+            hint = closest_key(model, tuple(err["loc"]))
+            lines.append(f"{path}: unknown key" + (f" (did you mean {hint!r}?)" if hint else ""))
         else:
             got = err.get("input")
             tail = "" if isinstance(got, dict | list) else f" (got {got!r})"

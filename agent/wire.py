@@ -8,18 +8,61 @@ a value the hardware does not report is ``None`` (absent), never 0.
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 WIRE_VERSION = 1
 
+# A node name is what a hostname can be (RFC 1123 section 2.1, RFC 952): dot-separated labels
+# of letters, digits and inner hyphens, 1-63 characters each, 253 in all. Nothing else: a
+# bracket, comma or space would let a scheduler expand one name into many (``vnode[1-5]``,
+# ``a,b``), so this one rule guards reports, Alertmanager input, the CLI and every actuator.
+MAX_NODE_NAME_CHARS = 253
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_NODE_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+
+
+def check_node_name(name: object) -> str:
+    """``name`` if it is a valid node name, else ValueError saying why (one rule everywhere)."""
+    if not isinstance(name, str):
+        raise ValueError("a node name is a string")
+    if not 1 <= len(name) <= MAX_NODE_NAME_CHARS:
+        raise ValueError(f"a node name has 1..{MAX_NODE_NAME_CHARS} characters, got {len(name)}")
+    if _NODE_NAME.fullmatch(name) is None:
+        raise ValueError("a node name is a hostname: dot-separated labels of letters, digits and inner "
+                         "hyphens, 1-63 characters each (no brackets, commas, spaces or other characters)")
+    return name
+
+
+NodeName = Annotated[str, AfterValidator(check_node_name)]
+# Bounds on what any report may carry: far beyond any real value, short of what breaks
+# arithmetic (a 64-bit hardware counter fits; 1e400 or NaN never reaches a detector).
+MAX_COUNTER = 2**64 - 1
+Count = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
+Index = Annotated[int, Field(ge=0, le=1 << 20)]
+Num = Annotated[float, Field(ge=-1e18, le=1e18)]  # finite: allow_inf_nan=False on every model
+NonNeg = Annotated[float, Field(ge=0, le=1e18)]
+Ratio = Annotated[float, Field(ge=0, le=1.0)]
+# Wall-clock seconds since the epoch: 1970..2200.
+Timestamp = Annotated[float, Field(ge=0, le=7.3e9)]
+Short = Annotated[str, Field(max_length=256)]
+# Free text (a kernel log line) is cut, not refused: an overlong line must not cost its event.
+MAX_TEXT_CHARS = 4096
+Text = Annotated[str, AfterValidator(lambda text: text[:MAX_TEXT_CHARS])]
+
 GpuHealth = Literal["ok", "lost", "reset_required", "unavailable"]
 RankState = Literal["running", "hung", "exited"]
+# What a job does between steps, as its heartbeat client says; absent means training.
+JobPhase = Literal["training", "checkpointing", "evaluating"]
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    # Finite numbers only: NaN, Infinity and 1e400 (which JSON parsers read as infinity) are
+    # refused. The aggregator validates with strict=True on top: no float for an int, no "1"
+    # for a number, no 1 for a bool.
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
 
 class Event(_Wire):
@@ -31,68 +74,71 @@ class Event(_Wire):
     by line); ``ts`` is then the first occurrence and ``last_ts`` the latest.
     """
 
-    kind: str
-    ts: float
+    kind: Short
+    ts: Timestamp
     urgent: bool = False
-    message: str = ""
-    code: int | None = None
-    gpu: int | None = None
-    uuid: str | None = None
-    pci_bus_id: str | None = None
-    device: str | None = None
-    port: int | None = None
-    job: str | None = None
-    rank: int | None = None
-    count: int = 1
-    last_ts: float | None = None
+    message: Text = ""
+    code: Count | None = None
+    gpu: Index | None = None
+    uuid: Short | None = None
+    pci_bus_id: Short | None = None
+    device: Short | None = None
+    port: Index | None = None
+    job: Short | None = None
+    rank: Index | None = None
+    count: int = Field(default=1, ge=1, le=MAX_COUNTER)
+    last_ts: Timestamp | None = None
     # Which reader saw it ("kmsg", "nvml", "sysfs", "heartbeat"): an Xid seen by both the kernel
     # log and NVML's event API is one fault, and the aggregator dedups by (gpu, code, time).
-    source: str = ""
+    source: Short = ""
 
 
 class GpuState(_Wire):
     """One GPU's state and counters at report time (NVLink counters summed over its links)."""
 
-    index: int
-    uuid: str
+    index: Index
+    uuid: Short
     health: GpuHealth = "ok"
-    name: str | None = None
-    pci_bus_id: str | None = None
-    utilization_gpu_ratio: float | None = None
-    utilization_memory_ratio: float | None = None
-    memory_used_bytes: float | None = None
-    memory_total_bytes: float | None = None
-    sm_clock_hertz: float | None = None
-    sm_clock_max_hertz: float | None = None
-    memory_clock_hertz: float | None = None
-    temperature_celsius: float | None = None
-    memory_temperature_celsius: float | None = None
-    slowdown_temperature_celsius: float | None = None
-    shutdown_temperature_celsius: float | None = None
-    memory_max_temperature_celsius: float | None = None
-    power_watts: float | None = None
-    power_limit_watts: float | None = None
-    energy_joules: float | None = None
-    performance_state: int | None = None
+    name: Short | None = None
+    pci_bus_id: Short | None = None
+    utilization_gpu_ratio: Ratio | None = None
+    utilization_memory_ratio: Ratio | None = None
+    memory_used_bytes: NonNeg | None = None
+    memory_total_bytes: NonNeg | None = None
+    sm_clock_hertz: NonNeg | None = None
+    sm_clock_max_hertz: NonNeg | None = None
+    memory_clock_hertz: NonNeg | None = None
+    temperature_celsius: Num | None = None
+    memory_temperature_celsius: Num | None = None
+    slowdown_temperature_celsius: Num | None = None
+    shutdown_temperature_celsius: Num | None = None
+    memory_max_temperature_celsius: Num | None = None
+    power_watts: NonNeg | None = None
+    power_limit_watts: NonNeg | None = None
+    energy_joules: NonNeg | None = None
+    performance_state: Count | None = None
     # Active clock-event (throttle) reasons by our short name, e.g. ["hw_thermal_slowdown"].
-    clock_event_reasons: list[str] = Field(default_factory=list)
-    ecc_corrected_volatile: int | None = None
-    ecc_uncorrected_volatile: int | None = None
-    ecc_corrected_aggregate: int | None = None
-    ecc_uncorrected_aggregate: int | None = None
-    retired_pages_sbe: int | None = None
-    retired_pages_dbe: int | None = None
+    clock_event_reasons: list[Short] = Field(default_factory=list, max_length=64)
+    ecc_corrected_volatile: Count | None = None
+    ecc_uncorrected_volatile: Count | None = None
+    ecc_corrected_aggregate: Count | None = None
+    ecc_uncorrected_aggregate: Count | None = None
+    retired_pages_sbe: Count | None = None
+    retired_pages_dbe: Count | None = None
     retired_pages_pending: bool | None = None
-    remapped_rows_correctable: int | None = None
-    remapped_rows_uncorrectable: int | None = None
+    remapped_rows_correctable: Count | None = None
+    remapped_rows_uncorrectable: Count | None = None
     remap_pending: bool | None = None
     remap_failure: bool | None = None
-    pcie_replay_total: int | None = None
-    nvlink_crc_errors_total: int | None = None
-    nvlink_replay_errors_total: int | None = None
-    nvlink_recovery_errors_total: int | None = None
-    nvlink_links_active: int | None = None
-    nvlink_links_down: list[int] = Field(default_factory=list)
+    pcie_replay_total: Count | None = None
+    nvlink_crc_errors_total: Count | None = None
+    nvlink_replay_errors_total: Count | None = None
+    nvlink_recovery_errors_total: Count | None = None
+    nvlink_links_active: Count | None = None
+    nvlink_links_down: list[Index] = Field(default_factory=list, max_length=64)
+    # The job whose processes use this GPU (agent.attribution): a Slurm job id, a torchrun run id,
+    # or "pod/<uid>" on Kubernetes; None when no process or no job is known.
+    job: str | None = Field(default=None, max_length=128)
 
 
 class PortState(_Wire):
@@ -102,71 +148,84 @@ class PortState(_Wire):
     and is named in ``flags`` ("reset" or "saturated") instead. The aggregator judges over its
     own window from the raw counters; these are for a reader of a single report."""
 
-    device: str
-    port: int
-    state: str | None = None
-    phys_state: str | None = None
-    rate_bits_per_second: float | None = None
-    link_layer: str | None = None
-    netdev: str | None = None
-    counters: dict[str, int] = Field(default_factory=dict)
-    deltas: dict[str, int] = Field(default_factory=dict)
-    rates_per_second: dict[str, float] = Field(default_factory=dict)
-    flags: dict[str, str] = Field(default_factory=dict)
+    device: Short
+    port: Index
+    state: Short | None = None
+    phys_state: Short | None = None
+    rate_bits_per_second: NonNeg | None = None
+    link_layer: Short | None = None
+    netdev: Short | None = None
+    # Counter names are sysfs file names, bounded by the body limit: a length check on each of
+    # the ~400 keys of a report costs 15% of the ingest rate (bench/bench_ingest.py).
+    counters: dict[str, Count] = Field(default_factory=dict, max_length=256)
+    deltas: dict[str, Count] = Field(default_factory=dict, max_length=256)
+    rates_per_second: dict[str, NonNeg] = Field(default_factory=dict, max_length=256)
+    flags: dict[str, Short] = Field(default_factory=dict, max_length=256)
 
 
 class RankSummary(_Wire):
     """One training rank over the report window: not every step, a summary of them."""
 
-    job: str
-    rank: int
-    gpu: int | None = None
-    pid: int | None = None
+    job: Short
+    rank: Index
+    gpu: Index | None = None
+    pid: Annotated[int, Field(ge=0, le=1 << 32)] | None = None
     state: RankState = "running"
-    window_seconds: float
-    steps: int
-    last_step: int
-    last_progress_ts: float
-    step_seconds_p50: float | None = None
-    step_seconds_p90: float | None = None
-    compute_seconds_p50: float | None = None
-    compute_seconds_p90: float | None = None
-    comm_seconds_p50: float | None = None
-    comm_seconds_p90: float | None = None
-    data_seconds_p50: float | None = None
-    data_seconds_p90: float | None = None
+    window_seconds: NonNeg
+    # The end of the complete window [window_end_ts - window_seconds, window_end_ts) on the agent's
+    # clock that ``steps`` and the quantiles cover; summaries of one window repeat it, so the
+    # aggregator counts each window once. None: an agent summarising a sliding window.
+    window_end_ts: Timestamp | None = None
+    steps: Count
+    last_step: Count
+    last_progress_ts: Timestamp
+    step_seconds_p50: NonNeg | None = None
+    step_seconds_p90: NonNeg | None = None
+    compute_seconds_p50: NonNeg | None = None
+    compute_seconds_p90: NonNeg | None = None
+    comm_seconds_p50: NonNeg | None = None
+    comm_seconds_p90: NonNeg | None = None
+    data_seconds_p50: NonNeg | None = None
+    data_seconds_p90: NonNeg | None = None
+    phase: JobPhase | None = None  # the rank's latest heartbeat's phase (None: training)
 
 
 class HostFacts(_Wire):
-    cpu_utilization_ratio: float | None = None
-    load1: float | None = None
-    memory_used_bytes: float | None = None
-    memory_total_bytes: float | None = None
-    uptime_seconds: float | None = None
-    kernel: str | None = None
-    driver_version: str | None = None
+    cpu_utilization_ratio: Ratio | None = None
+    load1: NonNeg | None = None
+    memory_used_bytes: NonNeg | None = None
+    memory_total_bytes: NonNeg | None = None
+    uptime_seconds: NonNeg | None = None
+    kernel: Short | None = None
+    driver_version: Short | None = None
 
 
 class Report(_Wire):
     """The agent's periodic push (``POST /v1/reports``). ``seq`` increases by one per report
     within a ``boot_id``; a new boot id means counters restarted from zero."""
 
-    version: int = WIRE_VERSION
-    node: str = Field(min_length=1, max_length=253)
+    version: Literal[1] = 1  # WIRE_VERSION
+    node: NodeName
     boot_id: str = Field(min_length=1, max_length=64)
-    seq: int = Field(ge=0)
-    ts: float
-    interval_seconds: float = Field(gt=0)
+    seq: Count
+    ts: Timestamp
+    # At most a day: a node that reports less often is not being watched.
+    interval_seconds: float = Field(gt=0, le=86400)
     urgent: bool = False
-    topology: dict[str, str] = Field(default_factory=dict)
+    topology: dict[Short, Short] = Field(default_factory=dict, max_length=32)
     nvml_available: bool = True
-    gpus: list[GpuState] = Field(default_factory=list)
-    ports: list[PortState] = Field(default_factory=list)
-    ranks: list[RankSummary] = Field(default_factory=list)
+    # Bounds far above any real node (8-16 GPUs, 8-16 ports, a rank per GPU); the body limit
+    # bounds the rest.
+    gpus: list[GpuState] = Field(default_factory=list, max_length=256)
+    ports: list[PortState] = Field(default_factory=list, max_length=256)
+    ranks: list[RankSummary] = Field(default_factory=list, max_length=1024)
     host: HostFacts | None = None
-    events: list[Event] = Field(default_factory=list)
+    events: list[Event] = Field(default_factory=list, max_length=4096)
     # Collectors whose last cycle failed, so the aggregator can tell "no data" from "healthy".
-    failed_collectors: list[str] = Field(default_factory=list)
+    failed_collectors: list[Short] = Field(default_factory=list, max_length=64)
+    # The sender's release (vigil.__version__), so the aggregator can see version skew; absent
+    # from agents older than 0.1.0's packaging change.
+    agent_version: str | None = Field(default=None, max_length=64)
 
 
 class Heartbeat(_Wire):
@@ -182,3 +241,6 @@ class Heartbeat(_Wire):
     gpu: int | None = Field(default=None, ge=0)
     pid: int | None = Field(default=None, ge=1)
     ts: float | None = None
+    phase: JobPhase | None = None
+    # How compute/comm were measured: "cuda_events" (GPU timeline) or "cpu" (host clock, a fallback).
+    timing: Literal["cuda_events", "cpu"] | None = None

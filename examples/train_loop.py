@@ -1,13 +1,15 @@
 """A PyTorch-style training loop instrumented for vigil: one import, one line per step.
 
 Run beside `vigil agent`: `PYTHONPATH=. python examples/train_loop.py [steps]` (or with vigil
-installed). It sends UDP heartbeats to 127.0.0.1:9401 (or $VIGIL_HEARTBEAT_ADDR); job and rank come
-from torchrun's or Slurm's environment. Without torch installed it times a sleep stand-in.
+installed). It sends UDP heartbeats to the agent's node-local listener, 127.0.0.1:9401, or to
+$VIGIL_HEARTBEAT_ADDR (`unix:/run/vigil/heartbeat.sock` from a Kubernetes pod, docs/security-agent.md);
+job and rank come from torchrun's or Slurm's environment. Without torch installed it times a sleep
+stand-in.
 """
 import sys
 import time
 
-from agent.heartbeat import Heartbeat
+from vigil_heartbeat import Heartbeat
 
 try:
     import torch

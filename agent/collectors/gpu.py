@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
+from agent.attribution import ProcessAttribution
 from agent.collectors.collector import Collection, CollectorConfig
 from agent.metric import MetricKind, MetricSpec, Sample
 from agent.nvml.backend import (
@@ -44,6 +45,8 @@ class GpuConfig(CollectorConfig):
     nvlink_interval_seconds: float = Field(default=10.0, gt=0)
     xid_events: bool = True  # listen to NVML's Xid event API in a worker thread
     event_wait_ms: int = Field(default=500, ge=10, le=10_000)  # worker's wait; bounds close()
+    # Which job uses each GPU (agent.attribution): processes start and stop rarely.
+    job_attribution_interval_seconds: float = Field(default=10.0, gt=0)
 
 
 _G = ("gpu", "uuid")
@@ -193,8 +196,10 @@ class GpuCollector:
     name = "gpu"
     specs: Sequence[MetricSpec] = SPECS
 
-    def __init__(self, config: GpuConfig, backend: PynvmlBackend | None, clock: Callable[[], float]) -> None:
+    def __init__(self, config: GpuConfig, backend: PynvmlBackend | None, clock: Callable[[], float],
+                 attribution: ProcessAttribution | None = None) -> None:
         self._config = config
+        self._attribution = attribution
         self._backend = backend
         self._clock = clock
         self._gpus: list[_Gpu] | None = None
@@ -228,11 +233,13 @@ class GpuCollector:
             self._nvlink_due = now + self._config.nvlink_interval_seconds
         samples: list[Sample] = []
         states: list[GpuState] = []
+        jobs = self._attribution.jobs([g.index for g in self._gpus], now) if self._attribution else {}
         for gpu in self._gpus:
             reading = self._read(backend, gpu, nvlinks)
             self._transition(gpu, reading.health, now, events)
             samples.extend(self._gpu_samples(gpu, reading, nvlinks))
             states.append(self._gpu_state(gpu, reading))
+            states[-1].job = jobs.get(gpu.index)
         available = not self._gpus or any(g.health != "unavailable" for g in self._gpus)
         self._set_available(available, now, events, "every NVML call fails: driver or library gone")
         if available and self._config.xid_events and self._worker is None and not self._stop.is_set():
@@ -434,4 +441,6 @@ class GpuCollector:
 
 
 def build(config: AgentConfig, seams: Seams) -> GpuCollector:
-    return GpuCollector(config.collectors.gpu, seams.nvml, seams.clock)
+    attribution = ProcessAttribution(seams.nvml, proc_root=seams.proc_root,
+                                     interval_seconds=config.collectors.gpu.job_attribution_interval_seconds)
+    return GpuCollector(config.collectors.gpu, seams.nvml, seams.clock, attribution)

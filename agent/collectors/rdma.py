@@ -1,8 +1,9 @@
 """RDMA collector: InfiniBand and RoCE ports read from ``<sysfs>/class/infiniband``.
 
-Reads each port's state, physical state, rate, link layer and every counter in ``counters/`` and
-``hw_counters/``; for RoCE ports also the netdev's ``carrier_changes`` and the per-priority PFC pause
-counters of ``ethtool -S``. Emits them as samples, a ``PortState`` per port (raw counters, deltas,
+Reads each port's state, physical state, rate, link layer and every counter in ``counters/``,
+``hw_counters/`` and ``counters_ext/`` (a 64-bit twin there wins over its ``counters/`` file); for
+RoCE ports also the netdev's ``carrier_changes`` and the per-priority PFC pause counters of
+``ethtool -S``. Emits them as samples, a ``PortState`` per port (raw counters, deltas,
 per-second rates, reset/saturation flags) and link events. It does not judge error rates (the
 aggregator does) and never turns a counter that went backwards or sits at its saturation value into
 a delta or a rate.
@@ -140,6 +141,10 @@ COUNTERS: dict[str, CounterDef] = {
                                              16),
     "port_xmit_discards": _counter("vigil_rdma_port_transmit_discards_total",
                                    "Outbound packets discarded (port down or congested).", 16),
+    # Not in the kernel's IBTA PortCounters table; some drivers (mlx4, as node_exporter's fixture
+    # tree shows) add it to counters/. Its width is not documented, so no saturation is assumed.
+    "port_rcv_discards": _counter("vigil_rdma_port_receive_discards_total",
+                                  "Inbound packets discarded by the port (port down or congested)."),
     "port_xmit_constraint_errors": _counter("vigil_rdma_port_transmit_constraint_errors_total",
                                             "Outbound packets not sent because of partition/raw constraints.", 8),
     "port_rcv_constraint_errors": _counter("vigil_rdma_port_receive_constraint_errors_total",
@@ -184,6 +189,23 @@ COUNTERS: dict[str, CounterDef] = {
                             "Congestion notification packets sent (this port was the notification point)."),
     "rp_cnp_handled": _counter("vigil_rdma_port_cnp_handled_total",
                                "Congestion notification packets handled by the sender (reaction point)."),
+}
+
+# counters_ext/: the 64-bit PortCountersExtended values that mlx4 and other older drivers keep
+# beside counters/ (Linux drivers/infiniband/hw/mlx4/sysfs.c and the procfs/node_exporter
+# "legacy" counters), while their counters/ twin is 32 bits wide or stays 0. When both exist the
+# 64-bit file is read: it keeps counting where a 32-bit PortCounters field stops (2**32 words of
+# data is 16 GiB, a minute at 200 Gb/s), and one source per counter means a value never jumps
+# between two files. Each maps to the counters/ name whose metric it feeds.
+EXT_COUNTERS: dict[str, str] = {
+    "port_xmit_data_64": "port_xmit_data",
+    "port_rcv_data_64": "port_rcv_data",
+    "port_xmit_packets_64": "port_xmit_packets",
+    "port_rcv_packets_64": "port_rcv_packets",
+    "port_unicast_xmit_packets": "unicast_xmit_packets",
+    "port_unicast_rcv_packets": "unicast_rcv_packets",
+    "port_multicast_xmit_packets": "multicast_xmit_packets",
+    "port_multicast_rcv_packets": "multicast_rcv_packets",
 }
 
 # hw_counters/lifespan is the kernel's cache lifetime of hw_counters in ms: a setting, not a count.
@@ -412,21 +434,18 @@ class RdmaCollector:
         path = os.path.join(dev_dir, "ports", str(port))
         labels = (("device", device), ("port", str(port)))
         counters: list[_CounterFile] = []
-        for sub in ("counters", "hw_counters"):
+        ext = self._list_counters(device, os.path.join(path, "counters_ext"))
+        superseded = {EXT_COUNTERS[name] for name in ext if name in EXT_COUNTERS}
+        for sub in ("counters", "hw_counters", "counters_ext"):
             sub_dir = os.path.join(path, sub)
-            try:
-                names = sorted(os.listdir(sub_dir))
-            except FileNotFoundError:
-                continue  # irdma has no counters/, older drivers no hw_counters/: absent, not zero
-            except OSError:
-                self._count(device, "unreadable")
-                continue
+            names = ext if sub == "counters_ext" else self._list_counters(device, sub_dir)
             for name in names:
-                if name in _NOT_COUNTERS:
+                if name in _NOT_COUNTERS or (sub == "counters" and name in superseded):
                     continue
                 f = self._open(os.path.join(sub_dir, name))
                 if f is not None:
-                    counters.append(self._counter_file(name, f, labels))
+                    counters.append(self._counter_file(EXT_COUNTERS.get(name, name) if sub == "counters_ext"
+                                                       else name, f, labels))
         link_layer = self._read_optional(os.path.join(path, "link_layer"))
         netdev = self._find_netdev(dev_dir, path) if link_layer == "Ethernet" else None
         if netdev is not None:
@@ -437,6 +456,15 @@ class RdmaCollector:
         return _Port(device, port, labels, self._open(os.path.join(path, "state")),
                      self._open(os.path.join(path, "phys_state")), self._open(os.path.join(path, "rate")),
                      counters, link_layer, netdev)
+
+    def _list_counters(self, device: str, sub_dir: str) -> list[str]:
+        try:
+            return sorted(os.listdir(sub_dir))
+        except FileNotFoundError:
+            return []  # irdma has no counters/, older drivers no hw_counters/: absent, not zero
+        except OSError:
+            self._count(device, "unreadable")
+            return []
 
     @staticmethod
     def _counter_file(name: str, f: _File, labels: tuple[tuple[str, str], ...]) -> _CounterFile:

@@ -24,6 +24,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from agent.collectors.collector import Collection, CollectorConfig, StrictModel
 from agent.metric import MetricKind, MetricSpec, Sample
 from agent.step_log import LineError, LogFollower, StepLine, StepParser, compile_step_regex, make_parser
+from agent.validation import HostPort, split_host_port
 from agent.wire import Event, Heartbeat, RankSummary
 
 if TYPE_CHECKING:
@@ -61,23 +62,26 @@ class LogFileConfig(StrictModel):
         return self.job or Path(self.path).stem or self.path
 
 
-def split_host_port(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected host:port, got {value!r}")
-    return host.strip("[]"), int(port)
-
-
 class TrainingConfig(CollectorConfig):
     # Heartbeats are taken in as they arrive (ingest); a cycle only summarises the window for
     # /metrics and the report, so it runs at the report cadence rather than every second.
     interval_seconds: float = Field(default=2.5, gt=0)
-    # Loopback by default: a heartbeat is trusted input about a job, so other hosts may not send one.
-    udp_listen: str = "127.0.0.1:9401"
-    http: bool = True  # also accept POST /v1/heartbeat on the agent's HTTP port
-    # Summaries cover this much recent history: long enough for a stable median at one step per
-    # second, short enough that a rank turning slow shows within one aggregator judging window.
-    window_seconds: float = Field(default=60.0, gt=0)
+    # The node-local heartbeat address: UDP datagrams, and (http: true) POST /v1/heartbeat over TCP
+    # on the same host:port. A heartbeat is trusted input about a job, so only processes on this
+    # node may send one: keep it on loopback (agent/server.py also refuses any non-loopback peer).
+    udp_listen: HostPort = "127.0.0.1:9401"
+    http: bool = True
+    # Also take datagrams on this Unix socket path: how pods in their own network namespace reach
+    # the agent (a hostPath directory mounted into them), docs/security-agent.md.
+    unix_socket: str | None = None
+    # Summaries cover complete, non-overlapping windows of this length aligned on the clock
+    # ([k*W, (k+1)*W)); each report carries the latest complete one and its end, so the
+    # aggregator judges every window exactly once instead of re-reading a sliding window. 5 s
+    # holds 2-5 steps per rank at the 1-2 s steps of large LLM jobs (16-40 samples per 8-rank
+    # node), and three consecutive windows plus the window in progress, one collector cycle and
+    # one report (5 + 15 + 2.5 + 2.5 s) keep a 10%-slow node's drain within the 30 s budget
+    # (docs/detectors.md).
+    window_seconds: float = Field(default=5.0, gt=0)
     # No step for this long while the process lives is a hang. PyTorch's NCCL process group
     # times out a stuck collective after 10 minutes by default (torch.distributed
     # init_process_group, timeout=timedelta(minutes=10)); 5 minutes flags the hang before NCCL
@@ -169,6 +173,9 @@ class _Record:
     compute_seconds: float | None
     comm_seconds: float | None
     data_seconds: float | None
+    # "checkpointing" / "evaluating" as the client says (its own, longer limits at the
+    # aggregator); None: training.
+    phase: str | None = None
 
 
 @dataclass(slots=True)
@@ -249,7 +256,8 @@ class TrainingCollector:
         if not all(math.isfinite(v) for v in (hb.step_seconds, hb.compute_seconds, hb.comm_seconds,
                                               hb.data_seconds) if v is not None):
             return "schema"
-        record = _Record(now, hb.step, hb.step_seconds, hb.compute_seconds, hb.comm_seconds, hb.data_seconds)
+        record = _Record(now, hb.step, hb.step_seconds, hb.compute_seconds, hb.comm_seconds, hb.data_seconds,
+                         None if hb.phase in (None, "training") else hb.phase)
         with self._lock:
             return self._observe(hb.job, hb.rank, hb.gpu, hb.pid, record, heartbeat=True)
 
@@ -339,8 +347,14 @@ class TrainingCollector:
             del self._ranks[key]
             self._evicted += 1
 
+    def _window(self, now: float) -> tuple[float, float]:
+        """The latest complete summary window [start, end) at ``now``."""
+        width = self._config.window_seconds
+        end = math.floor(now / width) * width
+        return end - width, end
+
     def _trim(self, r: _Rank, now: float) -> None:
-        start = now - self._config.window_seconds
+        start, _ = self._window(now)
         while r.history and r.history[0].ts < start:
             r.baseline_step = r.history.popleft().step
 
@@ -359,7 +373,7 @@ class TrainingCollector:
                 events.append(Event(kind="rank_exit", ts=now, urgent=True, source="heartbeat", job=r.job,
                                     rank=r.rank, gpu=r.gpu,
                                     message=f"process {r.pid} of rank {r.rank} is gone at step {r.last.step}"))
-        elif now - r.last_progress_ts >= self._hang_threshold(r):
+        elif r.last.phase is None and now - r.last_progress_ts >= self._hang_threshold(r):
             r.state = "hung"
             if not r.hang_reported:
                 r.hang_reported = True
@@ -379,17 +393,22 @@ class TrainingCollector:
 
     def _summary(self, r: _Rank, now: float) -> RankSummary:
         # One pass over the window into one list per phase: this runs for every rank every cycle.
+        # History holds the complete window then the one in progress (``_trim``); only the
+        # complete window is summarised, so consecutive summaries share no step.
+        _, end = self._window(now)
         steps = 0
         prev = r.baseline_step
         columns: tuple[list[float], list[float], list[float], list[float]] = ([], [], [], [])
         step_v, compute_v, comm_v, data_v = columns
         for rec in r.history:
+            if rec.ts >= end:
+                break
             if prev is None:
                 steps += 1  # the first step ever seen
             elif rec.step > prev:
                 steps += rec.step - prev
             prev = rec.step
-            if rec.step_seconds is not None:
+            if rec.step_seconds is not None and rec.phase is None:  # a phase announcement is no step
                 step_v.append(rec.step_seconds)
             if rec.compute_seconds is not None:
                 compute_v.append(rec.compute_seconds)
@@ -403,8 +422,9 @@ class TrainingCollector:
             quantiles[f"{name}_seconds_p50"] = percentile(values, 0.5) if values else None
             quantiles[f"{name}_seconds_p90"] = percentile(values, 0.9) if values else None
         return RankSummary(job=r.job, rank=r.rank, gpu=r.gpu, pid=r.pid, state=r.state,
-                           window_seconds=self._config.window_seconds, steps=steps, last_step=r.last.step,
-                           last_progress_ts=r.last_progress_ts, **quantiles)
+                           window_seconds=self._config.window_seconds, window_end_ts=end, steps=steps,
+                           last_step=r.last.step,
+                           last_progress_ts=r.last_progress_ts, phase=r.last.phase, **quantiles)
 
     def _samples(self, ranks: list[_Rank], summaries: list[RankSummary]) -> list[Sample]:
         # Built directly in the specs' label order (job, rank, then the extra label): this runs

@@ -1,6 +1,7 @@
 """Xid collector: follows the kernel log (/dev/kmsg, journalctl or a file) for GPU, NVSwitch and NIC faults.
 
-Counts NVRM Xid, NVSwitch SXid, "fallen off the bus" and mlx5 error lines per device, maps the PCI
+Counts NVRM Xid, NVSwitch SXid, "fallen off the bus" and mlx5 error faults per device (a fault's
+companion and detail lines are folded into it by the parser and counted apart), maps the PCI
 bus id to the GPU index and uuid through NVML identity, and forwards each new fault as an urgent
 ``Event`` (a flood is counted in full but forwarded collapsed and rate-limited per device and
 code). It does not judge what a code means: the aggregator's Xid catalog does.
@@ -84,6 +85,10 @@ MLX5_ERRORS = MetricSpec("vigil_mlx5_errors_total", MetricKind.COUNTER,
                          "mlx5_core driver error lines, by PCI function and error.", labels=("device", "error"))
 LINES_READ = MetricSpec("vigil_kernel_log_lines_read_total", MetricKind.COUNTER,
                         "Kernel-log lines read by the xid collector.")
+LINES_FOLDED = MetricSpec("vigil_kernel_log_lines_folded_total", MetricKind.COUNTER,
+                          "Kernel-log lines folded into a fault already counted (the fallen-off-the-bus notice "
+                          "after its Xid 79, SXid detail lines, an mlx5 health dump), by the fault's kind.",
+                          labels=("kind",))
 LINES_UNPARSED = MetricSpec("vigil_kernel_log_lines_unparsed_total", MetricKind.COUNTER,
                             "Kernel-log lines skipped as unparsable, by reason.", labels=("reason",))
 READ_ERRORS = MetricSpec("vigil_kernel_log_read_errors_total", MetricKind.COUNTER,
@@ -92,8 +97,8 @@ READ_ERRORS = MetricSpec("vigil_kernel_log_read_errors_total", MetricKind.COUNTE
 EVENTS_FORWARDED = MetricSpec("vigil_kernel_log_events_forwarded_total", MetricKind.COUNTER,
                               "Events handed to the reporter (collapsed floods count once).", labels=("kind",))
 
-SPECS = (XID_ERRORS, XID_LAST, FALLEN_OFF_BUS, SXID_ERRORS, MLX5_ERRORS, LINES_READ, LINES_UNPARSED, READ_ERRORS,
-         EVENTS_FORWARDED)
+SPECS = (XID_ERRORS, XID_LAST, FALLEN_OFF_BUS, SXID_ERRORS, MLX5_ERRORS, LINES_READ, LINES_FOLDED, LINES_UNPARSED,
+         READ_ERRORS, EVENTS_FORWARDED)
 
 
 class GpuIdentities(Protocol):
@@ -182,6 +187,7 @@ class XidCollector:
         self._sxid: dict[tuple[str, str, int], float] = {}
         self._mlx5: dict[tuple[str, str], float] = {}
         self._unparsed: dict[str, float] = {}
+        self._folded: dict[str, float] = {}
         self._forwarded: dict[str, float] = {}
         self._lines = 0
         self._pending: dict[tuple[str, str | None, str], _Pending] = {}
@@ -256,6 +262,8 @@ class XidCollector:
                 self._last_seq = parsed.seq
             if parsed.unparsed is not None:
                 self._unparsed[parsed.unparsed] = self._unparsed.get(parsed.unparsed, 0) + 1
+            if parsed.folded is not None:
+                self._folded[parsed.folded] = self._folded.get(parsed.folded, 0) + 1
             if parsed.event is not None:
                 self._count(parsed.event, now)
         overruns = getattr(self._source, "overruns", 0)
@@ -334,6 +342,7 @@ class XidCollector:
         samples += [Sample.of(FALLEN_OFF_BUS, n, gpu=lbl(g), uuid=lbl(u)) for (g, u), n in self._fallen.items()]
         samples += [Sample.of(SXID_ERRORS, n, switch=s, pci_bus_id=b, code=c) for (s, b, c), n in self._sxid.items()]
         samples += [Sample.of(MLX5_ERRORS, n, device=d, error=e) for (d, e), n in self._mlx5.items()]
+        samples += [Sample.of(LINES_FOLDED, n, kind=k) for k, n in self._folded.items()]
         samples += [Sample.of(LINES_UNPARSED, n, reason=r) for r, n in self._unparsed.items()]
         samples += [Sample.of(READ_ERRORS, n, reason=r) for r, n in self._read_errors.items()]
         samples += [Sample.of(EVENTS_FORWARDED, n, kind=k) for k, n in self._forwarded.items()]

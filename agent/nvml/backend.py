@@ -291,6 +291,18 @@ class PynvmlBackend:
 
     # --- dynamic state -------------------------------------------------------------------------
 
+    def running_pids(self, index: int) -> list[int] | None:
+        """PIDs of the compute processes on the GPU (nvmlDeviceGetComputeRunningProcesses), or
+        None when NVML cannot say (the GPU is unhealthy, the call failed or is not supported)."""
+        try:
+            h = self._handle(index)
+            procs = self._query(index, [], "nvmlDeviceGetComputeRunningProcesses", h)
+        except (_HealthError, self._error):
+            return None
+        if procs is None:
+            return None
+        return [int(p.pid) for p in procs if getattr(p, "pid", None)]
+
     def read(self, index: int, *, nvlinks: bool = True) -> GpuReading:
         """The GPU's dynamic state now. Never raises for an NVML error: a lost GPU, one that needs
         a reset or an NVML that went away is a reading with that health and no values. With

@@ -114,6 +114,9 @@ class FakeGpuHandle:
         self.nvlink_growth: dict[tuple[int, str], list[_Growth]] = {}
         self.nvlink_down_at: dict[int, float] = {}
         self.xids: list[tuple[float, int]] = []
+        self.temperature_drift: list[_Growth] = []  # degrees Celsius per second
+        self.hbm_extra: list[tuple[float, float, float]] = []  # (start, end, degrees Celsius)
+        self.pcie_replay_growth: list[_Growth] = []
         for fault in scenario.faults:
             if getattr(fault, "gpu", None) != index:
                 continue
@@ -145,6 +148,15 @@ class FakeGpuHandle:
                         _Growth(at, math.inf, fault.rate_per_second))
                 case "nvlink_down":
                     self.nvlink_down_at[fault.link] = min(self.nvlink_down_at.get(fault.link, math.inf), at)
+                case "temperature_drift":
+                    end = at + fault.duration_seconds if fault.duration_seconds else math.inf
+                    self.temperature_drift.append(_Growth(at, end, fault.celsius_per_hour / 3600.0))
+                case "hot_hbm":
+                    end = at + fault.duration_seconds if fault.duration_seconds else math.inf
+                    self.hbm_extra.append((at, end, fault.extra_celsius))
+                case "pcie_replay":
+                    end = at + fault.duration_seconds if fault.duration_seconds else math.inf
+                    self.pcie_replay_growth.append(_Growth(at, end, fault.rate_per_second))
         self.xids.sort()
 
     # --- the state at scenario time t -------------------------------------------------------
@@ -194,6 +206,8 @@ class FakeNvml:
         self._unavailable_at = min((f.at_seconds for f in scenario.faults if f.kind == "nvml_unavailable"),
                                    default=math.inf)
         self._initialized = 0  # NVML counts nvmlInit calls; each needs an nvmlShutdown
+        # GPU index -> PIDs of compute processes on it (none by default: an idle node).
+        self.running_pids: dict[int, list[int]] = {}
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the class does not define: constants pass through, functions fail.
@@ -352,7 +366,8 @@ class FakeNvml:
         if w is not None and w.hot:
             return p.slowdown_temperature_celsius + 1
         u = handle.utilization(t)
-        return round(p.temperature_idle_celsius + (p.temperature_busy_celsius - p.temperature_idle_celsius) * u)
+        drift = handle.grown(handle.temperature_drift, t) if handle.temperature_drift else 0
+        return round(p.temperature_idle_celsius + (p.temperature_busy_celsius - p.temperature_idle_celsius) * u) + drift
 
     def nvmlDeviceGetFieldValues(self, handle: FakeGpuHandle, field_ids: Sequence[int]) -> Any:
         t = self._device(handle, "nvmlDeviceGetFieldValues")
@@ -365,7 +380,8 @@ class FakeNvml:
                 u = handle.utilization(t)
                 span = p.memory_temperature_busy_celsius - p.memory_temperature_idle_celsius
                 v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
-                v.value.uiVal = round(p.memory_temperature_idle_celsius + span * u)
+                extra = sum(x for start, end, x in handle.hbm_extra if start <= t < end)
+                v.value.uiVal = round(p.memory_temperature_idle_celsius + span * u + extra)
                 v.nvmlReturn = pynvml.NVML_SUCCESS
             else:
                 v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
@@ -430,9 +446,17 @@ class FakeNvml:
         # A remap waits for the next GPU reset; the failure means no spare row was left.
         return (0, uncorrectable, 1 if pending_rows else 0, 1 if failed else 0)
 
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeGpuHandle) -> list[Any]:
+        """The PIDs in ``running_pids[index]`` (set by a test or the simulator), as pynvml returns
+        them: friendly objects with pid, usedGpuMemory (bytes), gpuInstanceId, computeInstanceId."""
+        self._device(handle, "nvmlDeviceGetComputeRunningProcesses")
+        return [pynvml.nvmlStructToFriendlyObject(pynvml.c_nvmlProcessInfo_v3_t(
+                    pid=pid, usedGpuMemory=60 << 30, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF))
+                for pid in self.running_pids.get(handle.index, ())]
+
     def nvmlDeviceGetPcieReplayCounter(self, handle: FakeGpuHandle) -> int:
-        self._device(handle, "nvmlDeviceGetPcieReplayCounter")
-        return handle.pcie_replay_base
+        t = self._device(handle, "nvmlDeviceGetPcieReplayCounter")
+        return handle.pcie_replay_base + handle.grown(handle.pcie_replay_growth, t)
 
     def nvmlDeviceGetPcieThroughput(self, handle: FakeGpuHandle, counter: int) -> int:
         t = self._device(handle, "nvmlDeviceGetPcieThroughput")

@@ -7,6 +7,7 @@ the key path (``faults.2.xid.code: ...``). It describes what happens; FakeNvml m
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -16,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from agent.nvml.profiles import PROFILES
 from agent.validation import format_validation_error
 
-# Shipped scenarios live at the repository root beside the fleet scenarios of other issues.
-SCENARIO_DIR = Path(__file__).resolve().parents[2] / "scenarios" / "node"
+# Shipped scenarios live in the repository's scenarios/node/, installed as package data of `vigil`
+# (vigil/scenarios links to scenarios/), so the lookup works from a checkout and from a wheel.
+SCENARIO_DIR = Path(str(resources.files("vigil") / "scenarios" / "node"))
 
 
 class ScenarioError(ValueError):
@@ -96,6 +98,31 @@ class NvlinkDown(_Fault):
     link: int = Field(ge=0)
 
 
+class TemperatureDrift(_Fault):
+    """The GPU runs hotter and hotter (a failing fan, dried thermal paste): its temperature
+    climbs ``celsius_per_hour`` above its usual reading, for ``duration_seconds`` or for ever."""
+
+    kind: Literal["temperature_drift"]
+    celsius_per_hour: float = Field(gt=0, le=600)
+    duration_seconds: float | None = Field(default=None, gt=0)
+
+
+class HotHbm(_Fault):
+    """The GPU's HBM runs ``extra_celsius`` above its usual temperature (a blocked cold plate)."""
+
+    kind: Literal["hot_hbm"]
+    extra_celsius: float = Field(gt=0, le=60)
+    duration_seconds: float | None = Field(default=None, gt=0)
+
+
+class PcieReplay(_Fault):
+    """PCIe link-level replays grow at ``rate_per_second`` (a marginal riser or retimer)."""
+
+    kind: Literal["pcie_replay"]
+    rate_per_second: float = Field(gt=0)
+    duration_seconds: float | None = Field(default=None, gt=0)
+
+
 class NvmlUnavailable(_Strict):
     """The driver goes away for the whole node: nvmlInit and every call fail from then on."""
 
@@ -105,13 +132,15 @@ class NvmlUnavailable(_Strict):
 
 Fault = Annotated[
     EccCorrectedGrowth | EccUncorrectable | RowRemapPending | RowRemapFailure | ThermalThrottle | PowerBrake
-    | Xid | GpuLost | ResetRequired | NvlinkErrors | NvlinkDown | NvmlUnavailable,
+    | Xid | GpuLost | ResetRequired | NvlinkErrors | NvlinkDown | NvmlUnavailable | TemperatureDrift | HotHbm
+    | PcieReplay,
     Field(discriminator="kind"),
 ]
 
 FAULT_KINDS: tuple[str, ...] = (
     "ecc_corrected_growth", "ecc_uncorrectable", "row_remap_pending", "row_remap_failure", "thermal_throttle",
     "power_brake", "xid", "gpu_lost", "reset_required", "nvlink_errors", "nvlink_down", "nvml_unavailable",
+    "temperature_drift", "hot_hbm", "pcie_replay",
 )
 
 
@@ -145,7 +174,7 @@ def parse_node_scenario(data: Any, source: str = "<data>") -> NodeScenario:
     try:
         return NodeScenario.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError(format_validation_error(exc, f"invalid node scenario {source}")) from None
+        raise ScenarioError(format_validation_error(exc, f"invalid node scenario {source}", NodeScenario)) from None
 
 
 def resolve_scenario_path(path_or_name: str | Path) -> Path:

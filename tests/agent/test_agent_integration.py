@@ -132,7 +132,7 @@ def _render_normalised(agent: Agent, now: float) -> str:
         agent.snapshot.put(c.name, collect_once(c, now))
     keep = []
     for line in agent.render_metrics().decode().splitlines():
-        if re.search(r"vigil_host_|vigil_collector_duration_seconds", line):
+        if re.search(r"vigil_host_|vigil_collector_duration_seconds|vigil_build_info", line):  # build: per release
             continue
         keep.append(line)
     return "\n".join(keep) + "\n"

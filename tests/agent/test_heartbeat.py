@@ -172,7 +172,24 @@ def test_example_training_loop_heartbeats_are_accepted_by_the_collector(receiver
     collector = TrainingCollector(TrainingConfig(), pid_alive=lambda pid: True)
     for _ in range(3):
         assert collector.ingest(receiver.recv(4096), 1000.0) is None
-    (summary,) = collector.collect(1001.0).report["ranks"]
+    (summary,) = collector.collect(1005.0).report["ranks"]  # the window [1000, 1005) is complete
     assert (summary.job, summary.rank, summary.gpu, summary.last_step, summary.steps) == ("example", 2, 2, 3, 3)
     assert summary.compute_seconds_p50 is not None and summary.data_seconds_p50 is not None
     assert summary.step_seconds_p50 is not None and summary.step_seconds_p50 >= summary.compute_seconds_p50
+
+
+def test_a_unix_socket_address_reaches_a_listener_that_starts_later(tmp_path) -> None:
+    """From a pod: VIGIL_HEARTBEAT_ADDR=unix:PATH. The agent may start after the training process
+    (steps before that are dropped and counted), and is found without reconnecting."""
+    path = str(tmp_path / "heartbeat.sock")
+    assert resolve_addr({"VIGIL_HEARTBEAT_ADDR": f"unix:{path}"}) == path
+    hb = Heartbeat(job="j", rank=2, env={"VIGIL_HEARTBEAT_ADDR": f"unix:{path}"}, clock=FakeClock())
+    hb.step(1, 1.0)  # no listener yet
+    assert (hb.sent, hb.dropped) == (0, 1)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(path)
+        listener.settimeout(2.0)
+        hb.step(2, 1.0)
+        got = WireHeartbeat.model_validate_json(listener.recv(4096))
+    assert (got.job, got.rank, got.step) == ("j", 2, 2) and (hb.sent, hb.dropped) == (1, 1)
+    hb.close()

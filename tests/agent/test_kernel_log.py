@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from agent.kernel_log import (
+    FOLD_SPAN_LINES,
+    MAX_HOSTS,
     REASON_KMSG_RECORD,
     REASON_UNDECODABLE,
     REASON_XID,
@@ -19,9 +21,12 @@ from agent.kernel_log import (
     KernelEvent,
     KernelLogParser,
     KmsgReader,
+    ParsedLine,
     StreamReader,
     normalize_bus_id,
+    split_line,
     split_prefix,
+    timestamp_seconds,
 )
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "kernel-log"
@@ -338,3 +343,178 @@ def test_real_dev_kmsg_is_read_without_blocking() -> None:
     assert len(seqs) == len(records) and seqs == sorted(seqs)
     reader.read_lines(100_000)  # the ring buffer is drained: this returns at once
     reader.close()
+
+
+# -- one event per fault: companion and detail lines fold into their fault ---------------------
+
+
+def parsed_lines(lines: Sequence[str]) -> list[ParsedLine]:
+    parser = KernelLogParser()
+    return [parser.feed(line) for line in lines]
+
+
+def test_fallen_off_notice_after_its_xid79_is_the_same_fault() -> None:
+    # Real journal lines (tests/fixtures/kernel-log/PROVENANCE.md): Xid 79, then the newer
+    # drivers' one-line notice for the same GPU, then an unrelated Xid 44.
+    lines = (FIXTURES / "blog-xid79-fallen-notice-syslog.log").read_text().splitlines()
+    parsed = parsed_lines(lines)
+    assert [(p.event.kind, p.event.code) for p in parsed if p.event] == [("xid", 79), ("xid", 44)]
+    assert [p.folded for p in parsed] == [None, "xid", None, None, None, None]
+
+
+def test_fallen_off_notice_alone_or_for_another_gpu_is_its_own_fault() -> None:
+    lines = ["[ 10.000000] NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus.",
+             "[ 10.000100] NVRM: GPU 0000:5e:00.0: GPU has fallen off the bus.",  # another GPU
+             "[ 50.000000] NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus."]  # 40 s later
+    events, _ = events_of(lines)
+    assert [(e.kind, e.pci_bus_id) for e in events] == [
+        ("xid", "0000:3b:00"), ("gpu_lost", "0000:5e:00"), ("gpu_lost", "0000:3b:00")]
+
+
+def test_repeated_fallen_off_notice_is_one_fault() -> None:
+    # Bumblebee-Project/Bumblebee issue 554: the old driver printed the notice twice in 11 us.
+    lines = ["[   49.261458] NVRM: GPU at 0000:01:00.0 has fallen off the bus.",
+             "[   49.261465] NVRM: os_pci_init_handle: invalid context!",
+             "[   49.261472] NVRM: GPU at 0000:01:00.0 has fallen off the bus."]
+    parsed = parsed_lines(lines)
+    assert [p.event.kind for p in parsed if p.event] == ["gpu_lost"]
+    assert parsed[2].folded == "gpu_lost"
+
+
+def test_sxid_detail_lines_belong_to_their_headline() -> None:
+    # NVIDIA/nvtrust issue 124: each "Non-fatal, Link N" headline is followed by its "Severity ...
+    # Engine instance N" and "Data {...}" lines; the first Data line's headline is not in the log.
+    events = fixture_events("nvtrust-124-sxid-details.log")
+    assert [(e.code, e.severity, e.text.split(" Minion")[0]) for e in events] == [
+        (22013, None, events[0].text), (22013, "Non-fatal", "Link 44"), (22013, "Non-fatal", "Link 45"),
+        (22013, "Non-fatal", "Link 46")]
+    assert events[0].text.startswith("Data {0x0000002b")
+    folded = [p.folded for p in parsed_lines((FIXTURES / "nvtrust-124-sxid-details.log").read_text().splitlines())]
+    assert folded.count("sxid") == 4
+
+
+def test_sxid_detail_of_another_code_or_switch_is_not_folded() -> None:
+    lines = ["[ 1.000] nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 24007, Fatal, Link 28 sourcetrack timeout error",
+             "[ 1.001] nvidia-nvswitch1: SXid (PCI:0000:c4:00.0): 24007, Severity 1 Engine instance 28 "
+             "Sub-engine instance 00",
+             "[ 1.002] nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 20009, Data {0x1}",
+             "[ 1.003] nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 24007, Data {0x1c}"]
+    parsed = parsed_lines(lines)
+    assert [p.folded for p in parsed] == [None, None, None, "sxid"]
+
+
+def test_mlx5_health_dump_is_one_firmware_event_per_function() -> None:
+    # A Linux mailing-list report (PROVENANCE.md): six PCI functions lose health; two dump the
+    # health buffer (assert_var[0..5], synd "firmware internal error", ...).
+    lines = (FIXTURES / "lkml-mlx5-health-dump.log").read_text().splitlines()
+    parsed = parsed_lines(lines)
+    events = [p.event for p in parsed if p.event]
+    assert [(e.device, e.error) for e in events] == [
+        (f"0000:0d:00.{fn}", "health_compromised") for fn in (0, 2, 3, 4, 1, 5)]
+    # Per dump: "Health issue observed", six assert_var lines and the synd line read as errors.
+    assert [p.folded for p in parsed].count("mlx5_error") == 2 * 8
+
+
+def test_mlx5_dump_without_a_health_line_opens_its_own_event() -> None:
+    # LKML (Niklas Schnelle, mlx5 drain wq): "Fatal error 1 detected" then the register dump.
+    lines = ["[   36.447442] mlx5_core 0000:00:00.0: poll_health:694:(pid 0): Fatal error 1 detected",
+             "[   36.447450] mlx5_core 0000:00:00.0: print_health_info:372:(pid 0): assert_var[0] 0xffffffff",
+             "[   36.447453] mlx5_core 0000:00:00.0: print_health_info:372:(pid 0): assert_var[1] 0xffffffff",
+             "[   36.447471] mlx5_core 0000:00:00.0: print_health_info:380:(pid 0): fw_ver 65535.65535.65535"]
+    events, _ = events_of(lines)
+    assert [(e.device, e.error) for e in events] == [("0000:00:00.0", "firmware_fatal")]
+
+
+def test_lines_without_timestamps_fold_by_distance() -> None:
+    near = ["NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",
+            "NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus."]
+    far = [near[0], *(["some other line"] * (FOLD_SPAN_LINES + 1)), near[1]]
+    assert [e.kind for e in events_of(near)[0]] == ["xid"]
+    assert [e.kind for e in events_of(far)[0]] == ["xid", "gpu_lost"]
+
+
+@pytest.mark.parametrize(("ts_text", "seconds"), [
+    ("1234.567890", 1234.56789),
+    ("2025-01-21T04:41:44,283302+00:00", 1737434504.283302),
+    ("2024-01-01T03:04:05+0000", 1704078245.0),
+    ("2024-01-01T03:04:05Z", 1704078245.0),
+    ("Sun Feb 23 16:24:18 2025", 1740327858.0),
+])
+def test_timestamp_seconds(ts_text: str, seconds: float) -> None:
+    assert timestamp_seconds(ts_text) == pytest.approx(seconds)
+
+
+def test_timestamp_seconds_of_syslog_and_garbage() -> None:
+    a, b = timestamp_seconds("Nov 07 18:17:15"), timestamp_seconds("Nov 07 18:17:16")
+    assert a is not None and b is not None and b - a == 1.0
+    assert timestamp_seconds("") is None and timestamp_seconds("Feb 30 99:99:99") is None
+
+
+# -- logs collected from many hosts (pdsh/clush "<host>: " prefix) -------------------------------
+
+
+@pytest.mark.parametrize("line", [
+    "gpu-017: [ 1234.567890] mlx5_core 0000:d2:00.0: poll_health:825: device's health compromised - reached "
+    "miss count.",
+    "gpu-017: mlx5_core 0000:d2:00.0: poll_health:825: device's health compromised - reached miss count.",
+    "gpu-017.cluster.local: [Sun Feb 23 16:24:18 2025] mlx5_core 0000:d2:00.0: poll_health:825: device's health "
+    "compromised - reached miss count.",
+    "gpu-017: Aug 17 06:18:01 gpu-017 kernel: mlx5_core 0000:d2:00.0: poll_health:825: device's health compromised",
+    "gpu-017: kern  :err   : 2025-01-21T04:41:44,283302+00:00 mlx5_core 0000:d2:00.0: device's health compromised",
+    "gpu-017: 6,1234,5678901,-;mlx5_core 0000:d2:00.0: poll_health:825: device's health compromised",
+])
+def test_host_prefixed_mlx5_lines_are_parsed_with_their_host(line: str) -> None:
+    events, unparsed = events_of([line])
+    assert unparsed == [] and len(events) == 1
+    assert (events[0].host or "").split(".")[0] == "gpu-017"
+    assert (events[0].device, events[0].error) == ("0000:d2:00.0", "health_compromised")
+
+
+def test_host_prefix_keeps_the_timestamp_and_is_never_a_driver_tag() -> None:
+    ts, msg, seq, host = split_line("gpu-017: [ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off.")
+    assert (ts, host, seq) == ("1234.567890", "gpu-017", None) and msg.startswith("NVRM: Xid")
+    for own in ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",
+                "nvidia-nvswitch0: SXid (PCI:0004:00:00.0): 26008, SOE Watchdog error",
+                "kernel: [16450076.435595] NVRM: Xid (PCI:0002:00:00): 119, pid=1, x"):
+        assert split_line(own).host is None
+
+
+def test_interleaved_hosts_fold_separately() -> None:
+    # Two hosts' three-line notices interleaved line by line, as pdsh prints them.
+    a = ["[ 1843.308145] NVRM: The NVIDIA GPU 0000:b3:00.0",
+         "               NVRM: (PCI ID: 10de:26b5) installed in this system has",
+         "               NVRM: fallen off the bus and is not responding to commands."]
+    b = ["[ 1843.308145] NVRM: The NVIDIA GPU 0000:18:00.0", *a[1:]]
+    lines = [f"{host}: {line}" for pair in zip(a, b, strict=True)
+             for host, line in zip(("n1", "n2"), pair, strict=True)]
+    events, _ = events_of(lines)
+    assert [(e.host, e.kind, e.pci_bus_id) for e in events] == [
+        ("n1", "gpu_lost", "0000:b3:00"), ("n2", "gpu_lost", "0000:18:00")]
+
+
+def test_parser_state_is_bounded_in_hosts() -> None:
+    # A host's open fault is forgotten once MAX_HOSTS other hosts were seen after it.
+    parser = KernelLogParser()
+    xid79 = "[ 1.0] NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus."
+    notice = "[ 1.0] NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus."
+    parser.feed(f"h0: {xid79}")
+    parser.feed(f"h1: {xid79}")
+    for n in range(2, MAX_HOSTS + 1):
+        parser.feed(f"h{n}: [ 1.0] unrelated")
+    parser.feed("h1: [ 1.0] unrelated")  # h1 seen again: kept
+    for n in range(MAX_HOSTS + 1, MAX_HOSTS + 3):
+        parser.feed(f"h{n}: [ 1.0] unrelated")
+    assert parser.feed(f"h1: {notice}").folded == "xid"
+    lost = parser.feed(f"h0: {notice}")
+    assert lost.folded is None and lost.event is not None and lost.event.kind == "gpu_lost"
+
+
+def test_a_fault_repeated_every_second_is_counted_every_time() -> None:
+    # The fold window is anchored at the fault's first line: a device that keeps failing its
+    # health poll is one fault per poll, not one fault forever; details after 2 s are new faults.
+    health = "[ {t}.000000] mlx5_core 0000:d2:00.0: poll_health:825: device's health compromised - reached miss count."
+    events, _ = events_of([health.format(t=t) for t in range(100, 106)])
+    assert len(events) == 6
+    late = ["[ 1.000] nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 24007, Fatal, Link 28 sourcetrack timeout error",
+            "[ 3.500] nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 24007, Data {0x1c}"]
+    assert [p.folded for p in parsed_lines(late)] == [None, None]

@@ -62,7 +62,8 @@ def _names_emitted(agent: Agent, clock: Clock, times: list[float], feed: list[tu
             action()  # type: ignore[operator]
         for c in agent.collectors:
             agent.snapshot.put(c.name, collect_once(c, clock.t))
-        for source in (agent.snapshot.samples, agent.runner.self_samples, agent.reporter.samples):
+        for source in (agent.snapshot.samples, agent.runner.self_samples, agent.reporter.samples,
+                       agent.heartbeats.samples, agent.connections.samples):
             names.update(s.name for s in source())
     # NVML's Xid event worker waits in real time while this clock is fake: give it real time,
     # collecting again until nothing new has appeared for longer than its 0.5 s wait (bounded at 5 s).
@@ -84,14 +85,15 @@ def emitted_and_declared(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[
     emitted: set[str] = set()
     declared: set[str] = set()
     scenarios = sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
-    sysfs_trees = [FIXTURES / "sysfs" / "h100", FIXTURES / "sysfs" / "roce"]
+    sysfs_trees = [FIXTURES / "sysfs" / "h100", FIXTURES / "sysfs" / "roce",
+                   FIXTURES / "sysfs" / "node-exporter-infiniband"]
     ethtool = (FIXTURES / "sysfs" / "ethtool-S-mlx5-ens1f0np0.txt").read_text()
     for i, scenario in enumerate(scenarios):
         tmp = tmp_path_factory.mktemp(scenario)
         kmsg = tmp / "kern.log"
         kmsg.write_text("")
         sysfs = tmp / "sys"
-        shutil.copytree(sysfs_trees[i % 2], sysfs)
+        shutil.copytree(sysfs_trees[i % len(sysfs_trees)], sysfs)
         megatron = tmp / "megatron.log"
         megatron.write_text("")
         config = parse_config({
@@ -124,7 +126,8 @@ def emitted_and_declared(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[
                   "comm_seconds": 0.25, "data_seconds": 0.05, "gpu": 1, "pid": 999_999}
             feed.append((1.0 + step * 0.1, lambda t=training, h=hb: t.ingest(json.dumps(h).encode(), START + 1)))
         try:
-            emitted |= _names_emitted(agent, clock, [0, 1, 2, 4, 15, 45, 70, 100, 400, 1300], feed)
+            # 5: the training window [START, START + 5) holding the heartbeats is complete
+            emitted |= _names_emitted(agent, clock, [0, 1, 2, 4, 5, 15, 45, 70, 100, 400, 1300], feed)
         finally:
             for c in agent.collectors:
                 c.close()

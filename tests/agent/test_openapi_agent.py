@@ -1,5 +1,5 @@
 """docs/openapi-agent.yaml against the running agent: the Heartbeat schema is the wire model's,
-and every documented path answers with the documented shape."""
+and every documented path answers with the documented shape on the listener it documents."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from openapi_spec_validator import validate as validate_spec
 
 from agent.collectors.collector import Collection
 from agent.collectors.training import TrainingCollector, TrainingConfig
-from agent.server import make_app
+from agent.server import HeartbeatIntake, make_app, make_heartbeat_app
 from agent.snapshot import CollectorResult, Snapshot
 from agent.wire import Heartbeat
 
@@ -34,36 +34,49 @@ def test_spec_is_valid_and_heartbeat_matches_the_wire_model() -> None:
 
 
 @pytest.fixture
-async def client() -> Any:
+async def clients() -> Any:
+    """(the /metrics listener, the heartbeat listener), both on loopback."""
     snapshot = Snapshot()
     snapshot.put("host", CollectorResult(Collection(), True, 0.001, 1.0))
     training = TrainingCollector(TrainingConfig(), pid_alive=lambda pid: True)
+    intake = HeartbeatIntake(training, clock=lambda: 100.0)
     app = make_app(snapshot=snapshot, render_metrics=lambda: b"# nothing\n",
                    state_extra=lambda: {"node": "n1", "version": "0", "boot_id": "b", "nvml_backend": "fake",
                                         "last_report": None},
-                   heartbeat_sink=training, clock=lambda: 100.0)
-    async with TestClient(TestServer(app)) as c:
-        yield c
+                   intake=intake)
+    async with TestClient(TestServer(app)) as c, TestClient(TestServer(make_heartbeat_app(intake))) as h:
+        yield c, h
 
 
-async def test_every_documented_path_answers_as_documented(client: TestClient) -> None:
+async def test_every_documented_path_answers_as_documented(clients: tuple[TestClient, TestClient]) -> None:
+    client, heartbeats = clients
+    assert SPEC["paths"]["/v1/heartbeat"]["servers"][0]["url"] == "http://127.0.0.1:9401"
     hb = {"job": "llm", "rank": 3, "step": 10, "step_seconds": 1.2, "compute_seconds": 0.9, "gpu": 3, "pid": 77}
     check(hb, "Heartbeat")
-    resp = await client.post("/v1/heartbeat", data=json.dumps(hb))
+    resp = await heartbeats.post("/v1/heartbeat", data=json.dumps(hb))
     assert resp.status == 202
     check(await resp.json(), "Accepted")
-    for bad, reason in ((b"{not json", "invalid_json"), (json.dumps({**hb, "rnak": 1}).encode(), "unknown_field"),
-                        (json.dumps({**hb, "step": -1}).encode(), "schema")):
-        resp = await client.post("/v1/heartbeat", data=bad)
-        assert resp.status == 400
+    for bad, status, reason in ((b"{not json", 400, "invalid_json"),
+                                (json.dumps({**hb, "rnak": 1}).encode(), 400, "unknown_field"),
+                                (json.dumps({**hb, "step": -1}).encode(), 400, "schema"),
+                                (b" " * 5000, 413, "too_large")):
+        resp = await heartbeats.post("/v1/heartbeat", data=bad)
+        assert resp.status == status
         body = await resp.json()
         check(body, "Error")
         assert body["error"] == reason
+        assert str(status) in SPEC["paths"]["/v1/heartbeat"]["post"]["responses"]
+    # The /metrics listener takes no heartbeat, whoever sends it.
+    resp = await client.post("/v1/heartbeat", data=json.dumps(hb))
+    assert resp.status == 403
+    body = await resp.json()
+    check(body, "Error")
+    assert body["error"] == "metrics_listener"
     resp = await client.get("/v1/state")
     check(await resp.json(), "State")
     resp = await client.get("/healthz")
     check(await resp.json(), "Health")
     resp = await client.get("/metrics")
     assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
-    documented = {(p, m) for p, ops in SPEC["paths"].items() for m in ops}
+    documented = {(p, m) for p, ops in SPEC["paths"].items() for m in ops if m != "servers"}
     assert documented == {("/v1/heartbeat", "post"), ("/v1/state", "get"), ("/metrics", "get"), ("/healthz", "get")}

@@ -89,12 +89,16 @@ async def test_events_survive_an_aggregator_outage_and_urgent_pushes_at_once() -
 
 
 def test_pending_events_are_bounded_and_drops_counted() -> None:
-    rep = Reporter(url=None, token=None, node="n", boot_id="b", topology={}, snapshot=Snapshot(), max_pending_events=3)
-    rep.add_events([Event(kind="xid", ts=float(i), code=13) for i in range(5)])
+    events = [Event(kind="xid", ts=float(i), code=13) for i in range(5)]
+    one = len(events[0].model_dump_json(exclude_none=True))
+    rep = Reporter(url=None, token=None, node="n", boot_id="b", topology={}, snapshot=Snapshot(),
+                   max_pending_event_bytes=3 * one)
+    rep.add_events(events)
     report, n = rep.next_report()
     assert n == 3 and [e.ts for e in report.events] == [2.0, 3.0, 4.0]
-    samples = {s.name: s.value for s in rep.samples() if not s.labels}
-    assert samples["vigil_agent_events_dropped_total"] == 2
+    samples = {(s.name, s.label("reason")): s.value for s in rep.samples()}
+    assert samples[("vigil_agent_events_dropped_total", "backlog_full")] == 2
+    assert samples[("vigil_agent_events_pending_bytes", None)] == 3 * one
     json.loads(report.model_dump_json())
 
 

@@ -59,7 +59,7 @@ def test_accepted_heartbeat_shows_in_metrics_and_report():
     c = make(FakeProcesses(4321))
     assert c.ingest(beat(step=41, step_seconds=0.9, compute_seconds=0.6, comm_seconds=0.25, gpu=3, pid=4321),
                     T0) is None
-    col = c.collect(T0 + 1)
+    col = c.collect(T0 + 5)  # the end of the window [T0, T0 + 5) the step is summarised in
     lbl = {"job": "j1", "rank": "0"}
     assert value(col.samples, "vigil_training_last_step", **lbl) == 41
     assert value(col.samples, "vigil_training_step_seconds", **lbl) == pytest.approx(0.9)
@@ -135,9 +135,11 @@ def test_window_summary_has_quantiles_of_the_window_only():
     for i in range(1, 11):
         c.ingest(beat(step=100 + i, step_seconds=float(i), compute_seconds=i / 2, comm_seconds=0.1 * i,
                       data_seconds=0.01), T0 + 100 + i)
-    col = c.collect(T0 + 111)
+    # windows of 60 s are aligned on the clock: T0 + 100 starts one (T0 is 20 s past a minute)
+    col = c.collect(T0 + 160)
     s = summary_of(col, "j1", 0)
     assert s.window_seconds == 60
+    assert s.window_end_ts == T0 + 160
     assert s.steps == 10  # 101..110, counted from the step reached before the window
     assert s.last_step == 110
     assert s.step_seconds_p50 == pytest.approx(5.5)
@@ -155,7 +157,7 @@ def test_steps_in_window_count_step_jumps_and_repeats():
     c.ingest(beat(step=20), T0 + 1)  # a logged interval of 10 iterations
     c.ingest(beat(step=20), T0 + 2)  # a repeat is not progress
     c.ingest(beat(step=21), T0 + 3)
-    s = summary_of(c.collect(T0 + 4), "j1", 0)
+    s = summary_of(c.collect(T0 + 10), "j1", 0)  # the window [T0 - 20, T0 + 10) is complete
     assert s.steps == 12  # first step seen, then +10, +0, +1
     assert s.last_progress_ts == T0 + 3
     s = summary_of(c.collect(T0 + 100), "j1", 0)
@@ -163,7 +165,7 @@ def test_steps_in_window_count_step_jumps_and_repeats():
 
 
 def test_ring_buffer_is_bounded():
-    c = make(max_steps_per_rank=16, window_seconds=1000)
+    c = make(max_steps_per_rank=16, window_seconds=100)
     for i in range(100):
         c.ingest(beat(step=i, step_seconds=1.0 if i < 84 else 3.0), T0 + i)
     s = summary_of(c.collect(T0 + 100), "j1", 0)
@@ -250,7 +252,8 @@ def append(path: Path, text: str) -> None:
 def test_megatron_log(tmp_path):
     c, path = log_collector(tmp_path, "megatron", gpu=7)
     append(path, (FIXTURES / "megatron.log").read_text())
-    col = c.collect(T0)
+    c.collect(T0)  # reads the lines, stamped T0: summarised once their window is complete
+    col = c.collect(T0 + 5)
     s = summary_of(col, "run1", 7)
     assert (s.last_step, s.steps, s.gpu) == (40, 31, 7)  # 10 seen first, then 10 more per log line
     assert s.step_seconds_p50 == pytest.approx(1.24515)  # median of 1.2503, 1.2345, 1.301, 1.240
@@ -263,7 +266,8 @@ def test_megatron_log(tmp_path):
 def test_deepspeed_log(tmp_path):
     c, path = log_collector(tmp_path, "deepspeed")
     append(path, (FIXTURES / "deepspeed.log").read_text())
-    col = c.collect(T0)
+    c.collect(T0)
+    col = c.collect(T0 + 5)
     s = summary_of(col, "run1", 7)
     assert s.last_step == 30
     # 25.2 s between the step=10 and step=20 lines: 2.52 s a step; the first has no predecessor
@@ -276,7 +280,8 @@ def test_regex_log_and_bad_numbers_are_counted(tmp_path):
                             regex=r"step (?P<step>\d+) took (?P<step_ms>\S+) ms \(data (?P<data_seconds>\S+)s\)")
     append(path, "step 1 took 500 ms (data 0.05s)\nstep 2 took fast ms (data 0.01s)\nstep 3 took 520.5 ms "
                  "(data 0.07s)\nunrelated line\n")
-    col = c.collect(T0)
+    c.collect(T0)
+    col = c.collect(T0 + 5)
     s = summary_of(col, "run1", 7)
     assert (s.last_step, s.step_seconds_p90) == (3, pytest.approx(0.51845))
     assert value(col.samples, "vigil_training_phase_seconds", job="run1", rank="7", phase="data") == 0.07
@@ -289,7 +294,8 @@ def test_deepspeed_older_progress_line(tmp_path):
                  "lr=[0.0001], mom=[(0.9, 0.999)]\n"
                  "[2024-05-02 10:20:10,000] [INFO] [engine.py:1200:_report_progress] rank:0 step=60, skipped=0, "
                  "lr=[0.0001], mom=[(0.9, 0.999)]\n")
-    s = summary_of(c.collect(T0), "run1", 7)
+    c.collect(T0)
+    s = summary_of(c.collect(T0 + 5), "run1", 7)
     assert (s.last_step, s.step_seconds_p50) == (60, pytest.approx(1.0))
 
 
@@ -298,7 +304,8 @@ def test_partial_lines_wait_for_their_newline(tmp_path):
     append(path, "step 5 1.5")
     assert c.collect(T0).report["ranks"] == []
     append(path, "0\n")
-    assert summary_of(c.collect(T0 + 1), "run1", 7).step_seconds_p50 == pytest.approx(1.5)
+    c.collect(T0 + 1)
+    assert summary_of(c.collect(T0 + 5), "run1", 7).step_seconds_p50 == pytest.approx(1.5)
 
 
 def test_rotation_and_truncation_are_followed(tmp_path):
@@ -308,11 +315,12 @@ def test_rotation_and_truncation_are_followed(tmp_path):
     append(path, "step 2 1.0\n")  # written just before the rotation: must not be lost
     os.rename(path, tmp_path / "train.log.1")
     path.write_text("step 3 1.0\nstep 4 1.0\n")
-    col = c.collect(T0 + 1)
+    c.collect(T0 + 1)
+    col = c.collect(T0 + 5)  # the window [T0, T0 + 5) holds steps 1-4
     assert summary_of(col, "run1", 7).steps == 4
     assert value(col.samples, "vigil_training_log_rotations_total", path=str(path)) == 1
     path.write_text("step 5 2.0\n")  # truncated in place (copytruncate) and rewritten
-    col = c.collect(T0 + 2)
+    col = c.collect(T0 + 6)
     assert summary_of(col, "run1", 7).last_step == 5
     assert value(col.samples, "vigil_training_log_rotations_total", path=str(path)) == 2
 
@@ -369,7 +377,7 @@ def test_end_to_end_udp_from_the_client():
                 assert c.ingest(sock.recv(65536), T0) is None
     finally:
         sock.close()
-    col = c.collect(T0 + 1)
+    col = c.collect(T0 + 5)
     s = summary_of(col, "e2e", 1)
     assert (s.steps, s.last_step, s.pid, s.gpu, s.state) == (5, 5, os.getpid(), 0, "running")
     assert s.step_seconds_p50 == pytest.approx(0.8)

@@ -390,3 +390,33 @@ def test_a_dead_journalctl_fails_the_cycle_and_is_restarted() -> None:
     c.collect(1000.0)  # the next cycle starts a new journalctl
     assert len(spawned) == 2
     c.close()
+
+
+def test_fallen_off_notice_carried_by_its_xid79_is_one_fault_and_not_counted_as_fallen() -> None:
+    # The counter's help: notices *not* carried by an Xid 79. Real lines: PROVENANCE.md.
+    src = ListSource()
+    c = collector(src, nvml=FakeGpus([FakeIdentity(0, "GPU-cccc", "00000000:01:00.0")]))
+    src.push(*(FIXTURES / "blog-xid79-fallen-notice-syslog.log").read_text().splitlines())
+    col = c.collect(10.0)
+    assert value(col, "vigil_gpu_xid_errors_total", gpu="0", uuid="GPU-cccc", code="79") == 1
+    assert series(col, "vigil_gpu_fallen_off_bus_total") == []
+    assert value(col, "vigil_kernel_log_lines_folded_total", kind="xid") == 1
+    assert [(e.kind, e.code) for e in col.events] == [("xid", 79), ("xid", 44)]
+    # A notice with no Xid 79 before it is a fault of its own, and counted.
+    src.push("[ 900.0] NVRM: GPU 0000:01:00.0: GPU has fallen off the bus.")
+    col = c.collect(20.0)
+    assert value(col, "vigil_gpu_fallen_off_bus_total", gpu="0", uuid="GPU-cccc") == 1
+
+
+def test_sxid_details_and_mlx5_dump_lines_are_counted_as_folded_not_as_errors() -> None:
+    src = ListSource()
+    c = collector(src)
+    src.push(*(FIXTURES / "nvtrust-124-sxid-details.log").read_text().splitlines(),
+             *(FIXTURES / "lkml-mlx5-health-dump.log").read_text().splitlines())
+    col = c.collect(10.0)
+    assert value(col, "vigil_nvswitch_sxid_errors_total", switch="nvidia-nvswitch3", pci_bus_id="0000:04:00",
+                 code="22013") == 4
+    assert value(col, "vigil_kernel_log_lines_folded_total", kind="sxid") == 4
+    assert value(col, "vigil_mlx5_errors_total", device="0000:0d:00.0", error="health_compromised") == 1
+    assert value(col, "vigil_mlx5_errors_total", device="0000:0d:00.0", error="firmware_fatal") is None
+    assert value(col, "vigil_kernel_log_lines_folded_total", kind="mlx5_error") == 16

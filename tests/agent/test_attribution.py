@@ -1,0 +1,96 @@
+"""GPU -> job from the process table: recorded real /proc/<pid>/cgroup files of Slurm (cgroup v1
+and v2) and Kubernetes processes, NVML's running processes through the real backend over FakeNvml,
+and the job carried in the GPU collector's report."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from agent.attribution import ProcessAttribution, job_from_cgroup, job_from_environ, job_of_pid
+from agent.collectors.gpu import GpuCollector, GpuConfig
+from agent.nvml.backend import PynvmlBackend
+from agent.nvml.fake import FakeNvml
+from agent.nvml.scenario import load_node_scenario
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "cgroup"
+# file -> the job it names (tests/fixtures/cgroup/PROVENANCE.md)
+RECORDED = {
+    "slurm-v1-ex3.cgroup": "748468",
+    "slurm-v1-devices.cgroup": "280678",
+    "slurm-v2-fox.cgroup": "1392969",
+    "k8s-v1-gke.cgroup": "pod/74c13223-5a00-11e9-b385-42010a80018d",
+    "k8s-v2-crio-kubic.cgroup": "pod/042efd86-1f3b-4f2f-8736-f31c58e95bbc",
+}
+
+
+def proc_tree(root: Path, pid: int, cgroup: str | None = None, environ: bytes | None = None) -> None:
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    if cgroup is not None:
+        shutil.copy(FIXTURES / cgroup, d / "cgroup")
+    if environ is not None:
+        (d / "environ").write_bytes(environ)
+
+
+@pytest.mark.parametrize(("name", "job"), sorted(RECORDED.items()))
+def test_recorded_cgroup_files_name_their_job_or_pod(tmp_path: Path, name: str, job: str) -> None:
+    proc_tree(tmp_path, 4242, name)
+    assert job_of_pid(4242, tmp_path) == job
+
+
+def test_non_job_processes_and_lookalikes_name_nothing() -> None:
+    for text in ("0::/user.slice/user-1000.slice/session-1.scope\n", "0::/system.slice/slurmd.service\n",
+                 "0::/user.slice/myjob_17/step_0\n", "12:memory:/docker/abc123\n", "0::/\n", ""):
+        assert job_from_cgroup(text) == (None, None), text
+
+
+def test_environment_names_the_job_as_the_heartbeat_client_does(tmp_path: Path) -> None:
+    env = b"PATH=/usr/bin\0TORCHELASTIC_RUN_ID=none\0SLURM_JOB_ID=9001\0RANK=3\0"
+    assert job_from_environ(env) == "9001"
+    assert job_from_environ(b"TORCHELASTIC_RUN_ID=llama-70b\0SLURM_JOB_ID=9001\0") == "llama-70b"
+    assert job_from_environ(b"PATH=/bin\0") is None
+    # A pod's process: the environment's run id groups it with the job's other pods; the cgroup
+    # alone would only name the pod.
+    proc_tree(tmp_path, 7, "k8s-v1-gke.cgroup", b"TORCHELASTIC_RUN_ID=pretrain-7\0")
+    assert job_of_pid(7, tmp_path) == "pretrain-7"
+    # Slurm's cgroup (the kernel's word) wins over an environment that says otherwise.
+    proc_tree(tmp_path, 8, "slurm-v2-fox.cgroup", b"SLURM_JOB_ID=1\0")
+    assert job_of_pid(8, tmp_path) == "1392969"
+
+
+def test_unreadable_or_vanished_processes_are_skipped(tmp_path: Path) -> None:
+    assert job_of_pid(99, tmp_path) is None
+    (tmp_path / "100").mkdir()
+    (tmp_path / "100" / "cgroup").write_bytes(b"\xff\xfe garbage")
+    assert job_of_pid(100, tmp_path) is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_nvml_processes_to_jobs_through_the_real_backend_and_into_the_report(tmp_path: Path) -> None:
+    clock = Clock()
+    fake = FakeNvml(load_node_scenario("healthy-h100"), clock, start=0.0)
+    backend = PynvmlBackend(fake)
+    backend.init()
+    proc_tree(tmp_path, 1001, "slurm-v1-ex3.cgroup")
+    proc_tree(tmp_path, 1002, "slurm-v2-fox.cgroup")
+    proc_tree(tmp_path, 1003)  # gone mid-read: no files
+    fake.running_pids = {0: [1001], 1: [1001], 2: [1003, 1002]}
+    attribution = ProcessAttribution(backend, proc_root=tmp_path, interval_seconds=10.0)
+    collector = GpuCollector(GpuConfig(xid_events=False), backend, clock, attribution)
+    states = {g.index: g.job for g in collector.collect(0.0).report["gpus"]}
+    assert states[0] == states[1] == "748468" and states[2] == "1392969" and states[3] is None
+    # Processes move on; the map is refreshed on its own cadence, not every cycle.
+    fake.running_pids = {3: [1002]}
+    assert {g.index: g.job for g in collector.collect(5.0).report["gpus"]}[3] is None
+    assert {g.index: g.job for g in collector.collect(10.0).report["gpus"]}[3] == "1392969"
+    collector.close()
