@@ -1,9 +1,14 @@
 """The aggregator's HTTP service: report intake, fleet and decision queries, its own metrics.
 
-It validates each ``POST /v1/reports`` body (bearer token, size, JSON schema), counts every
-rejection by reason, hands accepted reports to the engine, and runs the engine's evaluation
-periodically and at once after an urgent report, so a fatal Xid becomes a decision within about a
-second. It judges nothing itself (the engine does) and acts on nothing (the sink does).
+Every route passes the role check of ``aggregator.auth``; each ``POST /v1/reports`` body is read
+whole (any framing, bounded in size and time), validated strictly (finite, bounded, typed),
+checked against the node's credential, the clock and the node's last report, and every refusal
+is counted by reason. It hands accepted reports to the engine, forgets departed nodes into the
+store's archive, and runs the engine's evaluation periodically and at once after an urgent
+report, so a fatal Xid becomes a decision within about a second. It judges nothing itself (the
+engine does) and acts on nothing (the ledger and the dispatcher do). It mounts the gate's
+operator routes (``aggregator.operator_api``), answers /healthz 503 while decisions cannot be
+stored, and measures its own event loop's lag.
 """
 
 from __future__ import annotations
@@ -11,12 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -24,21 +27,27 @@ from pydantic import ValidationError
 
 from agent.config import ConfigError
 from agent.wire import Report
-from aggregator.actuators import build_actuators
+from aggregator.actuators import Actuator, DeliveryError, build_actuators
 from aggregator.alertmanager_input import add_routes
+from aggregator.auth import NODE_KEY, Credentials, Refusals, auth_middleware, is_loopback
 from aggregator.config import AggregatorConfig
 from aggregator.decision import REMOVING_ACTIONS, Action, Decision, Finding
-from aggregator.dispatch import Dispatcher, GatedSink
+from aggregator.dispatch import Dispatcher
 from aggregator.engine import Engine
 from aggregator.fleet import NodeState
 from aggregator.gate import Gate
-from aggregator.metrics import CONTENT_TYPE, AggregatorMetrics
+from aggregator.ledger import Ledger
+from aggregator.listener import BodyRefused, ConnectionGuard, read_body, tls_context
+from aggregator.metrics import CONTENT_TYPE, ActingReadings, AggregatorMetrics
+from aggregator.operator_api import add_no_gate_routes, add_operator_routes
+from aggregator.redact import redact_json
 from aggregator.sink import DecisionSink
-from aggregator.store import Store
+from aggregator.store import WRITE_ERRORS, Store
 
 log = logging.getLogger("vigil.aggregator")
 
 ENGINE_KEY = web.AppKey("engine", Engine)
+REFUSALS_KEY = web.AppKey("refusals", Refusals)
 SINK_KEY = web.AppKey("sink", DecisionSink)
 METRICS_KEY = web.AppKey("metrics", AggregatorMetrics)
 CONFIG_KEY = web.AppKey("config", AggregatorConfig)
@@ -48,6 +57,10 @@ WAKE_KEY = web.AppKey("wake", asyncio.Event)
 EVALUATE_KEY: web.AppKey[Callable[[], list[Decision]]] = web.AppKey("evaluate")
 
 MAX_DECISIONS_LIMIT = 10_000
+# The event loop's lag is measured by how late a timer of this period fires.
+LAG_PERIOD_SECONDS = 0.25
+# An evaluation that finds the ledger writing another batch tries again this much later.
+BUSY_RETRY_SECONDS = 0.05
 
 # The aggregator keeps every node's latest GPU, port and rank state alive: ~10^6 objects for a
 # 100k-GPU fleet, and each report allocates a few hundred more. With CPython's default
@@ -63,16 +76,6 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def read_token(path: str) -> str:
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read token file {path}: {exc.strerror or exc}") from None
-    if not token:
-        raise ConfigError(f"token file {path} is empty")
-    return token
-
-
 def _error(status: int, reason: str, detail: str, **extra: Any) -> web.Response:
     return web.json_response({"error": reason, "detail": detail, **extra}, status=status)
 
@@ -83,6 +86,20 @@ def _schema_errors(exc: ValidationError) -> list[dict[str, str]]:
         path = ".".join(str(p) for p in err["loc"]) or "(body)"
         out.append({"path": path, "message": "unknown key" if err["type"] == "extra_forbidden" else err["msg"]})
     return out
+
+
+def background(name: str,
+               run: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A task that lives as long as the application (an aiohttp cleanup context)."""
+
+    async def context(_: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(run(), name=name)
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return context
 
 
 def node_state(node: NodeState, findings: list[Finding], now: float, silent_after: float) -> str:
@@ -96,13 +113,38 @@ def node_state(node: NodeState, findings: list[Finding], now: float, silent_afte
     return "ok"
 
 
+def check_startable(config: AggregatorConfig, credentials: Credentials) -> None:
+    """ConfigError (one line, why) when this configuration must not serve."""
+    if not config.dry_run and not credentials.any:
+        raise ConfigError("dry_run is false but no credentials are configured (auth.site_secret_file, "
+                          "auth.alertmanager_token_file, auth.operator_token_file): anyone who can reach "
+                          f"{config.listen} could take nodes out; configure them or set dry_run: true")
+
+
+@web.middleware
+async def no_5xx_from_input(request: web.Request,
+                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """The last line of defence: an unexpected exception is a logged 500 with a JSON body, never
+    a dropped connection or a traceback to the client (the causes are fixed where found)."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        return _error(500, "internal", "unexpected error; see the aggregator's log")
+
+
 def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
-             clock: Callable[[], float] = time.time, token: str | None = None) -> web.Application:
-    """The service as an aiohttp application (routes, the periodic evaluator as a cleanup
-    context). ``token`` defaults to the contents of ``config.token_file`` when it is set."""
-    if token is None and config.token_file:
-        token = read_token(config.token_file)
-    expected_auth = f"Bearer {token}".encode() if token else None
+             clock: Callable[[], float] = time.time, credentials: Credentials | None = None,
+             dispatcher: Dispatcher | None = None) -> web.Application:
+    """The service as an aiohttp application (routes, auth, the periodic evaluator as a cleanup
+    context). ``credentials`` default to the files named in ``config.auth``."""
+    if credentials is None:
+        credentials = Credentials.load(config.auth)
+        check_startable(config, credentials)
     silent_after = config.detectors.silence.alert_after_seconds_min
 
     def findings_by_node() -> dict[str, list[Finding]]:
@@ -117,10 +159,45 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         return dict(Counter(node_state(n, by_node.get(n.name, []), now, silent_after)
                             for n in engine.fleet.view().nodes.values()))
 
-    metrics = AggregatorMetrics(state_counts)
+    ledger = sink if isinstance(sink, Ledger) else None
+    breaker_window = config.gate.breaker_window_seconds
+
+    def reporting() -> int:
+        return engine.fleet.reporting_since(clock() - breaker_window)
+
+    def acting() -> ActingReadings:
+        readings = ActingReadings(decisions=dict(sink.recorded), store_ok=sink.problem() is None)
+        if dispatcher is not None:
+            readings.deliveries = dict(dispatcher.outcomes)
+            readings.actuators = tuple(sorted(dispatcher.actuators))
+        if ledger is not None:
+            b = ledger.breaker_budget(clock(), reporting())
+            readings.breaker_tripped = bool(b["tripped"])
+            readings.breaker_removals = int(b["removals_in_window"])  # type: ignore[call-overload]
+            readings.breaker_budget = int(b["budget"])  # type: ignore[call-overload]
+            readings.store_errors = {**ledger.store_errors,
+                                     "delivery_update": dispatcher.store_errors if dispatcher else 0}
+            readings.unstored = ledger.unstored
+            try:
+                readings.open_deliveries = ledger.store.delivery_counts()
+            except WRITE_ERRORS:
+                readings.open_deliveries = None  # the store is failing: store_up says so
+        return readings
+
+    metrics = AggregatorMetrics(state_counts, acting)
+    refusals = metrics.refusals
+
+    def count_report_refusal(reason: str) -> None:
+        metrics.rejections.labels(reason).inc()
+
     # Each report's JSON is ~10 KB; aiohttp's own limit is set just above ours so that we, not
     # aiohttp, answer an oversized body (with our reason and our counter).
-    app = web.Application(client_max_size=config.max_body_bytes + 1)
+    app = web.Application(client_max_size=config.max_body_bytes + 1, middlewares=[
+        no_5xx_from_input,
+        auth_middleware(credentials, refusals, loopback=is_loopback(config.host), dry_run=config.dry_run,
+                        on_report_refusal=count_report_refusal),
+    ])
+    app[REFUSALS_KEY] = refusals
     app[ENGINE_KEY] = engine
     app[SINK_KEY] = sink
     app[METRICS_KEY] = metrics
@@ -128,71 +205,93 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     wake = asyncio.Event()
     app[WAKE_KEY] = wake
 
+    def forget_departed(now: float) -> None:
+        store = getattr(sink, "store", None)
+        for node in engine.fleet.forget_departed(now):
+            log.info("node %s silent since %.0f: forgotten (fleet.forget_after_seconds)", node.name, node.last_seen)
+            if store is None:
+                continue
+            try:
+                store.archive_node(node.name, now, node.summary())
+            except WRITE_ERRORS as exc:  # the fleet forgets it anyway; only the post-mortem copy is lost
+                log.error("could not archive forgotten node %s in the store: %s", node.name, exc)
+
     def evaluate_now() -> list[Decision]:
         started = time.perf_counter()
         try:
-            admitted = engine.evaluate(clock())
+            now = clock()
+            forget_departed(now)
+            admitted = engine.evaluate(now)
         finally:
             metrics.evaluate_seconds.observe(time.perf_counter() - started)
-        for d in admitted:
-            metrics.decisions.labels(d.action.value, d.detector).inc()
-            log.info("decision %s: %s %s%s (%s) %s", d.id, d.action.value, d.node,
-                     f" gpu {d.gpu}" if d.gpu is not None else "", d.detector, d.reason)
+        metrics.last_evaluation.set(clock())
+        if ledger is None:  # the ledger logs what it records
+            for d in admitted:
+                log.info("decision %s: %s %s%s (%s) %s", d.id, d.action.value, d.node,
+                         f" gpu {d.gpu}" if d.gpu is not None else "", d.detector, d.reason)
         return admitted
 
-    async def evaluator(_: web.Application) -> AsyncIterator[None]:
-        async def loop() -> None:
-            while True:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(config.evaluate_interval_seconds):
-                        await wake.wait()
-                wake.clear()
-                try:
-                    evaluate_now()
-                except Exception:  # one bad cycle must not stop judging the fleet
-                    log.exception("evaluation failed; the next cycle will try again")
+    async def measure_lag() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LAG_PERIOD_SECONDS
+            await asyncio.sleep(LAG_PERIOD_SECONDS)
+            metrics.loop_lag.set(max(0.0, loop.time() - due))
 
-        task = asyncio.create_task(loop(), name="vigil-aggregator-evaluate")
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    def evaluate_in_turn() -> None:
+        if ledger is None:
+            evaluate_now()
+            return
+        with ledger.turn() as free:
+            if free:
+                evaluate_now()
+            else:  # a batch (Alertmanager's, an operator's) is being written: never wait on the loop
+                asyncio.get_running_loop().call_later(BUSY_RETRY_SECONDS, wake.set)
 
-    app.cleanup_ctx.append(evaluator)
+    async def evaluate_forever() -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(config.evaluate_interval_seconds):
+                    await wake.wait()
+            wake.clear()
+            try:
+                evaluate_in_turn()
+            except Exception:  # one bad cycle must not stop judging the fleet
+                log.exception("evaluation failed; the next cycle will try again")
+
+    app.cleanup_ctx.append(background("vigil-aggregator-loop-lag", measure_lag))
+    app.cleanup_ctx.append(background("vigil-aggregator-evaluate", evaluate_forever))
     app[EVALUATE_KEY] = evaluate_now
 
+    def refuse_report(status: int, reason: str, detail: str, **extra: Any) -> web.Response:
+        count_report_refusal(reason)
+        refusals.count("reports", reason)
+        return _error(status, reason, detail, **extra)
+
     async def post_report(request: web.Request) -> web.Response:
-        if expected_auth is not None:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected_auth):
-                metrics.rejections.labels("unauthorized").inc()
-                return _error(401, "unauthorized", "missing or wrong bearer token")
-        if request.content_length is not None and request.content_length > config.max_body_bytes:
-            metrics.rejections.labels("too_large").inc()
-            return _error(413, "too_large", f"body of {request.content_length} bytes exceeds "
-                          f"{config.max_body_bytes}")
-        # read(n) returns what has arrived (up to n), so gather until EOF or past the limit.
-        parts: list[bytes] = []
-        size = 0
-        while size <= config.max_body_bytes:
-            chunk = await request.content.read(config.max_body_bytes + 1 - size)
-            if not chunk:
-                break
-            parts.append(chunk)
-            size += len(chunk)
-        if size > config.max_body_bytes:
-            metrics.rejections.labels("too_large").inc()
-            return _error(413, "too_large", f"body exceeds {config.max_body_bytes} bytes")
-        body = b"".join(parts)
+        try:
+            body = await read_body(request, config.max_body_bytes, config.server.body_timeout_seconds)
+        except BodyRefused as exc:
+            return refuse_report(exc.status, exc.reason, exc.detail)
         started = time.perf_counter()
         try:
-            report = Report.model_validate_json(body)
+            # strict: no float for an int, no string for a number, no 1 for a bool; NaN,
+            # Infinity and 1e400 are refused by the models themselves.
+            report = Report.model_validate_json(body, strict=True)
         except ValidationError as exc:
             errors = _schema_errors(exc)
             reason = "invalid_json" if any(e["type"] == "json_invalid" for e in exc.errors()) else "schema"
-            metrics.rejections.labels(reason).inc()
-            return _error(400, reason, "; ".join(f"{e['path']}: {e['message']}" for e in errors), errors=errors)
-        engine.ingest(report, clock())
+            return refuse_report(400, reason, "; ".join(f"{e['path']}: {e['message']}" for e in errors),
+                                 errors=errors)
+        speaker = request.get(NODE_KEY)
+        if speaker is not None and speaker != report.node:
+            return refuse_report(403, "node_mismatch", f"the credential of {speaker!r} may not report for "
+                                 f"{report.node!r}")
+        now = clock()
+        refused = engine.fleet.refusal(report, now)
+        if refused is not None:
+            return refuse_report(409 if refused[0] == "seq_jump" else 422, *refused)
+        engine.ingest(report, now)
         metrics.ingest_seconds.observe(time.perf_counter() - started)
         metrics.reports.inc()
         if report.urgent or any(e.urgent for e in report.events):
@@ -220,7 +319,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             return _error(404, "unknown_node", f"no report from node {name!r}")
         now = clock()
         found = findings_by_node().get(name, [])
-        decisions = [d.model_dump(mode="json") for d in sink.recent(MAX_DECISIONS_LIMIT)
+        decisions = [redact_json(d.model_dump(mode="json")) for d in sink.recent(MAX_DECISIONS_LIMIT)
                      if d.node == name][:100]
         body = {
             "node": n.name, "state": node_state(n, found, now, silent_after), "last_seen": n.last_seen,
@@ -252,16 +351,21 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         if node:
             decisions = [d for d in decisions if d.node == node][:limit]
         body: dict[str, Any] = {"decisions": [d.model_dump(mode="json") for d in decisions]}
-        if isinstance(sink, GatedSink):  # delivery state per actuator, from the store
-            body["deliveries"] = {d.id: sink.delivery_states(d.id) for d in decisions}
-        return web.json_response(body)
+        if ledger is not None:  # delivery state per actuator, from the store
+            body["deliveries"] = {d.id: ledger.delivery_states(d.id) for d in decisions}
+        # Delivery errors and evidence may quote a configured URL: never its password or key.
+        return web.json_response(redact_json(body))
 
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "nodes": len(engine.fleet.view().nodes),
-                                  "dry_run": config.dry_run})
+        problem = sink.problem()
+        body = {"status": "ok" if problem is None else "failing", "nodes": len(engine.fleet.view().nodes),
+                "dry_run": config.dry_run}
+        if problem is not None:
+            return web.json_response({**body, "reason": problem}, status=503)
+        return web.json_response(body)
 
     app.router.add_post("/v1/reports", post_report)
     app.router.add_get("/v1/nodes", list_nodes)
@@ -269,42 +373,93 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     app.router.add_get("/v1/decisions", list_decisions)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
-    add_routes(app, sink, clock=clock, dry_run=config.dry_run, fleet_nodes=lambda: len(engine.fleet.view().nodes),
-               breaker=sink if isinstance(sink, GatedSink) else None)
+    if ledger is not None:
+        add_operator_routes(app, ledger, clock=clock, reporting=reporting, dry_run=config.dry_run)
+    else:
+        add_no_gate_routes(app)
+    add_routes(app, sink, clock=clock, dry_run=config.dry_run, refusals=refusals,
+               # the nodes that reported within the breaker's window: forged or departed
+               # nodes cannot inflate its budget
+               fleet_nodes=lambda now: engine.fleet.reporting_since(now - breaker_window),
+               is_member=engine.fleet.is_member, max_body_bytes=config.max_body_bytes,
+               body_timeout_seconds=config.server.body_timeout_seconds, breaker=ledger)
     return app
 
 
-def build_sink(config: AggregatorConfig) -> tuple[GatedSink, Dispatcher]:
-    """The gate over the durable store, and the worker that delivers what it admits."""
+def build_sink(config: AggregatorConfig, started: float | None = None) -> tuple[Ledger, Dispatcher]:
+    """The gate over the durable store, and the worker that delivers what it admits. Raises
+    ``StoreError`` (one line naming the file) when the store cannot be opened."""
     try:
         actuators = build_actuators(config.actuators)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    store = Store(config.store_path)
+    store = Store(config.store_path, busy_timeout_seconds=config.store.busy_timeout_seconds)
     dispatcher = Dispatcher(store, actuators, config.actuators.delivery)
-    return GatedSink(Gate(config.gate), store, actuators, wake=dispatcher.wake), dispatcher
+    ledger = Ledger(Gate(config.gate, started=started), store, actuators, wake=dispatcher.wake, config=config.store)
+    return ledger, dispatcher
+
+
+def check_actuators(actuators: dict[str, Actuator], metrics: AggregatorMetrics) -> None:
+    """Each enabled actuator reaches for its target once; the result is a log line and
+    ``vigil_aggregator_actuator_up``. A failure does not stop the service (deliveries retry)."""
+    for name, actuator in sorted(actuators.items()):
+        try:
+            said = actuator.check()
+        except DeliveryError as exc:
+            metrics.actuator_up.labels(name).set(0)
+            log.error("actuator %s cannot reach its target: %s", name, exc)
+        except Exception:  # an actuator's bug must not stop the start
+            metrics.actuator_up.labels(name).set(0)
+            log.exception("actuator %s check failed", name)
+        else:
+            metrics.actuator_up.labels(name).set(1)
+            log.info("actuator %s reaches its target: %s", name, said)
 
 
 async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
                 on_ready: Callable[[str], None] | None = None) -> None:
     """Run the service until ``stop`` is set (or forever)."""
-    sink, dispatcher = build_sink(config)
+    sink, dispatcher = build_sink(config, started=time.time())
     engine = Engine(config, sink)
-    app = make_app(config, engine, sink)
+    app = make_app(config, engine, sink, dispatcher=dispatcher)
+    if not config.dry_run:
+        await asyncio.to_thread(check_actuators, dispatcher.actuators, app[METRICS_KEY])
     tune_gc()
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    ssl_context = tls_context(config.tls.cert_file, config.tls.key_file) \
+        if config.tls.cert_file and config.tls.key_file else None
+    # lingering: after refusing a body, read what is still coming for at most a second (so a
+    # client mid-send sees the answer), not aiohttp's default 10 s.
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           keepalive_timeout=config.server.keepalive_timeout_seconds, lingering_time=1.0)
     await runner.setup()
+    loop = asyncio.get_running_loop()
+    assert runner.server is not None
+    guard = ConnectionGuard(runner.server, config.server,
+                            lambda reason: app[REFUSALS_KEY].count("connections", reason))
+    previous_handler = loop.get_exception_handler()
+    loop.set_exception_handler(guard.exception_handler(previous_handler))
     # Deliveries left open by a previous run (a crash between store and delivery) go out first.
     delivering = asyncio.create_task(dispatcher.run(), name="vigil-aggregator-dispatch") \
         if config.actuators.delivery.enabled else None
     try:
-        site = web.TCPSite(runner, config.host, config.port, shutdown_timeout=1.0)
-        await site.start()
+        # A TLS handshake is held to the header timeout too (asyncio's default is 60 s).
+        try:
+            server = await loop.create_server(
+                guard, config.host, config.port, ssl=ssl_context, backlog=config.server.listen_backlog,
+                reuse_address=True,
+                ssl_handshake_timeout=config.server.header_timeout_seconds if ssl_context else None)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot listen on {config.listen} (listen): {exc.strerror or exc}") from None
+        log.info("at most %d connections at once (server.max_connections, open-file limit)", guard.limit)
         if on_ready is not None:
             on_ready(config.listen)
-        await (stop or asyncio.Event()).wait()
+        try:
+            await (stop or asyncio.Event()).wait()
+        finally:
+            server.close()
     finally:
         await runner.cleanup()
+        loop.set_exception_handler(previous_handler)
         if delivering is not None:
             # A delivery cut off here stays open in the store and is retried at the next start.
             delivering.cancel()

@@ -11,11 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from agent.collectors.collector import StrictModel
 from agent.config import ConfigError, read_config_file, validate_config
+from agent.limits import REPORT_MAX_BYTES
+from agent.validation import HostPort, split_host_port
 from aggregator.actuators import ActuatorsConfig
+from aggregator.auth import AuthConfig, TlsConfig
+from aggregator.detectors.gpu_peer import GpuPeerConfig
 from aggregator.detectors.hang import HangConfig
 from aggregator.detectors.memory import MemoryConfig
 from aggregator.detectors.network import NetworkConfig
@@ -27,6 +31,8 @@ from aggregator.detectors.topology import TopologyConfig
 from aggregator.detectors.xid import XidConfig
 from aggregator.fleet import FleetConfig
 from aggregator.gate import GateConfig
+from aggregator.listener import ServerConfig
+from aggregator.store import StoreConfig
 
 __all__ = ["AggregatorConfig", "ConfigError", "DetectorsConfig", "load_config", "parse_config"]
 
@@ -40,41 +46,37 @@ class DetectorsConfig(StrictModel):
     straggler: StragglerConfig = StragglerConfig()
     hang: HangConfig = HangConfig()
     silence: SilenceConfig = SilenceConfig()
+    gpu_peer: GpuPeerConfig = GpuPeerConfig()
     topology: TopologyConfig = TopologyConfig()
 
 
 class AggregatorConfig(StrictModel):
-    listen: str = "127.0.0.1:9500"
-    # Bearer token agents must present; None accepts unauthenticated reports (loopback default).
-    token_file: str | None = None
+    listen: HostPort = "127.0.0.1:9500"
+    # Credentials per role (README "Security"). None configured: only a loopback listener in
+    # dry run accepts anything; with dry_run false the aggregator refuses to start.
+    auth: AuthConfig = AuthConfig()
+    tls: TlsConfig = TlsConfig()
+    server: ServerConfig = ServerConfig()
     store_path: str = "vigil-aggregator.sqlite"
     # Decisions are recorded and served but no actuator changes anything until this is false.
     dry_run: bool = True
-    # An 8-GPU report is ~10 KB of JSON; 1 MiB leaves room for a node with a flood of events.
-    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    # The one size number both services derive from (agent/limits.py): the agent builds every
+    # report at or under it, splitting a backlog of events over several reports.
+    max_body_bytes: int = Field(default=REPORT_MAX_BYTES, ge=1024)
     evaluate_interval_seconds: float = Field(default=2.5, gt=0)
-    # Decision ids already emitted are remembered this many at most (bounded memory).
-    emitted_memory: int = Field(default=100_000, ge=100)
     fleet: FleetConfig = FleetConfig()
     detectors: DetectorsConfig = DetectorsConfig()
     gate: GateConfig = GateConfig()
+    store: StoreConfig = StoreConfig()
     actuators: ActuatorsConfig = ActuatorsConfig()
-
-    @field_validator("listen")
-    @classmethod
-    def _host_port(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError("expected HOST:PORT")
-        return value
 
     @property
     def host(self) -> str:
-        return self.listen.rpartition(":")[0].strip("[]")
+        return split_host_port(self.listen)[0]
 
     @property
     def port(self) -> int:
-        return int(self.listen.rpartition(":")[2])
+        return split_host_port(self.listen)[1]
 
 
 def parse_config(data: Any) -> AggregatorConfig:

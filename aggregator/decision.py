@@ -48,6 +48,9 @@ class Finding(BaseModel):
     key: str = ""
     component: str | None = None  # a switch, rack or row, for topology findings
     evidence: dict[str, Any] = Field(default_factory=dict)
+    # When the fault was last seen (the newest Xid line, ECC increase...), for detectors whose
+    # episodes span repeats: a new occurrence well after the decision was made is a repeat.
+    latest: float | None = None
 
 
 class Decision(BaseModel):
@@ -66,6 +69,9 @@ class Decision(BaseModel):
     component: str | None = None
     evidence: dict[str, Any] = Field(default_factory=dict)
     dry_run: bool = True
+    # When the fault this decision answers began (the finding's ``since``); the gate's history
+    # counts only earlier decisions made before it, not two readings of one event.
+    since: float | None = None
 
     @classmethod
     def from_finding(cls, finding: Finding, now: float, dry_run: bool) -> Decision:
@@ -81,6 +87,7 @@ class Decision(BaseModel):
             component=finding.component,
             evidence=dict(finding.evidence),
             dry_run=dry_run,
+            since=finding.since,
         )
 
 

@@ -1,10 +1,9 @@
-"""Delivery: the engine's decisions go through the gate into the store, and from the store to the actuators.
+"""Delivery: from the store to the actuators, at least once.
 
-``GatedSink`` is the engine's ``DecisionSink``: it judges each decision with the ``Gate`` and
-writes it, with its verdict and one pending delivery per actuator, before returning. The
-``Dispatcher`` is an async worker that takes due deliveries from the store and runs each
-(blocking) actuator in a thread, with jittered exponential backoff and a dead-letter state.
-Neither judges a node's health; neither keeps delivery state outside the store.
+The ``Dispatcher`` is an async worker that takes due deliveries from the store (written there
+by ``aggregator.ledger.Ledger``) and runs each (blocking) actuator in a thread, with jittered
+exponential backoff and a dead-letter state; every failed attempt is a WARNING and a counted
+outcome, every dead letter an ERROR. It judges nothing and keeps no delivery state outside the store.
 """
 
 from __future__ import annotations
@@ -14,80 +13,15 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from aggregator.actuators.actuator import Actuator, DeliveryError, DispatchConfig
 from aggregator.decision import Decision
-from aggregator.gate import Gate, Verdict
-from aggregator.store import Delivery, Store
+from aggregator.store import WRITE_ERRORS, Delivery, Store
 
-__all__ = ["DispatchConfig", "Dispatcher", "GatedSink"]
+__all__ = ["DispatchConfig", "Dispatcher"]
 
-log = logging.getLogger(__name__)
-
-
-class GatedSink:
-    """Implements ``aggregator.sink.DecisionSink``: ``submit`` returns the admitted decisions
-    (as admitted: escalated action, dry_run set) plus any alert the gate raised."""
-
-    def __init__(
-        self,
-        gate: Gate,
-        store: Store,
-        actuators: Mapping[str, Actuator],
-        wake: Callable[[], None] | None = None,
-    ) -> None:
-        self.gate = gate
-        self.store = store
-        self.actuators = dict(actuators)
-        self.wake = wake
-        # verdict reason -> count of decisions judged so (duplicates of admitted ids included)
-        self.verdicts: Counter[str] = Counter()
-
-    def routes(self, decision: Decision) -> dict[str, bool]:
-        return {name: a.notify_in_dry_run for name, a in self.actuators.items() if a.handles(decision)}
-
-    def submit(self, decisions: Sequence[Decision], now: float, fleet_nodes: int) -> list[Decision]:
-        admitted: list[Decision] = []
-        # The breaker may have been reset by `vigil aggregator breaker reset` in another process.
-        self.store.state.breaker = self.store.breaker()
-        for decision in decisions:
-            prior = self.store.verdict_of(decision.id)
-            if prior is not None and prior[0]:
-                self.verdicts["duplicate"] += 1
-                continue
-            verdict = self.gate.judge(decision, now, fleet_nodes, self.store.state)
-            self.verdicts[verdict.reason] += 1
-            if prior is not None and not verdict.admitted and prior[1] == verdict.reason:
-                continue  # the same refusal again: already on record, do not rewrite it each cycle
-            self.store.record(verdict, now, self.routes(verdict.decision))
-            if verdict.admitted:
-                admitted.append(verdict.decision)
-            for alert in verdict.alerts:
-                self.store.record(
-                    Verdict(True, "gate_alert", alert.reason, alert, alert.action), now, self.routes(alert)
-                )
-                admitted.append(alert)
-        self.store.prune(now, self.gate.config.breaker_window_seconds)
-        self.store.state.prune(now, self.gate.config)
-        if admitted and self.wake is not None:
-            self.wake()
-        return admitted
-
-    def recent(self, limit: int = 100) -> list[Decision]:
-        return [r.decision for r in self.store.decisions(limit=limit, admitted_only=True)]
-
-    def delivery_states(self, decision_id: str) -> list[dict[str, object]]:
-        """Each actuator's delivery of one decision, as ``GET /v1/decisions`` shows it."""
-        return [
-            {"actuator": x.actuator, "state": x.state, "attempts": x.attempts, "last_error": x.last_error,
-             "detail": x.detail}
-            for x in self.store.deliveries(decision_id)
-        ]
-
-    def reset_breaker(self) -> bool:
-        """The manual reset; returns whether the breaker was tripped."""
-        return self.store.reset_breaker().tripped
+log = logging.getLogger("vigil.aggregator.dispatch")
 
 
 class Dispatcher:
@@ -105,6 +39,7 @@ class Dispatcher:
         self.clock = clock
         self.rng = rng or random.Random()
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (actuator, delivered|failed|dead)
+        self.store_errors = 0  # delivery state updates the store refused (retried next round)
         self._event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -121,7 +56,8 @@ class Dispatcher:
 
     async def run_once(self) -> int:
         """Deliver every due delivery once; returns how many were attempted."""
-        due = self.store.due(self.clock(), limit=self.config.concurrency * 8)
+        # Store calls run in worker threads: a large batch being committed holds the store's lock.
+        due = await asyncio.to_thread(self.store.due, self.clock(), self.config.concurrency * 8)
         sem = asyncio.Semaphore(self.config.concurrency)
 
         async def one(delivery: Delivery, decision: Decision) -> None:
@@ -138,7 +74,8 @@ class Dispatcher:
         now = self.clock()
         if actuator is None:
             # Configured away since the decision was stored: keep the record, retry later.
-            self.store.mark(
+            await asyncio.to_thread(
+                self.store.mark,
                 decision.id,
                 delivery.actuator,
                 "failed",
@@ -160,22 +97,24 @@ class Dispatcher:
             log.exception("actuator %s failed on %s", actuator.name, decision.id)
             error = f"{type(exc).__name__}: {exc}"
         else:
-            self.store.mark(decision.id, actuator.name, "delivered", self.clock(), detail=detail)
+            await asyncio.to_thread(self.store.mark, decision.id, actuator.name, "delivered", self.clock(),
+                                    detail=detail)
             self.outcomes[(actuator.name, "delivered")] += 1
             return
         now = self.clock()
         if retryable and attempt < self.config.max_attempts:
-            self.store.mark(decision.id, actuator.name, "failed", now, now + self.backoff_seconds(attempt), error=error)
+            retry = self.backoff_seconds(attempt)
+            log.warning("delivery of %s (%s %s) to %s failed, attempt %d of %d, retry in %.1fs: %s",
+                        decision.id, decision.action.value, decision.node, actuator.name, attempt,
+                        self.config.max_attempts, retry, error)
+            await asyncio.to_thread(self.store.mark, decision.id, actuator.name, "failed", now, now + retry,
+                                    error=error)
             self.outcomes[(actuator.name, "failed")] += 1
         else:
-            log.error(
-                "delivery of %s to %s is dead after %d attempts: %s",
-                decision.id,
-                actuator.name,
-                attempt,
-                error,
-            )
-            self.store.mark(decision.id, actuator.name, "dead", now, error=error)
+            log.error("delivery of %s (%s %s) to %s is DEAD-LETTERED after %d attempt(s): %s; "
+                      "nothing will retry it (see `vigil aggregator decisions`)", decision.id,
+                      decision.action.value, decision.node, actuator.name, attempt, error)
+            await asyncio.to_thread(self.store.mark, decision.id, actuator.name, "dead", now, error=error)
             self.outcomes[(actuator.name, "dead")] += 1
 
     async def run(self) -> None:
@@ -184,8 +123,15 @@ class Dispatcher:
         self._event = asyncio.Event()
         while True:
             self._event.clear()
-            await self.run_once()
-            next_ts = self.store.next_due_ts()
+            try:
+                await self.run_once()
+                next_ts = await asyncio.to_thread(self.store.next_due_ts)
+            except* WRITE_ERRORS as group:
+                # The delivery stays open in the store (or was done and is repeated: at least once).
+                self.store_errors += 1
+                log.error("decision store %s: delivery state not updated: %s; retrying", self.store.path,
+                          group.exceptions[0])
+                next_ts = None
             wait = self.config.poll_seconds
             if next_ts is not None:
                 wait = max(0.0, min(wait, next_ts - self.clock()))

@@ -1,14 +1,14 @@
 """The engine: fleet state plus detectors, turning reports into decisions. Synchronous, no I/O.
 
 ``ingest`` folds a validated report into the fleet; ``evaluate`` runs every enabled detector on
-the fleet view, lets the topology pass merge shared faults, turns findings into ``Decision``s,
-drops those already emitted, and submits the rest to the sink. Time is always given (``now``),
-so the simulator drives it on a simulated clock and the app on the wall clock.
+the fleet view, lets the topology pass merge shared faults, turns each episode into one
+``Decision`` (a new one when the fault repeats well after it was decided), and proposes every
+current episode to the sink each cycle: the sink knows what is already admitted, and a refused
+one is judged again. Time is always given (``now``), so the simulator drives it on a simulated
+clock and the app on the wall clock. It keeps no record of what was admitted.
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 from agent.wire import Report
 from aggregator.config import AggregatorConfig
@@ -33,10 +33,10 @@ class Engine:
         self.detectors = detectors
         topo = config.detectors.topology
         self.topology = TopologyAttributor(topo) if topo.enabled else None
-        self._emitted: OrderedDict[str, None] = OrderedDict()
-        # An episode that stays active keeps its first decision: a detector whose `since`
-        # slides with its window must not emit a new id every evaluation.
-        self._active: dict[Episode, str] = {}
+        # An episode that stays active keeps its decision: a detector whose `since` slides with
+        # its window must not emit a new id every evaluation. The float is the fault's latest
+        # occurrence when the decision was made (a much later one is a repeat).
+        self._active: dict[Episode, tuple[Decision, float | None]] = {}
         # When each current finding's episode was first found (the topology hold counts from it).
         self._first_seen: dict[Episode, float] = {}
         self.last_findings: list[Finding] = []
@@ -57,33 +57,33 @@ class Engine:
         return found
 
     def evaluate(self, now: float) -> list[Decision]:
+        """Propose every current episode; returns what the sink admitted now."""
         self.fleet.forget_idle_jobs(now)
         found = self.findings(now)
         self.last_findings = found
-        fresh: list[Decision] = []
-        active: dict[Episode, str] = {}
+        repeat_after = self.config.gate.repeat_after_seconds
+        proposals: list[Decision] = []
+        active: dict[Episode, tuple[Decision, float | None]] = {}
         for f in found:
             ep = episode(f)
             if ep in active:
                 continue
             previous = self._active.get(ep)
             if previous is not None:
-                active[ep] = previous
-                continue
-            decision = Decision.from_finding(f, now, dry_run=self.config.dry_run)
-            active[ep] = decision.id
-            if decision.id in self._emitted:
-                continue
-            self._remember(decision.id)
-            fresh.append(decision)
+                decision, latest = previous
+                if f.latest is not None and latest is not None and f.latest - latest >= repeat_after:
+                    # The same fault again, long after the decision: a repeat, decided on its own
+                    # (the gate's history climbs the ladder for it).
+                    decision, latest = Decision.from_finding(f.model_copy(update={"since": f.latest}), now,
+                                                             dry_run=self.config.dry_run), f.latest
+            else:
+                decision, latest = Decision.from_finding(f, now, dry_run=self.config.dry_run), f.latest
+            active[ep] = (decision, latest)
+            proposals.append(decision)
         self._active = active
-        if not fresh:
-            return []
-        admitted = self.sink.submit(fresh, now, len(self.fleet.view().nodes))
+        # The breaker's budget counts the nodes that reported within its window (not every name
+        # ever seen: forged or departed nodes must not inflate it).
+        window = self.config.gate.breaker_window_seconds
+        admitted = self.sink.submit(proposals, now, self.fleet.reporting_since(now - window))
         self.admitted_total += len(admitted)
         return admitted
-
-    def _remember(self, decision_id: str) -> None:
-        self._emitted[decision_id] = None
-        while len(self._emitted) > self.config.emitted_memory:
-            self._emitted.popitem(last=False)

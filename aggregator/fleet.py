@@ -29,7 +29,9 @@ class FleetConfig(StrictModel):
     # 32 reports is 80 s at 2.5 s, enough for the thermal detector's 60 s persistence. The
     # whole fleet state measures ~0.25 MB per 8-GPU node (~3 GB for 12,500 nodes).
     state_history_reports: int = Field(default=32, ge=4, le=10_000)
-    # Per-rank window summaries kept for the straggler's consecutive-window test.
+    # Per-rank summary windows kept for the straggler's consecutive-window test (one entry per
+    # agent window, not per report: 16 is 80 s of 5 s windows; the detector judges each window
+    # once, within a reporting interval of its end, and keeps only its verdicts after that).
     rank_history_reports: int = Field(default=16, ge=2, le=10_000)
     event_history: int = Field(default=256, ge=8)
     # An Xid seen by the kernel log and by NVML's event API is one fault; both readers timestamp
@@ -37,6 +39,22 @@ class FleetConfig(StrictModel):
     xid_dedup_seconds: float = Field(default=5.0, ge=0)
     # A job none of whose ranks reported for this long is forgotten (bounded memory).
     job_forget_seconds: float = Field(default=3600.0, gt=0)
+    # Membership. A node silent this long has left the fleet: it is forgotten (its summary is
+    # handed to the store's archive), decisions may no longer name it, and it no longer counts
+    # toward the breaker's budget. A day: far beyond any reboot or network blip (minutes), and
+    # beyond the silence detector's own action (minutes), so nothing still being judged is
+    # dropped; a node back from a multi-day repair re-joins as new with a fresh baseline.
+    forget_after_seconds: float = Field(default=86400.0, ge=60)
+    # A report whose own timestamp is further than this from the aggregator's clock is refused
+    # (a report from the future would otherwise make every later real report look replayed).
+    # NTP keeps a cluster within milliseconds; two minutes also covers a report retried once
+    # after a short outage.
+    max_clock_skew_seconds: float = Field(default=120.0, gt=0)
+    # The sequence number of a boot may advance by at most this many reports per second since
+    # the node's last accepted report, plus ``max_seq_jump``: enough for urgent pushes between
+    # periodic ones, never the 2**62 jump that would make every real report look replayed.
+    max_reports_per_second: float = Field(default=20.0, gt=0)
+    max_seq_jump: int = Field(default=1000, ge=1)
 
 
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
@@ -290,9 +308,11 @@ class RankHistory:
         self.last = summary
         self.last_seen = ts
         self.report_ts = ts
-        # (arrival ts, compute p50 (step p50 when phases are not reported), comm p50), only for
-        # windows in which the rank made steps.
-        self.windows: deque[tuple[float, float, float | None]] = deque(maxlen=maxlen)
+        # (window end, compute p50 (step p50 when phases are not reported), comm p50, steps), one
+        # entry per summary window in which the rank made steps. The window end is the agent's
+        # (its summaries of one window repeat it and are stored once, so a window is one piece of
+        # evidence however many reports carry it); an agent without one gives the arrival time.
+        self.windows: deque[tuple[float, float, float | None, int]] = deque(maxlen=maxlen)
 
     def observe(self, s: RankSummary, node: str, ts: float, report_ts: float) -> None:
         self.node = node
@@ -303,7 +323,9 @@ class RankHistory:
         self.report_ts = report_ts
         compute = s.compute_seconds_p50 if s.compute_seconds_p50 is not None else s.step_seconds_p50
         if s.steps > 0 and compute is not None:
-            self.windows.append((ts, compute, s.comm_seconds_p50))
+            end = s.window_end_ts if s.window_end_ts is not None else ts
+            if not self.windows or self.windows[-1][0] < end:
+                self.windows.append((end, compute, s.comm_seconds_p50, s.steps))
 
 
 @dataclass(slots=True)
@@ -347,6 +369,12 @@ class NodeState:
         self.ranks: dict[tuple[str, int], RankHistory] = {}
         self.host = report.host
 
+    def summary(self) -> dict[str, object]:
+        """What is kept of a node once the fleet forgets it (the store's archive)."""
+        return {"node": self.name, "first_seen": self.first_seen, "last_seen": self.last_seen,
+                "boot_id": self.boot_id, "seq": self.seq, "reports": self.reports, "reboots": self.reboots,
+                "topology": self.topology, "gpus": sorted(self.gpus), "ports": [f"{d}/{p}" for d, p in self.ports]}
+
 
 class Fleet:
     """Mutable fleet state. ``ingest`` is the only writer; detectors get ``view()``."""
@@ -358,6 +386,45 @@ class Fleet:
         self._nodes: dict[str, NodeState] = {}
         self._jobs: dict[str, JobState] = {}
 
+    def refusal(self, report: Report, now: float) -> tuple[str, str] | None:
+        """Why ``report`` must be refused against the receiver's clock and the node's last
+        report, as (reason, detail); None: it may be ingested. Reads state, changes nothing, so
+        a refused report leaves the fleet exactly as it was."""
+        cfg = self.config
+        skew, limit = report.ts - now, cfg.max_clock_skew_seconds
+        if skew > limit:
+            return "future_ts", f"report ts is {skew:.0f}s ahead of the aggregator's clock (max {limit:g}s)"
+        if -skew > limit:
+            return "stale_ts", f"report ts is {-skew:.0f}s behind the aggregator's clock (max {limit:g}s)"
+        node = self._nodes.get(report.node)
+        if node is not None and report.boot_id == node.boot_id:
+            allowed = node.seq + cfg.max_seq_jump + int(max(0.0, now - node.last_seen) * cfg.max_reports_per_second)
+            if report.seq > allowed:
+                return "seq_jump", f"seq {report.seq} jumps past {allowed} (last accepted {node.seq})"
+        return None
+
+    def reporting_since(self, ts: float) -> int:
+        """Nodes whose last accepted report arrived at or after ``ts`` (the breaker's budget base)."""
+        return sum(1 for n in self._nodes.values() if n.last_seen >= ts)
+
+    def is_member(self, name: str, now: float) -> bool:
+        """Whether decisions may name ``name``: it reported within ``forget_after_seconds``."""
+        node = self._nodes.get(name)
+        return node is not None and now - node.last_seen < self.config.forget_after_seconds
+
+    def forget_departed(self, now: float) -> list[NodeState]:
+        """Drop the nodes silent longer than ``forget_after_seconds`` and return them (for the
+        archive); their ranks leave their jobs."""
+        horizon = now - self.config.forget_after_seconds
+        gone = [n for n in self._nodes.values() if n.last_seen < horizon]
+        for node in gone:
+            del self._nodes[node.name]
+            for job_name, rank in node.ranks:
+                job = self._jobs.get(job_name)
+                if job is not None and job.ranks.get(rank) is not None and job.ranks[rank].node == node.name:
+                    del job.ranks[rank]
+        return gone
+
     def ingest(self, report: Report, now: float) -> None:
         cfg = self.config
         node = self._nodes.get(report.node)
@@ -367,7 +434,9 @@ class Fleet:
             node.reboots += 1
             node.boot_id = report.boot_id
             node.boot_started = now
-            node.gpus_this_boot.clear()
+            # The GPUs of the last boot are still expected: one that does not come back after
+            # a reboot is missing (a new episode, counted from this boot), not forgotten.
+            node.gpus_this_boot.update(node.gpus)
             node.missing_gpus.clear()
             for gpu in node.gpus.values():
                 gpu.counters.forget_baseline()

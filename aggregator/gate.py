@@ -1,9 +1,10 @@
 """The gate: decides which proposed decisions may act, given what has already been done.
 
-It reads a ``GateState`` (node states, escalation history, recent removals, the circuit breaker;
-the store keeps it durable) and a proposed ``Decision`` and returns a ``Verdict``: admitted
-(possibly escalated) or refused with a reason code. It is pure: no I/O, no clock (``now`` is
-given), and it never delivers anything; ``GateState.apply`` records a verdict's consequences.
+It reads a ``GateState`` (node states, holds, the fault history, recent removals, the circuit
+breaker; the store owns it and keeps it durable) and a proposed ``Decision`` and returns a
+``Verdict``: admitted (possibly escalated along the ladder because the same GPU or node failed
+before) or refused with a reason code. It is pure: no I/O, no clock (``now`` is given), and it
+never delivers anything; ``GateState.apply`` says what a verdict changes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from aggregator.decision import Action, Decision
+from aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
 NodeCondition = Literal["in_service", "removed", "awaiting_inspection"]
 
@@ -27,6 +28,10 @@ NodeCondition = Literal["in_service", "removed", "awaiting_inspection"]
 # recovery actions the same way (RESET_GPU, then RESTART_BM/reboot, then field diagnostics).
 LADDER: tuple[Action, ...] = (Action.RESET_GPU, Action.REBOOT_NODE, Action.INSPECT_HARDWARE)
 REMEDIATIONS = frozenset({Action.RESET_GPU, Action.REBOOT_NODE})
+# A drain stands on the ladder's first rung: a GPU that fails again after it is rebooted.
+RUNG = {Action.RESET_GPU: 0, Action.DRAIN: 0, Action.REBOOT_NODE: 1, Action.INSPECT_HARDWARE: 2}
+# The detector of decisions an operator makes by hand (resume, hold): no hysteresis applies.
+OPERATOR = "operator"
 # Only informs people; never refused except as an exact duplicate.
 INFORMING = frozenset({Action.OBSERVE, Action.ALERT})
 # Severity for the cooldown: the Action enum is declared in rising order of cost to the job.
@@ -56,11 +61,13 @@ class MaintenanceWindow(BaseModel):
 
 
 class GateConfig(BaseModel):
-    """Defaults are conservative: a breaker that stops after 5% of the fleet.
+    """Defaults are conservative: a breaker that stops after 5% of the fleet, or 3 nodes.
 
     The 5% share follows the common practice of fleet operators (e.g. Meta's and Google's
     published automated-repair systems cap concurrent repairs at a few percent of a cluster):
-    more than that in an hour is a switch, a driver roll-out or a bad rule, not bad GPUs."""
+    more than that in an hour is a switch, a driver roll-out or a bad rule, not bad GPUs. The
+    fleet is the nodes that reported within the breaker window (forged or departed nodes do not
+    raise the budget), and a floor lets a small pilot act at all (5% of 10 nodes is 0)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -81,14 +88,31 @@ class GateConfig(BaseModel):
     breaker_window_seconds: float = Field(default=3600.0, gt=0)
     breaker_max_share: float = Field(default=0.05, gt=0, le=1)
     breaker_max_nodes: int | None = Field(default=None, ge=1)
-    # A small fleet can still remove this many nodes whatever the share says.
-    breaker_floor_nodes: int = Field(default=1, ge=0)
+    # A small fleet can still remove this many nodes per window whatever the share says: 3 lets
+    # a 10-node pilot lose two nodes to real faults in an hour and still stop at a shared cause.
+    breaker_floor_nodes: int = Field(default=3, ge=0)
+    # After a start, the nodes that reported so far are not yet the fleet: for this long the
+    # budget is the floor alone, and a removal beyond it waits (refused "startup_grace", proposed
+    # again) instead of tripping the breaker. 120 s is 48 reports at the agent's 2.5 s cadence.
+    breaker_startup_grace_seconds: float = Field(default=120.0, ge=0)
+    # restart_job moves no node out of service but costs a whole job its progress: its own
+    # budget per breaker window, cluster-wide; beyond it restarts wait (refused "restart_budget").
+    restart_job_budget: int = Field(default=10, ge=0)
+    # History: a removing fault on the same GPU (or, for node-level faults, from the same
+    # detector on the node) within this horizon climbs the ladder: drain/reset -> reboot ->
+    # inspect. A GPU that fails twice in a week is a repeat offender, not bad luck.
+    history_horizon_seconds: float = Field(default=7 * 86400.0, gt=0)
+    # A new occurrence this long after the one an episode's decision was made on is a repeat
+    # (its own decision), not the same event re-read; lines of one event arrive within seconds.
+    repeat_after_seconds: float = Field(default=300.0, gt=0)
     opt_out_nodes: list[str] = Field(default_factory=list)  # fnmatch patterns
     maintenance: list[MaintenanceWindow] = Field(default_factory=list)
 
-    def breaker_budget(self, fleet_nodes: int) -> int:
-        """Most distinct nodes the gate may remove within one breaker window."""
-        budget = max(self.breaker_floor_nodes, math.floor(self.breaker_max_share * max(fleet_nodes, 0)))
+    def breaker_budget(self, fleet_nodes: int, in_grace: bool = False) -> int:
+        """Most distinct nodes the gate may remove within one breaker window, given how many
+        nodes reported within it; the floor alone during the start-up grace."""
+        share = 0 if in_grace else math.floor(self.breaker_max_share * max(fleet_nodes, 0))
+        budget = max(self.breaker_floor_nodes, share)
         if self.breaker_max_nodes is not None:
             budget = min(budget, self.breaker_max_nodes)
         return budget
@@ -103,7 +127,23 @@ class NodeRecord:
     remediations: list[tuple[float, Action]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One earlier admitted removing decision: what the ladder counts."""
+
+    ts: float
+    id: str
+    action: Action
+    gpu: int | None
+    detector: str
+    since: float  # when its fault began
+
+    def as_evidence(self) -> dict[str, object]:
+        return {"id": self.id, "ts": self.ts, "action": self.action.value, "gpu": self.gpu,
+                "detector": self.detector}
+
+
+@dataclass(frozen=True)
 class BreakerRecord:
     tripped: bool = False
     tripped_ts: float | None = None
@@ -112,16 +152,50 @@ class BreakerRecord:
 
 @dataclass
 class GateState:
-    """What the gate knows; the store loads it at start and persists every change."""
+    """What the gate knows; the store loads it at start, persists every change and alone
+    replaces it (``copy`` + ``apply`` on a shadow, committed with the verdicts' rows)."""
 
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     removals: list[tuple[float, str]] = field(default_factory=list)  # (ts, node), breaker window
+    restarts: list[tuple[float, str]] = field(default_factory=list)  # (ts, job), breaker window
     breaker: BreakerRecord = field(default_factory=BreakerRecord)
     # (node, action, job) -> ts of the last admission, for dedup
     recent: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    # node -> (ts, note): an operator's hold; automation leaves the node alone
+    holds: dict[str, tuple[float, str]] = field(default_factory=dict)
+    # node -> admitted removing decisions, oldest first, pruned to the history horizon
+    history: dict[str, list[HistoryEntry]] = field(default_factory=dict)
 
     def node(self, name: str) -> NodeRecord:
         return self.nodes.get(name) or NodeRecord()
+
+    def copy(self) -> GateState:
+        return GateState(
+            nodes={k: NodeRecord(v.condition, v.last_removal, v.last_removal_ts, list(v.remediations))
+                   for k, v in self.nodes.items()},
+            removals=list(self.removals), restarts=list(self.restarts), breaker=self.breaker,
+            recent=dict(self.recent), holds=dict(self.holds),
+            history={k: list(v) for k, v in self.history.items()},
+        )
+
+    def remember(self, d: Decision, ts: float) -> None:
+        """Add an admitted removing decision to its node's history."""
+        entry = HistoryEntry(ts=ts, id=d.id, action=d.action, gpu=d.gpu, detector=d.detector,
+                             since=d.since if d.since is not None else d.ts)
+        self.history.setdefault(d.node, []).append(entry)
+
+    def earlier_faults(self, d: Decision, horizon_seconds: float, now: float, began: float) -> list[HistoryEntry]:
+        """Earlier episodes of the same fault as ``d``: removing decisions on the same GPU (or,
+        for a node-level fault, by the same detector) admitted within the horizon and before
+        ``d``'s fault ``began`` (two detectors reading one event are one episode, not a repeat)."""
+        out = []
+        for e in self.history.get(d.node, ()):
+            if e.id == d.id or now - e.ts > horizon_seconds or e.ts >= began:
+                continue
+            same = e.gpu == d.gpu if d.gpu is not None else (e.gpu is None and e.detector == d.detector)
+            if same:
+                out.append(e)
+        return out
 
     def removed_nodes_since(self, since: float) -> set[str]:
         return {node for ts, node in self.removals if ts >= since}
@@ -134,8 +208,13 @@ class GateState:
             return
         d = verdict.decision
         self.recent[_dedup_key(d)] = now
-        if d.action in INFORMING or d.action is Action.RESTART_JOB:
+        if d.action is Action.RESTART_JOB:
+            self.restarts.append((now, d.job or d.node))
             return
+        if d.action in INFORMING:
+            return
+        if d.action in REMOVING_ACTIONS:
+            self.remember(d, now)
         rec = self.node(d.node)
         if d.action is Action.RESUME:
             rec.condition = "in_service"
@@ -150,12 +229,16 @@ class GateState:
     def prune(self, now: float, config: GateConfig) -> None:
         """Forget what no window can see any more (keeps memory bounded on a long run)."""
         self.removals = [(ts, n) for ts, n in self.removals if ts >= now - config.breaker_window_seconds]
+        self.restarts = [(ts, j) for ts, j in self.restarts if ts >= now - config.breaker_window_seconds]
         self.recent = {k: ts for k, ts in self.recent.items() if ts >= now - config.dedup_seconds}
         for rec in self.nodes.values():
             rec.remediations = [(ts, a) for ts, a in rec.remediations if ts >= now - config.escalation_window_seconds]
-
-    def reset_breaker(self) -> None:
-        self.breaker = BreakerRecord()
+        for node, entries in list(self.history.items()):
+            kept = [e for e in entries if now - e.ts <= config.history_horizon_seconds]
+            if kept:
+                self.history[node] = kept
+            else:
+                del self.history[node]
 
 
 @dataclass(frozen=True)
@@ -179,10 +262,17 @@ def _dedup_key(d: Decision) -> tuple[str, str, str]:
 
 
 class Gate:
-    def __init__(self, config: GateConfig) -> None:
+    """``started`` is when this aggregator started (the breaker's start-up grace counts from it)."""
+
+    def __init__(self, config: GateConfig, started: float | None = None) -> None:
         self.config = config
+        self.started = started
+
+    def in_grace(self, now: float) -> bool:
+        return self.started is not None and now - self.started < self.config.breaker_startup_grace_seconds
 
     def judge(self, decision: Decision, now: float, fleet_nodes: int, state: GateState) -> Verdict:
+        """``fleet_nodes``: the nodes that reported within the breaker window."""
         cfg = self.config
         proposed = decision.action
         dry_run = cfg.dry_run or decision.dry_run
@@ -190,18 +280,33 @@ class Gate:
         def refuse(reason: str, detail: str, trip: bool = False, alerts: Sequence[Decision] = ()) -> Verdict:
             return Verdict(False, reason, detail, decision, proposed, trip=trip, alerts=alerts)
 
-        def admit(action: Action, reason: str = "admitted", detail: str = "") -> Verdict:
+        def admit(action: Action, reason: str = "admitted", detail: str = "",
+                  earlier: Sequence[HistoryEntry] = ()) -> Verdict:
             evidence = dict(decision.evidence)
             if action is not proposed:
                 evidence["escalated_from"] = proposed.value
+            if action in RUNG:  # every removing decision says which earlier episodes it counted
+                evidence["earlier_episodes"] = [e.as_evidence() for e in earlier]
             out = decision.model_copy(update={"action": action, "dry_run": dry_run, "evidence": evidence})
             return Verdict(True, reason, detail or f"{action.value} admitted", out, proposed)
+
+        def alert(kind: str, why: str, evidence: dict[str, object]) -> Decision:
+            # Deterministic id: the same alert about the same thing is one alert, however often
+            # its cause is proposed again.
+            key = f"{kind}\x1f{decision.node}\x1f{state.breaker.tripped_ts or now:.6f}"
+            return Decision(id=f"{kind}-" + hashlib.sha256(key.encode()).hexdigest()[:14], ts=now,
+                            node=decision.node, gpu=decision.gpu, action=Action.ALERT, reason=why,
+                            detector="gate", evidence=evidence, dry_run=dry_run)
 
         last = state.recent.get(_dedup_key(decision))
         if last is not None and now - last < cfg.dedup_seconds:
             return refuse("duplicate", f"{proposed.value} on {decision.node} already admitted {now - last:.0f}s ago")
         if proposed in INFORMING:
             return admit(proposed)
+        by_hand = decision.detector == OPERATOR
+        if decision.node in state.holds and not by_hand:
+            ts, note = state.holds[decision.node]
+            return refuse("held", f"{decision.node} is held by an operator since {ts:.0f} {note}".strip())
         if any(fnmatch.fnmatchcase(decision.node, p) for p in cfg.opt_out_nodes):
             return refuse("opt_out", f"{decision.node} is opted out of automatic actions")
         for window in cfg.maintenance:
@@ -212,7 +317,8 @@ class Gate:
         if proposed is Action.RESUME:
             if rec.condition == "in_service":
                 return refuse("not_removed", f"{decision.node} is in service; nothing to resume")
-            if rec.last_removal_ts is not None and now - rec.last_removal_ts < cfg.min_removed_seconds:
+            if (not by_hand and rec.last_removal_ts is not None
+                    and now - rec.last_removal_ts < cfg.min_removed_seconds):
                 return refuse(
                     "hysteresis",
                     f"{decision.node} was removed {now - rec.last_removal_ts:.0f}s ago "
@@ -220,9 +326,17 @@ class Gate:
                 )
             return admit(proposed)
         if proposed is Action.RESTART_JOB:
+            restarts = [ts for ts, _ in state.restarts if ts >= now - cfg.breaker_window_seconds]
+            if len(restarts) + 1 > cfg.restart_job_budget:
+                return refuse("restart_budget", f"{len(restarts)} job restarts within "
+                              f"{cfg.breaker_window_seconds:.0f}s, budget {cfg.restart_job_budget}")
             return admit(proposed)
 
-        action, reason, detail = self._escalate(proposed, rec, now)
+        # Only what was done before this fault began counts as "failed again": a second reading of
+        # the same event (another detector, a proposal judged again later) climbs nothing.
+        began = decision.since if decision.since is not None else decision.ts
+        earlier = state.earlier_faults(decision, cfg.history_horizon_seconds, now, began)
+        action, reason, detail = self._escalate(proposed, rec, now, earlier, began)
         if rec.condition == "awaiting_inspection":
             return refuse("awaiting_inspection", f"{decision.node} is already out for hardware inspection")
         if action is Action.DRAIN and rec.condition == "removed":
@@ -239,18 +353,24 @@ class Gate:
             )
 
         if state.breaker.tripped:
-            return refuse(
-                "breaker_open",
-                f"circuit breaker open since {state.breaker.tripped_ts}: {state.breaker.reason}",
-            )
+            why = f"circuit breaker open since {state.breaker.tripped_ts}: {state.breaker.reason}"
+            # A real fault still reaches a person while automation is stopped.
+            told = alert("breaker-refused", f"vigil did not {action.value} {decision.node} (circuit breaker "
+                         f"open): {decision.reason}", {"refused_decision": decision.id,
+                                                       "proposed_action": action.value})
+            return refuse("breaker_open", why, alerts=(told,))
         removed = state.removed_nodes_since(now - cfg.breaker_window_seconds)
-        budget = cfg.breaker_budget(fleet_nodes)
+        grace = self.in_grace(now)
+        budget = cfg.breaker_budget(fleet_nodes, in_grace=grace)
         if decision.node not in removed and len(removed) + 1 > budget:
+            if grace:
+                return refuse("startup_grace", f"{len(removed) + 1} removals would exceed the floor of "
+                              f"{budget} during the start-up grace; proposed again after it")
             why = (
-                f"{len(removed) + 1} of {fleet_nodes} nodes would be removed within "
+                f"{len(removed) + 1} of {fleet_nodes} reporting nodes would be removed within "
                 f"{cfg.breaker_window_seconds:.0f}s, budget {budget}: stopped acting until a manual reset"
             )
-            alert = Decision(
+            tripped = Decision(
                 id="breaker-" + hashlib.sha256(f"{now:.6f}".encode()).hexdigest()[:14],
                 ts=now,
                 node=decision.node,
@@ -260,27 +380,34 @@ class Gate:
                 evidence={"removed_nodes": sorted(removed), "budget": budget, "fleet_nodes": fleet_nodes},
                 dry_run=dry_run,
             )
-            return refuse("breaker_tripped", why, trip=True, alerts=(alert,))
-        return admit(action, reason, detail)
+            return refuse("breaker_tripped", why, trip=True, alerts=(tripped,))
+        return admit(action, reason, detail, earlier)
 
-    def _escalate(self, proposed: Action, rec: NodeRecord, now: float) -> tuple[Action, str, str]:
-        if proposed not in REMEDIATIONS:
+    def _escalate(self, proposed: Action, rec: NodeRecord, now: float, earlier: Sequence[HistoryEntry],
+                  began: float) -> tuple[Action, str, str]:
+        if proposed not in RUNG:
             return proposed, "admitted", ""
         window = self.config.escalation_window_seconds
-        recent = [a for ts, a in rec.remediations if now - ts <= window]
-        if len(recent) >= self.config.max_remediation_attempts:
+        recent = [a for ts, a in rec.remediations if now - ts <= window and ts < began]
+        if proposed in REMEDIATIONS and len(recent) >= self.config.max_remediation_attempts:
             return (
                 Action.INSPECT_HARDWARE,
                 "escalated",
                 f"{len(recent)} remediations within {window:.0f}s "
                 f"(cap {self.config.max_remediation_attempts}): sent to hardware inspection instead",
             )
-        if recent:
-            step = min(max(LADDER.index(proposed), LADDER.index(recent[-1]) + 1), len(LADDER) - 1)
-            if LADDER[step] is not proposed:
-                return (
-                    LADDER[step],
-                    "escalated",
-                    f"failed again after {recent[-1].value} within {window:.0f}s: {LADDER[step].value}",
-                )
-        return proposed, "admitted", ""
+        step = RUNG[proposed]
+        why = ""
+        if proposed in REMEDIATIONS and recent:
+            step = max(step, RUNG[recent[-1]] + 1)
+            why = f"failed again after {recent[-1].value} within {window:.0f}s"
+        if earlier:
+            top = max(RUNG[e.action] for e in earlier)
+            if top + 1 > step:
+                step = top + 1
+                why = (f"the same fault {len(earlier)} time(s) before within "
+                       f"{self.config.history_horizon_seconds:.0f}s (last {earlier[-1].action.value})")
+        action = LADDER[min(step, len(LADDER) - 1)]
+        if action is proposed or (proposed is Action.DRAIN and step == 0):
+            return proposed, "admitted", ""
+        return action, "escalated", f"{why}: {action.value}"

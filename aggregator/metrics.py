@@ -1,18 +1,24 @@
 """The aggregator's own Prometheus metrics: intake, judgement and the fleet's state at a glance.
 
-Counts reports ingested and rejected (by reason), times ingest and evaluation, counts decisions
-by action and detector, and reports how many nodes are in each state. It uses its own registry
-(no process-global state), so tests and the simulator can build as many as they like. It
-neither judges nor serves; app.py mounts ``render``.
+Counts reports ingested and rejected (by reason), times ingest and evaluation, reports how many
+nodes are in each state, and shows the acting side: decisions by action, detector and verdict,
+deliveries by actuator and outcome, pending and dead-lettered deliveries, the circuit breaker,
+store errors, actuator reachability and the event loop's lag. It uses its own registry (no
+process-global state), so tests and the simulator can build as many as they like. It neither
+judges nor serves; app.py mounts ``render`` and supplies the readings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
+
+from aggregator.auth import Refusals
+from vigil.build_info import register_build_info
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -20,6 +26,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # (at 0) before the first failure and an alert can rate() them.
 REJECT_REASONS = ("unauthorized", "too_large", "invalid_json", "schema")
 NODE_STATES = ("ok", "suspect", "failing", "silent")
+DELIVERY_OUTCOMES = ("delivered", "failed", "dead")
+STORE_ERROR_KINDS = ("write", "file", "delivery_update", "dropped")
 
 # Ingest is ~0.1 ms; evaluation of a 12,500-node fleet tens of ms.
 _INGEST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
@@ -39,8 +47,77 @@ class _NodeStates(PromCollector):
         yield family
 
 
+@dataclass
+class ActingReadings:
+    """The acting side at one scrape; app.py assembles it from the ledger, store and dispatcher."""
+
+    decisions: Mapping[tuple[str, str, str], int] = field(default_factory=dict)  # (action, detector, verdict)
+    deliveries: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (actuator, outcome) attempts
+    open_deliveries: Mapping[tuple[str, str], int] | None = None  # (actuator, store state), None: unreadable
+    actuators: tuple[str, ...] = ()
+    breaker_tripped: bool = False
+    breaker_removals: int = 0
+    breaker_budget: int = 0
+    store_errors: Mapping[str, int] = field(default_factory=dict)
+    store_ok: bool = True
+    unstored: int = 0
+
+
+class _Acting(PromCollector):
+    def __init__(self, readings: Callable[[], ActingReadings]) -> None:
+        self._readings = readings
+
+    def collect(self) -> Iterator[Metric]:
+        r = self._readings()
+        decisions = CounterMetricFamily("vigil_aggregator_decisions", "Verdicts recorded, by action (as admitted), "
+                                        "detector (alertmanager for proposals from Alertmanager) and verdict.",
+                                        labels=["action", "detector", "verdict"])
+        for (action, detector, verdict), n in sorted(r.decisions.items()):
+            decisions.add_metric([action, detector, verdict], n)
+        yield decisions
+        deliveries = CounterMetricFamily("vigil_aggregator_deliveries", "Delivery attempts, by actuator and "
+                                         "outcome (delivered, failed: will retry, dead: dead-lettered).",
+                                         labels=["actuator", "outcome"])
+        for actuator in r.actuators:
+            for outcome in DELIVERY_OUTCOMES:
+                deliveries.add_metric([actuator, outcome], r.deliveries.get((actuator, outcome), 0))
+        yield deliveries
+        pending = GaugeMetricFamily("vigil_aggregator_deliveries_pending",
+                                    "Deliveries not yet done (pending, or failed and awaiting a retry).",
+                                    labels=["actuator"])
+        dead = GaugeMetricFamily("vigil_aggregator_deliveries_dead",
+                                 "Dead-lettered deliveries kept in the store (retention removes them).",
+                                 labels=["actuator"])
+        got = r.open_deliveries
+        if got is not None:  # None: the store cannot be read now (store_up says so)
+            for actuator in sorted(set(r.actuators) | {a for a, _ in got}):
+                pending.add_metric([actuator], got.get((actuator, "pending"), 0) + got.get((actuator, "failed"), 0))
+                dead.add_metric([actuator], got.get((actuator, "dead"), 0))
+        yield pending
+        yield dead
+        yield GaugeMetricFamily("vigil_aggregator_breaker_tripped",
+                                "1 while the circuit breaker is open (automation stopped).",
+                                value=int(r.breaker_tripped))
+        yield GaugeMetricFamily("vigil_aggregator_breaker_removals",
+                                "Distinct nodes removed within the breaker window.", value=r.breaker_removals)
+        yield GaugeMetricFamily("vigil_aggregator_breaker_budget_nodes",
+                                "Nodes the breaker lets the gate remove within its window.", value=r.breaker_budget)
+        errors = CounterMetricFamily("vigil_aggregator_store_errors", "Decision store failures, by kind (write: "
+                                     "a decision write; file: the file deleted or replaced; delivery_update; dropped: "
+                                     "a proposal lost from the memory queue).",
+                                     labels=["kind"])
+        for kind in STORE_ERROR_KINDS:
+            errors.add_metric([kind], r.store_errors.get(kind, 0))
+        yield errors
+        yield GaugeMetricFamily("vigil_aggregator_store_up", "1 when decisions can be made durable, 0 while the "
+                                "store fails (/healthz answers 503).", value=int(r.store_ok))
+        yield GaugeMetricFamily("vigil_aggregator_store_unstored_decisions",
+                                "Proposals waiting in memory for the store to work again.", value=r.unstored)
+
+
 class AggregatorMetrics:
-    def __init__(self, node_states: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, node_states: Callable[[], Mapping[str, int]],
+                 acting: Callable[[], ActingReadings] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.reports = Counter("vigil_aggregator_reports", "Reports accepted and ingested.", registry=r)
@@ -54,9 +131,16 @@ class AggregatorMetrics:
         self.evaluate_seconds = Histogram("vigil_aggregator_evaluate_duration_seconds",
                                           "Time to run every detector over the fleet once.",
                                           buckets=_EVALUATE_BUCKETS, registry=r)
-        self.decisions = Counter("vigil_aggregator_decisions", "Decisions admitted, by action and detector.",
-                                 ["action", "detector"], registry=r)
+        self.last_evaluation = Gauge("vigil_aggregator_last_evaluation_timestamp_seconds",
+                                     "When the last evaluation of the fleet finished (Unix time).", registry=r)
+        self.loop_lag = Gauge("vigil_aggregator_event_loop_lag_seconds",
+                              "How late the event loop ran a 0.25 s timer, at the last measurement.", registry=r)
+        self.actuator_up = Gauge("vigil_aggregator_actuator_up", "1 when the actuator's start-up check reached "
+                                 "its target, 0 when it did not.", ["actuator"], registry=r)
         r.register(_NodeStates(node_states))
+        self.refusals = Refusals(r)  # every door's refusals (aggregator/auth.py declares it)
+        r.register(_Acting(acting or ActingReadings))
+        register_build_info(r, "aggregator")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

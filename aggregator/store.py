@@ -1,73 +1,119 @@
-"""The durable decision log: SQLite in WAL mode, on disk.
+"""The durable decision log and the one owner of the gate's state: SQLite in WAL mode, on disk.
 
 Every proposed decision is written with its gate verdict, and every admitted one with a
-delivery row per actuator, in one transaction before anything acts on it; node state,
-escalation history and the circuit breaker live here too, so a restart neither loses an
-accepted decision nor repeats a completed delivery. It judges nothing and delivers nothing.
+delivery row per actuator, in one transaction before anything acts on it; node state, holds,
+the fault history, recent removals and the circuit breaker live here too and only this module
+changes them, so a restart neither loses an accepted decision nor repeats a completed delivery.
+It migrates older schemas in order, applies retention, and notices its file being deleted while
+it runs. It judges nothing and delivers nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from aggregator.decision import Action, Decision
-from aggregator.gate import BreakerRecord, GateState, NodeRecord, Verdict
+from pydantic import Field
+
+from agent.collectors.collector import StrictModel
+from aggregator.decision import REMOVING_ACTIONS, Action, Decision
+from aggregator.gate import BreakerRecord, GateConfig, GateState, NodeRecord, Verdict
+
+log = logging.getLogger(__name__)
 
 DeliveryState = Literal["pending", "delivered", "failed", "dead", "dry_run"]
 # failed = will be retried at next_attempt_ts; dead = gave up (the dead-letter record)
 OPEN_STATES = ("pending", "failed")
+# What a write can meet at run time: disk full, read-only, I/O error, lock timeout, file gone.
+WRITE_ERRORS = (sqlite3.Error, OSError)
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS decisions (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    ts REAL NOT NULL,
-    node TEXT NOT NULL,
-    action TEXT NOT NULL,
-    proposed_action TEXT NOT NULL,
-    detector TEXT NOT NULL,
-    admitted INTEGER NOT NULL,
-    verdict TEXT NOT NULL,
-    detail TEXT NOT NULL,
-    dry_run INTEGER NOT NULL,
-    body TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS decisions_node ON decisions(node, seq);
-CREATE TABLE IF NOT EXISTS deliveries (
-    decision_id TEXT NOT NULL REFERENCES decisions(id),
-    actuator TEXT NOT NULL,
-    node TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    next_attempt_ts REAL NOT NULL,
-    last_error TEXT NOT NULL DEFAULT '',
-    detail TEXT NOT NULL DEFAULT '',
-    updated_ts REAL NOT NULL,
-    PRIMARY KEY (decision_id, actuator)
-);
-CREATE INDEX IF NOT EXISTS deliveries_open ON deliveries(state, next_attempt_ts);
-CREATE TABLE IF NOT EXISTS nodes (
-    node TEXT PRIMARY KEY,
-    condition TEXT NOT NULL,
-    last_removal TEXT,
-    last_removal_ts REAL,
-    remediations TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS removals (ts REAL NOT NULL, node TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS breaker (
-    one INTEGER PRIMARY KEY CHECK (one = 1),
-    tripped INTEGER NOT NULL,
-    tripped_ts REAL,
-    reason TEXT NOT NULL
-);
-"""
+
+class StoreError(Exception):
+    """The store cannot be opened (corrupt, unreadable, a newer schema): one line naming the file."""
+
+
+class StoreConfig(StrictModel):
+    """``store:`` in the aggregator config: how the decision log is run."""
+
+    # How long a write waits for another connection's lock (a backup, the CLI) before it fails.
+    busy_timeout_seconds: float = Field(default=5.0, gt=0)
+    # Decisions whose deliveries are all finished, and refusals, are deleted after this long. It
+    # must cover the gate's history horizon, which is read back from them (30 days >> 7 days).
+    retention_seconds: float = Field(default=30 * 86400.0, gt=0)
+    # Forgotten nodes' archived history is kept this long, for post-mortems.
+    archive_retention_seconds: float = Field(default=90 * 86400.0, gt=0)
+    # A failed write is retried after this, doubling up to the maximum (seconds).
+    retry_base_seconds: float = Field(default=0.5, gt=0)
+    retry_max_seconds: float = Field(default=30.0, gt=0)
+
+
+# Ordered migrations: MIGRATIONS[i] takes a store from schema version i to i + 1 (SQLite's
+# user_version). Version 0 is an empty file or a store written before versions existed (its
+# tables are version 1's, hence IF NOT EXISTS there). Never edit a shipped step; add one.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE IF NOT EXISTS decisions (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        ts REAL NOT NULL,
+        node TEXT NOT NULL,
+        action TEXT NOT NULL,
+        proposed_action TEXT NOT NULL,
+        detector TEXT NOT NULL,
+        admitted INTEGER NOT NULL,
+        verdict TEXT NOT NULL,
+        detail TEXT NOT NULL,
+        dry_run INTEGER NOT NULL,
+        body TEXT NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS decisions_node ON decisions(node, seq);
+    CREATE TABLE IF NOT EXISTS deliveries (
+        decision_id TEXT NOT NULL REFERENCES decisions(id),
+        actuator TEXT NOT NULL,
+        node TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        next_attempt_ts REAL NOT NULL,
+        last_error TEXT NOT NULL DEFAULT '',
+        detail TEXT NOT NULL DEFAULT '',
+        updated_ts REAL NOT NULL,
+        PRIMARY KEY (decision_id, actuator)
+    );
+    CREATE INDEX IF NOT EXISTS deliveries_open ON deliveries(state, next_attempt_ts);
+    CREATE TABLE IF NOT EXISTS nodes (
+        node TEXT PRIMARY KEY,
+        condition TEXT NOT NULL,
+        last_removal TEXT,
+        last_removal_ts REAL,
+        remediations TEXT NOT NULL
+    );
+    CREATE TABLE IF NOT EXISTS removals (ts REAL NOT NULL, node TEXT NOT NULL);
+    CREATE TABLE IF NOT EXISTS breaker (
+        one INTEGER PRIMARY KEY CHECK (one = 1),
+        tripped INTEGER NOT NULL,
+        tripped_ts REAL,
+        reason TEXT NOT NULL
+    );
+    """,
+    # 2: operator holds, the removal kind (restart_job has its own budget), archived nodes, and
+    # the columns retention and the history horizon select on.
+    """
+    CREATE TABLE holds (node TEXT PRIMARY KEY, ts REAL NOT NULL, note TEXT NOT NULL);
+    ALTER TABLE removals ADD COLUMN kind TEXT NOT NULL DEFAULT 'node';
+    CREATE TABLE archived_nodes (node TEXT NOT NULL, ts REAL NOT NULL, body TEXT NOT NULL);
+    CREATE INDEX decisions_ts ON decisions(ts);
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
 
 
 @dataclass(frozen=True)
@@ -93,24 +139,110 @@ class StoredDecision:
     deliveries: tuple[Delivery, ...]
 
 
+def _open(path: Path, busy_timeout_seconds: float) -> sqlite3.Connection:
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    # FULL: a decision acknowledged to the engine is on disk even if the machine loses power.
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute(f"PRAGMA busy_timeout={int(busy_timeout_seconds * 1000)}")
+    return db
+
+
 class Store:
-    """One connection, serialised by a lock: the app's event loop and the dispatch threads share it."""
+    """One connection, serialised by a lock: the app's event loop and the dispatch threads share it.
+
+    ``state`` is the gate's state; it changes only through ``commit``, ``set_hold``,
+    ``reset_breaker`` and ``prune``, each after its rows are durably written."""
 
     def __init__(self, path: str | Path, busy_timeout_seconds: float = 5.0) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.memory = str(path) == ":memory:"
+        self.busy_timeout_seconds = busy_timeout_seconds
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # FULL: a decision acknowledged to the engine is on disk even if the machine loses power.
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_seconds * 1000)}")
-        self._db.executescript(SCHEMA)
-        self.state = self._load_state()
+        try:
+            if not self.memory:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = _open(self.path, busy_timeout_seconds)
+            self._migrate()
+            check = self._db.execute("PRAGMA quick_check(1)").fetchone()[0]
+            if check != "ok":
+                raise sqlite3.DatabaseError(f"integrity check failed: {check}")
+            self.state = self._load_state()
+        except (sqlite3.Error, OSError, ValueError) as exc:
+            raise StoreError(f"decision store {self.path}: {_one_line(exc)}") from None
+        self._inode = self._file_id()
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    def _migrate(self) -> None:
+        version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise StoreError(f"decision store {self.path}: schema version {version} is newer than this "
+                             f"vigil's {SCHEMA_VERSION}")
+        for step in range(version, SCHEMA_VERSION):
+            cur = self._db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in MIGRATIONS[step].split(";"):
+                    if statement.strip():
+                        cur.execute(statement)
+                cur.execute(f"PRAGMA user_version={step + 1}")
+                cur.execute("COMMIT")
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            if version:
+                log.warning("decision store %s migrated to schema version %d", self.path, step + 1)
+
+    # -- the file under us --------------------------------------------------------------------
+
+    def _file_id(self) -> tuple[int, int] | None:
+        if self.memory:
+            return None
+        st = os.stat(self.path)
+        return (st.st_dev, st.st_ino)
+
+    def check_file(self) -> tuple[str, bool] | None:
+        """None while the file we write is the file at our path; otherwise (what happened, whether
+        writing may go on). A store whose file was deleted is copied from the still-open database
+        to a new file at the path, so nothing written is lost at the next restart (writing goes on);
+        a file replaced by another one, or a restore that failed, stops writing until it is fixed."""
+        if self.memory:
+            return None
+        with self._lock:
+            try:
+                current: tuple[int, int] | None = self._file_id()
+            except FileNotFoundError:
+                current = None
+            if current == self._inode:
+                return None
+            if current is not None:
+                return f"store file {self.path} was replaced by another file while running; restart to use it", False
+            log.error("decision store %s was deleted while running; restoring it from the open database", self.path)
+            tmp = self.path.with_name(self.path.name + ".restoring")
+            try:
+                tmp.unlink(missing_ok=True)
+                copy = sqlite3.connect(tmp)
+                try:
+                    self._db.backup(copy)
+                finally:
+                    copy.close()
+                self._db.close()  # removes the old -wal/-shm names, which belong to the deleted file
+                os.replace(tmp, self.path)
+                self._db = _open(self.path, self.busy_timeout_seconds)
+                self._inode = self._file_id()
+            except WRITE_ERRORS as exc:
+                return f"store file {self.path} was deleted and could not be restored: {_one_line(exc)}", False
+            count = self._db.execute("SELECT COUNT(*) FROM decisions").fetchone()[0]
+            log.warning("decision store %s restored (%d decisions)", self.path, count)
+            return f"store file {self.path} was deleted while running; restored from the open database", True
 
     # -- gate state ---------------------------------------------------------------------------
 
@@ -123,13 +255,18 @@ class Store:
                 last_removal_ts=last_ts,
                 remediations=[(float(ts), Action(a)) for ts, a in json.loads(rem)],
             )
-        state.removals = [(ts, node) for ts, node in self._db.execute("SELECT ts, node FROM removals ORDER BY ts")]
+        for ts, node, kind in self._db.execute("SELECT ts, node, kind FROM removals ORDER BY ts"):
+            (state.restarts if kind == "restart_job" else state.removals).append((ts, node))
         row = self._db.execute("SELECT tripped, tripped_ts, reason FROM breaker").fetchone()
         if row:
             state.breaker = BreakerRecord(tripped=bool(row[0]), tripped_ts=row[1], reason=row[2])
+        for node, ts, note in self._db.execute("SELECT node, ts, note FROM holds"):
+            state.holds[node] = (ts, note)
         for body, ts in self._db.execute("SELECT body, ts FROM decisions WHERE admitted = 1 ORDER BY seq"):
             d = Decision.model_validate_json(body)
             state.recent[(d.node, d.action.value, d.job or "")] = ts
+            if d.action in REMOVING_ACTIONS:
+                state.remember(d, ts)
         return state
 
     def verdict_of(self, decision_id: str) -> tuple[bool, str] | None:
@@ -138,82 +275,139 @@ class Store:
             row = self._db.execute("SELECT admitted, verdict FROM decisions WHERE id = ?", (decision_id,)).fetchone()
         return (bool(row[0]), row[1]) if row else None
 
-    def record(self, verdict: Verdict, now: float, actuators: Mapping[str, bool]) -> None:
-        """Write the verdict (and, if admitted, one delivery row per actuator that takes it) and the
-        gate-state changes in one transaction, then apply them to ``self.state``.
+    def verdicts_of(self, decision_ids: Sequence[str]) -> dict[str, tuple[bool, str]]:
+        """``verdict_of`` for many ids in one query per 500."""
+        out: dict[str, tuple[bool, str]] = {}
+        with self._lock:
+            for i in range(0, len(decision_ids), 500):
+                chunk = list(decision_ids[i:i + 500])
+                marks = ",".join("?" * len(chunk))
+                for did, admitted, verdict in self._db.execute(
+                        f"SELECT id, admitted, verdict FROM decisions WHERE id IN ({marks})", chunk):
+                    out[did] = (bool(admitted), verdict)
+        return out
 
-        ``actuators`` maps each actuator that handles this decision to whether it is delivered
-        in dry run (notifiers); in dry run the others get a ``dry_run`` row: what would have been done.
+    def commit(self, verdicts: Sequence[tuple[Verdict, Mapping[str, bool]]], now: float, shadow: GateState) -> None:
+        """Write a batch of verdicts (and, for each admitted one, a delivery row per actuator that
+        takes it) with the gate state they lead to (``shadow``), in ONE transaction and one fsync;
+        only then does ``shadow`` become ``self.state``. Raises one of ``WRITE_ERRORS`` and
+        changes nothing when the write fails.
+
+        ``actuators`` maps each actuator that handles a decision to whether it is delivered in
+        dry run (notifiers); in dry run the others get a ``dry_run`` row: what would have been done.
         """
-        d = verdict.decision
         with self._lock:
             cur = self._db.cursor()
             cur.execute("BEGIN IMMEDIATE")
             try:
-                # A refused proposal proposed again is judged again; its new verdict replaces the
-                # old row (and takes a new seq, so its deliveries queue behind earlier ones).
-                cur.execute("DELETE FROM decisions WHERE id = ? AND admitted = 0", (d.id,))
-                cur.execute(
-                    "INSERT INTO decisions (id, ts, node, action, proposed_action, detector, admitted,"
-                    " verdict, detail, dry_run, body) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                    (
-                        d.id,
-                        now,
-                        d.node,
-                        d.action.value,
-                        verdict.proposed_action.value,
-                        d.detector,
-                        int(verdict.admitted),
-                        verdict.reason,
-                        verdict.detail,
-                        int(d.dry_run),
-                        d.model_dump_json(),
-                    ),
-                )
-                seq = cur.lastrowid
-                if verdict.admitted:
-                    for name, notify_in_dry_run in actuators.items():
-                        st = "dry_run" if d.dry_run and not notify_in_dry_run else "pending"
-                        cur.execute(
-                            "INSERT INTO deliveries (decision_id, actuator, node, seq, state,"
-                            " next_attempt_ts, updated_ts) VALUES (?,?,?,?,?,?,?)",
-                            (d.id, name, d.node, seq, st, now, now),
-                        )
-                shadow = _copy_state(self.state)
-                shadow.apply(verdict, now)
-                if verdict.admitted and d.node in shadow.nodes:
-                    rec = shadow.nodes[d.node]
+                touched: set[str] = set()
+                for verdict, actuators in verdicts:
+                    d = verdict.decision
+                    # A refused proposal proposed again is judged again; its new verdict replaces the
+                    # old row (and takes a new seq, so its deliveries queue behind earlier ones).
+                    cur.execute("DELETE FROM decisions WHERE id = ? AND admitted = 0", (d.id,))
                     cur.execute(
-                        "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?)",
-                        (
-                            d.node,
-                            rec.condition,
-                            rec.last_removal.value if rec.last_removal else None,
-                            rec.last_removal_ts,
-                            json.dumps([[ts, a.value] for ts, a in rec.remediations]),
-                        ),
+                        "INSERT INTO decisions (id, ts, node, action, proposed_action, detector, admitted,"
+                        " verdict, detail, dry_run, body) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                        (d.id, now, d.node, d.action.value, verdict.proposed_action.value, d.detector,
+                         int(verdict.admitted), verdict.reason, verdict.detail, int(d.dry_run),
+                         d.model_dump_json()),
                     )
-                    if len(shadow.removals) > len(self.state.removals):
-                        cur.execute("INSERT INTO removals VALUES (?,?)", shadow.removals[-1])
-                if verdict.trip:
+                    seq = cur.lastrowid
+                    if verdict.admitted:
+                        touched.add(d.node)
+                        for name, notify_in_dry_run in actuators.items():
+                            st = "dry_run" if d.dry_run and not notify_in_dry_run else "pending"
+                            cur.execute(
+                                "INSERT INTO deliveries (decision_id, actuator, node, seq, state,"
+                                " next_attempt_ts, updated_ts) VALUES (?,?,?,?,?,?,?)",
+                                (d.id, name, d.node, seq, st, now, now),
+                            )
+                for node in sorted(touched & shadow.nodes.keys()):
+                    self._write_node(cur, node, shadow.nodes[node])
+                for kind, old, new in (("node", self.state.removals, shadow.removals),
+                                       ("restart_job", self.state.restarts, shadow.restarts)):
+                    for ts, node in new[len(old):]:
+                        cur.execute("INSERT INTO removals (ts, node, kind) VALUES (?,?,?)", (ts, node, kind))
+                if shadow.breaker != self.state.breaker:
                     self._write_breaker(cur, shadow.breaker)
                 cur.execute("COMMIT")
             except BaseException:
-                cur.execute("ROLLBACK")
+                _rollback(cur)
                 raise
             self.state = shadow
 
-    def prune(self, now: float, breaker_window_seconds: float) -> None:
+    @staticmethod
+    def _write_node(cur: sqlite3.Cursor, node: str, rec: NodeRecord) -> None:
+        cur.execute(
+            "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?)",
+            (node, rec.condition, rec.last_removal.value if rec.last_removal else None, rec.last_removal_ts,
+             json.dumps([[ts, a.value] for ts, a in rec.remediations])),
+        )
+
+    def set_hold(self, node: str, held: bool, now: float, note: str = "") -> bool:
+        """An operator's hold on a node (automation leaves it alone) set or released; returns
+        whether it was held before."""
         with self._lock:
-            self._db.execute("DELETE FROM removals WHERE ts < ?", (now - breaker_window_seconds,))
+            before = node in self.state.holds
+            if held:
+                self._db.execute("INSERT OR REPLACE INTO holds VALUES (?,?,?)", (node, now, note))
+                self.state.holds[node] = (now, note)
+            else:
+                self._db.execute("DELETE FROM holds WHERE node = ?", (node,))
+                self.state.holds.pop(node, None)
+            return before
+
+    def prune(self, now: float, config: GateConfig) -> None:
+        """Forget what no gate window can see any more (rows first, then the state)."""
+        with self._lock:
+            self._db.execute("DELETE FROM removals WHERE ts < ?", (now - config.breaker_window_seconds,))
+            self.state.prune(now, config)
+
+    def apply_retention(self, now: float, config: StoreConfig) -> int:
+        """Delete finished decisions and refusals older than the retention, and old archived
+        nodes; returns how many decisions went. Open (pending, failed) deliveries are kept."""
+        cutoff = now - config.retention_seconds
+        with self._lock:
+            cur = self._db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                cur.execute(
+                    "DELETE FROM deliveries WHERE decision_id IN (SELECT id FROM decisions x WHERE x.ts < ? AND"
+                    " NOT EXISTS (SELECT 1 FROM deliveries e WHERE e.decision_id = x.id"
+                    " AND e.state IN ('pending', 'failed')))", (cutoff,))
+                cur.execute(
+                    "DELETE FROM decisions WHERE ts < ? AND NOT EXISTS (SELECT 1 FROM deliveries e"
+                    " WHERE e.decision_id = decisions.id)", (cutoff,))
+                gone = cur.rowcount
+                cur.execute("DELETE FROM archived_nodes WHERE ts < ?", (now - config.archive_retention_seconds,))
+                cur.execute("COMMIT")
+            except BaseException:
+                _rollback(cur)
+                raise
+        return gone
+
+    def archive_node(self, node: str, now: float, body: Mapping[str, object]) -> None:
+        """Keep a forgotten node's last known state (the fleet forgets it; post-mortems do not)."""
+        with self._lock:
+            self._db.execute("INSERT INTO archived_nodes VALUES (?,?,?)", (node, now, json.dumps(body, default=str)))
+
+    def archived_nodes(self) -> list[str]:
+        with self._lock:
+            return [n for (n,) in self._db.execute("SELECT node FROM archived_nodes ORDER BY ts")]
+
+    def departed_nodes(self) -> list[tuple[str, float, dict[str, object]]]:
+        """(node, when it was forgotten, its last known state) of every archived node, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT node, ts, body FROM archived_nodes ORDER BY ts").fetchall()
+        return [(n, ts, json.loads(body)) for n, ts, body in rows]
 
     def reset_breaker(self) -> BreakerRecord:
-        """The manual reset (API or CLI). Returns the record as it was before."""
+        """The manual reset (operator API). Returns the record as it was before."""
         with self._lock:
             before = self.state.breaker
-            cur = self._db.cursor()
-            self._write_breaker(cur, BreakerRecord())
-            self.state.reset_breaker()
+            self._write_breaker(self._db.cursor(), BreakerRecord())
+            self.state.breaker = BreakerRecord()
             return before
 
     def breaker(self) -> BreakerRecord:
@@ -277,15 +471,8 @@ class Store:
             self._db.execute(
                 "UPDATE deliveries SET state = ?, attempts = attempts + 1, next_attempt_ts = ?,"
                 " last_error = ?, detail = ?, updated_ts = ? WHERE decision_id = ? AND actuator = ?",
-                (
-                    state,
-                    next_attempt_ts if next_attempt_ts is not None else now,
-                    error,
-                    detail,
-                    now,
-                    decision_id,
-                    actuator,
-                ),
+                (state, next_attempt_ts if next_attempt_ts is not None else now, error, detail, now,
+                 decision_id, actuator),
             )
 
     def deliveries(self, decision_id: str) -> list[Delivery]:
@@ -313,18 +500,13 @@ class Store:
         sql += " ORDER BY seq DESC LIMIT ?"
         with self._lock:
             rows = self._db.execute(sql, (*args, limit)).fetchall()
-        return [
-            StoredDecision(
-                seq=seq,
-                decision=Decision.model_validate_json(body),
-                proposed_action=Action(proposed),
-                admitted=bool(admitted),
-                verdict=verdict,
-                detail=detail,
-                deliveries=tuple(self.deliveries(Decision.model_validate_json(body).id)),
-            )
-            for seq, body, proposed, admitted, verdict, detail in rows
-        ]
+        out = []
+        for seq, body, proposed, admitted, verdict, detail in rows:
+            decision = Decision.model_validate_json(body)
+            out.append(StoredDecision(seq=seq, decision=decision, proposed_action=Action(proposed),
+                                      admitted=bool(admitted), verdict=verdict, detail=detail,
+                                      deliveries=tuple(self.deliveries(decision.id))))
+        return out
 
     def delivery_counts(self) -> dict[tuple[str, str], int]:
         """(actuator, state) -> count, for /metrics."""
@@ -333,16 +515,15 @@ class Store:
             return {(a, s): n for a, s, n in rows}
 
 
-def _copy_state(state: GateState) -> GateState:
-    return GateState(
-        nodes={
-            k: NodeRecord(v.condition, v.last_removal, v.last_removal_ts, list(v.remediations))
-            for k, v in state.nodes.items()
-        },
-        removals=list(state.removals),
-        breaker=state.breaker,
-        recent=dict(state.recent),
-    )
+def _rollback(cur: sqlite3.Cursor) -> None:
+    # A full disk or an I/O error may already have ended the transaction: nothing left to undo.
+    with contextlib.suppress(sqlite3.Error):
+        cur.execute("ROLLBACK")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if not isinstance(exc, OSError) or not exc.strerror else exc.strerror
 
 
 def decisions_as_dicts(rows: Iterable[StoredDecision]) -> list[dict[str, object]]:
@@ -356,15 +537,11 @@ def decisions_as_dicts(rows: Iterable[StoredDecision]) -> list[dict[str, object]
             "verdict": r.verdict,
             "detail": r.detail,
             "deliveries": [
-                {
-                    "actuator": x.actuator,
-                    "state": x.state,
-                    "attempts": x.attempts,
-                    "last_error": x.last_error,
-                    "detail": x.detail,
-                }
+                {"actuator": x.actuator, "state": x.state, "attempts": x.attempts, "last_error": x.last_error,
+                 "detail": x.detail}
                 for x in r.deliveries
             ],
         }
         for r in rows
     ]
+

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import csv
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
+from typing import TypeVar
 
 from aggregator.decision import Action
 
@@ -98,23 +99,32 @@ def _unknown_entry(code: int, action: Action) -> XidEntry:
 
 def load_entries(text: str | None = None) -> list[XidEntry]:
     """Parse the packaged catalog (or ``text`` in the same CSV form). Comment lines start with #."""
+    return _load_rows(DATA_FILE, text, lambda row: XidEntry(
+        code=int(row["code"]),
+        name=row["name"],
+        description=row["description"],
+        action=Action(row["action"]),
+        category=row["category"],
+        sticky=row["sticky"] == "yes",
+        source=row["source"],
+    ))
+
+
+_Row = TypeVar("_Row")
+
+
+def _load_rows(data_file: str, text: str | None, build: Callable[[dict[str, str]], _Row]) -> list[_Row]:
+    """The rows of a packaged CSV data file (or ``text``), each built into an entry; a bad row
+    raises ValueError naming the file and row."""
     if text is None:
-        text = resources.files("aggregator.data").joinpath(DATA_FILE).read_text(encoding="utf-8")
+        text = resources.files("aggregator.data").joinpath(data_file).read_text(encoding="utf-8")
     rows = csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))
     entries = []
     for n, row in enumerate(rows, start=1):
         try:
-            entries.append(XidEntry(
-                code=int(row["code"]),
-                name=row["name"],
-                description=row["description"],
-                action=Action(row["action"]),
-                category=row["category"],
-                sticky=row["sticky"] == "yes",
-                source=row["source"],
-            ))
+            entries.append(build(row))
         except (KeyError, ValueError) as exc:
-            raise ValueError(f"{DATA_FILE} row {n}: {exc}") from None
+            raise ValueError(f"{data_file} row {n}: {exc}") from None
     return entries
 
 
@@ -156,23 +166,65 @@ def occurrence_action(catalog: XidCatalog, code: int, message: str = "") -> Acti
 
 # NVSwitch SXids are not in the Xid catalog. NVIDIA's Fabric Manager user guide: a fatal NVSwitch
 # error needs the NVSwitches and their GPUs reset (on an HGX baseboard, in practice a node reboot);
-# non-fatal ones are logged and training continues.
+# non-fatal ones are logged and training continues. The word on the line ("Fatal"/"Non-fatal") is
+# the driver's verdict at the time and wins; a line without one (SOE errors, detail-only lines)
+# is judged by the guide's class of its code (aggregator/data/sxid_catalog.csv).
 SXID_FATAL_ACTION = Action.REBOOT_NODE
+SXID_DATA_FILE = "sxid_catalog.csv"
+
+
+@dataclass(frozen=True)
+class SxidEntry:
+    code: int
+    name: str
+    fm_class: str  # the guide's: non_fatal, potential_fatal, always_fatal, other_notable
+    action: Action
+    rule: str
+
+
+class SxidCatalog:
+    """SXid code -> entry, from NVIDIA's Fabric Manager user guide (appendix D). Unknown codes
+    (and codes the guide lists without a verdict) alert: seen, never acted on."""
+
+    def __init__(self, entries: Iterable[SxidEntry], unknown_action: Action = Action.ALERT) -> None:
+        self._entries = {e.code: e for e in entries}
+        self._unknown_action = unknown_action
+
+    @classmethod
+    def default(cls) -> SxidCatalog:
+        return cls(load_sxid_entries())
+
+    def entry(self, code: int) -> SxidEntry | None:
+        return self._entries.get(code)
+
+    def action(self, code: int, severity: str | None) -> Action:
+        """The line's own severity word first, then the guide's class of the code."""
+        if severity is not None:
+            return SXID_FATAL_ACTION if severity.lower() == "fatal" else Action.OBSERVE
+        found = self._entries.get(code)
+        return found.action if found is not None else self._unknown_action
+
+    def codes(self) -> list[int]:
+        return sorted(self._entries)
+
+
+def load_sxid_entries(text: str | None = None) -> list[SxidEntry]:
+    """Parse the packaged SXid catalog (or ``text`` in the same CSV form). Comment lines start with #."""
+    return _load_rows(SXID_DATA_FILE, text, lambda row: SxidEntry(
+        int(row["code"]), row["name"], row["fm_class"], Action(row["action"]), row["rule"]))
 
 
 def event_action(catalog: XidCatalog, kind: str, code: int | None, message: str = "",
-                 severity: str | None = None) -> Action:
+                 severity: str | None = None, sxids: SxidCatalog | None = None) -> Action:
     """What one kernel-log event calls for on its own (``vigil xid scan``): Xids by the catalog,
-    a GPU fallen off the bus as Xid 79, SXids by severity; mlx5 NIC errors alert (the network
-    detectors judge links)."""
+    a GPU fallen off the bus as Xid 79, SXids by the line's severity or else the SXid catalog;
+    mlx5 NIC errors alert (the network detectors judge links)."""
     if kind == "xid" and code is not None:
         return occurrence_action(catalog, code, message)
     if kind == "gpu_lost":
         return catalog.entry(79).action
-    if kind == "sxid":
-        if severity is None:
-            return Action.ALERT
-        return SXID_FATAL_ACTION if severity.lower() == "fatal" else Action.OBSERVE
+    if kind == "sxid" and code is not None:
+        return (sxids or SxidCatalog.default()).action(code, severity)
     return Action.ALERT
 
 

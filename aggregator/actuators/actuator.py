@@ -1,8 +1,9 @@
 """The actuator contract: a synchronous deliverer of admitted decisions to one outside system.
 
-An actuator says which decisions it takes (``handles``) and delivers one (``deliver``), raising
-``DeliveryError`` when it could not; the dispatch worker owns retries, backoff, the dead-letter
-state and threads. An actuator judges nothing and keeps no delivery state of its own.
+An actuator says which decisions it takes (``handles``), delivers one (``deliver``), raising
+``DeliveryError`` when it could not, and at start-up ``check``s that it can reach its target;
+the dispatch worker owns retries, backoff, the dead-letter state and threads. An actuator judges
+nothing and keeps no delivery state of its own.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent.wire import check_node_name
 from aggregator.decision import Decision
 
 
@@ -21,6 +23,16 @@ class DeliveryError(Exception):
     def __init__(self, message: str, retryable: bool = True) -> None:
         super().__init__(message)
         self.retryable = retryable
+
+
+def one_node(name: str) -> str:
+    """``name`` if it names exactly one node (a hostname), else a permanent DeliveryError: a
+    scheduler must never be handed an expression it expands (``vnode[1-5]``, ``a,b``). Intake
+    refuses such names already; this is the last check before a command or an API call."""
+    try:
+        return check_node_name(name)
+    except ValueError as exc:
+        raise DeliveryError(f"refusing to act on {name[:80]!r}: {exc}", retryable=False) from None
 
 
 class Actuator(Protocol):
@@ -34,6 +46,12 @@ class Actuator(Protocol):
     def deliver(self, decision: Decision) -> str:
         """Act on the decision; return a one-line account of what was done. Must be idempotent
         in ``decision.id``: after a crash the dispatcher may deliver it again."""
+        ...
+
+    def check(self) -> str:
+        """Reach the target without changing anything (``scontrol ping``, the API's version,
+        Alertmanager's readiness, an OPTIONS request); return what answered, or raise
+        ``DeliveryError`` saying why not. Run once at start-up when not in dry run."""
         ...
 
     def close(self) -> None: ...

@@ -4,10 +4,13 @@ Labels ``alertname=VigilDecision, node, action, detector, severity`` identify th
 ``gpu``/``job`` where the decision has them); annotations carry the reason and the decision id.
 A ``resume`` resolves every VigilDecision alert still firing for that node (re-posted with
 ``endsAt`` = the resume's time). Routing, grouping and silencing stay with Alertmanager.
+Credentials in the URL (``https://user:password@alertmanager``) are sent as basic auth and never
+shown in what it returns, raises or logs.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.parse
@@ -18,12 +21,13 @@ from typing import Any
 from pydantic import Field
 
 from aggregator.actuators.actuator import ActuatorConfig, DeliveryError
+from aggregator.actuators.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
 from aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
 ALERTNAME = "VigilDecision"
 
 
-class AlertmanagerConfig(ActuatorConfig):
+class AlertmanagerConfig(RedactedUrlRepr, ActuatorConfig):
     url: str = "http://127.0.0.1:9093"
     # Alerts inform people, so they are sent in dry run too (marked dry_run) unless disabled.
     notify_in_dry_run: bool = True
@@ -71,9 +75,14 @@ class AlertmanagerActuator:
 
     def __init__(self, config: AlertmanagerConfig) -> None:
         self.config = config
-        self.base = config.url.rstrip("/")
+        url, self._authorization = split_userinfo(config.url)
+        self.base = url.rstrip("/")
+        self.display_url = redact_url(config.url)
         self.notify_in_dry_run = config.notify_in_dry_run
         self.timeout_seconds = config.timeout_seconds
+
+    def __repr__(self) -> str:
+        return f"AlertmanagerActuator(url={self.display_url!r})"
 
     def handles(self, decision: Decision) -> bool:
         return decision.action is not Action.OBSERVE
@@ -92,6 +101,11 @@ class AlertmanagerActuator:
     def close(self) -> None:
         pass
 
+    def check(self) -> str:
+        """Alertmanager's readiness endpoint (``/-/ready``) answers 200 once it can take alerts."""
+        self._request("GET", f"{self.base}/-/ready", None, parse=False)
+        return f"{self.base}/-/ready: ready"
+
     def _firing(self, node: str) -> list[dict[str, Any]]:
         query = urllib.parse.urlencode(
             [("filter", f'alertname="{ALERTNAME}"'), ("filter", f'node="{node}"'), ("active", "true")]
@@ -107,9 +121,13 @@ class AlertmanagerActuator:
     def _post(self, alerts: list[dict[str, Any]]) -> None:
         self._request("POST", f"{self.base}/api/v2/alerts", alerts)
 
-    def _request(self, method: str, url: str, body: Any) -> Any:
+    def _request(self, method: str, url: str, body: Any, parse: bool = True) -> Any:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self._authorization:
+            headers["Authorization"] = self._authorization
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
+        shown = f"{method} {redact_url(url)}"
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
                 raw = response.read()
@@ -117,11 +135,16 @@ class AlertmanagerActuator:
             with exc:  # it holds the response's socket
                 detail = exc.read()[:300].decode(errors="replace")
             raise DeliveryError(
-                f"{method} {url}: HTTP {exc.code} {detail}", exc.code >= 500 or exc.code == 429
-            ) from exc
-        except (urllib.error.URLError, OSError) as exc:
-            raise DeliveryError(f"{method} {url}: {exc}") from exc
-        return json.loads(raw) if raw.strip() else None
+                f"{shown}: HTTP {exc.code} {redact_text(detail)}", exc.code >= 500 or exc.code == 429
+            ) from None
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+            raise DeliveryError(f"{shown}: {redact_text(str(exc))}") from None
+        if not parse:
+            return None
+        try:
+            return json.loads(raw) if raw.strip() else None
+        except ValueError as exc:
+            raise DeliveryError(f"{shown}: answer is not JSON: {exc}") from None
 
 
 def build(config: AlertmanagerConfig) -> AlertmanagerActuator:

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import Field
 
-from aggregator.actuators.actuator import ActuatorConfig, DeliveryError
+from aggregator.actuators.actuator import ActuatorConfig, DeliveryError, one_node
 from aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
 # 429: the eviction would violate a PodDisruptionBudget; 404: the pod is already gone
@@ -97,6 +97,7 @@ class KubernetesActuator:
         return decision.action in REMOVING_ACTIONS or decision.action is Action.RESUME
 
     def deliver(self, decision: Decision) -> str:
+        one_node(decision.node)  # one Node object per call, by its exact name
         try:
             if decision.action is Action.RESUME:
                 self._mark(decision, unhealthy=False)
@@ -118,6 +119,16 @@ class KubernetesActuator:
 
     def close(self) -> None:
         self.api.api_client.close()
+
+    def check(self) -> str:
+        """The API server's ``/version``: reachable, and our credentials accepted."""
+        try:
+            info = self._client.VersionApi(self.api.api_client).get_code(_request_timeout=self.timeout_seconds)
+        except self._client.ApiException as exc:
+            raise DeliveryError(f"kubernetes: HTTP {exc.status} {exc.reason}{_status_message(exc.body)}") from exc
+        except (self._urllib3_error, OSError) as exc:
+            raise DeliveryError(f"kubernetes: {exc}") from exc
+        return f"kubernetes API {getattr(info, 'git_version', '?')}"
 
     def _mark(self, decision: Decision, unhealthy: bool) -> None:
         node = self.api.read_node(decision.node, _request_timeout=self.timeout_seconds)

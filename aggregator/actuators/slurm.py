@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Sequence
 
 from agent.seams import CommandRunner, run_command
-from aggregator.actuators.actuator import ActuatorConfig, DeliveryError
+from aggregator.actuators.actuator import ActuatorConfig, DeliveryError, one_node
 from aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
 REASON_PREFIX = "vigil:"
@@ -75,6 +75,7 @@ class SlurmActuator:
         return decision.action in REMOVING_ACTIONS or decision.action is Action.RESUME
 
     def deliver(self, decision: Decision) -> str:
+        one_node(decision.node)  # one node per scontrol call, never a hostlist expression
         if decision.action is Action.RESUME:
             return self._resume(decision)
         if decision.action is Action.RESTART_JOB:
@@ -83,6 +84,13 @@ class SlurmActuator:
 
     def close(self) -> None:
         pass
+
+    def check(self) -> str:
+        """``scontrol ping``: every slurmctld it names must be UP."""
+        out = " ".join(self._scontrol("ping").split())
+        if "UP" not in out or "DOWN" in out:
+            raise DeliveryError(f"scontrol ping: {out or 'no answer'}")
+        return out
 
     @staticmethod
     def reason_for(decision: Decision) -> str:
@@ -140,6 +148,8 @@ class SlurmActuator:
         done = []
         for job_id in ids:
             info = _kv(self._scontrol("show", "job", "-o", job_id))
+            # Slurm's own list (possibly compressed, e.g. "vnode[2-3]"), kept as Slurm wrote it; the
+            # one name vigil adds was checked above.
             excluded = [n for n in info.get("ExcNodeList", "(null)").split(",") if n and n != "(null)"]
             if info.get("JobState") in ("RUNNING", "SUSPENDED", "CONFIGURING"):
                 # Held, so it cannot start again before the bad node is excluded.

@@ -1,26 +1,38 @@
 """Webhook actuator: POSTs each admitted decision as signed JSON to a configured URL.
 
-The body is the Decision's wire form; ``X-Vigil-Signature: sha256=<hex HMAC-SHA256 of the
-body>`` with a shared secret lets the receiver check it, and ``Idempotency-Key`` (the decision
-id) lets it drop the repeat that at-least-once delivery allows. Retries, backoff and the
-dead-letter record are the dispatcher's; this module only sends one request.
+The body is the Decision's wire form, signed per the Standard Webhooks scheme: ``webhook-id``
+(the delivery's idempotency key, the same on every retry), ``webhook-timestamp`` (Unix seconds at
+sending) and ``webhook-signature: v1,<base64 HMAC-SHA256(secret, "id.timestamp.body")>``, so a
+receiver can refuse a changed body, an old (replayed) request and a repeat (docs/webhooks.md).
+Retries, backoff and the dead-letter record are the dispatcher's; this module only sends one
+request, and never shows the URL's credentials in what it returns, raises or logs.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
+import http.client
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import Field, field_validator
 
 from aggregator.actuators.actuator import ActuatorConfig, DeliveryError
+from aggregator.actuators.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
 from aggregator.decision import Action, Decision
 
-SIGNATURE_HEADER = "X-Vigil-Signature"
+ID_HEADER = "webhook-id"
+TIMESTAMP_HEADER = "webhook-timestamp"
+SIGNATURE_HEADER = "webhook-signature"
+# The decision id, for receivers that dedupe on it; webhook-id is the per-delivery key.
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+# Standard Webhooks secrets are "whsec_" + base64 of the key; any other file content is the key.
+SECRET_PREFIX = b"whsec_"
 # 408 Request Timeout and 429 Too Many Requests are worth retrying (RFC 9110 section 15.5.9,
 # RFC 6585 section 4); any other 4xx means the request itself is wrong.
 RETRYABLE_CLIENT_ERRORS = frozenset({408, 429})
@@ -30,7 +42,7 @@ def _acting() -> list[Action]:
     return [a for a in Action if a is not Action.OBSERVE]
 
 
-class WebhookConfig(ActuatorConfig):
+class WebhookConfig(RedactedUrlRepr, ActuatorConfig):
     url: str = ""
     # A file holding the shared secret (trailing whitespace ignored); never inline in the config.
     secret_file: str | None = None
@@ -45,14 +57,30 @@ class WebhookConfig(ActuatorConfig):
         return url
 
 
-def sign(body: bytes, secret: bytes) -> str:
-    return "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
+def signing_key(secret: bytes) -> bytes:
+    """The HMAC key: a ``whsec_<base64>`` secret decoded, any other secret as it is."""
+    secret = secret.strip()
+    if secret.startswith(SECRET_PREFIX):
+        return base64.b64decode(secret[len(SECRET_PREFIX):], validate=True)
+    return secret
+
+
+def delivery_id(decision_id: str, actuator: str) -> str:
+    """The idempotency key of one decision's delivery to one actuator (stable across retries)."""
+    return f"{decision_id}:{actuator}"
+
+
+def sign(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` value: ``v1,`` + base64 HMAC-SHA256 of ``id.timestamp.body``."""
+    digest = hmac.new(key, f"{msg_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode()
 
 
 class WebhookActuator:
     name = "webhook"
 
-    def __init__(self, config: WebhookConfig, secret: bytes | None = None) -> None:
+    def __init__(self, config: WebhookConfig, secret: bytes | None = None, *,
+                 clock: Callable[[], float] = time.time) -> None:
         if not config.url:
             raise ValueError("actuators.webhook.url is required when the webhook is enabled")
         if secret is None and config.secret_file:
@@ -61,37 +89,62 @@ class WebhookActuator:
             raise ValueError("actuators.webhook.secret_file is required (an unsigned webhook can be forged)")
         self.config = config
         self.secret = secret
+        self._key = signing_key(secret)
+        self._clock = clock
+        self._url, self._authorization = split_userinfo(config.url)
+        self.display_url = redact_url(config.url)
         self.notify_in_dry_run = config.notify_in_dry_run
         self.timeout_seconds = config.timeout_seconds
+
+    def __repr__(self) -> str:
+        return f"WebhookActuator(url={self.display_url!r})"
 
     def handles(self, decision: Decision) -> bool:
         return decision.action in self.config.actions
 
     def deliver(self, decision: Decision) -> str:
         body = decision.model_dump_json().encode()
-        request = urllib.request.Request(
-            self.config.url,
-            data=body,
-            method="POST",
-            headers={
-                "Content-Type": "application/json",
-                SIGNATURE_HEADER: sign(body, self.secret),
-                IDEMPOTENCY_HEADER: decision.id,
-                "User-Agent": "vigil-aggregator",
-            },
-        )
+        msg_id = delivery_id(decision.id, self.name)
+        timestamp = int(self._clock())
+        headers = {
+            "Content-Type": "application/json",
+            ID_HEADER: msg_id,
+            TIMESTAMP_HEADER: str(timestamp),
+            SIGNATURE_HEADER: sign(self._key, msg_id, timestamp, body),
+            IDEMPOTENCY_HEADER: decision.id,
+            "User-Agent": "vigil-aggregator",
+        }
+        if self._authorization:
+            headers["Authorization"] = self._authorization
+        request = urllib.request.Request(self._url, data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
-                return f"POST {self.config.url}: {response.status}"
+                return f"POST {self.display_url}: {response.status}"
         except urllib.error.HTTPError as exc:
             exc.close()  # it holds the response's socket
             retryable = exc.code >= 500 or exc.code in RETRYABLE_CLIENT_ERRORS
-            raise DeliveryError(f"POST {self.config.url}: HTTP {exc.code} {exc.reason}", retryable) from exc
-        except (urllib.error.URLError, OSError) as exc:
-            raise DeliveryError(f"POST {self.config.url}: {exc}") from exc
+            raise DeliveryError(f"POST {self.display_url}: HTTP {exc.code} {redact_text(str(exc.reason))}",
+                                retryable) from None
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+            raise DeliveryError(f"POST {self.display_url}: {redact_text(str(exc))}") from None
 
     def close(self) -> None:
         pass
+
+    def check(self) -> str:
+        """An unsigned OPTIONS request to the URL: any HTTP answer (even 404 or 405) proves the
+        receiver is reachable; a refused connection, a DNS failure or a timeout does not."""
+        request = urllib.request.Request(self.config.url, method="OPTIONS",
+                                         headers={"User-Agent": "vigil-aggregator"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
+                status = response.status
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            status = exc.code
+        except (urllib.error.URLError, OSError) as exc:
+            raise DeliveryError(f"OPTIONS {self.config.url}: {exc}") from exc
+        return f"OPTIONS {self.config.url}: HTTP {status}"
 
 
 def build(config: WebhookConfig) -> WebhookActuator:

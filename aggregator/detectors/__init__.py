@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from aggregator.decision import Finding
+from aggregator.detectors.gpu_peer import GpuPeerDetector
 from aggregator.detectors.hang import HangDetector
 from aggregator.detectors.memory import MemoryDetector
 from aggregator.detectors.network import NetworkDetector
@@ -38,4 +39,5 @@ REGISTRY: dict[str, Callable[[Any], Detector]] = {
     "straggler": StragglerDetector,
     "hang": HangDetector,
     "silence": SilenceDetector,
+    "gpu_peer": GpuPeerDetector,
 }

@@ -1,12 +1,20 @@
-"""Hang detector: training jobs whose ranks stopped making progress.
+"""Hang detector: training jobs whose ranks stopped making progress, caught in seconds.
 
 It reads each rank's latest step summary (last progress time on the agent's own clock, state,
-last step). A job that stopped everywhere gets ``restart_job``; a job stopped by one or two
-nodes (their ranks exited, hung first, fell behind or went silent) gets those nodes drained and
-the job restarted. It does not judge slow-but-moving ranks (that is the straggler detector).
+last step, step time, phase). A rank is stopped after max(min_stall_seconds, step_multiple x its
+job's median step time, gap_multiple x the rank's usual gap between progress updates); a job any
+of whose ranks says it is checkpointing or evaluating gets that phase's own, longer limit instead.
+A job stopped by one or two nodes (their ranks exited, hung, fell behind on steps, went silent or
+stopped while the rest moved) gets those nodes drained and the job restarted; a job stopped
+everywhere with no culprit is an alert at once and a restart after ``stall_seconds``. It does not
+judge slow-but-moving ranks (that is the straggler detector). Besides the findings it keeps only a
+bounded memory of each rank's recent progress gaps, derived from the view.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from statistics import median
 
 from pydantic import Field
 
@@ -15,12 +23,28 @@ from aggregator.decision import Action, Finding
 from aggregator.fleet import FleetView, JobState, RankHistory
 
 NAME = "hang"
+LONG_PHASES = ("checkpointing", "evaluating")
+_GAPS_KEPT = 8
 
 
 class HangConfig(StrictModel):
     enabled: bool = True
-    # No step for five minutes: half of PyTorch's default NCCL watchdog timeout (600 s,
-    # torch.distributed init_process_group), so we act before the job tears itself down blind.
+    # DESIGN.md section 9: a stopped rank or job with 2 s steps is detected within 30 s. 20 s, plus
+    # up to one report interval (2.5 s) for the summary to arrive and one evaluation interval
+    # (2.5 s), stays under 30 s; it is ten missed 2 s steps, far beyond step-time jitter.
+    min_stall_seconds: float = Field(default=20.0, gt=0)
+    # Jobs with long steps get a limit of a few of their own steps (an 8-step stall at 10 s/step).
+    step_multiple: float = Field(default=8.0, gt=0)
+    # A log printed every N iterations advances only every N steps: a few of the rank's own usual
+    # gaps (the agent's training collector uses the same factor, HANG_GAP_FACTOR).
+    gap_multiple: float = Field(default=3.0, gt=0)
+    # Announced phases have their own limits: checkpoints of 100B+ models to a parallel file
+    # system and full evaluation passes take minutes to tens of minutes.
+    checkpoint_seconds: float = Field(default=1800.0, gt=0)
+    evaluation_seconds: float = Field(default=1800.0, gt=0)
+    # A job stopped everywhere with no culprit is alerted at once and restarted after this long:
+    # half of PyTorch's default NCCL watchdog timeout (600 s, torch.distributed
+    # init_process_group), so the restart comes before the job tears itself down blind.
     stall_seconds: float = Field(default=300.0, gt=0)
     # A rank that stopped this much earlier than the rest of its job stopped the job.
     skew_seconds: float = Field(default=30.0, gt=0)
@@ -29,6 +53,10 @@ class HangConfig(StrictModel):
     # A rank the agent of a live node stopped reporting this many intervals ago has ended.
     rank_gone_intervals: float = Field(default=4.0, gt=0)
     node_silent_seconds: float = Field(default=30.0, gt=0)
+    # A node whose report is this many intervals late says nothing new about its ranks: while
+    # their peers progress, time since its last report is not a stall (an agent restart or a
+    # network blip on a healthy node is not a hang; a dead node is the silence detector's case).
+    late_report_intervals: float = Field(default=2.0, gt=0)
 
 
 class HangDetector:
@@ -36,17 +64,57 @@ class HangDetector:
 
     def __init__(self, config: HangConfig) -> None:
         self.config = config
+        # (job, rank) -> (last progress ts seen, recent gaps between progress updates)
+        self._progress: dict[tuple[str, int], tuple[float, deque[float]]] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
+        seen: set[tuple[str, int]] = set()
         for job in view.jobs.values():
-            out.extend(self._judge(view, job, now))
+            out.extend(self._judge(view, job, now, seen))
+        for key in [k for k in self._progress if k not in seen]:
+            del self._progress[key]
         return out
 
-    def _judge(self, view: FleetView, job: JobState, now: float) -> list[Finding]:
+    def _gap(self, job: str, r: RankHistory, seen: set[tuple[str, int]]) -> float:
+        """The rank's usual seconds between progress updates (0 until two were seen)."""
+        key = (job, r.rank)
+        seen.add(key)
+        ts = r.last.last_progress_ts
+        entry = self._progress.get(key)
+        if entry is None:
+            self._progress[key] = (ts, deque(maxlen=_GAPS_KEPT))
+            return 0.0
+        last, gaps = entry
+        if ts > last:
+            if r.last.phase is None or r.last.phase == "training":
+                gaps.append(ts - last)  # a pause in an announced phase is not the rank's pace
+            self._progress[key] = (ts, gaps)
+        return median(gaps) if gaps else 0.0
+
+    def limit(self, job: JobState, live: list[RankHistory], gaps: dict[int, float]) -> tuple[float, str]:
+        """The job's stall limit now, and the phase it follows."""
+        cfg = self.config
+        phases = {r.last.phase for r in live}
+        if "checkpointing" in phases:
+            return cfg.checkpoint_seconds, "checkpointing"
+        if "evaluating" in phases:
+            return cfg.evaluation_seconds, "evaluating"
+        steps = [r.last.step_seconds_p50 for r in live if r.last.step_seconds_p50 is not None]
+        step = median(steps) if steps else 0.0
+        gap = median(gaps.values()) if gaps else 0.0
+        fast = max(cfg.min_stall_seconds, cfg.step_multiple * step, cfg.gap_multiple * gap)
+        if not all(gaps.values()):
+            # A rank not yet seen advancing twice has no known pace (a log printed every 100
+            # iterations, or an aggregator that just started): only the long limit applies.
+            return max(fast, cfg.stall_seconds), "training"
+        return fast, "training"
+
+    def _judge(self, view: FleetView, job: JobState, now: float, seen: set[tuple[str, int]]) -> list[Finding]:
         cfg = self.config
         live: list[RankHistory] = []
         silent_node_ranks: list[RankHistory] = []
+        late: set[int] = set()  # ranks on nodes whose report is overdue (not yet silent)
         for rank in job.ranks.values():
             node = view.nodes.get(rank.node)
             if node is None:
@@ -55,13 +123,23 @@ class HangDetector:
                 silent_node_ranks.append(rank)
             elif node.last_seen - rank.last_seen <= cfg.rank_gone_intervals * node.interval_seconds:
                 live.append(rank)
+                if now - node.last_seen > cfg.late_report_intervals * node.interval_seconds:
+                    late.add(rank.rank)
+        gaps = {r.rank: self._gap(job.name, r, seen) for r in live}
         if not live or all(r.last.state == "exited" for r in live):
             return []  # finished, or nothing left to judge
-        stall: dict[int, float] = {}
-        for r in live:
-            stall[r.rank] = (now - r.last_seen) + max(0.0, r.report_ts - r.last.last_progress_ts)
-        stopped = [r for r in live if stall[r.rank] >= cfg.stall_seconds or r.last.state in ("hung", "exited")]
+        limit, phase = self.limit(job, live, gaps)
+        stall = {r.rank: self._stall(r, now) for r in live}
+        # The agent's own "hung" (no step for its hang_seconds) does not know the job's phase.
+        hung_counts = phase == "training"
+        stopped = [r for r in live if stall[r.rank] >= limit or r.last.state == "exited"
+                   or (hung_counts and r.last.state == "hung")]
         moving = [r for r in live if r not in stopped]
+        if moving:
+            # Peers progress, so a late node's ranks count as stopped only on what its agent last
+            # said (its own stall at report time, or a hung/exited state), not on report delay.
+            stopped = [r for r in stopped if r.rank not in late or r.last.state in ("hung", "exited")
+                       or r.report_ts - r.last.last_progress_ts >= limit]
         if moving and not stopped:
             # A silent node whose peers still progress is not holding the job up (in synchronous
             # training they could not progress without it): that is the silence detector's case.
@@ -72,7 +150,7 @@ class HangDetector:
         else:
             culprits = self._blame(live, stall, silent_node_ranks)
             why = "ranks stopped first; the rest of the job waits on them"
-            if not culprits and min(stall.values()) < cfg.stall_seconds:
+            if not culprits and min(stall.values()) < limit:
                 return []
         first = min(job.ranks.values(), key=lambda r: r.rank)
         since = min(now - stall[r.rank] for r in stopped) if stopped else min(r.last_seen for r in silent_node_ranks)
@@ -81,28 +159,41 @@ class HangDetector:
         evidence_base = {
             "signal": "step_progress", "ranks": len(job.ranks), "stopped_ranks": len(stopped),
             "max_stall_seconds": round(max(stall.values()), 1),
-            "stall_seconds_threshold": cfg.stall_seconds,
+            "stall_seconds_threshold": round(limit, 1), "phase": phase,
         }
         out: list[Finding] = []
         if culprit_nodes and len(culprit_nodes) <= cfg.max_culprit_nodes and len(culprit_nodes) < len(all_nodes):
+            # The rank whose step count stopped first: the longest stall, then the lowest step.
+            first_stop = min(culprits, key=lambda r: (-self._stall(r, now), r.last.last_step, r.rank))
             for culprit in culprit_nodes:
                 ranks = sorted(r.rank for r in culprits if r.node == culprit)
                 out.append(Finding(
                     detector=NAME, node=culprit, job=job.name, action=Action.DRAIN, since=since, key="hang",
                     reason=f"job {job.name}: {why} (ranks {ranks[:8]} on this node)",
-                    evidence={**evidence_base, "culprit_ranks": ranks}))
+                    evidence={**evidence_base, "culprit_ranks": ranks, "first_stopped_rank": first_stop.rank}))
             out.append(Finding(
                 detector=NAME, node=first.node, job=job.name, action=Action.RESTART_JOB, since=since, key="hang",
-                reason=f"job {job.name} stalled by {', '.join(culprit_nodes)}: restart without them",
-                evidence={**evidence_base, "culprit_nodes": culprit_nodes}))
+                reason=(f"job {job.name} stalled by {', '.join(culprit_nodes)} (rank {first_stop.rank} stopped "
+                        f"first, at step {first_stop.last.last_step}): restart without them"),
+                evidence={**evidence_base, "culprit_nodes": culprit_nodes, "first_stopped_rank": first_stop.rank}))
             return out
         if moving:
             return []  # many stopped ranks while others move: not one node's fault, not a hang
+        whole = min(stall.values())
+        action = Action.RESTART_JOB if whole >= max(cfg.stall_seconds, limit) else Action.ALERT
         out.append(Finding(
-            detector=NAME, node=first.node, job=job.name, action=Action.RESTART_JOB, since=since, key="hang",
-            reason=f"job {job.name}: every rank stopped for >= {cfg.stall_seconds:.0f} s, no single culprit",
+            detector=NAME, node=first.node, job=job.name, action=action, since=since, key="hang",
+            reason=(f"job {job.name}: every rank stopped for {whole:.0f} s (limit {limit:.0f} s, {phase}), "
+                    f"no single culprit" + ("" if action is Action.RESTART_JOB
+                                            else f"; restart after {cfg.stall_seconds:.0f} s")),
             evidence={**evidence_base, "culprit_nodes": []}))
         return out
+
+    @staticmethod
+    def _stall(r: RankHistory, now: float) -> float:
+        """Seconds since the rank last progressed: its agent's view at report time, plus the time
+        since that report arrived (each on its own clock, so skew between them does not count)."""
+        return (now - r.last_seen) + max(0.0, r.report_ts - r.last.last_progress_ts)
 
     def _blame(self, live: list[RankHistory], stall: dict[int, float],
                silent_node_ranks: list[RankHistory]) -> list[RankHistory]:

@@ -98,6 +98,7 @@ class MemoryDetector:
             if recent:
                 total = sum(d for _, d in recent)
                 out.append(Finding(**base, action=cfg.uncorrectable_action, since=recent[0][0], key="uncorrectable",
+                                   latest=recent[-1][0],
                                    reason=f"GPU {gpu.index}: {total:.0f} uncorrectable ECC errors",
                                    evidence={"signal": "ecc_uncorrected", "uuid": gpu.uuid, "errors": total,
                                              "window_seconds": cfg.uncorrectable_window_seconds}))

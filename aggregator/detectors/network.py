@@ -5,6 +5,15 @@ a flapping link, a symbol/link-integrity error rate above the IBTA bit-error rat
 retrained below the rate it had earlier in this boot drains the node: every collective through
 that rail slows the whole job. Congestion counters (ECN marks, CNPs, PFC pauses) describe the
 fabric, not the node: they only ever produce an ``observe`` finding.
+
+Flaps are judged on three horizons: ``flap_threshold`` link-down/recovery events in
+``window_seconds`` drains (a link retraining every few minutes); the same count within one hour
+alerts; that many in each of ``flap_persist_hours`` of the last ``flap_persist_horizon_hours``
+hours drains (a port dropping every 6 minutes never fits 3 drops in 10 minutes but fails every
+hour). Designed false-drain rate: a healthy IB link retrains a handful of times a year (link_downed
+stays 0 on healthy HDR/NDR links between maintenance); 3 events in an hour, repeated in 3 of 4
+hours, is not noise: ~0 false drains by the counters, and a shared switch's flaps across its
+nodes are attributed to the switch by the topology pass.
 """
 
 from __future__ import annotations
@@ -29,6 +38,12 @@ class NetworkConfig(StrictModel):
     flap_counters: list[str] = Field(default_factory=lambda: ["link_downed", "link_error_recovery"])
     flap_threshold: int = Field(default=3, ge=1)
     flap_action: Action = Action.DRAIN
+    # Long horizons: flap_threshold events within this much time alerts ...
+    flap_alert_window_seconds: float = Field(default=3600.0, gt=0)
+    flap_alert_action: Action = Action.ALERT
+    # ... and in each of flap_persist_hours of the last flap_persist_horizon_hours hours, drains.
+    flap_persist_hours: int = Field(default=3, ge=1)
+    flap_persist_horizon_hours: int = Field(default=4, ge=1)
     # IBTA specification vol. 2 (physical layer) requires a bit error ratio of at most 1e-12.
     error_counters: list[str] = Field(default_factory=lambda: ["symbol_error", "local_link_integrity_errors"])
     max_bit_error_ratio: float = Field(default=1e-12, gt=0)
@@ -84,6 +99,9 @@ class NetworkDetector:
                                          f"port {last.state or 'unknown'} for {now - since:.0f} s",
                                          {"signal": "port_state", "state": last.state, "phys_state": last.phys_state}))
                 return out  # a dead port's error counters say nothing more
+        horizon = max(cfg.window_seconds, cfg.flap_alert_window_seconds, 3600.0 * cfg.flap_persist_horizon_hours)
+        if port.counters.last_increase_ts >= now - horizon:
+            out.extend(self._judge_flaps(node, port, now))
         if port.counters.last_increase_ts >= t0:
             out.extend(self._judge_counters(node, port, now))
         expected = cfg.expected_rate_bits_per_second or port.max_rate_bits_per_second
@@ -107,11 +125,6 @@ class NetworkDetector:
         cfg = self.config
         out: list[Finding] = []
         t0 = now - cfg.window_seconds
-        flaps = sum(port.counters.sum_since(c, t0) for c in cfg.flap_counters)
-        if flaps >= cfg.flap_threshold:
-            out.append(self._finding(node, port, cfg.flap_action, self._first(port, cfg.flap_counters, t0), "flap",
-                                     f"{flaps:.0f} link down/recovery events in {cfg.window_seconds:.0f} s",
-                                     {"signal": "link_flaps", "events": flaps, "window_seconds": cfg.window_seconds}))
         rate = port.last.rate_bits_per_second
         errors = sum(port.counters.sum_since(c, t0) for c in cfg.error_counters)
         if rate and errors >= cfg.min_errors:
@@ -135,6 +148,42 @@ class NetworkDetector:
                                          f"{counter} at {per_second:.0f}/s (fabric congestion, not a node fault)",
                                          {"signal": counter, "rate_per_second": round(per_second, 1)}))
         return out
+
+    def _judge_flaps(self, node: NodeState, port: PortHistory, now: float) -> list[Finding]:
+        """Link down/recovery events on the short, hourly and several-hour horizons; the strongest
+        that holds is reported."""
+        cfg = self.config
+        events = sorted(e for c in cfg.flap_counters
+                        for e in port.counters.increases_since(c, now - 3600.0 * cfg.flap_persist_horizon_hours))
+
+        def count(t0: float, t1: float) -> float:
+            return sum(d for ts, d in events if t0 < ts <= t1)
+
+        t0 = now - cfg.window_seconds
+        flaps = count(t0, now)
+        if flaps >= cfg.flap_threshold:
+            return [self._finding(node, port, cfg.flap_action, self._first(port, cfg.flap_counters, t0), "flap",
+                                  f"{flaps:.0f} link down/recovery events in {cfg.window_seconds:.0f} s",
+                                  {"signal": "link_flaps", "events": flaps, "window_seconds": cfg.window_seconds,
+                                   "horizon": "short"})]
+        hours = [count(now - 3600.0 * (h + 1), now - 3600.0 * h) for h in range(cfg.flap_persist_horizon_hours)]
+        bad_hours = sum(1 for n in hours if n >= cfg.flap_threshold)
+        if bad_hours >= cfg.flap_persist_hours:
+            since = now - 3600.0 * cfg.flap_persist_horizon_hours
+            return [self._finding(node, port, cfg.flap_action, self._first(port, cfg.flap_counters, since),
+                                  "flap_persistent",
+                                  f">= {cfg.flap_threshold} link down/recovery events in each of {bad_hours} of the "
+                                  f"last {cfg.flap_persist_horizon_hours} hours ({sum(hours):.0f} in all)",
+                                  {"signal": "link_flaps", "events_per_hour": hours, "horizon": "long"})]
+        t_alert = now - cfg.flap_alert_window_seconds
+        flaps = count(t_alert, now)
+        if flaps >= cfg.flap_threshold:
+            return [self._finding(node, port, cfg.flap_alert_action, self._first(port, cfg.flap_counters, t_alert),
+                                  "flap_hourly",
+                                  f"{flaps:.0f} link down/recovery events in {cfg.flap_alert_window_seconds:.0f} s",
+                                  {"signal": "link_flaps", "events": flaps,
+                                   "window_seconds": cfg.flap_alert_window_seconds, "horizon": "medium"})]
+        return []
 
     @staticmethod
     def _first(port: PortHistory, counters: list[str], t0: float) -> float:

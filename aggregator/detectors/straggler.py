@@ -1,74 +1,124 @@
 """Straggler detector: the node that slows a synchronous training job down.
 
-It reads every rank's per-window step summaries and compares, window by window, each rank's
-compute time with its job's peers by median and MAD; in synchronous training the culprit is the
-rank with the longest compute and the shortest collective wait. A node flagged in several
-consecutive windows is drained. A slowdown shared by the whole job (data loader, checkpoint,
-every rank slower) moves the median, not the outliers, and drains nobody.
+It reads every rank's summaries of complete, non-overlapping windows (the agent's training
+window, each judged exactly once, as soon as every live rank has sent it), reduces each node to
+the median compute time of its ranks, and compares it with the other nodes of its job by median
+and MAD. A node flagged in several consecutive windows is drained (short horizon); a node flagged
+in many windows of the last half hour is alerted on, then drained (long horizon: an intermittent
+straggler). A slowdown shared by the whole job moves the median, not the outliers, and drains
+nobody. It never takes one rank's step times as a node's evidence and does not judge hangs.
+
+Designed false-drain rate (docs/detectors.md has the derivation): a healthy node's statistic
+crosses the threshold in one window with probability p <= 3.4e-6 (4.5 robust sigma, one-sided,
+Gaussian); three independent consecutive windows at 17,280 windows a day give 17,280 * p^3 =
+7e-13 false drains per node-day. Tails 100x heavier than Gaussian (p = 3.4e-4, e.g. a MAD estimated
+from 16 nodes) still give 7e-7 per node-day, i.e. < 0.001 per 1,000 node-days.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+from dataclasses import dataclass, field
 from statistics import median
 
 from pydantic import Field
 
 from agent.collectors.collector import StrictModel
 from aggregator.decision import Action, Finding
-from aggregator.fleet import FleetView, JobState
+from aggregator.fleet import FleetView, JobState, RankHistory
 
 NAME = "straggler"
 
 # 1.4826 * MAD estimates the standard deviation of normally distributed noise (Rousseeuw & Croux,
 # "Alternatives to the median absolute deviation", JASA 1993).
 _MAD_TO_SIGMA = 1.4826
+# Small-sample bias of the MAD: multiply 1.4826 * MAD of n values by b_n to estimate sigma
+# (Croux & Rousseeuw, "Time-efficient algorithms for two highly robust estimators of scale", 1992,
+# table of b_n for n <= 9; n / (n - 0.8) beyond).
+_MAD_SMALL_N = {3: 1.495, 4: 1.363, 5: 1.206, 6: 1.200, 7: 1.140, 8: 1.129, 9: 1.107}
+# The spread of one window of a few nodes is itself noisy (the MAD of 4 values can be near 0 by
+# chance): sigma is never below the median of the job's last this-many window spreads.
+_SPREAD_MEMORY_WINDOWS = 24
+# A window is judged within a few evaluations of its end; after a pause in evaluation, at most
+# this many missed windows are caught up (ranks keep fleet.rank_history_reports, 16 by default).
+_RANK_WINDOWS_MAX = 64
+# Windows beyond the persistence run whose node presence is kept, so late data can be skipped.
+_PRESENCE_SPARE_WINDOWS = 8
 
 
 class StragglerConfig(StrictModel):
     enabled: bool = True
-    # Windows are aligned on the aggregator's clock; each rank contributes its latest summary.
+    # The shortest judged window. The judged window is the agents' summary window
+    # (collectors.training.window_seconds, 5 s by default) when that is longer: each agent
+    # window is one piece of independent evidence, judged once.
     window_seconds: float = Field(default=5.0, gt=0)
-    # Three consecutive windows (15 s): a single slow window is a GC pause or a checkpoint shard.
+    # Three consecutive windows (15 s at 5 s): a single slow window is a GC pause or a checkpoint
+    # shard; with the window in progress and one report interval, a drain within 30 s.
     persistence_windows: int = Field(default=3, ge=1)
-    # Robust z-score of a rank's compute time against its job's ranks in the same window. At 4
-    # sigma the chance of a healthy rank crossing in three independent windows is ~3e-14, which
-    # keeps a 1,000-node fleet under one false drain per 1,000 node-days (DESIGN.md section 9).
-    z_threshold: float = Field(default=4.0, gt=0)
-    # ... and a slowdown large enough to matter: a node 5% slow costs a synchronous job 5%.
-    min_excess_ratio: float = Field(default=0.05, ge=0)
-    # MAD is 0 when ranks are identical; the spread never counts as less than this share of the
+    # Robust z of a node's median compute time against the other nodes of its job in the same
+    # window. 4.5 sigma: p = 3.4e-6 per node-window (Gaussian), see the module docstring for the
+    # fleet-day rate; a 10%-slow node is >= 10 sigma out at the 1-3% step jitter of real jobs.
+    z_threshold: float = Field(default=4.5, gt=0)
+    # ... and a slowdown large enough to matter: a node 4% slow in compute costs a synchronous
+    # job ~3% (compute is ~75% of a step), 30 GPU-hours a day per 1,000 GPUs. Below 5% so that a
+    # 5%-slow node (the budget's smallest) is not a coin toss around the floor in every window.
+    min_excess_ratio: float = Field(default=0.04, ge=0)
+    # MAD is 0 when nodes are identical; the spread never counts as less than this share of the
     # median, so measurement quantisation cannot make a 0.1% difference look infinite.
     min_spread_ratio: float = Field(default=0.005, gt=0)
-    min_ranks: int = Field(default=8, ge=3)
-    # More outlier nodes than this share of the job's nodes is a job-wide effect, not a node.
-    max_outlier_node_share: float = Field(default=0.05, gt=0, le=1)
+    # Fewer nodes than this and "the job's median" is one or two nodes: no peer-relative judgement.
+    min_nodes: int = Field(default=4, ge=3)
+    # A node's statistic needs summaries from at least this share of its ranks and this many
+    # steps in all: most of a node's ranks, never one rank, speak for the node.
+    min_node_rank_share: float = Field(default=0.5, gt=0, le=1)
+    min_node_steps: int = Field(default=2, ge=1)
+    # More outlier nodes than this share of the job's nodes (at least one) is a job-wide effect
+    # (a bimodal job, mixed hardware), not a node: nobody is flagged in that window.
+    max_outlier_node_share: float = Field(default=0.1, gt=0, le=1)
     action: Action = Action.DRAIN
+    # Long horizon: flagged windows counted over this much history. 6 of 360 windows (30 s of
+    # slowness in 30 min) alerts, 18 (90 s) drains: an intermittent straggler (slow 10-20 s of
+    # every few minutes) never makes three windows in a row but costs its job as much.
+    long_horizon_seconds: float = Field(default=1800.0, gt=0)
+    long_alert_windows: int = Field(default=6, ge=1)
+    long_drain_windows: int = Field(default=18, ge=1)
+    # A node found to be a persistent straggler (and so drained) leaves its job's baseline for
+    # this long: its ranks keep reporting while the job runs, and must not count as "the job".
+    removed_memory_seconds: float = Field(default=3600.0, gt=0)
 
 
-class _Window:
-    __slots__ = ("comm", "compute", "node")
-
-    def __init__(self, node: str, compute: float, comm: float | None) -> None:
-        self.node = node
-        self.compute = compute
-        self.comm = comm
-
-
-# Per window index: (node -> evidence of its worst outlier rank, nodes with data in the window).
-_Judged = tuple[dict[str, dict[str, float | None]], set[str]]
+@dataclass(slots=True)
+class _NodeWindow:
+    compute: float
+    comm: float | None
+    ranks: int
+    steps: int
 
 
+@dataclass(slots=True)
+class _Verdict:
+    """One judged window: evidence per flagged node, the nodes with a statistic, and why
+    nobody was flagged when the window was not judgeable."""
+
+    flagged: dict[str, dict[str, float | int | None]]
+    present: set[str]
+    note: str = ""
+    # Older verdicts keep only their flagged nodes (a 30 min horizon of every node's presence
+    # would cost 360 sets of the job's nodes); a run through a pruned window ends there.
+    pruned: bool = False
+
+
+@dataclass(slots=True)
 class _JobMemo:
-    """Judgements of a job's complete windows. A complete window's data never changes (reports
-    land in the window of their arrival), so each is judged once instead of every evaluation."""
-
-    __slots__ = ("job", "width", "windows")
-
-    def __init__(self, job: JobState, width: float) -> None:
-        self.job = job
-        self.width = width
-        self.windows: dict[int, _Judged] = {}
+    job: JobState
+    width: float
+    last_judged: int | None = None
+    windows: dict[int, _Verdict] = field(default_factory=dict)
+    # node -> last time it was judged a persistent straggler (it leaves the baseline).
+    removed: dict[str, float] = field(default_factory=dict)
+    # The job's recent window spreads, relative to the median (robust sigma / median).
+    spreads: deque[float] = field(default_factory=lambda: deque(maxlen=_SPREAD_MEMORY_WINDOWS))
 
 
 class StragglerDetector:
@@ -88,97 +138,166 @@ class StragglerDetector:
 
     def _judge(self, view: FleetView, job: JobState, now: float) -> list[Finding]:
         cfg = self.config
-        if len(job.ranks) < cfg.min_ranks:
+        ranks = list(job.ranks.values())
+        if not ranks:
             return []
-        nodes = {r.node: view.nodes[r.node] for r in job.ranks.values() if r.node in view.nodes}
-        # At least one report per rank per window: the job's slowest reporting interval.
-        width = max([cfg.window_seconds] + [n.interval_seconds for n in nodes.values()])
-        # The window holding `now` is still filling; judge the complete ones before it. One
-        # window more than the persistence is read so that one late report does not reset a run.
-        spans = cfg.persistence_windows + 1
-        last = math.floor(now / width) - 1
-        first = last - spans + 1
+        width = max([cfg.window_seconds] + [r.last.window_seconds for r in ranks])
+        nodes = {r.node for r in ranks}
+        last = self._last_complete(view, ranks, nodes, width, now)
         memo = self._memo.get(job.name)
         if memo is None or memo.job is not job or memo.width != width:
             memo = self._memo[job.name] = _JobMemo(job, width)
-        for index in [i for i in memo.windows if i < first or i > last]:
-            del memo.windows[index]
-        allowed = max(1, math.floor(cfg.max_outlier_node_share * len(nodes)))
-        judged: list[_Judged] = []
+        horizon = max(cfg.long_horizon_seconds, cfg.persistence_windows * width)
+        keep_from = last - math.ceil(horizon / width)
+        # Judge each complete window once, oldest first (at most what the ranks still hold).
+        # ranks hold _RANK_WINDOWS_MAX windows at most: older ones cannot be judged any more.
+        first = last - cfg.persistence_windows - 1
+        if memo.last_judged is not None:
+            first = max(first, memo.last_judged + 1, last - _RANK_WINDOWS_MAX)
         for index in range(first, last + 1):
-            done = memo.windows.get(index)
-            if done is None:
-                slot = self._window(job, index * width, (index + 1) * width)
-                flagged = self._outliers(slot)
-                if len(flagged) > allowed:
-                    flagged = {}  # a job-wide effect: nobody is the culprit
-                done = memo.windows[index] = (flagged, {w.node for w in slot.values()})
-            judged.append(done)
-        persistent = []
-        for node in set().union(*(flagged for flagged, _ in judged)):
-            # The run of flagged windows ending now; a window without the node's data (a late
-            # report) neither breaks nor extends it.
-            run = 0
-            for flagged, present in reversed(judged):
-                if node in flagged:
-                    run += 1
-                elif node in present:
+            memo.windows[index] = self._verdict(job, memo, index, now)
+            memo.last_judged = index
+        for index in [i for i in memo.windows if i < keep_from]:
+            del memo.windows[index]
+        prune_before = last - cfg.persistence_windows - _PRESENCE_SPARE_WINDOWS
+        for index, verdict in memo.windows.items():
+            if index < prune_before and not verdict.pruned:
+                verdict.present = set()
+                verdict.pruned = True
+        for node in [n for n, t in memo.removed.items() if now - t > cfg.removed_memory_seconds]:
+            del memo.removed[node]
+        return self._findings(job, memo, last, now)
+
+    @staticmethod
+    def _last_complete(view: FleetView, ranks: list[RankHistory], nodes: set[str], width: float, now: float) -> int:
+        """The newest window that can be judged: as soon as every live rank has sent a summary of
+        it or a later one, and at the latest one window plus one reporting interval after its end
+        (an agent summarises at its own phase, then reports; a rank with no step in the window
+        sends nothing for it)."""
+        interval = max([0.0] + [view.nodes[n].interval_seconds for n in nodes if n in view.nodes])
+        deadline = math.floor((now - interval - width) / width + 1e-9)
+        current = math.floor(now / width + 1e-9)
+        live_after = now - 2 * width - interval
+        reached = current
+        for rank in ranks:
+            if rank.last_seen < live_after:
+                continue  # stopped reporting (silent or drained node, ended rank): waits for nobody
+            if not rank.windows:
+                return deadline
+            reached = min(reached, math.ceil(rank.windows[-1][0] / width - 1e-9))
+            if reached <= deadline:
+                return deadline
+        return max(deadline, reached)
+
+    def _verdict(self, job: JobState, memo: _JobMemo, index: int, now: float) -> _Verdict:
+        cfg = self.config
+        stats = self._node_stats(job, index, memo.width)
+        present = set(stats)
+        baseline = {n: s for n, s in stats.items() if n not in memo.removed}
+        if len(baseline) < cfg.min_nodes:
+            return _Verdict({}, present, "too few nodes")
+        computes = [s.compute for s in baseline.values()]
+        med = median(computes)
+        if med <= 0:
+            return _Verdict({}, present, "no compute time")
+        n = len(computes)
+        mad = median(abs(c - med) for c in computes)
+        spread = _MAD_TO_SIGMA * mad * _MAD_SMALL_N.get(n, n / (n - 0.8)) / med
+        memo.spreads.append(spread)
+        sigma = max(spread, median(memo.spreads), cfg.min_spread_ratio) * med
+        comms = [s.comm for s in baseline.values() if s.comm is not None]
+        comm_med = median(comms) if len(comms) >= cfg.min_nodes else None
+        floor = max(cfg.min_excess_ratio * med, cfg.z_threshold * sigma)
+        flagged: dict[str, dict[str, float | int | None]] = {}
+        for node, s in stats.items():
+            excess = s.compute - med
+            if excess < floor:
+                continue
+            # The straggler waits least in the collective: everyone else waits for it.
+            if comm_med is not None and (s.comm is None or s.comm > comm_med):
+                continue
+            flagged[node] = {
+                "compute_seconds_node_median": round(s.compute, 6), "job_median_compute_seconds": round(med, 6),
+                "excess_ratio": round(excess / med, 4), "z": round(excess / sigma, 2),
+                "comm_seconds_node_median": s.comm, "job_median_comm_seconds": comm_med,
+                "ranks": s.ranks, "steps": s.steps, "job_nodes": len(baseline)}
+        allowed = max(1, math.floor(cfg.max_outlier_node_share * len(baseline)))
+        if sum(1 for n in flagged if n not in memo.removed) > allowed:
+            return _Verdict({}, present, f"{len(flagged)} outlier nodes: job-wide")
+        return _Verdict(flagged, present)
+
+    def _node_stats(self, job: JobState, index: int, width: float) -> dict[str, _NodeWindow]:
+        """Per node: the median over its ranks of each rank's compute p50 in window ``index``."""
+        per_node: dict[str, list[tuple[float, float | None, int]]] = {}
+        ranks_of: dict[str, int] = {}
+        for rank in job.ranks.values():
+            ranks_of[rank.node] = ranks_of.get(rank.node, 0) + 1
+            for end, compute, comm, steps in reversed(rank.windows):
+                k = math.ceil(end / width - 1e-9)
+                if k < index:
                     break
-            if run >= cfg.persistence_windows:
-                persistent.append(node)
-        t0 = first * width
-        out = []
-        for node in sorted(persistent):
-            ev = next(f[node] for f, _ in reversed(judged) if node in f)
-            out.append(Finding(
-                detector=NAME, node=node, job=job.name, action=cfg.action, since=t0, key=job.name,
-                reason=(f"job {job.name}: compute time {ev['excess_ratio'] or 0.0:.1%} above the job median for "
-                        f"{cfg.persistence_windows}+ consecutive {width:g} s windows, with the shortest "
-                        f"collective wait"),
-                evidence={"signal": "compute_seconds_p50", **ev, "windows": cfg.persistence_windows}))
+                if k == index:
+                    per_node.setdefault(rank.node, []).append((compute, comm, steps))
+                    break
+        cfg = self.config
+        out: dict[str, _NodeWindow] = {}
+        for node, rows in per_node.items():
+            steps = sum(r[2] for r in rows)
+            if len(rows) < cfg.min_node_rank_share * ranks_of[node] or steps < cfg.min_node_steps:
+                continue
+            comms = [r[1] for r in rows if r[1] is not None]
+            out[node] = _NodeWindow(median(r[0] for r in rows), median(comms) if len(comms) == len(rows) else None,
+                                    len(rows), steps)
+        return out
+
+    def _findings(self, job: JobState, memo: _JobMemo, last: int, now: float) -> list[Finding]:
+        cfg = self.config
+        width = memo.width
+        judged = [(i, memo.windows[i]) for i in sorted(memo.windows) if i <= last]
+        if not judged:
+            return []
+        out: list[Finding] = []
+        candidates: set[str] = set()
+        for _, v in judged:
+            candidates.update(v.flagged)
+        for node in sorted(candidates):
+            # The run of flagged windows ending with the latest judged window; a window without
+            # the node's statistic (a late report) neither breaks nor extends it.
+            run = 0
+            run_start = None
+            for i, v in reversed(judged):
+                if node in v.flagged:
+                    run += 1
+                    run_start = i
+                elif node in v.present or v.note or v.pruned:
+                    break
+            count = sum(1 for _, v in judged if node in v.flagged)
+            ev = next(v.flagged[node] for _, v in reversed(judged) if node in v.flagged)
+            first_flag = next(i for i, v in judged if node in v.flagged)
+            if run >= cfg.persistence_windows and run_start is not None:
+                memo.removed[node] = now
+                out.append(self._finding(
+                    job, node, cfg.action, (run_start - 1) * width, job.name,
+                    f"job {job.name}: the median compute time of the node's ranks is {ev['excess_ratio'] or 0:.1%} "
+                    f"above the job's node median (z {ev['z']}) in {run} consecutive {width:g} s windows, with "
+                    f"the shortest collective wait",
+                    {**ev, "windows": run, "window_seconds": width, "horizon": "short"}))
+            elif count >= cfg.long_drain_windows or count >= cfg.long_alert_windows:
+                drain = count >= cfg.long_drain_windows
+                if drain:
+                    memo.removed[node] = now
+                out.append(self._finding(
+                    job, node, cfg.action if drain else Action.ALERT, (first_flag - 1) * width,
+                    f"{job.name}:intermittent",
+                    f"job {job.name}: intermittent straggler, the node's ranks were slower than the job's nodes "
+                    f"(latest {ev['excess_ratio'] or 0:.1%}, z {ev['z']}) in {count} {width:g} s windows of the "
+                    f"last {cfg.long_horizon_seconds:g} s",
+                    {**ev, "windows": count, "window_seconds": width, "horizon": "long",
+                     "horizon_seconds": cfg.long_horizon_seconds}))
         return out
 
     @staticmethod
-    def _window(job: JobState, start: float, end: float) -> dict[int, _Window]:
-        """Each rank's latest summary that arrived in [start, end)."""
-        slot: dict[int, _Window] = {}
-        for rank in job.ranks.values():
-            for ts, compute, comm in reversed(rank.windows):
-                if ts < start:
-                    break
-                if ts < end:
-                    slot[rank.rank] = _Window(rank.node, compute, comm)
-                    break
-        return slot
-
-    def _outliers(self, slot: dict[int, _Window]) -> dict[str, dict[str, float | None]]:
-        """Nodes with at least one outlier rank in this window, with the worst rank's evidence."""
-        cfg = self.config
-        if len(slot) < cfg.min_ranks:
-            return {}
-        computes = [w.compute for w in slot.values()]
-        med = median(computes)
-        if med <= 0:
-            return {}
-        mad = median(abs(c - med) for c in computes)
-        sigma = max(_MAD_TO_SIGMA * mad, cfg.min_spread_ratio * med)
-        comms = [w.comm for w in slot.values() if w.comm is not None]
-        comm_med = median(comms) if len(comms) >= cfg.min_ranks else None
-        out: dict[str, dict[str, float | None]] = {}
-        for rank, w in slot.items():
-            excess = w.compute - med
-            if excess < cfg.min_excess_ratio * med or excess < cfg.z_threshold * sigma:
-                continue
-            # The straggler waits least in the collective: everyone else waits for it.
-            if comm_med is not None and (w.comm is None or w.comm > comm_med):
-                continue
-            z = excess / sigma
-            prev = out.get(w.node)
-            if prev is None or z > (prev["z"] or 0.0):
-                out[w.node] = {
-                    "rank": rank, "compute_seconds_p50": w.compute, "job_median_compute_seconds": med,
-                    "excess_ratio": round(excess / med, 4), "z": round(z, 2),
-                    "comm_seconds_p50": w.comm,
-                    "job_median_comm_seconds": comm_med,
-                }
-        return out
+    def _finding(job: JobState, node: str, action: Action, since: float, key: str, reason: str,
+                 evidence: dict[str, object]) -> Finding:
+        return Finding(detector=NAME, node=node, job=job.name, action=action, since=since, key=key,
+                       reason=reason, evidence={"signal": "compute_seconds_p50", **evidence})

@@ -5,9 +5,20 @@ clock-event reasons and the HBM temperature against its limit. A busy GPU clocke
 thermal or power-brake reason over the whole persistence window is drained (one such GPU slows
 every rank of its job); HBM near its limit is an alert. Power capping alone is normal under load
 and is ignored.
+
+Peer-relative: a throttled GPU is compared with its job. When more than ``max_job_node_share``
+of a job's nodes are held down at once (a workload that trips power brakes everywhere, a
+facility event across the job's racks), no node is to blame: one alert for the job, no drain
+(racks and switches shared by the throttled nodes are the topology pass's). Designed false-drain
+rate: a healthy busy GPU holds a thermal or power-brake reason AND a clock <= 75% of max for 60 s
+(>= 3 reports) essentially never (NVIDIA: HW slowdown engages only beyond the GPU's thermal or
+power-brake limits); transients of seconds are filtered by the persistence.
 """
 
 from __future__ import annotations
+
+import math
+from collections import deque
 
 from pydantic import Field
 
@@ -36,6 +47,17 @@ class ThermalConfig(StrictModel):
     memory_max_celsius_default: float = 95.0
     memory_margin_celsius: float = Field(default=3.0, ge=0)
     memory_action: Action = Action.ALERT
+    # More than this share of a job's nodes throttled together is the job's or the facility's,
+    # not each node's (jobs of at least min_job_nodes nodes; smaller ones are judged per GPU).
+    max_job_node_share: float = Field(default=0.25, gt=0, le=1)
+    min_job_nodes: int = Field(default=4, ge=2)
+    job_action: Action = Action.ALERT
+    # Long horizon: a GPU held down in bursts shorter than the persistence (30 s of every 2 min)
+    # never makes 60 s in a row but slows its job as much. Throttled time over this horizon:
+    # 10% alerts, 25% (7.5 of 30 min) drains. A healthy GPU's brakes last seconds (< 1%).
+    long_horizon_seconds: float = Field(default=1800.0, gt=0)
+    long_alert_ratio: float = Field(default=0.10, gt=0, le=1)
+    long_drain_ratio: float = Field(default=0.25, gt=0, le=1)
 
 
 class ThermalDetector:
@@ -44,6 +66,10 @@ class ThermalDetector:
     def __init__(self, config: ThermalConfig) -> None:
         self.config = config
         self._reasons = frozenset(config.reasons)
+        # (node, gpu) -> throttled samples (ts, seconds covered) over the long horizon; only GPUs
+        # throttled within the horizon are held. And the newest sample counted per GPU.
+        self._throttled_time: dict[tuple[str, int], deque[tuple[float, float]]] = {}
+        self._counted: dict[tuple[str, int], float] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -52,7 +78,92 @@ class ThermalDetector:
                 if gpu.last_seen < node.last_seen:
                     continue
                 out.extend(self._judge(node, gpu, now))
+        out.extend(self._long_horizon(view, out, now))
+        throttled = {f.node for f in out if f.key in ("clock_throttle", "clock_throttle:intermittent")
+                     and f.action is self.config.action}
+        if not throttled:
+            return out
+        return self._job_relative(view, out, throttled)
+
+    def _long_horizon(self, view: FleetView, short: list[Finding], now: float) -> list[Finding]:
+        """Throttled time per GPU over the long horizon, from the samples not counted yet."""
+        cfg = self.config
+        held = self._throttled_time
+        seen = self._counted
+        for node in view.nodes.values():
+            for gpu in node.gpus.values():
+                if not gpu.samples:
+                    continue
+                key = (node.name, gpu.index)
+                counted = seen.get(key, -math.inf)
+                latest = gpu.samples[-1].ts
+                if latest <= counted:
+                    continue
+                seen[key] = latest
+                # the samples since the last evaluation, newest first (usually one)
+                newer = []
+                for sample in reversed(gpu.samples):
+                    if sample.ts <= counted:
+                        break
+                    newer.append(sample)
+                for i, sample in enumerate(newer):
+                    if not self._throttled(sample):
+                        continue
+                    before = newer[i + 1].ts if i + 1 < len(newer) else counted
+                    span = min(sample.ts - before, 4 * node.interval_seconds)
+                    held.setdefault(key, deque()).append((sample.ts, span))
+        for key in [k for k in seen if k[0] not in view.nodes]:
+            del seen[key]
+        out: list[Finding] = []
+        already = {(f.node, f.gpu) for f in short if f.key == "clock_throttle"}
+        horizon = now - cfg.long_horizon_seconds
+        for key in list(held):
+            ring = held[key]
+            while ring and ring[0][0] < horizon:
+                ring.popleft()
+            if not ring:
+                del held[key]
+                continue
+            ratio = sum(span for _, span in ring) / cfg.long_horizon_seconds
+            if key in already or ratio < cfg.long_alert_ratio:
+                continue
+            drain = ratio >= cfg.long_drain_ratio
+            name, index = key
+            out.append(Finding(
+                detector=NAME, node=name, gpu=index, action=cfg.action if drain else Action.ALERT, since=ring[0][0],
+                key="clock_throttle:intermittent",
+                reason=(f"GPU {index}: held down by heat or power brakes {ratio:.0%} of the last "
+                        f"{cfg.long_horizon_seconds:.0f} s, in bursts shorter than {cfg.persistence_seconds:.0f} s"),
+                evidence={"signal": "clock_event_reasons", "throttled_ratio": round(ratio, 3),
+                          "horizon_seconds": cfg.long_horizon_seconds, "horizon": "long"}))
         return out
+
+    def _job_relative(self, view: FleetView, found: list[Finding], throttled: set[str]) -> list[Finding]:
+        """Throttling on too many of one job's nodes at once is the job's: alert it, drain none."""
+        cfg = self.config
+        shared: dict[str, str] = {}  # node -> the job it shares the throttling with
+        alerts: list[Finding] = []
+        for job in view.jobs.values():
+            nodes = job.nodes()
+            hit = nodes & throttled
+            if len(nodes) < cfg.min_job_nodes or len(hit) <= cfg.max_job_node_share * len(nodes):
+                continue
+            for n in hit:
+                shared.setdefault(n, job.name)
+            since = min(f.since for f in found if f.node in hit and f.key.startswith("clock_throttle"))
+            alerts.append(Finding(
+                detector=NAME, node=sorted(hit)[0], job=job.name, action=cfg.job_action, since=since,
+                key="clock_throttle:job",
+                reason=f"job {job.name}: GPUs held down by heat or power brakes on {len(hit)} of its {len(nodes)} "
+                       f"nodes at once: the job's or the facility's, not a node's",
+                evidence={"signal": "clock_event_reasons", "nodes": len(nodes), "nodes_throttled": len(hit)}))
+        if not shared:
+            return found
+        out = [f.model_copy(update={"action": Action.OBSERVE, "key": f"{f.key}:shared",
+                                    "reason": f"{f.reason}; shared by job {shared[f.node]}"})
+               if f.key in ("clock_throttle", "clock_throttle:intermittent") and f.node in shared else f
+               for f in found]
+        return out + alerts
 
     def _throttled(self, s: GpuSample) -> bool:
         cfg = self.config

@@ -2,17 +2,17 @@
 
 ``AggregatorProcess`` writes a config, starts ``python -m vigil aggregator --config ...`` on
 127.0.0.1, waits for its "listening" line, and stops it by pid (SIGTERM, or SIGKILL to crash it).
-``WebhookReceiver`` is the site's side of the webhook: it checks each request's HMAC signature,
-applies each ``Idempotency-Key`` once (as a receiver of at-least-once delivery must), and can be
-told to fail or to hold requests. Both are bounded in time and loopback only.
+``WebhookReceiver`` is the site's side of the webhook: it verifies each request with the snippet
+docs/webhooks.md documents (signature, timestamp), applies each ``Idempotency-Key`` once (as a
+receiver of at-least-once delivery must), and can be told to fail or to hold requests. Both are
+bounded in time and loopback only.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -29,11 +29,18 @@ from typing import Any
 import yaml
 
 from agent.wire import Report
+from aggregator.auth import node_token
+from tests.documented_webhook import WebhookRefused, verify_webhook
 from tests.loopback import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 20.0
 SECRET = b"webhook-shared-secret"
+# The aggregator's credentials in these tests (README "Security"): a site secret for node
+# tokens, and one token per role.
+SITE_SECRET = "site-secret-of-the-test-aggregator-0123456789"
+ROLE_TOKENS = {"alertmanager": "alertmanager-token-0123456789", "operator": "operator-token-0123456789",
+               "read": "read-token-0123456789abcdef"}
 
 
 
@@ -47,12 +54,14 @@ def wait_for(what: str, check: Callable[[], bool], timeout_seconds: float = 15.0
 
 
 class WebhookReceiver:
-    """``fail_status``: answer every request with it (an outage); ``hold``: keep each request
-    open until released (a slow receiver). ``applied`` counts each key's first valid arrival."""
+    """``fail_status``: answer every request with it (an outage); ``fail_first``: answer the next
+    N requests with 500 (a flaky receiver); ``hold``: keep each request open until released (a
+    slow receiver). ``applied`` counts each key's first valid arrival."""
 
     def __init__(self, secret: bytes = SECRET) -> None:
         self.secret = secret
         self.fail_status: int | None = None
+        self.fail_first = 0
         self.hold = threading.Event()
         self.hold.set()  # set: answer at once
         self.arrivals: Counter[str] = Counter()  # key -> requests seen (retries and repeats included)
@@ -65,8 +74,9 @@ class WebhookReceiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                expected = "sha256=" + hmac.new(receiver.secret, body, hashlib.sha256).hexdigest()
-                if not hmac.compare_digest(self.headers.get("X-Vigil-Signature", ""), expected):
+                try:
+                    verify_webhook(receiver.secret, self.headers, body)
+                except WebhookRefused:
                     with receiver._lock:
                         receiver.bad_signatures += 1
                     self._answer(401)
@@ -75,13 +85,17 @@ class WebhookReceiver:
                 with receiver._lock:
                     receiver.arrivals[key] += 1
                     failing = receiver.fail_status
+                    if failing is None and receiver.fail_first > 0:
+                        receiver.fail_first -= 1
+                        failing = 500
                     if failing is None:
                         # Applied before answering, as a real receiver commits first: the sender
                         # may still die before it reads the 200, and send it again.
                         receiver.applied.setdefault(key, json.loads(body))
                     receiver.in_flight += 1
                 try:
-                    receiver.hold.wait(timeout=30)
+                    if failing is None:  # a refusal answers at once; only a success is slow
+                        receiver.hold.wait(timeout=30)
                     self._answer(failing if failing is not None else 200)
                 finally:
                     with receiver._lock:
@@ -116,18 +130,29 @@ class WebhookReceiver:
 
 
 class AggregatorProcess:
-    def __init__(self, root: Path, config: dict[str, Any]) -> None:
+    def __init__(self, root: Path, config: dict[str, Any], store_path: Path | None = None) -> None:
         self.root = root
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = root / "aggregator.yaml"
-        self.store_path = root / "decisions.sqlite"
-        config = {**config, "listen": f"127.0.0.1:{self.port}", "store_path": str(self.store_path)}
+        self.store_path = store_path or root / "decisions.sqlite"
+        (root / "site.secret").write_text(SITE_SECRET + "\n")
+        auth = {"site_secret_file": str(root / "site.secret")}
+        for role, token in ROLE_TOKENS.items():
+            (root / f"{role}.token").write_text(token + "\n")
+            auth[f"{role}_token_file"] = str(root / f"{role}.token")
+        config = {"auth": auth, **config, "listen": f"127.0.0.1:{self.port}", "store_path": str(self.store_path)}
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = root / "aggregator.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, nofile: int | None = None) -> None:
+        """``nofile``: the process's open-file limit (RLIMIT_NOFILE), to provoke EMFILE."""
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         log = self.log_path.open("ab")
         try:
             self.proc = subprocess.Popen(
@@ -136,6 +161,7 @@ class AggregatorProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONPATH": str(REPO)},
+                preexec_fn=limit if nofile is not None else None,
             )
         finally:
             log.close()
@@ -180,12 +206,36 @@ class AggregatorProcess:
         self.log_path.write_text(text + line + "\n")
 
     def post_report(self, report: Report) -> None:
-        self.request("POST", "/v1/reports", report.model_dump_json(exclude_none=True).encode(), expect=202)
+        self.request("POST", "/v1/reports", report.model_dump_json(exclude_none=True).encode(), expect=202,
+                     token=node_token(SITE_SECRET.encode(), report.node))
 
-    def request(self, method: str, path: str, body: bytes | None = None, expect: int = 200) -> Any:
-        req = urllib.request.Request(
-            self.url + path, data=body, method=method, headers={"Content-Type": "application/json"}
-        )
+    def status(self, path: str) -> tuple[int, Any]:
+        """(status, JSON body) of a GET with the read credential, whatever the status."""
+        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {ROLE_TOKENS['read']}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return exc.code, json.loads(exc.read() or b"null")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @staticmethod
+    def token_for(method: str, path: str) -> str:
+        """The credential of the role that may call ``method path`` (aggregator/auth.py's table)."""
+        if method == "GET":
+            return ROLE_TOKENS["read"]
+        return ROLE_TOKENS["alertmanager" if path == "/v1/alertmanager" else "operator"]
+
+    def request(self, method: str, path: str, body: bytes | None = None, expect: int = 200,
+                token: str | None = None) -> Any:
+        token = token if token is not None else self.token_for(method, path)
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 status, raw = resp.status, resp.read()

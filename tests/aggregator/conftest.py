@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from agent.wire import Event, GpuState, PortState, RankSummary, Report
+from tests.aggregator.aggregator_process import WebhookReceiver
 
 GBPS = 1e9
 
@@ -116,3 +117,13 @@ def drive(engine: Any, nodes: list[FakeNode], start: float, end: float, *,
         decisions.extend(engine.evaluate(t))
         t += interval
     return decisions
+
+
+@pytest.fixture
+def receiver() -> Iterator[WebhookReceiver]:
+    """The site's webhook receiver on loopback (signature checked, each key applied once)."""
+    r = WebhookReceiver()
+    try:
+        yield r
+    finally:
+        r.close()

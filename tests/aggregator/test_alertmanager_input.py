@@ -6,11 +6,13 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
 
 from aggregator.alertmanager_input import add_routes
+from aggregator.auth import Refusals
 from aggregator.decision import Action
-from aggregator.dispatch import GatedSink
 from aggregator.gate import Gate, GateConfig
+from aggregator.ledger import Ledger
 from aggregator.store import Store
 
 NOW = 1_714_557_600.0  # 2024-05-01T10:00:00Z
@@ -42,11 +44,29 @@ def payload(node: str = "gpu-7", action: str = "drain", status: str = "firing", 
     }
 
 
-async def client_for(tmp_path, gate: GateConfig) -> tuple[TestClient, Store, Any]:
+MEMBERS = {"gpu-1", "gpu-2", "gpu-7", "gpu-8", "gpu-9"}
+
+
+class Counts:
+    """The alertmanager door's refusals, read back from the registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.refusals = Refusals(self.registry)
+
+    def __getitem__(self, reason: str) -> float:
+        value = self.registry.get_sample_value("vigil_aggregator_refusals_total",
+                                               {"door": "alertmanager", "reason": reason})
+        return value or 0.0
+
+
+async def client_for(tmp_path, gate: GateConfig) -> tuple[TestClient, Store, Counts]:
     store = Store(tmp_path / "d.db")
-    sink = GatedSink(Gate(gate), store, {})
+    sink = Ledger(Gate(gate), store, {})
     app = web.Application()
-    counts = add_routes(app, sink, clock=lambda: NOW, dry_run=False, fleet_nodes=lambda: 100, breaker=sink)
+    counts = Counts()
+    add_routes(app, sink, clock=lambda: NOW, dry_run=False, refusals=counts.refusals, fleet_nodes=lambda now: 100,
+               is_member=lambda node, now: node in MEMBERS, breaker=sink)
     client = TestClient(TestServer(app))
     await client.start_server()
     return client, store, counts
@@ -95,8 +115,33 @@ async def test_resolved_unlabelled_and_unknown_actions_are_skipped_and_counted(t
     ]
     out = await (await client.post("/v1/alertmanager", json=body)).json()
     assert out["proposed"] == 1
-    assert out["skipped"] == {"resolved": 1, "no_vigil_action": 1, "unknown_action": 1}
+    assert out["skipped"] == {"resolved": 1, "no_vigil_action": 1}
+    assert [(r["index"], r["error"]) for r in out["refused"]] == [(3, "unknown_action")]
     assert counts["unknown_action"] == 1
+    await client.close()
+
+
+async def test_one_bad_alert_is_refused_alone_and_the_batch_is_200(tmp_path) -> None:
+    client, store, counts = await client_for(tmp_path, GateConfig())
+    body = payload()
+    good = body["alerts"][0]
+    body["alerts"] += [
+        {**good, "labels": {**good["labels"], "instance": "vnode[1-5]:9400"}},  # a Slurm hostlist
+        {**good, "labels": {**good["labels"], "instance": "gpu-1,gpu-2:9400"}},
+        {**good, "labels": {**good["labels"], "instance": "never-reported:9400"}},
+        {**good, "labels": {**good["labels"], "vigil_action": "resume"}},
+        {**good, "labels": {**good["labels"], "gpu": "\u00b2"}},
+        {**good, "startsAt": "not a time"},
+        "not an alert",
+    ]
+    resp = await client.post("/v1/alertmanager", json=body)
+    assert resp.status == 200
+    out = await resp.json()
+    assert out["proposed"] == 1 and len(out["admitted"]) == 1
+    assert [r["error"] for r in out["refused"]] == [
+        "bad_node_name", "bad_node_name", "unknown_node", "action_not_allowed", "bad_gpu", "malformed", "malformed"]
+    assert (counts["bad_node_name"], counts["unknown_node"], counts["malformed"]) == (2, 1, 2)
+    assert [r.decision.node for r in store.decisions()] == ["gpu-7"]
     await client.close()
 
 
@@ -110,6 +155,6 @@ async def test_malformed_bodies_get_400_with_the_reason(tmp_path) -> None:
     assert resp.status == 400 and body["detail"].startswith("alerts:")
     resp = await client.post("/v1/alertmanager", json={**payload(), "version": "3"})
     assert resp.status == 400 and (await resp.json())["error"] == "unsupported_version"
-    assert counts == {"malformed": 2, "unsupported_version": 1}
+    assert (counts["malformed"], counts["unsupported_version"]) == (2, 1)
     assert store.decisions() == []
     await client.close()

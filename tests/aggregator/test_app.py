@@ -11,14 +11,16 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from agent.wire import Event
 from aggregator.app import EVALUATE_KEY, make_app
-from aggregator.config import AggregatorConfig, parse_config
+from aggregator.auth import Credentials, node_token
+from aggregator.config import AggregatorConfig, ConfigError, parse_config
 from aggregator.decision import Action
 from aggregator.engine import Engine
 from aggregator.sink import RecordingSink
 from tests.aggregator.conftest import FakeNode, set_training
 
-TOKEN = "s3cret-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SECRET = b"site-secret-for-tests-0123456789abcdef"
+# Node "a"'s credential; Service.post uses each node's own.
+AUTH = {"Authorization": f"Bearer {node_token(SECRET, 'a')}"}
 
 
 class Clock:
@@ -37,7 +39,8 @@ class Service:
 
     async def post(self, node: FakeNode, **kw):
         body = node.report(self.clock.t, **kw).model_dump_json(exclude_none=True)
-        resp = await self.client.post("/v1/reports", data=body, headers={**AUTH, "Content-Type": "application/json"})
+        auth = {"Authorization": f"Bearer {node_token(SECRET, node.name)}"}
+        resp = await self.client.post("/v1/reports", data=body, headers={**auth, "Content-Type": "application/json"})
         assert resp.status == 202, await resp.text()
 
     async def decisions(self):
@@ -51,7 +54,7 @@ async def service():
     clock = Clock()
     config = parse_config({"evaluate_interval_seconds": 3600})
     sink = RecordingSink()
-    app = make_app(config, Engine(config, sink), sink, clock=clock, token=TOKEN)
+    app = make_app(config, Engine(config, sink), sink, clock=clock, credentials=Credentials(site_secret=SECRET))
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Service(client, clock, app)
 
@@ -59,14 +62,27 @@ async def service():
 # Bad input -------------------------------------------------------------------------------------
 
 async def test_missing_or_wrong_token_is_401_and_counted(service):
-    body = FakeNode("a").report(1.0).model_dump_json()
-    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}):
+    body = FakeNode("a").report(1000.0).model_dump_json()
+    token = node_token(SECRET, "a")
+    other_site = node_token(b"another-site-secret-0123456789abcdef", "a")
+    cases = [({}, "unauthenticated"), ({"Authorization": "Bearer nope"}, "bad_credential"),
+             ({"Authorization": token}, "unauthenticated"),
+             ({"Authorization": f"Bearer {other_site}"}, "bad_credential")]
+    for headers, reason in cases:
         resp = await service.client.post("/v1/reports", data=body, headers=headers)
         assert resp.status == 401
-        assert (await resp.json())["error"] == "unauthorized"
+        assert (await resp.json())["error"] == reason
     metrics = await (await service.client.get("/metrics")).text()
-    assert 'vigil_aggregator_report_rejections_total{reason="unauthorized"} 3.0' in metrics
+    assert 'vigil_aggregator_report_rejections_total{reason="unauthenticated"} 2.0' in metrics
+    assert 'vigil_aggregator_refusals_total{door="reports",reason="bad_credential"} 2.0' in metrics
     assert "vigil_aggregator_reports_total 0.0" in metrics
+
+
+async def test_a_node_reports_only_for_itself(service):
+    body = FakeNode("b").report(1000.0).model_dump_json()
+    resp = await service.client.post("/v1/reports", data=body, headers=AUTH)  # a's token, b's report
+    assert resp.status == 403 and (await resp.json())["error"] == "node_mismatch"
+    assert (await (await service.client.get("/v1/nodes")).json())["nodes"] == []
 
 
 async def test_malformed_json_is_400_with_reason(service):
@@ -243,13 +259,24 @@ async def test_e2e_whole_job_data_loader_stall_drains_nobody(service):
     assert got == []
 
 
-def test_token_file_is_read(tmp_path):
-    path = tmp_path / "token"
-    path.write_text("abc\n")
-    config = AggregatorConfig(token_file=str(path))
+def test_secret_files_are_read_and_checked(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text(SECRET.decode() + "\n")
+    config = parse_config({"auth": {"site_secret_file": str(path)}})
     sink = RecordingSink()
     assert make_app(config, Engine(config, sink), sink) is not None
-    (tmp_path / "empty").write_text("")
-    with pytest.raises(Exception, match="empty"):
-        make_app(AggregatorConfig(token_file=str(tmp_path / "empty")), Engine(config, sink), sink)
+    (tmp_path / "short").write_text("abc")
+    with pytest.raises(ConfigError, match="at least 32"):
+        cfg = parse_config({"auth": {"site_secret_file": str(tmp_path / "short")}})
+        make_app(cfg, Engine(cfg, sink), sink)
+    with pytest.raises(ConfigError, match="cannot read"):
+        cfg = parse_config({"auth": {"operator_token_file": str(tmp_path / "missing")}})
+        make_app(cfg, Engine(cfg, sink), sink)
+
+
+def test_acting_without_credentials_refuses_to_start():
+    config = AggregatorConfig(dry_run=False)
+    sink = RecordingSink()
+    with pytest.raises(ConfigError, match="dry_run is false but no credentials are configured"):
+        make_app(config, Engine(config, sink), sink)
     assert Action.DRAIN.value == "drain"

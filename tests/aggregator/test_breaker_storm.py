@@ -14,10 +14,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from agent.wire import Event
 from aggregator.actuators.webhook import WebhookActuator, WebhookConfig
 from aggregator.app import EVALUATE_KEY, make_app
+from aggregator.auth import Credentials, node_token
 from aggregator.config import parse_config
-from aggregator.dispatch import DispatchConfig, Dispatcher, GatedSink
+from aggregator.dispatch import DispatchConfig, Dispatcher
 from aggregator.engine import Engine
 from aggregator.gate import Gate
+from aggregator.ledger import Ledger
 from aggregator.store import Store
 from tests.aggregator.aggregator_process import (
     SECRET,
@@ -33,6 +35,8 @@ FLEET = 50
 STORM = 20  # 40% of the fleet
 SHARE = 0.10  # budget: 5 nodes per window
 T0 = 1_700_000_000.0
+SITE_SECRET = b"site-secret-of-the-breaker-storm-0123456789"
+OPERATOR = {"Authorization": "Bearer operator-token-0123456789"}
 
 
 class Clock:
@@ -48,7 +52,7 @@ def xid79(ts: float) -> Event:
 
 
 class Storm:
-    def __init__(self, client: TestClient, clock: Clock, dispatcher: Dispatcher, sink: GatedSink,
+    def __init__(self, client: TestClient, clock: Clock, dispatcher: Dispatcher, sink: Ledger,
                  receiver: WebhookReceiver) -> None:
         self.client, self.clock, self.dispatcher, self.sink, self.receiver = client, clock, dispatcher, sink, receiver
         self.nodes = [FakeNode(f"gpu-{i:03d}") for i in range(FLEET)]
@@ -59,7 +63,8 @@ class Storm:
         for node in self.nodes:
             events = [xid79(self.clock.t)] if node.name in bad else None
             body = node.report(self.clock.t, events=events, urgent=bool(events)).model_dump_json(exclude_none=True)
-            resp = await self.client.post("/v1/reports", data=body)
+            resp = await self.client.post("/v1/reports", data=body,
+                                          headers={"Authorization": f"Bearer {node_token(SITE_SECRET, node.name)}"})
             assert resp.status == 202
         self.client.app[EVALUATE_KEY]()
         while await self.dispatcher.run_once():
@@ -77,8 +82,9 @@ async def storm(tmp_path: Path) -> AsyncIterator[Storm]:
     store = Store(tmp_path / "decisions.sqlite")
     actuators = {"webhook": WebhookActuator(WebhookConfig(enabled=True, url=receiver.url), secret=SECRET)}
     dispatcher = Dispatcher(store, actuators, DispatchConfig(), clock=clock)
-    sink = GatedSink(Gate(config.gate), store, actuators, wake=dispatcher.wake)
-    app = make_app(config, Engine(config, sink), sink, clock=clock)
+    sink = Ledger(Gate(config.gate), store, actuators, wake=dispatcher.wake)
+    credentials = Credentials(site_secret=SITE_SECRET, operator=OPERATOR["Authorization"][7:].encode())
+    app = make_app(config, Engine(config, sink), sink, clock=clock, credentials=credentials)
     try:
         async with TestClient(TestServer(app, host="127.0.0.1")) as client:
             s = Storm(client, clock, dispatcher, sink, receiver)
@@ -89,39 +95,49 @@ async def storm(tmp_path: Path) -> AsyncIterator[Storm]:
         store.close()
 
 
-async def test_a_storm_on_40_percent_of_the_fleet_drains_the_budget_alerts_once_and_waits_for_a_reset(storm) -> None:
+def trips(receiver: WebhookReceiver) -> list[dict]:
+    return [d for d in receiver.applied.values() if d["action"] == "alert" and d["id"].startswith("breaker-")
+            and not d["id"].startswith("breaker-refused-")]
+
+
+def refused_alerts(receiver: WebhookReceiver) -> set[str]:
+    return {d["node"] for d in receiver.applied.values() if d["id"].startswith("breaker-refused-")}
+
+
+async def test_a_storm_on_40_percent_of_the_fleet_drains_the_budget_alerts_and_waits_for_a_reset(storm) -> None:
+    budget = int(FLEET * SHARE)
     bad = [n.name for n in storm.nodes[:STORM]]
     for i in range(0, STORM, 4):  # the storm arrives over a few report rounds
         await storm.round(set(bad[i:i + 4]))
     actions = storm.receiver.actions()
     removing = {k: v for k, v in actions.items() if k != "alert"}
-    assert sum(removing.values()) == int(FLEET * SHARE)  # exactly the budget, whatever the action
-    assert actions["alert"] == 1
-    (alert,) = [d for d in storm.receiver.applied.values() if d["action"] == "alert"]
+    assert sum(removing.values()) == budget  # exactly the budget, whatever the action
+    (alert,) = trips(storm.receiver)
     assert alert["detector"] == "gate" and "circuit breaker tripped" in alert["reason"]
     removed = {d["node"] for d in storm.receiver.applied.values() if d["action"] != "alert"}
     assert removed <= set(bad[:8])  # the first nodes to fail, none after the trip
-    assert storm.sink.verdicts["breaker_open"] >= STORM - int(FLEET * SHARE) - 1
+    # Every real fault refused while the breaker is open still reaches a person, once per node.
+    assert refused_alerts(storm.receiver) == set(bad) - removed
+    assert storm.sink.verdicts["breaker_open"] >= STORM - budget - 1
     assert storm.sink.store.breaker().tripped
 
-    # The breaker outlasts its window: only a person re-arms it.
+    # The breaker outlasts its window: only a person re-arms it; refusals are not alerted twice.
     storm.clock.t += 700
     await storm.round({storm.nodes[30].name})
-    assert sum(v for k, v in storm.receiver.actions().items() if k != "alert") == int(FLEET * SHARE)
+    assert sum(v for k, v in storm.receiver.actions().items() if k != "alert") == budget
+    assert refused_alerts(storm.receiver) == set(bad) - removed | {storm.nodes[30].name}
 
-    resp = await storm.client.post("/v1/breaker/reset")
+    assert (await storm.client.post("/v1/breaker/reset")).status == 401  # an operator's action
+    resp = await storm.client.post("/v1/breaker/reset", headers=OPERATOR)
     assert resp.status == 200 and await resp.json() == {"reset": True, "was_tripped": True}
     assert not storm.sink.store.breaker().tripped
-    await storm.round({storm.nodes[31].name})
-    assert any(d["node"] == storm.nodes[31].name and d["action"] != "alert"
-               for d in storm.receiver.applied.values())
-    assert storm.receiver.actions()["alert"] == 1
-
-    # Re-armed, not disabled: another storm within the window trips it again.
-    await storm.round({n.name for n in storm.nodes[32:40]})
+    # The faults refused while it was open are proposed again: the budget of the new window goes
+    # to the nodes still failing, oldest first, and the rest trip it again.
+    await storm.round()
+    after = {d["node"] for d in storm.receiver.applied.values() if d["action"] != "alert"} - removed
+    assert len(after) == budget and after <= set(bad) | {storm.nodes[30].name}
     assert storm.sink.store.breaker().tripped
-    assert storm.receiver.actions()["alert"] == 2
-    assert sum(v for k, v in storm.receiver.actions().items() if k != "alert") == 2 * int(FLEET * SHARE)
+    assert len(trips(storm.receiver)) == 2
 
 
 # The real Slurm ----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from aggregator.config import AggregatorConfig, ConfigError, load_config, parse_
 def test_defaults_are_safe():
     cfg = load_config(None)
     assert cfg.listen == "127.0.0.1:9500" and cfg.host == "127.0.0.1" and cfg.port == 9500
-    assert cfg.dry_run is True and cfg.token_file is None
+    assert cfg.dry_run is True and cfg.auth.site_secret_file is None and not cfg.tls.enabled
     assert not cfg.store_path.startswith("/")
 
 

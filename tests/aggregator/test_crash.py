@@ -19,15 +19,6 @@ NODES = ("gpu-a1", "gpu-a2", "gpu-a3")
 
 
 @pytest.fixture
-def receiver() -> Iterator[WebhookReceiver]:
-    r = WebhookReceiver()
-    try:
-        yield r
-    finally:
-        r.close()
-
-
-@pytest.fixture
 def aggregator(tmp_path: Path, receiver: WebhookReceiver) -> Iterator[AggregatorProcess]:
     secret = tmp_path / "webhook.secret"
     secret.write_bytes(SECRET + b"\n")

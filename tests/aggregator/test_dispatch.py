@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from aggregator.actuators.actuator import DeliveryError
 from aggregator.decision import Action, Decision
-from aggregator.dispatch import DispatchConfig, Dispatcher, GatedSink
+from aggregator.dispatch import DispatchConfig, Dispatcher
 from aggregator.gate import Gate, GateConfig
+from aggregator.ledger import Ledger
 from aggregator.store import Store
 
 T0 = 1_700_000_000.0
@@ -62,9 +63,9 @@ def dec(node: str, action: Action, id: str) -> Decision:
 
 def setup(
     path: Path, actuator: RecordingActuator, clock: FakeClock, dry_run: bool = False, max_attempts: int = 4
-) -> tuple[Store, GatedSink, Dispatcher]:
+) -> tuple[Store, Ledger, Dispatcher]:
     store = Store(path)
-    sink = GatedSink(Gate(GateConfig(dry_run=dry_run)), store, {actuator.name: actuator})
+    sink = Ledger(Gate(GateConfig(dry_run=dry_run)), store, {actuator.name: actuator})
     cfg = DispatchConfig(max_attempts=max_attempts, base_backoff_seconds=2, max_backoff_seconds=30)
     return store, sink, Dispatcher(store, {actuator.name: actuator}, cfg, clock=clock, rng=random.Random(7))
 
@@ -121,7 +122,7 @@ async def test_dry_run_delivers_nothing_except_to_notifiers(tmp_path) -> None:
     scheduler, notifier = RecordingActuator("slurm"), RecordingActuator("hook", notify_in_dry_run=True)
     store = Store(tmp_path / "d.db")
     acts = {"slurm": scheduler, "hook": notifier}
-    GatedSink(Gate(GateConfig(dry_run=True)), store, acts).submit([dec("n1", Action.DRAIN, "a")], clock.now, 100)
+    Ledger(Gate(GateConfig(dry_run=True)), store, acts).submit([dec("n1", Action.DRAIN, "a")], clock.now, 100)
     await Dispatcher(store, acts, DispatchConfig(), clock=clock).run_once()
     assert scheduler.received == [] and notifier.received == ["a"]
     assert {(d.actuator, d.state) for d in store.deliveries("a")} == {("slurm", "dry_run"), ("hook", "delivered")}
@@ -144,7 +145,7 @@ async def test_the_worker_wakes_on_submit(tmp_path) -> None:
     act = RecordingActuator()
     store = Store(tmp_path / "d.db")
     dispatcher = Dispatcher(store, {"rec": act}, DispatchConfig(poll_seconds=60))
-    sink = GatedSink(Gate(GateConfig(dry_run=False)), store, {"rec": act}, wake=dispatcher.wake)
+    sink = Ledger(Gate(GateConfig(dry_run=False)), store, {"rec": act}, wake=dispatcher.wake)
     task = asyncio.create_task(dispatcher.run())
     await asyncio.sleep(0.05)
     sink.submit([dec("n1", Action.DRAIN, "a")], T0, 100)

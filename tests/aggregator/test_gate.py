@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from aggregator.decision import REMOVING_ACTIONS, Action, Decision
-from aggregator.dispatch import GatedSink
-from aggregator.gate import Gate, GateConfig, GateState, MaintenanceWindow
+from aggregator.gate import BreakerRecord, Gate, GateConfig, GateState, MaintenanceWindow
+from aggregator.ledger import Ledger
 from aggregator.store import Store
 
 T0 = 1_700_000_000.0
@@ -71,7 +71,8 @@ def test_escalates_reset_then_reboot_then_inspection_and_caps_remediations() -> 
 
 
 def test_remediations_outside_the_escalation_window_do_not_escalate() -> None:
-    cfg = GateConfig(dry_run=False, escalation_window_seconds=3600, min_removed_seconds=0)
+    cfg = GateConfig(dry_run=False, escalation_window_seconds=3600, history_horizon_seconds=3600,
+                     min_removed_seconds=0)
     gate, state = Gate(cfg), GateState()
     assert run(gate, state, dec("n1", Action.RESET_GPU), T0).admitted
     v = run(gate, state, dec("n1", Action.RESET_GPU, T0 + 7200), T0 + 7200)
@@ -115,21 +116,24 @@ def test_unknown_gate_key_is_rejected() -> None:
 def test_breaker_budget_share_count_and_floor() -> None:
     assert GateConfig(breaker_max_share=0.1).breaker_budget(100) == 10
     assert GateConfig(breaker_max_share=0.1, breaker_max_nodes=4).breaker_budget(100) == 4
-    assert GateConfig(breaker_max_share=0.1).breaker_budget(5) == 1  # the floor
+    assert GateConfig(breaker_max_share=0.1).breaker_budget(5) == 3  # the floor
+    assert GateConfig(breaker_max_share=0.1).breaker_budget(100, in_grace=True) == 3  # start-up: floor only
     assert GateConfig(breaker_max_share=0.1, breaker_floor_nodes=0).breaker_budget(5) == 0
 
 
 def test_storm_of_40_percent_trips_the_breaker_at_the_share_and_drains_no_more(tmp_path) -> None:
     store = Store(tmp_path / "d.sqlite3")
-    sink = GatedSink(Gate(GateConfig(dry_run=False, breaker_max_share=0.1)), store, {})
+    sink = Ledger(Gate(GateConfig(dry_run=False, breaker_max_share=0.1)), store, {})
     storm = [dec(f"n{i:03d}", Action.DRAIN, T0 + i) for i in range(40)]  # 40 of 100 nodes
     admitted = []
     for i, d in enumerate(storm):
         admitted += sink.submit([d], T0 + i, fleet_nodes=100)
     drains = [d for d in admitted if d.action is Action.DRAIN]
-    alerts = [d for d in admitted if d.action is Action.ALERT]
+    trips = [d for d in admitted if d.action is Action.ALERT and not d.id.startswith("breaker-refused-")]
+    told = [d for d in admitted if d.id.startswith("breaker-refused-")]
     assert len(drains) == 10
-    assert len(alerts) == 1 and alerts[0].detector == "gate" and "circuit breaker" in alerts[0].reason
+    assert len(trips) == 1 and trips[0].detector == "gate" and "circuit breaker" in trips[0].reason
+    assert len(told) == 29  # every fault refused while open still reaches a person
     assert store.breaker().tripped
     refused = [r for r in store.decisions(limit=100) if not r.admitted]
     assert {r.verdict for r in refused} == {"breaker_tripped", "breaker_open"}
@@ -137,13 +141,13 @@ def test_storm_of_40_percent_trips_the_breaker_at_the_share_and_drains_no_more(t
     # A resume still passes (it returns capacity); the breaker stays open until reset by hand.
     later = T0 + 7200
     assert sink.submit([dec("n000", Action.RESUME, later)], later, 100)[0].action is Action.RESUME
-    assert sink.submit([dec("n050", Action.DRAIN, later)], later, 100) == []
+    assert [d.action for d in sink.submit([dec("n050", Action.DRAIN, later)], later, 100)] == [Action.ALERT]
     store.close()
 
     reopened = Store(tmp_path / "d.sqlite3")  # the breaker survives a restart
-    sink = GatedSink(Gate(GateConfig(dry_run=False, breaker_max_share=0.1)), reopened, {})
+    sink = Ledger(Gate(GateConfig(dry_run=False, breaker_max_share=0.1)), reopened, {})
     assert reopened.state.breaker.tripped
-    assert sink.submit([dec("n051", Action.DRAIN, later + 1)], later + 1, 100) == []
+    assert [d.action for d in sink.submit([dec("n051", Action.DRAIN, later + 1)], later + 1, 100)] == [Action.ALERT]
     assert sink.reset_breaker() is True
     assert [d.node for d in sink.submit([dec("n052", Action.DRAIN, later + 2)], later + 2, 100)] == ["n052"]
     reopened.close()
@@ -191,7 +195,7 @@ def test_breaker_budget_is_never_exceeded_whatever_the_sequence(fleet, share, ma
     for i, (node_index, action, dt) in enumerate(ops):
         now += dt
         if action == "reset_breaker":
-            state.reset_breaker()
+            state.breaker = BreakerRecord()  # what the store's reset does
             continue
         node = f"n{node_index % fleet}"
         verdict = run(gate, state, dec(node, action, now, id=f"d{i}"), now, fleet)

@@ -16,23 +16,33 @@ from pydantic import BaseModel
 
 from agent.wire import Event, GpuState, HostFacts, PortState, RankSummary, Report
 from aggregator.app import EVALUATE_KEY, make_app
+from aggregator.auth import Credentials, node_token
 from aggregator.config import parse_config
 from aggregator.decision import Decision, Finding
 from aggregator.engine import Engine
+from aggregator.gate import Gate
+from aggregator.ledger import Ledger
 from aggregator.sink import RecordingSink
+from aggregator.store import Store
 from tests.aggregator.conftest import FakeNode, set_training
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 SPEC: dict[str, Any] = yaml.safe_load(SPEC_PATH.read_text())
 SCHEMAS = SPEC["components"]["schemas"]
-TOKEN = "tok"
+SITE_SECRET = b"site-secret-of-the-openapi-test-0123456789"
 ALERTMANAGER_WEBHOOK = {
     "version": "4", "status": "firing", "receiver": "vigil", "groupKey": "{}:{}", "truncatedAlerts": 0,
     "alerts": [{"status": "firing", "labels": {"alertname": "GpuHot", "node": "n2", "vigil_action": "alert"},
                 "annotations": {"summary": "GPU 3 over 87 C"}, "startsAt": "2024-05-01T00:00:00Z",
                 "endsAt": "0001-01-01T00:00:00Z", "fingerprint": "f00d"}],
 }
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+AUTH = {"Authorization": f"Bearer {node_token(SITE_SECRET, 'n0')}"}
+ALERTMANAGER = {"Authorization": "Bearer alertmanager-token-0123"}
+OPERATOR = {"Authorization": "Bearer operator-token-0123456"}
+
+
+def auth(node: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {node_token(SITE_SECRET, node)}"}
 
 
 def test_spec_is_valid_openapi():
@@ -69,12 +79,14 @@ def documented(path: str, method: str, status: int) -> str | None:
 async def client():
     config = parse_config({"evaluate_interval_seconds": 3600})
     sink = RecordingSink()
-    app = make_app(config, Engine(config, sink), sink, clock=lambda: 5000.0, token=TOKEN)
+    credentials = Credentials(site_secret=SITE_SECRET, alertmanager=ALERTMANAGER["Authorization"][7:].encode(),
+                              operator=OPERATOR["Authorization"][7:].encode())
+    app = make_app(config, Engine(config, sink), sink, clock=lambda: 5000.0, credentials=credentials)
     async with TestClient(TestServer(app, host="127.0.0.1")) as c:
         nodes = [FakeNode(f"n{i}", topology={"rack": "r1"}) for i in range(3)]
         set_training(nodes, "job", 4999.0, ranks_per_node=4)
         for node in nodes:
-            resp = await c.post("/v1/reports", data=node.report(4999.0).model_dump_json(), headers=AUTH)
+            resp = await c.post("/v1/reports", data=node.report(4999.0).model_dump_json(), headers=auth(node.name))
             assert resp.status == 202
         xid = Event(kind="xid", ts=4999.5, code=79, gpu=1, urgent=True, source="kmsg")
         resp = await c.post("/v1/reports", data=nodes[0].report(4999.5, events=[xid], urgent=True).model_dump_json(),
@@ -99,11 +111,27 @@ async def test_every_documented_path_answers_as_documented(client):
         ("post", "/v1/reports", "/v1/reports", {"data": b"{}", "headers": AUTH}),
         ("post", "/v1/reports", "/v1/reports", {"data": b"{]", "headers": AUTH}),
         ("post", "/v1/reports", "/v1/reports", {"data": b"{}"}),
+        ("post", "/v1/reports", "/v1/reports", {"data": b"{}", "headers": ALERTMANAGER}),
+        ("post", "/v1/reports", "/v1/reports", {"data": FakeNode("n1").report(5000.0).model_dump_json(),
+                                                "headers": AUTH}),
+        ("post", "/v1/reports", "/v1/reports", {"data": FakeNode("n1").report(9000.0).model_dump_json(),
+                                                "headers": auth("n1")}),
+        ("post", "/v1/reports", "/v1/reports", {"data": FakeNode("n1").report(5000.0).model_copy(
+            update={"seq": 1 << 40}).model_dump_json(), "headers": auth("n1")}),
+        ("post", "/v1/alertmanager", "/v1/alertmanager", {"json": ALERTMANAGER_WEBHOOK, "headers": ALERTMANAGER}),
         ("post", "/v1/alertmanager", "/v1/alertmanager", {"json": ALERTMANAGER_WEBHOOK}),
-        ("post", "/v1/alertmanager", "/v1/alertmanager", {"json": {"version": "3", "status": "firing", "alerts": []}}),
-        ("post", "/v1/alertmanager", "/v1/alertmanager", {"data": b"{]"}),
-        ("post", "/v1/alertmanager", "/v1/alertmanager", {"data": io.BytesIO(b"{" + b" " * (1 << 20) + b"}")}),
-        ("post", "/v1/breaker/reset", "/v1/breaker/reset", {}),  # no gate behind a RecordingSink: 404
+        ("post", "/v1/alertmanager", "/v1/alertmanager", {"json": {"version": "3", "status": "firing", "alerts": []},
+                                                          "headers": ALERTMANAGER}),
+        ("post", "/v1/alertmanager", "/v1/alertmanager", {"data": b"{]", "headers": ALERTMANAGER}),
+        ("post", "/v1/alertmanager", "/v1/alertmanager", {"data": io.BytesIO(b"{" + b" " * (1 << 20) + b"}"),
+                                                          "headers": ALERTMANAGER}),
+        # no gate behind a RecordingSink: 404
+        ("post", "/v1/breaker/reset", "/v1/breaker/reset", {"headers": OPERATOR}),
+        ("post", "/v1/breaker/reset", "/v1/breaker/reset", {"headers": ALERTMANAGER}),
+        ("get", "/v1/breaker", "/v1/breaker", {"headers": OPERATOR}),
+        ("get", "/v1/gate", "/v1/gate", {"headers": OPERATOR}),
+        ("post", "/v1/nodes/{node}/hold", "/v1/nodes/n0/hold", {"headers": OPERATOR}),
+        ("post", "/v1/nodes/{node}/resume", "/v1/nodes/n0/resume", {"headers": OPERATOR}),
         ("post", "/v1/reports", "/v1/reports", {"data": io.BytesIO(b"{" + b" " * (2 << 20) + b"}"), "headers": AUTH}),
     ]
     for method, path, url, kw in requests:
@@ -127,3 +155,34 @@ async def test_populated_responses_match(client):
     nodes = await (await client.get("/v1/nodes")).json()
     check(nodes, "NodeList")
     assert [n["state"] for n in nodes["nodes"]] == ["failing", "ok", "ok"]
+
+
+async def test_the_gate_routes_answer_as_documented(tmp_path):
+    config = parse_config({"evaluate_interval_seconds": 3600, "dry_run": False})
+    store = Store(tmp_path / "d.sqlite")
+    ledger = Ledger(Gate(config.gate), store, {})
+    credentials = Credentials(site_secret=SITE_SECRET, operator=OPERATOR["Authorization"][7:].encode())
+    app = make_app(config, Engine(config, ledger), ledger, clock=lambda: 5000.0, credentials=credentials)
+    try:
+        async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+            node = FakeNode("n0")
+            xid = Event(kind="xid", ts=4999.5, code=79, gpu=1, urgent=True, source="kmsg")
+            await c.post("/v1/reports", data=node.report(4999.5, events=[xid], urgent=True).model_dump_json(),
+                         headers=AUTH)
+            app[EVALUATE_KEY]()
+            for method, path, url, kw, status in [
+                ("get", "/v1/breaker", "/v1/breaker", {"headers": OPERATOR}, 200),
+                ("get", "/v1/gate", "/v1/gate", {"headers": OPERATOR}, 200),
+                ("post", "/v1/nodes/{node}/hold", "/v1/nodes/n1/hold",
+                 {"json": {"note": "rma"}, "headers": OPERATOR}, 200),
+                ("post", "/v1/nodes/{node}/hold", "/v1/nodes/n1/hold", {"data": b"{]", "headers": OPERATOR}, 400),
+                ("post", "/v1/nodes/{node}/resume", "/v1/nodes/n0/resume", {"headers": OPERATOR}, 200),
+                ("get", "/healthz", "/healthz", {}, 200),
+            ]:
+                resp = await c.request(method, url, **kw)
+                assert resp.status == status, (url, await resp.text())
+                check(await resp.json(), documented(path, method, status) or "")
+            gate = await (await c.get("/v1/gate", headers=OPERATOR)).json()
+            assert gate["holds"]["n1"]["note"] == "rma" and gate["history"]["n0"]
+    finally:
+        store.close()

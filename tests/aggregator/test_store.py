@@ -5,8 +5,8 @@ from __future__ import annotations
 import sqlite3
 
 from aggregator.decision import Action, Decision
-from aggregator.dispatch import GatedSink
 from aggregator.gate import Gate, GateConfig
+from aggregator.ledger import Ledger
 from aggregator.store import Store, decisions_as_dicts
 
 T0 = 1_700_000_000.0
@@ -26,6 +26,9 @@ class Takes:
     def deliver(self, decision: Decision) -> str:
         raise AssertionError("the store tests never deliver")
 
+    def check(self) -> str:
+        return "reachable"
+
     def close(self) -> None:
         pass
 
@@ -36,7 +39,7 @@ def dec(node: str, action: Action, id: str, ts: float = T0) -> Decision:
 
 def test_wal_mode_and_decision_written_with_verdict_and_pending_deliveries(tmp_path) -> None:
     store = Store(tmp_path / "d.db")
-    sink = GatedSink(Gate(GateConfig(dry_run=False)), store, {"slurm": Takes("slurm"), "hook": Takes("hook")})
+    sink = Ledger(Gate(GateConfig(dry_run=False)), store, {"slurm": Takes("slurm"), "hook": Takes("hook")})
     sink.submit([dec("n1", Action.DRAIN, "a1")], T0, 10)
     mode = sqlite3.connect(tmp_path / "d.db").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
@@ -49,7 +52,7 @@ def test_wal_mode_and_decision_written_with_verdict_and_pending_deliveries(tmp_p
 def test_dry_run_records_what_would_be_done_and_only_notifiers_are_pending(tmp_path) -> None:
     store = Store(tmp_path / "d.db")
     actuators = {"slurm": Takes("slurm"), "am": Takes("am", notify_in_dry_run=True)}
-    GatedSink(Gate(GateConfig(dry_run=True)), store, actuators).submit([dec("n1", Action.DRAIN, "a1")], T0, 10)
+    Ledger(Gate(GateConfig(dry_run=True)), store, actuators).submit([dec("n1", Action.DRAIN, "a1")], T0, 10)
     [row] = store.decisions()
     assert row.decision.dry_run
     assert {(x.actuator, x.state) for x in row.deliveries} == {("slurm", "dry_run"), ("am", "pending")}
@@ -59,7 +62,7 @@ def test_dry_run_records_what_would_be_done_and_only_notifiers_are_pending(tmp_p
 
 def test_refusals_are_recorded_once_with_their_reason(tmp_path) -> None:
     store = Store(tmp_path / "d.db")
-    sink = GatedSink(Gate(GateConfig(dry_run=False, opt_out_nodes=["n9"])), store, {"slurm": Takes("slurm")})
+    sink = Ledger(Gate(GateConfig(dry_run=False, opt_out_nodes=["n9"])), store, {"slurm": Takes("slurm")})
     for i in range(5):  # a detector re-proposes its episode every cycle
         assert sink.submit([dec("n9", Action.DRAIN, "same-episode", T0 + i)], T0 + i, 10) == []
     [row] = store.decisions()
@@ -73,7 +76,7 @@ def test_refusals_are_recorded_once_with_their_reason(tmp_path) -> None:
 def test_a_refused_episode_is_admitted_when_proposed_again_after_the_cooldown(tmp_path) -> None:
     store = Store(tmp_path / "d.db")
     cfg = GateConfig(dry_run=False, cooldown_seconds=600, dedup_seconds=10)
-    sink = GatedSink(Gate(cfg), store, {"slurm": Takes("slurm")})
+    sink = Ledger(Gate(cfg), store, {"slurm": Takes("slurm")})
     sink.submit([dec("n1", Action.RESET_GPU, "first")], T0, 10)
     assert sink.submit([dec("n1", Action.REBOOT_NODE, "second")], T0 + 60, 10) == []
     [again] = sink.submit([dec("n1", Action.REBOOT_NODE, "second")], T0 + 700, 10)
@@ -86,15 +89,15 @@ def test_a_refused_episode_is_admitted_when_proposed_again_after_the_cooldown(tm
 def test_node_state_escalation_history_and_dedup_survive_restart(tmp_path) -> None:
     cfg = GateConfig(dry_run=False, cooldown_seconds=60, dedup_seconds=30)
     store = Store(tmp_path / "d.db")
-    GatedSink(Gate(cfg), store, {}).submit([dec("n1", Action.RESET_GPU, "r1")], T0, 10)
+    Ledger(Gate(cfg), store, {}).submit([dec("n1", Action.RESET_GPU, "r1")], T0, 10)
     store.close()
 
     store = Store(tmp_path / "d.db")
-    sink = GatedSink(Gate(cfg), store, {})
+    sink = Ledger(Gate(cfg), store, {})
     assert store.state.node("n1").condition == "removed"
     assert sink.submit([dec("n1", Action.RESET_GPU, "r1")], T0 + 5, 10) == []  # same id: delivered once
     assert sink.verdicts["duplicate"] == 1
-    [escalated] = sink.submit([dec("n1", Action.RESET_GPU, "r2")], T0 + 100, 10)
+    [escalated] = sink.submit([dec("n1", Action.RESET_GPU, "r2", T0 + 100)], T0 + 100, 10)
     assert escalated.action is Action.REBOOT_NODE  # the history before the restart counts
     store.close()
 
@@ -102,7 +105,7 @@ def test_node_state_escalation_history_and_dedup_survive_restart(tmp_path) -> No
 def test_deliveries_of_one_node_are_handed_out_in_order(tmp_path) -> None:
     store = Store(tmp_path / "d.db")
     cfg = GateConfig(dry_run=False, min_removed_seconds=0)
-    sink = GatedSink(Gate(cfg), store, {"slurm": Takes("slurm")})
+    sink = Ledger(Gate(cfg), store, {"slurm": Takes("slurm")})
     sink.submit([dec("n1", Action.DRAIN, "drain")], T0, 100)
     sink.submit([dec("n1", Action.RESUME, "resume")], T0 + 1, 100)
     sink.submit([dec("n2", Action.DRAIN, "other")], T0 + 2, 100)

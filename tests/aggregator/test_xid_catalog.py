@@ -9,10 +9,12 @@ import pytest
 
 from aggregator.decision import REMOVING_ACTIONS, Action
 from aggregator.xid_catalog import (
+    SxidCatalog,
     XidCatalog,
     XidOccurrence,
     judge_xids,
     load_entries,
+    load_sxid_entries,
     occurrence_action,
     recovery_action,
 )
@@ -187,3 +189,22 @@ def test_nvlink5_severity_from_text() -> None:
 def test_verdicts_are_sorted_strongest_first() -> None:
     verdicts = judge([XidOccurrence(13, 990.0), XidOccurrence(79, 991.0), XidOccurrence(92, 992.0)])
     assert [v.action for v in verdicts] == [Action.REBOOT_NODE, Action.ALERT, Action.OBSERVE]
+
+
+def test_sxid_catalog_follows_the_fabric_manager_guide_and_the_line_word_wins() -> None:
+    sxids = SxidCatalog.default()
+    assert len(sxids.codes()) == 93
+    # D.4 non-fatal, D.5 fatal, D.6 always fatal (Fabric Manager user guide DU-09883-001_v1.3).
+    assert (sxids.entry(22013) or pytest.fail()).fm_class == "non_fatal"
+    assert sxids.action(22013, None) == Action.OBSERVE
+    assert sxids.action(24007, None) == Action.REBOOT_NODE
+    assert sxids.action(12020, None) == Action.REBOOT_NODE
+    assert sxids.action(12028, None) == Action.ALERT  # non-fatal, but a person must restart something
+    assert sxids.action(26008, None) == Action.ALERT  # not in the guide: seen, not acted on
+    assert sxids.action(24007, "Non-fatal") == Action.OBSERVE
+    assert sxids.action(22013, "Fatal") == Action.REBOOT_NODE
+
+
+def test_sxid_catalog_rejects_a_bad_row() -> None:
+    with pytest.raises(ValueError, match=r"sxid_catalog.csv row 1"):
+        load_sxid_entries("code,name,fm_class,action,rule\n1,x,non_fatal,nuke,r\n")

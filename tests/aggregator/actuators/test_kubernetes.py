@@ -455,3 +455,13 @@ def test_handles_removing_actions_resume_and_restart_job_with_a_job_only() -> No
         assert not act.handles(dec(Action.OBSERVE))
     finally:
         act.close()
+
+
+async def test_a_name_that_is_not_one_node_never_reaches_the_api_server(api) -> None:
+    fake, url = api
+    act = actuator(url)
+    for name in (f"{NODE},gpu-node-8", "gpu-node-[7-8]", f"{NODE}/status", ""):
+        with pytest.raises(DeliveryError) as info:
+            await deliver(act, dec(Action.DRAIN, node=name))
+        assert info.value.retryable is False
+    assert fake.requests == []

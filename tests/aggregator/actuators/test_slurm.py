@@ -135,3 +135,16 @@ def test_real_slurm_restart_job_requeues_it_without_the_bad_node(slurm_cluster: 
     again = c.job(job)
     assert (again["Restarts"], again["ExcNodeList"], again["JobState"]) == ("1", bad, "PENDING")
     c.reset()
+
+
+@pytest.mark.parametrize("expression", ["vnode[1-5]", "vnode1,vnode2", "vnode1 vnode2", "ALL", "vnode1\n", ""])
+def test_a_hostlist_expression_never_reaches_scontrol(expression: str) -> None:
+    run = FakeScontrol({"vnode1": "State=IDLE"})
+    act = SlurmActuator(SlurmConfig(), run=run)
+    for action in (Action.DRAIN, Action.RESUME):
+        if expression == "ALL":  # a valid hostname (Slurm reads it as a node named ALL, not all nodes)
+            continue
+        with pytest.raises(DeliveryError) as info:
+            act.deliver(dec(expression, action))
+        assert info.value.retryable is False
+    assert run.calls == []

@@ -71,3 +71,31 @@ def test_congestion_only_informs():
         node.ports[0]["counters"]["np_ecn_marked_roce_packets"] += 1_000_000
     [f] = judge(congested)
     assert f.action is Action.OBSERVE
+
+
+def flapping_every(period_s, hours):
+    """A port whose link drops once every ``period_s``; the findings per minute for ``hours``."""
+    node = FakeNode("a", gpus=0)
+    fleet = Fleet()
+    out = []
+    for minute in range(int(hours * 60) + 1):
+        t = minute * 60.0
+        if minute and t % period_s == 0:
+            node.ports[2]["counters"]["link_downed"] += 1
+        fleet.ingest(node.report(t), t)
+        out.append((t, DETECTOR.evaluate(fleet.view(), t)))
+    return out
+
+
+def test_a_port_dropping_every_six_minutes_alerts_within_the_hour_then_drains_when_it_persists():
+    found = flapping_every(360, 4)
+    first_alert = next(t for t, fs in found if any(f.action is Action.ALERT for f in fs))
+    first_drain = next(t for t, fs in found if any(f.action is Action.DRAIN for f in fs))
+    assert first_alert <= 3600.0  # 3 drops in an hour: 18 minutes in
+    assert 2 * 3600.0 <= first_drain <= 3 * 3600.0 + 60  # 3 drops in each of 3 hours
+    [drain] = [f for f in found[-1][1] if f.action is Action.DRAIN]
+    assert drain.evidence["horizon"] == "long" and drain.evidence["device"] == "mlx5_2"
+
+
+def test_a_link_retraining_twice_an_hour_never_drains():
+    assert all(not fs for _, fs in flapping_every(1800, 6))

@@ -59,11 +59,14 @@ def test_nvml_unavailable_is_an_alert_not_eight_lost_gpus():
     assert f.action is Action.ALERT and f.evidence["signal"] == "nvml_unavailable"
 
 
-def test_rebooted_node_with_fewer_gpus_flags_only_after_they_vanish_in_its_boot():
+def test_a_gpu_that_does_not_come_back_after_a_reboot_is_missing_from_the_new_boot():
+    # Issue 21: "after a reboot, a GPU still missing ... produced nothing". The last boot's GPUs
+    # are still expected; one that is absent is a new episode, counted from the new boot.
     node = FakeNode("a")
     fleet = fleet_with(node)
     node.reboot()
     del node.gpus[7]
     fleet.ingest(node.report(12.5), 12.5)
     fleet.ingest(node.report(15.0), 15.0)
-    assert DETECTOR.evaluate(fleet.view(), 15.0) == []
+    [found] = DETECTOR.evaluate(fleet.view(), 15.0)
+    assert (found.gpu, found.key, found.since) == (7, "gpu_missing", 12.5)

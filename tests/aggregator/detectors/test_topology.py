@@ -1,3 +1,6 @@
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from aggregator.config import AggregatorConfig
 from aggregator.decision import Action
 from aggregator.engine import Engine
@@ -52,3 +55,33 @@ def test_rack_going_dark_over_several_seconds_is_still_one_ticket():
     decisions = drive(engine, nodes, 0.0, 250.0, skip=lambda node, t: t >= 100.0 + 2.5 * (int(node.name[1:]) % 3))
     assert sorted((d.action, d.component) for d in decisions) == [
         (Action.ALERT, "rack-0"), (Action.INSPECT_HARDWARE, "rack-0")]
+
+
+REMOVING = {Action.DRAIN, Action.RESET_GPU, Action.REBOOT_NODE, Action.RESTART_JOB}
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(per_leaf=st.integers(3, 8), port=st.integers(0, 7), fault=st.sampled_from(["errors", "down", "flaps"]),
+       stagger=st.sampled_from([0.0, 2.5]))
+def test_a_shared_switch_never_drains_its_nodes(per_leaf, port, fault, stagger):
+    """Every node under leaf-1 sees the same fault on its uplink (arriving over up to one report
+    interval): one ticket for the switch, no node removed."""
+    nodes = leaf_fleet(2 * per_leaf, per_leaf=per_leaf)
+    under = {n.name for n in nodes[per_leaf:]}
+
+    def before(t):
+        for i, node in enumerate(nodes):
+            if node.name not in under or t < 100.0 + stagger * (i % 2):
+                continue
+            p = node.ports[port]
+            if fault == "errors":
+                p["counters"]["symbol_error"] += 5000
+            elif fault == "down":
+                p["state"], p["phys_state"] = "DOWN", "Polling"
+            elif t in (100.0 + stagger * (i % 2), 130.0, 160.0):
+                p["counters"]["link_downed"] += 1
+
+    engine = Engine(AggregatorConfig(), RecordingSink())
+    decisions = drive(engine, nodes, 0.0, 220.0, before=before)
+    assert not [d for d in decisions if d.action in REMOVING and d.component is None]
+    assert any(d.action is Action.INSPECT_HARDWARE and d.component == "leaf-1" for d in decisions)

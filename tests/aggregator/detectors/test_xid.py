@@ -1,3 +1,6 @@
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from agent.wire import Event
 from aggregator.decision import Action
 from aggregator.detectors.xid import XidConfig, XidDetector
@@ -44,3 +47,63 @@ def test_site_override_wins():
 
 def test_old_xids_age_out():
     assert judge({10.0: [xid(79, 9.0, gpu=0)]}, end=4000.0, config=XidConfig(window_seconds=600.0)) == []
+
+
+# Peer-relative application Xids ----------------------------------------------------------------
+
+REMOVALS = {Action.DRAIN, Action.RESET_GPU, Action.REBOOT_NODE, Action.INSPECT_HARDWARE, Action.RESTART_JOB}
+
+
+def job_fleet(n_nodes, bursts, *, code=13, job="train"):
+    """``n_nodes`` 8-GPU nodes running one job (a rank per GPU); ``bursts`` maps (node index, gpu)
+    to the times of that GPU's Xid bursts (three bursts 5 min apart repeat by the catalog's rule)."""
+    from tests.aggregator.conftest import rank_summary
+
+    nodes = [FakeNode(f"n{i:03d}", ports=0) for i in range(n_nodes)]
+    for i, node in enumerate(nodes):
+        node.ranks = [rank_summary(job, i * 8 + g, compute=0.8, comm=0.1, ts=0.0, gpu=g) for g in range(8)]
+    fleet = Fleet()
+    times = sorted({t for ts in bursts.values() for t in ts} | {0.0})
+    for t in times:
+        for i, node in enumerate(nodes):
+            events = [xid(code, t, gpu=g) for (ni, g), ts in bursts.items() if ni == i and t in ts]
+            fleet.ingest(node.report(t + 0.5, events=events), t + 0.5)
+    return fleet, times[-1] + 1.0
+
+
+BURSTS = (0.0, 300.0, 600.0)
+
+
+def test_a_user_bug_on_every_gpu_of_a_job_removes_nothing_and_alerts_the_job_once():
+    fleet, now = job_fleet(16, {(i, g): BURSTS for i in range(16) for g in range(8)})  # 128 GPUs
+    found = DETECTOR.evaluate(fleet.view(), now)
+    assert not [f for f in found if f.action in REMOVALS]
+    [job_alert] = [f for f in found if f.key == "xid:13:job"]
+    assert job_alert.action is Action.ALERT and job_alert.job == "train"
+    assert job_alert.evidence["gpus_sharing"] == 128
+
+
+def test_a_gpu_whose_application_xids_repeat_alone_is_suspect():
+    fleet, now = job_fleet(16, {(5, 3): BURSTS, (9, 1): (0.0,)})  # one GPU repeats; one peer had one
+    found = DETECTOR.evaluate(fleet.view(), now)
+    [removal] = [f for f in found if f.action in REMOVALS]
+    assert (removal.node, removal.gpu, removal.action) == ("n005", 3, Action.DRAIN)
+
+
+def test_without_a_job_the_node_is_the_peer_group():
+    node = FakeNode("solo", ports=0)
+    fleet = Fleet()
+    for t in BURSTS:
+        fleet.ingest(node.report(t + 0.5, events=[xid(31, t, gpu=g) for g in range(8)]), t + 0.5)
+    assert not [f for f in DETECTOR.evaluate(fleet.view(), 700.0) if f.action in REMOVALS]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_nodes=st.integers(2, 12), code=st.sampled_from([13, 31, 43, 45, 68]), data=st.data())
+def test_an_application_xid_shared_by_most_of_a_job_never_removes(n_nodes, code, data):
+    gpus = [(i, g) for i in range(n_nodes) for g in range(8)]
+    # at least half the job's GPUs repeat the same application Xid (each with its own timing)
+    chosen = data.draw(st.lists(st.sampled_from(gpus), min_size=len(gpus) // 2, unique=True))
+    shift = data.draw(st.floats(0.0, 60.0))
+    fleet, now = job_fleet(n_nodes, {gpu: tuple(t + shift for t in BURSTS) for gpu in chosen}, code=code)
+    assert not [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action in REMOVALS]

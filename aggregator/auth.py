@@ -1,0 +1,249 @@
+"""Who may call which aggregator route: credentials, roles, and the middleware that enforces them.
+
+One explicit table maps (method, route) to a role: ``node`` (report for its own node only),
+``alertmanager`` (Alertmanager's webhook), ``operator`` (every other POST, present or future) and
+``read`` (fleet and decision queries); ``/healthz`` and ``/metrics`` are public. Node tokens are
+derived from a site secret (``<node>~HMAC-SHA256(secret, node)``), so the aggregator holds one
+secret file; the other roles have a token file each. Every refusal is a 401/403 with a JSON
+reason, counted by door and reason. It validates no request body and decides nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter
+from pydantic import model_validator
+
+from agent.collectors.collector import StrictModel
+from agent.config import ConfigError
+from agent.wire import check_node_name
+
+
+class Role(Enum):
+    PUBLIC = "public"
+    NODE = "node"
+    ALERTMANAGER = "alertmanager"
+    OPERATOR = "operator"
+    READ = "read"
+
+
+# THE table: (method, canonical route) -> role. A POST (or any other changing method) that is
+# not listed here needs the operator role; a GET not listed needs the read role. Operator
+# routes added later (resume, hold, breaker reset) need no entry to be protected.
+ROUTE_ROLES: dict[tuple[str, str], Role] = {
+    ("POST", "/v1/reports"): Role.NODE,
+    ("POST", "/v1/alertmanager"): Role.ALERTMANAGER,
+    ("POST", "/v1/breaker/reset"): Role.OPERATOR,
+    ("POST", "/v1/nodes/{node}/hold"): Role.OPERATOR,
+    ("POST", "/v1/nodes/{node}/resume"): Role.OPERATOR,
+    ("GET", "/v1/nodes"): Role.READ,
+    ("GET", "/v1/nodes/{node}"): Role.READ,
+    ("GET", "/v1/decisions"): Role.READ,
+    ("GET", "/v1/breaker"): Role.READ,
+    ("GET", "/v1/gate"): Role.READ,
+    ("GET", "/healthz"): Role.PUBLIC,
+    ("GET", "/metrics"): Role.PUBLIC,
+}
+_READING_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+# The door a refusal is counted under (vigil_aggregator_refusals_total{door, reason}).
+DOORS = ("reports", "alertmanager", "operator", "read", "connections")
+DOOR_OF_ROLE = {Role.NODE: "reports", Role.ALERTMANAGER: "alertmanager", Role.OPERATOR: "operator",
+                Role.READ: "read"}
+NODE_KEY = web.RequestKey("authenticated_node", str)  # the node a node token speaks for
+TOKEN_SEPARATOR = "~"  # never in a node name, allowed in an RFC 6750 bearer token
+MIN_SECRET_CHARS = 32
+
+
+def role_for(method: str, route: str) -> Role:
+    method = "GET" if method in _READING_METHODS else method
+    role = ROUTE_ROLES.get((method, route))
+    if role is not None:
+        return role
+    return Role.READ if method == "GET" else Role.OPERATOR
+
+
+class AuthConfig(StrictModel):
+    """Credential files, one per role. A role with no credential is closed, except: reads on a
+    loopback listener, and every role on a loopback listener in dry run (the no-config demo)."""
+
+    # Node tokens are derived from this secret and the node's name (``vigil token create``).
+    site_secret_file: str | None = None
+    alertmanager_token_file: str | None = None
+    operator_token_file: str | None = None
+    # The operator token is also accepted for reads. Without a read token, reads on a loopback
+    # listener are open; beyond loopback they need this or the operator token.
+    read_token_file: str | None = None
+
+
+class TlsConfig(StrictModel):
+    """Serve https with this certificate chain and key (PEM files); both or neither."""
+
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _both(self) -> TlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
+def read_secret(path: str, what: str, min_chars: int = 16) -> bytes:
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
+    if len(value) < min_chars:
+        raise ConfigError(f"{what} file {path} holds {len(value)} characters; at least {min_chars} are needed")
+    return value.encode()
+
+
+def node_token(site_secret: bytes, node: str) -> str:
+    """The bearer token of ``node``: its name and HMAC-SHA256(site secret, name) in hex."""
+    check_node_name(node)
+    return f"{node}{TOKEN_SEPARATOR}{hmac.new(site_secret, node.encode(), hashlib.sha256).hexdigest()}"
+
+
+def new_secret() -> str:
+    """A fresh site secret or role token: 256 random bits, hex."""
+    return secrets.token_hex(32)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class Credentials:
+    site_secret: bytes | None = None
+    alertmanager: bytes | None = None
+    operator: bytes | None = None
+    read: bytes | None = None
+
+    @classmethod
+    def load(cls, config: AuthConfig) -> Credentials:
+        def token(path: str | None, what: str) -> bytes | None:
+            return read_secret(path, what) if path else None
+
+        return cls(
+            site_secret=read_secret(config.site_secret_file, "site secret", MIN_SECRET_CHARS)
+            if config.site_secret_file else None,
+            alertmanager=token(config.alertmanager_token_file, "alertmanager token"),
+            operator=token(config.operator_token_file, "operator token"),
+            read=token(config.read_token_file, "read token"),
+        )
+
+    @property
+    def any(self) -> bool:
+        return any((self.site_secret, self.alertmanager, self.operator, self.read))
+
+    def configured(self, role: Role) -> bool:
+        if role is Role.NODE:
+            return self.site_secret is not None
+        return getattr(self, role.value) is not None
+
+    def roles_of(self, token: bytes) -> tuple[set[Role], str | None]:
+        """The roles ``token`` carries, and the node it speaks for (node tokens). Every
+        configured credential is compared, in constant time, whatever matches first."""
+        roles: set[Role] = set()
+        node = None
+        for role, expected in ((Role.ALERTMANAGER, self.alertmanager), (Role.OPERATOR, self.operator),
+                               (Role.READ, self.read)):
+            if expected is not None and hmac.compare_digest(token, expected):
+                roles.add(role)
+        if Role.OPERATOR in roles:
+            roles.add(Role.READ)
+        if self.site_secret is not None:
+            name, sep, _ = token.decode(errors="replace").partition(TOKEN_SEPARATOR)
+            try:
+                expected = node_token(self.site_secret, name).encode() if sep else b""
+            except ValueError:
+                expected = b""
+            if hmac.compare_digest(token, expected) and expected:
+                roles.add(Role.NODE)
+                node = name
+        return roles, node
+
+
+class Refusals:
+    """``vigil_aggregator_refusals_total{door, reason}``: every request, alert or connection
+    refused at any door. The series of the auth reasons exist at 0 from the start."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counter = Counter("vigil_aggregator_refusals", "Requests, alerts and connections refused, by door "
+                               "and reason.", ["door", "reason"], registry=registry)
+        for door in DOORS[:4]:
+            for reason in ("unauthenticated", "bad_credential", "forbidden"):
+                self.counter.labels(door, reason)
+
+    def count(self, door: str, reason: str, n: int = 1) -> None:
+        self.counter.labels(door, reason).inc(n)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def refusal(status: int, reason: str, detail: str) -> web.Response:
+    return web.json_response({"error": reason, "detail": detail}, status=status)
+
+
+def auth_middleware(credentials: Credentials, refusals: Refusals, *, loopback: bool, dry_run: bool,
+                    on_report_refusal: Callable[[str], None] | None = None
+                    ) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """The aiohttp middleware enforcing ``ROUTE_ROLES``. ``on_report_refusal`` also counts a
+    refused report in the report door's own family (vigil_aggregator_report_rejections_total)."""
+
+    def refuse(role: Role, status: int, reason: str, detail: str) -> web.Response:
+        refusals.count(DOOR_OF_ROLE[role], reason)
+        if role is Role.NODE and on_report_refusal is not None:
+            on_report_refusal(reason)
+        return refusal(status, reason, detail)
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        if resource is None:  # no such route: aiohttp's own 404/405
+            return await handler(request)
+        role = role_for(request.method, resource.canonical)
+        if role is Role.PUBLIC:
+            return await handler(request)
+        configured = credentials.configured(role)
+        if not configured and loopback and (role is Role.READ or dry_run):
+            return await handler(request)
+        if not configured and not (role is Role.READ and credentials.operator is not None):
+            return refuse(role, 403, "role_not_configured",
+                          f"no {role.value} credential is configured on this aggregator, so this route is closed")
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return refuse(role, 401, "unauthenticated", f"this route needs a {role.value} bearer token")
+        roles, node = credentials.roles_of(given.strip().encode())
+        if not roles:
+            return refuse(role, 401, "bad_credential", "the bearer token is not valid here")
+        if role not in roles:
+            return refuse(role, 403, "forbidden",
+                          f"this route needs the {role.value} role; the token carries "
+                          f"{', '.join(sorted(r.value for r in roles))}")
+        if node is not None and role is Role.NODE:
+            request[NODE_KEY] = node
+        return await handler(request)
+
+    return middleware

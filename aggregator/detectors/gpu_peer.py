@@ -1,0 +1,180 @@
+"""GPU peer detector: the likely straggler of a job that sends no per-rank timing, from its GPUs.
+
+It groups busy GPUs by the job that uses them (the agent's process attribution, else the rank
+heartbeats' local GPU index) and compares, within each job, every GPU's SM clock (median over the
+persistence window) and enforced power limit with its peers' medians; a GPU clocked or capped
+well below its peers while busy is flagged, with its throttle reasons as evidence, and its node
+gets one finding per job (alert by default, drain by policy). It also says, once per job, when a
+job's ranks send step counts but no phase times: then no detector can rank its ranks, and only
+this GPU-side comparison can find a straggler. It does not judge absolute thermal limits (the
+thermal detector) or ranks' timings (the straggler detector).
+"""
+
+from __future__ import annotations
+
+from statistics import median
+
+from pydantic import Field
+
+from agent.collectors.collector import StrictModel
+from aggregator.decision import Action, Finding
+from aggregator.fleet import FleetView, GpuHistory, NodeState
+
+NAME = "gpu_peer"
+# A rank last reported this many of its node's intervals ago no longer places its GPU in its job
+# (the hang detector's rank_gone_intervals).
+_RANK_FRESH_INTERVALS = 4.0
+
+
+class GpuPeerConfig(StrictModel):
+    enabled: bool = True
+    # Compared over one minute, as the thermal detector's persistence: a transient brake or a
+    # clock dip between kernels clears within seconds.
+    persistence_seconds: float = Field(default=60.0, gt=0)
+    min_reports: int = Field(default=4, ge=2)
+    # Only busy GPUs are compared: an idle GPU drops its clocks by design.
+    min_utilization_ratio: float = Field(default=0.5, ge=0, le=1)
+    # 15% below the job's median SM clock: GPUs of one model under the same load sit within a few
+    # percent of each other (the 2 GHz boost clock moves in 15 MHz bins, and SwPowerCap trims all
+    # of them alike); a 15% slower GPU costs a synchronous job 15% of every step. Designed
+    # false-positive rate: a healthy GPU's one-minute median clock would need to sit 5 sigma of
+    # its +-3% jitter below the job's median, and stay there for the whole window: ~0 in practice;
+    # the action is an alert by default, so a miss-set limit costs a page, never a node.
+    clock_ratio: float = Field(default=0.85, gt=0, lt=1)
+    # An enforced power limit 15% under the job's median: a GPU capped by hand or by a power
+    # brake policy (nvidia-smi -pl), where its peers run at the board's default.
+    power_limit_ratio: float = Field(default=0.85, gt=0, lt=1)
+    # Fewer GPUs than this in a job: no stable median.
+    min_gpus: int = Field(default=4, ge=3)
+    # Flagged GPUs must be a minority (the median is then set by healthy peers); more is a job-wide
+    # difference (mixed GPU models, a site power policy), not a straggler.
+    max_outlier_share: float = Field(default=0.34, gt=0, lt=0.5)
+    action: Action = Action.ALERT
+    # Say once per job that its ranks send no phase times (observe: recorded, delivered to nobody).
+    report_untimed_jobs: bool = True
+
+
+class _Gpu:
+    __slots__ = ("clock", "hist", "node", "power_limit")
+
+    def __init__(self, node: NodeState, hist: GpuHistory, clock: float, power_limit: float | None) -> None:
+        self.node = node
+        self.hist = hist
+        self.clock = clock
+        self.power_limit = power_limit
+
+
+class GpuPeerDetector:
+    name = NAME
+
+    def __init__(self, config: GpuPeerConfig) -> None:
+        self.config = config
+
+    def evaluate(self, view: FleetView, now: float) -> list[Finding]:
+        by_job: dict[str, list[_Gpu]] = {}
+        for node in view.nodes.values():
+            # Ranks this node's agent still reports (an ended job's ranks linger in the fleet for
+            # a while; their GPUs may already run another job).
+            fresh = node.last_seen - _RANK_FRESH_INTERVALS * node.interval_seconds
+            rank_gpus = {r.gpu: job for (job, _), r in node.ranks.items() if r.gpu is not None and r.last_seen >= fresh}
+            for hist in node.gpus.values():
+                if hist.last_seen < node.last_seen or hist.last.health != "ok":
+                    continue
+                job = hist.last.job or rank_gpus.get(hist.index)
+                if job is None:
+                    continue
+                clock = self._window_clock(hist, now)
+                if clock is not None:
+                    by_job.setdefault(job, []).append(_Gpu(node, hist, clock, hist.last.power_limit_watts))
+        out: list[Finding] = []
+        for job, gpus in sorted(by_job.items()):
+            out.extend(self._judge(job, gpus))
+        if self.config.report_untimed_jobs:
+            out.extend(self._untimed(view))
+        return out
+
+    def _window_clock(self, hist: GpuHistory, now: float) -> float | None:
+        """The GPU's median SM clock over the persistence window while busy, or None when the
+        window is not covered by enough busy samples."""
+        cfg = self.config
+        start = now - cfg.persistence_seconds
+        clocks = []
+        oldest = None
+        for s in reversed(hist.samples):
+            if s.ts < start:
+                break
+            if s.sm_clock_hertz is None or s.utilization_gpu_ratio is None:
+                return None
+            if s.utilization_gpu_ratio < cfg.min_utilization_ratio:
+                return None  # idle or between phases in this window: nothing to compare
+            clocks.append(s.sm_clock_hertz)
+            oldest = s.ts
+        # Covered: enough reports, the oldest near the window's start (the GPU was busy all along).
+        slack = cfg.persistence_seconds / cfg.min_reports
+        if len(clocks) < cfg.min_reports or oldest is None or oldest - start > slack:
+            return None
+        return median(clocks)
+
+    def _judge(self, job: str, gpus: list[_Gpu]) -> list[Finding]:
+        cfg = self.config
+        if len(gpus) < cfg.min_gpus:
+            return []
+        clock_med = median(g.clock for g in gpus)
+        limits = [g.power_limit for g in gpus if g.power_limit is not None]
+        limit_med = median(limits) if len(limits) >= cfg.min_gpus else None
+        flagged: list[tuple[_Gpu, float, float | None]] = []
+        for g in gpus:
+            clock_ratio = g.clock / clock_med if clock_med > 0 else 1.0
+            limit_ratio = (g.power_limit / limit_med) if limit_med and g.power_limit is not None else None
+            if clock_ratio <= cfg.clock_ratio or (limit_ratio is not None and limit_ratio <= cfg.power_limit_ratio):
+                flagged.append((g, clock_ratio, limit_ratio))
+        if not flagged or len(flagged) > cfg.max_outlier_share * len(gpus):
+            return []  # nothing, or a job-wide difference: nobody is the straggler
+        out: list[Finding] = []
+        for node_name in sorted({g.node.name for g, _, _ in flagged}):
+            mine = [(g, c, p) for g, c, p in flagged if g.node.name == node_name]
+            first = min(g.hist.samples[0].ts for g, _, _ in mine if g.hist.samples)
+            worst = min(mine, key=lambda m: m[1])
+            g, clock_ratio, limit_ratio = worst
+            last = g.hist.last
+            signal = "power_limit_watts" if limit_ratio is not None and limit_ratio <= cfg.power_limit_ratio \
+                else "sm_clock_hertz"
+            indices = sorted(x.hist.index for x, _, _ in mine)
+            out.append(Finding(
+                detector=NAME, node=node_name, job=job, gpu=indices[0] if len(indices) == 1 else None,
+                action=cfg.action, since=first, key=job,
+                reason=(f"job {job}: GPUs {indices} run at {clock_ratio:.0%} of the job's median SM clock"
+                        + (f", power limit {limit_ratio:.0%} of the job's" if limit_ratio is not None else "")
+                        + f" ({', '.join(last.clock_event_reasons) or 'no clock-event reason'}): the likely "
+                          "straggler of a job without per-rank timing"),
+                evidence={"signal": signal, "gpus": indices, "uuid": g.hist.uuid,
+                          "sm_clock_hertz": g.clock, "job_median_sm_clock_hertz": clock_med,
+                          "sm_clock_ratio": round(clock_ratio, 3),
+                          "power_limit_watts": g.power_limit, "job_median_power_limit_watts": limit_med,
+                          "power_watts": last.power_watts, "utilization_gpu_ratio": last.utilization_gpu_ratio,
+                          "clock_event_reasons": list(last.clock_event_reasons), "job_gpus": len(gpus),
+                          "window_seconds": cfg.persistence_seconds}))
+        return out
+
+    @staticmethod
+    def _untimed(view: FleetView) -> list[Finding]:
+        """One observation per job whose ranks step but send no phase times."""
+        out = []
+        for job in view.jobs.values():
+            ranks = list(job.ranks.values())
+            if len(ranks) < 2 or not any(r.last.steps > 0 for r in ranks):
+                continue
+            if any(r.last.compute_seconds_p50 is not None for r in ranks):
+                continue
+            # Said once, on rank 0's node: a job seen partially first must not be said twice.
+            first = job.ranks.get(0)
+            if first is None:
+                continue
+            out.append(Finding(
+                detector=NAME, node=first.node, job=job.name, action=Action.OBSERVE, since=0.0, key="untimed",
+                reason=(f"job {job.name}: no per-rank timing (its ranks send step counts only); in synchronous "
+                        "training every rank's step time is the same, so vigil cannot rank its ranks. Send "
+                        "compute and comm times (vigil_heartbeat.pytorch.StepTimer); until then stragglers are "
+                        "found only from GPU clocks, power limits and throttling"),
+                evidence={"signal": "rank_phase_times", "ranks": len(ranks), "timed_ranks": 0}))
+        return out

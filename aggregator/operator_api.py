@@ -1,0 +1,106 @@
+"""The gate's routes for people: read the breaker and the gate's state, hold and resume a node.
+
+``GET /v1/breaker`` and ``GET /v1/gate`` show what the ledger decides from; ``POST
+/v1/nodes/{node}/hold`` and ``/resume`` are the operator's actions (the auth middleware gives
+them the operator role). Writes run in a worker thread, so a large batch being written never
+stalls the event loop. It judges nothing: a resume is a decision like any other, through the
+ledger and its gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+
+from aiohttp import web
+
+from aggregator.decision import Action, Decision
+from aggregator.gate import OPERATOR
+from aggregator.ledger import Ledger
+from aggregator.store import WRITE_ERRORS
+
+MAX_NOTE_CHARS = 500
+GATE_ROUTES = (("GET", "/v1/breaker"), ("GET", "/v1/gate"), ("POST", "/v1/nodes/{node}/hold"),
+               ("POST", "/v1/nodes/{node}/resume"))
+
+
+def _error(status: int, reason: str, detail: str) -> web.Response:
+    return web.json_response({"error": reason, "detail": detail}, status=status)
+
+
+async def _note(request: web.Request) -> str | web.Response:
+    """The optional ``{"note": "..."}`` body, on one line."""
+    if not request.can_read_body:
+        return ""
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error(400, "invalid_json", 'body must be a JSON object like {"note": "..."}')
+    note = body.get("note", "") if isinstance(body, dict) else None
+    if not isinstance(note, str) or len(note) > MAX_NOTE_CHARS:
+        return _error(400, "bad_note", f"note must be a string of at most {MAX_NOTE_CHARS} characters")
+    return " ".join(note.split())
+
+
+def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable[[], float],
+                        reporting: Callable[[], int], dry_run: bool) -> None:
+    """``reporting``: how many nodes reported within the breaker window (the budget's fleet)."""
+
+    async def get_breaker(_: web.Request) -> web.Response:
+        return web.json_response(ledger.breaker_budget(clock(), reporting()))
+
+    async def get_gate(_: web.Request) -> web.Response:
+        return web.json_response(ledger.gate_state(clock(), reporting()))
+
+    async def change_hold(request: web.Request, held: bool) -> tuple[str, str, bool] | web.Response:
+        """(node, note, whether it was held) after setting or releasing a hold."""
+        note = await _note(request)
+        if isinstance(note, web.Response):
+            return note
+        node = request.match_info["node"]
+        try:
+            was_held = await asyncio.to_thread(ledger.hold, node, held, clock(), note)
+        except WRITE_ERRORS as exc:
+            return _error(503, "store_unavailable", str(exc))
+        return node, note, was_held
+
+    async def hold_node(request: web.Request) -> web.Response:
+        done = await change_hold(request, True)
+        if isinstance(done, web.Response):
+            return done
+        node, _, was_held = done
+        return web.json_response({"node": node, "held": True, "was_held": was_held})
+
+    async def resume_node(request: web.Request) -> web.Response:
+        """Release a hold, and put a removed node back in service (a resume decision by hand)."""
+        done = await change_hold(request, False)
+        if isinstance(done, web.Response):
+            return done
+        node, note, was_held = done
+        now = clock()
+        decision = Decision(id="resume-" + hashlib.sha256(f"{node}\x1f{now:.6f}".encode()).hexdigest()[:14],
+                            ts=now, node=node, action=Action.RESUME, reason=f"resumed by an operator {note}".strip(),
+                            detector=OPERATOR, dry_run=dry_run)
+        admitted = await asyncio.to_thread(ledger.submit, [decision], now, reporting())
+        problem = ledger.problem()
+        if problem is not None:
+            return _error(503, "store_unavailable", problem)
+        verdict = ledger.store.verdict_of(decision.id)
+        return web.json_response({"node": node, "was_held": was_held, "resume": decision.id,
+                                  "admitted": bool(admitted), "verdict": verdict[1] if verdict else None})
+
+    handlers = {"/v1/breaker": get_breaker, "/v1/gate": get_gate, "/v1/nodes/{node}/hold": hold_node,
+                "/v1/nodes/{node}/resume": resume_node}
+    for method, path in GATE_ROUTES:
+        app.router.add_route(method, path, handlers[path])
+
+
+def add_no_gate_routes(app: web.Application) -> None:
+    """The same routes on a service without a gate (a ``RecordingSink``): 404 ``no_gate``."""
+
+    async def no_gate(_: web.Request) -> web.Response:
+        return _error(404, "no_gate", "this aggregator runs without a gate (no decision store)")
+
+    for method, path in GATE_ROUTES:
+        app.router.add_route(method, path, no_gate)

@@ -1,0 +1,156 @@
+"""GPU peer detector: within a job, the GPU clocked or capped below its peers is the likely
+straggler, found with no per-rank timing at all; noise, idle GPUs, job-wide differences and
+other jobs are not."""
+
+import random
+
+from aggregator.decision import Action
+from aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
+from aggregator.fleet import Fleet
+from tests.aggregator.conftest import FakeNode, rank_summary
+
+DETECTOR = GpuPeerDetector(GpuPeerConfig())
+
+
+def drive(nodes, seconds, *, jobs=None, step_only_ranks=False, mutate=None, seed=3):
+    """Every node reports every 2.5 s for ``seconds``; GPUs carry their job (attribution) unless
+    ``jobs`` is False, then only the ranks' heartbeats (local GPU index) say it."""
+    rng = random.Random(seed)
+    fleet = Fleet()
+    t = 0.0
+    while t <= seconds:
+        for ni, n in enumerate(nodes):
+            for g in n.gpus.values():
+                g["sm_clock_hertz"] = 1.98e9 * (1 + rng.uniform(-0.03, 0.0))  # under SwPowerCap, +-3%
+                g["power_limit_watts"] = 700.0
+                if jobs is not False:
+                    g["job"] = "llm"
+            if mutate is not None:
+                mutate(n, t)
+            n.ranks = []
+            if step_only_ranks or jobs is False:
+                for local in n.gpus:
+                    r = rank_summary("llm", ni * 8 + local, compute=1.0, comm=0.1, ts=t, gpu=local, step=int(t))
+                    if step_only_ranks:
+                        r.compute_seconds_p50 = r.comm_seconds_p50 = None
+                    n.ranks.append(r)
+            fleet.ingest(n.report(t), t)
+        t += 2.5
+    return fleet, t - 2.5
+
+
+def nodes_(n=4):
+    return [FakeNode(f"n{i}", ports=0) for i in range(n)]
+
+
+def capped(node_name, *, clock=None, limit=None, reasons=("sw_power_cap",), since=0.0):
+    def mutate(n, t):
+        if n.name == node_name and t >= since:
+            for g in n.gpus.values():
+                if clock is not None:
+                    g["sm_clock_hertz"] = clock
+                if limit is not None:
+                    g["power_limit_watts"] = limit
+                g["clock_event_reasons"] = list(reasons)
+    return mutate
+
+
+def test_healthy_noisy_job_flags_nobody():
+    for seed in range(5):
+        fleet, now = drive(nodes_(), 300.0, seed=seed)
+        assert [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action is not Action.OBSERVE] == []
+
+
+def test_power_capped_node_is_the_likely_straggler_with_evidence():
+    fleet, now = drive(nodes_(), 120.0, mutate=capped("n2", clock=1.6e9, limit=500.0))
+    found = [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action is Action.ALERT]
+    assert [(f.node, f.job, f.detector) for f in found] == [("n2", "llm", "gpu_peer")]
+    ev = found[0].evidence
+    assert ev["signal"] == "power_limit_watts" and ev["gpus"] == list(range(8))
+    assert ev["power_limit_watts"] == 500.0 and ev["job_median_power_limit_watts"] == 700.0
+    assert "sw_power_cap" in ev["clock_event_reasons"]
+
+
+def test_clock_capped_gpu_found_through_step_only_heartbeats():
+    # No attribution: the ranks' heartbeats (hb.step(n) only, local GPU index) place GPUs in the job.
+    def mutate(n, t):
+        if n.name == "n1":
+            n.gpus[5]["sm_clock_hertz"] = 1.41e9
+            n.gpus[5]["clock_event_reasons"] = ["hw_slowdown"]
+    fleet, now = drive(nodes_(), 120.0, jobs=False, step_only_ranks=True, mutate=mutate)
+    found = DETECTOR.evaluate(fleet.view(), now)
+    alerts = [f for f in found if f.action is Action.ALERT]
+    assert [(f.node, f.gpu) for f in alerts] == [("n1", 5)]
+    assert alerts[0].evidence["signal"] == "sm_clock_hertz" and alerts[0].evidence["sm_clock_ratio"] < 0.75
+    observe = [f for f in found if f.action is Action.OBSERVE]
+    assert len(observe) == 1 and "no per-rank timing" in observe[0].reason
+
+
+def test_a_brief_dip_is_not_persistent():
+    fleet, now = drive(nodes_(), 120.0, mutate=capped("n2", clock=1.4e9, since=100.0))
+    assert [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action is Action.ALERT] == []
+
+
+def test_job_wide_difference_flags_nobody():
+    # Half the job on power-capped nodes: a site policy or a mixed fleet, not one straggler.
+    def mutate(n, t):
+        if n.name in ("n0", "n1"):
+            capped(n.name, clock=1.6e9, limit=500.0)(n, t)
+    fleet, now = drive(nodes_(), 120.0, mutate=mutate)
+    assert [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action is Action.ALERT] == []
+
+
+def test_idle_gpus_and_gpus_of_no_job_are_not_compared():
+    def mutate(n, t):
+        if n.name == "n3":
+            for g in n.gpus.values():
+                g["utilization_gpu_ratio"] = 0.0
+                g["sm_clock_hertz"] = 0.345e9  # idle clocks
+    fleet, now = drive(nodes_(), 120.0, mutate=mutate)
+    assert [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action is Action.ALERT] == []
+    fleet, now = drive(nodes_(), 120.0, jobs=None, mutate=lambda n, t: n.gpus[0].update(job=None))
+    assert [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action is Action.ALERT] == []
+
+
+def test_drain_by_policy():
+    detector = GpuPeerDetector(GpuPeerConfig(action=Action.DRAIN))
+    fleet, now = drive(nodes_(), 120.0, mutate=capped("n0", limit=450.0))
+    assert [(f.node, f.action) for f in detector.evaluate(fleet.view(), now)] == [("n0", Action.DRAIN)]
+
+
+def test_timed_job_gets_no_untimed_observation():
+    nodes = nodes_()
+    fleet, now = drive(nodes, 30.0, jobs=False)  # ranks with compute and comm times
+    assert [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action is Action.OBSERVE] == []
+
+
+def test_gpus_of_an_ended_job_are_not_placed_in_it_by_its_old_heartbeats():
+    nodes = nodes_()
+    def mutate(n, t):
+        if n.name == "n2":
+            capped("n2", clock=1.5e9)(n, t)
+    fleet, now = drive(nodes, 60.0, jobs=False, step_only_ranks=True)
+    # The job ends (its ranks are no longer reported); the GPUs run something else, n2 slower.
+    t = now
+    for _ in range(40):
+        t += 2.5
+        for n in nodes:
+            n.ranks = []
+            mutate(n, t)
+            fleet.ingest(n.report(t), t)
+    assert [f for f in DETECTOR.evaluate(fleet.view(), t) if f.action is Action.ALERT] == []
+
+
+def test_untimed_job_seen_partially_first_is_said_once_on_rank_0s_node():
+    nodes = nodes_()
+    fleet = Fleet()
+    for i, t in enumerate((0.0, 2.5, 5.0, 7.5)):
+        for ni, n in enumerate(nodes):
+            n.ranks = [rank_summary("llm", ni * 8 + g, compute=1.0, comm=0.1, ts=t, gpu=g) for g in range(8)]
+            for r in n.ranks:
+                r.compute_seconds_p50 = r.comm_seconds_p50 = None
+            if i < 2 and ni != 3:
+                continue  # only n3's agent has reported the job so far
+            fleet.ingest(n.report(t), t)
+        found = [f for f in DETECTOR.evaluate(fleet.view(), t) if f.action is Action.OBSERVE]
+        assert [(f.node, f.job) for f in found] == ([] if i < 2 else [("n0", "llm")])
