@@ -1,4 +1,5 @@
-"""Aggregator ingest rate: JSON bytes -> ``Report.model_validate_json`` -> ``Engine.ingest``.
+"""Aggregator ingest rate: JSON bytes -> the node token check -> ``Report.model_validate_json``
+(strict, as the service validates) -> the intake checks -> ``Engine.ingest``.
 
 The reports are what the real agent sends: consecutive reports of one agent built by the agent's
 own pipeline (FakeNvml 8x H100 SXM, 8 ConnectX-7 ports from the recorded sysfs tree with their
@@ -18,6 +19,7 @@ from typing import Any
 from agent.runner import collect_once
 from agent.wire import Report
 from aggregator.app import tune_gc
+from aggregator.auth import Credentials, node_token
 from aggregator.config import AggregatorConfig
 from aggregator.engine import Engine
 from aggregator.sink import RecordingSink
@@ -83,22 +85,35 @@ def measure() -> list[Measurement]:
     tune_gc()
     size = sum(len(b) for _, b in bodies) / len(bodies)
     engine = Engine(AggregatorConfig(), RecordingSink())
-    validate = Report.model_validate_json
+    secret = b"bench-site-secret-0123456789abcdef"
+    credentials = Credentials(site_secret=secret)
+    node_of = {name: node_token(secret, name).encode() for name in {json.loads(b)["node"] for _, b in bodies}}
+    fleet = engine.fleet
     ingest = engine.ingest
+
+    def intake(ts: float, body: bytes, token: bytes) -> None:
+        roles, _ = credentials.roles_of(token)
+        report = Report.model_validate_json(body, strict=True)
+        if roles and fleet.refusal(report, ts) is None:
+            ingest(report, ts)
+
     # Warm-up: the first round creates every node's state; steady state is what the budget is about.
     warm = NODES
-    for ts, body in bodies[:warm]:
-        ingest(validate(body), ts)
+    work = [(ts, body, node_of[json.loads(body)["node"]]) for ts, body in bodies]
+    for ts, body, token in work[:warm]:
+        intake(ts, body, token)
     started = time.process_time()
-    for ts, body in bodies[warm:]:
-        ingest(validate(body), ts)
+    for ts, body, token in work[warm:]:
+        intake(ts, body, token)
     cpu = time.process_time() - started
+    assert sum(n.reports for n in fleet.view().nodes.values()) == len(bodies)  # nothing refused
     gc.set_threshold(*thresholds)
     gc.unfreeze()
     rate = (len(bodies) - warm) / cpu
     return [Measurement("aggregator ingest, 8-GPU reports, one core", round(rate), "reports/s", 5000,
                         higher_is_better=True,
-                        note=f"{size / 1024:.1f} KiB JSON each, built by the agent pipeline; validate + ingest, "
+                        note=f"{size / 1024:.1f} KiB JSON each, built by the agent pipeline; token check + strict "
+                             "validation + intake checks + ingest, "
                              f"{NODES} nodes x {ROUNDS - 1} rounds, CPU time")]
 
 

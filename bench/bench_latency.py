@@ -75,7 +75,7 @@ def measure() -> list[Measurement]:
             (tmp / "agg.yaml").write_text(yaml.safe_dump({
                 "listen": f"127.0.0.1:{agg_port}", "store_path": str(tmp / "store.sqlite"), "dry_run": False,
                 # Every node gets a fatal Xid here on purpose: let the breaker allow all of them.
-                "gate": {"breaker_max_share": 1.0},
+                "gate": {"breaker_max_share": 1.0, "breaker_startup_grace_seconds": 0},
                 "actuators": {"webhook": {"enabled": True, "url": hook, "secret_file": str(tmp / "hook.secret")}},
             }))
             procs.append(subprocess.Popen([*exe, "aggregator", "--config", str(tmp / "agg.yaml")], env=env,

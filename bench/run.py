@@ -19,10 +19,13 @@ MODULES = [
     "bench.bench_gpu",
     "bench.bench_xid",
     "bench.bench_heartbeat",
+    "bench.bench_hang",
     "bench.bench_ingest",
     "bench.bench_latency",
+    "bench.bench_alertmanager_batch",
     "bench.bench_rdma",
     "bench.bench_sim",
+    "bench.bench_judgments",
 ]
 
 

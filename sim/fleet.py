@@ -49,8 +49,11 @@ class KernelLog:
         self.path = path
 
     def write(self, uptime_seconds: float, message: str) -> None:
+        self.write_lines(uptime_seconds, [message])
+
+    def write_lines(self, uptime_seconds: float, messages: list[str]) -> None:
         with self.path.open("a") as fh:
-            fh.write(f"[{uptime_seconds:12.6f}] {message}\n")
+            fh.writelines(f"[{uptime_seconds:12.6f}] {m}\n" for m in messages)
 
 
 class SimNode:
@@ -101,6 +104,17 @@ class SimNode:
             urgent=any(e.urgent for e in events))
         self.seq += 1
         return report
+
+    def restart(self, seams: Seams, collectors: Sequence[Collector], kernel_log: KernelLog) -> None:
+        """A new agent after a reboot: fresh collectors over the node's new seams, an empty
+        snapshot, report sequence from 0 (the caller sets the new boot id)."""
+        self.seams = seams
+        self.collectors = list(collectors)
+        self.training = next((c for c in self.collectors if c.name == "training"), None)
+        self.kernel_log = kernel_log
+        self.snapshot = Snapshot()
+        self._next_due = {}
+        self.seq = 0
 
     def reboot(self, boot_id: str) -> None:
         """Back from silence: a new boot, counters and sequence start again."""

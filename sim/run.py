@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -36,12 +36,14 @@ from sim.scenario import (
     PortDown,
     PortErrors,
     PortFlap,
+    Reboot,
+    RoceCongestion,
     Scenario,
     ScenarioError,
     Silence,
     SlowNode,
 )
-from sim.training import JobModel, StepBatch
+from sim.training import JobFault, JobModel, StepBatch
 
 log = logging.getLogger("vigil.sim")
 
@@ -115,9 +117,27 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Each simulated port's rdma collector keeps about this many sysfs files open (state, rates,
+# counters/, hw_counters/) when ``keep_files_open`` is on; a fleet whose ports would need more
+# than half of the process's descriptor limit reads them by path instead, as an agent does
+# once it reaches its own limit (agent/collectors/rdma.py).
+_FILES_PER_PORT = 40
+
+
+def _descriptor_budget() -> int:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (soft if soft != resource.RLIM_INFINITY else 1 << 20) // 2
+
+
 def agent_config(scenario: Scenario) -> AgentConfig:
     """The agent configuration every simulated node shares (name and topology aside)."""
-    data = _merge(_SIM_AGENT_DEFAULTS, {"collectors": scenario.agent.get("collectors", {})})
+    defaults = _SIM_AGENT_DEFAULTS
+    ports = scenario.fleet.nodes * scenario.fleet.hcas_per_node
+    if ports * _FILES_PER_PORT > _descriptor_budget():
+        defaults = _merge(defaults, {"collectors": {"rdma": {"keep_files_open": False}}})
+    data = _merge(defaults, {"collectors": scenario.agent.get("collectors", {})})
     data = _merge(data, {k: v for k, v in scenario.agent.items() if k != "collectors"})
     data.update({"node": "sim", "nvml": {"backend": "fake"}})
     try:
@@ -165,6 +185,8 @@ class Simulation:
         self._port_rates: list[tuple[float, float, str, int, str, float]] = []
         self._port_carry: dict[tuple[str, int, str], float] = {}
         self._boots = 0
+        self._nvml_setup: dict[str, tuple[int, str, list[dict[str, Any]]]] = {}
+        self._healthy: dict[str, Any] = {}
         self._store_seq = 0
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -178,57 +200,98 @@ class Simulation:
         base = self.agent_config
         from agent.daemon import build_collectors
         from agent.nvml.profiles import PROFILES
-        from agent.nvml.scenario import NodeScenario
 
-        load = {"utilization": sc.fleet.load, "noise": 0.05, "memory_used_ratio": 0.8}
-        healthy = NodeScenario.model_validate({"profile": sc.fleet.profile, "gpus": sc.fleet.gpus_per_node,
-                                               "load": load})
-        shared_sysfs = fabric.build_tree(self.workdir / "sysfs-shared", sc.fleet.hcas_per_node)
+        link_layer = sc.fleet.link_layer
+        shared_sysfs = fabric.build_tree(self.workdir / "sysfs-shared", sc.fleet.hcas_per_node, link_layer)
+        shared_ethtool = fabric.Ethtool(None, sc.fleet.hcas_per_node)
         quiet_log = self.workdir / "kern-quiet.log"
         quiet_log.touch()
-        bus_ids = [_log_bus_id(b) for b in PROFILES[sc.fleet.profile].pcie_bus_ids]
         # Collectors run once per report (a real agent collects more often than it reports; the
         # report carries only the latest result, so the aggregator sees the same thing).
         intervals: dict[str, float] = {}
+        profiles = {n: g.profile for g in sc.fleet.profiles for n in sc.resolve_nodes(g.nodes)}
         for i, name in enumerate(names):
             faults = self._faults_by_node.get(name, [])
+            profile = profiles.get(name, sc.fleet.profile)
             nvml_faults = [f.node_fault() for f in faults if isinstance(f, NvmlFault)]
-            node_sc = healthy if not nvml_faults else NodeScenario.model_validate(
-                {"profile": sc.fleet.profile, "gpus": sc.fleet.gpus_per_node, "load": load,
-                 "faults": nvml_faults})
-            ports_faulty = any(isinstance(f, PortDown | PortFlap | PortErrors) for f in faults)
-            sysfs = fabric.build_tree(self.workdir / "sysfs" / name, sc.fleet.hcas_per_node) \
+            self._nvml_setup[name] = (i, profile, nvml_faults)
+            ports_faulty = any(isinstance(f, PortDown | PortFlap | PortErrors | RoceCongestion | Reboot)
+                               for f in faults)
+            sysfs = fabric.build_tree(self.workdir / "sysfs" / name, sc.fleet.hcas_per_node, link_layer) \
                 if ports_faulty else shared_sysfs
+            node_fabric = fabric.NodeFabric(sysfs) if ports_faulty else None
             kern = quiet_log
             if any(isinstance(f, KernelXid) or (isinstance(f, NvmlFault) and f.kind in _LOGGED)
                    for f in faults):
-                kern = self.workdir / "kern" / f"{name}.log"
-                kern.parent.mkdir(parents=True, exist_ok=True)
-                kern.touch()
+                kern = self._kern_path(name)
             config = base.model_copy(update={"node": name, "topology": sc.topology_of(i)})
             node_intervals = dict(intervals)
             noisy = {"gpu": bool(nvml_faults), "rdma": ports_faulty, "xid": kern != quiet_log}
             for collector, seconds in sc.quiet_collector_intervals.items():
                 if not noisy.get(collector, False):
                     node_intervals[collector] = seconds
-            seams = Seams(nvml=open_fake_backend(node_sc, self.clock, seed=self.seed * 100_003 + i),
-                          sysfs_root=sysfs, kmsg=kern, clock=self.clock,
-                          extra={"pid_alive": lambda pid: True})
+            ethtool = fabric.Ethtool(node_fabric, sc.fleet.hcas_per_node) if node_fabric else shared_ethtool
+            seams = Seams(nvml=self._nvml(name, nvml_faults), sysfs_root=sysfs, kmsg=kern, clock=self.clock,
+                          run=ethtool, extra={"pid_alive": lambda pid: True})
             node = SimNode(config, seams, build_collectors(config, seams), boot_id=self._boot_id(),
-                           kernel_log=KernelLog(kern), fabric=fabric.NodeFabric(sysfs) if ports_faulty else None,
+                           kernel_log=KernelLog(kern), fabric=node_fabric,
                            intervals=node_intervals, report_interval_seconds=sc.report_interval_seconds)
-            node.pci_bus_ids = bus_ids
+            node.pci_bus_ids = [_log_bus_id(b) for b in PROFILES[profile].pcie_bus_ids]
             self.nodes[name] = node
         self._schedule_faults()
         for job in sc.jobs:
-            job_faults: list[SlowNode | DataStall | Hang] = []
+            job_faults: list[JobFault] = []
             fault_nodes: dict[int, list[str]] = {}
             for f in sc.faults:
                 if isinstance(f, SlowNode) or (isinstance(f, DataStall | Hang) and f.job == job.name):
                     fault_nodes[len(job_faults)] = sc.fault_nodes(f)
                     job_faults.append(f)
+                elif sc.hardware_disrupts_jobs:
+                    felt = job_impact(f, job.name)
+                    if felt is not None:
+                        fault_nodes[len(job_faults)] = sc.fault_nodes(f)
+                        job_faults.append(felt)
             self.jobs.append(JobModel(job, sc.resolve_nodes(job.nodes), job_faults, fault_nodes,
-                                      seed=self.seed, start=self.clock.start))
+                                      seed=self.seed, start=self.clock.start, gpus_per_node=sc.fleet.gpus_per_node))
+
+    def _nvml(self, name: str, nvml_faults: list[dict[str, Any]]) -> Any:
+        from agent.nvml.scenario import NodeScenario
+
+        sc = self.scenario
+        index, profile, _ = self._nvml_setup[name]
+        load = {"utilization": sc.fleet.load, "noise": 0.05, "memory_used_ratio": 0.8}
+        node_sc = self._healthy.get(profile)
+        if node_sc is None or nvml_faults:
+            node_sc = NodeScenario.model_validate({"profile": profile, "gpus": sc.fleet.gpus_per_node, "load": load,
+                                                   "faults": nvml_faults})
+            if not nvml_faults:
+                self._healthy[profile] = node_sc
+        return open_fake_backend(node_sc, self.clock, seed=self.seed * 100_003 + index)
+
+    def _kern_path(self, name: str) -> Path:
+        kern = self.workdir / "kern" / f"{name}.{self._boots}.log"
+        kern.parent.mkdir(parents=True, exist_ok=True)
+        kern.touch()
+        return kern
+
+    def _reboot(self, node: SimNode, clears: bool) -> None:
+        """The node comes back from a reboot: a new boot id and agent (fresh collectors), an empty
+        kernel log, InfiniBand counters at zero; its GPU faults still there unless ``clears``
+        (faults scripted for after the reboot happen either way)."""
+        from agent.daemon import build_collectors
+
+        now = self.clock.elapsed
+        _, _, nvml_faults = self._nvml_setup[node.name]
+        if clears:
+            nvml_faults = [f for f in nvml_faults if f["at_seconds"] > now]
+        node.close()
+        if node.fabric is not None:
+            node.fabric.reset(self.scenario.fleet.hcas_per_node, self.scenario.fleet.link_layer)
+        node.boot_id = self._boot_id()
+        kern = self._kern_path(node.name)
+        seams = Seams(nvml=self._nvml(node.name, nvml_faults), sysfs_root=node.seams.sysfs_root, kmsg=kern,
+                      clock=self.clock, run=node.seams.run, extra=node.seams.extra)
+        node.restart(seams, build_collectors(node.config, seams), KernelLog(kern))
 
     def _boot_id(self) -> str:
         self._boots += 1
@@ -247,8 +310,11 @@ class Simulation:
     def _schedule_fault(self, fault: Any, node: SimNode) -> None:
         t0 = fault.at_seconds
         if isinstance(fault, KernelXid):
-            line = kernel_xid_line(node.pci_bus_ids[fault.gpu], fault.code, fault.text)
-            self._at(t0, lambda: node.kernel_log.write(self.clock.elapsed + 60.0, line))
+            lines = [kernel_xid_line(node.pci_bus_ids[g], fault.code, fault.text)
+                     for g in fault.gpu_indexes(self.scenario.fleet.gpus_per_node)]
+            for k in range(fault.repeat + 1):
+                self._at(t0 + k * fault.every_seconds, lambda: node.kernel_log.write_lines(
+                    self.clock.elapsed + 60.0, lines))
         elif isinstance(fault, PortDown):
             assert node.fabric is not None
             fab = node.fabric
@@ -258,13 +324,20 @@ class Simulation:
         elif isinstance(fault, PortFlap):
             assert node.fabric is not None
             fab = node.fabric
+            down_for = fault.down_seconds if fault.down_seconds is not None else fault.period_seconds / 2
             for k in range(fault.count):
                 down = t0 + k * fault.period_seconds
+                if down > self.scenario.duration_seconds:
+                    break
                 self._at(down, lambda: fab.set_link(fault.hca, False, polling=True))
-                self._at(down + fault.period_seconds / 2, lambda: fab.set_link(fault.hca, True))
+                self._at(down + down_for, lambda: fab.set_link(fault.hca, True))
         elif isinstance(fault, PortErrors):
             end = fault.until_seconds if fault.until_seconds is not None else math.inf
             self._port_rates.append((t0, end, node.name, fault.hca, fault.counter, fault.per_second))
+        elif isinstance(fault, RoceCongestion):
+            end = fault.until_seconds if fault.until_seconds is not None else math.inf
+            for counter, per_second in fault.rates().items():
+                self._port_rates.append((t0, end, node.name, fault.hca, counter, per_second))
         elif isinstance(fault, Silence):
             self._at(t0, lambda: setattr(node, "silent", True))
             if fault.until_seconds is not None:
@@ -272,6 +345,13 @@ class Simulation:
                     node.silent = False
                     node.reboot(self._boot_id())
                 self._at(fault.until_seconds, back)
+        elif isinstance(fault, Reboot):
+            self._at(t0, lambda: setattr(node, "silent", True))
+
+            def up() -> None:
+                node.silent = False
+                self._reboot(node, fault.clears)
+            self._at(t0 + fault.down_seconds, up)
         elif isinstance(fault, NvmlFault) and fault.kind in _LOGGED:
             code = int((fault.model_extra or {}).get("code", 0)) if fault.kind == "xid" else _LOGGED[fault.kind]
             line = kernel_xid_line(node.pci_bus_ids[fault.gpu or 0], code, "")
@@ -367,11 +447,14 @@ class Simulation:
         when there are few, else an even sample that keeps the last step (the window summary's
         step count comes from step numbers, its quantiles from the sample)."""
         k = len(batch.step)
-        if k == 0:
+        if k == 0 and not batch.announcements:
             return 0
         per_window = self.scenario.heartbeats_per_rank
         rows = np.arange(k) if k <= per_window else np.unique(
             np.linspace(0, k - 1, per_window).round().astype(int))
+        # Announced pauses (rare): each goes in between the steps before and after it, as the
+        # client's hb.checkpointing() sends it, from every rank still running at that moment.
+        notes = [(ts, step, phase, ~model.stopped_at(ts)) for ts, step, phase in batch.announcements]
         job = model.job.name
         r_per = model.ranks_per_node
         gpus = self.scenario.fleet.gpus_per_node
@@ -389,10 +472,13 @@ class Simulation:
                 continue
             for local in range(r_per):
                 rank = i * r_per + local
+                pending = [nt for nt in notes if nt[3][rank]]
                 for j in range(len(rows)):
+                    end = float(ends[j])
+                    while pending and pending[0][0] < end:
+                        sent += self._note(node, job, rank, local % gpus, pending.pop(0))
                     if not alive[j, rank]:
                         continue
-                    end = float(ends[j])
                     payload = (
                         f'{{"job":"{job}","rank":{rank},"step":{int(steps[j])},'
                         f'"step_seconds":{step_s[j, rank]:.6f},"compute_seconds":{comp[j, rank]:.6f},'
@@ -401,7 +487,16 @@ class Simulation:
                     ).encode()
                     node.ingest_heartbeat(payload, end)
                     sent += 1
+                for note in pending:
+                    sent += self._note(node, job, rank, local % gpus, note)
         return sent
+
+    @staticmethod
+    def _note(node: SimNode, job: str, rank: int, gpu: int, note: tuple[float, int, str, np.ndarray]) -> int:
+        ts, step, phase, _ = note
+        node.ingest_heartbeat(f'{{"job":"{job}","rank":{rank},"step":{step},"step_seconds":0,'
+                              f'"phase":"{phase}","gpu":{gpu}}}'.encode(), ts)
+        return 1
 
     def _evaluate(self, now: float, fleet_nodes: int) -> list[SimDecision]:
         t = now - self.clock.start
@@ -419,6 +514,31 @@ class Simulation:
         if self.sink is None:
             return False
         return bool(self.sink.store.breaker().tripped)
+
+
+def job_impact(fault: Any, job: str) -> JobFault | None:
+    """What a hardware fault does to a job on its node (``hardware_disrupts_jobs``): the job
+    model's own fault with the same target and time, or None for faults a job does not feel."""
+    target = {"node": fault.node, "nodes": fault.nodes, "component": fault.component, "at_seconds": fault.at_seconds}
+    if isinstance(fault, NvmlFault) and fault.kind in ("thermal_throttle", "power_brake"):
+        extra = fault.model_extra or {}
+        ratio = float(extra.get("clock_ratio", 0.5 if fault.kind == "thermal_throttle" else 0.3))
+        # Compute-bound kernels slow in proportion to the SM clock.
+        return SlowNode(kind="slow_node", gpus=[fault.gpu or 0], factor=min(100.0, 1.0 / ratio),
+                        until_seconds=fault.at_seconds + float(extra["duration_seconds"]), **target)
+    lost = (isinstance(fault, NvmlFault) and fault.kind == "gpu_lost") or (isinstance(fault, KernelXid)
+                                                                          and fault.code == 79)
+    if lost:
+        # The rank on the lost GPU dies; the others block in their next collective.
+        return Hang(kind="hang", job=job, gpus=[fault.gpu or 0], others_continue_seconds=0, **target)
+    if isinstance(fault, Reboot):
+        return Hang(kind="hang", job=job, others_continue_seconds=0,
+                    until_seconds=fault.at_seconds + fault.down_seconds, **target)
+    if isinstance(fault, PortDown):
+        # Without its fabric port the node's ranks cannot reach the others' collectives.
+        until = None if fault.duration_seconds is None else fault.at_seconds + fault.duration_seconds
+        return Hang(kind="hang", job=job, others_continue_seconds=0, until_seconds=until, **target)
+    return None
 
 
 def _trace(trace: JobTrace, model: JobModel, batch: StepBatch, t: float) -> None:
@@ -467,9 +587,9 @@ def build_engine(scenario: Scenario) -> tuple[Any, Any]:
     from pydantic import ValidationError
 
     from aggregator.config import parse_config as parse_aggregator_config
-    from aggregator.dispatch import GatedSink
     from aggregator.engine import Engine
     from aggregator.gate import Gate, GateConfig
+    from aggregator.ledger import Ledger
     from aggregator.store import Store
 
     try:
@@ -481,9 +601,8 @@ def build_engine(scenario: Scenario) -> tuple[Any, Any]:
     except ValidationError as exc:
         raise ScenarioError(format_validation_error(exc, f"invalid scenario {scenario.name} (gate)")) from None
     store = Store(":memory:")
-    sink = GatedSink(Gate(gate_config), store, actuators={})
-    # cast: GatedSink.recent lacks the protocol's default argument (aggregator/dispatch.py)
-    return Engine(config, cast(Any, sink)), sink
+    sink = Ledger(Gate(gate_config), store, actuators={})
+    return Engine(config, sink), sink
 
 
 def run_scenario(scenario: Scenario, *, seed: int | None = None, engine: Any = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from agent.validation import format_validation_error
 
-SCENARIO_DIR = Path(__file__).resolve().parent.parent / "scenarios"
+# The repository's scenarios/, installed as package data of `vigil` (vigil/scenarios links to it).
+SCENARIO_DIR = Path(str(resources.files("vigil") / "scenarios"))
 
 # The node-level FakeNvml fault kinds (agent/nvml scenario contract); the simulator passes these
 # through to each node's FakeNvml unchanged.
@@ -35,6 +37,9 @@ NVML_FAULT_KINDS = (
     "nvlink_errors",
     "nvlink_down",
     "nvml_unavailable",
+    "temperature_drift",
+    "hot_hbm",
+    "pcie_replay",
 )
 
 
@@ -48,11 +53,22 @@ class _Strict(BaseModel):
 
 class Topology(_Strict):
     """Consecutive nodes share a rack, consecutive racks a row; leaf switches span consecutive
-    nodes (a rail-optimised fabric has several per rack; a leaf of 32 nodes is a common size)."""
+    nodes (a leaf of 32 nodes is a common size). ``rails`` > 1 is a rail-optimised fabric: each
+    group of ``nodes_per_leaf`` nodes has one leaf per rail, and HCA r of every node in the group
+    cables to the rail-r leaf (labels ``rail<r>_leaf`` = ``leaf-<group>-rail<r>`` instead of
+    ``leaf_switch``), so one leaf's fault shows on one HCA of many nodes."""
 
     nodes_per_rack: int = Field(default=4, ge=1)
     racks_per_row: int = Field(default=8, ge=1)
     nodes_per_leaf: int = Field(default=32, ge=1)
+    rails: int = Field(default=1, ge=1, le=16)
+
+
+class ProfileGroup(_Strict):
+    """Nodes of another GPU model in a mixed fleet (an H200 row beside the H100s)."""
+
+    nodes: NodeSet
+    profile: str
 
 
 class Fleet(_Strict):
@@ -60,6 +76,10 @@ class Fleet(_Strict):
     gpus_per_node: int = Field(default=8, ge=1, le=16)
     hcas_per_node: int = Field(default=1, ge=0, le=16)
     profile: str = "h100-sxm-80gb"
+    # Later groups win where they overlap; nodes in none have ``profile``.
+    profiles: list[ProfileGroup] = Field(default_factory=list)
+    # The compute fabric: InfiniBand, or RoCE ("Ethernet" link layer, as the kernel names it).
+    link_layer: Literal["InfiniBand", "Ethernet"] = "InfiniBand"
     load: float = Field(default=0.9, ge=0, le=1)  # GPU utilization of the healthy fleet
     name_format: str = "node-{:04d}"
     topology: Topology = Topology()
@@ -68,14 +88,19 @@ class Fleet(_Strict):
     def _name_format_works(self) -> Fleet:
         from agent.nvml.profiles import PROFILES
 
-        if self.profile not in PROFILES:
-            raise ValueError(f"profile {self.profile!r} is not one of {sorted(PROFILES)}")
+        for i, profile in enumerate([self.profile, *(g.profile for g in self.profiles)]):
+            if profile not in PROFILES:
+                where = "profile" if i == 0 else f"profiles.{i - 1}.profile"
+                raise ValueError(f"{where}: {profile!r} is not one of {sorted(PROFILES)}")
         try:
             first = self.name_format.format(0)
         except (IndexError, KeyError, ValueError) as exc:
             raise ValueError(f"name_format {self.name_format!r} cannot format an index: {exc}") from None
         if first == self.name_format.format(1):
             raise ValueError(f"name_format {self.name_format!r} gives every node the same name")
+        if self.topology.rails > 1 and self.topology.rails > self.hcas_per_node:
+            raise ValueError(f"topology.rails: {self.topology.rails} rails need as many HCAs a node "
+                             f"(hcas_per_node is {self.hcas_per_node})")
         return self
 
 
@@ -105,6 +130,26 @@ class Noise(_Strict):
 NodeSet = str | list[str]  # "all", "node-0000..node-0099", or a list of names
 
 
+class Pause(_Strict):
+    """A phase in which every rank stops stepping with its process alive: a checkpoint save or an
+    evaluation pass, ``seconds`` long, every ``every_seconds`` from ``first_at_seconds``."""
+
+    kind: Literal["checkpoint", "evaluation"]
+    every_seconds: float = Field(gt=0)
+    seconds: float = Field(gt=0)
+    first_at_seconds: float = Field(default=0.0, ge=0)
+    # The ranks say so as the heartbeat client's ``hb.checkpointing()`` / ``hb.evaluating()`` do (a
+    # heartbeat repeating the last step with the phase), so the hang detector applies the phase's
+    # own, longer limit. False: a job that does not announce it, so the pause looks like a stall.
+    announced: bool = True
+
+    @model_validator(mode="after")
+    def _shorter_than_its_period(self) -> Pause:
+        if self.seconds >= self.every_seconds:
+            raise ValueError("seconds must be shorter than every_seconds (a job that never steps is a hang)")
+        return self
+
+
 class Job(_Strict):
     name: str = Field(min_length=1, max_length=128)
     nodes: NodeSet = "all"
@@ -113,6 +158,15 @@ class Job(_Strict):
     noise: Noise = Noise()
     phases: Phases = Phases()
     start_seconds: float = Field(default=0.0, ge=0)
+    # The job finishes (its ranks exit and send nothing more); None: it runs to the end.
+    end_seconds: float | None = Field(default=None, gt=0)
+    pauses: list[Pause] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _ends_after_it_starts(self) -> Job:
+        if self.end_seconds is not None and self.end_seconds <= self.start_seconds:
+            raise ValueError("end_seconds must be after start_seconds")
+        return self
 
 
 class _FaultBase(_Strict):
@@ -144,7 +198,7 @@ class NvmlFault(_FaultBase):
     kind: Literal[
         "ecc_corrected_growth", "ecc_uncorrectable", "row_remap_pending", "row_remap_failure",
         "thermal_throttle", "power_brake", "xid", "gpu_lost", "reset_required", "nvlink_errors",
-        "nvlink_down", "nvml_unavailable",
+        "nvlink_down", "nvml_unavailable", "temperature_drift", "hot_hbm", "pcie_replay",
     ]
     gpu: int | None = Field(default=None, ge=0)
 
@@ -162,8 +216,20 @@ class KernelXid(_FaultBase):
 
     kind: Literal["kernel_xid"]
     gpu: int = Field(default=0, ge=0)
+    # Several GPUs of each target node at once ("all", or indexes): an application's illegal
+    # access (Xid 13, 31, 43) kills every rank of the job and each GPU logs it; overrides ``gpu``.
+    gpus: Literal["all"] | list[int] | None = None
     code: int = Field(ge=1)
     text: str = ""  # the driver's trailing message; a default per well-known code otherwise
+    # The same line again ``repeat`` more times, ``every_seconds`` apart (a job relaunched by its
+    # scheduler hits its bug again; a failing GPU logs its Xid again).
+    repeat: int = Field(default=0, ge=0, le=10_000)
+    every_seconds: float = Field(default=60.0, gt=0)
+
+    def gpu_indexes(self, gpus_per_node: int) -> list[int]:
+        if self.gpus is None:
+            return [self.gpu]
+        return list(range(gpus_per_node)) if self.gpus == "all" else list(self.gpus)
 
 
 class PortDown(_FaultBase):
@@ -180,8 +246,17 @@ class PortFlap(_FaultBase):
 
     kind: Literal["port_flap"]
     hca: int = Field(default=0, ge=0)
-    count: int = Field(default=3, ge=1)
+    count: int = Field(default=3, ge=1, le=100_000)
     period_seconds: float = Field(default=20.0, gt=0)
+    # How long each drop lasts (default: half the period). A port that drops for 2 s every 6
+    # minutes is the field's slow flap; most of its life it looks healthy.
+    down_seconds: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _down_within_period(self) -> PortFlap:
+        if self.down_seconds is not None and self.down_seconds >= self.period_seconds:
+            raise ValueError("down_seconds must be shorter than period_seconds")
+        return self
 
 
 class PortErrors(_FaultBase):
@@ -194,17 +269,83 @@ class PortErrors(_FaultBase):
     until_seconds: float | None = None
 
 
-class SlowNode(_FaultBase):
-    """Every rank on the node computes ``factor`` times slower (a throttled or degraded GPU that
-    reports nothing wrong: only the step times show it)."""
+class _RankScope(_Strict):
+    """Which ranks of each target node a fault hits: all (default), the node-local ``ranks``, or
+    the ranks driving the node's ``gpus`` (a rank's GPU is its local rank modulo the GPU count)."""
+
+    ranks: list[int] | None = None
+    gpus: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _one_scope(self) -> _RankScope:
+        if self.ranks is not None and self.gpus is not None:
+            raise ValueError("give ranks or gpus, not both")
+        for name in ("ranks", "gpus"):
+            values = getattr(self, name)
+            if values is not None and (not values or min(values) < 0):
+                raise ValueError(f"{name}: a non-empty list of indexes >= 0")
+        return self
+
+
+class RoceCongestion(_FaultBase):
+    """Congestion on a RoCE port (link layer Ethernet): the counters DCQCN and PFC leave behind
+    grow at the given rates from ``at_seconds`` to ``until_seconds``: ECN-marked packets and
+    CNPs sent where the port is the notification point, CNPs handled where it is the reaction
+    point, PFC pause frames received (and the time paused) on ``priority``. An incast or a hot
+    spine looks like this on every port it touches; one port's own fault rarely does."""
+
+    kind: Literal["roce_congestion"]
+    hca: int = Field(default=0, ge=0)
+    ecn_marked_per_second: float = Field(default=0.0, ge=0)
+    cnp_sent_per_second: float = Field(default=0.0, ge=0)
+    cnp_handled_per_second: float = Field(default=0.0, ge=0)
+    pfc_pause_per_second: float = Field(default=0.0, ge=0)
+    priority: int = Field(default=3, ge=0, le=7)
+    until_seconds: float | None = None
+
+    def rates(self) -> dict[str, float]:
+        """Counter name (hw_counters/ or ethtool -S) -> increase per second."""
+        p = self.priority
+        out = {"np_ecn_marked_roce_packets": self.ecn_marked_per_second, "np_cnp_sent": self.cnp_sent_per_second,
+               "rp_cnp_handled": self.cnp_handled_per_second, f"rx_prio{p}_pause": self.pfc_pause_per_second,
+               # a pause frame holds the sender for up to 65,535 quanta (~84 us at 400 Gb/s); call it 50 us
+               f"rx_prio{p}_pause_duration": self.pfc_pause_per_second * 50.0}
+        return {k: v for k, v in out.items() if v > 0}
+
+
+class SlowNode(_FaultBase, _RankScope):
+    """The ranks on the node (or some of them) compute ``factor`` times slower (a throttled or
+    degraded GPU that reports nothing wrong: only the step times show it). With
+    ``period_seconds``, intermittently: slow for ``slow_seconds`` at the start of every period."""
 
     kind: Literal["slow_node"]
     factor: float = Field(default=1.1, gt=1.0, le=100.0)
     until_seconds: float | None = None
+    period_seconds: float | None = Field(default=None, gt=0)
+    slow_seconds: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _intermittent(self) -> SlowNode:
+        if (self.period_seconds is None) != (self.slow_seconds is None):
+            raise ValueError("give period_seconds and slow_seconds together")
+        if self.period_seconds is not None and self.slow_seconds is not None \
+                and self.slow_seconds >= self.period_seconds:
+            raise ValueError("slow_seconds must be shorter than period_seconds")
+        return self
+
+    def active(self, elapsed: float) -> bool:
+        """Whether the slowdown is on ``elapsed`` simulated seconds into the run."""
+        if elapsed < self.at_seconds or (self.until_seconds is not None and elapsed >= self.until_seconds):
+            return False
+        if self.period_seconds is None or self.slow_seconds is None:
+            return True
+        return (elapsed - self.at_seconds) % self.period_seconds < self.slow_seconds
 
 
 class DataStall(_FaultBase):
-    """The whole job waits on its data loader (shared filesystem): every rank slower alike."""
+    """The job waits on its data loader: with no target every rank alike (a slow shared
+    filesystem); with a node target only those nodes' ranks (their local cache or storage
+    path), a partial stall."""
 
     kind: Literal["data_stall"]
     job: str
@@ -216,7 +357,7 @@ class DataStall(_FaultBase):
         return True
 
 
-class Hang(_FaultBase):
+class Hang(_FaultBase, _RankScope):
     """The ranks on the target node stop stepping (process alive). The job's other ranks go on
     with the work that does not need them (gradient-accumulation micro-steps, pipeline stages)
     for ``others_continue_seconds``, then block in the next collective that includes them;
@@ -232,6 +373,17 @@ class Hang(_FaultBase):
         return True  # no target: every rank of the job stops at once (a software bug)
 
 
+class Reboot(_FaultBase):
+    """The node reboots: silent for ``down_seconds``, then back with a new boot id and a fresh
+    agent, InfiniBand counters at zero and an empty kernel log. ``clears``: the reboot fixed
+    what was wrong with its GPUs (a driver state); otherwise (default) the hardware fault is
+    still there, e.g. a GPU that fell off the bus is still missing."""
+
+    kind: Literal["reboot"]
+    down_seconds: float = Field(default=180.0, gt=0)
+    clears: bool = False
+
+
 class Silence(_FaultBase):
     """The node stops reporting (power loss, kernel panic, network partition)."""
 
@@ -240,27 +392,53 @@ class Silence(_FaultBase):
 
 
 Fault = Annotated[
-    NvmlFault | KernelXid | PortDown | PortFlap | PortErrors | SlowNode | DataStall | Hang | Silence,
+    NvmlFault | KernelXid | PortDown | PortFlap | PortErrors | RoceCongestion | SlowNode | DataStall | Hang
+    | Silence | Reboot,
     Field(discriminator="kind"),
 ]
+
+
+# Action classes that cost a job or a node (DESIGN.md section 3); the scorer judges each on its
+# own: a drain where a reset was right is as wrong as a drain of the wrong node.
+REMOVAL_ACTIONS = ("drain", "reset_gpu", "reboot_node", "inspect_hardware", "restart_job")
+ACTIONS = ("observe", "alert", *REMOVAL_ACTIONS, "resume")
+# What answers a whole job's fault: never a node's removal (a job's bug is the job's).
+JOB_ACTIONS = ("restart_job", "alert")
+
+ActionName = Literal["observe", "alert", "drain", "reset_gpu", "reboot_node", "inspect_hardware", "restart_job",
+                     "resume"]
 
 
 class Expectation(_Strict):
     """A decision the aggregator must take: on ``node`` (or ``component``, or ``job``), one of
     ``action``, within ``within_seconds`` of ``after_seconds`` (default: the first fault on that
-    subject)."""
+    subject). The same expectation justifies later decisions of those classes on that subject
+    (repeats and escalations), and nothing else."""
 
     node: str | None = None
     component: str | None = None
     job: str | None = None
-    action: str | list[str]
+    action: ActionName | list[ActionName]
     within_seconds: float = Field(gt=0)
     after_seconds: float | None = Field(default=None, ge=0)
+    # A node expectation about one GPU: a decision naming another GPU does not answer it.
+    gpu: int | None = Field(default=None, ge=0)
+    # A component expectation: removals of the component's own nodes answer it too (a rack that
+    # lost power is its nodes' problem). Off by default: a bad leaf switch is inspected, its
+    # nodes are not drained.
+    include_nodes: bool = False
 
     @model_validator(mode="after")
     def _one_subject(self) -> Expectation:
         if sum(x is not None for x in (self.node, self.component, self.job)) != 1:
             raise ValueError("give exactly one of node, component, job")
+        if self.job is not None and not set(self.actions) <= set(JOB_ACTIONS):
+            raise ValueError(f"a job expectation takes only {list(JOB_ACTIONS)}: a job's own fault is never "
+                             "answered by removing one of its nodes")
+        if self.include_nodes and self.component is None:
+            raise ValueError("include_nodes applies to a component expectation only")
+        if self.gpu is not None and self.node is None:
+            raise ValueError("gpu applies to a node expectation only")
         return self
 
     @property
@@ -270,6 +448,54 @@ class Expectation(_Strict):
     @property
     def subject(self) -> str:
         return next(str(x) for x in (self.node, self.component, self.job) if x is not None)
+
+
+class Allow(_Strict):
+    """Removals that may happen but need not (the breaker trips before every faulty node is
+    drained): on ``nodes``, of ``action`` classes, each only after that node's own injected
+    fault began; or a ``job``'s restart once one of its nodes has a fault of its own (a lost GPU
+    kills the job it ran). Nothing outside an expectation or an allowance is justified."""
+
+    nodes: NodeSet | None = None
+    job: str | None = None
+    action: ActionName | list[ActionName]
+
+    @model_validator(mode="after")
+    def _one_subject(self) -> Allow:
+        if (self.nodes is None) == (self.job is None):
+            raise ValueError("give exactly one of nodes, job")
+        if self.job is not None and not set(self.actions) <= set(JOB_ACTIONS):
+            raise ValueError(f"a job allowance takes only {list(JOB_ACTIONS)}")
+        return self
+
+    @property
+    def actions(self) -> tuple[str, ...]:
+        return (self.action,) if isinstance(self.action, str) else tuple(self.action)
+
+
+class Forbid(_Strict):
+    """What must not happen: an admitted decision of ``action`` (default: every removal class) on
+    ``nodes``, on the nodes under ``component``, or on the nodes of (or naming) ``job``; with no
+    subject, anywhere. A forbidden decision fails the run even where an expectation would have
+    justified it, so a scenario can say "whatever else happens, not this"."""
+
+    nodes: NodeSet | None = None
+    component: str | None = None
+    job: str | None = None
+    action: ActionName | list[ActionName] | None = None
+    reason: str = ""  # why, printed with a violation
+
+    @model_validator(mode="after")
+    def _at_most_one_subject(self) -> Forbid:
+        if sum(x is not None for x in (self.nodes, self.component, self.job)) > 1:
+            raise ValueError("give at most one of nodes, component, job")
+        return self
+
+    @property
+    def actions(self) -> tuple[str, ...]:
+        if self.action is None:
+            return REMOVAL_ACTIONS
+        return (self.action,) if isinstance(self.action, str) else tuple(self.action)
 
 
 class Scenario(_Strict):
@@ -289,9 +515,18 @@ class Scenario(_Strict):
     # quiet nodes are what bounds a 1,000-node run; the faulty nodes always run every report.
     quiet_collector_intervals: dict[str, float] = Field(default_factory=dict)
     fleet: Fleet
+    # Hardware faults reach the jobs on the node: a thermal or power-brake throttle slows the
+    # ranks on that GPU by its clock ratio, a lost GPU stops its ranks (the job blocks in its
+    # next collective), a port down stops the node's ranks while it is down.
+    hardware_disrupts_jobs: bool = False
     jobs: list[Job] = Field(default_factory=list)
     faults: list[Fault] = Field(default_factory=list)
     expect: list[Expectation] = Field(default_factory=list)
+    allow: list[Allow] = Field(default_factory=list)
+    forbid: list[Forbid] = Field(default_factory=list)
+    # At most this many removals (distinct subject and action class, restart_job included) in
+    # the whole run; None: no cap beyond every removal being justified.
+    max_removals: int | None = Field(default=None, ge=0)
     # "tripped": the scenario passes only if the gate's cluster circuit breaker trips.
     expect_breaker: Literal["tripped", "closed", "any"] = "any"
     # Passed through to the real configurations: the agent's (for every simulated node), the
@@ -309,6 +544,8 @@ class Scenario(_Strict):
             raise ValueError("jobs: two jobs share a name")
         for i, job in enumerate(self.jobs):
             _check_nodeset(job.nodes, names, self.fleet.name_format, f"jobs.{i}.nodes")
+        for i, group in enumerate(self.fleet.profiles):
+            _check_nodeset(group.nodes, names, self.fleet.name_format, f"fleet.profiles.{i}.nodes")
         for i, fault in enumerate(self.faults):
             where = f"faults.{i}"
             if fault.node is not None and fault.node not in names:
@@ -324,7 +561,20 @@ class Scenario(_Strict):
             if isinstance(fault, NvmlFault | KernelXid) and fault.gpu is not None \
                     and fault.gpu >= self.fleet.gpus_per_node:
                 raise ValueError(f"{where}.gpu: {fault.gpu} >= gpus_per_node {self.fleet.gpus_per_node}")
-            if isinstance(fault, PortDown | PortFlap | PortErrors) and fault.hca >= self.fleet.hcas_per_node:
+            if isinstance(fault, SlowNode | Hang):
+                _check_scope(fault, self.fleet.gpus_per_node, max((j.ranks_per_node for j in self.jobs), default=0),
+                             where)
+            if isinstance(fault, KernelXid) and any(g >= self.fleet.gpus_per_node or g < 0
+                                                    for g in fault.gpu_indexes(self.fleet.gpus_per_node)):
+                raise ValueError(f"{where}.gpus: {fault.gpus} outside 0..{self.fleet.gpus_per_node - 1}")
+            if isinstance(fault, RoceCongestion) and self.fleet.link_layer != "Ethernet":
+                raise ValueError(f"{where}: roce_congestion needs fleet.link_layer Ethernet")
+            if isinstance(fault, PortDown | PortFlap | PortErrors | RoceCongestion) and fault.component is not None:
+                rail = self.component_rail(fault.component)
+                if rail is not None and fault.hca != rail:
+                    raise ValueError(f"{where}.hca: {fault.component} carries HCA {rail} of its nodes, not {fault.hca}")
+            if isinstance(fault, PortDown | PortFlap | PortErrors | RoceCongestion) \
+                    and fault.hca >= self.fleet.hcas_per_node:
                 raise ValueError(f"{where}.hca: {fault.hca} >= hcas_per_node {self.fleet.hcas_per_node}")
             if fault.at_seconds > self.duration_seconds:
                 raise ValueError(f"{where}.at_seconds: {fault.at_seconds:g} is after duration_seconds")
@@ -335,6 +585,20 @@ class Scenario(_Strict):
                 raise ValueError(f"expect.{i}.component: unknown component {exp.component!r}")
             if exp.job is not None and exp.job not in jobs:
                 raise ValueError(f"expect.{i}.job: unknown job {exp.job!r}")
+            if exp.gpu is not None and exp.gpu >= self.fleet.gpus_per_node:
+                raise ValueError(f"expect.{i}.gpu: {exp.gpu} >= gpus_per_node {self.fleet.gpus_per_node}")
+        for i, allow in enumerate(self.allow):
+            if allow.nodes is not None:
+                _check_nodeset(allow.nodes, names, self.fleet.name_format, f"allow.{i}.nodes")
+            if allow.job is not None and allow.job not in jobs:
+                raise ValueError(f"allow.{i}.job: unknown job {allow.job!r}")
+        for i, forbid in enumerate(self.forbid):
+            if forbid.nodes is not None:
+                _check_nodeset(forbid.nodes, names, self.fleet.name_format, f"forbid.{i}.nodes")
+            if forbid.component is not None and forbid.component not in components:
+                raise ValueError(f"forbid.{i}.component: unknown component {forbid.component!r}")
+            if forbid.job is not None and forbid.job not in jobs:
+                raise ValueError(f"forbid.{i}.job: unknown job {forbid.job!r}")
         return self
 
     # -- resolution -----------------------------------------------------------------------------
@@ -342,14 +606,29 @@ class Scenario(_Strict):
     def node_names(self) -> list[str]:
         return [self.fleet.name_format.format(i) for i in range(self.fleet.nodes)]
 
+    def profile_of(self, node: str) -> str:
+        """The node's GPU model (``fleet.profiles`` over ``fleet.profile``)."""
+        out = self.fleet.profile
+        for group in self.fleet.profiles:
+            if node in self.resolve_nodes(group.nodes):
+                out = group.profile
+        return out
+
     def topology_of(self, index: int) -> dict[str, str]:
         t = self.fleet.topology
         rack = index // t.nodes_per_rack
-        return {
-            "row": f"row-{rack // t.racks_per_row:02d}",
-            "rack": f"rack-{rack:03d}",
-            "leaf_switch": f"leaf-{index // t.nodes_per_leaf:03d}",
-        }
+        group = index // t.nodes_per_leaf
+        out = {"row": f"row-{rack // t.racks_per_row:02d}", "rack": f"rack-{rack:03d}"}
+        if t.rails == 1:
+            out["leaf_switch"] = f"leaf-{group:03d}"
+        else:
+            out.update({f"rail{r}_leaf": f"leaf-{group:03d}-rail{r}" for r in range(t.rails)})
+        return out
+
+    def component_rail(self, component: str) -> int | None:
+        """The rail a rail-optimised leaf carries (its HCA index on every node), else None."""
+        head, sep, rail = component.rpartition("-rail")
+        return int(rail) if sep and head.startswith("leaf-") and rail.isdigit() else None
 
     def components(self) -> dict[str, list[str]]:
         """Every topology label value -> the nodes under it."""
@@ -394,12 +673,30 @@ class Scenario(_Strict):
             times = [f.at_seconds for f in self.faults if exp.component in self._fault_components(f)]
         return min(times) if times else None
 
+    def own_fault_time(self, node: str) -> float | None:
+        """When the first fault aimed at ``node`` itself began (by ``node`` or ``nodes``; a fault
+        of its switch or of its whole job is not the node's own)."""
+        times = [f.at_seconds for f in self.faults
+                 if (f.node is not None or f.nodes is not None) and f.kind not in ("data_stall", "reboot")
+                 and node in self.fault_nodes(f)]
+        return min(times) if times else None
+
+    def job_nodes(self, job: str) -> list[str]:
+        return self.resolve_nodes(next(j for j in self.jobs if j.name == job).nodes)
+
     def _fault_components(self, fault: Any) -> set[str]:
         index = {n: i for i, n in enumerate(self.node_names())}
         out: set[str] = set()
         for n in self.fault_nodes(fault):
             out.update(self.topology_of(index[n]).values())
         return out
+
+
+def _check_scope(fault: SlowNode | Hang, gpus: int, ranks: int, where: str) -> None:
+    if fault.gpus is not None and max(fault.gpus) >= gpus:
+        raise ValueError(f"{where}.gpus: {max(fault.gpus)} >= gpus_per_node {gpus}")
+    if fault.ranks is not None and max(fault.ranks) >= ranks:
+        raise ValueError(f"{where}.ranks: {max(fault.ranks)} >= ranks_per_node {ranks}")
 
 
 def _check_node_fault(fault: NvmlFault, fleet: Fleet, where: str) -> None:
@@ -457,7 +754,7 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError(format_validation_error(exc, f"invalid scenario {source}")) from None
+        raise ScenarioError(format_validation_error(exc, f"invalid scenario {source}", Scenario)) from None
 
 
 def load_scenario(path_or_name: str | Path) -> Scenario:
@@ -497,6 +794,8 @@ def shortened(scenario: Scenario, duration_seconds: float) -> Scenario:
             expect.append(exp)
     data = kept.model_dump(exclude_defaults=False)
     data["expect"] = [e.model_dump(exclude_none=True) for e in expect]
+    data["allow"] = [a.model_dump(exclude_none=True) for a in scenario.allow]
+    data["forbid"] = [f.model_dump(exclude_none=True) for f in scenario.forbid]
     data["faults"] = [_fault_dump(f) for f in faults]
     return Scenario.model_validate(data)
 

@@ -1,12 +1,15 @@
-"""Scoring a simulation against its scenario's expectations: was each fault answered, how fast,
-and was anything else drained.
+"""Scoring a simulation against its scenario: was each fault answered, how fast, and was every
+removal justified.
 
-An expectation is met by the first admitted decision on its node (or on its component, or on a
-node under it) with one of its actions, within its time limit after the fault. An admitted
-decision that removes capacity (DESIGN.md section 3: drain, reset, reboot, inspect) is a false
-drain unless it answers an expectation or hits a node that had a fault of its own injected by
-then (a node-level fault, not a job-wide stall or a fault of the switch above it). Precision and
-recall are over those decisions and expectations. It runs nothing; it reads a ``SimResult``.
+An expectation is met by the first admitted decision on its subject with one of its actions,
+within its time limit after the fault. Every admitted removal (drain, reset_gpu, reboot_node,
+inspect_hardware, restart_job: each a class of its own) is judged on its own: it is justified
+only by an expectation or an allowance on its own subject (the node itself; a component's own
+decision, or its nodes where the expectation says ``include_nodes``; a job's restart for a
+job-wide fault), of one of the classes that expectation names, at or after the fault it answers.
+A ``forbid`` entry fails the run whatever justified it, and ``max_removals`` caps the run's
+distinct removals. Alerts are counted apart: they cost nobody a node. It runs nothing; it reads
+a ``SimResult``.
 """
 
 from __future__ import annotations
@@ -14,13 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from aggregator.decision import REMOVING_ACTIONS
 from sim.run import SimDecision, SimResult
-from sim.scenario import Expectation, Scenario
+from sim.scenario import REMOVAL_ACTIONS, Allow, Expectation, Forbid, Scenario
 
-_REMOVING = frozenset(a.value for a in REMOVING_ACTIONS)
-# Acting on the job rather than the node also costs the job its progress since the checkpoint.
-_ACTING = _REMOVING | {"restart_job"}
+_REMOVAL = frozenset(REMOVAL_ACTIONS)
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,34 @@ class ExpectationResult:
 
 
 @dataclass(frozen=True)
+class Removal:
+    """One admitted removal and the verdict on it: ``justified_by`` names the expectation or
+    allowance that answers it; otherwise ``why`` says what is wrong with it."""
+
+    decision: SimDecision
+    justified_by: str | None
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.decision.to_json(), "justified_by": self.justified_by, "why": self.why}
+
+
+@dataclass(frozen=True)
+class Violation:
+    forbid: Forbid
+    decision: SimDecision
+
+    def to_json(self) -> dict[str, Any]:
+        return {"forbid": self.forbid.model_dump(exclude_none=True), "decision": self.decision.to_json()}
+
+
+@dataclass(frozen=True)
 class Score:
     expectations: list[ExpectationResult]
-    false_drains: list[SimDecision]
-    true_decisions: int
+    removals: list[Removal]
+    violations: list[Violation]
+    alerts: list[SimDecision]
+    max_removals: int | None
     breaker_ok: bool
 
     @property
@@ -54,13 +78,31 @@ class Score:
         return sum(1 for e in self.expectations if e.met)
 
     @property
+    def false_removals(self) -> list[SimDecision]:
+        return [r.decision for r in self.removals if r.justified_by is None]
+
+    # The name the bench and the command line print: every unjustified removal, drains or not.
+    false_drains = false_removals
+
+    @property
+    def removal_count(self) -> int:
+        """Distinct removals: a subject and an action class (a re-proposal is the same removal)."""
+        return len({removal_key(r.decision) for r in self.removals})
+
+    @property
+    def over_cap(self) -> bool:
+        return self.max_removals is not None and self.removal_count > self.max_removals
+
+    @property
     def recall(self) -> float | None:
         return self.met / len(self.expectations) if self.expectations else None
 
     @property
     def precision(self) -> float | None:
-        acted = self.true_decisions + len(self.false_drains)
-        return self.true_decisions / acted if acted else None
+        """Justified removals over all removals (None when nothing was removed)."""
+        if not self.removals:
+            return None
+        return sum(1 for r in self.removals if r.justified_by is not None) / len(self.removals)
 
     @property
     def latencies(self) -> list[float]:
@@ -68,66 +110,103 @@ class Score:
 
     @property
     def passed(self) -> bool:
-        return self.met == len(self.expectations) and not self.false_drains and self.breaker_ok
+        return (self.met == len(self.expectations) and not self.false_removals and not self.violations
+                and not self.over_cap and self.breaker_ok)
 
 
-def _subjects(scenario: Scenario, exp: Expectation) -> set[str]:
-    """Names a decision may carry to answer ``exp``: the node, or the component and its nodes."""
+def removal_key(d: SimDecision) -> tuple[str, str, int | None, str | None]:
+    if d.action == "restart_job":
+        return ("job", d.action, None, d.job)
+    return (d.node, d.action, d.gpu if d.action == "reset_gpu" else None, None)
+
+
+def _answers(scenario: Scenario, exp: Expectation, d: SimDecision) -> bool:
+    """Whether ``d`` is about ``exp``'s subject (its action and time aside)."""
     if exp.node is not None:
-        return {exp.node}
+        if d.node != exp.node or d.component is not None:
+            return False
+        return exp.gpu is None or d.gpu is None or d.gpu == exp.gpu
     if exp.job is not None:
-        return {f"job:{exp.job}"}
+        return d.job == exp.job and d.action in ("restart_job", "alert", "observe")
     assert exp.component is not None
-    return {exp.component, *scenario.components().get(exp.component, [])}
+    if d.component == exp.component:
+        return True
+    return exp.include_nodes and d.component is None and d.node in scenario.components().get(exp.component, [])
 
 
-def _decision_subjects(d: SimDecision) -> set[str]:
-    return {d.node} | ({d.component} if d.component else set()) | ({f"job:{d.job}"} if d.job else set())
+def _forbids(scenario: Scenario, f: Forbid, d: SimDecision) -> bool:
+    if d.action not in f.actions:
+        return False
+    if f.nodes is not None:
+        return d.component is None and d.node in scenario.resolve_nodes(f.nodes)
+    if f.component is not None:
+        return d.component is None and d.node in scenario.components().get(f.component, [])
+    if f.job is not None:
+        return d.job == f.job or (d.component is None and d.node in scenario.job_nodes(f.job))
+    return True
 
 
-def _node_fault_times(scenario: Scenario) -> dict[str, float]:
-    """Nodes with a fault of their own (targeted by node or nodes), and when it began."""
-    out: dict[str, float] = {}
-    for fault in scenario.faults:
-        if (fault.node is None and fault.nodes is None) or fault.kind == "data_stall":
-            continue
-        for n in scenario.fault_nodes(fault):
-            out[n] = min(out.get(n, fault.at_seconds), fault.at_seconds)
-    return out
+def _allows(scenario: Scenario, a: Allow, d: SimDecision) -> bool:
+    if d.action not in a.actions or d.component is not None:
+        return False
+    if a.job is not None:
+        owns = [t for n in scenario.job_nodes(a.job) if (t := scenario.own_fault_time(n)) is not None]
+        return d.job == a.job and bool(owns) and d.t >= min(owns)
+    assert a.nodes is not None
+    own = scenario.own_fault_time(d.node)
+    return d.node in scenario.resolve_nodes(a.nodes) and own is not None and d.t >= own
+
+
+def _why_not(scenario: Scenario, d: SimDecision) -> str:
+    """What is wrong with a removal nothing justifies, in the words an operator would use."""
+    if d.component is not None:
+        return f"no expectation on component {d.component}"
+    if d.node not in set(scenario.node_names()):
+        return f"{d.node} is not a node of the fleet"
+    own = scenario.own_fault_time(d.node)
+    wanted = sorted({a for e in scenario.expect if e.node == d.node for a in e.actions})
+    if own is None:
+        shared = [f for f in scenario.faults if d.node in scenario.fault_nodes(f)]
+        if shared:
+            f = shared[0]
+            whose = f"component {f.component}" if f.component else f"job {getattr(f, 'job', '?')}"
+            return f"{d.node} has no fault of its own; the {f.kind} is its {whose}'s"
+        return f"{d.node} is healthy: no fault injected"
+    if d.t < own:
+        return f"before {d.node}'s fault at {own:g} s"
+    if wanted:
+        return f"wrong action class: {d.action}, expected one of {wanted}"
+    return f"{d.action} on {d.node} answers no expectation"
 
 
 def score(result: SimResult) -> Score:
     scenario = result.scenario
     admitted = [d for d in result.decisions if d.admitted]
-    answered: set[int] = set()  # indexes into `admitted` that answer some expectation
     outcomes: list[ExpectationResult] = []
+    starts: list[float] = []
     for exp in scenario.expect:
         fault_t = scenario.subject_fault_time(exp)
-        subjects = _subjects(scenario, exp)
         start = fault_t if fault_t is not None else 0.0
-        hit: SimDecision | None = None
-        for i, d in enumerate(admitted):
-            if d.action not in exp.actions or not (_decision_subjects(d) & subjects) or d.t < start:
-                continue
-            answered.add(i)
-            if hit is None:
-                hit = d
-        # Later repeats and escalations on the same subject answer the same fault: not false drains.
-        for i, d in enumerate(admitted):
-            if exp.job is None and _decision_subjects(d) & subjects and d.t >= start and d.action in _ACTING:
-                answered.add(i)
+        starts.append(start)
+        hit = next((d for d in admitted if d.action in exp.actions and d.t >= start and _answers(scenario, exp, d)),
+                   None)
         latency = None if hit is None else round(hit.t - start, 3)
         met = hit is not None and latency is not None and latency <= exp.within_seconds
         outcomes.append(ExpectationResult(exp, fault_t, met, hit, latency))
-    broken = _node_fault_times(scenario)
-    for i, d in enumerate(admitted):
-        if d.action in _ACTING and d.node in broken and d.t >= broken[d.node]:
-            answered.add(i)
-    false_drains = [d for i, d in enumerate(admitted) if d.action in _REMOVING and i not in answered]
-    true_decisions = sum(1 for i in answered if admitted[i].action in _ACTING)
+    removals: list[Removal] = []
+    for d in admitted:
+        if d.action not in _REMOVAL:
+            continue
+        by = next((f"expect.{i}" for i, exp in enumerate(scenario.expect)
+                   if d.action in exp.actions and d.t >= starts[i] and _answers(scenario, exp, d)), None)
+        if by is None:
+            by = next((f"allow.{i}" for i, a in enumerate(scenario.allow) if _allows(scenario, a, d)), None)
+        removals.append(Removal(d, by, "" if by is not None else _why_not(scenario, d)))
+    violations = [Violation(f, d) for d in admitted for f in scenario.forbid if _forbids(scenario, f, d)]
+    alerts = [d for d in admitted if d.action == "alert"]
     wanted = scenario.expect_breaker
     breaker_ok = wanted == "any" or (wanted == "tripped") == result.breaker_tripped
-    return Score(outcomes, false_drains, true_decisions, breaker_ok)
+    return Score(outcomes, removals, violations, alerts, scenario.max_removals, breaker_ok)
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -150,8 +229,13 @@ def summary(result: SimResult, s: Score) -> dict[str, Any]:
         "expectations": [e.to_json() for e in s.expectations],
         "precision": s.precision,
         "recall": s.recall,
-        "false_drains": len(s.false_drains),
-        "false_drain_decisions": [d.to_json() for d in s.false_drains],
+        "false_drains": len(s.false_removals),
+        "false_drain_decisions": [r.to_json() for r in s.removals if r.justified_by is None],
+        "removals": s.removal_count,
+        "max_removals": s.max_removals,
+        "removal_decisions": [r.to_json() for r in s.removals],
+        "forbid_violations": [v.to_json() for v in s.violations],
+        "alerts": len(s.alerts),
         "detection_latency_seconds": {
             "p50": _quantile(lat, 0.5) if lat else None,
             "p95": _quantile(lat, 0.95) if lat else None,

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.scenario import DataStall, Hang, Job, SlowNode
+from sim.scenario import DataStall, Hang, Job, Pause, SlowNode
+
+# The heartbeat client's phase name for each kind of pause (vigil_heartbeat: JobPhase).
+_PHASE_OF = {"checkpoint": "checkpointing", "evaluation": "evaluating"}
 
 
 @dataclass(frozen=True)
@@ -29,17 +32,23 @@ class StepBatch:
     data_seconds: np.ndarray
     # (steps, ranks): False where the rank had stopped (hung) and sent nothing for that step.
     alive: np.ndarray
+    # Announced pauses that began in the window: (ts, last step, phase), as every rank says it.
+    announcements: tuple[tuple[float, int, str], ...] = ()
+
+
+JobFault = SlowNode | DataStall | Hang
 
 
 class JobModel:
     """One job on ``nodes`` (names, in rank order), stepping on the simulated clock."""
 
-    def __init__(self, job: Job, nodes: list[str], faults: list[SlowNode | DataStall | Hang],
-                 fault_nodes: dict[int, list[str]], *, seed: int, start: float) -> None:
+    def __init__(self, job: Job, nodes: list[str], faults: list[JobFault],
+                 fault_nodes: dict[int, list[str]], *, seed: int, start: float, gpus_per_node: int = 8) -> None:
         self.job = job
         self.nodes = nodes
         self.ranks_per_node = job.ranks_per_node
         self.n_ranks = len(nodes) * job.ranks_per_node
+        self._gpus = gpus_per_node
         self._node_index = {n: i for i, n in enumerate(nodes)}
         self._rng = np.random.default_rng([seed, _stable_hash(job.name)])
         self._base_compute = job.step_seconds * job.phases.compute
@@ -47,35 +56,57 @@ class JobModel:
         self._base_data = job.step_seconds * job.phases.data
         self._start = start
         self._t = start + job.start_seconds  # when the step in progress began
+        self._end = start + job.end_seconds if job.end_seconds is not None else np.inf
         self._step = 0
         self._pending: tuple[np.ndarray, np.ndarray, np.ndarray, float] | None = None
-        # Fault schedule as (start, end, rank mask, value), resolved once.
-        self._slow: list[tuple[float, float, np.ndarray, float]] = []
-        self._stall: list[tuple[float, float, float]] = []
+        # Fault schedule with rank masks, resolved once.
+        self._slow: list[tuple[SlowNode, np.ndarray]] = []
+        self._stall: list[tuple[float, float, np.ndarray, float]] = []
         self._hang: list[tuple[float, np.ndarray, float, float]] = []
         for i, fault in enumerate(faults):
             t0 = start + fault.at_seconds
+            end = start + fault.until_seconds if fault.until_seconds is not None else np.inf
             if isinstance(fault, SlowNode):
-                end = start + fault.until_seconds if fault.until_seconds is not None else np.inf
-                self._slow.append((t0, end, self._mask(fault_nodes[i]), fault.factor))
+                self._slow.append((fault, self._mask(fault_nodes[i], fault.ranks, fault.gpus)))
             elif isinstance(fault, DataStall):
-                end = start + fault.until_seconds if fault.until_seconds is not None else np.inf
-                self._stall.append((t0, end, fault.extra_seconds))
+                targeted = fault.node is not None or fault.nodes is not None or fault.component is not None
+                mask = self._mask(fault_nodes[i]) if targeted else np.ones(self.n_ranks, dtype=bool)
+                self._stall.append((t0, end, mask, fault.extra_seconds))
             else:
-                end = start + fault.until_seconds if fault.until_seconds is not None else np.inf
-                self._hang.append((t0, self._mask(fault_nodes[i]), fault.others_continue_seconds, end))
+                self._hang.append((t0, self._mask(fault_nodes[i], fault.ranks, fault.gpus),
+                                   fault.others_continue_seconds, end))
 
-    def _mask(self, nodes: list[str]) -> np.ndarray:
+    def _mask(self, nodes: list[str], ranks: list[int] | None = None, gpus: list[int] | None = None) -> np.ndarray:
         mask = np.zeros(self.n_ranks, dtype=bool)
         r = self.ranks_per_node
+        local = np.ones(r, dtype=bool)
+        if ranks is not None:
+            local = np.isin(np.arange(r), ranks)
+        elif gpus is not None:
+            local = np.isin(np.arange(r) % self._gpus, gpus)
         for n in nodes:
             i = self._node_index.get(n)
             if i is not None:
-                mask[i * r:(i + 1) * r] = True
+                mask[i * r:(i + 1) * r] = local
         return mask
+
+    def _paused_until(self, t: float) -> tuple[float, Pause] | None:
+        """If a step would start at ``t`` inside a checkpoint or evaluation pause, when it ends."""
+        for p in self.job.pauses:
+            first = self._start + self.job.start_seconds + p.first_at_seconds
+            if t < first:
+                continue
+            into = (t - first) % p.every_seconds
+            if into < p.seconds:
+                return t - into + p.seconds, p
+        return None
 
     def rank_of(self, node: str, local: int) -> int:
         return self._node_index[node] * self.ranks_per_node + local
+
+    @property
+    def finished(self) -> bool:
+        return self._t >= self._end
 
     def stopped_at(self, t: float) -> np.ndarray:
         """Ranks whose own process is stopped at ``t`` (a hang episode on their node)."""
@@ -103,11 +134,15 @@ class JobModel:
     def _draw(self, t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
         n = self.n_ranks
         factor = np.ones(n)
-        for t0, t1, mask, f in self._slow:
-            if t0 <= t < t1:
-                factor[mask] *= f
+        elapsed = t - self._start
+        for fault, mask in self._slow:
+            if fault.active(elapsed):
+                factor[mask] *= fault.factor
         compute = self._base_compute * factor * self._noise((n,))
-        extra = sum(x for t0, t1, x in self._stall if t0 <= t < t1)
+        extra = np.zeros(n)
+        for t0, t1, mask, x in self._stall:
+            if t0 <= t < t1:
+                extra[mask] += x
         data = (self._base_data + extra) * self._noise((n,))
         ready = compute + data
         if self._hang:
@@ -123,9 +158,20 @@ class JobModel:
         ends: list[float] = []
         rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = []
         alive: list[np.ndarray] = []
+        announced: list[tuple[float, int, str]] = []
         n = self.n_ranks
         while True:
+            if self._t >= self._end:
+                break  # the job has finished: its ranks exited and send nothing more
             if self._pending is None:
+                if self.job.pauses:
+                    paused = self._paused_until(self._t)
+                    if paused is not None:
+                        resume_at, pause = paused
+                        if pause.announced:
+                            announced.append((self._t, self._step, _PHASE_OF[pause.kind]))
+                        self._t = resume_at
+                        continue
                 self._pending = self._draw(self._t)
             compute, comm, data, step_seconds = self._pending
             end = self._t + step_seconds
@@ -151,13 +197,13 @@ class JobModel:
         if k == 0:
             empty = np.zeros((0, n))
             return StepBatch(np.zeros(0, dtype=np.int64), np.zeros(0), empty, empty, empty, empty,
-                             np.zeros((0, n), dtype=bool))
+                             np.zeros((0, n), dtype=bool), tuple(announced))
         compute = np.vstack([r[0] for r in rows])
         comm = np.vstack([r[1] for r in rows])
         data = np.vstack([r[2] for r in rows])
         step_s = np.repeat(np.array([r[3] for r in rows])[:, None], n, axis=1)
         return StepBatch(np.array(steps, dtype=np.int64), np.array(ends), step_s, compute, comm, data,
-                         np.vstack(alive))
+                         np.vstack(alive), tuple(announced))
 
     @property
     def last_step(self) -> int:

@@ -11,7 +11,11 @@ from sim.scenario import SCENARIO_DIR, Scenario, parse_scenario, shortened
 
 
 def horizon(sc: Scenario) -> float:
-    """Enough simulated time to judge every expectation (and a breaker trip) of ``sc``."""
+    """Enough simulated time to judge every expectation (and a breaker trip) of ``sc``; the whole
+    run where something must not happen (``forbid``, ``max_removals``, a breaker that must stay
+    closed): a false removal late in the run counts as much as an early one."""
+    if sc.forbid or sc.max_removals is not None or sc.expect_breaker == "closed":
+        return sc.duration_seconds
     ends = [sc.duration_seconds if not sc.expect and sc.expect_breaker == "any" else 0.0]
     for exp in sc.expect:
         start = sc.subject_fault_time(exp) or 0.0

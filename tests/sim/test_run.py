@@ -10,8 +10,28 @@ from sim.scenario import ScenarioError, load_scenario, parse_scenario, shipped_s
 from sim.score import score, summary
 from tests.sim.conftest import horizon, raw, small_slow_node
 
-BIG = {"slow-node-1024", "healthy-1000x24h", "week-in-the-life"}
-CI_SCENARIOS = [p for p in shipped_scenarios() if p.stem not in BIG]
+# Too long for `make test` (a thousand nodes, hours, or tens of simulated minutes at 2.5 s):
+# `make test-all` runs them whole.
+BIG = {"slow-node-1024", "healthy-1000x24h", "week-in-the-life", "healthy-2s5-100-node-days",
+       "intermittent-straggler", "port-flap-slow", "ecc-repeat"}
+# Shipped scenarios the stricter scorer fails with the current detectors and gate: each is the
+# field's class that issue 21's other parts fix (the detectors' statistics, escalation memory,
+# the breaker's alerts). Strict: the day one passes, its line here must go.
+KNOWN_FAILING = {
+    "rail-leaf-fault": "the topology pass indicts the rail-0 leaf: it does not tell rails apart by the port",
+    "ecc-repeat": "a second uncorrectable ECC error on the same GPU 23 minutes later does not escalate",
+    "port-flap-slow": "a port dropping every 6 minutes never fits 3 drops into the 600 s flap window",
+    "intermittent-straggler": "a node slow 20 s of every 2 minutes never moves the straggler detector",
+    "slow-node-1024": "shipped defaults do not drain a 10%-slow node of a 1,024-node job within 30 s",
+}
+
+
+def _known(paths: list) -> list:
+    return [pytest.param(p, marks=pytest.mark.xfail(reason=KNOWN_FAILING[p.stem], strict=True))
+            if p.stem in KNOWN_FAILING else p for p in paths]
+
+
+CI_SCENARIOS = _known([p for p in shipped_scenarios() if p.stem not in BIG])
 
 
 def test_same_seed_same_run_other_seed_other_noise(quick_xid) -> None:
@@ -47,12 +67,15 @@ def test_shipped_scenario_passes(path) -> None:
     result = run_scenario(shortened(sc, horizon(sc)))
     s = score(result)
     report = summary(result, s)
-    assert s.passed, {k: report[k] for k in ("expectations", "false_drain_decisions", "breaker")}
+    assert s.passed, {k: report[k] for k in ("expectations", "false_drain_decisions", "forbid_violations",
+                                             "removals", "breaker")}
 
 
 def test_slow_node_flagged_in_time_on_a_ci_sized_fleet() -> None:
-    s = score(run_scenario(small_slow_node()))
-    assert s.passed
+    result = run_scenario(small_slow_node())
+    s = score(result)
+    report = summary(result, s)
+    assert s.passed, {k: report[k] for k in ("expectations", "false_drain_decisions")}
     assert s.latencies[0] <= 30
 
 
@@ -87,11 +110,17 @@ def test_aggregator_and_gate_config_errors_name_their_key_path(quick_xid) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(BIG))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_FAILING[n], strict=True))
+                                  if n in KNOWN_FAILING else n for n in sorted(BIG)])
 def test_big_scenario_passes(name: str) -> None:
     path = next((p for p in shipped_scenarios() if p.stem == name), None)
     assert path is not None, f"{name} is not shipped"
     sc = load_scenario(path)
-    # The 24-hour fleet runs its first simulated hour here; `make bench` measures the rest.
-    s = score(run_scenario(shortened(sc, min(horizon(sc), 3600))))
-    assert s.passed
+    # The 24-hour fleet at 60 s reports runs its first simulated hour here (the 2.5 s healthy
+    # fleet of 100 node-days runs whole).
+    limit = 3600.0 if name == "healthy-1000x24h" else sc.duration_seconds
+    result = run_scenario(shortened(sc, min(horizon(sc), limit)))
+    s = score(result)
+    report = summary(result, s)
+    assert s.passed, {k: report[k] for k in ("expectations", "false_drain_decisions", "forbid_violations",
+                                             "removals", "breaker")}

@@ -82,3 +82,75 @@ def test_a_restarted_job_steps_again() -> None:
     assert stuck.end_ts.max() <= 1030.0
     again = m.advance(1000.0 + 300)
     assert again.end_ts.min() > 1200.0 and len(again.step) > 40 and again.alive.all()
+
+
+def _compute_by_rank(batch) -> np.ndarray:
+    return batch.compute_seconds.mean(axis=0)
+
+
+def test_one_rank_or_one_gpu_slow_not_the_whole_node() -> None:
+    one_rank = SlowNode(kind="slow_node", node="n05", ranks=[2], at_seconds=0, factor=1.3)
+    c = _compute_by_rank(_model([one_rank]).advance(1120.0))
+    assert int(np.argmax(c)) == 5 * 4 + 2
+    assert np.sort(c)[-2] / np.median(c) < 1.05  # the node's other ranks are not slow
+    # gpus: with 2 GPUs per node and 4 ranks, GPU 1 drives local ranks 1 and 3
+    m = JobModel(_job(), NODES, [SlowNode(kind="slow_node", node="n05", gpus=[1], at_seconds=0, factor=1.3)],
+                 {0: ["n05"]}, seed=1, start=1000.0, gpus_per_node=2)
+    c = _compute_by_rank(m.advance(1120.0))
+    assert set(np.argsort(c)[-2:]) == {21, 23}
+
+
+def test_intermittent_straggler_is_slow_only_in_its_bursts() -> None:
+    burst = SlowNode(kind="slow_node", node="n05", at_seconds=0, factor=1.5, period_seconds=120, slow_seconds=20)
+    assert burst.active(5) and not burst.active(30) and burst.active(125) and not burst.active(239)
+    batch = _model([burst]).advance(1000.0 + 240)
+    begun = batch.end_ts - batch.step_seconds[:, 0] - 1000.0
+    in_burst = (begun % 120) < 20
+    ratio = batch.compute_seconds[:, 20] / np.median(batch.compute_seconds, axis=1)
+    assert ratio[in_burst].mean() > 1.4 and ratio[~in_burst].mean() < 1.05
+
+
+def test_partial_data_stall_slows_only_the_target_nodes_data() -> None:
+    stall = DataStall(kind="data_stall", job="train", nodes=["n02", "n03"], at_seconds=0, extra_seconds=1.0)
+    m = JobModel(_job(), NODES, [stall], {0: ["n02", "n03"]}, seed=1, start=1000.0)
+    d = m.advance(1100.0).data_seconds.mean(axis=0)
+    assert d[8:16].min() > 1.0 > d[:8].max()
+
+
+def test_checkpoint_pause_stops_every_rank_and_the_job_ends() -> None:
+    job = _job(pauses=[{"kind": "checkpoint", "every_seconds": 100, "seconds": 30, "first_at_seconds": 50}],
+               end_seconds=250)
+    m = JobModel(job, NODES, [], {}, seed=1, start=1000.0)
+    batch = m.advance(1000.0 + 400)
+    begun = batch.end_ts - batch.step_seconds[:, 0] - 1000.0
+    # no step begins inside a pause (50-80 s, 150-180 s), none after the end
+    assert not (((begun - 50) % 100 < 30) & (begun >= 50)).any()
+    assert batch.end_ts.max() <= 1000.0 + 250 + 3 and m.finished
+    assert len(m.advance(1000.0 + 600).step) == 0
+
+
+def test_hang_of_one_gpu_stops_only_its_rank() -> None:
+    hang = Hang(kind="hang", job="train", node="n03", gpus=[0], at_seconds=30, others_continue_seconds=1000)
+    m = JobModel(_job(), NODES, [hang], {0: ["n03"]}, seed=1, start=1000.0, gpus_per_node=4)
+    batch = m.advance(1000.0 + 120)
+    late = batch.end_ts > 1031.0
+    assert not batch.alive[late][:, 12].any() and batch.alive[late][:, 13:16].all()
+
+
+def test_hardware_faults_reach_the_job() -> None:
+    from sim.run import job_impact
+    from sim.scenario import NvmlFault, PortDown
+
+    throttle = NvmlFault.model_validate({"kind": "thermal_throttle", "node": "n01", "gpu": 2, "at_seconds": 10,
+                                         "duration_seconds": 60, "clock_ratio": 0.5})
+    slow = job_impact(throttle, "train")
+    assert isinstance(slow, SlowNode) and slow.gpus == [2] and slow.factor == 2.0 and slow.until_seconds == 70
+    lost = job_impact(NvmlFault.model_validate({"kind": "gpu_lost", "node": "n01", "gpu": 5, "at_seconds": 10}),
+                      "train")
+    assert isinstance(lost, Hang) and lost.gpus == [5] and lost.others_continue_seconds == 0
+    down = job_impact(PortDown(kind="port_down", node="n01", at_seconds=10, duration_seconds=30), "train")
+    assert isinstance(down, Hang) and down.gpus is None and down.until_seconds == 40
+    m = JobModel(_job(), NODES, [down], {0: ["n01"]}, seed=1, start=1000.0)
+    batch = m.advance(1000.0 + 120)
+    assert not ((batch.end_ts > 1012.5) & (batch.end_ts < 1040.0)).any()  # blocked while the port is down
+    assert batch.end_ts.max() > 1100.0  # and steps again once it is back
