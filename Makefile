@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,torch]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -33,11 +33,22 @@ test: $(STAMP) system-packages lint typecheck
 test-all: $(STAMP) system-packages lint typecheck
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-demo: $(STAMP)
-	$(BIN)/vigil demo
+# The demo needs only vigil's runtime dependencies (not the test toolchain): a venv of its own,
+# with pip's progress shown so a first run does not look stuck.
+DEMO_VENV  := .venv-demo
+DEMO_STAMP := $(DEMO_VENV)/.installed-stamp
+
+$(DEMO_STAMP): pyproject.toml
+	@echo "make demo: creating $(DEMO_VENV) and installing vigil's runtime dependencies (about a minute the first time)"
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/pip install --progress-bar on -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_VENV)/bin/vigil demo
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_VENV) .pytest_cache .mypy_cache .ruff_cache

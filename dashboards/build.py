@@ -133,7 +133,7 @@ def fleet() -> dict[str, Any]:
         Row("Decisions"),
         Panel("Decisions by action", [Target(
             "sum by (action) (increase(vigil_aggregator_decisions_total[$__rate_interval]))", "{{action}}")],
-            width=12, description="Decisions the aggregator admitted through its gate."),
+            width=12, description="Verdicts the aggregator recorded, by the action as admitted."),
         Panel("Decisions by detector", [Target(
             "sum by (detector) (increase(vigil_aggregator_decisions_total[$__rate_interval]))", "{{detector}}")],
             width=12),
@@ -145,6 +145,34 @@ def fleet() -> dict[str, Any]:
         Panel("Aggregator evaluation time (p99)", [Target(
             "histogram_quantile(0.99, sum by (le) (rate(vigil_aggregator_evaluate_duration_seconds_bucket"
             "[$__rate_interval])))", "p99")], unit="s", width=12),
+        Row("Acting side: gate, breaker, deliveries, store"),
+        Panel("Circuit breaker", [Target("max(vigil_aggregator_breaker_tripped)", instant=True)], kind="stat",
+              width=4, height=5, description="1: tripped, automation stopped until `vigil aggregator breaker reset`.",
+              defaults={"thresholds": {"mode": "absolute", "steps": [
+                  {"color": "green", "value": None}, {"color": "red", "value": 1}]}}),
+        Panel("Breaker: removals in window vs budget",
+              [Target("max(vigil_aggregator_breaker_removals)", "removed nodes"),
+               Target("max(vigil_aggregator_breaker_budget_nodes)", "budget")], width=8, height=5),
+        Panel("Decision store", [Target("min(vigil_aggregator_store_up)", "store up"),
+                                 Target("sum(vigil_aggregator_store_unstored_decisions)", "waiting in memory"),
+                                 Target("sum by (kind) (increase(vigil_aggregator_store_errors_total"
+                                        "[$__rate_interval]))", "errors: {{kind}}")],
+              width=12, height=5, description="While the store fails /healthz answers 503 and decisions wait."),
+        Panel("Verdicts by reason", [Target(
+            "sum by (verdict) (increase(vigil_aggregator_decisions_total[$__rate_interval]))", "{{verdict}}")],
+            width=12, description="Every recorded verdict: admitted, escalated, or refused and why."),
+        Panel("Deliveries by actuator and outcome", [Target(
+            "sum by (actuator, outcome) (increase(vigil_aggregator_deliveries_total[$__rate_interval]))",
+            "{{actuator}} {{outcome}}")], width=12),
+        Panel("Deliveries pending and dead-lettered",
+              [Target("sum by (actuator) (vigil_aggregator_deliveries_pending)", "pending {{actuator}}"),
+               Target("sum by (actuator) (vigil_aggregator_deliveries_dead)", "dead {{actuator}}")], width=8),
+        Panel("Actuators reachable at start-up", [Target("vigil_aggregator_actuator_up", "{{actuator}}")],
+              width=8),
+        Panel("Event-loop lag and time since evaluation",
+              [Target("max(vigil_aggregator_event_loop_lag_seconds)", "loop lag"),
+               Target("time() - max(vigil_aggregator_last_evaluation_timestamp_seconds)", "since evaluation")],
+              unit="s", width=8),
         Row("GPU faults"),
         Panel("Xid rate by code", [Target("sum by (code) (node_gpu_code:vigil_gpu_xid_errors:rate5m)",
                                           "Xid {{code}}")], unit="ops", width=12),

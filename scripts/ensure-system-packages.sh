@@ -14,6 +14,9 @@ declare -A need=(
   [scontrol]=slurm-client
   [munged]=munge
   [systemd-analyze]=systemd
+  [kubectl]=kubernetes-client
+  [buildah]=buildah
+  [debootstrap]=debootstrap
 )
 missing=()
 for bin in "${!need[@]}"; do

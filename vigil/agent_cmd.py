@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from typing import Any
+
+from vigil.log_format import add_log_args, configure_logging
 
 
 def add_parser(sub: Any) -> None:
@@ -25,7 +26,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--token-file", metavar="FILE", help="bearer token for the aggregator")
     p.add_argument("--kmsg", metavar="FILE", help="follow FILE instead of the kernel log (drills, tests)")
     p.add_argument("--sysfs-root", metavar="DIR", help="sysfs mount point (default /sys)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_args(p)
+    p.add_argument("--check", action="store_true",
+                   help="validate the configuration and the files it names, then exit (0 usable, 2 not)")
 
 
 def _merged_config(args: argparse.Namespace) -> Any:
@@ -47,12 +50,26 @@ def _merged_config(args: argparse.Namespace) -> Any:
     return parse_config(data)
 
 
+def _check(config: Any, source: str) -> int:
+    from agent.nvml.scenario import ScenarioError, load_node_scenario
+    from vigil.config_check import report, state_dir_problems, token_file_problems
+
+    problems = [*token_file_problems("aggregator.token_file", config.aggregator.token_file),
+                *token_file_problems("aggregator.ca_file", config.aggregator.ca_file),
+                *state_dir_problems("state_dir", config.state_dir)]
+    if config.nvml.backend == "fake" and config.nvml.scenario:
+        try:
+            load_node_scenario(config.nvml.scenario)
+        except ScenarioError as exc:
+            problems.append(f"nvml.scenario: {exc}")
+    return report("agent", source, problems)
+
+
 def run(args: argparse.Namespace) -> int:
     from agent.config import ConfigError
     from agent.daemon import Agent, make_seams
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging(args.log_level, args.log_format)
     try:
         config = _merged_config(args)
     except ConfigError as exc:
@@ -60,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from agent.nvml.scenario import ScenarioError
 
+    if args.check:
+        return _check(config, args.config or "flags")
     try:
         seams = make_seams(config, kmsg=args.kmsg, sysfs_root=args.sysfs_root)
         agent = Agent(config, seams)
@@ -77,6 +96,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(main())
     except OSError as exc:
-        print(f"vigil agent: {exc}", file=sys.stderr)
+        print(f"vigil agent: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0

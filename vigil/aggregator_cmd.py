@@ -1,8 +1,10 @@
-"""``vigil aggregator``: run the cluster service (and, later, inspect its decisions).
+"""``vigil aggregator``: run the cluster service, read its decisions, and act on its gate.
 
-Sub-actions are an explicit table (``serve`` is the default), so ``vigil aggregator decisions``
-can be added beside it. Flags are merged into the configuration before validation, so a bad
-value names its key path as a typo in the file does. SIGTERM and SIGINT stop the service cleanly.
+Sub-actions are an explicit table (``serve`` is the default; ``decisions`` reads the store;
+``gate``, ``breaker``, ``hold`` and ``resume`` go through the running service's API). Flags are
+merged into the configuration before validation, so a bad value names its key path as a typo in
+the file does. A store that cannot be opened is one line and exit status 2. SIGTERM and SIGINT
+stop the service cleanly.
 """
 
 from __future__ import annotations
@@ -15,15 +17,20 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from vigil.decisions_cmd import add_breaker_args, add_decisions_args, breaker, decisions
+from vigil import __version__, operator_cmd
+from vigil.decisions_cmd import add_decisions_args, decisions
+from vigil.log_format import add_log_args, configure_logging
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="aggregator configuration (YAML)")
     p.add_argument("--listen", metavar="HOST:PORT", help="HTTP address (overrides listen; default 127.0.0.1:9500)")
-    p.add_argument("--token-file", metavar="FILE", help="bearer token agents must present (overrides token_file)")
+    p.add_argument("--site-secret-file", metavar="FILE",
+                   help="site secret that node tokens derive from (overrides auth.site_secret_file)")
     p.add_argument("--store", metavar="PATH", help="decision store path (overrides store_path)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_args(p)
+    p.add_argument("--check", action="store_true",
+                   help="validate the configuration and the files it names, then exit (0 usable, 2 not)")
 
 
 def _merged_config(args: argparse.Namespace) -> Any:
@@ -33,8 +40,8 @@ def _merged_config(args: argparse.Namespace) -> Any:
     data: dict[str, Any] = read_config_file(args.config) if args.config else {}
     if args.listen:
         data["listen"] = args.listen
-    if args.token_file:
-        data["token_file"] = args.token_file
+    if args.site_secret_file:
+        data.setdefault("auth", {})["site_secret_file"] = args.site_secret_file
     if args.store:
         data["store_path"] = args.store
     return parse_config(data)
@@ -43,14 +50,30 @@ def _merged_config(args: argparse.Namespace) -> Any:
 def serve(args: argparse.Namespace) -> int:
     from aggregator.app import serve as serve_app
     from aggregator.config import ConfigError
+    from aggregator.store import StoreError
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging(args.log_level, args.log_format)
+    from aggregator.redact import RedactingFilter
+
+    for handler in logging.getLogger().handlers:  # no URL's password or key reaches the log
+        handler.addFilter(RedactingFilter())
     try:
         config = _merged_config(args)
     except ConfigError as exc:
         print(f"vigil aggregator: {exc}", file=sys.stderr)
         return 2
+    if args.check:
+        from pathlib import Path
+
+        from vigil.config_check import report, state_dir_problems, token_file_problems
+
+        return report("aggregator", args.config or "flags",
+                      [*(problem for key in ("site_secret_file", "alertmanager_token_file", "operator_token_file",
+                                             "read_token_file")
+                         for problem in token_file_problems(f"auth.{key}", getattr(config.auth, key))),
+                       *token_file_problems("tls.cert_file", config.tls.cert_file),
+                       *token_file_problems("tls.key_file", config.tls.key_file),
+                       *state_dir_problems("store_path", str(Path(config.store_path).resolve().parent))])
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -58,16 +81,21 @@ def serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         dry = " (dry run: decisions are recorded, nothing is acted on)" if config.dry_run else ""
-        await serve_app(config, stop=stop,
-                        on_ready=lambda addr: print(f"vigil aggregator listening on {addr}{dry}", flush=True))
+
+        def ready(addr: str) -> None:
+            # The log line carries the release, so a log search shows which version ran when.
+            logging.getLogger("vigil.aggregator").info("vigil aggregator %s on %s%s", __version__, addr, dry)
+            print(f"vigil aggregator listening on {addr}{dry}", flush=True)
+
+        await serve_app(config, stop=stop, on_ready=ready)
 
     try:
         asyncio.run(main())
-    except ConfigError as exc:
+    except (ConfigError, StoreError) as exc:
         print(f"vigil aggregator: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"vigil aggregator: {exc}", file=sys.stderr)
+        print(f"vigil aggregator: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -76,7 +104,12 @@ def serve(args: argparse.Namespace) -> int:
 ACTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "serve": ("run the aggregator service (the default)", _serve_args, serve),
     "decisions": ("list decisions with their gate verdict and delivery state", add_decisions_args, decisions),
-    "breaker": ("show or reset the cluster circuit breaker", add_breaker_args, breaker),
+    "gate": ("show the gate's state: breaker, removed and held nodes, fault history, store health",
+             operator_cmd.add_gate_args, operator_cmd.gate),
+    "breaker": ("show or reset the cluster circuit breaker", operator_cmd.add_breaker_args, operator_cmd.breaker),
+    "hold": ("hold a node: automation leaves it alone until it is resumed", operator_cmd.add_node_args,
+             operator_cmd.hold),
+    "resume": ("release a node's hold and put it back in service", operator_cmd.add_node_args, operator_cmd.resume),
 }
 
 

@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from vigil import __version__
+
 # subcommand -> module implementing it
 COMMANDS: dict[str, str] = {
     "agent": "vigil.agent_cmd",
@@ -19,11 +21,13 @@ COMMANDS: dict[str, str] = {
     "demo": "vigil.demo_cmd",
     "xid": "vigil.xid_cmd",
     "sim": "vigil.sim_cmd",
+    "token": "vigil.token_cmd",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vigil", description="GPU cluster fault detection")
+    parser.add_argument("--version", action="version", version=f"vigil {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in COMMANDS.values():
         importlib.import_module(module_name).add_parser(sub)

@@ -1,8 +1,9 @@
-"""``vigil aggregator decisions`` and ``vigil aggregator breaker reset``: read the decision store.
+"""``vigil aggregator decisions``: read the decision store.
 
-They open the aggregator's SQLite store directly (WAL allows it while the service runs), list
-each decision with its gate verdict and its delivery state per actuator, and reset the circuit
-breaker by hand. They judge and deliver nothing.
+It opens the aggregator's SQLite store directly (WAL allows it while the service runs) and lists
+each decision with its gate verdict and its delivery state per actuator. It changes nothing:
+the operator's actions (breaker reset, hold, resume) go through the service's API
+(``vigil.operator_cmd``), which owns the gate's state.
 """
 
 from __future__ import annotations
@@ -25,30 +26,33 @@ def add_decisions_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
 
 
-def add_breaker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("breaker_action", choices=("reset", "show"), help="reset the tripped breaker, or show it")
-    p.add_argument("--store", metavar="PATH", default="vigil-aggregator.sqlite", help="decision store path")
-
-
-def _open(path: str) -> Store | None:
-    from aggregator.store import Store
+def _open(path: str) -> Store | int:
+    """The store, or the exit status: 1 when there is none, 2 when it cannot be read."""
+    from aggregator.store import Store, StoreError
 
     if not Path(path).exists():
         print(f"vigil aggregator: no decision store at {path}", file=sys.stderr)
-        return None
-    return Store(path)
+        return 1
+    try:
+        return Store(path)
+    except StoreError as exc:
+        print(f"vigil aggregator: {exc}", file=sys.stderr)
+        return 2
 
 
 def decisions(args: argparse.Namespace) -> int:
+    from aggregator.redact import redact, redact_json
     from aggregator.store import decisions_as_dicts
 
     store = _open(args.store)
-    if store is None:
-        return 1
+    if isinstance(store, int):
+        return store
     try:
         rows = store.decisions(limit=args.limit, node=args.node)
         if args.json:
-            print(json.dumps({"breaker": vars(store.breaker()), "decisions": decisions_as_dicts(rows)}, indent=2))
+            # Delivery errors may quote a configured URL: never its password or key.
+            print(json.dumps(redact_json({"breaker": vars(store.breaker()), "decisions": decisions_as_dicts(rows)}),
+                             indent=2))
             return 0
         b = store.breaker()
         if b.tripped:
@@ -65,23 +69,7 @@ def decisions(args: argparse.Namespace) -> int:
                 print(f"    gate: {r.detail}")
             for x in r.deliveries:
                 err = f" last error: {x.last_error}" if x.last_error else ""
-                print(f"    {x.actuator}: {x.state} after {x.attempts} attempt(s){err} {x.detail}".rstrip())
-        return 0
-    finally:
-        store.close()
-
-
-def breaker(args: argparse.Namespace) -> int:
-    store = _open(args.store)
-    if store is None:
-        return 1
-    try:
-        if args.breaker_action == "show":
-            b = store.breaker()
-            print(f"tripped: {b.reason}" if b.tripped else "closed (acting normally)")
-            return 0
-        before = store.reset_breaker()
-        print("circuit breaker reset" if before.tripped else "circuit breaker was not tripped")
+                print(redact(f"    {x.actuator}: {x.state} after {x.attempts} attempt(s){err} {x.detail}".rstrip()))
         return 0
     finally:
         store.close()

@@ -192,10 +192,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         agg_log = open(workdir / "aggregator.log", "wb")  # noqa: SIM115 - closed with the process
         # Dry run (nothing is acted on), and a breaker that lets the demo's 4 faulty nodes of 5
-        # through: on a real fleet that share of removals is exactly what the breaker stops.
+        # through: on a real fleet that share of removals is exactly what the breaker stops. The
+        # demo's fleet starts with its aggregator, so no start-up grace.
         (workdir / "aggregator.yaml").write_text(yaml.safe_dump({
             "listen": f"127.0.0.1:{agg_port}", "store_path": str(workdir / "decisions.sqlite"),
-            "dry_run": True, "gate": {"breaker_max_share": 1.0},
+            "dry_run": True, "gate": {"breaker_max_share": 1.0, "breaker_startup_grace_seconds": 0},
         }))
         agg_proc = subprocess.Popen([*exe, "aggregator", "--config", str(workdir / "aggregator.yaml")],
                                     stdout=agg_log, stderr=subprocess.STDOUT, env=env, cwd=workdir)

@@ -1,8 +1,8 @@
 """``vigil sim``: run a fleet scenario through the real agent and aggregator on a simulated clock.
 
 Prints a short verdict (or one JSON object with ``--json``), optionally writes a report page
-with plots, and exits 0 only when every expectation is met and nothing else was drained. A
-progress bar goes to stderr when it is a terminal. It decides nothing itself: sim.score does.
+with plots, and exits 0 only when every expectation is met, every removal is justified and nothing
+forbidden happened. A progress bar goes to stderr when it is a terminal. It decides nothing itself: sim.score does.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ class ProgressBar:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        import numpy  # noqa: F401  (the simulator's job model; not installed on agent-only nodes)
+    except ModuleNotFoundError:
+        print("vigil sim: the simulator needs numpy: pip install 'vigil-fleet[sim]'", file=sys.stderr)
+        return 2
     from sim.run import run_scenario
     from sim.scenario import ScenarioError, load_scenario, shortened
     from sim.score import score, summary
@@ -88,7 +93,15 @@ def _print_text(data: dict[str, Any]) -> None:
         print(f"  {state} {e['subject']}: {'/'.join(e['action'])} within {e['within_seconds']:g} s "
               f"(latency {lat})")
     for d in data["false_drain_decisions"]:
-        print(f"  FALSE DRAIN {d['node']}: {d['action']} by {d['detector']} at {d['t']:g} s: {d['reason']}")
+        print(f"  UNJUSTIFIED {d['action']} {d['node']} by {d['detector']} at {d['t']:g} s ({d['why']}): "
+              f"{d['reason']}")
+    for v in data["forbid_violations"]:
+        d = v["decision"]
+        print(f"  FORBIDDEN {d['action']} {d['node']} by {d['detector']} at {d['t']:g} s: {v['forbid']}")
+    cap = data["max_removals"]
+    over = cap is not None and data["removals"] > cap
+    print(f"  removals {data['removals']}{'' if cap is None else f' (cap {cap})'}{' OVER CAP' if over else ''}, "
+          f"alerts {data['alerts']}")
     lat = data["detection_latency_seconds"]
     print(f"  precision {data['precision']}, recall {data['recall']}, false drains {data['false_drains']}, "
           f"latency p50 {lat['p50']} p95 {lat['p95']} max {lat['max']}")

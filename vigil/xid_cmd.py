@@ -1,8 +1,10 @@
 """``vigil xid scan FILE`` and ``vigil xid explain CODE``: the kernel-log reader and the Xid catalog by hand.
 
 ``scan`` reads a saved kernel log in any format the agent reads (dmesg, dmesg -T, ISO, journald,
-syslog, raw /dev/kmsg) and prints each Xid, SXid, fallen-off-the-bus and mlx5 error with the
-catalog's action for it; ``explain`` prints one catalog entry. Neither follows a live log.
+syslog, raw /dev/kmsg, each also as collected from many hosts by pdsh/clush with a "<host>: "
+prefix) and prints each fault (Xid, SXid, fallen off the bus, mlx5 error; companion and detail
+lines folded into their fault) with the catalogs' action for it; ``explain`` prints one Xid
+catalog entry. Neither follows a live log.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections import Counter
 from typing import Any
 
 from agent.kernel_log import KernelEvent, KernelLogParser
-from aggregator.xid_catalog import XidCatalog, event_action
+from aggregator.xid_catalog import SxidCatalog, XidCatalog, event_action
 
 
 def add_parser(sub: Any) -> None:
@@ -23,7 +25,8 @@ def add_parser(sub: Any) -> None:
                        description="Read saved kernel logs and NVIDIA's Xid catalog.")
     xsub = p.add_subparsers(dest="xid_command", required=True, metavar="SUBCOMMAND")
     scan = xsub.add_parser("scan", help="print every GPU/NVSwitch/NIC fault line of a saved kernel log")
-    scan.add_argument("file", metavar="FILE", help="a saved kernel log (dmesg, dmesg -T, journalctl -k, syslog, kmsg)")
+    scan.add_argument("file", metavar="FILE", help="a saved kernel log (dmesg, dmesg -T, journalctl -k, syslog, "
+                      "kmsg; also as pdsh/clush print it, each line behind '<host>: ')")
     scan.add_argument("--json", action="store_true", help="one JSON object per line")
     explain = xsub.add_parser("explain", help="print the catalog entry of an Xid code")
     explain.add_argument("code", metavar="CODE", help="Xid code, e.g. 79")
@@ -43,11 +46,12 @@ def scan(path: str, *, as_json: bool = False) -> int:
     except OSError as exc:
         print(f"vigil xid scan: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    catalog = XidCatalog.default()
+    catalogs = (XidCatalog.default(), SxidCatalog.default())
     parser = KernelLogParser()
     unparsed: Counter[str] = Counter()
+    folded: Counter[str] = Counter()
     try:
-        events = _print_events(data, catalog, parser, unparsed, as_json)
+        events = _print_events(data, catalogs, parser, unparsed, folded, as_json)
     except BrokenPipeError:
         # `vigil xid scan log | head`: the reader left; not an error, and no traceback at exit.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -57,23 +61,26 @@ def scan(path: str, *, as_json: bool = False) -> int:
         detail = ", ".join(f"{reason}: {n}" for reason, n in sorted(unparsed.items()))
         print(f"vigil xid scan: skipped {sum(unparsed.values())} unparsable line(s) ({detail})", file=sys.stderr)
     if not as_json:
-        print(f"vigil xid scan: {events} event(s) in {path}", file=sys.stderr)
+        note = f" ({sum(folded.values())} companion line(s) folded into their fault)" if folded else ""
+        print(f"vigil xid scan: {events} event(s) in {path}{note}", file=sys.stderr)
     return 0
 
 
-def _print_events(data: bytes, catalog: XidCatalog, parser: KernelLogParser, unparsed: Counter[str],
-                  as_json: bool) -> int:
+def _print_events(data: bytes, catalogs: tuple[XidCatalog, SxidCatalog], parser: KernelLogParser,
+                  unparsed: Counter[str], folded: Counter[str], as_json: bool) -> int:
     events = 0
     out = sys.stdout
     for line in data.decode("utf-8", "replace").splitlines():
         parsed = parser.feed(line)
         if parsed.unparsed:
             unparsed[parsed.unparsed] += 1
+        if parsed.folded:
+            folded[parsed.folded] += 1
         if parsed.event is None:
             continue
         events += 1
         ev = parsed.event
-        action = event_action(catalog, ev.kind, ev.code, ev.text, ev.severity)
+        action = event_action(catalogs[0], ev.kind, ev.code, ev.text, ev.severity, catalogs[1])
         if as_json:
             out.write(json.dumps(_record(ev, action.value)) + "\n")
         else:
@@ -85,7 +92,7 @@ def _print_events(data: bytes, catalog: XidCatalog, parser: KernelLogParser, unp
 def _record(ev: KernelEvent, action: str) -> dict[str, Any]:
     record: dict[str, Any] = {"ts": ev.ts_text or None, "kind": ev.kind, "pci_bus_id": ev.pci_bus_id,
                               "code": ev.code, "action": action, "text": ev.text}
-    for key in ("device", "severity", "error", "pid", "process"):
+    for key in ("host", "device", "severity", "error", "pid", "process"):
         value = getattr(ev, key)
         if value is not None:
             record[key] = value
@@ -98,8 +105,11 @@ def _text(ev: KernelEvent, action: str) -> str:
     where = ev.pci_bus_id or "-"
     if ev.kind == "sxid" and ev.device:
         where = f"{where} ({ev.device})"
+    elif ev.kind == "mlx5_error" and ev.device:
+        where = ev.device
     text = f"{ev.severity}, {ev.text}" if ev.severity else ev.text
-    return f"{ev.ts_text or '-'}\t{where}\t{what}\t{action}\t{text}"
+    line = f"{ev.ts_text or '-'}\t{where}\t{what}\t{action}\t{text}"
+    return f"{ev.host}\t{line}" if ev.host else line
 
 
 def explain(code_text: str, *, as_json: bool = False) -> int:

@@ -19,7 +19,7 @@ from aggregator.config import parse_config as parse_aggregator_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-K8S = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+K8S = sorted((DEPLOY / "kubernetes" / "base").glob("*.yaml"))
 KUBERNETES_VALIDATE = Path(sys.executable).parent / "kubernetes-validate"
 CRD_KINDS = {"PodMonitor", "ServiceMonitor"}
 
@@ -50,7 +50,7 @@ def test_manifests_validate_strictly() -> None:
 @pytest.mark.external
 @pytest.mark.skipif(not KUBERNETES_VALIDATE.exists(), reason="kubernetes-validate missing (pip install '.[test]')")
 def test_the_validator_rejects_an_unknown_field(tmp_path: Path) -> None:
-    bad = yaml.safe_load((DEPLOY / "kubernetes" / "namespace.yaml").read_text())
+    bad = yaml.safe_load((DEPLOY / "kubernetes" / "base" / "namespace.yaml").read_text())
     bad["spec"] = {"finalizerz": []}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
@@ -68,10 +68,10 @@ def test_agent_daemonset_has_only_the_access_it_needs() -> None:
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert mounts["/host/sys"]["readOnly"] and mounts["/dev/kmsg"]["readOnly"]
     host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    assert host_paths == {"/sys", "/dev/kmsg", "/var/lib/vigil-agent"}
+    assert host_paths == {"/sys", "/dev/kmsg", "/var/lib/vigil-agent", "/run/vigil"}  # /run/vigil: heartbeats
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     # privileged is there for /dev/kmsg alone, and the manifest says why.
-    text = (DEPLOY / "kubernetes" / "agent-daemonset.yaml").read_text()
+    text = (DEPLOY / "kubernetes" / "base" / "agent-daemonset.yaml").read_text()
     assert container["securityContext"]["privileged"] is True and "device cgroup" in text
     assert "--node=$(NODE_NAME)" in container["args"] and "--sysfs-root=/host/sys" in container["args"]
 
@@ -107,16 +107,48 @@ def test_monitors_select_the_workloads_and_name_the_node() -> None:
 def test_shipped_configs_parse_with_the_real_models() -> None:
     cms = by_kind("ConfigMap")
     agent_cm = parse_agent_config(yaml.safe_load(cms["vigil-agent"]["data"]["agent.yml"]))
-    assert agent_cm.listen == "0.0.0.0:9400" and agent_cm.collectors.training.udp_listen == "0.0.0.0:9401"
+    assert agent_cm.listen == "0.0.0.0:19400" and agent_cm.collectors.training.udp_listen == "127.0.0.1:9401"
     aggregator_cm = parse_aggregator_config(yaml.safe_load(cms["vigil-aggregator"]["data"]["aggregator.yml"]))
     assert aggregator_cm.dry_run is True and aggregator_cm.port == 9500
     agent = parse_agent_config(yaml.safe_load((DEPLOY / "config" / "agent.yml").read_text()))
     assert agent.aggregator.url and agent.nvml.backend == "nvml"
+    assert agent.aggregator.url.startswith("https://") and agent.aggregator.ca_file
     aggregator = parse_aggregator_config(yaml.safe_load((DEPLOY / "config" / "aggregator.yml").read_text()))
     assert aggregator.dry_run is True
     # The agent pushes to the aggregator's Service on its port.
     svc_port = by_kind("Service")["vigil-aggregator"]["spec"]["ports"][0]["port"]
     assert agent_cm.aggregator.url == f"http://vigil-aggregator.vigil.svc:{svc_port}"
+
+
+def test_deployed_agents_take_heartbeats_from_their_own_node_only() -> None:
+    """/metrics on every address for Prometheus; heartbeats on loopback and a Unix socket that
+    only the node's processes (or pods given the hostPath) can reach (issue 12 point 4)."""
+    ds = by_kind("DaemonSet")["vigil-agent"]
+    pod = ds["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    unit = (DEPLOY / "systemd" / "vigil-agent.service").read_text()
+    configs = {
+        "kubernetes": parse_agent_config(yaml.safe_load(by_kind("ConfigMap")["vigil-agent"]["data"]["agent.yml"])),
+        "systemd": parse_agent_config(yaml.safe_load((DEPLOY / "config" / "agent.yml").read_text())),
+    }
+    for where, cfg in configs.items():
+        training = cfg.collectors.training
+        assert cfg.listen == "0.0.0.0:19400", where
+        assert training.udp_listen == "127.0.0.1:9401", where
+        assert training.unix_socket, where
+    assert Path(configs["kubernetes"].collectors.training.unix_socket or "").parent == Path(mounts["heartbeat-socket"])
+    assert "RuntimeDirectory=vigil-agent" in unit
+    assert configs["systemd"].collectors.training.unix_socket == "/run/vigil-agent/heartbeat.sock"
+    # No heartbeat port is published for the node's address.
+    assert {p["containerPort"] for p in pod["containers"][0]["ports"]} == {19400}
+
+
+def test_aggregator_unit_has_open_files_for_a_12500_node_fleet() -> None:
+    text = (DEPLOY / "systemd" / "vigil-aggregator.service").read_text()
+    (limit,) = [int(line.split("=", 1)[1]) for line in text.splitlines() if line.startswith("LimitNOFILE=")]
+    assert limit >= 2 * 12_500 + 1_000  # a connection per agent, doubled across a reconnect, plus the rest
+    for hardening in ("NoNewPrivileges=yes", "ProtectSystem=strict", "CapabilityBoundingSet=", "PrivateDevices=yes"):
+        assert hardening in text
 
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
@@ -200,3 +232,31 @@ def test_local_prometheus_config_loads_the_checkouts_rules() -> None:
     done = run([str(PROMTOOL), "check", "config", str(DEPLOY / "prometheus" / "prometheus-local.yml")])
     assert done.returncode == 0, done.stdout + done.stderr
     assert "vigil-alerts.rules.yml" in done.stdout and "vigil-recording.rules.yml" in done.stdout
+
+
+KUBECTL = shutil.which("kubectl")
+OVERLAYS = sorted(p for p in (DEPLOY / "kubernetes" / "overlays").iterdir() if p.is_dir())
+
+
+@pytest.mark.external
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl missing (Debian package kubernetes-client)")
+@pytest.mark.skipif(not KUBERNETES_VALIDATE.exists(), reason="kubernetes-validate missing (pip install '.[test]')")
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_each_overlay_builds_and_validates_strictly(tmp_path: Path, overlay: Path) -> None:
+    assert KUBECTL is not None
+    built = run([KUBECTL, "kustomize", str(overlay)])
+    assert built.returncode == 0, built.stderr
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(built.stdout)
+    done = run([str(KUBERNETES_VALIDATE), "--strict", str(rendered)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    objects = [d for d in yaml.safe_load_all(built.stdout) if d]
+    kinds = {d["kind"] for d in objects}
+    assert {"DaemonSet", "Deployment", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    for d in objects:  # the recommended labels on every object
+        labels = d["metadata"]["labels"] if d["kind"] != "Namespace" else d["metadata"].get("labels", {})
+        assert labels.get("app.kubernetes.io/part-of") == "vigil", d["metadata"]["name"]
+        assert labels.get("app.kubernetes.io/version") and labels.get("app.kubernetes.io/managed-by") == "kustomize"
+    images = {c["image"] for d in objects if d["kind"] in ("DaemonSet", "Deployment")
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    assert len(images) == 1 and "example" not in next(iter(images))  # one image, set in one place

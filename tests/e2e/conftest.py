@@ -107,12 +107,14 @@ class WebhookReceiver:
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.paths: list[str] = []
+        self.authorizations: list[str] = []
         received = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 received.paths.append(self.path)
+                received.authorizations.append(self.headers.get("Authorization", ""))
                 received.bodies.append(json.loads(self.rfile.read(length)))
                 self.send_response(200)
                 self.end_headers()

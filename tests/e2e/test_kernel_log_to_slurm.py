@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.aggregator.aggregator_process import REPO, AggregatorProcess, slurm_aggregator_config, wait_for
+from aggregator.auth import node_token
+from tests.aggregator.aggregator_process import REPO, SITE_SECRET, AggregatorProcess, slurm_aggregator_config, wait_for
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
 
@@ -30,9 +31,11 @@ class Agents:
         for node in nodes:
             self.kmsg[node].write_text("[    5.000000] nvidia: module loaded\n")
             cfg = root / f"{node}.yaml"
+            token = root / f"{node}.token"  # the node's own credential (vigil token create)
+            token.write_text(node_token(SITE_SECRET.encode(), node) + "\n")
             cfg.write_text(yaml.safe_dump({
                 "node": node, "listen": f"127.0.0.1:{free_port()}", "nvml": {"backend": "fake"},
-                "aggregator": {"url": aggregator_url, "interval_seconds": 0.5},
+                "aggregator": {"url": aggregator_url, "interval_seconds": 0.5, "token_file": str(token)},
                 "collectors": {"training": {"enabled": False}},
             }))
             log = (root / f"{node}.log").open("wb")

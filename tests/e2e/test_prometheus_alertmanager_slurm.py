@@ -23,8 +23,9 @@ import pytest
 import yaml
 
 from aggregator.alertmanager_input import WebhookPayload, decisions_from_payload
+from aggregator.auth import node_token
 from aggregator.decision import Action
-from tests.aggregator.aggregator_process import AggregatorProcess, slurm_aggregator_config
+from tests.aggregator.aggregator_process import ROLE_TOKENS, SITE_SECRET, AggregatorProcess, slurm_aggregator_config
 from tests.e2e.conftest import Processes, WebhookReceiver, http_json, wait_for, which
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster
@@ -50,7 +51,7 @@ def _scenario(tmp: Path, name: str, fault_at: float | None) -> Path:
     return path
 
 
-def _start_agent(procs: Processes, tmp: Path, node: str, scenario: Path) -> str:
+def _start_agent(procs: Processes, tmp: Path, node: str, scenario: Path, aggregator: AggregatorProcess | None) -> str:
     listen = f"127.0.0.1:{free_port()}"
     kmsg = tmp / f"{node}.kmsg"
     kmsg.write_text("")
@@ -58,7 +59,12 @@ def _start_agent(procs: Processes, tmp: Path, node: str, scenario: Path) -> str:
     sysfs.mkdir()
     config = tmp / f"{node}-agent.yml"
     # The training collector's UDP heartbeat port is per host; these two agents share one host.
-    config.write_text(yaml.safe_dump({"collectors": {"training": {"enabled": False}}}))
+    agent_config: dict[str, Any] = {"collectors": {"training": {"enabled": False}}}
+    if aggregator is not None:  # the agent reports to it with its own node token
+        token = tmp / f"{node}.token"
+        token.write_text(node_token(SITE_SECRET.encode(), node) + "\n")
+        agent_config["aggregator"] = {"url": aggregator.url, "token_file": str(token)}
+    config.write_text(yaml.safe_dump(agent_config))
     procs.start(f"agent-{node}", [sys.executable, "-m", "vigil", "agent", "--config", str(config),
                                   "--backend", "fake", "--scenario", str(scenario), "--listen", listen,
                                   "--node", node, "--kmsg", str(kmsg), "--sysfs-root", str(sysfs),
@@ -79,12 +85,16 @@ def _prometheus_config(agents: dict[str, str], alertmanager: str) -> dict[str, A
     }
 
 
-def _alertmanager_config(webhook_url: str) -> dict[str, Any]:
-    """The shipped routing, with the aggregator's URL pointed at this test and short waits."""
+def _alertmanager_config(webhook_url: str, token_file: Path) -> dict[str, Any]:
+    """The shipped routing, with the aggregator's URL and credential pointed at this test and
+    short waits."""
     config = yaml.safe_load((ROOT / "deploy" / "alertmanager" / "alertmanager.yml").read_text())
     for receiver in config["receivers"]:
         if receiver["name"] == "vigil-aggregator":
             receiver["webhook_configs"][0]["url"] = webhook_url
+            http = receiver["webhook_configs"][0]["http_config"]
+            assert http["authorization"]["credentials_file"]  # the shipped file sends Alertmanager's token
+            http["authorization"]["credentials_file"] = str(token_file)
         else:  # no pager or ticket system here
             receiver.pop("webhook_configs", None)
     config["route"].update(group_wait="1s", group_interval="1s")
@@ -108,18 +118,22 @@ class Pipeline:
                 if a["labels"]["alertname"].startswith("Vigil")]
 
 
-def start_pipeline(tmp_path: Path, processes: Processes, aggregator_webhook: str) -> Pipeline:
-    """vnode1 (faulty) and vnode2 (healthy) agents, Alertmanager posting to ``aggregator_webhook``,
-    and Prometheus scraping the agents with rules/ and alerting to that Alertmanager."""
+def start_pipeline(tmp_path: Path, processes: Processes, aggregator_webhook: str,
+                   aggregator: AggregatorProcess | None = None) -> Pipeline:
+    """vnode1 (faulty) and vnode2 (healthy) agents (reporting to ``aggregator`` if given),
+    Alertmanager posting to ``aggregator_webhook`` with its bearer token, and Prometheus scraping
+    the agents with rules/ and alerting to that Alertmanager."""
     assert PROMETHEUS is not None and ALERTMANAGER is not None
     faulty = _scenario(tmp_path, "row-remap-failure", FAULT_AT_SECONDS)
     agents = {
-        "vnode1": _start_agent(processes, tmp_path, "vnode1", faulty),
-        "vnode2": _start_agent(processes, tmp_path, "vnode2", _scenario(tmp_path, "healthy-h100", None)),
+        "vnode1": _start_agent(processes, tmp_path, "vnode1", faulty, aggregator),
+        "vnode2": _start_agent(processes, tmp_path, "vnode2", _scenario(tmp_path, "healthy-h100", None), aggregator),
     }
     am_addr = f"127.0.0.1:{free_port()}"
     am_config = tmp_path / "alertmanager.yml"
-    am_config.write_text(yaml.safe_dump(_alertmanager_config(aggregator_webhook)))
+    am_token = tmp_path / "alertmanager.token"
+    am_token.write_text(ROLE_TOKENS["alertmanager"] + "\n")
+    am_config.write_text(yaml.safe_dump(_alertmanager_config(aggregator_webhook, am_token)))
     processes.start("alertmanager", [ALERTMANAGER, f"--config.file={am_config}",
                                      f"--storage.path={tmp_path / 'am-data'}", f"--web.listen-address={am_addr}",
                                      "--cluster.listen-address=", "--log.level=warn"])
@@ -166,9 +180,11 @@ def test_hardware_fault_pages_through_prometheus_and_alertmanager(tmp_path: Path
     # as one inspect_hardware decision for vnode1.
     bodies = wait_for("the webhook delivery", lambda: list(webhook.bodies), deadline, processes.logs)
     assert webhook.paths[0] == "/v1/alertmanager"
+    assert webhook.authorizations[0] == f"Bearer {ROLE_TOKENS['alertmanager']}"
     payload = WebhookPayload.model_validate(bodies[0])
-    decisions, skipped = decisions_from_payload(payload, now=time.time(), dry_run=False)
+    decisions, skipped, refused = decisions_from_payload(payload, now=time.time(), dry_run=False)
     assert [(d.node, d.action, d.gpu) for d in decisions] == [("vnode1", Action.INSPECT_HARDWARE, 6)], skipped
+    assert refused == []
 
     # The healthy node raised nothing, on either tier.
     assert not [a for a in p.alerts() if a["labels"].get("node") == "vnode2"]
@@ -183,11 +199,14 @@ def test_hardware_fault_drains_the_node_in_slurm(tmp_path: Path, processes: Proc
     deadline = time.monotonic() + DEADLINE_SECONDS
     # The real `vigil aggregator` process: gate, SQLite store, dispatcher and the Slurm actuator.
     (tmp_path / "aggregator").mkdir()
-    aggregator = AggregatorProcess(tmp_path / "aggregator", slurm_aggregator_config(
-        slurm_cluster.scontrol, str(slurm_cluster.root / "slurm.conf")))
+    # The agents report to it (a decision may only name a node that reports); its own memory
+    # and Xid detectors are off, so the drain comes from the Alertmanager route this test is about.
+    aggregator = AggregatorProcess(tmp_path / "aggregator", {
+        **slurm_aggregator_config(slurm_cluster.scontrol, str(slurm_cluster.root / "slurm.conf")),
+        "detectors": {"memory": {"enabled": False}, "xid": {"enabled": False}}})
     aggregator.start()
     try:
-        p = start_pipeline(tmp_path, processes, f"{aggregator.url}/v1/alertmanager")
+        p = start_pipeline(tmp_path, processes, f"{aggregator.url}/v1/alertmanager", aggregator)
 
         def drained() -> bool:
             processes.check_alive()

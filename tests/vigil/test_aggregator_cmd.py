@@ -32,10 +32,10 @@ def test_config_typo_exits_2_naming_the_key(tmp_path, capsys):
 def test_serves_and_stops_on_sigterm(tmp_path):
     port = free_port()
     token = tmp_path / "token"
-    token.write_text("t0ken\n")
+    token.write_text("s" * 40 + "\n")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "vigil", "aggregator", "--listen", f"127.0.0.1:{port}",
-                             "--token-file", str(token), "--store", str(tmp_path / "d.sqlite")],
+                             "--site-secret-file", str(token), "--store", str(tmp_path / "d.sqlite")],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30

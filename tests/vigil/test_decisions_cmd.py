@@ -6,8 +6,8 @@ import argparse
 import json
 
 from aggregator.decision import Action, Decision
-from aggregator.dispatch import GatedSink
 from aggregator.gate import Gate, GateConfig
+from aggregator.ledger import Ledger
 from aggregator.store import Store
 from vigil import decisions_cmd
 
@@ -16,7 +16,7 @@ T0 = 1_700_000_000.0
 
 def fill(path) -> None:
     store = Store(path)
-    sink = GatedSink(Gate(GateConfig(breaker_max_nodes=1, max_remediation_attempts=1)), store, {})
+    sink = Ledger(Gate(GateConfig(breaker_max_nodes=1, max_remediation_attempts=1)), store, {})
     for i, node in enumerate(["n1", "n2"]):
         sink.submit(
             [
@@ -44,9 +44,11 @@ def test_lists_verdicts_and_explains_refusals(tmp_path, capsys) -> None:
     assert [(d["decision"]["id"], d["admitted"]) for d in doc["decisions"]][-2:] == [("d1", False), ("d0", True)]
 
 
-def test_breaker_reset_and_missing_store(tmp_path, capsys) -> None:
-    fill(tmp_path / "s.db")
-    assert decisions_cmd.breaker(argparse.Namespace(store=str(tmp_path / "s.db"), breaker_action="reset")) == 0
-    assert capsys.readouterr().out == "circuit breaker reset\n"
-    assert not Store(tmp_path / "s.db").breaker().tripped
-    assert decisions_cmd.breaker(argparse.Namespace(store=str(tmp_path / "none.db"), breaker_action="show")) == 1
+def test_missing_and_corrupt_stores_are_one_line_and_their_exit_status(tmp_path, capsys) -> None:
+    args = argparse.Namespace(store=str(tmp_path / "none.db"), limit=10, node=None, json=False)
+    assert decisions_cmd.decisions(args) == 1
+    (tmp_path / "bad.db").write_bytes(b"this is not SQLite" * 100)
+    args.store = str(tmp_path / "bad.db")
+    assert decisions_cmd.decisions(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "bad.db" in err and "Traceback" not in err

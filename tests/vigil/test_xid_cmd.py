@@ -98,3 +98,74 @@ def test_explain_known_and_unknown_codes(capsys: pytest.CaptureFixture[str]) -> 
 def test_explain_rejects_a_non_integer(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["xid", "explain", "seventy-nine"]) == 2
     assert "not an Xid code" in capsys.readouterr().err
+
+
+def test_scan_folds_companion_lines_into_one_event_per_fault(capsys: pytest.CaptureFixture[str]) -> None:
+    # Xid 79 and the one-line notice for the same GPU: one reboot_node, not two.
+    records = scan_json(FIXTURES / "blog-xid79-fallen-notice-syslog.log", capsys)
+    assert [(r["kind"], r["code"], r["action"]) for r in records] == [("xid", 79, "reboot_node"), ("xid", 44, "alert")]
+    # SXid headlines with their Severity/Data lines: one event per link (plus one orphan Data line).
+    records = scan_json(FIXTURES / "nvtrust-124-sxid-details.log", capsys)
+    assert [(r["code"], r.get("severity"), r["action"]) for r in records] == [
+        (22013, None, "observe"), (22013, "Non-fatal", "observe"), (22013, "Non-fatal", "observe"),
+        (22013, "Non-fatal", "observe")]
+    # An mlx5 health dump: one event per PCI function that lost health.
+    records = scan_json(FIXTURES / "lkml-mlx5-health-dump.log", capsys)
+    assert [r["device"] for r in records] == [f"0000:0d:00.{fn}" for fn in (0, 2, 3, 4, 1, 5)]
+    assert main(["xid", "scan", str(FIXTURES / "lkml-mlx5-health-dump.log")]) == 0
+    assert "6 event(s)" in (err := capsys.readouterr().err) and "16 companion line(s) folded" in err
+
+
+def test_scan_judges_an_sxid_without_severity_word_by_the_fabric_manager_catalog(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # gpud PR 338's real line: a detail-only SXid 12028 line (Fabric Manager guide D.4, non-fatal
+    # with a recovery step): an alert, not an action.
+    records = scan_json(FIXTURES / "gpud-pr338-sxid12028-data-iso.log", capsys)
+    assert [(r["code"], r["action"]) for r in records] == [(12028, "alert")]
+    log = tmp_path / "sxid.log"
+    log.write_text("[ 5.0] nvidia-nvswitch2: SXid (PCI:0000:05:00.0): 24007, Link 30 sourcetrack timeout error\n"
+                   "[ 6.0] nvidia-nvswitch2: SXid (PCI:0000:05:00.0): 12020, egress sequence ID error\n"
+                   "[ 7.0] nvidia-nvswitch2: SXid (PCI:0000:05:00.0): 22013, Link 3 Minion Link DLREQ interrupt\n"
+                   "[ 8.0] nvidia-nvswitch2: SXid (PCI:0000:05:00.0): 24007, Non-fatal, Link 30 the word wins\n")
+    records = scan_json(log, capsys)
+    assert [r["action"] for r in records] == ["reboot_node", "reboot_node", "observe", "observe"]
+
+
+def test_scan_of_a_log_collected_from_many_hosts_equals_each_hosts_scan(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # pdsh -w node[1-N] dmesg prints "<host>: <line>", hosts interleaved. Every real log of
+    # tests/fixtures/kernel-log plays one host.
+    logs = sorted(p for p in FIXTURES.iterdir() if p.suffix in (".log", ".txt") or "syslog" in p.name)
+    assert len(logs) >= 8
+    per_host = {f"gpu-{n:03d}": log for n, log in enumerate(logs)}
+    lines = {host: log.read_text().splitlines() for host, log in per_host.items()}
+    collected: list[str] = []
+    for i in range(max(len(v) for v in lines.values())):
+        collected += [f"{host}: {host_lines[i]}" for host, host_lines in lines.items() if i < len(host_lines)]
+    collected_log = tmp_path / "pdsh-dmesg.log"
+    collected_log.write_text("\n".join(collected) + "\n")
+
+    together = scan_json(collected_log, capsys)
+    assert {r["host"] for r in together} <= set(per_host)
+    total = 0
+    for host, log in per_host.items():
+        alone = [{k: v for k, v in r.items() if k != "host"} for r in scan_json(log, capsys)]
+        mine = [{k: v for k, v in r.items() if k != "host"} for r in together if r["host"] == host]
+        assert mine == alone, host
+        total += len(alone)
+    assert len(together) == total > 30
+    # The text form leads with the host.
+    assert main(["xid", "scan", str(collected_log)]) == 0
+    first = capsys.readouterr().out.splitlines()[0].split("\t")
+    assert first[0] in per_host and first[0] == together[0]["host"]
+
+
+def test_scan_more_real_dmesg_T_logs(capsys: pytest.CaptureFixture[str]) -> None:
+    # gpud PR 46 (dmesg --ctime): three Xid 13 lines of one exception and an Xid 109.
+    records = scan_json(FIXTURES / "gpud-pr46-dmesg-ctime-xid13-109.log", capsys)
+    assert [(r["code"], r["action"]) for r in records] == [(13, "observe")] * 3 + [(109, "reset_gpu")]
+    # akash-network/support 244: "NVRM: GPU at PCI:...: GPU-<uuid>" lines are no fallen-off notice.
+    records = scan_json(FIXTURES / "akash-244-dmesg-T-nvrm.log", capsys)
+    assert [(r["kind"], r["pci_bus_id"], r["code"]) for r in records] == [
+        ("xid", "0000:00:05", 43), ("xid", "0000:00:05", 43), ("xid", "0000:00:07", 31), ("xid", "0000:00:08", 94)]
+    assert records[2]["ts"] == "Mon Aug  5 03:54:13 2024"

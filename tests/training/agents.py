@@ -1,0 +1,57 @@
+"""Real `vigil agent` processes on the fake NVML backend for the training tests: one per fake
+node, each with its own heartbeat port, reporting to an aggregator every second; stopped by pid."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from aggregator.auth import node_token
+from tests.aggregator.aggregator_process import SITE_SECRET
+from tests.loopback import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Agent:
+    def __init__(self, root: Path, node: str, aggregator: str, scenario: str | None = None) -> None:
+        self.node = node
+        self.udp_port = free_port()
+        self.port = free_port()
+        cfg = root / f"{node}.yaml"
+        token = root / f"{node}.token"  # the node's own credential (README "Security")
+        token.write_text(node_token(SITE_SECRET.encode(), node) + "\n")
+        cfg.write_text(yaml.safe_dump({
+            "node": node,
+            "aggregator": {"url": aggregator, "interval_seconds": 1.0, "token_file": str(token)},
+            # Short summary window: the test's job lives for tens of seconds, not hours.
+            "collectors": {"training": {"udp_listen": f"127.0.0.1:{self.udp_port}", "window_seconds": 6.0,
+                                        "interval_seconds": 1.0}},
+        }))
+        self.log = (root / f"{node}.log").open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vigil", "agent", "--config", str(cfg), "--backend", "fake",
+             "--listen", f"127.0.0.1:{self.port}", *(["--scenario", scenario] if scenario else [])],
+            cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def healthy(self) -> bool:
+        assert self.proc.poll() is None, f"agent {self.node} exited {self.proc.returncode}"
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=0.5).read()
+            return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()

@@ -1,0 +1,150 @@
+"""``vigil aggregator gate|breaker|hold|resume``: an operator's actions, through the aggregator's API.
+
+They talk to the running service (``--url``, with the operator's bearer token from
+``--token-file``), never to its store, so the service that owns the gate's state is the one that
+changes it: show the gate's state, show or reset the circuit breaker, hold a node (automation
+leaves it alone) or resume it. They decide nothing themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:9500"
+TIMEOUT_SECONDS = 10.0
+
+
+class ApiError(Exception):
+    pass
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=DEFAULT_URL, help=f"the aggregator's address (default {DEFAULT_URL})")
+    p.add_argument("--token-file", metavar="FILE", help="the operator's bearer token")
+    p.add_argument("--json", action="store_true", help="print the API's JSON answer")
+
+
+def add_gate_args(p: argparse.ArgumentParser) -> None:
+    _common(p)
+
+
+def add_breaker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("breaker_action", choices=("show", "reset"), help="show the breaker, or reset a tripped one")
+    _common(p)
+
+
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("node", help="the node's name, as its agent reports it")
+    p.add_argument("--note", default="", help="why (kept with the hold and in the resume's reason)")
+    _common(p)
+
+
+def call(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    headers = {"Content-Type": "application/json"}
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise ApiError(f"cannot read token file {args.token_file}: {exc.strerror or exc}") from None
+        headers["Authorization"] = f"Bearer {token}"
+    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+    request = urllib.request.Request(args.url.rstrip("/") + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS) as response:
+            return json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        with exc:
+            raw = exc.read()[:2000]
+        try:
+            doc = json.loads(raw)
+            why = f"{doc.get('error', '')}: {doc.get('detail') or doc.get('reason') or ''}".strip(": ")
+        except (ValueError, AttributeError):
+            why = raw.decode(errors="replace").strip()
+        raise ApiError(f"{method} {path}: HTTP {exc.code} {why}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ApiError(f"cannot reach the aggregator at {args.url}: {reason}") from None
+
+
+def _when(ts: float | None) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if ts else "-"
+
+
+def _print_breaker(b: dict[str, Any]) -> None:
+    if b["tripped"]:
+        print(f"circuit breaker TRIPPED at {_when(b['tripped_ts'])}: {b['reason']}")
+        print("  reset it (after finding the cause): vigil aggregator breaker reset")
+    else:
+        print("circuit breaker closed (acting normally)")
+    grace = " (start-up grace: floor only)" if b.get("startup_grace") else ""
+    print(f"  removals in the last {b['window_seconds']:.0f}s: {b['removals_in_window']} of a budget of "
+          f"{b['budget']}{grace}; {b['reporting_nodes']} nodes reporting")
+    print(f"  job restarts: {b['restarts_in_window']} of {b['restart_budget']}")
+
+
+def _run(args: argparse.Namespace, method: str, path: str, show: Any, body: dict[str, Any] | None = None) -> int:
+    try:
+        answer = call(args, method, path, body)
+    except ApiError as exc:
+        print(f"vigil aggregator: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    else:
+        show(answer)
+    return 0
+
+
+def gate(args: argparse.Namespace) -> int:
+    def show(g: dict[str, Any]) -> None:
+        _print_breaker(g["breaker"])
+        store = g["store"]
+        health = "ok" if store["problem"] is None else f"FAILING: {store['problem']} ({store['unstored']} waiting)"
+        print(f"store {store['path']} (schema {store['schema_version']}): {health}")
+        for node, hold in g["holds"].items():
+            print(f"held: {node} since {_when(hold['ts'])} {hold['note']}".rstrip())
+        for node, rec in g["nodes"].items():
+            if rec["condition"] != "in_service":
+                print(f"{rec['condition']}: {node} ({rec['last_removal']} at {_when(rec['last_removal_ts'])})")
+        for node, entries in g["history"].items():
+            print(f"history {node}: " + ", ".join(f"{e['action']}" + (f" gpu {e['gpu']}" if e["gpu"] is not None
+                                                                        else "") for e in entries))
+
+    return _run(args, "GET", "/v1/gate", show)
+
+
+def breaker(args: argparse.Namespace) -> int:
+    if args.breaker_action == "show":
+        return _run(args, "GET", "/v1/breaker", _print_breaker)
+
+    def show(r: dict[str, Any]) -> None:
+        print("circuit breaker reset" if r["was_tripped"] else "circuit breaker was not tripped")
+
+    return _run(args, "POST", "/v1/breaker/reset", show)
+
+
+def hold(args: argparse.Namespace) -> int:
+    def show(r: dict[str, Any]) -> None:
+        print(f"{r['node']} held: automation leaves it alone until `vigil aggregator resume {r['node']}`"
+              + (" (it was already held)" if r["was_held"] else ""))
+
+    return _run(args, "POST", f"/v1/nodes/{urllib.parse.quote(args.node, safe='')}/hold", show, {"note": args.note})
+
+
+def resume(args: argparse.Namespace) -> int:
+    def show(r: dict[str, Any]) -> None:
+        released = "hold released; " if r["was_held"] else ""
+        if r["admitted"]:
+            print(f"{r['node']}: {released}resume {r['resume']} admitted (delivered to the actuators)")
+        else:
+            print(f"{r['node']}: {released}no resume sent ({r['verdict']})")
+
+    return _run(args, "POST", f"/v1/nodes/{urllib.parse.quote(args.node, safe='')}/resume", show, {"note": args.note})
