@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from agent.collectors.collector import StrictModel
 from agent.collectors.gpu import GpuConfig
 from agent.collectors.host import HostConfig
 from agent.collectors.rdma import RdmaConfig
@@ -22,14 +20,8 @@ from agent.collectors.training import TrainingConfig
 from agent.collectors.xid import XidConfig
 from agent.dcgm_compat import ExporterConfig
 from agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
-from agent.validation import HostPort, format_validation_error
+from agent.validation import HostPort, StrictModel, read_config_file, validate_config
 from agent.wire import NodeName
-
-_M = TypeVar("_M", bound=BaseModel)
-
-
-class ConfigError(Exception):
-    """A configuration that cannot be used; the message names every offending key path."""
 
 
 class NvmlConfig(StrictModel):
@@ -103,35 +95,6 @@ class AgentConfig(StrictModel):
     aggregator: AggregatorTarget = AggregatorTarget()
     collectors: CollectorsConfig = CollectorsConfig()
     exporter: ExporterConfig = ExporterConfig()  # dcgm_compat: also serve DCGM_FI_DEV_* series
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A YAML config file's top-level mapping (empty file: {}), or a ConfigError saying why not."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"invalid configuration: the top level must be a mapping, got {type(data).__name__}")
-    return data
-
-
-def validate_config(model: type[_M], data: Any) -> _M:
-    """``data`` validated as ``model``; errors name every offending key path (agent and aggregator)."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"invalid configuration: the top level must be a mapping, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, model=model)) from None
 
 
 def parse_config(data: Any) -> AgentConfig:

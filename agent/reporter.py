@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from agent.backlog import Backlog
-from agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
+from agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES, REPORT_MAX_EVENTS
 from agent.metric import MetricKind, MetricSpec, Sample
 from agent.snapshot import Snapshot
 from agent.wire import Event, Report
@@ -202,7 +202,7 @@ class Reporter:
         """The next report's JSON body, the id just past the last event it carries, and how many.
 
         The body holds the snapshot's state and the oldest pending events that keep it within
-        ``body_limit_bytes``, and at least one event if any is pending (the aggregator's 413 then
+        ``body_limit_bytes`` and ``REPORT_MAX_EVENTS``, and at least one event if any is pending (the aggregator's 413 then
         says whether that one can go at all)."""
         report = build_report(
             self._snapshot, (), node=self._node, boot_id=self._boot_id, seq=self._seq, ts=self._clock(),
@@ -217,7 +217,7 @@ class Reporter:
         taken: list[bytes] = []
         for raw in self._backlog:
             grown = size + len(raw) + (1 if taken else 0)
-            if taken and grown > self.body_limit_bytes:
+            if taken and (grown > self.body_limit_bytes or len(taken) >= REPORT_MAX_EVENTS):
                 break
             taken.append(raw)
             size = grown

@@ -1,16 +1,27 @@
 """How a configuration or scenario that fails validation is reported: one line per error, each
 naming its key path and, for a typo, the closest known key (``collectors.gpu.interval_secnds:
-unknown key (did you mean 'interval_seconds'?)``); and the one parser of listen addresses
-(``HOST:PORT``, ``[V6]:PORT``, ``:PORT``). It imports nothing of ours, so anything may use it.
+unknown key (did you mean 'interval_seconds'?)``); the one parser of listen addresses (``HOST:PORT``,
+``[V6]:PORT``, ``:PORT``); the strict base of every config model and the one reader of YAML config
+files. It imports nothing of ours, so anything (agent, aggregator, simulator) may use it.
 """
 
 from __future__ import annotations
 
 import difflib
 import typing
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ValidationError
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+
+
+class StrictModel(BaseModel):
+    """Base of every config model (agent, aggregator, scenarios): unknown keys are errors, so a
+    typo names its key path; frozen, so a loaded config is not changed behind its owner's back."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
 
 # `:PORT` listens on every IPv4 interface, as in Go's and Prometheus's flags.
 ALL_INTERFACES = "0.0.0.0"
@@ -83,3 +94,39 @@ def format_validation_error(exc: ValidationError, header: str = "invalid configu
             tail = "" if isinstance(got, dict | list) else f" (got {got!r})"
             lines.append(f"{path}: {msg}{tail}")
     return f"{header}:\n  " + "\n  ".join(lines)
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message names every offending key path."""
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's top-level mapping (empty file: {}), or a ConfigError saying why not."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def validate_config(model: type[_M], data: Any) -> _M:
+    """``data`` validated as ``model``; errors name every offending key path (agent and aggregator)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, model=model)) from None

@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from agent.limits import REPORT_MAX_EVENTS
+
 WIRE_VERSION = 1
 
 # A node name is what a hostname can be (RFC 1123 section 2.1, RFC 952): dot-separated labels
@@ -220,7 +222,7 @@ class Report(_Wire):
     ports: list[PortState] = Field(default_factory=list, max_length=256)
     ranks: list[RankSummary] = Field(default_factory=list, max_length=1024)
     host: HostFacts | None = None
-    events: list[Event] = Field(default_factory=list, max_length=4096)
+    events: list[Event] = Field(default_factory=list, max_length=REPORT_MAX_EVENTS)
     # Collectors whose last cycle failed, so the aggregator can tell "no data" from "healthy".
     failed_collectors: list[Short] = Field(default_factory=list, max_length=64)
     # The sender's release (vigil.__version__), so the aggregator can see version skew; absent

@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from agent.config import ConfigError
+from agent.validation import ConfigError
 from agent.wire import Report
 from aggregator.actuators import Actuator, DeliveryError, build_actuators
 from aggregator.alertmanager_input import add_routes
@@ -294,6 +294,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         engine.ingest(report, now)
         metrics.ingest_seconds.observe(time.perf_counter() - started)
         metrics.reports.inc()
+        metrics.count_events(e.kind for e in report.events)
         if report.urgent or any(e.urgent for e in report.events):
             wake.set()
         return web.json_response({"status": "accepted", "node": report.node, "seq": report.seq}, status=202)

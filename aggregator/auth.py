@@ -23,8 +23,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import model_validator
 
-from agent.collectors.collector import StrictModel
-from agent.config import ConfigError
+from agent.validation import ConfigError, StrictModel
 from agent.wire import check_node_name
 
 

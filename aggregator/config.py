@@ -13,10 +13,8 @@ from typing import Any
 
 from pydantic import Field
 
-from agent.collectors.collector import StrictModel
-from agent.config import ConfigError, read_config_file, validate_config
 from agent.limits import REPORT_MAX_BYTES
-from agent.validation import HostPort, split_host_port
+from agent.validation import ConfigError, HostPort, StrictModel, read_config_file, split_host_port, validate_config
 from aggregator.actuators import ActuatorsConfig
 from aggregator.auth import AuthConfig, TlsConfig
 from aggregator.detectors.gpu_peer import GpuPeerConfig

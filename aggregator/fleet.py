@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from pydantic import Field
 
-from agent.collectors.collector import StrictModel
+from agent.validation import StrictModel
 from agent.wire import Event, GpuState, PortState, RankSummary, Report
 
 

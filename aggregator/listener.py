@@ -24,7 +24,7 @@ from aiohttp import ClientPayloadError, web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import Field
 
-from agent.collectors.collector import StrictModel
+from agent.validation import StrictModel
 
 log = logging.getLogger("vigil.aggregator.listener")
 

@@ -1,16 +1,18 @@
 """The aggregator's own Prometheus metrics: intake, judgement and the fleet's state at a glance.
 
-Counts reports ingested and rejected (by reason), times ingest and evaluation, reports how many
-nodes are in each state, and shows the acting side: decisions by action, detector and verdict,
-deliveries by actuator and outcome, pending and dead-lettered deliveries, the circuit breaker,
-store errors, actuator reachability and the event loop's lag. It uses its own registry (no
-process-global state), so tests and the simulator can build as many as they like. It neither
-judges nor serves; app.py mounts ``render`` and supplies the readings.
+Counts reports ingested and rejected (by reason) and the events they carried (by kind), times
+ingest and evaluation, reports how many nodes are in each state, and shows the acting side:
+decisions by action, detector and verdict, deliveries by actuator and outcome, pending and
+dead-lettered deliveries, the circuit breaker, store errors, actuator reachability and the event
+loop's lag. It uses its own registry (no process-global state), so tests and the simulator can
+build as many as they like. It neither judges nor serves; app.py mounts ``render`` and supplies
+the readings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import collections
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,6 +30,11 @@ REJECT_REASONS = ("unauthorized", "too_large", "invalid_json", "schema")
 NODE_STATES = ("ok", "suspect", "failing", "silent")
 DELIVERY_OUTCOMES = ("delivered", "failed", "dead")
 STORE_ERROR_KINDS = ("write", "file", "delivery_update", "dropped")
+# Event kinds the agent sends (agent/wire.py's Event); any other kind is counted as "other", so a
+# node cannot create series at will.
+EVENT_KINDS = ("xid", "sxid", "gpu_lost", "mlx5_error", "link_down", "link_up", "link_flap", "counter_reset",
+               "hang", "rank_exit", "nvml_unavailable")
+OTHER_EVENT_KIND = "other"
 
 # Ingest is ~0.1 ms; evaluation of a 12,500-node fleet tens of ms.
 _INGEST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
@@ -125,6 +132,12 @@ class AggregatorMetrics:
                                   "Reports refused, by reason.", ["reason"], registry=r)
         for reason in REJECT_REASONS:
             self.rejections.labels(reason)
+        self.events_received = Counter("vigil_aggregator_events_received",
+                                       "Events carried by accepted reports, by kind (other: a kind the agent "
+                                       "does not send); a replayed report's events count again (dedup absorbs "
+                                       "them).", ["kind"], registry=r)
+        for kind in (*EVENT_KINDS, OTHER_EVENT_KIND):
+            self.events_received.labels(kind)
         self.ingest_seconds = Histogram("vigil_aggregator_ingest_duration_seconds",
                                         "Time to validate and ingest one report.", buckets=_INGEST_BUCKETS,
                                         registry=r)
@@ -141,6 +154,11 @@ class AggregatorMetrics:
         self.refusals = Refusals(r)  # every door's refusals (aggregator/auth.py declares it)
         r.register(_Acting(acting or ActingReadings))
         register_build_info(r, "aggregator")
+
+    def count_events(self, kinds: Iterable[str]) -> None:
+        """Count an accepted report's events under their kinds (unknown kinds as "other")."""
+        for kind, n in collections.Counter(k if k in EVENT_KINDS else OTHER_EVENT_KIND for k in kinds).items():
+            self.events_received.labels(kind).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from agent.collectors.collector import StrictModel
+from agent.validation import StrictModel
 from aggregator.decision import REMOVING_ACTIONS, Action, Decision
 from aggregator.gate import BreakerRecord, GateConfig, GateState, NodeRecord, Verdict
 

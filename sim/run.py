@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from agent.config import AgentConfig, ConfigError, parse_config
+from agent.config import AgentConfig, parse_config
 from agent.seams import Seams
-from agent.validation import format_validation_error
+from agent.validation import ConfigError, format_validation_error
 from agent.wire import Report
 from sim import fabric
 from sim.clock import SimClock

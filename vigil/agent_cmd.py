@@ -32,7 +32,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _merged_config(args: argparse.Namespace) -> Any:
-    from agent.config import parse_config, read_config_file
+    from agent.config import parse_config
+    from agent.validation import read_config_file
 
     data: dict[str, Any] = read_config_file(args.config) if args.config else {}
     if args.backend:
@@ -66,8 +67,8 @@ def _check(config: Any, source: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.config import ConfigError
     from agent.daemon import Agent, make_seams
+    from agent.validation import ConfigError
 
     configure_logging(args.log_level, args.log_format)
     try:

@@ -34,7 +34,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _merged_config(args: argparse.Namespace) -> Any:
-    from agent.config import read_config_file
+    from agent.validation import read_config_file
     from aggregator.config import parse_config
 
     data: dict[str, Any] = read_config_file(args.config) if args.config else {}

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from agent.metric import MetricSpec, Sample
+from agent.validation import StrictModel
 from agent.wire import Event
 
 
@@ -40,12 +41,6 @@ class Collector(Protocol):
     def collect(self, now: float) -> Collection: ...
 
     def close(self) -> None: ...
-
-
-class StrictModel(BaseModel):
-    """Base of every config model: unknown keys are errors, so a typo names its key path."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class CollectorConfig(StrictModel):

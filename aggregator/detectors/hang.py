@@ -18,7 +18,7 @@ from statistics import median
 
 from pydantic import Field
 
-from agent.collectors.collector import StrictModel
+from agent.validation import StrictModel
 from aggregator.decision import Action, Finding
 from aggregator.fleet import FleetView, JobState, RankHistory
 

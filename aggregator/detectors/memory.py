@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from agent.collectors.collector import StrictModel
+from agent.validation import StrictModel
 from aggregator.decision import Action, Finding
 from aggregator.fleet import FleetView, GpuHistory, NodeState
 

@@ -6,21 +6,28 @@ retrained below the rate it had earlier in this boot drains the node: every coll
 that rail slows the whole job. Congestion counters (ECN marks, CNPs, PFC pauses) describe the
 fabric, not the node: they only ever produce an ``observe`` finding.
 
-Flaps are judged on three horizons: ``flap_threshold`` link-down/recovery events in
-``window_seconds`` drains (a link retraining every few minutes); the same count within one hour
-alerts; that many in each of ``flap_persist_hours`` of the last ``flap_persist_horizon_hours``
-hours drains (a port dropping every 6 minutes never fits 3 drops in 10 minutes but fails every
-hour). Designed false-drain rate: a healthy IB link retrains a handful of times a year (link_downed
-stays 0 on healthy HDR/NDR links between maintenance); 3 events in an hour, repeated in 3 of 4
-hours, is not noise: ~0 false drains by the counters, and a shared switch's flaps across its
-nodes are attributed to the switch by the topology pass.
+Flaps are judged on four horizons: ``flap_threshold`` link-down/recovery events in
+``window_seconds`` drains (a link retraining every few minutes); ``flap_slow_threshold`` times the
+link went down (``link_downed``) within ``flap_slow_window_seconds`` drains (a port dropping every
+6 minutes never fits 3 drops in 10 minutes, but its fifth drop is 24 minutes after its first);
+``flap_threshold`` events within one hour alerts; that many in each of ``flap_persist_hours`` of
+the last ``flap_persist_horizon_hours`` hours drains (a link that keeps retraining without going
+down). Designed false-drain rate: a healthy IB link goes down a handful of times a year
+(link_downed stays 0 on healthy HDR/NDR links between maintenance, and one maintenance costs a
+port one or two drops: a leaf reboot, a reseated cable); 5 drops in 6 hours is ~0 false drains
+by the counters. A drop that several nodes' ports took at the same moment (a switch reboot, a
+fabric-wide event) is the fabric's: it does not count toward a node's slow flaps, and a shared
+switch's flaps and downs across its nodes are attributed to the switch by the topology pass.
 """
 
 from __future__ import annotations
 
-from pydantic import Field
+from bisect import bisect_left, bisect_right
+from collections import Counter
 
-from agent.collectors.collector import StrictModel
+from pydantic import Field, model_validator
+
+from agent.validation import StrictModel
 from aggregator.decision import Action, Finding
 from aggregator.fleet import FleetView, NodeState, PortHistory, port_is_active
 
@@ -38,6 +45,27 @@ class NetworkConfig(StrictModel):
     flap_counters: list[str] = Field(default_factory=lambda: ["link_downed", "link_error_recovery"])
     flap_threshold: int = Field(default=3, ge=1)
     flap_action: Action = Action.DRAIN
+    # Slow flaps: a marginal transceiver or cable drops its link every few minutes to every few
+    # hours and looks healthy in between, so no 10-minute window holds three drops. link_downed is
+    # cumulative in the HCA (IBTA PortCounters LinkDownedCounter), so its increases over hours are
+    # exact evidence. A healthy link keeps it at 0 between maintenance, and one maintenance costs a
+    # port one or two drops (a leaf switch reboot or firmware activation, a reseated cable): 5
+    # drops in 6 hours is a bad link with a margin of 3 over any maintenance. It catches a port
+    # dropping every 6 minutes at its fifth drop (24 minutes) and one dropping every 85 minutes.
+    # Counted: the link going down only (link_error_recovery is a retrain that kept the link up).
+    flap_slow_counters: list[str] = Field(default_factory=lambda: ["link_downed"])
+    flap_slow_window_seconds: float = Field(default=6 * 3600.0, gt=0)
+    flap_slow_threshold: int = Field(default=5, ge=2)
+    flap_slow_action: Action = Action.DRAIN
+    # A drop that ports of at least this many nodes (this one included) took within
+    # flap_shared_seconds of each other is the fabric's (a switch reboot): it never counts toward a
+    # node's slow flaps. 3 nodes, as the topology pass's min_nodes: two bad cables are two bad
+    # cables. An increase is known to within one report interval, so the nodes' own report
+    # intervals widen the tolerance when they are longer; 10 s is four reports at the agent's
+    # 2.5 s default, and two unrelated ports dropping every 6 minutes share a drop by chance
+    # with probability ~(20 s / 360 s)^2 = 0.3% per drop.
+    flap_shared_min_nodes: int = Field(default=3, ge=2)
+    flap_shared_seconds: float = Field(default=10.0, ge=0)
     # Long horizons: flap_threshold events within this much time alerts ...
     flap_alert_window_seconds: float = Field(default=3600.0, gt=0)
     flap_alert_action: Action = Action.ALERT
@@ -61,6 +89,14 @@ class NetworkConfig(StrictModel):
         *(f"{d}_prio{p}_pause" for d in ("rx", "tx") for p in range(8))])
     congestion_per_second: float = Field(default=10_000.0, gt=0)
 
+    @model_validator(mode="after")
+    def _slow_counters_are_tracked(self) -> NetworkConfig:
+        # The fleet keeps only the counters some rule judges (flap_counters among them).
+        extra = sorted(set(self.flap_slow_counters) - set(self.flap_counters))
+        if extra:
+            raise ValueError(f"flap_slow_counters must be among flap_counters; not: {extra}")
+        return self
+
 
 class NetworkDetector:
     name = NAME
@@ -70,12 +106,42 @@ class NetworkDetector:
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
+        shared = self._shared_drops(view, now)
         for node in view.nodes.values():
             for port in node.ports.values():
                 if port.last_seen < node.last_seen:
                     continue
-                out.extend(self._judge(node, port, now))
+                out.extend(self._judge(node, port, now, shared))
         return out
+
+    def _shared_drops(self, view: FleetView, now: float) -> frozenset[tuple[str, str, float]]:
+        """(node, port, ts) of the link drops within the slow window that ports of at least
+        ``flap_shared_min_nodes`` nodes took at the same moment: the fabric's, not a node's."""
+        cfg = self.config
+        t0 = now - cfg.flap_slow_window_seconds
+        drops: list[tuple[float, str, str]] = []
+        tolerance = cfg.flap_shared_seconds
+        for node in view.nodes.values():
+            found = False
+            for port in node.ports.values():
+                if port.counters.last_increase_ts <= t0:
+                    continue
+                for counter in cfg.flap_slow_counters:
+                    for ts, _ in port.counters.increases_since(counter, t0):
+                        drops.append((ts, node.name, port.name))
+                        found = True
+            if found and node.interval_seconds:
+                tolerance = max(tolerance, float(node.interval_seconds))
+        if len(drops) < cfg.flap_shared_min_nodes:
+            return frozenset()
+        drops.sort()
+        times = [ts for ts, _, _ in drops]
+        out = set()
+        for ts, name, port_name in drops:
+            near = drops[bisect_left(times, ts - tolerance):bisect_right(times, ts + tolerance)]
+            if len(Counter(n for _, n, _ in near)) >= cfg.flap_shared_min_nodes:
+                out.add((name, port_name, ts))
+        return frozenset(out)
 
     def _finding(self, node: NodeState, port: PortHistory, action: Action, since: float, key: str,
                  reason: str, evidence: dict[str, object]) -> Finding:
@@ -83,7 +149,8 @@ class NetworkDetector:
                        reason=f"{port.name}: {reason}",
                        evidence={"device": port.device, "port": port.port, **evidence})
 
-    def _judge(self, node: NodeState, port: PortHistory, now: float) -> list[Finding]:
+    def _judge(self, node: NodeState, port: PortHistory, now: float,
+               shared: frozenset[tuple[str, str, float]] = frozenset()) -> list[Finding]:
         cfg = self.config
         out: list[Finding] = []
         last = port.last
@@ -99,9 +166,8 @@ class NetworkDetector:
                                          f"port {last.state or 'unknown'} for {now - since:.0f} s",
                                          {"signal": "port_state", "state": last.state, "phys_state": last.phys_state}))
                 return out  # a dead port's error counters say nothing more
-        horizon = max(cfg.window_seconds, cfg.flap_alert_window_seconds, 3600.0 * cfg.flap_persist_horizon_hours)
-        if port.counters.last_increase_ts >= now - horizon:
-            out.extend(self._judge_flaps(node, port, now))
+        if port.counters.last_increase_ts >= now - self._flap_horizon():
+            out.extend(self._judge_flaps(node, port, now, shared))
         if port.counters.last_increase_ts >= t0:
             out.extend(self._judge_counters(node, port, now))
         expected = cfg.expected_rate_bits_per_second or port.max_rate_bits_per_second
@@ -149,12 +215,18 @@ class NetworkDetector:
                                          {"signal": counter, "rate_per_second": round(per_second, 1)}))
         return out
 
-    def _judge_flaps(self, node: NodeState, port: PortHistory, now: float) -> list[Finding]:
-        """Link down/recovery events on the short, hourly and several-hour horizons; the strongest
-        that holds is reported."""
+    def _flap_horizon(self) -> float:
+        cfg = self.config
+        return max(cfg.window_seconds, cfg.flap_alert_window_seconds, 3600.0 * cfg.flap_persist_horizon_hours,
+                   cfg.flap_slow_window_seconds)
+
+    def _judge_flaps(self, node: NodeState, port: PortHistory, now: float,
+                     shared: frozenset[tuple[str, str, float]]) -> list[Finding]:
+        """Link down/recovery events on the short, several-hour, slow and hourly horizons; the
+        strongest that holds is reported."""
         cfg = self.config
         events = sorted(e for c in cfg.flap_counters
-                        for e in port.counters.increases_since(c, now - 3600.0 * cfg.flap_persist_horizon_hours))
+                        for e in port.counters.increases_since(c, now - self._flap_horizon()))
 
         def count(t0: float, t1: float) -> float:
             return sum(d for ts, d in events if t0 < ts <= t1)
@@ -175,6 +247,17 @@ class NetworkDetector:
                                   f">= {cfg.flap_threshold} link down/recovery events in each of {bad_hours} of the "
                                   f"last {cfg.flap_persist_horizon_hours} hours ({sum(hours):.0f} in all)",
                                   {"signal": "link_flaps", "events_per_hour": hours, "horizon": "long"})]
+        t_slow = now - cfg.flap_slow_window_seconds
+        drops = sorted(e for c in cfg.flap_slow_counters for e in port.counters.increases_since(c, t_slow)
+                       if e[0] > t_slow)
+        own = [(ts, d) for ts, d in drops if (node.name, port.name, ts) not in shared]
+        if sum(d for _, d in own) >= cfg.flap_slow_threshold:
+            return [self._finding(node, port, cfg.flap_slow_action, own[0][0], "flap_slow",
+                                  f"link down {sum(d for _, d in own):.0f} times in "
+                                  f"{cfg.flap_slow_window_seconds / 3600.0:g} h",
+                                  {"signal": "link_flaps", "events": sum(d for _, d in own),
+                                   "window_seconds": cfg.flap_slow_window_seconds, "horizon": "slow",
+                                   "shared_with_other_nodes": sum(d for _, d in drops) - sum(d for _, d in own)})]
         t_alert = now - cfg.flap_alert_window_seconds
         flaps = count(t_alert, now)
         if flaps >= cfg.flap_threshold:

@@ -22,7 +22,7 @@ from collections import deque
 
 from pydantic import Field
 
-from agent.collectors.collector import StrictModel
+from agent.validation import StrictModel
 from aggregator.decision import Action, Finding
 from aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
 

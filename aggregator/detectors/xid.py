@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from pydantic import Field
 
-from agent.collectors.collector import StrictModel
+from agent.validation import StrictModel
 from aggregator.decision import Action, Finding
 from aggregator.fleet import FleetView, NodeState
 from aggregator.xid_catalog import XidCatalog, XidOccurrence, judge_xids

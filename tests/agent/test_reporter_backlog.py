@@ -19,7 +19,7 @@ from aiohttp import web
 
 from agent.backlog import JOURNAL_FILE
 from agent.collectors.collector import Collection
-from agent.limits import REPORT_MAX_BYTES
+from agent.limits import REPORT_MAX_BYTES, REPORT_MAX_EVENTS
 from agent.reporter import Reporter
 from agent.snapshot import CollectorResult, Snapshot
 from agent.wire import MAX_TEXT_CHARS, Event, GpuState, Report
@@ -268,3 +268,26 @@ async def test_a_restart_or_a_crash_during_an_outage_keeps_the_backlog(
         await asyncio.wait_for(task, 10)
     assert [(e.ts, e.message) for e in fake.events] == [(e.ts, e.message) for e in crashed + more]
     assert not journal.exists()  # nothing pending: no journal left behind
+
+
+def test_a_backlog_of_short_events_goes_out_in_reports_the_aggregator_schema_accepts() -> None:
+    # At the default 1 MiB limit a backlog of short Xid lines (~140 bytes each) would fill a
+    # report with ~7,000 events by size alone; the aggregator's schema takes REPORT_MAX_EVENTS.
+    clock = FakeClock()
+    reporter = Reporter(url=None, token=None, node="gpu-a1", boot_id="b", topology={}, snapshot=_snapshot(),
+                        interval_seconds=2.5, clock=clock)
+    short = [Event(kind="xid", ts=T0 + i * 1e-4, urgent=True, code=13, gpu=i % 8,
+                   pci_bus_id=f"00000000:{0x19 + i % 8:02x}:00.0", source="kmsg",
+                   message=f"NVRM: Xid (PCI:0000:{0x19 + i % 8:02x}:00): 13, pid={1000 + i}, Graphics Exception")
+             for i in range(9216)]
+    reporter.add_events(short)
+    delivered: list[Event] = []
+    while reporter.pending_events:
+        body, _, n = reporter.build_body()
+        assert len(body) <= REPORT_MAX_BYTES
+        report = Report.model_validate_json(body)  # what the aggregator's schema checks
+        assert len(report.events) == n <= REPORT_MAX_EVENTS
+        delivered += report.events
+        reporter.acknowledge(n)
+    assert [e.message for e in delivered] == [e.message for e in short]
+    assert len(short) * len(short[0].message) < 3 * REPORT_MAX_BYTES  # by size alone they would fit 2 reports

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from agent.config import ConfigError, parse_config
+from agent.config import parse_config
 from agent.reporter import Reporter, client_ssl_context
 from agent.snapshot import Snapshot
+from agent.validation import ConfigError
 from agent.wire import Event, Report
 from tests.loopback import free_port
 

@@ -4,8 +4,9 @@ real aggregator: with the StepTimer one slowed rank gets its node drained and no
 
 Each of four nodes hosts one rank (each agent on the fake NVML backend, with its own heartbeat
 port): the straggler detector compares nodes with their job's other nodes and needs at least four
-(``detectors.straggler.min_nodes``). Rank 3, on node-d, computes 0.25 s longer per step. Every process is bounded in time and
-stopped by pid. Skipped without torch (``pip install -e '.[torch]'``, which `make test` does).
+(``detectors.straggler.min_nodes``). Rank 3, on node-d, computes 0.25 s longer per step. Every
+process is bounded in time and stopped by pid. Skipped without torch (``pip install -e '.[torch]'``,
+which `make test` does).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ConfigError
 from agent.config import parse_config as parse_agent
+from agent.validation import ConfigError
 from aggregator.config import parse_config as parse_aggregator
 from tests.loopback import free_port
 

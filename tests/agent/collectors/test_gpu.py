@@ -243,7 +243,7 @@ def test_xid_events_from_the_worker_thread(make, clock):
 
 
 def test_config_rejects_typos_with_key_path():
-    from agent.config import ConfigError
+    from agent.validation import ConfigError
 
     with pytest.raises(ConfigError, match=r"collectors\.gpu\.nvlink_interval_secnds: unknown key"):
         parse_config({"collectors": {"gpu": {"nvlink_interval_secnds": 5}}})

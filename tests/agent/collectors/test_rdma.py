@@ -19,10 +19,11 @@ from agent.collectors.rdma import (
     parse_rate_bits_per_second,
     parse_state,
 )
-from agent.config import ConfigError, parse_config
+from agent.config import parse_config
 from agent.exporter import SnapshotExporter, render
 from agent.metric import Sample
 from agent.seams import Seams
+from agent.validation import ConfigError
 from agent.wire import PortState, Report
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sysfs"

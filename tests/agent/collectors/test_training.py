@@ -12,10 +12,11 @@ import pytest
 
 from agent.collectors import REGISTRY
 from agent.collectors.training import TrainingCollector, TrainingConfig, percentile
-from agent.config import ConfigError, parse_config
+from agent.config import parse_config
 from agent.heartbeat import Heartbeat
 from agent.metric import Sample
 from agent.seams import Seams
+from agent.validation import ConfigError
 from agent.wire import RankSummary
 
 FIXTURES = Path(__file__).parent.parent.parent / "fixtures" / "training-logs"

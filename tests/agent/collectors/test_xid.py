@@ -335,7 +335,7 @@ def test_registry_builds_from_agent_config_with_an_injected_file(tmp_path: Path)
 
 
 def test_config_rejects_unknown_keys() -> None:
-    from agent.config import ConfigError
+    from agent.validation import ConfigError
 
     with pytest.raises(ConfigError, match=r"collectors\.xid\.sourc"):
         parse_config({"collectors": {"xid": {"sourc": "file"}}})
