@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from agent.wire import Report
+from aggregator.auth import new_secret, node_token
 from bench.measure import Measurement
 
 ALERTS = 1000
@@ -47,9 +49,17 @@ def measure() -> list[Measurement]:
     with tempfile.TemporaryDirectory(prefix="vigil-am-batch-") as d:
         tmp = Path(d)
         port = _free_port()
+        # As deployed: acting (dry_run false) needs credentials; alerts may name only nodes that
+        # reported, so every bench node reports once, with its own token, before the batch.
+        secret = new_secret()
+        (tmp / "site.secret").write_text(secret + "\n")
+        am_token = new_secret()
+        (tmp / "alertmanager.token").write_text(am_token + "\n")
         (tmp / "agg.yaml").write_text(yaml.safe_dump({
             "listen": f"127.0.0.1:{port}", "store_path": str(tmp / "store.sqlite"), "dry_run": False,
             "gate": {"breaker_startup_grace_seconds": 0},
+            "auth": {"site_secret_file": str(tmp / "site.secret"),
+                     "alertmanager_token_file": str(tmp / "alertmanager.token")},
         }))
         base = f"http://127.0.0.1:{port}"
         with open(tmp / "agg.log", "wb") as log:
@@ -65,6 +75,13 @@ def measure() -> list[Measurement]:
                     if time.monotonic() > deadline:
                         raise RuntimeError("aggregator did not start") from None
                     time.sleep(0.1)
+            for i in range(ALERTS):
+                node = f"bench-{i:04d}"
+                report = Report(node=node, boot_id="bench", seq=1, ts=time.time(), interval_seconds=2.5)
+                urllib.request.urlopen(urllib.request.Request(
+                    base + "/v1/reports", data=report.model_dump_json().encode(), method="POST",
+                    headers={"Content-Type": "application/json",
+                             "Authorization": f"Bearer {node_token(secret.encode(), node)}"}), timeout=10).close()
             latencies: list[float] = []
             done = threading.Event()
 
@@ -80,7 +97,8 @@ def measure() -> list[Measurement]:
             time.sleep(0.2)
             body = payload(ALERTS, time.time())
             request = urllib.request.Request(base + "/v1/alertmanager", data=body, method="POST",
-                                             headers={"Content-Type": "application/json"})
+                                             headers={"Content-Type": "application/json",
+                                                      "Authorization": f"Bearer {am_token}"})
             started = time.perf_counter()
             with urllib.request.urlopen(request, timeout=60) as resp:
                 answer = json.loads(resp.read())
