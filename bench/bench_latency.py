@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from aggregator.auth import new_secret, node_token
 from bench.measure import Measurement
 
 NODES = 20
@@ -72,8 +73,12 @@ def measure() -> list[Measurement]:
         try:
             agg_port = _free_port()
             (tmp / "hook.secret").write_text("bench-secret\n")
+            # As deployed: acting needs credentials, and each agent reports with its node token.
+            secret = new_secret()
+            (tmp / "site.secret").write_text(secret + "\n")
             (tmp / "agg.yaml").write_text(yaml.safe_dump({
                 "listen": f"127.0.0.1:{agg_port}", "store_path": str(tmp / "store.sqlite"), "dry_run": False,
+                "auth": {"site_secret_file": str(tmp / "site.secret")},
                 # Every node gets a fatal Xid here on purpose: let the breaker allow all of them.
                 "gate": {"breaker_max_share": 1.0, "breaker_startup_grace_seconds": 0},
                 "actuators": {"webhook": {"enabled": True, "url": hook, "secret_file": str(tmp / "hook.secret")}},
@@ -87,10 +92,12 @@ def measure() -> list[Measurement]:
                 ports.append(port)
                 kmsg = tmp / f"node-{i}.kmsg"
                 kmsg.write_text("")
+                token = tmp / f"node-{i}.token"
+                token.write_text(node_token(secret.encode(), f"lat-node-{i:02d}") + "\n")
                 (tmp / f"node-{i}.yaml").write_text(yaml.safe_dump({
                     "node": f"lat-node-{i:02d}", "listen": f"127.0.0.1:{port}",
                     "nvml": {"backend": "fake"},
-                    "aggregator": {"url": f"http://127.0.0.1:{agg_port}"},
+                    "aggregator": {"url": f"http://127.0.0.1:{agg_port}", "token_file": str(token)},
                     "collectors": {"training": {"enabled": False}},
                 }))
                 procs.append(subprocess.Popen([*exe, "agent", "--config", str(tmp / f"node-{i}.yaml"), "--kmsg",

@@ -6,16 +6,26 @@ replaces their per-node findings with one ``inspect_hardware`` for the component
 so a dead leaf switch costs one ticket instead of thirty-two drains. It holds per-node findings
 of those faults back briefly, so the reports of one event arriving over a few seconds are
 judged together rather than draining the first node to report.
+
+On a rail-optimised fabric a rail leaf is cabled to one HCA port of each node, not to the node:
+its label is a *port label* (``port_labels`` maps it to the port it covers, ``rail2_leaf`` ->
+``mlx5_2``). Only port findings (those whose evidence names a ``device``) on that port count
+toward it, and its thresholds count only the nodes whose fault is on that port alone: errors on
+several rails of the same nodes are a node- or group-wide cause, not one rail's leaf, and are left
+to the other labels (rack, row) or to the nodes themselves. A rail leaf that qualifies takes every
+finding on its port; a node's findings on other ports stand on their own.
 """
 
 from __future__ import annotations
 
+import re
+import string
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from agent.collectors.collector import StrictModel
+from agent.validation import StrictModel
 from aggregator.decision import Action, Finding
 from aggregator.fleet import FleetView
 
@@ -35,9 +45,34 @@ class TopologyConfig(StrictModel):
     # How long a new per-node finding of an eligible fault waits for its neighbours (counted from
     # when it was first found): two report intervals at the agent's default 2.5 s.
     hold_seconds: float = Field(default=5.0, ge=0)
+    # Port labels: a regex matched against a whole label -> the port device its component is
+    # cabled to, formatted with the regex's named groups; the first matching entry wins. The default
+    # is sim/scenario.py's rail-optimised fabric (label rail<r>_leaf, HCA r is mlx5_<r>, HCA r cables
+    # to the rail-r leaf); a site whose HCAs are numbered otherwise (DGX H100's compute HCAs are not
+    # mlx5_0..7) lists its labels explicitly, e.g. {"rail1_leaf": "mlx5_3"}. A value may also name
+    # the port ("mlx5_3/1"). Labels matching no entry judge whole nodes (leaf_switch, rack, row).
+    port_labels: dict[str, str] = Field(default_factory=lambda: {r"rail(?P<rail>\d+)_leaf": "mlx5_{rail}"})
+
+    @model_validator(mode="after")
+    def _port_labels_compile(self) -> TopologyConfig:
+        for pattern, template in self.port_labels.items():
+            try:
+                groups = set(re.compile(pattern).groupindex)
+            except re.error as e:
+                raise ValueError(f"port_labels: {pattern!r} is not a regex: {e}") from e
+            fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+            if not fields <= groups:
+                raise ValueError(f"port_labels: {template!r} names {sorted(fields - groups)}, "
+                                 f"which {pattern!r} does not capture")
+        return self
 
 
 Episode = tuple[str, str, int | None, str | None, str, str]
+
+
+def signal_of(f: Finding) -> str:
+    """The fault a finding reports, across its node's ports (``symbol_error_rate``)."""
+    return str(f.evidence.get("signal", f.key))
 
 
 def episode(f: Finding) -> Episode:
@@ -51,6 +86,24 @@ class TopologyAttributor:
     def __init__(self, config: TopologyConfig) -> None:
         self.config = config
         self._eligible = frozenset(config.detectors)
+        self._port_patterns = [(re.compile(p), t) for p, t in config.port_labels.items()]
+        self._label_ports: dict[str, str | None] = {}
+
+    def port_of(self, label: str) -> str | None:
+        """The port a port label's component is cabled to (``mlx5_2``), None for a node label."""
+        if label not in self._label_ports:
+            self._label_ports[label] = next(
+                (t.format(**m.groupdict()) for p, t in self._port_patterns if (m := p.fullmatch(label))), None)
+        return self._label_ports[label]
+
+    @staticmethod
+    def on_port(f: Finding, port: str) -> bool:
+        """Whether ``f`` is a port finding on ``port`` (a device name, or device/port)."""
+        device = f.evidence.get("device")
+        return device is not None and port in (str(device), f"{device}/{f.evidence.get('port')}")
+
+    def _only_on(self, findings: Iterable[Finding], port: str) -> bool:
+        return all(self.on_port(f, port) for f in findings)
 
     def evaluate(self, view: FleetView, now: float, findings: list[Finding],
                  first_seen: Mapping[Episode, float] | None = None) -> list[Finding]:
@@ -60,16 +113,35 @@ class TopologyAttributor:
         cfg = self.config
         first_seen = first_seen or {}
         eligible = [f for f in findings if f.detector in self._eligible and f.action is not Action.OBSERVE]
+        # One node's findings of one fault (detector and signal), over all its ports.
+        per_node: dict[tuple[str, str, str], list[Finding]] = defaultdict(list)
+        for f in eligible:
+            per_node[(f.node, f.detector, signal_of(f))].append(f)
         groups: dict[tuple[str, str, str, str], list[Finding]] = defaultdict(list)
         for f in eligible:
             node = view.nodes.get(f.node)
             if node is None:
                 continue
-            signal = str(f.evidence.get("signal", f.key))
             for label in cfg.labels:
                 value = node.topology.get(label)
-                if value is not None:
-                    groups[(label, value, f.detector, signal)].append(f)
+                port = self.port_of(label)
+                # A rail's leaf is cabled to one port of each node: only findings on that port are its.
+                if value is not None and (port is None or self.on_port(f, port)):
+                    groups[(label, value, f.detector, signal_of(f))].append(f)
+
+        def explained(label: str, members: list[Finding]) -> set[str]:
+            """The nodes whose fault the component can explain: for a rail's leaf, those whose
+            fault is on its port alone (a node erroring on several rails has another cause; once
+            the leaf is indicted it still takes that node's findings on its port)."""
+            port = self.port_of(label)
+            return {f.node for f in members
+                    if port is None or self._only_on(per_node[(f.node, f.detector, signal_of(f))], port)}
+
+        def qualifies(label: str, value: str, members: list[Finding]) -> bool:
+            population = len(view.members(label, value))
+            nodes = explained(label, members)
+            return population > 0 and len(nodes) >= cfg.min_nodes and len(nodes) / population >= cfg.min_share
+
         # Candidates that meet the thresholds, best explanation first: the largest share of the
         # component affected, then the most nodes (a whole rack dark beats each of its leaves),
         # then the most specific label (a leaf that is its whole rack is still the leaf).
@@ -78,10 +150,10 @@ class TopologyAttributor:
             latest = max(f.since for f in members)
             # One event: findings that began within the window of the latest one.
             members = [f for f in members if f.since >= latest - cfg.window_seconds]
+            if not qualifies(label, value, members):
+                continue
             affected = {f.node for f in members}
             population = len(view.members(label, value))
-            if len(affected) < cfg.min_nodes or population == 0 or len(affected) / population < cfg.min_share:
-                continue
             candidates.append((-len(affected) / population, -len(affected), cfg.labels.index(label), value, detector,
                                signal, label, members))
         candidates.sort(key=lambda c: c[:6])
@@ -89,15 +161,20 @@ class TopologyAttributor:
         out: list[Finding] = []
         for *_, value, detector, signal, label, members in candidates:
             members = [f for f in members if id(f) not in absorbed]
+            if not qualifies(label, value, members):
+                continue
             nodes = sorted({f.node for f in members})
             population = len(view.members(label, value))
-            if len(nodes) < cfg.min_nodes or len(nodes) / population < cfg.min_share:
-                continue
             since = min(f.since for f in members)
             absorbed.update(id(f) for f in members)
-            evidence = {"signal": signal, "label": label, "component": value, "fault_detector": detector,
-                        "nodes": nodes, "nodes_under_component": population}
+            evidence: dict[str, object] = {"signal": signal, "label": label, "component": value,
+                                           "fault_detector": detector, "nodes": nodes,
+                                           "nodes_under_component": population}
             reason = f"{len(nodes)} of {population} nodes under {label} {value} show {detector}/{signal}"
+            port = self.port_of(label)
+            if port is not None:
+                evidence["port"] = port
+                reason += f" on {port}"
             for action in (Action.INSPECT_HARDWARE, Action.ALERT):
                 out.append(Finding(detector=NAME, node=value, component=value, action=action, since=since,
                                    key=f"{label}:{detector}:{signal}", reason=reason, evidence=evidence))

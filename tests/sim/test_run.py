@@ -18,7 +18,6 @@ BIG = {"slow-node-1024", "healthy-1000x24h", "week-in-the-life", "healthy-2s5-10
 # field's class that issue 21's other parts fix (the detectors' statistics, escalation memory,
 # the breaker's alerts). Strict: the day one passes, its line here must go.
 KNOWN_FAILING = {
-    "rail-leaf-fault": "the topology pass indicts the rail-0 leaf: it does not tell rails apart by the port",
     "ecc-repeat": "a second uncorrectable ECC error on the same GPU 23 minutes later does not escalate",
     "port-flap-slow": "a port dropping every 6 minutes never fits 3 drops into the 600 s flap window",
     "intermittent-straggler": "a node slow 20 s of every 2 minutes never moves the straggler detector",

@@ -1,8 +1,11 @@
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from aggregator.config import AggregatorConfig
 from aggregator.decision import Action
+from aggregator.detectors.topology import TopologyAttributor, TopologyConfig
 from aggregator.engine import Engine
 from aggregator.sink import RecordingSink
 from tests.aggregator.conftest import FakeNode, drive
@@ -85,3 +88,117 @@ def test_a_shared_switch_never_drains_its_nodes(per_leaf, port, fault, stagger):
     decisions = drive(engine, nodes, 0.0, 220.0, before=before)
     assert not [d for d in decisions if d.action in REMOVING and d.component is None]
     assert any(d.action is Action.INSPECT_HARDWARE and d.component == "leaf-1" for d in decisions)
+
+
+# A rail-optimised fabric as sim/scenario.py builds it: racks of 4 nodes, one row, groups of 8
+# nodes with one leaf per rail (HCA r, mlx5_<r>, of every node in a group cables to its rail-r leaf).
+RAILS = 4
+RAIL_LABELS = [f"rail{r}_leaf" for r in range(RAILS)]
+
+
+def rail_fleet(n=16, per_group=8, per_rack=4):
+    return [FakeNode(f"n{i}", ports=RAILS, topology={
+        "row": "row-0", "rack": f"rack-{i // per_rack}",
+        **{f"rail{r}_leaf": f"leaf-{i // per_group}-rail{r}" for r in range(RAILS)}}) for i in range(n)]
+
+
+def rail_config(**topology):
+    return AggregatorConfig.model_validate(
+        {"detectors": {"topology": {"labels": [*RAIL_LABELS, "rack", "row"], **topology}}})
+
+
+def errors_on(nodes, ports_of, start):
+    """From ``start`` on, symbol errors on the ports ``ports_of[node name]`` (HCA indexes)."""
+    def before(t):
+        if t >= start:
+            for node in nodes:
+                for p in ports_of.get(node.name, ()):
+                    node.ports[p]["counters"]["symbol_error"] += 5000
+    return before
+
+
+GROUP_1 = [f"n{i}" for i in range(8, 16)]
+
+
+@pytest.mark.parametrize("rail", range(RAILS))
+def test_a_failing_rail_leaf_is_indicted_not_the_other_rails_leaves(rail):
+    # Every node of group 1 counts errors on its rail-`rail` HCA only: that rail's leaf, and no
+    # other leaf of the group (each covers the same 8 nodes), nor their racks, nor the nodes.
+    nodes = rail_fleet()
+    engine = Engine(rail_config(), RecordingSink())
+    decisions = drive(engine, nodes, 0.0, 200.0, before=errors_on(nodes, dict.fromkeys(GROUP_1, (rail,)), 100.0))
+    leaf = f"leaf-1-rail{rail}"
+    assert sorted((d.action, d.node, d.component) for d in decisions) == [
+        (Action.ALERT, leaf, leaf), (Action.INSPECT_HARDWARE, leaf, leaf)]
+    assert decisions[0].evidence["nodes"] == sorted(GROUP_1)
+    assert decisions[0].evidence["port"] == f"mlx5_{rail}"
+
+
+@pytest.mark.parametrize("rails", [[0, 2], [0, 1, 2, 3]])
+def test_errors_on_several_rails_of_the_same_nodes_are_not_a_rail_leafs(rails):
+    # Lookalike: every node of group 1 counts errors on several HCAs. Each of those rails' leaves
+    # alone covers all 8 nodes, but two switches failing in the same seconds is far less likely
+    # than one cause shared by the nodes (power, cooling, a firmware push): no rail leaf is
+    # indicted; the nodes' common non-rail components (their racks, fully affected) get the
+    # ticket, as on a fabric without rails, and no node is removed.
+    nodes = rail_fleet()
+    engine = Engine(rail_config(), RecordingSink())
+    decisions = drive(engine, nodes, 0.0, 200.0, before=errors_on(nodes, dict.fromkeys(GROUP_1, tuple(rails)), 100.0))
+    assert sorted((d.action, d.component) for d in decisions) == [
+        (Action.ALERT, "rack-2"), (Action.ALERT, "rack-3"),
+        (Action.INSPECT_HARDWARE, "rack-2"), (Action.INSPECT_HARDWARE, "rack-3")]
+
+
+def test_one_node_erroring_on_every_rail_drains_that_node_alone():
+    # Lookalike: one node's four HCAs all count errors (its own PCIe switch or HCA firmware): one
+    # node on each rail leaf is a bad node, not four bad switches.
+    nodes = rail_fleet()
+    engine = Engine(rail_config(), RecordingSink())
+    decisions = drive(engine, nodes, 0.0, 200.0, before=errors_on(nodes, {"n9": range(RAILS)}, 100.0))
+    assert {(d.action, d.node) for d in decisions} == {(Action.DRAIN, "n9")}
+
+
+def test_a_bad_cable_during_a_rail_leaf_fault_drains_only_its_node():
+    # Rail 2's leaf fails while n9 also has a bad cable on rail 0: the leaf is indicted with all
+    # 8 nodes' rail-2 errors (not n9's rack), and n9's rail-0 errors drain n9 on their own.
+    nodes = rail_fleet()
+    ports = {**dict.fromkeys(GROUP_1, (2,)), "n9": (0, 2)}
+    engine = Engine(rail_config(), RecordingSink())
+    decisions = drive(engine, nodes, 0.0, 200.0, before=errors_on(nodes, ports, 100.0))
+    assert sorted((d.action, d.node) for d in decisions) == [
+        (Action.ALERT, "leaf-1-rail2"), (Action.DRAIN, "n9"), (Action.INSPECT_HARDWARE, "leaf-1-rail2")]
+    assert next(d for d in decisions if d.node == "leaf-1-rail2").evidence["nodes"] == sorted(GROUP_1)
+    assert next(d for d in decisions if d.node == "n9").evidence["device"] == "mlx5_0"
+
+
+def test_silent_nodes_are_not_their_rail_leafs_fault():
+    # A node's reports do not cross its compute rails: a silent group is its racks', not rail 0's leaf's.
+    nodes = rail_fleet()
+    engine = Engine(rail_config(), RecordingSink())
+    decisions = drive(engine, nodes, 0.0, 250.0, skip=lambda node, t: t >= 100.0 and node.name in GROUP_1)
+    assert sorted((d.action, d.component) for d in decisions) == [
+        (Action.ALERT, "rack-2"), (Action.ALERT, "rack-3"),
+        (Action.INSPECT_HARDWARE, "rack-2"), (Action.INSPECT_HARDWARE, "rack-3")]
+
+
+def test_a_site_maps_its_rails_to_its_own_hca_names():
+    # HCAs not numbered by rail (rail 1 on mlx5_3): errors on mlx5_3 indict rail 1's leaf, and under
+    # the default mapping (rail 1 on mlx5_1) they would indict no rail leaf at all.
+    nodes = rail_fleet()
+    mapping = {"rail0_leaf": "mlx5_0", "rail1_leaf": "mlx5_3", "rail2_leaf": "mlx5_1", "rail3_leaf": "mlx5_2"}
+    engine = Engine(rail_config(port_labels=mapping), RecordingSink())
+    decisions = drive(engine, nodes, 0.0, 200.0, before=errors_on(nodes, dict.fromkeys(GROUP_1, (3,)), 100.0))
+    assert sorted((d.action, d.component) for d in decisions) == [
+        (Action.ALERT, "leaf-1-rail1"), (Action.INSPECT_HARDWARE, "leaf-1-rail1")]
+
+
+def test_port_labels_default_and_validation():
+    topology = TopologyAttributor(TopologyConfig())
+    assert topology.port_of("rail2_leaf") == "mlx5_2"
+    assert topology.port_of("rail12_leaf") == "mlx5_12"
+    assert [topology.port_of(label) for label in ("leaf_switch", "rack", "row", "rail_leaf", "xrail2_leaf")] == [
+        None] * 5
+    with pytest.raises(ValidationError, match="does not capture"):
+        TopologyConfig(port_labels={r"rail(\d+)_leaf": "mlx5_{rail}"})
+    with pytest.raises(ValidationError, match="not a regex"):
+        TopologyConfig(port_labels={"rail(": "mlx5_0"})
