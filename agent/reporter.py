@@ -202,8 +202,8 @@ class Reporter:
         """The next report's JSON body, the id just past the last event it carries, and how many.
 
         The body holds the snapshot's state and the oldest pending events that keep it within
-        ``body_limit_bytes`` and ``REPORT_MAX_EVENTS``, and at least one event if any is pending (the aggregator's 413 then
-        says whether that one can go at all)."""
+        ``body_limit_bytes`` and ``REPORT_MAX_EVENTS``, and at least one event if any is pending
+        (the aggregator's 413 then says whether that one can go at all)."""
         report = build_report(
             self._snapshot, (), node=self._node, boot_id=self._boot_id, seq=self._seq, ts=self._clock(),
             interval_seconds=self._interval, topology=self._topology, urgent=self._urgent)

@@ -103,16 +103,21 @@ class ConfigError(Exception):
     """A configuration that cannot be used; the message names every offending key path."""
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A YAML config file's top-level mapping (empty file: {}), or a ConfigError saying why not."""
+def read_yaml_file(path: str | Path, what: str, error: type[Exception]) -> Any:
+    """A YAML file's content, or ``error`` naming ``what`` the file is and why it cannot be read."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+        raise error(f"{what} {path} is not valid YAML: {exc}") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's top-level mapping (empty file: {}), or a ConfigError saying why not."""
+    data = read_yaml_file(path, "config", ConfigError)
     if data is None:
         return {}
     if not isinstance(data, dict):

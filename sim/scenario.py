@@ -14,10 +14,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agent.validation import format_validation_error
+from agent.validation import format_validation_error, read_yaml_file
 
 # The repository's scenarios/, installed as package data of `vigil` (vigil/scenarios links to it).
 SCENARIO_DIR = Path(str(resources.files("vigil") / "scenarios"))
@@ -762,15 +761,7 @@ def load_scenario(path_or_name: str | Path) -> Scenario:
     path = Path(path_or_name)
     if not path.exists() and not path.suffix:
         path = SCENARIO_DIR / f"{path_or_name}.yaml"
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ScenarioError(f"cannot read scenario {path}: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"scenario {path} is not valid YAML: {exc}") from None
-    scenario = parse_scenario(data, str(path))
+    scenario = parse_scenario(read_yaml_file(path, "scenario", ScenarioError), str(path))
     if not scenario.name:
         scenario = scenario.model_copy(update={"name": path.stem})
     return scenario
