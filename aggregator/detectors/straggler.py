@@ -5,8 +5,10 @@ window, each judged exactly once, as soon as every live rank has sent it), reduc
 the median compute time of its ranks, and compares it with the other nodes of its job by median
 and MAD. A node flagged in several consecutive windows is drained (short horizon); a node flagged
 in many windows of the last half hour is alerted on, then drained (long horizon: an intermittent
-straggler). A slowdown shared by the whole job moves the median, not the outliers, and drains
-nobody. It never takes one rank's step times as a node's evidence and does not judge hangs.
+straggler). A drained node that keeps running its job and is flagged again is the same episode
+(its findings keep that episode's start), not a repeat for the gate to escalate. A slowdown
+shared by the whole job moves the median, not the outliers, and drains nobody. It never takes
+one rank's step times as a node's evidence and does not judge hangs.
 
 Designed false-drain rate (docs/detectors.md has the derivation): a healthy node's statistic
 crosses the threshold in one window with probability p <= 3.4e-6 (4.5 robust sigma, one-sided,
@@ -24,7 +26,7 @@ from statistics import median
 
 from pydantic import Field
 
-from agent.collectors.collector import StrictModel
+from agent.validation import StrictModel
 from aggregator.decision import Action, Finding
 from aggregator.fleet import FleetView, JobState, RankHistory
 
@@ -80,11 +82,19 @@ class StragglerConfig(StrictModel):
     # Long horizon: flagged windows counted over this much history. 6 of 360 windows (30 s of
     # slowness in 30 min) alerts, 18 (90 s) drains: an intermittent straggler (slow 10-20 s of
     # every few minutes) never makes three windows in a row but costs its job as much.
+    # False-positive arithmetic, binomial tail over the N = 360 windows of the horizon with the
+    # per-window rate p of z_threshold: P(>= 18 of 360) = 3.9e-69 at p = 3.4e-6 (Gaussian) and
+    # 3.5e-33 at p = 3.4e-4 (100x heavier tails); x 17,280 horizon positions a day (an upper
+    # bound: they overlap) <= 6e-29 false drains per node-day. The alert, P(>= 6 of 360):
+    # 4.5e-21 (Gaussian), 4.0e-9 heavy-tailed, <= 7e-5 alerts per node-day. Both within the
+    # short horizon's budget (7e-7 false drains per node-day heavy-tailed).
     long_horizon_seconds: float = Field(default=1800.0, gt=0)
     long_alert_windows: int = Field(default=6, ge=1)
     long_drain_windows: int = Field(default=18, ge=1)
     # A node found to be a persistent straggler (and so drained) leaves its job's baseline for
     # this long: its ranks keep reporting while the job runs, and must not count as "the job".
+    # For as long, each later finding on it keeps the start of the episode that got it drained:
+    # its next slow spell is the same fault, not a repeat for the gate's ladder to escalate.
     removed_memory_seconds: float = Field(default=3600.0, gt=0)
 
 
@@ -117,6 +127,12 @@ class _JobMemo:
     windows: dict[int, _Verdict] = field(default_factory=dict)
     # node -> last time it was judged a persistent straggler (it leaves the baseline).
     removed: dict[str, float] = field(default_factory=dict)
+    # node -> when the episode that got it judged a persistent straggler began. A drained node
+    # keeps running this job (a drain only stops new work), and an intermittent one is flagged
+    # again at its next slow spell: that is the same fault re-read, not a repeat after a failed
+    # remediation, so every later finding on it carries this ``since`` (one decision id, and the
+    # gate's ladder counts nothing admitted after the fault began). Forgotten with ``removed``.
+    episode_since: dict[str, float] = field(default_factory=dict)
     # The job's recent window spreads, relative to the median (robust sigma / median).
     spreads: deque[float] = field(default_factory=lambda: deque(maxlen=_SPREAD_MEMORY_WINDOWS))
 
@@ -166,6 +182,7 @@ class StragglerDetector:
                 verdict.pruned = True
         for node in [n for n, t in memo.removed.items() if now - t > cfg.removed_memory_seconds]:
             del memo.removed[node]
+            memo.episode_since.pop(node, None)
         return self._findings(job, memo, last, now)
 
     @staticmethod
@@ -276,18 +293,23 @@ class StragglerDetector:
             first_flag = next(i for i, v in judged if node in v.flagged)
             if run >= cfg.persistence_windows and run_start is not None:
                 memo.removed[node] = now
+                since = memo.episode_since.setdefault(node, (run_start - 1) * width)
                 out.append(self._finding(
-                    job, node, cfg.action, (run_start - 1) * width, job.name,
+                    job, node, cfg.action, since, job.name,
                     f"job {job.name}: the median compute time of the node's ranks is {ev['excess_ratio'] or 0:.1%} "
                     f"above the job's node median (z {ev['z']}) in {run} consecutive {width:g} s windows, with "
                     f"the shortest collective wait",
                     {**ev, "windows": run, "window_seconds": width, "horizon": "short"}))
             elif count >= cfg.long_drain_windows or count >= cfg.long_alert_windows:
                 drain = count >= cfg.long_drain_windows
+                if not drain and node in memo.episode_since:
+                    continue  # already judged a persistent straggler of this job: an alert adds nothing
+                since = memo.episode_since.get(node, (first_flag - 1) * width)
                 if drain:
                     memo.removed[node] = now
+                    memo.episode_since[node] = since
                 out.append(self._finding(
-                    job, node, cfg.action if drain else Action.ALERT, (first_flag - 1) * width,
+                    job, node, cfg.action if drain else Action.ALERT, since,
                     f"{job.name}:intermittent",
                     f"job {job.name}: intermittent straggler, the node's ranks were slower than the job's nodes "
                     f"(latest {ev['excess_ratio'] or 0:.1%}, z {ev['z']}) in {count} {width:g} s windows of the "

@@ -20,8 +20,6 @@ BIG = {"slow-node-1024", "healthy-1000x24h", "week-in-the-life", "healthy-2s5-10
 KNOWN_FAILING = {
     "ecc-repeat": "a second uncorrectable ECC error on the same GPU 23 minutes later does not escalate",
     "port-flap-slow": "a port dropping every 6 minutes never fits 3 drops into the 600 s flap window",
-    "intermittent-straggler": "a node slow 20 s of every 2 minutes never moves the straggler detector",
-    "slow-node-1024": "shipped defaults do not drain a 10%-slow node of a 1,024-node job within 30 s",
 }
 
 
