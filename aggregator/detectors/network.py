@@ -51,7 +51,8 @@ class NetworkConfig(StrictModel):
     # exact evidence. A healthy link keeps it at 0 between maintenance, and one maintenance costs a
     # port one or two drops (a leaf switch reboot or firmware activation, a reseated cable): 5
     # drops in 6 hours is a bad link with a margin of 3 over any maintenance. It catches a port
-    # dropping every 6 minutes at its fifth drop (24 minutes) and one dropping every 85 minutes.
+    # dropping every 6 minutes at its fifth drop (24 minutes), and any port dropping more often
+    # than every 90 minutes (4 gaps inside 6 hours).
     # Counted: the link going down only (link_error_recovery is a retrain that kept the link up).
     flap_slow_counters: list[str] = Field(default_factory=lambda: ["link_downed"])
     flap_slow_window_seconds: float = Field(default=6 * 3600.0, gt=0)

@@ -14,13 +14,9 @@ from tests.sim.conftest import horizon, raw, small_slow_node
 # `make test-all` runs them whole.
 BIG = {"slow-node-1024", "healthy-1000x24h", "week-in-the-life", "healthy-2s5-100-node-days",
        "intermittent-straggler", "port-flap-slow", "ecc-repeat"}
-# Shipped scenarios the stricter scorer fails with the current detectors and gate: each is the
-# field's class that issue 21's other parts fix (the detectors' statistics, escalation memory,
-# the breaker's alerts). Strict: the day one passes, its line here must go.
-KNOWN_FAILING = {
-    "ecc-repeat": "a second uncorrectable ECC error on the same GPU 23 minutes later does not escalate",
-    "port-flap-slow": "a port dropping every 6 minutes never fits 3 drops into the 600 s flap window",
-}
+# Shipped scenarios the scorer fails with the current detectors and gate, each with the reason
+# (strict xfail: the day one passes, its line here must go). Empty: every shipped scenario passes.
+KNOWN_FAILING: dict[str, str] = {}
 
 
 def _known(paths: list) -> list:
