@@ -22,6 +22,7 @@ from aggregator.detectors.hang import HangConfig
 from aggregator.detectors.memory import MemoryConfig
 from aggregator.detectors.network import NetworkConfig
 from aggregator.detectors.pcie_nvlink import PcieNvlinkConfig
+from aggregator.detectors.recovery import RecoveryConfig
 from aggregator.detectors.silence import SilenceConfig
 from aggregator.detectors.straggler import StragglerConfig
 from aggregator.detectors.thermal import ThermalConfig
@@ -45,6 +46,8 @@ class DetectorsConfig(StrictModel):
     hang: HangConfig = HangConfig()
     silence: SilenceConfig = SilenceConfig()
     gpu_peer: GpuPeerConfig = GpuPeerConfig()
+    # Off by default: gives back nodes vigil rebooted once they verify (docs/detectors.md).
+    recovery: RecoveryConfig = RecoveryConfig()
     topology: TopologyConfig = TopologyConfig()
 
 

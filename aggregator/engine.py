@@ -5,7 +5,9 @@ the fleet view, lets the topology pass merge shared faults, turns each episode i
 ``Decision`` (a new one when the fault repeats well after it was decided), and proposes every
 current episode to the sink each cycle: the sink knows what is already admitted, and a refused
 one is judged again. Time is always given (``now``), so the simulator drives it on a simulated
-clock and the app on the wall clock. It keeps no record of what was admitted.
+clock and the app on the wall clock. It keeps no record of what was admitted: when the recovery
+detector is enabled it reads, each evaluation, the ledger's gate state (in memory, no I/O) for
+the nodes vigil removed and hands them to the detectors as ``FleetView.removed``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,24 @@ from aggregator.config import AggregatorConfig
 from aggregator.decision import Decision, Finding
 from aggregator.detectors import REGISTRY, Detector
 from aggregator.detectors.topology import Episode, TopologyAttributor, episode
-from aggregator.fleet import Fleet
+from aggregator.fleet import Fleet, Removal
+from aggregator.gate import GateState
+from aggregator.ledger import Ledger
 from aggregator.sink import DecisionSink
+
+
+def removals(state: GateState) -> dict[str, Removal]:
+    """The nodes the gate records as removed (not those out for inspection: those wait for a
+    person), each with the removal that took it out and whether an operator holds it."""
+    out: dict[str, Removal] = {}
+    for name, rec in state.nodes.items():
+        if rec.condition != "removed" or rec.last_removal is None or rec.last_removal_ts is None:
+            continue
+        entry = next((e for e in reversed(state.history.get(name, ()))
+                      if e.action is rec.last_removal and e.ts == rec.last_removal_ts), None)
+        out[name] = Removal(rec.last_removal, rec.last_removal_ts, entry.id if entry else "",
+                            entry.gpu if entry else None, name in state.holds)
+    return out
 
 
 class Engine:
@@ -46,7 +64,10 @@ class Engine:
         self.fleet.ingest(report, now)
 
     def findings(self, now: float) -> list[Finding]:
-        view = self.fleet.view()
+        # Only the recovery detector reads what vigil removed; a sink without a gate has no record.
+        removed = (removals(self.sink.store.state)
+                   if self.config.detectors.recovery.enabled and isinstance(self.sink, Ledger) else None)
+        view = self.fleet.view(removed)
         found: list[Finding] = []
         for detector in self.detectors:
             found.extend(detector.evaluate(view, now))

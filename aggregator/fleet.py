@@ -19,6 +19,7 @@ from pydantic import Field
 
 from agent.validation import StrictModel
 from agent.wire import Event, GpuState, PortState, RankSummary, Report
+from aggregator.decision import Action
 
 
 class FleetConfig(StrictModel):
@@ -247,8 +248,8 @@ class GpuHistory:
 
 
 class PortHistory:
-    __slots__ = ("_names", "_names_for", "active_this_boot", "counters", "device", "first_seen", "last",
-                 "last_seen", "max_rate_bits_per_second", "port", "samples", "tracked")
+    __slots__ = ("_names", "_names_for", "active_this_boot", "counters", "device", "ever_active", "first_seen",
+                 "last", "last_seen", "max_rate_bits_per_second", "port", "samples", "tracked")
 
     def __init__(self, state: PortState, ts: float, maxlen: int, state_maxlen: int,
                  tracked: frozenset[str] | None) -> None:
@@ -268,6 +269,9 @@ class PortHistory:
         self.max_rate_bits_per_second: float | None = None
         # Only a port that was up in this boot can go down (a cabled-off second port never was).
         self.active_this_boot = False
+        # Whether it was ever up, across boots: a port that was up before a reboot must come up
+        # again before the node is given back (the recovery detector); one never cabled is not.
+        self.ever_active = False
 
     @property
     def name(self) -> str:
@@ -293,6 +297,7 @@ class PortHistory:
         self.counters.observe_values(ts, self._names, values)
         if active:
             self.active_this_boot = True
+            self.ever_active = True
         if rate is not None and (self.max_rate_bits_per_second is None or rate > self.max_rate_bits_per_second):
             self.max_rate_bits_per_second = rate
 
@@ -553,18 +558,33 @@ class Fleet:
                 if node is not None:
                     node.ranks.pop((name, rank.rank), None)
 
-    def view(self) -> FleetView:
-        return FleetView(self._nodes, self._jobs)
+    def view(self, removed: Mapping[str, Removal] | None = None) -> FleetView:
+        return FleetView(self._nodes, self._jobs, removed)
+
+
+class Removal(NamedTuple):
+    """A node vigil took out of service and has not given back: the gate's record (the engine
+    copies it from the ledger's gate state), read by the recovery detector. ``ts`` is when the
+    removal was admitted on the aggregator's clock; ``held``: an operator holds the node."""
+
+    action: Action
+    ts: float
+    decision: str
+    gpu: int | None
+    held: bool
 
 
 class FleetView:
-    """What detectors see: read-only mappings over the fleet (detectors must not mutate state)."""
+    """What detectors see: read-only mappings over the fleet (detectors must not mutate state),
+    and the nodes vigil removed (empty unless the engine was asked for them)."""
 
-    __slots__ = ("jobs", "nodes")
+    __slots__ = ("jobs", "nodes", "removed")
 
-    def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState]) -> None:
+    def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
+                 removed: Mapping[str, Removal] | None = None) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
+        self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
 
     def members(self, label: str, value: str) -> list[str]:
         """Nodes whose topology label ``label`` (e.g. leaf_switch) equals ``value``."""

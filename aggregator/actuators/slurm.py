@@ -1,9 +1,21 @@
-"""Slurm actuator: drains, resumes and requeues through ``scontrol``.
+"""Slurm actuator: drains, reboots, resumes and requeues through ``scontrol``.
 
 Removing actions drain the node (``State=DRAIN Reason="vigil: <reason> <decision id>"``); the
-reset, reboot or inspection itself is left to the site's tooling, which reads the reason.
-``resume`` undrains only a node that vigil drained, and ``restart_job`` requeues the job held,
-excludes the bad node and releases it. Commands go through an injectable runner.
+reset or inspection itself is left to the site's tooling, which reads the reason. ``resume``
+undrains only a node that vigil took out (its reason starts with ``vigil:``), and ``restart_job``
+requeues the job held, excludes the bad node and releases it. Commands go through an injectable
+runner.
+
+Reboots (``reboot: true``, off by default): ``reboot_node`` runs ``scontrol reboot ASAP
+nextstate=DOWN reason="vigil: reboot_node: <reason> <decision id>" <node>``. ASAP drains the node
+at once (no new jobs; running ones finish or are requeued by ``restart_job``) and reboots it when
+idle. ``nextstate=DOWN``, not RESUME: Slurm would otherwise put the node back in service as soon
+as slurmd registers after the boot, before anyone checked that the reboot fixed it. DOWN keeps it
+out until vigil's recovery detector has verified it (new boot id, every GPU back, no fault for the
+persistence period) and the gate admitted ``resume``, which runs ``State=RESUME``; a node that
+fails verification stays DOWN and goes to inspection. Slurm keeps vigil's reason (appending
+" : reboot issued" and the like), so ``resume`` still knows it as a node vigil took out. A node
+someone else drained or downed is not rebooted (their reason would be overwritten).
 """
 
 from __future__ import annotations
@@ -35,6 +47,10 @@ class SlurmConfig(ActuatorConfig):
     squeue: str = "squeue"
     # The cluster's slurm.conf, when it is not the default one (passed as SLURM_CONF).
     slurm_conf: str | None = None
+    # Carry out reboot_node with `scontrol reboot ASAP nextstate=DOWN` (slurm.conf needs a
+    # RebootProgram); false: reboot_node only drains, and the site reboots. Pair with
+    # detectors.recovery.enabled, which gives a verified node back (docs/gate.md).
+    reboot: bool = False
 
 
 def _run_with_conf(conf: str, argv: Sequence[str], timeout_seconds: float) -> str:
@@ -80,6 +96,8 @@ class SlurmActuator:
             return self._resume(decision)
         if decision.action is Action.RESTART_JOB:
             return self._requeue(decision)
+        if decision.action is Action.REBOOT_NODE and self.config.reboot:
+            return self._reboot(decision)
         return self._drain(decision)
 
     def close(self) -> None:
@@ -120,13 +138,27 @@ class SlurmActuator:
         self._scontrol("update", f"NodeName={decision.node}", "State=DRAIN", f"Reason={reason}")
         return f"drained {decision.node}: {reason}"
 
+    def _reboot(self, decision: Decision) -> str:
+        current = self._node(decision.node)
+        state, reason = current.get("State", ""), current.get("Reason", "")
+        if decision.id in reason and any(s in state for s in ("REBOOT", "DOWN", "DRAIN")):
+            return f"{decision.node} reboot already requested for {decision.id} ({state})"
+        if ("DRAIN" in state or "DOWN" in state) and reason and not reason.startswith(REASON_PREFIX):
+            # Someone else took it out (a repair, a maintenance): not vigil's to reboot.
+            raise DeliveryError(f"{decision.node} is out for someone else (reason: {reason!r}); not rebooted",
+                                retryable=False)
+        reason = self.reason_for(decision)
+        self._scontrol("reboot", "ASAP", "nextstate=DOWN", f"reason={reason}", decision.node)
+        return f"reboot requested for {decision.node} (ASAP, next state DOWN until vigil verifies it): {reason}"
+
     def _resume(self, decision: Decision) -> str:
         current = self._node(decision.node)
         state, reason = current.get("State", ""), current.get("Reason", "")
         if "DRAIN" not in state and "DOWN" not in state:
             return f"{decision.node} already in service ({state})"
         if not reason.startswith(REASON_PREFIX):
-            # Someone else took it out for their own reason; that is theirs to undo.
+            # Someone else took it out for their own reason; that is theirs to undo. A node vigil
+            # rebooted (DOWN after `reboot nextstate=DOWN`) keeps vigil's reason: Slurm appends to it.
             raise DeliveryError(f"{decision.node} was not drained by vigil (reason: {reason!r})", retryable=False)
         self._scontrol("update", f"NodeName={decision.node}", "State=RESUME")
         return f"resumed {decision.node}"

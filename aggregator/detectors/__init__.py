@@ -16,6 +16,7 @@ from aggregator.detectors.hang import HangDetector
 from aggregator.detectors.memory import MemoryDetector
 from aggregator.detectors.network import NetworkDetector
 from aggregator.detectors.pcie_nvlink import PcieNvlinkDetector
+from aggregator.detectors.recovery import RecoveryDetector
 from aggregator.detectors.silence import SilenceDetector
 from aggregator.detectors.straggler import StragglerDetector
 from aggregator.detectors.thermal import ThermalDetector
@@ -40,4 +41,5 @@ REGISTRY: dict[str, Callable[[Any], Detector]] = {
     "hang": HangDetector,
     "silence": SilenceDetector,
     "gpu_peer": GpuPeerDetector,
+    "recovery": RecoveryDetector,
 }

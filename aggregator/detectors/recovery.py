@@ -1,0 +1,184 @@
+"""Recovery detector: gives a node back only once it has proved healthy after its remediation.
+
+It reads the nodes vigil removed and has not given back (``FleetView.removed``: the gate's
+record, copied by the engine from the ledger) for a remediating action it follows (reboot_node by
+default; reset_gpu where configured), and each such node's reports since the remediation.
+
+Evidence of the remediation: for reboot_node a NEW boot, i.e. the fleet saw the node's boot id
+change after the removal was admitted (``reboots > 0 and boot_started > removal ts``; a node whose
+first report after an aggregator restart is already from the new boot is never verified: it stays
+out for a person). For reset_gpu vigil cannot see the reset in the reports, so the evidence window
+starts at the removal itself (or at a new boot, if the node was rebooted meanwhile).
+
+Window and threshold: from that moment (``t_fix``) on, any of these is the fault again and the
+node goes to hardware inspection (``inspect_hardware``: a ticket, the alert/webhook actuators carry
+the evidence) instead of back to service: an expected GPU absent from the latest report (expected:
+every GPU index the fleet has seen on the node, kept across boots, so a GPU that does not come
+back after the reboot blocks), a GPU whose health read lost or reset_required, an Xid the catalog
+answers with a removing action, an uncorrectable ECC increase, a row remap pending or failed.
+
+Persistence: resume is proposed only once ``persistence_seconds`` (60 s) have passed since
+``t_fix`` with none of the faults above, and over the last ``persistence_seconds`` every expected
+GPU was present with health ok in every report, every RDMA port that was ever up (in any boot)
+was active in every report, and at least ``min_reports`` reports arrived; a node that has not
+verified ``unverified_alert_seconds`` after ``t_fix`` gets one alert (a person looks). The gate
+still applies its hysteresis (``gate.min_removed_seconds``) and never resumes a held node.
+
+Designed false-resume rate: 0 by construction for a node that shows any of the fault signals above
+after its remediation; what the reports cannot show (a fault that needs load to appear) is the
+residual, and the gate's escalation history sends a repeat after the resume to inspection.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from agent.validation import StrictModel
+from aggregator.decision import Action, Finding
+from aggregator.fleet import FleetView, NodeState, Removal, port_is_active
+from aggregator.xid_catalog import XidCatalog, occurrence_action
+
+NAME = "recovery"
+
+# The actions whose outcome can be verified from the reports (drain: a person decides;
+# inspect_hardware: a technician does).
+FOLLOWABLE = frozenset({Action.REBOOT_NODE, Action.RESET_GPU})
+REMOVING_XID_ACTIONS = frozenset({Action.DRAIN, Action.RESET_GPU, Action.REBOOT_NODE, Action.INSPECT_HARDWARE})
+BAD_HEALTH = ("lost", "reset_required")
+
+
+class RecoveryConfig(StrictModel):
+    enabled: bool = False
+    # Which remediations it follows. reset_gpu is opt-in: a GPU reset leaves no trace in the
+    # reports (no new boot), so only the fault signals' absence after the removal vouches for it.
+    follow_actions: list[Action] = Field(default_factory=lambda: [Action.REBOOT_NODE])
+    # How long the node must be clean after the remediation: 60 s is 24 reports at the agent's
+    # 2.5 s cadence, longer than the xid dedup (5 s) and than the GPU reader's start after boot.
+    persistence_seconds: float = Field(default=60.0, ge=0)
+    # And at least this many reports in the new boot (a slow-reporting node proves nothing in 2).
+    min_reports: int = Field(default=4, ge=1)
+    # A node that has reported nothing for this many of its intervals is not judged (stale state).
+    quiet_intervals: float = Field(default=3.0, gt=0)
+    # Not verified this long after the remediation (a port that stays down, a GPU that reads
+    # unavailable): one alert, so the node does not sit out of service unnoticed.
+    unverified_alert_seconds: float = Field(default=1800.0, gt=0)
+
+    @field_validator("follow_actions")
+    @classmethod
+    def _followable(cls, actions: list[Action]) -> list[Action]:
+        bad = [a.value for a in actions if a not in FOLLOWABLE]
+        if bad:
+            raise ValueError(f"only reboot_node and reset_gpu can be verified, not {', '.join(bad)}")
+        return actions
+
+
+class RecoveryDetector:
+    name = NAME
+
+    def __init__(self, config: RecoveryConfig, catalog: XidCatalog | None = None) -> None:
+        self.config = config
+        self.follow = frozenset(config.follow_actions)
+        self.catalog = catalog or XidCatalog.default()
+
+    def evaluate(self, view: FleetView, now: float) -> list[Finding]:
+        out: list[Finding] = []
+        for name, removal in view.removed.items():
+            node = view.nodes.get(name)
+            if node is None or removal.held or removal.action not in self.follow:
+                continue
+            finding = self._judge(node, removal, now)
+            if finding is not None:
+                out.append(finding)
+        return out
+
+    def _judge(self, node: NodeState, removal: Removal, now: float) -> Finding | None:
+        cfg = self.config
+        new_boot = node.reboots > 0 and node.boot_started > removal.ts
+        if new_boot:
+            t_fix = node.boot_started
+        elif removal.action is Action.RESET_GPU:
+            t_fix = removal.ts
+        else:
+            return None  # not rebooted yet: nothing to verify
+        base: dict[str, object] = {
+            "removal": removal.decision, "removed_by": removal.action.value, "removed_ts": removal.ts,
+            "boot_id": node.boot_id, "boot_started": node.boot_started, "new_boot": new_boot}
+        if now - node.last_seen > cfg.quiet_intervals * node.interval_seconds or node.last_seen < t_fix:
+            return self._unverified(node, removal, t_fix, now, "no recent report", base)
+        fault = self._fault(node, t_fix)
+        if fault is not None:
+            signal, detail = fault
+            return Finding(
+                detector=NAME, node=node.name, action=Action.INSPECT_HARDWARE, since=t_fix, key="failed",
+                reason=f"{removal.action.value} did not fix {node.name}: {detail}",
+                evidence={**base, "signal": signal, "detail": detail})
+        waiting = self._not_ready(node, t_fix, now)
+        if waiting is not None:
+            return self._unverified(node, removal, t_fix, now, waiting, base)
+        return Finding(
+            detector=NAME, node=node.name, action=Action.RESUME, since=t_fix, key="verified",
+            reason=(f"{node.name} healthy for {now - t_fix:.0f} s after {removal.action.value}: every expected "
+                    f"GPU present, no fault since, RDMA ports active"),
+            evidence={**base, "signal": "recovered", "verified_seconds": round(now - t_fix, 1),
+                      "gpus": len(node.gpus)})
+
+    def _unverified(self, node: NodeState, removal: Removal, t_fix: float, now: float, why: str,
+                    base: dict[str, object]) -> Finding | None:
+        if now - t_fix < self.config.unverified_alert_seconds:
+            return None
+        return Finding(
+            detector=NAME, node=node.name, action=Action.ALERT, since=t_fix, key="unverified",
+            reason=f"{node.name} not verified {now - t_fix:.0f} s after {removal.action.value} ({why}); "
+                   f"it stays out of service",
+            evidence={**base, "signal": "unverified", "waiting_for": why})
+
+    def _fault(self, node: NodeState, t_fix: float) -> tuple[str, str] | None:
+        """The first fault signal seen since ``t_fix``, as (signal, detail), or None."""
+        if node.last_seen >= t_fix and node.nvml_available and "gpu" not in node.failed_collectors:
+            absent = sorted(i for i, g in node.gpus.items() if i in node.missing_gpus or g.last_seen < node.last_seen)
+            if absent:
+                return "gpu_missing", (f"GPU(s) {', '.join(map(str, absent))} of {len(node.gpus)} expected "
+                                       f"absent after the remediation")
+        for index, gpu in sorted(node.gpus.items()):
+            for s in gpu.samples:
+                if s.ts < t_fix:
+                    continue
+                if s.health in BAD_HEALTH:
+                    return "gpu_health", f"GPU {index} health {s.health!r} after the remediation"
+                if s.remap_failure:
+                    return "row_remap_failure", f"GPU {index} row remap failed"
+                if s.remap_pending:
+                    return "row_remap_pending", f"GPU {index} row remap still pending"
+            if gpu.counters.sum_since("ecc_uncorrected_volatile", t_fix) > 0:
+                return "ecc_uncorrected", f"GPU {index} uncorrectable ECC errors after the remediation"
+        for xid_gpu, records in node.xids.items():
+            for rec in records:
+                if rec.ts >= t_fix and occurrence_action(self.catalog, rec.code, rec.message) in REMOVING_XID_ACTIONS:
+                    where = f"GPU {xid_gpu}" if xid_gpu is not None else "the node"
+                    return "xid", f"Xid {rec.code} on {where} after the remediation"
+        return None
+
+    def _not_ready(self, node: NodeState, t_fix: float, now: float) -> str | None:
+        """Why the node has not yet proved health, or None once it has: the last
+        ``persistence_seconds`` (all after ``t_fix``) clean in every report."""
+        cfg = self.config
+        if now - t_fix < cfg.persistence_seconds:
+            return f"{now - t_fix:.0f} s of {cfg.persistence_seconds:.0f} s clean"
+        if not node.nvml_available or "gpu" in node.failed_collectors:
+            return "no GPU state (NVML unavailable)"
+        start = max(t_fix, now - cfg.persistence_seconds)
+        reports = 0
+        for gpu in node.gpus.values():
+            window = [s for s in gpu.samples if s.ts >= start]
+            reports = max(reports, len(window))
+            if any(s.health != "ok" for s in window):
+                return f"GPU {gpu.index} health not ok"
+        if node.gpus and reports < cfg.min_reports:
+            return f"{reports} of {cfg.min_reports} reports in {cfg.persistence_seconds:.0f} s"
+        for port in node.ports.values():
+            if not port.ever_active:
+                continue  # never cabled or never up: not expected
+            seen = [p for p in port.samples if p.ts >= start]
+            if not seen or not all(p.active for p in seen) or not port_is_active(port.last):
+                return f"port {port.name} not active for {cfg.persistence_seconds:.0f} s"
+        return None
