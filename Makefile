@@ -27,11 +27,23 @@ typecheck: $(STAMP)
 
 # The full-length simulations (marked slow, ~10 min) run in `make test-all`; `make test` runs every
 # shipped scenario trimmed to its deadlines.
+# Both build the container image in the background meanwhile (where root, buildah and debootstrap
+# are there; ~3 min cold, bounded by `timeout 900`, log in build/image.log): pytest is mostly one
+# busy core, and tests/deploy/test_image.py, run last, waits for the build's status file. A build
+# still running when pytest ends (the image test deselected, pytest crashed) is stopped; after a
+# Ctrl-C of make itself the 900 s limit ends it.
+IMAGE_STATUS := $(CURDIR)/build/image.status
+define pytest_with_image
+	./scripts/build-image.sh --background
+	VIGIL_IMAGE_BUILD_STATUS=$(IMAGE_STATUS) $(BIN)/pytest -q $(1) $(PYTEST_ARGS); \
+	  rc=$$?; ./scripts/build-image.sh --stop; exit $$rc
+endef
+
 test: $(STAMP) system-packages lint typecheck
-	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(call pytest_with_image,-m "not slow")
 
 test-all: $(STAMP) system-packages lint typecheck
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(call pytest_with_image,)
 
 # The demo needs only vigil's runtime dependencies (not the test toolchain): a venv of its own,
 # with pip's progress shown so a first run does not look stuck.

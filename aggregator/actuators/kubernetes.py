@@ -5,11 +5,23 @@ and a ``VigilUnhealthy`` node condition, then asks for a policy/v1 Eviction of e
 node (DaemonSet and mirror pods stay): a PodDisruptionBudget's 429 is retried later, not fatal.
 ``resume`` undoes the three marks; ``restart_job`` evicts the job's pods on that node. It uses
 the official ``kubernetes`` client and decides nothing itself.
+
+Every action it carries out, or fails to, is also recorded as a core/v1 Event on the Node
+(namespace ``default``, as the kubelet records node events; source ``vigil-aggregator``): reason
+``Vigil<Action>`` (``VigilDrain``, ``VigilResume``...) and type Normal when done,
+``VigilActionFailed`` and Warning when not, the message naming the decision id and its reason,
+so ``kubectl describe node`` and ``kubectl get events`` show who cordoned a node and why. An
+Event that cannot be recorded never fails or delays the action beyond a short timeout: it is
+logged, counted (``events_not_recorded``) and noted in the delivery's account.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,6 +34,19 @@ from aggregator.decision import REMOVING_ACTIONS, Action, Decision
 # 429: the eviction would violate a PodDisruptionBudget; 404: the pod is already gone
 # (Kubernetes docs, "API-initiated Eviction").
 PDB_BLOCKED, GONE = 429, 404
+
+log = logging.getLogger("vigil.aggregator.kubernetes")
+
+EVENT_COMPONENT = "vigil-aggregator"
+# Node events live in "default": Nodes have no namespace, and the kubelet and node controller
+# record theirs there (kubectl describe node lists events from every namespace).
+EVENT_NAMESPACE = "default"
+FAILED_REASON = "VigilActionFailed"
+# An Event is a record, not the action: its request gets a short timeout of its own so that a slow
+# events endpoint cannot push the delivery past the dispatcher's deadline (timeout_seconds).
+EVENT_TIMEOUT_SECONDS = 2.0
+# The API server's limit on an Event's message (k8s.io/api events validation: 1 kB for the note).
+EVENT_MESSAGE_MAX_CHARS = 1024
 
 
 class KubernetesConfig(ActuatorConfig):
@@ -56,6 +81,12 @@ def _now_iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _action_reason(decision: Decision) -> str:
+    """``drain`` -> ``VigilDrain``, ``reset_gpu`` -> ``VigilResetGpu``: the node condition's and
+    the Event's reason (CamelCase, as Kubernetes reasons are)."""
+    return "Vigil" + "".join(p.title() for p in decision.action.value.split("_"))
+
+
 class KubernetesActuator:
     name = "kubernetes"
 
@@ -70,6 +101,11 @@ class KubernetesActuator:
 
         self._client = client
         self._urllib3_error = Urllib3Error
+        # Events the API server did not take (the action itself was unaffected); deliveries run
+        # in the dispatcher's threads, hence the lock.
+        self.events_not_recorded = 0
+        self._events_lock = threading.Lock()
+        self._instance = socket.gethostname()
         if api_client is None:
             if config.api_url:
                 conf = client.Configuration()
@@ -99,6 +135,15 @@ class KubernetesActuator:
     def deliver(self, decision: Decision) -> str:
         one_node(decision.node)  # one Node object per call, by its exact name
         try:
+            done = self._act(decision)
+        except DeliveryError as exc:
+            self._record_event(decision, FAILED_REASON, "Warning", f"{decision.action.value} failed: {exc}")
+            raise
+        not_recorded = self._record_event(decision, _action_reason(decision), "Normal", done)
+        return done if not_recorded is None else f"{done} (Event not recorded: {not_recorded})"
+
+    def _act(self, decision: Decision) -> str:
+        try:
             if decision.action is Action.RESUME:
                 self._mark(decision, unhealthy=False)
                 return f"uncordoned {decision.node}"
@@ -116,6 +161,47 @@ class KubernetesActuator:
         except (self._urllib3_error, OSError) as exc:
             # Connection refused/reset and timeouts reach us as urllib3's MaxRetryError (not an OSError).
             raise DeliveryError(f"kubernetes: {exc}") from exc
+
+    def _record_event(self, decision: Decision, reason: str, type_: str, outcome: str) -> str | None:
+        """Records a core/v1 Event on the decision's Node; returns None, or why it could not (the
+        caller's action stands either way: this never raises for an API or transport failure)."""
+        c = self._client
+        now = datetime.now(UTC)
+        message = f"{outcome}; decision {decision.id} ({decision.detector}): {decision.reason}"
+        event = c.CoreV1Event(
+            # client-go's naming (<object>.<hex nanoseconds>): unique per attempt, so every retry
+            # of a failing action is on the record too.
+            metadata=c.V1ObjectMeta(name=f"{decision.node}.{time.time_ns():x}", namespace=EVENT_NAMESPACE),
+            # uid = the node's name, as the kubelet sets it for node events (kubectl describe node
+            # looks events up by either the node's uid or its name).
+            involved_object=c.V1ObjectReference(api_version="v1", kind="Node", name=decision.node,
+                                                uid=decision.node),
+            reason=reason,
+            type=type_,
+            action=decision.action.value,
+            message=message[:EVENT_MESSAGE_MAX_CHARS],
+            source=c.V1EventSource(component=EVENT_COMPONENT),
+            reporting_component=EVENT_COMPONENT,
+            reporting_instance=self._instance[:128],
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+        )
+        try:
+            self.api.create_namespaced_event(
+                EVENT_NAMESPACE, event, _request_timeout=min(EVENT_TIMEOUT_SECONDS, self.timeout_seconds)
+            )
+        except c.ApiException as exc:
+            why = f"HTTP {exc.status} {exc.reason}{_status_message(exc.body)}"
+        except (self._urllib3_error, OSError) as exc:
+            why = str(exc)
+        else:
+            return None
+        with self._events_lock:
+            self.events_not_recorded += 1
+        log.warning("kubernetes: could not record the %s Event on node %s for decision %s: %s",
+                    reason, decision.node, decision.id, why)
+        return why
 
     def close(self) -> None:
         self.api.api_client.close()
@@ -145,7 +231,7 @@ class KubernetesActuator:
         condition = {
             "type": self.config.condition_type,
             "status": "True" if unhealthy else "False",
-            "reason": "Vigil" + "".join(p.title() for p in decision.action.value.split("_")),
+            "reason": _action_reason(decision),
             "message": f"{decision.reason} (decision {decision.id})",
             "lastTransitionTime": _now_iso(decision.ts),
             "lastHeartbeatTime": _now_iso(decision.ts),

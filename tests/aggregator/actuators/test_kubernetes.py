@@ -3,7 +3,10 @@
 The fake (aiohttp on 127.0.0.1, a random port) keeps Nodes and Pods, applies strategic-merge
 patches to a node and to its status subresource (conditions merge by ``type``, taints replace
 the list), lists pods by ``fieldSelector=spec.nodeName=`` and ``labelSelector``, and answers a
-policy/v1 Eviction with 201, or with 429 when a PodDisruptionBudget protects the pod. The
+policy/v1 Eviction with 201, or with 429 when a PodDisruptionBudget protects the pod. It keeps
+the core/v1 Events created in a namespace (checking what the API server's validation checks:
+the namespace in the URL and the body agree, a name, an involved object, a reason), or refuses
+them with ``events_fail_with`` (an RBAC slip, a full etcd) while everything else works. The
 actuator talks to it through the official ``kubernetes`` client, unmodified.
 """
 
@@ -122,6 +125,8 @@ class FakeApiServer:
     requests: list[dict[str, Any]] = field(default_factory=list)
     evicted: list[str] = field(default_factory=list)
     fail_with: int | None = None  # answer every request with this status (an API server outage)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    events_fail_with: int | None = None  # answer only Event creation with this status
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._record])
@@ -130,6 +135,7 @@ class FakeApiServer:
         app.router.add_patch("/api/v1/nodes/{name}/status", self.patch_node_status)
         app.router.add_get("/api/v1/pods", self.list_pods)
         app.router.add_post("/api/v1/namespaces/{namespace}/pods/{name}/eviction", self.evict)
+        app.router.add_post("/api/v1/namespaces/{namespace}/events", self.create_event)
         return app
 
     def of(self, method: str, path_end: str = "") -> list[dict[str, Any]]:
@@ -254,6 +260,27 @@ class FakeApiServer:
         pod["metadata"]["deletionTimestamp"] = "2024-05-01T00:10:00Z"
         self.evicted.append(f"{ns}/{name}")
         return status(201, "", "")
+
+
+    async def create_event(self, request: web.Request) -> web.Response:
+        if self.events_fail_with is not None:
+            return status(self.events_fail_with, "Forbidden" if self.events_fail_with == 403 else "InternalError",
+                          'events is forbidden: User "system:serviceaccount:vigil:vigil-aggregator" cannot '
+                          'create resource "events" in API group "" in the namespace "default"')
+        ns = request.match_info["namespace"]
+        body = await request.json()
+        meta = body.get("metadata", {})
+        if meta.get("namespace", ns) != ns:
+            return status(400, "BadRequest", "the namespace of the provided object does not match the namespace "
+                          "sent on the request")
+        missing = [f for f in ("involvedObject", "reason") if not body.get(f)]
+        if not meta.get("name") or missing:
+            return status(422, "Invalid", f"Event is invalid: missing {missing or ['metadata.name']}")
+        if body.get("type") not in ("Normal", "Warning"):
+            return status(422, "Invalid", f"Event is invalid: type: Unsupported value: {body.get('type')!r}")
+        event = {**body, "apiVersion": "v1", "kind": "Event", "metadata": {**meta, "namespace": ns}}
+        self.events.append(event)
+        return web.json_response(event, status=201)
 
 
 @pytest.fixture
@@ -465,3 +492,94 @@ async def test_a_name_that_is_not_one_node_never_reaches_the_api_server(api) -> 
             await deliver(act, dec(Action.DRAIN, node=name))
         assert info.value.retryable is False
     assert fake.requests == []
+
+
+def node_events(fake: FakeApiServer, node: str = NODE) -> list[dict[str, Any]]:
+    return [e for e in fake.events if e["involvedObject"] == {"apiVersion": "v1", "kind": "Node", "name": node,
+                                                               "uid": node}]
+
+
+async def test_each_action_is_recorded_as_an_event_on_the_node(api) -> None:
+    fake, url = api
+    act = actuator(url)
+    try:
+        drained = await deliver(act, dec(Action.DRAIN, id="d-drain"))
+        await deliver(act, dec(Action.RESUME, id="d-resume"))
+        await deliver(act, dec(Action.RESTART_JOB, id="d-restart", job="llm-7b"))
+    finally:
+        act.close()
+    events = node_events(fake)
+    assert [(e["reason"], e["type"], e["action"]) for e in events] == [
+        ("VigilDrain", "Normal", "drain"), ("VigilResume", "Normal", "resume"),
+        ("VigilRestartJob", "Normal", "restart_job"),
+    ]
+    drain = events[0]
+    assert drain["metadata"]["namespace"] == "default" and drain["metadata"]["name"].startswith(f"{NODE}.")
+    assert "decision d-drain" in drain["message"] and "Xid 79: GPU has fallen off the bus" in drain["message"]
+    assert "evicted 3 pod(s)" in drain["message"]
+    assert drain["source"] == {"component": "vigil-aggregator"} and drain["reportingComponent"] == "vigil-aggregator"
+    assert drain["count"] == 1 and drain["firstTimestamp"] == drain["lastTimestamp"]
+    assert "decision d-resume" in events[1]["message"] and "decision d-restart" in events[2]["message"]
+    assert len({e["metadata"]["name"] for e in events}) == 3  # one Event each, none overwritten
+    assert drained == f"cordoned and tainted {NODE}, evicted 3 pod(s)"  # nothing to report about the Event
+    assert act.events_not_recorded == 0
+    assert fake.nodes["gpu-node-8"] == make_node("gpu-node-8") and not node_events(fake, "gpu-node-8")
+
+
+async def test_a_failed_action_is_recorded_as_a_warning_and_still_fails(api) -> None:
+    fake, url = api
+    fake.pdb_protected.add("training/trainer-1")
+    act = actuator(url)
+    try:
+        with pytest.raises(DeliveryError) as err:
+            await deliver(act, dec(Action.DRAIN, id="d-held"))
+        with pytest.raises(DeliveryError):
+            await deliver(act, dec(Action.DRAIN, node="no-such-node", id="d-unknown"))
+    finally:
+        act.close()
+    assert err.value.retryable  # the Event changes nothing about the outcome
+    held, unknown = fake.events
+    assert held["type"] == "Warning" and held["reason"] == "VigilActionFailed" and held["action"] == "drain"
+    assert "decision d-held" in held["message"] and "training/trainer-1" in held["message"]
+    assert "PodDisruptionBudget" in held["message"]
+    assert unknown["involvedObject"]["name"] == "no-such-node" and "404" in unknown["message"]
+    assert "decision d-unknown" in unknown["message"]
+
+
+@pytest.mark.parametrize("code", [403, 500])
+async def test_an_event_the_api_server_refuses_does_not_fail_the_action(api, code: int, caplog) -> None:
+    fake, url = api
+    fake.events_fail_with = code
+    act = actuator(url)
+    try:
+        out = await deliver(act, dec(Action.DRAIN, id="d-drain"))
+        # A failed action still raises its own error, not the Event's.
+        fake.pdb_protected.add("training/trainer-1")
+        fake.nodes[NODE] = make_node(NODE)
+        for pod in fake.pods:
+            pod["metadata"].pop("deletionTimestamp", None)
+        with pytest.raises(DeliveryError) as err:
+            await deliver(act, dec(Action.DRAIN, id="d-held"))
+    finally:
+        act.close()
+    node = fake.nodes[NODE]
+    assert node["spec"]["unschedulable"] is True and len(fake.evicted) == 5  # 3, then 2 of the 3 again
+    assert out.startswith(f"cordoned and tainted {NODE}, evicted 3 pod(s) (Event not recorded: HTTP {code}")
+    assert "PodDisruptionBudget" in str(err.value) and err.value.retryable
+    assert fake.events == [] and act.events_not_recorded == 2
+    warnings = [r for r in caplog.records if r.name == "vigil.aggregator.kubernetes"]
+    assert len(warnings) == 2 and "d-drain" in warnings[0].getMessage() and "VigilDrain" in warnings[0].getMessage()
+
+
+async def test_an_api_server_outage_fails_the_action_and_counts_the_lost_event(api) -> None:
+    fake, url = api
+    fake.fail_with = 503
+    act = actuator(url)
+    try:
+        with pytest.raises(DeliveryError) as err:
+            await deliver(act, dec(Action.DRAIN))
+    finally:
+        act.close()
+    assert err.value.retryable and "503" in str(err.value) and "Event" not in str(err.value)
+    assert act.events_not_recorded == 1
+    assert [r["path"] for r in fake.of("POST")] == ["/api/v1/namespaces/default/events"]
