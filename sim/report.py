@@ -132,6 +132,12 @@ def write_report(result: SimResult, s: Score, directory: Path) -> Path:
         for d in result.decisions[:500])
     jobs = "".join(f"<h2>job {esc(n)}</h2><img src='{p}' alt='job {esc(n)}'>" for n, p in job_pngs)
     lat = data["detection_latency_seconds"]
+    back = "".join(
+        f"<tr><td>{esc(a)}</td><td>{r['removed']}</td><td>{r['returned']}</td>"
+        f"<td>{'' if r['seconds']['p50'] is None else r['seconds']['p50']}</td>"
+        f"<td>{'' if r['seconds']['max'] is None else r['seconds']['max']}</td>"
+        f"<td>{r['not_returned']['inspect_hardware']}</td><td>{r['not_returned']['still_out']}</td></tr>"
+        for a, r in data["return_to_service"]["by_action"].items())
     verdict = "PASS" if data["pass"] else "FAIL"
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>vigil sim: {esc(result.scenario.name)}</title>
@@ -146,6 +152,8 @@ detection latency p50 {lat['p50']} s, p95 {lat['p95']} s, max {lat['max']} s;
 breaker expected {data['breaker']['expected']}, tripped {data['breaker']['tripped']}.</p>
 <h2>expectations</h2><table><tr><th>subject</th><th>action</th><th>within s</th><th>fault at s</th>
 <th>latency s</th><th></th></tr>{rows}</table>
+<h2>return to service (fault to resume)</h2><table><tr><th>taken out by</th><th>removed</th>
+<th>returned</th><th>p50 s</th><th>max s</th><th>to inspection</th><th>still out</th></tr>{back}</table>
 <h2>fleet</h2><img src="fleet.png" alt="fleet state over time">
 {jobs}
 <h2>decisions</h2><table><tr><th>t s</th><th>node</th><th>action</th><th>detector</th><th>gate</th>

@@ -9,6 +9,7 @@ its simulated time. It scores nothing (sim.score does) and never sleeps.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -71,6 +72,20 @@ class SimDecision:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
+@dataclass(frozen=True)
+class Remediated:
+    """A reboot the simulator carried out for an admitted ``reboot_node`` (``remediation``)."""
+
+    t: float  # simulated seconds: the decision, and the node going down
+    node: str
+    decision_id: str
+    back_seconds: float  # when the node is back with a new boot
+    clears: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
 @dataclass
 class JobTrace:
     """What the plots need of a job: per window, the job's step time and each node's compute."""
@@ -99,6 +114,8 @@ class SimResult:
     fleet_t: list[float] = field(default_factory=list)
     fleet_reporting: list[int] = field(default_factory=list)
     fleet_silent: list[int] = field(default_factory=list)
+    # The reboots the simulator carried out itself (scenario ``remediation``), in order.
+    remediations: list[Remediated] = field(default_factory=list)
 
 
 # What an agent does not do in the simulator: psutil would read this machine, not a simulated
@@ -188,6 +205,10 @@ class Simulation:
         self._nvml_setup: dict[str, tuple[int, str, list[dict[str, Any]]]] = {}
         self._healthy: dict[str, Any] = {}
         self._store_seq = 0
+        # Once the loop runs, new events (a reboot the simulator carries out) go in in order.
+        self._running = False
+        self._down: dict[str, list[tuple[float, float]]] = {}  # node -> its reboots' [down, back)
+        self._remediated: list[Remediated] = []
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -298,7 +319,37 @@ class Simulation:
         return f"sim-{self.seed}-{self._boots:06d}"
 
     def _at(self, t: float, action: Callable[[], None]) -> None:
-        self._schedule.append((t, len(self._schedule), action))
+        entry = (t, len(self._schedule), action)
+        if self._running:
+            bisect.insort(self._schedule, entry, key=lambda e: (e[0], e[1]))
+        else:
+            self._schedule.append(entry)  # sorted once, when every fault is scheduled
+
+    def _schedule_reboot(self, node: SimNode, t0: float, down_seconds: float, clears: bool) -> None:
+        """A reboot of ``node`` at ``t0``: silent for ``down_seconds``, then back (``_reboot``).
+        Scripted (``kind: reboot``) or carried out for an admitted decision (``remediation``)."""
+        self._at(t0, lambda: setattr(node, "silent", True))
+        self._down.setdefault(node.name, []).append((t0, t0 + down_seconds))
+
+        def up() -> None:
+            node.silent = False
+            self._reboot(node, clears)
+        self._at(t0 + down_seconds, up)
+
+    def _actuate(self, d: SimDecision) -> None:
+        """The simulator as the actuator (scenario ``remediation``): an admitted reboot_node
+        reboots its node from the decision's time on, unless the node is down already."""
+        remediation = self.scenario.remediation
+        if remediation is None or not d.admitted or d.action != "reboot_node" or d.component is not None:
+            return
+        node = self.nodes.get(d.node)
+        if node is None or any(down <= d.t < back for down, back in self._down.get(d.node, ())):
+            return
+        clears = self.scenario.reboot_clears(d.node)
+        self._schedule_reboot(node, d.t, remediation.reboot_seconds, clears)
+        self._remediated.append(Remediated(d.t, d.node, d.id, round(d.t + remediation.reboot_seconds, 3), clears))
+        log.info("remediation: rebooting %s at %g s (decision %s), back at %g s, %s", d.node, d.t, d.id,
+                 d.t + remediation.reboot_seconds, "fault cleared" if clears else "fault not cleared")
 
     def _schedule_faults(self) -> None:
         for fault in self.scenario.faults:
@@ -346,12 +397,7 @@ class Simulation:
                     node.reboot(self._boot_id())
                 self._at(fault.until_seconds, back)
         elif isinstance(fault, Reboot):
-            self._at(t0, lambda: setattr(node, "silent", True))
-
-            def up() -> None:
-                node.silent = False
-                self._reboot(node, fault.clears)
-            self._at(t0 + fault.down_seconds, up)
+            self._schedule_reboot(node, t0, fault.down_seconds, fault.clears)
         elif isinstance(fault, NvmlFault) and fault.kind in _LOGGED:
             code = int((fault.model_extra or {}).get("code", 0)) if fault.kind == "xid" else _LOGGED[fault.kind]
             line = kernel_xid_line(node.pci_bus_ids[fault.gpu or 0], code, "")
@@ -385,6 +431,7 @@ class Simulation:
         next_event = 0
         fleet_nodes = len(self.nodes)
         prev = 0.0
+        self._running = True
         for k in range(1, ticks + 1):
             t = min(k * dt, sc.duration_seconds)
             while next_event < len(self._schedule) and self._schedule[next_event][0] <= t:
@@ -411,6 +458,7 @@ class Simulation:
             reports += n_reporting
             for d in self._evaluate(now, fleet_nodes):
                 decisions.append(d)
+                self._actuate(d)
             fleet_t.append(t)
             reporting.append(n_reporting)
             silent.append(sum(1 for n in self.nodes.values() if n.silent))
@@ -427,7 +475,8 @@ class Simulation:
             wall_seconds=time.perf_counter() - wall0, reports=reports, heartbeats=heartbeats,
             heartbeats_rejected=rejected, breaker_tripped=self._breaker_tripped(decisions),
             collectors=sorted({c.name for n in self.nodes.values() for c in n.collectors}),
-            jobs=traces, fleet_t=fleet_t, fleet_reporting=reporting, fleet_silent=silent)
+            jobs=traces, fleet_t=fleet_t, fleet_reporting=reporting, fleet_silent=silent,
+            remediations=list(self._remediated))
 
     def _grow_port_counters(self, t0: float, t1: float) -> None:
         for start, end, name, hca, counter, per_second in self._port_rates:

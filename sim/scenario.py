@@ -397,6 +397,21 @@ Fault = Annotated[
 ]
 
 
+class Remediation(_Strict):
+    """The simulator as the actuator: an ADMITTED ``reboot_node`` decision makes the simulator
+    reboot that node itself, as a scripted ``kind: reboot`` fault does: silent for
+    ``reboot_seconds`` from the decision, then back with a new boot id and a fresh agent.
+    ``clears``: whether the reboot fixes the node's GPU faults (a driver state) or not (a GPU
+    that fell off the bus is still missing); true or false for every node, or the nodes (a
+    name, "a..b" range, list or "all") whose reboot fixes it, the others' does not. A refused
+    decision reboots nothing; nor does one for a node that is down already."""
+
+    # 180 s: the down time the scripted reboot scenarios use (POST, kernel, driver load and the
+    # agent's start on an 8-GPU server take minutes).
+    reboot_seconds: float = Field(default=180.0, gt=0)
+    clears: bool | NodeSet = False
+
+
 # Action classes that cost a job or a node (DESIGN.md section 3); the scorer judges each on its
 # own: a drain where a reset was right is as wrong as a drain of the wrong node.
 REMOVAL_ACTIONS = ("drain", "reset_gpu", "reboot_node", "inspect_hardware", "restart_job")
@@ -528,6 +543,9 @@ class Scenario(_Strict):
     max_removals: int | None = Field(default=None, ge=0)
     # "tripped": the scenario passes only if the gate's cluster circuit breaker trips.
     expect_breaker: Literal["tripped", "closed", "any"] = "any"
+    # The simulator carries out admitted reboot_node decisions itself; None: decisions change
+    # nothing on the simulated nodes (the gate runs in dry run), only scripted faults do.
+    remediation: Remediation | None = None
     # Passed through to the real configurations: the agent's (for every simulated node), the
     # aggregator's (detector thresholds, fleet windows) and the gate's (always in dry run here).
     agent: dict[str, Any] = Field(default_factory=dict)
@@ -598,6 +616,8 @@ class Scenario(_Strict):
                 raise ValueError(f"forbid.{i}.component: unknown component {forbid.component!r}")
             if forbid.job is not None and forbid.job not in jobs:
                 raise ValueError(f"forbid.{i}.job: unknown job {forbid.job!r}")
+        if self.remediation is not None and not isinstance(self.remediation.clears, bool):
+            _check_nodeset(self.remediation.clears, names, self.fleet.name_format, "remediation.clears")
         return self
 
     # -- resolution -----------------------------------------------------------------------------
@@ -679,6 +699,13 @@ class Scenario(_Strict):
                  if (f.node is not None or f.nodes is not None) and f.kind not in ("data_stall", "reboot")
                  and node in self.fault_nodes(f)]
         return min(times) if times else None
+
+    def reboot_clears(self, node: str) -> bool:
+        """Whether a reboot the simulator carries out (``remediation``) fixes ``node``'s faults."""
+        if self.remediation is None:
+            return False
+        clears = self.remediation.clears
+        return clears if isinstance(clears, bool) else node in self.resolve_nodes(clears)
 
     def job_nodes(self, job: str) -> list[str]:
         return self.resolve_nodes(next(j for j in self.jobs if j.name == job).nodes)

@@ -10,6 +10,13 @@ job-wide fault), of one of the classes that expectation names, at or after the f
 A ``forbid`` entry fails the run whatever justified it, and ``max_removals`` caps the run's
 distinct removals. Alerts are counted apart: they cost nobody a node. It runs nothing; it reads
 a ``SimResult``.
+
+Return to service (``return_to_service``, measured, never part of the verdict): each time a node
+is taken out (an admitted drain, reset_gpu, reboot_node or inspect_hardware while it is not out
+already), from the injection of the node's latest fault before that removal to the admitted
+``resume`` that gives it back; a node not given back by the end is "not returned", with its
+final state: ``inspect_hardware`` (sent to a technician) or ``still_out``. Grouped by the action
+that took the node out.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from sim.run import SimDecision, SimResult
 from sim.scenario import REMOVAL_ACTIONS, Allow, Expectation, Forbid, Scenario
 
 _REMOVAL = frozenset(REMOVAL_ACTIONS)
+# The removals that take a node out of service until a resume (restart_job removes no node).
+NODE_REMOVALS = ("drain", "reset_gpu", "reboot_node", "inspect_hardware")
+# Faults that are no fault of the node's own to return from: a job's data stall, a reboot.
+_NOT_A_NODE_FAULT = ("data_stall", "reboot")
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,92 @@ class Score:
     def passed(self) -> bool:
         return (self.met == len(self.expectations) and not self.false_removals and not self.violations
                 and not self.over_cap and self.breaker_ok)
+
+
+@dataclass(frozen=True)
+class OutOfService:
+    """One spell out of service of a node: taken out by ``action`` at ``removed_t``, given back
+    at ``resumed_t`` (None: not by the end of the run; ``final_state`` says where it is)."""
+
+    node: str
+    action: str  # the removal that took it out
+    fault_t: float | None  # the latest injected fault of the node at or before the removal
+    removed_t: float
+    resumed_t: float | None
+    final_state: str  # "resumed", "inspect_hardware" or "still_out"
+
+    @property
+    def returned(self) -> bool:
+        return self.resumed_t is not None
+
+    @property
+    def seconds(self) -> float | None:
+        """Fault to resume (the removal, where the node had no fault of its own)."""
+        if self.resumed_t is None:
+            return None
+        start = self.fault_t if self.fault_t is not None else self.removed_t
+        return round(self.resumed_t - start, 3)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "action": self.action, "fault_at_seconds": self.fault_t,
+                "removed_at_seconds": self.removed_t, "resumed_at_seconds": self.resumed_t,
+                "returned": self.returned, "seconds": self.seconds, "final_state": self.final_state}
+
+
+def out_of_service(result: SimResult) -> list[OutOfService]:
+    """Every spell out of service in the run, in the order they began."""
+    scenario = result.scenario
+    names = set(scenario.node_names())
+    fault_times: dict[str, list[float]] = {}
+    for f in scenario.faults:
+        if f.kind in _NOT_A_NODE_FAULT or (f.node is None and f.nodes is None and f.component is None):
+            continue
+        for n in scenario.fault_nodes(f):
+            fault_times.setdefault(n, []).append(f.at_seconds)
+    open_spells: dict[str, tuple[str, float, bool]] = {}  # node -> (action, removed at, inspected)
+    spells: list[tuple[float, OutOfService]] = []
+
+    def close(node: str, resumed_t: float | None) -> None:
+        action, removed_t, inspected = open_spells.pop(node)
+        before = [t for t in fault_times.get(node, []) if t <= removed_t]
+        state = "resumed" if resumed_t is not None else "inspect_hardware" if inspected else "still_out"
+        spells.append((removed_t, OutOfService(node, action, max(before) if before else None, removed_t,
+                                               resumed_t, state)))
+
+    for d in result.decisions:
+        if not d.admitted or d.component is not None or d.node not in names:
+            continue
+        if d.action in NODE_REMOVALS:
+            if d.node not in open_spells:
+                open_spells[d.node] = (d.action, d.t, d.action == "inspect_hardware")
+            elif d.action == "inspect_hardware":
+                action, removed_t, _ = open_spells[d.node]
+                open_spells[d.node] = (action, removed_t, True)
+        elif d.action == "resume" and d.node in open_spells:
+            close(d.node, d.t)
+    for node in list(open_spells):
+        close(node, None)
+    return [s for _, s in sorted(spells, key=lambda x: x[0])]
+
+
+def return_to_service(result: SimResult) -> dict[str, Any]:
+    """The summary's ``return_to_service``: every spell, and per action that took a node out how
+    many came back and how long from the fault that took (p50, max), how many did not and why."""
+    spells = out_of_service(result)
+    by_action: dict[str, Any] = {}
+    for action in NODE_REMOVALS:
+        mine = [s for s in spells if s.action == action]
+        if not mine:
+            continue
+        secs = sorted(s.seconds for s in mine if s.seconds is not None)
+        by_action[action] = {
+            "removed": len(mine), "returned": len(secs),
+            "not_returned": {state: sum(1 for s in mine if s.final_state == state)
+                             for state in ("inspect_hardware", "still_out")},
+            "seconds": {"p50": _quantile(secs, 0.5) if secs else None, "max": secs[-1] if secs else None},
+        }
+    return {"by_action": by_action, "spells": [s.to_json() for s in spells],
+            "remediations": [r.to_json() for r in result.remediations]}
 
 
 def removal_key(d: SimDecision) -> tuple[str, str, int | None, str | None]:
@@ -250,4 +347,5 @@ def summary(result: SimResult, s: Score) -> dict[str, Any]:
         "heartbeats": result.heartbeats,
         "heartbeats_rejected": result.heartbeats_rejected,
         "collectors": result.collectors,
+        "return_to_service": return_to_service(result),
     }

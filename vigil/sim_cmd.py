@@ -105,6 +105,12 @@ def _print_text(data: dict[str, Any]) -> None:
     lat = data["detection_latency_seconds"]
     print(f"  precision {data['precision']}, recall {data['recall']}, false drains {data['false_drains']}, "
           f"latency p50 {lat['p50']} p95 {lat['p95']} max {lat['max']}")
+    for action, r in data["return_to_service"]["by_action"].items():
+        gone = ", ".join(f"{n} {state.replace('_', ' ')}" for state, n in r["not_returned"].items() if n)
+        sec = r["seconds"]
+        times = f", fault to resume p50 {sec['p50']:g} s max {sec['max']:g} s" if r["returned"] else ""
+        print(f"  return to service after {action}: {r['returned']}/{r['removed']} back{times}"
+              f"{f' (not back: {gone})' if gone else ''}")
     b = data["breaker"]
     if b["expected"] != "any":
         print(f"  breaker: expected {b['expected']}, tripped {b['tripped']}")
