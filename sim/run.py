@@ -51,6 +51,9 @@ log = logging.getLogger("vigil.sim")
 Progress = Callable[[float, float], None]  # (simulated seconds done, total)
 
 
+# Simulated process ids: job i's rank r runs as (i + 1) * _PID_STRIDE + 1 + r (ranks < 1,000,000).
+_PID_STRIDE = 1_000_000
+
 @dataclass(frozen=True)
 class SimDecision:
     """One decision the engine proposed, with what the gate made of it."""
@@ -253,7 +256,7 @@ class Simulation:
                     node_intervals[collector] = seconds
             ethtool = fabric.Ethtool(node_fabric, sc.fleet.hcas_per_node) if node_fabric else shared_ethtool
             seams = Seams(nvml=self._nvml(name, nvml_faults), sysfs_root=sysfs, kmsg=kern, clock=self.clock,
-                          run=ethtool, extra={"pid_alive": lambda pid: True})
+                          run=ethtool, extra={"pid_alive": self._pid_alive})
             node = SimNode(config, seams, build_collectors(config, seams), boot_id=self._boot_id(),
                            kernel_log=KernelLog(kern), fabric=node_fabric,
                            intervals=node_intervals, report_interval_seconds=sc.report_interval_seconds)
@@ -505,6 +508,8 @@ class Simulation:
         # client's hb.checkpointing() sends it, from every rank still running at that moment.
         notes = [(ts, step, phase, ~model.stopped_at(ts)) for ts, step, phase in batch.announcements]
         job = model.job.name
+        # Each rank's process id, as the heartbeat client sends it: unique per job and rank.
+        pid_base = (self.jobs.index(model) + 1) * _PID_STRIDE + 1
         r_per = model.ranks_per_node
         gpus = self.scenario.fleet.gpus_per_node
         sent = 0
@@ -525,27 +530,34 @@ class Simulation:
                 for j in range(len(rows)):
                     end = float(ends[j])
                     while pending and pending[0][0] < end:
-                        sent += self._note(node, job, rank, local % gpus, pending.pop(0))
+                        sent += self._note(node, job, rank, local % gpus, pid_base + rank, pending.pop(0))
                     if not alive[j, rank]:
                         continue
                     payload = (
                         f'{{"job":"{job}","rank":{rank},"step":{int(steps[j])},'
                         f'"step_seconds":{step_s[j, rank]:.6f},"compute_seconds":{comp[j, rank]:.6f},'
                         f'"comm_seconds":{comm[j, rank]:.6f},"data_seconds":{data[j, rank]:.6f},'
-                        f'"gpu":{local % gpus}}}'
+                        f'"gpu":{local % gpus},"pid":{pid_base + rank}}}'
                     ).encode()
                     node.ingest_heartbeat(payload, end)
                     sent += 1
                 for note in pending:
-                    sent += self._note(node, job, rank, local % gpus, note)
+                    sent += self._note(node, job, rank, local % gpus, pid_base + rank, note)
         return sent
 
     @staticmethod
-    def _note(node: SimNode, job: str, rank: int, gpu: int, note: tuple[float, int, str, np.ndarray]) -> int:
+    def _note(node: SimNode, job: str, rank: int, gpu: int, pid: int,
+              note: tuple[float, int, str, np.ndarray]) -> int:
         ts, step, phase, _ = note
         node.ingest_heartbeat(f'{{"job":"{job}","rank":{rank},"step":{step},"step_seconds":0,'
-                              f'"phase":"{phase}","gpu":{gpu}}}'.encode(), ts)
+                              f'"phase":"{phase}","gpu":{gpu},"pid":{pid}}}'.encode(), ts)
         return 1
+
+    def _pid_alive(self, pid: int) -> bool:
+        """The nodes' process table (the training collector's ``pid_alive`` seam): a rank's process
+        lives until its job has finished, as the real client's pid does."""
+        index = pid // _PID_STRIDE - 1
+        return not (0 <= index < len(self.jobs) and self.jobs[index].finished)
 
     def _evaluate(self, now: float, fleet_nodes: int) -> list[SimDecision]:
         t = now - self.clock.start

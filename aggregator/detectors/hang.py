@@ -134,7 +134,14 @@ class HangDetector:
         hung_counts = phase == "training"
         stopped = [r for r in live if stall[r.rank] >= limit or r.last.state == "exited"
                    or (hung_counts and r.last.state == "hung")]
-        moving = [r for r in live if r not in stopped]
+        # Moving: progressed at least half a stall limit after the stopped ranks last did. When a
+        # job ends, its agents report the exits a report interval or two apart, and the ranks not
+        # yet reported exited have not progressed since: they are not peers moving past a crash.
+        latest_stop = max((stall[r.rank] for r in stopped), default=0.0)
+        moving = [r for r in live if r not in stopped
+                  and (not stopped or stall[r.rank] + limit / 2 <= latest_stop)]
+        if stopped and not moving and len(stopped) < len(live):
+            return []  # the rest has neither stopped nor moved on since: not judgeable yet
         if moving:
             # Peers progress, so a late node's ranks count as stopped only on what its agent last
             # said (its own stall at report time, or a hung/exited state), not on report delay.

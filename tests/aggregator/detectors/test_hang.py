@@ -177,3 +177,43 @@ def test_a_node_whose_ranks_stopped_while_it_still_reports_is_found_while_peers_
         t += INTERVAL
     assert {(f.node, f.action) for f in found} == {("n0", Action.DRAIN), ("n0", Action.RESTART_JOB)}
     assert t - 100.0 <= 30.0
+
+
+def test_a_job_that_ends_with_its_exits_reported_a_report_apart_drains_nobody():
+    # The job finishes at 100 s; n0's agent sees its processes gone one report before the others'
+    # agents do. n0 is not a crashed rank the others progressed past: nobody progressed since.
+    nodes = nodes_()
+    fleet = Fleet()
+    detector = HangDetector(HangConfig())
+    t = 0.0
+    while t < 400:
+        set_training(nodes, "job", min(t, 100.0), ranks_per_node=2, step=int(min(t, 100.0)))
+        for n in nodes:
+            exited_at = 102.5 if n.name == "n0" else 105.0
+            for r in n.ranks:
+                r.last_progress_ts = min(t, 100.0)
+                if t >= exited_at:
+                    r.state = "exited"
+            fleet.ingest(n.report(t), t)
+        assert detector.evaluate(fleet.view(), t) == [], t
+        t += INTERVAL
+
+
+def test_a_rank_that_crashed_while_the_others_block_is_blamed_within_30_s():
+    # The real fault beside it: n2's ranks exit at 100 s and the others block in the collective.
+    nodes = nodes_()
+    fleet = Fleet()
+    detector = HangDetector(HangConfig())
+    t, found = 0.0, []
+    while t < 200 and not found:
+        set_training(nodes, "job", min(t, 100.0), ranks_per_node=2, step=int(min(t, 100.0)))
+        for n in nodes:
+            for r in n.ranks:
+                r.last_progress_ts = min(t, 100.0)
+                if n.name == "n2" and t >= 100.0:
+                    r.state = "exited"
+            fleet.ingest(n.report(t), t)
+        found = detector.evaluate(fleet.view(), t)
+        t += INTERVAL
+    assert {(f.node, f.action) for f in found} >= {("n2", Action.DRAIN)}
+    assert t - 100.0 <= 30.0
