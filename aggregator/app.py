@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from agent.validation import ConfigError
 from agent.wire import Report
 from aggregator.actuators import Actuator, DeliveryError, build_actuators
+from aggregator.actuators.kubernetes import KubernetesActuator
 from aggregator.alertmanager_input import add_routes
 from aggregator.auth import NODE_KEY, Credentials, Refusals, auth_middleware, is_loopback
 from aggregator.config import AggregatorConfig
@@ -170,6 +171,9 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         if dispatcher is not None:
             readings.deliveries = dict(dispatcher.outcomes)
             readings.actuators = tuple(sorted(dispatcher.actuators))
+            kube = dispatcher.actuators.get("kubernetes")
+            if isinstance(kube, KubernetesActuator):
+                readings.kubernetes_events_not_recorded = kube.events_not_recorded
         if ledger is not None:
             b = ledger.breaker_budget(clock(), reporting())
             readings.breaker_tripped = bool(b["tripped"])

@@ -68,6 +68,9 @@ class ActingReadings:
     store_errors: Mapping[str, int] = field(default_factory=dict)
     store_ok: bool = True
     unstored: int = 0
+    # Kubernetes Events the API server did not take (the actions themselves were unaffected);
+    # None without the Kubernetes actuator.
+    kubernetes_events_not_recorded: int | None = None
 
 
 class _Acting(PromCollector):
@@ -120,6 +123,11 @@ class _Acting(PromCollector):
                                 "store fails (/healthz answers 503).", value=int(r.store_ok))
         yield GaugeMetricFamily("vigil_aggregator_store_unstored_decisions",
                                 "Proposals waiting in memory for the store to work again.", value=r.unstored)
+        if r.kubernetes_events_not_recorded is not None:
+            yield CounterMetricFamily("vigil_aggregator_kubernetes_events_not_recorded",
+                                      "Kubernetes Events on Nodes the API server refused or did not answer "
+                                      "(the node actions themselves went on).",
+                                      value=r.kubernetes_events_not_recorded)
 
 
 class AggregatorMetrics:

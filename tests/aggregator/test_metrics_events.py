@@ -20,7 +20,7 @@ from aggregator.app import make_app
 from aggregator.auth import Credentials, node_token
 from aggregator.config import parse_config
 from aggregator.engine import Engine
-from aggregator.metrics import EVENT_KINDS
+from aggregator.metrics import EVENT_KINDS, ActingReadings, AggregatorMetrics
 from aggregator.sink import RecordingSink
 from tests.aggregator.conftest import FakeNode
 
@@ -108,3 +108,10 @@ async def test_refused_reports_count_no_events(service: Service) -> None:
     # The refusals were counted where refusals are: the same node's next report still counts.
     await service.post(node, node.report(NOW + 1, events=events(NOW, xid=1)).model_dump_json(), 202)
     assert (await service.received())["xid"] == 2
+
+
+def test_kubernetes_events_not_recorded_are_exposed_only_with_that_actuator() -> None:
+    without = AggregatorMetrics(lambda: {}, acting=lambda: ActingReadings()).render().decode()
+    assert "vigil_aggregator_kubernetes_events_not_recorded" not in without
+    with_kube = AggregatorMetrics(lambda: {}, acting=lambda: ActingReadings(kubernetes_events_not_recorded=3))
+    assert "vigil_aggregator_kubernetes_events_not_recorded_total 3.0" in with_kube.render().decode()
