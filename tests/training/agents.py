@@ -6,12 +6,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from aggregator.auth import node_token
-from tests.aggregator.aggregator_process import SITE_SECRET
+from tests.aggregator.aggregator_process import SITE_SECRET, AggregatorProcess, wait_for
 from tests.loopback import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,3 +58,24 @@ class Agent:
                 self.proc.kill()
                 self.proc.wait(5)
         self.log.close()
+
+
+@contextmanager
+def cluster(root: Path, nodes: list[str], aggregator_config: dict[str, Any],
+            scenario: Callable[[str], str | None] = lambda node: None,
+            ) -> Iterator[tuple[AggregatorProcess, dict[str, Agent]]]:
+    """A real aggregator and one real agent per node (``scenario(node)``: its fake NVML scenario),
+    every agent healthy before it yields; all stopped by pid afterwards."""
+    aggregator = AggregatorProcess(root, aggregator_config)
+    aggregator.start()
+    agents: dict[str, Agent] = {}
+    try:
+        for node in nodes:
+            agents[node] = Agent(root, node, aggregator.url, scenario(node))
+        for agent in agents.values():
+            wait_for(f"agent {agent.node}", agent.healthy, 30.0)
+        yield aggregator, agents
+    finally:
+        for agent in agents.values():
+            agent.stop()
+        aggregator.stop()

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.aggregator.aggregator_process import AggregatorProcess, wait_for
-from tests.training.agents import Agent
+from tests.training.agents import Agent, cluster
 from vigil_heartbeat import Heartbeat
 
 NODES = ("node-a", "node-b", "node-c")
@@ -36,22 +36,12 @@ def capped_scenario(root: Path) -> str:
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[tuple[AggregatorProcess, dict[str, Agent]]]:
-    aggregator = AggregatorProcess(tmp_path, {
+    with cluster(tmp_path, list(NODES), {
         "dry_run": True, "evaluate_interval_seconds": 1.0,
         # A test-sized window: 6 s of reports instead of the shipped 60 s.
         "detectors": {"gpu_peer": {"persistence_seconds": 6.0, "min_reports": 3}},
-    })
-    aggregator.start()
-    agents = {n: Agent(tmp_path, n, aggregator.url, capped_scenario(tmp_path) if n == CAPPED else "healthy-h100")
-              for n in NODES}
-    try:
-        for agent in agents.values():
-            wait_for(f"agent {agent.node}", agent.healthy, 30.0)
-        yield aggregator, agents
-    finally:
-        for agent in agents.values():
-            agent.stop()
-        aggregator.stop()
+    }, lambda n: capped_scenario(tmp_path) if n == CAPPED else "healthy-h100") as running:
+        yield running
 
 
 def test_capped_node_in_a_step_only_job_is_flagged_and_no_other(fleet: Any) -> None:

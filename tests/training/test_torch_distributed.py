@@ -22,7 +22,7 @@ import pytest
 
 from tests.aggregator.aggregator_process import AggregatorProcess, wait_for
 from tests.loopback import free_port
-from tests.training.agents import Agent
+from tests.training.agents import Agent, cluster
 
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]' (torch==2.13.0)")
 
@@ -36,9 +36,8 @@ SLOW_NODE = "node-d"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AggregatorProcess, dict[str, Agent]]]:
-    root = tmp_path_factory.mktemp("ddp")
-    aggregator = AggregatorProcess(root, {
+def ddp_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AggregatorProcess, dict[str, Agent]]]:
+    with cluster(tmp_path_factory.mktemp("ddp"), list(NODES), {
         "dry_run": True,
         "evaluate_interval_seconds": 1.0,
         "detectors": {
@@ -46,17 +45,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Aggregat
             # shipped 5 s: the test's job lives for tens of seconds on a loaded machine.
             "straggler": {"min_nodes": 4, "persistence_windows": 3},
         },
-    })
-    aggregator.start()
-    agents = {node: Agent(root, node, aggregator.url) for node in NODES}
-    try:
-        for agent in agents.values():
-            wait_for(f"agent {agent.node}", agent.healthy, 30.0)
-        yield aggregator, agents
-    finally:
-        for agent in agents.values():
-            agent.stop()
-        aggregator.stop()
+    }) as running:
+        yield running
 
 
 def train(agents: dict[str, Agent], job: str, mode: str, seconds: float, root: Path) -> list[subprocess.Popen[bytes]]:
@@ -91,11 +81,11 @@ def decisions(aggregator: AggregatorProcess, job: str) -> list[dict[str, Any]]:
 # `make test-all` runs it; the fast paths it crosses have their own tests.
 @pytest.mark.slow
 def test_slowed_rank_drains_its_node_and_no_other_and_step_counts_alone_cannot_rank(
-        cluster: Any, tmp_path: Path) -> None:
+        ddp_cluster: Any, tmp_path: Path) -> None:
     """Two jobs on the same four nodes at once: "ddp-timed" (StepTimer) and "ddp-steps" (hb.step(n)
     only), each with rank 3 slowed. Running them together halves the test's time (torch's start-up
     dominates) and shows the judgements stay per job."""
-    aggregator, agents = cluster
+    aggregator, agents = ddp_cluster
     procs = train(agents, "ddp-timed", "timed", 240.0, tmp_path) + train(agents, "ddp-steps", "steps", 240.0, tmp_path)
     try:
         try:
