@@ -8,11 +8,11 @@ no collector and touches no hardware.
 
 from __future__ import annotations
 
-from agent.collectors import gpu, host, rdma, training, xid
-from agent.metric import MetricSpec
-from agent.reporter import REPORTER_SPECS
-from agent.runner import RUNNER_SPECS
-from agent.server import SERVER_SPECS
+from vigil.agent.collectors import gpu, host, rdma, training, xid
+from vigil.agent.metric import MetricSpec
+from vigil.agent.reporter import REPORTER_SPECS
+from vigil.agent.runner import RUNNER_SPECS
+from vigil.agent.server import SERVER_SPECS
 
 # One entry per collector module in agent.collectors.REGISTRY; a test keeps the two in step.
 COLLECTOR_SPECS: dict[str, tuple[MetricSpec, ...]] = {

@@ -13,15 +13,15 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from agent.collectors.gpu import GpuConfig
-from agent.collectors.host import HostConfig
-from agent.collectors.rdma import RdmaConfig
-from agent.collectors.training import TrainingConfig
-from agent.collectors.xid import XidConfig
-from agent.dcgm_compat import ExporterConfig
-from agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
-from agent.validation import HostPort, StrictModel, read_config_file, validate_config
-from agent.wire import NodeName
+from vigil.agent.collectors.gpu import GpuConfig
+from vigil.agent.collectors.host import HostConfig
+from vigil.agent.collectors.rdma import RdmaConfig
+from vigil.agent.collectors.training import TrainingConfig
+from vigil.agent.collectors.xid import XidConfig
+from vigil.agent.dcgm_compat import ExporterConfig
+from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
+from vigil.agent.validation import HostPort, StrictModel, read_config_file, validate_config
+from vigil.agent.wire import NodeName
 
 
 class NvmlConfig(StrictModel):

@@ -22,17 +22,17 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-import agent
-from agent.collectors import REGISTRY
-from agent.collectors.collector import Collection, Collector
-from agent.config import AgentConfig
-from agent.dcgm_compat import DcgmCompatCollector
-from agent.exporter import SnapshotExporter, render
-from agent.reporter import REPORTER_SPECS, Reporter, client_ssl_context
-from agent.runner import RUNNER_SPECS, Runner
-from agent.sd_notify import SdNotifier
-from agent.seams import Seams
-from agent.server import (
+from vigil import __version__
+from vigil.agent.collectors import REGISTRY
+from vigil.agent.collectors.collector import Collection, Collector
+from vigil.agent.config import AgentConfig
+from vigil.agent.dcgm_compat import DcgmCompatCollector
+from vigil.agent.exporter import SnapshotExporter, render
+from vigil.agent.reporter import REPORTER_SPECS, Reporter, client_ssl_context
+from vigil.agent.runner import RUNNER_SPECS, Runner
+from vigil.agent.sd_notify import SdNotifier
+from vigil.agent.seams import Seams
+from vigil.agent.server import (
     IDLE_TIMEOUT_SECONDS,
     ConnectionLimit,
     HeartbeatIntake,
@@ -45,7 +45,7 @@ from agent.server import (
     start_udp,
     start_unix,
 )
-from agent.snapshot import Snapshot
+from vigil.agent.snapshot import Snapshot
 from vigil.build_info import register_build_info
 
 log = logging.getLogger("vigil.agent")
@@ -74,7 +74,7 @@ def read_boot_id(path: Path = BOOT_ID_PATH) -> str:
 
 
 def open_nvml(config: AgentConfig, clock: Callable[[], float]) -> Any:
-    from agent.nvml.backend import open_backend  # pulls in pynvml only when needed
+    from vigil.agent.nvml.backend import open_backend  # pulls in pynvml only when needed
 
     return open_backend(config.nvml, clock)
 
@@ -147,7 +147,7 @@ class Agent:
         last = self.reporter.last_report_body
         return {
             "node": self.config.node,
-            "version": agent.__version__,
+            "version": __version__,
             "boot_id": self.boot_id,
             "nvml_backend": self.config.nvml.backend,
             "last_report": json.loads(last) if last else None,
@@ -167,7 +167,7 @@ class Agent:
             sockets = listeners.server.sockets
             bound = sockets[0].getsockname() if sockets else (host, port)
             address = f"{bound[0]}:{bound[1]}"
-            log.info("vigil agent %s on %s (node %s, backend %s, collectors: %s)", agent.__version__, address,
+            log.info("vigil agent %s on %s (node %s, backend %s, collectors: %s)", __version__, address,
                      self.config.node, self.config.nvml.backend, ", ".join(c.name for c in self.collectors))
             if on_ready:
                 on_ready(address)

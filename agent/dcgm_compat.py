@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector as PromCollector
 
-from agent.metric import Sample
-from agent.validation import StrictModel
+from vigil.agent.metric import Sample
+from vigil.agent.validation import StrictModel
 
 # dcgm-exporter's label names and order (etc/default-counters.csv run by GPU Operator; see
 # tests/fixtures/dcgm-exporter). `Hostname` is the old spelling that deployed dashboards use;

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector as PromCollector
 from prometheus_client.utils import floatToGoString
 
-from agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
 
 log = logging.getLogger("vigil.agent.exporter")
 

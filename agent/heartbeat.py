@@ -1,4 +1,4 @@
-"""The training-side heartbeat client, re-exported for ``from agent.heartbeat import Heartbeat``.
+"""The training-side heartbeat client, re-exported for ``from vigil.agent.heartbeat import Heartbeat``.
 
 The client lives in its own standard-library-only distribution (``clients/heartbeat``, imported
 as ``vigil_heartbeat``) so a training image can install it without the daemon. This module adds

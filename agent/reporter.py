@@ -22,12 +22,12 @@ from typing import Any
 
 import aiohttp
 
-from agent.backlog import Backlog
-from agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES, REPORT_MAX_EVENTS
-from agent.metric import MetricKind, MetricSpec, Sample
-from agent.snapshot import Snapshot
-from agent.wire import Event, Report
 from vigil import __version__
+from vigil.agent.backlog import Backlog
+from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES, REPORT_MAX_EVENTS
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.snapshot import Snapshot
+from vigil.agent.wire import Event, Report
 
 log = logging.getLogger("vigil.agent.reporter")
 

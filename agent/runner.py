@@ -15,9 +15,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from agent.collectors.collector import Collection, Collector
-from agent.metric import MetricKind, MetricSpec, Sample
-from agent.snapshot import CollectorResult, Snapshot
+from vigil.agent.collectors.collector import Collection, Collector
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.snapshot import CollectorResult, Snapshot
 
 log = logging.getLogger("vigil.agent.runner")
 

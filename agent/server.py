@@ -27,10 +27,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from agent.exporter import CONTENT_TYPE
-from agent.metric import MetricKind, MetricSpec, Sample
-from agent.snapshot import Snapshot
-from agent.validation import split_host_port
+from vigil.agent.exporter import CONTENT_TYPE
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.snapshot import Snapshot
+from vigil.agent.validation import split_host_port
 
 log = logging.getLogger("vigil.agent.server")
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.collectors.collector import Collection
-from agent.metric import Sample
+from vigil.agent.collectors.collector import Collection
+from vigil.agent.metric import Sample
 
 
 @dataclass(frozen=True, slots=True)

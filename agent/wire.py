@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from agent.limits import REPORT_MAX_EVENTS
+from vigil.agent.limits import REPORT_MAX_EVENTS
 
 WIRE_VERSION = 1
 
@@ -202,6 +202,50 @@ class HostFacts(_Wire):
     driver_version: Short | None = None
 
 
+# Node actions (agent/node_actions.py holds their table and the signing): the signed request the
+# aggregator sends in its answer to a report, and the agent's result in a following report.
+NodeActionName = Literal["reset_gpu", "request_reboot"]  # keys of NODE_ACTIONS (a test keeps them equal)
+
+# At most this many requests in one answer, and results in one report: far above what one node
+# ever has in flight (one per GPU), so a flood cannot ride on either.
+MAX_REQUESTS_PER_RESPONSE = 16
+MAX_RESULTS_PER_REPORT = 16
+SIGNATURE_HEX_CHARS = 64
+
+
+class NodeActionRequest(_Wire):
+    """One signed request for one node. ``id`` is the aggregator's idempotency key (the decision
+    id): an agent carries out an id at most once and answers a repeat with its first result."""
+
+    id: str = Field(min_length=1, max_length=64)
+    action: NodeActionName
+    node: NodeName
+    boot_id: str = Field(min_length=1, max_length=64)  # the boot it was issued for: a reboot voids it
+    gpu: Index | None = None
+    gpu_uuid: Short | None = None
+    issued_at: Timestamp
+    expires_at: Timestamp
+    reason: Text = ""
+    signature: str = Field(default="", max_length=SIGNATURE_HEX_CHARS)
+
+
+NodeActionOutcome = Literal["done", "refused", "failed"]
+
+
+class NodeActionResult(_Wire):
+    """What the agent did with a request: ``done``, ``refused`` (a check failed, nothing was run:
+    ``reason`` says which, e.g. ``busy`` with the holding pids in ``detail``) or ``failed`` (it ran
+    and did not succeed)."""
+
+    id: str = Field(min_length=1, max_length=64)
+    action: Short
+    gpu: Index | None = None
+    outcome: NodeActionOutcome
+    reason: Short  # a short machine-readable word: done, busy, not_allowed, bad_signature, expired, ...
+    detail: Text = ""
+    ts: Timestamp
+
+
 class Report(_Wire):
     """The agent's periodic push (``POST /v1/reports``). ``seq`` increases by one per report
     within a ``boot_id``; a new boot id means counters restarted from zero."""
@@ -228,6 +272,9 @@ class Report(_Wire):
     # The sender's release (vigil.__version__), so the aggregator can see version skew; absent
     # from agents older than 0.1.0's packaging change.
     agent_version: str | None = Field(default=None, max_length=64)
+    # Outcomes of node actions the aggregator asked for (agent/node_actions.py), each reported until
+    # a report carrying it is accepted.
+    action_results: list[NodeActionResult] = Field(default_factory=list, max_length=MAX_RESULTS_PER_REPORT)
 
 
 class Heartbeat(_Wire):

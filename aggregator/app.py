@@ -25,25 +25,25 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from agent.validation import ConfigError
-from agent.wire import Report
-from aggregator.actuators import Actuator, DeliveryError, build_actuators
-from aggregator.actuators.kubernetes import KubernetesActuator
-from aggregator.alertmanager_input import add_routes
-from aggregator.auth import NODE_KEY, Credentials, Refusals, auth_middleware, is_loopback
-from aggregator.config import AggregatorConfig
-from aggregator.decision import REMOVING_ACTIONS, Action, Decision, Finding
-from aggregator.dispatch import Dispatcher
-from aggregator.engine import Engine
-from aggregator.fleet import NodeState
-from aggregator.gate import Gate
-from aggregator.ledger import Ledger
-from aggregator.listener import BodyRefused, ConnectionGuard, read_body, tls_context
-from aggregator.metrics import CONTENT_TYPE, ActingReadings, AggregatorMetrics
-from aggregator.operator_api import add_no_gate_routes, add_operator_routes
-from aggregator.redact import redact_json
-from aggregator.sink import DecisionSink
-from aggregator.store import WRITE_ERRORS, Store
+from vigil.agent.validation import ConfigError
+from vigil.agent.wire import Report
+from vigil.aggregator.actuators import Actuator, DeliveryError, build_actuators
+from vigil.aggregator.actuators.kubernetes import KubernetesActuator
+from vigil.aggregator.alertmanager_input import add_routes
+from vigil.aggregator.auth import NODE_KEY, Credentials, Refusals, auth_middleware, is_loopback
+from vigil.aggregator.config import AggregatorConfig
+from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision, Finding
+from vigil.aggregator.dispatch import Dispatcher
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.fleet import NodeState
+from vigil.aggregator.gate import Gate
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.listener import BodyRefused, ConnectionGuard, read_body, tls_context
+from vigil.aggregator.metrics import CONTENT_TYPE, ActingReadings, AggregatorMetrics
+from vigil.aggregator.operator_api import add_no_gate_routes, add_operator_routes
+from vigil.aggregator.redact import redact_json
+from vigil.aggregator.sink import DecisionSink
+from vigil.aggregator.store import WRITE_ERRORS, Store
 
 log = logging.getLogger("vigil.aggregator")
 

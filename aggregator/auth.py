@@ -23,8 +23,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import model_validator
 
-from agent.validation import ConfigError, StrictModel
-from agent.wire import check_node_name
+from vigil.agent.validation import ConfigError, StrictModel
+from vigil.agent.wire import check_node_name
 
 
 class Role(Enum):

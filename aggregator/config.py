@@ -13,25 +13,32 @@ from typing import Any
 
 from pydantic import Field
 
-from agent.limits import REPORT_MAX_BYTES
-from agent.validation import ConfigError, HostPort, StrictModel, read_config_file, split_host_port, validate_config
-from aggregator.actuators import ActuatorsConfig
-from aggregator.auth import AuthConfig, TlsConfig
-from aggregator.detectors.gpu_peer import GpuPeerConfig
-from aggregator.detectors.hang import HangConfig
-from aggregator.detectors.memory import MemoryConfig
-from aggregator.detectors.network import NetworkConfig
-from aggregator.detectors.pcie_nvlink import PcieNvlinkConfig
-from aggregator.detectors.recovery import RecoveryConfig
-from aggregator.detectors.silence import SilenceConfig
-from aggregator.detectors.straggler import StragglerConfig
-from aggregator.detectors.thermal import ThermalConfig
-from aggregator.detectors.topology import TopologyConfig
-from aggregator.detectors.xid import XidConfig
-from aggregator.fleet import FleetConfig
-from aggregator.gate import GateConfig
-from aggregator.listener import ServerConfig
-from aggregator.store import StoreConfig
+from vigil.agent.limits import REPORT_MAX_BYTES
+from vigil.agent.validation import (
+    ConfigError,
+    HostPort,
+    StrictModel,
+    read_config_file,
+    split_host_port,
+    validate_config,
+)
+from vigil.aggregator.actuators import ActuatorsConfig
+from vigil.aggregator.auth import AuthConfig, TlsConfig
+from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig
+from vigil.aggregator.detectors.hang import HangConfig
+from vigil.aggregator.detectors.memory import MemoryConfig
+from vigil.aggregator.detectors.network import NetworkConfig
+from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkConfig
+from vigil.aggregator.detectors.recovery import RecoveryConfig
+from vigil.aggregator.detectors.silence import SilenceConfig
+from vigil.aggregator.detectors.straggler import StragglerConfig
+from vigil.aggregator.detectors.thermal import ThermalConfig
+from vigil.aggregator.detectors.topology import TopologyConfig
+from vigil.aggregator.detectors.xid import XidConfig
+from vigil.aggregator.fleet import FleetConfig
+from vigil.aggregator.gate import GateConfig
+from vigil.aggregator.listener import ServerConfig
+from vigil.aggregator.store import StoreConfig
 
 __all__ = ["AggregatorConfig", "ConfigError", "DetectorsConfig", "load_config", "parse_config"]
 

@@ -15,9 +15,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 
-from aggregator.actuators.actuator import Actuator, DeliveryError, DispatchConfig
-from aggregator.decision import Decision
-from aggregator.store import WRITE_ERRORS, Delivery, Store
+from vigil.aggregator.actuators.actuator import Actuator, DeliveryError, DispatchConfig
+from vigil.aggregator.decision import Decision
+from vigil.aggregator.store import WRITE_ERRORS, Delivery, Store
 
 __all__ = ["DispatchConfig", "Dispatcher"]
 

@@ -12,15 +12,15 @@ the nodes vigil removed and hands them to the detectors as ``FleetView.removed``
 
 from __future__ import annotations
 
-from agent.wire import Report
-from aggregator.config import AggregatorConfig
-from aggregator.decision import Decision, Finding
-from aggregator.detectors import REGISTRY, Detector
-from aggregator.detectors.topology import Episode, TopologyAttributor, episode
-from aggregator.fleet import Fleet, Removal
-from aggregator.gate import GateState
-from aggregator.ledger import Ledger
-from aggregator.sink import DecisionSink
+from vigil.agent.wire import Report
+from vigil.aggregator.config import AggregatorConfig
+from vigil.aggregator.decision import Decision, Finding
+from vigil.aggregator.detectors import REGISTRY, Detector
+from vigil.aggregator.detectors.topology import Episode, TopologyAttributor, episode
+from vigil.aggregator.fleet import Fleet, Removal
+from vigil.aggregator.gate import GateState
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.sink import DecisionSink
 
 
 def removals(state: GateState) -> dict[str, Removal]:

@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 from pydantic import Field
 
-from agent.validation import StrictModel
-from agent.wire import Event, GpuState, PortState, RankSummary, Report
-from aggregator.decision import Action
+from vigil.agent.validation import StrictModel
+from vigil.agent.wire import Event, GpuState, PortState, RankSummary, Report
+from vigil.aggregator.decision import Action
 
 
 class FleetConfig(StrictModel):

@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from aggregator.decision import REMOVING_ACTIONS, Action, Decision
+from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
 NodeCondition = Literal["in_service", "removed", "awaiting_inspection"]
 

@@ -20,10 +20,10 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from aggregator.actuators.actuator import Actuator
-from aggregator.decision import Decision
-from aggregator.gate import Gate, GateState, Verdict
-from aggregator.store import WRITE_ERRORS, Store, StoreConfig
+from vigil.aggregator.actuators.actuator import Actuator
+from vigil.aggregator.decision import Decision
+from vigil.aggregator.gate import Gate, GateState, Verdict
+from vigil.aggregator.store import WRITE_ERRORS, Store, StoreConfig
 
 log = logging.getLogger("vigil.aggregator.ledger")
 

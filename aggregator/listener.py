@@ -24,7 +24,7 @@ from aiohttp import ClientPayloadError, web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import Field
 
-from agent.validation import StrictModel
+from vigil.agent.validation import StrictModel
 
 log = logging.getLogger("vigil.aggregator.listener")
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
 
-from aggregator.auth import Refusals
+from vigil.aggregator.auth import Refusals
 from vigil.build_info import register_build_info
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

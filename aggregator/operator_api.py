@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from aggregator.decision import Action, Decision
-from aggregator.gate import OPERATOR
-from aggregator.ledger import Ledger
-from aggregator.store import WRITE_ERRORS
+from vigil.aggregator.decision import Action, Decision
+from vigil.aggregator.gate import OPERATOR
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.store import WRITE_ERRORS
 
 MAX_NOTE_CHARS = 500
 GATE_ROUTES = (("GET", "/v1/breaker"), ("GET", "/v1/gate"), ("POST", "/v1/nodes/{node}/hold"),

@@ -12,7 +12,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from aggregator.decision import Decision
+from vigil.aggregator.decision import Decision
 
 
 class DecisionSink(Protocol):

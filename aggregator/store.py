@@ -23,9 +23,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from agent.validation import StrictModel
-from aggregator.decision import REMOVING_ACTIONS, Action, Decision
-from aggregator.gate import BreakerRecord, GateConfig, GateState, NodeRecord, Verdict
+from vigil.agent.validation import StrictModel
+from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
+from vigil.aggregator.gate import BreakerRecord, GateConfig, GateState, NodeRecord, Verdict
 
 log = logging.getLogger(__name__)
 

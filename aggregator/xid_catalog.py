@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import TypeVar
 
-from aggregator.decision import Action
+from vigil.aggregator.decision import Action
 
 DATA_FILE = "xid_catalog.csv"
 
@@ -117,7 +117,7 @@ def _load_rows(data_file: str, text: str | None, build: Callable[[dict[str, str]
     """The rows of a packaged CSV data file (or ``text``), each built into an entry; a bad row
     raises ValueError naming the file and row."""
     if text is None:
-        text = resources.files("aggregator.data").joinpath(data_file).read_text(encoding="utf-8")
+        text = resources.files("vigil.aggregator.data").joinpath(data_file).read_text(encoding="utf-8")
     rows = csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))
     entries = []
     for n, row in enumerate(rows, start=1):

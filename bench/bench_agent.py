@@ -13,14 +13,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent.config import parse_config
-from agent.daemon import Agent
-from agent.nvml.backend import PynvmlBackend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.scenario import load_node_scenario
-from agent.runner import collect_once
-from agent.seams import Seams
 from bench.measure import Measurement
+from vigil.agent.config import parse_config
+from vigil.agent.daemon import Agent
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import load_node_scenario
+from vigil.agent.runner import collect_once
+from vigil.agent.seams import Seams
 
 FIXTURE_IB = Path(__file__).parent.parent / "tests" / "fixtures" / "sysfs" / "h100" / "class" / "infiniband"
 SECONDS = 300.0

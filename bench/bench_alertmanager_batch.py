@@ -22,9 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from agent.wire import Report
-from aggregator.auth import new_secret, node_token
 from bench.measure import Measurement
+from vigil.agent.wire import Report
+from vigil.aggregator.auth import new_secret, node_token
 
 ALERTS = 1000
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 
-from agent.collectors.gpu import GpuCollector, GpuConfig
-from agent.nvml.backend import PynvmlBackend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.scenario import DEFAULT_SCENARIO
 from bench.measure import Measurement
+from vigil.agent.collectors.gpu import GpuCollector, GpuConfig
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import DEFAULT_SCENARIO
 
 CYCLES = 2000
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from statistics import median
 
-from agent.wire import RankSummary, Report
-from aggregator.config import parse_config
-from aggregator.engine import Engine
-from aggregator.sink import RecordingSink
 from bench.measure import Measurement
+from vigil.agent.wire import RankSummary, Report
+from vigil.aggregator.config import parse_config
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.sink import RecordingSink
 
 NODES = 16
 RANKS_PER_NODE = 8

@@ -12,8 +12,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from agent.heartbeat import Heartbeat
 from bench.measure import Measurement
+from vigil.agent.heartbeat import Heartbeat
 
 CALLS_PER_RUN = 20_000
 RUNS = 7

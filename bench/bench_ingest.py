@@ -16,15 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.runner import collect_once
-from agent.wire import Report
-from aggregator.app import tune_gc
-from aggregator.auth import Credentials, node_token
-from aggregator.config import AggregatorConfig
-from aggregator.engine import Engine
-from aggregator.sink import RecordingSink
 from bench.bench_agent import Clock, build_node
 from bench.measure import Measurement
+from vigil.agent.runner import collect_once
+from vigil.agent.wire import Report
+from vigil.aggregator.app import tune_gc
+from vigil.aggregator.auth import Credentials, node_token
+from vigil.aggregator.config import AggregatorConfig
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.sink import RecordingSink
 
 NODES = 500
 ROUNDS = 8

@@ -18,9 +18,9 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from bench.measure import Measurement
-from sim.run import run_scenario
-from sim.scenario import REMOVAL_ACTIONS, Scenario, load_scenario, parse_scenario, shortened
-from sim.score import removal_key, score
+from vigil.sim.run import run_scenario
+from vigil.sim.scenario import REMOVAL_ACTIONS, Scenario, load_scenario, parse_scenario, shortened
+from vigil.sim.score import removal_key, score
 
 HEALTHY = "healthy-2s5-100-node-days"
 SEEDS = (1, 2, 3)

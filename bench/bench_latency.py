@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
-from aggregator.auth import new_secret, node_token
 from bench.measure import Measurement
+from vigil.aggregator.auth import new_secret, node_token
 
 NODES = 20
 XID_79 = ("[ 2071.315227] NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, "

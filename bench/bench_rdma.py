@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent.collectors.rdma import RdmaCollector, RdmaConfig
 from bench.measure import Measurement
+from vigil.agent.collectors.rdma import RdmaCollector, RdmaConfig
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "sysfs" / "h100" / "class" / "infiniband"
 HCAS = 8

@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 
 from bench.measure import Measurement
-from sim.run import run_scenario
-from sim.scenario import load_scenario, parse_scenario, shortened
-from sim.score import return_to_service, score
+from vigil.sim.run import run_scenario
+from vigil.sim.scenario import load_scenario, parse_scenario, shortened
+from vigil.sim.score import return_to_service, score
 
 
 def _fleet_hour(slice_seconds: float = 960.0) -> Measurement:
@@ -56,7 +56,7 @@ def _return_to_service() -> list[Measurement]:
     data = shipped.model_dump(exclude_defaults=True)
     data["gate"] = {k: v for k, v in data.get("gate", {}).items() if k != "min_removed_seconds"}
     fault_at = min(f.at_seconds for f in shipped.faults)
-    from aggregator.gate import GateConfig
+    from vigil.aggregator.gate import GateConfig
 
     hysteresis = GateConfig().min_removed_seconds
     data["duration_seconds"] = fault_at + hysteresis + 120.0

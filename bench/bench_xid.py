@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.collectors.xid import XidCollector, XidConfig
-from agent.kernel_log import FileFollower
 from bench.measure import Measurement
+from vigil.agent.collectors.xid import XidCollector, XidConfig
+from vigil.agent.kernel_log import FileFollower
 
 GPUS = 8
 CYCLES = 500

@@ -27,8 +27,8 @@ from pydantic_core import PydanticUndefined
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from agent.config import AgentConfig  # noqa: E402
-from aggregator.config import AggregatorConfig  # noqa: E402
+from vigil.agent.config import AgentConfig  # noqa: E402
+from vigil.aggregator.config import AggregatorConfig  # noqa: E402
 
 OUTPUT = REPO / "docs" / "configuration.md"
 

@@ -13,14 +13,14 @@ import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from agent.collectors.collector import Collector
-from agent.config import AgentConfig
-from agent.reporter import build_report
-from agent.runner import collect_once
-from agent.seams import Seams
-from agent.snapshot import Snapshot
-from agent.wire import Event, Report
-from sim.fabric import NodeFabric
+from vigil.agent.collectors.collector import Collector
+from vigil.agent.config import AgentConfig
+from vigil.agent.reporter import build_report
+from vigil.agent.runner import collect_once
+from vigil.agent.seams import Seams
+from vigil.agent.snapshot import Snapshot
+from vigil.agent.wire import Event, Report
+from vigil.sim.fabric import NodeFabric
 
 log = logging.getLogger("vigil.sim.fleet")
 

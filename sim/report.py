@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from sim.run import SimResult
-from sim.score import Score, summary
+from vigil.sim.run import SimResult
+from vigil.sim.score import Score, summary
 
 _MAX_HIGHLIGHTED = 6  # more individual lines than this make a plot unreadable
 

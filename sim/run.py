@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from agent.config import AgentConfig, parse_config
-from agent.seams import Seams
-from agent.validation import ConfigError, format_validation_error
-from agent.wire import Report
-from sim import fabric
-from sim.clock import SimClock
-from sim.fleet import KernelLog, SimNode, kernel_xid_line
-from sim.scenario import (
+from vigil.agent.config import AgentConfig, parse_config
+from vigil.agent.seams import Seams
+from vigil.agent.validation import ConfigError, format_validation_error
+from vigil.agent.wire import Report
+from vigil.sim import fabric
+from vigil.sim.clock import SimClock
+from vigil.sim.fleet import KernelLog, SimNode, kernel_xid_line
+from vigil.sim.scenario import (
     DataStall,
     Hang,
     KernelXid,
@@ -44,7 +44,7 @@ from sim.scenario import (
     Silence,
     SlowNode,
 )
-from sim.training import JobFault, JobModel, StepBatch
+from vigil.sim.training import JobFault, JobModel, StepBatch
 
 log = logging.getLogger("vigil.sim")
 
@@ -168,8 +168,8 @@ def agent_config(scenario: Scenario) -> AgentConfig:
 
 def open_fake_backend(node_scenario: Any, clock: SimClock, seed: int) -> Any:
     """The real PynvmlBackend over a FakeNvml: only NVIDIA's library is left out."""
-    from agent.nvml.backend import PynvmlBackend
-    from agent.nvml.fake import FakeNvml
+    from vigil.agent.nvml.backend import PynvmlBackend
+    from vigil.agent.nvml.fake import FakeNvml
 
     backend = PynvmlBackend(nvml=FakeNvml(node_scenario, clock, start=clock.start, seed=seed))
     backend.init()
@@ -222,8 +222,8 @@ class Simulation:
             for n in sc.fault_nodes(fault):
                 self._faults_by_node.setdefault(n, []).append(fault)
         base = self.agent_config
-        from agent.daemon import build_collectors
-        from agent.nvml.profiles import PROFILES
+        from vigil.agent.daemon import build_collectors
+        from vigil.agent.nvml.profiles import PROFILES
 
         link_layer = sc.fleet.link_layer
         shared_sysfs = fabric.build_tree(self.workdir / "sysfs-shared", sc.fleet.hcas_per_node, link_layer)
@@ -279,7 +279,7 @@ class Simulation:
                                       seed=self.seed, start=self.clock.start, gpus_per_node=sc.fleet.gpus_per_node))
 
     def _nvml(self, name: str, nvml_faults: list[dict[str, Any]]) -> Any:
-        from agent.nvml.scenario import NodeScenario
+        from vigil.agent.nvml.scenario import NodeScenario
 
         sc = self.scenario
         index, profile, _ = self._nvml_setup[name]
@@ -302,7 +302,7 @@ class Simulation:
         """The node comes back from a reboot: a new boot id and agent (fresh collectors), an empty
         kernel log, InfiniBand counters at zero; its GPU faults still there unless ``clears``
         (faults scripted for after the reboot happen either way)."""
-        from agent.daemon import build_collectors
+        from vigil.agent.daemon import build_collectors
 
         now = self.clock.elapsed
         _, _, nvml_faults = self._nvml_setup[node.name]
@@ -647,11 +647,11 @@ def build_engine(scenario: Scenario) -> tuple[Any, Any]:
     or ``gate.``."""
     from pydantic import ValidationError
 
-    from aggregator.config import parse_config as parse_aggregator_config
-    from aggregator.engine import Engine
-    from aggregator.gate import Gate, GateConfig
-    from aggregator.ledger import Ledger
-    from aggregator.store import Store
+    from vigil.aggregator.config import parse_config as parse_aggregator_config
+    from vigil.aggregator.engine import Engine
+    from vigil.aggregator.gate import Gate, GateConfig
+    from vigil.aggregator.ledger import Ledger
+    from vigil.aggregator.store import Store
 
     try:
         config = parse_aggregator_config({**scenario.aggregator, "dry_run": True})

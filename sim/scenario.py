@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agent.validation import format_validation_error, read_yaml_file
+from vigil.agent.validation import format_validation_error, read_yaml_file
 
 # The repository's scenarios/, installed as package data of `vigil` (vigil/scenarios links to it).
 SCENARIO_DIR = Path(str(resources.files("vigil") / "scenarios"))
@@ -85,7 +85,7 @@ class Fleet(_Strict):
 
     @model_validator(mode="after")
     def _name_format_works(self) -> Fleet:
-        from agent.nvml.profiles import PROFILES
+        from vigil.agent.nvml.profiles import PROFILES
 
         for i, profile in enumerate([self.profile, *(g.profile for g in self.profiles)]):
             if profile not in PROFILES:
@@ -727,8 +727,8 @@ def _check_scope(fault: SlowNode | Hang, gpus: int, ranks: int, where: str) -> N
 
 def _check_node_fault(fault: NvmlFault, fleet: Fleet, where: str) -> None:
     # The node-level model is the one definition of each kind's fields: validate against it.
-    from agent.nvml.scenario import ScenarioError as NodeScenarioError
-    from agent.nvml.scenario import parse_node_scenario
+    from vigil.agent.nvml.scenario import ScenarioError as NodeScenarioError
+    from vigil.agent.nvml.scenario import parse_node_scenario
 
     try:
         parse_node_scenario({"profile": fleet.profile, "gpus": fleet.gpus_per_node,

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sim.run import SimDecision, SimResult
-from sim.scenario import REMOVAL_ACTIONS, Allow, Expectation, Forbid, Scenario
+from vigil.sim.run import SimDecision, SimResult
+from vigil.sim.scenario import REMOVAL_ACTIONS, Allow, Expectation, Forbid, Scenario
 
 _REMOVAL = frozenset(REMOVAL_ACTIONS)
 # The removals that take a node out of service until a resume (restart_job removes no node).

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.scenario import DataStall, Hang, Job, Pause, SlowNode
+from vigil.sim.scenario import DataStall, Hang, Job, Pause, SlowNode
 
 # The heartbeat client's phase name for each kind of pause (vigil_heartbeat: JobPhase).
 _PHASE_OF = {"checkpoint": "checkpointing", "evaluation": "evaluating"}

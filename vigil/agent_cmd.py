@@ -32,8 +32,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _merged_config(args: argparse.Namespace) -> Any:
-    from agent.config import parse_config
-    from agent.validation import read_config_file
+    from vigil.agent.config import parse_config
+    from vigil.agent.validation import read_config_file
 
     data: dict[str, Any] = read_config_file(args.config) if args.config else {}
     if args.backend:
@@ -52,7 +52,7 @@ def _merged_config(args: argparse.Namespace) -> Any:
 
 
 def _check(config: Any, source: str) -> int:
-    from agent.nvml.scenario import ScenarioError, load_node_scenario
+    from vigil.agent.nvml.scenario import ScenarioError, load_node_scenario
     from vigil.config_check import report, state_dir_problems, token_file_problems
 
     problems = [*token_file_problems("aggregator.token_file", config.aggregator.token_file),
@@ -67,8 +67,8 @@ def _check(config: Any, source: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.daemon import Agent, make_seams
-    from agent.validation import ConfigError
+    from vigil.agent.daemon import Agent, make_seams
+    from vigil.agent.validation import ConfigError
 
     configure_logging(args.log_level, args.log_format)
     try:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"vigil agent: {exc}", file=sys.stderr)
         return 2
-    from agent.nvml.scenario import ScenarioError
+    from vigil.agent.nvml.scenario import ScenarioError
 
     if args.check:
         return _check(config, args.config or "flags")

@@ -34,8 +34,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _merged_config(args: argparse.Namespace) -> Any:
-    from agent.validation import read_config_file
-    from aggregator.config import parse_config
+    from vigil.agent.validation import read_config_file
+    from vigil.aggregator.config import parse_config
 
     data: dict[str, Any] = read_config_file(args.config) if args.config else {}
     if args.listen:
@@ -48,12 +48,12 @@ def _merged_config(args: argparse.Namespace) -> Any:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from aggregator.app import serve as serve_app
-    from aggregator.config import ConfigError
-    from aggregator.store import StoreError
+    from vigil.aggregator.app import serve as serve_app
+    from vigil.aggregator.config import ConfigError
+    from vigil.aggregator.store import StoreError
 
     configure_logging(args.log_level, args.log_format)
-    from aggregator.redact import RedactingFilter
+    from vigil.aggregator.redact import RedactingFilter
 
     for handler in logging.getLogger().handlers:  # no URL's password or key reaches the log
         handler.addFilter(RedactingFilter())

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from aggregator.store import Store
+    from vigil.aggregator.store import Store
 
 
 def add_decisions_args(p: argparse.ArgumentParser) -> None:
@@ -28,7 +28,7 @@ def add_decisions_args(p: argparse.ArgumentParser) -> None:
 
 def _open(path: str) -> Store | int:
     """The store, or the exit status: 1 when there is none, 2 when it cannot be read."""
-    from aggregator.store import Store, StoreError
+    from vigil.aggregator.store import Store, StoreError
 
     if not Path(path).exists():
         print(f"vigil aggregator: no decision store at {path}", file=sys.stderr)
@@ -41,8 +41,8 @@ def _open(path: str) -> Store | int:
 
 
 def decisions(args: argparse.Namespace) -> int:
-    from aggregator.redact import redact, redact_json
-    from aggregator.store import decisions_as_dicts
+    from vigil.aggregator.redact import redact, redact_json
+    from vigil.aggregator.store import decisions_as_dicts
 
     store = _open(args.store)
     if isinstance(store, int):

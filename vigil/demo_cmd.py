@@ -95,7 +95,7 @@ class TrainingJob(threading.Thread):
 
     def __init__(self, nodes: list[Node], start: float, stop: threading.Event) -> None:
         super().__init__(daemon=True)
-        from agent.heartbeat import Heartbeat
+        from vigil.agent.heartbeat import Heartbeat
 
         self.stop = stop
         self.start_ts = start

@@ -56,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError:
         print("vigil sim: the simulator needs numpy: pip install 'vigil-fleet[sim]'", file=sys.stderr)
         return 2
-    from sim.run import run_scenario
-    from sim.scenario import ScenarioError, load_scenario, shortened
-    from sim.score import score, summary
+    from vigil.sim.run import run_scenario
+    from vigil.sim.scenario import ScenarioError, load_scenario, shortened
+    from vigil.sim.score import score, summary
 
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     s = score(result)
     data = summary(result, s)
     if args.report:
-        from sim.report import write_report
+        from vigil.sim.report import write_report
 
         index = write_report(result, s, Path(args.report))
         data["report"] = str(index)

@@ -25,8 +25,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aggregator.auth import MIN_SECRET_CHARS, new_secret, node_token, read_secret
-    from aggregator.config import ConfigError
+    from vigil.aggregator.auth import MIN_SECRET_CHARS, new_secret, node_token, read_secret
+    from vigil.aggregator.config import ConfigError
 
     if args.token_action == "secret":
         print(new_secret())

@@ -16,8 +16,8 @@ import sys
 from collections import Counter
 from typing import Any
 
-from agent.kernel_log import KernelEvent, KernelLogParser
-from aggregator.xid_catalog import SxidCatalog, XidCatalog, event_action
+from vigil.agent.kernel_log import KernelEvent, KernelLogParser
+from vigil.aggregator.xid_catalog import SxidCatalog, XidCatalog, event_action
 
 
 def add_parser(sub: Any) -> None:

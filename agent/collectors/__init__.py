@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from agent.collectors import gpu, host, rdma, training, xid
-from agent.collectors.collector import Collector
+from vigil.agent.collectors import gpu, host, rdma, training, xid
+from vigil.agent.collectors.collector import Collector
 
 if TYPE_CHECKING:
-    from agent.config import AgentConfig
-    from agent.seams import Seams
+    from vigil.agent.config import AgentConfig
+    from vigil.agent.seams import Seams
 
 Builder = Callable[["AgentConfig", "Seams"], Collector]
 

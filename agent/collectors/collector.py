@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 from pydantic import Field
 
-from agent.metric import MetricSpec, Sample
-from agent.validation import StrictModel
-from agent.wire import Event
+from vigil.agent.metric import MetricSpec, Sample
+from vigil.agent.validation import StrictModel
+from vigil.agent.wire import Event
 
 
 @dataclass(slots=True)

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from agent.attribution import ProcessAttribution
-from agent.collectors.collector import Collection, CollectorConfig
-from agent.metric import MetricKind, MetricSpec, Sample
-from agent.nvml.backend import (
+from vigil.agent.attribution import ProcessAttribution
+from vigil.agent.collectors.collector import Collection, CollectorConfig
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.nvml.backend import (
     CLOCK_EVENT_REASONS,
     GpuIdentity,
     GpuReading,
@@ -28,11 +28,11 @@ from agent.nvml.backend import (
     PynvmlBackend,
     error_reason,
 )
-from agent.wire import Event, GpuState
+from vigil.agent.wire import Event, GpuState
 
 if TYPE_CHECKING:
-    from agent.config import AgentConfig
-    from agent.seams import Seams
+    from vigil.agent.config import AgentConfig
+    from vigil.agent.seams import Seams
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from pydantic import Field
 
-from agent.collectors.collector import Collection, CollectorConfig
-from agent.metric import MetricKind, MetricSpec, Sample
-from agent.wire import HostFacts
+from vigil.agent.collectors.collector import Collection, CollectorConfig
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.wire import HostFacts
 
 if TYPE_CHECKING:
-    from agent.config import AgentConfig
-    from agent.seams import Seams
+    from vigil.agent.config import AgentConfig
+    from vigil.agent.seams import Seams
 
 
 class HostConfig(CollectorConfig):

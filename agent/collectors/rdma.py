@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from agent.collectors.collector import Collection, CollectorConfig
-from agent.metric import MetricKind, MetricSpec, Sample
-from agent.seams import Clock, CommandRunner, run_command
-from agent.wire import Event, PortState
+from vigil.agent.collectors.collector import Collection, CollectorConfig
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.seams import Clock, CommandRunner, run_command
+from vigil.agent.wire import Event, PortState
 
 if TYPE_CHECKING:
-    from agent.config import AgentConfig
-    from agent.seams import Seams
+    from vigil.agent.config import AgentConfig
+    from vigil.agent.seams import Seams
 
 log = logging.getLogger("vigil.agent.collectors.rdma")
 

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Literal
 import psutil
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from agent.collectors.collector import Collection, CollectorConfig, StrictModel
-from agent.metric import MetricKind, MetricSpec, Sample
-from agent.step_log import LineError, LogFollower, StepLine, StepParser, compile_step_regex, make_parser
-from agent.validation import HostPort, split_host_port
-from agent.wire import Event, Heartbeat, RankSummary
+from vigil.agent.collectors.collector import Collection, CollectorConfig, StrictModel
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.step_log import LineError, LogFollower, StepLine, StepParser, compile_step_regex, make_parser
+from vigil.agent.validation import HostPort, split_host_port
+from vigil.agent.wire import Event, Heartbeat, RankSummary
 
 if TYPE_CHECKING:
-    from agent.config import AgentConfig
-    from agent.seams import Seams
+    from vigil.agent.config import AgentConfig
+    from vigil.agent.seams import Seams
 
 log = logging.getLogger(__name__)
 

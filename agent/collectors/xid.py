@@ -20,8 +20,8 @@ from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import Field
 
-from agent.collectors.collector import Collection, CollectorConfig
-from agent.kernel_log import (
+from vigil.agent.collectors.collector import Collection, CollectorConfig
+from vigil.agent.kernel_log import (
     JOURNAL_ARGV,
     FileFollower,
     JournalReader,
@@ -34,12 +34,12 @@ from agent.kernel_log import (
     normalize_bus_id,
     spawn_process,
 )
-from agent.metric import MetricKind, MetricSpec, Sample
-from agent.wire import Event
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.wire import Event
 
 if TYPE_CHECKING:
-    from agent.config import AgentConfig
-    from agent.seams import Seams
+    from vigil.agent.config import AgentConfig
+    from vigil.agent.seams import Seams
 
 log = logging.getLogger(__name__)
 

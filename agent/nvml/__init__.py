@@ -4,9 +4,9 @@
 package calls NVML.
 """
 
-from agent.nvml.backend import GpuIdentity, GpuReading, NvLinkReading, PynvmlBackend, XidEvent, open_backend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.scenario import NodeScenario, ScenarioError, load_node_scenario
+from vigil.agent.nvml.backend import GpuIdentity, GpuReading, NvLinkReading, PynvmlBackend, XidEvent, open_backend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import NodeScenario, ScenarioError, load_node_scenario
 
 __all__ = [
     "FakeNvml",

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from pynvml import NVMLError
 
-from agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.fake import FakeNvml
 
 if TYPE_CHECKING:
-    from agent.config import NvmlConfig
+    from vigil.agent.config import NvmlConfig
 
 log = logging.getLogger(__name__)
 
@@ -480,7 +480,7 @@ def open_backend(config: NvmlConfig, clock: Callable[[], float]) -> PynvmlBacken
     """The backend the configuration asks for, initialised; None (after one ERROR line) when NVML
     cannot be used. A node without NVML never falls back to the fake."""
     if config.backend == "fake":
-        from agent.nvml.scenario import DEFAULT_SCENARIO, load_node_scenario
+        from vigil.agent.nvml.scenario import DEFAULT_SCENARIO, load_node_scenario
 
         scenario = DEFAULT_SCENARIO if config.scenario is None else load_node_scenario(config.scenario)
         nvml: ModuleType | FakeNvml = FakeNvml(scenario, clock, seed=config.seed)

@@ -21,8 +21,8 @@ from typing import Any
 
 import pynvml
 
-from agent.nvml.profiles import PROFILES, DeviceProfile
-from agent.nvml.scenario import NodeScenario
+from vigil.agent.nvml.profiles import PROFILES, DeviceProfile
+from vigil.agent.nvml.scenario import NodeScenario
 
 Clock = Callable[[], float]
 

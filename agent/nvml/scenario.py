@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agent.nvml.profiles import PROFILES
-from agent.validation import format_validation_error
+from vigil.agent.nvml.profiles import PROFILES
+from vigil.agent.validation import format_validation_error
 
 # Shipped scenarios live in the repository's scenarios/node/, installed as package data of `vigil`
 # (vigil/scenarios links to scenarios/), so the lookup works from a checkout and from a wheel.

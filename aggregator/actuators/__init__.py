@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from aggregator.actuators import alertmanager, kubernetes, slurm, webhook
-from aggregator.actuators.actuator import Actuator, ActuatorConfig, DeliveryError, DispatchConfig
-from aggregator.actuators.alertmanager import AlertmanagerConfig
-from aggregator.actuators.kubernetes import KubernetesConfig
-from aggregator.actuators.slurm import SlurmConfig
-from aggregator.actuators.webhook import WebhookConfig
+from vigil.aggregator.actuators import alertmanager, kubernetes, slurm, webhook
+from vigil.aggregator.actuators.actuator import Actuator, ActuatorConfig, DeliveryError, DispatchConfig
+from vigil.aggregator.actuators.alertmanager import AlertmanagerConfig
+from vigil.aggregator.actuators.kubernetes import KubernetesConfig
+from vigil.aggregator.actuators.slurm import SlurmConfig
+from vigil.aggregator.actuators.webhook import WebhookConfig
 
 __all__ = ["REGISTRY", "Actuator", "ActuatorsConfig", "DeliveryError", "DispatchConfig", "build_actuators"]
 

@@ -12,8 +12,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.wire import check_node_name
-from aggregator.decision import Decision
+from vigil.agent.wire import check_node_name
+from vigil.aggregator.decision import Decision
 
 
 class DeliveryError(Exception):

@@ -20,9 +20,9 @@ from typing import Any
 
 from pydantic import Field
 
-from aggregator.actuators.actuator import ActuatorConfig, DeliveryError
-from aggregator.actuators.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
-from aggregator.decision import REMOVING_ACTIONS, Action, Decision
+from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError
+from vigil.aggregator.actuators.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
+from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
 ALERTNAME = "VigilDecision"
 

@@ -28,8 +28,8 @@ from typing import Any
 
 from pydantic import Field
 
-from aggregator.actuators.actuator import ActuatorConfig, DeliveryError, one_node
-from aggregator.decision import REMOVING_ACTIONS, Action, Decision
+from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError, one_node
+from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
 # 429: the eviction would violate a PodDisruptionBudget; 404: the pod is already gone
 # (Kubernetes docs, "API-initiated Eviction").

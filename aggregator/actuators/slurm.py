@@ -26,9 +26,9 @@ import re
 import subprocess
 from collections.abc import Sequence
 
-from agent.seams import CommandRunner, run_command
-from aggregator.actuators.actuator import ActuatorConfig, DeliveryError, one_node
-from aggregator.decision import REMOVING_ACTIONS, Action, Decision
+from vigil.agent.seams import CommandRunner, run_command
+from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError, one_node
+from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
 REASON_PREFIX = "vigil:"
 # Slurm stores the reason as free text; keep it to one readable sinfo line.

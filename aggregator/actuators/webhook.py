@@ -22,9 +22,9 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from aggregator.actuators.actuator import ActuatorConfig, DeliveryError
-from aggregator.actuators.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
-from aggregator.decision import Action, Decision
+from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError
+from vigil.aggregator.actuators.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
+from vigil.aggregator.decision import Action, Decision
 
 ID_HEADER = "webhook-id"
 TIMESTAMP_HEADER = "webhook-timestamp"

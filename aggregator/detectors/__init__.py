@@ -10,18 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from aggregator.decision import Finding
-from aggregator.detectors.gpu_peer import GpuPeerDetector
-from aggregator.detectors.hang import HangDetector
-from aggregator.detectors.memory import MemoryDetector
-from aggregator.detectors.network import NetworkDetector
-from aggregator.detectors.pcie_nvlink import PcieNvlinkDetector
-from aggregator.detectors.recovery import RecoveryDetector
-from aggregator.detectors.silence import SilenceDetector
-from aggregator.detectors.straggler import StragglerDetector
-from aggregator.detectors.thermal import ThermalDetector
-from aggregator.detectors.xid import XidDetector
-from aggregator.fleet import FleetView
+from vigil.aggregator.decision import Finding
+from vigil.aggregator.detectors.gpu_peer import GpuPeerDetector
+from vigil.aggregator.detectors.hang import HangDetector
+from vigil.aggregator.detectors.memory import MemoryDetector
+from vigil.aggregator.detectors.network import NetworkDetector
+from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkDetector
+from vigil.aggregator.detectors.recovery import RecoveryDetector
+from vigil.aggregator.detectors.silence import SilenceDetector
+from vigil.aggregator.detectors.straggler import StragglerDetector
+from vigil.aggregator.detectors.thermal import ThermalDetector
+from vigil.aggregator.detectors.xid import XidDetector
+from vigil.aggregator.fleet import FleetView
 
 
 class Detector(Protocol):

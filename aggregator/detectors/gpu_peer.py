@@ -16,9 +16,9 @@ from statistics import median
 
 from pydantic import Field
 
-from agent.validation import StrictModel
-from aggregator.decision import Action, Finding
-from aggregator.fleet import FleetView, GpuHistory, NodeState
+from vigil.agent.validation import StrictModel
+from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState
 
 NAME = "gpu_peer"
 # A rank last reported this many of its node's intervals ago no longer places its GPU in its job

@@ -18,9 +18,9 @@ from statistics import median
 
 from pydantic import Field
 
-from agent.validation import StrictModel
-from aggregator.decision import Action, Finding
-from aggregator.fleet import FleetView, JobState, RankHistory
+from vigil.agent.validation import StrictModel
+from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.fleet import FleetView, JobState, RankHistory
 
 NAME = "hang"
 LONG_PHASES = ("checkpointing", "evaluating")

@@ -27,9 +27,9 @@ from collections import Counter
 
 from pydantic import Field, model_validator
 
-from agent.validation import StrictModel
-from aggregator.decision import Action, Finding
-from aggregator.fleet import FleetView, NodeState, PortHistory, port_is_active
+from vigil.agent.validation import StrictModel
+from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.fleet import FleetView, NodeState, PortHistory, port_is_active
 
 NAME = "network"
 

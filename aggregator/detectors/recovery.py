@@ -33,10 +33,10 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from agent.validation import StrictModel
-from aggregator.decision import Action, Finding
-from aggregator.fleet import FleetView, NodeState, Removal, port_is_active
-from aggregator.xid_catalog import XidCatalog, occurrence_action
+from vigil.agent.validation import StrictModel
+from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.fleet import FleetView, NodeState, Removal, port_is_active
+from vigil.aggregator.xid_catalog import XidCatalog, occurrence_action
 
 NAME = "recovery"
 

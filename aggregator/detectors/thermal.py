@@ -22,9 +22,9 @@ from collections import deque
 
 from pydantic import Field
 
-from agent.validation import StrictModel
-from aggregator.decision import Action, Finding
-from aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
+from vigil.agent.validation import StrictModel
+from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
 
 NAME = "thermal"
 

@@ -25,9 +25,9 @@ from collections.abc import Iterable, Mapping
 
 from pydantic import Field, model_validator
 
-from agent.validation import StrictModel
-from aggregator.decision import Action, Finding
-from aggregator.fleet import FleetView
+from vigil.agent.validation import StrictModel
+from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.fleet import FleetView
 
 NAME = "topology"
 

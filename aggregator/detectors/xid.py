@@ -19,10 +19,10 @@ from collections.abc import Mapping
 
 from pydantic import Field
 
-from agent.validation import StrictModel
-from aggregator.decision import Action, Finding
-from aggregator.fleet import FleetView, NodeState
-from aggregator.xid_catalog import XidCatalog, XidOccurrence, judge_xids
+from vigil.agent.validation import StrictModel
+from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.fleet import FleetView, NodeState
+from vigil.aggregator.xid_catalog import XidCatalog, XidOccurrence, judge_xids
 
 NAME = "xid"
 

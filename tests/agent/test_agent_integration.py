@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.config import parse_config
-from agent.daemon import Agent
-from agent.nvml.backend import PynvmlBackend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.scenario import load_node_scenario
-from agent.runner import collect_once
-from agent.seams import Seams
+from vigil.agent.config import parse_config
+from vigil.agent.daemon import Agent
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import load_node_scenario
+from vigil.agent.runner import collect_once
+from vigil.agent.seams import Seams
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 GOLDEN = FIXTURES / "golden" / "healthy-h100.prom"

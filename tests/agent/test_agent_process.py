@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from agent.wire import Report
 from tests.loopback import free_port
+from vigil.agent.wire import Report
 
 XID_79 = ("[ 2071.315227] NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, "
           "GPU has fallen off the bus.\n")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.attribution import ProcessAttribution, job_from_cgroup, job_from_environ, job_of_pid
-from agent.collectors.gpu import GpuCollector, GpuConfig
-from agent.nvml.backend import PynvmlBackend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.scenario import load_node_scenario
+from vigil.agent.attribution import ProcessAttribution, job_from_cgroup, job_from_environ, job_of_pid
+from vigil.agent.collectors.gpu import GpuCollector, GpuConfig
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import load_node_scenario
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "cgroup"
 # file -> the job it names (tests/fixtures/cgroup/PROVENANCE.md)

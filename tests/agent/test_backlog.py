@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.backlog import JOURNAL_FILE, Backlog
+from vigil.agent.backlog import JOURNAL_FILE, Backlog
 
 
 def _lines(path: Path) -> list[bytes]:

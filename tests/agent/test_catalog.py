@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from agent.catalog import COLLECTOR_SPECS, agent_specs
-from agent.collectors import REGISTRY
-from agent.metric import MetricKind
+from vigil.agent.catalog import COLLECTOR_SPECS, agent_specs
+from vigil.agent.collectors import REGISTRY
+from vigil.agent.metric import MetricKind
 
 
 def test_catalog_covers_every_registered_collector() -> None:

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import load_config, parse_config
-from agent.validation import ConfigError
+from vigil.agent.config import load_config, parse_config
+from vigil.agent.validation import ConfigError
 
 
 def test_defaults_are_safe() -> None:

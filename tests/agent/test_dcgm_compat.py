@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.collectors.gpu import GpuCollector, GpuConfig
-from agent.collectors.xid import XID_ERRORS
-from agent.dcgm_compat import LABELS, DcgmCompatCollector
-from agent.metric import Sample
-from agent.nvml.backend import PynvmlBackend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.scenario import load_node_scenario
+from vigil.agent.collectors.gpu import GpuCollector, GpuConfig
+from vigil.agent.collectors.xid import XID_ERRORS
+from vigil.agent.dcgm_compat import LABELS, DcgmCompatCollector
+from vigil.agent.metric import Sample
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import load_node_scenario
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "dcgm-exporter"
 # Labels dcgm-exporter adds only with Kubernetes pod mapping on (the recorded scrape has it).
@@ -194,9 +194,9 @@ def test_absent_values_stay_absent() -> None:
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_agent_serves_dcgm_series_only_when_configured(enabled: bool) -> None:
-    from agent.config import parse_config
-    from agent.daemon import Agent, make_seams
-    from agent.snapshot import CollectorResult
+    from vigil.agent.config import parse_config
+    from vigil.agent.daemon import Agent, make_seams
+    from vigil.agent.snapshot import CollectorResult
 
     off = {"enabled": False}
     config = parse_config({"node": "node-17", "nvml": {"backend": "fake"}, "exporter": {"dcgm_compat": enabled},

@@ -1,8 +1,8 @@
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.exporter import SnapshotExporter, render
-from agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.exporter import SnapshotExporter, render
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
 
 TEMP = MetricSpec("vigil_gpu_temperature_celsius", MetricKind.GAUGE, 'GPU "core" temperature\\ and more.\nline',
                   labels=("gpu", "uuid"), unit="celsius")

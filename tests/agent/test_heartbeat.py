@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from agent.heartbeat import Heartbeat, resolve_addr, resolve_identity
-from agent.wire import Heartbeat as WireHeartbeat
 from tests.loopback import free_port
+from vigil.agent.heartbeat import Heartbeat, resolve_addr, resolve_identity
+from vigil.agent.wire import Heartbeat as WireHeartbeat
 
 
 class FakeClock:
@@ -160,7 +160,7 @@ def test_address_from_environment(receiver):
 
 
 def test_example_training_loop_heartbeats_are_accepted_by_the_collector(receiver):
-    from agent.collectors.training import TrainingCollector, TrainingConfig
+    from vigil.agent.collectors.training import TrainingCollector, TrainingConfig
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     host, port = receiver.getsockname()

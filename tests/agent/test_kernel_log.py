@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.kernel_log import (
+from vigil.agent.kernel_log import (
     FOLD_SPAN_LINES,
     MAX_HOSTS,
     REASON_KMSG_RECORD,

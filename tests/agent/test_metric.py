@@ -1,6 +1,6 @@
 import pytest
 
-from agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
 
 
 def test_counter_needs_total_and_unit_in_name() -> None:

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import parse_config
-from agent.daemon import Agent
-from agent.nvml.backend import PynvmlBackend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.scenario import SCENARIO_DIR, load_node_scenario
-from agent.runner import collect_once
-from agent.seams import Seams
+from vigil.agent.config import parse_config
+from vigil.agent.daemon import Agent
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import SCENARIO_DIR, load_node_scenario
+from vigil.agent.runner import collect_once
+from vigil.agent.seams import Seams
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 START = 1_700_000_000.0

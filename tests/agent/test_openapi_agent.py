@@ -13,11 +13,11 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 from openapi_spec_validator import validate as validate_spec
 
-from agent.collectors.collector import Collection
-from agent.collectors.training import TrainingCollector, TrainingConfig
-from agent.server import HeartbeatIntake, make_app, make_heartbeat_app
-from agent.snapshot import CollectorResult, Snapshot
-from agent.wire import Heartbeat
+from vigil.agent.collectors.collector import Collection
+from vigil.agent.collectors.training import TrainingCollector, TrainingConfig
+from vigil.agent.server import HeartbeatIntake, make_app, make_heartbeat_app
+from vigil.agent.snapshot import CollectorResult, Snapshot
+from vigil.agent.wire import Heartbeat
 
 SPEC: dict[str, Any] = yaml.safe_load((Path(__file__).resolve().parents[2] / "docs" / "openapi-agent.yaml").read_text())
 

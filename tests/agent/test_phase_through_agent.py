@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from agent.collectors.training import TrainingCollector, TrainingConfig
+from vigil.agent.collectors.training import TrainingCollector, TrainingConfig
 
 
 def beat(step: int, phase: str | None = None) -> bytes:

@@ -3,11 +3,11 @@ import json
 
 from aiohttp import web
 
-from agent.collectors.collector import Collection
-from agent.reporter import Reporter, build_report
-from agent.snapshot import CollectorResult, Snapshot
-from agent.wire import Event, GpuState, Report
 from tests.loopback import free_port
+from vigil.agent.collectors.collector import Collection
+from vigil.agent.reporter import Reporter, build_report
+from vigil.agent.snapshot import CollectorResult, Snapshot
+from vigil.agent.wire import Event, GpuState, Report
 
 _free_port = free_port
 

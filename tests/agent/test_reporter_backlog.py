@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from agent.backlog import JOURNAL_FILE
-from agent.collectors.collector import Collection
-from agent.limits import REPORT_MAX_BYTES, REPORT_MAX_EVENTS
-from agent.reporter import Reporter
-from agent.snapshot import CollectorResult, Snapshot
-from agent.wire import MAX_TEXT_CHARS, Event, GpuState, Report
 from tests.loopback import free_port
+from vigil.agent.backlog import JOURNAL_FILE
+from vigil.agent.collectors.collector import Collection
+from vigil.agent.limits import REPORT_MAX_BYTES, REPORT_MAX_EVENTS
+from vigil.agent.reporter import Reporter
+from vigil.agent.snapshot import CollectorResult, Snapshot
+from vigil.agent.wire import MAX_TEXT_CHARS, Event, GpuState, Report
 
 T0 = 1_700_000_000.0
 CYCLE_SECONDS = 2.5

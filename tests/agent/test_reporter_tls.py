@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from agent.config import parse_config
-from agent.reporter import Reporter, client_ssl_context
-from agent.snapshot import Snapshot
-from agent.validation import ConfigError
-from agent.wire import Event, Report
 from tests.loopback import free_port
+from vigil.agent.config import parse_config
+from vigil.agent.reporter import Reporter, client_ssl_context
+from vigil.agent.snapshot import Snapshot
+from vigil.agent.validation import ConfigError
+from vigil.agent.wire import Event, Report
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command is not installed")
 

@@ -2,11 +2,11 @@ import asyncio
 import threading
 from collections.abc import Sequence
 
-from agent.collectors.collector import Collection
-from agent.metric import MetricKind, MetricSpec, Sample
-from agent.runner import Runner, collect_once
-from agent.snapshot import Snapshot
-from agent.wire import Event
+from vigil.agent.collectors.collector import Collection
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.runner import Runner, collect_once
+from vigil.agent.snapshot import Snapshot
+from vigil.agent.wire import Event
 
 VALUE = MetricSpec("vigil_test_value", MetricKind.GAUGE, "test")
 

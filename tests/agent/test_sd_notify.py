@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.daemon import watchdog_pings
-from agent.sd_notify import SdNotifier
+from vigil.agent.daemon import watchdog_pings
+from vigil.agent.sd_notify import SdNotifier
 
 
 @pytest.fixture

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from agent.collectors.training import TrainingCollector, TrainingConfig
-from agent.server import (
+from tests.loopback import free_port
+from vigil.agent.collectors.training import TrainingCollector, TrainingConfig
+from vigil.agent.server import (
     ConnectionLimit,
     HeartbeatIntake,
     is_loopback_peer,
@@ -22,7 +23,6 @@ from agent.server import (
     start_udp,
     start_unix,
 )
-from tests.loopback import free_port
 
 HB = json.dumps({"job": "llm", "rank": 1, "step": 5, "step_seconds": 1.0}).encode()
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.collectors.training import TrainingCollector, TrainingConfig
-from agent.step_log import (
+from vigil.agent.collectors.training import TrainingCollector, TrainingConfig
+from vigil.agent.step_log import (
     PAUSE_ACCEPT_AFTER,
     PAUSE_UNREFERENCED_SECONDS,
     DeepSpeedParser,

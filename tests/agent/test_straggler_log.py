@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.straggler_log import parse_straggler_line
+from vigil.agent.straggler_log import parse_straggler_line
 
 LINES = (Path(__file__).resolve().parents[1] / "fixtures" / "training-logs" / "megatron-straggler.log"
          ).read_text().splitlines()

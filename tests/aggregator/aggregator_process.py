@@ -28,10 +28,10 @@ from typing import Any
 
 import yaml
 
-from agent.wire import Report
-from aggregator.auth import node_token
 from tests.documented_webhook import WebhookRefused, verify_webhook
 from tests.loopback import free_port
+from vigil.agent.wire import Report
+from vigil.aggregator.auth import node_token
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 20.0

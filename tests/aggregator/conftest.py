@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from agent.wire import Event, GpuState, PortState, RankSummary, Report
 from tests.aggregator.aggregator_process import WebhookReceiver
+from vigil.agent.wire import Event, GpuState, PortState, RankSummary, Report
 
 GBPS = 1e9
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from agent.wire import Event
-from aggregator.store import Store
 from tests.aggregator.aggregator_process import REPO, SECRET, AggregatorProcess, WebhookReceiver, wait_for
 from tests.aggregator.conftest import FakeNode
+from vigil.agent.wire import Event
+from vigil.aggregator.store import Store
 
 NODES = ("gpu-a1", "gpu-a2", "gpu-a3")
 

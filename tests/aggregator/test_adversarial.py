@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from aggregator.auth import node_token
 from tests.aggregator.aggregator_process import (
     ROLE_TOKENS,
     SITE_SECRET,
@@ -30,6 +29,7 @@ from tests.aggregator.aggregator_process import (
 from tests.aggregator.conftest import FakeNode
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
+from vigil.aggregator.auth import node_token
 
 pytestmark = pytest.mark.external
 

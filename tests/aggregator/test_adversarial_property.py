@@ -18,12 +18,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from aggregator.app import EVALUATE_KEY, make_app
-from aggregator.auth import Credentials, node_token
-from aggregator.config import parse_config
-from aggregator.engine import Engine
-from aggregator.sink import RecordingSink
 from tests.aggregator.conftest import FakeNode
+from vigil.aggregator.app import EVALUATE_KEY, make_app
+from vigil.aggregator.auth import Credentials, node_token
+from vigil.aggregator.config import parse_config
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.sink import RecordingSink
 
 NOW = 1_800_000_000.0
 SECRET = b"site-secret-of-the-property-test-0123456789"

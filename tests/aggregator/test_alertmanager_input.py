@@ -8,12 +8,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
-from aggregator.alertmanager_input import add_routes
-from aggregator.auth import Refusals
-from aggregator.decision import Action
-from aggregator.gate import Gate, GateConfig
-from aggregator.ledger import Ledger
-from aggregator.store import Store
+from vigil.aggregator.alertmanager_input import add_routes
+from vigil.aggregator.auth import Refusals
+from vigil.aggregator.decision import Action
+from vigil.aggregator.gate import Gate, GateConfig
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.store import Store
 
 NOW = 1_714_557_600.0  # 2024-05-01T10:00:00Z
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from aggregator.app import make_app
-from aggregator.auth import ROUTE_ROLES, Credentials, Role, node_token, role_for
-from aggregator.config import parse_config
-from aggregator.engine import Engine
-from aggregator.sink import RecordingSink
+from vigil.aggregator.app import make_app
+from vigil.aggregator.auth import ROUTE_ROLES, Credentials, Role, node_token, role_for
+from vigil.aggregator.config import parse_config
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.sink import RecordingSink
 
 SECRET = b"site-secret-of-the-auth-test-0123456789abcdef"
 OPERATOR, READ, AM = b"operator-token-0123456789", b"read-token-0123456789ab", b"alertmanager-token-01234"

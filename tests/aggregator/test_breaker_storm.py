@@ -11,16 +11,6 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from agent.wire import Event
-from aggregator.actuators.webhook import WebhookActuator, WebhookConfig
-from aggregator.app import EVALUATE_KEY, make_app
-from aggregator.auth import Credentials, node_token
-from aggregator.config import parse_config
-from aggregator.dispatch import DispatchConfig, Dispatcher
-from aggregator.engine import Engine
-from aggregator.gate import Gate
-from aggregator.ledger import Ledger
-from aggregator.store import Store
 from tests.aggregator.aggregator_process import (
     SECRET,
     AggregatorProcess,
@@ -30,6 +20,16 @@ from tests.aggregator.aggregator_process import (
 )
 from tests.aggregator.conftest import FakeNode
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
+from vigil.agent.wire import Event
+from vigil.aggregator.actuators.webhook import WebhookActuator, WebhookConfig
+from vigil.aggregator.app import EVALUATE_KEY, make_app
+from vigil.aggregator.auth import Credentials, node_token
+from vigil.aggregator.config import parse_config
+from vigil.aggregator.dispatch import DispatchConfig, Dispatcher
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.gate import Gate
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.store import Store
 
 FLEET = 50
 STORM = 20  # 40% of the fleet

@@ -1,6 +1,6 @@
 import pytest
 
-from aggregator.config import AggregatorConfig, ConfigError, load_config, parse_config
+from vigil.aggregator.config import AggregatorConfig, ConfigError, load_config, parse_config
 
 
 def test_defaults_are_safe():

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from agent.wire import Event
-from aggregator.decision import Decision
 from tests.aggregator.aggregator_process import SECRET, AggregatorProcess, WebhookReceiver, wait_for
 from tests.aggregator.conftest import FakeNode
+from vigil.agent.wire import Event
+from vigil.aggregator.decision import Decision
 
 NODES = ("gpu-a1", "gpu-a2", "gpu-a3")
 

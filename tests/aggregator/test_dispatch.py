@@ -11,12 +11,12 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregator.actuators.actuator import DeliveryError
-from aggregator.decision import Action, Decision
-from aggregator.dispatch import DispatchConfig, Dispatcher
-from aggregator.gate import Gate, GateConfig
-from aggregator.ledger import Ledger
-from aggregator.store import Store
+from vigil.aggregator.actuators.actuator import DeliveryError
+from vigil.aggregator.decision import Action, Decision
+from vigil.aggregator.dispatch import DispatchConfig, Dispatcher
+from vigil.aggregator.gate import Gate, GateConfig
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.store import Store
 
 T0 = 1_700_000_000.0
 

@@ -1,9 +1,9 @@
-from agent.wire import Event
-from aggregator.config import AggregatorConfig, parse_config
-from aggregator.decision import Action
-from aggregator.engine import Engine
-from aggregator.sink import RecordingSink
 from tests.aggregator.conftest import FakeNode, drive
+from vigil.agent.wire import Event
+from vigil.aggregator.config import AggregatorConfig, parse_config
+from vigil.aggregator.decision import Action
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.sink import RecordingSink
 
 
 class CountingSink(RecordingSink):

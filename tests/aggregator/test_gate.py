@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from aggregator.decision import REMOVING_ACTIONS, Action, Decision
-from aggregator.gate import BreakerRecord, Gate, GateConfig, GateState, MaintenanceWindow
-from aggregator.ledger import Ledger
-from aggregator.store import Store
+from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
+from vigil.aggregator.gate import BreakerRecord, Gate, GateConfig, GateState, MaintenanceWindow
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.store import Store
 
 T0 = 1_700_000_000.0
 

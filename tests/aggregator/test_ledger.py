@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from agent.wire import Event
-from aggregator.config import parse_config
-from aggregator.decision import Action, Decision
-from aggregator.engine import Engine
-from aggregator.gate import OPERATOR, Gate, GateConfig, GateState
-from aggregator.ledger import Ledger
-from aggregator.store import SCHEMA_VERSION, Store, StoreConfig, StoreError
 from tests.aggregator.conftest import FakeNode
 from tests.aggregator.test_store import Takes
+from vigil.agent.wire import Event
+from vigil.aggregator.config import parse_config
+from vigil.aggregator.decision import Action, Decision
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.gate import OPERATOR, Gate, GateConfig, GateState
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.store import SCHEMA_VERSION, Store, StoreConfig, StoreError
 
 T0 = 1_700_000_000.0
 
@@ -206,7 +206,7 @@ def test_after_a_reboot_a_gpu_still_missing_and_a_new_xid_79_escalate(tmp_path: 
 
 
 def test_an_old_store_migrates_in_order_and_keeps_its_decisions(tmp_path: Path) -> None:
-    from aggregator.store import MIGRATIONS
+    from vigil.aggregator.store import MIGRATIONS
 
     path = tmp_path / "old.db"
     db = sqlite3.connect(path)

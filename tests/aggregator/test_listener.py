@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 from aiohttp import web
 
-from aggregator.listener import ConnectionGuard, ServerConfig
+from vigil.aggregator.listener import ConnectionGuard, ServerConfig
 
 
 async def healthz(_: web.Request) -> web.Response:

@@ -9,18 +9,18 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from agent.wire import Event
-from aggregator.app import EVALUATE_KEY, make_app
-from aggregator.auth import Credentials, node_token
-from aggregator.config import parse_config
-from aggregator.decision import Decision
-from aggregator.engine import Engine
-from aggregator.fleet import Fleet, FleetConfig
-from aggregator.gate import Gate
-from aggregator.ledger import Ledger
-from aggregator.sink import RecordingSink
-from aggregator.store import Store
 from tests.aggregator.conftest import FakeNode
+from vigil.agent.wire import Event
+from vigil.aggregator.app import EVALUATE_KEY, make_app
+from vigil.aggregator.auth import Credentials, node_token
+from vigil.aggregator.config import parse_config
+from vigil.aggregator.decision import Decision
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.fleet import Fleet, FleetConfig
+from vigil.aggregator.gate import Gate
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.sink import RecordingSink
+from vigil.aggregator.store import Store
 
 T0 = 1_800_000_000.0
 SECRET = b"site-secret-of-the-membership-test-0123456789"

@@ -14,17 +14,17 @@ from aiohttp.test_utils import TestClient, TestServer
 from openapi_spec_validator import validate as validate_spec
 from pydantic import BaseModel
 
-from agent.wire import Event, GpuState, HostFacts, PortState, RankSummary, Report
-from aggregator.app import EVALUATE_KEY, make_app
-from aggregator.auth import Credentials, node_token
-from aggregator.config import parse_config
-from aggregator.decision import Decision, Finding
-from aggregator.engine import Engine
-from aggregator.gate import Gate
-from aggregator.ledger import Ledger
-from aggregator.sink import RecordingSink
-from aggregator.store import Store
 from tests.aggregator.conftest import FakeNode, set_training
+from vigil.agent.wire import Event, GpuState, HostFacts, PortState, RankSummary, Report
+from vigil.aggregator.app import EVALUATE_KEY, make_app
+from vigil.aggregator.auth import Credentials, node_token
+from vigil.aggregator.config import parse_config
+from vigil.aggregator.decision import Decision, Finding
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.gate import Gate
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.sink import RecordingSink
+from vigil.aggregator.store import Store
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 SPEC: dict[str, Any] = yaml.safe_load(SPEC_PATH.read_text())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 import logging
 
-from aggregator.redact import RedactingFilter, redact, redact_json
 from tests.aggregator.conftest import FakeNode
 from tests.aggregator.test_app import Service, service  # noqa: F401
+from vigil.aggregator.redact import RedactingFilter, redact, redact_json
 
 
 def test_userinfo_and_secret_query_values_are_masked_and_the_rest_kept() -> None:

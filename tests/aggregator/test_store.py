@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sqlite3
 
-from aggregator.decision import Action, Decision
-from aggregator.gate import Gate, GateConfig
-from aggregator.ledger import Ledger
-from aggregator.store import Store, decisions_as_dicts
+from vigil.aggregator.decision import Action, Decision
+from vigil.aggregator.gate import Gate, GateConfig
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.store import Store, decisions_as_dicts
 
 T0 = 1_700_000_000.0
 

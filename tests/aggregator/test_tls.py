@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from aggregator.auth import node_token
 from tests.aggregator.aggregator_process import SITE_SECRET, AggregatorProcess
 from tests.aggregator.conftest import FakeNode
+from vigil.aggregator.auth import node_token
 
 OPENSSL = shutil.which("openssl")
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from aggregator.decision import REMOVING_ACTIONS, Action
-from aggregator.xid_catalog import (
+from vigil.aggregator.decision import REMOVING_ACTIONS, Action
+from vigil.aggregator.xid_catalog import (
     SxidCatalog,
     XidCatalog,
     XidOccurrence,

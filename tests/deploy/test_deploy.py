@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.config import parse_config as parse_agent_config
-from aggregator.config import parse_config as parse_aggregator_config
+from vigil.agent.config import parse_config as parse_agent_config
+from vigil.aggregator.config import parse_config as parse_aggregator_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

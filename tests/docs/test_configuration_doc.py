@@ -20,8 +20,8 @@ def test_configuration_reference_is_current() -> None:
 
 
 def test_reference_lists_every_key_of_both_services() -> None:
-    from agent.config import AgentConfig
-    from aggregator.config import AggregatorConfig
+    from vigil.agent.config import AgentConfig
+    from vigil.aggregator.config import AggregatorConfig
 
     text = (REPO / "docs" / "configuration.md").read_text()
     for model in (AgentConfig, AggregatorConfig):

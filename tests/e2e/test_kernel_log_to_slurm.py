@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from aggregator.auth import node_token
 from tests.aggregator.aggregator_process import REPO, SITE_SECRET, AggregatorProcess, slurm_aggregator_config, wait_for
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
+from vigil.aggregator.auth import node_token
 
 XID_79 = ("[ 2071.315227] NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, "
           "GPU has fallen off the bus.\n")

@@ -22,11 +22,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.limits import REPORT_MAX_BYTES
-from aggregator.auth import node_token
 from tests.aggregator.aggregator_process import REPO, SITE_SECRET, AggregatorProcess
 from tests.e2e.conftest import Processes, wait_for
 from tests.loopback import free_port
+from vigil.agent.limits import REPORT_MAX_BYTES
+from vigil.aggregator.auth import node_token
 
 pytestmark = pytest.mark.slow
 

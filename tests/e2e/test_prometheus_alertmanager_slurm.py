@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 import yaml
 
-from aggregator.alertmanager_input import WebhookPayload, decisions_from_payload
-from aggregator.auth import node_token
-from aggregator.decision import Action
 from tests.aggregator.aggregator_process import ROLE_TOKENS, SITE_SECRET, AggregatorProcess, slurm_aggregator_config
 from tests.e2e.conftest import Processes, WebhookReceiver, http_json, wait_for, which
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster
+from vigil.aggregator.alertmanager_input import WebhookPayload, decisions_from_payload
+from vigil.aggregator.auth import node_token
+from vigil.aggregator.decision import Action
 
 pytestmark = pytest.mark.external
 

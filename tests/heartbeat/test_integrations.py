@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agent.wire import Heartbeat as WireHeartbeat
+from vigil.agent.wire import Heartbeat as WireHeartbeat
 from vigil_heartbeat import Heartbeat
 from vigil_heartbeat.integrations import hf_callback, watch_deepspeed
 

@@ -11,8 +11,8 @@ import fnmatch
 import tomllib
 from pathlib import Path
 
-from agent.nvml.scenario import SCENARIO_DIR as NODE_DIR
-from sim.scenario import SCENARIO_DIR as FLEET_DIR
+from vigil.agent.nvml.scenario import SCENARIO_DIR as NODE_DIR
+from vigil.sim.scenario import SCENARIO_DIR as FLEET_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 

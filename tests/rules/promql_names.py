@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from agent.catalog import agent_specs
+from vigil.agent.catalog import agent_specs
 
 # Series Prometheus makes itself (target health, alert state) rather than scraping them.
 PROMETHEUS_BUILTINS = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped", "ALERTS",
@@ -45,7 +45,7 @@ def aggregator_names() -> set[str]:
     """Series names the aggregator's /metrics carries (aggregator/metrics.py builds prometheus-client
     metrics, not MetricSpecs, so they are listed from a throw-away instance's registry)."""
     try:
-        from aggregator.metrics import AggregatorMetrics
+        from vigil.aggregator.metrics import AggregatorMetrics
     except ImportError:  # not landed yet: no aggregator metric can be used
         return set()
     names: set[str] = set()

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from aggregator.decision import Action
-from aggregator.xid_catalog import XidCatalog
 from tests.rules.promql_names import catalog_names, metric_names
+from vigil.aggregator.decision import Action
+from vigil.aggregator.xid_catalog import XidCatalog
 
 RULES = Path(__file__).resolve().parents[2] / "rules"
 RULE_FILES = sorted(RULES.glob("*.rules.yml"))

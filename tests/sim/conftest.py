@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sim.scenario import SCENARIO_DIR, Scenario, parse_scenario, shortened
+from vigil.sim.scenario import SCENARIO_DIR, Scenario, parse_scenario, shortened
 
 
 def horizon(sc: Scenario) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sim.fabric import NodeFabric, build_tree
+from vigil.sim.fabric import NodeFabric, build_tree
 
 REAL = Path(__file__).resolve().parent.parent / "fixtures" / "sim" / "ib-mlx5_0"
 

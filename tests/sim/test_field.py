@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from agent.wire import Report
-from sim.run import Simulation
-from sim.scenario import Scenario, parse_scenario
+from vigil.agent.wire import Report
+from vigil.sim.run import Simulation
+from vigil.sim.scenario import Scenario, parse_scenario
 
 
 class Recorder:
@@ -100,9 +100,9 @@ def test_a_port_that_drops_for_two_seconds_every_six_minutes() -> None:
 
 
 def test_slow_burn_gpu_faults_through_the_real_backend() -> None:
-    from agent.nvml.backend import PynvmlBackend
-    from agent.nvml.fake import FakeNvml
-    from agent.nvml.scenario import load_node_scenario
+    from vigil.agent.nvml.backend import PynvmlBackend
+    from vigil.agent.nvml.fake import FakeNvml
+    from vigil.agent.nvml.scenario import load_node_scenario
 
     clock = type("C", (), {"t": 0.0, "__call__": lambda self: self.t})()
     backend = PynvmlBackend(FakeNvml(load_node_scenario("slow-burn-h100"), clock, start=0.0, seed=3))
@@ -135,7 +135,7 @@ def test_slow_burn_faults_in_a_fleet_scenario() -> None:
 
 
 def test_large_fleets_keep_their_hcas_and_read_them_by_path() -> None:
-    from sim.run import agent_config
+    from vigil.sim.run import agent_config
 
     small = parse_scenario({"duration_seconds": 10, "fleet": {"nodes": 16, "hcas_per_node": 8}})
     large = parse_scenario({"duration_seconds": 10, "fleet": {"nodes": 4096, "hcas_per_node": 8}})
@@ -175,7 +175,7 @@ def test_ethtool_answers_only_for_its_netdevs() -> None:
     import tempfile
     from pathlib import Path
 
-    from sim.fabric import Ethtool, NodeFabric, build_tree
+    from vigil.sim.fabric import Ethtool, NodeFabric, build_tree
 
     with tempfile.TemporaryDirectory() as tmp:
         fab = NodeFabric(build_tree(Path(tmp), 2, "Ethernet"))
@@ -205,7 +205,7 @@ def test_rail_optimised_fabric_a_leaf_shows_on_one_hca_of_its_nodes() -> None:
         counts = {p.device: p.counters["symbol_error"] for p in rec.of(node)[-1].ports}
         assert counts["mlx5_2"] >= 900 and counts["mlx5_0"] == counts["mlx5_1"] == counts["mlx5_3"] == 0
     assert all(p.counters["symbol_error"] == 0 for p in rec.of("node-0001")[-1].ports)
-    from sim.scenario import ScenarioError
+    from vigil.sim.scenario import ScenarioError
 
     with pytest.raises(ScenarioError, match="carries HCA 2 of its nodes"):
         parse_scenario({"duration_seconds": 60, "fleet": {"nodes": 4, "hcas_per_node": 4, "topology": topo},

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from sim.run import SimDecision, SimResult, run_scenario
-from sim.scenario import ScenarioError, parse_scenario
-from sim.score import out_of_service, return_to_service, score, summary
+from vigil.sim.run import SimDecision, SimResult, run_scenario
+from vigil.sim.scenario import ScenarioError, parse_scenario
+from vigil.sim.score import out_of_service, return_to_service, score, summary
 
 FAULT_AT = 10.0
 REBOOT_SECONDS = 30.0

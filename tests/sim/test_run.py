@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim.run import run_scenario
-from sim.scenario import ScenarioError, load_scenario, parse_scenario, shipped_scenarios, shortened
-from sim.score import score, summary
 from tests.sim.conftest import horizon, raw, small_slow_node
+from vigil.sim.run import run_scenario
+from vigil.sim.scenario import ScenarioError, load_scenario, parse_scenario, shipped_scenarios, shortened
+from vigil.sim.score import score, summary
 
 # Too long for `make test` (a thousand nodes, hours, or tens of simulated minutes at 2.5 s):
 # `make test-all` runs them whole.

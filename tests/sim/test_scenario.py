@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.scenario import ScenarioError, load_scenario, parse_scenario, shipped_scenarios, shortened
+from vigil.sim.scenario import ScenarioError, load_scenario, parse_scenario, shipped_scenarios, shortened
 
 BASE = {"duration_seconds": 600, "fleet": {"nodes": 64}}
 

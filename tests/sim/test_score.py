@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from sim.run import SimDecision, SimResult
-from sim.scenario import ScenarioError, parse_scenario
-from sim.score import score, summary
+from vigil.sim.run import SimDecision, SimResult
+from vigil.sim.scenario import ScenarioError, parse_scenario
+from vigil.sim.score import score, summary
 
 BASE: dict[str, Any] = {
     "name": "score-test",

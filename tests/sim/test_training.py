@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.scenario import DataStall, Hang, Job, SlowNode
-from sim.training import JobModel
+from vigil.sim.scenario import DataStall, Hang, Job, SlowNode
+from vigil.sim.training import JobModel
 
 NODES = [f"n{i:02d}" for i in range(16)]
 
@@ -138,8 +138,8 @@ def test_hang_of_one_gpu_stops_only_its_rank() -> None:
 
 
 def test_hardware_faults_reach_the_job() -> None:
-    from sim.run import job_impact
-    from sim.scenario import NvmlFault, PortDown
+    from vigil.sim.run import job_impact
+    from vigil.sim.scenario import NvmlFault, PortDown
 
     throttle = NvmlFault.model_validate({"kind": "thermal_throttle", "node": "n01", "gpu": 2, "at_seconds": 10,
                                          "duration_seconds": 60, "clock_ratio": 0.5})

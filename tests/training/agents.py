@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from aggregator.auth import node_token
 from tests.aggregator.aggregator_process import SITE_SECRET, AggregatorProcess, wait_for
 from tests.loopback import free_port
+from vigil.aggregator.auth import node_token
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import parse_config as parse_agent
-from agent.validation import ConfigError
-from aggregator.config import parse_config as parse_aggregator
 from tests.loopback import free_port
+from vigil.agent.config import parse_config as parse_agent
+from vigil.agent.validation import ConfigError
+from vigil.aggregator.config import parse_config as parse_aggregator
 
 
 def _vigil(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from aggregator.decision import Action, Decision
-from aggregator.gate import Gate, GateConfig
-from aggregator.ledger import Ledger
-from aggregator.store import Store
 from vigil import decisions_cmd
+from vigil.aggregator.decision import Action, Decision
+from vigil.aggregator.gate import Gate, GateConfig
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.store import Store
 
 T0 = 1_700_000_000.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from aggregator.auth import Credentials, Role
+from vigil.aggregator.auth import Credentials, Role
 from vigil.cli import main
 
 

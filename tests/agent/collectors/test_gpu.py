@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-from agent.collectors import REGISTRY
-from agent.collectors.gpu import SPECS, GpuCollector, GpuConfig
-from agent.config import parse_config
-from agent.metric import Sample
-from agent.nvml.backend import PynvmlBackend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.scenario import load_node_scenario, shipped_scenarios
-from agent.seams import Seams
-from agent.wire import Report
+from vigil.agent.collectors import REGISTRY
+from vigil.agent.collectors.gpu import SPECS, GpuCollector, GpuConfig
+from vigil.agent.config import parse_config
+from vigil.agent.metric import Sample
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import load_node_scenario, shipped_scenarios
+from vigil.agent.seams import Seams
+from vigil.agent.wire import Report
 
 
 class Clock:
@@ -243,7 +243,7 @@ def test_xid_events_from_the_worker_thread(make, clock):
 
 
 def test_config_rejects_typos_with_key_path():
-    from agent.validation import ConfigError
+    from vigil.agent.validation import ConfigError
 
     with pytest.raises(ConfigError, match=r"collectors\.gpu\.nvlink_interval_secnds: unknown key"):
         parse_config({"collectors": {"gpu": {"nvlink_interval_secnds": 5}}})

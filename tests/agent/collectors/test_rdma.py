@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.collectors import REGISTRY
-from agent.collectors.collector import Collection
-from agent.collectors.rdma import (
+from vigil.agent.collectors import REGISTRY
+from vigil.agent.collectors.collector import Collection
+from vigil.agent.collectors.rdma import (
     SPECS,
     RdmaCollector,
     RdmaConfig,
@@ -19,12 +19,12 @@ from agent.collectors.rdma import (
     parse_rate_bits_per_second,
     parse_state,
 )
-from agent.config import parse_config
-from agent.exporter import SnapshotExporter, render
-from agent.metric import Sample
-from agent.seams import Seams
-from agent.validation import ConfigError
-from agent.wire import PortState, Report
+from vigil.agent.config import parse_config
+from vigil.agent.exporter import SnapshotExporter, render
+from vigil.agent.metric import Sample
+from vigil.agent.seams import Seams
+from vigil.agent.validation import ConfigError
+from vigil.agent.wire import PortState, Report
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sysfs"
 H100 = FIXTURES / "h100"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.collectors.rdma import RdmaCollector, RdmaConfig
+from vigil.agent.collectors.rdma import RdmaCollector, RdmaConfig
 
 SYSFS_FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sysfs"
 BINARY = "prometheus-node-exporter"  # Debian's package name; upstream calls it node_exporter

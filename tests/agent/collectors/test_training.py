@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.collectors import REGISTRY
-from agent.collectors.training import TrainingCollector, TrainingConfig, percentile
-from agent.config import parse_config
-from agent.heartbeat import Heartbeat
-from agent.metric import Sample
-from agent.seams import Seams
-from agent.validation import ConfigError
-from agent.wire import RankSummary
+from vigil.agent.collectors import REGISTRY
+from vigil.agent.collectors.training import TrainingCollector, TrainingConfig, percentile
+from vigil.agent.config import parse_config
+from vigil.agent.heartbeat import Heartbeat
+from vigil.agent.metric import Sample
+from vigil.agent.seams import Seams
+from vigil.agent.validation import ConfigError
+from vigil.agent.wire import RankSummary
 
 FIXTURES = Path(__file__).parent.parent.parent / "fixtures" / "training-logs"
 T0 = 1_700_000_000.0

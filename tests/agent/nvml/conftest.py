@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
-from agent.nvml.backend import PynvmlBackend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.scenario import NodeScenario, load_node_scenario
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import NodeScenario, load_node_scenario
 
 
 class FakeClock:

@@ -7,11 +7,11 @@ import logging
 import pynvml
 import pytest
 
-from agent.config import NvmlConfig
-from agent.nvml.backend import PynvmlBackend, error_reason, open_backend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.profiles import H100_SXM_80GB, V100_SXM2_32GB
-from agent.nvml.scenario import DEFAULT_SCENARIO, NodeScenario
+from vigil.agent.config import NvmlConfig
+from vigil.agent.nvml.backend import PynvmlBackend, error_reason, open_backend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.profiles import H100_SXM_80GB, V100_SXM2_32GB
+from vigil.agent.nvml.scenario import DEFAULT_SCENARIO, NodeScenario
 
 
 def test_identity_of_every_h100(make_backend):

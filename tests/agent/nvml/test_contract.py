@@ -6,7 +6,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.backend import PynvmlBackend
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from agent.nvml.profiles import H100_SXM_80GB, MIB, PROFILES
+from vigil.agent.nvml.profiles import H100_SXM_80GB, MIB, PROFILES
 
 RECORDING = Path(__file__).parents[2] / "fixtures" / "nvidia-smi" / "nvidia-smi-q-8xH100-535.161.08.txt"
 

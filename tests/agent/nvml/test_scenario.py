@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.nvml.backend import PynvmlBackend
-from agent.nvml.fake import FakeNvml
-from agent.nvml.scenario import (
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import (
     FAULT_KINDS,
     ScenarioError,
     load_node_scenario,

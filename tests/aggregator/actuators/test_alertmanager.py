@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from aggregator.actuators.alertmanager import AlertmanagerActuator, AlertmanagerConfig, alert_for
-from aggregator.decision import Action, Decision
 from tests.loopback import free_port
+from vigil.aggregator.actuators.alertmanager import AlertmanagerActuator, AlertmanagerConfig, alert_for
+from vigil.aggregator.decision import Action, Decision
 
 BINARY = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 CONFIG = """\

@@ -9,14 +9,14 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from aggregator.actuators.actuator import DeliveryError
-from aggregator.actuators.alertmanager import AlertmanagerActuator, AlertmanagerConfig
-from aggregator.actuators.kubernetes import KubernetesActuator, KubernetesConfig
-from aggregator.actuators.slurm import SlurmActuator, SlurmConfig
-from aggregator.actuators.webhook import WebhookActuator, WebhookConfig
 from tests.aggregator.actuators.test_alertmanager import alertmanager  # noqa: F401 - the real one
 from tests.aggregator.aggregator_process import SECRET, WebhookReceiver
 from tests.loopback import free_port
+from vigil.aggregator.actuators.actuator import DeliveryError
+from vigil.aggregator.actuators.alertmanager import AlertmanagerActuator, AlertmanagerConfig
+from vigil.aggregator.actuators.kubernetes import KubernetesActuator, KubernetesConfig
+from vigil.aggregator.actuators.slurm import SlurmActuator, SlurmConfig
+from vigil.aggregator.actuators.webhook import WebhookActuator, WebhookConfig
 
 # scontrol ping's answers (Slurm 22.05 src/scontrol/scontrol.c, _print_ping)
 UP = "Slurmctld(primary) at head is UP\n"

@@ -24,9 +24,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from aggregator.actuators.actuator import DeliveryError
-from aggregator.actuators.kubernetes import KubernetesActuator, KubernetesConfig
-from aggregator.decision import Action, Decision
+from vigil.aggregator.actuators.actuator import DeliveryError
+from vigil.aggregator.actuators.kubernetes import KubernetesActuator, KubernetesConfig
+from vigil.aggregator.decision import Action, Decision
 
 pytest.importorskip("kubernetes", reason="the Kubernetes actuator needs the kubernetes client (pip install vigil[k8s])")
 

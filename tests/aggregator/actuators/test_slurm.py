@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from aggregator.actuators.actuator import DeliveryError
-from aggregator.actuators.slurm import SlurmActuator, SlurmConfig
-from aggregator.decision import Action, Decision
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
+from vigil.aggregator.actuators.actuator import DeliveryError
+from vigil.aggregator.actuators.slurm import SlurmActuator, SlurmConfig
+from vigil.aggregator.decision import Action, Decision
 
 T0 = 1_700_000_000.0
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from aggregator.actuators.actuator import DeliveryError
-from aggregator.actuators.slurm import SlurmActuator, SlurmConfig
-from aggregator.decision import Action
 from tests.aggregator.actuators.test_slurm import FakeScontrol, dec
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
+from vigil.aggregator.actuators.actuator import DeliveryError
+from vigil.aggregator.actuators.slurm import SlurmActuator, SlurmConfig
+from vigil.aggregator.decision import Action
 
 ID = "d0123456789abcdef012"
 

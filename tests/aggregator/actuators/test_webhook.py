@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from aggregator.actuators.actuator import DeliveryError, DispatchConfig
-from aggregator.actuators.alertmanager import AlertmanagerActuator, AlertmanagerConfig
-from aggregator.actuators.redact import REDACTED, redact_text, redact_url
-from aggregator.actuators.webhook import WebhookActuator, WebhookConfig
-from aggregator.decision import Action, Decision
-from aggregator.dispatch import Dispatcher
-from aggregator.gate import Gate, GateConfig
-from aggregator.ledger import Ledger
-from aggregator.store import Store
 from tests.documented_webhook import WebhookRefused, verify_webhook
+from vigil.aggregator.actuators.actuator import DeliveryError, DispatchConfig
+from vigil.aggregator.actuators.alertmanager import AlertmanagerActuator, AlertmanagerConfig
+from vigil.aggregator.actuators.redact import REDACTED, redact_text, redact_url
+from vigil.aggregator.actuators.webhook import WebhookActuator, WebhookConfig
+from vigil.aggregator.decision import Action, Decision
+from vigil.aggregator.dispatch import Dispatcher
+from vigil.aggregator.gate import Gate, GateConfig
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.store import Store
 
 T0 = 1_700_000_000.0
 SECRET = b"s3cret-shared-with-the-receiver"

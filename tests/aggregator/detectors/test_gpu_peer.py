@@ -4,10 +4,10 @@ other jobs are not."""
 
 import random
 
-from aggregator.decision import Action
-from aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
-from aggregator.fleet import Fleet
 from tests.aggregator.conftest import FakeNode, rank_summary
+from vigil.aggregator.decision import Action
+from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
+from vigil.aggregator.fleet import Fleet
 
 DETECTOR = GpuPeerDetector(GpuPeerConfig())
 

@@ -1,10 +1,10 @@
 """The hang detector: stopped ranks and jobs within seconds, announced checkpoints and evaluations
 under their own limits, and the rank that stopped first named."""
 
-from aggregator.decision import Action
-from aggregator.detectors.hang import HangConfig, HangDetector
-from aggregator.fleet import Fleet
 from tests.aggregator.conftest import FakeNode, set_training
+from vigil.aggregator.decision import Action
+from vigil.aggregator.detectors.hang import HangConfig, HangDetector
+from vigil.aggregator.fleet import Fleet
 
 INTERVAL = 2.5
 

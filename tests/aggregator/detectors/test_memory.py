@@ -1,7 +1,7 @@
-from aggregator.decision import Action
-from aggregator.detectors.memory import MemoryConfig, MemoryDetector
-from aggregator.fleet import Fleet
 from tests.aggregator.conftest import FakeNode
+from vigil.aggregator.decision import Action
+from vigil.aggregator.detectors.memory import MemoryConfig, MemoryDetector
+from vigil.aggregator.fleet import Fleet
 
 DETECTOR = MemoryDetector(MemoryConfig())
 

@@ -1,13 +1,13 @@
 import pytest
 from pydantic import ValidationError
 
-from aggregator.config import AggregatorConfig
-from aggregator.decision import Action
-from aggregator.detectors.network import NetworkConfig, NetworkDetector
-from aggregator.engine import Engine
-from aggregator.fleet import Fleet
-from aggregator.sink import RecordingSink
 from tests.aggregator.conftest import FakeNode, drive
+from vigil.aggregator.config import AggregatorConfig
+from vigil.aggregator.decision import Action
+from vigil.aggregator.detectors.network import NetworkConfig, NetworkDetector
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.fleet import Fleet
+from vigil.aggregator.sink import RecordingSink
 
 DETECTOR = NetworkDetector(NetworkConfig())
 

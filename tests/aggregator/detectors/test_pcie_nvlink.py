@@ -1,7 +1,7 @@
-from aggregator.decision import Action
-from aggregator.detectors.pcie_nvlink import PcieNvlinkConfig, PcieNvlinkDetector
-from aggregator.fleet import Fleet
 from tests.aggregator.conftest import FakeNode
+from vigil.aggregator.decision import Action
+from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkConfig, PcieNvlinkDetector
+from vigil.aggregator.fleet import Fleet
 
 DETECTOR = PcieNvlinkDetector(PcieNvlinkConfig())
 

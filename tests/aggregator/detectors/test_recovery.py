@@ -7,16 +7,16 @@ the node reboots -> resume admitted after the persistence and the gate's hystere
 
 from __future__ import annotations
 
-from agent.wire import Event
-from aggregator.config import parse_config
-from aggregator.decision import Action, Decision
-from aggregator.detectors.recovery import RecoveryConfig, RecoveryDetector
-from aggregator.engine import Engine
-from aggregator.fleet import Fleet, Removal
-from aggregator.gate import Gate, GateConfig
-from aggregator.ledger import Ledger
-from aggregator.store import Store
 from tests.aggregator.conftest import FakeNode
+from vigil.agent.wire import Event
+from vigil.aggregator.config import parse_config
+from vigil.aggregator.decision import Action, Decision
+from vigil.aggregator.detectors.recovery import RecoveryConfig, RecoveryDetector
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.fleet import Fleet, Removal
+from vigil.aggregator.gate import Gate, GateConfig
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.store import Store
 
 DETECTOR = RecoveryDetector(RecoveryConfig(enabled=True))
 REMOVED_AT = 100.0

@@ -3,10 +3,10 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aggregator.decision import Action
-from aggregator.detectors.straggler import StragglerConfig, StragglerDetector
-from aggregator.fleet import Fleet
 from tests.aggregator.conftest import FakeNode, set_training
+from vigil.aggregator.decision import Action
+from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector
+from vigil.aggregator.fleet import Fleet
 
 DETECTOR = StragglerDetector(StragglerConfig())
 

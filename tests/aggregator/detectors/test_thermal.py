@@ -1,7 +1,7 @@
-from aggregator.decision import Action
-from aggregator.detectors.thermal import ThermalConfig, ThermalDetector
-from aggregator.fleet import Fleet
 from tests.aggregator.conftest import FakeNode
+from vigil.aggregator.decision import Action
+from vigil.aggregator.detectors.thermal import ThermalConfig, ThermalDetector
+from vigil.aggregator.fleet import Fleet
 
 DETECTOR = ThermalDetector(ThermalConfig())
 

@@ -3,12 +3,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from aggregator.config import AggregatorConfig
-from aggregator.decision import Action
-from aggregator.detectors.topology import TopologyAttributor, TopologyConfig
-from aggregator.engine import Engine
-from aggregator.sink import RecordingSink
 from tests.aggregator.conftest import FakeNode, drive
+from vigil.aggregator.config import AggregatorConfig
+from vigil.aggregator.decision import Action
+from vigil.aggregator.detectors.topology import TopologyAttributor, TopologyConfig
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.sink import RecordingSink
 
 
 def leaf_fleet(n=8, per_leaf=4):

@@ -1,11 +1,11 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.wire import Event
-from aggregator.decision import Action
-from aggregator.detectors.xid import XidConfig, XidDetector
-from aggregator.fleet import Fleet
 from tests.aggregator.conftest import FakeNode
+from vigil.agent.wire import Event
+from vigil.aggregator.decision import Action
+from vigil.aggregator.detectors.xid import XidConfig, XidDetector
+from vigil.aggregator.fleet import Fleet
 
 DETECTOR = XidDetector(XidConfig())
 
