@@ -121,8 +121,12 @@ if [ "$BASE" = localhost/vigil-base:bookworm ] && ! buildah "${STORAGE[@]}" insp
 fi
 
 step "wheelhouse: vigil $VERSION and its runtime dependencies"
-rm -rf build/wheelhouse
-"$PY" -m pip wheel --quiet -w build/wheelhouse .
+rm -rf build/wheelhouse build/wheel-build
+# setuptools' own build directory, fresh each time (DIST_EXTRA_CONFIG: an extra setup.cfg): its
+# default, build/lib, keeps whatever an older checkout built there and the wheel would carry it.
+printf '[build]\nbuild_base = build/wheel-build\n' > build/wheel-build.cfg
+DIST_EXTRA_CONFIG=build/wheel-build.cfg "$PY" -m pip wheel --quiet -w build/wheelhouse .
+rm -rf build/wheel-build
 step "buildah bud -> $IMAGE (base $BASE)"
 containers_before=$(buildah "${STORAGE[@]}" containers --quiet --notruncate 2>/dev/null; echo -)
 old_id=$(buildah "${STORAGE[@]}" inspect --type image --format '{{.FromImageID}}' "$IMAGE" 2>/dev/null || true)

@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -36,8 +37,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Pat
     """(venv bin dir, the wheel, a working directory outside the checkout)."""
     root = tmp_path_factory.mktemp("wheel")
     dist = root / "dist"
+    # setuptools builds in a directory of this test's own (DIST_EXTRA_CONFIG is an extra setup.cfg):
+    # its default, build/lib in the checkout, keeps files an older tree built and the wheel would
+    # carry them (and the image build may be using it at the same time).
+    extra_config = root / "setuptools.cfg"
+    extra_config.write_text(f"[build]\nbuild_base = {root / 'setuptools-build'}\n")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)],
-                   check=True, timeout=PIP_SECONDS, capture_output=True)
+                   check=True, timeout=PIP_SECONDS, capture_output=True,
+                   env={**os.environ, "DIST_EXTRA_CONFIG": str(extra_config)})
     (wheel,) = dist.glob("vigil_fleet-*.whl")
     venv.EnvBuilder(with_pip=True).create(root / "venv")
     bin_dir = root / "venv" / "bin"
@@ -61,6 +68,19 @@ def test_distribution_name_version_and_no_numpy(installed: tuple[Path, Path, Pat
     probe = subprocess.run([str(bin_dir / "python"), "-c", "import numpy"], cwd=cwd, capture_output=True,
                            text=True, timeout=60)
     assert probe.returncode != 0 and "No module named 'numpy'" in probe.stderr
+
+
+def test_the_wheel_claims_only_vigil_import_packages(installed: tuple[Path, Path, Path]) -> None:
+    """No generic top-level ``agent``, ``aggregator`` or ``sim`` in someone else's site-packages:
+    the folders ship inside ``vigil`` (through vigil/agent -> ../agent and the like)."""
+    _, wheel, _ = installed
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
+    assert top == {"vigil", "vigil_heartbeat"}, top
+    for module in ("vigil/agent/daemon.py", "vigil/aggregator/app.py", "vigil/sim/run.py",
+                   "vigil/aggregator/data/xid_catalog.csv", "vigil/scenarios/healthy-2s5-fleet.yaml"):
+        assert module in names, module
 
 
 def test_fake_agent_serves_metrics_from_any_directory(installed: tuple[Path, Path, Path]) -> None:
