@@ -20,6 +20,7 @@ from vigil.agent.collectors.training import TrainingConfig
 from vigil.agent.collectors.xid import XidConfig
 from vigil.agent.dcgm_compat import ExporterConfig
 from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
+from vigil.agent.node_action_runner import NodeActionsConfig
 from vigil.agent.validation import HostPort, StrictModel, read_config_file, validate_config
 from vigil.agent.wire import NodeName
 
@@ -95,6 +96,9 @@ class AgentConfig(StrictModel):
     aggregator: AggregatorTarget = AggregatorTarget()
     collectors: CollectorsConfig = CollectorsConfig()
     exporter: ExporterConfig = ExporterConfig()  # dcgm_compat: also serve DCGM_FI_DEV_* series
+    # What the aggregator may ask this agent to do on its node (agent/node_action_runner.py,
+    # docs/security-agent.md "Node actions"): nothing unless `allow` lists it.
+    node_actions: NodeActionsConfig = NodeActionsConfig()
 
 
 def parse_config(data: Any) -> AgentConfig:

@@ -28,6 +28,7 @@ from vigil.agent.collectors.collector import Collection, Collector
 from vigil.agent.config import AgentConfig
 from vigil.agent.dcgm_compat import DcgmCompatCollector
 from vigil.agent.exporter import SnapshotExporter, render
+from vigil.agent.node_action_runner import NODE_ACTION_SPECS, NodeActionRunner
 from vigil.agent.reporter import REPORTER_SPECS, Reporter, client_ssl_context
 from vigil.agent.runner import RUNNER_SPECS, Runner
 from vigil.agent.sd_notify import SdNotifier
@@ -92,7 +93,9 @@ def build_collectors(config: AgentConfig, seams: Seams) -> list[Collector]:
 class Agent:
     """A running agent's parts, exposed for tests and the demo."""
 
-    def __init__(self, config: AgentConfig, seams: Seams) -> None:
+    def __init__(self, config: AgentConfig, seams: Seams, *, boot_id_path: Path = BOOT_ID_PATH) -> None:
+        """``boot_id_path``: the kernel's boot id (a drill or test points it at a file it rewrites
+        to stand for a reboot)."""
         self.config = config
         self.seams = seams
         self.snapshot = Snapshot()
@@ -100,8 +103,11 @@ class Agent:
         token = None
         if config.aggregator.token_file:
             token = Path(config.aggregator.token_file).read_text().strip()
-        self.boot_id = read_boot_id()
+        self.boot_id = read_boot_id(boot_id_path)
         target = config.aggregator
+        # What the aggregator may ask of this node (nothing unless node_actions.allow lists it).
+        self.node_actions = NodeActionRunner(config.node_actions, node=config.node, boot_id=self.boot_id,
+                                             nvml=seams.nvml, clock=seams.clock)
         if token and target.url and target.url.startswith("http://"):
             log.warning("aggregator.url %s is plain http: this node's token crosses the network readable; "
                         "use https:// with aggregator.ca_file", target.url)
@@ -111,7 +117,7 @@ class Agent:
             timeout_seconds=target.timeout_seconds, max_backoff_seconds=target.max_backoff_seconds,
             max_report_bytes=target.max_report_bytes, max_pending_event_bytes=target.max_pending_event_bytes,
             ssl_context=client_ssl_context(target.url, target.ca_file, target.cert_file, target.key_file),
-            state_dir=seams.state_dir, clock=seams.clock)
+            state_dir=seams.state_dir, clock=seams.clock, node_actions=self.node_actions.handle)
         self.heartbeats = HeartbeatIntake(self.heartbeat_sink(), seams.clock)
         self.connections = ConnectionLimit(config.listen_max_connections)
         intervals = {}
@@ -120,10 +126,11 @@ class Agent:
             intervals[c.name] = (section.interval_seconds, section.timeout_seconds)
         self.runner = Runner(self.collectors, intervals, self.snapshot, self._on_events, clock=seams.clock)
         specs = [s for c in self.collectors for s in c.specs] + [*RUNNER_SPECS, *REPORTER_SPECS,
-                                                                 *self.heartbeats.specs, *self.connections.specs]
+                                                                 *self.heartbeats.specs, *self.connections.specs,
+                                                                 *NODE_ACTION_SPECS]
         self.exporter = SnapshotExporter(specs, [self.snapshot.samples, self.runner.self_samples,
                                                  self.reporter.samples, self.heartbeats.samples,
-                                                 self.connections.samples])
+                                                 self.connections.samples, self.node_actions.samples])
         # Add-on prometheus-client collectors (e.g. dcgm-exporter compatibility) register here;
         # vigil's own series are rendered by the exporter's direct encoder.
         self.registry = CollectorRegistry(auto_describe=False)

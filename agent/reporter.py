@@ -6,12 +6,16 @@ kept, serialized, until the aggregator accepts them: a backlog goes out over as 
 takes, oldest first, and a 413 splits the report instead of dropping it. Only the bound on the
 backlog, an event no report can carry, or a report the aggregator refuses for its content drops
 events, each counted by reason and logged; pending events are journaled (agent/backlog.py), so a
-restart or a crash keeps them. An urgent event makes the reporter push at once. It judges nothing.
+restart or a crash keeps them. An urgent event makes the reporter push at once. Node action requests
+in the aggregator's 202 answer go to the node-action runner (off the event loop, one at a time), and
+their results ride the following reports until one carrying them is accepted. It judges nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import random
 import ssl
@@ -27,7 +31,14 @@ from vigil.agent.backlog import Backlog
 from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES, REPORT_MAX_EVENTS
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.snapshot import Snapshot
-from vigil.agent.wire import Event, Report
+from vigil.agent.wire import (
+    MAX_REQUESTS_PER_RESPONSE,
+    MAX_RESULTS_PER_REPORT,
+    Event,
+    NodeActionRequest,
+    NodeActionResult,
+    Report,
+)
 
 log = logging.getLogger("vigil.agent.reporter")
 
@@ -52,7 +63,26 @@ EVENTS_DROPPED = MetricSpec("vigil_agent_events_dropped_total", MetricKind.COUNT
                             "saved backlog that does not parse).", labels=("reason",))
 LAST_SUCCESS = MetricSpec("vigil_agent_last_report_success_timestamp_seconds", MetricKind.GAUGE,
                           "Unix time of the last report the aggregator accepted.", unit="seconds")
-REPORTER_SPECS = (REPORTS, REPORT_ERRORS, EVENTS_PENDING, EVENTS_PENDING_BYTES, EVENTS_DROPPED, LAST_SUCCESS)
+IGNORED_REASONS = ("malformed", "too_many", "queue_full")
+REQUESTS_IGNORED = MetricSpec("vigil_agent_node_action_requests_ignored_total", MetricKind.COUNTER,
+                              "Node action requests in the aggregator's answers not handed to the runner, by "
+                              "reason: malformed (an answer or request that does not parse; counted once per "
+                              "answer), too_many (an answer with more than the wire's bound), queue_full.",
+                              labels=("reason",))
+RESULT_DROP_REASONS = ("backlog_full", "rejected")
+RESULTS_DROPPED = MetricSpec("vigil_agent_node_action_results_dropped_total", MetricKind.COUNTER,
+                             "Node action results never delivered, by reason: backlog_full (aggregator unreachable "
+                             "too long, oldest dropped), rejected (in a report the aggregator refused for its "
+                             "content).", labels=("reason",))
+REPORTER_SPECS = (REPORTS, REPORT_ERRORS, EVENTS_PENDING, EVENTS_PENDING_BYTES, EVENTS_DROPPED, LAST_SUCCESS,
+                  REQUESTS_IGNORED, RESULTS_DROPPED)
+# Results kept while the aggregator cannot take them: four reports' worth.
+MAX_PENDING_RESULTS = 4 * MAX_RESULTS_PER_REPORT
+# Requests waiting for the runner (distinct ids; the aggregator resends what is still open).
+MAX_QUEUED_REQUESTS = 4 * MAX_REQUESTS_PER_RESPONSE
+# The 202 answer is a few hundred bytes per request; anything past this is not an answer.
+MAX_ANSWER_BYTES = 256 * 1024
+NodeActionHandler = Callable[[NodeActionRequest], NodeActionResult]
 
 _EVENTS_KEY = b',"events":['
 _CLOSE = b"]}"
@@ -72,6 +102,7 @@ def build_report(
     interval_seconds: float,
     topology: Mapping[str, str],
     urgent: bool = False,
+    action_results: Sequence[NodeActionResult] = (),
 ) -> Report:
     sections: dict[str, Any] = snapshot.report_sections()
     unknown = sections.keys() - _REPORT_SECTIONS
@@ -88,6 +119,7 @@ def build_report(
         events=list(events),
         failed_collectors=snapshot.failed(),
         agent_version=__version__,
+        action_results=list(action_results),
         **sections,
     )
 
@@ -124,6 +156,7 @@ class Reporter:
         ssl_context: ssl.SSLContext | None = None,
         state_dir: Path | None = None,
         clock: Callable[[], float] = time.time,
+        node_actions: NodeActionHandler | None = None,
     ) -> None:
         self._url = url.rstrip("/") + "/v1/reports" if url else None
         self._token = token
@@ -148,6 +181,15 @@ class Reporter:
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.last_success_ts: float | None = None
         self.last_report_body: bytes | None = None
+        # Node actions: the runner (blocking: run in a thread), requests waiting for it, and
+        # results waiting for an accepted report (those in the last body built are "carried").
+        self._node_actions = node_actions
+        self._requests: asyncio.Queue[NodeActionRequest] = asyncio.Queue()
+        self._queued_ids: set[str] = set()
+        self.action_results: list[NodeActionResult] = []
+        self._carried: list[NodeActionResult] = []
+        self.requests_ignored = dict.fromkeys(IGNORED_REASONS, 0)
+        self.results_dropped = dict.fromkeys(RESULT_DROP_REASONS, 0)
         recovered: list[bytes] = []
         for raw in self._backlog.recover():
             try:
@@ -196,6 +238,8 @@ class Reporter:
         out.extend(Sample.of(EVENTS_DROPPED, n, reason=r) for r, n in self.dropped.items())
         if self.last_success_ts is not None:
             out.append(Sample.of(LAST_SUCCESS, self.last_success_ts))
+        out.extend(Sample.of(REQUESTS_IGNORED, n, reason=r) for r, n in self.requests_ignored.items())
+        out.extend(Sample.of(RESULTS_DROPPED, n, reason=r) for r, n in self.results_dropped.items())
         return out
 
     def build_body(self) -> tuple[bytes, int, int]:
@@ -206,7 +250,9 @@ class Reporter:
         (the aggregator's 413 then says whether that one can go at all)."""
         report = build_report(
             self._snapshot, (), node=self._node, boot_id=self._boot_id, seq=self._seq, ts=self._clock(),
-            interval_seconds=self._interval, topology=self._topology, urgent=self._urgent)
+            interval_seconds=self._interval, topology=self._topology, urgent=self._urgent,
+            action_results=self.action_results[:MAX_RESULTS_PER_REPORT])
+        self._carried = list(report.action_results)
         # Every attempt gets a new seq, a resent backlog included: a report the aggregator took
         # but whose answer was lost is never followed by another with the same seq (a replay).
         self._seq += 1
@@ -241,10 +287,16 @@ class Reporter:
             headers["Authorization"] = f"Bearer {self._token}"
         timeout = aiohttp.ClientTimeout(total=self._timeout)
         connector = aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else True)
+        worker = asyncio.create_task(self._run_node_actions()) if self._node_actions is not None else None
         try:
             async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as session:
                 await self._loop(session, stop)
         finally:
+            if worker is not None:
+                # A request in its thread finishes there (bounded by its own timeout); its result is lost.
+                worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await worker
             self._backlog.close()
 
     async def _loop(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
@@ -275,8 +327,11 @@ class Reporter:
                 continue
             if outcome == "ok":
                 self._backlog.release_through(end_id)
+                self._release_results()
             elif outcome in ("rejected", "too_large"):  # logged in _post; counted here, once
                 self.dropped[outcome] += self._backlog.release_through(end_id)
+                if outcome == "rejected":
+                    self.results_dropped["rejected"] += self._release_results()
             backoff = 0.0
             more = bool(self._backlog) and outcome != "state_too_large"
 
@@ -291,6 +346,8 @@ class Reporter:
                 if status < 300:
                     self.counts["ok"] += 1
                     self.last_success_ts = self._clock()
+                    if self._node_actions is not None:
+                        self._take_requests(await _read_bounded(resp, MAX_ANSWER_BYTES))
                     return "ok"
                 text = (await resp.text())[:300]
         except aiohttp.ClientSSLError as exc:
@@ -335,3 +392,94 @@ class Reporter:
         log.warning("aggregator refused a report of %d bytes (413): reports now kept under %d bytes",
                     body_bytes, self.body_limit_bytes)
         return "split"
+
+    # --- node actions ---------------------------------------------------------------------------
+
+    def _take_requests(self, answer: bytes | None) -> None:
+        """Queue the node action requests of an accepted report's answer. A malformed answer or
+        request is ignored and counted, never raised: the report itself was accepted."""
+        try:
+            parsed = json.loads(answer) if answer is not None else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            if answer:  # an empty answer carries no requests; anything else must be a JSON object
+                self._ignore("malformed", 1, "the aggregator's answer is not a JSON object")
+            return
+        raw = parsed.get("requests")
+        if raw is None:
+            return
+        if not isinstance(raw, list):
+            self._ignore("malformed", 1, "the aggregator's answer has requests that are not a list")
+            return
+        if len(raw) > MAX_REQUESTS_PER_RESPONSE:
+            self._ignore("too_many", len(raw), f"the aggregator's answer carries {len(raw)} node action requests, "
+                                               f"more than {MAX_REQUESTS_PER_RESPONSE}: all ignored")
+            return
+        bad = 0
+        for item in raw:
+            try:
+                request = NodeActionRequest.model_validate(item)
+            except ValueError:
+                bad += 1
+                continue
+            if request.id in self._queued_ids or any(r.id == request.id for r in self.action_results):
+                continue  # being handled, or its result is on its way: the aggregator resends until then
+            if len(self._queued_ids) >= MAX_QUEUED_REQUESTS:
+                self._ignore("queue_full", 1, f"node action request {request.id} ignored: "
+                                              f"{MAX_QUEUED_REQUESTS} are waiting already")
+                continue
+            self._queued_ids.add(request.id)
+            self._requests.put_nowait(request)
+        if bad:
+            self._ignore("malformed", 1, f"{bad} node action request(s) in the aggregator's answer do not parse")
+
+    def _ignore(self, reason: str, n: int, message: str) -> None:
+        self.requests_ignored[reason] += n
+        log.warning("%s", message)
+
+    async def _run_node_actions(self) -> None:
+        """One request at a time, each in a thread: a GPU reset blocks for seconds."""
+        assert self._node_actions is not None
+        while True:
+            request = await self._requests.get()
+            try:
+                result = await asyncio.to_thread(self._node_actions, request)
+            except Exception:  # a bug in the runner must not stop the reporter
+                log.exception("node action %s: the runner failed", request.id)
+                continue
+            finally:
+                self._queued_ids.discard(request.id)
+            self.add_action_result(result)
+
+    def add_action_result(self, result: NodeActionResult) -> None:
+        """Queue ``result`` for the next report and push it at once."""
+        self.action_results.append(result)
+        overflow = len(self.action_results) - MAX_PENDING_RESULTS
+        if overflow > 0:
+            del self.action_results[:overflow]
+            self.results_dropped["backlog_full"] += overflow
+            log.error("node action results pending beyond %d (aggregator unreachable): dropped the %d oldest",
+                      MAX_PENDING_RESULTS, overflow)
+        self._wake.set()
+
+    def _release_results(self) -> int:
+        """Forget the results the last report carried (it was answered); how many."""
+        carried = {id(r) for r in self._carried}
+        before = len(self.action_results)
+        self.action_results = [r for r in self.action_results if id(r) not in carried]
+        self._carried = []
+        return before - len(self.action_results)
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse, limit_bytes: int) -> bytes | None:
+    """The answer's body, or None when it is longer than ``limit_bytes``."""
+    if resp.content_length is not None and resp.content_length > limit_bytes:
+        return None
+    body = await resp.content.read(limit_bytes + 1)
+    while len(body) <= limit_bytes:
+        more = await resp.content.read(limit_bytes + 1 - len(body))
+        if not more:
+            return body
+        body += more
+    return None

@@ -246,6 +246,19 @@ class NodeActionResult(_Wire):
     ts: Timestamp
 
 
+# The agent's boot id: the kernel's boot id (its first 16 hex digits) and a per-start nonce
+# (agent/daemon.py read_boot_id). Counters restart when either changes; only a new kernel part
+# is a reboot.
+_AGENT_BOOT_ID = re.compile(r"(?P<kernel>[0-9a-f]{16})-[0-9a-f]{8}")
+
+
+def kernel_boot_id(boot_id: str) -> str:
+    """The kernel part of an agent's boot id: an agent restart keeps it, a reboot changes it. A
+    boot id of another form (an older agent, the simulator) is taken whole."""
+    match = _AGENT_BOOT_ID.fullmatch(boot_id)
+    return match.group("kernel") if match else boot_id
+
+
 class Report(_Wire):
     """The agent's periodic push (``POST /v1/reports``). ``seq`` increases by one per report
     within a ``boot_id``; a new boot id means counters restarted from zero."""

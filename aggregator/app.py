@@ -8,7 +8,8 @@ store's archive, and runs the engine's evaluation periodically and at once after
 report, so a fatal Xid becomes a decision within about a second. It judges nothing itself (the
 engine does) and acts on nothing (the ledger and the dispatcher do). It mounts the gate's
 operator routes (``aggregator.operator_api``), answers /healthz 503 while decisions cannot be
-stored, and measures its own event loop's lag.
+stored, and measures its own event loop's lag. Its answer to a report carries the node-action
+requests due for that node, and the report's action results go to the outbox (aggregator/outbox.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.listener import BodyRefused, ConnectionGuard, read_body, tls_context
 from vigil.aggregator.metrics import CONTENT_TYPE, ActingReadings, AggregatorMetrics
 from vigil.aggregator.operator_api import add_no_gate_routes, add_operator_routes
+from vigil.aggregator.outbox import Outbox
 from vigil.aggregator.redact import redact_json
 from vigil.aggregator.sink import DecisionSink
 from vigil.aggregator.store import WRITE_ERRORS, Store
@@ -140,12 +142,17 @@ async def no_5xx_from_input(request: web.Request,
 
 def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
              clock: Callable[[], float] = time.time, credentials: Credentials | None = None,
-             dispatcher: Dispatcher | None = None) -> web.Application:
+             dispatcher: Dispatcher | None = None, outbox: Outbox | None = None) -> web.Application:
     """The service as an aiohttp application (routes, auth, the periodic evaluator as a cleanup
-    context). ``credentials`` default to the files named in ``config.auth``."""
+    context). ``credentials`` default to the files named in ``config.auth``; ``outbox`` (the
+    node-action requests) to one built from ``config`` (its key file read here), which the
+    dispatcher then feeds with delivered reset_gpu drains."""
     if credentials is None:
         credentials = Credentials.load(config.auth)
         check_startable(config, credentials)
+    node_actions = outbox if outbox is not None else Outbox.from_config(config, engine.fleet)
+    if dispatcher is not None and node_actions.enabled:
+        dispatcher.on_delivered = node_actions.on_delivered
     silent_after = config.detectors.silence.alert_after_seconds_min
 
     def findings_by_node() -> dict[str, list[Finding]]:
@@ -189,6 +196,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         return readings
 
     metrics = AggregatorMetrics(state_counts, acting)
+    metrics.registry.register(node_actions.collector())
     refusals = metrics.refusals
 
     def count_report_refusal(reason: str) -> None:
@@ -301,7 +309,14 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         metrics.count_events(e.kind for e in report.events)
         if report.urgent or any(e.urgent for e in report.events):
             wake.set()
-        return web.json_response({"status": "accepted", "node": report.node, "seq": report.seq}, status=202)
+        answer: dict[str, Any] = {"status": "accepted", "node": report.node, "seq": report.seq}
+        # Node actions: the agent's results first (a final one ends its request), then what is due.
+        if report.action_results:
+            node_actions.record(report.node, report.action_results, now)
+        requests = node_actions.due(report.node, now, report.boot_id)
+        if requests:
+            answer["requests"] = [r.model_dump(mode="json") for r in requests]
+        return web.json_response(answer, status=202)
 
     async def list_nodes(_: web.Request) -> web.Response:
         now = clock()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from vigil.agent.limits import REPORT_MAX_BYTES
 from vigil.agent.validation import (
@@ -38,6 +38,7 @@ from vigil.aggregator.detectors.xid import XidConfig
 from vigil.aggregator.fleet import FleetConfig
 from vigil.aggregator.gate import GateConfig
 from vigil.aggregator.listener import ServerConfig
+from vigil.aggregator.outbox import NodeActionsConfig
 from vigil.aggregator.store import StoreConfig
 
 __all__ = ["AggregatorConfig", "ConfigError", "DetectorsConfig", "load_config", "parse_config"]
@@ -77,6 +78,15 @@ class AggregatorConfig(StrictModel):
     gate: GateConfig = GateConfig()
     store: StoreConfig = StoreConfig()
     actuators: ActuatorsConfig = ActuatorsConfig()
+    # Signed requests to the agents (aggregator/outbox.py); used by actuators.slurm.reset_gpu.
+    node_actions: NodeActionsConfig = NodeActionsConfig()
+
+    @model_validator(mode="after")
+    def _node_action_key(self) -> AggregatorConfig:
+        if self.actuators.slurm.reset_gpu and not self.node_actions.key_file:
+            raise ValueError("actuators.slurm.reset_gpu needs node_actions.key_file (the master key the "
+                             "requests to the agents are signed with: vigil token master-key --out FILE)")
+        return self
 
     @property
     def host(self) -> str:

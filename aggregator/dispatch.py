@@ -3,7 +3,9 @@
 The ``Dispatcher`` is an async worker that takes due deliveries from the store (written there
 by ``aggregator.ledger.Ledger``) and runs each (blocking) actuator in a thread, with jittered
 exponential backoff and a dead-letter state; every failed attempt is a WARNING and a counted
-outcome, every dead letter an ERROR. It judges nothing and keeps no delivery state outside the store.
+outcome, every dead letter an ERROR. A delivered decision is handed to ``on_delivered`` (the
+node-action outbox follows a delivered drain with its request to the agent). It judges nothing
+and keeps no delivery state outside the store.
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ class Dispatcher:
         config: DispatchConfig,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        on_delivered: Callable[[str, Decision, float], None] | None = None,
     ) -> None:
         self.store = store
+        # Called with (actuator, decision, now) once a delivery is recorded as delivered: the
+        # node-action outbox follows a delivered drain with its request (aggregator/outbox.py).
+        self.on_delivered = on_delivered
         self.actuators = dict(actuators)
         self.config = config
         self.clock = clock
@@ -100,6 +106,11 @@ class Dispatcher:
             await asyncio.to_thread(self.store.mark, decision.id, actuator.name, "delivered", self.clock(),
                                     detail=detail)
             self.outcomes[(actuator.name, "delivered")] += 1
+            if self.on_delivered is not None:
+                try:
+                    self.on_delivered(actuator.name, decision, self.clock())
+                except Exception:  # the delivery stands; the follow-up's owner logs and counts its own refusals
+                    log.exception("after delivering %s to %s: follow-up failed", decision.id, actuator.name)
             return
         now = self.clock()
         if retryable and attempt < self.config.max_attempts:

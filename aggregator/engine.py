@@ -20,6 +20,7 @@ from vigil.aggregator.detectors.topology import Episode, TopologyAttributor, epi
 from vigil.aggregator.fleet import Fleet, Removal
 from vigil.aggregator.gate import GateState
 from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.outbox import agent_resets_enabled
 from vigil.aggregator.sink import DecisionSink
 
 
@@ -44,7 +45,7 @@ class Engine:
         self.sink = sink
         net = config.detectors.network
         judged = [*net.flap_counters, *net.error_counters, *net.congestion_counters] if net.enabled else []
-        self.fleet = Fleet(config.fleet, port_counters=judged)
+        self.fleet = Fleet(config.fleet, port_counters=judged, agent_resets=agent_resets_enabled(config))
         if detectors is None:
             detectors = [build(getattr(config.detectors, name)) for name, build in REGISTRY.items()
                          if getattr(config.detectors, name).enabled]

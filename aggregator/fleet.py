@@ -3,7 +3,8 @@
 It reads validated ``Report``s and keeps, per node, the latest state plus ring buffers of recent
 states, counter deltas (computed between consecutive reports of one boot, so a reboot resets the
 baseline instead of looking like an error burst), de-duplicated Xid occurrences, and job
-membership from the rank summaries. It judges nothing; detectors read it through ``FleetView``.
+membership from the rank summaries, and the node-action requests and results the outbox hands it.
+It judges nothing; detectors read it through ``FleetView``.
 """
 
 from __future__ import annotations
@@ -13,13 +14,24 @@ from collections import deque
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from pydantic import Field
 
 from vigil.agent.validation import StrictModel
-from vigil.agent.wire import Event, GpuState, PortState, RankSummary, Report
+from vigil.agent.wire import (
+    Event,
+    GpuState,
+    NodeActionRequest,
+    NodeActionResult,
+    PortState,
+    RankSummary,
+    Report,
+    kernel_boot_id,
+)
 from vigil.aggregator.decision import Action
+
+_V = TypeVar("_V")
 
 
 class FleetConfig(StrictModel):
@@ -57,6 +69,10 @@ class FleetConfig(StrictModel):
     max_reports_per_second: float = Field(default=20.0, gt=0)
     max_seq_jump: int = Field(default=1000, ge=1)
 
+
+# Node-action requests and results kept per node (the recovery detector reads the one for the
+# removal it follows): far above one request per GPU in flight; the oldest go first.
+MAX_NODE_ACTIONS_KEPT = 64
 
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
 GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
@@ -353,7 +369,12 @@ class NodeState:
         self.last_seen = now
         self.last_report_ts = report.ts
         self.boot_id = report.boot_id
-        self.boot_started = now
+        self.boot_started = now  # this agent start (a new boot id: counters restarted)
+        # The machine's boot (wire.kernel_boot_id): only a change of it is a reboot, the evidence
+        # the recovery detector waits for; an agent restart alone changes boot_id, not this.
+        self.kernel_boot_id = kernel_boot_id(report.boot_id)
+        self.kernel_boot_started = now
+        self.kernel_reboots = 0
         self.seq = report.seq
         self.interval_seconds = report.interval_seconds
         self.topology: dict[str, str] = dict(report.topology)
@@ -373,6 +394,10 @@ class NodeState:
         self.xids: dict[int | None, deque[XidRecord]] = {}
         self.ranks: dict[tuple[str, int], RankHistory] = {}
         self.host = report.host
+        # Node actions (aggregator/outbox.py): request id -> its expiry, and -> the latest result
+        # the agent reported with when the report carrying it arrived (the aggregator's clock).
+        self.action_expiry: dict[str, float] = {}
+        self.action_results: dict[str, ActionOutcome] = {}
 
     def summary(self) -> dict[str, object]:
         """What is kept of a node once the fleet forgets it (the store's archive)."""
@@ -384,9 +409,12 @@ class NodeState:
 class Fleet:
     """Mutable fleet state. ``ingest`` is the only writer; detectors get ``view()``."""
 
-    def __init__(self, config: FleetConfig | None = None, *, port_counters: Collection[str] | None = None) -> None:
-        """``port_counters``: the RDMA counters detectors judge (None: keep deltas of all)."""
+    def __init__(self, config: FleetConfig | None = None, *, port_counters: Collection[str] | None = None,
+                 agent_resets: bool = False) -> None:
+        """``port_counters``: the RDMA counters detectors judge (None: keep deltas of all);
+        ``agent_resets``: reset_gpu decisions become requests to the agents (FleetView says so)."""
         self.config = config or FleetConfig()
+        self.agent_resets = agent_resets
         self._port_counters = frozenset(port_counters) if port_counters is not None else None
         self._nodes: dict[str, NodeState] = {}
         self._jobs: dict[str, JobState] = {}
@@ -439,6 +467,10 @@ class Fleet:
             node.reboots += 1
             node.boot_id = report.boot_id
             node.boot_started = now
+            if kernel_boot_id(report.boot_id) != node.kernel_boot_id:
+                node.kernel_boot_id = kernel_boot_id(report.boot_id)
+                node.kernel_boot_started = now
+                node.kernel_reboots += 1
             # The GPUs of the last boot are still expected: one that does not come back after
             # a reboot is missing (a new episode, counted from this boot), not forgotten.
             node.gpus_this_boot.update(node.gpus)
@@ -549,6 +581,19 @@ class Fleet:
                 break
         ring.append(XidRecord(event.code or 0, event.ts, event.count, event.message, {event.source}))
 
+    def note_action_request(self, request: NodeActionRequest) -> None:
+        """A request the outbox made for ``request.node`` (its expiry is what the detector waits to)."""
+        node = self._nodes.get(request.node)
+        if node is not None:
+            _keep(node.action_expiry, request.id, request.expires_at)
+
+    def record_action_results(self, name: str, results: list[NodeActionResult], now: float) -> None:
+        """Results the outbox matched to its requests for node ``name``, received at ``now``."""
+        node = self._nodes.get(name)
+        if node is not None:
+            for result in results:
+                _keep(node.action_results, result.id, ActionOutcome(result, now))
+
     def forget_idle_jobs(self, now: float) -> None:
         horizon = now - self.config.job_forget_seconds
         for name in [n for n, j in self._jobs.items() if j.last_seen < horizon]:
@@ -559,7 +604,22 @@ class Fleet:
                     node.ranks.pop((name, rank.rank), None)
 
     def view(self, removed: Mapping[str, Removal] | None = None) -> FleetView:
-        return FleetView(self._nodes, self._jobs, removed)
+        return FleetView(self._nodes, self._jobs, removed, agent_resets=self.agent_resets)
+
+
+def _keep(table: dict[str, _V], key: str, value: _V) -> None:
+    """Insert or refresh ``key``, dropping the oldest entries beyond ``MAX_NODE_ACTIONS_KEPT``."""
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > MAX_NODE_ACTIONS_KEPT:
+        del table[next(iter(table))]
+
+
+class ActionOutcome(NamedTuple):
+    """The latest result of one node-action request, and when the report carrying it arrived."""
+
+    result: NodeActionResult
+    received: float
 
 
 class Removal(NamedTuple):
@@ -578,13 +638,16 @@ class FleetView:
     """What detectors see: read-only mappings over the fleet (detectors must not mutate state),
     and the nodes vigil removed (empty unless the engine was asked for them)."""
 
-    __slots__ = ("jobs", "nodes", "removed")
+    __slots__ = ("agent_resets", "jobs", "nodes", "removed")
 
     def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
-                 removed: Mapping[str, Removal] | None = None) -> None:
+                 removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
         self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
+        # An admitted reset_gpu is carried out by the node's agent on a signed request, and its
+        # result arrives in the reports (NodeState.action_results).
+        self.agent_resets = agent_resets
 
     def members(self, label: str, value: str) -> list[str]:
         """Nodes whose topology label ``label`` (e.g. leaf_switch) equals ``value``."""

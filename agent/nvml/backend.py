@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pynvml import NVMLError
 
 from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.seams import CommandRunner, run_command
 
 if TYPE_CHECKING:
     from vigil.agent.config import NvmlConfig
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MHZ = 1_000_000.0
+# nvidia-smi --gpu-reset returns within seconds on a healthy board; past this it is stuck
+# (the agent passes node_actions.reset_timeout_seconds).
+RESET_TIMEOUT_SECONDS = 60.0
 _MIB = 1024 * 1024
 
 # Clock-event (throttle) reason bits, our short name -> pynvml constant name. Bits from NVML's
@@ -152,8 +156,11 @@ class _HealthError(Exception):
 class PynvmlBackend:
     """NVML for the agent. ``nvml`` is the pynvml module or a FakeNvml (same names, same units)."""
 
-    def __init__(self, nvml: ModuleType | FakeNvml) -> None:
+    def __init__(self, nvml: ModuleType | FakeNvml, run: CommandRunner | None = None) -> None:
         self._nvml: Any = nvml
+        # Runs nvidia-smi for reset_gpu: the real command, or over FakeNvml its imitation, so that a
+        # fake GPU is never reset by a real nvidia-smi and a scenario sees the reset.
+        self._run: CommandRunner = run or (nvml.nvidia_smi if isinstance(nvml, FakeNvml) else run_command)
         self._error = nvml.NVMLError
         self._not_supported = nvml.NVMLError_NotSupported
         self._timeout = nvml.NVMLError_Timeout
@@ -402,6 +409,20 @@ class PynvmlBackend:
                 recovery_errors=q(index, e, "nvmlDeviceGetNvLinkErrorCounter", h, link, recovery),
             ))
         return tuple(out)
+
+    # --- reset --------------------------------------------------------------------------------
+
+    def reset_gpu(self, index: int, timeout_seconds: float = RESET_TIMEOUT_SECONDS) -> str:
+        """Reset one GPU with ``nvidia-smi --gpu-reset -i <pci bus id>`` and return its output.
+        NVML has no public reset call (nvidia-smi uses a private one), so this runs the command
+        through the ``run`` seam, bounded by ``timeout_seconds``. Raises OSError or
+        subprocess.SubprocessError (the command's failure, its timeout) or the NVMLError of a GPU
+        that cannot be identified. nvidia-smi itself refuses a GPU a process holds; the caller
+        checks that first (agent/node_action_runner.py)."""
+        bus_id = self.identity(index).pci_bus_id
+        if not bus_id:
+            raise self._nvml.NVMLError_Unknown()
+        return self._run(["nvidia-smi", "--gpu-reset", "-i", bus_id], timeout_seconds)
 
     # --- Xid events ----------------------------------------------------------------------------
 

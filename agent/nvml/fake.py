@@ -14,6 +14,7 @@ import ctypes
 import hashlib
 import math
 import random
+import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,6 +107,9 @@ class FakeGpuHandle:
         self.load = scenario.load
         self.lost_at = math.inf
         self.reset_required_at = math.inf
+        # Scenario time of the last GPU reset (FakeNvml.nvidia_smi): faults scripted before it are
+        # cleared, as a reset clears them; later ones still happen.
+        self.reset_at = -math.inf
         self.windows: list[_Window] = []
         self.ecc_growth: list[_Growth] = []
         self.ecc_uncorrected: list[_Step] = []
@@ -206,8 +210,10 @@ class FakeNvml:
         self._unavailable_at = min((f.at_seconds for f in scenario.faults if f.kind == "nvml_unavailable"),
                                    default=math.inf)
         self._initialized = 0  # NVML counts nvmlInit calls; each needs an nvmlShutdown
-        # GPU index -> PIDs of compute processes on it (none by default: an idle node).
+        # GPU index -> PIDs of compute processes on it, set by a test or the simulator, on top of
+        # the scenario's ``processes`` (none by default: an idle node).
         self.running_pids: dict[int, list[int]] = {}
+        self.resets: list[tuple[int, float]] = []  # (GPU index, scenario time) of each reset
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the class does not define: constants pass through, functions fail.
@@ -440,19 +446,57 @@ class FakeNvml:
 
     def nvmlDeviceGetRemappedRows(self, handle: FakeGpuHandle) -> tuple[int, int, int, int]:
         t = self._device(handle, "nvmlDeviceGetRemappedRows")
-        pending_rows = handle.stepped(handle.remap_pending, t)
+        remapped_rows = handle.stepped(handle.remap_pending, t)
+        # A remap waits for the next GPU reset (rows scripted before the last reset are done);
+        # the failure means no spare row was left.
+        pending_rows = remapped_rows - handle.stepped(handle.remap_pending, handle.reset_at)
         failed = t >= handle.remap_failure_at
-        uncorrectable = pending_rows + handle.stepped(handle.ecc_uncorrected, t) + (1 if failed else 0)
-        # A remap waits for the next GPU reset; the failure means no spare row was left.
+        uncorrectable = remapped_rows + handle.stepped(handle.ecc_uncorrected, t) + (1 if failed else 0)
         return (0, uncorrectable, 1 if pending_rows else 0, 1 if failed else 0)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeGpuHandle) -> list[Any]:
         """The PIDs in ``running_pids[index]`` (set by a test or the simulator), as pynvml returns
         them: friendly objects with pid, usedGpuMemory (bytes), gpuInstanceId, computeInstanceId."""
-        self._device(handle, "nvmlDeviceGetComputeRunningProcesses")
+        t = self._device(handle, "nvmlDeviceGetComputeRunningProcesses")
         return [pynvml.nvmlStructToFriendlyObject(pynvml.c_nvmlProcessInfo_v3_t(
                     pid=pid, usedGpuMemory=60 << 30, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF))
-                for pid in self.running_pids.get(handle.index, ())]
+                for pid in self._pids(handle, t)]
+
+    def _pids(self, handle: FakeGpuHandle, t: float) -> list[int]:
+        """The compute processes on ``handle`` at scenario time ``t``: the test's, then the
+        scenario's that have started and not yet ended."""
+        scripted = [p.pid for p in self.scenario.processes
+                    if p.gpu == handle.index and p.from_seconds <= t
+                    and (p.until_seconds is None or t < p.until_seconds)]
+        return [*self.running_pids.get(handle.index, ()), *scripted]
+
+    # --- nvidia-smi --gpu-reset --------------------------------------------------------------
+
+    def nvidia_smi(self, argv: Sequence[str], timeout_seconds: float) -> str:
+        """A command runner (agent.seams.CommandRunner) imitating ``nvidia-smi --gpu-reset -i
+        <pci bus id>``, the one command the backend runs: like the real one it refuses (exit 1) a
+        GPU that compute processes hold or a bus id it does not know; otherwise the GPU's lost,
+        reset-required and remap-pending faults scripted so far are cleared, its processes are
+        gone, and the reset is recorded in ``resets`` as (index, scenario time)."""
+        args = list(argv)
+        if args[:2] != ["nvidia-smi", "--gpu-reset"] or len(args) != 4 or args[2] != "-i":
+            raise subprocess.CalledProcessError(2, args, output="", stderr="fake nvidia-smi: unsupported arguments")
+        t = self.now()
+        handle = next((h for h in self.handles if h.pci_bus_id.lower() == args[3].lower()), None)
+        if handle is None or t >= self._unavailable_at:
+            raise subprocess.CalledProcessError(
+                1, args, output="", stderr=f"No devices were found matching the given PCI bus id {args[3]}")
+        if self._pids(handle, t):
+            raise subprocess.CalledProcessError(
+                1, args, output=f"GPU {handle.pci_bus_id} is currently in use by another process.\n", stderr="")
+        handle.reset_at = t
+        if handle.lost_at <= t:
+            handle.lost_at = math.inf
+        if handle.reset_required_at <= t:
+            handle.reset_required_at = math.inf
+        self.running_pids.pop(handle.index, None)
+        self.resets.append((handle.index, t))
+        return f"GPU {handle.pci_bus_id} was successfully reset.\n"
 
     def nvmlDeviceGetPcieReplayCounter(self, handle: FakeGpuHandle) -> int:
         t = self._device(handle, "nvmlDeviceGetPcieReplayCounter")

@@ -144,12 +144,23 @@ FAULT_KINDS: tuple[str, ...] = (
 )
 
 
+class Process(_Strict):
+    """A compute process holding one GPU from ``from_seconds`` until ``until_seconds`` (None: for
+    ever): what NVML lists for the GPU, and what makes nvidia-smi refuse to reset it."""
+
+    gpu: int = Field(ge=0)
+    pid: int = Field(ge=1, le=4_194_304)  # Linux pid_max ceiling (PID_MAX_LIMIT, 2^22)
+    from_seconds: float = Field(default=0.0, ge=0)
+    until_seconds: float | None = Field(default=None, gt=0)
+
+
 class NodeScenario(_Strict):
     description: str = ""
     profile: str = "h100-sxm-80gb"
     gpus: int = Field(default=8, ge=1, le=8)
     load: Load = Load()
     faults: tuple[Fault, ...] = ()
+    processes: tuple[Process, ...] = ()
 
     @model_validator(mode="after")
     def _check_references(self) -> NodeScenario:
@@ -163,6 +174,9 @@ class NodeScenario(_Strict):
             link = getattr(fault, "link", None)
             if link is not None and link >= links:
                 raise ValueError(f"faults.{i}.link: {link} but {self.profile} has {links} NVLinks")
+        for i, process in enumerate(self.processes):
+            if process.gpu >= self.gpus:
+                raise ValueError(f"processes.{i}.gpu: {process.gpu} but the node has {self.gpus} GPUs")
         return self
 
 

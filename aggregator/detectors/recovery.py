@@ -2,13 +2,23 @@
 
 It reads the nodes vigil removed and has not given back (``FleetView.removed``: the gate's
 record, copied by the engine from the ledger) for a remediating action it follows (reboot_node by
-default; reset_gpu where configured), and each such node's reports since the remediation.
+default; reset_gpu where configured, and always when the agents reset GPUs), each such node's
+reports since the remediation, and the node-action results its agent reported
+(``NodeState.action_results``, by decision id).
 
 Evidence of the remediation: for reboot_node a NEW boot, i.e. the fleet saw the node's boot id
-change after the removal was admitted (``reboots > 0 and boot_started > removal ts``; a node whose
-first report after an aggregator restart is already from the new boot is never verified: it stays
-out for a person). For reset_gpu vigil cannot see the reset in the reports, so the evidence window
-starts at the removal itself (or at a new boot, if the node was rebooted meanwhile).
+change after the removal was admitted (``kernel_reboots > 0 and kernel_boot_started > removal
+ts``: the kernel part of the agent's boot id, so an agent restarted without a reboot is no
+evidence; a node whose first report after an aggregator restart is already from the new boot is
+never verified: it stays out for a person). For reset_gpu with agent resets on (``FleetView.agent_resets``:
+``actuators.slurm.reset_gpu``), the agent's ``done`` result for the removal's decision id: the
+window starts when the report carrying it arrived (the aggregator's clock, like every sample the
+window judges; the agent's own ts is in the evidence). Until then the node waits: a ``refused
+busy`` keeps it waiting (the GPU may free up once the drain lets the job end); a ``failed`` result,
+any other (final) refusal, or the request's expiry with no ``done`` proposes ``reboot_node``, the
+ladder's next rung (reset -> reboot -> inspect_hardware; the gate's cooldown and escalation history
+apply as to any removal). With agent resets off, vigil cannot see the reset in the reports, so the
+evidence window starts at the removal itself. Either way a new boot meanwhile starts it at the boot.
 
 Window and threshold: from that moment (``t_fix``) on, any of these is the fault again and the
 node goes to hardware inspection (``inspect_hardware``: a ticket, the alert/webhook actuators carry
@@ -35,7 +45,8 @@ from pydantic import Field, field_validator
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
-from vigil.aggregator.fleet import FleetView, NodeState, Removal, port_is_active
+from vigil.aggregator.fleet import ActionOutcome, FleetView, NodeState, Removal, port_is_active
+from vigil.aggregator.outbox import BUSY
 from vigil.aggregator.xid_catalog import XidCatalog, occurrence_action
 
 NAME = "recovery"
@@ -82,27 +93,39 @@ class RecoveryDetector:
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
+        # With agent resets on, a reset is seen (the agent's result): always followed.
+        follow = self.follow | {Action.RESET_GPU} if view.agent_resets else self.follow
         for name, removal in view.removed.items():
             node = view.nodes.get(name)
-            if node is None or removal.held or removal.action not in self.follow:
+            if node is None or removal.held or removal.action not in follow:
                 continue
-            finding = self._judge(node, removal, now)
+            finding = self._judge(node, removal, now, view.agent_resets)
             if finding is not None:
                 out.append(finding)
         return out
 
-    def _judge(self, node: NodeState, removal: Removal, now: float) -> Finding | None:
+    def _judge(self, node: NodeState, removal: Removal, now: float, agent_resets: bool = False) -> Finding | None:
         cfg = self.config
-        new_boot = node.reboots > 0 and node.boot_started > removal.ts
+        # A reboot is a new kernel boot id, not a restarted agent (wire.kernel_boot_id).
+        new_boot = node.kernel_reboots > 0 and node.kernel_boot_started > removal.ts
+        base: dict[str, object] = {
+            "removal": removal.decision, "removed_by": removal.action.value, "removed_ts": removal.ts,
+            "boot_id": node.boot_id, "boot_started": node.kernel_boot_started, "new_boot": new_boot}
         if new_boot:
-            t_fix = node.boot_started
+            t_fix = node.kernel_boot_started
+        elif removal.action is Action.RESET_GPU and agent_resets:
+            outcome = node.action_results.get(removal.decision)
+            if outcome is not None:
+                r = outcome.result
+                base["reset"] = {"outcome": r.outcome, "reason": r.reason, "detail": r.detail, "agent_ts": r.ts,
+                                 "received": outcome.received}
+            if outcome is None or outcome.result.outcome != "done":
+                return self._reset_not_done(node, removal, outcome, now, base)
+            t_fix = outcome.received
         elif removal.action is Action.RESET_GPU:
             t_fix = removal.ts
         else:
             return None  # not rebooted yet: nothing to verify
-        base: dict[str, object] = {
-            "removal": removal.decision, "removed_by": removal.action.value, "removed_ts": removal.ts,
-            "boot_id": node.boot_id, "boot_started": node.boot_started, "new_boot": new_boot}
         if now - node.last_seen > cfg.quiet_intervals * node.interval_seconds or node.last_seen < t_fix:
             return self._unverified(node, removal, t_fix, now, "no recent report", base)
         fault = self._fault(node, t_fix)
@@ -121,6 +144,30 @@ class RecoveryDetector:
                     f"GPU present, no fault since, RDMA ports active"),
             evidence={**base, "signal": "recovered", "verified_seconds": round(now - t_fix, 1),
                       "gpus": len(node.gpus)})
+
+    def _reset_not_done(self, node: NodeState, removal: Removal, outcome: ActionOutcome | None, now: float,
+                        base: dict[str, object]) -> Finding | None:
+        """The agent has not reported the reset done: escalate on a final failure or refusal or on
+        the request's expiry; otherwise (no result yet, or busy) wait, alerting once if it lasts."""
+        where = f"GPU {removal.gpu} on {node.name}" if removal.gpu is not None else node.name
+        result = outcome.result if outcome is not None else None
+        expires = node.action_expiry.get(removal.decision)
+        since: float | None = None
+        if outcome is not None and result is not None and not (result.outcome == "refused" and result.reason == BUSY):
+            since, key = outcome.received, "reset_failed"
+            what = f"the agent's reset of {where} {result.outcome} ({result.reason})"
+        elif expires is not None and now >= expires:
+            since, key = expires, "reset_expired"
+            what = (f"the agent did not report the reset of {where} done before its request expired"
+                    + (f" (last: {result.outcome} {result.reason})" if result is not None else ""))
+        if since is not None:
+            return Finding(
+                detector=NAME, node=node.name, action=Action.REBOOT_NODE, since=since, key=key, gpu=removal.gpu,
+                reason=f"{what}: rebooting instead",
+                evidence={**base, "signal": key, "request_expires": expires})
+        why = (f"GPU busy ({result.detail or 'held by a process'})" if result is not None
+               else "no reset result from the agent yet")
+        return self._unverified(node, removal, removal.ts, now, why, base)
 
     def _unverified(self, node: NodeState, removal: Removal, t_fix: float, now: float, why: str,
                     base: dict[str, object]) -> Finding | None:

@@ -63,7 +63,7 @@ def _names_emitted(agent: Agent, clock: Clock, times: list[float], feed: list[tu
         for c in agent.collectors:
             agent.snapshot.put(c.name, collect_once(c, clock.t))
         for source in (agent.snapshot.samples, agent.runner.self_samples, agent.reporter.samples,
-                       agent.heartbeats.samples, agent.connections.samples):
+                       agent.heartbeats.samples, agent.connections.samples, agent.node_actions.samples):
             names.update(s.name for s in source())
     # NVML's Xid event worker waits in real time while this clock is fake: give it real time,
     # collecting again until nothing new has appeared for longer than its 0.5 s wait (bounded at 5 s).

@@ -75,6 +75,25 @@ def test_same_boot_id_means_not_rebooted_yet_so_nothing() -> None:
     assert judge(fleet, last) == []
 
 
+def test_an_agent_restart_without_a_reboot_is_no_evidence() -> None:
+    """The agent's boot id is the kernel's plus a per-start nonce (agent/daemon.py): a new nonce
+    alone means the agent restarted on the same boot, which fixes nothing; a new kernel part is
+    the reboot."""
+    kernel, fresh_kernel = "0123456789abcdef", "fedcba9876543210"
+    node = FakeNode("n1")
+    node.boot_id = f"{kernel}-00000001"
+    fleet = Fleet()
+    run(fleet, node, 0.0, REMOVED_AT)
+    node.boot_id = f"{kernel}-00000002"  # `systemctl restart vigil-agent`, no reboot
+    last = run(fleet, node, REMOVED_AT + 30.0, REMOVED_AT + 600.0)
+    assert judge(fleet, last) == []
+    node.boot_id = f"{fresh_kernel}-00000003"  # now the machine rebooted
+    back = last + 120.0
+    last = run(fleet, node, back, back + 62.5)
+    [f] = judge(fleet, last)
+    assert f.action is Action.RESUME and f.since == back and f.evidence["new_boot"] is True
+
+
 def test_a_reboot_before_the_removal_is_not_the_remediation() -> None:
     node = FakeNode("n1")
     fleet = Fleet()

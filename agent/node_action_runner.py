@@ -1,0 +1,277 @@
+"""The node-action runner: carries out what the aggregator asks of this node, if every check passes.
+
+It reads one signed ``NodeActionRequest`` (agent/node_actions.py: the table, the key, the
+signature), checks it in a fixed order (allowed by ``node_actions.allow``, this node, this boot,
+not expired, signed under this node's key, for ``reset_gpu`` the named GPU and that no compute
+process holds it) and then runs it: a GPU reset through the NVML backend's ``reset_gpu``, or a
+reboot request as the reboot daemon's sentinel file. It returns a ``NodeActionResult`` and counts
+it in ``vigil_agent_node_actions_total``; every refusal is logged. It runs nothing it was not
+asked for, nothing twice for one id in a boot, and never reboots anything itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import Field, field_validator, model_validator
+
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.node_actions import NODE_ACTIONS, signature_ok
+from vigil.agent.validation import StrictModel
+from vigil.agent.wire import NodeActionName, NodeActionOutcome, NodeActionRequest, NodeActionResult
+
+log = logging.getLogger("vigil.agent.node_actions")
+
+# kured's default sentinel (https://kured.dev/docs/configuration/, --reboot-sentinel): its
+# presence makes kured drain and reboot the node under its own cluster-wide lock.
+DEFAULT_REBOOT_SENTINEL = "/var/run/reboot-required"
+# nvidia-smi --gpu-reset returns within seconds on a healthy board; past this it is stuck.
+RESET_TIMEOUT_SECONDS = 60.0
+# How far the aggregator's clock may run ahead of this node's: a request issued up to this long
+# "in the future" is still taken. NTP keeps a fleet within milliseconds; a minute covers a node
+# whose clock is plainly wrong without widening the replay window much.
+CLOCK_SKEW_SECONDS = 60.0
+# Request ids remembered per boot (repeats get their first result): far more than a node sees in
+# flight (one per GPU), so a repeat within any realistic retry window is answered, not re-run.
+REMEMBERED_IDS = 256
+# The node key file holds the 32-byte node key as hex (node_actions.node_key; `vigil token`).
+NODE_KEY_HEX_CHARS = 64
+# Health states in which NVML cannot list a GPU's processes because the GPU itself is faulted: a
+# reset is what they need, and nvidia-smi refuses to reset a GPU a process holds on its own.
+_FAULTED = ("lost", "reset_required")
+# nvidia-smi's answer when a process holds the GPU it was asked to reset ("GPU 00000000:4C:00.0 is
+# currently in use by another process."): a busy GPU, not a failed reset.
+_IN_USE = "in use by another process"
+# Refusals that may pass on a later offer (the job holding the GPU ends): not remembered, so the
+# aggregator's next offer of the same id is checked afresh (aggregator/outbox.py keeps a busy
+# request pending and offers it again). Every other result is final for its id in this boot.
+_TRANSIENT_REASONS = frozenset({"busy", "processes_unknown"})
+
+OUTCOMES = ("done", "refused", "failed", "repeat")
+REASONS = ("done", "not_allowed", "wrong_node", "stale_boot", "expired", "bad_signature", "unknown_gpu",
+           "busy", "processes_unknown", "command_failed", "write_failed")
+NODE_ACTIONS_TOTAL = MetricSpec(
+    "vigil_agent_node_actions_total", MetricKind.COUNTER,
+    "Node actions the aggregator asked for, by action and outcome: done, refused (a check failed, nothing "
+    "was run), failed (it ran and did not succeed) or repeat (an id already handled this boot: its first "
+    "result sent again, nothing run); reason says which check or failure (not_allowed, wrong_node, "
+    "stale_boot, expired, bad_signature, unknown_gpu, busy, processes_unknown, command_failed, write_failed).",
+    labels=("action", "outcome", "reason"))
+NODE_ACTION_SPECS = (NODE_ACTIONS_TOTAL,)
+
+
+class NodeActionsConfig(StrictModel):
+    # Nothing is allowed unless listed here: an agent does no node action by default.
+    allow: list[NodeActionName] = Field(default_factory=list)
+    # This node's key (64 hex characters: HMAC-SHA256 of the node's name under the aggregator's
+    # node-action master key, written by `vigil token node-key`). Requests are verified with it; required
+    # when `allow` lists anything.
+    key_file: str | None = None
+    # nvidia-smi --gpu-reset is stopped (and the action reported failed) after this long.
+    reset_timeout_seconds: float = Field(default=RESET_TIMEOUT_SECONDS, gt=0, le=600)
+    # request_reboot writes this file; the site's reboot daemon (kured by default) does the rest.
+    reboot_sentinel_path: str = DEFAULT_REBOOT_SENTINEL
+
+    @field_validator("allow")
+    @classmethod
+    def _no_repeats(cls, allow: list[str]) -> list[str]:
+        if len(set(allow)) != len(allow):
+            raise ValueError("lists an action twice")
+        return allow
+
+    @field_validator("reboot_sentinel_path")
+    @classmethod
+    def _absolute(cls, path: str) -> str:
+        if not Path(path).is_absolute():
+            raise ValueError("must be an absolute path")
+        return path
+
+    @model_validator(mode="after")
+    def _allow_needs_key(self) -> NodeActionsConfig:
+        if self.allow and not self.key_file:
+            raise ValueError("node_actions.allow needs node_actions.key_file (the node key requests are signed with)")
+        return self
+
+
+def read_node_key(path: str | Path) -> bytes:
+    """The node key in ``path`` (64 hex characters, surrounding whitespace ignored); ValueError
+    naming the file otherwise, OSError if it cannot be read."""
+    text = Path(path).read_text().strip()
+    if len(text) != NODE_KEY_HEX_CHARS:
+        raise ValueError(f"{path}: a node key is {NODE_KEY_HEX_CHARS} hex characters, got {len(text)} characters")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{path}: a node key is {NODE_KEY_HEX_CHARS} hex characters (0-9, a-f)") from None
+
+
+class GpuBackend(Protocol):
+    """What the runner needs of the NVML backend (agent/nvml/backend.py's PynvmlBackend)."""
+
+    def device_count(self) -> int: ...
+    def identity(self, index: int) -> Any: ...
+    def running_pids(self, index: int) -> list[int] | None: ...
+    def read(self, index: int, *, nvlinks: bool = True) -> Any: ...
+    def reset_gpu(self, index: int, timeout_seconds: float = ...) -> str: ...
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+class NodeActionRunner:
+    """Checks and runs node action requests for one node and boot. ``handle`` blocks (a GPU reset
+    takes seconds): call it off the event loop. Thread-safe; requests run one at a time."""
+
+    def __init__(self, config: NodeActionsConfig, *, node: str, boot_id: str, nvml: GpuBackend | None,
+                 clock: Callable[[], float]) -> None:
+        self._config = config
+        self._node = node
+        self._boot_id = boot_id
+        self._nvml = nvml
+        self._clock = clock
+        self._key = read_node_key(config.key_file) if config.key_file else None
+        self._lock = threading.Lock()
+        self._handled: OrderedDict[str, NodeActionResult] = OrderedDict()
+        self._counts: dict[tuple[str, str, str], int] = {}
+
+    def samples(self) -> list[Sample]:
+        with self._lock:
+            counts = dict(self._counts)
+        # A zero for each action's "done", so the series exists before anything was asked.
+        for action in NODE_ACTIONS:
+            counts.setdefault((action, "done", "done"), 0)
+        return [Sample.of(NODE_ACTIONS_TOTAL, n, action=a, outcome=o, reason=r) for (a, o, r), n in counts.items()]
+
+    def handle(self, request: NodeActionRequest) -> NodeActionResult:
+        """The result of ``request``: checked, then run if every check passed."""
+        with self._lock:
+            authentic = self._key is not None and signature_ok(request, self._key)
+            first = self._handled.get(request.id) if authentic else None
+            if first is not None:
+                self._count(request.action, "repeat", first.reason)
+                log.info("node action %s (%s) already handled in this boot: its result (%s) sent again, "
+                         "nothing run", request.id, request.action, first.outcome)
+                return first
+            try:
+                self._check(request, authentic)
+            except _Refused as refused:
+                result = self._result(request, "refused", refused.reason, refused.detail)
+            else:
+                result = self._run(request)
+            # A forged request cannot claim an id and so void the real one; a busy GPU is asked again.
+            if authentic and result.reason not in _TRANSIENT_REASONS:
+                self._handled[request.id] = result
+                while len(self._handled) > REMEMBERED_IDS:
+                    self._handled.popitem(last=False)
+            self._count(request.action, result.outcome, result.reason)
+            level = logging.INFO if result.outcome == "done" else logging.WARNING
+            log.log(level, "node action %s %s%s for %s: %s (%s)%s", request.id, request.action,
+                    "" if request.gpu is None else f" on GPU {request.gpu}", request.node, result.outcome,
+                    result.reason, f": {result.detail}" if result.detail else "")
+            return result
+
+    # --- checks, in order -------------------------------------------------------------------
+
+    def _check(self, request: NodeActionRequest, authentic: bool) -> None:
+        if request.action not in NODE_ACTIONS or request.action not in self._config.allow:
+            raise _Refused("not_allowed", f"{request.action} is not in this agent's node_actions.allow")
+        if self._key is None:
+            raise _Refused("not_allowed", "no node_actions.key_file: this agent cannot verify requests")
+        if request.node != self._node:
+            raise _Refused("wrong_node", f"addressed to {request.node}, this is {self._node}")
+        if request.boot_id != self._boot_id:
+            raise _Refused("stale_boot", f"issued for boot {request.boot_id}, this boot is {self._boot_id}")
+        now = self._clock()
+        if not request.issued_at - CLOCK_SKEW_SECONDS <= now <= request.expires_at:
+            raise _Refused("expired", f"valid from {request.issued_at:.0f} (less {CLOCK_SKEW_SECONDS:.0f} s skew) "
+                                      f"to {request.expires_at:.0f}, now {now:.0f}")
+        if not authentic:
+            raise _Refused("bad_signature", "signature does not verify under this node's key")
+        if NODE_ACTIONS[request.action].needs_gpu:
+            self._check_gpu(request)
+
+    def _check_gpu(self, request: NodeActionRequest) -> None:
+        nvml, index = self._nvml, request.gpu
+        if nvml is None:
+            raise _Refused("unknown_gpu", "NVML is not available on this node")
+        if index is None or not request.gpu_uuid:
+            raise _Refused("unknown_gpu", "the request names no GPU index and uuid")
+        try:
+            count = nvml.device_count()
+            uuid = nvml.identity(index).uuid if index < count else None
+        except Exception as exc:  # noqa: BLE001 - any NVMLError: the GPU cannot be identified
+            raise _Refused("unknown_gpu", f"cannot read GPU {index}'s uuid from NVML: {exc}") from None
+        if uuid is None:
+            raise _Refused("unknown_gpu", f"no GPU {index} on this node ({count} GPUs)")
+        if uuid != request.gpu_uuid:
+            raise _Refused("unknown_gpu", f"GPU {index} is {uuid}, not {request.gpu_uuid}")
+        pids = nvml.running_pids(index)
+        if pids:
+            raise _Refused("busy", f"compute processes on GPU {index}: pids {', '.join(map(str, sorted(pids)))}")
+        if pids is None:
+            health = nvml.read(index, nvlinks=False).health
+            if health not in _FAULTED:
+                raise _Refused("processes_unknown", f"NVML cannot list GPU {index}'s processes (health {health})")
+            # A lost or reset-required GPU answers no NVML query; nvidia-smi checks for users itself.
+
+    # --- running ----------------------------------------------------------------------------
+
+    def _run(self, request: NodeActionRequest) -> NodeActionResult:
+        if request.action == "reset_gpu":
+            assert self._nvml is not None and request.gpu is not None  # _check_gpu
+            try:
+                output = self._nvml.reset_gpu(request.gpu, timeout_seconds=self._config.reset_timeout_seconds)
+            except subprocess.TimeoutExpired:
+                return self._result(request, "failed", "command_failed",
+                                    f"nvidia-smi --gpu-reset did not finish in {self._config.reset_timeout_seconds} s")
+            except subprocess.CalledProcessError as exc:
+                said = " ".join(str(part).strip() for part in (exc.stderr, exc.output) if part)
+                if _IN_USE in said:  # nvidia-smi saw a process NVML could not list: nothing was reset
+                    return self._result(request, "refused", "busy", said)
+                return self._result(request, "failed", "command_failed", f"{exc}{': ' + said if said else ''}")
+            except Exception as exc:  # noqa: BLE001 - OSError (no nvidia-smi), an NVMLError reading the bus id
+                return self._result(request, "failed", "command_failed", f"{type(exc).__name__}: {exc}")
+            return self._result(request, "done", "done", output.strip())
+        path = self._config.reboot_sentinel_path
+        try:
+            _write_atomically(Path(path), f"vigil node action {request.id}: {request.reason}\n")
+        except OSError as exc:
+            return self._result(request, "failed", "write_failed", f"cannot write {path}: {exc}")
+        return self._result(request, "done", "done", f"wrote {path}")
+
+    def _result(self, request: NodeActionRequest, outcome: NodeActionOutcome, reason: str,
+                detail: str) -> NodeActionResult:
+        return NodeActionResult(id=request.id, action=request.action, gpu=request.gpu, outcome=outcome,
+                                reason=reason, detail=detail, ts=self._clock())
+
+    def _count(self, action: str, outcome: str, reason: str) -> None:
+        key = (action, outcome, reason)
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or not at all: written beside it, then renamed over it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

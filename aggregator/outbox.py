@@ -1,0 +1,321 @@
+"""The node-action outbox: the one owner of the requests the aggregator has for nodes' agents.
+
+It takes an admitted reset_gpu decision once its Slurm drain was delivered (``on_delivered``) and
+turns it into a ``NodeActionRequest`` for that node's current boot and GPU, signed under the
+node's key (``node_key(master key, node)``); ``due`` says which requests to offer in the answer
+to a node's report (again every ``retry_seconds`` until a final result or expiry), and ``record``
+takes the node's ``action_results``, handing the ones it knows to the fleet for the recovery
+detector. It judges nothing (the recovery detector verifies the reset), runs nothing on any node,
+and keeps its state in memory only (an aggregator restart forgets pending requests: the recovery
+detector then alerts on the unverified node). Every refused or unknown result is logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector as PromCollector
+from pydantic import Field
+
+from vigil.agent.node_actions import NODE_ACTIONS, node_key, sign
+from vigil.agent.validation import ConfigError, StrictModel
+from vigil.agent.wire import MAX_REQUESTS_PER_RESPONSE, NodeActionRequest, NodeActionResult
+from vigil.aggregator.decision import Action, Decision
+
+if TYPE_CHECKING:
+    from vigil.aggregator.config import AggregatorConfig
+    from vigil.aggregator.fleet import Fleet
+
+log = logging.getLogger("vigil.aggregator.outbox")
+
+# A master key is 256 random bits written as hex (``vigil token master-key``); a node key
+# file holds HMAC-SHA256(master, label + node) as hex too.
+MIN_KEY_BYTES = 32
+# The agent's refusal that keeps a request pending: the GPU is held by a process, which may end
+# once Slurm's drain lets the job finish. Every other refusal is final.
+BUSY = "busy"
+# Metric label bounds: an agent's free-text reason becomes a label only if it is one short word,
+# and only this many distinct ones (a misbehaving agent cannot create series at will).
+_REASON_LABEL = re.compile(r"[a-z][a-z0-9_]{0,31}")
+MAX_REASON_LABELS = 32
+OTHER = "other"
+# Ids of finished requests remembered, so a result the agent repeats (its report's answer was
+# lost) is known as a repeat rather than counted as an unknown id.
+FINISHED_MEMORY = 4096
+# Expired requests are looked for across all nodes at most this often (a node that never reports
+# again still has its request expire and counted).
+SWEEP_SECONDS = 1.0
+
+
+class NodeActionsConfig(StrictModel):
+    """``node_actions``: signing and pacing of requests to agents (README "Security")."""
+
+    # The master key (hex, ``vigil token master-key --out FILE``); each node holds only its
+    # derived key. None: no node action is ever requested.
+    key_file: str | None = None
+    # A request not carried out within this long is void (the agent refuses it as expired) and
+    # the recovery detector escalates: an hour covers a job that ends after the drain.
+    request_ttl_seconds: float = Field(default=3600.0, gt=0, le=7 * 86400)
+    # Offered again this long after the last offer while no final result arrived (a lost answer,
+    # an agent restart, a GPU that was busy): 12 reports at the agent's 2.5 s cadence.
+    retry_seconds: float = Field(default=30.0, gt=0)
+    # Bounds: one request per GPU is the most a node ever has in flight.
+    max_pending_per_node: int = Field(default=MAX_REQUESTS_PER_RESPONSE, ge=1, le=1024)
+    max_pending_total: int = Field(default=4096, ge=1, le=1_000_000)
+
+
+def read_key_file(path: str | Path, what: str = "node action master key") -> bytes:
+    """The key in ``path`` (hex text, at least 32 bytes); ConfigError naming the file if not."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror or exc}") from None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError(f"{what} file {path} does not hold a hex key (vigil token master-key)") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(f"{what} file {path} holds {len(key)} bytes; at least {MIN_KEY_BYTES} are needed")
+    return key
+
+
+def agent_resets_enabled(config: AggregatorConfig) -> bool:
+    """Whether an admitted reset_gpu becomes a request to the node's agent (after the drain)."""
+    acts = config.actuators
+    return bool(acts.enabled and acts.slurm.enabled and acts.slurm.reset_gpu and config.node_actions.key_file)
+
+
+@dataclass
+class _Entry:
+    request: NodeActionRequest  # signed
+    last_offered: float | None = None
+    last_result: NodeActionResult | None = None
+
+
+def _final(result: NodeActionResult) -> bool:
+    return not (result.outcome == "refused" and result.reason == BUSY)
+
+
+class Outbox:
+    """Pending requests per node. Single-threaded use (the app's event loop)."""
+
+    def __init__(self, master_key: bytes | None, config: NodeActionsConfig | None = None,
+                 fleet: Fleet | None = None) -> None:
+        self.config = config or NodeActionsConfig()
+        self._master = master_key
+        self.fleet = fleet
+        self._pending: dict[str, dict[str, _Entry]] = {}  # node -> id -> entry
+        self._finished: OrderedDict[str, str] = OrderedDict()  # id -> node
+        self._last_sweep = float("-inf")
+        self._reasons: set[str] = set()
+        self.offered: Counter[str] = Counter()  # action -> requests offered
+        self.results: Counter[tuple[str, str, str]] = Counter()  # (action, outcome, reason)
+        self.not_queued: Counter[tuple[str, str]] = Counter()  # (action, reason): decisions not turned into requests
+
+    @classmethod
+    def from_config(cls, config: AggregatorConfig, fleet: Fleet | None = None) -> Outbox:
+        """Enabled (holding the master key) only when ``agent_resets_enabled``; raises ConfigError
+        when the key file cannot be read."""
+        key = read_key_file(config.node_actions.key_file) \
+            if agent_resets_enabled(config) and config.node_actions.key_file else None
+        return cls(key, config.node_actions, fleet)
+
+    @property
+    def enabled(self) -> bool:
+        return self._master is not None
+
+    def pending(self) -> int:
+        return sum(len(entries) for entries in self._pending.values())
+
+    # Requests -----------------------------------------------------------------------------------
+
+    def on_delivered(self, actuator: str, decision: Decision, now: float) -> None:
+        """The dispatcher's hook: a reset_gpu decision the Slurm actuator delivered (the node is
+        drained) becomes a request to the node's agent."""
+        if actuator == "slurm" and decision.action is Action.RESET_GPU and not decision.dry_run:
+            self.enqueue(decision, now)
+
+    def _not_queued(self, decision: Decision, reason: str, why: str) -> None:
+        self.not_queued[(decision.action.value, reason)] += 1
+        log.error("node action %s (%s %s gpu %s) not requested: %s", decision.id, decision.action.value,
+                  decision.node, decision.gpu, why)
+
+    def enqueue(self, decision: Decision, now: float) -> NodeActionRequest | None:
+        """The signed request for ``decision`` (id = the decision id, for the node's current boot),
+        or None when it cannot be made (counted, logged) or is already queued or finished."""
+        self._sweep(now)
+        if self._master is None:
+            return None
+        action = decision.action.value
+        if action not in NODE_ACTIONS:
+            self._not_queued(decision, "unknown_action", f"{action} is not a node action")
+            return None
+        node_pending = self._pending.get(decision.node, {})
+        if decision.id in node_pending or decision.id in self._finished:
+            return None  # delivered again (at least once): the first request stands
+        node = self.fleet.view().nodes.get(decision.node) if self.fleet is not None else None
+        if node is None:
+            self._not_queued(decision, "unknown_node", "the node has no state in the fleet")
+            return None
+        gpu_uuid = None
+        if NODE_ACTIONS[action].needs_gpu:
+            gpu = node.gpus.get(decision.gpu) if decision.gpu is not None else None
+            if gpu is None:
+                self._not_queued(decision, "no_gpu", "the decision names no GPU the node reported")
+                return None
+            gpu_uuid = gpu.uuid
+        if len(node_pending) >= self.config.max_pending_per_node or self.pending() >= self.config.max_pending_total:
+            self._not_queued(decision, "outbox_full", f"{len(node_pending)} pending for the node, {self.pending()} "
+                             f"in all (node_actions.max_pending_per_node/max_pending_total)")
+            return None
+        request = NodeActionRequest(
+            id=decision.id, action=action, node=decision.node, boot_id=node.boot_id,
+            gpu=decision.gpu if gpu_uuid is not None else None, gpu_uuid=gpu_uuid, issued_at=now,
+            expires_at=now + self.config.request_ttl_seconds, reason=decision.reason)
+        signed = sign(request, node_key(self._master, decision.node))
+        self._pending.setdefault(decision.node, {})[decision.id] = _Entry(signed)
+        if self.fleet is not None:
+            self.fleet.note_action_request(signed)
+        log.info("node action %s queued: %s %s gpu %s (%s), boot %s, expires in %.0f s", signed.id, action,
+                 signed.node, signed.gpu, signed.gpu_uuid, signed.boot_id, self.config.request_ttl_seconds)
+        return signed
+
+    def due(self, node: str, now: float, boot_id: str | None = None) -> list[NodeActionRequest]:
+        """The signed requests to offer ``node`` in this answer: never offered, or last offered
+        ``retry_seconds`` ago; at most ``MAX_REQUESTS_PER_RESPONSE``. ``boot_id``: the boot the
+        node reports from; a request for an earlier boot is void (the reboot reset every GPU)."""
+        self._sweep(now)
+        entries = self._pending.get(node)
+        if not entries:
+            return []
+        out: list[NodeActionRequest] = []
+        for entry in list(entries.values()):
+            request = entry.request
+            if boot_id is not None and request.boot_id != boot_id:
+                self._finish(node, request.id, request.action, "void", "new_boot",
+                             f"the node rebooted (boot {boot_id}, request for {request.boot_id})")
+                continue
+            if len(out) >= MAX_REQUESTS_PER_RESPONSE:
+                continue
+            if entry.last_offered is None or now - entry.last_offered >= self.config.retry_seconds:
+                entry.last_offered = now
+                self.offered[request.action] += 1
+                out.append(request)
+        return out
+
+    # Results ------------------------------------------------------------------------------------
+
+    def record(self, node: str, results: Iterable[NodeActionResult], now: float) -> list[NodeActionResult]:
+        """Take a node's reported results; returns those for requests this outbox made for that
+        node (also handed to the fleet). Unknown ids are counted (reason unknown_id) and ignored."""
+        accepted: list[NodeActionResult] = []
+        for result in results:
+            entry = self._pending.get(node, {}).get(result.id)
+            if entry is None:
+                if self._finished.get(result.id) == node:
+                    log.debug("node action %s: result repeated by %s, already final", result.id, node)
+                    continue
+                self._count(result.action, result.outcome, "unknown_id")
+                log.warning("node action result from %s for unknown id %r (%s %s %s): ignored", node,
+                            result.id[:64], result.action, result.outcome, result.reason)
+                continue
+            if result.action != entry.request.action:
+                self._count(result.action, result.outcome, "action_mismatch")
+                log.warning("node action result from %s for %s says action %r, the request was %s: ignored",
+                            node, result.id, result.action, entry.request.action)
+                continue
+            self._count(result.action, result.outcome, result.reason)
+            entry.last_result = result
+            accepted.append(result)
+            line = (f"node action {result.id} on {node}: {result.action} gpu {result.gpu} {result.outcome} "
+                    f"({result.reason}){': ' + result.detail if result.detail else ''}")
+            if result.outcome == "done":
+                log.info("%s", line)
+            elif _final(result):
+                log.error("%s", line)
+            else:
+                log.warning("%s; offered again in %.0f s until it expires", line, self.config.retry_seconds)
+            if _final(result):
+                self._forget(node, result.id)
+        if accepted and self.fleet is not None:
+            self.fleet.record_action_results(node, accepted, now)
+        return accepted
+
+    def _count(self, action: str, outcome: str, reason: str) -> None:
+        action = action if action in NODE_ACTIONS else OTHER
+        if reason not in self._reasons:
+            if _REASON_LABEL.fullmatch(reason) is None or len(self._reasons) >= MAX_REASON_LABELS:
+                reason = OTHER
+            else:
+                self._reasons.add(reason)
+        self.results[(action, outcome, reason)] += 1
+
+    def _forget(self, node: str, request_id: str) -> None:
+        entries = self._pending.get(node, {})
+        entries.pop(request_id, None)
+        if not entries:
+            self._pending.pop(node, None)
+        self._finished[request_id] = node
+        while len(self._finished) > FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+
+    def _finish(self, node: str, request_id: str, action: str, outcome: str, reason: str, why: str) -> None:
+        """End a request without an agent's final result (expired, void), counted and logged."""
+        self._count(action, outcome, reason)
+        log.error("node action %s on %s (%s) %s: %s", request_id, node, action, outcome, why)
+        self._forget(node, request_id)
+
+    def _sweep(self, now: float) -> None:
+        if now - self._last_sweep < SWEEP_SECONDS:
+            return
+        self._last_sweep = now
+        for node, entries in list(self._pending.items()):
+            for entry in list(entries.values()):
+                if now >= entry.request.expires_at:
+                    last = entry.last_result
+                    self._finish(node, entry.request.id, entry.request.action, "expired",
+                                 "no_final_result", f"no final result by {entry.request.expires_at:.0f}"
+                                 + (f" (last: {last.outcome} {last.reason})" if last else " (no result)"))
+
+    # Metrics ------------------------------------------------------------------------------------
+
+    def collector(self) -> PromCollector:
+        return _OutboxMetrics(self)
+
+
+class _OutboxMetrics(PromCollector):
+    def __init__(self, outbox: Outbox) -> None:
+        self._outbox = outbox
+
+    def collect(self) -> Iterator[Metric]:
+        box = self._outbox
+        offered = CounterMetricFamily("vigil_aggregator_node_action_requests",
+                                      "Signed node-action requests offered to agents in answers to their "
+                                      "reports (a re-offer counts again).", labels=["action"])
+        for action in sorted(NODE_ACTIONS):
+            offered.add_metric([action], box.offered.get(action, 0))
+        yield offered
+        results = CounterMetricFamily("vigil_aggregator_node_action_results",
+                                      "Node-action results, by action, outcome (done, refused, failed as the agent "
+                                      "reported; expired, void: ended by the aggregator) and reason (unknown_id: "
+                                      "no such request for that node, ignored).",
+                                      labels=["action", "outcome", "reason"])
+        for (action, outcome, reason), n in sorted(box.results.items()):
+            results.add_metric([action, outcome, reason], n)
+        yield results
+        not_queued = CounterMetricFamily("vigil_aggregator_node_action_not_requested",
+                                         "Delivered decisions that could not become a node-action request, by "
+                                         "action and reason (no_gpu, unknown_node, outbox_full).",
+                                         labels=["action", "reason"])
+        for (action, reason), n in sorted(box.not_queued.items()):
+            not_queued.add_metric([action, reason], n)
+        yield not_queued
+        yield GaugeMetricFamily("vigil_aggregator_node_actions_pending",
+                                "Node-action requests waiting for a final result.", value=box.pending())
