@@ -6,6 +6,10 @@ the fixture yields a ``SlurmCluster`` (``.nodes``, ``.sinfo_state(node)``, ``.re
 ``.scontrol``, ``.env``, ``.run``). Each daemon runs in the foreground as our child, is stopped by
 its pid and reaped; the whole start is bounded in time, and the fixture skips with the reason
 when a binary is missing or the cluster does not come up.
+
+``start_cluster`` also takes slurm.conf lines of its own (``extra_conf``: a RebootProgram,
+ResumeTimeout) and ``ReturnToService``. Daemons that a RebootProgram starts again (not our
+children) leave a pidfile (tests/pidfile.py) in ``restarted_dir``; ``stop()`` stops those too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.loopback import free_port
+from tests.pidfile import stop_pidfile
 
 BINARIES = ("munged", "slurmctld", "slurmd", "scontrol", "sinfo", "sbatch", "squeue")
 # Debian puts the daemons in /usr/sbin, which a non-login PATH may lack.
@@ -49,6 +54,11 @@ class SlurmCluster:
     sbatch: str
     squeue: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def restarted_dir(self) -> Path:
+        """Where a RebootProgram leaves "<pid> <start ticks>" pidfiles of the daemons it started."""
+        return self.root / "restarted"
 
     def run(self, argv: Sequence[str], timeout_seconds: float = 10.0) -> str:
         """A ``CommandRunner`` (agent/seams.py) pointed at this cluster."""
@@ -96,6 +106,11 @@ class SlurmCluster:
                 self.wait_for("jobs to end", lambda: not self.run([self.squeue, "-h", "-o", "%i"], 5).split(), 15)
         except (AssertionError, OSError, subprocess.SubprocessError):
             pass  # the controller is already gone; stop the daemons regardless
+        # Daemons a RebootProgram started again (detached, so not in procs): slurmds, agents; a
+        # reboot still under way ("*-reboot.pid") first, so it starts nothing more.
+        pidfiles = self.restarted_dir.glob("*.pid")
+        for pidfile in sorted(pidfiles, key=lambda p: (not p.name.endswith("-reboot.pid"), p.name)):
+            stop_pidfile(pidfile)
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -128,15 +143,19 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SelectType=select/linear
 MpiDefault=none
-ReturnToService=2
+ReturnToService={return_to_service}
 SlurmctldTimeout=10
 SlurmdTimeout=30
 {node_lines}
 PartitionName=gpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
+{extra_conf}
 """
 
 
-def start_cluster(root: Path, nodes: Sequence[str] = NODE_NAMES) -> SlurmCluster:
+def start_cluster(root: Path, nodes: Sequence[str] = NODE_NAMES, *, return_to_service: int = 2,
+                  extra_conf: Sequence[str] = ()) -> SlurmCluster:
+    """``return_to_service``: slurm.conf's ReturnToService (2: a DOWN node returns on any valid
+    registration); ``extra_conf``: further slurm.conf lines, e.g. ``RebootProgram=...``."""
     paths = {name: _which(name) for name in (*BINARIES, "scancel")}
     missing = [name for name, path in paths.items() if path is None]
     if missing:
@@ -144,7 +163,7 @@ def start_cluster(root: Path, nodes: Sequence[str] = NODE_NAMES) -> SlurmCluster
             f"Slurm test cluster needs {', '.join(missing)} (apt-get install munge slurmctld slurmd slurm-client)"
         )
     bins = {name: str(path) for name, path in paths.items()}
-    for sub in ("state", "spool"):
+    for sub in ("state", "spool", "restarted"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
@@ -157,7 +176,8 @@ def start_cluster(root: Path, nodes: Sequence[str] = NODE_NAMES) -> SlurmCluster
     conf = root / "slurm.conf"
     conf.write_text(
         SLURM_CONF.format(
-            root=root, ctld_port=_free_port(), user=getpass.getuser(), node_lines=node_lines, nodes=",".join(nodes)
+            root=root, ctld_port=_free_port(), user=getpass.getuser(), node_lines=node_lines, nodes=",".join(nodes),
+            return_to_service=return_to_service, extra_conf="\n".join(extra_conf),
         )
     )
     env = {**os.environ, "SLURM_CONF": str(conf), "PATH": SEARCH_PATH}

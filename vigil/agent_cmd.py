@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from vigil.log_format import add_log_args, configure_logging
@@ -25,6 +26,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--aggregator", metavar="URL", help="aggregator base URL (overrides aggregator.url)")
     p.add_argument("--token-file", metavar="FILE", help="bearer token for the aggregator")
     p.add_argument("--kmsg", metavar="FILE", help="follow FILE instead of the kernel log (drills, tests)")
+    p.add_argument("--boot-id-file", metavar="FILE",
+                   help="read the boot id from FILE instead of /proc/sys/kernel/random/boot_id (drills, tests)")
     p.add_argument("--sysfs-root", metavar="DIR", help="sysfs mount point (default /sys)")
     add_log_args(p)
     p.add_argument("--check", action="store_true",
@@ -67,7 +70,7 @@ def _check(config: Any, source: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vigil.agent.daemon import Agent, make_seams
+    from vigil.agent.daemon import BOOT_ID_PATH, Agent, make_seams
     from vigil.agent.validation import ConfigError
 
     configure_logging(args.log_level, args.log_format)
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         return _check(config, args.config or "flags")
     try:
         seams = make_seams(config, kmsg=args.kmsg, sysfs_root=args.sysfs_root)
-        agent = Agent(config, seams)
+        agent = Agent(config, seams, boot_id_path=Path(args.boot_id_file) if args.boot_id_file else BOOT_ID_PATH)
     except (OSError, ValueError, ScenarioError) as exc:
         print(f"vigil agent: cannot start: {exc}", file=sys.stderr)
         return 2

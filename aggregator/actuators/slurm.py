@@ -6,6 +6,9 @@ undrains only a node that vigil took out (its reason starts with ``vigil:``), an
 requeues the job held, excludes the bad node and releases it. Commands go through an injectable
 runner.
 
+GPU resets (``reset_gpu: true``, off by default): the node is drained as above; the aggregator's
+outbox then asks the node's agent to reset the GPU (aggregator/outbox.py), not this actuator.
+
 Reboots (``reboot: true``, off by default): ``reboot_node`` runs ``scontrol reboot ASAP
 nextstate=DOWN reason="vigil: reboot_node: <reason> <decision id>" <node>``. ASAP drains the node
 at once (no new jobs; running ones finish or are requeued by ``restart_job``) and reboots it when
@@ -13,7 +16,10 @@ idle. ``nextstate=DOWN``, not RESUME: Slurm would otherwise put the node back in
 as slurmd registers after the boot, before anyone checked that the reboot fixed it. DOWN keeps it
 out until vigil's recovery detector has verified it (new boot id, every GPU back, no fault for the
 persistence period) and the gate admitted ``resume``, which runs ``State=RESUME``; a node that
-fails verification stays DOWN and goes to inspection. Slurm keeps vigil's reason (appending
+fails verification stays DOWN and goes to inspection. That hold needs slurm.conf's ReturnToService
+0 or 1: with 2, slurmctld (22.05, checked) returns the DOWN node to IDLE at its next registration
+(an `scontrol reconfigure` suffices), unverified, so with 2 the actuator drains instead of
+rebooting (``scontrol show config`` read at each reboot; logged). Slurm keeps vigil's reason (appending
 " : reboot issued" and the like), so ``resume`` still knows it as a node vigil took out. A node
 someone else drained or downed is not rebooted (their reason would be overwritten).
 """
@@ -21,6 +27,7 @@ someone else drained or downed is not rebooted (their reason would be overwritte
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import subprocess
@@ -29,6 +36,8 @@ from collections.abc import Sequence
 from vigil.agent.seams import CommandRunner, run_command
 from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError, one_node
 from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
+
+log = logging.getLogger(__name__)
 
 REASON_PREFIX = "vigil:"
 # Slurm stores the reason as free text; keep it to one readable sinfo line.
@@ -51,6 +60,11 @@ class SlurmConfig(ActuatorConfig):
     # RebootProgram); false: reboot_node only drains, and the site reboots. Pair with
     # detectors.recovery.enabled, which gives a verified node back (docs/gate.md).
     reboot: bool = False
+    # reset_gpu: drain as always, then (once the drain is delivered) ask the node's agent to reset
+    # the GPU through a signed request (needs node_actions.key_file, and node_actions.allow on the
+    # agent); the recovery detector gives the node back after the agent's `done` and a clean
+    # period. False: reset_gpu only drains, with the reason, and the site resets.
+    reset_gpu: bool = False
 
 
 def _run_with_conf(conf: str, argv: Sequence[str], timeout_seconds: float) -> str:
@@ -147,9 +161,23 @@ class SlurmActuator:
             # Someone else took it out (a repair, a maintenance): not vigil's to reboot.
             raise DeliveryError(f"{decision.node} is out for someone else (reason: {reason!r}); not rebooted",
                                 retryable=False)
+        if self._return_to_service() == "2":
+            # ReturnToService=2 makes a DOWN node that registers available again: the rebooted node
+            # would be back in service before vigil verified it. Drain instead; the site reboots.
+            log.warning("%s: not rebooting for %s: slurm.conf has ReturnToService=2, which returns a "
+                        "rebooted node to service unverified; drained instead", decision.node, decision.id)
+            return f"{self._drain(decision)} (not rebooted: slurm.conf ReturnToService=2 would skip verification)"
         reason = self.reason_for(decision)
         self._scontrol("reboot", "ASAP", "nextstate=DOWN", f"reason={reason}", decision.node)
         return f"reboot requested for {decision.node} (ASAP, next state DOWN until vigil verifies it): {reason}"
+
+    def _return_to_service(self) -> str:
+        """slurm.conf's ReturnToService as slurmctld runs it (``scontrol show config``); "" if absent."""
+        for line in self._scontrol("show", "config").splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "ReturnToService":
+                return value.strip()
+        return ""
 
     def _resume(self, decision: Decision) -> str:
         current = self._node(decision.node)

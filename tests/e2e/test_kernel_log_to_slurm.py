@@ -5,7 +5,6 @@ ends with that node drained in a real slurmctld, and a restarted aggregator drai
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import yaml
 
 from tests.aggregator.aggregator_process import REPO, SITE_SECRET, AggregatorProcess, slurm_aggregator_config, wait_for
 from tests.loopback import free_port
+from tests.pidfile import stop_children
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
 from vigil.aggregator.auth import node_token
 
@@ -49,15 +49,7 @@ class Agents:
             f.write(line)
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_children(self.procs)
 
 
 @pytest.fixture

@@ -28,9 +28,10 @@ def dec(
 class FakeScontrol:
     """Answers ``scontrol show node`` from a table and records every command."""
 
-    def __init__(self, nodes: dict[str, str], fail: str | None = None) -> None:
+    def __init__(self, nodes: dict[str, str], fail: str | None = None, return_to_service: int = 1) -> None:
         self.nodes = nodes
         self.fail = fail
+        self.return_to_service = return_to_service
         self.calls: list[list[str]] = []
 
     def __call__(self, argv: Sequence[str], timeout_seconds: float) -> str:
@@ -39,6 +40,8 @@ class FakeScontrol:
             raise subprocess.CalledProcessError(1, list(argv), "", self.fail)
         if argv[1:3] == ["show", "node"]:
             return f"NodeName={argv[-1]} Arch=x86_64 {self.nodes[argv[-1]]}\n"
+        if argv[1:3] == ["show", "config"]:
+            return f"RebootProgram           = /sbin/reboot\nReturnToService         = {self.return_to_service}\n"
         return ""
 
 

@@ -32,6 +32,14 @@ def test_reboot_runs_scontrol_reboot_asap_with_next_state_down() -> None:
     assert "reboot requested for gpu-7" in out
 
 
+def test_with_return_to_service_2_a_reboot_would_skip_verification_so_it_only_drains() -> None:
+    run = FakeScontrol({"gpu-7": "State=IDLE"}, return_to_service=2)
+    out = SlurmActuator(SlurmConfig(reboot=True), run=run).deliver(dec("gpu-7", Action.REBOOT_NODE))
+    assert not any(call[1] == "reboot" for call in run.calls)
+    assert run.calls[-1][:4] == ["scontrol", "update", "NodeName=gpu-7", "State=DRAIN"]
+    assert "ReturnToService=2" in out
+
+
 def test_reboot_is_idempotent_per_decision() -> None:
     for state in ("IDLE+DRAIN+REBOOT_REQUESTED", "DOWN+DRAIN+REBOOT_ISSUED", "DOWN"):
         run = FakeScontrol({"gpu-7": f"State={state} Reason=vigil: reboot_node: Xid 79 {ID} : reboot issued "
@@ -91,7 +99,18 @@ def test_real_slurm_accepts_reboot_asap_nextstate_down(slurm_cluster: SlurmClust
     c.wait_for("the job running", lambda: c.job(job).get("JobState") == "RUNNING")
     busy = c.job(job)["NodeList"]
     act = SlurmActuator(SlurmConfig(scontrol=c.scontrol, reboot=True), run=c.run)
-    out = act.deliver(dec(busy, Action.REBOOT_NODE, id="rb1"))
+    # The harness runs ReturnToService=2, under which a rebooted node would come back unverified:
+    # the actuator reads it from the real slurmctld and only drains.
+    assert "ReturnToService=2" in conf.read_text()
+    out = act.deliver(dec(busy, Action.REBOOT_NODE, id="rb0"))
+    assert "not rebooted" in out and "REBOOT" not in c.run([c.scontrol, "show", "node", "-o", busy])
+    c.run([c.scontrol, "update", f"NodeName={busy}", "State=RESUME"])
+    conf.write_text(conf.read_text().replace("ReturnToService=2", "ReturnToService=1"))
+    c.run([c.scontrol, "reconfigure"])
+    try:
+        out = act.deliver(dec(busy, Action.REBOOT_NODE, id="rb1"))
+    finally:
+        conf.write_text(conf.read_text().replace("ReturnToService=1", "ReturnToService=2"))
     assert "reboot requested" in out
     # ASAP: drained at once (no new jobs) while the running job goes on; rebooted once idle.
     line = c.run([c.scontrol, "show", "node", "-o", busy])
@@ -103,5 +122,6 @@ def test_real_slurm_accepts_reboot_asap_nextstate_down(slurm_cluster: SlurmClust
     # cancelled, and this slurmd never comes back with a new boot time): cancel it, give it back.
     c.run([c.scontrol, "update", f"NodeName={busy}", "State=CANCEL_REBOOT"])
     assert "REBOOT" not in c.run([c.scontrol, "show", "node", "-o", busy])
+    c.run([c.scontrol, "reconfigure"])  # back to the harness' ReturnToService=2
     c.reset()  # undrains it if still drained, cancels the job
     c.wait_for("the node back", lambda: c.sinfo_state(busy) == "idle", 40)
