@@ -2,7 +2,8 @@
 
 ``GET /v1/breaker`` and ``GET /v1/gate`` show what the ledger decides from; ``POST
 /v1/nodes/{node}/hold`` and ``/resume`` are the operator's actions (the auth middleware gives
-them the operator role). Writes run in a worker thread, so a large batch being written never
+them the operator role); ``GET /v1/nodes/{node}/history`` (read role) is the node's remediation
+history, assembled by ``aggregator.history``. Writes run in a worker thread, so a large batch being written never
 stalls the event loop. It judges nothing: a resume is a decision like any other, through the
 ledger and its gate.
 """
@@ -15,14 +16,16 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from vigil.agent.wire import check_node_name
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.gate import OPERATOR
+from vigil.aggregator.history import DEFAULT_LIMIT, MAX_LIMIT, node_history
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.store import WRITE_ERRORS
 
 MAX_NOTE_CHARS = 500
 GATE_ROUTES = (("GET", "/v1/breaker"), ("GET", "/v1/gate"), ("POST", "/v1/nodes/{node}/hold"),
-               ("POST", "/v1/nodes/{node}/resume"))
+               ("POST", "/v1/nodes/{node}/resume"), ("GET", "/v1/nodes/{node}/history"))
 
 
 def _error(status: int, reason: str, detail: str) -> web.Response:
@@ -90,8 +93,27 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
         return web.json_response({"node": node, "was_held": was_held, "resume": decision.id,
                                   "admitted": bool(admitted), "verdict": verdict[1] if verdict else None})
 
+    async def get_history(request: web.Request) -> web.Response:
+        """The node's standing and its newest ``?limit=`` history entries, newest first."""
+        node = request.match_info["node"]
+        try:
+            check_node_name(node)
+        except ValueError as exc:
+            return _error(400, "bad_node", str(exc))
+        raw = request.query.get("limit", str(DEFAULT_LIMIT))
+        try:
+            limit = int(raw)
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= MAX_LIMIT:
+            return _error(400, "bad_limit", f"limit must be an integer in 1..{MAX_LIMIT}, got {raw[:40]!r}")
+        try:
+            return web.json_response(await asyncio.to_thread(node_history, ledger.store, node, limit))
+        except WRITE_ERRORS as exc:  # a store that cannot be read right now
+            return _error(503, "store_unavailable", str(exc))
+
     handlers = {"/v1/breaker": get_breaker, "/v1/gate": get_gate, "/v1/nodes/{node}/hold": hold_node,
-                "/v1/nodes/{node}/resume": resume_node}
+                "/v1/nodes/{node}/resume": resume_node, "/v1/nodes/{node}/history": get_history}
     for method, path in GATE_ROUTES:
         app.router.add_route(method, path, handlers[path])
 

@@ -112,6 +112,24 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE archived_nodes (node TEXT NOT NULL, ts REAL NOT NULL, body TEXT NOT NULL);
     CREATE INDEX decisions_ts ON decisions(ts);
     """,
+    # 3: what happened to a node beyond its decision rows, for its history (`GET
+    # /v1/nodes/{node}/history`): operator holds and releases, and every delivery attempt.
+    """
+    CREATE TABLE node_history (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        ts REAL NOT NULL,
+        node TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        actor TEXT NOT NULL,
+        decision_id TEXT NOT NULL DEFAULT '',
+        action TEXT NOT NULL DEFAULT '',
+        outcome TEXT NOT NULL DEFAULT '',
+        attempt INTEGER NOT NULL DEFAULT 0,
+        detail TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX node_history_node ON node_history(node, seq);
+    CREATE INDEX node_history_ts ON node_history(ts);
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -125,6 +143,23 @@ class Delivery:
     attempts: int
     next_attempt_ts: float
     last_error: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """A row of ``node_history``: kind ``hold``/``release`` (actor ``operator``, detail its note)
+    or ``delivery`` (actor the actuator; outcome delivered/failed/dead; detail its error or account)."""
+
+    seq: int
+    ts: float
+    node: str
+    kind: str
+    actor: str
+    decision_id: str
+    action: str
+    outcome: str
+    attempt: int
     detail: str
 
 
@@ -350,11 +385,22 @@ class Store:
         whether it was held before."""
         with self._lock:
             before = node in self.state.holds
+            cur = self._db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                if held:
+                    cur.execute("INSERT OR REPLACE INTO holds VALUES (?,?,?)", (node, now, note))
+                else:
+                    cur.execute("DELETE FROM holds WHERE node = ?", (node,))
+                cur.execute("INSERT INTO node_history (ts, node, kind, actor, detail) VALUES (?,?,?,?,?)",
+                            (now, node, "hold" if held else "release", "operator", note))
+                cur.execute("COMMIT")
+            except BaseException:
+                _rollback(cur)
+                raise
             if held:
-                self._db.execute("INSERT OR REPLACE INTO holds VALUES (?,?,?)", (node, now, note))
                 self.state.holds[node] = (now, note)
             else:
-                self._db.execute("DELETE FROM holds WHERE node = ?", (node,))
                 self.state.holds.pop(node, None)
             return before
 
@@ -381,6 +427,7 @@ class Store:
                     " WHERE e.decision_id = decisions.id)", (cutoff,))
                 gone = cur.rowcount
                 cur.execute("DELETE FROM archived_nodes WHERE ts < ?", (now - config.archive_retention_seconds,))
+                cur.execute("DELETE FROM node_history WHERE ts < ?", (cutoff,))
                 cur.execute("COMMIT")
             except BaseException:
                 _rollback(cur)
@@ -468,12 +515,27 @@ class Store:
         detail: str = "",
     ) -> None:
         with self._lock:
-            self._db.execute(
-                "UPDATE deliveries SET state = ?, attempts = attempts + 1, next_attempt_ts = ?,"
-                " last_error = ?, detail = ?, updated_ts = ? WHERE decision_id = ? AND actuator = ?",
-                (state, next_attempt_ts if next_attempt_ts is not None else now, error, detail, now,
-                 decision_id, actuator),
-            )
+            cur = self._db.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                cur.execute(
+                    "UPDATE deliveries SET state = ?, attempts = attempts + 1, next_attempt_ts = ?,"
+                    " last_error = ?, detail = ?, updated_ts = ? WHERE decision_id = ? AND actuator = ?",
+                    (state, next_attempt_ts if next_attempt_ts is not None else now, error, detail, now,
+                     decision_id, actuator),
+                )
+                # the attempt, for the node's history (the row above keeps only the latest)
+                cur.execute(
+                    "INSERT INTO node_history (ts, node, kind, actor, decision_id, action, outcome, attempt, detail)"
+                    " SELECT ?, d.node, 'delivery', d.actuator, d.decision_id, x.action, ?, d.attempts, ?"
+                    " FROM deliveries d JOIN decisions x ON x.id = d.decision_id"
+                    " WHERE d.decision_id = ? AND d.actuator = ?",
+                    (now, state, error or detail, decision_id, actuator),
+                )
+                cur.execute("COMMIT")
+            except BaseException:
+                _rollback(cur)
+                raise
 
     def deliveries(self, decision_id: str) -> list[Delivery]:
         with self._lock:
@@ -507,6 +569,24 @@ class Store:
                                       admitted=bool(admitted), verdict=verdict, detail=detail,
                                       deliveries=tuple(self.deliveries(decision.id))))
         return out
+
+    def verdict_times(self, decision_ids: Sequence[str]) -> dict[str, float]:
+        """When each stored decision's (latest) verdict was written, in one query per 500 ids."""
+        out: dict[str, float] = {}
+        with self._lock:
+            for i in range(0, len(decision_ids), 500):
+                chunk = list(decision_ids[i:i + 500])
+                marks = ",".join("?" * len(chunk))
+                out.update(self._db.execute(f"SELECT id, ts FROM decisions WHERE id IN ({marks})", chunk).fetchall())
+        return out
+
+    def node_events(self, node: str, limit: int = 100) -> list[NodeEvent]:
+        """The node's ``node_history`` rows, most recent first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT seq, ts, node, kind, actor, decision_id, action, outcome, attempt, detail FROM node_history"
+                " WHERE node = ? ORDER BY seq DESC LIMIT ?", (node, limit)).fetchall()
+        return [NodeEvent(*row) for row in rows]
 
     def delivery_counts(self) -> dict[tuple[str, str], int]:
         """(actuator, state) -> count, for /metrics."""

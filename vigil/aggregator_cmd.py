@@ -1,7 +1,7 @@
 """``vigil aggregator``: run the cluster service, read its decisions, and act on its gate.
 
 Sub-actions are an explicit table (``serve`` is the default; ``decisions`` reads the store;
-``gate``, ``breaker``, ``hold`` and ``resume`` go through the running service's API). Flags are
+``gate``, ``breaker``, ``hold``, ``resume`` and ``history`` go through the running service's API). Flags are
 merged into the configuration before validation, so a bad value names its key path as a typo in
 the file does. A store that cannot be opened is one line and exit status 2. SIGTERM and SIGINT
 stop the service cleanly.
@@ -110,6 +110,8 @@ ACTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
     "hold": ("hold a node: automation leaves it alone until it is resumed", operator_cmd.add_node_args,
              operator_cmd.hold),
     "resume": ("release a node's hold and put it back in service", operator_cmd.add_node_args, operator_cmd.resume),
+    "history": ("show a node's remediation history: decisions, verdicts, deliveries, holds",
+                operator_cmd.add_history_args, operator_cmd.history),
 }
 
 

@@ -1,9 +1,9 @@
-"""``vigil aggregator gate|breaker|hold|resume``: an operator's actions, through the aggregator's API.
+"""``vigil aggregator gate|breaker|hold|resume|history``: an operator's actions, through the aggregator's API.
 
 They talk to the running service (``--url``, with the operator's bearer token from
 ``--token-file``), never to its store, so the service that owns the gate's state is the one that
 changes it: show the gate's state, show or reset the circuit breaker, hold a node (automation
-leaves it alone) or resume it. They decide nothing themselves.
+leaves it alone) or resume it, show a node's remediation history. They decide nothing themselves.
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ def add_breaker_args(p: argparse.ArgumentParser) -> None:
 def add_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("node", help="the node's name, as its agent reports it")
     p.add_argument("--note", default="", help="why (kept with the hold and in the resume's reason)")
+    _common(p)
+
+
+def add_history_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("node", help="the node's name, as its agent reports it")
+    p.add_argument("--limit", type=int, default=100, metavar="N",
+                   help="the newest N entries (1..1000, default 100), printed oldest first")
     _common(p)
 
 
@@ -148,3 +155,39 @@ def resume(args: argparse.Namespace) -> int:
             print(f"{r['node']}: {released}no resume sent ({r['verdict']})")
 
     return _run(args, "POST", f"/v1/nodes/{urllib.parse.quote(args.node, safe='')}/resume", show, {"note": args.note})
+
+
+def _iso(ts: float | None) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if ts else "-"
+
+
+def _print_history(h: dict[str, Any]) -> None:
+    s = h["standing"]
+    if s["removed"]:
+        by = f" by {s['removed_by']}" if s["removed_by"] else ""
+        decision = f" (decision {s['removed_decision']})" if s["removed_decision"] else ""
+        print(f"{h['node']}: {s['condition'].replace('_', ' ')}{by}{decision} since {_iso(s['removed_since'])}")
+    else:
+        print(f"{h['node']}: in service")
+    if s["held"]:
+        print(f"  held by {s['held_by']} since {_iso(s['held_since'])} {s['hold_note'] or ''}".rstrip())
+    entries = list(reversed(h["entries"]))  # the API answers newest first; a log reads oldest first
+    if not entries:
+        print("  no history recorded for this node")
+        return
+    header = ("TIME (UTC)", "KIND", "ACTION", "OUTCOME", "ACTOR", "DETAIL")
+    rows = [header, *((_iso(e["ts"]), e["kind"], e["action"] or "-", e["outcome"], e["actor"], e["detail"] or "-")
+                      for e in entries)]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for row in rows:
+        print("  ".join(f"{cell:<{w}}" for cell, w in zip(row[:5], widths, strict=True)) + f"  {row[5]}")
+    if h["truncated"]:
+        print(f"(the newest {h['limit']} entries; older ones: --limit up to 1000)")
+
+
+def history(args: argparse.Namespace) -> int:
+    if not 1 <= args.limit <= 1000:
+        print("vigil aggregator: --limit must be in 1..1000", file=sys.stderr)
+        return 2
+    path = f"/v1/nodes/{urllib.parse.quote(args.node, safe='')}/history?limit={args.limit}"
+    return _run(args, "GET", path, _print_history)

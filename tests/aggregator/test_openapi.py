@@ -132,6 +132,7 @@ async def test_every_documented_path_answers_as_documented(client):
         ("get", "/v1/gate", "/v1/gate", {"headers": OPERATOR}),
         ("post", "/v1/nodes/{node}/hold", "/v1/nodes/n0/hold", {"headers": OPERATOR}),
         ("post", "/v1/nodes/{node}/resume", "/v1/nodes/n0/resume", {"headers": OPERATOR}),
+        ("get", "/v1/nodes/{node}/history", "/v1/nodes/n0/history", {"headers": OPERATOR}),
         ("post", "/v1/reports", "/v1/reports", {"data": io.BytesIO(b"{" + b" " * (2 << 20) + b"}"), "headers": AUTH}),
     ]
     for method, path, url, kw in requests:
@@ -177,6 +178,8 @@ async def test_the_gate_routes_answer_as_documented(tmp_path):
                  {"json": {"note": "rma"}, "headers": OPERATOR}, 200),
                 ("post", "/v1/nodes/{node}/hold", "/v1/nodes/n1/hold", {"data": b"{]", "headers": OPERATOR}, 400),
                 ("post", "/v1/nodes/{node}/resume", "/v1/nodes/n0/resume", {"headers": OPERATOR}, 200),
+                ("get", "/v1/nodes/{node}/history", "/v1/nodes/n0/history", {"headers": OPERATOR}, 200),
+                ("get", "/v1/nodes/{node}/history", "/v1/nodes/n_0/history", {"headers": OPERATOR}, 400),
                 ("get", "/healthz", "/healthz", {}, 200),
             ]:
                 resp = await c.request(method, url, **kw)
