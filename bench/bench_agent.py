@@ -8,50 +8,17 @@ per step. CPU is process time (all threads), so the NVML event worker counts too
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from bench.measure import Measurement
-from vigil.agent.config import parse_config
-from vigil.agent.daemon import Agent
-from vigil.agent.nvml.backend import PynvmlBackend
-from vigil.agent.nvml.fake import FakeNvml
-from vigil.agent.nvml.scenario import load_node_scenario
 from vigil.agent.runner import collect_once
-from vigil.agent.seams import Seams
+from vigil.agent_reports import Clock, build_agent
 
 FIXTURE_IB = Path(__file__).parent.parent / "tests" / "fixtures" / "sysfs" / "h100" / "class" / "infiniband"
 SECONDS = 300.0
 RENDERS = 500
-
-
-def _sysfs_with_8_hcas(root: Path) -> Path:
-    ib = root / "class" / "infiniband"
-    ib.mkdir(parents=True)
-    for i in range(8):
-        shutil.copytree(FIXTURE_IB / "mlx5_0", ib / f"mlx5_{i}")
-    return root
-
-
-def build_node(tmp: Path, clock: Clock) -> Agent:
-    kmsg = tmp / "kern.log"
-    kmsg.write_text("")
-    config = parse_config({"node": "bench-node", "nvml": {"backend": "fake", "scenario": "healthy-h100"}})
-    backend = PynvmlBackend(FakeNvml(load_node_scenario("healthy-h100"), clock, start=clock()))
-    backend.init()
-    seams = Seams(nvml=backend, clock=clock, kmsg=str(kmsg), sysfs_root=_sysfs_with_8_hcas(tmp / "sys"),
-                  state_dir=tmp, extra={"pid_alive": lambda pid: True})
-    return Agent(config, seams)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def measure() -> list[Measurement]:
@@ -60,7 +27,7 @@ def measure() -> list[Measurement]:
     budget reads "2 ms (0.2% of a core at 1 Hz)"."""
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="vigil-bench-") as d:
-        agent = build_node(Path(d), clock)
+        agent = build_agent(Path(d), clock, FIXTURE_IB / "mlx5_0")
         training = next(c for c in agent.collectors if c.name == "training")
         intervals = {c.name: getattr(agent.config.collectors, c.name).interval_seconds for c in agent.collectors}
         next_due = dict.fromkeys(intervals, clock.t)

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "xid": "vigil.xid_cmd",
     "sim": "vigil.sim_cmd",
     "token": "vigil.token_cmd",
+    "loadgen": "vigil.loadgen_cmd",
 }
 
 

@@ -1,0 +1,49 @@
+"""``vigil loadgen`` against a real aggregator process on loopback: every report offered is
+accepted and the fleet lists every node; a wrong site secret shows up as counted errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.aggregator.aggregator_process import ROLE_TOKENS, AggregatorProcess
+from vigil.cli import main
+
+NODES = 20
+
+
+def _loadgen(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["loadgen", "--nodes", str(NODES), "--duration", "2", "--interval", "1", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_spawned_aggregator_accepts_every_report_and_lists_every_node(capsys: pytest.CaptureFixture[str]) -> None:
+    s = _loadgen(capsys, "--spawn")
+    assert s["sent"] == NODES * 2  # every node, every second, for 2 s
+    assert s["accepted"] == s["sent"]
+    assert s["errors"] == {}
+    assert s["fleet_nodes"] == NODES  # GET /v1/nodes with the read token
+    assert s["report_bytes"] > 15_000  # a real 8-GPU, 8-HCA report, not a stub
+    assert s["latency_seconds"]["p50"] > 0
+    agg = s["aggregator"]
+    assert agg["cpu_seconds_per_report"] > 0 and agg["rss_bytes"] > 0
+
+
+def test_wrong_site_secret_counts_every_report_as_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    aggregator = AggregatorProcess(tmp_path, {"dry_run": True})
+    wrong = tmp_path / "wrong.secret"
+    wrong.write_text("not-the-site-secret-of-this-aggregator-0123456789\n")
+    read = tmp_path / "read.token"
+    read.write_text(ROLE_TOKENS["read"] + "\n")
+    aggregator.start()
+    try:
+        assert aggregator.proc is not None
+        s = _loadgen(capsys, "--url", aggregator.url, "--site-secret-file", str(wrong), "--read-token-file", str(read),
+                     "--aggregator-pid", str(aggregator.proc.pid))
+    finally:
+        aggregator.stop()
+    assert s["accepted"] == 0
+    assert s["errors"] == {"HTTP 401": NODES * 2}
+    assert s["fleet_nodes"] == 0

@@ -1,0 +1,164 @@
+"""Reports as the real agent sends them, for the ingest benchmark (bench/bench_ingest.py) and the
+load generator (``vigil loadgen``): consecutive reports of one agent built by the agent's own
+pipeline over FakeNvml (8x H100 SXM), 8 ConnectX-7 HCAs with their traffic counters moving, and
+8 training ranks sending heartbeats; then given a node's name, boot id, seq, time and rank numbers.
+
+It reads a scratch directory of its own (the HCA sysfs tree, the kernel log) and emits report
+dicts and pre-rendered JSON templates; it sends nothing and talks to no service.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vigil.agent.config import parse_config
+from vigil.agent.daemon import Agent
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import load_node_scenario
+from vigil.agent.runner import collect_once
+from vigil.agent.seams import Seams
+from vigil.sim import fabric
+
+HCAS = 8
+RANKS = 8
+INTERVAL_SECONDS = 2.5  # the agent's default report interval
+START_TS = 1_700_000_000.0
+# Counters that move on a busy NDR port between two reports (bytes are in 4-byte words in sysfs).
+TRAFFIC = {"port_xmit_data": 2_500_000_000, "port_rcv_data": 2_500_000_000, "port_xmit_packets": 2_400_000,
+           "port_rcv_packets": 2_400_000, "unicast_xmit_packets": 2_400_000, "unicast_rcv_packets": 2_400_000,
+           "port_xmit_wait": 30_000}
+
+
+class Clock:
+    def __init__(self, t: float = START_TS) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def build_agent(tmp: Path, clock: Clock, hca_template: Path | None = None) -> Agent:
+    """The real agent over FakeNvml (healthy-h100) and an 8-HCA sysfs tree under ``tmp``:
+    ``hca_template`` (a recorded ``class/infiniband/<hca>`` directory) copied 8 times, or the
+    fleet simulator's ConnectX-7 NDR tree when None (it ships with the package)."""
+    kmsg = tmp / "kern.log"
+    kmsg.write_text("")
+    sysfs = tmp / "sys"
+    if hca_template is not None:
+        ib = sysfs / "class" / "infiniband"
+        ib.mkdir(parents=True)
+        for i in range(HCAS):
+            shutil.copytree(hca_template, ib / f"mlx5_{i}")
+    else:
+        fabric.build_tree(sysfs, HCAS)
+    config = parse_config({"node": "bench-node", "nvml": {"backend": "fake", "scenario": "healthy-h100"}})
+    backend = PynvmlBackend(FakeNvml(load_node_scenario("healthy-h100"), clock, start=clock()))
+    backend.init()
+    seams = Seams(nvml=backend, clock=clock, kmsg=str(kmsg), sysfs_root=sysfs, state_dir=tmp,
+                  extra={"pid_alive": lambda pid: True})
+    return Agent(config, seams)
+
+
+def agent_reports(rounds: int, hca_template: Path | None = None,
+                  interval_seconds: float = INTERVAL_SECONDS) -> list[dict[str, Any]]:
+    """``rounds`` consecutive reports of one agent (JSON-ready dicts, as the agent serialises
+    them), one every ``interval_seconds`` of its fake clock; the first cycle (no deltas yet) is
+    not among them."""
+    clock = Clock()
+    with tempfile.TemporaryDirectory(prefix="vigil-reports-") as d:
+        agent = build_agent(Path(d), clock, hca_template)
+        training = next(c for c in agent.collectors if c.name == "training")
+        files = [(f, TRAFFIC[f.name]) for f in Path(d).glob("sys/class/infiniband/*/ports/*/counters/*")
+                 if f.name in TRAFFIC]
+        out = []
+        try:
+            for seq in range(rounds + 1):
+                clock.t += interval_seconds
+                for f, step in files:
+                    f.write_text(f"{int(f.read_text()) + step}\n")
+                for rank in range(RANKS):
+                    for step_n in (2 * seq, 2 * seq + 1):
+                        hb = {"job": "llm-405b", "rank": rank, "step": step_n, "step_seconds": 1.21,
+                              "compute_seconds": 0.91, "comm_seconds": 0.28, "data_seconds": 0.02, "gpu": rank,
+                              "pid": 4000 + rank}
+                        training.ingest(json.dumps(hb).encode(), clock.t)  # type: ignore[attr-defined]
+                for c in agent.collectors:
+                    agent.snapshot.put(c.name, collect_once(c, clock.t))
+                report = agent.reporter.next_report()[0]
+                if seq > 0:  # the first cycle has no deltas yet
+                    out.append(report.model_dump(mode="json", exclude_none=True))
+        finally:
+            for c in agent.collectors:
+                c.close()
+    return out
+
+
+def topology_of(n: int) -> dict[str, str]:
+    """Node ``n``'s place: 256 nodes a row, 8 a rack, 32 a leaf switch."""
+    return {"row": f"row-{n // 256}", "rack": f"rack-{n // 8}", "leaf_switch": f"leaf-{n // 32}"}
+
+
+def for_node(template: dict[str, Any], n: int, node: str, boot_id: str, seq: int, ts: float) -> dict[str, Any]:
+    """``template`` as node number ``n`` sends it: its name, boot id, seq, time, place, and rank
+    numbers ``8n..8n+7`` (times in the ranks keep their distance to the report's ``ts``)."""
+    shift = ts - template["ts"]
+    report = dict(template, node=node, boot_id=boot_id, seq=seq, ts=ts, topology=topology_of(n))
+    report["ranks"] = [
+        {**r, "rank": n * RANKS + r["rank"], **{k: v + shift for k, v in r.items() if k.endswith("_ts")}}
+        for r in template["ranks"]]
+    return report
+
+
+_SLOT = re.compile(rb'"@@vigil:([a-z_]+):(-?[0-9.e+-]+)@@"')
+
+
+@dataclass(frozen=True)
+class RenderedReport:
+    """One report's JSON cut around what differs per node and send, so that rendering a send is
+    a join of bytes (a 28 KiB ``json.dumps`` per send would cost the generator more than the
+    aggregator's whole intake). Slots: ``node``, ``boot_id``, ``seq``, ``ts`` (+ offset seconds),
+    ``rank`` (+ offset), ``topology``."""
+
+    parts: tuple[bytes, ...]  # len(slots) + 1 pieces of literal JSON
+    slots: tuple[tuple[str, float], ...]  # (kind, offset) between consecutive parts
+
+    @classmethod
+    def of(cls, template: dict[str, Any]) -> RenderedReport:
+        ts = template["ts"]
+        marked = dict(template, node="@@vigil:node:0@@", boot_id="@@vigil:boot_id:0@@", seq="@@vigil:seq:0@@",
+                      ts="@@vigil:ts:0@@", topology="@@vigil:topology:0@@")
+        marked["ranks"] = [
+            {**r, "rank": f"@@vigil:rank:{r['rank']}@@",
+             **{k: f"@@vigil:ts:{v - ts!r}@@" for k, v in r.items() if k.endswith("_ts")}}
+            for r in template["ranks"]]
+        raw = json.dumps(marked, separators=(",", ":")).encode()
+        pieces = _SLOT.split(raw)  # literal, kind, offset, literal, kind, offset, ..., literal
+        parts = tuple(pieces[0::3])
+        slots = tuple((kind.decode(), float(offset)) for kind, offset in zip(pieces[1::3], pieces[2::3], strict=True))
+        return cls(parts, slots)
+
+    def render(self, n: int, node_json: bytes, boot_json: bytes, topology_json: bytes, seq: int, ts: float) -> bytes:
+        """The report of node number ``n`` (its name, boot id and topology given as JSON bytes)."""
+        out = [self.parts[0]]
+        for (kind, offset), part in zip(self.slots, self.parts[1:], strict=True):
+            if kind == "ts":
+                out.append(repr(ts + offset).encode())
+            elif kind == "rank":
+                out.append(str(n * RANKS + int(offset)).encode())
+            elif kind == "seq":
+                out.append(str(seq).encode())
+            elif kind == "node":
+                out.append(node_json)
+            elif kind == "boot_id":
+                out.append(boot_json)
+            else:
+                out.append(topology_json)
+            out.append(part)
+        return b"".join(out)

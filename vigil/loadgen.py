@@ -1,0 +1,355 @@
+"""The load generator behind ``vigil loadgen``: N simulated nodes post agent-built reports
+(vigil/agent_reports.py) to a running aggregator over HTTP, open-loop at the real cadence.
+
+Each node posts every ``interval_seconds`` with the nodes' phases spread evenly; a send is never
+held back by a slow answer (a send that starts late is counted as late). It measures offered and
+accepted reports/s, intake latency percentiles, errors by status or exception, its own CPU, and,
+given the aggregator's pid, the aggregator's CPU and RSS from ``/proc/<pid>``. With ``spawn`` it
+makes the credentials and a dry-run config for N nodes in a scratch directory and runs
+``vigil aggregator`` as a child, stopped by pid at the end. It decides nothing and acts on nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from vigil.agent_reports import INTERVAL_SECONDS, RenderedReport, agent_reports, topology_of
+from vigil.aggregator.auth import node_token
+
+# A send that starts this long after its due time is late: the generator, not the aggregator,
+# was behind (a tenth of the 250 ms intake budget of issue #20).
+LATE_SECONDS = 0.025
+# One send's whole exchange; past it the send counts as a TimeoutError (the agent's own
+# request timeout is of this order).
+REQUEST_TIMEOUT_SECONDS = 10.0
+# How long to wait for the last answers once the schedule has ended.
+DRAIN_SECONDS = 15.0
+# Consecutive reports built per run: enough that a node's counters only move forward for a
+# couple of minutes at 2.5 s; a longer run cycles them (the aggregator sees a counter reset).
+MAX_ROUNDS = 48
+START_TIMEOUT_SECONDS = 60.0
+STOP_TIMEOUT_SECONDS = 10.0
+# Workers start on a common clock this far ahead (a spawned Python imports aiohttp in ~1 s).
+WORKER_START_SECONDS = 3.0
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str  # e.g. http://127.0.0.1:9500
+    site_secret: bytes  # node tokens are derived from it
+    read_token: str | None = None  # to list the fleet at the end
+    pid: int | None = None  # the aggregator's, for CPU and RSS
+
+
+@dataclass(frozen=True)
+class Plan:
+    nodes: int
+    duration_seconds: float
+    interval_seconds: float = INTERVAL_SECONDS
+    workers: int = 1
+    node_prefix: str = "load"
+    connections: int = 1024  # open connections per worker at most (keep-alive)
+
+
+@dataclass
+class WorkerResult:
+    sent: int = 0
+    accepted: int = 0
+    late: int = 0
+    latencies_seconds: list[float] = field(default_factory=list)  # accepted sends only
+    errors: Counter[str] = field(default_factory=Counter)  # "HTTP 401", "TimeoutError", ...
+    cpu_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    cpu_seconds: float
+    rss_bytes: int
+    peak_rss_bytes: int
+
+
+def read_proc(pid: int, proc_root: Path = Path("/proc")) -> ProcSample:
+    """utime + stime and VmRSS/VmHWM of ``pid`` (proc(5))."""
+    stat = (proc_root / str(pid) / "stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = (int(fields[11]) + int(fields[12])) / ticks  # fields 14 and 15 of the whole line
+    status = dict(line.split(":", 1) for line in (proc_root / str(pid) / "status").read_text().splitlines()
+                  if ":" in line)
+    kib = lambda key: int(status.get(key, "0 kB").split()[0]) * 1024  # noqa: E731
+    return ProcSample(cpu, kib("VmRSS"), kib("VmHWM"))
+
+
+def node_name(prefix: str, n: int) -> str:
+    return f"{prefix}-{n:05d}"
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def raise_nofile() -> None:
+    """Soft open-file limit up to the hard one: thousands of connections need it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+async def _drive(templates: list[RenderedReport], target: Target, plan: Plan, worker: int, start_monotonic: float,
+                 run_id: str) -> WorkerResult:
+    result = WorkerResult()
+    mine = [n for n in range(plan.nodes) if n % plan.workers == worker]
+    node_json = {n: json.dumps(node_name(plan.node_prefix, n)).encode() for n in mine}
+    boot_json = {n: json.dumps(f"{run_id}-{n:05d}").encode() for n in mine}
+    topo_json = {n: json.dumps(topology_of(n)).encode() for n in mine}
+    tokens = {n: f"Bearer {node_token(target.site_secret, node_name(plan.node_prefix, n))}" for n in mine}
+    slot_seconds = plan.interval_seconds / plan.nodes
+    total_slots = int(plan.duration_seconds / slot_seconds)
+    url = target.url.rstrip("/") + "/v1/reports"
+    pending: set[asyncio.Task[None]] = set()
+    loop = asyncio.get_running_loop()
+    wall_offset = time.time() - time.monotonic()
+
+    async def send(session: aiohttp.ClientSession, n: int, seq: int, due: float) -> None:
+        body = templates[(seq - 1) % len(templates)].render(n, node_json[n], boot_json[n], topo_json[n], seq,
+                                                            due + wall_offset)
+        started = time.monotonic()
+        if started - due > LATE_SECONDS:
+            result.late += 1
+        result.sent += 1
+        try:
+            async with session.post(url, data=body, headers={"Authorization": tokens[n],
+                                                             "Content-Type": "application/json"}) as resp:
+                await resp.read()
+                if resp.status == 202:
+                    result.accepted += 1
+                    result.latencies_seconds.append(time.monotonic() - started)
+                else:
+                    result.errors[f"HTTP {resp.status}"] += 1
+        except Exception as exc:  # noqa: BLE001 - every failure is a counted error, by kind
+            result.errors[type(exc).__name__] += 1
+
+    cpu_start = time.process_time()
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS)
+    connector = aiohttp.TCPConnector(limit=plan.connections)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        slot = worker  # slots of node n are n, n + N, n + 2N, ...; this worker's nodes are n % K == worker
+        while slot < total_slots:
+            due = start_monotonic + slot * slot_seconds
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            n, k = slot % plan.nodes, slot // plan.nodes
+            task = loop.create_task(send(session, n, k + 1, due))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            slot += plan.workers
+        if pending:
+            _, still = await asyncio.wait(set(pending), timeout=DRAIN_SECONDS)
+            for task in still:
+                task.cancel()
+            if still:
+                result.errors["not answered by the end"] += len(still)
+    result.cpu_seconds = time.process_time() - cpu_start
+    return result
+
+
+def _worker_main(templates: list[RenderedReport], target: Target, plan: Plan, worker: int, start_wall: float,
+                 run_id: str) -> WorkerResult:
+    raise_nofile()
+    start_monotonic = start_wall - (time.time() - time.monotonic())
+    return asyncio.run(_drive(templates, target, plan, worker, start_monotonic, run_id))
+
+
+def build_templates(plan: Plan, hca_template: Path | None) -> list[RenderedReport]:
+    rounds = max(2, min(MAX_ROUNDS, int(plan.duration_seconds / plan.interval_seconds) + 2))
+    return [RenderedReport.of(r) for r in agent_reports(rounds, hca_template, plan.interval_seconds)]
+
+
+def fleet_nodes(target: Target, plan: Plan) -> int | None:
+    """How many of this run's nodes the aggregator's fleet lists (GET /v1/nodes); None without a
+    read token."""
+    if target.read_token is None:
+        return None
+    import urllib.request
+
+    req = urllib.request.Request(target.url.rstrip("/") + "/v1/nodes",
+                                 headers={"Authorization": f"Bearer {target.read_token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        nodes = json.loads(resp.read())["nodes"]
+    ours = {node_name(plan.node_prefix, n) for n in range(plan.nodes)}
+    return sum(1 for node in nodes if node["node"] in ours)
+
+
+def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
+             proc_root: Path = Path("/proc")) -> dict[str, Any]:
+    """Run ``plan`` against ``target``; the summary as a JSON-ready dict."""
+    raise_nofile()
+    templates = build_templates(plan, hca_template)
+    run_id = secrets.token_hex(8)
+    before = read_proc(target.pid, proc_root) if target.pid else None
+    started = time.perf_counter()
+    if plan.workers == 1:
+        results = [asyncio.run(_drive(templates, target, plan, 0, time.monotonic() + 0.2, run_id))]
+    else:
+        start_wall = time.time() + WORKER_START_SECONDS
+        with ProcessPoolExecutor(plan.workers, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(_worker_main, templates, target, plan, w, start_wall, run_id)
+                       for w in range(plan.workers)]
+            results = [f.result() for f in futures]
+    elapsed = time.perf_counter() - started
+    after = read_proc(target.pid, proc_root) if target.pid else None
+    latencies = sorted(x for r in results for x in r.latencies_seconds)
+    errors: Counter[str] = Counter()
+    for r in results:
+        errors.update(r.errors)
+    sent = sum(r.sent for r in results)
+    accepted = sum(r.accepted for r in results)
+    loadgen_cpu = sum(r.cpu_seconds for r in results)
+    summary: dict[str, Any] = {
+        "nodes": plan.nodes, "interval_seconds": plan.interval_seconds, "duration_seconds": plan.duration_seconds,
+        "workers": plan.workers, "report_bytes": len(templates[-1].render(0, b'"x"', b'"x"', b"{}", 1, 0.0)),
+        "target_reports_per_second": round(plan.nodes / plan.interval_seconds, 1),
+        "sent": sent, "accepted": accepted, "late_sends": sum(r.late for r in results),
+        "offered_reports_per_second": round(sent / plan.duration_seconds, 1),
+        "accepted_reports_per_second": round(accepted / plan.duration_seconds, 1),
+        "latency_seconds": {"p50": percentile(latencies, 0.50), "p90": percentile(latencies, 0.90),
+                            "p99": percentile(latencies, 0.99), "max": latencies[-1] if latencies else 0.0},
+        "errors": dict(errors), "elapsed_seconds": round(elapsed, 2),
+        "loadgen_cpu_seconds": round(loadgen_cpu, 2),
+        "loadgen_cores": round(loadgen_cpu / plan.duration_seconds, 2),
+        "fleet_nodes": fleet_nodes(target, plan),
+    }
+    if before is not None and after is not None:
+        cpu = after.cpu_seconds - before.cpu_seconds
+        per_report = cpu / accepted if accepted else 0.0
+        summary["aggregator"] = {
+            "pid": target.pid, "cpu_seconds": round(cpu, 2), "cores": round(cpu / elapsed, 2),
+            "cpu_seconds_per_report": per_report,
+            "reports_per_second_per_core": round(1 / per_report, 0) if per_report else 0.0,
+            "rss_bytes_before": before.rss_bytes, "rss_bytes": after.rss_bytes, "peak_rss_bytes": after.peak_rss_bytes,
+            "rss_bytes_per_node": round((after.rss_bytes - before.rss_bytes) / plan.nodes),
+        }
+    return summary
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SpawnedAggregator:
+    """``vigil aggregator`` as a child process in dry run, with a site secret and a read token of
+    its own under ``root``; started bounded in time, stopped by pid."""
+
+    def __init__(self, root: Path, extra_config: dict[str, Any] | None = None) -> None:
+        self.root = root
+        self.site_secret = secrets.token_hex(32)
+        self.read_token = secrets.token_hex(32)
+        (root / "site.secret").write_text(self.site_secret + "\n")
+        (root / "read.token").write_text(self.read_token + "\n")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {"listen": f"127.0.0.1:{self.port}", "dry_run": True, "store_path": str(root / "decisions.sqlite"),
+                  "auth": {"site_secret_file": str(root / "site.secret"), "read_token_file": str(root / "read.token")},
+                  **(extra_config or {})}
+        self.config_path = root / "aggregator.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = root / "aggregator.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, clock: Callable[[], float] = time.monotonic) -> None:
+        with self.log_path.open("ab") as log:
+            argv = [sys.executable, "-m", "vigil", "aggregator", "--config", str(self.config_path)]
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=raise_nofile)
+        deadline = clock() + START_TIMEOUT_SECONDS
+        while "listening on" not in self.log_path.read_text(errors="replace"):
+            if self.proc.poll() is not None or clock() > deadline:
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                self.stop()
+                raise RuntimeError(f"the aggregator did not start:\n{tail}")
+            time.sleep(0.05)
+
+    def target(self) -> Target:
+        assert self.proc is not None
+        return Target(self.url, self.site_secret.encode(), self.read_token, self.proc.pid)
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=STOP_TIMEOUT_SECONDS)
+        return proc.returncode
+
+
+def run_spawned(plan: Plan, hca_template: Path | None = None) -> dict[str, Any]:
+    """Start an aggregator of its own, run ``plan`` against it, stop it."""
+    def terminated(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the finally below: the child is stopped
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        with tempfile.TemporaryDirectory(prefix="vigil-loadgen-") as d:
+            aggregator = SpawnedAggregator(Path(d))
+            aggregator.start()
+            try:
+                return run_load(aggregator.target(), plan, hca_template)
+            finally:
+                aggregator.stop()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    lat = s["latency_seconds"]
+    ms = lambda v: f"{v * 1000:.1f} ms"  # noqa: E731
+    lines = [
+        f"nodes {s['nodes']} every {s['interval_seconds']:g} s for {s['duration_seconds']:g} s "
+        f"({s['workers']} worker(s)), {s['report_bytes'] / 1024:.1f} KiB reports",
+        f"offered {s['offered_reports_per_second']:,.1f} reports/s (target {s['target_reports_per_second']:,.1f}), "
+        f"accepted {s['accepted_reports_per_second']:,.1f} reports/s; sent {s['sent']}, accepted {s['accepted']}, "
+        f"late sends {s['late_sends']}",
+        f"intake latency p50 {ms(lat['p50'])}, p90 {ms(lat['p90'])}, p99 {ms(lat['p99'])}, max {ms(lat['max'])}",
+        "errors: " + (", ".join(f"{k} x{v}" for k, v in sorted(s["errors"].items())) or "none"),
+        f"loadgen CPU {s['loadgen_cpu_seconds']:.1f} s ({s['loadgen_cores']:.2f} cores)",
+    ]
+    if s.get("fleet_nodes") is not None:
+        lines.append(f"aggregator fleet lists {s['fleet_nodes']} of the {s['nodes']} nodes")
+    agg = s.get("aggregator")
+    if agg:
+        lines.append(
+            f"aggregator pid {agg['pid']}: CPU {agg['cpu_seconds']:.1f} s ({agg['cores']:.2f} cores), "
+            f"{agg['cpu_seconds_per_report'] * 1e6:,.0f} us/report (~{agg['reports_per_second_per_core']:,.0f} "
+            f"reports/s per core); RSS {agg['rss_bytes'] / 2**20:,.0f} MiB "
+            f"(peak {agg['peak_rss_bytes'] / 2**20:,.0f}), "
+            f"{agg['rss_bytes_per_node'] / 1024:,.0f} KiB per node")
+    return lines

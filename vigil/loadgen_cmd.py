@@ -1,0 +1,70 @@
+"""``vigil loadgen``: a load test of an aggregator over HTTP (README "Load test").
+
+It reads its flags (and the site secret, read token files for a running aggregator), runs
+vigil/loadgen.py's open-loop schedule of N nodes, and prints throughput, intake latency, errors,
+its own CPU and the aggregator's CPU and memory, as lines or ``--json``. With ``--spawn`` it
+starts a dry-run aggregator of its own and stops it at the end; it never acts on anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("loadgen", help="load-test an aggregator with agent-built reports from N nodes",
+                       description="Post agent-built reports for N nodes to an aggregator, open-loop at the "
+                                   "agent's cadence, and print throughput, latency, errors, CPU and memory.")
+    p.add_argument("--nodes", type=int, default=2000, metavar="N", help="simulated nodes (default 2000)")
+    p.add_argument("--duration", type=float, default=30.0, metavar="SECONDS", help="how long to send (default 30)")
+    p.add_argument("--interval", type=float, default=2.5, metavar="SECONDS",
+                   help="each node posts this often (default 2.5, the agent's)")
+    p.add_argument("--workers", type=int, default=1, metavar="K", help="generator processes splitting the nodes")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--spawn", action="store_true",
+                       help="start a dry-run aggregator of its own (credentials in a scratch directory)")
+    where.add_argument("--url", metavar="URL", help="a running aggregator, e.g. http://127.0.0.1:9500")
+    p.add_argument("--site-secret-file", metavar="FILE", help="with --url: the site secret the node tokens derive from")
+    p.add_argument("--read-token-file", metavar="FILE", help="with --url: to count the nodes in GET /v1/nodes")
+    p.add_argument("--aggregator-pid", type=int, metavar="PID", help="with --url: read its CPU and RSS from /proc")
+    p.add_argument("--node-prefix", default="load", metavar="PREFIX", help="node names PREFIX-00000... (default load)")
+    p.add_argument("--hca-sysfs", metavar="DIR",
+                   help="a recorded class/infiniband/<hca> directory to build the 8 HCAs from "
+                        "(default: the simulator's ConnectX-7 tree)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vigil.agent.validation import ConfigError
+    from vigil.aggregator.auth import read_secret
+    from vigil.loadgen import Plan, Target, run_load, run_spawned, summary_lines
+
+    if args.nodes < 1 or args.workers < 1 or args.duration <= 0 or args.interval <= 0:
+        print("vigil loadgen: --nodes, --workers, --duration and --interval must be positive", file=sys.stderr)
+        return 2
+    plan = Plan(nodes=args.nodes, duration_seconds=args.duration, interval_seconds=args.interval,
+                workers=args.workers, node_prefix=args.node_prefix)
+    hca = Path(args.hca_sysfs) if args.hca_sysfs else None
+    if args.spawn:
+        summary = run_spawned(plan, hca)
+    else:
+        if not args.site_secret_file:
+            print("vigil loadgen: --url needs --site-secret-file (node tokens derive from it)", file=sys.stderr)
+            return 2
+        try:
+            secret = read_secret(args.site_secret_file, "site secret")
+            read = read_secret(args.read_token_file, "read token").decode() if args.read_token_file else None
+        except ConfigError as exc:
+            print(f"vigil loadgen: {exc}", file=sys.stderr)
+            return 2
+        summary = run_load(Target(args.url, secret, read, args.aggregator_pid), plan, hca)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for line in summary_lines(summary):
+            print(line)
+    return 0
