@@ -62,6 +62,7 @@ demo: $(DEMO_STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.bench_loadgen
+	$(BIN)/python -m bench.bench_fleet_memory
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -5,7 +5,10 @@ whole (any framing, bounded in size and time), validated strictly (finite, bound
 checked against the node's credential, the clock and the node's last report, and every refusal
 is counted by reason. It hands accepted reports to the engine, forgets departed nodes into the
 store's archive, and runs the engine's evaluation periodically and at once after an urgent
-report, so a fatal Xid becomes a decision within about a second. It judges nothing itself (the
+report, so a fatal Xid becomes a decision within about a second. The detectors run on a worker
+thread (``judge_executor``) while the loop keeps answering: reports accepted meanwhile are held
+and ingested right after, so the detectors read a fleet nobody writes, and their findings come
+back to the loop, which alone proposes them to the gate. It judges nothing itself (the
 engine does) and acts on nothing (the ledger and the dispatcher do). It mounts the gate's
 operator routes (``aggregator.operator_api``), answers /healthz 503 while decisions cannot be
 stored, and measures its own event loop's lag. Its answer to a report carries the node-action
@@ -18,9 +21,11 @@ import asyncio
 import contextlib
 import gc
 import logging
+import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -64,6 +69,10 @@ MAX_DECISIONS_LIMIT = 10_000
 LAG_PERIOD_SECONDS = 0.25
 # An evaluation that finds the ledger writing another batch tries again this much later.
 BUSY_RETRY_SECONDS = 0.05
+# Reports held while the detectors read the fleet are ingested this many at a time between turns
+# of the event loop (~0.1 ms each: a batch holds the loop ~25 ms, a quarter of the 100 ms intake
+# budget of issue #20).
+HELD_INGEST_BATCH = 250
 
 # The aggregator keeps every node's latest GPU, port and rank state alive: ~10^6 objects for a
 # 100k-GPU fleet, and each report allocates a few hundred more. With CPython's default
@@ -71,12 +80,19 @@ BUSY_RETRY_SECONDS = 0.05
 # couple of reports and halves the ingest rate (bench/bench_ingest.py); collections every 50k
 # allocations keep the same guarantees for cycles at a fraction of the cost.
 GC_THRESHOLDS = (50_000, 20, 100)
+# The judging thread and the event loop share one interpreter lock: each time the loop wakes
+# from waiting on its sockets it waits for the judge to hand the lock over, CPython's 5 ms by
+# default, several times per request. 0.5 ms keeps intake p99 in tens of milliseconds while
+# 5,000 nodes are judged (bench/bench_fleet_memory.py: 1.5 s at the default, see the README).
+GIL_SWITCH_SECONDS = 0.0005
 
 
 def tune_gc() -> None:
-    """Freeze start-up objects out of the collector's way and space collections out."""
+    """Freeze start-up objects out of the collector's way and space collections out; let the
+    event loop take the interpreter lock back from the judging thread sooner."""
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+    sys.setswitchinterval(GIL_SWITCH_SECONDS)
 
 
 def _error(status: int, reason: str, detail: str, **extra: Any) -> web.Response:
@@ -116,6 +132,20 @@ def node_state(node: NodeState, findings: list[Finding], now: float, silent_afte
     return "ok"
 
 
+async def measure_loop_lag(metrics: AggregatorMetrics, *, period_seconds: float = LAG_PERIOD_SECONDS,
+                          monotonic: Callable[[], float] | None = None,
+                          sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+    """Forever: how late a ``period_seconds`` timer fires on this event loop, into the gauge (the
+    last measurement) and the histogram (every one). ``monotonic`` defaults to the loop's clock."""
+    now = monotonic or asyncio.get_running_loop().time
+    while True:
+        due = now() + period_seconds
+        await sleep(period_seconds)
+        lag = max(0.0, now() - due)
+        metrics.loop_lag.set(lag)
+        metrics.loop_lag_observed.observe(lag)
+
+
 def check_startable(config: AggregatorConfig, credentials: Credentials) -> None:
     """ConfigError (one line, why) when this configuration must not serve."""
     if not config.dry_run and not credentials.any:
@@ -142,11 +172,13 @@ async def no_5xx_from_input(request: web.Request,
 
 def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
              clock: Callable[[], float] = time.time, credentials: Credentials | None = None,
-             dispatcher: Dispatcher | None = None, outbox: Outbox | None = None) -> web.Application:
+             dispatcher: Dispatcher | None = None, outbox: Outbox | None = None,
+             judge_executor: Executor | None = None) -> web.Application:
     """The service as an aiohttp application (routes, auth, the periodic evaluator as a cleanup
     context). ``credentials`` default to the files named in ``config.auth``; ``outbox`` (the
     node-action requests) to one built from ``config`` (its key file read here), which the
-    dispatcher then feeds with delivered reset_gpu drains."""
+    dispatcher then feeds with delivered reset_gpu drains. ``judge_executor`` runs the periodic
+    evaluations' detectors (default: one thread of the application's own, shut down with it)."""
     if credentials is None:
         credentials = Credentials.load(config.auth)
         check_startable(config, credentials)
@@ -228,50 +260,110 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             except WRITE_ERRORS as exc:  # the fleet forgets it anyway; only the post-mortem copy is lost
                 log.error("could not archive forgotten node %s in the store: %s", node.name, exc)
 
-    def evaluate_now() -> list[Decision]:
-        started = time.perf_counter()
-        try:
-            now = clock()
-            forget_departed(now)
-            admitted = engine.evaluate(now)
-        finally:
-            metrics.evaluate_seconds.observe(time.perf_counter() - started)
+    # The fleet has one writer, this loop; while the detectors read it on the judging thread
+    # (``judging``), accepted reports wait in ``held`` (in order, with their arrival time) and
+    # are ingested right after. The node-action tables are the one exception: the outbox keeps
+    # writing them, and the recovery detector reads them only by key (atomic under the GIL).
+    held: deque[tuple[Report, float]] = deque()
+    judging: Future[list[Finding]] | None = None
+    superseded = 0  # bumped when a synchronous evaluation takes over from an in-flight one
+
+    def intake(report: Report, now: float) -> None:
+        if judging is not None or held:
+            held.append((report, now))
+            metrics.held_reports.inc()
+        else:
+            engine.ingest(report, now)
+
+    def ingest_held(limit: int | None = None) -> None:
+        for _ in range(len(held) if limit is None else min(limit, len(held))):
+            engine.ingest(*held.popleft())
+
+    async def ingest_all_held() -> None:
+        """The held reports, in batches between other work (new ones queue behind them)."""
+        while held:
+            ingest_held(HELD_INGEST_BATCH)
+            await asyncio.sleep(0)
+
+    def turn() -> contextlib.AbstractContextManager[bool]:
+        return ledger.turn() if ledger is not None else contextlib.nullcontext(True)
+
+    def finished(admitted: list[Decision], started: float) -> None:
+        metrics.evaluate_seconds.observe(time.perf_counter() - started)
         metrics.last_evaluation.set(clock())
         if ledger is None:  # the ledger logs what it records
             for d in admitted:
                 log.info("decision %s: %s %s%s (%s) %s", d.id, d.action.value, d.node,
                          f" gpu {d.gpu}" if d.gpu is not None else "", d.detector, d.reason)
+
+    def evaluate_now() -> list[Decision]:
+        """One whole evaluation on the calling thread (the simulator's and the tests' way): an
+        evaluation in flight on the judging thread is waited for and its findings dropped."""
+        nonlocal judging, superseded
+        if judging is not None:
+            with contextlib.suppress(Exception):  # its failure was its own cycle's
+                judging.result()
+            judging = None
+            superseded += 1
+        ingest_held()
+        started = time.perf_counter()
+        admitted: list[Decision] = []
+        try:
+            now = clock()
+            forget_departed(now)
+            admitted = engine.evaluate(now)
+        finally:
+            finished(admitted, started)
         return admitted
 
-    async def measure_lag() -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + LAG_PERIOD_SECONDS
-            await asyncio.sleep(LAG_PERIOD_SECONDS)
-            metrics.loop_lag.set(max(0.0, loop.time() - due))
-
-    def evaluate_in_turn() -> None:
-        if ledger is None:
-            evaluate_now()
-            return
-        with ledger.turn() as free:
-            if free:
-                evaluate_now()
-            else:  # a batch (Alertmanager's, an operator's) is being written: never wait on the loop
+    async def evaluate_off_loop(executor: Executor) -> None:
+        """One evaluation: prepare on the loop, the detectors on ``executor``, the decisions back
+        on the loop (through the gate, as ``evaluate_now``)."""
+        nonlocal judging
+        await ingest_all_held()  # everything accepted so far is judged
+        started = time.perf_counter()
+        with turn() as free:
+            if not free:  # a batch (Alertmanager's, an operator's) is being written: never wait on the loop
                 asyncio.get_running_loop().call_later(BUSY_RETRY_SECONDS, wake.set)
+                return
+            now = clock()
+            forget_departed(now)
+            view = engine.prepare(now)
+        generation = superseded
+        future = judging = executor.submit(engine.judge, view, now)
+        try:
+            found = await asyncio.wrap_future(future)
+        finally:
+            if judging is future:
+                judging = None
+            metrics.judge_seconds.observe(time.perf_counter() - started)
+        if generation != superseded:
+            return
+        while True:
+            with turn() as free:
+                if free:
+                    finished(engine.decide(found, now), started)
+                    return
+            await asyncio.sleep(BUSY_RETRY_SECONDS)
 
     async def evaluate_forever() -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(config.evaluate_interval_seconds):
-                    await wake.wait()
-            wake.clear()
-            try:
-                evaluate_in_turn()
-            except Exception:  # one bad cycle must not stop judging the fleet
-                log.exception("evaluation failed; the next cycle will try again")
+        executor = judge_executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vigil-judge")
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(config.evaluate_interval_seconds):
+                        await wake.wait()
+                wake.clear()
+                try:
+                    await evaluate_off_loop(executor)
+                except Exception:  # one bad cycle must not stop judging the fleet
+                    log.exception("evaluation failed; the next cycle will try again")
+                await ingest_all_held()
+        finally:
+            if judge_executor is None:  # a judge in flight finishes first (about a second at most)
+                executor.shutdown(wait=True)
 
-    app.cleanup_ctx.append(background("vigil-aggregator-loop-lag", measure_lag))
+    app.cleanup_ctx.append(background("vigil-aggregator-loop-lag", lambda: measure_loop_lag(metrics)))
     app.cleanup_ctx.append(background("vigil-aggregator-evaluate", evaluate_forever))
     app[EVALUATE_KEY] = evaluate_now
 
@@ -303,7 +395,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         refused = engine.fleet.refusal(report, now)
         if refused is not None:
             return refuse_report(409 if refused[0] == "seq_jump" else 422, *refused)
-        engine.ingest(report, now)
+        intake(report, now)
         metrics.ingest_seconds.observe(time.perf_counter() - started)
         metrics.reports.inc()
         metrics.count_events(e.kind for e in report.events)

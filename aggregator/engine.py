@@ -7,7 +7,9 @@ current episode to the sink each cycle: the sink knows what is already admitted,
 one is judged again. Time is always given (``now``), so the simulator drives it on a simulated
 clock and the app on the wall clock. It keeps no record of what was admitted: when the recovery
 detector is enabled it reads, each evaluation, the ledger's gate state (in memory, no I/O) for
-the nodes vigil removed and hands them to the detectors as ``FleetView.removed``.
+the nodes vigil removed and hands them to the detectors as ``FleetView.removed``. ``evaluate``
+is three steps (``prepare``, ``judge``, ``decide``) so that the service can run the detectors,
+the costly one, on a worker thread while its event loop keeps taking reports.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Decision, Finding
 from vigil.aggregator.detectors import REGISTRY, Detector
 from vigil.aggregator.detectors.topology import Episode, TopologyAttributor, episode
-from vigil.aggregator.fleet import Fleet, Removal
+from vigil.aggregator.fleet import Fleet, FleetView, Removal
 from vigil.aggregator.gate import GateState
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.outbox import agent_resets_enabled
@@ -65,10 +67,26 @@ class Engine:
         self.fleet.ingest(report, now)
 
     def findings(self, now: float) -> list[Finding]:
+        return self.judge(self.view(), now)
+
+    def view(self) -> FleetView:
+        """The fleet as detectors see it, with the gate's removals copied now (read the gate on
+        the thread that owns it; the view then reads only the fleet)."""
         # Only the recovery detector reads what vigil removed; a sink without a gate has no record.
         removed = (removals(self.sink.store.state)
                    if self.config.detectors.recovery.enabled and isinstance(self.sink, Ledger) else None)
-        view = self.fleet.view(removed)
+        return self.fleet.view(removed)
+
+    def prepare(self, now: float) -> FleetView:
+        """The first step of an evaluation, on the thread that owns the fleet: forget idle jobs,
+        then the view to judge. Until ``judge`` returns, nothing may ingest into the fleet."""
+        self.fleet.forget_idle_jobs(now)
+        return self.view()
+
+    def judge(self, view: FleetView, now: float) -> list[Finding]:
+        """Every detector and the topology pass over ``view``: pure with respect to the fleet
+        (reads it, changes only the detectors' own memory), so it may run on a worker thread
+        while the fleet's owner holds ingest back. One judge at a time."""
         found: list[Finding] = []
         for detector in self.detectors:
             found.extend(detector.evaluate(view, now))
@@ -79,9 +97,13 @@ class Engine:
         return found
 
     def evaluate(self, now: float) -> list[Decision]:
-        """Propose every current episode; returns what the sink admitted now."""
-        self.fleet.forget_idle_jobs(now)
-        found = self.findings(now)
+        """Propose every current episode; returns what the sink admitted now. The three steps in
+        one call (the simulator's and the tests' way); the service judges off its event loop."""
+        return self.decide(self.judge(self.prepare(now), now), now)
+
+    def decide(self, found: list[Finding], now: float) -> list[Decision]:
+        """The last step, on the thread that owns the fleet and the sink: one decision per
+        episode, proposed to the sink."""
         self.last_findings = found
         repeat_after = self.config.gate.repeat_after_seconds
         proposals: list[Decision] = []

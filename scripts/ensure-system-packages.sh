@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages whose real programs the tests run (promtool, prometheus,
-# alertmanager, node_exporter, slurmctld/slurmd/munged) when they are missing and we are root.
+# alertmanager, node_exporter, victoria-metrics/vmalert, slurmctld/slurmd/munged) when they are
+# missing and we are root.
 # Without root it says what is missing; the tests that need a program then skip with that reason.
 set -euo pipefail
 
@@ -9,6 +10,8 @@ declare -A need=(
   [prometheus]=prometheus
   [prometheus-alertmanager]=prometheus-alertmanager
   [prometheus-node-exporter]=prometheus-node-exporter
+  [victoria-metrics]=victoria-metrics
+  [vmalert]=victoria-metrics
   [slurmctld]=slurmctld
   [slurmd]=slurmd
   [scontrol]=slurm-client

@@ -1,0 +1,192 @@
+"""The aggregator's memory per node and its intake while a large fleet is judged.
+
+Memory: tracemalloc over ``Fleet.ingest`` of MEMORY_NODES nodes x MEMORY_ROUNDS of the real
+agent-built reports (vigil/agent_reports.py: 8 GPUs, 8 ConnectX-7 ports, 8 ranks), what the
+fleet keeps per node; then the same nodes silent past ``fleet.forget_after_seconds``, and what
+is left once they are forgotten (departed nodes leave memory).
+
+Intake: the real application (aiohttp, on loopback, in this process) holding a fleet of
+JUDGED_NODES nodes, evaluated every EVALUATE_SECONDS with every default detector, while a probe
+posts real reports of those nodes at PROBE_PER_SECOND and times each answer from when it was due
+(a send held up behind a stalled loop counts its wait); the event loop's lag
+is the service's own histogram. Twice: the detectors on the event loop (an executor that runs
+them inline: how the service judged before) and on the judging thread (how it does now).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import sys
+import time
+import tracemalloc
+from concurrent.futures import Executor, Future
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from bench.bench_agent import FIXTURE_IB
+from bench.measure import Measurement
+from vigil.agent.wire import Report
+from vigil.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
+from vigil.aggregator.app import METRICS_KEY, make_app, tune_gc
+from vigil.aggregator.auth import Credentials, node_token
+from vigil.aggregator.config import parse_config
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.fleet import Fleet, FleetConfig
+from vigil.aggregator.sink import RecordingSink
+
+MEMORY_NODES = 300
+MEMORY_ROUNDS = 12  # 30 s of reports: the rings fill with what a steady node keeps
+JUDGED_NODES = 5_000  # the largest this shared 2-core machine holds in one process next to its probe
+EVALUATE_SECONDS = 2.0  # "judged every few seconds" (issue #20)
+PROBE_SECONDS = 12.0
+PROBE_PER_SECOND = 100
+P99_BUDGET_MS = 100.0  # issue #20: intake p99 while the fleet is judged
+SECRET = b"bench-fleet-memory-secret-0123456789"
+
+
+class InlineExecutor(Executor):
+    """Runs the submitted call at once on the caller's thread: the detectors on the event loop."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting side, as a thread pool does
+            future.set_exception(exc)
+        return future
+
+
+def _report(template: dict[str, Any], n: int, seq: int, ts: float) -> Report:
+    return Report.model_validate(for_node(template, n, f"gpu-{n:05d}", f"{n:032x}", seq, ts))
+
+
+def memory() -> list[Measurement]:
+    templates = agent_reports(MEMORY_ROUNDS, FIXTURE_IB / "mlx5_0")
+    fleet = Fleet(FleetConfig(forget_after_seconds=3600))
+    t0 = 1.7e9
+    fleet.ingest(_report(templates[0], 99_999, 1, t0), t0)  # first-node one-offs (interned names)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for seq, template in enumerate(templates, start=1):
+            ts = t0 + seq * INTERVAL_SECONDS
+            for n in range(MEMORY_NODES):
+                fleet.ingest(_report(template, n, seq, ts), ts)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+        later = t0 + 3700
+        fleet.ingest(_report(templates[-1], 99_999, len(templates) + 1, later), later)
+        gone = len(fleet.forget_departed(later))
+        fleet.forget_idle_jobs(later + 3600)
+        gc.collect()
+        left = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert gone == MEMORY_NODES
+    return [
+        Measurement("aggregator fleet memory per node (8 GPUs, 8 ports, 8 ranks)", round(held / MEMORY_NODES / 1024),
+                    "KiB", None, note=f"tracemalloc, {MEMORY_NODES} nodes x {MEMORY_ROUNDS} real reports; "
+                    f"x 12,500 nodes = {held / MEMORY_NODES * 12_500 / 2**30:.1f} GiB"),
+        Measurement("aggregator memory left per departed node", round(left / MEMORY_NODES / 1024, 2), "KiB", 1.0,
+                    note="after fleet.forget_after_seconds (the fleet, its jobs' ranks, the histories)"),
+    ]
+
+
+async def _probe(executor: Executor | None, templates: list[dict[str, Any]]) -> dict[str, float]:
+    config = parse_config({"evaluate_interval_seconds": EVALUATE_SECONDS, "dry_run": True})
+    sink = RecordingSink()
+    engine = Engine(config, sink)
+    now = time.time()
+    for seq, template in enumerate(templates[:2], start=1):
+        for n in range(JUDGED_NODES):
+            engine.ingest(_report(template, n, seq, now), now)
+    app = make_app(config, engine, sink, credentials=Credentials(site_secret=SECRET), judge_executor=executor)
+    metrics = app[METRICS_KEY]
+    latencies: list[float] = []
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        start = time.perf_counter()
+        sent = 0
+        while time.perf_counter() - start < PROBE_SECONDS:
+            n = sent % JUDGED_NODES
+            template = templates[2 + (sent // JUDGED_NODES) % (len(templates) - 2)]
+            body = json.dumps(for_node(template, n, f"gpu-{n:05d}", f"{n:032x}", 3 + sent // JUDGED_NODES,
+                                       time.time()))
+            due = start + sent / PROBE_PER_SECOND
+            resp = await client.post("/v1/reports", data=body, headers={
+                "Authorization": f"Bearer {node_token(SECRET, f'gpu-{n:05d}')}", "Content-Type": "application/json"})
+            # From when the report was due: a send held up behind a stalled loop counts its wait
+            # (the client shares the loop, as a remote agent shares the server's).
+            latencies.append(time.perf_counter() - due)
+            assert resp.status == 202, await resp.text()
+            resp.release()
+            sent += 1
+            await asyncio.sleep(max(0.0, start + sent / PROBE_PER_SECOND - time.perf_counter()))
+    lag = next(iter(metrics.loop_lag_observed.collect())).samples
+    judged = next(iter(metrics.evaluate_seconds.collect())).samples
+    count = next(s.value for s in lag if s.name.endswith("_count"))
+    lag_sum = next(s.value for s in lag if s.name.endswith("_sum"))
+    evaluations = next(s.value for s in judged if s.name.endswith("_count"))
+    eval_sum = next(s.value for s in judged if s.name.endswith("_sum"))
+    latencies.sort()
+    return {"p50": latencies[len(latencies) // 2], "p99": latencies[int(0.99 * (len(latencies) - 1))],
+            "max": latencies[-1], "lag_mean": lag_sum / count if count else 0.0,
+            "lag_max": _max_bucket(lag), "evaluations": evaluations,
+            "evaluate_mean": eval_sum / evaluations if evaluations else 0.0, "sent": len(latencies)}
+
+
+def _max_bucket(samples: list[Any]) -> float:
+    """The upper bound of the highest histogram bucket holding a measurement."""
+    buckets = [(float(s.labels["le"]), s.value) for s in samples if s.name.endswith("_bucket")]
+    total = buckets[-1][1]
+    return next(le for le, v in buckets if v >= total)
+
+
+def _bound(upper: float) -> str:
+    return "> 2.5 s" if upper == float("inf") else f"<= {upper * 1000:.0f} ms"
+
+
+def intake() -> list[Measurement]:
+    templates = agent_reports(6, FIXTURE_IB / "mlx5_0")
+    rows = []
+    for label, executor in (("detectors on the event loop (before)", InlineExecutor()),
+                            ("detectors on the judging thread (now)", None)):
+        gc.collect()
+        r = asyncio.run(_probe(executor, templates))
+        what = f"intake p99, {JUDGED_NODES:,} nodes judged every {EVALUATE_SECONDS:g} s, {label}"
+        note = (f"p50 {r['p50'] * 1000:.1f} ms, max {r['max'] * 1000:.0f} ms over {r['sent']:.0f} real reports; "
+                f"event loop lag mean {r['lag_mean'] * 1000:.1f} ms, max {_bound(r['lag_max'])}; "
+                f"{r['evaluations']:.0f} evaluations of {r['evaluate_mean']:.2f} s each; shared 2-core machine")
+        rows.append(Measurement(what, round(r["p99"] * 1000, 1), "ms", P99_BUDGET_MS, note=note))
+    return rows
+
+
+def measure() -> list[Measurement]:
+    thresholds, switch = gc.get_threshold(), sys.getswitchinterval()
+    tune_gc()  # the service's own collector and thread-switch settings
+    try:
+        return memory() + intake()
+    finally:
+        gc.set_threshold(*thresholds)
+        sys.setswitchinterval(switch)
+        gc.unfreeze()
+
+
+def main() -> int:
+    """``make bench`` runs this after bench.run's table: the same columns."""
+    rows = measure()
+    width = max(len(r.what) for r in rows)
+    for r in rows:
+        budget = f"{'>=' if r.higher_is_better else '<='} {r.budget:,.0f} {r.unit}" if r.budget is not None else "-"
+        verdict = {True: "ok", False: "OVER BUDGET", None: ""}[r.within_budget]
+        print(f"{r.what:<{width}}  {f'{r.value:,.1f} {r.unit}':>16}  {budget:>16}  {verdict}")
+        if r.note:
+            print(f"{'':<{width}}    note: {r.note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
