@@ -38,7 +38,7 @@ from vigil.aggregator.detectors.xid import XidConfig
 from vigil.aggregator.fleet import FleetConfig
 from vigil.aggregator.gate import GateConfig
 from vigil.aggregator.listener import ServerConfig
-from vigil.aggregator.outbox import NodeActionsConfig
+from vigil.aggregator.outbox import NodeActionsConfig, switched_on
 from vigil.aggregator.store import StoreConfig
 
 __all__ = ["AggregatorConfig", "ConfigError", "DetectorsConfig", "load_config", "parse_config"]
@@ -78,14 +78,17 @@ class AggregatorConfig(StrictModel):
     gate: GateConfig = GateConfig()
     store: StoreConfig = StoreConfig()
     actuators: ActuatorsConfig = ActuatorsConfig()
-    # Signed requests to the agents (aggregator/outbox.py); used by actuators.slurm.reset_gpu.
+    # Signed requests to the agents (aggregator/outbox.py); used by actuators.slurm.reset_gpu,
+    # actuators.kubernetes.reset_gpu and actuators.kubernetes.reboot.
     node_actions: NodeActionsConfig = NodeActionsConfig()
 
     @model_validator(mode="after")
     def _node_action_key(self) -> AggregatorConfig:
-        if self.actuators.slurm.reset_gpu and not self.node_actions.key_file:
-            raise ValueError("actuators.slurm.reset_gpu needs node_actions.key_file (the master key the "
-                             "requests to the agents are signed with: vigil token master-key --out FILE)")
+        on = switched_on(self)  # outbox.FOLLOW_UPS: each switch that makes a request to an agent
+        if on and not self.node_actions.key_file:
+            raise ValueError(f"{' and '.join(on)} {'needs' if len(on) == 1 else 'need'} node_actions.key_file "
+                             "(the master key the requests to the agents are signed with: vigil token "
+                             "master-key --out FILE)")
         return self
 
     @property

@@ -1,7 +1,9 @@
 """The node-action outbox: the one owner of the requests the aggregator has for nodes' agents.
 
-It takes an admitted reset_gpu decision once its Slurm drain was delivered (``on_delivered``) and
-turns it into a ``NodeActionRequest`` for that node's current boot and GPU, signed under the
+It takes an admitted decision once an actuator delivered its removal (``on_delivered``: a Slurm
+drain or a Kubernetes cordon and eviction) and, where ``FOLLOW_UPS`` pairs that actuator and action
+with a node action the site switched on, turns it into a ``NodeActionRequest`` (reset_gpu, or
+request_reboot: kured's sentinel) for that node's current boot (and GPU), signed under the
 node's key (``node_key(master key, node)``); ``due`` says which requests to offer in the answer
 to a node's report (again every ``retry_seconds`` until a final result or expiry), and ``record``
 takes the node's ``action_results``, handing the ones it knows to the fleet for the recovery
@@ -15,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,10 +88,49 @@ def read_key_file(path: str | Path, what: str = "node action master key") -> byt
     return key
 
 
-def agent_resets_enabled(config: AggregatorConfig) -> bool:
-    """Whether an admitted reset_gpu becomes a request to the node's agent (after the drain)."""
+@dataclass(frozen=True)
+class FollowUp:
+    """What follows one actuator's delivery of one action: the node action the agent is asked for,
+    and the actuator section's bool field that switches it on (off by default, needs the key)."""
+
+    node_action: str  # a key of NODE_ACTIONS
+    switch: str  # ``actuators.<actuator>.<switch>``
+
+
+# The one table of (actuator, delivered action) -> the request to the node's agent that follows it.
+# The removal comes first (Slurm drains; Kubernetes cordons and evicts), so the node runs no new
+# work when the agent acts. Kubernetes reboots go through kured's sentinel file: kured drains and
+# reboots under its own lock and window, and vigil needs no right to reboot anything (docs/kubernetes.md).
+FOLLOW_UPS: dict[tuple[str, Action], FollowUp] = {
+    ("slurm", Action.RESET_GPU): FollowUp("reset_gpu", "reset_gpu"),
+    ("kubernetes", Action.RESET_GPU): FollowUp("reset_gpu", "reset_gpu"),
+    ("kubernetes", Action.REBOOT_NODE): FollowUp("request_reboot", "reboot"),
+}
+# An Outbox built without a config follows the Slurm reset only (what it did before the table).
+DEFAULT_FOLLOWED = frozenset({("slurm", Action.RESET_GPU)})
+
+
+def switched_on(config: AggregatorConfig) -> list[str]:
+    """The ``actuators.<name>.<switch>`` settings of FOLLOW_UPS that are true (enabled or not):
+    each needs ``node_actions.key_file`` (aggregator/config.py refuses the config otherwise)."""
+    on = [f"actuators.{actuator}.{follow.switch}" for (actuator, _), follow in FOLLOW_UPS.items()
+          if getattr(getattr(config.actuators, actuator), follow.switch)]
+    return list(dict.fromkeys(on))
+
+
+def followed(config: AggregatorConfig) -> frozenset[tuple[str, Action]]:
+    """The FOLLOW_UPS keys in effect: actuators on, the actuator's section enabled, its switch on,
+    and a master key configured."""
     acts = config.actuators
-    return bool(acts.enabled and acts.slurm.enabled and acts.slurm.reset_gpu and config.node_actions.key_file)
+    if not (acts.enabled and config.node_actions.key_file):
+        return frozenset()
+    return frozenset(key for key, follow in FOLLOW_UPS.items()
+                     if getattr(acts, key[0]).enabled and getattr(getattr(acts, key[0]), follow.switch))
+
+
+def agent_resets_enabled(config: AggregatorConfig) -> bool:
+    """Whether an admitted reset_gpu becomes a request to the node's agent (after the removal)."""
+    return any(FOLLOW_UPS[key].node_action == "reset_gpu" for key in followed(config))
 
 
 @dataclass
@@ -107,8 +148,13 @@ class Outbox:
     """Pending requests per node. Single-threaded use (the app's event loop)."""
 
     def __init__(self, master_key: bytes | None, config: NodeActionsConfig | None = None,
-                 fleet: Fleet | None = None) -> None:
+                 fleet: Fleet | None = None, follow: Collection[tuple[str, Action]] = DEFAULT_FOLLOWED) -> None:
+        """``follow``: the FOLLOW_UPS keys whose deliveries become requests (``followed(config)``)."""
         self.config = config or NodeActionsConfig()
+        unknown = set(follow) - set(FOLLOW_UPS)
+        if unknown:
+            raise ValueError(f"no node action follows {sorted((a, b.value) for a, b in unknown)}")
+        self.follow = {key: FOLLOW_UPS[key].node_action for key in follow}
         self._master = master_key
         self.fleet = fleet
         self._pending: dict[str, dict[str, _Entry]] = {}  # node -> id -> entry
@@ -121,11 +167,11 @@ class Outbox:
 
     @classmethod
     def from_config(cls, config: AggregatorConfig, fleet: Fleet | None = None) -> Outbox:
-        """Enabled (holding the master key) only when ``agent_resets_enabled``; raises ConfigError
-        when the key file cannot be read."""
-        key = read_key_file(config.node_actions.key_file) \
-            if agent_resets_enabled(config) and config.node_actions.key_file else None
-        return cls(key, config.node_actions, fleet)
+        """Enabled (holding the master key) only when some FOLLOW_UPS pair is in effect
+        (``followed``); raises ConfigError when the key file cannot be read."""
+        follow = followed(config)
+        key = read_key_file(config.node_actions.key_file) if follow and config.node_actions.key_file else None
+        return cls(key, config.node_actions, fleet, follow)
 
     @property
     def enabled(self) -> bool:
@@ -137,23 +183,25 @@ class Outbox:
     # Requests -----------------------------------------------------------------------------------
 
     def on_delivered(self, actuator: str, decision: Decision, now: float) -> None:
-        """The dispatcher's hook: a reset_gpu decision the Slurm actuator delivered (the node is
-        drained) becomes a request to the node's agent."""
-        if actuator == "slurm" and decision.action is Action.RESET_GPU and not decision.dry_run:
-            self.enqueue(decision, now)
+        """The dispatcher's hook: a decision an actuator delivered (the node is drained, or
+        cordoned and emptied) becomes the request ``FOLLOW_UPS`` names, if that pair is followed."""
+        node_action = self.follow.get((actuator, decision.action))
+        if node_action is not None and not decision.dry_run:
+            self.enqueue(decision, now, node_action)
 
     def _not_queued(self, decision: Decision, reason: str, why: str) -> None:
         self.not_queued[(decision.action.value, reason)] += 1
         log.error("node action %s (%s %s gpu %s) not requested: %s", decision.id, decision.action.value,
                   decision.node, decision.gpu, why)
 
-    def enqueue(self, decision: Decision, now: float) -> NodeActionRequest | None:
+    def enqueue(self, decision: Decision, now: float, node_action: str | None = None) -> NodeActionRequest | None:
         """The signed request for ``decision`` (id = the decision id, for the node's current boot),
-        or None when it cannot be made (counted, logged) or is already queued or finished."""
+        asking for ``node_action`` (default: the decision's own action's name), or None when it
+        cannot be made (counted, logged) or is already queued or finished."""
         self._sweep(now)
         if self._master is None:
             return None
-        action = decision.action.value
+        action = node_action or decision.action.value
         if action not in NODE_ACTIONS:
             self._not_queued(decision, "unknown_action", f"{action} is not a node action")
             return None

@@ -4,18 +4,23 @@ Every report interval of simulated time it applies the faults that are due (Fake
 own schedule), steps the training jobs and feeds their heartbeats to each node's training
 collector, ticks every node's collectors, builds and ingests the reports into the real engine
 (detectors, then the gate in dry run over an in-memory store), and records every decision with
-its simulated time. It scores nothing (sim.score does) and never sleeps.
+its simulated time. With a scenario's ``remediation`` it also carries out admitted reboots and
+GPU resets (the latter through the real outbox and the node's real NodeActionRunner). It scores
+nothing (sim.score does) and never sleeps.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
+import hashlib
 import json
 import logging
 import math
+import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,7 @@ import numpy as np
 from vigil.agent.config import AgentConfig, parse_config
 from vigil.agent.seams import Seams
 from vigil.agent.validation import ConfigError, format_validation_error
-from vigil.agent.wire import Report
+from vigil.agent.wire import MAX_RESULTS_PER_REPORT, NodeActionRequest, NodeActionResult, Report
 from vigil.sim import fabric
 from vigil.sim.clock import SimClock
 from vigil.sim.fleet import KernelLog, SimNode, kernel_xid_line
@@ -77,13 +82,17 @@ class SimDecision:
 
 @dataclass(frozen=True)
 class Remediated:
-    """A reboot the simulator carried out for an admitted ``reboot_node`` (``remediation``)."""
+    """A remediation the simulator carried out (``remediation``): a reboot for an admitted
+    ``reboot_node``, or a GPU reset the node's agent ran for an admitted ``reset_gpu``."""
 
-    t: float  # simulated seconds: the decision, and the node going down
+    t: float  # simulated seconds: the decision (for a reboot, the node going down)
     node: str
     decision_id: str
-    back_seconds: float  # when the node is back with a new boot
+    back_seconds: float  # reboot: when the node is back with a new boot; reset: when the reset ran
     clears: bool
+    action: str = "reboot_node"
+    gpu: int | None = None
+    outcome: str | None = None  # reset: the agent's result (done, failed, refused) and reason
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -117,7 +126,7 @@ class SimResult:
     fleet_t: list[float] = field(default_factory=list)
     fleet_reporting: list[int] = field(default_factory=list)
     fleet_silent: list[int] = field(default_factory=list)
-    # The reboots the simulator carried out itself (scenario ``remediation``), in order.
+    # The reboots and GPU resets the simulator carried out itself (scenario ``remediation``), in order.
     remediations: list[Remediated] = field(default_factory=list)
 
 
@@ -166,14 +175,27 @@ def agent_config(scenario: Scenario) -> AgentConfig:
         raise ScenarioError(f"scenario {scenario.name}: agent: {exc}") from None
 
 
-def open_fake_backend(node_scenario: Any, clock: SimClock, seed: int) -> Any:
-    """The real PynvmlBackend over a FakeNvml: only NVIDIA's library is left out."""
+# A reset command the simulator runs for a node's backend: (its FakeNvml, argv, timeout) -> output.
+ResetCommand = Callable[[Any, Sequence[str], float], str]
+
+
+def open_fake_backend(node_scenario: Any, clock: SimClock, seed: int, reset: ResetCommand | None = None) -> Any:
+    """The real PynvmlBackend over a FakeNvml: only NVIDIA's library is left out. ``reset``: what
+    its ``nvidia-smi --gpu-reset`` runs (default: FakeNvml's own imitation)."""
     from vigil.agent.nvml.backend import PynvmlBackend
     from vigil.agent.nvml.fake import FakeNvml
 
-    backend = PynvmlBackend(nvml=FakeNvml(node_scenario, clock, start=clock.start, seed=seed))
+    fake = FakeNvml(node_scenario, clock, start=clock.start, seed=seed)
+    run = None if reset is None else functools.partial(reset, fake)
+    backend = PynvmlBackend(nvml=fake, run=run)
     backend.init()
     return backend
+
+
+def sim_master_key(seed: int) -> bytes:
+    """The node-action master key of a simulated aggregator: 32 bytes, fixed by the seed (a run
+    is reproducible; nothing outside the simulation ever holds it)."""
+    return hashlib.sha256(f"vigil sim node-action master key {seed}".encode()).digest()
 
 
 class Simulation:
@@ -192,12 +214,29 @@ class Simulation:
         self.sink: Any = None
         # Configuration errors surface here, before anything is created on disk.
         self.agent_config = agent_config(scenario)
+        remediation = scenario.remediation
+        self._resets = remediation is not None and remediation.reset_seconds is not None and engine is None
+        self.outbox: Any = None  # the aggregator's node-action outbox (GPU resets; None: resets off)
+        self._master_key = sim_master_key(self.seed)
         if engine is not None:
             self.engine = engine
-        else:
+        elif not self._resets:
             self.engine, self.sink = build_engine(scenario)
         self._tmp = tempfile.TemporaryDirectory(prefix="vigil-sim-") if workdir is None else None
         self.workdir = workdir if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
+        if self._resets:
+            from vigil.aggregator.outbox import Outbox
+
+            master = self.workdir / "node-action-master.key"
+            master.write_text(self._master_key.hex() + "\n")
+            try:
+                self.engine, self.sink = build_engine(scenario, node_action_key_file=master)
+                # As the app builds it (aggregator/app.py): enabled by the same config, over the engine's fleet.
+                self.outbox = Outbox.from_config(self.engine.config, self.engine.fleet)
+            except BaseException:
+                if self._tmp is not None:
+                    self._tmp.cleanup()
+                raise
         self.nodes: dict[str, SimNode] = {}
         self._faults_by_node: dict[str, list[Any]] = {}
         self._schedule: list[tuple[float, int, Callable[[], None]]] = []
@@ -212,6 +251,13 @@ class Simulation:
         self._running = False
         self._down: dict[str, list[tuple[float, float]]] = {}  # node -> its reboots' [down, back)
         self._remediated: list[Remediated] = []
+        # GPU resets: admitted reset_gpu decisions waiting for the outbox (by id); per node, its
+        # agent's NodeActionRunner for the current boot, the request ids it is handling, and the
+        # results its next report carries (as agent/reporter.py keeps them).
+        self._reset_decisions: dict[str, Any] = {}
+        self._runners: dict[str, tuple[str, Any]] = {}
+        self._handling: dict[str, set[str]] = {}
+        self._results: dict[str, list[NodeActionResult]] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -290,7 +336,19 @@ class Simulation:
                                                    "faults": nvml_faults})
             if not nvml_faults:
                 self._healthy[profile] = node_sc
-        return open_fake_backend(node_sc, self.clock, seed=self.seed * 100_003 + index)
+        reset = functools.partial(self._nvidia_smi, name) if self._resets else None
+        return open_fake_backend(node_sc, self.clock, seed=self.seed * 100_003 + index, reset=reset)
+
+    def _nvidia_smi(self, name: str, fake: Any, argv: Sequence[str], timeout_seconds: float) -> str:
+        """``nvidia-smi --gpu-reset`` on node ``name``: FakeNvml's imitation (it refuses a GPU that
+        processes hold; otherwise the GPU's lost and reset-required faults are cleared) where the
+        scenario's reset fixes the node (``remediation.reset_clears``); elsewhere the reset fails as
+        nvidia-smi fails on a GPU a reset does not recover (exit 1), and the GPU keeps its fault."""
+        if self.scenario.reset_clears(name):
+            return str(fake.nvidia_smi(argv, timeout_seconds))
+        raise subprocess.CalledProcessError(
+            1, list(argv), output="", stderr=f"Unable to reset GPU {argv[-1]}: the GPU did not recover "
+                                             f"(simulated: remediation.reset_clears)")
 
     def _kern_path(self, name: str) -> Path:
         kern = self.workdir / "kern" / f"{name}.{self._boots}.log"
@@ -341,9 +399,18 @@ class Simulation:
 
     def _actuate(self, d: SimDecision) -> None:
         """The simulator as the actuator (scenario ``remediation``): an admitted reboot_node
-        reboots its node from the decision's time on, unless the node is down already."""
+        reboots its node from the decision's time on, unless the node is down already; an admitted
+        reset_gpu (with ``reset_seconds``) is drained at once and handed to the outbox, as the
+        dispatcher's ``on_delivered`` does once Slurm took the drain."""
         remediation = self.scenario.remediation
-        if remediation is None or not d.admitted or d.action != "reboot_node" or d.component is not None:
+        if remediation is None or not d.admitted or d.component is not None:
+            return
+        if d.action == "reset_gpu":
+            decision = self._reset_decisions.pop(d.id, None)
+            if self.outbox is not None and decision is not None:
+                self.outbox.enqueue(decision, self.clock.now)
+            return
+        if d.action != "reboot_node":
             return
         node = self.nodes.get(d.node)
         if node is None or any(down <= d.t < back for down, back in self._down.get(d.node, ())):
@@ -353,6 +420,73 @@ class Simulation:
         self._remediated.append(Remediated(d.t, d.node, d.id, round(d.t + remediation.reboot_seconds, 3), clears))
         log.info("remediation: rebooting %s at %g s (decision %s), back at %g s, %s", d.node, d.t, d.id,
                  d.t + remediation.reboot_seconds, "fault cleared" if clears else "fault not cleared")
+
+    # -- node actions (GPU resets), as the app and the agent's reporter carry them --------------
+
+    def _exchange(self, node: SimNode, report: Report, now: float) -> None:
+        """What the aggregator's ``POST /v1/reports`` does after ingesting a report (aggregator/app.py):
+        the node's action results to the outbox (which hands them to the fleet), then the requests
+        due for the node, given to its agent in the answer."""
+        assert self.outbox is not None
+        if report.action_results:
+            self.outbox.record(report.node, report.action_results, now)
+            # Answered: the agent forgets the results this report carried.
+            carried = {r.id for r in report.action_results}
+            self._results[node.name] = [r for r in self._results.get(node.name, []) if r.id not in carried]
+        for request in self.outbox.due(report.node, now, report.boot_id):
+            self._offer(node, request)
+
+    def _with_results(self, node: SimNode, report: Report) -> Report:
+        """The report with the results the node's agent has pending (agent/reporter.py's build_body)."""
+        pending = self._results.get(node.name)
+        if not pending:
+            return report
+        return report.model_copy(update={"action_results": list(pending[:MAX_RESULTS_PER_REPORT])})
+
+    def _offer(self, node: SimNode, request: NodeActionRequest) -> None:
+        """The agent takes a request from the answer (unless it is handling it, or its result is on
+        the way) and runs it; the run takes ``reset_seconds`` (nvidia-smi --gpu-reset), then its
+        result waits for the node's next report."""
+        handling = self._handling.setdefault(node.name, set())
+        if request.id in handling or any(r.id == request.id for r in self._results.get(node.name, ())):
+            return
+        handling.add(request.id)
+        remediation = self.scenario.remediation
+        assert remediation is not None and remediation.reset_seconds is not None
+        boot = node.boot_id
+
+        def run() -> None:
+            handling.discard(request.id)
+            if node.boot_id != boot or node.silent:
+                return  # the node rebooted meanwhile: that agent and its request are gone
+            result = self._runner(node).handle(request)
+            self._results.setdefault(node.name, []).append(result)
+            clears = result.outcome == "done" and self.scenario.reset_clears(node.name)
+            self._remediated.append(Remediated(
+                round(request.issued_at - self.clock.start, 3), node.name, request.id,
+                round(self.clock.elapsed, 3), clears, action=request.action, gpu=request.gpu,
+                outcome=f"{result.outcome} ({result.reason})"))
+            log.info("remediation: %s of GPU %s on %s at %g s (decision %s): %s (%s)", request.action, request.gpu,
+                     node.name, self.clock.elapsed, request.id, result.outcome, result.reason)
+        self._at(self.clock.elapsed + remediation.reset_seconds, run)
+
+    def _runner(self, node: SimNode) -> Any:
+        """The node's NodeActionRunner for its current boot (a reboot starts a new agent): reset_gpu
+        allowed, its node key (derived from the simulated aggregator's master key) in a file."""
+        from vigil.agent.node_action_runner import NodeActionRunner, NodeActionsConfig
+        from vigil.agent.node_actions import node_key
+
+        held = self._runners.get(node.name)
+        if held is not None and held[0] == node.boot_id:
+            return held[1]
+        key_file = self.workdir / "node-keys" / f"{node.name}.key"
+        if not key_file.exists():
+            key_file.parent.mkdir(parents=True, exist_ok=True)
+            key_file.write_text(node_key(self._master_key, node.name).hex() + "\n")
+        runner = NodeActionRunner(NodeActionsConfig(allow=["reset_gpu"], key_file=str(key_file)), node=node.name,
+                                  boot_id=node.boot_id, nvml=node.seams.nvml, clock=self.clock)
+        self._runners[node.name] = (node.boot_id, runner)
+        return runner
 
     def _schedule_faults(self) -> None:
         for fault in self.scenario.faults:
@@ -454,9 +588,13 @@ class Simulation:
                 report = node.tick(now)
                 if report is None:
                     continue
+                if self.outbox is not None:
+                    report = self._with_results(node, report)
                 if self._json:
                     report = Report.model_validate_json(report.model_dump_json(exclude_none=True))
                 self.engine.ingest(report, now)
+                if self.outbox is not None:
+                    self._exchange(node, report, now)
                 n_reporting += 1
             reports += n_reporting
             for d in self._evaluate(now, fleet_nodes):
@@ -569,6 +707,9 @@ class Simulation:
         rows = _rows_after(store, before)
         if rows:
             self._store_seq = max(r.seq for r in rows)
+        if self.outbox is not None:
+            self._reset_decisions.update((r.decision.id, r.decision) for r in rows
+                                         if r.admitted and str(r.decision.action) == "reset_gpu")
         return [_sim_decision(r.decision, t, r.admitted, r.verdict) for r in sorted(rows, key=lambda r: r.seq)]
 
     def _breaker_tripped(self, decisions: list[SimDecision]) -> bool:
@@ -641,10 +782,12 @@ def _log_bus_id(nvml_bus_id: str) -> str:
     return f"{parts[0][-4:]}:{parts[1]}:{parts[2].split('.')[0]}"
 
 
-def build_engine(scenario: Scenario) -> tuple[Any, Any]:
+def build_engine(scenario: Scenario, *, node_action_key_file: Path | None = None) -> tuple[Any, Any]:
     """The real aggregator: engine and detectors configured by the scenario, then the gate in dry
     run over an in-memory store. Configuration errors name their key path under ``aggregator.``
-    or ``gate.``."""
+    or ``gate.``. ``node_action_key_file``: the master key file of agent resets (the simulator
+    carries out GPU resets, ``remediation.reset_seconds``): the aggregator then runs with
+    ``actuators.slurm.reset_gpu`` on (no actuator is built here; the simulator delivers the drain)."""
     from pydantic import ValidationError
 
     from vigil.aggregator.config import parse_config as parse_aggregator_config
@@ -653,8 +796,12 @@ def build_engine(scenario: Scenario) -> tuple[Any, Any]:
     from vigil.aggregator.ledger import Ledger
     from vigil.aggregator.store import Store
 
+    data: dict[str, Any] = {**scenario.aggregator, "dry_run": True}
+    if node_action_key_file is not None:
+        data = _merge(data, {"actuators": {"enabled": True, "slurm": {"enabled": True, "reset_gpu": True}},
+                             "node_actions": {"key_file": str(node_action_key_file)}})
     try:
-        config = parse_aggregator_config({**scenario.aggregator, "dry_run": True})
+        config = parse_aggregator_config(data)
     except ConfigError as exc:
         raise ScenarioError(f"scenario {scenario.name}: aggregator: {exc}") from None
     try:

@@ -410,6 +410,25 @@ class Remediation(_Strict):
     # agent's start on an 8-GPU server take minutes).
     reboot_seconds: float = Field(default=180.0, gt=0)
     clears: bool | NodeSet = False
+    # GPU resets, carried out as the real path does (aggregator/outbox.py, agent/node_action_runner.py):
+    # with ``reset_seconds`` set, the aggregator runs with agent resets on (``actuators.slurm.reset_gpu``);
+    # an ADMITTED ``reset_gpu`` is taken as drained at once, becomes the outbox's signed request,
+    # offered in the answer to the node's next report; the node's own NodeActionRunner handles it
+    # ``reset_seconds`` later (the reset's duration: nvidia-smi --gpu-reset takes seconds) through the
+    # NVML backend's ``reset_gpu`` over its FakeNvml, and the result goes back in the node's next
+    # report. None: reset_gpu decisions change nothing on the simulated nodes.
+    reset_seconds: float | None = Field(default=None, gt=0, le=600)
+    # Whether the reset fixes the GPU (FakeNvml clears its lost / reset-required state), true or
+    # false for every node or the nodes whose reset does; on the others nvidia-smi --gpu-reset fails
+    # (exit 1, the GPU keeps its fault) and the agent reports the reset ``failed``, so the recovery
+    # detector escalates to reboot_node (then ``clears`` decides the reboot's outcome).
+    reset_clears: bool | NodeSet = True
+
+    @model_validator(mode="after")
+    def _reset_keys_together(self) -> Remediation:
+        if "reset_clears" in self.model_fields_set and self.reset_seconds is None:
+            raise ValueError("reset_clears needs reset_seconds (without it no reset is carried out)")
+        return self
 
 
 # Action classes that cost a job or a node (DESIGN.md section 3); the scorer judges each on its
@@ -543,8 +562,8 @@ class Scenario(_Strict):
     max_removals: int | None = Field(default=None, ge=0)
     # "tripped": the scenario passes only if the gate's cluster circuit breaker trips.
     expect_breaker: Literal["tripped", "closed", "any"] = "any"
-    # The simulator carries out admitted reboot_node decisions itself; None: decisions change
-    # nothing on the simulated nodes (the gate runs in dry run), only scripted faults do.
+    # The simulator carries out admitted reboot_node (and, with reset_seconds, reset_gpu) decisions
+    # itself; None: decisions change nothing on the simulated nodes (the gate runs in dry run), only scripted faults do.
     remediation: Remediation | None = None
     # Passed through to the real configurations: the agent's (for every simulated node), the
     # aggregator's (detector thresholds, fleet windows) and the gate's (always in dry run here).
@@ -618,6 +637,8 @@ class Scenario(_Strict):
                 raise ValueError(f"forbid.{i}.job: unknown job {forbid.job!r}")
         if self.remediation is not None and not isinstance(self.remediation.clears, bool):
             _check_nodeset(self.remediation.clears, names, self.fleet.name_format, "remediation.clears")
+        if self.remediation is not None and not isinstance(self.remediation.reset_clears, bool):
+            _check_nodeset(self.remediation.reset_clears, names, self.fleet.name_format, "remediation.reset_clears")
         return self
 
     # -- resolution -----------------------------------------------------------------------------
@@ -705,6 +726,13 @@ class Scenario(_Strict):
         if self.remediation is None:
             return False
         clears = self.remediation.clears
+        return clears if isinstance(clears, bool) else node in self.resolve_nodes(clears)
+
+    def reset_clears(self, node: str) -> bool:
+        """Whether a GPU reset the simulator carries out (``remediation.reset_seconds``) fixes ``node``."""
+        if self.remediation is None or self.remediation.reset_seconds is None:
+            return False
+        clears = self.remediation.reset_clears
         return clears if isinstance(clears, bool) else node in self.resolve_nodes(clears)
 
     def job_nodes(self, job: str) -> list[str]:

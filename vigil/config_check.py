@@ -24,6 +24,21 @@ def token_file_problems(key: str, path: str | None) -> list[str]:
     return [] if text.strip() else [f"{key}: {path} is empty"]
 
 
+def key_file_problems(key: str, path: str | None) -> list[str]:
+    """The node-action master key: readable, hex, at least 32 bytes (what the aggregator reads at
+    start: aggregator/outbox.py read_key_file)."""
+    if path is None:
+        return []
+    from vigil.agent.validation import ConfigError
+    from vigil.aggregator.outbox import read_key_file
+
+    try:
+        read_key_file(path)
+    except ConfigError as exc:
+        return [f"{key}: {exc} (create it: vigil token master-key --out FILE)"]
+    return []
+
+
 def state_dir_problems(key: str, path: str | None) -> list[str]:
     """A directory the service writes: it exists and is writable, or its parent exists (systemd's
     StateDirectory= and the service itself create it)."""

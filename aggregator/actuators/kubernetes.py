@@ -6,6 +6,12 @@ node (DaemonSet and mirror pods stay): a PodDisruptionBudget's 429 is retried la
 ``resume`` undoes the three marks; ``restart_job`` evicts the job's pods on that node. It uses
 the official ``kubernetes`` client and decides nothing itself.
 
+Reboots and GPU resets (``reboot: true``, ``reset_gpu: true``, off by default): the node is
+cordoned and emptied as above; once that is delivered, the aggregator's outbox asks the node's
+agent, in a signed request, to write kured's sentinel file (``request_reboot``: kured drains and
+reboots under its own lock and window) or to reset the GPU (aggregator/outbox.py, FOLLOW_UPS).
+This actuator never reboots or resets anything itself, and needs no right to.
+
 Every action it carries out, or fails to, is also recorded as a core/v1 Event on the Node
 (namespace ``default``, as the kubelet records node events; source ``vigil-aggregator``): reason
 ``Vigil<Action>`` (``VigilDrain``, ``VigilResume``...) and type Normal when done,
@@ -62,6 +68,15 @@ class KubernetesConfig(ActuatorConfig):
     job_label: str = "vigil.io/job"
     notify_in_dry_run: bool = False
     evict_timeout_seconds: float = Field(default=10.0, gt=0)
+    # reboot_node: cordon and evict as always, then (once delivered) ask the node's agent to write
+    # the reboot daemon's sentinel (kured --reboot-sentinel; agent node_actions.allow: [request_reboot]);
+    # the recovery detector verifies the new boot and resume uncordons. Needs node_actions.key_file.
+    # False: reboot_node only cordons and evicts, and the site reboots (docs/kubernetes.md).
+    reboot: bool = False
+    # reset_gpu: cordon and evict, then ask the node's agent to reset the GPU (signed request;
+    # agent node_actions.allow: [reset_gpu]); resumed after the agent's `done` and a clean period.
+    # Needs node_actions.key_file. False: reset_gpu only cordons and evicts.
+    reset_gpu: bool = False
 
 
 def _status_message(body: object) -> str:
@@ -152,7 +167,12 @@ class KubernetesActuator:
                 return f"evicted {n} pod(s) of job {decision.job} on {decision.node}"
             self._mark(decision, unhealthy=True)
             n = self._evict(decision.node, None) if self.config.evict_pods else 0
-            return f"cordoned and tainted {decision.node}, evicted {n} pod(s)"
+            done = f"cordoned and tainted {decision.node}, evicted {n} pod(s)"
+            if decision.action is Action.REBOOT_NODE and self.config.reboot:
+                return f"{done}; the node's agent is asked to request a reboot (reboot daemon's sentinel)"
+            if decision.action is Action.RESET_GPU and self.config.reset_gpu:
+                return f"{done}; the node's agent is asked to reset GPU {decision.gpu}"
+            return done
         except self._client.ApiException as exc:
             raise DeliveryError(
                 f"kubernetes: HTTP {exc.status} {exc.reason}{_status_message(exc.body)}",

@@ -11,14 +11,18 @@ change after the removal was admitted (``kernel_reboots > 0 and kernel_boot_star
 ts``: the kernel part of the agent's boot id, so an agent restarted without a reboot is no
 evidence; a node whose first report after an aggregator restart is already from the new boot is
 never verified: it stays out for a person). For reset_gpu with agent resets on (``FleetView.agent_resets``:
-``actuators.slurm.reset_gpu``), the agent's ``done`` result for the removal's decision id: the
+``actuators.slurm.reset_gpu`` or ``actuators.kubernetes.reset_gpu``), the agent's ``done`` result
+for the removal's decision id: the
 window starts when the report carrying it arrived (the aggregator's clock, like every sample the
 window judges; the agent's own ts is in the evidence). Until then the node waits: a ``refused
 busy`` keeps it waiting (the GPU may free up once the drain lets the job end); a ``failed`` result,
 any other (final) refusal, or the request's expiry with no ``done`` proposes ``reboot_node``, the
 ladder's next rung (reset -> reboot -> inspect_hardware; the gate's cooldown and escalation history
-apply as to any removal). With agent resets off, vigil cannot see the reset in the reports, so the
-evidence window starts at the removal itself. Either way a new boot meanwhile starts it at the boot.
+apply as to any removal). For reboot_node carried out through the agent (Kubernetes: kured's sentinel,
+``request_reboot``), the agent's ``done`` only says the sentinel is written: the evidence stays the
+new boot; a failed or refused request alerts at once (nothing will reboot the node). With agent
+resets off, vigil cannot see the reset in the reports, so the evidence window starts at the
+removal itself. Either way a new boot meanwhile starts it at the boot.
 
 Window and threshold: from that moment (``t_fix``) on, any of these is the fault again and the
 node goes to hardware inspection (``inspect_hardware``: a ticket, the alert/webhook actuators carry
@@ -124,6 +128,10 @@ class RecoveryDetector:
             t_fix = outcome.received
         elif removal.action is Action.RESET_GPU:
             t_fix = removal.ts
+        elif removal.decision in node.action_expiry:
+            # The agent was asked to request the reboot (kured's sentinel). Its `done` says the
+            # sentinel is written, not that the node rebooted: only the new boot above is evidence.
+            return self._reboot_not_seen(node, removal, now, base)
         else:
             return None  # not rebooted yet: nothing to verify
         if now - node.last_seen > cfg.quiet_intervals * node.interval_seconds or node.last_seen < t_fix:
@@ -167,6 +175,25 @@ class RecoveryDetector:
                 evidence={**base, "signal": key, "request_expires": expires})
         why = (f"GPU busy ({result.detail or 'held by a process'})" if result is not None
                else "no reset result from the agent yet")
+        return self._unverified(node, removal, removal.ts, now, why, base)
+
+    def _reboot_not_seen(self, node: NodeState, removal: Removal, now: float,
+                         base: dict[str, object]) -> Finding | None:
+        """No new boot yet after the agent was asked to request a reboot: an alert at once when the
+        agent reported the request failed or refused (nothing will reboot the node), else the usual
+        alert once ``unverified_alert_seconds`` pass (the reboot daemon's lock or window may delay it)."""
+        outcome = node.action_results.get(removal.decision)
+        if outcome is not None and outcome.result.outcome != "done":
+            r = outcome.result
+            return Finding(
+                detector=NAME, node=node.name, action=Action.ALERT, since=outcome.received,
+                key="reboot_request_failed",
+                reason=(f"the agent on {node.name} could not request the reboot ({r.outcome} {r.reason}); "
+                        f"it stays out of service"),
+                evidence={**base, "signal": "reboot_request_failed", "outcome": r.outcome, "reason": r.reason,
+                          "detail": r.detail})
+        why = "no new boot since the reboot was requested" if outcome is not None else \
+            "the agent has not reported the reboot request yet"
         return self._unverified(node, removal, removal.ts, now, why, base)
 
     def _unverified(self, node: NodeState, removal: Removal, t_fix: float, now: float, why: str,

@@ -583,3 +583,178 @@ async def test_an_api_server_outage_fails_the_action_and_counts_the_lost_event(a
     assert err.value.retryable and "503" in str(err.value) and "Event" not in str(err.value)
     assert act.events_not_recorded == 1
     assert [r["path"] for r in fake.of("POST")] == ["/api/v1/namespaces/default/events"]
+
+
+# Reboots and GPU resets through the node's agent (outbox.FOLLOW_UPS): the actuator cordons and
+# evicts; once that is delivered, the outbox holds a signed request for the node's agent.
+
+MASTER = bytes(range(64, 96))
+
+
+def _k8s_config(tmp_path: Any, url: str, **kube: Any) -> Any:
+    from vigil.aggregator.config import parse_config
+
+    key = tmp_path / "master.key"
+    key.write_text(MASTER.hex() + "\n")
+    return parse_config({
+        "dry_run": False,
+        "actuators": {"kubernetes": {"enabled": True, "api_url": url, "timeout_seconds": 5.0, **kube}},
+        "node_actions": {"key_file": str(key), "request_ttl_seconds": 600}})
+
+
+def _outbox_for(config: Any) -> Any:
+    from tests.aggregator.conftest import FakeNode
+    from vigil.aggregator.fleet import Fleet
+    from vigil.aggregator.outbox import Outbox
+
+    fleet = Fleet()
+    fleet.ingest(FakeNode(NODE).report(T0), T0)
+    return Outbox.from_config(config, fleet)
+
+
+def _removal(action: Action, gpu: int | None = None, id: str = "d-remove") -> Decision:
+    return Decision(id=id, ts=T0, node=NODE, action=action, reason="Xid 79: GPU has fallen off the bus",
+                    detector="xid", gpu=gpu, dry_run=False)
+
+
+@pytest.mark.parametrize("action, switch, gpu, node_action", [
+    (Action.REBOOT_NODE, "reboot", None, "request_reboot"),
+    (Action.RESET_GPU, "reset_gpu", 3, "reset_gpu")])
+async def test_on_cordon_and_evict_then_a_signed_request_for_the_nodes_agent(
+        api, tmp_path, action: Action, switch: str, gpu: int | None, node_action: str) -> None:
+    from vigil.agent.node_actions import node_key, signature_ok
+
+    fake, url = api
+    config = _k8s_config(tmp_path, url, **{switch: True})
+    box = _outbox_for(config)
+    act = KubernetesActuator(config.actuators.kubernetes)
+    decision = _removal(action, gpu)
+    try:
+        out = await deliver(act, decision)
+    finally:
+        act.close()
+    node = fake.nodes[NODE]
+    assert node["spec"]["unschedulable"] is True and vigil_taints(node)[0]["value"] == action.value
+    assert sorted(fake.evicted) == ["eval/eval-0", "training/trainer-0", "training/trainer-1"]
+    assert "the node's agent is asked" in out
+    assert box.due(NODE, T0 + 1) == []  # nothing before the delivery is reported
+    box.on_delivered("kubernetes", decision, T0 + 1)
+    [request] = box.due(NODE, T0 + 2, f"boot-{NODE}-1")
+    assert (request.id, request.action, request.node, request.boot_id) == \
+        ("d-remove", node_action, NODE, f"boot-{NODE}-1")
+    assert (request.gpu, request.gpu_uuid) == ((3, f"GPU-{NODE}-3") if gpu is not None else (None, None))
+    assert signature_ok(request, node_key(MASTER, NODE))
+    assert not signature_ok(request, node_key(MASTER, "gpu-node-8"))
+    box.on_delivered("slurm", _removal(action, gpu, id="d-other"), T0 + 1)  # not a followed pair
+    assert box.pending() == 1
+
+
+@pytest.mark.parametrize("action, gpu", [(Action.REBOOT_NODE, None), (Action.RESET_GPU, 3)])
+async def test_off_only_cordons_and_evicts(api, tmp_path, action: Action, gpu: int | None) -> None:
+    fake, url = api
+    config = _k8s_config(tmp_path, url)  # the key is there, both switches off (the default)
+    assert not config.actuators.kubernetes.reboot and not config.actuators.kubernetes.reset_gpu
+    box = _outbox_for(config)
+    act = KubernetesActuator(config.actuators.kubernetes)
+    decision = _removal(action, gpu)
+    try:
+        out = await deliver(act, decision)
+    finally:
+        act.close()
+    assert out == f"cordoned and tainted {NODE}, evicted 3 pod(s)"
+    assert fake.nodes[NODE]["spec"]["unschedulable"] is True and len(fake.evicted) == 3
+    box.on_delivered("kubernetes", decision, T0 + 1)
+    assert not box.enabled and box.pending() == 0 and box.due(NODE, T0 + 2) == []
+
+
+def test_one_switch_on_follows_only_its_own_action(tmp_path) -> None:
+    from vigil.aggregator.outbox import agent_resets_enabled, followed
+
+    reboot = _k8s_config(tmp_path, "http://127.0.0.1:1", reboot=True)
+    assert followed(reboot) == {("kubernetes", Action.REBOOT_NODE)} and not agent_resets_enabled(reboot)
+    reset = _k8s_config(tmp_path, "http://127.0.0.1:1", reset_gpu=True)
+    assert followed(reset) == {("kubernetes", Action.RESET_GPU)} and agent_resets_enabled(reset)
+    box = _outbox_for(reboot)
+    box.on_delivered("kubernetes", _removal(Action.RESET_GPU, 3), T0)
+    assert box.pending() == 0
+
+
+@pytest.mark.parametrize("kube, named", [
+    ({"reboot": True}, "actuators.kubernetes.reboot needs"),
+    ({"reset_gpu": True}, "actuators.kubernetes.reset_gpu needs"),
+    ({"reboot": True, "reset_gpu": True}, "actuators.kubernetes.reset_gpu and actuators.kubernetes.reboot need")])
+def test_a_switch_without_the_master_key_is_refused(kube: dict[str, Any], named: str) -> None:
+    from vigil.aggregator.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=f"{named} node_actions.key_file"):
+        parse_config({"actuators": {"kubernetes": {"enabled": True, **kube}}})
+
+
+async def test_after_the_reboot_is_verified_resume_uncordons(api, tmp_path) -> None:
+    """The agent's `done` for request_reboot is not the reboot: no resume until the new boot has
+    been clean for the persistence period; then the resume uncordons the node."""
+    from tests.aggregator.conftest import FakeNode
+    from vigil.agent.wire import NodeActionResult
+    from vigil.aggregator.detectors.recovery import RecoveryConfig, RecoveryDetector
+    from vigil.aggregator.fleet import Fleet, Removal
+
+    fake, url = api
+    config = _k8s_config(tmp_path, url, reboot=True)
+    fleet, node = Fleet(), FakeNode(NODE)
+    fleet.ingest(node.report(T0), T0)
+    from vigil.aggregator.outbox import Outbox
+
+    box = Outbox.from_config(config, fleet)
+    act = KubernetesActuator(config.actuators.kubernetes)
+    decision = _removal(Action.REBOOT_NODE)
+    removed = {NODE: Removal(Action.REBOOT_NODE, T0, decision.id, None, held=False)}
+    detector = RecoveryDetector(RecoveryConfig(enabled=True, unverified_alert_seconds=1800))
+    try:
+        await deliver(act, decision)
+        box.on_delivered("kubernetes", decision, T0 + 1)
+        [request] = box.due(NODE, T0 + 2.5, node.boot_id)
+        t = T0 + 5.0
+        fleet.ingest(node.report(t), t)
+        box.record(NODE, [NodeActionResult(id=request.id, action="request_reboot", outcome="done",
+                                           reason="done", ts=t)], t)
+        for _ in range(40):  # 100 s after the sentinel was written: kured has not rebooted it yet
+            t += 2.5
+            fleet.ingest(node.report(t), t)
+        assert detector.evaluate(fleet.view(removed), t) == []  # done is not the reboot
+        node.reboot()
+        boot_at = t + 60.0
+        t = boot_at
+        for _ in range(30):  # 72.5 s clean in the new boot
+            fleet.ingest(node.report(t), t)
+            t += 2.5
+        [finding] = detector.evaluate(fleet.view(removed), t - 2.5)
+        assert finding.action is Action.RESUME and finding.evidence["new_boot"] is True
+        assert finding.since == fleet.view().nodes[NODE].kernel_boot_started
+        out = await deliver(act, Decision(id="d-resume", ts=t, node=NODE, action=Action.RESUME,
+                                          reason=finding.reason, detector="recovery", dry_run=False))
+    finally:
+        act.close()
+    assert out == f"uncordoned {NODE}"
+    assert "unschedulable" not in fake.nodes[NODE]["spec"] and not vigil_taints(fake.nodes[NODE])
+
+
+def test_a_failed_reboot_request_alerts_at_once() -> None:
+    from tests.aggregator.conftest import FakeNode
+    from vigil.agent.wire import NodeActionRequest, NodeActionResult
+    from vigil.aggregator.detectors.recovery import RecoveryConfig, RecoveryDetector
+    from vigil.aggregator.fleet import Fleet, Removal
+
+    fleet, node = Fleet(), FakeNode(NODE)
+    fleet.ingest(node.report(T0), T0)
+    removed = {NODE: Removal(Action.REBOOT_NODE, T0, "d-remove", None, held=False)}
+    detector = RecoveryDetector(RecoveryConfig(enabled=True))
+    fleet.note_action_request(NodeActionRequest(id="d-remove", action="request_reboot", node=NODE,
+                                                boot_id=node.boot_id, issued_at=T0, expires_at=T0 + 600))
+    fleet.ingest(node.report(T0 + 2.5), T0 + 2.5)
+    assert detector.evaluate(fleet.view(removed), T0 + 2.5) == []  # no result yet: waiting
+    fleet.record_action_results(NODE, [NodeActionResult(
+        id="d-remove", action="request_reboot", outcome="failed", reason="write_failed",
+        detail="Read-only file system", ts=T0 + 3)], T0 + 5)
+    [finding] = detector.evaluate(fleet.view(removed), T0 + 5)
+    assert finding.action is Action.ALERT and finding.key == "reboot_request_failed"
+    assert "failed write_failed" in finding.reason and finding.evidence["detail"] == "Read-only file system"
