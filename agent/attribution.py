@@ -1,21 +1,27 @@
-"""Which job each GPU belongs to, from the process table: no instrumentation needed.
+"""Which job and pod each GPU's processes belong to, from the process table: no instrumentation.
 
-It reads each GPU's running compute processes from NVML (through the backend), then each PID's
-``/proc/<pid>/cgroup`` (a Slurm job id from cgroup v1 ``/slurm/uid_U/job_J/...`` or v2
-``/system.slice/slurmstepd.scope/job_J/...``) or ``/proc/<pid>/environ`` (torchrun's run id or
-Slurm's job id, read as the heartbeat client reads them), and last a Kubernetes pod uid from the
-cgroup path (``pod/<uid>``). It emits a GPU index -> job map for the report; it judges nothing and
-never raises: an unreadable process is skipped.
+It reads each GPU's running compute processes from NVML (through the backend: pid, and the MIG
+GPU/compute instance ids where the backend gives them), then each PID's ``/proc/<pid>/cgroup``
+(a Slurm job id from cgroup v1 ``/slurm/uid_U/job_J/...`` or v2
+``/system.slice/slurmstepd.scope/job_J/...``; a Kubernetes pod uid and container id from the
+kubelet's cgroup path, systemd or cgroupfs driver) or ``/proc/<pid>/environ`` (torchrun's run id
+or Slurm's job id, read as the heartbeat client reads them). Pod names (namespace, pod,
+container) come only from an optional resolver the caller passes in. It emits per-GPU process
+lists and a GPU index -> job map for the report and the ``vigil_gpu_process_info`` series; it
+judges nothing and never raises: an unreadable process is skipped.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.wire import GPU_PROCESSES_MAX, GpuProcess
 from vigil_heartbeat.client import FALLBACK_JOB, resolve_identity
 
 log = logging.getLogger(__name__)
@@ -30,11 +36,49 @@ _SLURM_JOB = re.compile(r"/job_(\d+)(?:/|$)")
 # /kubepods.slice/kubepods-<qos>.slice/kubepods-<qos>-pod<uid with _ for ->.slice/<runtime>-<id>.scope
 _POD_CGROUPFS = re.compile(r"/pod([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})(?:/|$)")
 _POD_SYSTEMD = re.compile(r"-pod([0-9a-f]{8}_[0-9a-f]{4}_[0-9a-f]{4}_[0-9a-f]{4}_[0-9a-f]{12})\.slice")
+# The container's own cgroup, 64 hex digits: systemd driver `<runtime>-<id>.scope` (runtime
+# cri-containerd, crio, docker); containerd on cgroup v1 with the systemd driver also writes the
+# unconverted `<pod slice>:cri-containerd:<id>`; cgroupfs driver `pod<uid>/<id>` (CRI-O: crio-<id>).
+_CONTAINER_SCOPE = re.compile(r"(?:^|[/:])(?:cri-containerd|crio|docker)[-:]([0-9a-f]{64})(?:\.scope)?(?:/|$)")
+_CONTAINER_AFTER_POD = re.compile(r"/pod[0-9a-f_-]{36}(?:\.slice)?/(?:[a-z-]+-)?([0-9a-f]{64})(?:\.scope)?(?:/|$)")
+# NVML's "no MIG instance" id in nvmlProcessInfo_t.gpuInstanceId / computeInstanceId.
+_NO_MIG_INSTANCE = 0xFFFFFFFF
+
+PROCESS_INFO = MetricSpec(
+    "vigil_gpu_process_info", MetricKind.INFO,
+    "A compute process on the GPU and whom it belongs to (job: Slurm job, torchrun run id or pod/<uid>; "
+    f"Kubernetes pod uid, container id, names when resolved; MIG instance ids); empty when unknown; "
+    f"at most {GPU_PROCESSES_MAX} per GPU.",
+    ("gpu", "uuid", "pid", "job", "slurm_job", "pod_uid", "container_id", "namespace", "pod", "container",
+     "gpu_instance_id", "compute_instance_id"))
 
 
-def job_from_cgroup(text: str) -> tuple[str | None, str | None]:
-    """(Slurm job id, Kubernetes pod uid) named by a /proc/<pid>/cgroup file's paths."""
-    slurm = pod = None
+@dataclass(frozen=True)
+class CgroupIdentity:
+    """What one /proc/<pid>/cgroup file names; None where it names nothing."""
+
+    slurm_job: str | None = None
+    pod_uid: str | None = None
+    container_id: str | None = None
+
+
+@dataclass(frozen=True)
+class PodNames:
+    """Kubernetes names for a pod uid (and container), from a resolver; "" where unknown."""
+
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+
+
+# (pod uid, container id or None) -> names, or None when it cannot say. Must be cheap and must not
+# raise for a pod it does not know (it is called once per process per attribution interval).
+PodResolver = Callable[[str, str | None], PodNames | None]
+
+
+def parse_cgroup(text: str) -> CgroupIdentity:
+    """The Slurm job, Kubernetes pod uid and container id a /proc/<pid>/cgroup file's paths name."""
+    slurm = pod = container = None
     for line in text.splitlines():
         _, _, path = line.partition(":")
         _, _, path = path.partition(":")  # hierarchy-id:controllers:path (v2: 0::path)
@@ -42,15 +86,26 @@ def job_from_cgroup(text: str) -> tuple[str | None, str | None]:
             match = _SLURM_JOB.search(path)
             if match:
                 slurm = match.group(1)
-        if pod is None and "kubepods" in path:
-            match = _POD_CGROUPFS.search(path)
-            if match:
-                pod = match.group(1)
-            else:
-                match = _POD_SYSTEMD.search(path)
+        if "kubepods" in path:
+            if pod is None:
+                match = _POD_CGROUPFS.search(path)
                 if match:
-                    pod = match.group(1).replace("_", "-")
-    return slurm, pod
+                    pod = match.group(1)
+                else:
+                    match = _POD_SYSTEMD.search(path)
+                    if match:
+                        pod = match.group(1).replace("_", "-")
+            if container is None:
+                match = _CONTAINER_SCOPE.search(path) or _CONTAINER_AFTER_POD.search(path)
+                if match:
+                    container = match.group(1)
+    return CgroupIdentity(slurm, pod, container if pod is not None else None)
+
+
+def job_from_cgroup(text: str) -> tuple[str | None, str | None]:
+    """(Slurm job id, Kubernetes pod uid) named by a /proc/<pid>/cgroup file's paths."""
+    ident = parse_cgroup(text)
+    return ident.slurm_job, ident.pod_uid
 
 
 def job_from_environ(raw: bytes) -> str | None:
@@ -72,51 +127,144 @@ def _read(path: Path) -> bytes | None:
         return None
 
 
-def job_of_pid(pid: int, proc_root: Path) -> str | None:
-    """The job of one process: the Slurm job of its cgroup, else its environment's job, else its
-    Kubernetes pod (``pod/<uid>``, which groups one pod's GPUs only)."""
+def process_of_pid(pid: int, proc_root: Path, resolver: PodResolver | None = None) -> GpuProcess:
+    """One process and whom it belongs to. ``job``: the Slurm job of its cgroup, else its
+    environment's job, else its Kubernetes pod (``pod/<uid>``, which groups one pod's GPUs only)."""
     base = proc_root / str(pid)
     cgroup = _read(base / "cgroup")
-    slurm, pod = job_from_cgroup(cgroup.decode("utf-8", "replace")) if cgroup is not None else (None, None)
-    if slurm is not None:
-        return slurm
-    environ = _read(base / "environ")
-    job = job_from_environ(environ) if environ is not None else None
-    if job:
-        return job
-    return f"pod/{pod}" if pod is not None else None
+    ident = parse_cgroup(cgroup.decode("utf-8", "replace")) if cgroup is not None else CgroupIdentity()
+    job = ident.slurm_job
+    if job is None:
+        environ = _read(base / "environ")
+        job = job_from_environ(environ) if environ is not None else None
+    if not job:
+        job = f"pod/{ident.pod_uid}" if ident.pod_uid is not None else None
+    names = None
+    if ident.pod_uid is not None and resolver is not None:
+        try:
+            names = resolver(ident.pod_uid, ident.container_id)
+        except Exception as exc:  # noqa: BLE001 - a resolver's failure costs the names, not the process
+            log.debug("pod names of %s: %s", ident.pod_uid, exc)
+    return GpuProcess(pid=pid, job=job, slurm_job=ident.slurm_job, pod_uid=ident.pod_uid,
+                      container_id=ident.container_id,
+                      namespace=(names.namespace or None) if names else None,
+                      pod=(names.pod or None) if names else None,
+                      container=(names.container or None) if names else None)
+
+
+def job_of_pid(pid: int, proc_root: Path) -> str | None:
+    """The job of one process (see process_of_pid)."""
+    return process_of_pid(pid, proc_root).job
+
+
+def _mig_id(value: Any) -> int | None:
+    if value is None:
+        return None
+    value = int(value)
+    return None if value == _NO_MIG_INSTANCE or value < 0 or value > 1 << 20 else value
 
 
 class ProcessAttribution:
-    """GPU index -> job, refreshed every ``interval_seconds`` (processes start and stop rarely).
+    """GPU index -> its compute processes and their job/pod, refreshed every ``interval_seconds``
+    (processes start and stop rarely).
 
-    ``nvml`` is the agent's NVML backend (``running_pids(index)``); ``proc_root`` the process table.
+    ``nvml`` is the agent's NVML backend: ``running_processes(index)`` (objects with ``pid``,
+    ``gpuInstanceId``, ``computeInstanceId``, as pynvml returns them) where it has it, else
+    ``running_pids(index)`` (no MIG ids). ``proc_root`` is the process table. ``resolver`` names
+    a pod uid (namespace, pod, container); without one only the uid and container id are known.
+    At most ``max_processes_per_gpu`` processes per GPU are kept (NVML's order); the rest are
+    counted in ``processes_left_out``.
     """
 
-    def __init__(self, nvml: Any, *, proc_root: Path = Path("/proc"), interval_seconds: float = 10.0) -> None:
+    def __init__(self, nvml: Any, *, proc_root: Path = Path("/proc"), interval_seconds: float = 10.0,
+                 resolver: PodResolver | None = None, max_processes_per_gpu: int = GPU_PROCESSES_MAX) -> None:
         self._nvml = nvml
         self._proc_root = proc_root
         self._interval = interval_seconds
+        self._resolver = resolver
+        self._max = min(max_processes_per_gpu, GPU_PROCESSES_MAX)
         self._due = float("-inf")
         self._jobs: dict[int, str] = {}
+        self._processes: dict[int, list[GpuProcess]] = {}
         self.failures = 0
+        self.processes_left_out = 0
 
     def jobs(self, indices: Sequence[int], now: float) -> dict[int, str]:
+        """GPU index -> the job of its first attributed process."""
+        self.refresh(indices, now)
+        return self._jobs
+
+    def processes(self, indices: Sequence[int], now: float) -> dict[int, list[GpuProcess]]:
+        """GPU index -> its compute processes (at most the bound), attributed or not."""
+        self.refresh(indices, now)
+        return self._processes
+
+    def refresh(self, indices: Sequence[int], now: float) -> None:
         if self._nvml is None or now < self._due:
-            return self._jobs
+            return
         self._due = now + self._interval
         jobs: dict[int, str] = {}
+        processes: dict[int, list[GpuProcess]] = {}
         for index in indices:
-            try:
-                pids = self._nvml.running_pids(index)
-            except Exception as exc:  # noqa: BLE001 - attribution is best effort, never a crash
-                self.failures += 1
-                log.debug("running processes of GPU %d: %s", index, exc)
+            listed = self._list(index)
+            if not listed:
                 continue
-            for pid in pids or ():
-                job = job_of_pid(pid, self._proc_root)
-                if job is not None:
-                    jobs[index] = job  # one job per GPU in practice; the last process wins
-                    break
+            if len(listed) > self._max:
+                self.processes_left_out += len(listed) - self._max
+                listed = listed[:self._max]
+            out = []
+            for pid, gi, ci in listed:
+                proc = process_of_pid(pid, self._proc_root, self._resolver)
+                if gi is not None or ci is not None:
+                    proc = proc.model_copy(update={"gpu_instance_id": gi, "compute_instance_id": ci})
+                out.append(proc)
+                if index not in jobs and proc.job is not None:
+                    jobs[index] = proc.job  # one job per GPU in practice; the first attributed wins
+            processes[index] = out
         self._jobs = jobs
-        return jobs
+        self._processes = processes
+
+    def _list(self, index: int) -> list[tuple[int, int | None, int | None]]:
+        try:
+            running = getattr(self._nvml, "running_processes", None)
+            if running is not None:
+                procs = running(index)
+                return [(int(p.pid), _mig_id(getattr(p, "gpuInstanceId", None)),
+                         _mig_id(getattr(p, "computeInstanceId", None)))
+                        for p in procs or () if getattr(p, "pid", None)]
+            return [(pid, None, None) for pid in self._nvml.running_pids(index) or ()]
+        except Exception as exc:  # noqa: BLE001 - attribution is best effort, never a crash
+            self.failures += 1
+            log.debug("running processes of GPU %d: %s", index, exc)
+            return []
+
+
+def process_samples(gpu_labels: tuple[tuple[str, str], ...], processes: Iterable[GpuProcess]) -> list[Sample]:
+    """``vigil_gpu_process_info`` for one GPU's processes; ``gpu_labels`` are its (gpu, uuid) pairs."""
+    out = []
+    for p in processes:
+        values = (str(p.pid), p.job or "", p.slurm_job or "", p.pod_uid or "", p.container_id or "",
+                  p.namespace or "", p.pod or "", p.container or "",
+                  "" if p.gpu_instance_id is None else str(p.gpu_instance_id),
+                  "" if p.compute_instance_id is None else str(p.compute_instance_id))
+        out.append(Sample(PROCESS_INFO.name, 1.0, (*gpu_labels, *zip(PROCESS_INFO.labels[2:], values, strict=True))))
+    return out
+
+
+def kubernetes_labels(samples: Iterable[Sample]) -> dict[str, dict[str, str]]:
+    """For the dcgm-exporter compatibility layer: GPU index (the ``gpu`` label) -> dcgm-exporter's
+    ``pod``, ``namespace``, ``container`` label values, from the snapshot's
+    ``vigil_gpu_process_info`` samples. Only GPUs with a process in a pod whose names a resolver
+    gave appear (dcgm-exporter labels a GPU only when the kubelet names its pod); the first such
+    process in NVML's order wins."""
+    out: dict[str, dict[str, str]] = {}
+    for s in samples:
+        if s.name != PROCESS_INFO.name:
+            continue
+        labels = dict(s.labels)
+        gpu = labels.get("gpu", "")
+        if gpu in out or not labels.get("pod"):
+            continue
+        out[gpu] = {"pod": labels["pod"], "namespace": labels.get("namespace", ""),
+                    "container": labels.get("container", "")}
+    return out

@@ -1,16 +1,19 @@
 """dcgm-exporter compatibility: re-serves the agent's vigil_gpu_* samples as the core
-``DCGM_FI_DEV_*`` series, with dcgm-exporter's names, types, labels and units (MHz, W, mJ, MiB,
-percent), so a site's dcgm-exporter dashboards and alerts keep working when vigil replaces it.
+``DCGM_FI_DEV_*`` and ``DCGM_FI_PROF_*`` series and the exporter's own ``DCGM_EXP_XID_ERRORS_COUNT``
+and ``DCGM_EXP_CLOCK_EVENTS_COUNT``, with dcgm-exporter's names, types, labels and units (MHz, W,
+mJ, MiB, percent), so a site's dcgm-exporter dashboards and alerts keep working when vigil replaces it.
 
 It reads only the snapshot's samples (never NVML) and converts; a value vigil does not have
-(encoder/decoder utilisation, reserved framebuffer, NVLink bandwidth, DCP profiling fields) is
-absent, never faked. It does not replace the vigil_* series, which stay the primary interface.
+(encoder/decoder utilisation, reserved framebuffer, NVLink bandwidth, vGPU licence; the DCP
+profiling fields before Hopper) is absent, never faked. It does not attribute GPUs to pods: a
+caller hands it `pod_labels` (see PodLabels). The vigil_* series stay the primary interface.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client.core import Metric
@@ -19,10 +22,21 @@ from prometheus_client.registry import Collector as PromCollector
 from vigil.agent.metric import Sample
 from vigil.agent.validation import StrictModel
 
-# dcgm-exporter's label names and order (etc/default-counters.csv run by GPU Operator; see
-# tests/fixtures/dcgm-exporter). `Hostname` is the old spelling that deployed dashboards use;
-# dcgm-exporter renamed it to `hostname` in 2025 (PR #655).
-LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION")
+# dcgm-exporter's label names and order (internal/pkg/rendermetrics/render_metrics.go at commit
+# d5e5f510, see tests/fixtures/dcgm-exporter). Current dcgm-exporter spells the host label
+# `hostname` (renamed from `Hostname` by PR #655); vigil follows the current exporter only. Its
+# official dashboard keys on `instance` and `gpu`, not the host label; a dashboard written against
+# the old `Hostname` needs `label_replace(..., "Hostname", "$1", "hostname", "(.*)")`.
+LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "hostname", "DCGM_FI_DRIVER_VERSION")
+# Labels dcgm-exporter adds when its Kubernetes pod mapping attributes a GPU, in its order.
+POD_LABELS = ("pod", "namespace", "container")
+# uuid -> {"pod": ..., "namespace": ..., "container": ...}: the attribution hook. A GPU absent from
+# the mapping (or a mapping without a key) carries no such label, as in dcgm-exporter.
+PodLabels = Callable[[], Mapping[str, Mapping[str, str]]]
+
+# dcgm-exporter's `--xid-count-window-size` and `--clock-events-count-window-size` default
+# (pkg/cmd/app.go at d5e5f510: 5 minutes); the value is also served as the `window_size_in_ms` label.
+EXP_WINDOW_MS = 300_000
 
 _MHZ = 1e-6  # vigil clocks are hertz; DCGM_FI_DEV_*_CLOCK are MHz
 _MIB = 1.0 / (1 << 20)  # vigil memory is bytes; DCGM_FI_DEV_FB_* are MiB
@@ -93,10 +107,79 @@ FIELDS: tuple[Field, ...] = (
           "vigil_gpu_nvlink_errors_total", match=(("error_type", "replay"),), sum_over=True),
     Field("DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "counter", "Total number of NVLink recovery errors.",
           "vigil_gpu_nvlink_errors_total", match=(("error_type", "recovery"),), sum_over=True),
+    # DCGM's profiling (DCP) fields, from NVML's GPM metrics (Hopper and later; absent on older GPUs).
+    # DCGM_FI_PROF_* activities are 0..1 ratios as vigil's are; PCIe is bytes per second in both.
+    Field("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gauge", "Ratio of time the graphics engine is active.",
+          "vigil_gpu_graphics_engine_active_ratio"),
+    Field("DCGM_FI_PROF_SM_ACTIVE", "gauge", "The ratio of cycles an SM has at least 1 warp assigned.",
+          "vigil_gpu_sm_active_ratio"),
+    Field("DCGM_FI_PROF_SM_OCCUPANCY", "gauge", "The ratio of number of warps resident on an SM.",
+          "vigil_gpu_sm_occupancy_ratio"),
+    Field("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", "Ratio of cycles the tensor (HMMA) pipe is active.",
+          "vigil_gpu_tensor_active_ratio"),
+    Field("DCGM_FI_PROF_DRAM_ACTIVE", "gauge",
+          "Ratio of cycles the device memory interface is active sending or receiving data.",
+          "vigil_gpu_dram_active_ratio"),
+    Field("DCGM_FI_PROF_PIPE_FP64_ACTIVE", "gauge", "Ratio of cycles the fp64 pipes are active.",
+          "vigil_gpu_fp64_active_ratio"),
+    Field("DCGM_FI_PROF_PIPE_FP32_ACTIVE", "gauge", "Ratio of cycles the fp32 pipes are active.",
+          "vigil_gpu_fp32_active_ratio"),
+    Field("DCGM_FI_PROF_PIPE_FP16_ACTIVE", "gauge", "Ratio of cycles the fp16 pipes are active.",
+          "vigil_gpu_fp16_active_ratio"),
+    Field("DCGM_FI_PROF_PCIE_TX_BYTES", "gauge",
+          "The rate of data transmitted over the PCIe bus - including both protocol headers and data payloads"
+          " - in bytes per second.",
+          "vigil_gpu_pcie_tx_bytes_per_second"),
+    Field("DCGM_FI_PROF_PCIE_RX_BYTES", "gauge",
+          "The rate of data received over the PCIe bus - including both protocol headers and data payloads"
+          " - in bytes per second.",
+          "vigil_gpu_pcie_rx_bytes_per_second"),
 )
 
 FB_FREE_HELP = "Framebuffer memory free (in MiB)."
 XID_HELP = "Value of the last XID error encountered."
+XID_COUNT_HELP = "reported XIDs during last window"  # help texts as etc/default-counters.csv
+CLOCK_EVENTS_HELP = "reported clock events"
+
+# err_msg text for the Xids vigil's detectors act on, as dcgm-exporter prints them
+# (internal/pkg/collector/xid_errors.go at d5e5f510, itself NVIDIA's Xid catalog,
+# docs.nvidia.com/deploy/xid-errors). Other codes carry dcgm-exporter's "Unknown Error" text only
+# for codes past its table; a code missing here gets "" (vigil knows no text for it).
+XID_MESSAGES: dict[int, str] = {
+    0: "No Error",
+    13: "Graphics Engine Exception",
+    31: "GPU memory page fault",
+    43: "GPU stopped processing",
+    45: "Preemptive cleanup, due to previous errors -- Most likely to see when running multiple cuda",
+    48: "Double Bit ECC Error",
+    61: "Internal micro-controller breakpoint/warning",
+    62: "Internal micro-controller halt",
+    63: "ECC page retirement or row remapping recording event",
+    64: "ECC page retirement or row remapper recording failure",
+    74: "NVLINK Error",
+    79: "GPU has fallen off the bus",
+    92: "High single-bit ECC error rate",
+    94: "Contained ECC error",
+    95: "Uncontained ECC error",
+    119: "GSP RPC Timeout",
+    120: "GSP Error",
+}
+UNKNOWN_XID = "Unknown Error"  # dcgm-exporter's text for codes past its table (gpu_collector.go)
+XID_TABLE_END = 160  # codes below this are in dcgm-exporter's table; vigil lacks the text for most
+
+# vigil_gpu_clock_event_active{reason} -> dcgm-exporter's clock_event label
+# (clock_events_collector.go at d5e5f510, from dcgmi's CommandLineParser.cpp).
+CLOCK_EVENT_NAMES: dict[str, str] = {
+    "gpu_idle": "gpu_idle",
+    "applications_clocks_setting": "clocks_setting",
+    "sw_power_cap": "power_cap",
+    "hw_slowdown": "hw_slowdown",
+    "sync_boost": "sync_boost",
+    "sw_thermal_slowdown": "sw_thermal",
+    "hw_thermal_slowdown": "hw_thermal",
+    "hw_power_brake_slowdown": "hw_power_brake",
+    "display_clock_setting": "display_clocks",
+}
 # Both Xid sources: the kernel log (xid collector) and NVML's event API (gpu collector).
 _XID_SOURCES = ("vigil_gpu_xid_errors_total", "vigil_gpu_nvml_xid_events_total")
 
@@ -126,12 +209,23 @@ class DcgmCompatCollector(PromCollector):
     """A prometheus-client collector yielding ``DCGM_FI_DEV_*`` families from vigil samples.
 
     ``samples`` is the snapshot's sample source (``Snapshot.samples``); ``hostname`` fills the
-    ``Hostname`` label dcgm-exporter dashboards group by. Register it in the agent's registry.
+    ``hostname`` label; ``pod_labels`` (optional) gives each attributed GPU's pod, namespace and
+    container; ``clock`` (seconds, monotonic) times the DCGM_EXP_* windows. Register it in the
+    agent's registry.
     """
 
-    def __init__(self, samples: Callable[[], Iterable[Sample]], hostname: str = "") -> None:
+    def __init__(self, samples: Callable[[], Iterable[Sample]], hostname: str = "",
+                 pod_labels: PodLabels | None = None, clock: Callable[[], float] = time.monotonic,
+                 window_ms: int = EXP_WINDOW_MS) -> None:
         self._samples = samples
         self._hostname = hostname
+        self._pod_labels = pod_labels
+        self._clock = clock
+        self._window_ms = window_ms
+        # Per scrape: (time, {(uuid, code): Xid count}) and (time, {(uuid, reason) active}).
+        self._xid_history: deque[tuple[float, dict[tuple[str, str], float]]] = deque()
+        self._clock_history: deque[tuple[float, frozenset[tuple[str, str]]]] = deque()
+        self._pods: Mapping[str, Mapping[str, str]] = {}
         # (uuid) -> (source, code) -> count seen at the previous scrape, to find the newest Xid.
         self._xid_counts: dict[str, dict[tuple[str, str], float]] = {}
         self._last_xid: dict[str, int] = {}
@@ -147,6 +241,8 @@ class DcgmCompatCollector(PromCollector):
         identities = self._identities(by_name)
         if not identities:
             return
+        self._pods = self._pod_labels() if self._pod_labels is not None else {}
+        now = self._clock()
         for f in FIELDS:
             family = self._family(f, by_name.get(f.source, ()), identities)
             if family is not None:
@@ -155,6 +251,10 @@ class DcgmCompatCollector(PromCollector):
         if free is not None:
             yield free
         yield from self._xid(by_name, identities)
+        yield self._xid_count(by_name, identities, now)
+        clock_events = self._clock_events(by_name, identities, now)
+        if clock_events is not None:
+            yield clock_events
 
     def _identities(self, by_name: dict[str, list[Sample]]) -> dict[str, _Identity]:
         out: dict[str, _Identity] = {}
@@ -175,6 +275,15 @@ class DcgmCompatCollector(PromCollector):
         return [ident.gpu, ident.uuid, ident.pci_bus_id, f"nvidia{ident.gpu}", ident.model, self._hostname,
                 ident.driver]
 
+    def _labels(self, ident: _Identity, **extra: str) -> dict[str, str]:
+        labels = dict(zip(LABELS, self._label_values(ident), strict=True))
+        labels.update(extra)
+        pod = self._pods.get(ident.uuid, {})
+        for key in POD_LABELS:
+            if pod.get(key):
+                labels[key] = pod[key]
+        return labels
+
     def _family(self, f: Field, samples: Iterable[Sample], identities: dict[str, _Identity]) -> Metric | None:
         totals: dict[str, float] = {}
         for s in samples:
@@ -189,7 +298,7 @@ class DcgmCompatCollector(PromCollector):
             return None
         family = Metric(f.name, f.help, _exposition_type(f.kind))
         for uuid, value in sorted(totals.items(), key=lambda kv: _gpu_order(identities[kv[0]].gpu)):
-            family.add_sample(f.name, dict(zip(LABELS, self._label_values(identities[uuid]), strict=True)),
+            family.add_sample(f.name, self._labels(identities[uuid]),
                               value * f.scale)
         return family
 
@@ -200,7 +309,7 @@ class DcgmCompatCollector(PromCollector):
         family = Metric("DCGM_FI_DEV_FB_FREE", FB_FREE_HELP, "gauge")
         for uuid, ident in identities.items():
             if uuid in used and uuid in total:
-                family.add_sample("DCGM_FI_DEV_FB_FREE", dict(zip(LABELS, self._label_values(ident), strict=True)),
+                family.add_sample("DCGM_FI_DEV_FB_FREE", self._labels(ident),
                                   max(total[uuid] - used[uuid], 0.0) * _MIB)
         return family if family.samples else None
 
@@ -225,10 +334,84 @@ class DcgmCompatCollector(PromCollector):
         family = Metric("DCGM_FI_DEV_XID_ERRORS", XID_HELP, "gauge")
         for uuid, ident in sorted(identities.items(), key=lambda kv: _gpu_order(kv[1].gpu)):
             last = self._last_xid.get(uuid, 0)
-            labels = dict(zip(LABELS, self._label_values(ident), strict=True))
-            # dcgm-exporter adds err_code/err_msg; its message table is not ours to copy, so only the
-            # "no error" text it uses for 0 is reproduced and other codes carry an empty message.
-            labels["err_code"] = str(last)
-            labels["err_msg"] = "No Error" if last == 0 else ""
+            labels = self._labels(ident, err_code=str(last), err_msg=xid_message(last))
             family.add_sample("DCGM_FI_DEV_XID_ERRORS", labels, float(last))
         yield family
+
+    def _window_start(self, now: float) -> float:
+        return now - self._window_ms / 1000.0
+
+    def _xid_count(self, by_name: dict[str, list[Sample]], identities: dict[str, _Identity],
+                   now: float) -> Metric:
+        """DCGM_EXP_XID_ERRORS_COUNT{xid, window_size_in_ms}: Xids per code in the last window; a GPU
+        with none gets one sample of 0 without an xid label (expcollector.go). vigil's per-code
+        counters are differenced against the newest scrape at or before the window's start; before
+        the agent has seen a full window, counts since its first scrape (plus any at it) are used."""
+        counts: dict[tuple[str, str], float] = {}
+        for source in _XID_SOURCES:
+            for s in by_name.get(source, ()):
+                uuid, code = s.label("uuid"), s.label("code")
+                if uuid is not None and code is not None and code.isdigit():
+                    counts[(uuid, code)] = max(counts.get((uuid, code), 0.0), s.value)
+        history = self._xid_history
+        history.append((now, counts))
+        start = self._window_start(now)
+        while len(history) >= 2 and history[1][0] <= start:
+            history.popleft()
+        baseline = history[0][1] if history[0][0] <= start else {}
+        per_gpu: dict[str, dict[str, float]] = defaultdict(dict)
+        for (uuid, code), value in counts.items():
+            grown = value - baseline.get((uuid, code), 0.0)
+            if grown < 0:  # the counter restarted (a new agent or driver): count from zero
+                grown = value
+            if grown > 0:
+                per_gpu[uuid][code] = grown
+        family = Metric("DCGM_EXP_XID_ERRORS_COUNT", XID_COUNT_HELP, "unknown")
+        window = str(self._window_ms)
+        for uuid, ident in sorted(identities.items(), key=lambda kv: _gpu_order(kv[1].gpu)):
+            codes = per_gpu.get(uuid)
+            if not codes:
+                family.add_sample(family.name, self._labels(ident, window_size_in_ms=window), 0.0)
+            for code, grown in sorted(codes.items(), key=lambda kv: int(kv[0])) if codes else ():
+                family.add_sample(family.name, self._labels(ident, window_size_in_ms=window, xid=code), grown)
+        return family
+
+    def _clock_events(self, by_name: dict[str, list[Sample]], identities: dict[str, _Identity],
+                      now: float) -> Metric | None:
+        """DCGM_EXP_CLOCK_EVENTS_COUNT{clock_event, window_size_in_ms}: in dcgm-exporter, how many of
+        DCGM's samples in the window carried each clock-event reason; here, how many of this
+        collector's scrapes in the window saw vigil_gpu_clock_event_active{reason} at 1. Absent when
+        the GPUs report no clock-event reasons at all."""
+        samples = by_name.get("vigil_gpu_clock_event_active", ())
+        if not samples:
+            return None
+        active = frozenset((uuid, name) for s in samples if s.value > 0
+                           and (uuid := s.label("uuid")) is not None
+                           and (name := CLOCK_EVENT_NAMES.get(s.label("reason") or "")) is not None)
+        history = self._clock_history
+        history.append((now, active))
+        start = self._window_start(now)
+        while history and history[0][0] <= start:
+            history.popleft()
+        seen: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for _, held in history:
+            for uuid, name in held:
+                seen[uuid][name] += 1
+        family = Metric("DCGM_EXP_CLOCK_EVENTS_COUNT", CLOCK_EVENTS_HELP, "unknown")
+        window = str(self._window_ms)
+        for uuid, ident in sorted(identities.items(), key=lambda kv: _gpu_order(kv[1].gpu)):
+            reasons = seen.get(uuid)
+            if not reasons:
+                family.add_sample(family.name, self._labels(ident, window_size_in_ms=window), 0.0)
+                continue
+            for name, n in sorted(reasons.items()):
+                family.add_sample(family.name, self._labels(ident, window_size_in_ms=window, clock_event=name),
+                                  float(n))
+        return family
+
+
+def xid_message(code: int) -> str:
+    """dcgm-exporter's err_msg for an Xid code, where vigil carries its text (XID_MESSAGES)."""
+    if code in XID_MESSAGES:
+        return XID_MESSAGES[code]
+    return UNKNOWN_XID if code < 0 or code >= XID_TABLE_END else ""

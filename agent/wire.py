@@ -95,6 +95,28 @@ class Event(_Wire):
     source: Short = ""
 
 
+# At most this many compute processes per GPU are carried in a report and exported as
+# vigil_gpu_process_info (agent.attribution): one per GPU is the common case, a handful under MPS
+# or time-slicing; the rest are counted, not listed.
+GPU_PROCESSES_MAX = 8
+
+
+class GpuProcess(_Wire):
+    """One compute process on a GPU and whom it belongs to (agent.attribution); a field is None
+    when unknown (no job, not in a pod, no name resolver, not on a MIG instance)."""
+
+    pid: Annotated[int, Field(ge=0, le=1 << 32)]
+    job: str | None = Field(default=None, max_length=128)  # as GpuState.job
+    slurm_job: Short | None = None  # from the process's cgroup alone
+    pod_uid: Short | None = None
+    container_id: Short | None = None
+    namespace: Short | None = None
+    pod: Short | None = None
+    container: Short | None = None
+    gpu_instance_id: Index | None = None  # MIG GPU instance (NVML gpuInstanceId)
+    compute_instance_id: Index | None = None  # MIG compute instance
+
+
 class GpuState(_Wire):
     """One GPU's state and counters at report time (NVLink counters summed over its links)."""
 
@@ -138,9 +160,25 @@ class GpuState(_Wire):
     nvlink_recovery_errors_total: Count | None = None
     nvlink_links_active: Count | None = None
     nvlink_links_down: list[Index] = Field(default_factory=list, max_length=64)
+    # NVML GPM profiling (Hopper and later), averaged over the agent's collector interval; absent
+    # on older GPUs and before the agent has a pair of samples.
+    graphics_active_ratio: Ratio | None = None
+    sm_active_ratio: Ratio | None = None
+    sm_occupancy_ratio: Ratio | None = None
+    tensor_active_ratio: Ratio | None = None
+    dram_active_ratio: Ratio | None = None
+    fp16_active_ratio: Ratio | None = None
+    fp32_active_ratio: Ratio | None = None
+    fp64_active_ratio: Ratio | None = None
+    pcie_tx_bytes_per_second: NonNeg | None = None
+    pcie_rx_bytes_per_second: NonNeg | None = None
+    nvlink_tx_bytes_per_second: NonNeg | None = None
+    nvlink_rx_bytes_per_second: NonNeg | None = None
     # The job whose processes use this GPU (agent.attribution): a Slurm job id, a torchrun run id,
     # or "pod/<uid>" on Kubernetes; None when no process or no job is known.
     job: str | None = Field(default=None, max_length=128)
+    # Its compute processes and their job/pod (at most GPU_PROCESSES_MAX, the first NVML lists).
+    processes: list[GpuProcess] = Field(default_factory=list, max_length=GPU_PROCESSES_MAX)
 
 
 class PortState(_Wire):

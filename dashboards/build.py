@@ -284,6 +284,24 @@ def node() -> dict[str, Any]:
                      "PCIe, and every RDMA port.", variables, items)
 
 
+# The job view's bottleneck hints, a roofline rule of thumb rather than a measured limit: a job
+# holding DRAM at >= 80% of its peak bandwidth is bandwidth-bound (bandwidth-bound kernels reach
+# ~90% of peak, compute-bound training steps far less), and tensor activity below 20% is a small
+# share of a dense-transformer step's ~50% (the fake's training model). A busy GPU whose SM clock
+# sits below 80% of its maximum is held down (a healthy loaded HGX board boosts to within a few
+# percent of its maximum).
+MEMORY_BOUND_DRAM_RATIO = 0.8
+MEMORY_BOUND_TENSOR_RATIO = 0.2
+BUSY_RATIO = 0.5
+CAPPED_CLOCK_RATIO = 0.8
+
+
+def _job_gpus(metric: str, sel: str) -> str:
+    """``metric`` for the GPUs of the nodes the job's ranks run on (joined on the node label)."""
+    nodes = f"group by (node) (node_training_job:vigil_training_step_seconds:max{{{sel}}})"
+    return f"({metric} * on (node) group_left () {nodes})"
+
+
 def job() -> dict[str, Any]:
     sel = 'training_job="$training_job"'
     items: list[Panel | Row] = [
@@ -316,6 +334,27 @@ def job() -> dict[str, Any]:
         Panel("Data loading time per rank", [Target(
             f'node_training_job_rank_phase:vigil_training_phase_seconds:last{{{sel}, phase="data"}}',
             "rank {{rank}} ({{node}})")], unit="s", width=12),
+        Row("What the GPUs are doing (NVML GPM, Hopper and later)"),
+        Panel("DRAM bandwidth used per GPU", [Target(_job_gpus("vigil_gpu_dram_active_ratio", sel),
+                                                     "{{node}} GPU {{gpu}}")],
+              unit="percentunit", width=8, description="HBM bandwidth used over its maximum. Near 1 with tensor "
+                                                       "activity low: the job is memory-bound."),
+        Panel("Tensor core activity per GPU", [Target(_job_gpus("vigil_gpu_tensor_active_ratio", sel),
+                                                      "{{node}} GPU {{gpu}}")],
+              unit="percentunit", width=8, description="Share of time the SMs ran tensor-core operations."),
+        Panel("SM activity per GPU", [Target(_job_gpus("vigil_gpu_sm_active_ratio", sel), "{{node}} GPU {{gpu}}")],
+              unit="percentunit", width=8),
+        Panel("Capped vs memory-bound GPUs", [
+            Target(f"count by (node) ({_job_gpus('vigil_gpu_dram_active_ratio', sel)} >= {MEMORY_BOUND_DRAM_RATIO}"
+                   f" and on (node, gpu) vigil_gpu_tensor_active_ratio < {MEMORY_BOUND_TENSOR_RATIO})",
+                   "{{node}} memory-bound"),
+            Target(f"count by (node) ({_job_gpus('vigil_gpu_utilization_ratio', sel)} > {BUSY_RATIO}"
+                   f" and on (node, gpu) (vigil_gpu_sm_clock_hertz / vigil_gpu_sm_clock_max_hertz)"
+                   f" < {CAPPED_CLOCK_RATIO})", "{{node}} capped"),
+        ], width=24, description=f"Memory-bound: DRAM bandwidth >= {MEMORY_BOUND_DRAM_RATIO:.0%} of its maximum "
+                                 f"with tensor activity < {MEMORY_BOUND_TENSOR_RATIO:.0%}. Capped: busy (> "
+                                 f"{BUSY_RATIO:.0%}) with the SM clock < {CAPPED_CLOCK_RATIO:.0%} of its maximum "
+                                 "(power cap, power brake or thermal slowdown: see the node view's clock events)."),
         Row("Progress"),
         Panel("Ranks not running", [Target(
             'vigil_training_rank_state{exported_job="$training_job", state!="running"} == 1',

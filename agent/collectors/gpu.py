@@ -13,11 +13,12 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from vigil.agent.attribution import ProcessAttribution
+from vigil.agent.attribution import PROCESS_INFO, PodResolver, ProcessAttribution, process_samples
 from vigil.agent.collectors.collector import Collection, CollectorConfig
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.nvml.backend import (
@@ -47,6 +48,9 @@ class GpuConfig(CollectorConfig):
     event_wait_ms: int = Field(default=500, ge=10, le=10_000)  # worker's wait; bounds close()
     # Which job uses each GPU (agent.attribution): processes start and stop rarely.
     job_attribution_interval_seconds: float = Field(default=10.0, gt=0)
+    # The process table job attribution reads (/proc/<pid>/cgroup, environ); None: the agent's
+    # (/proc). A test or a containerised agent with the host's /proc mounted elsewhere sets it.
+    proc_root: str | None = None
 
 
 _G = ("gpu", "uuid")
@@ -110,6 +114,33 @@ NVLINK_STATE = MetricSpec("vigil_gpu_nvlink_state", G, "1 when the NVLink is act
 NVLINK_ERRORS = MetricSpec("vigil_gpu_nvlink_errors_total", C,
                            "NVLink data-link errors: crc (flit CRC), replay, recovery.",
                            (*_G, "link", "error_type"))
+# NVML GPM profiling metrics (Hopper and later): averaged over the collector interval, absent on
+# older GPUs (never 0) and in the first cycle.
+_GPM = "NVML GPM, over the collector interval; absent before Hopper."
+GRAPHICS_ACTIVE = MetricSpec("vigil_gpu_graphics_engine_active_ratio", G,
+                             f"Share of time any compute or graphics work ran. {_GPM}", _G, "ratio")
+SM_ACTIVE = MetricSpec("vigil_gpu_sm_active_ratio", G, f"Share of SMs busy (at least one warp). {_GPM}", _G,
+                       "ratio")
+SM_OCCUPANCY = MetricSpec("vigil_gpu_sm_occupancy_ratio", G,
+                          f"Resident warps over the SMs' theoretical maximum. {_GPM}", _G, "ratio")
+TENSOR_ACTIVE = MetricSpec("vigil_gpu_tensor_active_ratio", G,
+                           f"Share of time the SMs ran any tensor-core operation. {_GPM}", _G, "ratio")
+DRAM_ACTIVE = MetricSpec("vigil_gpu_dram_active_ratio", G,
+                         f"Device memory (HBM) bandwidth used over its theoretical maximum. {_GPM}", _G, "ratio")
+FP16_ACTIVE = MetricSpec("vigil_gpu_fp16_active_ratio", G, f"Share of time the SMs ran non-tensor FP16. {_GPM}",
+                         _G, "ratio")
+FP32_ACTIVE = MetricSpec("vigil_gpu_fp32_active_ratio", G, f"Share of time the SMs ran non-tensor FP32. {_GPM}",
+                         _G, "ratio")
+FP64_ACTIVE = MetricSpec("vigil_gpu_fp64_active_ratio", G, f"Share of time the SMs ran non-tensor FP64. {_GPM}",
+                         _G, "ratio")
+PCIE_TX = MetricSpec("vigil_gpu_pcie_tx_bytes_per_second", G, f"PCIe traffic from the GPU. {_GPM}", _G,
+                     "bytes_per_second")
+PCIE_RX = MetricSpec("vigil_gpu_pcie_rx_bytes_per_second", G, f"PCIe traffic to the GPU. {_GPM}", _G,
+                     "bytes_per_second")
+NVLINK_TX = MetricSpec("vigil_gpu_nvlink_tx_bytes_per_second", G, f"NVLink traffic sent, all links. {_GPM}", _G,
+                       "bytes_per_second")
+NVLINK_RX = MetricSpec("vigil_gpu_nvlink_rx_bytes_per_second", G, f"NVLink traffic received, all links. {_GPM}",
+                       _G, "bytes_per_second")
 NVML_XID = MetricSpec("vigil_gpu_nvml_xid_events_total", C,
                       "Xid critical errors delivered by NVML's event API, by Xid code.", (*_G, "code"))
 
@@ -119,6 +150,8 @@ SPECS: tuple[MetricSpec, ...] = (
     SLOWDOWN_TEMPERATURE, SHUTDOWN_TEMPERATURE, MAX_OPERATING_TEMPERATURE, MEMORY_MAX_TEMPERATURE, POWER,
     POWER_LIMIT, ENERGY, PSTATE, CLOCK_EVENT, ECC_ERRORS, RETIRED_PAGES, RETIRED_PAGES_PENDING, REMAPPED_ROWS,
     REMAP_PENDING, REMAP_FAILURE, PCIE_REPLAY, PCIE_THROUGHPUT, FAN_SPEED, NVLINK_STATE, NVLINK_ERRORS, NVML_XID,
+    GRAPHICS_ACTIVE, SM_ACTIVE, SM_OCCUPANCY, TENSOR_ACTIVE, DRAM_ACTIVE, FP16_ACTIVE, FP32_ACTIVE, FP64_ACTIVE,
+    PCIE_TX, PCIE_RX, NVLINK_TX, NVLINK_RX, PROCESS_INFO,
 )
 
 # Reading field -> spec, for the plain per-GPU gauges and counters.
@@ -140,6 +173,29 @@ _SIMPLE: tuple[tuple[str, MetricSpec], ...] = (
     ("remap_failure", REMAP_FAILURE),
     ("pcie_replay_total", PCIE_REPLAY),
     ("fan_speed_ratio", FAN_SPEED),
+    ("graphics_active_ratio", GRAPHICS_ACTIVE),
+    ("sm_active_ratio", SM_ACTIVE),
+    ("sm_occupancy_ratio", SM_OCCUPANCY),
+    ("tensor_active_ratio", TENSOR_ACTIVE),
+    ("dram_active_ratio", DRAM_ACTIVE),
+    ("fp16_active_ratio", FP16_ACTIVE),
+    ("fp32_active_ratio", FP32_ACTIVE),
+    ("fp64_active_ratio", FP64_ACTIVE),
+    ("pcie_gpm_tx_bytes_per_second", PCIE_TX),
+    ("pcie_gpm_rx_bytes_per_second", PCIE_RX),
+    ("nvlink_tx_bytes_per_second", NVLINK_TX),
+    ("nvlink_rx_bytes_per_second", NVLINK_RX),
+)
+# GpuState field <- GpuReading field, for the GPM profiling values.
+_GPM_STATE: tuple[tuple[str, str], ...] = (
+    ("graphics_active_ratio", "graphics_active_ratio"), ("sm_active_ratio", "sm_active_ratio"),
+    ("sm_occupancy_ratio", "sm_occupancy_ratio"), ("tensor_active_ratio", "tensor_active_ratio"),
+    ("dram_active_ratio", "dram_active_ratio"), ("fp16_active_ratio", "fp16_active_ratio"),
+    ("fp32_active_ratio", "fp32_active_ratio"), ("fp64_active_ratio", "fp64_active_ratio"),
+    ("pcie_tx_bytes_per_second", "pcie_gpm_tx_bytes_per_second"),
+    ("pcie_rx_bytes_per_second", "pcie_gpm_rx_bytes_per_second"),
+    ("nvlink_tx_bytes_per_second", "nvlink_tx_bytes_per_second"),
+    ("nvlink_rx_bytes_per_second", "nvlink_rx_bytes_per_second"),
 )
 _IDENTITY_SIMPLE: tuple[tuple[str, MetricSpec], ...] = (
     ("sm_clock_max_hertz", SM_CLOCK_MAX),
@@ -234,12 +290,15 @@ class GpuCollector:
         samples: list[Sample] = []
         states: list[GpuState] = []
         jobs = self._attribution.jobs([g.index for g in self._gpus], now) if self._attribution else {}
+        processes = self._attribution.processes([g.index for g in self._gpus], now) if self._attribution else {}
         for gpu in self._gpus:
             reading = self._read(backend, gpu, nvlinks)
             self._transition(gpu, reading.health, now, events)
             samples.extend(self._gpu_samples(gpu, reading, nvlinks))
             states.append(self._gpu_state(gpu, reading))
             states[-1].job = jobs.get(gpu.index)
+            states[-1].processes = processes.get(gpu.index, [])
+            samples.extend(process_samples(gpu.labels, states[-1].processes))
         available = not self._gpus or any(g.health != "unavailable" for g in self._gpus)
         self._set_available(available, now, events, "every NVML call fails: driver or library gone")
         if available and self._config.xid_events and self._worker is None and not self._stop.is_set():
@@ -385,6 +444,8 @@ class GpuCollector:
         state.remap_pending = r.remap_pending
         state.remap_failure = r.remap_failure
         state.pcie_replay_total = r.pcie_replay_total
+        for key, attr in _GPM_STATE:
+            setattr(state, key, getattr(r, attr))
         for key, value in gpu.nvlink_state.items():
             setattr(state, key, value)
         return state
@@ -440,7 +501,8 @@ class GpuCollector:
                 self._backend.close_events()
 
 
-def build(config: AgentConfig, seams: Seams) -> GpuCollector:
-    attribution = ProcessAttribution(seams.nvml, proc_root=seams.proc_root,
+def build(config: AgentConfig, seams: Seams, resolver: PodResolver | None = None) -> GpuCollector:
+    proc_root = Path(config.collectors.gpu.proc_root) if config.collectors.gpu.proc_root else seams.proc_root
+    attribution = ProcessAttribution(seams.nvml, proc_root=proc_root, resolver=resolver,
                                      interval_seconds=config.collectors.gpu.job_attribution_interval_seconds)
     return GpuCollector(config.collectors.gpu, seams.nvml, seams.clock, attribution)

@@ -47,6 +47,27 @@ CLOCK_EVENT_REASONS: tuple[tuple[str, str], ...] = (
     ("display_clock_setting", "nvmlClocksEventReasonDisplayClockSetting"),
 )
 
+# GPM metrics read each cycle: GpuReading field <- pynvml constant. NVML API reference, "GPM Enums"
+# (nvmlGpmMetricId_t, https://docs.nvidia.com/deploy/nvml-api/group__nvmlGpmEnums.html) and
+# pynvml's NVML_GPM_METRIC_* comments: the *_UTIL metrics are percent 0.0-100.0, the *_PER_SEC
+# metrics MiB/s; the backend converts them to a 0..1 ratio and bytes per second.
+GPM_PERCENT_METRICS: tuple[tuple[str, str], ...] = (
+    ("graphics_active_ratio", "NVML_GPM_METRIC_GRAPHICS_UTIL"),
+    ("sm_active_ratio", "NVML_GPM_METRIC_SM_UTIL"),
+    ("sm_occupancy_ratio", "NVML_GPM_METRIC_SM_OCCUPANCY"),
+    ("tensor_active_ratio", "NVML_GPM_METRIC_ANY_TENSOR_UTIL"),
+    ("dram_active_ratio", "NVML_GPM_METRIC_DRAM_BW_UTIL"),
+    ("fp16_active_ratio", "NVML_GPM_METRIC_FP16_UTIL"),
+    ("fp32_active_ratio", "NVML_GPM_METRIC_FP32_UTIL"),
+    ("fp64_active_ratio", "NVML_GPM_METRIC_FP64_UTIL"),
+)
+GPM_MIB_PER_SECOND_METRICS: tuple[tuple[str, str], ...] = (
+    ("pcie_gpm_tx_bytes_per_second", "NVML_GPM_METRIC_PCIE_TX_PER_SEC"),
+    ("pcie_gpm_rx_bytes_per_second", "NVML_GPM_METRIC_PCIE_RX_PER_SEC"),
+    ("nvlink_tx_bytes_per_second", "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC"),
+    ("nvlink_rx_bytes_per_second", "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC"),
+)
+
 NVLINK_ERROR_COUNTERS: tuple[tuple[str, str], ...] = (
     ("crc", "NVML_NVLINK_ERROR_DL_CRC_FLIT"),
     ("replay", "NVML_NVLINK_ERROR_DL_REPLAY"),
@@ -59,7 +80,7 @@ _CONSTANTS = (
     "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC", "NVML_AGGREGATE_ECC",
     "NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS", "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR",
     "NVML_PCIE_UTIL_TX_BYTES", "NVML_PCIE_UTIL_RX_BYTES", "NVML_FI_DEV_MEMORY_TEMP", "NVML_SUCCESS",
-    "NVML_ERROR_NOT_SUPPORTED", "NVML_FEATURE_ENABLED",
+    "NVML_ERROR_NOT_SUPPORTED", "NVML_FEATURE_ENABLED", "NVML_GPM_METRICS_GET_VERSION",
 )
 
 
@@ -135,6 +156,20 @@ class GpuReading:
     pcie_tx_bytes_per_second: float | None = None
     pcie_rx_bytes_per_second: float | None = None
     fan_speed_ratio: float | None = None
+    # GPM (Hopper and later), averaged over the interval since the previous read(): None on older
+    # GPUs and on the first read, which only takes the first sample of the pair.
+    graphics_active_ratio: float | None = None
+    sm_active_ratio: float | None = None
+    sm_occupancy_ratio: float | None = None
+    tensor_active_ratio: float | None = None
+    dram_active_ratio: float | None = None
+    fp16_active_ratio: float | None = None
+    fp32_active_ratio: float | None = None
+    fp64_active_ratio: float | None = None
+    pcie_gpm_tx_bytes_per_second: float | None = None
+    pcie_gpm_rx_bytes_per_second: float | None = None
+    nvlink_tx_bytes_per_second: float | None = None
+    nvlink_rx_bytes_per_second: float | None = None
     nvlinks: tuple[NvLinkReading, ...] = ()
     # NVML errors other than NotSupported met during this read: (query, reason).
     errors: list[tuple[str, str]] = field(default_factory=list)
@@ -181,6 +216,16 @@ class PynvmlBackend:
         # Queries a device answered NotSupported: a device capability, so never asked again.
         self._unsupported: dict[int, set[str]] = {}
         self._event_set: Any = None
+        # GPM: per GPU whether the device supports it (asked once), and the sample taken by the
+        # previous read(), the first of the next pair; freed when replaced or on shutdown.
+        self._gpm_supported: dict[int, bool] = {}
+        self._gpm_previous: dict[int, Any] = {}
+        self._gpm_request: Any = None
+        self._gpm_ids = tuple((attr, int(getattr(nvml, const)), 0.01)
+                              for attr, const in GPM_PERCENT_METRICS) + tuple(
+            (attr, int(getattr(nvml, const)), float(_MIB)) for attr, const in GPM_MIB_PER_SECOND_METRICS)
+        self._gpm_function_missing: tuple[type[BaseException], ...] = tuple(
+            cls for cls in (getattr(nvml, "NVMLError_FunctionNotFound", None),) if isinstance(cls, type))
 
     # --- library -------------------------------------------------------------------------------
 
@@ -189,6 +234,8 @@ class PynvmlBackend:
 
     def shutdown(self) -> None:
         self.close_events()
+        for index in list(self._gpm_previous):
+            self._gpm_free(self._gpm_previous.pop(index))
         try:
             self._nvml.nvmlShutdown()
         except self._error as exc:
@@ -318,9 +365,100 @@ class PynvmlBackend:
         reading = GpuReading(index=index)
         try:
             self._read_into(index, reading, nvlinks)
+            self._read_gpm(index, reading)
         except _HealthError as exc:
+            previous = self._gpm_previous.pop(index, None)  # a pair must not span a lost GPU
+            if previous is not None:
+                self._gpm_free(previous)
             return GpuReading(index=index, health=exc.health, errors=[("device", exc.reason)])
         return reading
+
+    # --- GPM -----------------------------------------------------------------------------------
+
+    def _gpm_free(self, sample: Any) -> None:
+        try:
+            self._nvml.nvmlGpmSampleFree(sample)
+        except self._error as exc:
+            log.warning("nvmlGpmSampleFree failed: %s", exc)
+
+    def _gpm_call(self, index: int, errors: list[tuple[str, str]], name: str, *args: Any) -> bool:
+        """One GPM call: False when it failed (NotSupported: the device never asked again)."""
+        try:
+            getattr(self._nvml, name)(*args)
+        except self._gpm_function_missing:
+            self._gpm_supported[index] = False  # a driver older than GPM (R520)
+            return False
+        except self._not_supported:
+            self._gpm_supported[index] = False
+            return False
+        except self._health_errors as exc:
+            raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
+        except self._error as exc:
+            errors.append((name, error_reason(exc)))
+            return False
+        return True
+
+    def _gpm_support(self, index: int, h: Any) -> bool:
+        supported = self._gpm_supported.get(index)
+        if supported is None:
+            try:
+                support = self._nvml.nvmlGpmQueryDeviceSupport(h)
+                supported = bool(support.isSupportedDevice)
+            except self._health_errors as exc:
+                raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
+            except self._error:  # NotSupported, FunctionNotFound (driver before R520), ...
+                supported = False
+            self._gpm_supported[index] = supported
+        return supported
+
+    def _read_gpm(self, index: int, r: GpuReading) -> None:
+        """Take this cycle's GPM sample; with the previous cycle's, fill the GPM fields. The pair
+        spans the time between two read() calls: the collector's interval."""
+        h = self._handle(index)
+        if not self._gpm_support(index, h):
+            return
+        nvml, e = self._nvml, r.errors
+        try:
+            sample = nvml.nvmlGpmSampleAlloc()
+        except self._health_errors as exc:
+            raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
+        except self._error as exc:
+            e.append(("nvmlGpmSampleAlloc", error_reason(exc)))
+            return
+        try:
+            taken = self._gpm_call(index, e, "nvmlGpmSampleGet", h, sample)
+        except _HealthError:
+            self._gpm_free(sample)
+            raise
+        if not taken:
+            self._gpm_free(sample)
+            return
+        previous = self._gpm_previous.pop(index, None)
+        self._gpm_previous[index] = sample
+        if previous is None:
+            return  # the first sample of the first pair: no interval yet, so no values (absent)
+        request = self._gpm_request
+        if request is None:  # one request buffer (~19 KB: room for every metric id), reused
+            request = self._gpm_request = nvml.c_nvmlGpmMetricsGet_t()
+            request.version = self._c["NVML_GPM_METRICS_GET_VERSION"]
+            request.numMetrics = len(self._gpm_ids)
+        slots = request.metrics  # one attribute lookup: pynvml structs wrap __getattribute__
+        for i, (_, metric_id, _) in enumerate(self._gpm_ids):
+            slots[i].metricId = metric_id
+        try:
+            request.sample1 = previous
+            request.sample2 = sample
+            if not self._gpm_call(index, e, "nvmlGpmMetricsGet", request):
+                return
+        finally:
+            self._gpm_free(previous)
+        success = self._c["NVML_SUCCESS"]
+        for i, (attr, _, scale) in enumerate(self._gpm_ids):
+            metric = slots[i]
+            if metric.nvmlReturn == success:
+                value = max(float(metric.value), 0.0) * scale
+                # A percentage may overshoot 100 by rounding in the driver; a ratio stays in 0..1.
+                setattr(r, attr, min(value, 1.0) if scale < 1.0 else value)
 
     def _read_into(self, index: int, r: GpuReading, nvlinks: bool) -> None:
         c = self._c

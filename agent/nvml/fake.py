@@ -32,16 +32,27 @@ _NOISE_TABLE_SIZE = 1024
 # the fake cannot know when an event "arrives" and re-checks instead (NVML itself blocks).
 _EVENT_POLL_SECONDS = 0.05
 _NO_INSTANCE = 0xFFFFFFFF  # NVML's gpuInstanceId/computeInstanceId outside MIG
+_MIB = 1024 * 1024
+# A memory-bound job's DRAM-active ratio (load.workload: memory_bound): bandwidth-bound kernels
+# reach ~90-95% of HBM peak (STREAM-like copies on H100 reach ~3 of 3.35 TB/s).
+_MEMORY_BOUND_DRAM_RATIO = 0.93
+# NVLink 3 and 4 carry 25 GB/s per link per direction (H100 datasheet: 18 links, 900 GB/s total).
+_NVLINK_BYTES_PER_SECOND_PER_LINK = 25_000_000_000
 
 _HW_SLOWDOWN = pynvml.nvmlClocksEventReasonHwSlowdown
 _HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown
 _HW_POWER_BRAKE = pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown
+_SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
 _IDLE = pynvml.nvmlClocksEventReasonGpuIdle
 _NVLINK_COUNTER_KIND = {
     pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc",
     pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay",
     pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
 }
+
+
+def _pointer_address(pointer: Any) -> int:
+    return ctypes.cast(pointer, ctypes.c_void_p).value or 0
 
 
 def _is_passthrough(value: Any) -> bool:
@@ -121,6 +132,7 @@ class FakeGpuHandle:
         self.temperature_drift: list[_Growth] = []  # degrees Celsius per second
         self.hbm_extra: list[tuple[float, float, float]] = []  # (start, end, degrees Celsius)
         self.pcie_replay_growth: list[_Growth] = []
+        self.memory_bound: list[tuple[float, float, float]] = []  # (start, end, DRAM active ratio)
         for fault in scenario.faults:
             if getattr(fault, "gpu", None) != index:
                 continue
@@ -161,6 +173,12 @@ class FakeGpuHandle:
                 case "pcie_replay":
                     end = at + fault.duration_seconds if fault.duration_seconds else math.inf
                     self.pcie_replay_growth.append(_Growth(at, end, fault.rate_per_second))
+                case "power_cap":
+                    end = at + fault.duration_seconds if fault.duration_seconds else math.inf
+                    self.windows.append(_Window(at, end, _SW_POWER_CAP, fault.clock_ratio, hot=False))
+                case "memory_bound":
+                    end = at + fault.duration_seconds if fault.duration_seconds else math.inf
+                    self.memory_bound.append((at, end, fault.dram_active_ratio))
         self.xids.sort()
 
     # --- the state at scenario time t -------------------------------------------------------
@@ -178,6 +196,55 @@ class FakeGpuHandle:
                 return w
         return None
 
+    def dram_cap(self, t: float) -> float | None:
+        """The DRAM-active ratio a memory-bound job holds this GPU at, or None when it is not one."""
+        for start, end, ratio in self.memory_bound:
+            if start <= t < end:
+                return ratio
+        return _MEMORY_BOUND_DRAM_RATIO if self.load.workload == "memory_bound" else None
+
+    def gpm(self, t: float) -> dict[int, float]:
+        """The GPM metrics over a sample interval ending at ``t``, NVML's units (percent, MiB/s).
+
+        Shares of a busy GPU: a dense-transformer training step keeps the tensor pipes busy about
+        half the time (HMMA), the SMs busy nearly always, DRAM bandwidth moderately; a memory-bound
+        job saturates DRAM with the tensor pipes nearly idle. A capped clock (power cap, brake,
+        thermal) leaves the activity ratios, which are shares of cycles, as they are but moves less
+        data per second, so DRAM and the interconnects scale with it."""
+        u = self.utilization(t)
+        w = self.window(t)
+        clock = w.clock_ratio if w is not None else 1.0
+        cap = self.dram_cap(t)
+        if cap is None:  # training
+            sm, occupancy, tensor, fp16, fp32, fp64 = 0.93 * u, 0.42 * u, 0.55 * u, 0.06 * u, 0.12 * u, 0.0
+            dram = 0.38 * u * clock
+            nvlink = 0.30 * u * clock
+        else:  # memory-bound: DRAM at its cap while busy, tensor pipes mostly idle
+            sm, occupancy, tensor, fp16, fp32, fp64 = 0.88 * u, 0.61 * u, 0.04 * u, 0.10 * u, 0.22 * u, 0.0
+            dram = cap if u > 0 else 0.0
+            nvlink = 0.08 * u * clock
+        p = self.profile
+        pcie_mib = p.pcie_max_bytes_per_second / _MIB * 0.02 * (0.05 + u) * clock
+        nvlink_mib = p.nvlink_count * _NVLINK_BYTES_PER_SECOND_PER_LINK / _MIB * nvlink
+        m = pynvml
+        return {
+            m.NVML_GPM_METRIC_GRAPHICS_UTIL: 100.0 * u,
+            m.NVML_GPM_METRIC_SM_UTIL: 100.0 * sm,
+            m.NVML_GPM_METRIC_SM_OCCUPANCY: 100.0 * occupancy,
+            m.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 100.0 * tensor,
+            m.NVML_GPM_METRIC_HMMA_TENSOR_UTIL: 100.0 * tensor,
+            m.NVML_GPM_METRIC_IMMA_TENSOR_UTIL: 0.0,
+            m.NVML_GPM_METRIC_DFMA_TENSOR_UTIL: 0.0,
+            m.NVML_GPM_METRIC_DRAM_BW_UTIL: 100.0 * dram,
+            m.NVML_GPM_METRIC_FP16_UTIL: 100.0 * fp16,
+            m.NVML_GPM_METRIC_FP32_UTIL: 100.0 * fp32,
+            m.NVML_GPM_METRIC_FP64_UTIL: 100.0 * fp64,
+            m.NVML_GPM_METRIC_PCIE_TX_PER_SEC: pcie_mib,
+            m.NVML_GPM_METRIC_PCIE_RX_PER_SEC: pcie_mib * 0.6,
+            m.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: nvlink_mib,
+            m.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: nvlink_mib,
+        }
+
     @staticmethod
     def grown(growths: Sequence[_Growth], t: float) -> int:
         total = 0
@@ -189,6 +256,15 @@ class FakeGpuHandle:
     @staticmethod
     def stepped(steps: Sequence[_Step], t: float) -> int:
         return sum(s.count for s in steps if t >= s.at)
+
+
+class _FakeGpmSample:
+    """What one GPM sample buffer holds: which GPU it was taken on and when (None: not yet)."""
+
+    def __init__(self) -> None:
+        self.buffer = ctypes.create_string_buffer(16)  # the address pynvml's opaque pointer holds
+        self.handle: FakeGpuHandle | None = None
+        self.t: float | None = None
 
 
 class _FakeEventSet:
@@ -214,6 +290,9 @@ class FakeNvml:
         # the scenario's ``processes`` (none by default: an idle node).
         self.running_pids: dict[int, list[int]] = {}
         self.resets: list[tuple[int, float]] = []  # (GPU index, scenario time) of each reset
+        # GPM sample buffers allocated and not yet freed, by the address of their opaque pointer:
+        # a test checks the backend frees every sample it allocates.
+        self.gpm_samples: dict[int, _FakeGpmSample] = {}
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the class does not define: constants pass through, functions fail.
@@ -512,6 +591,66 @@ class FakeNvml:
     def nvmlDeviceGetFanSpeed(self, handle: FakeGpuHandle) -> int:
         self._device(handle, "nvmlDeviceGetFanSpeed")
         return 40
+
+    # --- GPM (Hopper and later) ---------------------------------------------------------------
+
+    def nvmlGpmQueryDeviceSupport(self, handle: FakeGpuHandle) -> pynvml.c_nvmlGpmSupport_t:
+        self._device(handle, "nvmlGpmQueryDeviceSupport")
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = 1 if handle.profile.gpm_supported else 0
+        return support
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        """A c_nvmlGpmSample_t (pynvml's opaque pointer type) to a buffer of the fake's own."""
+        self._live()
+        sample = _FakeGpmSample()
+        pointer = ctypes.cast(sample.buffer, pynvml.c_nvmlGpmSample_t)
+        self.gpm_samples[_pointer_address(pointer)] = sample
+        return pointer
+
+    def _gpm_sample(self, pointer: Any) -> _FakeGpmSample:
+        sample = self.gpm_samples.get(_pointer_address(pointer))
+        if sample is None:  # freed, or never allocated here
+            raise pynvml.NVMLError_InvalidArgument()
+        return sample
+
+    def nvmlGpmSampleFree(self, pointer: Any) -> None:
+        self._gpm_sample(pointer)
+        del self.gpm_samples[_pointer_address(pointer)]
+
+    def nvmlGpmSampleGet(self, handle: FakeGpuHandle, pointer: Any) -> Any:
+        t = self._device(handle, "nvmlGpmSampleGet")
+        if not handle.profile.gpm_supported:
+            raise pynvml.NVMLError_NotSupported()
+        sample = self._gpm_sample(pointer)
+        sample.handle, sample.t = handle, t
+        return pointer
+
+    def nvmlGpmMetricsGet(self, metrics_get: Any) -> Any:
+        """Fills ``metrics[i].value`` (and nvmlReturn) for each requested metricId, from the two
+        samples' GPU over the interval between them, as the real call does."""
+        self._live()
+        if metrics_get.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise pynvml.NVMLError_ArgumentVersionMismatch()
+        first, second = self._gpm_sample(metrics_get.sample1), self._gpm_sample(metrics_get.sample2)
+        handle = second.handle
+        if handle is None or first.handle is not handle or first.t is None or second.t is None:
+            raise pynvml.NVMLError_InvalidArgument()
+        t = self._device(handle, "nvmlGpmMetricsGet")
+        if not handle.profile.gpm_supported:
+            raise pynvml.NVMLError_NotSupported()
+        values = handle.gpm(min(second.t, t))
+        slots = metrics_get.metrics
+        for i in range(metrics_get.numMetrics):
+            metric = slots[i]
+            value = values.get(metric.metricId)
+            if value is None:
+                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+            else:
+                metric.value = value
+                metric.nvmlReturn = pynvml.NVML_SUCCESS
+        return metrics_get
 
     # --- NVLink --------------------------------------------------------------------------------
 

@@ -50,6 +50,10 @@ class DeviceProfile:
     pcie_bus_ids: tuple[str, ...]  # one per GPU slot of the baseboard, NVML's 8-digit-domain form
     pcie_max_bytes_per_second: int  # for the simulated PCIe throughput
     not_supported: frozenset[str] = _SXM_NOT_SUPPORTED
+    # NVML's GPM (GPU performance monitoring) API: Hopper and later only (NVML API reference,
+    # "GPM Functions"; nvidia-smi dmon prints GPM metrics "for Hopper and later GPUs"); older GPUs
+    # answer nvmlGpmQueryDeviceSupport with isSupportedDevice = 0.
+    gpm_supported: bool = False
 
 
 # HGX H100 8-GPU baseboard, from the recorded `nvidia-smi -q` of driver 535.161.08
@@ -82,6 +86,7 @@ H100_SXM_80GB = DeviceProfile(
     pcie_bus_ids=("00000000:19:00.0", "00000000:3B:00.0", "00000000:4C:00.0", "00000000:5D:00.0",
                   "00000000:9B:00.0", "00000000:BB:00.0", "00000000:CB:00.0", "00000000:DB:00.0"),
     pcie_max_bytes_per_second=64_000_000_000,  # PCIe Gen5 x16, per direction
+    gpm_supported=True,
 )
 
 # HGX H200 8-GPU: NVIDIA H200 Tensor Core GPU datasheet (141 GB HBM3e at 4.8 TB/s, up to 700 W
@@ -112,6 +117,7 @@ H200_SXM_141GB = DeviceProfile(
     pcie_bus_ids=("00000000:18:00.0", "00000000:2A:00.0", "00000000:3A:00.0", "00000000:5D:00.0",
                   "00000000:9A:00.0", "00000000:AB:00.0", "00000000:BA:00.0", "00000000:DB:00.0"),
     pcie_max_bytes_per_second=64_000_000_000,
+    gpm_supported=True,
 )
 
 # HGX A100 8-GPU: NVIDIA A100 Tensor Core GPU datasheet (80 GB HBM2e, 400 W TDP, 1410 MHz boost,

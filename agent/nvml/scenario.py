@@ -34,6 +34,10 @@ class Load(_Strict):
     utilization: float = Field(default=0.0, ge=0, le=1)  # mean GPU utilization, 0..1
     noise: float = Field(default=0.0, ge=0, le=1)  # +- amplitude around the mean, 0..1
     memory_used_ratio: float = Field(default=0.0, ge=0, le=1)  # of total memory, when busy
+    # What the busy GPUs spend their cycles on, as NVML's GPM metrics see it (Hopper and later):
+    # `training` keeps the tensor cores busy and DRAM moderate; `memory_bound` saturates DRAM
+    # bandwidth with the tensor cores mostly idle (an attention/optimizer-heavy or badly fused job).
+    workload: Literal["training", "memory_bound"] = "training"
 
 
 class _Fault(_Strict):
@@ -71,6 +75,24 @@ class PowerBrake(_Fault):
     kind: Literal["power_brake"]
     duration_seconds: float = Field(gt=0)
     clock_ratio: float = Field(default=0.3, gt=0, le=1)
+
+
+class PowerCap(_Fault):
+    """The GPU is held at a software power cap (nvidia-smi -pl, a site power budget): busy, its SM
+    clock at ``clock_ratio`` of its maximum, clock event reason sw_power_cap."""
+
+    kind: Literal["power_cap"]
+    duration_seconds: float | None = Field(default=None, gt=0)  # None: capped for ever
+    clock_ratio: float = Field(default=0.6, gt=0, le=1)
+
+
+class MemoryBound(_Fault):
+    """From ``at_seconds`` the job on this GPU is memory-bound: DRAM bandwidth utilisation near
+    ``dram_active_ratio``, tensor cores mostly idle (the node-wide form is load.workload)."""
+
+    kind: Literal["memory_bound"]
+    duration_seconds: float | None = Field(default=None, gt=0)
+    dram_active_ratio: float = Field(default=0.93, gt=0, le=1)
 
 
 class Xid(_Fault):
@@ -133,14 +155,14 @@ class NvmlUnavailable(_Strict):
 Fault = Annotated[
     EccCorrectedGrowth | EccUncorrectable | RowRemapPending | RowRemapFailure | ThermalThrottle | PowerBrake
     | Xid | GpuLost | ResetRequired | NvlinkErrors | NvlinkDown | NvmlUnavailable | TemperatureDrift | HotHbm
-    | PcieReplay,
+    | PcieReplay | PowerCap | MemoryBound,
     Field(discriminator="kind"),
 ]
 
 FAULT_KINDS: tuple[str, ...] = (
     "ecc_corrected_growth", "ecc_uncorrectable", "row_remap_pending", "row_remap_failure", "thermal_throttle",
     "power_brake", "xid", "gpu_lost", "reset_required", "nvlink_errors", "nvlink_down", "nvml_unavailable",
-    "temperature_drift", "hot_hbm", "pcie_replay",
+    "temperature_drift", "hot_hbm", "pcie_replay", "power_cap", "memory_bound",
 )
 
 

@@ -109,7 +109,8 @@ def test_names_types_help_and_labels_match_the_recorded_scrape(gpu_samples) -> N
         assert mine.type == (real.type if real.type != "counter" else "untyped"), name
         assert mine.help == real.help, name
         assert len(mine.samples) == 8, name
-        real_labels = set(real.samples[0][0]) - POD_LABELS
+        # The recorded scrape predates dcgm-exporter's `Hostname` -> `hostname` rename (PR #655).
+        real_labels = {"hostname" if k == "Hostname" else k for k in real.samples[0][0]} - POD_LABELS
         for labels, _ in mine.samples:
             assert set(labels) == real_labels, name
     # No series is served under a DCGM name the real exporter would not use.
@@ -150,7 +151,7 @@ def test_identity_labels_come_from_gpu_info(gpu_samples) -> None:
     family = scrape(DcgmCompatCollector(lambda: samples, hostname="node-17"))["DCGM_FI_DEV_GPU_TEMP"]
     labels = next(labels for labels, _ in family.samples if labels["gpu"] == "3")
     assert labels == {"gpu": "3", "UUID": info.label("uuid"), "pci_bus_id": info.label("pci_bus_id"),
-                      "device": "nvidia3", "modelName": info.label("name"), "Hostname": "node-17",
+                      "device": "nvidia3", "modelName": info.label("name"), "hostname": "node-17",
                       "DCGM_FI_DRIVER_VERSION": info.label("driver_version")}
     assert set(labels) == set(LABELS)
 
@@ -187,7 +188,7 @@ def test_absent_values_stay_absent() -> None:
     # never zeros for the rest.
     samples = [Sample("vigil_gpu_temperature_celsius", 41.0, (("gpu", "0"), ("uuid", "GPU-0")))]
     ours = scrape(DcgmCompatCollector(lambda: samples))
-    assert set(ours) == {"DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_XID_ERRORS"}
+    assert set(ours) == {"DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_XID_ERRORS", "DCGM_EXP_XID_ERRORS_COUNT"}
     assert ours["DCGM_FI_DEV_GPU_TEMP"].samples[0][0]["modelName"] == ""
     assert scrape(DcgmCompatCollector(lambda: [])) == {}
 
@@ -212,4 +213,105 @@ def test_agent_serves_dcgm_series_only_when_configured(enabled: bool) -> None:
             c.close()
     assert "vigil_gpu_temperature_celsius{" in text
     assert ('DCGM_FI_DEV_GPU_TEMP{' in text) is enabled
-    assert ('Hostname="node-17"' in text) is enabled
+    assert ('hostname="node-17"' in text) is enabled
+
+
+# --- coverage of dcgm-exporter's default counter list ----------------------------------------------
+
+# Default-enabled fields vigil cannot serve, and why. A field missing from the scrape that is not named
+# here fails the coverage test; a field named here that starts being served fails it too.
+NOT_SERVED: dict[str, str] = {
+    "DCGM_FI_DEV_VGPU_LICENSE_STATUS": "hardware/driver-impossible: a vGPU licence exists only inside a vGPU "
+                                       "guest (GRID driver); on bare-metal data-centre GPUs DCGM reports blank",
+    "DCGM_FI_DEV_ENC_UTIL": "servable (nvmlDeviceGetEncoderUtilization), not yet read: needs a vigil_gpu_* "
+                            "metric in agent/collectors/gpu.py",
+    "DCGM_FI_DEV_DEC_UTIL": "servable (nvmlDeviceGetDecoderUtilization), not yet read: needs a vigil_gpu_* "
+                            "metric in agent/collectors/gpu.py",
+    "DCGM_FI_DEV_FB_RESERVED": "servable (nvmlDeviceGetMemoryInfo v2 `reserved`), not yet read: needs a "
+                               "vigil_gpu_* metric in agent/collectors/gpu.py",
+    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": "servable as a counter (nvmlDeviceGetFieldValues "
+                                          "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX, KiB), not yet read; vigil's "
+                                          "GPM NVLink rate is not the same quantity",
+}
+HARDWARE_IMPOSSIBLE = {"DCGM_FI_DEV_VGPU_LICENSE_STATUS"}
+
+
+def default_counters() -> list[tuple[str, str]]:
+    """(field, type) of every default-enabled, non-label line of dcgm-exporter's counters file."""
+    out = []
+    for line in (FIXTURES / "default-counters.csv").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, kind = (part.strip() for part in line.split(",")[:2])
+            if kind != "label":
+                out.append((name, kind))
+    return out
+
+
+def test_default_counter_coverage_on_an_h100(capsys) -> None:
+    clock = Clock()
+    fake = FakeNvml(load_node_scenario("healthy-h100"), clock, start=0.0)
+    backend = PynvmlBackend(fake)
+    backend.init()
+    gpu = GpuCollector(GpuConfig(xid_events=False), backend, clock)
+    try:
+        gpu.collect(0.0)
+        clock.t = 5.0  # the GPM profiling values need a pair of samples
+        samples = gpu.collect(5.0).samples
+    finally:
+        gpu.close()
+    ours = scrape(DcgmCompatCollector(lambda: samples, hostname="node-17"))
+    fields = [name for name, _ in default_counters()]
+    assert len(fields) == 25
+    served = [f for f in fields if f in ours]
+    missing = sorted(set(fields) - set(served))
+    with capsys.disabled():
+        print(f"\n{len(served)}/{len(fields)} default counters served (H100, fake NVML); not served: "
+              + "; ".join(f"{f} ({NOT_SERVED.get(f, 'REGRESSED')})" for f in missing)
+              + f"; hardware-impossible: {', '.join(sorted(HARDWARE_IMPOSSIBLE))}")
+    assert missing == sorted(NOT_SERVED), "a servable default counter is missing, or a NOT_SERVED one is now served"
+    assert set(NOT_SERVED) >= HARDWARE_IMPOSSIBLE
+    for name in served:
+        assert len(ours[name].samples) == 8, name
+    # The exporter's own series vigil has data for.
+    assert {"DCGM_EXP_XID_ERRORS_COUNT", "DCGM_EXP_CLOCK_EVENTS_COUNT"} <= set(ours)
+
+
+def test_xid_err_msg_and_windowed_xid_count() -> None:
+    clock = Clock()
+    base = [Sample("vigil_gpu_info", 1.0, (("gpu", "0"), ("uuid", "GPU-0"), ("name", "H100"))),
+            Sample("vigil_gpu_temperature_celsius", 40.0, (("gpu", "0"), ("uuid", "GPU-0")))]
+    current: list[Sample] = list(base)
+    compat = DcgmCompatCollector(lambda: current, clock=clock, window_ms=300_000)
+    first = scrape(compat)["DCGM_EXP_XID_ERRORS_COUNT"]
+    assert [(labels.get("xid"), labels["window_size_in_ms"], v) for labels, v in first.samples] == [
+        (None, "300000", 0.0)]
+    clock.t = 10.0
+    current = [*base, Sample.of(XID_ERRORS, 2, gpu=0, uuid="GPU-0", code=79)]
+    after = scrape(compat)
+    assert [(labels["xid"], v) for labels, v in after["DCGM_EXP_XID_ERRORS_COUNT"].samples] == [("79", 2.0)]
+    (labels, v), = after["DCGM_FI_DEV_XID_ERRORS"].samples
+    assert (v, labels["err_code"], labels["err_msg"]) == (79.0, "79", "GPU has fallen off the bus")
+    clock.t = 400.0  # past the window: the two Xids drop out of the count, the last-Xid gauge stays
+    later = scrape(compat)
+    assert [(labels.get("xid"), v) for labels, v in later["DCGM_EXP_XID_ERRORS_COUNT"].samples] == [(None, 0.0)]
+    assert later["DCGM_FI_DEV_XID_ERRORS"].samples[0][1] == 79.0
+
+
+def test_clock_events_count_and_pod_labels_hook() -> None:
+    clock = Clock()
+    ident = (("gpu", "0"), ("uuid", "GPU-0"))
+    current = [Sample("vigil_gpu_temperature_celsius", 40.0, ident),
+               Sample("vigil_gpu_clock_event_active", 1.0, (*ident, ("reason", "sw_power_cap"))),
+               Sample("vigil_gpu_clock_event_active", 0.0, (*ident, ("reason", "hw_slowdown")))]
+    pods = {"GPU-0": {"pod": "trainer-0", "namespace": "ml", "container": "pytorch"}}
+    compat = DcgmCompatCollector(lambda: current, clock=clock, pod_labels=lambda: pods)
+    for t in (0.0, 1.0, 2.0):
+        clock.t = t
+        ours = scrape(compat)
+    (labels, v), = ours["DCGM_EXP_CLOCK_EVENTS_COUNT"].samples
+    assert (labels["clock_event"], v) == ("power_cap", 3.0)
+    for family in ours.values():
+        for labels, _ in family.samples:
+            assert (labels["pod"], labels["namespace"], labels["container"]) == ("trainer-0", "ml", "pytorch")
+    pods.clear()  # no attribution: no pod labels at all (never empty strings)
+    assert all("pod" not in labels for family in scrape(compat).values() for labels, _ in family.samples)

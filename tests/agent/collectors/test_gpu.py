@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from vigil.agent.attribution import ProcessAttribution
 from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.gpu import SPECS, GpuCollector, GpuConfig
 from vigil.agent.config import parse_config
@@ -100,7 +101,7 @@ def test_report_section_validates_as_wire_report(make):
     assert len(report.gpus) == 8
 
 
-def test_every_sample_is_declared_and_every_spec_is_emitted_on_some_scenario(clock):
+def test_every_sample_is_declared_and_every_spec_is_emitted_on_some_scenario(clock, tmp_path):
     declared = {s.name: s for s in SPECS}
     emitted: set[str] = set()
     for name in shipped_scenarios():
@@ -108,7 +109,9 @@ def test_every_sample_is_declared_and_every_spec_is_emitted_on_some_scenario(clo
         fake = FakeNvml(load_node_scenario(name), clock, start=0.0)
         backend = PynvmlBackend(fake)
         backend.init()
-        collector = GpuCollector(GpuConfig(event_wait_ms=10), backend, clock)
+        # An empty process table: NVML's pids are attributed to no job, and still listed.
+        attribution = ProcessAttribution(backend, proc_root=tmp_path)
+        collector = GpuCollector(GpuConfig(event_wait_ms=10), backend, clock, attribution)
         try:
             for t in (0.0, 100.0):
                 clock.t = t
