@@ -129,11 +129,11 @@ FIELDS: tuple[Field, ...] = (
     Field("DCGM_FI_PROF_PCIE_TX_BYTES", "gauge",
           "The rate of data transmitted over the PCIe bus - including both protocol headers and data payloads"
           " - in bytes per second.",
-          "vigil_gpu_pcie_tx_bytes_per_second"),
+          "vigil_gpu_pcie_throughput_bytes_per_second", match=(("direction", "tx"),)),
     Field("DCGM_FI_PROF_PCIE_RX_BYTES", "gauge",
           "The rate of data received over the PCIe bus - including both protocol headers and data payloads"
           " - in bytes per second.",
-          "vigil_gpu_pcie_rx_bytes_per_second"),
+          "vigil_gpu_pcie_throughput_bytes_per_second", match=(("direction", "rx"),)),
 )
 
 FB_FREE_HELP = "Framebuffer memory free (in MiB)."

@@ -1,13 +1,17 @@
-"""GPU collector CPU per cycle: 8 fake H100s through PynvmlBackend and FakeNvml.
+"""GPU collector CPU per cycle: 8 fake H100s through PynvmlBackend and FakeNvml, beside the real H100.
 
 Measures the process CPU time of ``GpuCollector.collect`` over many cycles of the embedded default
 node (NVLink read every 10 s as configured by default), part of DESIGN.md section 9's 2 ms agent
-budget. It measures only; it judges nothing.
+budget, and one backend read per fake GPU; prints beside them what a real H100 cost
+(tests/fixtures/nvml-real/costs.json, recorded by scripts/record-real-gpu.py: no GPU here). It
+measures only; it judges nothing.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 from bench.measure import Measurement
 from vigil.agent.collectors.gpu import GpuCollector, GpuConfig
@@ -16,6 +20,27 @@ from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import DEFAULT_SCENARIO
 
 CYCLES = 2000
+REAL = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "nvml-real"
+
+
+def recorded() -> list[Measurement]:
+    """The real H100's figures, as recorded (one GPU; a node's cycle reads each of its GPUs once)."""
+    now = json.loads((REAL / "costs.json").read_text())
+    before = json.loads((REAL / "costs-before-pcie-fix.json").read_text())
+    stamp = now["recorded_at"][:10]
+    cycle = now["collector"]["with_nvlink"]
+    old = before["collector"]["with_nvlink"]
+    calls = sorted(now["nvml_calls"].items(), key=lambda kv: -kv[1]["median_us"])
+    calls = [(name, c) for name, c in calls if c["calls"] > 2][:4]  # per-cycle calls, not start-up ones
+    costly = ", ".join(f"{name.removeprefix('nvmlDevice').removeprefix('nvml')} {c['median_us'] / 1000:.1f} ms"
+                       for name, c in calls)
+    return [
+        Measurement(f"backend read, real H100 (recorded {stamp}): CPU per GPU", cycle["cpu_seconds_median"] * 1e3,
+                    "ms", None, note="a node's cycle reads each GPU once: x8 for an HGX node"),
+        Measurement("backend read, real H100: wall per GPU", cycle["wall_seconds_median"] * 1e3, "ms", None,
+                    note=f"before PCIe came from GPM: {old['wall_seconds_median'] * 1e3:.1f} ms "
+                         "(nvmlDeviceGetPcieThroughput blocks 20 ms a call); costliest per call now: " + costly),
+    ]
 
 
 def measure() -> list[Measurement]:
@@ -30,8 +55,16 @@ def measure() -> list[Measurement]:
         collector.collect(now[0])
     per_cycle_ms = (time.process_time() - start) / CYCLES * 1000.0
     collector.close()
+    start = time.process_time()
+    for i in range(CYCLES):
+        now[0] = CYCLES + 1.0 + i
+        backend.read(i % 8)
+    per_read_ms = (time.process_time() - start) / CYCLES * 1000.0
     return [Measurement("GPU collector CPU per cycle (8 fake H100s)", per_cycle_ms, "ms", None,
-                        note="part of the 2 ms agent budget")]
+                        note="part of the 2 ms agent budget"),
+            Measurement("backend read, fake H100: CPU per GPU", per_read_ms, "ms", None,
+                        note="the fake answers at once; the real driver's calls cost what the next rows say"),
+            *recorded()]
 
 
 if __name__ == "__main__":

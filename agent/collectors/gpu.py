@@ -107,7 +107,8 @@ REMAP_FAILURE = MetricSpec("vigil_gpu_row_remap_failure", G,
                            "1 when a row remap failed (no spare rows): the GPU needs inspection.", _G)
 PCIE_REPLAY = MetricSpec("vigil_gpu_pcie_replay_total", C, "PCIe replays since the last reset.", _G)
 PCIE_THROUGHPUT = MetricSpec("vigil_gpu_pcie_throughput_bytes_per_second", G,
-                             "PCIe throughput over NVML's last 20 ms sample, by direction.", (*_G, "direction"))
+                             "PCIe throughput by direction: NVML GPM over the collector interval on Hopper and "
+                             "later (absent in the first cycle), else NVML's last 20 ms sample.", (*_G, "direction"))
 FAN_SPEED = MetricSpec("vigil_gpu_fan_speed_ratio", G, "Fan speed as a share of its maximum.", _G, "ratio")
 NVLINK_STATE = MetricSpec("vigil_gpu_nvlink_state", G, "1 when the NVLink is active, 0 when down.",
                           (*_G, "link"))
@@ -133,10 +134,6 @@ FP32_ACTIVE = MetricSpec("vigil_gpu_fp32_active_ratio", G, f"Share of time the S
                          _G, "ratio")
 FP64_ACTIVE = MetricSpec("vigil_gpu_fp64_active_ratio", G, f"Share of time the SMs ran non-tensor FP64. {_GPM}",
                          _G, "ratio")
-PCIE_TX = MetricSpec("vigil_gpu_pcie_tx_bytes_per_second", G, f"PCIe traffic from the GPU. {_GPM}", _G,
-                     "bytes_per_second")
-PCIE_RX = MetricSpec("vigil_gpu_pcie_rx_bytes_per_second", G, f"PCIe traffic to the GPU. {_GPM}", _G,
-                     "bytes_per_second")
 NVLINK_TX = MetricSpec("vigil_gpu_nvlink_tx_bytes_per_second", G, f"NVLink traffic sent, all links. {_GPM}", _G,
                        "bytes_per_second")
 NVLINK_RX = MetricSpec("vigil_gpu_nvlink_rx_bytes_per_second", G, f"NVLink traffic received, all links. {_GPM}",
@@ -151,7 +148,7 @@ SPECS: tuple[MetricSpec, ...] = (
     POWER_LIMIT, ENERGY, PSTATE, CLOCK_EVENT, ECC_ERRORS, RETIRED_PAGES, RETIRED_PAGES_PENDING, REMAPPED_ROWS,
     REMAP_PENDING, REMAP_FAILURE, PCIE_REPLAY, PCIE_THROUGHPUT, FAN_SPEED, NVLINK_STATE, NVLINK_ERRORS, NVML_XID,
     GRAPHICS_ACTIVE, SM_ACTIVE, SM_OCCUPANCY, TENSOR_ACTIVE, DRAM_ACTIVE, FP16_ACTIVE, FP32_ACTIVE, FP64_ACTIVE,
-    PCIE_TX, PCIE_RX, NVLINK_TX, NVLINK_RX, PROCESS_INFO,
+    NVLINK_TX, NVLINK_RX, PROCESS_INFO,
 )
 
 # Reading field -> spec, for the plain per-GPU gauges and counters.
@@ -181,21 +178,15 @@ _SIMPLE: tuple[tuple[str, MetricSpec], ...] = (
     ("fp16_active_ratio", FP16_ACTIVE),
     ("fp32_active_ratio", FP32_ACTIVE),
     ("fp64_active_ratio", FP64_ACTIVE),
-    ("pcie_gpm_tx_bytes_per_second", PCIE_TX),
-    ("pcie_gpm_rx_bytes_per_second", PCIE_RX),
     ("nvlink_tx_bytes_per_second", NVLINK_TX),
     ("nvlink_rx_bytes_per_second", NVLINK_RX),
 )
-# GpuState field <- GpuReading field, for the GPM profiling values.
-_GPM_STATE: tuple[tuple[str, str], ...] = (
-    ("graphics_active_ratio", "graphics_active_ratio"), ("sm_active_ratio", "sm_active_ratio"),
-    ("sm_occupancy_ratio", "sm_occupancy_ratio"), ("tensor_active_ratio", "tensor_active_ratio"),
-    ("dram_active_ratio", "dram_active_ratio"), ("fp16_active_ratio", "fp16_active_ratio"),
-    ("fp32_active_ratio", "fp32_active_ratio"), ("fp64_active_ratio", "fp64_active_ratio"),
-    ("pcie_tx_bytes_per_second", "pcie_gpm_tx_bytes_per_second"),
-    ("pcie_rx_bytes_per_second", "pcie_gpm_rx_bytes_per_second"),
-    ("nvlink_tx_bytes_per_second", "nvlink_tx_bytes_per_second"),
-    ("nvlink_rx_bytes_per_second", "nvlink_rx_bytes_per_second"),
+# GpuReading fields the report's GpuState carries under the same names: the GPM profiling values
+# and the PCIe throughput (GPM's over the interval on Hopper and later, else NVML's 20 ms sample).
+_STATE_AS_READ: tuple[str, ...] = (
+    "graphics_active_ratio", "sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio", "dram_active_ratio",
+    "fp16_active_ratio", "fp32_active_ratio", "fp64_active_ratio", "pcie_tx_bytes_per_second",
+    "pcie_rx_bytes_per_second", "nvlink_tx_bytes_per_second", "nvlink_rx_bytes_per_second",
 )
 _IDENTITY_SIMPLE: tuple[tuple[str, MetricSpec], ...] = (
     ("sm_clock_max_hertz", SM_CLOCK_MAX),
@@ -444,8 +435,8 @@ class GpuCollector:
         state.remap_pending = r.remap_pending
         state.remap_failure = r.remap_failure
         state.pcie_replay_total = r.pcie_replay_total
-        for key, attr in _GPM_STATE:
-            setattr(state, key, getattr(r, attr))
+        for name in _STATE_AS_READ:
+            setattr(state, name, getattr(r, name))
         for key, value in gpu.nvlink_state.items():
             setattr(state, key, value)
         return state

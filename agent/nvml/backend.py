@@ -61,9 +61,13 @@ GPM_PERCENT_METRICS: tuple[tuple[str, str], ...] = (
     ("fp32_active_ratio", "NVML_GPM_METRIC_FP32_UTIL"),
     ("fp64_active_ratio", "NVML_GPM_METRIC_FP64_UTIL"),
 )
+# PCIe throughput, too: over the whole interval, where nvmlDeviceGetPcieThroughput samples 20 ms and
+# blocks for them (21 ms a call on a real H100, tests/fixtures/nvml-real/costs-before-pcie-fix.json:
+# two calls a GPU, 0.34 s of every cycle on an 8-GPU node). On a GPU with GPM the backend
+# therefore never calls it.
 GPM_MIB_PER_SECOND_METRICS: tuple[tuple[str, str], ...] = (
-    ("pcie_gpm_tx_bytes_per_second", "NVML_GPM_METRIC_PCIE_TX_PER_SEC"),
-    ("pcie_gpm_rx_bytes_per_second", "NVML_GPM_METRIC_PCIE_RX_PER_SEC"),
+    ("pcie_tx_bytes_per_second", "NVML_GPM_METRIC_PCIE_TX_PER_SEC"),
+    ("pcie_rx_bytes_per_second", "NVML_GPM_METRIC_PCIE_RX_PER_SEC"),
     ("nvlink_tx_bytes_per_second", "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC"),
     ("nvlink_rx_bytes_per_second", "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC"),
 )
@@ -153,6 +157,8 @@ class GpuReading:
     remap_pending: bool | None = None
     remap_failure: bool | None = None
     pcie_replay_total: int | None = None
+    # From GPM over the interval where the GPU has it (Hopper and later; absent in the first read
+    # then), else nvmlDeviceGetPcieThroughput's 20 ms sample.
     pcie_tx_bytes_per_second: float | None = None
     pcie_rx_bytes_per_second: float | None = None
     fan_speed_ratio: float | None = None
@@ -166,8 +172,6 @@ class GpuReading:
     fp16_active_ratio: float | None = None
     fp32_active_ratio: float | None = None
     fp64_active_ratio: float | None = None
-    pcie_gpm_tx_bytes_per_second: float | None = None
-    pcie_gpm_rx_bytes_per_second: float | None = None
     nvlink_tx_bytes_per_second: float | None = None
     nvlink_rx_bytes_per_second: float | None = None
     nvlinks: tuple[NvLinkReading, ...] = ()
@@ -506,10 +510,11 @@ class PynvmlBackend:
             r.remapped_rows_correctable, r.remapped_rows_uncorrectable = int(rows[0]), int(rows[1])
             r.remap_pending, r.remap_failure = bool(rows[2]), bool(rows[3])
         r.pcie_replay_total = q(index, e, "nvmlDeviceGetPcieReplayCounter", h)
-        tx = q(index, e, "nvmlDeviceGetPcieThroughput", h, c["NVML_PCIE_UTIL_TX_BYTES"])
-        r.pcie_tx_bytes_per_second = None if tx is None else tx * 1000.0  # NVML reports KB/s
-        rx = q(index, e, "nvmlDeviceGetPcieThroughput", h, c["NVML_PCIE_UTIL_RX_BYTES"])
-        r.pcie_rx_bytes_per_second = None if rx is None else rx * 1000.0
+        if not self._gpm_support(index, h):  # with GPM, _read_gpm fills these over the interval
+            tx = q(index, e, "nvmlDeviceGetPcieThroughput", h, c["NVML_PCIE_UTIL_TX_BYTES"])
+            r.pcie_tx_bytes_per_second = None if tx is None else tx * 1000.0  # NVML reports KB/s
+            rx = q(index, e, "nvmlDeviceGetPcieThroughput", h, c["NVML_PCIE_UTIL_RX_BYTES"])
+            r.pcie_rx_bytes_per_second = None if rx is None else rx * 1000.0
         fan = q(index, e, "nvmlDeviceGetFanSpeed", h)
         r.fan_speed_ratio = None if fan is None else fan / 100.0
         ident = self._identities.get(index)

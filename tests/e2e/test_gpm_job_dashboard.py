@@ -123,7 +123,7 @@ def test_memory_bound_h100_job_shows_on_the_job_dashboard_and_a100_has_no_gpm(tm
         # The A100 is scraped and busy, but has no GPM series at all: absent, never 0.
         assert len(query('vigil_gpu_utilization_ratio{node="vnode2"}')) == 8
         for name in ("vigil_gpu_dram_active_ratio", "vigil_gpu_tensor_active_ratio", "vigil_gpu_sm_active_ratio",
-                     "vigil_gpu_nvlink_tx_bytes_per_second", "vigil_gpu_pcie_tx_bytes_per_second"):
+                     "vigil_gpu_nvlink_tx_bytes_per_second"):
             assert query(f'{name}{{node="vnode2"}}') == [], name
             assert len(query(f'{name}{{node="vnode1"}}')) == 8, name
     finally:

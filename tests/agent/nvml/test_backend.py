@@ -67,6 +67,10 @@ def test_read_converts_every_field_to_base_units(make_backend, clock):
     assert (r.remapped_rows_correctable, r.remapped_rows_uncorrectable) == (0, 0)
     assert (r.remap_pending, r.remap_failure) == (False, False)
     assert r.pcie_replay_total is not None and r.pcie_replay_total >= 0
+    # Hopper: PCIe throughput comes from the GPM pair, so the first read has none, the next has it.
+    assert r.pcie_tx_bytes_per_second is None and r.pcie_rx_bytes_per_second is None
+    clock.t += 2.0
+    r = backend.read(0)
     assert r.pcie_tx_bytes_per_second > 0 and r.pcie_rx_bytes_per_second > 0
     assert len(r.nvlinks) == 18
     assert all(link.active and link.crc_errors == 0 and link.replay_errors == 0 and link.recovery_errors == 0

@@ -61,3 +61,27 @@ def test_xid_event_wait_times_out_cleanly(backend):
         assert event is None or (0 <= event.index < backend.device_count() and event.code > 0)
     finally:
         backend.close_events()
+
+
+def test_gpm_pair_gives_ratios_on_hopper(backend):
+    """GPM (Hopper and later): the first read takes a sample, the next one has values over the pair."""
+    import time
+
+    ident = backend.identity(0)
+    if not any(model in ident.name for model in ("H100", "H200", "H20", "GH200", "B200", "B100")):
+        pytest.skip(f"{ident.name}: GPM is Hopper and later")
+    backend.read(0, nvlinks=False)
+    time.sleep(1.0)
+    r = backend.read(0, nvlinks=False)
+    for name in ("sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio", "dram_active_ratio"):
+        value = getattr(r, name)
+        assert value is not None, name
+        assert 0.0 <= value <= 1.0, (name, value)
+    # PCIe from the pair too (the backend skips NVML's blocking 20 ms sample on GPM devices).
+    assert r.pcie_tx_bytes_per_second is not None and r.pcie_tx_bytes_per_second >= 0.0
+
+
+def test_running_processes_are_listed(backend):
+    pids = backend.running_pids(0)
+    assert pids is not None  # a healthy GPU always answers, an idle one with []
+    assert all(pid > 0 for pid in pids)

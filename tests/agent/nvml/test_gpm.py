@@ -10,10 +10,11 @@ import pytest
 from vigil.agent.collectors.gpu import GpuCollector, GpuConfig
 from vigil.agent.nvml.scenario import ScenarioError, parse_node_scenario
 
-GPM_FIELDS = ("graphics_active_ratio", "sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio",
-              "dram_active_ratio", "fp16_active_ratio", "fp32_active_ratio", "fp64_active_ratio",
-              "pcie_gpm_tx_bytes_per_second", "pcie_gpm_rx_bytes_per_second", "nvlink_tx_bytes_per_second",
-              "nvlink_rx_bytes_per_second")
+# PCIe throughput comes from the pair too on Hopper, from NVML's 20 ms sample before it.
+GPM_ONLY = ("graphics_active_ratio", "sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio",
+            "dram_active_ratio", "fp16_active_ratio", "fp32_active_ratio", "fp64_active_ratio",
+            "nvlink_tx_bytes_per_second", "nvlink_rx_bytes_per_second")
+GPM_FIELDS = (*GPM_ONLY, "pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second")
 
 
 @pytest.mark.parametrize("scenario", ["healthy-h100", "healthy-h200"])
@@ -33,7 +34,7 @@ def test_hopper_gpm_values_after_a_pair_of_samples(make_backend, clock, scenario
     assert second.fp64_active_ratio == 0.0
     # H100: 18 NVLink 4 links at 25 GB/s per direction; a training job uses a share of it.
     assert 1e10 < second.nvlink_tx_bytes_per_second < 18 * 25e9
-    assert 1e8 < second.pcie_gpm_tx_bytes_per_second < 64e9
+    assert 1e8 < second.pcie_tx_bytes_per_second < 64e9
     assert len(fake.gpm_samples) == 1  # the older sample of the pair was freed
     backend.shutdown()
     assert fake.gpm_samples == {}
@@ -46,8 +47,9 @@ def test_pre_hopper_gpm_is_absent_never_zero(make_backend, clock, scenario) -> N
         reading = backend.read(0)
         clock.t += 1.0
         assert reading.errors == []
-        assert all(getattr(reading, f) is None for f in GPM_FIELDS)
+        assert all(getattr(reading, f) is None for f in GPM_ONLY)
         assert reading.utilization_gpu_ratio is not None  # the rest of the GPU still reads
+        assert reading.pcie_tx_bytes_per_second is not None  # from the 20 ms sample
     assert fake.gpm_samples == {}  # support is asked first: nothing allocated
 
 
@@ -127,9 +129,11 @@ def test_collector_exports_no_gpm_series_for_an_a100(make_backend, clock) -> Non
     clock.t += 1.0
     out = collector.collect(clock.t)
     gpm = {"vigil_gpu_sm_active_ratio", "vigil_gpu_tensor_active_ratio", "vigil_gpu_dram_active_ratio",
-           "vigil_gpu_pcie_tx_bytes_per_second", "vigil_gpu_nvlink_rx_bytes_per_second"}
+           "vigil_gpu_nvlink_rx_bytes_per_second"}
     assert not [s for s in out.samples if s.name in gpm]
     assert [s for s in out.samples if s.name == "vigil_gpu_utilization_ratio"]
+    # PCIe throughput from NVML's 20 ms sample instead: both directions of every GPU.
+    assert len([s for s in out.samples if s.name == "vigil_gpu_pcie_throughput_bytes_per_second"]) == 16
     collector.close()
 
 
@@ -144,3 +148,27 @@ def test_collector_exports_no_gpm_series_for_an_a100(make_backend, clock) -> Non
 def test_gpm_scenario_options_are_validated(data, message) -> None:
     with pytest.raises(ScenarioError, match=message):
         parse_node_scenario(data)
+
+
+@pytest.mark.parametrize(("scenario", "sampled"), [("healthy-h100", False), ("healthy-a100", True)])
+def test_pcie_throughput_call_only_without_gpm(clock, scenario, sampled) -> None:
+    """nvmlDeviceGetPcieThroughput blocks for its 20 ms sample (21 ms a call on a real H100,
+    tests/fixtures/nvml-real/costs-before-pcie-fix.json): a GPU with GPM gets PCIe from the pair
+    of samples instead, and the backend never calls it there."""
+    from vigil.agent.nvml.backend import PynvmlBackend
+    from vigil.agent.nvml.fake import FakeNvml
+    from vigil.agent.nvml.recording import RecordingNvml
+    from vigil.agent.nvml.scenario import load_node_scenario
+
+    nvml = RecordingNvml(FakeNvml(load_node_scenario(scenario), clock, start=0.0))
+    backend = PynvmlBackend(nvml)
+    backend.init()
+    backend.identity(0)
+    backend.read(0)
+    clock.t += 2.0
+    reading = backend.read(0)
+    called = {c["call"] for c in nvml.calls}
+    assert ("nvmlDeviceGetPcieThroughput" in called) is sampled
+    assert reading.pcie_tx_bytes_per_second is not None and reading.pcie_tx_bytes_per_second > 0
+    assert reading.pcie_rx_bytes_per_second is not None and reading.pcie_rx_bytes_per_second > 0
+    backend.shutdown()

@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""Record what a real NVIDIA GPU and driver answer, for the tests that run without one.
+
+Run on a node with a real GPU, from the repository root, as root (the reset step needs it):
+
+    PYTHONPATH=.:clients/heartbeat python3 scripts/record-real-gpu.py OUT_DIR
+
+It writes into OUT_DIR: every NVML call the backend makes, with its real answer or error and its
+duration (``nvml-recording.json``: idle, then under a tensor-core load and a memory-bound load,
+both made with PyTorch if it is installed), what the backend made of each (``backend-ops.json``,
+the replay test's expectations), per-call costs and the collector's CPU per cycle
+(``costs.json``), the GPU-reset path through the agent's node-action runner against the real driver
+(``reset.json``), and the output of ``nvidia-smi -q``/``topo -m``/``nvlink --status`` and ``dcgmi
+diag -r 1`` where present. It changes nothing on the GPU: without ``--reset`` the reset step stops at
+the command line it would run (the checks before it, the busy refusal included, run against the
+real driver); with ``--reset`` it resets idle GPU 0 for real, for a site that permits it.
+tests/fixtures/nvml-real/PROVENANCE.md says how the shipped recording was made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pynvml
+
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.recording import RECORDING_FORMAT, RecordingNvml
+
+# Loads run in a child process for this long (s); readings are taken every READ_INTERVAL_SECONDS,
+# so each GPM pair spans a real interval of that length, as the collector's does.
+LOAD_SECONDS = 14.0
+READ_INTERVAL_SECONDS = 2.0
+LOADS = {
+    # bf16 matrix products: tensor cores busy, DRAM moderately.
+    "tensor": "import torch,time\na=torch.randn(8192,8192,device='cuda',dtype=torch.bfloat16)\n"
+              "b=torch.randn(8192,8192,device='cuda',dtype=torch.bfloat16)\nprint('ready',flush=True)\n"
+              "end=time.time()+{s}\nwhile time.time()<end:\n    c=a@b\n    torch.cuda.synchronize()\n",
+    # Device-to-device copies of 4 GiB: DRAM bandwidth near its cap, tensor cores idle.
+    "memory": "import torch,time\na=torch.empty(2**30,device='cuda',dtype=torch.float32)\nb=torch.empty_like(a)\n"
+              "print('ready',flush=True)\nend=time.time()+{s}\nwhile time.time()<end:\n    b.copy_(a)\n"
+              "    torch.cuda.synchronize()\n",
+}
+
+
+def sh(out: Path, name: str, argv: list[str], timeout: float = 120) -> str:
+    """Run a command, keep its output (or why it failed) in ``out/name``."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        text = f"$ {' '.join(argv)}\n# exit {done.returncode}\n{done.stdout}{done.stderr}"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        text = f"$ {' '.join(argv)}\n# did not run: {type(exc).__name__}: {exc}\n"
+    (out / name).write_text(text)
+    return text
+
+
+def as_json(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return as_json(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {k: as_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [as_json(v) for v in value]
+    return value
+
+
+class Session:
+    """The backend over a recording NVML, with every backend call and its result kept as an op."""
+
+    def __init__(self) -> None:
+        self.nvml = RecordingNvml(pynvml)
+        self.backend = PynvmlBackend(self.nvml)
+        self.ops: list[dict[str, Any]] = []
+
+    def op(self, phase: str, name: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = getattr(self.backend, name)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - recorded, as the replay must raise the same
+            self.ops.append({"phase": phase, "op": name, "args": list(args), "kwargs": kwargs,
+                             "raises": type(exc).__name__})
+            return None
+        self.ops.append({"phase": phase, "op": name, "args": list(args), "kwargs": kwargs, "result": as_json(result)})
+        return result
+
+
+def start_load(kind: str) -> subprocess.Popen[str] | None:
+    try:
+        import torch  # noqa: F401 - only to know it is there
+    except ImportError:
+        return None
+    child = subprocess.Popen([sys.executable, "-c", LOADS[kind].format(s=LOAD_SECONDS + 4)],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    child.stdout.readline()  # "ready": the tensors are on the GPU
+    return child
+
+
+def record_phase(s: Session, phase: str, count: int, reads: int) -> None:
+    for _ in range(reads):
+        time.sleep(READ_INTERVAL_SECONDS)
+        for i in range(count):
+            s.op(phase, "read", i)
+    for i in range(count):
+        s.op(phase, "running_pids", i)
+
+
+def collector_cpu(count: int, cycles: int = 20) -> dict[str, Any]:
+    """CPU seconds per collection cycle of the real backend, all GPUs, with and without NVLink."""
+    backend = PynvmlBackend(pynvml)
+    backend.init()
+    for i in range(count):
+        backend.identity(i)
+        backend.read(i)
+    out: dict[str, Any] = {}
+    for nvlinks in (True, False):
+        per_cycle = []
+        for _ in range(cycles):
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            for i in range(count):
+                backend.read(i, nvlinks=nvlinks)
+            per_cycle.append((time.process_time() - cpu0, time.perf_counter() - wall0))
+        key = "with_nvlink" if nvlinks else "without_nvlink"
+        out[key] = {"cpu_seconds_median": statistics.median(c for c, _ in per_cycle),
+                    "wall_seconds_median": statistics.median(w for _, w in per_cycle),
+                    "cycles": cycles, "gpus": count}
+    backend.shutdown()
+    return out
+
+
+def call_costs(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    by: dict[str, list[float]] = defaultdict(list)
+    outcome: dict[str, set[str]] = defaultdict(set)
+    for c in calls:
+        by[c["call"]].append(c["seconds"])
+        outcome[c["call"]].add(c.get("error", "ok"))
+    return {name: {"calls": len(v), "median_us": round(statistics.median(v) * 1e6, 1),
+                   "max_us": round(max(v) * 1e6, 1), "outcomes": sorted(outcome[name])}
+            for name, v in sorted(by.items())}
+
+
+def exercise_reset(out: Path, do_reset: bool) -> dict[str, Any]:
+    """The agent's node-action runner over the real backend: refused while a process holds GPU 0,
+    then let through on the idle GPU, where ``nvidia-smi --gpu-reset`` runs only with --reset (else
+    the command line is recorded and not run)."""
+    from vigil.agent.node_action_runner import NodeActionRunner, NodeActionsConfig
+    from vigil.agent.node_actions import node_key, sign
+    from vigil.agent.wire import NodeActionRequest
+
+    master = os.urandom(32)
+    node = "gpu-recorded"
+    key_file = Path(tempfile.mkdtemp()) / "node.key"
+    key_file.write_text(node_key(master, node).hex())
+    not_run: list[list[str]] = []
+
+    def dry_run(argv: list[str], timeout_seconds: float) -> str:
+        not_run.append(list(argv))
+        return "(not run: scripts/record-real-gpu.py without --reset)"
+
+    backend = PynvmlBackend(pynvml, run=None if do_reset else dry_run)
+    backend.init()
+    uuid = backend.identity(0).uuid
+    runner = NodeActionRunner(NodeActionsConfig(allow=["reset_gpu"], key_file=str(key_file)), node=node,
+                              boot_id="recorded-boot", nvml=backend, clock=time.time)
+
+    def request(n: int) -> NodeActionRequest:
+        now = time.time()
+        return sign(NodeActionRequest(id=f"recorded-{n}", action="reset_gpu", node=node, boot_id="recorded-boot",
+                                      gpu=0, gpu_uuid=uuid, issued_at=now, expires_at=now + 300,
+                                      reason="scripts/record-real-gpu.py"), node_key(master, node))
+
+    results: dict[str, Any] = {}
+    child = start_load("tensor")
+    if child is not None:
+        results["pids_seen_while_busy"] = backend.running_pids(0)
+        results["child_pid"] = child.pid
+        started = time.perf_counter()
+        results["while_busy"] = runner.handle(request(1)).model_dump()
+        results["while_busy_seconds"] = time.perf_counter() - started
+        child.kill()
+        child.wait()
+    time.sleep(1)
+    results["pids_seen_idle"] = backend.running_pids(0)
+    started = time.perf_counter()
+    results["idle"] = runner.handle(request(2)).model_dump()
+    results["idle_seconds"] = time.perf_counter() - started
+    results["commands_not_run"] = not_run
+    after = backend.read(0)
+    results["health_after"] = after.health
+    backend.shutdown()
+    (out / "reset.json").write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+def run_agent(out: Path, seconds: float) -> None:
+    """The real agent on the real backend for ``seconds``, scraped at its end (with a load running)."""
+    import urllib.request
+
+    agent = subprocess.Popen([sys.executable, "-m", "vigil", "agent", "--backend", "nvml", "--listen",
+                              "127.0.0.1:19400", "--node", "gpu-recorded"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    child = None
+    try:
+        time.sleep(max(seconds - LOAD_SECONDS, 5))
+        child = start_load("tensor")
+        time.sleep(min(LOAD_SECONDS, seconds))
+        for path, name in (("/metrics", "agent-metrics.prom"), ("/v1/state", "agent-state.json")):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:19400{path}", timeout=10) as answer:
+                    (out / name).write_bytes(answer.read())
+            except OSError as exc:
+                (out / name).write_text(f"# could not scrape {path}: {exc}\n")
+    finally:
+        if child is not None:
+            child.kill()
+        agent.terminate()
+        try:
+            log, _ = agent.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            log, _ = agent.communicate()
+        (out / "agent.log").write_text(log)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--reset", action="store_true",
+                        help="really reset idle GPU 0 through the node-action runner (default: stop at the command)")
+    parser.add_argument("--agent-seconds", type=float, default=45.0)
+    args = parser.parse_args()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+    sh(out, "nvidia-smi-version.txt", ["nvidia-smi", "--version"])
+    sh(out, "nvidia-smi-q.txt", ["nvidia-smi", "-q"])
+    sh(out, "nvidia-smi-q-d.txt", ["nvidia-smi", "-q", "-d",
+                                  "PERFORMANCE,CLOCK,ECC,ROW_REMAPPER,TEMPERATURE,POWER,MEMORY,UTILIZATION,PAGE_RETIREMENT"])
+    sh(out, "nvidia-smi-topo-m.txt", ["nvidia-smi", "topo", "-m"])
+    sh(out, "nvidia-smi-nvlink-status.txt", ["nvidia-smi", "nvlink", "--status"])
+    sh(out, "nvidia-smi-nvlink-errors.txt", ["nvidia-smi", "nvlink", "-e"])
+    if shutil.which("dcgmi"):
+        sh(out, "dcgmi-diag-r1.txt", ["dcgmi", "diag", "-r", "1"], timeout=180)
+
+    s = Session()
+    s.op("init", "init")
+    count = s.op("init", "device_count")
+    for i in range(count):
+        s.op("identity", "identity", i)
+    for i in range(count):
+        s.op("idle", "read", i)  # the first GPM sample of each GPU: no GPM values yet
+    record_phase(s, "idle", count, 2)
+    registered = s.op("events", "open_events", list(range(count)))
+    s.op("events", "wait_xid", 100)
+    s.op("events", "close_events")
+    for kind in LOADS:
+        child = start_load(kind)
+        if child is None:
+            continue
+        record_phase(s, kind, count, int(LOAD_SECONDS // READ_INTERVAL_SECONDS) - 1)
+        child.kill()
+        child.wait()
+    s.op("shutdown", "shutdown")
+    recording = {"format": RECORDING_FORMAT, "recorded_at": stamp, "gpu0": s.ops[2].get("result", {}),
+                 "events_registered": registered, "calls": s.nvml.calls}
+    (out / "nvml-recording.json").write_text(json.dumps(recording, indent=None, separators=(",", ":")))
+    (out / "backend-ops.json").write_text(json.dumps({"recorded_at": stamp, "ops": s.ops}, indent=1))
+
+    costs = {"recorded_at": stamp, "nvml_calls": call_costs(s.nvml.calls), "collector": collector_cpu(count)}
+    (out / "costs.json").write_text(json.dumps(costs, indent=1))
+    run_agent(out, args.agent_seconds)
+    exercise_reset(out, args.reset)
+    print(json.dumps(costs["collector"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

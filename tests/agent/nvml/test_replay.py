@@ -1,0 +1,140 @@
+"""The backend over a real H100's recorded NVML answers (tests/fixtures/nvml-real/): every backend
+call made on the real GPU, replayed through ``ReplayNvml``, gives what it gave there, so a change to
+the backend's conversions, error handling or call pattern is checked against real hardware on a
+machine without one. scripts/record-real-gpu.py makes the recording; PROVENANCE.md says where."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.recording import RECORDING_FORMAT, RecordingNvml, ReplayNvml
+from vigil.agent.nvml.scenario import load_node_scenario
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "nvml-real"
+
+
+@pytest.fixture(scope="module")
+def recording() -> dict[str, Any]:
+    return json.loads((FIXTURES / "nvml-recording.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def ops() -> list[dict[str, Any]]:
+    return json.loads((FIXTURES / "backend-ops.json").read_text())["ops"]
+
+
+def _as_json(value: Any) -> Any:
+    """What scripts/record-real-gpu.py stored for a backend result (dataclasses as dicts)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _as_json(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_as_json(v) for v in value]
+    return value
+
+
+def _same(got: Any, want: Any, where: str) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            _same(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _same(g, w, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert isinstance(got, float) and math.isclose(got, want, rel_tol=1e-12), (where, got, want)
+    else:
+        assert got == want, (where, got, want)
+
+
+def replay(recording: dict[str, Any], ops: list[dict[str, Any]]) -> tuple[ReplayNvml, list[tuple[dict, Any]]]:
+    nvml = ReplayNvml(recording)
+    backend = PynvmlBackend(nvml)
+    out = []
+    for op in ops:
+        try:
+            result: Any = getattr(backend, op["op"])(*op["args"], **op["kwargs"])
+        except Exception as exc:  # noqa: BLE001 - compared with what the real GPU raised
+            result = {"raises": type(exc).__name__}
+        out.append((op, result))
+    return nvml, out
+
+
+def test_the_recording_is_a_real_hopper_gpu(recording, ops) -> None:
+    assert recording["format"] == RECORDING_FORMAT
+    identity = next(op["result"] for op in ops if op["op"] == "identity")
+    assert identity["name"] == "NVIDIA H100 80GB HBM3" and identity["uuid"].startswith("GPU-")
+    phases = {op["phase"] for op in ops if op["op"] == "read"}
+    assert phases == {"idle", "tensor", "memory"}  # idle, a tensor-core load and a memory-bound load
+
+
+def test_backend_over_the_replay_gives_what_it_gave_on_the_real_gpu(recording, ops) -> None:
+    _nvml, results = replay(recording, ops)
+    for i, (op, got) in enumerate(results):
+        where = f"op {i} {op['phase']} {op['op']}{tuple(op['args'])}"
+        if "raises" in op:
+            assert got == {"raises": op["raises"]}, where
+        else:
+            _same(_as_json(got), op["result"], where)
+
+
+def test_backend_asks_only_what_the_real_gpu_was_asked(recording, ops) -> None:
+    """A call the backend starts making is unknown to the recording (ReplayNvml raises for it, and
+    the read would count an error): record again on a real GPU (scripts/record-real-gpu.py)."""
+    nvml, results = replay(recording, ops)
+    reads = [got for op, got in results if op["op"] == "read"]
+    assert reads and all(r.errors == [] for r in reads)
+    assert set(nvml.asked) == {c["call"] for c in recording["calls"]}
+
+
+def test_real_gpu_readings_under_load(ops) -> None:
+    """What the recording shows, as the exporter sees it: GPM separates a tensor-bound job from a
+    memory-bound one, and a healthy GPU at full tensor load runs power-capped below its top clock."""
+    reads = [op for op in ops if op["op"] == "read"]
+
+    def steady(phase: str, field: str) -> float:
+        values = sorted(op["result"][field] for op in reads[1:] if op["phase"] == phase
+                        and op["result"][field] is not None)
+        return values[len(values) // 2]
+
+    assert steady("tensor", "tensor_active_ratio") > 0.8 and steady("tensor", "dram_active_ratio") < 0.4
+    assert steady("memory", "dram_active_ratio") > 0.8 and steady("memory", "tensor_active_ratio") < 0.05
+    assert steady("idle", "sm_active_ratio") == 0.0
+    # SwPowerCap (bit 0x4) at ~0.74 of the 1980 MHz boost clock, 99% of the 700 W limit.
+    tensor = [op["result"] for op in reads[1:] if op["phase"] == "tensor"]
+    assert all(r["clock_event_reasons"] & 0x4 for r in tensor[1:])
+    assert 0.6 < steady("tensor", "sm_clock_hertz") / 1.98e9 < 0.85
+    assert steady("tensor", "power_watts") > 0.95 * 700
+    # PCIe throughput from GPM on a Hopper GPU: present from the second read of each GPU on.
+    assert all(op["result"]["pcie_tx_bytes_per_second"] is not None for op in reads[1:])
+
+
+def test_recording_over_the_fake_replays_too(clock) -> None:
+    """RecordingNvml and ReplayNvml round-trip over FakeNvml: the same machinery as on the real GPU."""
+    from vigil.agent.nvml.fake import FakeNvml
+
+    recorder = RecordingNvml(FakeNvml(load_node_scenario("healthy-h100"), clock, start=0.0))
+    live = PynvmlBackend(recorder)
+    live.init()
+    want = [_as_json(live.identity(i)) for i in range(live.device_count())]
+    for _ in range(3):
+        clock.t += 2.0
+        want += [_as_json(live.read(i)) for i in range(8)]
+    live.shutdown()
+    again = PynvmlBackend(ReplayNvml(json.loads(json.dumps({"format": RECORDING_FORMAT, "calls": recorder.calls}))))
+    again.init()
+    got = [_as_json(again.identity(i)) for i in range(again.device_count())]
+    for _ in range(3):
+        got += [_as_json(again.read(i)) for i in range(8)]
+    again.shutdown()
+    _same(got, want, "fake")
