@@ -128,7 +128,7 @@ def collector_cpu(count: int, cycles: int = 20) -> dict[str, Any]:
         for _ in range(cycles):
             cpu0, wall0 = time.process_time(), time.perf_counter()
             for i in range(count):
-                backend.read(i, nvlinks=nvlinks)
+                backend.read(i, slow=nvlinks)
             per_cycle.append((time.process_time() - cpu0, time.perf_counter() - wall0))
         key = "with_nvlink" if nvlinks else "without_nvlink"
         out[key] = {"cpu_seconds_median": statistics.median(c for c, _ in per_cycle),

@@ -42,7 +42,9 @@ HEALTH_STATES = ("ok", "lost", "reset_required", "unavailable")
 
 class GpuConfig(CollectorConfig):
     # NVLink state and error counters are 4 NVML queries per link (72 per H100) and move slowly;
-    # a link that fails mid-cycle also raises Xid 74 through the event API at once.
+    # a link that fails mid-cycle also raises Xid 74 through the event API at once. The energy
+    # counter is read on this cadence too (3-12 ms a call on a real H100, half of a read's NVML
+    # time: tests/fixtures/nvml-real/); its series keeps its last value in between.
     nvlink_interval_seconds: float = Field(default=10.0, gt=0)
     xid_events: bool = True  # listen to NVML's Xid event API in a worker thread
     event_wait_ms: int = Field(default=500, ge=10, le=10_000)  # worker's wait; bounds close()
@@ -221,6 +223,7 @@ class _Gpu:
         self.static_samples: list[Sample] = []
         self.nvlink_samples: list[Sample] = []
         self.nvlink_state: dict[str, int | list[int] | None] = {}
+        self.energy_joules: float | None = None  # the last slow-cadence read of the energy counter
         # link -> (state labels, (crc, replay, recovery) error labels); cleared when labels change
         self.link_label_cache: dict[int, tuple[_Labels, tuple[_Labels, ...]]] = {}
 
@@ -275,17 +278,17 @@ class GpuCollector:
                 self._set_available(False, now, events, f"nvmlDeviceGetCount failed: {exc}")
                 return Collection(self._node_samples(False), events, {"gpus": [], "nvml_available": False})
             self._gpus = [_Gpu(i) for i in range(count)]
-        nvlinks = now >= self._nvlink_due
-        if nvlinks:
+        slow = now >= self._nvlink_due  # this cycle also reads NVLink and the energy counter
+        if slow:
             self._nvlink_due = now + self._config.nvlink_interval_seconds
         samples: list[Sample] = []
         states: list[GpuState] = []
         jobs = self._attribution.jobs([g.index for g in self._gpus], now) if self._attribution else {}
         processes = self._attribution.processes([g.index for g in self._gpus], now) if self._attribution else {}
         for gpu in self._gpus:
-            reading = self._read(backend, gpu, nvlinks)
+            reading = self._read(backend, gpu, slow)
             self._transition(gpu, reading.health, now, events)
-            samples.extend(self._gpu_samples(gpu, reading, nvlinks))
+            samples.extend(self._gpu_samples(gpu, reading, slow))
             states.append(self._gpu_state(gpu, reading))
             states[-1].job = jobs.get(gpu.index)
             states[-1].processes = processes.get(gpu.index, [])
@@ -298,16 +301,22 @@ class GpuCollector:
         samples.extend(self._node_samples(available))
         return Collection(samples, events, {"gpus": states, "nvml_available": available})
 
-    def _read(self, backend: PynvmlBackend, gpu: _Gpu, nvlinks: bool) -> GpuReading:
+    def _read(self, backend: PynvmlBackend, gpu: _Gpu, slow: bool) -> GpuReading:
         if gpu.identity is None:
             try:
                 gpu.identify(backend.identity(gpu.index))
             except NVMLError as exc:  # a GPU that cannot be named yet: health says why
                 self._count_error(error_reason(exc))
                 return GpuReading(index=gpu.index, health=backend.health_of(exc) or "unavailable")
-        reading = backend.read(gpu.index, nvlinks=nvlinks)
+        reading = backend.read(gpu.index, slow=slow)
         for _, reason in reading.errors:
             self._count_error(reason)
+        # The energy counter is read on the slow cadence (3-12 ms a call on a real H100): between
+        # reads its last value stands, as a counter scraped less often would.
+        if slow or reading.health != "ok":
+            gpu.energy_joules = reading.energy_joules
+        else:
+            reading.energy_joules = gpu.energy_joules
         return reading
 
     def _transition(self, gpu: _Gpu, health: str, now: float, events: list[Event]) -> None:

@@ -361,14 +361,16 @@ class PynvmlBackend:
             return None
         return [int(p.pid) for p in procs if getattr(p, "pid", None)]
 
-    def read(self, index: int, *, nvlinks: bool = True) -> GpuReading:
+    def read(self, index: int, *, slow: bool = True) -> GpuReading:
         """The GPU's dynamic state now. Never raises for an NVML error: a lost GPU, one that needs
         a reset or an NVML that went away is a reading with that health and no values. With
-        ``nvlinks=False`` NVLink is left out (``nvlinks == ()``): 4 queries per link, 18 links on
-        Hopper, are most of a cycle's NVML calls, so the collector reads them less often."""
+        ``slow=False`` the queries the collector paces slower are left out: NVLink (``nvlinks ==
+        ()``; 4 queries per link, 18 links on Hopper, most of a cycle's NVML calls) and the energy
+        counter (``energy_joules`` None; 3-12 ms a call on a real H100, half of a read's NVML time:
+        tests/fixtures/nvml-real/nvml-recording.json)."""
         reading = GpuReading(index=index)
         try:
-            self._read_into(index, reading, nvlinks)
+            self._read_into(index, reading, slow)
             self._read_gpm(index, reading)
         except _HealthError as exc:
             previous = self._gpm_previous.pop(index, None)  # a pair must not span a lost GPU
@@ -464,7 +466,7 @@ class PynvmlBackend:
                 # A percentage may overshoot 100 by rounding in the driver; a ratio stays in 0..1.
                 setattr(r, attr, min(value, 1.0) if scale < 1.0 else value)
 
-    def _read_into(self, index: int, r: GpuReading, nvlinks: bool) -> None:
+    def _read_into(self, index: int, r: GpuReading, slow: bool) -> None:
         c = self._c
         h = self._handle(index)
         e = r.errors
@@ -488,7 +490,7 @@ class PynvmlBackend:
         r.power_watts = None if power is None else power / 1000.0
         limit = q(index, e, "nvmlDeviceGetEnforcedPowerLimit", h)
         r.power_limit_watts = None if limit is None else limit / 1000.0
-        energy = q(index, e, "nvmlDeviceGetTotalEnergyConsumption", h)
+        energy = q(index, e, "nvmlDeviceGetTotalEnergyConsumption", h) if slow else None
         r.energy_joules = None if energy is None else energy / 1000.0
         r.performance_state = q(index, e, "nvmlDeviceGetPerformanceState", h)
         r.clock_event_reasons = q(index, e, "nvmlDeviceGetCurrentClocksEventReasons", h)
@@ -518,7 +520,7 @@ class PynvmlBackend:
         fan = q(index, e, "nvmlDeviceGetFanSpeed", h)
         r.fan_speed_ratio = None if fan is None else fan / 100.0
         ident = self._identities.get(index)
-        if nvlinks and ident is not None and ident.nvlinks:
+        if slow and ident is not None and ident.nvlinks:
             r.nvlinks = self._read_nvlinks(index, e, h, ident.nvlinks)
 
     def _memory_temperature(self, index: int, errors: list[tuple[str, str]], h: Any) -> float | None:

@@ -265,3 +265,27 @@ def test_registry_builds_from_seams(clock):
         assert len(series(s, "vigil_gpu_nvlink_state", gpu="0")) == 12
     finally:
         collector.close()
+
+
+def test_energy_counter_is_read_on_the_slow_cadence_and_holds_its_value_between(clock):
+    """nvmlDeviceGetTotalEnergyConsumption costs 3-12 ms a call on a real H100 (tests/fixtures/
+    nvml-real/): read with NVLink every nvlink_interval_seconds, its last value exported between."""
+    from vigil.agent.nvml.recording import RecordingNvml
+
+    nvml = RecordingNvml(FakeNvml(load_node_scenario("healthy-h100"), clock, start=0.0))
+    backend = PynvmlBackend(nvml)
+    backend.init()
+    collector = GpuCollector(GpuConfig(xid_events=False, nvlink_interval_seconds=10.0), backend, clock)
+    energies = []
+    for t in range(0, 25):
+        clock.t = float(t)
+        out = collector.collect(clock.t)
+        energy = [s.value for s in out.samples
+                  if s.name == "vigil_gpu_energy_joules_total" and ("gpu", "0") in s.labels]
+        assert len(energy) == 1, t  # exported every cycle
+        assert out.report["gpus"][0].energy_joules == energy[0]
+        energies.append(energy[0])
+    collector.close()
+    calls = [c for c in nvml.calls if c["call"] == "nvmlDeviceGetTotalEnergyConsumption"]
+    assert len(calls) == 3 * 8  # at t = 0, 10 and 20, for each of the 8 GPUs
+    assert energies[1:10] == [energies[0]] * 9 and energies[10] > energies[0] and energies[20] > energies[10]

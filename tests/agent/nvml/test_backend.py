@@ -100,7 +100,7 @@ def test_v100_reports_retired_pages_but_not_remapped_rows(make_backend):
 def test_read_without_nvlinks_leaves_them_out(make_backend):
     _, backend = make_backend("healthy-h100")
     backend.identity(0)
-    assert backend.read(0, nvlinks=False).nvlinks == ()
+    assert backend.read(0, slow=False).nvlinks == ()
 
 
 def test_gpu_lost_is_a_health_state_for_that_gpu_only(make_backend, clock):

@@ -70,9 +70,9 @@ def test_gpm_pair_gives_ratios_on_hopper(backend):
     ident = backend.identity(0)
     if not any(model in ident.name for model in ("H100", "H200", "H20", "GH200", "B200", "B100")):
         pytest.skip(f"{ident.name}: GPM is Hopper and later")
-    backend.read(0, nvlinks=False)
+    backend.read(0, slow=False)
     time.sleep(1.0)
-    r = backend.read(0, nvlinks=False)
+    r = backend.read(0, slow=False)
     for name in ("sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio", "dram_active_ratio"):
         value = getattr(r, name)
         assert value is not None, name
