@@ -138,6 +138,37 @@ def collector_cpu(count: int, cycles: int = 20) -> dict[str, Any]:
     return out
 
 
+def gpu_collector_cpu(cycles: int = 15) -> dict[str, Any]:
+    """The agent's GPU collector (process attribution included) over the real backend, under a
+    tensor load, 0.5 s apart: CPU and wall per cycle, for cycles that read NVLink and the energy
+    counter (slow) and for those that do not (fast, the collector's usual cycle)."""
+    from vigil.agent.attribution import ProcessAttribution
+    from vigil.agent.collectors.gpu import GpuCollector, GpuConfig
+
+    backend = PynvmlBackend(pynvml)
+    backend.init()
+    child = start_load("tensor")
+    out: dict[str, Any] = {"gpus": backend.device_count(), "cycles": cycles, "load": "tensor" if child else "idle"}
+    for kind, interval in (("slow_cycle", 1e-6), ("fast_cycle", 1e9)):
+        collector = GpuCollector(GpuConfig(xid_events=False, nvlink_interval_seconds=interval), backend, time.time,
+                                 ProcessAttribution(backend))
+        collector.collect(time.time())  # identities and the first GPM sample
+        spent = []
+        for _ in range(cycles):
+            time.sleep(0.5)
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            collector.collect(time.time())
+            spent.append((time.process_time() - cpu0, time.perf_counter() - wall0))
+        collector.close()
+        out[kind] = {"cpu_seconds_median": statistics.median(c for c, _ in spent),
+                     "wall_seconds_median": statistics.median(w for _, w in spent)}
+    if child is not None:
+        child.kill()
+        child.wait()
+    backend.shutdown()
+    return out
+
+
 def call_costs(calls: list[dict[str, Any]]) -> dict[str, Any]:
     by: dict[str, list[float]] = defaultdict(list)
     outcome: dict[str, set[str]] = defaultdict(set)
@@ -277,11 +308,12 @@ def main() -> int:
     (out / "nvml-recording.json").write_text(json.dumps(recording, indent=None, separators=(",", ":")))
     (out / "backend-ops.json").write_text(json.dumps({"recorded_at": stamp, "ops": s.ops}, indent=1))
 
-    costs = {"recorded_at": stamp, "nvml_calls": call_costs(s.nvml.calls), "collector": collector_cpu(count)}
+    costs = {"recorded_at": stamp, "nvml_calls": call_costs(s.nvml.calls), "collector": collector_cpu(count),
+             "gpu_collector": gpu_collector_cpu()}
     (out / "costs.json").write_text(json.dumps(costs, indent=1))
     run_agent(out, args.agent_seconds)
     exercise_reset(out, args.reset)
-    print(json.dumps(costs["collector"]))
+    print(json.dumps({k: costs[k] for k in ("collector", "gpu_collector")}))
     return 0
 
 
