@@ -281,6 +281,9 @@ def main() -> int:
     sh(out, "nvidia-smi-topo-m.txt", ["nvidia-smi", "topo", "-m"])
     sh(out, "nvidia-smi-nvlink-status.txt", ["nvidia-smi", "nvlink", "--status"])
     sh(out, "nvidia-smi-nvlink-errors.txt", ["nvidia-smi", "nvlink", "-e"])
+    # NVLink payload counters per link (KiB), to hold against the backend's all-links sum
+    # (NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX, scopeId UINT_MAX) in nvml-recording.json.
+    sh(out, "nvidia-smi-nvlink-throughput.txt", ["nvidia-smi", "nvlink", "-gt", "d"])
     if shutil.which("dcgmi"):
         sh(out, "dcgmi-diag-r1.txt", ["dcgmi", "diag", "-r", "1"], timeout=180)
 

@@ -1,7 +1,7 @@
 """PynvmlBackend: the only code that calls NVML, over the real pynvml module or FakeNvml.
 
 It reads each GPU's identity once and its dynamic state on demand, converts NVML's units (mW, mJ,
-MHz, percent, KB/s) to base units, turns NotSupported into an absent field (None), maps GPU-level
+MHz, percent, KB/s, KiB) to base units, turns NotSupported into an absent field (None), maps GPU-level
 errors to a health state (lost, reset_required, unavailable) and waits on NVML's Xid event API.
 It does not emit metrics, keep history or decide anything; the GPU collector does the former.
 """
@@ -72,6 +72,14 @@ GPM_MIB_PER_SECOND_METRICS: tuple[tuple[str, str], ...] = (
     ("nvlink_rx_bytes_per_second", "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC"),
 )
 
+# NVLink payload counters (protocol overhead excluded), KiB since the driver loaded: nvml.h, "NVLink
+# throughput counters field values" (NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX, R450+). scopeId names
+# one link, or UINT_MAX for the sum over all links, which is what the backend asks (and what DCGM
+# asks for DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL: dcgmlib/src/DcgmCacheManager.cpp,
+# ReadAndCacheNvLinkBandwidth). A GPU without NVLink is never asked.
+NVLINK_ALL_LINKS = 0xFFFFFFFF
+_KIB = 1024
+
 NVLINK_ERROR_COUNTERS: tuple[tuple[str, str], ...] = (
     ("crc", "NVML_NVLINK_ERROR_DL_CRC_FLIT"),
     ("replay", "NVML_NVLINK_ERROR_DL_REPLAY"),
@@ -84,7 +92,8 @@ _CONSTANTS = (
     "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC", "NVML_AGGREGATE_ECC",
     "NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS", "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR",
     "NVML_PCIE_UTIL_TX_BYTES", "NVML_PCIE_UTIL_RX_BYTES", "NVML_FI_DEV_MEMORY_TEMP", "NVML_SUCCESS",
-    "NVML_ERROR_NOT_SUPPORTED", "NVML_FEATURE_ENABLED", "NVML_GPM_METRICS_GET_VERSION",
+    "NVML_ERROR_NOT_SUPPORTED", "NVML_FEATURE_ENABLED", "NVML_GPM_METRICS_GET_VERSION", "nvmlMemory_v2",
+    "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
 )
 
 
@@ -134,8 +143,17 @@ class GpuReading:
     health: str = "ok"  # ok | lost | reset_required | unavailable (agent.wire.GpuHealth)
     utilization_gpu_ratio: float | None = None
     utilization_memory_ratio: float | None = None
+    # Video engines' busy share over NVML's own sampling period (nvmlDevice{En,De}coderUtilization).
+    # Boards without the engine may still answer 0 (the recorded H100 has no NVENC: "Encoder: 0 %").
+    encoder_utilization_ratio: float | None = None
+    decoder_utilization_ratio: float | None = None
+    # Allocated plus reserved, as NVML's v1 memory info defines `used` (nvmlMemory_t: "Sum of
+    # Reserved and Allocated device memory"), whichever version answered.
     memory_used_bytes: int | None = None
     memory_total_bytes: int | None = None
+    # Device memory the driver and firmware set aside (nvmlMemory_v2_t.reserved, driver R510+; absent
+    # where only v1 answers). nvidia-smi and DCGM count it apart from "Used".
+    memory_reserved_bytes: int | None = None
     sm_clock_hertz: float | None = None
     memory_clock_hertz: float | None = None
     temperature_celsius: float | None = None
@@ -175,6 +193,10 @@ class GpuReading:
     nvlink_tx_bytes_per_second: float | None = None
     nvlink_rx_bytes_per_second: float | None = None
     nvlinks: tuple[NvLinkReading, ...] = ()
+    # NVLink payload bytes over all links since the driver loaded (NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_*,
+    # KiB converted to bytes): read with the links (slow=True) on GPUs that have NVLink, else None.
+    nvlink_data_tx_bytes: int | None = None
+    nvlink_data_rx_bytes: int | None = None
     # NVML errors other than NotSupported met during this read: (query, reason).
     errors: list[tuple[str, str]] = field(default_factory=list)
 
@@ -230,6 +252,11 @@ class PynvmlBackend:
             (attr, int(getattr(nvml, const)), float(_MIB)) for attr, const in GPM_MIB_PER_SECOND_METRICS)
         self._gpm_function_missing: tuple[type[BaseException], ...] = tuple(
             cls for cls in (getattr(nvml, "NVMLError_FunctionNotFound", None),) if isinstance(cls, type))
+        # GPUs whose driver refused nvmlDeviceGetMemoryInfo_v2 (before R510: no such function, or an
+        # unknown struct version): asked with v1 from then on.
+        self._memory_v1: set[int] = set()
+        self._memory_v2_refused: tuple[type[BaseException], ...] = (
+            *self._gpm_function_missing, nvml.NVMLError_ArgumentVersionMismatch, self._not_supported)
 
     # --- library -------------------------------------------------------------------------------
 
@@ -365,7 +392,8 @@ class PynvmlBackend:
         """The GPU's dynamic state now. Never raises for an NVML error: a lost GPU, one that needs
         a reset or an NVML that went away is a reading with that health and no values. With
         ``slow=False`` the queries the collector paces slower are left out: NVLink (``nvlinks ==
-        ()``; 4 queries per link, 18 links on Hopper, most of a cycle's NVML calls) and the energy
+        ()`` and no payload counters; 4 queries per link, 18 links on Hopper, most of a cycle's NVML
+        calls) and the energy
         counter (``energy_joules`` None; 3-12 ms a call on a real H100, half of a read's NVML time:
         tests/fixtures/nvml-real/nvml-recording.json)."""
         reading = GpuReading(index=index)
@@ -475,10 +503,11 @@ class PynvmlBackend:
         if util is not None:
             r.utilization_gpu_ratio = util.gpu / 100.0
             r.utilization_memory_ratio = util.memory / 100.0
-        memory = q(index, e, "nvmlDeviceGetMemoryInfo", h)
-        if memory is not None:
-            r.memory_used_bytes = int(memory.used)
-            r.memory_total_bytes = int(memory.total)
+        encoder = q(index, e, "nvmlDeviceGetEncoderUtilization", h)  # [percent, sampling period us]
+        r.encoder_utilization_ratio = None if encoder is None else encoder[0] / 100.0
+        decoder = q(index, e, "nvmlDeviceGetDecoderUtilization", h)
+        r.decoder_utilization_ratio = None if decoder is None else decoder[0] / 100.0
+        self._read_memory(index, e, h, r)
         sm = q(index, e, "nvmlDeviceGetClockInfo", h, c["NVML_CLOCK_SM"])
         r.sm_clock_hertz = None if sm is None else sm * _MHZ
         mem_clock = q(index, e, "nvmlDeviceGetClockInfo", h, c["NVML_CLOCK_MEM"])
@@ -522,21 +551,57 @@ class PynvmlBackend:
         ident = self._identities.get(index)
         if slow and ident is not None and ident.nvlinks:
             r.nvlinks = self._read_nvlinks(index, e, h, ident.nvlinks)
+            tx, rx = self._field_values(index, e, h, (
+                (c["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"], NVLINK_ALL_LINKS),
+                (c["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"], NVLINK_ALL_LINKS)))
+            r.nvlink_data_tx_bytes = None if tx is None else int(tx) * _KIB
+            r.nvlink_data_rx_bytes = None if rx is None else int(rx) * _KIB
+
+    def _read_memory(self, index: int, errors: list[tuple[str, str]], h: Any, r: GpuReading) -> None:
+        """Memory info v2 (the reserve apart), or v1 where the driver refuses v2 (before R510)."""
+        if index not in self._memory_v1:
+            try:
+                memory = self._nvml.nvmlDeviceGetMemoryInfo(h, self._c["nvmlMemory_v2"])
+            except self._memory_v2_refused:
+                self._memory_v1.add(index)
+            except self._health_errors as exc:
+                raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
+            except self._error as exc:
+                errors.append(("nvmlDeviceGetMemoryInfo", error_reason(exc)))
+                return
+            else:
+                r.memory_reserved_bytes = int(memory.reserved)
+                r.memory_used_bytes = int(memory.used) + r.memory_reserved_bytes
+                r.memory_total_bytes = int(memory.total)
+                return
+        memory = self._query(index, errors, "nvmlDeviceGetMemoryInfo", h)
+        if memory is not None:
+            r.memory_used_bytes = int(memory.used)
+            r.memory_total_bytes = int(memory.total)
 
     def _memory_temperature(self, index: int, errors: list[tuple[str, str]], h: Any) -> float | None:
         # HBM temperature has no getter of its own; it is field NVML_FI_DEV_MEMORY_TEMP, whose own
         # nvmlReturn says NotSupported on boards without an HBM sensor.
-        values = self._query(index, errors, "nvmlDeviceGetFieldValues", h, [self._c["NVML_FI_DEV_MEMORY_TEMP"]])
-        if values is None:
-            return None
-        v = values[0]
-        if v.nvmlReturn != self._c["NVML_SUCCESS"]:
-            if v.nvmlReturn == self._c["NVML_ERROR_NOT_SUPPORTED"]:
-                self._unsupported[index].add("nvmlDeviceGetFieldValues")
+        (value,) = self._field_values(index, errors, h, (self._c["NVML_FI_DEV_MEMORY_TEMP"],))
+        return value
+
+    def _field_values(self, index: int, errors: list[tuple[str, str]], h: Any,
+                      fields: tuple[int | tuple[int, int], ...]) -> list[float | None]:
+        """One nvmlDeviceGetFieldValues call for ``fields`` (a field id, or (field id, scope id)):
+        each value, or None where its own nvmlReturn failed. A field answered NotSupported is a
+        device capability: it is never asked again, the other fields still are."""
+        unsupported = self._unsupported[index]
+        asked = [f for f in fields if f"nvmlDeviceGetFieldValues{f}" not in unsupported]
+        out: dict[int | tuple[int, int], float | None] = dict.fromkeys(fields)
+        values = self._query(index, errors, "nvmlDeviceGetFieldValues", h, asked) if asked else None
+        for f, v in zip(asked, values or (), strict=False):
+            if v.nvmlReturn == self._c["NVML_SUCCESS"]:
+                out[f] = float(_field_value(self._nvml, v))
+            elif v.nvmlReturn == self._c["NVML_ERROR_NOT_SUPPORTED"]:
+                unsupported.add(f"nvmlDeviceGetFieldValues{f}")
             else:
                 errors.append(("nvmlDeviceGetFieldValues", f"field_return_{int(v.nvmlReturn)}"))
-            return None
-        return float(_field_value(self._nvml, v))
+        return [out[f] for f in fields]
 
     def _read_nvlinks(self, index: int, e: list[tuple[str, str]], h: Any,
                       links: tuple[int, ...]) -> tuple[NvLinkReading, ...]:

@@ -1,7 +1,7 @@
 """FakeNvml: a stand-in for the ``pynvml`` module, driven by a node scenario and a clock.
 
 It answers the pynvml functions PynvmlBackend calls, with NVML's names, signatures and units
-(mW, mJ, bytes, MHz, percent, KB/s) and the real ``pynvml.NVMLError_*`` exceptions, so the real
+(mW, mJ, bytes, MHz, percent, KB/s, KiB) and the real ``pynvml.NVMLError_*`` exceptions, so the real
 backend runs in every test. Constants and exception classes are pynvml's own; any other
 attribute fails loudly, so a backend call the fake was not taught cannot pass unnoticed. It does
 not load libnvidia-ml and does no I/O; answers are computed from precomputed tables, cheaply,
@@ -38,6 +38,15 @@ _MIB = 1024 * 1024
 _MEMORY_BOUND_DRAM_RATIO = 0.93
 # NVLink 3 and 4 carry 25 GB/s per link per direction (H100 datasheet: 18 links, 900 GB/s total).
 _NVLINK_BYTES_PER_SECOND_PER_LINK = 25_000_000_000
+# Shares of that NVLink bandwidth a busy GPU uses (also GPM's NVLink rate in gpm()): a training step's
+# collectives (all-reduce, all-gather) keep the links ~30% busy; a memory-bound job moves little.
+_NVLINK_TRAINING_SHARE = 0.30
+_NVLINK_MEMORY_BOUND_SHARE = 0.08
+# What nvmlDevice{En,De}coderUtilization return beside the percentage: the sampling period in us.
+# Not in nvidia-smi -q; the backend does not read it.
+_CODEC_SAMPLING_PERIOD_US = 1_000_000
+_NVLINK_FIELDS = (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
+_ALL_LINKS = 0xFFFFFFFF  # scopeId: every link summed (nvml.h, NVLink throughput counters)
 
 _HW_SLOWDOWN = pynvml.nvmlClocksEventReasonHwSlowdown
 _HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown
@@ -115,6 +124,7 @@ class FakeGpuHandle:
         self.noise = tuple([-1.0 + 2.0 * draw() for _ in range(_NOISE_TABLE_SIZE)])
         self.energy_base_mj = rng.randrange(10**9, 10**11)  # energy since the driver loaded
         self.pcie_replay_base = rng.randrange(0, 80)  # the recording shows 52..67 on healthy GPUs
+        self.nvlink_data_base_kib = rng.randrange(10**9, 10**12) if profile.nvlink_count else 0
         self.load = scenario.load
         self.lost_at = math.inf
         self.reset_required_at = math.inf
@@ -218,11 +228,11 @@ class FakeGpuHandle:
         if cap is None:  # training
             sm, occupancy, tensor, fp16, fp32, fp64 = 0.93 * u, 0.42 * u, 0.55 * u, 0.06 * u, 0.12 * u, 0.0
             dram = 0.38 * u * clock
-            nvlink = 0.30 * u * clock
+            nvlink = _NVLINK_TRAINING_SHARE * u * clock
         else:  # memory-bound: DRAM at its cap while busy, tensor pipes mostly idle
             sm, occupancy, tensor, fp16, fp32, fp64 = 0.88 * u, 0.61 * u, 0.04 * u, 0.10 * u, 0.22 * u, 0.0
             dram = cap if u > 0 else 0.0
-            nvlink = 0.08 * u * clock
+            nvlink = _NVLINK_MEMORY_BOUND_SHARE * u * clock
         p = self.profile
         pcie_mib = p.pcie_max_bytes_per_second / _MIB * 0.02 * (0.05 + u) * clock
         nvlink_mib = p.nvlink_count * _NVLINK_BYTES_PER_SECOND_PER_LINK / _MIB * nvlink
@@ -244,6 +254,14 @@ class FakeGpuHandle:
             m.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: nvlink_mib,
             m.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: nvlink_mib,
         }
+
+    def nvlink_data_kib(self, t: float) -> int:
+        """NVLink payload KiB per direction, all links, since the driver loaded: the integral of the
+        load's mean NVLink share (noise and clock caps left out, as for the energy counter, so the
+        counter never goes backwards)."""
+        share = _NVLINK_TRAINING_SHARE if self.load.workload != "memory_bound" else _NVLINK_MEMORY_BOUND_SHARE
+        kib_per_second = self.nvlink_count * _NVLINK_BYTES_PER_SECOND_PER_LINK * share * self.load.utilization / 1024
+        return self.nvlink_data_base_kib + int(kib_per_second * max(t, 0.0))
 
     @staticmethod
     def grown(growths: Sequence[_Growth], t: float) -> int:
@@ -419,16 +437,32 @@ class FakeNvml:
         rates.memory = round(u * 45)  # memory-controller busy share: ~half of SM busy in LLM training
         return rates
 
-    def nvmlDeviceGetMemoryInfo(self, handle: FakeGpuHandle) -> pynvml.c_nvmlMemory_t:
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeGpuHandle, version: int | None = None) -> Any:
+        """pynvml's signature: no version gives v1 (c_nvmlMemory_t, `used` counts the reserve),
+        nvmlMemory_v2 gives c_nvmlMemory_v2_t (`used` allocated only, `reserved` apart)."""
         t = self._device(handle, "nvmlDeviceGetMemoryInfo")
-        total = handle.profile.memory_total_bytes
+        p = handle.profile
+        total, reserved = p.memory_total_bytes, p.memory_reserved_bytes
         busy = handle.load.memory_used_ratio if handle.utilization(t) > 0 else 0.0
-        used = int(total * busy) // (1024 * 1024) * (1024 * 1024)
-        info = pynvml.c_nvmlMemory_t()
-        info.total = total
-        info.used = used
-        info.free = total - used
-        return info
+        allocated = min(int(total * busy) // _MIB * _MIB, total - reserved)
+        free = total - reserved - allocated
+        if not version:
+            return pynvml.c_nvmlMemory_t(total=total, free=free, used=reserved + allocated)
+        if version != pynvml.nvmlMemory_v2:
+            raise pynvml.NVMLError_ArgumentVersionMismatch()
+        return pynvml.c_nvmlMemory_v2_t(version=version, total=total, reserved=reserved, free=free, used=allocated)
+
+    def nvmlDeviceGetEncoderUtilization(self, handle: FakeGpuHandle) -> list[int]:
+        """[percent, sampling period us]. Training never encodes video; boards without NVENC (H100,
+        A100) answer 0 all the same, as the recorded H100 does ("Encoder: 0 %")."""
+        self._device(handle, "nvmlDeviceGetEncoderUtilization")
+        return [0, _CODEC_SAMPLING_PERIOD_US]
+
+    def nvmlDeviceGetDecoderUtilization(self, handle: FakeGpuHandle) -> list[int]:
+        """[percent, sampling period us]: 0, as on the recorded H100 ("Decoder: 0 %"); a training job
+        feeding images or video through NVDEC would move it, and no scenario does."""
+        self._device(handle, "nvmlDeviceGetDecoderUtilization")
+        return [0, _CODEC_SAMPLING_PERIOD_US]
 
     def nvmlDeviceGetClockInfo(self, handle: FakeGpuHandle, clock_type: int) -> int:
         t = self._device(handle, "nvmlDeviceGetClockInfo")
@@ -454,13 +488,26 @@ class FakeNvml:
         drift = handle.grown(handle.temperature_drift, t) if handle.temperature_drift else 0
         return round(p.temperature_idle_celsius + (p.temperature_busy_celsius - p.temperature_idle_celsius) * u) + drift
 
-    def nvmlDeviceGetFieldValues(self, handle: FakeGpuHandle, field_ids: Sequence[int]) -> Any:
+    def nvmlDeviceGetFieldValues(self, handle: FakeGpuHandle, field_ids: Sequence[int | tuple[int, int]]) -> Any:
+        """As pynvml: each entry a field id or (field id, scope id)."""
         t = self._device(handle, "nvmlDeviceGetFieldValues")
         values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
-        for i, field_id in enumerate(field_ids):
+        for i, entry in enumerate(field_ids):
+            field_id, scope = entry if isinstance(entry, tuple) else (entry, 0)
             v = values[i]
-            v.fieldId = field_id
-            if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+            v.fieldId, v.scopeId = field_id, scope
+            if field_id in _NVLINK_FIELDS:
+                links = handle.nvlink_count
+                if not links:
+                    v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                elif scope != _ALL_LINKS and not 0 <= scope < links:
+                    v.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
+                else:
+                    kib = handle.nvlink_data_kib(t)
+                    v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                    v.value.ullVal = kib if scope == _ALL_LINKS else kib // links
+                    v.nvmlReturn = pynvml.NVML_SUCCESS
+            elif field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
                 p = handle.profile
                 u = handle.utilization(t)
                 span = p.memory_temperature_busy_celsius - p.memory_temperature_idle_celsius

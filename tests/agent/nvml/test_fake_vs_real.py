@@ -67,6 +67,24 @@ def test_fake_answers_what_the_real_board_does_not_support(fake_h100: PynvmlBack
     assert loaded["tensor_active_ratio"] is not None and loaded["sm_active_ratio"] is not None
 
 
+def test_fake_memory_reserve_and_video_engines_answer_as_the_real_h100(fake_h100: PynvmlBackend) -> None:
+    """The reserve, encoder and decoder answers of the real H100 are derived from its nvidia-smi -q
+    (backend-ops.json marks them, PROVENANCE.md says how): 480 MiB reserved under driver 580; the
+    profile's driver 535 reserves 551 MiB (its own recording, test_profiles.py). Both answer the
+    video engines with 0 %, never NotSupported, though the board has no NVENC."""
+    reads = _ops("read")
+    fake = fake_h100.read(0)
+    for real in reads:
+        assert real["encoder_utilization_ratio"] == fake.encoder_utilization_ratio == 0.0
+        assert real["decoder_utilization_ratio"] == fake.decoder_utilization_ratio == 0.0
+        assert real["memory_reserved_bytes"] == 480 * 2**20
+        # v1's used counts the reserve: the idle real GPU "uses" exactly its reserve.
+        assert real["memory_used_bytes"] >= real["memory_reserved_bytes"]
+    assert [r["memory_used_bytes"] for r in reads if r is reads[0]] == [480 * 2**20]
+    assert fake.memory_reserved_bytes is not None
+    assert 0.5 < fake.memory_reserved_bytes / reads[0]["memory_reserved_bytes"] < 1.5
+
+
 def test_fake_loaded_power_and_clocks_stay_in_the_real_range() -> None:
     tensor = _ops("read", "tensor")
     real_limit_w = tensor[0]["power_limit_watts"]

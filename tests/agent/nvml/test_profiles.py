@@ -39,6 +39,8 @@ def test_h100_profile_matches_the_recording():
         assert g["VBIOS Version"] == [H100_SXM_80GB.vbios_version]
         assert g["Bus Id"] == [g["__bus_id"][0]]
         assert g["Total"][0] == f"{H100_SXM_80GB.memory_total_bytes // MIB} MiB"  # FB memory comes first
+        assert g["Reserved"][0] == f"{H100_SXM_80GB.memory_reserved_bytes // MIB} MiB"
+        assert g["Encoder"] == ["0 %"] and g["Decoder"] == ["0 %"]  # answered, not N/A: no NotSupported
         # Max Clocks: Graphics, SM, Memory, Video follow the current and application clocks.
         assert f"{H100_SXM_80GB.sm_clock_max_mhz} MHz" in g["SM"]
         assert f"{H100_SXM_80GB.memory_clock_max_mhz} MHz" in g["Memory"]
