@@ -4,8 +4,8 @@ and ``DCGM_EXP_CLOCK_EVENTS_COUNT``, with dcgm-exporter's names, types, labels a
 mJ, MiB, percent), so a site's dcgm-exporter dashboards and alerts keep working when vigil replaces it.
 
 It reads only the snapshot's samples (never NVML) and converts; a value vigil does not have
-(encoder/decoder utilisation, reserved framebuffer, NVLink bandwidth, vGPU licence; the DCP
-profiling fields before Hopper) is absent, never faked. It does not attribute GPUs to pods: a
+(the vGPU licence, which exists only inside a vGPU guest; the DCP profiling fields before Hopper;
+NVLink bandwidth on a GPU without NVLink) is absent, never faked. It does not attribute GPUs to pods: a
 caller hands it `pod_labels` (see PodLabels). The vigil_* series stay the primary interface.
 """
 
@@ -43,6 +43,21 @@ _MIB = 1.0 / (1 << 20)  # vigil memory is bytes; DCGM_FI_DEV_FB_* are MiB
 _PERCENT = 100.0  # vigil utilisation is a 0..1 ratio; DCGM_FI_DEV_*_UTIL are percent
 _MILLIJOULES = 1000.0  # vigil energy is joules; DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION is mJ
 
+# DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL is not a counter, whatever dcgm-exporter's TYPE line says. DCGM
+# (dcgmlib/src/DcgmCacheManager.cpp, ReadAndCacheNvLinkBandwidth; the field is an alias of
+# DCGM_FI_DEV_NVLINK_THROUGHPUT_TOTAL, 449) sums NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX and _TX over all
+# links (scopeId UINT_MAX; KiB of payload), differences that sum against its previous sample, divides
+# by the seconds between them and by 1000: a rate of tx + rx payload in KiB/s / 1000 (its comment
+# says MiB/s), 0 for the first sample. vigil serves the same quantity from
+# vigil_gpu_nvlink_data_bytes_total, over this collector's scrapes of the last NVLINK_RATE_WINDOW_S.
+NVLINK_BANDWIDTH = "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL"
+NVLINK_BANDWIDTH_HELP = "Total number of NVLink bandwidth counters for all lanes."
+# DCGM's rate spans its update interval (dcgm-exporter collects every 30 s by default). vigil reads the
+# counters every gpu.nvlink_interval_seconds (10 s), so a rate over 60 s of scrapes is off by at most
+# that read interval over the window (1/6 at the defaults), where 30 s would allow a third.
+NVLINK_RATE_WINDOW_S = 60.0
+_DCGM_NVLINK_RATE = 1.0 / 1024 / 1000  # bytes/s -> DCGM's (KiB/s) / 1000
+
 
 class ExporterConfig(StrictModel):
     """The agent config's `exporter:` section."""
@@ -79,7 +94,12 @@ FIELDS: tuple[Field, ...] = (
     Field("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", "vigil_gpu_utilization_ratio", _PERCENT),
     Field("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Memory utilization (in %).", "vigil_gpu_memory_utilization_ratio",
           _PERCENT),
-    Field("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB).", "vigil_gpu_memory_used_bytes", _MIB),
+    Field("DCGM_FI_DEV_ENC_UTIL", "gauge", "Encoder utilization (in %).", "vigil_gpu_encoder_utilization_ratio",
+          _PERCENT),
+    Field("DCGM_FI_DEV_DEC_UTIL", "gauge", "Decoder utilization (in %).", "vigil_gpu_decoder_utilization_ratio",
+          _PERCENT),
+    Field("DCGM_FI_DEV_FB_RESERVED", "gauge", "Framebuffer memory reserved (in MiB).",
+          "vigil_gpu_memory_reserved_bytes", _MIB),
     Field("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "counter", "Number of remapped rows for uncorrectable errors",
           "vigil_gpu_remapped_rows_total", match=(("error_type", "uncorrectable"),)),
     Field("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter", "Number of remapped rows for correctable errors",
@@ -137,6 +157,7 @@ FIELDS: tuple[Field, ...] = (
 )
 
 FB_FREE_HELP = "Framebuffer memory free (in MiB)."
+FB_USED_HELP = "Framebuffer memory used (in MiB)."
 XID_HELP = "Value of the last XID error encountered."
 XID_COUNT_HELP = "reported XIDs during last window"  # help texts as etc/default-counters.csv
 CLOCK_EVENTS_HELP = "reported clock events"
@@ -229,6 +250,8 @@ class DcgmCompatCollector(PromCollector):
         # (uuid) -> (source, code) -> count seen at the previous scrape, to find the newest Xid.
         self._xid_counts: dict[str, dict[tuple[str, str], float]] = {}
         self._last_xid: dict[str, int] = {}
+        # uuid -> (scrape time, NVLink payload bytes tx + rx) of the scrapes in the rate window.
+        self._nvlink_history: dict[str, deque[tuple[float, float]]] = defaultdict(deque)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # families depend on what the GPUs report; nothing to pre-declare
@@ -247,9 +270,10 @@ class DcgmCompatCollector(PromCollector):
             family = self._family(f, by_name.get(f.source, ()), identities)
             if family is not None:
                 yield family
-        free = self._fb_free(by_name, identities)
-        if free is not None:
-            yield free
+        yield from self._framebuffer(by_name, identities)
+        nvlink = self._nvlink_bandwidth(by_name, identities, now)
+        if nvlink is not None:
+            yield nvlink
         yield from self._xid(by_name, identities)
         yield self._xid_count(by_name, identities, now)
         clock_events = self._clock_events(by_name, identities, now)
@@ -302,16 +326,55 @@ class DcgmCompatCollector(PromCollector):
                               value * f.scale)
         return family
 
-    def _fb_free(self, by_name: dict[str, list[Sample]], identities: dict[str, _Identity]) -> Metric | None:
-        # nvmlDeviceGetMemoryInfo (v1) defines free = total - used, which is what DCGM reports.
+    def _framebuffer(self, by_name: dict[str, list[Sample]], identities: dict[str, _Identity]) -> Iterator[Metric]:
+        """DCGM_FI_DEV_FB_USED and _FREE as DCGM reads them (nvmlMemory_v2_t since R510, DcgmCacheManager's
+        ReadAndCacheFBMemoryInfo): used is allocated memory without the reserve, free = total - used -
+        reserved. vigil's used counts the reserve (NVML v1), so the reserve comes off where known."""
         used = {s.label("uuid"): s.value for s in by_name.get("vigil_gpu_memory_used_bytes", ())}
         total = {s.label("uuid"): s.value for s in by_name.get("vigil_gpu_memory_total_bytes", ())}
-        family = Metric("DCGM_FI_DEV_FB_FREE", FB_FREE_HELP, "gauge")
-        for uuid, ident in identities.items():
-            if uuid in used and uuid in total:
-                family.add_sample("DCGM_FI_DEV_FB_FREE", self._labels(ident),
-                                  max(total[uuid] - used[uuid], 0.0) * _MIB)
-        return family if family.samples else None
+        reserved = {s.label("uuid"): s.value for s in by_name.get("vigil_gpu_memory_reserved_bytes", ())}
+        used_family = Metric("DCGM_FI_DEV_FB_USED", FB_USED_HELP, "gauge")
+        free_family = Metric("DCGM_FI_DEV_FB_FREE", FB_FREE_HELP, "gauge")
+        for uuid, ident in sorted(identities.items(), key=lambda kv: _gpu_order(kv[1].gpu)):
+            if uuid not in used:
+                continue
+            allocated = max(used[uuid] - reserved.get(uuid, 0.0), 0.0)
+            used_family.add_sample(used_family.name, self._labels(ident), allocated * _MIB)
+            if uuid in total:
+                free_family.add_sample(free_family.name, self._labels(ident),
+                                       max(total[uuid] - used[uuid], 0.0) * _MIB)
+        for family in (used_family, free_family):
+            if family.samples:
+                yield family
+
+    def _nvlink_bandwidth(self, by_name: dict[str, list[Sample]], identities: dict[str, _Identity],
+                          now: float) -> Metric | None:
+        """DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL in DCGM's quantity (see NVLINK_BANDWIDTH): the tx + rx
+        payload rate over this collector's scrapes of the last NVLINK_RATE_WINDOW_S, in (KiB/s) / 1000;
+        0 until a second scrape (DCGM's first sample is 0 too) and after a counter restart. Absent on a
+        GPU without NVLink counters (dcgm-exporter serves 0 there; vigil serves what it measured)."""
+        totals: dict[str, float] = {}
+        for s in by_name.get("vigil_gpu_nvlink_data_bytes_total", ()):
+            uuid = s.label("uuid")
+            if uuid is not None and uuid in identities:
+                totals[uuid] = totals.get(uuid, 0.0) + s.value
+        for gone in set(self._nvlink_history) - set(totals):
+            del self._nvlink_history[gone]
+        if not totals:
+            return None
+        family = Metric(NVLINK_BANDWIDTH, NVLINK_BANDWIDTH_HELP, _exposition_type("counter"))
+        start = now - NVLINK_RATE_WINDOW_S
+        for uuid, total in sorted(totals.items(), key=lambda kv: _gpu_order(identities[kv[0]].gpu)):
+            history = self._nvlink_history[uuid]
+            if history and total < history[-1][1]:
+                history.clear()  # the counters restarted (driver reload): start over, as DCGM would
+            history.append((now, total))
+            while len(history) >= 2 and history[1][0] <= start:
+                history.popleft()
+            (t0, v0), (t1, v1) = history[0], history[-1]
+            rate = (v1 - v0) / (t1 - t0) if t1 > t0 else 0.0
+            family.add_sample(NVLINK_BANDWIDTH, self._labels(identities[uuid]), rate * _DCGM_NVLINK_RATE)
+        return family
 
     def _xid(self, by_name: dict[str, list[Sample]], identities: dict[str, _Identity]) -> Iterator[Metric]:
         """DCGM_FI_DEV_XID_ERRORS is a gauge holding the newest Xid code (0 before any). vigil keeps

@@ -72,7 +72,17 @@ UTILIZATION = MetricSpec("vigil_gpu_utilization_ratio", G, "Share of the last sa
                          _G, "ratio")
 MEMORY_UTILIZATION = MetricSpec("vigil_gpu_memory_utilization_ratio", G,
                                 "Share of the last sample period device memory was read or written.", _G, "ratio")
-MEMORY_USED = MetricSpec("vigil_gpu_memory_used_bytes", G, "Device memory in use.", _G, "bytes")
+MEMORY_USED = MetricSpec("vigil_gpu_memory_used_bytes", G,
+                         "Device memory in use, the driver's reserve included (NVML v1 `used`).", _G, "bytes")
+MEMORY_RESERVED = MetricSpec("vigil_gpu_memory_reserved_bytes", G,
+                             "Device memory the driver and firmware reserve (part of used; NVML memory info v2).",
+                             _G, "bytes")
+ENCODER_UTILIZATION = MetricSpec("vigil_gpu_encoder_utilization_ratio", G,
+                                 "Share of NVML's sampling period the video encoder (NVENC) was busy, 0..1.", _G,
+                                 "ratio")
+DECODER_UTILIZATION = MetricSpec("vigil_gpu_decoder_utilization_ratio", G,
+                                 "Share of NVML's sampling period the video decoder (NVDEC) was busy, 0..1.", _G,
+                                 "ratio")
 MEMORY_TOTAL = MetricSpec("vigil_gpu_memory_total_bytes", G, "Device memory installed.", _G, "bytes")
 SM_CLOCK = MetricSpec("vigil_gpu_sm_clock_hertz", G, "SM clock.", _G, "hertz")
 SM_CLOCK_MAX = MetricSpec("vigil_gpu_sm_clock_max_hertz", G, "Maximum SM clock.", _G, "hertz")
@@ -117,6 +127,9 @@ NVLINK_STATE = MetricSpec("vigil_gpu_nvlink_state", G, "1 when the NVLink is act
 NVLINK_ERRORS = MetricSpec("vigil_gpu_nvlink_errors_total", C,
                            "NVLink data-link errors: crc (flit CRC), replay, recovery.",
                            (*_G, "link", "error_type"))
+NVLINK_DATA = MetricSpec("vigil_gpu_nvlink_data_bytes_total", C,
+                         "NVLink payload bytes (protocol overhead excluded) over all links since the driver "
+                         "loaded, by direction; read every nvlink_interval_seconds.", (*_G, "direction"), "bytes")
 # NVML GPM profiling metrics (Hopper and later): averaged over the collector interval, absent on
 # older GPUs (never 0) and in the first cycle.
 _GPM = "NVML GPM, over the collector interval; absent before Hopper."
@@ -149,7 +162,8 @@ SPECS: tuple[MetricSpec, ...] = (
     SLOWDOWN_TEMPERATURE, SHUTDOWN_TEMPERATURE, MAX_OPERATING_TEMPERATURE, MEMORY_MAX_TEMPERATURE, POWER,
     POWER_LIMIT, ENERGY, PSTATE, CLOCK_EVENT, ECC_ERRORS, RETIRED_PAGES, RETIRED_PAGES_PENDING, REMAPPED_ROWS,
     REMAP_PENDING, REMAP_FAILURE, PCIE_REPLAY, PCIE_THROUGHPUT, FAN_SPEED, NVLINK_STATE, NVLINK_ERRORS, NVML_XID,
-    GRAPHICS_ACTIVE, SM_ACTIVE, SM_OCCUPANCY, TENSOR_ACTIVE, DRAM_ACTIVE, FP16_ACTIVE, FP32_ACTIVE, FP64_ACTIVE,
+    MEMORY_RESERVED, ENCODER_UTILIZATION, DECODER_UTILIZATION, NVLINK_DATA, GRAPHICS_ACTIVE, SM_ACTIVE,
+    SM_OCCUPANCY, TENSOR_ACTIVE, DRAM_ACTIVE, FP16_ACTIVE, FP32_ACTIVE, FP64_ACTIVE,
     NVLINK_TX, NVLINK_RX, PROCESS_INFO,
 )
 
@@ -159,6 +173,9 @@ _SIMPLE: tuple[tuple[str, MetricSpec], ...] = (
     ("utilization_memory_ratio", MEMORY_UTILIZATION),
     ("memory_used_bytes", MEMORY_USED),
     ("memory_total_bytes", MEMORY_TOTAL),
+    ("memory_reserved_bytes", MEMORY_RESERVED),
+    ("encoder_utilization_ratio", ENCODER_UTILIZATION),
+    ("decoder_utilization_ratio", DECODER_UTILIZATION),
     ("sm_clock_hertz", SM_CLOCK),
     ("memory_clock_hertz", MEMORY_CLOCK),
     ("temperature_celsius", TEMPERATURE),
@@ -399,6 +416,9 @@ class GpuCollector:
                     samples.append(Sample(NVLINK_ERRORS.name, float(value), error_labels))
                     sums[kind] += value
                     seen[kind] = True
+        for direction, value in (("tx", r.nvlink_data_tx_bytes), ("rx", r.nvlink_data_rx_bytes)):
+            if value is not None:  # read with the links: held, with them, until the next slow cycle
+                samples.append(Sample(NVLINK_DATA.name, float(value), (*gpu.labels, ("direction", direction))))
         gpu.nvlink_samples = samples
         gpu.nvlink_state = {
             "nvlink_crc_errors_total": sums["crc"] if seen["crc"] else None,

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from vigil.agent.collectors.gpu import GpuCollector, GpuConfig
 from vigil.agent.collectors.xid import XID_ERRORS
-from vigil.agent.dcgm_compat import LABELS, DcgmCompatCollector
+from vigil.agent.dcgm_compat import LABELS, NVLINK_BANDWIDTH, NVLINK_BANDWIDTH_HELP, DcgmCompatCollector
 from vigil.agent.metric import Sample
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
@@ -139,8 +139,14 @@ def test_units_are_dcgm_exporters(gpu_samples) -> None:
     assert util == pytest.approx(vigil("vigil_gpu_utilization_ratio", "3") * 100) and 1 < util <= 100
     used = value(ours["DCGM_FI_DEV_FB_USED"], "3")
     free = value(ours["DCGM_FI_DEV_FB_FREE"], "3")
-    assert used == pytest.approx(vigil("vigil_gpu_memory_used_bytes", "3") / 2**20)
-    assert used + free == pytest.approx(vigil("vigil_gpu_memory_total_bytes", "3") / 2**20)  # ~81559 MiB on H100
+    reserved = value(ours["DCGM_FI_DEV_FB_RESERVED"], "3")
+    # DCGM reads memory info v2: used leaves the reserve out, and used + free + reserved = total, as in
+    # the recorded dcgm-exporter scrape (1 + 20015 + 457 MiB on an RTX 4000 Ada). vigil's used keeps it in.
+    assert reserved == vigil("vigil_gpu_memory_reserved_bytes", "3") / 2**20 == 551
+    assert used == pytest.approx(vigil("vigil_gpu_memory_used_bytes", "3") / 2**20 - reserved)
+    assert used + free + reserved == pytest.approx(vigil("vigil_gpu_memory_total_bytes", "3") / 2**20)  # 81559
+    assert value(ours["DCGM_FI_DEV_ENC_UTIL"], "3") == 100 * vigil("vigil_gpu_encoder_utilization_ratio", "3") == 0
+    assert value(ours["DCGM_FI_DEV_DEC_UTIL"], "3") == 100 * vigil("vigil_gpu_decoder_utilization_ratio", "3") == 0
     assert value(ours["DCGM_FI_DEV_GPU_TEMP"], "3") == vigil("vigil_gpu_temperature_celsius", "3")
 
 
@@ -223,15 +229,6 @@ def test_agent_serves_dcgm_series_only_when_configured(enabled: bool) -> None:
 NOT_SERVED: dict[str, str] = {
     "DCGM_FI_DEV_VGPU_LICENSE_STATUS": "hardware/driver-impossible: a vGPU licence exists only inside a vGPU "
                                        "guest (GRID driver); on bare-metal data-centre GPUs DCGM reports blank",
-    "DCGM_FI_DEV_ENC_UTIL": "servable (nvmlDeviceGetEncoderUtilization), not yet read: needs a vigil_gpu_* "
-                            "metric in agent/collectors/gpu.py",
-    "DCGM_FI_DEV_DEC_UTIL": "servable (nvmlDeviceGetDecoderUtilization), not yet read: needs a vigil_gpu_* "
-                            "metric in agent/collectors/gpu.py",
-    "DCGM_FI_DEV_FB_RESERVED": "servable (nvmlDeviceGetMemoryInfo v2 `reserved`), not yet read: needs a "
-                               "vigil_gpu_* metric in agent/collectors/gpu.py",
-    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": "servable as a counter (nvmlDeviceGetFieldValues "
-                                          "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX, KiB), not yet read; vigil's "
-                                          "GPM NVLink rate is not the same quantity",
 }
 HARDWARE_IMPOSSIBLE = {"DCGM_FI_DEV_VGPU_LICENSE_STATUS"}
 
@@ -263,6 +260,7 @@ def test_default_counter_coverage_on_an_h100(capsys) -> None:
     fields = [name for name, _ in default_counters()]
     assert len(fields) == 25
     served = [f for f in fields if f in ours]
+    assert len(served) == 24
     missing = sorted(set(fields) - set(served))
     with capsys.disabled():
         print(f"\n{len(served)}/{len(fields)} default counters served (H100, fake NVML); not served: "
@@ -315,3 +313,61 @@ def test_clock_events_count_and_pod_labels_hook() -> None:
             assert (labels["pod"], labels["namespace"], labels["container"]) == ("trainer-0", "ml", "pytorch")
     pods.clear()  # no attribution: no pod labels at all (never empty strings)
     assert all("pod" not in labels for family in scrape(compat).values() for labels, _ in family.samples)
+
+
+def _nvlink_gpu(total_bytes: float, gpu: str = "0") -> list[Sample]:
+    ident = (("gpu", gpu), ("uuid", f"GPU-{gpu}"))
+    return [Sample("vigil_gpu_info", 1.0, (*ident, ("name", "H100"))),
+            Sample("vigil_gpu_nvlink_data_bytes_total", total_bytes * 0.4, (*ident, ("direction", "tx"))),
+            Sample("vigil_gpu_nvlink_data_bytes_total", total_bytes * 0.6, (*ident, ("direction", "rx")))]
+
+
+def test_nvlink_bandwidth_is_dcgms_rate_not_a_counter() -> None:
+    """DCGM differences tx + rx payload KiB between samples, per second, divided by 1000 (its
+    DcgmCacheManager::ReadAndCacheNvLinkBandwidth): a GPU moving 100 GB/s of payload reads
+    100e9 / 1024 / 1000 = 97,656, whatever the counters' absolute value; 0 at the first sample."""
+    clock = Clock()
+    current = _nvlink_gpu(7e15)
+    compat = DcgmCompatCollector(lambda: current, clock=clock)
+    first = scrape(compat)[NVLINK_BANDWIDTH]
+    assert first.type == "untyped" and first.help == NVLINK_BANDWIDTH_HELP
+    assert value(first, "0") == 0.0
+    for step in range(1, 9):  # scraped every 15 s; the counter moves by 100 GB/s
+        clock.t = 15.0 * step
+        current = _nvlink_gpu(7e15 + 100e9 * clock.t)
+        got = value(scrape(compat)[NVLINK_BANDWIDTH], "0")
+        assert got == pytest.approx(100e9 / 1024 / 1000)
+    clock.t += 15.0  # an idle minute reads 0 once the window has passed over it
+    for _ in range(5):
+        clock.t += 15.0
+        got = value(scrape(compat)[NVLINK_BANDWIDTH], "0")
+    assert got == 0.0
+    clock.t += 15.0
+    current = _nvlink_gpu(1e9)  # driver reload: the counters restart, the rate starts over
+    assert value(scrape(compat)[NVLINK_BANDWIDTH], "0") == 0.0
+
+
+def test_nvlink_bandwidth_over_the_slow_cadence_stays_close() -> None:
+    """vigil reads the counters every 10 s (gpu.nvlink_interval_seconds) and holds them between; a
+    15 s scrape sees them move in steps. Over the 60 s window the rate is within a sixth of the truth."""
+    clock = Clock()
+    read_at = 0.0
+    current = _nvlink_gpu(0.0)
+    compat = DcgmCompatCollector(lambda: current, clock=clock)
+    truth = 50e9 / 1024 / 1000
+    seen = []
+    for step in range(1, 40):
+        clock.t = 15.0 * step + 3.0
+        read_at = clock.t - clock.t % 10.0  # the last slow read before this scrape
+        current = _nvlink_gpu(50e9 * read_at)
+        seen.append(value(scrape(compat)[NVLINK_BANDWIDTH], "0"))
+    assert all(abs(v - truth) <= truth / 6 for v in seen[4:])
+
+
+def test_nvlink_bandwidth_from_the_gpu_collector_is_absent_without_nvlink(gpu_samples) -> None:
+    _clock, gpu = gpu_samples
+    samples = gpu.collect(0.0).samples
+    ours = scrape(DcgmCompatCollector(lambda: samples))
+    assert len(ours[NVLINK_BANDWIDTH].samples) == 8  # 18 NVLinks per H100
+    without = [s for s in samples if s.name != "vigil_gpu_nvlink_data_bytes_total"]
+    assert NVLINK_BANDWIDTH not in scrape(DcgmCompatCollector(lambda: without))

@@ -201,6 +201,24 @@ def test_nvlink_readings_are_reused_between_their_reads(make, clock):
     assert value(fresh, "vigil_gpu_nvlink_errors_total", gpu="1", link="4", error_type="crc") == 100
 
 
+def test_nvlink_payload_counters_are_held_between_their_reads(make, clock):
+    collector = make("healthy-h100", nvlink_interval_seconds=10.0)
+    clock.t = 100.0
+    first = collector.collect(0.0).samples
+    tx = value(first, "vigil_gpu_nvlink_data_bytes_total", gpu="2", direction="tx")
+    assert value(first, "vigil_gpu_nvlink_data_bytes_total", gpu="2", direction="rx") > 0
+    clock.t = 105.0
+    held = collector.collect(5.0).samples  # not due: the last read's value, not a gap and not 0
+    assert value(held, "vigil_gpu_nvlink_data_bytes_total", gpu="2", direction="tx") == tx
+    clock.t = 110.0
+    fresh = collector.collect(10.0).samples
+    assert value(fresh, "vigil_gpu_nvlink_data_bytes_total", gpu="2", direction="tx") > tx
+    # The other new per-GPU series, every cycle: the reserve in bytes, the video engines as ratios.
+    assert value(held, "vigil_gpu_memory_reserved_bytes", gpu="2") == 551 * 2**20
+    assert value(held, "vigil_gpu_encoder_utilization_ratio", gpu="2") == 0.0
+    assert value(held, "vigil_gpu_decoder_utilization_ratio", gpu="2") == 0.0
+
+
 def test_nvml_unavailable_reports_and_counts(make, clock):
     collector = make("nvml-unavailable")
     assert collector.collect(0.0).report["nvml_available"] is True
