@@ -152,10 +152,13 @@ def add_routes(
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout_seconds: float = 10.0,
     breaker: Resettable | None = None,
+    leads: Callable[[], bool] = lambda: True,
 ) -> None:
     """Register ``POST /v1/alertmanager`` and ``POST /v1/breaker/reset``. Every refused batch
     and alert is counted in ``refusals`` (door "alertmanager"). ``fleet_nodes(now)`` is the
-    breaker's budget base; ``is_member(node, now)`` whether a decision may name ``node``."""
+    breaker's budget base; ``is_member(node, now)`` whether a decision may name ``node``; a
+    standby of an HA pair (``leads()`` false) answers 503 so that Alertmanager sends the batch
+    again, to the leader."""
 
     def bad(status: int, reason: str, detail: str) -> web.Response:
         refusals.count("alertmanager", reason)
@@ -166,6 +169,8 @@ def add_routes(
             body = await read_body(request, max_body_bytes, body_timeout_seconds)
         except BodyRefused as exc:
             return bad(exc.status, exc.reason, exc.detail)
+        if not leads():
+            return bad(503, "standby", "this aggregator replica stands by; the leader takes alerts (sent again)")
         now = clock()
         fleet = fleet_nodes(now)
 

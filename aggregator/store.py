@@ -43,14 +43,14 @@ class NotLeader(Exception):
 
 try:  # the PostgreSQL engine is optional (extra ``postgres``); SQLite needs nothing
     import psycopg
-    _PG_ERRORS: tuple[type[Exception], ...] = (psycopg.Error,)
+    PG_ERRORS: tuple[type[Exception], ...] = (psycopg.Error,)
 except ImportError:  # pragma: no cover - exercised where psycopg is absent
     psycopg = None  # type: ignore[assignment]
-    _PG_ERRORS = ()
+    PG_ERRORS = ()
 
 # What a write can meet at run time: disk full, read-only, I/O error, lock timeout, file gone, the
 # database server gone or restarting, the leadership lost.
-WRITE_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, OSError, NotLeader, *_PG_ERRORS)
+WRITE_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, OSError, NotLeader, *PG_ERRORS)
 
 
 class StoreError(Exception):
@@ -297,7 +297,7 @@ class Store:
                 if check != "ok":
                     raise sqlite3.DatabaseError(f"integrity check failed: {check}")
             self.state = self._load_state()
-        except (sqlite3.Error, OSError, ValueError, *_PG_ERRORS) as exc:  # type: ignore[misc]
+        except (sqlite3.Error, OSError, ValueError, *PG_ERRORS) as exc:  # type: ignore[misc]
             raise StoreError(f"decision store {self.path}: {_one_line(exc)}") from None
         self._inode = self._file_id()
 
@@ -762,7 +762,7 @@ class Store:
 def _rollback(cur: Any) -> None:
     # A full disk, an I/O error or a lost server may already have ended the transaction: nothing
     # left to undo.
-    with contextlib.suppress(sqlite3.Error, *_PG_ERRORS):
+    with contextlib.suppress(sqlite3.Error, *PG_ERRORS):
         cur.execute("ROLLBACK")
 
 
