@@ -155,6 +155,18 @@ MIGRATIONS: tuple[str, ...] = (
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+# Open deliveries due now, oldest first, at most one per (actuator, node).
+DUE_SQL = """
+    SELECT d.decision_id, d.actuator, d.node, d.state, d.attempts, d.next_attempt_ts,
+           d.last_error, d.detail, x.body
+    FROM deliveries d JOIN decisions x ON x.id = d.decision_id
+    WHERE d.state IN ('pending', 'failed') AND d.next_attempt_ts <= ?
+      AND NOT EXISTS (
+        SELECT 1 FROM deliveries e
+        WHERE e.actuator = d.actuator AND e.node = d.node AND e.seq < d.seq
+          AND e.state IN ('pending', 'failed'))
+    ORDER BY d.seq LIMIT ?
+"""
 
 
 @dataclass(frozen=True)
@@ -637,22 +649,17 @@ class Store:
 
     def due(self, now: float, limit: int = 64) -> list[tuple[Delivery, Decision]]:
         """Open deliveries whose time has come, oldest first, at most one per (actuator, node):
-        a node's resume never overtakes its drain."""
+        a node's resume never overtakes its drain. Fenced like the acting writes: a replica that
+        lost the lock and has not noticed yet is handed nothing to deliver (``NotLeader``)."""
         with self._lock:
-            rows = self._q(
-                """
-                SELECT d.decision_id, d.actuator, d.node, d.state, d.attempts, d.next_attempt_ts,
-                       d.last_error, d.detail, x.body
-                FROM deliveries d JOIN decisions x ON x.id = d.decision_id
-                WHERE d.state IN ('pending', 'failed') AND d.next_attempt_ts <= ?
-                  AND NOT EXISTS (
-                    SELECT 1 FROM deliveries e
-                    WHERE e.actuator = d.actuator AND e.node = d.node AND e.seq < d.seq
-                      AND e.state IN ('pending', 'failed'))
-                ORDER BY d.seq LIMIT ?
-                """,
-                (now, limit),
-            ).fetchall()
+            cur = self._begin()
+            try:
+                self._fenced(cur)
+                rows = self._x(cur, DUE_SQL, (now, limit)).fetchall()
+                cur.execute("COMMIT")
+            except BaseException:
+                _rollback(cur)
+                raise
         return [(Delivery(*row[:8]), Decision.model_validate_json(row[8])) for row in rows]
 
     def next_due_ts(self) -> float | None:
