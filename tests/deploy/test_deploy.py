@@ -252,11 +252,12 @@ def test_each_overlay_builds_and_validates_strictly(tmp_path: Path, overlay: Pat
     assert done.returncode == 0, done.stdout + done.stderr
     objects = [d for d in yaml.safe_load_all(built.stdout) if d]
     kinds = {d["kind"] for d in objects}
-    assert {"DaemonSet", "Deployment", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert {"DaemonSet", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert kinds & {"Deployment", "StatefulSet"}  # one aggregator, or the HA pair (overlays/ha)
     for d in objects:  # the recommended labels on every object
         labels = d["metadata"]["labels"] if d["kind"] != "Namespace" else d["metadata"].get("labels", {})
         assert labels.get("app.kubernetes.io/part-of") == "vigil", d["metadata"]["name"]
         assert labels.get("app.kubernetes.io/version") and labels.get("app.kubernetes.io/managed-by") == "kustomize"
-    images = {c["image"] for d in objects if d["kind"] in ("DaemonSet", "Deployment")
+    images = {c["image"] for d in objects if d["kind"] in ("DaemonSet", "Deployment", "StatefulSet")
               for c in d["spec"]["template"]["spec"]["containers"]}
     assert len(images) == 1 and "example" not in next(iter(images))  # one image, set in one place
