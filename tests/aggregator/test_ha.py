@@ -6,13 +6,16 @@ leadership lock and the store's fence are also tested directly against the serve
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.aggregator.aggregator_process import AggregatorProcess, WebhookReceiver, wait_for
+from tests.aggregator.aggregator_process import REPO, AggregatorProcess, WebhookReceiver, wait_for
 from tests.aggregator.ha_pair import (
     FAILOVER_BUDGET_SECONDS,
     Fleet,
@@ -23,7 +26,7 @@ from tests.aggregator.ha_pair import (
 )
 from tests.aggregator.test_acting_faults import metric
 from tests.aggregator.test_store import T0, Takes, dec
-from tests.postgres import PostgresServer
+from tests.postgres import PASSWORD, PostgresServer
 from vigil.aggregator.decision import Action
 from vigil.aggregator.gate import Gate, GateConfig
 from vigil.aggregator.leadership import Leadership
@@ -157,3 +160,25 @@ def test_database_restarted_mid_delivery_leadership_returns_and_nothing_is_lost_
         no_failover_decisions(agg, key)
     assert "leadership LOST" in leader.log()
     assert sum(metric(a, "vigil_aggregator_leader ") for a in aggs) == 1
+
+
+def test_the_decisions_command_reads_the_postgresql_store(pg: PostgresServer, tmp_path: Path) -> None:
+    lead = Leadership(pg.dsn, LOCK_KEY)
+    store = Store("postgresql", dsn=pg.dsn, fence=lambda: lead.holder_pid, lock_key=LOCK_KEY)
+    try:
+        assert lead.check(warm=True)
+        sink = Ledger(Gate(GateConfig(dry_run=False)), store, {"hook": Takes("hook")}, leadership=lead)
+        sink.take_over()
+        sink.submit([dec("n7", Action.DRAIN, "d7")], T0, 10)
+    finally:
+        lead.release()
+        store.close()
+    dsn = tmp_path / "pg.dsn"
+    dsn.write_text(pg.dsn + "\n")
+    dsn.chmod(0o600)
+    done = subprocess.run([sys.executable, "-m", "vigil", "aggregator", "decisions", "--dsn-file", str(dsn), "--json"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    [row] = json.loads(done.stdout)["decisions"]
+    assert row["decision"]["id"] == "d7" and row["deliveries"][0]["state"] == "pending"
+    assert PASSWORD not in done.stdout + done.stderr
