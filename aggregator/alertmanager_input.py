@@ -26,6 +26,7 @@ from vigil.aggregator.auth import Refusals
 from vigil.aggregator.decision import Action, Decision, Finding
 from vigil.aggregator.listener import BodyRefused, read_body
 from vigil.aggregator.sink import DecisionSink
+from vigil.aggregator.store import WRITE_ERRORS
 
 MAX_BODY_BYTES = 1 << 20
 ACTION_LABEL = "vigil_action"
@@ -207,7 +208,12 @@ def add_routes(
     async def breaker_reset(_: web.Request) -> web.Response:
         if breaker is None:
             return web.json_response({"error": "no_breaker", "detail": "this sink has no circuit breaker"}, status=404)
-        was_tripped = await asyncio.to_thread(breaker.reset_breaker)
+        if not leads():
+            return bad(503, "standby", "this aggregator replica stands by; reset the breaker on the leader")
+        try:
+            was_tripped = await asyncio.to_thread(breaker.reset_breaker)
+        except WRITE_ERRORS as exc:  # the store failing, or the leadership lost meanwhile
+            return web.json_response({"error": "store_unavailable", "detail": str(exc)}, status=503)
         return web.json_response({"reset": True, "was_tripped": was_tripped})
 
     app.router.add_post("/v1/alertmanager", alertmanager_webhook)

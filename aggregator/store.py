@@ -324,7 +324,18 @@ class Store:
 
     def _q(self, sql: str, args: Sequence[object] = ()) -> Any:
         """A statement on its own (reconnecting first if the server dropped the connection)."""
-        return self._x(self._conn().cursor(), sql, args)
+        return self._fresh(lambda: self._x(self._conn().cursor(), sql, args))
+
+    def _fresh(self, first: Callable[[], Any]) -> Any:
+        """Run the first statement of a unit of work; on PostgreSQL, a connection the server closed
+        since the last use (a restart) is only found broken now: reconnect and run it once more.
+        Nothing of the unit was done on the dead connection, so once more is not twice."""
+        try:
+            return first()
+        except PG_ERRORS:
+            if self.dsn is None or not self._db.broken:
+                raise
+            return first()  # _conn() reconnects
 
     def _conn(self) -> Any:
         if self.dsn is not None and (self._db.closed or self._db.broken):
@@ -334,9 +345,12 @@ class Store:
         return self._db
 
     def _begin(self) -> Any:
-        cur = self._conn().cursor()
-        cur.execute(self.dialect.begin)
-        return cur
+        def begin() -> Any:
+            cur = self._conn().cursor()
+            cur.execute(self.dialect.begin)
+            return cur
+
+        return self._fresh(begin)
 
     def _fenced(self, cur: Any) -> None:
         """In an acting write's transaction: refuse unless this replica holds the leadership lock,

@@ -18,9 +18,11 @@ import pytest
 from tests.aggregator.aggregator_process import REPO, AggregatorProcess, WebhookReceiver, wait_for
 from tests.aggregator.ha_pair import (
     FAILOVER_BUDGET_SECONDS,
+    WARM_AFTER_SECONDS,
     Fleet,
     HaPair,
     delivered,
+    ha_config,
     in_flight_after_failures,
     roles,
 )
@@ -182,3 +184,53 @@ def test_the_decisions_command_reads_the_postgresql_store(pg: PostgresServer, tm
     [row] = json.loads(done.stdout)["decisions"]
     assert row["decision"]["id"] == "d7" and row["deliveries"][0]["state"] == "pending"
     assert PASSWORD not in done.stdout + done.stderr
+
+
+def test_the_standby_refuses_what_only_the_leader_may_do_and_a_cold_replica_waits(
+        pair: tuple[list[AggregatorProcess], Fleet], receiver: WebhookReceiver, pg: PostgresServer,
+        tmp_path: Path) -> None:
+    aggs, _ = pair
+    [standby] = roles(aggs)["standby"]
+    alerts = json.dumps({"version": "4", "status": "firing", "receiver": "vigil", "groupKey": "g",
+                         "alerts": []}).encode()
+    assert standby.request("POST", "/v1/alertmanager", alerts, expect=503)["error"] == "standby"
+    assert standby.request("POST", "/v1/breaker/reset", b"", expect=503)["error"] == "standby"
+    held = standby.request("POST", "/v1/nodes/gpu-h1/hold", json.dumps({"note": "x"}).encode(), expect=503)
+    assert held["error"] == "store_unavailable" and "not the leader" in held["detail"]
+    assert metric(standby, "vigil_aggregator_leader ") == 0
+
+    # A third replica started now is cold: it stands by for its warm-up even with no leader around.
+    for agg in aggs:
+        agg.stop()
+    (tmp_path / "c").mkdir()
+    cold = AggregatorProcess(tmp_path / "c", ha_config(tmp_path / "c", receiver, pg, LOCK_KEY))
+    try:
+        cold.start()
+        assert cold.status("/healthz")[1]["role"] == "standby"
+        wait_for("the cold replica leading after its warm-up", lambda: roles([cold])["leader"] == [cold], 15)
+        lines = cold.log().splitlines()
+        started = next(line for line in lines if " vigil aggregator " in line and " on 127.0.0.1" in line)
+        leading = next(line for line in lines if "LEADER now" in line)
+        assert seconds(leading) - seconds(started) >= WARM_AFTER_SECONDS - 1.0  # the warm-up began before "on"
+    finally:
+        cold.stop()
+
+
+def seconds(log_line: str) -> float:
+    """Seconds since midnight of a log line's "YYYY-MM-DD HH:MM:SS,mmm" stamp."""
+    clock = log_line.split()[1]
+    h, m, s = clock.split(":")
+    return int(h) * 3600 + int(m) * 60 + float(s.replace(",", "."))
+
+
+def test_the_store_reads_and_writes_on_after_the_database_restarted_under_it(pg: PostgresServer) -> None:
+    store = Store("postgresql", dsn=pg.dsn)
+    sink = Ledger(Gate(GateConfig(dry_run=False)), store, {"hook": Takes("hook")})
+    try:
+        sink.submit([dec("n1", Action.DRAIN, "before")], T0, 10)
+        pg.restart()  # every session is cut; the store finds out at its next statement
+        assert [r.decision.id for r in store.decisions()] == ["before"]
+        store.mark("before", "hook", "delivered", T0 + 1)
+        assert store.deliveries("before")[0].state == "delivered"
+    finally:
+        store.close()
