@@ -37,6 +37,9 @@ class AggregatorTarget(StrictModel):
     # e.g. https://aggregator:9500 ; None: do not push reports. https verifies the aggregator's
     # certificate (the system's CAs, or only ca_file's) and its hostname, always.
     url: str | None = None
+    # Instead of url: every replica of an HA aggregator pair (docs/ha.md). Each gets every report,
+    # through a reporter and an event backlog of its own, so the standby's fleet view stays warm.
+    urls: list[str] = Field(default_factory=list, max_length=4)
     token_file: str | None = None  # this node's token, sent as "Authorization: Bearer"
     ca_file: str | None = None  # PEM CA bundle that signed the aggregator's certificate
     cert_file: str | None = None  # client certificate (PEM) where the site uses mTLS ...
@@ -58,11 +61,28 @@ class AggregatorTarget(StrictModel):
             raise ValueError("must be an http:// or https:// URL")
         return url
 
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r}: must be an http:// or https:// URL")
+        if len({u.rstrip("/") for u in urls}) != len(urls):
+            raise ValueError("the same aggregator twice")
+        return urls
+
+    @property
+    def targets(self) -> list[str]:
+        """Every aggregator this agent reports to (url, or urls)."""
+        return list(self.urls) if self.urls else [self.url] if self.url else []
+
     @model_validator(mode="after")
     def _tls_needs_https(self) -> AggregatorTarget:
+        if self.url and self.urls:
+            raise ValueError("aggregator.url and aggregator.urls: set one (urls lists every replica)")
         tls = [k for k in ("ca_file", "cert_file", "key_file") if getattr(self, k)]
-        if tls and not (self.url or "").startswith("https://"):
-            raise ValueError(f"aggregator.{tls[0]}: only used with an https:// aggregator.url")
+        if tls and not all(u.startswith("https://") for u in self.targets or [""]):
+            raise ValueError(f"aggregator.{tls[0]}: only used with https:// aggregator URLs")
         if bool(self.cert_file) != bool(self.key_file):
             raise ValueError("aggregator.cert_file and aggregator.key_file go together (mTLS client certificate)")
         return self

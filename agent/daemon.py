@@ -28,8 +28,9 @@ from vigil.agent.collectors.collector import Collection, Collector
 from vigil.agent.config import AgentConfig
 from vigil.agent.dcgm_compat import DcgmCompatCollector
 from vigil.agent.exporter import SnapshotExporter, render
+from vigil.agent.metric import Sample
 from vigil.agent.node_action_runner import NODE_ACTION_SPECS, NodeActionRunner
-from vigil.agent.reporter import REPORTER_SPECS, Reporter, client_ssl_context
+from vigil.agent.reporter import LAST_SUCCESS, REPORTER_SPECS, Reporter, client_ssl_context
 from vigil.agent.runner import RUNNER_SPECS, Runner
 from vigil.agent.sd_notify import SdNotifier
 from vigil.agent.seams import Seams
@@ -63,6 +64,15 @@ async def _bind(start: Awaitable[_T], address: str, key: str) -> _T:
         raise OSError(exc.errno, f"cannot listen on {address} ({key}): {exc.strerror or exc}") from None
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+
+
+def reporter_state_dir(state_dir: Path | None, index: int) -> Path | None:
+    """Where the reporter to the ``index``-th aggregator journals its backlog."""
+    if state_dir is None or index == 0:
+        return state_dir
+    sub = state_dir / f"aggregator-{index + 1}"
+    sub.mkdir(mode=0o700, exist_ok=True)
+    return sub
 
 
 def read_boot_id(path: Path = BOOT_ID_PATH) -> str:
@@ -108,16 +118,22 @@ class Agent:
         # What the aggregator may ask of this node (nothing unless node_actions.allow lists it).
         self.node_actions = NodeActionRunner(config.node_actions, node=config.node, boot_id=self.boot_id,
                                              nvml=seams.nvml, clock=seams.clock)
-        if token and target.url and target.url.startswith("http://"):
-            log.warning("aggregator.url %s is plain http: this node's token crosses the network readable; "
-                        "use https:// with aggregator.ca_file", target.url)
-        self.reporter = Reporter(
-            url=target.url, token=token, node=config.node, boot_id=self.boot_id,
+        for url in target.targets:
+            if token and url.startswith("http://"):
+                log.warning("aggregator URL %s is plain http: this node's token crosses the network readable; "
+                            "use https:// with aggregator.ca_file", url)
+        # One reporter per aggregator (every replica of an HA pair gets every report), each with its
+        # own sequence, backlog and journal: the first keeps state_dir itself, the others a
+        # subdirectory each, so a replica that is down delays nothing sent to the other.
+        self.reporters = [Reporter(
+            url=url, token=token, node=config.node, boot_id=self.boot_id,
             topology=config.topology, snapshot=self.snapshot, interval_seconds=target.interval_seconds,
             timeout_seconds=target.timeout_seconds, max_backoff_seconds=target.max_backoff_seconds,
             max_report_bytes=target.max_report_bytes, max_pending_event_bytes=target.max_pending_event_bytes,
-            ssl_context=client_ssl_context(target.url, target.ca_file, target.cert_file, target.key_file),
-            state_dir=seams.state_dir, clock=seams.clock, node_actions=self.node_actions.handle)
+            ssl_context=client_ssl_context(url, target.ca_file, target.cert_file, target.key_file),
+            state_dir=reporter_state_dir(seams.state_dir, i), clock=seams.clock, node_actions=self.node_actions.handle)
+            for i, url in enumerate(target.targets or [None])]
+        self.reporter = self.reporters[0]
         self.heartbeats = HeartbeatIntake(self.heartbeat_sink(), seams.clock)
         self.connections = ConnectionLimit(config.listen_max_connections)
         intervals = {}
@@ -129,7 +145,7 @@ class Agent:
                                                                  *self.heartbeats.specs, *self.connections.specs,
                                                                  *NODE_ACTION_SPECS]
         self.exporter = SnapshotExporter(specs, [self.snapshot.samples, self.runner.self_samples,
-                                                 self.reporter.samples, self.heartbeats.samples,
+                                                 self.reporter_samples, self.heartbeats.samples,
                                                  self.connections.samples, self.node_actions.samples])
         # Add-on prometheus-client collectors (e.g. dcgm-exporter compatibility) register here;
         # vigil's own series are rendered by the exporter's direct encoder.
@@ -138,11 +154,31 @@ class Agent:
         if config.exporter.dcgm_compat:
             self.registry.register(DcgmCompatCollector(self.snapshot.samples, hostname=config.node))
 
+    def reporter_samples(self) -> list[Sample]:
+        """The reporters' series as one agent's: counters summed over the aggregators, the pending
+        backlog summed, the last success the latest (an aggregator that stays unreachable shows
+        as report errors here and as that aggregator's own silence there)."""
+        if len(self.reporters) == 1:
+            return self.reporter.samples()
+        merged: dict[tuple[str, tuple[tuple[str, str], ...]], Sample] = {}
+        for reporter in self.reporters:
+            for sample in reporter.samples():
+                key = (sample.name, sample.labels)
+                seen = merged.get(key)
+                if seen is None:
+                    merged[key] = sample
+                else:
+                    value = max(seen.value, sample.value) if sample.name == LAST_SUCCESS.name \
+                        else seen.value + sample.value
+                    merged[key] = replace(seen, value=value)
+        return list(merged.values())
+
     def render_metrics(self) -> bytes:
         return render(self.exporter, self.registry)
 
     def _on_events(self, collection: Collection) -> None:
-        self.reporter.add_events(collection.events)
+        for reporter in self.reporters:
+            reporter.add_events(collection.events)
 
     def heartbeat_sink(self) -> HeartbeatSink | None:
         for c in self.collectors:
@@ -183,7 +219,8 @@ class Agent:
             try:
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(self.runner.run(stop))
-                    tg.create_task(self.reporter.run(stop))
+                    for reporter in self.reporters:
+                        tg.create_task(reporter.run(stop))
                     tg.create_task(watchdog_pings(notifier, stop))
             finally:
                 notifier.stopping()

@@ -26,6 +26,7 @@ from vigil.aggregator.auth import Refusals
 from vigil.aggregator.decision import Action, Decision, Finding
 from vigil.aggregator.listener import BodyRefused, read_body
 from vigil.aggregator.sink import DecisionSink
+from vigil.aggregator.store import WRITE_ERRORS
 
 MAX_BODY_BYTES = 1 << 20
 ACTION_LABEL = "vigil_action"
@@ -152,10 +153,13 @@ def add_routes(
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout_seconds: float = 10.0,
     breaker: Resettable | None = None,
+    leads: Callable[[], bool] = lambda: True,
 ) -> None:
     """Register ``POST /v1/alertmanager`` and ``POST /v1/breaker/reset``. Every refused batch
     and alert is counted in ``refusals`` (door "alertmanager"). ``fleet_nodes(now)`` is the
-    breaker's budget base; ``is_member(node, now)`` whether a decision may name ``node``."""
+    breaker's budget base; ``is_member(node, now)`` whether a decision may name ``node``; a
+    standby of an HA pair (``leads()`` false) answers 503 so that Alertmanager sends the batch
+    again, to the leader."""
 
     def bad(status: int, reason: str, detail: str) -> web.Response:
         refusals.count("alertmanager", reason)
@@ -166,6 +170,8 @@ def add_routes(
             body = await read_body(request, max_body_bytes, body_timeout_seconds)
         except BodyRefused as exc:
             return bad(exc.status, exc.reason, exc.detail)
+        if not leads():
+            return bad(503, "standby", "this aggregator replica stands by; the leader takes alerts (sent again)")
         now = clock()
         fleet = fleet_nodes(now)
 
@@ -202,7 +208,12 @@ def add_routes(
     async def breaker_reset(_: web.Request) -> web.Response:
         if breaker is None:
             return web.json_response({"error": "no_breaker", "detail": "this sink has no circuit breaker"}, status=404)
-        was_tripped = await asyncio.to_thread(breaker.reset_breaker)
+        if not leads():
+            return bad(503, "standby", "this aggregator replica stands by; reset the breaker on the leader")
+        try:
+            was_tripped = await asyncio.to_thread(breaker.reset_breaker)
+        except WRITE_ERRORS as exc:  # the store failing, or the leadership lost meanwhile
+            return web.json_response({"error": "store_unavailable", "detail": str(exc)}, status=503)
         return web.json_response({"reset": True, "was_tripped": was_tripped})
 
     app.router.add_post("/v1/alertmanager", alertmanager_webhook)

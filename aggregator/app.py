@@ -43,6 +43,7 @@ from vigil.aggregator.dispatch import Dispatcher
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import NodeState
 from vigil.aggregator.gate import Gate
+from vigil.aggregator.leadership import Leadership, SoleLeader
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.listener import BodyRefused, ConnectionGuard, read_body, tls_context
 from vigil.aggregator.metrics import CONTENT_TYPE, ActingReadings, AggregatorMetrics
@@ -50,7 +51,7 @@ from vigil.aggregator.operator_api import add_no_gate_routes, add_operator_route
 from vigil.aggregator.outbox import Outbox
 from vigil.aggregator.redact import redact_json
 from vigil.aggregator.sink import DecisionSink
-from vigil.aggregator.store import WRITE_ERRORS, Store
+from vigil.aggregator.store import WRITE_ERRORS, Store, read_dsn
 
 log = logging.getLogger("vigil.aggregator")
 
@@ -201,6 +202,10 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
 
     ledger = sink if isinstance(sink, Ledger) else None
     breaker_window = config.gate.breaker_window_seconds
+    leadership = ledger.leadership if ledger is not None else SoleLeader()
+    leads = ledger.leads if ledger is not None else (lambda: True)
+    if dispatcher is not None:
+        dispatcher.acting = leads
 
     def reporting() -> int:
         return engine.fleet.reporting_since(clock() - breaker_window)
@@ -221,6 +226,9 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             readings.store_errors = {**ledger.store_errors,
                                      "delivery_update": dispatcher.store_errors if dispatcher else 0}
             readings.unstored = ledger.unstored
+            readings.leader = ledger.leads()
+            readings.leader_transitions = leadership.transitions
+            readings.leadership_errors = getattr(leadership, "errors", 0)
             try:
                 readings.open_deliveries = ledger.store.delivery_counts()
             except WRITE_ERRORS:
@@ -405,7 +413,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         # Node actions: the agent's results first (a final one ends its request), then what is due.
         if report.action_results:
             node_actions.record(report.node, report.action_results, now)
-        requests = node_actions.due(report.node, now, report.boot_id)
+        requests = node_actions.due(report.node, now, report.boot_id) if leads() else []  # the leader asks
         if requests:
             answer["requests"] = [r.model_dump(mode="json") for r in requests]
         return web.json_response(answer, status=202)
@@ -474,7 +482,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     async def healthz(_: web.Request) -> web.Response:
         problem = sink.problem()
         body = {"status": "ok" if problem is None else "failing", "nodes": len(engine.fleet.view().nodes),
-                "dry_run": config.dry_run}
+                "dry_run": config.dry_run, "role": "leader" if leads() else "standby"}
         if problem is not None:
             return web.json_response({**body, "reason": problem}, status=503)
         return web.json_response(body)
@@ -494,8 +502,38 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
                # nodes cannot inflate its budget
                fleet_nodes=lambda now: engine.fleet.reporting_since(now - breaker_window),
                is_member=engine.fleet.is_member, max_body_bytes=config.max_body_bytes,
-               body_timeout_seconds=config.server.body_timeout_seconds, breaker=ledger)
+               body_timeout_seconds=config.server.body_timeout_seconds, breaker=ledger, leads=leads)
+    if ledger is not None and isinstance(leadership, Leadership):
+        app.cleanup_ctx.append(background("vigil-aggregator-leadership",
+                                          lambda: keep_leadership(config, ledger, leadership, wake, dispatcher)))
     return app
+
+
+async def keep_leadership(config: AggregatorConfig, ledger: Ledger, leadership: Leadership, wake: asyncio.Event,
+                          dispatcher: Dispatcher | None, *, monotonic: Callable[[], float] = time.monotonic) -> None:
+    """Forever, every ``ha.check_interval_seconds``: the leader verifies it holds the lock, a warm
+    standby tries to take it. Taking over reads the gate's state back from the database before
+    anything is proposed or delivered; losing the lock stops both at once."""
+    started = monotonic()
+    while True:
+        warm = monotonic() - started >= config.ha.warm_after_seconds
+        try:
+            leader = await asyncio.to_thread(leadership.check, warm)
+            if leader and not ledger.leads():
+                await asyncio.to_thread(ledger.take_over)
+                log.warning("taking over: gate state read back from the store; evaluating and delivering now")
+                wake.set()
+                if dispatcher is not None:
+                    dispatcher.wake()
+            elif not leader and ledger.leads():
+                ledger.stand_by()
+        except WRITE_ERRORS as exc:  # reading the state back failed: not leading until it works
+            ledger.stand_by()
+            log.error("taking over failed, the store could not be read: %s; trying again", exc)
+        except Exception:
+            ledger.stand_by()
+            log.exception("leadership check failed; standing by until the next check")
+        await asyncio.sleep(config.ha.check_interval_seconds)
 
 
 def build_sink(config: AggregatorConfig, started: float | None = None) -> tuple[Ledger, Dispatcher]:
@@ -505,9 +543,19 @@ def build_sink(config: AggregatorConfig, started: float | None = None) -> tuple[
         actuators = build_actuators(config.actuators)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    store = Store(config.store_path, busy_timeout_seconds=config.store.busy_timeout_seconds)
+    leadership: Leadership | SoleLeader = SoleLeader()
+    if config.store.backend == "postgresql":
+        assert config.store.dsn_file is not None  # the config's validator insists
+        dsn = read_dsn(config.store.dsn_file)
+        ha = Leadership(dsn, config.ha.lock_key)
+        store = Store("postgresql", dsn=dsn, fence=lambda: ha.holder_pid, lock_key=config.ha.lock_key)
+        leadership = ha
+    else:
+        store = Store(config.store_path, busy_timeout_seconds=config.store.busy_timeout_seconds)
     dispatcher = Dispatcher(store, actuators, config.actuators.delivery)
-    ledger = Ledger(Gate(config.gate, started=started), store, actuators, wake=dispatcher.wake, config=config.store)
+    ledger = Ledger(Gate(config.gate, started=started), store, actuators, wake=dispatcher.wake, config=config.store,
+                    leadership=leadership)
+    dispatcher.acting = ledger.leads
     return ledger, dispatcher
 
 
@@ -578,4 +626,5 @@ async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
             with contextlib.suppress(asyncio.CancelledError):
                 await delivering
         dispatcher.close()
+        sink.leadership.release()  # a clean stop hands the lock over at once
         sink.store.close()

@@ -37,6 +37,7 @@ from vigil.aggregator.detectors.topology import TopologyConfig
 from vigil.aggregator.detectors.xid import XidConfig
 from vigil.aggregator.fleet import FleetConfig
 from vigil.aggregator.gate import GateConfig
+from vigil.aggregator.leadership import HaConfig
 from vigil.aggregator.listener import ServerConfig
 from vigil.aggregator.outbox import NodeActionsConfig, switched_on
 from vigil.aggregator.store import StoreConfig
@@ -77,6 +78,8 @@ class AggregatorConfig(StrictModel):
     detectors: DetectorsConfig = DetectorsConfig()
     gate: GateConfig = GateConfig()
     store: StoreConfig = StoreConfig()
+    # Replicas sharing a PostgreSQL store: which one acts (store.backend postgresql; docs/ha.md).
+    ha: HaConfig = HaConfig()
     actuators: ActuatorsConfig = ActuatorsConfig()
     # Signed requests to the agents (aggregator/outbox.py); used by actuators.slurm.reset_gpu,
     # actuators.kubernetes.reset_gpu and actuators.kubernetes.reboot.
@@ -89,6 +92,20 @@ class AggregatorConfig(StrictModel):
             raise ValueError(f"{' and '.join(on)} {'needs' if len(on) == 1 else 'need'} node_actions.key_file "
                              "(the master key the requests to the agents are signed with: vigil token "
                              "master-key --out FILE)")
+        return self
+
+    @model_validator(mode="after")
+    def _postgres(self) -> AggregatorConfig:
+        if self.store.backend != "postgresql":
+            return self
+        if not self.store.dsn_file:
+            raise ValueError("store.backend postgresql needs store.dsn_file (a file holding the libpq connection "
+                             "string; never on the command line or in this file)")
+        silence = self.detectors.silence
+        if silence.enabled and self.ha.warm_after_seconds < silence.alert_after_seconds_min:
+            raise ValueError(f"ha.warm_after_seconds ({self.ha.warm_after_seconds:g}) must cover "
+                             f"detectors.silence.alert_after_seconds_min ({silence.alert_after_seconds_min:g}): "
+                             "a replica taking over earlier would find nodes silent it merely has not heard yet")
         return self
 
     @property

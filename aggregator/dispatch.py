@@ -4,8 +4,9 @@ The ``Dispatcher`` is an async worker that takes due deliveries from the store (
 by ``aggregator.ledger.Ledger``) and runs each (blocking) actuator in a thread, with jittered
 exponential backoff and a dead-letter state; every failed attempt is a WARNING and a counted
 outcome, every dead letter an ERROR. A delivered decision is handed to ``on_delivered`` (the
-node-action outbox follows a delivered drain with its request to the agent). It judges nothing
-and keeps no delivery state outside the store.
+node-action outbox follows a delivered drain with its request to the agent). Only the leader of
+an HA pair delivers (``acting``); the store refuses a standby's delivery updates besides. It
+judges nothing and keeps no delivery state outside the store.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ class Dispatcher:
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         on_delivered: Callable[[str, Decision, float], None] | None = None,
+        acting: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store = store
+        self.acting = acting
         # Called with (actuator, decision, now) once a delivery is recorded as delivered: the
         # node-action outbox follows a delivered drain with its request (aggregator/outbox.py).
         self.on_delivered = on_delivered
@@ -134,6 +137,9 @@ class Dispatcher:
         self._event = asyncio.Event()
         while True:
             self._event.clear()
+            if not self.acting():  # a standby: the leader delivers; woken when this one takes over
+                await self._idle(self.config.poll_seconds)
+                continue
             try:
                 await self.run_once()
                 next_ts = await asyncio.to_thread(self.store.next_due_ts)
@@ -146,11 +152,15 @@ class Dispatcher:
             wait = self.config.poll_seconds
             if next_ts is not None:
                 wait = max(0.0, min(wait, next_ts - self.clock()))
-            try:
-                async with asyncio.timeout(wait):
-                    await self._event.wait()
-            except TimeoutError:
-                pass
+            await self._idle(wait)
+
+    async def _idle(self, wait_seconds: float) -> None:
+        assert self._event is not None
+        try:
+            async with asyncio.timeout(wait_seconds):
+                await self._event.wait()
+        except TimeoutError:
+            pass
 
     def close(self) -> None:
         for actuator in self.actuators.values():

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from vigil.aggregator.actuators.actuator import Actuator
 from vigil.aggregator.decision import Decision
 from vigil.aggregator.gate import Gate, GateState, Verdict
+from vigil.aggregator.leadership import Leadership, SoleLeader
 from vigil.aggregator.store import WRITE_ERRORS, Store, StoreConfig
 
 log = logging.getLogger("vigil.aggregator.ledger")
@@ -52,9 +53,14 @@ class Ledger:
         actuators: Mapping[str, Actuator],
         wake: Callable[[], None] | None = None,
         config: StoreConfig | None = None,
+        leadership: Leadership | SoleLeader | None = None,
     ) -> None:
         self.gate = gate
         self.store = store
+        # Only the leader of an HA pair proposes to the gate, once it has read the gate's state back
+        # (``take_over``); a lone aggregator always does.
+        self.leadership = leadership or SoleLeader()
+        self._taken_over = not self.leadership.ha
         self.actuators = dict(actuators)
         self.wake = wake
         self.config = config or StoreConfig()
@@ -117,7 +123,13 @@ class Ledger:
 
     def submit(self, decisions: Sequence[Decision], now: float, fleet_nodes: int) -> list[Decision]:
         """Judge and record ``decisions`` (and any left from a failed write); ``fleet_nodes`` is
-        how many nodes reported within the breaker window. Called every evaluation cycle."""
+        how many nodes reported within the breaker window. Called every evaluation cycle.
+        A standby proposes nothing: it drops what it was given (the leader's detectors propose
+        the same episodes, with the same ids)."""
+        if not self.leads():
+            with self._queue_lock:
+                self._unstored.clear()
+            return []
         with self._queue_lock:
             for d in decisions:
                 if d.id not in self._settled:
@@ -159,6 +171,26 @@ class Ledger:
         if admitted and self.wake is not None:
             self.wake()
         return admitted
+
+    def leads(self) -> bool:
+        """Whether this replica acts now: it holds the leadership and has taken over."""
+        return self._taken_over and self.leadership.leader
+
+    def stand_by(self) -> None:
+        """Leadership lost: propose nothing until ``take_over`` again."""
+        self._taken_over = not self.leadership.ha
+
+    def take_over(self) -> None:
+        """This replica just became the leader: the gate's state is read back from the database
+        (the previous leader changed it) and what this one remembered as settled is forgotten, so
+        every proposal is checked against the store's verdicts again."""
+        with self._lock:
+            self.store.reload()
+            with self._queue_lock:
+                self._unstored.clear()
+            self._settled.clear()
+            self._recovered()
+            self._taken_over = True
 
     def _decide(self, queue: Sequence[Decision], now: float, fleet_nodes: int) -> list[Decision]:
         state = self.store.state

@@ -3,8 +3,8 @@
 Counts reports ingested and rejected (by reason) and the events they carried (by kind), times
 ingest and evaluation, reports how many nodes are in each state, and shows the acting side:
 decisions by action, detector and verdict, deliveries by actuator and outcome, pending and
-dead-lettered deliveries, the circuit breaker, store errors, actuator reachability and the event
-loop's lag. It uses its own registry (no process-global state), so tests and the simulator can
+dead-lettered deliveries, the circuit breaker, store errors, leadership, actuator reachability and
+the event loop's lag. It uses its own registry (no process-global state), so tests and the simulator can
 build as many as they like. It neither judges nor serves; app.py mounts ``render`` and supplies
 the readings.
 """
@@ -73,6 +73,10 @@ class ActingReadings:
     # Kubernetes Events the API server did not take (the actions themselves were unaffected);
     # None without the Kubernetes actuator.
     kubernetes_events_not_recorded: int | None = None
+    # Leadership of an HA pair (aggregator/leadership.py); a lone aggregator is always the leader.
+    leader: bool = True
+    leader_transitions: int = 0
+    leadership_errors: int = 0
 
 
 class _Acting(PromCollector):
@@ -125,6 +129,13 @@ class _Acting(PromCollector):
                                 "store fails (/healthz answers 503).", value=int(r.store_ok))
         yield GaugeMetricFamily("vigil_aggregator_store_unstored_decisions",
                                 "Proposals waiting in memory for the store to work again.", value=r.unstored)
+        yield GaugeMetricFamily("vigil_aggregator_leader", "1 while this replica acts (holds the leadership lock, "
+                                "or is a lone aggregator), 0 while it stands by.", value=int(r.leader))
+        yield CounterMetricFamily("vigil_aggregator_leader_transitions", "Times this replica became the leader or "
+                                  "stopped being it.", value=r.leader_transitions)
+        yield CounterMetricFamily("vigil_aggregator_leadership_check_errors", "Leadership checks that failed on the "
+                                  "database (connection lost, timeout); a leader stops acting at the first.",
+                                  value=r.leadership_errors)
         if r.kubernetes_events_not_recorded is not None:
             yield CounterMetricFamily("vigil_aggregator_kubernetes_events_not_recorded",
                                       "Kubernetes Events on Nodes the API server refused or did not answer "

@@ -26,6 +26,7 @@ MODULES = [
     "bench.bench_rdma",
     "bench.bench_sim",
     "bench.bench_judgments",
+    "bench.bench_failover",
 ]
 
 

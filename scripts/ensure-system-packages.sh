@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages whose real programs the tests run (promtool, prometheus,
-# alertmanager, node_exporter, victoria-metrics/vmalert, slurmctld/slurmd/munged) when they are
+# alertmanager, node_exporter, victoria-metrics/vmalert, slurmctld/slurmd/munged, PostgreSQL) when they are
 # missing and we are root.
 # Without root it says what is missing; the tests that need a program then skip with that reason.
 set -euo pipefail
@@ -25,6 +25,8 @@ missing=()
 for bin in "${!need[@]}"; do
   command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || missing+=("${need[$bin]}")
 done
+# PostgreSQL's server programs live in a versioned directory, not on PATH.
+compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || missing+=(postgresql)
 [ ${#missing[@]} -eq 0 ] && exit 0
 pkgs=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
 if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then

@@ -48,7 +48,9 @@ def _merged_config(args: argparse.Namespace) -> Any:
     if args.node:
         data["node"] = args.node
     if args.aggregator:
-        data.setdefault("aggregator", {})["url"] = args.aggregator
+        target = data.setdefault("aggregator", {})
+        target["url"] = args.aggregator
+        target.pop("urls", None)  # the one given replaces the configured list
     if args.token_file:
         data.setdefault("aggregator", {})["token_file"] = args.token_file
     return parse_config(data)

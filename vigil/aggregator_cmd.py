@@ -77,7 +77,9 @@ def serve(args: argparse.Namespace) -> int:
                        *token_file_problems("tls.cert_file", config.tls.cert_file),
                        *token_file_problems("tls.key_file", config.tls.key_file),
                        *key_file_problems("node_actions.key_file", key_file),
-                       *state_dir_problems("store_path", str(Path(config.store_path).resolve().parent))])
+                       *(token_file_problems("store.dsn_file", config.store.dsn_file)
+                         if config.store.backend == "postgresql" else
+                         state_dir_problems("store_path", str(Path(config.store_path).resolve().parent)))])
 
     async def main() -> None:
         stop = asyncio.Event()

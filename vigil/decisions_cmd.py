@@ -1,6 +1,7 @@
 """``vigil aggregator decisions``: read the decision store.
 
-It opens the aggregator's SQLite store directly (WAL allows it while the service runs) and lists
+It opens the aggregator's SQLite store directly (WAL allows it while the service runs), or its
+PostgreSQL store with ``--dsn-file`` (an HA pair's, docs/ha.md), and lists
 each decision with its gate verdict and its delivery state per actuator. It changes nothing:
 the operator's actions (breaker reset, hold, resume) go through the service's API
 (``vigil.operator_cmd``), which owns the gate's state.
@@ -21,15 +22,23 @@ if TYPE_CHECKING:
 
 def add_decisions_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", metavar="PATH", default="vigil-aggregator.sqlite", help="decision store path")
+    p.add_argument("--dsn-file", metavar="FILE", help="read the PostgreSQL store of an HA pair instead (the file "
+                   "holding its connection string, as store.dsn_file)")
     p.add_argument("--limit", type=int, default=50, help="most recent N decisions (default 50)")
     p.add_argument("--node", help="only this node")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
 
 
-def _open(path: str) -> Store | int:
+def _open(path: str, dsn_file: str | None = None) -> Store | int:
     """The store, or the exit status: 1 when there is none, 2 when it cannot be read."""
-    from vigil.aggregator.store import Store, StoreError
+    from vigil.aggregator.store import Store, StoreError, read_dsn
 
+    if dsn_file is not None:
+        try:
+            return Store("postgresql", dsn=read_dsn(dsn_file))
+        except StoreError as exc:
+            print(f"vigil aggregator: {exc}", file=sys.stderr)
+            return 2
     if not Path(path).exists():
         print(f"vigil aggregator: no decision store at {path}", file=sys.stderr)
         return 1
@@ -44,7 +53,7 @@ def decisions(args: argparse.Namespace) -> int:
     from vigil.aggregator.redact import redact, redact_json
     from vigil.aggregator.store import decisions_as_dicts
 
-    store = _open(args.store)
+    store = _open(args.store, getattr(args, "dsn_file", None))
     if isinstance(store, int):
         return store
     try:

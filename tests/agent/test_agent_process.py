@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,10 @@ XID_79 = ("[ 2071.315227] NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=
 _free_port = free_port
 
 
-def _start_agent(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], int]:
+def _start_agent(tmp_path: Path, *extra: str, config: str = "") -> tuple[subprocess.Popen[bytes], int]:
     port = _free_port()
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text(f"collectors: {{training: {{udp_listen: '127.0.0.1:{_free_port()}'}}}}\n")
+    cfg.write_text(f"collectors: {{training: {{udp_listen: '127.0.0.1:{_free_port()}'}}}}\n{config}")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vigil", "agent", "--config", str(cfg), "--backend", "fake",
          "--listen", f"127.0.0.1:{port}", "--node", "gpu-node-03", *extra],
@@ -153,3 +154,70 @@ def test_the_example_training_loop_shows_its_steps_in_the_agents_metrics(tmp_pat
         assert 'vigil_training_phase_seconds{job="example",phase="compute",rank="5"}' in text
     finally:
         _stop(proc)
+
+
+async def test_with_two_aggregators_each_gets_every_report_and_a_down_one_gets_its_backlog_later(
+        tmp_path: Path) -> None:
+    """An HA pair's agent side (docs/ha.md): aggregator.urls lists both replicas; each gets every
+    report with its own sequence, and the Xid reaches the one that is up at once while the one that
+    is down (503) gets it from its own backlog when it is back."""
+    got: dict[str, list[Report]] = {"a": [], "b": []}
+    b_up = asyncio.Event()
+    xid_at: dict[str, asyncio.Event] = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+    def receiver(name: str) -> web.Application:
+        async def reports(request: web.Request) -> web.Response:
+            if name == "b" and not b_up.is_set():
+                return web.json_response({"error": "down"}, status=503)
+            report = Report.model_validate_json(await request.read())
+            got[name].append(report)
+            if any(e.kind == "xid" for e in report.events):
+                xid_at[name].set()
+            return web.json_response({"status": "accepted", "node": report.node, "seq": report.seq}, status=202)
+
+        app = web.Application()
+        app.router.add_post("/v1/reports", reports)
+        return app
+
+    runners, urls = [], []
+    for name in ("a", "b"):
+        runner = web.AppRunner(receiver(name))
+        await runner.setup()
+        port = _free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{port}")
+    kmsg = tmp_path / "kern.log"
+    kmsg.write_text("[    5.000000] nvidia: loading out-of-tree module taints kernel.\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    proc, port = await asyncio.to_thread(
+        _start_agent, tmp_path, "--kmsg", str(kmsg),
+        config=f"state_dir: {state}\naggregator: {{urls: {json.dumps(urls)}, interval_seconds: 0.5}}\n")
+    try:
+        await asyncio.wait_for(_until(lambda: len(got["a"]) >= 2), 15)
+        with open(kmsg, "a") as f:
+            f.write(XID_79)
+        await asyncio.wait_for(xid_at["a"].wait(), 10)
+        assert not got["b"] and not xid_at["b"].is_set()
+        assert (state / "aggregator-2").is_dir()  # b's backlog journals apart from a's
+        b_up.set()
+        await asyncio.wait_for(xid_at["b"].wait(), 20)
+        for name in ("a", "b"):
+            xids = [e for r in got[name] for e in r.events if e.kind == "xid"]
+            assert [e.code for e in xids] == [79], name  # once each
+            seqs = [r.seq for r in got[name]]
+            assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), name
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        errors = [line for line in metrics.splitlines()
+                  if line.startswith('vigil_agent_report_errors_total{reason="server_error"')]
+        assert errors and float(errors[0].rsplit(" ", 1)[1]) >= 1  # b's refusals, counted once per series
+    finally:
+        await asyncio.to_thread(_stop, proc)
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def _until(check: Callable[[], bool]) -> None:
+    while not check():
+        await asyncio.sleep(0.05)

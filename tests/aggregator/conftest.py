@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from tests.aggregator.aggregator_process import WebhookReceiver
+from tests.postgres import PostgresServer, skip_reason
 from vigil.agent.wire import Event, GpuState, PortState, RankSummary, Report
+from vigil.aggregator.store import Store
 
 GBPS = 1e9
 
@@ -127,3 +129,27 @@ def receiver() -> Iterator[WebhookReceiver]:
         yield r
     finally:
         r.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One real PostgreSQL on loopback for the whole session (tests/postgres.py)."""
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    server = PostgresServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.external)])
+def open_store(request: pytest.FixtureRequest, tmp_path: Any) -> Callable[[], Store]:
+    """Opens (and, called again, reopens: a restart) this test's store on each engine: a SQLite
+    file, or an empty database on the real PostgreSQL."""
+    if request.param == "sqlite":
+        return lambda: Store(tmp_path / "d.db")
+    server: PostgresServer = request.getfixturevalue("postgres_server")
+    server.reset_database()
+    return lambda: Store("postgresql", dsn=server.dsn)

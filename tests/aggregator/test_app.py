@@ -158,7 +158,7 @@ async def test_nodes_and_node_detail(service):
     detail = await (await service.client.get("/v1/nodes/gpu-001")).json()
     assert detail["boot_id"] == node.boot_id and len(detail["gpus"]) == 8 and detail["decisions"] == []
     health = await (await service.client.get("/healthz")).json()
-    assert health == {"status": "ok", "nodes": 1, "dry_run": True}
+    assert health == {"status": "ok", "nodes": 1, "dry_run": True, "role": "leader"}
     metrics = await (await service.client.get("/metrics")).text()
     assert 'vigil_aggregator_nodes{state="ok"} 1.0' in metrics
     assert "vigil_aggregator_reports_total 1.0" in metrics

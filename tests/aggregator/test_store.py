@@ -37,20 +37,25 @@ def dec(node: str, action: Action, id: str, ts: float = T0) -> Decision:
     return Decision(id=id, ts=ts, node=node, action=action, reason="r", detector="xid", dry_run=False)
 
 
-def test_wal_mode_and_decision_written_with_verdict_and_pending_deliveries(tmp_path) -> None:
+def test_sqlite_runs_in_wal_mode(tmp_path) -> None:
     store = Store(tmp_path / "d.db")
-    sink = Ledger(Gate(GateConfig(dry_run=False)), store, {"slurm": Takes("slurm"), "hook": Takes("hook")})
-    sink.submit([dec("n1", Action.DRAIN, "a1")], T0, 10)
     mode = sqlite3.connect(tmp_path / "d.db").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
+    store.close()
+
+
+def test_decision_written_with_verdict_and_pending_deliveries(open_store) -> None:
+    store = open_store()
+    sink = Ledger(Gate(GateConfig(dry_run=False)), store, {"slurm": Takes("slurm"), "hook": Takes("hook")})
+    sink.submit([dec("n1", Action.DRAIN, "a1")], T0, 10)
     [row] = store.decisions()
     assert row.admitted and row.verdict == "admitted" and row.decision.id == "a1"
     assert {(x.actuator, x.state) for x in row.deliveries} == {("slurm", "pending"), ("hook", "pending")}
     store.close()
 
 
-def test_dry_run_records_what_would_be_done_and_only_notifiers_are_pending(tmp_path) -> None:
-    store = Store(tmp_path / "d.db")
+def test_dry_run_records_what_would_be_done_and_only_notifiers_are_pending(open_store) -> None:
+    store = open_store()
     actuators = {"slurm": Takes("slurm"), "am": Takes("am", notify_in_dry_run=True)}
     Ledger(Gate(GateConfig(dry_run=True)), store, actuators).submit([dec("n1", Action.DRAIN, "a1")], T0, 10)
     [row] = store.decisions()
@@ -60,8 +65,8 @@ def test_dry_run_records_what_would_be_done_and_only_notifiers_are_pending(tmp_p
     store.close()
 
 
-def test_refusals_are_recorded_once_with_their_reason(tmp_path) -> None:
-    store = Store(tmp_path / "d.db")
+def test_refusals_are_recorded_once_with_their_reason(open_store) -> None:
+    store = open_store()
     sink = Ledger(Gate(GateConfig(dry_run=False, opt_out_nodes=["n9"])), store, {"slurm": Takes("slurm")})
     for i in range(5):  # a detector re-proposes its episode every cycle
         assert sink.submit([dec("n9", Action.DRAIN, "same-episode", T0 + i)], T0 + i, 10) == []
@@ -73,8 +78,8 @@ def test_refusals_are_recorded_once_with_their_reason(tmp_path) -> None:
     store.close()
 
 
-def test_a_refused_episode_is_admitted_when_proposed_again_after_the_cooldown(tmp_path) -> None:
-    store = Store(tmp_path / "d.db")
+def test_a_refused_episode_is_admitted_when_proposed_again_after_the_cooldown(open_store) -> None:
+    store = open_store()
     cfg = GateConfig(dry_run=False, cooldown_seconds=600, dedup_seconds=10)
     sink = Ledger(Gate(cfg), store, {"slurm": Takes("slurm")})
     sink.submit([dec("n1", Action.RESET_GPU, "first")], T0, 10)
@@ -86,13 +91,13 @@ def test_a_refused_episode_is_admitted_when_proposed_again_after_the_cooldown(tm
     store.close()
 
 
-def test_node_state_escalation_history_and_dedup_survive_restart(tmp_path) -> None:
+def test_node_state_escalation_history_and_dedup_survive_restart(open_store) -> None:
     cfg = GateConfig(dry_run=False, cooldown_seconds=60, dedup_seconds=30)
-    store = Store(tmp_path / "d.db")
+    store = open_store()
     Ledger(Gate(cfg), store, {}).submit([dec("n1", Action.RESET_GPU, "r1")], T0, 10)
     store.close()
 
-    store = Store(tmp_path / "d.db")
+    store = open_store()
     sink = Ledger(Gate(cfg), store, {})
     assert store.state.node("n1").condition == "removed"
     assert sink.submit([dec("n1", Action.RESET_GPU, "r1")], T0 + 5, 10) == []  # same id: delivered once
@@ -102,8 +107,8 @@ def test_node_state_escalation_history_and_dedup_survive_restart(tmp_path) -> No
     store.close()
 
 
-def test_deliveries_of_one_node_are_handed_out_in_order(tmp_path) -> None:
-    store = Store(tmp_path / "d.db")
+def test_deliveries_of_one_node_are_handed_out_in_order(open_store) -> None:
+    store = open_store()
     cfg = GateConfig(dry_run=False, min_removed_seconds=0)
     sink = Ledger(Gate(cfg), store, {"slurm": Takes("slurm")})
     sink.submit([dec("n1", Action.DRAIN, "drain")], T0, 100)

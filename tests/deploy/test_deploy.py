@@ -252,11 +252,33 @@ def test_each_overlay_builds_and_validates_strictly(tmp_path: Path, overlay: Pat
     assert done.returncode == 0, done.stdout + done.stderr
     objects = [d for d in yaml.safe_load_all(built.stdout) if d]
     kinds = {d["kind"] for d in objects}
-    assert {"DaemonSet", "Deployment", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert {"DaemonSet", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert kinds & {"Deployment", "StatefulSet"}  # one aggregator, or the HA pair (overlays/ha)
     for d in objects:  # the recommended labels on every object
         labels = d["metadata"]["labels"] if d["kind"] != "Namespace" else d["metadata"].get("labels", {})
         assert labels.get("app.kubernetes.io/part-of") == "vigil", d["metadata"]["name"]
         assert labels.get("app.kubernetes.io/version") and labels.get("app.kubernetes.io/managed-by") == "kustomize"
-    images = {c["image"] for d in objects if d["kind"] in ("DaemonSet", "Deployment")
+    images = {c["image"] for d in objects if d["kind"] in ("DaemonSet", "Deployment", "StatefulSet")
               for c in d["spec"]["template"]["spec"]["containers"]}
     assert len(images) == 1 and "example" not in next(iter(images))  # one image, set in one place
+
+
+@pytest.mark.external
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl missing (Debian package kubernetes-client)")
+def test_the_ha_overlay_runs_two_replicas_on_postgresql_with_agents_reporting_to_both() -> None:
+    assert KUBECTL is not None
+    built = run([KUBECTL, "kustomize", str(DEPLOY / "kubernetes" / "overlays" / "ha")])
+    assert built.returncode == 0, built.stderr
+    objects = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(built.stdout) if d}
+    assert ("Deployment", "vigil-aggregator") not in objects  # no single-writer SQLite aggregator left
+    pair = objects[("StatefulSet", "vigil-aggregator")]
+    assert pair["spec"]["replicas"] == 2
+    service = objects[("Service", pair["spec"]["serviceName"])]
+    assert service["spec"]["clusterIP"] == "None"
+    aggregator = parse_aggregator_config(yaml.safe_load(objects[("ConfigMap", "vigil-aggregator")]["data"]
+                                                        ["aggregator.yml"]))
+    assert aggregator.store.backend == "postgresql" and aggregator.store.dsn_file
+    agent = parse_agent_config(yaml.safe_load(objects[("ConfigMap", "vigil-agent")]["data"]["agent.yml"]))
+    names = [f"http://vigil-aggregator-{i}.{pair['spec']['serviceName']}.vigil.svc:9500" for i in range(2)]
+    assert agent.aggregator.targets == names
+    assert objects[("PodDisruptionBudget", "vigil-aggregator")]["spec"]["minAvailable"] == 1

@@ -47,7 +47,7 @@ def test_serves_and_stops_on_sigterm(tmp_path):
                 break
             except OSError:
                 time.sleep(0.1)
-        assert health == {"status": "ok", "nodes": 0, "dry_run": True}
+        assert health == {"status": "ok", "nodes": 0, "dry_run": True, "role": "leader"}
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/reports", data=b"{}", method="POST")
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=2)
