@@ -261,7 +261,7 @@ def read_dsn(path: str) -> str:
 def pg_connect(dsn: str) -> Any:
     """An autocommit psycopg connection with ``PG_CONNECT``'s bounds."""
     if psycopg is None:
-        raise StoreError("store.backend postgresql needs psycopg: pip install 'vigil[postgres]'")
+        raise StoreError("store.backend postgresql needs psycopg: pip install 'vigil-fleet[postgres]'")
     return psycopg.connect(dsn, autocommit=True, **PG_CONNECT)  # type: ignore[arg-type]
 
 

@@ -121,6 +121,7 @@ if [ "$BASE" = localhost/vigil-base:bookworm ] && ! buildah "${STORAGE[@]}" insp
 fi
 
 step "wheelhouse: vigil $VERSION and its runtime dependencies"
+mkdir -p build  # a fresh clone has none: `pytest tests/deploy/test_image.py` alone builds here first
 rm -rf build/wheelhouse build/wheel-build
 # setuptools' own build directory, fresh each time (DIST_EXTRA_CONFIG: an extra setup.cfg): its
 # default, build/lib, keeps whatever an older checkout built there and the wheel would carry it.

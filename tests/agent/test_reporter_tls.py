@@ -133,7 +133,7 @@ async def test_a_server_signed_by_another_ca_is_refused_and_counted(
 
 def test_tls_settings_are_checked_with_the_url(pki: Path) -> None:
     ca = str(pki / "site-ca.pem")
-    with pytest.raises(ConfigError, match=r"aggregator\.ca_file: only used with an https://"):
+    with pytest.raises(ConfigError, match=r"aggregator\.ca_file: only used with https:// aggregator URLs"):
         parse_config({"aggregator": {"url": "http://agg:9500", "ca_file": ca}})
     with pytest.raises(ConfigError, match=r"cert_file and aggregator\.key_file go together"):
         parse_config({"aggregator": {"url": "https://agg:9500", "cert_file": str(pki / "gpu-a1.pem")}})
