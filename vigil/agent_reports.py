@@ -24,6 +24,7 @@ from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario
 from vigil.agent.runner import collect_once
 from vigil.agent.seams import Seams
+from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION
 from vigil.sim import fabric
 
 HCAS = 8
@@ -66,11 +67,13 @@ def build_agent(tmp: Path, clock: Clock, hca_template: Path | None = None) -> Ag
     return Agent(config, seams)
 
 
-def agent_reports(rounds: int, hca_template: Path | None = None,
-                  interval_seconds: float = INTERVAL_SECONDS) -> list[dict[str, Any]]:
+def agent_reports(rounds: int, hca_template: Path | None = None, interval_seconds: float = INTERVAL_SECONDS,
+                  version: int = WIRE_VERSION) -> list[dict[str, Any]]:
     """``rounds`` consecutive reports of one agent (JSON-ready dicts, as the agent serialises
     them), one every ``interval_seconds`` of its fake clock; the first cycle (no deltas yet) is
-    not among them."""
+    not among them. ``version`` 2: the agent was told the aggregator takes it and each report
+    was accepted, so the first is whole and each later one lists what changed since the one
+    before (its ``base_seq`` is renumbered by ``for_node``)."""
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="vigil-reports-") as d:
         agent = build_agent(Path(d), clock, hca_template)
@@ -91,9 +94,11 @@ def agent_reports(rounds: int, hca_template: Path | None = None,
                         training.ingest(json.dumps(hb).encode(), clock.t)  # type: ignore[attr-defined]
                 for c in agent.collectors:
                     agent.snapshot.put(c.name, collect_once(c, clock.t))
-                report = agent.reporter.next_report()[0]
+                body = agent.reporter.build_body()[0]
+                if version == DELTA_VERSION:
+                    agent.reporter.accepted({"report_versions": [WIRE_VERSION, DELTA_VERSION]})
                 if seq > 0:  # the first cycle has no deltas yet
-                    out.append(report.model_dump(mode="json", exclude_none=True))
+                    out.append(json.loads(body))
         finally:
             for c in agent.collectors:
                 c.close()
@@ -109,7 +114,11 @@ def for_node(template: dict[str, Any], n: int, node: str, boot_id: str, seq: int
     """``template`` as node number ``n`` sends it: its name, boot id, seq, time, place, and rank
     numbers ``8n..8n+7`` (times in the ranks keep their distance to the report's ``ts``)."""
     shift = ts - template["ts"]
-    report = dict(template, node=node, boot_id=boot_id, seq=seq, ts=ts, topology=topology_of(n))
+    report = dict(template, node=node, boot_id=boot_id, seq=seq, ts=ts)
+    if "base_seq" in template:  # version 2: relative to this node's previous report; its place is known
+        report["base_seq"] = seq - 1
+    else:
+        report["topology"] = topology_of(n)
     report["ranks"] = [
         {**r, "rank": n * RANKS + r["rank"], **{k: v + shift for k, v in r.items() if k.endswith("_ts")}}
         for r in template["ranks"]]

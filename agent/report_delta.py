@@ -1,0 +1,70 @@
+"""The compact report (wire.DELTA_VERSION): what changed since the report the aggregator accepted last.
+
+It reads two reports as JSON-ready dicts (the one the aggregator accepted and the one to send
+now, both without events) and emits the version-2 body: every GPU, port and rank with its
+identity (its model's required fields) and only the fields that changed (a port's counters:
+only those that moved; a field that became absent as null), the report's own fields whole. It
+decides nothing about when to send it (agent/reporter.py negotiates the version and keeps the
+base) and sends nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from vigil.agent.wire import GpuState, PortState, RankSummary
+
+# What names an entry of each section: the same names in the same order, or the report goes whole.
+IDENTITY = {"gpus": ("index", "uuid"), "ports": ("device", "port"), "ranks": ("job", "rank")}
+
+
+def _required(model: type[BaseModel]) -> tuple[str, ...]:
+    return tuple(name for name, field in model.model_fields.items() if field.is_required())
+
+
+# An entry always carries its model's required fields (its identity among them), so each entry
+# of a compact report is a valid instance of the same model.
+ALWAYS = {"gpus": _required(GpuState), "ports": _required(PortState), "ranks": _required(RankSummary)}
+# Report fields that say "unchanged" by being left out (the aggregator keeps the last it had).
+_KEPT_WHEN_ABSENT = ("topology", "host")
+# Port fields for a reader of one report, never sent in version 2: the aggregator derives its
+# own increases from the raw counters over its window.
+V2_PORT_EXCLUDE = frozenset({"deltas", "rates_per_second"})
+
+
+def delta(base: dict[str, Any], current: dict[str, Any]) -> dict[str, Any] | None:
+    """``current`` relative to ``base``; None when their structure differs (other GPUs, ports or
+    ranks, in another order, a port's counter names, a host that went away): send it whole."""
+    out = {k: v for k, v in current.items() if k not in IDENTITY and k not in _KEPT_WHEN_ABSENT}
+    for key in _KEPT_WHEN_ABSENT:
+        if key in base and key not in current:
+            return None
+        if key in current and current[key] != base.get(key):
+            out[key] = current[key]
+    for section, keys in IDENTITY.items():
+        before, now = base.get(section, []), current.get(section, [])
+        if len(before) != len(now):
+            return None
+        entries = []
+        for b, c in zip(before, now, strict=True):
+            if any(b[k] != c[k] for k in keys):
+                return None
+            entry = {k: c[k] for k in ALWAYS[section]}
+            for k, v in c.items():
+                if k != "counters" and b.get(k) != v:
+                    entry[k] = v
+            for k in b.keys() - c.keys():  # absent now: only optional fields are ever left out
+                entry[k] = None
+            if section == "ports":
+                counters, was = c.get("counters", {}), b.get("counters", {})
+                if counters.keys() != was.keys():
+                    return None
+                moved = {name: value for name, value in counters.items() if was[name] != value}
+                entry.pop("counters", None)
+                if moved:
+                    entry["counters"] = moved
+            entries.append(entry)
+        out[section] = entries
+    return out
