@@ -93,6 +93,8 @@ MAX_QUEUED_REQUESTS = 4 * MAX_REQUESTS_PER_RESPONSE
 MAX_ANSWER_BYTES = 256 * 1024
 NodeActionHandler = Callable[[NodeActionRequest], NodeActionResult]
 
+# A version-2 report's state: events go after it, its ports without what version 2 leaves out.
+_V2_EXCLUDE: dict[str, Any] = {"events": True, "ports": {"__all__": set(V2_PORT_EXCLUDE)}}
 _EVENTS_KEY = b',"events":['
 _CLOSE = b"]}"
 
@@ -293,8 +295,7 @@ class Reporter:
         if self.report_version != DELTA_VERSION:
             self._built = None
             return report.model_dump_json(exclude_none=True, exclude={"events"}).encode()
-        state = report.model_dump(mode="json", exclude_none=True,
-                                  exclude={"events": True, "ports": {"__all__": V2_PORT_EXCLUDE}})
+        state = report.model_dump(mode="json", exclude_none=True, exclude=_V2_EXCLUDE)
         state["version"] = DELTA_VERSION
         self._built = (report.seq, state)
         body = state
