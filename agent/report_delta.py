@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from vigil.agent.wire import GpuState, PortState, RankSummary
+from vigil.agent.wire import DELTA_VERSION, GpuState, PortState, RankSummary, Report
 
 # What names an entry of each section: the same names in the same order, or the report goes whole.
 IDENTITY = {"gpus": ("index", "uuid"), "ports": ("device", "port"), "ranks": ("job", "rank")}
@@ -32,6 +32,16 @@ _KEPT_WHEN_ABSENT = ("topology", "host")
 # Port fields for a reader of one report, never sent in version 2: the aggregator derives its
 # own increases from the raw counters over its window.
 V2_PORT_EXCLUDE = frozenset({"deltas", "rates_per_second"})
+# A version-2 report's state: events go after it, its ports without what version 2 leaves out.
+_V2_EXCLUDE: dict[str, Any] = {"events": True, "ports": {"__all__": set(V2_PORT_EXCLUDE)}}
+
+
+def whole(report: Report) -> dict[str, Any]:
+    """``report`` as a whole version-2 state (JSON-ready, without events): the base of the next
+    compact report, and what is sent when there is no base."""
+    state = report.model_dump(mode="json", exclude_none=True, exclude=_V2_EXCLUDE)
+    state["version"] = DELTA_VERSION
+    return state
 
 
 def delta(base: dict[str, Any], current: dict[str, Any]) -> dict[str, Any] | None:

@@ -34,7 +34,7 @@ from vigil import __version__
 from vigil.agent.backlog import Backlog
 from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES, REPORT_MAX_EVENTS
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.report_delta import V2_PORT_EXCLUDE, delta
+from vigil.agent.report_delta import delta, whole
 from vigil.agent.snapshot import Snapshot
 from vigil.agent.wire import (
     DELTA_VERSION,
@@ -93,8 +93,6 @@ MAX_QUEUED_REQUESTS = 4 * MAX_REQUESTS_PER_RESPONSE
 MAX_ANSWER_BYTES = 256 * 1024
 NodeActionHandler = Callable[[NodeActionRequest], NodeActionResult]
 
-# A version-2 report's state: events go after it, its ports without what version 2 leaves out.
-_V2_EXCLUDE: dict[str, Any] = {"events": True, "ports": {"__all__": set(V2_PORT_EXCLUDE)}}
 _EVENTS_KEY = b',"events":['
 _CLOSE = b"]}"
 
@@ -295,8 +293,7 @@ class Reporter:
         if self.report_version != DELTA_VERSION:
             self._built = None
             return report.model_dump_json(exclude_none=True, exclude={"events"}).encode()
-        state = report.model_dump(mode="json", exclude_none=True, exclude=_V2_EXCLUDE)
-        state["version"] = DELTA_VERSION
+        state = whole(report)
         self._built = (report.seq, state)
         body = state
         if self._base is not None:

@@ -4,7 +4,8 @@ pipeline over FakeNvml (8x H100 SXM), 8 ConnectX-7 HCAs with their traffic count
 8 training ranks sending heartbeats; then given a node's name, boot id, seq, time and rank numbers.
 
 It reads a scratch directory of its own (the HCA sysfs tree, the kernel log) and emits report
-dicts and pre-rendered JSON templates; it sends nothing and talks to no service.
+dicts (each round in the forms the agent can send it: whole version 1, whole version 2, compact
+version 2) and pre-rendered JSON templates; it sends nothing and talks to no service.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from vigil.agent.daemon import Agent
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario
+from vigil.agent.report_delta import delta, whole
 from vigil.agent.runner import collect_once
 from vigil.agent.seams import Seams
-from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION
+from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION, Report
 from vigil.sim import fabric
 
 HCAS = 8
@@ -105,6 +107,32 @@ def agent_reports(rounds: int, hca_template: Path | None = None, interval_second
     return out
 
 
+@dataclass(frozen=True)
+class RoundForms:
+    """One round of an agent's reports in each form the agent sends it (agent/reporter.py): whole
+    as version 1, whole as version 2 (the first after the move to version 2, or after a 409
+    ``delta_base``), and compact relative to the round before (``base_seq`` renumbered by
+    ``for_node``); None when the structure changed and the agent would send it whole."""
+
+    whole_v1: dict[str, Any]
+    whole_v2: dict[str, Any]
+    compact_v2: dict[str, Any] | None
+
+
+def report_forms(rounds: int, hca_template: Path | None = None,
+                 interval_seconds: float = INTERVAL_SECONDS) -> list[RoundForms]:
+    """``agent_reports``' rounds in all three forms, built with the agent's own functions
+    (report_delta.whole and report_delta.delta). The first round's compact form is relative to
+    the last round, so a sender may cycle through them."""
+    v1 = agent_reports(rounds, hca_template, interval_seconds)
+    v2 = [whole(Report.model_validate(r)) for r in v1]
+    out = []
+    for k, (r1, r2) in enumerate(zip(v1, v2, strict=True)):
+        compact = delta(v2[k - 1], r2)
+        out.append(RoundForms(r1, r2, None if compact is None else {**compact, "base_seq": r2["seq"] - 1}))
+    return out
+
+
 def topology_of(n: int) -> dict[str, str]:
     """Node ``n``'s place: 256 nodes a row, 8 a rack, 32 a leaf switch."""
     return {"row": f"row-{n // 256}", "rack": f"rack-{n // 8}", "leaf_switch": f"leaf-{n // 32}"}
@@ -133,7 +161,8 @@ class RenderedReport:
     """One report's JSON cut around what differs per node and send, so that rendering a send is
     a join of bytes (a 28 KiB ``json.dumps`` per send would cost the generator more than the
     aggregator's whole intake). Slots: ``node``, ``boot_id``, ``seq``, ``ts`` (+ offset seconds),
-    ``rank`` (+ offset), ``topology``."""
+    ``rank`` (+ offset), and ``topology`` in a whole report or ``base_seq`` (seq - 1) in a
+    compact one (which leaves the unchanged topology out)."""
 
     parts: tuple[bytes, ...]  # len(slots) + 1 pieces of literal JSON
     slots: tuple[tuple[str, float], ...]  # (kind, offset) between consecutive parts
@@ -142,7 +171,11 @@ class RenderedReport:
     def of(cls, template: dict[str, Any]) -> RenderedReport:
         ts = template["ts"]
         marked = dict(template, node="@@vigil:node:0@@", boot_id="@@vigil:boot_id:0@@", seq="@@vigil:seq:0@@",
-                      ts="@@vigil:ts:0@@", topology="@@vigil:topology:0@@")
+                      ts="@@vigil:ts:0@@")
+        if "base_seq" in template:
+            marked["base_seq"] = "@@vigil:base_seq:0@@"
+        else:
+            marked["topology"] = "@@vigil:topology:0@@"
         marked["ranks"] = [
             {**r, "rank": f"@@vigil:rank:{r['rank']}@@",
              **{k: f"@@vigil:ts:{v - ts!r}@@" for k, v in r.items() if k.endswith("_ts")}}
@@ -163,6 +196,8 @@ class RenderedReport:
                 out.append(str(n * RANKS + int(offset)).encode())
             elif kind == "seq":
                 out.append(str(seq).encode())
+            elif kind == "base_seq":
+                out.append(str(seq - 1).encode())
             elif kind == "node":
                 out.append(node_json)
             elif kind == "boot_id":
