@@ -58,15 +58,19 @@ def delta(base: dict[str, Any], current: dict[str, Any]) -> dict[str, Any] | Non
         if len(before) != len(now):
             return None
         entries = []
+        first, second = keys
+        required = ALWAYS[section]
         for b, c in zip(before, now, strict=True):
-            if any(b[k] != c[k] for k in keys):
+            if b[first] != c[first] or b[second] != c[second]:
                 return None
-            entry = {k: c[k] for k in ALWAYS[section]}
-            for k, v in c.items():
-                if k != "counters" and b.get(k) != v:
-                    entry[k] = v
-            for k in b.keys() - c.keys():  # absent now: only optional fields are ever left out
-                entry[k] = None
+            # One comprehension over the entry's fields (this runs for ~700 fields a report on
+            # the agent: bench_agent prints its cost per report).
+            get = b.get
+            entry = {k: c[k] for k in required}
+            entry.update({k: v for k, v in c.items() if get(k) != v})
+            if b.keys() != c.keys():
+                for k in b.keys() - c.keys():  # absent now: only optional fields are ever left out
+                    entry[k] = None
             if section == "ports":
                 counters, was = c.get("counters", {}), b.get("counters", {})
                 if counters.keys() != was.keys():

@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,12 +71,14 @@ def build_agent(tmp: Path, clock: Clock, hca_template: Path | None = None) -> Ag
 
 
 def agent_reports(rounds: int, hca_template: Path | None = None, interval_seconds: float = INTERVAL_SECONDS,
-                  version: int = WIRE_VERSION) -> list[dict[str, Any]]:
+                  version: int = WIRE_VERSION, build_cpu_seconds: list[float] | None = None) -> list[dict[str, Any]]:
     """``rounds`` consecutive reports of one agent (JSON-ready dicts, as the agent serialises
     them), one every ``interval_seconds`` of its fake clock; the first cycle (no deltas yet) is
     not among them. ``version`` 2: the agent was told the aggregator takes it and each report
     was accepted, so the first is whole and each later one lists what changed since the one
-    before (its ``base_seq`` is renumbered by ``for_node``)."""
+    before (its ``base_seq`` is renumbered by ``for_node``). ``build_cpu_seconds``, when given,
+    gets the CPU time of each of those reports' building by the Reporter (build_body, and
+    taking the answer in version 2), for bench_agent."""
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="vigil-reports-") as d:
         agent = build_agent(Path(d), clock, hca_template)
@@ -96,10 +99,13 @@ def agent_reports(rounds: int, hca_template: Path | None = None, interval_second
                         training.ingest(json.dumps(hb).encode(), clock.t)  # type: ignore[attr-defined]
                 for c in agent.collectors:
                     agent.snapshot.put(c.name, collect_once(c, clock.t))
+                started = time.process_time()
                 body = agent.reporter.build_body()[0]
                 if version == DELTA_VERSION:
                     agent.reporter.accepted({"report_versions": [WIRE_VERSION, DELTA_VERSION]})
                 if seq > 0:  # the first cycle has no deltas yet
+                    if build_cpu_seconds is not None:
+                        build_cpu_seconds.append(time.process_time() - started)
                     out.append(json.loads(body))
         finally:
             for c in agent.collectors:
