@@ -88,11 +88,15 @@ def _complete(base: _M, sent: _M) -> _M:
     (an entry of a version-2 report: its identity and what changed), updated in place: both
     were validated, so the result is a valid state. A port's ``counters`` are merged by name
     (a version-2 port lists only the counters that moved)."""
-    fields, kept = sent.__dict__, base.__dict__
-    for name in sent.model_fields_set:
-        if name == "counters":
-            kept[name].update(fields[name])
-        else:
+    fields, kept, changed = sent.__dict__, base.__dict__, sent.__pydantic_fields_set__
+    if "counters" in changed:
+        counters = kept["counters"]
+        for name in changed:
+            kept[name] = fields[name]
+        counters.update(fields["counters"])
+        kept["counters"] = counters
+    else:
+        for name in changed:
             kept[name] = fields[name]
     return base
 
@@ -198,6 +202,15 @@ class CounterBaseline:
             series._ring.append((ts, float(value - prev)))
             self.last_increase_ts = ts
 
+    def still(self, ts: float) -> bool:
+        """A read at ``ts`` known to leave every counter as the last read had it (a compact
+        report moved none): recorded without comparing values. False when there is no last read
+        to stand for it (the values must go through ``observe_values``)."""
+        if self._last_values is None:
+            return False
+        self.last_ts = ts
+        return True
+
     def forget_baseline(self) -> None:
         self._prev.clear()
         self._start.clear()
@@ -268,7 +281,9 @@ class GpuHistory:
         self.samples: deque[GpuSample] = deque(maxlen=state_maxlen)
         self.counters = CounterBaseline(maxlen)
 
-    def observe(self, s: GpuState, ts: float) -> None:
+    def observe(self, s: GpuState, ts: float, sent: GpuState | None = None) -> None:
+        """``s``: the GPU's whole state; ``sent``: the compact entry it was completed from (None:
+        the report was whole), whose fields are all that moved."""
         self.uuid = s.uuid
         self.last = s
         self.last_seen = ts
@@ -276,6 +291,8 @@ class GpuHistory:
             ts, s.health, s.utilization_gpu_ratio, s.sm_clock_hertz, s.sm_clock_max_hertz,
             tuple(s.clock_event_reasons), s.memory_temperature_celsius, s.memory_max_temperature_celsius,
             s.remap_pending, s.remap_failure, s.retired_pages_pending, tuple(s.nvlink_links_down)))
+        if sent is not None and sent.__pydantic_fields_set__.isdisjoint(GPU_COUNTERS) and self.counters.still(ts):
+            return
         self.counters.observe_values(ts, GPU_COUNTERS, (
             s.ecc_corrected_volatile, s.ecc_uncorrected_volatile, s.pcie_replay_total, s.nvlink_crc_errors_total,
             s.nvlink_replay_errors_total, s.nvlink_recovery_errors_total))
@@ -312,23 +329,28 @@ class PortHistory:
     def name(self) -> str:
         return f"{self.device}/{self.port}"
 
-    def observe(self, state: PortState, ts: float) -> None:
+    def observe(self, state: PortState, ts: float, sent: PortState | None = None) -> None:
+        """``state``: the port's whole state; ``sent``: the compact entry it was completed from
+        (None: the report was whole), whose counters are only those that moved."""
         self.last = state
         self.last_seen = ts
         active = port_is_active(state)
         rate = state.rate_bits_per_second
         self.samples.append(PortSample(ts, active, rate))
         counters, flags = state.counters, state.flags
-        if len(counters) != self._names_for or flags != self._flags:
-            # The judged counters this port has, less the saturated ones (a saturated counter no
-            # longer moves: its delta would read as "no errors"). A port's counter set does not
-            # change between reports, so this is recomputed only when its size or the flags do
-            # (a missing one reads None).
-            names = counters if self.tracked is None else self.tracked.intersection(counters)
-            self._names = tuple(name for name in names if flags.get(name) != "saturated")
-            self._names_for = len(counters)
-            self._flags = dict(flags)
-        self.counters.observe_values(ts, self._names, tuple(map(counters.get, self._names)))
+        moved_none = sent is not None and len(counters) == self._names_for \
+            and "flags" not in sent.__pydantic_fields_set__ and sent.counters.keys().isdisjoint(self._names)
+        if not (moved_none and self.counters.still(ts)):  # else: none of the judged counters moved
+            if len(counters) != self._names_for or flags != self._flags:
+                # The judged counters this port has, less the saturated ones (a saturated counter no
+                # longer moves: its delta would read as "no errors"). A port's counter set does not
+                # change between reports, so this is recomputed only when its size or the flags do
+                # (a missing one reads None).
+                names = counters if self.tracked is None else self.tracked.intersection(counters)
+                self._names = tuple(name for name in names if flags.get(name) != "saturated")
+                self._names_for = len(counters)
+                self._flags = dict(flags)
+            self.counters.observe_values(ts, self._names, tuple(map(counters.get, self._names)))
         if active:
             self.active_this_boot = True
             self.ever_active = True
@@ -541,11 +563,12 @@ class Fleet:
         for state in report.gpus:
             seen.add(state.index)
             hist = node.gpus.get(state.index)
+            sent = None
             if base_seen is not None and hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
-                state = _complete(hist.last, state)
+                sent, state = state, _complete(hist.last, state)
             if hist is None or hist.uuid != state.uuid:
                 hist = node.gpus[state.index] = GpuHistory(state, ts, maxlen, cfg.state_history_reports)
-            hist.observe(state, ts)
+            hist.observe(state, ts, sent)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors
@@ -562,12 +585,13 @@ class Fleet:
         for pstate in report.ports:
             key = (pstate.device, pstate.port)
             phist = node.ports.get(key)
+            psent = None
             if base_seen is not None and phist is not None and phist.last_seen == base_seen:
-                pstate = _complete(phist.last, pstate)
+                psent, pstate = pstate, _complete(phist.last, pstate)
             if phist is None:
                 phist = node.ports[key] = PortHistory(pstate, ts, maxlen, cfg.state_history_reports,
                                                       self._port_counters)
-            phist.observe(pstate, ts)
+            phist.observe(pstate, ts, psent)
         jobs = self._jobs
         job: JobState | None = None
         for summary in report.ranks:
