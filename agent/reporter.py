@@ -8,7 +8,11 @@ backlog, an event no report can carry, or a report the aggregator refuses for it
 events, each counted by reason and logged; pending events are journaled (agent/backlog.py), so a
 restart or a crash keeps them. An urgent event makes the reporter push at once. Node action requests
 in the aggregator's 202 answer go to the node-action runner (off the event loop, one at a time), and
-their results ride the following reports until one carrying them is accepted. It judges nothing.
+their results ride the following reports until one carrying them is accepted. Reports are
+version 1 (whole) until an aggregator's answer lists version 2 in ``report_versions``; then each
+report carries only what changed since the last one accepted (agent/report_delta.py). A version-2
+report refused for its base (409 delta_base) is resent whole, one refused otherwise (an older
+aggregator) is resent as version 1, events kept either way. It judges nothing.
 """
 
 from __future__ import annotations
@@ -25,15 +29,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from pydantic_core import to_json
 
 from vigil import __version__
 from vigil.agent.backlog import Backlog
 from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES, REPORT_MAX_EVENTS
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.report_delta import delta, whole
 from vigil.agent.snapshot import Snapshot
 from vigil.agent.wire import (
+    DELTA_VERSION,
     MAX_REQUESTS_PER_RESPONSE,
     MAX_RESULTS_PER_REPORT,
+    WIRE_VERSION,
     Event,
     NodeActionRequest,
     NodeActionResult,
@@ -42,10 +50,12 @@ from vigil.agent.wire import (
 
 log = logging.getLogger("vigil.agent.reporter")
 
-RESULTS = ("ok", "error", "split", "rejected")
+RESULTS = ("ok", "error", "split", "rejected", "rebased", "downgraded")
 REPORTS = MetricSpec("vigil_agent_reports_total", MetricKind.COUNTER,
                      "Reports pushed to the aggregator, by result: ok, error (not delivered, retried), split "
-                     "(413: resent in smaller parts), rejected (refused for its content).", labels=("result",))
+                     "(413: resent in smaller parts), rejected (refused for its content), rebased (a compact "
+                     "report the aggregator had no base for: resent whole), downgraded (a compact report "
+                     "refused: resent as version 1).", labels=("result",))
 ERROR_REASONS = ("unreachable", "timeout", "tls", "unauthorized", "throttled", "server_error")
 REPORT_ERRORS = MetricSpec("vigil_agent_report_errors_total", MetricKind.COUNTER,
                            "Reports not delivered (kept and retried), by reason: unreachable, timeout, tls "
@@ -181,6 +191,12 @@ class Reporter:
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.last_success_ts: float | None = None
         self.last_report_body: bytes | None = None
+        # The report version the aggregator's last answer said it takes, the last version-2
+        # report it accepted (seq, state without events: what a compact report is relative to),
+        # and the state of the body just built (the base once it is accepted).
+        self.report_version = WIRE_VERSION
+        self._base: tuple[int, dict[str, Any]] | None = None
+        self._built: tuple[int, dict[str, Any]] | None = None
         # Node actions: the runner (blocking: run in a thread), requests waiting for it, and
         # results waiting for an accepted report (those in the last body built are "carried").
         self._node_actions = node_actions
@@ -213,7 +229,8 @@ class Reporter:
 
     @property
     def last_report(self) -> Report | None:
-        """The last report built, parsed back (for /v1/state and tests; the loop keeps only bytes)."""
+        """The last report built, parsed back (for /v1/state and tests; the loop keeps only bytes).
+        A version-2 report with a ``base_seq`` lists only what changed since that report."""
         return Report.model_validate_json(self.last_report_body) if self.last_report_body else None
 
     def add_events(self, events: Sequence[Event]) -> None:
@@ -257,7 +274,7 @@ class Reporter:
         # but whose answer was lost is never followed by another with the same seq (a replay).
         self._seq += 1
         self._urgent = False
-        head = report.model_dump_json(exclude_none=True, exclude={"events"}).encode()
+        head = self._head(report)
         size = len(head) - 1 + len(_EVENTS_KEY) + len(_CLOSE)
         self._state_bytes = size  # the report without events: what a split cannot shrink
         taken: list[bytes] = []
@@ -270,6 +287,23 @@ class Reporter:
         body = head[:-1] + _EVENTS_KEY + b",".join(taken) + _CLOSE
         self.last_report_body = body
         return body, self._backlog.first_id + len(taken), len(taken)
+
+    def _head(self, report: Report) -> bytes:
+        """The report without events as JSON: version 1 whole, or version 2 relative to the last
+        version-2 report accepted (whole when there is none or the structure changed)."""
+        if self.report_version != DELTA_VERSION:
+            self._built = None
+            return report.model_dump_json(exclude_none=True, exclude={"events"}).encode()
+        state = whole(report)
+        self._built = (report.seq, state)
+        body = state
+        if self._base is not None:
+            compact = delta(self._base[1], state)
+            if compact is not None:
+                body = {**compact, "base_seq": self._base[0]}
+        # pydantic-core's serializer: the same JSON as json.dumps (compact, shortest float repr),
+        # a quarter of its CPU on the ~9 KiB compact body (bench_agent).
+        return to_json(body)
 
     def next_report(self) -> tuple[Report, int]:
         """The report to send now, parsed, and how many pending events it carries (tests, benches)."""
@@ -320,6 +354,9 @@ class Reporter:
                 more = False
                 continue
             outcome = await self._post(session, body, n)
+            if outcome == "resend":  # nothing was taken; the next body is whole or version 1
+                backoff, more = 0.0, True
+                continue
             if outcome == "retry":
                 # Jittered exponential backoff; events stay pending and ride the next report.
                 backoff = min(self._max_backoff, max(1.0, backoff * 2)) * random.uniform(0.8, 1.2)
@@ -346,10 +383,13 @@ class Reporter:
                 if status < 300:
                     self.counts["ok"] += 1
                     self.last_success_ts = self._clock()
+                    answer = await _read_bounded(resp, MAX_ANSWER_BYTES)
+                    parsed = _parse_answer(answer)
+                    self.accepted(parsed)
                     if self._node_actions is not None:
-                        self._take_requests(await _read_bounded(resp, MAX_ANSWER_BYTES))
+                        self._take_requests(answer, parsed)
                     return "ok"
-                text = (await resp.text())[:300]
+                text = (await resp.text())[:MAX_ANSWER_BYTES]
         except aiohttp.ClientSSLError as exc:
             return self._error("tls", f"TLS to {self._url} failed (certificate not verified?): {exc}")
         except TimeoutError:
@@ -359,16 +399,34 @@ class Reporter:
         if status == 413:
             return self._split(len(body), n_events)
         if status in (401, 403):
-            return self._error("unauthorized", f"aggregator refused this node's credential: {status} {text}")
+            return self._error("unauthorized", f"aggregator refused this node's credential: {status} {text[:300]}")
         if status in (408, 429):
-            return self._error("throttled", f"aggregator answered {status}: {text}")
+            return self._error("throttled", f"aggregator answered {status}: {text[:300]}")
         if status >= 500:
-            return self._error("server_error", f"aggregator answered {status}: {text}")
+            return self._error("server_error", f"aggregator answered {status}: {text[:300]}")
+        if self._built is not None:
+            return self._refused_compact(status, text)
         # Any other 4xx: the aggregator refused this report's content and would refuse it again.
         self.counts["rejected"] += 1
         log.error("aggregator rejected a report (%d bytes, %d event(s), dropped and counted): %d %s",
-                  len(body), n_events, status, text)
+                  len(body), n_events, status, text[:300])
         return "rejected"
+
+    def _refused_compact(self, status: int, text: str) -> str:
+        """A version-2 report refused: resend at once (events kept), whole when the aggregator had
+        no base for it, as version 1 otherwise (an aggregator that does not take version 2)."""
+        parsed = _parse_answer(text.encode())
+        self._base = None
+        if status == 409 and isinstance(parsed, dict) and parsed.get("error") == "delta_base":
+            self.counts["rebased"] += 1
+            log.info("aggregator has no base for the compact report (restarted, or an answer was lost): resending "
+                     "it whole")
+            return "resend"
+        self.counts["downgraded"] += 1
+        self.report_version = WIRE_VERSION
+        log.warning("aggregator refused a version %d report (%d %s): resending as version %d", DELTA_VERSION,
+                    status, text[:300], WIRE_VERSION)
+        return "resend"
 
     def _error(self, reason: str, message: str) -> str:
         self.counts["error"] += 1
@@ -395,13 +453,22 @@ class Reporter:
 
     # --- node actions ---------------------------------------------------------------------------
 
-    def _take_requests(self, answer: bytes | None) -> None:
+    def accepted(self, answer: object) -> None:
+        """The aggregator accepted the body built last and answered ``answer`` (its parsed JSON):
+        that report is the base of the next compact one, and the answer says which version to
+        send (version 2 when it lists it in ``report_versions``, else version 1: an older
+        aggregator, or one rolled back)."""
+        self._base = self._built
+        versions = answer.get("report_versions") if isinstance(answer, dict) else None
+        wanted = DELTA_VERSION if isinstance(versions, list) and DELTA_VERSION in versions else WIRE_VERSION
+        if wanted != self.report_version:
+            log.info("aggregator takes report version %d: sending it from now on", wanted)
+            self.report_version = wanted
+            self._base = None
+
+    def _take_requests(self, answer: bytes | None, parsed: object) -> None:
         """Queue the node action requests of an accepted report's answer. A malformed answer or
         request is ignored and counted, never raised: the report itself was accepted."""
-        try:
-            parsed = json.loads(answer) if answer is not None else None
-        except ValueError:
-            parsed = None
         if not isinstance(parsed, dict):
             if answer:  # an empty answer carries no requests; anything else must be a JSON object
                 self._ignore("malformed", 1, "the aggregator's answer is not a JSON object")
@@ -470,6 +537,14 @@ class Reporter:
         self.action_results = [r for r in self.action_results if id(r) not in carried]
         self._carried = []
         return before - len(self.action_results)
+
+
+def _parse_answer(answer: bytes | None) -> object:
+    """The aggregator's answer as JSON, or None when it is absent or does not parse."""
+    try:
+        return json.loads(answer) if answer else None
+    except ValueError:
+        return None
 
 
 async def _read_bounded(resp: aiohttp.ClientResponse, limit_bytes: int) -> bytes | None:

@@ -11,11 +11,19 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from vigil.agent.limits import REPORT_MAX_EVENTS
 
+# Report versions (docs/reports.md). 1: every report whole. 2: ``base_seq`` names the report of
+# this boot the aggregator accepted last, and each GPU, port and rank carries its identity and
+# only the fields that changed since that report (port counters: only those that moved); the
+# rest is as in the base. Ports never carry ``deltas``/``rates_per_second`` in version 2 (the
+# aggregator computes its own from the raw counters). An agent sends 2 only to an aggregator
+# whose answer to a report lists it in ``report_versions``.
 WIRE_VERSION = 1
+DELTA_VERSION = 2
+REPORT_VERSIONS = (WIRE_VERSION, DELTA_VERSION)
 
 # A node name is what a hostname can be (RFC 1123 section 2.1, RFC 952): dot-separated labels
 # of letters, digits and inner hyphens, 1-63 characters each, 253 in all. Nothing else: a
@@ -301,7 +309,7 @@ class Report(_Wire):
     """The agent's periodic push (``POST /v1/reports``). ``seq`` increases by one per report
     within a ``boot_id``; a new boot id means counters restarted from zero."""
 
-    version: Literal[1] = 1  # WIRE_VERSION
+    version: Literal[1, 2] = 1  # REPORT_VERSIONS
     node: NodeName
     boot_id: str = Field(min_length=1, max_length=64)
     seq: Count
@@ -326,6 +334,20 @@ class Report(_Wire):
     # Outcomes of node actions the aggregator asked for (agent/node_actions.py), each reported until
     # a report carrying it is accepted.
     action_results: list[NodeActionResult] = Field(default_factory=list, max_length=MAX_RESULTS_PER_REPORT)
+    # Version 2 only: the seq of this boot's report that the fields left out are unchanged since
+    # (the last one the aggregator accepted); None: this report is whole.
+    base_seq: Count | None = None
+
+    @model_validator(mode="after")
+    def _base_needs_delta_version(self) -> Report:
+        if self.base_seq is not None and self.version != DELTA_VERSION:
+            raise ValueError(f"base_seq is only valid in a version {DELTA_VERSION} report")
+        return self
+
+    @property
+    def is_delta(self) -> bool:
+        """Whether fields left out mean "unchanged since ``base_seq``" rather than "absent"."""
+        return self.base_seq is not None
 
 
 class Heartbeat(_Wire):

@@ -32,7 +32,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from vigil.agent.validation import ConfigError
-from vigil.agent.wire import Report
+from vigil.agent.wire import REPORT_VERSIONS, Report
 from vigil.aggregator.actuators import Actuator, DeliveryError, build_actuators
 from vigil.aggregator.actuators.kubernetes import KubernetesActuator
 from vigil.aggregator.alertmanager_input import add_routes
@@ -273,12 +273,15 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     # are ingested right after. The node-action tables are the one exception: the outbox keeps
     # writing them, and the recovery detector reads them only by key (atomic under the GIL).
     held: deque[tuple[Report, float]] = deque()
+    # Each held node's latest (boot id, seq): the base a version-2 report arriving meanwhile must name.
+    held_last: dict[str, tuple[str, int]] = {}
     judging: Future[list[Finding]] | None = None
     superseded = 0  # bumped when a synchronous evaluation takes over from an in-flight one
 
     def intake(report: Report, now: float) -> None:
         if judging is not None or held:
             held.append((report, now))
+            held_last[report.node] = (report.boot_id, report.seq)
             metrics.held_reports.inc()
         else:
             engine.ingest(report, now)
@@ -286,6 +289,8 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     def ingest_held(limit: int | None = None) -> None:
         for _ in range(len(held) if limit is None else min(limit, len(held))):
             engine.ingest(*held.popleft())
+        if not held:
+            held_last.clear()
 
     async def ingest_all_held() -> None:
         """The held reports, in batches between other work (new ones queue behind them)."""
@@ -400,16 +405,18 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             return refuse_report(403, "node_mismatch", f"the credential of {speaker!r} may not report for "
                                  f"{report.node!r}")
         now = clock()
-        refused = engine.fleet.refusal(report, now)
+        refused = engine.fleet.refusal(report, now, held_last.get(report.node) if held_last else None)
         if refused is not None:
-            return refuse_report(409 if refused[0] == "seq_jump" else 422, *refused)
+            return refuse_report(409 if refused[0] in ("seq_jump", "delta_base") else 422, *refused)
         intake(report, now)
         metrics.ingest_seconds.observe(time.perf_counter() - started)
         metrics.reports.inc()
         metrics.count_events(e.kind for e in report.events)
         if report.urgent or any(e.urgent for e in report.events):
             wake.set()
-        answer: dict[str, Any] = {"status": "accepted", "node": report.node, "seq": report.seq}
+        # report_versions: what this aggregator takes, so an agent may move to the compact form.
+        answer: dict[str, Any] = {"status": "accepted", "node": report.node, "seq": report.seq,
+                                  "report_versions": REPORT_VERSIONS}
         # Node actions: the agent's results first (a final one ends its request), then what is due.
         if report.action_results:
             node_actions.record(report.node, report.action_results, now)

@@ -4,6 +4,9 @@ It reads validated ``Report``s and keeps, per node, the latest state plus ring b
 states, counter deltas (computed between consecutive reports of one boot, so a reboot resets the
 baseline instead of looking like an error burst), de-duplicated Xid occurrences, and job
 membership from the rank summaries, and the node-action requests and results the outbox hands it.
+A version-2 report (wire.DELTA_VERSION) carries only what changed since the node's previous
+accepted report; ingest completes each of its GPUs, ports and ranks from that report's state
+(``_complete``), so what is stored and judged is the same whichever version the agent sent.
 It judges nothing; detectors read it through ``FleetView``.
 """
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple, TypeVar
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from vigil.agent.validation import StrictModel
 from vigil.agent.wire import (
@@ -32,6 +35,7 @@ from vigil.agent.wire import (
 from vigil.aggregator.decision import Action
 
 _V = TypeVar("_V")
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class FleetConfig(StrictModel):
@@ -77,6 +81,24 @@ MAX_NODE_ACTIONS_KEPT = 64
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
 GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
                 "nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
+
+
+def _complete(base: _M, sent: _M) -> _M:
+    """``base`` (the state the node's previous report left) with the fields ``sent`` carries
+    (an entry of a version-2 report: its identity and what changed), updated in place: both
+    were validated, so the result is a valid state. A port's ``counters`` are merged by name
+    (a version-2 port lists only the counters that moved)."""
+    fields, kept, changed = sent.__dict__, base.__dict__, sent.__pydantic_fields_set__
+    if "counters" in changed:
+        counters = kept["counters"]
+        for name in changed:
+            kept[name] = fields[name]
+        counters.update(fields["counters"])
+        kept["counters"] = counters
+    else:
+        for name in changed:
+            kept[name] = fields[name]
+    return base
 
 
 def port_is_active(state: PortState) -> bool:
@@ -180,6 +202,15 @@ class CounterBaseline:
             series._ring.append((ts, float(value - prev)))
             self.last_increase_ts = ts
 
+    def still(self, ts: float) -> bool:
+        """A read at ``ts`` known to leave every counter as the last read had it (a compact
+        report moved none): recorded without comparing values. False when there is no last read
+        to stand for it (the values must go through ``observe_values``)."""
+        if self._last_values is None:
+            return False
+        self.last_ts = ts
+        return True
+
     def forget_baseline(self) -> None:
         self._prev.clear()
         self._start.clear()
@@ -250,7 +281,9 @@ class GpuHistory:
         self.samples: deque[GpuSample] = deque(maxlen=state_maxlen)
         self.counters = CounterBaseline(maxlen)
 
-    def observe(self, s: GpuState, ts: float) -> None:
+    def observe(self, s: GpuState, ts: float, sent: GpuState | None = None) -> None:
+        """``s``: the GPU's whole state; ``sent``: the compact entry it was completed from (None:
+        the report was whole), whose fields are all that moved."""
         self.uuid = s.uuid
         self.last = s
         self.last_seen = ts
@@ -258,14 +291,16 @@ class GpuHistory:
             ts, s.health, s.utilization_gpu_ratio, s.sm_clock_hertz, s.sm_clock_max_hertz,
             tuple(s.clock_event_reasons), s.memory_temperature_celsius, s.memory_max_temperature_celsius,
             s.remap_pending, s.remap_failure, s.retired_pages_pending, tuple(s.nvlink_links_down)))
+        if sent is not None and sent.__pydantic_fields_set__.isdisjoint(GPU_COUNTERS) and self.counters.still(ts):
+            return
         self.counters.observe_values(ts, GPU_COUNTERS, (
             s.ecc_corrected_volatile, s.ecc_uncorrected_volatile, s.pcie_replay_total, s.nvlink_crc_errors_total,
             s.nvlink_replay_errors_total, s.nvlink_recovery_errors_total))
 
 
 class PortHistory:
-    __slots__ = ("_names", "_names_for", "active_this_boot", "counters", "device", "ever_active", "first_seen",
-                 "last", "last_seen", "max_rate_bits_per_second", "port", "samples", "tracked")
+    __slots__ = ("_flags", "_names", "_names_for", "active_this_boot", "counters", "device", "ever_active",
+                 "first_seen", "last", "last_seen", "max_rate_bits_per_second", "port", "samples", "tracked")
 
     def __init__(self, state: PortState, ts: float, maxlen: int, state_maxlen: int,
                  tracked: frozenset[str] | None) -> None:
@@ -281,6 +316,7 @@ class PortHistory:
         self.tracked = tracked
         self._names: tuple[str, ...] = ()
         self._names_for = -1
+        self._flags: dict[str, str] = {}
         # The best rate this link trained at in this boot: a later, lower rate is a degraded link.
         self.max_rate_bits_per_second: float | None = None
         # Only a port that was up in this boot can go down (a cabled-off second port never was).
@@ -293,24 +329,28 @@ class PortHistory:
     def name(self) -> str:
         return f"{self.device}/{self.port}"
 
-    def observe(self, state: PortState, ts: float) -> None:
+    def observe(self, state: PortState, ts: float, sent: PortState | None = None) -> None:
+        """``state``: the port's whole state; ``sent``: the compact entry it was completed from
+        (None: the report was whole), whose counters are only those that moved."""
         self.last = state
         self.last_seen = ts
         active = port_is_active(state)
         rate = state.rate_bits_per_second
         self.samples.append(PortSample(ts, active, rate))
-        counters = state.counters
-        if len(counters) != self._names_for:
-            # The judged counters this port has; a port's counter set does not change between
-            # reports, so this is recomputed only when its size does (a missing one reads None).
-            self._names = tuple(counters if self.tracked is None else self.tracked.intersection(counters))
-            self._names_for = len(counters)
-        values = tuple(map(counters.get, self._names))
-        flags = state.flags
-        if flags:
-            # A saturated counter no longer moves: its delta would read as "no errors".
-            values = tuple(None if flags.get(c) == "saturated" else v for c, v in zip(self._names, values, strict=True))
-        self.counters.observe_values(ts, self._names, values)
+        counters, flags = state.counters, state.flags
+        moved_none = sent is not None and len(counters) == self._names_for \
+            and "flags" not in sent.__pydantic_fields_set__ and sent.counters.keys().isdisjoint(self._names)
+        if not (moved_none and self.counters.still(ts)):  # else: none of the judged counters moved
+            if len(counters) != self._names_for or flags != self._flags:
+                # The judged counters this port has, less the saturated ones (a saturated counter no
+                # longer moves: its delta would read as "no errors"). A port's counter set does not
+                # change between reports, so this is recomputed only when its size or the flags do
+                # (a missing one reads None).
+                names = counters if self.tracked is None else self.tracked.intersection(counters)
+                self._names = tuple(name for name in names if flags.get(name) != "saturated")
+                self._names_for = len(counters)
+                self._flags = dict(flags)
+            self.counters.observe_values(ts, self._names, tuple(map(counters.get, self._names)))
         if active:
             self.active_this_boot = True
             self.ever_active = True
@@ -367,6 +407,8 @@ class NodeState:
         self.name = report.node
         self.first_seen = now
         self.last_seen = now
+        # When the state it holds was last reported (a replayed report refreshes last_seen only).
+        self.state_seen = now
         self.last_report_ts = report.ts
         self.boot_id = report.boot_id
         self.boot_started = now  # this agent start (a new boot id: counters restarted)
@@ -419,10 +461,11 @@ class Fleet:
         self._nodes: dict[str, NodeState] = {}
         self._jobs: dict[str, JobState] = {}
 
-    def refusal(self, report: Report, now: float) -> tuple[str, str] | None:
+    def refusal(self, report: Report, now: float, pending: tuple[str, int] | None = None) -> tuple[str, str] | None:
         """Why ``report`` must be refused against the receiver's clock and the node's last
         report, as (reason, detail); None: it may be ingested. Reads state, changes nothing, so
-        a refused report leaves the fleet exactly as it was."""
+        a refused report leaves the fleet exactly as it was. ``pending``: the (boot id, seq) of
+        this node's latest accepted report not ingested yet (held while the detectors read)."""
         cfg = self.config
         skew, limit = report.ts - now, cfg.max_clock_skew_seconds
         if skew > limit:
@@ -430,6 +473,12 @@ class Fleet:
         if -skew > limit:
             return "stale_ts", f"report ts is {-skew:.0f}s behind the aggregator's clock (max {limit:g}s)"
         node = self._nodes.get(report.node)
+        if report.base_seq is not None:
+            last = pending if pending is not None else (node.boot_id, node.seq) if node is not None else None
+            if last is None or last != (report.boot_id, report.base_seq):
+                held = "nothing of this node" if last is None else f"boot {last[0]!r} seq {last[1]}"
+                return "delta_base", (f"the report is relative to seq {report.base_seq} of boot {report.boot_id!r}, "
+                                      f"but the aggregator's last accepted report is {held}: send it whole")
         if node is not None and report.boot_id == node.boot_id:
             allowed = node.seq + cfg.max_seq_jump + int(max(0.0, now - node.last_seen) * cfg.max_reports_per_second)
             if report.seq > allowed:
@@ -461,6 +510,10 @@ class Fleet:
     def ingest(self, report: Report, now: float) -> None:
         cfg = self.config
         node = self._nodes.get(report.node)
+        # A version-2 report's entries complete the state its base report left (refusal checked
+        # the base; an entry with none, which no agent sends, is taken as it came).
+        base_seen = node.state_seen if report.base_seq is not None and node is not None \
+            and node.boot_id == report.boot_id else None
         if node is None:
             node = self._nodes[report.node] = NodeState(report, now, cfg)
         elif report.boot_id != node.boot_id:
@@ -490,7 +543,7 @@ class Fleet:
         elif report.seq != node.seq + 1:
             node.seq_gaps += 1
         node.seq = report.seq
-        node.last_seen = now
+        node.last_seen = node.state_seen = now
         node.last_report_ts = report.ts
         node.interval_seconds = report.interval_seconds
         node.reports += 1
@@ -510,9 +563,12 @@ class Fleet:
         for state in report.gpus:
             seen.add(state.index)
             hist = node.gpus.get(state.index)
+            sent = None
+            if base_seen is not None and hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
+                sent, state = state, _complete(hist.last, state)
             if hist is None or hist.uuid != state.uuid:
                 hist = node.gpus[state.index] = GpuHistory(state, ts, maxlen, cfg.state_history_reports)
-            hist.observe(state, ts)
+            hist.observe(state, ts, sent)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors
@@ -529,10 +585,13 @@ class Fleet:
         for pstate in report.ports:
             key = (pstate.device, pstate.port)
             phist = node.ports.get(key)
+            psent = None
+            if base_seen is not None and phist is not None and phist.last_seen == base_seen:
+                psent, pstate = pstate, _complete(phist.last, pstate)
             if phist is None:
                 phist = node.ports[key] = PortHistory(pstate, ts, maxlen, cfg.state_history_reports,
                                                       self._port_counters)
-            phist.observe(pstate, ts)
+            phist.observe(pstate, ts, psent)
         jobs = self._jobs
         job: JobState | None = None
         for summary in report.ranks:
@@ -542,6 +601,9 @@ class Fleet:
                     job = jobs[summary.job] = JobState(summary.job)
                 job.last_seen = ts
             rhist = job.ranks.get(summary.rank)
+            if base_seen is not None and rhist is not None and rhist.node == node.name \
+                    and rhist.last_seen == base_seen:
+                summary = _complete(rhist.last, summary)
             if rhist is None:
                 rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
                 node.ranks[(summary.job, summary.rank)] = rhist

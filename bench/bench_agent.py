@@ -1,8 +1,12 @@
-"""Agent CPU per collection cycle and /metrics render time on an 8-GPU node (DESIGN.md section 9).
+"""Agent CPU per collection cycle, per report built, and /metrics render time on an 8-GPU node
+(docs/architecture.md section 9).
 
 The node is the real agent over FakeNvml (8x H100 SXM), an 8-HCA sysfs tree built from the
 recorded H100 InfiniBand snapshot, a kernel log file, and 8 training ranks sending one heartbeat
-per step. CPU is process time (all threads), so the NVML event worker counts too.
+per step. CPU is process time (all threads), so the NVML event worker counts too. Building a
+report (the Reporter's build_body: the Report model, its JSON, and in version 2 the whole state
+as a dict and its delta against the last accepted one) is measured per report for both versions
+and per second at the agent's 2.5 s report interval, added to the collection cycle's CPU.
 """
 
 from __future__ import annotations
@@ -14,11 +18,23 @@ from pathlib import Path
 
 from bench.measure import Measurement
 from vigil.agent.runner import collect_once
-from vigil.agent_reports import Clock, build_agent
+from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION
+from vigil.agent_reports import INTERVAL_SECONDS, Clock, agent_reports, build_agent
 
 FIXTURE_IB = Path(__file__).parent.parent / "tests" / "fixtures" / "sysfs" / "h100" / "class" / "infiniband"
 SECONDS = 300.0
 RENDERS = 500
+REPORT_ROUNDS = 60  # reports built per version, one per 2.5 s of the fake clock
+# docs/architecture.md section 9: the whole agent (8 GPUs + 8 HCAs + 8 ranks) <= 1 ms CPU per second.
+AGENT_BUDGET_MS_PER_SECOND = 1.0
+
+
+def report_build_seconds(version: int) -> list[float]:
+    """CPU per report the Reporter builds in ``version``, steady state: in version 2 the first
+    report after the move is whole and left out, each later one is compact."""
+    cpu: list[float] = []
+    agent_reports(REPORT_ROUNDS, FIXTURE_IB / "mlx5_0", version=version, build_cpu_seconds=cpu)
+    return cpu[1:] if version == DELTA_VERSION else cpu
 
 
 def measure() -> list[Measurement]:
@@ -69,10 +85,23 @@ def measure() -> list[Measurement]:
     breakdown = ", ".join(f"{n} {v / SECONDS * 1000:.2f}" for n, v in sorted(per_collector.items()))
     renders.sort()
     p99_ms = renders[int(len(renders) * 0.99) - 1] * 1000
+    build = {v: sorted(report_build_seconds(v)) for v in (WIRE_VERSION, DELTA_VERSION)}
+    mean_us = {v: sum(xs) / len(xs) * 1e6 for v, xs in build.items()}
+    p50_us = {v: xs[len(xs) // 2] * 1e6 for v, xs in build.items()}
+    v2_ms_per_s = mean_us[DELTA_VERSION] / 1000 / INTERVAL_SECONDS
     return [
         Measurement("agent CPU per collection cycle (8 GPUs + 8 HCAs + 8 ranks, fake NVML)", cpu_ms, "ms", 2.0,
                     note=f"CPU per second over {SECONDS:.0f} simulated seconds at configured cadences; "
                          f"ms/s by collector: {breakdown}"),
+        Measurement("agent report building, version 2 (compact), per report", round(mean_us[DELTA_VERSION]), "us",
+                    None, note=f"Reporter.build_body + taking the answer, mean over {REPORT_ROUNDS - 1} reports "
+                               f"(p50 {p50_us[DELTA_VERSION]:.0f} us); version 1 (whole) "
+                               f"{mean_us[WIRE_VERSION]:.0f} us (p50 {p50_us[WIRE_VERSION]:.0f} us)"),
+        Measurement("agent CPU per second with report building (version 2, one report per 2.5 s)",
+                    round(cpu_ms + v2_ms_per_s, 3), "ms", AGENT_BUDGET_MS_PER_SECOND,
+                    note=f"collection {cpu_ms:.3f} ms/s + report building {v2_ms_per_s:.3f} ms/s "
+                         f"(version 1: {mean_us[WIRE_VERSION] / 1000 / INTERVAL_SECONDS:.3f} ms/s); "
+                         "docs/architecture.md section 9"),
         Measurement("/metrics render, 8-GPU node (p99)", p99_ms, "ms", 2.0,
                     note=f"{series} series, {len(body) / 1024:.0f} KiB, {RENDERS} renders"),
     ]

@@ -1,6 +1,8 @@
 """The aggregator over HTTP under the fleet's real cadence: ``vigil loadgen``'s open-loop schedule
 (vigil/loadgen.py) against a real ``vigil aggregator`` process it starts (dry run), with the same
-28 KiB agent-built reports as bench_ingest (the recorded ConnectX-7 HCA, 8 times).
+agent-built reports as bench_ingest (the recorded ConnectX-7 HCA, 8 times): each node sends its
+first report whole as version 1, its second whole as version 2 once the answer lists it, then
+compact reports (version 2, what changed), as the agent does.
 
 Runs of RUN_SECONDS: 2,000 nodes, then the largest of CANDIDATES (12,500 = 100,000 GPUs at one
 report per 2.5 s) the machine sustains (every report accepted, no errors), tried largest first,
@@ -46,7 +48,9 @@ def _rows(s: dict) -> list[Measurement]:
     what = f"loadgen {n:,} nodes over HTTP"
     note = (f"offered {s['offered_reports_per_second']:,.0f}/s of {s['target_reports_per_second']:,.0f}/s, accepted "
             f"{s['accepted_reports_per_second']:,.0f}/s, late sends {s['late_sends']}, errors "
-            f"{sum(s['errors'].values())} {s['errors'] or ''}; p50 {lat['p50'] * 1000:.0f} ms, max "
+            f"{sum(s['errors'].values())} {s['errors'] or ''}; accepted by form "
+            f"{', '.join(f'{k} {v:,}' for k, v in s['accepted_by_form'].items())}, rebased {s['rebased']}; "
+            f"p50 {lat['p50'] * 1000:.0f} ms, max "
             f"{lat['max'] * 1000:.0f} ms; aggregator {agg['cores']:.2f} cores, loadgen {s['loadgen_cores']:.2f} cores "
             f"({s['workers']} process(es)), shared 2-core machine")
     return [

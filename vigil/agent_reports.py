@@ -4,7 +4,8 @@ pipeline over FakeNvml (8x H100 SXM), 8 ConnectX-7 HCAs with their traffic count
 8 training ranks sending heartbeats; then given a node's name, boot id, seq, time and rank numbers.
 
 It reads a scratch directory of its own (the HCA sysfs tree, the kernel log) and emits report
-dicts and pre-rendered JSON templates; it sends nothing and talks to no service.
+dicts (each round in the forms the agent can send it: whole version 1, whole version 2, compact
+version 2) and pre-rendered JSON templates; it sends nothing and talks to no service.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,10 @@ from vigil.agent.daemon import Agent
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario
+from vigil.agent.report_delta import delta, whole
 from vigil.agent.runner import collect_once
 from vigil.agent.seams import Seams
+from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION, Report
 from vigil.sim import fabric
 
 HCAS = 8
@@ -66,11 +70,15 @@ def build_agent(tmp: Path, clock: Clock, hca_template: Path | None = None) -> Ag
     return Agent(config, seams)
 
 
-def agent_reports(rounds: int, hca_template: Path | None = None,
-                  interval_seconds: float = INTERVAL_SECONDS) -> list[dict[str, Any]]:
+def agent_reports(rounds: int, hca_template: Path | None = None, interval_seconds: float = INTERVAL_SECONDS,
+                  version: int = WIRE_VERSION, build_cpu_seconds: list[float] | None = None) -> list[dict[str, Any]]:
     """``rounds`` consecutive reports of one agent (JSON-ready dicts, as the agent serialises
     them), one every ``interval_seconds`` of its fake clock; the first cycle (no deltas yet) is
-    not among them."""
+    not among them. ``version`` 2: the agent was told the aggregator takes it and each report
+    was accepted, so the first is whole and each later one lists what changed since the one
+    before (its ``base_seq`` is renumbered by ``for_node``). ``build_cpu_seconds``, when given,
+    gets the CPU time of each of those reports' building by the Reporter (build_body, and
+    taking the answer in version 2), for bench_agent."""
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="vigil-reports-") as d:
         agent = build_agent(Path(d), clock, hca_template)
@@ -91,12 +99,43 @@ def agent_reports(rounds: int, hca_template: Path | None = None,
                         training.ingest(json.dumps(hb).encode(), clock.t)  # type: ignore[attr-defined]
                 for c in agent.collectors:
                     agent.snapshot.put(c.name, collect_once(c, clock.t))
-                report = agent.reporter.next_report()[0]
+                started = time.process_time()
+                body = agent.reporter.build_body()[0]
+                if version == DELTA_VERSION:
+                    agent.reporter.accepted({"report_versions": [WIRE_VERSION, DELTA_VERSION]})
                 if seq > 0:  # the first cycle has no deltas yet
-                    out.append(report.model_dump(mode="json", exclude_none=True))
+                    if build_cpu_seconds is not None:
+                        build_cpu_seconds.append(time.process_time() - started)
+                    out.append(json.loads(body))
         finally:
             for c in agent.collectors:
                 c.close()
+    return out
+
+
+@dataclass(frozen=True)
+class RoundForms:
+    """One round of an agent's reports in each form the agent sends it (agent/reporter.py): whole
+    as version 1, whole as version 2 (the first after the move to version 2, or after a 409
+    ``delta_base``), and compact relative to the round before (``base_seq`` renumbered by
+    ``for_node``); None when the structure changed and the agent would send it whole."""
+
+    whole_v1: dict[str, Any]
+    whole_v2: dict[str, Any]
+    compact_v2: dict[str, Any] | None
+
+
+def report_forms(rounds: int, hca_template: Path | None = None,
+                 interval_seconds: float = INTERVAL_SECONDS) -> list[RoundForms]:
+    """``agent_reports``' rounds in all three forms, built with the agent's own functions
+    (report_delta.whole and report_delta.delta). The first round's compact form is relative to
+    the last round, so a sender may cycle through them."""
+    v1 = agent_reports(rounds, hca_template, interval_seconds)
+    v2 = [whole(Report.model_validate(r)) for r in v1]
+    out = []
+    for k, (r1, r2) in enumerate(zip(v1, v2, strict=True)):
+        compact = delta(v2[k - 1], r2)
+        out.append(RoundForms(r1, r2, None if compact is None else {**compact, "base_seq": r2["seq"] - 1}))
     return out
 
 
@@ -109,7 +148,11 @@ def for_node(template: dict[str, Any], n: int, node: str, boot_id: str, seq: int
     """``template`` as node number ``n`` sends it: its name, boot id, seq, time, place, and rank
     numbers ``8n..8n+7`` (times in the ranks keep their distance to the report's ``ts``)."""
     shift = ts - template["ts"]
-    report = dict(template, node=node, boot_id=boot_id, seq=seq, ts=ts, topology=topology_of(n))
+    report = dict(template, node=node, boot_id=boot_id, seq=seq, ts=ts)
+    if "base_seq" in template:  # version 2: relative to this node's previous report; its place is known
+        report["base_seq"] = seq - 1
+    else:
+        report["topology"] = topology_of(n)
     report["ranks"] = [
         {**r, "rank": n * RANKS + r["rank"], **{k: v + shift for k, v in r.items() if k.endswith("_ts")}}
         for r in template["ranks"]]
@@ -124,7 +167,8 @@ class RenderedReport:
     """One report's JSON cut around what differs per node and send, so that rendering a send is
     a join of bytes (a 28 KiB ``json.dumps`` per send would cost the generator more than the
     aggregator's whole intake). Slots: ``node``, ``boot_id``, ``seq``, ``ts`` (+ offset seconds),
-    ``rank`` (+ offset), ``topology``."""
+    ``rank`` (+ offset), and ``topology`` in a whole report or ``base_seq`` (seq - 1) in a
+    compact one (which leaves the unchanged topology out)."""
 
     parts: tuple[bytes, ...]  # len(slots) + 1 pieces of literal JSON
     slots: tuple[tuple[str, float], ...]  # (kind, offset) between consecutive parts
@@ -133,7 +177,11 @@ class RenderedReport:
     def of(cls, template: dict[str, Any]) -> RenderedReport:
         ts = template["ts"]
         marked = dict(template, node="@@vigil:node:0@@", boot_id="@@vigil:boot_id:0@@", seq="@@vigil:seq:0@@",
-                      ts="@@vigil:ts:0@@", topology="@@vigil:topology:0@@")
+                      ts="@@vigil:ts:0@@")
+        if "base_seq" in template:
+            marked["base_seq"] = "@@vigil:base_seq:0@@"
+        else:
+            marked["topology"] = "@@vigil:topology:0@@"
         marked["ranks"] = [
             {**r, "rank": f"@@vigil:rank:{r['rank']}@@",
              **{k: f"@@vigil:ts:{v - ts!r}@@" for k, v in r.items() if k.endswith("_ts")}}
@@ -154,6 +202,8 @@ class RenderedReport:
                 out.append(str(n * RANKS + int(offset)).encode())
             elif kind == "seq":
                 out.append(str(seq).encode())
+            elif kind == "base_seq":
+                out.append(str(seq - 1).encode())
             elif kind == "node":
                 out.append(node_json)
             elif kind == "boot_id":

@@ -2,7 +2,10 @@
 (vigil/agent_reports.py) to a running aggregator over HTTP, open-loop at the real cadence.
 
 Each node posts every ``interval_seconds`` with the nodes' phases spread evenly; a send is never
-held back by a slow answer (a send that starts late is counted as late). It measures offered and
+held back by a slow answer (a send that starts late is counted as late). Each node negotiates the
+report version as the agent does (agent/reporter.py): version 1 until an answer lists version 2,
+then version 2 whole, then compact relative to its last accepted report; a 409 ``delta_base`` is
+resent whole at once (counted as rebased). It measures offered and
 accepted reports/s, intake latency percentiles, errors by status or exception, its own CPU, and,
 given the aggregator's pid, the aggregator's CPU and RSS from ``/proc/<pid>``. With ``spawn`` it
 makes the credentials and a dry-run config for N nodes in a scratch directory and runs
@@ -33,7 +36,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from vigil.agent_reports import INTERVAL_SECONDS, RenderedReport, agent_reports, topology_of
+from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION
+from vigil.agent_reports import INTERVAL_SECONDS, RenderedReport, report_forms, topology_of
 from vigil.aggregator.auth import node_token
 
 # A send that starts this long after its due time is late: the generator, not the aggregator,
@@ -71,10 +75,25 @@ class Plan:
     connections: int = 1024  # open connections per worker at most (keep-alive)
 
 
+# The forms a node sends a round in, by the version the aggregator's last answer allowed.
+FORMS = ("whole v1", "whole v2", "compact v2")
+
+
+@dataclass(frozen=True)
+class RenderedRound:
+    """One round's report in each form (vigil/agent_reports.py RoundForms), ready to render."""
+
+    whole_v1: RenderedReport
+    whole_v2: RenderedReport
+    compact_v2: RenderedReport | None
+
+
 @dataclass
 class WorkerResult:
     sent: int = 0
     accepted: int = 0
+    rebased: int = 0  # compact reports refused with 409 delta_base and resent whole
+    by_form: Counter[str] = field(default_factory=Counter)  # accepted sends by FORMS
     late: int = 0
     latencies_seconds: list[float] = field(default_factory=list)  # accepted sends only
     errors: Counter[str] = field(default_factory=Counter)  # "HTTP 401", "TimeoutError", ...
@@ -117,7 +136,7 @@ def raise_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-async def _drive(templates: list[RenderedReport], target: Target, plan: Plan, worker: int, start_monotonic: float,
+async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, worker: int, start_monotonic: float,
                  run_id: str) -> WorkerResult:
     result = WorkerResult()
     mine = [n for n in range(plan.nodes) if n % plan.workers == worker]
@@ -131,23 +150,49 @@ async def _drive(templates: list[RenderedReport], target: Target, plan: Plan, wo
     pending: set[asyncio.Task[None]] = set()
     loop = asyncio.get_running_loop()
     wall_offset = time.time() - time.monotonic()
+    # Per node, as the agent's Reporter keeps them: the version its last answer allowed, and the
+    # seq of its last accepted version-2 report (the base of a compact one).
+    version = dict.fromkeys(mine, WIRE_VERSION)
+    base: dict[int, int | None] = dict.fromkeys(mine)
 
     async def send(session: aiohttp.ClientSession, n: int, seq: int, due: float) -> None:
-        body = templates[(seq - 1) % len(templates)].render(n, node_json[n], boot_json[n], topo_json[n], seq,
-                                                            due + wall_offset)
+        rendered = templates[(seq - 1) % len(templates)]
+        if version[n] != DELTA_VERSION:
+            form = FORMS[0]
+        elif base[n] == seq - 1 and rendered.compact_v2 is not None:
+            form = FORMS[2]
+        else:
+            form = FORMS[1]
         started = time.monotonic()
         if started - due > LATE_SECONDS:
             result.late += 1
         result.sent += 1
         try:
-            async with session.post(url, data=body, headers={"Authorization": tokens[n],
-                                                             "Content-Type": "application/json"}) as resp:
-                await resp.read()
-                if resp.status == 202:
-                    result.accepted += 1
-                    result.latencies_seconds.append(time.monotonic() - started)
+            while True:
+                template = {FORMS[0]: rendered.whole_v1, FORMS[1]: rendered.whole_v2}.get(form, rendered.compact_v2)
+                assert template is not None
+                body = template.render(n, node_json[n], boot_json[n], topo_json[n], seq, due + wall_offset)
+                async with session.post(url, data=body, headers={"Authorization": tokens[n],
+                                                                 "Content-Type": "application/json"}) as resp:
+                    answer = await resp.read()
+                    status = resp.status
+                if status == 409 and form == FORMS[2] and b'"delta_base"' in answer:
+                    result.rebased += 1  # the agent resends it whole at once
+                    form = FORMS[1]
+                    continue
+                break
+            if status == 202:
+                result.accepted += 1
+                result.by_form[form] += 1
+                result.latencies_seconds.append(time.monotonic() - started)
+                versions = json.loads(answer).get("report_versions")
+                if isinstance(versions, list) and DELTA_VERSION in versions:
+                    base[n] = seq if version[n] == DELTA_VERSION else None
+                    version[n] = DELTA_VERSION
                 else:
-                    result.errors[f"HTTP {resp.status}"] += 1
+                    version[n], base[n] = WIRE_VERSION, None
+            else:
+                result.errors[f"HTTP {status}"] += 1
         except Exception as exc:  # noqa: BLE001 - every failure is a counted error, by kind
             result.errors[type(exc).__name__] += 1
 
@@ -176,16 +221,18 @@ async def _drive(templates: list[RenderedReport], target: Target, plan: Plan, wo
     return result
 
 
-def _worker_main(templates: list[RenderedReport], target: Target, plan: Plan, worker: int, start_wall: float,
+def _worker_main(templates: list[RenderedRound], target: Target, plan: Plan, worker: int, start_wall: float,
                  run_id: str) -> WorkerResult:
     raise_nofile()
     start_monotonic = start_wall - (time.time() - time.monotonic())
     return asyncio.run(_drive(templates, target, plan, worker, start_monotonic, run_id))
 
 
-def build_templates(plan: Plan, hca_template: Path | None) -> list[RenderedReport]:
+def build_templates(plan: Plan, hca_template: Path | None) -> list[RenderedRound]:
     rounds = max(2, min(MAX_ROUNDS, int(plan.duration_seconds / plan.interval_seconds) + 2))
-    return [RenderedReport.of(r) for r in agent_reports(rounds, hca_template, plan.interval_seconds)]
+    return [RenderedRound(RenderedReport.of(r.whole_v1), RenderedReport.of(r.whole_v2),
+                          None if r.compact_v2 is None else RenderedReport.of(r.compact_v2))
+            for r in report_forms(rounds, hca_template, plan.interval_seconds)]
 
 
 def fleet_nodes(target: Target, plan: Plan) -> int | None:
@@ -227,12 +274,18 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
         errors.update(r.errors)
     sent = sum(r.sent for r in results)
     accepted = sum(r.accepted for r in results)
+    by_form: Counter[str] = Counter()
+    for r in results:
+        by_form.update(r.by_form)
+    sample = lambda t: len(t.render(0, b'"x"', b'"x"', b"{}", 2, 0.0)) if t is not None else 0  # noqa: E731
     loadgen_cpu = sum(r.cpu_seconds for r in results)
     summary: dict[str, Any] = {
         "nodes": plan.nodes, "interval_seconds": plan.interval_seconds, "duration_seconds": plan.duration_seconds,
-        "workers": plan.workers, "report_bytes": len(templates[-1].render(0, b'"x"', b'"x"', b"{}", 1, 0.0)),
+        "workers": plan.workers, "report_bytes": sample(templates[-1].whole_v1),
+        "compact_report_bytes": sample(templates[-1].compact_v2),
         "target_reports_per_second": round(plan.nodes / plan.interval_seconds, 1),
         "sent": sent, "accepted": accepted, "late_sends": sum(r.late for r in results),
+        "accepted_by_form": {form: by_form[form] for form in FORMS}, "rebased": sum(r.rebased for r in results),
         "offered_reports_per_second": round(sent / plan.duration_seconds, 1),
         "accepted_reports_per_second": round(accepted / plan.duration_seconds, 1),
         "latency_seconds": {"p50": percentile(latencies, 0.50), "p90": percentile(latencies, 0.90),
@@ -338,6 +391,9 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         f"offered {s['offered_reports_per_second']:,.1f} reports/s (target {s['target_reports_per_second']:,.1f}), "
         f"accepted {s['accepted_reports_per_second']:,.1f} reports/s; sent {s['sent']}, accepted {s['accepted']}, "
         f"late sends {s['late_sends']}",
+        "accepted by form: " + ", ".join(f"{k} {v}" for k, v in s["accepted_by_form"].items())
+        + f"; compact {s['compact_report_bytes'] / 1024:.1f} KiB; rebased (409 delta_base, resent whole) "
+          f"{s['rebased']}",
         f"intake latency p50 {ms(lat['p50'])}, p90 {ms(lat['p90'])}, p99 {ms(lat['p99'])}, max {ms(lat['max'])}",
         "errors: " + (", ".join(f"{k} x{v}" for k, v in sorted(s["errors"].items())) or "none"),
         f"loadgen CPU {s['loadgen_cpu_seconds']:.1f} s ({s['loadgen_cores']:.2f} cores)",

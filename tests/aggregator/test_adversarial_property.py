@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode
-from vigil.aggregator.app import EVALUATE_KEY, make_app
+from vigil.aggregator.app import EVALUATE_KEY, METRICS_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
@@ -176,6 +176,90 @@ def test_no_report_yields_a_5xx_and_a_refused_one_changes_nothing(harness: Harne
             assert harness.fleet_state() == before
         else:
             # An accepted report must not break judging either (every detector runs over it).
+            harness.app[EVALUATE_KEY]()
+        assert set(harness.fleet_state()) <= set(MEMBERS)
+
+    check()
+
+
+# A compact body's base_seq left as this is replaced by the node's current seq when posted, so
+# that the mutations, not a stale base, decide what happens.
+CURRENT_BASE = 10**9
+
+
+def compact(harness: Harness, name: str) -> dict[str, Any]:
+    """A version-2 report of ``name``: one GPU field and one counter moved since its last report."""
+    node = harness.engine.fleet.view().nodes[name]
+    gpu, port = node.gpus[0].last, next(iter(node.ports.values())).last
+    return {"version": 2, "node": name, "boot_id": node.boot_id, "seq": node.seq + 1, "ts": NOW,
+            "interval_seconds": 2.5, "base_seq": CURRENT_BASE,
+            "gpus": [{"index": 0, "uuid": gpu.uuid, "temperature_celsius": 63.5},
+                     {"index": 1, "uuid": node.gpus[1].uuid}],
+            "ports": [{"device": port.device, "port": port.port, "counters": {"symbol_error": 1}}]}
+
+
+def post_compact(harness: Harness, name: str, body: Any) -> tuple[int, Any]:
+    if isinstance(body, dict):
+        node = harness.engine.fleet.view().nodes[name]
+        if body.get("base_seq") == CURRENT_BASE:
+            body = {**body, "base_seq": node.seq}
+        if body.get("seq") == CURRENT_BASE:
+            body = {**body, "seq": node.seq + 1}
+    return harness.post("/v1/reports", encode(body) if not isinstance(body, bytes) else body,
+                        node_token(SECRET, name))
+
+
+def test_a_compact_report_completes_the_nodes_state(harness: Harness) -> None:
+    status, answer = post_compact(harness, "p2", compact(harness, "p2"))
+    assert status == 202 and answer["report_versions"] == [1, 2]
+    node = harness.engine.fleet.view().nodes["p2"]
+    assert node.gpus[0].last.temperature_celsius == 63.5 and node.gpus[0].last.power_watts == 650.0
+    assert node.gpus[1].last.temperature_celsius == 62.0
+    assert next(iter(node.ports.values())).last.counters["symbol_error"] == 1
+    assert next(iter(node.ports.values())).last.counters["link_downed"] == 0
+
+
+@pytest.mark.parametrize("change, status, reason", [
+    ({"base_seq": 3}, 409, "delta_base"),  # not the node's last accepted report
+    ({"boot_id": "another-boot"}, 409, "delta_base"),  # a new boot has no base
+    ({"node": "p9"}, 403, "node_mismatch"),
+    ({"version": 1}, 400, "schema"),  # base_seq is only valid in version 2
+    ({"version": 3}, 400, "schema"),
+    ({"base_seq": -1}, 400, "schema"),
+    ({"base_seq": 1.0}, 400, "schema"),
+    ({"gpus": [{"index": 0, "temperature_celsius": 1.0}]}, 400, "schema"),  # an entry without its identity
+    ({"gpus": [{"index": 0, "uuid": "u", "temperature_celsius": float("nan")}]}, 400, "schema"),  # a NaN literal
+    ({"gpus": [{"index": 0, "uuid": "u", "power_watts": float("inf")}]}, 400, "schema"),  # Infinity
+    ({"gpus": [{"index": 0, "uuid": "u", "bogus_field": 1}]}, 400, "schema"),
+    ({"ports": [{"device": "mlx5_0", "port": 1, "counters": {"symbol_error": 2**64}}]}, 400, "schema"),
+    ({"ports": [{"device": "mlx5_0", "port": 1, "counters": [1, 2, 3]}]}, 400, "schema"),
+    ({"ports": [{"device": "mlx5_0", "port": 1, "counters": {"symbol_error": 1.5}}]}, 400, "schema"),
+])
+def test_a_malformed_or_baseless_compact_report_is_refused_counted_and_changes_nothing(
+        harness: Harness, change: dict[str, Any], status: int, reason: str) -> None:
+    before = harness.fleet_state()
+    got, answer = post_compact(harness, "p2", {**compact(harness, "p2"), **change})
+    assert (got, answer["error"]) == (status, reason), answer
+    assert harness.fleet_state() == before
+    assert harness.engine.fleet.view().nodes["p2"].gpus[0].last.temperature_celsius == 62.0
+    metrics = harness.app[METRICS_KEY].render().decode()
+    assert f'vigil_aggregator_refusals_total{{door="reports",reason="{reason}"}} 1.0' in metrics
+
+
+def test_no_compact_report_yields_a_5xx_and_a_refused_one_changes_nothing(harness: Harness) -> None:
+    base = compact(harness, "p2")
+
+    @PROPERTY
+    @given(st.one_of(mutated(base), plausible(base), st.binary(max_size=200)))
+    def check(body: Any) -> None:
+        before = harness.fleet_state()
+        status, answer = post_compact(harness, "p2", body)
+        event(f"status {status}")
+        assert status < 500, answer
+        if status != 202:
+            assert 400 <= status < 500 and answer["error"]
+            assert harness.fleet_state() == before
+        else:
             harness.app[EVALUATE_KEY]()
         assert set(harness.fleet_state()) <= set(MEMBERS)
 

@@ -1,5 +1,6 @@
 """``vigil loadgen`` against a real aggregator process on loopback: every report offered is
-accepted and the fleet lists every node; a wrong site secret shows up as counted errors."""
+accepted and the fleet lists every node; each node moves to the compact form (version 2) as the
+agent does; a wrong site secret shows up as counted errors."""
 
 from __future__ import annotations
 
@@ -14,18 +15,26 @@ from vigil.cli import main
 NODES = 20
 
 
-def _loadgen(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
-    assert main(["loadgen", "--nodes", str(NODES), "--duration", "2", "--interval", "1", "--json", *argv]) == 0
+def _loadgen(capsys: pytest.CaptureFixture[str], *argv: str, seconds: int = 2) -> dict:
+    assert main(["loadgen", "--nodes", str(NODES), "--duration", str(seconds), "--interval", "1", "--json",
+                 *argv]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 def test_spawned_aggregator_accepts_every_report_and_lists_every_node(capsys: pytest.CaptureFixture[str]) -> None:
-    s = _loadgen(capsys, "--spawn")
-    assert s["sent"] == NODES * 2  # every node, every second, for 2 s
+    s = _loadgen(capsys, "--spawn", seconds=4)
+    assert s["sent"] == NODES * 4  # every node, every second, for 4 s
     assert s["accepted"] == s["sent"]
     assert s["errors"] == {}
     assert s["fleet_nodes"] == NODES  # GET /v1/nodes with the read token
     assert s["report_bytes"] > 15_000  # a real 8-GPU, 8-HCA report, not a stub
+    # Version 1 first (no answer yet), version 2 whole after the answer lists it, then compact
+    # relative to the last accepted report; the aggregator had every base.
+    forms = s["accepted_by_form"]
+    assert sum(forms.values()) == s["accepted"]
+    assert forms["whole v1"] >= NODES and forms["whole v2"] >= NODES and forms["compact v2"] >= NODES
+    assert s["rebased"] == 0
+    assert 0 < s["compact_report_bytes"] < s["report_bytes"] / 2
     assert s["latency_seconds"]["p50"] > 0
     agg = s["aggregator"]
     assert agg["cpu_seconds_per_report"] > 0 and agg["rss_bytes"] > 0

@@ -1,0 +1,235 @@
+"""Report version negotiation, both ways, with the real Reporter: against the real aggregator
+application it moves from version 1 to the compact version 2 once an answer lists it, and the
+fleet holds the same state as from whole reports; against an aggregator that does not list it
+(an older one) it keeps sending version 1; a restarted aggregator (no base) gets the report
+whole again, and one rolled back (refusing version 2) gets version 1, with no event lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from tests.loopback import free_port
+from vigil.agent.collectors.collector import Collection
+from vigil.agent.reporter import Reporter
+from vigil.agent.snapshot import CollectorResult, Snapshot
+from vigil.agent.wire import Event, GpuState, PortState, Report
+from vigil.aggregator.app import ENGINE_KEY, make_app
+from vigil.aggregator.auth import Credentials, node_token
+from vigil.aggregator.config import parse_config
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.sink import RecordingSink
+
+SECRET = b"site-secret-for-tests-0123456789abcdef"
+NODE = "n1"
+WAIT_SECONDS = 10.0
+
+
+@dataclass
+class Seen:
+    """(status, version, base_seq, event codes) of each report body, in arrival order."""
+
+    bodies: list[tuple[int, int, int | None, list[int]]] = field(default_factory=list)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def add(self, status: int, body: bytes) -> None:
+        raw = json.loads(body)
+        async with self.changed:
+            self.bodies.append((status, raw.get("version", 1), raw.get("base_seq"),
+                                [e["code"] for e in raw.get("events", [])]))
+            self.changed.notify_all()
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(predicate), WAIT_SECONDS)
+
+    def accepted(self) -> list[tuple[int, int | None, list[int]]]:
+        return [(v, b, codes) for status, v, b, codes in self.bodies if status == 202]
+
+
+def recording(seen: Seen) -> Callable[..., Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def record(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        body = await request.read()
+        response = await handler(request)
+        if request.path == "/v1/reports":
+            await seen.add(response.status, body)
+        return response
+
+    return record
+
+
+def aggregator_app() -> web.Application:
+    config = parse_config({"evaluate_interval_seconds": 3600})
+    sink = RecordingSink()
+    return make_app(config, Engine(config, sink), sink, credentials=Credentials(site_secret=SECRET))
+
+
+def front(seen: Seen, backend_url: str) -> web.Application:
+    """Loopback in front of the real aggregator: passes each report on and records it with the
+    status the aggregator answered (the aggregator reads its body off the socket itself)."""
+
+    async def forward(request: web.Request) -> web.Response:
+        body = await request.read()
+        async with aiohttp.ClientSession() as session, session.post(
+                backend_url + "/v1/reports", data=body, headers={"Authorization": request.headers["Authorization"]}
+        ) as resp:
+            answer = await resp.read()
+        await seen.add(resp.status, body)
+        return web.Response(status=resp.status, body=answer, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/reports", forward)
+    return app
+
+
+@asynccontextmanager
+async def serving(app: web.Application, port: int) -> AsyncIterator[None]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield
+    finally:
+        await runner.cleanup()
+
+
+def node_snapshot(temperature: float, xmit: int, rcv: int, snap: Snapshot | None = None) -> Snapshot:
+    """The node's state as its collectors put it (into ``snap`` when given, as a new cycle does)."""
+    snap = snap if snap is not None else Snapshot()
+    gpus = [GpuState(index=i, uuid=f"GPU-{i}", temperature_celsius=temperature + i, power_limit_watts=700.0,
+                     ecc_corrected_volatile=3) for i in range(2)]
+    ports = [PortState(device="mlx5_0", port=1, state="4: ACTIVE", rate_bits_per_second=4e11,
+                       counters={"port_xmit_data": xmit, "port_rcv_data": rcv, "symbol_error": 0})]
+    snap.put("gpu", CollectorResult(Collection(report={"gpus": gpus}), True, 0.001, 1.0))
+    snap.put("rdma", CollectorResult(Collection(report={"ports": ports}), True, 0.001, 1.0))
+    return snap
+
+
+def reporter(url: str, snap: Snapshot) -> Reporter:
+    return Reporter(url=url, token=node_token(SECRET, NODE), node=NODE, boot_id="boot-1", topology={"rack": "r1"},
+                    snapshot=snap, interval_seconds=0.02, max_backoff_seconds=0.05)
+
+
+@asynccontextmanager
+async def reporting(rep: Reporter) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(rep.run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, WAIT_SECONDS)
+
+
+def xid(code: int) -> Event:
+    return Event(kind="xid", ts=time.time(), code=code)
+
+
+async def test_the_agent_sends_compact_reports_once_the_aggregator_lists_them_and_the_fleet_state_is_whole():
+    seen, port, backend = Seen(), free_port(), free_port()
+    app = aggregator_app()
+    snap = node_snapshot(40.0, 1000, 2000)
+    rep = reporter(f"http://127.0.0.1:{port}", snap)
+    async with serving(app, backend), serving(front(seen, f"http://127.0.0.1:{backend}"), port), reporting(rep):
+        await seen.until(lambda: len(seen.accepted()) >= 3)
+        # Values move: one GPU field and one counter; the rest must stay as the base had them.
+        node_snapshot(55.0, 5000, 2000, snap)
+        rep.add_events([xid(48)])
+        await seen.until(lambda: any(48 in codes for _, _, codes in seen.accepted()))
+        await seen.until(lambda: len(seen.accepted()) >= 6)
+    accepted = seen.accepted()
+    assert accepted[0][:2] == (1, None)  # version 1 until an answer lists 2
+    assert accepted[1][:2] == (2, None)  # then version 2, whole: no base yet
+    assert all(v == 2 and base is not None for v, base, _ in accepted[2:])
+    node = app[ENGINE_KEY].fleet.view().nodes[NODE]
+    gpu = node.gpus[1].last
+    assert gpu.temperature_celsius == 56.0 and gpu.power_limit_watts == 700.0 and gpu.ecc_corrected_volatile == 3
+    counters = node.ports[("mlx5_0", 1)].last.counters
+    assert counters == {"port_xmit_data": 5000, "port_rcv_data": 2000, "symbol_error": 0}
+    assert node.topology == {"rack": "r1"} and node.seq_gaps == 0
+    assert rep.counts["rebased"] == rep.counts["downgraded"] == rep.counts["rejected"] == 0
+
+
+async def test_an_aggregator_that_does_not_list_version_2_keeps_getting_version_1():
+    seen, port = Seen(), free_port()
+
+    async def older(request: web.Request) -> web.Response:  # an aggregator before version 2
+        report = Report.model_validate_json(await request.read(), strict=True)
+        return web.json_response({"status": "accepted", "node": report.node, "seq": report.seq}, status=202)
+
+    app = web.Application(middlewares=[recording(seen)])
+    app.router.add_post("/v1/reports", older)
+    rep = reporter(f"http://127.0.0.1:{port}", node_snapshot(40.0, 1000, 2000))
+    async with serving(app, port), reporting(rep):
+        await seen.until(lambda: len(seen.accepted()) >= 4)
+    assert {v for v, _, _ in seen.accepted()} == {1} and rep.report_version == 1
+
+
+async def test_an_old_agents_version_1_report_is_taken_and_the_answer_lists_both_versions():
+    port = free_port()
+    app = aggregator_app()
+    rep = reporter(f"http://127.0.0.1:{port}", node_snapshot(40.0, 1000, 2000))
+    body = rep.build_body()[0]
+    assert json.loads(body).get("version", 1) == 1
+    async with serving(app, port), aiohttp.ClientSession() as session, session.post(
+            f"http://127.0.0.1:{port}/v1/reports", data=body,
+            headers={"Authorization": f"Bearer {node_token(SECRET, NODE)}"}) as resp:
+        assert resp.status == 202
+        assert (await resp.json())["report_versions"] == [1, 2]
+    assert NODE in app[ENGINE_KEY].fleet.view().nodes
+
+
+async def test_a_restarted_aggregator_gets_the_report_whole_again_and_no_event_is_lost():
+    seen, port, backend = Seen(), free_port(), free_port()
+    rep = reporter(f"http://127.0.0.1:{port}", node_snapshot(40.0, 1000, 2000))
+    async with serving(front(seen, f"http://127.0.0.1:{backend}"), port), reporting(rep):
+        async with serving(aggregator_app(), backend):
+            await seen.until(lambda: any(base is not None for _, base, _ in seen.accepted()))
+        rep.add_events([xid(79)])  # while the aggregator is down: kept, retried
+        restarted = aggregator_app()  # a new process: no base for the node
+        async with serving(restarted, backend):
+            await seen.until(lambda: any(79 in codes for _, _, codes in seen.accepted()))
+    refused = [(status, base) for status, _, base, _ in seen.bodies if status == 409]
+    assert refused and all(base is not None for _, base in refused)  # the compact one, refused for its base
+    first_refused = next(i for i, b in enumerate(seen.bodies) if b[0] == 409)
+    assert 79 in seen.bodies[first_refused][3]
+    first_after = seen.bodies[first_refused + 1]
+    assert first_after[0] == 202 and first_after[2] is None and first_after[3] == [79]  # whole, with the event
+    assert rep.counts["rebased"] == 1 and rep.dropped_events == 0
+    assert restarted[ENGINE_KEY].fleet.view().nodes[NODE].gpus[0].last.power_limit_watts == 700.0
+
+
+async def test_an_aggregator_rolled_back_gets_version_1_and_no_event_is_lost():
+    seen, port = Seen(), free_port()
+    newer = [True]
+
+    async def rolled_back(request: web.Request) -> web.Response:
+        raw = json.loads(await request.read())
+        if raw.get("version", 1) != 1 and not newer[0]:  # what an older aggregator answers
+            return web.json_response({"error": "schema", "detail": "version: Input should be 1"}, status=400)
+        report = Report.model_validate_json(json.dumps(raw), strict=True) if raw.get("base_seq") is None else None
+        answer: dict[str, object] = {"status": "accepted", "node": NODE, "seq": raw["seq"]}
+        if newer[0]:
+            answer["report_versions"] = [1, 2]
+        assert report is None or report.node == NODE
+        return web.json_response(answer, status=202)
+
+    app = web.Application(middlewares=[recording(seen)])
+    app.router.add_post("/v1/reports", rolled_back)
+    rep = reporter(f"http://127.0.0.1:{port}", node_snapshot(40.0, 1000, 2000))
+    async with serving(app, port), reporting(rep):
+        await seen.until(lambda: any(v == 2 for v, _, _ in seen.accepted()))
+        newer[0] = False
+        rep.add_events([xid(31)])
+        await seen.until(lambda: any(31 in codes for _, _, codes in seen.accepted()))
+    carried = [(v, codes) for v, _, codes in seen.accepted() if 31 in codes]
+    assert carried == [(1, [31])]  # resent as version 1, once
+    assert rep.counts["downgraded"] >= 1 and rep.dropped_events == 0 and rep.report_version == 1

@@ -1,0 +1,100 @@
+"""Compact (version 2) reports leave the fleet exactly as the same reports sent whole: counter
+increases, the time they cover, resets and the samples detectors read, whether judged counters
+move in a report or none do (then the fleet records the read without comparing values), and when
+only counters nobody judges move."""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+
+import pytest
+
+from tests.aggregator.conftest import FakeNode
+from vigil.agent.report_delta import delta, whole
+from vigil.agent.wire import Report
+from vigil.aggregator.fleet import GPU_COUNTERS, Fleet
+
+ROUNDS = 12
+JUDGED_PORT_COUNTERS = ["symbol_error", "link_downed", "link_error_recovery"]
+
+
+def _wire(body: dict) -> Report:
+    return Report.model_validate_json(json.dumps(body), strict=True)  # as the service validates
+
+
+def _reports() -> list[Report]:
+    node = FakeNode("n1")
+    for p in node.ports.values():
+        p["counters"]["port_xmit_data"] = 0  # traffic: moves every report, judged by no detector
+    out = []
+    for k in range(ROUNDS):
+        node.gpus[0]["utilization_gpu_ratio"] = 0.8 + k / 100
+        for p in node.ports.values():
+            p["counters"]["port_xmit_data"] += 1_000_000
+        if k in (3, 7):
+            node.ports[0]["counters"]["symbol_error"] += 3
+            node.gpus[1]["ecc_corrected_volatile"] += 2
+        if k == 5:
+            node.ports[2]["counters"]["link_downed"] += 1
+            node.gpus[4]["pcie_replay_total"] += 9
+        if k == 9:
+            node.gpus[6]["pcie_replay_total"] = 1  # went backwards: a reset
+        out.append(node.report(k * 2.5))
+    return out
+
+
+def _compact(reports: list[Report]) -> list[Report]:
+    """The first whole as version 2, each later one relative to the one before (agent/reporter.py)."""
+    out = [_wire(whole(reports[0]))]
+    for before, now in pairwise(reports):
+        body = delta(whole(before), whole(now))
+        assert body is not None
+        out.append(_wire({**body, "base_seq": before.seq}))
+    return out
+
+
+def _ingested(reports: list[Report], port_counters: list[str] | None) -> Fleet:
+    fleet = Fleet(port_counters=port_counters)
+    for r in reports:
+        assert fleet.refusal(r, r.ts) is None
+        fleet.ingest(r, r.ts)
+    return fleet
+
+
+@pytest.mark.parametrize("port_counters", [None, JUDGED_PORT_COUNTERS], ids=["all-judged", "some-judged"])
+def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list[str] | None) -> None:
+    reports = _reports()
+    compact = _compact(reports)
+    assert all(r.base_seq is not None for r in compact[1:])
+    assert "counters" not in compact[4].ports[0].model_fields_set or \
+        "symbol_error" not in compact[4].ports[0].counters  # a quiet report carries no judged counter
+    a = _ingested(reports, port_counters).view().nodes["n1"]
+    b = _ingested(compact, port_counters).view().nodes["n1"]
+    for index, gpu in a.gpus.items():
+        other = b.gpus[index]
+        assert other.last.model_dump() == gpu.last.model_dump()
+        assert list(other.samples) == list(gpu.samples)
+        assert (other.counters.resets, other.counters.last_ts, other.counters.last_increase_ts) == \
+            (gpu.counters.resets, gpu.counters.last_ts, gpu.counters.last_increase_ts)
+        for name in GPU_COUNTERS:
+            assert other.counters.increases_since(name, 0.0) == gpu.counters.increases_since(name, 0.0)
+            assert other.counters.covered_seconds(name, 0.0) == gpu.counters.covered_seconds(name, 0.0)
+            assert other.counters.baseline_since(name) == gpu.counters.baseline_since(name)
+    for key, port in a.ports.items():
+        other_port = b.ports[key]
+        assert other_port.last.counters == port.last.counters
+        assert list(other_port.samples) == list(port.samples)
+        assert (other_port.counters.last_ts, other_port.counters.last_increase_ts) == \
+            (port.counters.last_ts, port.counters.last_increase_ts)
+        for name in port.last.counters:
+            assert other_port.counters.increases_since(name, 0.0) == port.counters.increases_since(name, 0.0)
+            assert other_port.counters.covered_seconds(name, 0.0) == port.counters.covered_seconds(name, 0.0)
+    # What moved is there: the judged counters' increases, the GPU counter reset.
+    assert a.ports[("mlx5_0", 1)].counters.sum_since("symbol_error", 0.0) == 6
+    assert b.ports[("mlx5_0", 1)].counters.sum_since("symbol_error", 0.0) == 6
+    assert b.ports[("mlx5_2", 1)].counters.sum_since("link_downed", 0.0) == 1
+    assert b.gpus[1].counters.sum_since("ecc_corrected_volatile", 0.0) == 4
+    assert b.gpus[4].counters.sum_since("pcie_replay_total", 0.0) == 9
+    assert b.gpus[6].counters.resets == 1
+    assert b.ports[("mlx5_0", 1)].counters.last_ts == (ROUNDS - 1) * 2.5  # quiet reads are recorded too
