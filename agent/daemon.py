@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -187,13 +186,13 @@ class Agent:
         return None
 
     def state_extra(self) -> dict[str, Any]:
-        last = self.reporter.last_report_body
+        last = self.reporter.last_report
         return {
             "node": self.config.node,
             "version": __version__,
             "boot_id": self.boot_id,
             "nvml_backend": self.config.nvml.backend,
-            "last_report": json.loads(last) if last else None,
+            "last_report": last.model_dump(mode="json", exclude_none=True) if last else None,
         }
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[str], None] | None = None) -> None:

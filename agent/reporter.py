@@ -190,7 +190,11 @@ class Reporter:
         self.errors = dict.fromkeys(ERROR_REASONS, 0)
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.last_success_ts: float | None = None
+        # The body last built as sent (a version-2 one lists only what changed), and that report
+        # whole with the events it carried (/v1/state, the demo's view): kept as references, turned
+        # into JSON only when asked.
         self.last_report_body: bytes | None = None
+        self._last_built: tuple[Report, list[bytes]] | None = None
         # The report version the aggregator's last answer said it takes, the last version-2
         # report it accepted (seq, state without events: what a compact report is relative to),
         # and the state of the body just built (the base once it is accepted).
@@ -229,9 +233,12 @@ class Reporter:
 
     @property
     def last_report(self) -> Report | None:
-        """The last report built, parsed back (for /v1/state and tests; the loop keeps only bytes).
-        A version-2 report with a ``base_seq`` lists only what changed since that report."""
-        return Report.model_validate_json(self.last_report_body) if self.last_report_body else None
+        """The last report built, whole whichever version was sent, with the events it carried
+        (for /v1/state and tests)."""
+        if self._last_built is None:
+            return None
+        report, taken = self._last_built
+        return report.model_copy(update={"events": [Event.model_validate_json(raw) for raw in taken]})
 
     def add_events(self, events: Sequence[Event]) -> None:
         """Called on the event loop by the runner after a collector cycle."""
@@ -286,6 +293,7 @@ class Reporter:
             size = grown
         body = head[:-1] + _EVENTS_KEY + b",".join(taken) + _CLOSE
         self.last_report_body = body
+        self._last_built = (report, taken)
         return body, self._backlog.first_id + len(taken), len(taken)
 
     def _head(self, report: Report) -> bytes:

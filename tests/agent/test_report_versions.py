@@ -156,6 +156,13 @@ async def test_the_agent_sends_compact_reports_once_the_aggregator_lists_them_an
     assert counters == {"port_xmit_data": 5000, "port_rcv_data": 2000, "symbol_error": 0}
     assert node.topology == {"rack": "r1"} and node.seq_gaps == 0
     assert rep.counts["rebased"] == rep.counts["downgraded"] == rep.counts["rejected"] == 0
+    # What the agent shows of its last report (/v1/state, the demo's GPU table) is the whole
+    # report, not the compact body it sent.
+    assert json.loads(rep.last_report_body or b"{}").get("base_seq") is not None
+    shown = rep.last_report
+    assert shown is not None and shown.base_seq is None
+    assert [(g.index, g.power_limit_watts, g.ecc_corrected_volatile) for g in shown.gpus] == [(0, 700.0, 3), (1, 700.0, 3)]
+    assert shown.ports[0].counters == counters and shown.topology == {"rack": "r1"}
 
 
 async def test_an_aggregator_that_does_not_list_version_2_keeps_getting_version_1():

@@ -91,7 +91,13 @@ def main() -> None:
         hb = Heartbeat(job=f"{job}-{mode}" if len(modes) > 1 else job)
         steps = run(mode, hb, seconds, slow_seconds if rank == slow_rank else 0.0)
         print(f"rank {rank} {mode}: {steps} steps, {hb.sent} heartbeats sent, {hb.dropped} dropped", flush=True)
+    # Both ranks past their last collective before the group goes; then leave without the
+    # interpreter's teardown of torch's C++ threads, which once aborted a rank under load
+    # ("terminate called without an active exception") after all its work was done and reported.
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-def test_slowed_rank_has_longest_compute_and_shortest_wait(tmp_path: Path) -> None:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+def _heartbeats_of_a_run(sock: socket.socket, tmp_path: Path) -> dict[tuple[str, int], list[dict[str, float]]]:
+    """Runs the two ranks against ``sock`` as their agent and returns the heartbeats it received."""
     sock.bind(("127.0.0.1", 0))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
     master = free_port()
@@ -54,8 +54,12 @@ def test_slowed_rank_has_longest_compute_and_shortest_wait(tmp_path: Path) -> No
                 beats.setdefault((msg["job"], msg["rank"]), []).append(msg)
     except TimeoutError:
         pass
-    finally:
-        sock.close()
+    return beats
+
+
+def test_slowed_rank_has_longest_compute_and_shortest_wait(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:  # closed however the run ends
+        beats = _heartbeats_of_a_run(sock, tmp_path)
     assert sorted(beats) == [(j, r) for j in ("timer-fsdp", "timer-timed") for r in (0, 1)]
     assert all(len(b) >= 5 for b in beats.values()), {k: len(b) for k, b in beats.items()}
     assert {m["timing"] for b in beats.values() for m in b} == {"cpu"}  # no CUDA here: marked as such
