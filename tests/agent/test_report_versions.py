@@ -161,7 +161,8 @@ async def test_the_agent_sends_compact_reports_once_the_aggregator_lists_them_an
     assert json.loads(rep.last_report_body or b"{}").get("base_seq") is not None
     shown = rep.last_report
     assert shown is not None and shown.base_seq is None
-    assert [(g.index, g.power_limit_watts, g.ecc_corrected_volatile) for g in shown.gpus] == [(0, 700.0, 3), (1, 700.0, 3)]
+    assert [(g.index, g.power_limit_watts, g.ecc_corrected_volatile) for g in shown.gpus] == [
+        (0, 700.0, 3), (1, 700.0, 3)]
     assert shown.ports[0].counters == counters and shown.topology == {"rack": "r1"}
 
 
