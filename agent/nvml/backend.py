@@ -416,14 +416,21 @@ class PynvmlBackend:
 
     # --- dynamic state -------------------------------------------------------------------------
 
-    def running_pids(self, index: int) -> list[int] | None:
-        """PIDs of the compute processes on the GPU (nvmlDeviceGetComputeRunningProcesses), or
-        None when NVML cannot say (the GPU is unhealthy, the call failed or is not supported)."""
+    def running_processes(self, index: int) -> list[Any] | None:
+        """The compute processes on the GPU as nvmlDeviceGetComputeRunningProcesses lists them
+        (``pid``, ``usedGpuMemory`` and, on a GPU in MIG mode, the ``gpuInstanceId`` and
+        ``computeInstanceId`` of the MIG device each runs in), or None when NVML cannot say (the GPU
+        is unhealthy, the call failed or is not supported)."""
         try:
             h = self._handle(index)
             procs = self._query(index, [], "nvmlDeviceGetComputeRunningProcesses", h)
         except (_HealthError, self._error):
             return None
+        return None if procs is None else list(procs)
+
+    def running_pids(self, index: int) -> list[int] | None:
+        """PIDs of the compute processes on the GPU, or None when NVML cannot say."""
+        procs = self.running_processes(index)
         if procs is None:
             return None
         return [int(p.pid) for p in procs if getattr(p, "pid", None)]
