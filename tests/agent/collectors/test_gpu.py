@@ -333,8 +333,9 @@ def test_mig_devices_are_their_own_series_beside_their_parent(clock, tmp_path):
     total = value(samples, "vigil_gpu_mig_memory_total_bytes", **ids)
     assert total == 19.5 * 1024**3  # the 2g.20gb instance's own memory, not the parent's
     assert 0 < value(samples, "vigil_gpu_mig_memory_used_bytes", **ids) <= 0.6 * total
-    assert [(g, value(samples, "vigil_gpu_mig_mode_enabled", gpu=g), value(samples, "vigil_gpu_mig_mode_pending_enabled",
-             gpu=g)) for g in ("0", "2", "3")] == [("0", 1.0, 1.0), ("2", 0.0, 1.0), ("3", 0.0, 0.0)]
+    modes = [(g, value(samples, "vigil_gpu_mig_mode_enabled", gpu=g),
+              value(samples, "vigil_gpu_mig_mode_pending_enabled", gpu=g)) for g in ("0", "2", "3")]
+    assert modes == [("0", 1.0, 1.0), ("2", 0.0, 1.0), ("3", 0.0, 0.0)]
     # The process on GPU 1 runs in its first MIG device: its info joins to that device's.
     (process,) = series(samples, "vigil_gpu_process_info", gpu="1")
     assert (process.label("gpu_instance_id"), process.label("compute_instance_id")) == ("1", "0")
