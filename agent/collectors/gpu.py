@@ -4,8 +4,8 @@ NVLink counters and health, read through PynvmlBackend, plus Xid events from NVM
 It emits one series per GPU (labels ``gpu``, ``uuid``), a ``GpuState`` per GPU for the Report, and
 urgent events (gpu_lost, xid) once per occurrence. A GPU in MIG mode also gets one info series per
 MIG device and that device's memory, labelled with the parent's ``gpu``/``uuid`` and its instance
-ids. A GPU that stops answering becomes health ``lost`` alone; the others keep reporting. It does not parse the kernel log (the xid collector
-owns ``vigil_gpu_xid_errors_total``) and judges nothing.
+ids. A GPU that stops answering becomes health ``lost`` alone; the others keep reporting. It does
+not parse the kernel log (the xid collector owns ``vigil_gpu_xid_errors_total``) and judges nothing.
 """
 
 from __future__ import annotations
