@@ -619,6 +619,13 @@ class PynvmlBackend:
             self._mig_devices.pop(index, None)
             return
         current, pending = bool(mode[0]), bool(mode[1])
+        previous = self._mig_mode.get(index)
+        if previous is not None and previous[0] != current:
+            # A reset applied a MIG mode change: what the GPU answers NotSupported depends on the
+            # mode (its utilisation is N/A in MIG mode), so every query is asked again.
+            log.info("GPU %d: MIG mode now %s; NVML capabilities asked again", index, "on" if current else "off")
+            self._unsupported[index] = {"nvmlDeviceGetMigMode"} & self._unsupported[index]
+            self._gpm_supported.pop(index, None)
         self._mig_mode[index] = (current, pending)
         devices: list[tuple[Any, MigDevice]] = []
         slots = self._query(index, errors, "nvmlDeviceGetMaxMigDeviceCount", h) if current else 0

@@ -492,7 +492,11 @@ class FakeNvml:
     # --- dynamic readings ----------------------------------------------------------------------
 
     def nvmlDeviceGetUtilizationRates(self, handle: FakeGpuHandle) -> pynvml.c_nvmlUtilization_t:
+        """NotSupported while the GPU is in MIG mode, where nvidia-smi prints "GPU-Util: N/A": the
+        engines are shared out among the instances (NVIDIA MIG User Guide, "Device Monitoring")."""
         t = self._device(handle, "nvmlDeviceGetUtilizationRates")
+        if handle.mig_enabled:
+            raise pynvml.NVMLError_NotSupported()
         u = handle.utilization(t)
         rates = pynvml.c_nvmlUtilization_t()
         rates.gpu = round(u * 100)

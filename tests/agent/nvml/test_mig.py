@@ -134,3 +134,18 @@ def test_bad_mig_layouts_are_refused(mig, why):
         parse_node_scenario({"profile": "a100-sxm-80gb", "gpus": 2, "mig": [mig]})
     with pytest.raises(ScenarioError, match="v100-sxm2-32gb has no MIG profiles"):
         parse_node_scenario({"profile": "v100-sxm2-32gb", "mig": [{"gpu": 0}]})
+
+
+def test_utilization_is_absent_in_mig_mode_and_back_once_mig_is_off(make_backend, clock):
+    """The GPU's utilisation is NotSupported in MIG mode; the backend remembers NotSupported per GPU,
+    and forgets it when a reset changes the MIG mode, so the whole GPU's utilisation comes back."""
+    fake, backend = make_backend(_scenario("a100-sxm-80gb", enabled=False, pending=True))
+    assert backend.read(0).utilization_gpu_ratio is not None
+    backend.reset_gpu(0)  # applies MIG mode
+    in_mig = backend.read(0)
+    assert in_mig.mig_mode_current is True and in_mig.utilization_gpu_ratio is None and in_mig.errors == []
+    fake.configure_mig(0, [], enabled=True, pending=False)  # nvidia-smi -mig 0, then a reset
+    backend.reset_gpu(0)
+    clock.t = 10.0
+    whole = backend.read(0)
+    assert whole.mig_mode_current is False and whole.utilization_gpu_ratio is not None
