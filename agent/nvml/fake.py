@@ -493,7 +493,7 @@ class FakeNvml:
 
     def nvmlDeviceGetUtilizationRates(self, handle: FakeGpuHandle) -> pynvml.c_nvmlUtilization_t:
         """NotSupported while the GPU is in MIG mode, where nvidia-smi prints "GPU-Util: N/A": the
-        engines are shared out among the instances (NVIDIA MIG User Guide, "Device Monitoring")."""
+        engines are shared out among the instances, whose activity DCGM measures per instance."""
         t = self._device(handle, "nvmlDeviceGetUtilizationRates")
         if handle.mig_enabled:
             raise pynvml.NVMLError_NotSupported()
