@@ -614,10 +614,11 @@ class PynvmlBackend:
         each. Empty slots (NotFound) are skipped; a device whose identity cannot be read is left out
         and its error counted."""
         mode = self._query(index, errors, "nvmlDeviceGetMigMode", h)  # [current, pending]
-        if mode is None:  # no MIG on this GPU (NotSupported), or the call failed
-            self._mig_mode.pop(index, None)
-            self._mig_devices.pop(index, None)
-            return
+        if mode is None:
+            if "nvmlDeviceGetMigMode" in self._unsupported[index]:  # no MIG on this GPU
+                self._mig_mode.pop(index, None)
+                self._mig_devices.pop(index, None)
+            return  # the call failed (counted): the last layout stands until the next slow read
         current, pending = bool(mode[0]), bool(mode[1])
         previous = self._mig_mode.get(index)
         if previous is not None and previous[0] != current:

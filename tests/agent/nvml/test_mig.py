@@ -7,6 +7,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
+from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.profiles import A100_SXM_80GB, H100_SXM_80GB
 from vigil.agent.nvml.scenario import NodeScenario, ScenarioError, load_node_scenario, parse_node_scenario
@@ -149,3 +150,32 @@ def test_utilization_is_absent_in_mig_mode_and_back_once_mig_is_off(make_backend
     clock.t = 10.0
     whole = backend.read(0)
     assert whole.mig_mode_current is False and whole.utilization_gpu_ratio is not None
+
+
+class _FailingMigMode:
+    """FakeNvml whose nvmlDeviceGetMigMode fails once with an NVML error other than NotSupported."""
+
+    def __init__(self, fake: FakeNvml) -> None:
+        self._fake = fake
+        self.fail = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._fake, name)
+
+    def nvmlDeviceGetMigMode(self, handle: object) -> list[int]:
+        if self.fail:
+            self.fail = False
+            raise pynvml.NVMLError_Unknown()
+        return self._fake.nvmlDeviceGetMigMode(handle)
+
+
+def test_a_failed_mode_read_keeps_the_last_layout(clock):
+    nvml = _FailingMigMode(FakeNvml(_scenario("h100-sxm-80gb", instances=["3g.40gb"]), clock, start=0.0))
+    backend = PynvmlBackend(nvml)  # type: ignore[arg-type]  # FakeNvml's names, wrapped
+    backend.init()
+    assert len(backend.read(0).mig_devices) == 1
+    nvml.fail = True
+    r = backend.read(0, slow=True)
+    assert r.errors == [("nvmlDeviceGetMigMode", "unknown")]
+    assert r.mig_mode_current is True and [m.device.profile for m in r.mig_devices] == ["3g.40gb"]
+    assert len(backend.read(0, slow=True).mig_devices) == 1
