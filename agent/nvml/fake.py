@@ -49,9 +49,10 @@ _NVLINK_FIELDS = (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_D
 _ALL_LINKS = 0xFFFFFFFF  # scopeId: every link summed (nvml.h, NVLink throughput counters)
 
 # MIG: at most 7 MIG devices per GPU (7 compute slices, NVIDIA MIG User Guide, "Partitioning"); the
-# GPU instance ids the driver gives each size of instance, lowest free first, as `nvidia-smi mig -lgi`
-# shows them on A100 and H100 (7g: 0; 4g: 1; 3g: 1-2; 2g: 3-5; 1g: 7-13). One compute instance fills
-# each GPU instance: compute instance id 0.
+# GPU instance ids each size of instance takes, lowest free first (7g: 0; 4g: 1; 3g: 1-2; 2g: 3-5;
+# 1g: 7-13), as `nvidia-smi mig -lgi` listings of A100s commonly show them: recalled, not recorded
+# here, and a real driver's ids depend on the placement. One compute instance fills each GPU
+# instance: compute instance id 0.
 MIG_DEVICES_MAX = 7
 _MIG_GPU_INSTANCE_IDS = {7: (0,), 4: (1,), 3: (1, 2), 2: (3, 4, 5), 1: (7, 8, 9, 10, 11, 12, 13)}
 
