@@ -28,6 +28,10 @@ from vigil.agent.validation import StrictModel
 # official dashboard keys on `instance` and `gpu`, not the host label; a dashboard written against
 # the old `Hostname` needs `label_replace(..., "Hostname", "$1", "hostname", "(.*)")`.
 LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "hostname", "DCGM_FI_DRIVER_VERSION")
+# A MIG GPU instance's series carry these two as well (the same template: `{{if $metric.MigProfile}},
+# GPU_I_PROFILE=...,GPU_I_ID=...{{end}}`), beside its parent's gpu and UUID. prometheus-client writes
+# labels sorted by name, here as for the others: the order means nothing to Prometheus.
+MIG_LABELS = ("GPU_I_PROFILE", "GPU_I_ID")
 # Labels dcgm-exporter adds when its Kubernetes pod mapping attributes a GPU, in its order.
 POD_LABELS = ("pod", "namespace", "container")
 # uuid -> {"pod": ..., "namespace": ..., "container": ...}: the attribution hook. A GPU absent from
@@ -299,8 +303,12 @@ class DcgmCompatCollector(PromCollector):
         return [ident.gpu, ident.uuid, ident.pci_bus_id, f"nvidia{ident.gpu}", ident.model, self._hostname,
                 ident.driver]
 
-    def _labels(self, ident: _Identity, **extra: str) -> dict[str, str]:
+    def _labels(self, ident: _Identity, mig: tuple[str, str] | None = None, **extra: str) -> dict[str, str]:
+        """dcgm-exporter's labels for a GPU, or with ``mig`` (profile, GPU instance id) for one of
+        its MIG GPU instances."""
         labels = dict(zip(LABELS, self._label_values(ident), strict=True))
+        if mig is not None:
+            labels.update(zip(MIG_LABELS, mig, strict=True))
         labels.update(extra)
         pod = self._pods.get(ident.uuid, {})
         for key in POD_LABELS:
@@ -343,9 +351,37 @@ class DcgmCompatCollector(PromCollector):
             if uuid in total:
                 free_family.add_sample(free_family.name, self._labels(ident),
                                        max(total[uuid] - used[uuid], 0.0) * _MIB)
+        self._mig_framebuffer(by_name, identities, used_family, free_family)
         for family in (used_family, free_family):
             if family.samples:
                 yield family
+
+    def _mig_framebuffer(self, by_name: dict[str, list[Sample]], identities: dict[str, _Identity],
+                         used_family: Metric, free_family: Metric) -> None:
+        """The same two fields for each MIG GPU instance (DCGM watches FB_USED/FB_FREE per GPU
+        instance), labelled GPU_I_PROFILE and GPU_I_ID beside the parent's gpu and UUID. From
+        vigil_gpu_mig_memory_*_bytes, the instance's own memory (NVML v1 on its MIG handle, no
+        reserve apart), so free = total - used. The first compute instance of a GPU instance stands
+        for it (one fills each in the usual layouts)."""
+        profiles: dict[tuple[str, str], str] = {}
+        for s in by_name.get("vigil_gpu_mig_device_info", ()):
+            uuid, gi = s.label("uuid"), s.label("gpu_instance_id")
+            if uuid is not None and gi is not None:
+                profiles.setdefault((uuid, gi), s.label("profile") or "")
+        used: dict[tuple[str, str], float] = {}
+        total: dict[tuple[str, str], float] = {}
+        for name, into in (("vigil_gpu_mig_memory_used_bytes", used), ("vigil_gpu_mig_memory_total_bytes", total)):
+            for s in by_name.get(name, ()):
+                uuid, gi = s.label("uuid"), s.label("gpu_instance_id")
+                if uuid is not None and gi is not None:
+                    into.setdefault((uuid, gi), s.value)
+        order = sorted((key for key in used if key[0] in identities and key in profiles),
+                       key=lambda k: (_gpu_order(identities[k[0]].gpu), int(k[1]) if k[1].isdigit() else 1 << 31))
+        for uuid, gi in order:
+            labels = self._labels(identities[uuid], mig=(profiles[(uuid, gi)], gi))
+            used_family.add_sample(used_family.name, labels, used[(uuid, gi)] * _MIB)
+            if (uuid, gi) in total:
+                free_family.add_sample(free_family.name, labels, max(total[(uuid, gi)] - used[(uuid, gi)], 0.0) * _MIB)
 
     def _nvlink_bandwidth(self, by_name: dict[str, list[Sample]], identities: dict[str, _Identity],
                           now: float) -> Metric | None:

@@ -284,6 +284,11 @@ def main() -> int:
     # NVLink payload counters per link (KiB), to hold against the backend's all-links sum
     # (NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX, scopeId UINT_MAX) in nvml-recording.json.
     sh(out, "nvidia-smi-nvlink-throughput.txt", ["nvidia-smi", "nvlink", "-gt", "d"])
+    # MIG: the devices (`-L` names each "MIG 1g.10gb Device 0: (UUID: MIG-...)") and the GPU instances
+    # with their ids, to hold against the backend's MIG layout (nvmlDeviceGetMigMode and, in MIG
+    # mode, the MIG device calls, which the recording below captures like every other call).
+    sh(out, "nvidia-smi-L.txt", ["nvidia-smi", "-L"])
+    sh(out, "nvidia-smi-mig-lgi.txt", ["nvidia-smi", "mig", "-lgi"])
     if shutil.which("dcgmi"):
         sh(out, "dcgmi-diag-r1.txt", ["dcgmi", "diag", "-r", "1"], timeout=180)
 

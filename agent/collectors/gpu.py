@@ -2,9 +2,10 @@
 NVLink counters and health, read through PynvmlBackend, plus Xid events from NVML's event API.
 
 It emits one series per GPU (labels ``gpu``, ``uuid``), a ``GpuState`` per GPU for the Report, and
-urgent events (gpu_lost, xid) once per occurrence. A GPU that stops answering becomes health
-``lost`` alone; the others keep reporting. It does not parse the kernel log (the xid collector
-owns ``vigil_gpu_xid_errors_total``) and judges nothing.
+urgent events (gpu_lost, xid) once per occurrence. A GPU in MIG mode also gets one info series per
+MIG device and that device's memory, labelled with the parent's ``gpu``/``uuid`` and its instance
+ids. A GPU that stops answering becomes health ``lost`` alone; the others keep reporting. It does
+not parse the kernel log (the xid collector owns ``vigil_gpu_xid_errors_total``) and judges nothing.
 """
 
 from __future__ import annotations
@@ -153,6 +154,22 @@ NVLINK_TX = MetricSpec("vigil_gpu_nvlink_tx_bytes_per_second", G, f"NVLink traff
                        "bytes_per_second")
 NVLINK_RX = MetricSpec("vigil_gpu_nvlink_rx_bytes_per_second", G, f"NVLink traffic received, all links. {_GPM}",
                        _G, "bytes_per_second")
+# MIG (Ampere and later): absent where the GPU has no MIG. The MIG device series carry the parent's
+# gpu/uuid and the instance ids vigil_gpu_process_info carries, so a process joins to its MIG device.
+_MIG = (*_G, "gpu_instance_id", "compute_instance_id")
+MIG_MODE = MetricSpec("vigil_gpu_mig_mode_enabled", G, "1 when the GPU is in MIG mode, 0 when not; absent before "
+                      "Ampere.", _G)
+MIG_MODE_PENDING = MetricSpec("vigil_gpu_mig_mode_pending_enabled", G,
+                              "MIG mode after the GPU's next reset; differs from vigil_gpu_mig_mode_enabled while "
+                              "a mode change waits for that reset.", _G)
+MIG_DEVICE_INFO = MetricSpec("vigil_gpu_mig_device_info", MetricKind.INFO,
+                             "A MIG device of the GPU (gpu, uuid: the parent's): its UUID, GPU and compute "
+                             "instance ids and GPU instance profile (e.g. 1g.10gb).",
+                             (*_MIG, "mig_uuid", "profile"))
+MIG_MEMORY_USED = MetricSpec("vigil_gpu_mig_memory_used_bytes", G,
+                             "Device memory in use in the MIG device (NVML v1 `used` on its handle).", _MIG, "bytes")
+MIG_MEMORY_TOTAL = MetricSpec("vigil_gpu_mig_memory_total_bytes", G, "Device memory of the MIG device.", _MIG,
+                              "bytes")
 NVML_XID = MetricSpec("vigil_gpu_nvml_xid_events_total", C,
                       "Xid critical errors delivered by NVML's event API, by Xid code.", (*_G, "code"))
 
@@ -164,7 +181,8 @@ SPECS: tuple[MetricSpec, ...] = (
     REMAP_PENDING, REMAP_FAILURE, PCIE_REPLAY, PCIE_THROUGHPUT, FAN_SPEED, NVLINK_STATE, NVLINK_ERRORS, NVML_XID,
     MEMORY_RESERVED, ENCODER_UTILIZATION, DECODER_UTILIZATION, NVLINK_DATA, GRAPHICS_ACTIVE, SM_ACTIVE,
     SM_OCCUPANCY, TENSOR_ACTIVE, DRAM_ACTIVE, FP16_ACTIVE, FP32_ACTIVE, FP64_ACTIVE,
-    NVLINK_TX, NVLINK_RX, PROCESS_INFO,
+    NVLINK_TX, NVLINK_RX, PROCESS_INFO, MIG_MODE, MIG_MODE_PENDING, MIG_DEVICE_INFO, MIG_MEMORY_USED,
+    MIG_MEMORY_TOTAL,
 )
 
 # Reading field -> spec, for the plain per-GPU gauges and counters.
@@ -386,6 +404,19 @@ class GpuCollector:
         if nvlinks_read:
             self._remember_nvlinks(gpu, r)
         out.extend(gpu.nvlink_samples)
+        if r.mig_mode_current is not None:
+            out.append(Sample(MIG_MODE.name, 1.0 if r.mig_mode_current else 0.0, labels))
+        if r.mig_mode_pending is not None:
+            out.append(Sample(MIG_MODE_PENDING.name, 1.0 if r.mig_mode_pending else 0.0, labels))
+        for mig in r.mig_devices:
+            d = mig.device
+            mig_labels = (*labels, ("gpu_instance_id", str(d.gpu_instance_id)),
+                          ("compute_instance_id", str(d.compute_instance_id)))
+            out.append(Sample(MIG_DEVICE_INFO.name, 1.0, (*mig_labels, ("mig_uuid", d.uuid), ("profile", d.profile))))
+            if mig.memory_used_bytes is not None:
+                out.append(Sample(MIG_MEMORY_USED.name, float(mig.memory_used_bytes), mig_labels))
+            if mig.memory_total_bytes is not None:
+                out.append(Sample(MIG_MEMORY_TOTAL.name, float(mig.memory_total_bytes), mig_labels))
         return out
 
     @staticmethod

@@ -3,6 +3,7 @@
 It reads each GPU's identity once and its dynamic state on demand, converts NVML's units (mW, mJ,
 MHz, percent, KB/s, KiB) to base units, turns NotSupported into an absent field (None), maps GPU-level
 errors to a health state (lost, reset_required, unavailable) and waits on NVML's Xid event API.
+On a GPU in MIG mode it also reads the MIG devices (layout on the slow cadence, memory each read).
 It does not emit metrics, keep history or decide anything; the GPU collector does the former.
 """
 
@@ -125,6 +126,34 @@ class GpuIdentity:
     nvlinks: tuple[int, ...]  # link numbers NVML answers for
 
 
+# A MIG device's name carries its GPU instance profile: "NVIDIA A100-SXM4-40GB MIG 1g.5gb" (nvidia-smi -L
+# prints the same "MIG 1g.5gb Device 0"). Read from the name, one call per device, rather than through
+# nvmlGpuInstanceGetInfo + nvmlDeviceGetGpuInstanceProfileInfo (a GPU instance handle and a versioned
+# struct per device) for the same string.
+_MIG_PROFILE = re.compile(r"\bMIG (\S+)\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class MigDevice:
+    """One MIG device of a physical GPU: its identity, which changes only when an administrator
+    reconfigures the GPU's instances (read on the slow cadence)."""
+
+    slot: int  # the index nvmlDeviceGetMigDeviceHandleByIndex answered for
+    uuid: str  # "MIG-..."
+    gpu_instance_id: int
+    compute_instance_id: int
+    profile: str  # GPU instance profile, e.g. "1g.10gb"; "" when the name carries none
+
+
+@dataclass(frozen=True, slots=True)
+class MigDeviceReading:
+    device: MigDevice
+    # The instance's own memory (nvmlDeviceGetMemoryInfo on the MIG handle, v1: `used` counts the
+    # instance's reserve); None when the call failed.
+    memory_used_bytes: int | None
+    memory_total_bytes: int | None
+
+
 @dataclass(frozen=True, slots=True)
 class NvLinkReading:
     link: int
@@ -197,6 +226,12 @@ class GpuReading:
     # KiB converted to bytes): read with the links (slow=True) on GPUs that have NVLink, else None.
     nvlink_data_tx_bytes: int | None = None
     nvlink_data_rx_bytes: int | None = None
+    # MIG mode (nvmlDeviceGetMigMode), current and pending (an admin's change waits for a GPU reset):
+    # None where the GPU has no MIG (before Ampere: NotSupported). Re-read on the slow cadence.
+    mig_mode_current: bool | None = None
+    mig_mode_pending: bool | None = None
+    # With MIG on: each MIG device, the layout as of the last slow read, its memory read now.
+    mig_devices: tuple[MigDeviceReading, ...] = ()
     # NVML errors other than NotSupported met during this read: (query, reason).
     errors: list[tuple[str, str]] = field(default_factory=list)
 
@@ -255,6 +290,11 @@ class PynvmlBackend:
         # GPUs whose driver refused nvmlDeviceGetMemoryInfo_v2 (before R510: no such function, or an
         # unknown struct version): asked with v1 from then on.
         self._memory_v1: set[int] = set()
+        # MIG, per GPU as of its last slow read: (current, pending) mode, and each MIG device with
+        # its handle. An empty slot answers NotFound; a GPU without MIG answers NotSupported.
+        self._mig_mode: dict[int, tuple[bool, bool]] = {}
+        self._mig_devices: dict[int, tuple[tuple[Any, MigDevice], ...]] = {}
+        self._not_found = nvml.NVMLError_NotFound
         self._memory_v2_refused: tuple[type[BaseException], ...] = (
             *self._gpm_function_missing, nvml.NVMLError_ArgumentVersionMismatch, self._not_supported)
 
@@ -376,14 +416,21 @@ class PynvmlBackend:
 
     # --- dynamic state -------------------------------------------------------------------------
 
-    def running_pids(self, index: int) -> list[int] | None:
-        """PIDs of the compute processes on the GPU (nvmlDeviceGetComputeRunningProcesses), or
-        None when NVML cannot say (the GPU is unhealthy, the call failed or is not supported)."""
+    def running_processes(self, index: int) -> list[Any] | None:
+        """The compute processes on the GPU as nvmlDeviceGetComputeRunningProcesses lists them
+        (``pid``, ``usedGpuMemory`` and, on a GPU in MIG mode, the ``gpuInstanceId`` and
+        ``computeInstanceId`` of the MIG device each runs in), or None when NVML cannot say (the GPU
+        is unhealthy, the call failed or is not supported)."""
         try:
             h = self._handle(index)
             procs = self._query(index, [], "nvmlDeviceGetComputeRunningProcesses", h)
         except (_HealthError, self._error):
             return None
+        return None if procs is None else list(procs)
+
+    def running_pids(self, index: int) -> list[int] | None:
+        """PIDs of the compute processes on the GPU, or None when NVML cannot say."""
+        procs = self.running_processes(index)
         if procs is None:
             return None
         return [int(p.pid) for p in procs if getattr(p, "pid", None)]
@@ -556,6 +603,79 @@ class PynvmlBackend:
                 (c["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"], NVLINK_ALL_LINKS)))
             r.nvlink_data_tx_bytes = None if tx is None else int(tx) * _KIB
             r.nvlink_data_rx_bytes = None if rx is None else int(rx) * _KIB
+        if slow:
+            self._read_mig_layout(index, e, h)
+        self._read_mig(index, e, r)
+
+    # --- MIG -----------------------------------------------------------------------------------
+
+    def _read_mig_layout(self, index: int, errors: list[tuple[str, str]], h: Any) -> None:
+        """MIG mode and, when it is on, the MIG devices: the slot, UUID, instance ids and profile of
+        each. Empty slots (NotFound) are skipped; a device whose identity cannot be read is left out
+        and its error counted."""
+        mode = self._query(index, errors, "nvmlDeviceGetMigMode", h)  # [current, pending]
+        if mode is None:
+            if "nvmlDeviceGetMigMode" in self._unsupported[index]:  # no MIG on this GPU
+                self._mig_mode.pop(index, None)
+                self._mig_devices.pop(index, None)
+            return  # the call failed (counted): the last layout stands until the next slow read
+        current, pending = bool(mode[0]), bool(mode[1])
+        previous = self._mig_mode.get(index)
+        if previous is not None and previous[0] != current:
+            # A reset applied a MIG mode change: what the GPU answers NotSupported depends on the
+            # mode (its utilisation is N/A in MIG mode), so every query is asked again.
+            log.info("GPU %d: MIG mode now %s; NVML capabilities asked again", index, "on" if current else "off")
+            self._unsupported[index] = {"nvmlDeviceGetMigMode"} & self._unsupported[index]
+            self._gpm_supported.pop(index, None)
+        self._mig_mode[index] = (current, pending)
+        devices: list[tuple[Any, MigDevice]] = []
+        slots = self._query(index, errors, "nvmlDeviceGetMaxMigDeviceCount", h) if current else 0
+        for slot in range(int(slots or 0)):
+            try:
+                mig = self._nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, slot)
+            except self._not_found:
+                continue  # no MIG device in this slot
+            except self._health_errors as exc:
+                raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
+            except self._error as exc:
+                errors.append(("nvmlDeviceGetMigDeviceHandleByIndex", error_reason(exc)))
+                continue
+            uuid = self._mig_call(errors, "nvmlDeviceGetUUID", mig)
+            gi = self._mig_call(errors, "nvmlDeviceGetGpuInstanceId", mig)
+            ci = self._mig_call(errors, "nvmlDeviceGetComputeInstanceId", mig)
+            name = self._mig_call(errors, "nvmlDeviceGetName", mig)
+            if not uuid or gi is None or ci is None:
+                continue  # a MIG device that cannot be named cannot be joined to anything
+            match = _MIG_PROFILE.search(str(name or ""))
+            devices.append((mig, MigDevice(slot=slot, uuid=str(uuid), gpu_instance_id=int(gi),
+                                           compute_instance_id=int(ci), profile=match.group(1) if match else "")))
+        self._mig_devices[index] = tuple(devices)
+
+    def _read_mig(self, index: int, errors: list[tuple[str, str]], r: GpuReading) -> None:
+        """The MIG mode and devices of the last slow read, each device's memory read now."""
+        mode = self._mig_mode.get(index)
+        if mode is None:
+            return
+        r.mig_mode_current, r.mig_mode_pending = mode
+        out = []
+        for mig, device in self._mig_devices.get(index, ()):
+            memory = self._mig_call(errors, "nvmlDeviceGetMemoryInfo", mig)
+            out.append(MigDeviceReading(
+                device=device,
+                memory_used_bytes=None if memory is None else int(memory.used),
+                memory_total_bytes=None if memory is None else int(memory.total)))
+        r.mig_devices = tuple(out)
+
+    def _mig_call(self, errors: list[tuple[str, str]], name: str, *args: Any) -> Any:
+        """One call on a MIG device handle: None when it fails (counted; not remembered as the
+        parent's capability), health errors raise as for the parent."""
+        try:
+            return getattr(self._nvml, name)(*args)
+        except self._health_errors as exc:
+            raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
+        except self._error as exc:
+            errors.append((name, error_reason(exc)))
+            return None
 
     def _read_memory(self, index: int, errors: list[tuple[str, str]], h: Any, r: GpuReading) -> None:
         """Memory info v2 (the reserve apart), or v1 where the driver refuses v2 (before R510)."""

@@ -48,6 +48,14 @@ _CODEC_SAMPLING_PERIOD_US = 1_000_000
 _NVLINK_FIELDS = (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
 _ALL_LINKS = 0xFFFFFFFF  # scopeId: every link summed (nvml.h, NVLink throughput counters)
 
+# MIG: at most 7 MIG devices per GPU (7 compute slices, NVIDIA MIG User Guide, "Partitioning"); the
+# GPU instance ids each size of instance takes, lowest free first (7g: 0; 4g: 1; 3g: 1-2; 2g: 3-5;
+# 1g: 7-13), as `nvidia-smi mig -lgi` listings of A100s commonly show them: recalled, not recorded
+# here, and a real driver's ids depend on the placement. One compute instance fills each GPU
+# instance: compute instance id 0.
+MIG_DEVICES_MAX = 7
+_MIG_GPU_INSTANCE_IDS = {7: (0,), 4: (1,), 3: (1, 2), 2: (3, 4, 5), 1: (7, 8, 9, 10, 11, 12, 13)}
+
 _HW_SLOWDOWN = pynvml.nvmlClocksEventReasonHwSlowdown
 _HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown
 _HW_POWER_BRAKE = pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown
@@ -106,6 +114,21 @@ class FakeEventData:
     computeInstanceId: int = _NO_INSTANCE
 
 
+class FakeMigHandle:
+    """One MIG device (a GPU instance with one compute instance filling it) of a FakeGpuHandle."""
+
+    def __init__(self, parent: FakeGpuHandle, slot: int, profile: str, gpu_instance_id: int,
+                 memory_total_bytes: int) -> None:
+        self.parent = parent
+        self.slot = slot
+        self.profile = profile
+        self.gpu_instance_id = gpu_instance_id
+        self.compute_instance_id = 0
+        self.memory_total_bytes = memory_total_bytes
+        digest = hashlib.sha256(f"{parent.uuid}:{gpu_instance_id}".encode()).hexdigest()
+        self.uuid = f"MIG-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+
+
 class FakeGpuHandle:
     """One GPU: the scenario's faults for it, precomputed into time windows and steps."""
 
@@ -143,6 +166,10 @@ class FakeGpuHandle:
         self.hbm_extra: list[tuple[float, float, float]] = []  # (start, end, degrees Celsius)
         self.pcie_replay_growth: list[_Growth] = []
         self.memory_bound: list[tuple[float, float, float]] = []  # (start, end, DRAM active ratio)
+        # MIG mode now and after the next reset, and the MIG devices by slot (None: empty slot).
+        self.mig_enabled = False
+        self.mig_pending = False
+        self.mig_slots: list[FakeMigHandle | None] = []
         for fault in scenario.faults:
             if getattr(fault, "gpu", None) != index:
                 continue
@@ -311,6 +338,9 @@ class FakeNvml:
         # GPM sample buffers allocated and not yet freed, by the address of their opaque pointer:
         # a test checks the backend frees every sample it allocates.
         self.gpm_samples: dict[int, _FakeGpmSample] = {}
+        for layout in scenario.mig:
+            self.configure_mig(layout.gpu, layout.instances, enabled=layout.enabled,
+                               pending=layout.enabled if layout.pending is None else layout.pending)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the class does not define: constants pass through, functions fail.
@@ -322,6 +352,32 @@ class FakeNvml:
 
     def now(self) -> float:
         return self._clock() - self._start
+
+    def configure_mig(self, index: int, instances: Sequence[str | None], *, enabled: bool = True,
+                      pending: bool | None = None) -> None:
+        """What an administrator's ``nvidia-smi -mig`` and ``nvidia-smi mig -dci -dgi / -cgi ... -C``
+        leave on GPU ``index``: the mode (``pending`` differs until a reset applies it) and these GPU
+        instances, in slots 0.. in order; ``None`` in ``instances`` leaves that slot empty (an
+        instance destroyed). Raises ValueError for a profile the board does not offer."""
+        handle = self.handles[index]
+        handle.mig_enabled = enabled
+        handle.mig_pending = enabled if pending is None else pending
+        used: set[int] = set()
+        slots: list[FakeMigHandle | None] = []
+        for slot, name in enumerate(instances):
+            if name is None:
+                slots.append(None)
+                continue
+            memory = handle.profile.mig_memory_bytes(name)
+            if memory is None or not enabled:
+                raise ValueError(f"GPU {index}: no MIG profile {name!r} (MIG {'on' if enabled else 'off'})")
+            pool = _MIG_GPU_INSTANCE_IDS.get(int(name.split("g.", 1)[0]), ())
+            gi = next((i for i in pool if i not in used), None)
+            if gi is None or slot >= MIG_DEVICES_MAX:
+                raise ValueError(f"GPU {index}: no room for another {name} instance")
+            used.add(gi)
+            slots.append(FakeMigHandle(handle, slot, name, gi, memory))
+        handle.mig_slots = slots
 
     # --- library -------------------------------------------------------------------------------
 
@@ -379,11 +435,18 @@ class FakeNvml:
         self._device(handle, "nvmlDeviceGetIndex")
         return handle.index
 
-    def nvmlDeviceGetUUID(self, handle: FakeGpuHandle) -> str:
+    def nvmlDeviceGetUUID(self, handle: FakeGpuHandle | FakeMigHandle) -> str:
+        if isinstance(handle, FakeMigHandle):
+            self._mig(handle)
+            return handle.uuid
         self._device(handle, "nvmlDeviceGetUUID")
         return handle.uuid
 
-    def nvmlDeviceGetName(self, handle: FakeGpuHandle) -> str:
+    def nvmlDeviceGetName(self, handle: FakeGpuHandle | FakeMigHandle) -> str:
+        """A MIG device's name is its parent's with the profile: "NVIDIA A100-SXM4-80GB MIG 1g.10gb"."""
+        if isinstance(handle, FakeMigHandle):
+            self._mig(handle)
+            return f"{handle.parent.profile.name} MIG {handle.profile}"
         self._device(handle, "nvmlDeviceGetName")
         return handle.profile.name
 
@@ -430,16 +493,29 @@ class FakeNvml:
     # --- dynamic readings ----------------------------------------------------------------------
 
     def nvmlDeviceGetUtilizationRates(self, handle: FakeGpuHandle) -> pynvml.c_nvmlUtilization_t:
+        """NotSupported while the GPU is in MIG mode, where nvidia-smi prints "GPU-Util: N/A": the
+        engines are shared out among the instances, whose activity DCGM measures per instance."""
         t = self._device(handle, "nvmlDeviceGetUtilizationRates")
+        if handle.mig_enabled:
+            raise pynvml.NVMLError_NotSupported()
         u = handle.utilization(t)
         rates = pynvml.c_nvmlUtilization_t()
         rates.gpu = round(u * 100)
         rates.memory = round(u * 45)  # memory-controller busy share: ~half of SM busy in LLM training
         return rates
 
-    def nvmlDeviceGetMemoryInfo(self, handle: FakeGpuHandle, version: int | None = None) -> Any:
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeGpuHandle | FakeMigHandle, version: int | None = None) -> Any:
         """pynvml's signature: no version gives v1 (c_nvmlMemory_t, `used` counts the reserve),
-        nvmlMemory_v2 gives c_nvmlMemory_v2_t (`used` allocated only, `reserved` apart)."""
+        nvmlMemory_v2 gives c_nvmlMemory_v2_t (`used` allocated only, `reserved` apart). On a MIG
+        device: the instance's own memory (v1 only here; the backend asks v1)."""
+        if isinstance(handle, FakeMigHandle):
+            t = self._mig(handle)
+            if version:
+                raise pynvml.NVMLError_NotSupported()
+            mig_total = handle.memory_total_bytes
+            mig_busy = handle.parent.load.memory_used_ratio if handle.parent.utilization(t) > 0 else 0.0
+            mig_used = int(mig_total * mig_busy) // _MIB * _MIB
+            return pynvml.c_nvmlMemory_t(total=mig_total, free=mig_total - mig_used, used=mig_used)
         t = self._device(handle, "nvmlDeviceGetMemoryInfo")
         p = handle.profile
         total, reserved = p.memory_total_bytes, p.memory_reserved_bytes
@@ -584,9 +660,15 @@ class FakeNvml:
         """The PIDs in ``running_pids[index]`` (set by a test or the simulator), as pynvml returns
         them: friendly objects with pid, usedGpuMemory (bytes), gpuInstanceId, computeInstanceId."""
         t = self._device(handle, "nvmlDeviceGetComputeRunningProcesses")
-        return [pynvml.nvmlStructToFriendlyObject(pynvml.c_nvmlProcessInfo_v3_t(
-                    pid=pid, usedGpuMemory=60 << 30, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF))
-                for pid in self._pids(handle, t)]
+        migs = [m for m in handle.mig_slots if m is not None] if handle.mig_enabled else []
+        out = []
+        for i, pid in enumerate(self._pids(handle, t)):
+            mig = migs[i % len(migs)] if migs else None  # on a MIG GPU: the processes spread over its devices
+            out.append(pynvml.nvmlStructToFriendlyObject(pynvml.c_nvmlProcessInfo_v3_t(
+                pid=pid, usedGpuMemory=60 << 30 if mig is None else mig.memory_total_bytes * 3 // 4,
+                gpuInstanceId=_NO_INSTANCE if mig is None else mig.gpu_instance_id,
+                computeInstanceId=_NO_INSTANCE if mig is None else mig.compute_instance_id)))
+        return out
 
     def _pids(self, handle: FakeGpuHandle, t: float) -> list[int]:
         """The compute processes on ``handle`` at scenario time ``t``: the test's, then the
@@ -595,6 +677,53 @@ class FakeNvml:
                     if p.gpu == handle.index and p.from_seconds <= t
                     and (p.until_seconds is None or t < p.until_seconds)]
         return [*self.running_pids.get(handle.index, ()), *scripted]
+
+    # --- MIG ----------------------------------------------------------------------------------
+
+    def _mig(self, handle: FakeMigHandle) -> float:
+        """The checks of a call on a MIG device: its parent's, and the instance still existing."""
+        parent = handle.parent
+        t = self._device(parent, "nvmlDeviceGetMigDeviceHandleByIndex")
+        slots = parent.mig_slots
+        if not parent.mig_enabled or handle.slot >= len(slots) or slots[handle.slot] is not handle:
+            raise pynvml.NVMLError_InvalidArgument()  # destroyed by a reconfiguration: a stale handle
+        return t
+
+    def nvmlDeviceGetMigMode(self, handle: FakeGpuHandle) -> list[int]:
+        """[current, pending], NVML_DEVICE_MIG_ENABLE (1) or _DISABLE (0); NotSupported before Ampere."""
+        self._device(handle, "nvmlDeviceGetMigMode")
+        return [int(handle.mig_enabled), int(handle.mig_pending)]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: FakeGpuHandle) -> int:
+        """NVML: "zero if MIG is not supported or enabled"."""
+        self._device(handle, "nvmlDeviceGetMaxMigDeviceCount")
+        if not handle.mig_enabled or "nvmlDeviceGetMigMode" in handle.profile.not_supported:
+            return 0
+        return MIG_DEVICES_MAX
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: FakeGpuHandle, index: int) -> FakeMigHandle:
+        """InvalidArgument past the maximum count (0 with MIG off), NotFound for an empty slot."""
+        self._device(handle, "nvmlDeviceGetMigDeviceHandleByIndex")
+        if not handle.mig_enabled or not 0 <= index < MIG_DEVICES_MAX:
+            raise pynvml.NVMLError_InvalidArgument()
+        mig = handle.mig_slots[index] if index < len(handle.mig_slots) else None
+        if mig is None:
+            raise pynvml.NVMLError_NotFound()
+        return mig
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: FakeGpuHandle | FakeMigHandle) -> int:
+        if not isinstance(handle, FakeMigHandle):  # NVML: NotSupported "if device is not a MIG device"
+            self._device(handle, "nvmlDeviceGetGpuInstanceId")
+            raise pynvml.NVMLError_NotSupported()
+        self._mig(handle)
+        return handle.gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, handle: FakeGpuHandle | FakeMigHandle) -> int:
+        if not isinstance(handle, FakeMigHandle):
+            self._device(handle, "nvmlDeviceGetComputeInstanceId")
+            raise pynvml.NVMLError_NotSupported()
+        self._mig(handle)
+        return handle.compute_instance_id
 
     # --- nvidia-smi --gpu-reset --------------------------------------------------------------
 
@@ -616,6 +745,9 @@ class FakeNvml:
             raise subprocess.CalledProcessError(
                 1, args, output=f"GPU {handle.pci_bus_id} is currently in use by another process.\n", stderr="")
         handle.reset_at = t
+        if handle.mig_pending != handle.mig_enabled:  # a reset applies a pending MIG mode change
+            handle.mig_enabled = handle.mig_pending
+            handle.mig_slots = []
         if handle.lost_at <= t:
             handle.lost_at = math.inf
         if handle.reset_required_at <= t:

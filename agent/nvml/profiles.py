@@ -57,6 +57,24 @@ class DeviceProfile:
     # "GPM Functions"; nvidia-smi dmon prints GPM metrics "for Hopper and later GPUs"); older GPUs
     # answer nvmlGpmQueryDeviceSupport with isSupportedDevice = 0.
     gpm_supported: bool = False
+    # MIG GPU instance profiles the board offers: (profile name, the instance's memory in bytes as
+    # NVML reports it). Empty: no MIG layout can be scripted (the board answers MIG mode only if its
+    # queries are not in not_supported).
+    mig_profiles: tuple[tuple[str, int], ...] = ()
+
+    def mig_memory_bytes(self, profile: str) -> int | None:
+        return next((size for name, size in self.mig_profiles if name == profile), None)
+
+
+# MIG GPU instance profiles and their memory from NVIDIA's Multi-Instance GPU User Guide ("Supported
+# MIG Profiles", and its `nvidia-smi mig -lgip` listings, memory in GiB), for the 80 GB A100 and
+# H100; recalled from the guide, not checked against a GPU here. The "+me" (media-extension) and
+# 1g.20gb variants are left out: no scenario uses them.
+_GIB = 1024 * MIB
+A100_80GB_MIG = (("1g.10gb", int(9.5 * _GIB)), ("2g.20gb", int(19.5 * _GIB)), ("3g.40gb", int(39.25 * _GIB)),
+                 ("4g.40gb", int(39.25 * _GIB)), ("7g.80gb", int(78.75 * _GIB)))
+H100_80GB_MIG = (("1g.10gb", int(9.75 * _GIB)), ("2g.20gb", int(19.75 * _GIB)), ("3g.40gb", int(39.5 * _GIB)),
+                 ("4g.40gb", int(39.5 * _GIB)), ("7g.80gb", int(79.25 * _GIB)))
 
 
 # HGX H100 8-GPU baseboard, from the recorded `nvidia-smi -q` of driver 535.161.08
@@ -93,6 +111,7 @@ H100_SXM_80GB = DeviceProfile(
                   "00000000:9B:00.0", "00000000:BB:00.0", "00000000:CB:00.0", "00000000:DB:00.0"),
     pcie_max_bytes_per_second=64_000_000_000,  # PCIe Gen5 x16, per direction
     gpm_supported=True,
+    mig_profiles=H100_80GB_MIG,
 )
 
 # HGX H200 8-GPU: NVIDIA H200 Tensor Core GPU datasheet (141 GB HBM3e at 4.8 TB/s, up to 700 W
@@ -157,6 +176,7 @@ A100_SXM_80GB = DeviceProfile(
     pcie_bus_ids=("00000000:07:00.0", "00000000:0F:00.0", "00000000:47:00.0", "00000000:4E:00.0",
                   "00000000:87:00.0", "00000000:90:00.0", "00000000:B7:00.0", "00000000:BD:00.0"),
     pcie_max_bytes_per_second=32_000_000_000,  # PCIe Gen4 x16, per direction
+    mig_profiles=A100_80GB_MIG,
 )
 
 # DGX-1 / HGX-1 V100: NVIDIA Tesla V100 datasheet (32 GB HBM2, 300 W, 1530 MHz boost, 6 NVLink 2
@@ -189,7 +209,10 @@ V100_SXM2_32GB = DeviceProfile(
     pcie_bus_ids=("00000000:06:00.0", "00000000:07:00.0", "00000000:0A:00.0", "00000000:0B:00.0",
                   "00000000:85:00.0", "00000000:86:00.0", "00000000:89:00.0", "00000000:8A:00.0"),
     pcie_max_bytes_per_second=16_000_000_000,  # PCIe Gen3 x16
-    not_supported=frozenset({"nvmlDeviceGetFanSpeed", "nvmlDeviceGetRemappedRows"}),
+    # MIG came with Ampere (NVIDIA MIG User Guide, "Supported GPUs"): Volta answers NotSupported.
+    # (nvmlDeviceGetMaxMigDeviceCount answers 0 there instead: "zero if MIG is not supported or enabled").
+    not_supported=frozenset({"nvmlDeviceGetFanSpeed", "nvmlDeviceGetRemappedRows", "nvmlDeviceGetMigMode",
+                             "nvmlDeviceGetMigDeviceHandleByIndex"}),
 )
 
 PROFILES: dict[str, DeviceProfile] = {

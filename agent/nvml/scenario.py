@@ -176,6 +176,37 @@ class Process(_Strict):
     until_seconds: float | None = Field(default=None, gt=0)
 
 
+# A GPU has 7 compute slices to share among its MIG GPU instances ("7g" is the whole GPU): NVIDIA MIG
+# User Guide, "Partitioning". Placement rules beyond that sum are not modelled.
+MIG_COMPUTE_SLICES = 7
+
+
+class MigLayout(_Strict):
+    """GPU ``gpu`` in MIG mode with these GPU instances (one compute instance filling each), as an
+    administrator's ``nvidia-smi mig -cgi ... -C`` leaves it; ``pending`` differs from ``enabled``
+    when a mode change waits for the GPU's reset."""
+
+    gpu: int = Field(ge=0)
+    enabled: bool = True
+    pending: bool | None = None  # None: as enabled (no change waiting)
+    instances: tuple[str, ...] = ()  # GPU instance profiles, e.g. ["3g.40gb", "2g.20gb", "2g.20gb"]
+
+    @model_validator(mode="after")
+    def _check_slices(self) -> MigLayout:
+        if self.instances and not self.enabled:
+            raise ValueError("instances need enabled: true (MIG devices exist only in MIG mode)")
+        slices = sum(mig_compute_slices(name) for name in self.instances)
+        if slices > MIG_COMPUTE_SLICES:
+            raise ValueError(f"instances use {slices} compute slices, a GPU has {MIG_COMPUTE_SLICES}")
+        return self
+
+
+def mig_compute_slices(profile: str) -> int:
+    """"3g.40gb" -> 3; 0 for a name that does not start so (rejected against the board's table)."""
+    head = profile.split("g.", 1)[0]
+    return int(head) if head.isdigit() else 0
+
+
 class NodeScenario(_Strict):
     description: str = ""
     profile: str = "h100-sxm-80gb"
@@ -183,11 +214,26 @@ class NodeScenario(_Strict):
     load: Load = Load()
     faults: tuple[Fault, ...] = ()
     processes: tuple[Process, ...] = ()
+    mig: tuple[MigLayout, ...] = ()  # GPUs in MIG mode; the others have it off
 
     @model_validator(mode="after")
     def _check_references(self) -> NodeScenario:
         if self.profile not in PROFILES:
             raise ValueError(f"profile {self.profile!r} is not one of {sorted(PROFILES)}")
+        board = PROFILES[self.profile]
+        seen: set[int] = set()
+        for i, layout in enumerate(self.mig):
+            if layout.gpu >= self.gpus:
+                raise ValueError(f"mig.{i}.gpu: {layout.gpu} but the node has {self.gpus} GPUs")
+            if layout.gpu in seen:
+                raise ValueError(f"mig.{i}.gpu: GPU {layout.gpu} has two MIG layouts")
+            seen.add(layout.gpu)
+            if not board.mig_profiles:
+                raise ValueError(f"mig.{i}: {self.profile} has no MIG profiles")
+            for name in layout.instances:
+                if board.mig_memory_bytes(name) is None:
+                    raise ValueError(f"mig.{i}.instances: {name!r} is not one of "
+                                     f"{[n for n, _ in board.mig_profiles]} on {self.profile}")
         links = PROFILES[self.profile].nvlink_count
         for i, fault in enumerate(self.faults):
             gpu = getattr(fault, "gpu", None)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from vigil.agent.collectors.gpu import GpuCollector, GpuConfig
 from vigil.agent.collectors.xid import XID_ERRORS
-from vigil.agent.dcgm_compat import LABELS, NVLINK_BANDWIDTH, NVLINK_BANDWIDTH_HELP, DcgmCompatCollector
+from vigil.agent.dcgm_compat import LABELS, MIG_LABELS, NVLINK_BANDWIDTH, NVLINK_BANDWIDTH_HELP, DcgmCompatCollector
 from vigil.agent.metric import Sample
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
@@ -371,3 +371,34 @@ def test_nvlink_bandwidth_from_the_gpu_collector_is_absent_without_nvlink(gpu_sa
     assert len(ours[NVLINK_BANDWIDTH].samples) == 8  # 18 NVLinks per H100
     without = [s for s in samples if s.name != "vigil_gpu_nvlink_data_bytes_total"]
     assert NVLINK_BANDWIDTH not in scrape(DcgmCompatCollector(lambda: without))
+
+
+def test_mig_instances_get_their_own_framebuffer_series() -> None:
+    """On the mig-a100 node each MIG GPU instance is served DCGM_FI_DEV_FB_USED/_FREE with
+    dcgm-exporter's GPU_I_PROFILE and GPU_I_ID labels beside its parent's gpu and UUID, in MiB of the
+    instance's own memory; the whole GPUs keep their series without them."""
+    clock = Clock()
+    fake = FakeNvml(load_node_scenario("mig-a100"), clock, start=0.0)
+    backend = PynvmlBackend(fake)
+    backend.init()
+    gpu = GpuCollector(GpuConfig(xid_events=False), backend, clock)
+    try:
+        samples = gpu.collect(0.0).samples
+    finally:
+        gpu.close()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DcgmCompatCollector(lambda: samples, hostname="node-17"))
+    text = generate_latest(registry).decode()
+    families = parse(text)
+    used = [(labels, v) for labels, v in families["DCGM_FI_DEV_FB_USED"].samples if "GPU_I_ID" in labels]
+    free = {(labels["gpu"], labels["GPU_I_ID"]): v for labels, v in families["DCGM_FI_DEV_FB_FREE"].samples
+            if "GPU_I_ID" in labels}
+    assert [(labels["gpu"], labels["GPU_I_PROFILE"], labels["GPU_I_ID"]) for labels, _ in used] == [
+        *[("0", "1g.10gb", str(gi)) for gi in range(7, 14)], ("1", "3g.40gb", "1"), ("1", "2g.20gb", "3"),
+        ("1", "2g.20gb", "4")]
+    labels, mib = used[-1]
+    assert labels["UUID"] == fake.handles[1].uuid and labels["modelName"] == "NVIDIA A100-SXM4-80GB"
+    assert mib > 0 and mib + free[("1", "4")] == 19.5 * 1024  # the 2g.20gb instance's MiB, not the GPU's
+    assert set(labels) == {*LABELS, *MIG_LABELS}
+    whole = [labels for labels, _ in families["DCGM_FI_DEV_FB_USED"].samples if "GPU_I_ID" not in labels]
+    assert [labels["gpu"] for labels in whole] == [str(i) for i in range(8)]

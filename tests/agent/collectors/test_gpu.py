@@ -307,3 +307,41 @@ def test_energy_counter_is_read_on_the_slow_cadence_and_holds_its_value_between(
     calls = [c for c in nvml.calls if c["call"] == "nvmlDeviceGetTotalEnergyConsumption"]
     assert len(calls) == 3 * 8  # at t = 0, 10 and 20, for each of the 8 GPUs
     assert energies[1:10] == [energies[0]] * 9 and energies[10] > energies[0] and energies[20] > energies[10]
+
+
+def test_mig_devices_are_their_own_series_beside_their_parent(clock, tmp_path):
+    """The shipped mig-a100 node: GPU 0 in 7x 1g.10gb, GPU 1 in 3g.40gb + 2x 2g.20gb, GPU 2 with MIG
+    pending, the rest whole; each MIG device's info and memory carry the parent's gpu/uuid and the
+    instance ids a process on it carries, so the two join."""
+    fake = FakeNvml(load_node_scenario("mig-a100"), clock, start=0.0)
+    backend = PynvmlBackend(fake)
+    backend.init()
+    attribution = ProcessAttribution(backend, proc_root=tmp_path)
+    collector = GpuCollector(GpuConfig(xid_events=False), backend, clock, attribution)
+    try:
+        samples = collector.collect(0.0).samples
+    finally:
+        collector.close()
+    uuid1 = fake.handles[1].uuid
+    info = series(samples, "vigil_gpu_mig_device_info", gpu="1")
+    assert [(s.label("uuid"), s.label("profile"), s.label("gpu_instance_id"), s.label("compute_instance_id"))
+            for s in info] == [(uuid1, "3g.40gb", "1", "0"), (uuid1, "2g.20gb", "3", "0"), (uuid1, "2g.20gb", "4", "0")]
+    assert all(s.label("mig_uuid").startswith("MIG-") for s in info)
+    assert len(series(samples, "vigil_gpu_mig_device_info", gpu="0", profile="1g.10gb")) == 7
+    assert series(samples, "vigil_gpu_mig_device_info", gpu="3") == []
+    ids = {"gpu": "1", "gpu_instance_id": "3", "compute_instance_id": "0"}
+    total = value(samples, "vigil_gpu_mig_memory_total_bytes", **ids)
+    assert total == 19.5 * 1024**3  # the 2g.20gb instance's own memory, not the parent's
+    assert 0 < value(samples, "vigil_gpu_mig_memory_used_bytes", **ids) <= 0.6 * total
+    modes = [(g, value(samples, "vigil_gpu_mig_mode_enabled", gpu=g),
+              value(samples, "vigil_gpu_mig_mode_pending_enabled", gpu=g)) for g in ("0", "2", "3")]
+    assert modes == [("0", 1.0, 1.0), ("2", 0.0, 1.0), ("3", 0.0, 0.0)]
+    # The process on GPU 1 runs in its first MIG device: its info joins to that device's.
+    (process,) = series(samples, "vigil_gpu_process_info", gpu="1")
+    assert (process.label("gpu_instance_id"), process.label("compute_instance_id")) == ("1", "0")
+    assert series(samples, "vigil_gpu_mig_device_info", gpu="1", gpu_instance_id="1", compute_instance_id="0")
+
+
+def test_no_mig_series_on_a_board_without_mig(make):
+    samples = make("healthy-v100").collect(0.0).samples
+    assert not [s for s in samples if s.name.startswith("vigil_gpu_mig_")]

@@ -3,6 +3,8 @@ NVIDIA driver and skips elsewhere. The same checks hold over FakeNvml (tests/age
 
 from __future__ import annotations
 
+import re
+
 import pynvml
 import pytest
 
@@ -85,3 +87,23 @@ def test_running_processes_are_listed(backend):
     pids = backend.running_pids(0)
     assert pids is not None  # a healthy GPU always answers, an idle one with []
     assert all(pid > 0 for pid in pids)
+
+
+def test_mig_mode_and_devices_as_nvml_says(backend):
+    """The MIG fields against NVML itself: the mode as nvmlDeviceGetMigMode answers (absent where it
+    is NotSupported), and in MIG mode one device per occupied slot, each named and profiled."""
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    try:
+        current, pending = pynvml.nvmlDeviceGetMigMode(handle)
+    except pynvml.NVMLError_NotSupported:
+        current = pending = None
+    r = backend.read(0, slow=True)
+    want = (None, None) if current is None else (bool(current), bool(pending))
+    assert (r.mig_mode_current, r.mig_mode_pending) == want
+    if not current:
+        assert r.mig_devices == ()
+        return
+    assert r.mig_devices and len({m.device.uuid for m in r.mig_devices}) == len(r.mig_devices)
+    for m in r.mig_devices:
+        assert m.device.uuid.startswith("MIG-") and re.fullmatch(r"\d+g\.\d+gb(\+\w+)?", m.device.profile)
+        assert m.memory_total_bytes and 0 <= (m.memory_used_bytes or 0) <= m.memory_total_bytes
