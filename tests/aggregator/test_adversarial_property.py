@@ -161,6 +161,19 @@ def harness() -> Iterator[Harness]:
 PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+def refused_cleanly_or_judged(harness: Harness, before: Any, status: int, answer: Any) -> None:
+    """A report body's outcome: refused with a 4xx and a reason, the fleet exactly as before; or
+    accepted, and every detector still runs over it. Never a 5xx, never a node that is not a member."""
+    event(f"status {status}")  # --hypothesis-show-statistics shows how many got in
+    assert status < 500, answer
+    if status != 202:
+        assert 400 <= status < 500 and answer["error"]
+        assert harness.fleet_state() == before
+    else:
+        harness.app[EVALUATE_KEY]()
+    assert set(harness.fleet_state()) <= set(MEMBERS)
+
+
 def test_no_report_yields_a_5xx_and_a_refused_one_changes_nothing(harness: Harness) -> None:
     base = json.loads(harness.nodes["p1"].report(NOW).model_dump_json())
 
@@ -169,15 +182,7 @@ def test_no_report_yields_a_5xx_and_a_refused_one_changes_nothing(harness: Harne
     def check(body: bytes) -> None:
         before = harness.fleet_state()
         status, answer = harness.post("/v1/reports", body, node_token(SECRET, "p1"))
-        event(f"status {status}")  # --hypothesis-show-statistics shows how many got in
-        assert status < 500, answer
-        if status != 202:
-            assert 400 <= status < 500 and answer["error"]
-            assert harness.fleet_state() == before
-        else:
-            # An accepted report must not break judging either (every detector runs over it).
-            harness.app[EVALUATE_KEY]()
-        assert set(harness.fleet_state()) <= set(MEMBERS)
+        refused_cleanly_or_judged(harness, before, status, answer)
 
     check()
 
@@ -254,14 +259,7 @@ def test_no_compact_report_yields_a_5xx_and_a_refused_one_changes_nothing(harnes
     def check(body: Any) -> None:
         before = harness.fleet_state()
         status, answer = post_compact(harness, "p2", body)
-        event(f"status {status}")
-        assert status < 500, answer
-        if status != 202:
-            assert 400 <= status < 500 and answer["error"]
-            assert harness.fleet_state() == before
-        else:
-            harness.app[EVALUATE_KEY]()
-        assert set(harness.fleet_state()) <= set(MEMBERS)
+        refused_cleanly_or_judged(harness, before, status, answer)
 
     check()
 
