@@ -56,7 +56,8 @@ def wait_for(what: str, check: Callable[[], bool], timeout_seconds: float = 15.0
 class WebhookReceiver:
     """``fail_status``: answer every request with it (an outage); ``fail_first``: answer the next
     N requests with 500 (a flaky receiver); ``hold``: keep each request open until released (a
-    slow receiver). ``applied`` counts each key's first valid arrival."""
+    slow receiver). ``applied`` counts each key's first valid arrival; ``in_flight`` the requests
+    applied and not yet answered (a refused one is answered at once and never counted there)."""
 
     def __init__(self, secret: bytes = SECRET) -> None:
         self.secret = secret
@@ -92,11 +93,13 @@ class WebhookReceiver:
                         # Applied before answering, as a real receiver commits first: the sender
                         # may still die before it reads the 200, and send it again.
                         receiver.applied.setdefault(key, json.loads(body))
-                    receiver.in_flight += 1
+                        receiver.in_flight += 1
+                if failing is not None:  # a refusal answers at once: never in flight
+                    self._answer(failing)
+                    return
                 try:
-                    if failing is None:  # a refusal answers at once; only a success is slow
-                        receiver.hold.wait(timeout=30)
-                    self._answer(failing if failing is not None else 200)
+                    receiver.hold.wait(timeout=30)  # only a success is slow
+                    self._answer(200)
                 finally:
                     with receiver._lock:
                         receiver.in_flight -= 1
