@@ -244,18 +244,25 @@ def default_counters() -> list[tuple[str, str]]:
     return out
 
 
-def test_default_counter_coverage_on_an_h100(capsys) -> None:
+def collected(scenario: str, *at: float) -> tuple[FakeNvml, list[Sample]]:
+    """The real GPU collector over FakeNvml running the node ``scenario``, collected at each time
+    of ``at`` in turn: the fake and the last collection's samples."""
     clock = Clock()
-    fake = FakeNvml(load_node_scenario("healthy-h100"), clock, start=0.0)
+    fake = FakeNvml(load_node_scenario(scenario), clock, start=0.0)
     backend = PynvmlBackend(fake)
     backend.init()
     gpu = GpuCollector(GpuConfig(xid_events=False), backend, clock)
     try:
-        gpu.collect(0.0)
-        clock.t = 5.0  # the GPM profiling values need a pair of samples
-        samples = gpu.collect(5.0).samples
+        for t in at:
+            clock.t = t
+            samples = gpu.collect(t).samples
     finally:
         gpu.close()
+    return fake, samples
+
+
+def test_default_counter_coverage_on_an_h100(capsys) -> None:
+    _, samples = collected("healthy-h100", 0.0, 5.0)  # the GPM profiling values need a pair of samples
     ours = scrape(DcgmCompatCollector(lambda: samples, hostname="node-17"))
     fields = [name for name, _ in default_counters()]
     assert len(fields) == 25
@@ -377,15 +384,7 @@ def test_mig_instances_get_their_own_framebuffer_series() -> None:
     """On the mig-a100 node each MIG GPU instance is served DCGM_FI_DEV_FB_USED/_FREE with
     dcgm-exporter's GPU_I_PROFILE and GPU_I_ID labels beside its parent's gpu and UUID, in MiB of the
     instance's own memory; the whole GPUs keep their series without them."""
-    clock = Clock()
-    fake = FakeNvml(load_node_scenario("mig-a100"), clock, start=0.0)
-    backend = PynvmlBackend(fake)
-    backend.init()
-    gpu = GpuCollector(GpuConfig(xid_events=False), backend, clock)
-    try:
-        samples = gpu.collect(0.0).samples
-    finally:
-        gpu.close()
+    fake, samples = collected("mig-a100", 0.0)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DcgmCompatCollector(lambda: samples, hostname="node-17"))
     text = generate_latest(registry).decode()
