@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.wire import GPU_PROCESSES_MAX, GpuProcess
+from vigil.agent.wire import GPU_PROCESSES_MAX, GpuProcess, replace
 from vigil_heartbeat.client import FALLBACK_JOB, resolve_identity
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class ProcessAttribution:
             for pid, gi, ci in listed:
                 proc = process_of_pid(pid, self._proc_root, self._resolver)
                 if gi is not None or ci is not None:
-                    proc = proc.model_copy(update={"gpu_instance_id": gi, "compute_instance_id": ci})
+                    proc = replace(proc, gpu_instance_id=gi, compute_instance_id=ci)
                 out.append(proc)
                 if index not in jobs and proc.job is not None:
                     jobs[index] = proc.job  # one job per GPU in practice; the first attributed wins

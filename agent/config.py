@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from vigil.agent.collectors.gpu import GpuConfig
 from vigil.agent.collectors.host import HostConfig
@@ -22,7 +22,7 @@ from vigil.agent.dcgm_compat import ExporterConfig
 from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
 from vigil.agent.node_action_runner import NodeActionsConfig
 from vigil.agent.validation import HostPort, StrictModel, read_config_file, validate_config
-from vigil.agent.wire import NodeName
+from vigil.agent.wire import check_node_name
 
 
 class NvmlConfig(StrictModel):
@@ -99,7 +99,8 @@ class CollectorsConfig(StrictModel):
 class AgentConfig(StrictModel):
     # What the aggregator knows this node as: a hostname (agent/wire.py's one rule), so that a
     # typo'd name fails here, at start-up, instead of in every report.
-    node: NodeName = Field(default_factory=socket.gethostname, validate_default=True)
+    node: Annotated[str, AfterValidator(check_node_name)] = Field(default_factory=socket.gethostname,
+                                                                  validate_default=True)
     # /metrics, /healthz and /v1/state. It may be any address (0.0.0.0 for Prometheus): heartbeats
     # have their own node-local listener (collectors.training.udp_listen, unix_socket).
     # 19400: 9400 is dcgm-exporter's and 9100 node_exporter's, and the Prometheus default-port list

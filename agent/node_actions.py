@@ -16,7 +16,7 @@ import hmac
 import json
 from dataclasses import dataclass
 
-from vigil.agent.wire import NodeActionRequest
+from vigil.agent.wire import NodeActionRequest, replace
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,15 @@ def node_key(master_key: bytes, node: str) -> bytes:
 
 
 def _signed_bytes(request: NodeActionRequest) -> bytes:
-    body = request.model_dump(mode="json", exclude={"signature"})
+    # Every field but the signature, absent ones as null: the same bytes on both sides.
+    body = {name: getattr(request, name) for name in request.__struct_fields__ if name != "signature"}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def sign(request: NodeActionRequest, key: bytes) -> NodeActionRequest:
     """``request`` with its signature under ``key`` (a node key)."""
     signature = hmac.new(key, _signed_bytes(request), hashlib.sha256).hexdigest()
-    return request.model_copy(update={"signature": signature})
+    return replace(request, signature=signature)
 
 
 def signature_ok(request: NodeActionRequest, key: bytes) -> bool:

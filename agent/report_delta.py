@@ -2,44 +2,40 @@
 
 It reads two reports as JSON-ready dicts (the one the aggregator accepted and the one to send
 now, both without events) and emits the version-2 body: every GPU, port and rank with its
-identity (its model's required fields) and only the fields that changed (a port's counters:
-only those that moved; a field that became absent as null), the report's own fields whole. It
-decides nothing about when to send it (agent/reporter.py negotiates the version and keeps the
-base) and sends nothing.
+required fields (its identity) and the fields whose default is not None as they are, plus the
+optional fields that changed to a value (a port's counters: only those that moved; a field that
+became absent is named in ``cleared``), the report's own fields whole. It decides nothing about
+when to send it (agent/reporter.py negotiates the version and keeps the base) and sends nothing.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
-
-from vigil.agent.wire import DELTA_VERSION, GpuState, PortState, RankSummary, Report
+from vigil.agent.wire import DELTA_VERSION, SECTIONS, Report, optional_fields, to_builtins
 
 # What names an entry of each section: the same names in the same order, or the report goes whole.
 IDENTITY = {"gpus": ("index", "uuid"), "ports": ("device", "port"), "ranks": ("job", "rank")}
 
-
-def _required(model: type[BaseModel]) -> tuple[str, ...]:
-    return tuple(name for name, field in model.model_fields.items() if field.is_required())
-
-
-# An entry always carries its model's required fields (its identity among them), so each entry
-# of a compact report is a valid instance of the same model.
-ALWAYS = {"gpus": _required(GpuState), "ports": _required(PortState), "ranks": _required(RankSummary)}
+# An entry always carries the fields whose default is not None (its identity among the required
+# ones): absent, they read as their default. Only the optional ones (default None) may be left
+# out as unchanged, so each entry of a compact report is a valid instance of the same model.
+OPTIONAL = {section: frozenset(optional_fields(model)) for section, model in SECTIONS.items()}
 # Report fields that say "unchanged" by being left out (the aggregator keeps the last it had).
 _KEPT_WHEN_ABSENT = ("topology", "host")
 # Port fields for a reader of one report, never sent in version 2: the aggregator derives its
 # own increases from the raw counters over its window.
 V2_PORT_EXCLUDE = frozenset({"deltas", "rates_per_second"})
-# A version-2 report's state: events go after it, its ports without what version 2 leaves out.
-_V2_EXCLUDE: dict[str, Any] = {"events": True, "ports": {"__all__": set(V2_PORT_EXCLUDE)}}
 
 
 def whole(report: Report) -> dict[str, Any]:
     """``report`` as a whole version-2 state (JSON-ready, without events): the base of the next
     compact report, and what is sent when there is no base."""
-    state = report.model_dump(mode="json", exclude_none=True, exclude=_V2_EXCLUDE)
+    state: dict[str, Any] = to_builtins(report)
+    state.pop("events", None)
+    for port in state.get("ports", ()):
+        for name in V2_PORT_EXCLUDE:
+            port.pop(name, None)
     state["version"] = DELTA_VERSION
     return state
 
@@ -53,24 +49,25 @@ def delta(base: dict[str, Any], current: dict[str, Any]) -> dict[str, Any] | Non
             return None
         if key in current and current[key] != base.get(key):
             out[key] = current[key]
+    cleared: list[list[Any]] = []
     for section, keys in IDENTITY.items():
         before, now = base.get(section, []), current.get(section, [])
         if len(before) != len(now):
             return None
         entries = []
         first, second = keys
-        required = ALWAYS[section]
-        for b, c in zip(before, now, strict=True):
+        optional = OPTIONAL[section]
+        for i, (b, c) in enumerate(zip(before, now, strict=True)):
             if b[first] != c[first] or b[second] != c[second]:
                 return None
             # One comprehension over the entry's fields (this runs for ~700 fields a report on
             # the agent: bench_agent prints its cost per report).
             get = b.get
-            entry = {k: c[k] for k in required}
-            entry.update({k: v for k, v in c.items() if get(k) != v})
+            entry = {k: v for k, v in c.items() if k not in optional or get(k) != v}
             if b.keys() != c.keys():
-                for k in b.keys() - c.keys():  # absent now: only optional fields are ever left out
-                    entry[k] = None
+                # Absent now: an optional field became None (named in ``cleared``); any other
+                # field is at its default, which its absence says.
+                cleared.extend([section, i, k] for k in sorted(b.keys() - c.keys()) if k in optional)
             if section == "ports":
                 counters, was = c.get("counters", {}), b.get("counters", {})
                 if counters.keys() != was.keys():
@@ -81,4 +78,6 @@ def delta(base: dict[str, Any], current: dict[str, Any]) -> dict[str, Any] | Non
                     entry["counters"] = moved
             entries.append(entry)
         out[section] = entries
+    if cleared:
+        out["cleared"] = cleared
     return out

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from vigil.agent.collectors.collector import Collection, Collector
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.snapshot import CollectorResult, Snapshot
+from vigil.agent.wire import check
 
 log = logging.getLogger("vigil.agent.runner")
 
@@ -33,14 +34,28 @@ RUNNER_SPECS = (COLLECTOR_SUCCESS, COLLECTOR_DURATION, COLLECTOR_SKIPPED)
 
 def collect_once(collector: Collector, now: float, timer: Callable[[], float] = time.perf_counter) -> CollectorResult:
     """Run one cycle synchronously and record its outcome. Exceptions become a failed result:
-    a broken source must never take the agent down."""
+    a broken source must never take the agent down. So does output that breaks the wire contract
+    (building a wire Struct checks nothing): a value out of its bounds would make the aggregator
+    refuse the whole report, so the cycle fails instead, named in the report's failed_collectors."""
     start = timer()
     try:
         collection = collector.collect(now)
+        check_wire(collection)
     except Exception as exc:  # noqa: BLE001 - any failure of one source is reported, not raised
         log.warning("collector %s failed: %s: %s", collector.name, type(exc).__name__, exc)
         return CollectorResult(Collection(), False, timer() - start, now, f"{type(exc).__name__}: {exc}")
     return CollectorResult(collection, True, timer() - start, now)
+
+
+def check_wire(collection: Collection) -> None:
+    """Validate what ``collection`` puts into a report as the aggregator will (wire.check);
+    raises SchemaError naming the field."""
+    for value in collection.report.values():
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None:
+                check(item)
+    for event in collection.events:
+        check(event)
 
 
 class Runner:

@@ -10,8 +10,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from vigil.agent.collectors.collector import Collection
 from vigil.agent.metric import Sample
+from vigil.agent.wire import to_builtins
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +67,8 @@ class Snapshot:
 
 
 def _jsonable(value: Any) -> Any:
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json", exclude_none=True)
+    if isinstance(value, msgspec.Struct):
+        return to_builtins(value)
     if isinstance(value, list):
         return [_jsonable(v) for v in value]
     return value

@@ -1,26 +1,34 @@
 """Wire types: the agent's Report to the aggregator, and the heartbeat it accepts from training code.
 
-These pydantic models are the one definition of the JSON contract (docs/openapi.yaml documents
-the same shapes, and a test checks that they agree). The agent builds them; the aggregator
-validates incoming JSON with them. Unknown fields are rejected so a typo cannot pass silently;
-a value the hardware does not report is ``None`` (absent), never 0.
+These msgspec Structs are the one definition of the JSON contract (docs/openapi.yaml documents
+the same shapes, and a test checks that they agree). The agent builds them and encodes them with
+``encode``; the aggregator decodes incoming JSON with ``decode_report``, strictly: unknown fields,
+a float for an int, a string for a number, 1 for a bool, NaN, Infinity, 1e400 and every value
+outside the bounds below are refused. A value the hardware does not report is ``None`` (absent),
+never 0. Constructing a Struct in Python checks nothing: ``check`` validates one the agent built.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from itertools import chain
+from operator import attrgetter
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+import msgspec
+from msgspec import Meta
 
 from vigil.agent.limits import REPORT_MAX_EVENTS
 
 # Report versions (docs/reports.md). 1: every report whole. 2: ``base_seq`` names the report of
-# this boot the aggregator accepted last, and each GPU, port and rank carries its identity and
-# only the fields that changed since that report (port counters: only those that moved); the
-# rest is as in the base. Ports never carry ``deltas``/``rates_per_second`` in version 2 (the
-# aggregator computes its own from the raw counters). An agent sends 2 only to an aggregator
-# whose answer to a report lists it in ``report_versions``.
+# this boot the aggregator accepted last, and each GPU, port and rank carries its required fields
+# (its identity), every field whose default is not None as it is now (a list, a dict, a state
+# word: absent means its default), and of the fields whose default is None only those that
+# changed to a value (port counters: only those that moved); one that became absent is named in
+# the report's ``cleared``. The rest is as in the base. Ports never carry
+# ``deltas``/``rates_per_second`` in version 2 (the aggregator computes its own from the raw
+# counters). An agent sends 2 only to an aggregator whose answer to a report lists it in
+# ``report_versions``.
 WIRE_VERSION = 1
 DELTA_VERSION = 2
 REPORT_VERSIONS = (WIRE_VERSION, DELTA_VERSION)
@@ -31,7 +39,8 @@ REPORT_VERSIONS = (WIRE_VERSION, DELTA_VERSION)
 # ``a,b``), so this one rule guards reports, Alertmanager input, the CLI and every actuator.
 MAX_NODE_NAME_CHARS = 253
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_NODE_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+NODE_NAME_PATTERN = rf"{_LABEL}(?:\.{_LABEL})*"
+_NODE_NAME = re.compile(NODE_NAME_PATTERN)
 
 
 def check_node_name(name: object) -> str:
@@ -46,21 +55,32 @@ def check_node_name(name: object) -> str:
     return name
 
 
-NodeName = Annotated[str, AfterValidator(check_node_name)]
+# The same rule as check_node_name, as the decoder's pattern (msgspec matches with re.search:
+# anchored at both ends, \Z so that a trailing newline is refused too).
+NodeName = Annotated[str, Meta(min_length=1, max_length=MAX_NODE_NAME_CHARS, pattern=rf"^(?:{NODE_NAME_PATTERN})\Z")]
 # Bounds on what any report may carry: far beyond any real value, short of what breaks
-# arithmetic (a 64-bit hardware counter fits; 1e400 or NaN never reaches a detector).
+# arithmetic (1e400 or NaN never reaches a detector). msgspec bounds integers within int64, so
+# a count is at most 2**63 - 1 (an ECC or replay count never nears it); a port counter, which a
+# 64-bit hardware register can hold up to its saturation value, is bounded by MAX_COUNTER in
+# Report.__post_init__ instead (one C-level pass over all of a report's port counters).
+MAX_COUNT = 2**63 - 1
 MAX_COUNTER = 2**64 - 1
-Count = Annotated[int, Field(ge=0, le=MAX_COUNTER)]
-Index = Annotated[int, Field(ge=0, le=1 << 20)]
-Num = Annotated[float, Field(ge=-1e18, le=1e18)]  # finite: allow_inf_nan=False on every model
-NonNeg = Annotated[float, Field(ge=0, le=1e18)]
-Ratio = Annotated[float, Field(ge=0, le=1.0)]
+Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+PortCounter = Annotated[int, Meta(ge=0)]  # <= MAX_COUNTER, checked by Report.__post_init__
+Index = Annotated[int, Meta(ge=0, le=1 << 20)]
+Pid = Annotated[int, Meta(ge=0, le=1 << 32)]
+Num = Annotated[float, Meta(ge=-1e18, le=1e18)]  # finite: a bound refuses NaN and infinity
+NonNeg = Annotated[float, Meta(ge=0, le=1e18)]
+Ratio = Annotated[float, Meta(ge=0, le=1.0)]
 # Wall-clock seconds since the epoch: 1970..2200.
-Timestamp = Annotated[float, Field(ge=0, le=7.3e9)]
-Short = Annotated[str, Field(max_length=256)]
-# Free text (a kernel log line) is cut, not refused: an overlong line must not cost its event.
+Timestamp = Annotated[float, Meta(ge=0, le=7.3e9)]
+Short = Annotated[str, Meta(max_length=256)]
+Id = Annotated[str, Meta(min_length=1, max_length=64)]
+JobName = Annotated[str, Meta(max_length=128)]
+# Free text (a kernel log line) is cut, not refused: an overlong line must not cost its event
+# (each model with a Text field cuts it in __post_init__).
 MAX_TEXT_CHARS = 4096
-Text = Annotated[str, AfterValidator(lambda text: text[:MAX_TEXT_CHARS])]
+Text = str
 
 GpuHealth = Literal["ok", "lost", "reset_required", "unavailable"]
 RankState = Literal["running", "hung", "exited"]
@@ -68,14 +88,15 @@ RankState = Literal["running", "hung", "exited"]
 JobPhase = Literal["training", "checkpointing", "evaluating"]
 
 
-class _Wire(BaseModel):
-    # Finite numbers only: NaN, Infinity and 1e400 (which JSON parsers read as infinity) are
-    # refused. The aggregator validates with strict=True on top: no float for an int, no "1"
-    # for a number, no 1 for a bool.
-    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
+class _Wire(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    # Unknown keys are refused; a field equal to its default is left out of the JSON (a reader
+    # takes the default); keyword construction only. msgspec's JSON decoding is strict: no float
+    # for an int, no "1" for a number, no 1 for a bool; NaN and Infinity are not JSON, and 1e400
+    # is out of every float's bounds.
+    pass
 
 
-class Event(_Wire):
+class Event(_Wire, kw_only=True):
     """Something that happened, as opposed to a state: an Xid, a link going down, a hang.
 
     ``kind`` is one of: xid, sxid, gpu_lost, mlx5_error, link_down, link_up, link_flap,
@@ -96,11 +117,15 @@ class Event(_Wire):
     port: Index | None = None
     job: Short | None = None
     rank: Index | None = None
-    count: int = Field(default=1, ge=1, le=MAX_COUNTER)
+    count: Annotated[int, Meta(ge=1, le=MAX_COUNT)] = 1
     last_ts: Timestamp | None = None
     # Which reader saw it ("kmsg", "nvml", "sysfs", "heartbeat"): an Xid seen by both the kernel
     # log and NVML's event API is one fault, and the aggregator dedups by (gpu, code, time).
     source: Short = ""
+
+    def __post_init__(self) -> None:
+        if len(self.message) > MAX_TEXT_CHARS:
+            self.message = self.message[:MAX_TEXT_CHARS]
 
 
 # At most this many compute processes per GPU are carried in a report and exported as
@@ -109,12 +134,12 @@ class Event(_Wire):
 GPU_PROCESSES_MAX = 8
 
 
-class GpuProcess(_Wire):
+class GpuProcess(_Wire, kw_only=True):
     """One compute process on a GPU and whom it belongs to (agent.attribution); a field is None
     when unknown (no job, not in a pod, no name resolver, not on a MIG instance)."""
 
-    pid: Annotated[int, Field(ge=0, le=1 << 32)]
-    job: str | None = Field(default=None, max_length=128)  # as GpuState.job
+    pid: Pid
+    job: JobName | None = None  # as GpuState.job
     slurm_job: Short | None = None  # from the process's cgroup alone
     pod_uid: Short | None = None
     container_id: Short | None = None
@@ -125,7 +150,7 @@ class GpuProcess(_Wire):
     compute_instance_id: Index | None = None  # MIG compute instance
 
 
-class GpuState(_Wire):
+class GpuState(_Wire, kw_only=True):
     """One GPU's state and counters at report time (NVLink counters summed over its links)."""
 
     index: Index
@@ -150,7 +175,7 @@ class GpuState(_Wire):
     energy_joules: NonNeg | None = None
     performance_state: Count | None = None
     # Active clock-event (throttle) reasons by our short name, e.g. ["hw_thermal_slowdown"].
-    clock_event_reasons: list[Short] = Field(default_factory=list, max_length=64)
+    clock_event_reasons: Annotated[list[Short], Meta(max_length=64)] = []
     ecc_corrected_volatile: Count | None = None
     ecc_uncorrected_volatile: Count | None = None
     ecc_corrected_aggregate: Count | None = None
@@ -167,7 +192,7 @@ class GpuState(_Wire):
     nvlink_replay_errors_total: Count | None = None
     nvlink_recovery_errors_total: Count | None = None
     nvlink_links_active: Count | None = None
-    nvlink_links_down: list[Index] = Field(default_factory=list, max_length=64)
+    nvlink_links_down: Annotated[list[Index], Meta(max_length=64)] = []
     # NVML GPM profiling (Hopper and later), averaged over the agent's collector interval; absent
     # on older GPUs and before the agent has a pair of samples.
     graphics_active_ratio: Ratio | None = None
@@ -184,12 +209,12 @@ class GpuState(_Wire):
     nvlink_rx_bytes_per_second: NonNeg | None = None
     # The job whose processes use this GPU (agent.attribution): a Slurm job id, a torchrun run id,
     # or "pod/<uid>" on Kubernetes; None when no process or no job is known.
-    job: str | None = Field(default=None, max_length=128)
+    job: JobName | None = None
     # Its compute processes and their job/pod (at most GPU_PROCESSES_MAX, the first NVML lists).
-    processes: list[GpuProcess] = Field(default_factory=list, max_length=GPU_PROCESSES_MAX)
+    processes: Annotated[list[GpuProcess], Meta(max_length=GPU_PROCESSES_MAX)] = []
 
 
-class PortState(_Wire):
+class PortState(_Wire, kw_only=True):
     """One RDMA port. ``counters`` are raw (data counters already in bytes). ``deltas`` and
     ``rates_per_second`` are since the agent's previous cycle and list only counters that moved
     (absent: unchanged); a counter that went backwards or sits at its saturation value has none
@@ -205,19 +230,19 @@ class PortState(_Wire):
     netdev: Short | None = None
     # Counter names are sysfs file names, bounded by the body limit: a length check on each of
     # the ~400 keys of a report costs 15% of the ingest rate (bench/bench_ingest.py).
-    counters: dict[str, Count] = Field(default_factory=dict, max_length=256)
-    deltas: dict[str, Count] = Field(default_factory=dict, max_length=256)
-    rates_per_second: dict[str, NonNeg] = Field(default_factory=dict, max_length=256)
-    flags: dict[str, Short] = Field(default_factory=dict, max_length=256)
+    counters: Annotated[dict[str, PortCounter], Meta(max_length=256)] = {}
+    deltas: Annotated[dict[str, PortCounter], Meta(max_length=256)] = {}
+    rates_per_second: Annotated[dict[str, NonNeg], Meta(max_length=256)] = {}
+    flags: Annotated[dict[str, Short], Meta(max_length=256)] = {}
 
 
-class RankSummary(_Wire):
+class RankSummary(_Wire, kw_only=True):
     """One training rank over the report window: not every step, a summary of them."""
 
     job: Short
     rank: Index
     gpu: Index | None = None
-    pid: Annotated[int, Field(ge=0, le=1 << 32)] | None = None
+    pid: Pid | None = None
     state: RankState = "running"
     window_seconds: NonNeg
     # The end of the complete window [window_end_ts - window_seconds, window_end_ts) on the agent's
@@ -238,7 +263,7 @@ class RankSummary(_Wire):
     phase: JobPhase | None = None  # the rank's latest heartbeat's phase (None: training)
 
 
-class HostFacts(_Wire):
+class HostFacts(_Wire, kw_only=True):
     cpu_utilization_ratio: Ratio | None = None
     load1: NonNeg | None = None
     memory_used_bytes: NonNeg | None = None
@@ -259,37 +284,45 @@ MAX_RESULTS_PER_REPORT = 16
 SIGNATURE_HEX_CHARS = 64
 
 
-class NodeActionRequest(_Wire):
+class NodeActionRequest(_Wire, kw_only=True):
     """One signed request for one node. ``id`` is the aggregator's idempotency key (the decision
     id): an agent carries out an id at most once and answers a repeat with its first result."""
 
-    id: str = Field(min_length=1, max_length=64)
+    id: Id
     action: NodeActionName
     node: NodeName
-    boot_id: str = Field(min_length=1, max_length=64)  # the boot it was issued for: a reboot voids it
+    boot_id: Id  # the boot it was issued for: a reboot voids it
     gpu: Index | None = None
     gpu_uuid: Short | None = None
     issued_at: Timestamp
     expires_at: Timestamp
     reason: Text = ""
-    signature: str = Field(default="", max_length=SIGNATURE_HEX_CHARS)
+    signature: Annotated[str, Meta(max_length=SIGNATURE_HEX_CHARS)] = ""
+
+    def __post_init__(self) -> None:
+        if len(self.reason) > MAX_TEXT_CHARS:
+            self.reason = self.reason[:MAX_TEXT_CHARS]
 
 
 NodeActionOutcome = Literal["done", "refused", "failed"]
 
 
-class NodeActionResult(_Wire):
+class NodeActionResult(_Wire, kw_only=True):
     """What the agent did with a request: ``done``, ``refused`` (a check failed, nothing was run:
     ``reason`` says which, e.g. ``busy`` with the holding pids in ``detail``) or ``failed`` (it ran
     and did not succeed)."""
 
-    id: str = Field(min_length=1, max_length=64)
+    id: Id
     action: Short
     gpu: Index | None = None
     outcome: NodeActionOutcome
     reason: Short  # a short machine-readable word: done, busy, not_allowed, bad_signature, expired, ...
     detail: Text = ""
     ts: Timestamp
+
+    def __post_init__(self) -> None:
+        if len(self.detail) > MAX_TEXT_CHARS:
+            self.detail = self.detail[:MAX_TEXT_CHARS]
 
 
 # The agent's boot id: the kernel's boot id (its first 16 hex digits) and a per-start nonce
@@ -305,44 +338,55 @@ def kernel_boot_id(boot_id: str) -> str:
     return match.group("kernel") if match else boot_id
 
 
-class Report(_Wire):
+class Report(_Wire, kw_only=True):
     """The agent's periodic push (``POST /v1/reports``). ``seq`` increases by one per report
     within a ``boot_id``; a new boot id means counters restarted from zero."""
 
     version: Literal[1, 2] = 1  # REPORT_VERSIONS
     node: NodeName
-    boot_id: str = Field(min_length=1, max_length=64)
+    boot_id: Id
     seq: Count
     ts: Timestamp
     # At most a day: a node that reports less often is not being watched.
-    interval_seconds: float = Field(gt=0, le=86400)
+    interval_seconds: Annotated[float, Meta(gt=0, le=86400)]
     urgent: bool = False
-    topology: dict[Short, Short] = Field(default_factory=dict, max_length=32)
+    topology: Annotated[dict[Short, Short], Meta(max_length=32)] = {}
     nvml_available: bool = True
     # Bounds far above any real node (8-16 GPUs, 8-16 ports, a rank per GPU); the body limit
     # bounds the rest.
-    gpus: list[GpuState] = Field(default_factory=list, max_length=256)
-    ports: list[PortState] = Field(default_factory=list, max_length=256)
-    ranks: list[RankSummary] = Field(default_factory=list, max_length=1024)
+    gpus: Annotated[list[GpuState], Meta(max_length=256)] = []
+    ports: Annotated[list[PortState], Meta(max_length=256)] = []
+    ranks: Annotated[list[RankSummary], Meta(max_length=1024)] = []
     host: HostFacts | None = None
-    events: list[Event] = Field(default_factory=list, max_length=REPORT_MAX_EVENTS)
+    events: Annotated[list[Event], Meta(max_length=REPORT_MAX_EVENTS)] = []
     # Collectors whose last cycle failed, so the aggregator can tell "no data" from "healthy".
-    failed_collectors: list[Short] = Field(default_factory=list, max_length=64)
+    failed_collectors: Annotated[list[Short], Meta(max_length=64)] = []
     # The sender's release (vigil.__version__), so the aggregator can see version skew; absent
     # from agents older than 0.1.0's packaging change.
-    agent_version: str | None = Field(default=None, max_length=64)
+    agent_version: Annotated[str, Meta(max_length=64)] | None = None
     # Outcomes of node actions the aggregator asked for (agent/node_actions.py), each reported until
     # a report carrying it is accepted.
-    action_results: list[NodeActionResult] = Field(default_factory=list, max_length=MAX_RESULTS_PER_REPORT)
+    action_results: Annotated[list[NodeActionResult], Meta(max_length=MAX_RESULTS_PER_REPORT)] = []
     # Version 2 only: the seq of this boot's report that the fields left out are unchanged since
     # (the last one the aggregator accepted); None: this report is whole.
     base_seq: Count | None = None
+    # Version 2 only: the fields (whose default is None) of the section's i-th entry that became
+    # absent since the base, as [section, i, field]: left out, they would read "unchanged".
+    cleared: Annotated[list[tuple[Section, Index, Short]], Meta(max_length=4096)] = []
 
-    @model_validator(mode="after")
-    def _base_needs_delta_version(self) -> Report:
+    def __post_init__(self) -> None:
+        if self.ports:
+            check_port_counters(self.ports)
         if self.base_seq is not None and self.version != DELTA_VERSION:
             raise ValueError(f"base_seq is only valid in a version {DELTA_VERSION} report")
-        return self
+        if self.cleared:
+            if self.base_seq is None:
+                raise ValueError("cleared is only valid in a report relative to a base (base_seq)")
+            for section, i, name in self.cleared:
+                if i >= len(getattr(self, section)):
+                    raise ValueError(f"cleared names {section}[{i}], but the report has {len(getattr(self, section))}")
+                if name not in CLEARABLE[section]:
+                    raise ValueError(f"cleared names {name!r}, not an optional field of {section}")
 
     @property
     def is_delta(self) -> bool:
@@ -350,19 +394,101 @@ class Report(_Wire):
         return self.base_seq is not None
 
 
-class Heartbeat(_Wire):
+_COUNTERS = attrgetter("counters")
+_DELTAS = attrgetter("deltas")
+
+
+def check_port_counters(ports: list[PortState]) -> None:
+    """ValueError if a counter of ``ports`` is above MAX_COUNTER: one C-level pass over all of them."""
+    if max(chain.from_iterable(map(dict.values, chain(map(_COUNTERS, ports), map(_DELTAS, ports)))),
+           default=0) > MAX_COUNTER:
+        raise ValueError(f"a port counter is at most {MAX_COUNTER} (64 bits)")
+# A report's sections of entries, each a list of one model (version 2 completes them by identity).
+Section = Literal["gpus", "ports", "ranks"]
+SECTIONS: dict[str, type[GpuState] | type[PortState] | type[RankSummary]] = {
+    "gpus": GpuState, "ports": PortState, "ranks": RankSummary}
+
+
+def optional_fields(model: type[msgspec.Struct]) -> tuple[str, ...]:
+    """The fields of ``model`` whose default is None: version 2 sends them only when they changed."""
+    return tuple(f.name for f in msgspec.structs.fields(model) if f.default is None)
+
+
+CLEARABLE = {section: frozenset(optional_fields(model)) for section, model in SECTIONS.items()}
+
+
+class Heartbeat(_Wire, kw_only=True):
     """One training step from one rank (UDP datagram or ``POST /v1/heartbeat``)."""
 
-    job: str = Field(min_length=1, max_length=128)
-    rank: int = Field(ge=0)
-    step: int = Field(ge=0)
-    step_seconds: float = Field(ge=0)
-    compute_seconds: float | None = Field(default=None, ge=0)
-    comm_seconds: float | None = Field(default=None, ge=0)
-    data_seconds: float | None = Field(default=None, ge=0)
-    gpu: int | None = Field(default=None, ge=0)
-    pid: int | None = Field(default=None, ge=1)
-    ts: float | None = None
+    job: Annotated[str, Meta(min_length=1, max_length=128)]
+    rank: Count
+    step: Count
+    step_seconds: NonNeg
+    compute_seconds: NonNeg | None = None
+    comm_seconds: NonNeg | None = None
+    data_seconds: NonNeg | None = None
+    gpu: Index | None = None
+    pid: Annotated[int, Meta(ge=1, le=1 << 32)] | None = None
+    ts: Num | None = None
     phase: JobPhase | None = None
     # How compute/comm were measured: "cuda_events" (GPU timeline) or "cpu" (host clock, a fallback).
     timing: Literal["cuda_events", "cpu"] | None = None
+
+
+# Encoding and decoding: one encoder, and one strict decoder per type, made once.
+_W = TypeVar("_W", bound=msgspec.Struct)
+_ENCODER = msgspec.json.Encoder()
+_DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+# What a body that cannot be decoded raises: msgspec.ValidationError (a subclass) when it is JSON
+# of the wrong shape, msgspec.DecodeError itself when it is not JSON.
+WireError = msgspec.DecodeError
+SchemaError = msgspec.ValidationError
+
+
+def encode(value: Any) -> bytes:
+    """``value`` (a wire Struct, or JSON-ready data holding them) as compact JSON."""
+    return _ENCODER.encode(value)
+
+
+def decode(body: bytes | str, model: type[_W]) -> _W:
+    """``body`` as a ``model``, strictly validated; raises WireError (SchemaError for a wrong shape)."""
+    decoder = _DECODERS.get(model)
+    if decoder is None:
+        decoder = _DECODERS[model] = msgspec.json.Decoder(model)
+    result: _W = decoder.decode(body)
+    return result
+
+
+def decode_report(body: bytes | str) -> Report:
+    """The aggregator's intake: ``body`` as a Report, strictly validated."""
+    return _REPORT_DECODER.decode(body)
+
+
+_REPORT_DECODER = msgspec.json.Decoder(Report)
+
+
+def convert(data: Any, model: type[_W]) -> _W:
+    """JSON-ready ``data`` (a dict from a parsed datagram or answer) as a ``model``, validated as
+    strictly as ``decode``."""
+    return msgspec.convert(data, model)
+
+
+def to_builtins(value: Any) -> Any:
+    """``value`` as JSON-ready Python data (fields equal to their defaults left out)."""
+    return msgspec.to_builtins(value)
+
+
+def check(value: _W) -> _W:
+    """A Struct built in Python, validated as the aggregator will (construction checks nothing):
+    a validated copy, or SchemaError naming the field."""
+    if isinstance(value, PortState):
+        try:
+            check_port_counters([value])
+        except ValueError as exc:
+            raise SchemaError(str(exc)) from None
+    return decode(encode(value), type(value))
+
+
+def replace(value: _W, **changes: Any) -> _W:
+    """A copy of ``value`` with ``changes`` (unchecked, like construction)."""
+    return msgspec.structs.replace(value, **changes)

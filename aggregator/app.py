@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
 import sys
 import time
 from collections import Counter, deque
@@ -29,10 +30,9 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
-from pydantic import ValidationError
 
 from vigil.agent.validation import ConfigError
-from vigil.agent.wire import REPORT_VERSIONS, Report
+from vigil.agent.wire import REPORT_VERSIONS, Report, SchemaError, WireError, decode_report, to_builtins
 from vigil.aggregator.actuators import Actuator, DeliveryError, build_actuators
 from vigil.aggregator.actuators.kubernetes import KubernetesActuator
 from vigil.aggregator.alertmanager_input import add_routes
@@ -100,12 +100,20 @@ def _error(status: int, reason: str, detail: str, **extra: Any) -> web.Response:
     return web.json_response({"error": reason, "detail": detail, **extra}, status=status)
 
 
-def _schema_errors(exc: ValidationError) -> list[dict[str, str]]:
-    out = []
-    for err in exc.errors()[:20]:
-        path = ".".join(str(p) for p in err["loc"]) or "(body)"
-        out.append({"path": path, "message": "unknown key" if err["type"] == "extra_forbidden" else err["msg"]})
-    return out
+# msgspec names an unknown or missing key in its message and the object holding it in the path.
+_NAMED_KEY = re.compile(r"Object (?P<what>contains unknown|missing required) field `(?P<key>[^`]*)`")
+
+
+def _schema_errors(exc: SchemaError) -> list[dict[str, str]]:
+    """The decoder's refusal as [{path, message}]: the path dotted (``gpus.0.index``), an unknown
+    key or a missing one named in its path. The decoder stops at the first fault, so there is one."""
+    message, _, where = str(exc).partition(" - at `")
+    path = re.sub(r"\[(\d+)\]", r".\1", where.rstrip("`").removeprefix("$")).lstrip(".")
+    named = _NAMED_KEY.fullmatch(message)
+    if named is not None:
+        path = ".".join(p for p in (path, named["key"]) if p)
+        message = "unknown key" if named["what"] == "contains unknown" else "missing required key"
+    return [{"path": path or "(body)", "message": message}]
 
 
 def background(name: str,
@@ -392,14 +400,15 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             return refuse_report(exc.status, exc.reason, exc.detail)
         started = time.perf_counter()
         try:
-            # strict: no float for an int, no string for a number, no 1 for a bool; NaN,
-            # Infinity and 1e400 are refused by the models themselves.
-            report = Report.model_validate_json(body, strict=True)
-        except ValidationError as exc:
+            # Strict (wire.py): no float for an int, no string for a number, no 1 for a bool, no
+            # unknown key; NaN, Infinity and 1e400 are refused, as is every value out of bounds.
+            report = decode_report(body)
+        except SchemaError as exc:
             errors = _schema_errors(exc)
-            reason = "invalid_json" if any(e["type"] == "json_invalid" for e in exc.errors()) else "schema"
-            return refuse_report(400, reason, "; ".join(f"{e['path']}: {e['message']}" for e in errors),
+            return refuse_report(400, "schema", "; ".join(f"{e['path']}: {e['message']}" for e in errors),
                                  errors=errors)
+        except WireError as exc:
+            return refuse_report(400, "invalid_json", f"the body is not JSON: {exc}")
         speaker = request.get(NODE_KEY)
         if speaker is not None and speaker != report.node:
             return refuse_report(403, "node_mismatch", f"the credential of {speaker!r} may not report for "
@@ -422,7 +431,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             node_actions.record(report.node, report.action_results, now)
         requests = node_actions.due(report.node, now, report.boot_id) if leads() else []  # the leader asks
         if requests:
-            answer["requests"] = [r.model_dump(mode="json") for r in requests]
+            answer["requests"] = to_builtins(requests)
         return web.json_response(answer, status=202)
 
     async def list_nodes(_: web.Request) -> web.Response:
@@ -454,16 +463,16 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             "boot_id": n.boot_id, "seq": n.seq, "reports": n.reports, "seq_gaps": n.seq_gaps,
             "reboots": n.reboots, "interval_seconds": n.interval_seconds, "topology": n.topology,
             "nvml_available": n.nvml_available, "failed_collectors": n.failed_collectors,
-            "gpus": [g.last.model_dump(mode="json", exclude_none=True) for _, g in sorted(n.gpus.items())],
+            "gpus": [to_builtins(g.last) for _, g in sorted(n.gpus.items())],
             "missing_gpus": sorted(n.missing_gpus),
-            "ports": [p.last.model_dump(mode="json", exclude_none=True, exclude={"counters"})
+            "ports": [{k: v for k, v in to_builtins(p.last).items() if k != "counters"}
                       for _, p in sorted(n.ports.items())],
             "ranks": [{"job": job, "rank": rank, "state": r.last.state, "last_step": r.last.last_step,
                        "compute_seconds_p50": r.last.compute_seconds_p50,
                        "comm_seconds_p50": r.last.comm_seconds_p50}
                       for (job, rank), r in sorted(n.ranks.items())],
             "evidence": [f.model_dump(mode="json") for f in found],
-            "events": [e.model_dump(mode="json", exclude_none=True) for _, e in list(n.events)[-50:]],
+            "events": [to_builtins(e) for _, e in list(n.events)[-50:]],
             "decisions": decisions,
         }
         return web.json_response(body)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from types import MappingProxyType
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from pydantic import BaseModel, Field
+import msgspec
+from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.agent.wire import (
@@ -31,11 +33,12 @@ from vigil.agent.wire import (
     RankSummary,
     Report,
     kernel_boot_id,
+    optional_fields,
 )
 from vigil.aggregator.decision import Action
 
 _V = TypeVar("_V")
-_M = TypeVar("_M", bound=BaseModel)
+_M = TypeVar("_M", GpuState, PortState, RankSummary)
 
 
 class FleetConfig(StrictModel):
@@ -81,24 +84,64 @@ MAX_NODE_ACTIONS_KEPT = 64
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
 GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
                 "nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
+_GPU_COUNTER_SET = frozenset(GPU_COUNTERS)
 
 
-def _complete(base: _M, sent: _M) -> _M:
-    """``base`` (the state the node's previous report left) with the fields ``sent`` carries
-    (an entry of a version-2 report: its identity and what changed), updated in place: both
-    were validated, so the result is a valid state. A port's ``counters`` are merged by name
-    (a version-2 port lists only the counters that moved)."""
-    fields, kept, changed = sent.__dict__, base.__dict__, sent.__pydantic_fields_set__
-    if "counters" in changed:
-        counters = kept["counters"]
-        for name in changed:
-            kept[name] = fields[name]
-        counters.update(fields["counters"])
-        kept["counters"] = counters
-    else:
-        for name in changed:
-            kept[name] = fields[name]
-    return base
+class _Shape(NamedTuple):
+    """What completing a version-2 entry of one model needs: its fields that have a default other
+    than None (health, state words, lists, dicts: the entry carries them as they are, absent
+    meaning the default) with a getter of their values, those of them holding Structs (which
+    ``to_builtins`` would turn into dicts), and a getter of its optional fields (default None:
+    the entry carries one only when it changed to a value)."""
+
+    defaulted: tuple[str, ...]
+    get_defaulted: Callable[[Any], tuple[Any, ...]]
+    structs: frozenset[str]
+    get_optional: Callable[[Any], tuple[Any, ...]]
+    no_change: tuple[None, ...]
+
+
+def _shape(model: type[msgspec.Struct], leave: tuple[str, ...] = (), structs: tuple[str, ...] = ()) -> _Shape:
+    defaulted = tuple(f.name for f in msgspec.structs.fields(model)
+                      if not f.required and f.default is not None and f.name not in leave)
+    optional = optional_fields(model)
+    return _Shape(defaulted, attrgetter(*defaulted), frozenset(structs), attrgetter(*optional),
+                  (None,) * len(optional))
+
+
+# A port's counters are merged, not replaced (a version-2 port lists only those that moved).
+_SHAPES = {GpuState: _shape(GpuState, structs=("processes",)), PortState: _shape(PortState, ("counters",)),
+           RankSummary: _shape(RankSummary)}
+
+
+def _complete(base: _M, sent: _M, cleared: Collection[str] = ()) -> tuple[_M, Collection[str]]:
+    """``base`` (the state the node's previous report left, owned by the fleet) completed with
+    what ``sent`` (an entry of a version-2 report) carries: its required fields, its fields with
+    a not-None default, each optional field it gives a value, and None for the ``cleared`` ones.
+    Both were validated, so the result is a valid state. A port's ``counters`` are merged by
+    name into ``base``'s. Returns the state (``base`` itself when only port counters moved) and
+    the fields taken from ``sent`` (those away from their defaults, the cleared ones among them).
+
+    This runs for every entry of every report, so it is C-level work: ``to_builtins`` lists the
+    fields ``sent`` has away from their defaults (the optional and required ones are scalars: the
+    same objects), ``replace`` builds the state, and the common case of a port none of whose
+    fields but its counters changed is one dict update."""
+    shape = _SHAPES[type(sent)]
+    now = shape.get_defaulted(sent)
+    if type(base) is PortState:
+        assert isinstance(sent, PortState)
+        base.counters.update(sent.counters)
+        if not cleared and now == shape.get_defaulted(base) and shape.get_optional(sent) == shape.no_change \
+                and sent.device == base.device and sent.port == base.port:
+            return base, sent.counters.keys()
+    taken: dict[str, Any] = msgspec.to_builtins(sent)
+    if now != shape.get_defaulted(base) or not shape.structs.isdisjoint(taken):
+        taken.update(zip(shape.defaulted, now, strict=True))
+    if cleared:
+        taken.update(dict.fromkeys(cleared))
+    if type(base) is PortState:
+        taken["counters"] = base.counters
+    return msgspec.structs.replace(base, **taken), taken
 
 
 def port_is_active(state: PortState) -> bool:
@@ -281,9 +324,9 @@ class GpuHistory:
         self.samples: deque[GpuSample] = deque(maxlen=state_maxlen)
         self.counters = CounterBaseline(maxlen)
 
-    def observe(self, s: GpuState, ts: float, sent: GpuState | None = None) -> None:
-        """``s``: the GPU's whole state; ``sent``: the compact entry it was completed from (None:
-        the report was whole), whose fields are all that moved."""
+    def observe(self, s: GpuState, ts: float, changed: Collection[str] | None = None) -> None:
+        """``s``: the GPU's whole state; ``changed``: the fields a compact entry carried (None:
+        the report was whole)."""
         self.uuid = s.uuid
         self.last = s
         self.last_seen = ts
@@ -291,7 +334,7 @@ class GpuHistory:
             ts, s.health, s.utilization_gpu_ratio, s.sm_clock_hertz, s.sm_clock_max_hertz,
             tuple(s.clock_event_reasons), s.memory_temperature_celsius, s.memory_max_temperature_celsius,
             s.remap_pending, s.remap_failure, s.retired_pages_pending, tuple(s.nvlink_links_down)))
-        if sent is not None and sent.__pydantic_fields_set__.isdisjoint(GPU_COUNTERS) and self.counters.still(ts):
+        if changed is not None and _GPU_COUNTER_SET.isdisjoint(changed) and self.counters.still(ts):
             return
         self.counters.observe_values(ts, GPU_COUNTERS, (
             s.ecc_corrected_volatile, s.ecc_uncorrected_volatile, s.pcie_replay_total, s.nvlink_crc_errors_total,
@@ -331,7 +374,8 @@ class PortHistory:
 
     def observe(self, state: PortState, ts: float, sent: PortState | None = None) -> None:
         """``state``: the port's whole state; ``sent``: the compact entry it was completed from
-        (None: the report was whole), whose counters are only those that moved."""
+        (None: the report was whole), whose counters are only those that moved (its flags are
+        whole)."""
         self.last = state
         self.last_seen = ts
         active = port_is_active(state)
@@ -339,7 +383,7 @@ class PortHistory:
         self.samples.append(PortSample(ts, active, rate))
         counters, flags = state.counters, state.flags
         moved_none = sent is not None and len(counters) == self._names_for \
-            and "flags" not in sent.__pydantic_fields_set__ and sent.counters.keys().isdisjoint(self._names)
+            and flags == self._flags and sent.counters.keys().isdisjoint(self._names)
         if not (moved_none and self.counters.still(ts)):  # else: none of the judged counters moved
             if len(counters) != self._names_for or flags != self._flags:
                 # The judged counters this port has, less the saturated ones (a saturated counter no
@@ -559,16 +603,20 @@ class Fleet:
             node.host = report.host
         ts = now
         maxlen = cfg.history_reports
+        # Version 2: (section, entry) -> the fields that became absent (rare: usually empty).
+        cleared: dict[tuple[str, int], list[str]] = {}
+        for section, i, name in report.cleared:
+            cleared.setdefault((section, i), []).append(name)
         seen: set[int] = set()
-        for state in report.gpus:
+        for i, state in enumerate(report.gpus):
             seen.add(state.index)
             hist = node.gpus.get(state.index)
-            sent = None
+            changed = None
             if base_seen is not None and hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
-                sent, state = state, _complete(hist.last, state)
+                state, changed = _complete(hist.last, state, cleared.get(("gpus", i), ()) if cleared else ())
             if hist is None or hist.uuid != state.uuid:
                 hist = node.gpus[state.index] = GpuHistory(state, ts, maxlen, cfg.state_history_reports)
-            hist.observe(state, ts, sent)
+            hist.observe(state, ts, changed)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors
@@ -582,19 +630,20 @@ class Fleet:
                     node.missing_gpus.pop(index, None)
             if not seen <= known:
                 known |= seen
-        for pstate in report.ports:
+        for i, pstate in enumerate(report.ports):
             key = (pstate.device, pstate.port)
             phist = node.ports.get(key)
             psent = None
             if base_seen is not None and phist is not None and phist.last_seen == base_seen:
-                psent, pstate = pstate, _complete(phist.last, pstate)
+                psent = pstate
+                pstate, _ = _complete(phist.last, pstate, cleared.get(("ports", i), ()) if cleared else ())
             if phist is None:
                 phist = node.ports[key] = PortHistory(pstate, ts, maxlen, cfg.state_history_reports,
                                                       self._port_counters)
             phist.observe(pstate, ts, psent)
         jobs = self._jobs
         job: JobState | None = None
-        for summary in report.ranks:
+        for i, summary in enumerate(report.ranks):
             if job is None or job.name != summary.job:
                 job = jobs.get(summary.job)
                 if job is None:
@@ -603,7 +652,7 @@ class Fleet:
             rhist = job.ranks.get(summary.rank)
             if base_seen is not None and rhist is not None and rhist.node == node.name \
                     and rhist.last_seen == base_seen:
-                summary = _complete(rhist.last, summary)
+                summary, _ = _complete(rhist.last, summary, cleared.get(("ranks", i), ()) if cleared else ())
             if rhist is None:
                 rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
                 node.ranks[(summary.job, summary.rank)] = rhist

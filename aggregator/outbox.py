@@ -20,7 +20,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
@@ -28,7 +28,7 @@ from pydantic import Field
 
 from vigil.agent.node_actions import NODE_ACTIONS, node_key, sign
 from vigil.agent.validation import ConfigError, StrictModel
-from vigil.agent.wire import MAX_REQUESTS_PER_RESPONSE, NodeActionRequest, NodeActionResult
+from vigil.agent.wire import MAX_REQUESTS_PER_RESPONSE, NodeActionName, NodeActionRequest, NodeActionResult
 from vigil.aggregator.decision import Action, Decision
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class Outbox:
                              f"in all (node_actions.max_pending_per_node/max_pending_total)")
             return None
         request = NodeActionRequest(
-            id=decision.id, action=action, node=decision.node, boot_id=node.boot_id,
+            id=decision.id, action=cast(NodeActionName, action), node=decision.node, boot_id=node.boot_id,
             gpu=decision.gpu if gpu_uuid is not None else None, gpu_uuid=gpu_uuid, issued_at=now,
             expires_at=now + self.config.request_ttl_seconds, reason=decision.reason)
         signed = sign(request, node_key(self._master, decision.node))

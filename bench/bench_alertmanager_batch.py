@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from bench.measure import Measurement
-from vigil.agent.wire import Report
+from vigil.agent.wire import Report, encode
 from vigil.aggregator.auth import new_secret, node_token
 
 ALERTS = 1000
@@ -79,7 +79,7 @@ def measure() -> list[Measurement]:
                 node = f"bench-{i:04d}"
                 report = Report(node=node, boot_id="bench", seq=1, ts=time.time(), interval_seconds=2.5)
                 urllib.request.urlopen(urllib.request.Request(
-                    base + "/v1/reports", data=report.model_dump_json().encode(), method="POST",
+                    base + "/v1/reports", data=encode(report), method="POST",
                     headers={"Content-Type": "application/json",
                              "Authorization": f"Bearer {node_token(secret.encode(), node)}"}), timeout=10).close()
             latencies: list[float] = []

@@ -28,7 +28,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from bench.bench_agent import FIXTURE_IB
 from bench.measure import Measurement
-from vigil.agent.wire import Report
+from vigil.agent.wire import Report, convert
 from vigil.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
 from vigil.aggregator.app import METRICS_KEY, make_app, tune_gc
 from vigil.aggregator.auth import Credentials, node_token
@@ -60,7 +60,7 @@ class InlineExecutor(Executor):
 
 
 def _report(template: dict[str, Any], n: int, seq: int, ts: float) -> Report:
-    return Report.model_validate(for_node(template, n, f"gpu-{n:05d}", f"{n:032x}", seq, ts))
+    return convert(for_node(template, n, f"gpu-{n:05d}", f"{n:032x}", seq, ts), Report)
 
 
 def memory() -> list[Measurement]:

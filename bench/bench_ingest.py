@@ -1,6 +1,6 @@
 """Aggregator ingest rate, for the compact reports (version 2, what the agent sends to an
 aggregator that takes it) and the whole ones (version 1): JSON bytes -> the node token check ->
-``Report.model_validate_json`` (strict, as the service validates) -> the intake checks ->
+``wire.decode_report`` (strict, as the service validates) -> the intake checks ->
 ``Engine.ingest``.
 
 The reports are what the real agent sends: consecutive reports of one agent built by the agent's
@@ -18,7 +18,7 @@ import time
 
 from bench.bench_agent import FIXTURE_IB
 from bench.measure import Measurement
-from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION, Report
+from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION, decode_report
 from vigil.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
 from vigil.aggregator.app import tune_gc
 from vigil.aggregator.auth import Credentials, node_token
@@ -64,7 +64,7 @@ def _measure(version: int) -> Measurement:
 
     def intake(ts: float, body: bytes, token: bytes) -> None:
         roles, _ = credentials.roles_of(token)
-        report = Report.model_validate_json(body, strict=True)
+        report = decode_report(body)
         if roles and fleet.refusal(report, ts) is None:
             ingest(report, ts)
 
@@ -97,12 +97,12 @@ def _split(bodies: list[tuple[float, bytes]]) -> tuple[float, float]:
     ~1 us a report on top)."""
     engine = Engine(AggregatorConfig(), RecordingSink())
     for ts, body in bodies[:NODES]:
-        engine.ingest(Report.model_validate_json(body, strict=True), ts)
+        engine.ingest(decode_report(body), ts)
     clock = time.process_time
     decoded = updated = 0.0
     for ts, body in bodies[NODES:]:
         t0 = clock()
-        report = Report.model_validate_json(body, strict=True)
+        report = decode_report(body)
         t1 = clock()
         engine.ingest(report, ts)
         t2 = clock()

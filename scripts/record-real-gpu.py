@@ -186,7 +186,7 @@ def exercise_reset(out: Path, do_reset: bool) -> dict[str, Any]:
     the command line is recorded and not run)."""
     from vigil.agent.node_action_runner import NodeActionRunner, NodeActionsConfig
     from vigil.agent.node_actions import node_key, sign
-    from vigil.agent.wire import NodeActionRequest
+    from vigil.agent.wire import NodeActionRequest, to_builtins
 
     master = os.urandom(32)
     node = "gpu-recorded"
@@ -216,14 +216,14 @@ def exercise_reset(out: Path, do_reset: bool) -> dict[str, Any]:
         results["pids_seen_while_busy"] = backend.running_pids(0)
         results["child_pid"] = child.pid
         started = time.perf_counter()
-        results["while_busy"] = runner.handle(request(1)).model_dump()
+        results["while_busy"] = to_builtins(runner.handle(request(1)))
         results["while_busy_seconds"] = time.perf_counter() - started
         child.kill()
         child.wait()
     time.sleep(1)
     results["pids_seen_idle"] = backend.running_pids(0)
     started = time.perf_counter()
-    results["idle"] = runner.handle(request(2)).model_dump()
+    results["idle"] = to_builtins(runner.handle(request(2)))
     results["idle_seconds"] = time.perf_counter() - started
     results["commands_not_run"] = not_run
     after = backend.read(0)

@@ -30,7 +30,15 @@ import numpy as np
 from vigil.agent.config import AgentConfig, parse_config
 from vigil.agent.seams import Seams
 from vigil.agent.validation import ConfigError, format_validation_error
-from vigil.agent.wire import MAX_RESULTS_PER_REPORT, NodeActionRequest, NodeActionResult, Report
+from vigil.agent.wire import (
+    MAX_RESULTS_PER_REPORT,
+    NodeActionRequest,
+    NodeActionResult,
+    Report,
+    decode_report,
+    encode,
+    replace,
+)
 from vigil.sim import fabric
 from vigil.sim.clock import SimClock
 from vigil.sim.fleet import KernelLog, SimNode, kernel_xid_line
@@ -441,7 +449,7 @@ class Simulation:
         pending = self._results.get(node.name)
         if not pending:
             return report
-        return report.model_copy(update={"action_results": list(pending[:MAX_RESULTS_PER_REPORT])})
+        return replace(report, action_results=list(pending[:MAX_RESULTS_PER_REPORT]))
 
     def _offer(self, node: SimNode, request: NodeActionRequest) -> None:
         """The agent takes a request from the answer (unless it is handling it, or its result is on
@@ -591,7 +599,7 @@ class Simulation:
                 if self.outbox is not None:
                     report = self._with_results(node, report)
                 if self._json:
-                    report = Report.model_validate_json(report.model_dump_json(exclude_none=True))
+                    report = decode_report(encode(report))
                 self.engine.ingest(report, now)
                 if self.outbox is not None:
                     self._exchange(node, report, now)

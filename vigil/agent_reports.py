@@ -27,7 +27,7 @@ from vigil.agent.nvml.scenario import load_node_scenario
 from vigil.agent.report_delta import delta, whole
 from vigil.agent.runner import collect_once
 from vigil.agent.seams import Seams
-from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION, Report
+from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION, Report, convert
 from vigil.sim import fabric
 
 HCAS = 8
@@ -131,7 +131,7 @@ def report_forms(rounds: int, hca_template: Path | None = None,
     (report_delta.whole and report_delta.delta). The first round's compact form is relative to
     the last round, so a sender may cycle through them."""
     v1 = agent_reports(rounds, hca_template, interval_seconds)
-    v2 = [whole(Report.model_validate(r)) for r in v1]
+    v2 = [whole(convert(r, Report)) for r in v1]
     out = []
     for k, (r1, r2) in enumerate(zip(v1, v2, strict=True)):
         compact = delta(v2[k - 1], r2)

@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from pydantic import Field
 
@@ -30,7 +30,7 @@ from vigil.agent.nvml.backend import (
     PynvmlBackend,
     error_reason,
 )
-from vigil.agent.wire import Event, GpuState
+from vigil.agent.wire import Event, GpuHealth, GpuState
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
@@ -461,7 +461,8 @@ class GpuCollector:
 
     def _gpu_state(self, gpu: _Gpu, r: GpuReading) -> GpuState:
         ident = gpu.identity
-        state = GpuState(index=gpu.index, uuid=ident.uuid if ident else "", health=r.health,
+        # The backend's health words are GpuHealth's (the runner checks every state it builds).
+        state = GpuState(index=gpu.index, uuid=ident.uuid if ident else "", health=cast(GpuHealth, r.health),
                          name=ident.name if ident else None, pci_bus_id=ident.pci_bus_id if ident else None)
         if r.health != "ok" or ident is None:
             return state

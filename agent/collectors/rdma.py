@@ -638,9 +638,7 @@ class RdmaCollector:
             history.state = state
         if phys is not None:
             history.phys_state = phys
-        # Every field is built here from checked values: skip pydantic's validation (a third of the
-        # per-port cost otherwise).
-        return PortState.model_construct(device=port.device, port=port.port, state=state[1] if state else None,
+        return PortState(device=port.device, port=port.port, state=state[1] if state else None,
                          phys_state=phys[1] if phys else None, rate_bits_per_second=rate,
                          link_layer=port.link_layer, netdev=port.netdev, counters=counters, deltas=deltas,
                          rates_per_second=rates, flags=flags)

@@ -16,16 +16,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import psutil
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from vigil.agent.collectors.collector import Collection, CollectorConfig, StrictModel
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.step_log import LineError, LogFollower, StepLine, StepParser, compile_step_regex, make_parser
 from vigil.agent.validation import HostPort, split_host_port
-from vigil.agent.wire import Event, Heartbeat, RankSummary
+from vigil.agent.wire import Event, Heartbeat, JobPhase, RankSummary, WireError, convert
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
@@ -146,7 +146,7 @@ LOG_ROTATIONS = MetricSpec("vigil_training_log_rotations_total", MetricKind.COUN
 SPECS = (LAST_STEP, STEP_SECONDS, PHASE_SECONDS, WINDOW_STEP_SECONDS, LAST_PROGRESS, RANK_STATE, HEARTBEATS,
          REJECTED, RANKS, EVICTED, LOG_LINES, LOG_ERRORS, LOG_ROTATIONS)
 
-_HEARTBEAT_FIELDS = frozenset(Heartbeat.model_fields)
+_HEARTBEAT_FIELDS = frozenset(Heartbeat.__struct_fields__)
 # Missing three of its usual progress intervals in a row is not jitter.
 HANG_GAP_FACTOR = 3.0
 
@@ -249,8 +249,8 @@ class TrainingCollector:
         if not data.keys() <= _HEARTBEAT_FIELDS:
             return "unknown_field"
         try:
-            hb = Heartbeat.model_validate(data)
-        except ValidationError:
+            hb = convert(data, Heartbeat)
+        except WireError:
             return "schema"
         # json reads 1e999 as infinity, which passes a `ge=0` bound.
         if not all(math.isfinite(v) for v in (hb.step_seconds, hb.compute_seconds, hb.comm_seconds,
@@ -424,7 +424,7 @@ class TrainingCollector:
         return RankSummary(job=r.job, rank=r.rank, gpu=r.gpu, pid=r.pid, state=r.state,
                            window_seconds=self._config.window_seconds, window_end_ts=end, steps=steps,
                            last_step=r.last.step,
-                           last_progress_ts=r.last_progress_ts, phase=r.last.phase, **quantiles)
+                           last_progress_ts=r.last_progress_ts, phase=cast(JobPhase | None, r.last.phase), **quantiles)
 
     def _samples(self, ranks: list[_Rank], summaries: list[RankSummary]) -> list[Sample]:
         # Built directly in the specs' label order (job, rank, then the extra label): this runs

@@ -13,6 +13,7 @@ import pytest
 from tests.loopback import free_port
 from vigil.agent.heartbeat import Heartbeat, resolve_addr, resolve_identity
 from vigil.agent.wire import Heartbeat as WireHeartbeat
+from vigil.agent.wire import convert, decode
 
 
 class FakeClock:
@@ -37,7 +38,7 @@ _free_port = free_port
 
 def test_import_pulls_in_no_agent_dependencies():
     code = ("import sys, agent.heartbeat; "
-            "bad = [m for m in ('aiohttp', 'pynvml', 'prometheus_client', 'pydantic', 'yaml', 'psutil') "
+            "bad = [m for m in ('aiohttp', 'pynvml', 'prometheus_client', 'pydantic', 'msgspec', 'yaml', 'psutil') "
             "if m in sys.modules]; print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -47,7 +48,7 @@ def test_import_pulls_in_no_agent_dependencies():
 def test_datagram_is_a_valid_wire_heartbeat(receiver):
     hb = Heartbeat(job="llama-70b", rank=3, gpu=5, addr=receiver.getsockname(), env={})
     hb.step(1200, 0.84, compute_seconds=0.61, comm_seconds=0.2, data_seconds=0.03)
-    msg = WireHeartbeat.model_validate(json.loads(receiver.recv(4096)))
+    msg = convert(json.loads(receiver.recv(4096)), WireHeartbeat)
     assert (msg.job, msg.rank, msg.gpu, msg.step) == ("llama-70b", 3, 5, 1200)
     assert msg.step_seconds == pytest.approx(0.84)
     assert msg.compute_seconds == pytest.approx(0.61)
@@ -190,6 +191,6 @@ def test_a_unix_socket_address_reaches_a_listener_that_starts_later(tmp_path) ->
         listener.bind(path)
         listener.settimeout(2.0)
         hb.step(2, 1.0)
-        got = WireHeartbeat.model_validate_json(listener.recv(4096))
+        got = decode(listener.recv(4096), WireHeartbeat)
     assert (got.job, got.rank, got.step) == ("j", 2, 2) and (hb.sent, hb.dropped) == (1, 1)
     hb.close()

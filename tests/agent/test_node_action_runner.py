@@ -17,7 +17,7 @@ from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import NodeScenario
 from vigil.agent.validation import ConfigError
-from vigil.agent.wire import NodeActionRequest
+from vigil.agent.wire import NodeActionRequest, convert
 
 START = 1_700_000_000.0
 NODE = "gpu-node-7"
@@ -60,7 +60,7 @@ class World:
         base: dict[str, object] = {"id": "d-1", "action": "reset_gpu", "node": NODE, "boot_id": BOOT, "gpu": 2,
                                    "gpu_uuid": self.fake.handles[2].uuid, "issued_at": self.clock.t - 5,
                                    "expires_at": self.clock.t + 300, "reason": "xid 79"}
-        return sign(NodeActionRequest.model_validate({**base, **changes}), key)
+        return sign(convert({**base, **changes}, NodeActionRequest), key)
 
     def count(self, **labels: str) -> float:
         return sum(s.value for s in self.runner.samples() if all(s.label(k) == v for k, v in labels.items()))

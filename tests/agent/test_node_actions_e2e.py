@@ -22,7 +22,7 @@ from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import NodeScenario
 from vigil.agent.seams import Seams
-from vigil.agent.wire import MAX_REQUESTS_PER_RESPONSE, NodeActionRequest, Report
+from vigil.agent.wire import MAX_REQUESTS_PER_RESPONSE, NodeActionRequest, Report, decode_report, to_builtins
 
 START = 1_700_000_000.0
 NODE = "gpu-node-3"
@@ -39,7 +39,7 @@ class StandIn:
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     async def handle(self, request: web.Request) -> web.Response:
-        report = Report.model_validate_json(await request.read())
+        report = decode_report(await request.read())
         status, body = self.answers.pop(0) if self.answers else (202, {"status": "accepted"})
         if report.action_results and status == 202 and not any(r.action_results for s, r in self.reports):
             status, body = 503, {"error": "unavailable"}  # the first report with results is lost
@@ -104,7 +104,7 @@ def _request(r: Running, id_: str, gpu: int, action: str = "reset_gpu") -> dict[
     request = NodeActionRequest(id=id_, action=action, node=NODE, boot_id=r.agent.boot_id,  # type: ignore[arg-type]
                                 gpu=gpu, gpu_uuid=r.fake.handles[gpu].uuid, issued_at=START + 29,
                                 expires_at=START + 600, reason="test")
-    return sign(request, node_key(MASTER, NODE)).model_dump(mode="json")
+    return to_builtins(sign(request, node_key(MASTER, NODE)))
 
 
 async def test_results_ride_the_next_reports_until_accepted(running: Running) -> None:

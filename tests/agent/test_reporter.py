@@ -7,7 +7,7 @@ from tests.loopback import free_port
 from vigil.agent.collectors.collector import Collection
 from vigil.agent.reporter import Reporter, build_report
 from vigil.agent.snapshot import CollectorResult, Snapshot
-from vigil.agent.wire import Event, GpuState, Report
+from vigil.agent.wire import Event, GpuState, Report, decode_report, encode
 
 _free_port = free_port
 
@@ -25,7 +25,7 @@ class FakeAggregator:
         self.auth.append(request.headers.get("Authorization"))
         if not self.up:
             return web.Response(status=503)
-        self.reports.append(Report.model_validate_json(await request.read()))
+        self.reports.append(decode_report(await request.read()))
         self.arrived.set()
         return web.json_response({"status": "ok"})
 
@@ -90,7 +90,7 @@ async def test_events_survive_an_aggregator_outage_and_urgent_pushes_at_once() -
 
 def test_pending_events_are_bounded_and_drops_counted() -> None:
     events = [Event(kind="xid", ts=float(i), code=13) for i in range(5)]
-    one = len(events[0].model_dump_json(exclude_none=True))
+    one = len(encode(events[0]))
     rep = Reporter(url=None, token=None, node="n", boot_id="b", topology={}, snapshot=Snapshot(),
                    max_pending_event_bytes=3 * one)
     rep.add_events(events)
@@ -99,7 +99,7 @@ def test_pending_events_are_bounded_and_drops_counted() -> None:
     samples = {(s.name, s.label("reason")): s.value for s in rep.samples()}
     assert samples[("vigil_agent_events_dropped_total", "backlog_full")] == 2
     assert samples[("vigil_agent_events_pending_bytes", None)] == 3 * one
-    json.loads(report.model_dump_json())
+    json.loads(encode(report))
 
 
 async def test_an_urgent_event_arriving_during_a_push_is_not_held_until_the_next_interval() -> None:
@@ -110,7 +110,7 @@ async def test_an_urgent_event_arriving_during_a_push_is_not_held_until_the_next
     release_first_post = asyncio.Event()
 
     async def handle(request: web.Request) -> web.Response:
-        report = Report.model_validate_json(await request.read())
+        report = decode_report(await request.read())
         if report.seq == 0:
             first_post_started.set()
             await release_first_post.wait()  # the periodic report is in flight...

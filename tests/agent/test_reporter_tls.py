@@ -20,7 +20,7 @@ from vigil.agent.config import parse_config
 from vigil.agent.reporter import Reporter, client_ssl_context
 from vigil.agent.snapshot import Snapshot
 from vigil.agent.validation import ConfigError
-from vigil.agent.wire import Event, Report
+from vigil.agent.wire import Event, Report, decode_report
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command is not installed")
 
@@ -65,7 +65,7 @@ class TlsAggregator:
         assert request.transport is not None
         cert = request.transport.get_extra_info("peercert") or {}
         self.client_names += [v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
-        self.reports.append(Report.model_validate_json(await request.read()))
+        self.reports.append(decode_report(await request.read()))
         self.arrived.set()
         return web.json_response({"status": "accepted"}, status=202)
 

@@ -30,7 +30,7 @@ import yaml
 
 from tests.documented_webhook import WebhookRefused, verify_webhook
 from tests.loopback import free_port
-from vigil.agent.wire import Report
+from vigil.agent.wire import Report, encode
 from vigil.aggregator.auth import node_token
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,7 +209,7 @@ class AggregatorProcess:
         self.log_path.write_text(text + line + "\n")
 
     def post_report(self, report: Report) -> None:
-        self.request("POST", "/v1/reports", report.model_dump_json(exclude_none=True).encode(), expect=202,
+        self.request("POST", "/v1/reports", encode(report), expect=202,
                      token=node_token(SITE_SECRET.encode(), report.node))
 
     def status(self, path: str) -> tuple[int, Any]:

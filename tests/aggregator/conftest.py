@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,8 +63,9 @@ class FakeNode:
         return Report(
             node=self.name, boot_id=self.boot_id, seq=self.seq, ts=ts, interval_seconds=self.interval,
             urgent=urgent, topology=dict(self.topology), nvml_available=self.nvml_available,
-            gpus=[GpuState(**g) for i, g in self.gpus.items() if i not in drop_gpus],
-            ports=[PortState(**p) for p in self.ports.values()],
+            # Copies: a Struct keeps the lists and dicts it is given, and these change later.
+            gpus=[GpuState(**copy.deepcopy(g)) for i, g in self.gpus.items() if i not in drop_gpus],
+            ports=[PortState(**copy.deepcopy(p)) for p in self.ports.values()],
             ranks=list(self.ranks), events=list(events or []))
 
 

@@ -29,6 +29,7 @@ from tests.aggregator.aggregator_process import (
 from tests.aggregator.conftest import FakeNode
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
+from vigil.agent.wire import encode
 from vigil.aggregator.auth import node_token
 
 pytestmark = pytest.mark.external
@@ -188,7 +189,7 @@ def test_a_hostlist_node_name_drains_nothing_in_a_real_slurm(target: Target) -> 
     assert out["proposed"] == 0 and [r["error"] for r in out["refused"]] == ["bad_node_name"] * 4
     assert target.refusals("alertmanager", "bad_node_name") == before + 4
     # Nor through a report: the name is refused before anything else is read.
-    report = json.loads(target.nodes["vnode1"].report(time.time()).model_dump_json())
+    report = json.loads(encode(target.nodes["vnode1"].report(time.time())))
     report["node"] = "vnode[1-3]"
     schema_before = target.report_rejections("schema")
     out = target.post("/v1/reports", report, token("vnode1"), expect=400)
@@ -200,7 +201,7 @@ def test_a_hostlist_node_name_drains_nothing_in_a_real_slurm(target: Target) -> 
 
 def test_forged_reports_do_not_join_the_fleet_or_inflate_the_breakers_budget(target: Target) -> None:
     for i in range(200):
-        forged = FakeNode(f"forged-{i}", gpus=1, ports=0).report(time.time()).model_dump_json().encode()
+        forged = encode(FakeNode(f"forged-{i}", gpus=1, ports=0).report(time.time()))
         target.post("/v1/reports", forged, None, expect=401)
         # a stolen node token speaks for its own node only
         target.post("/v1/reports", forged, token("vnode1"), expect=403)
@@ -217,7 +218,7 @@ def test_forged_reports_do_not_join_the_fleet_or_inflate_the_breakers_budget(tar
 def test_a_forged_seq_or_ts_cannot_make_the_real_nodes_reports_look_replayed(target: Target) -> None:
     node = target.nodes["vnode2"]
     before = target.node("vnode2")
-    base = json.loads(node.report(time.time()).model_dump_json())
+    base = json.loads(encode(node.report(time.time())))
     node.seq -= 1  # that report was never sent: the real node's next seq is unchanged
     forged = [({**base, "seq": 2**62}, 409, "seq_jump"), ({**base, "ts": time.time() + 86400}, 422, "future_ts"),
               ({**base, "ts": time.time() - 86400}, 422, "stale_ts"), ({**base, "ts": 1e12}, 400, "schema")]
@@ -245,7 +246,7 @@ def test_non_finite_unbounded_or_wrongly_typed_numbers_are_refused_and_change_no
         target: Target, field_path: str, literal: str) -> None:
     node = target.nodes["vnode3"]
     before = target.node("vnode3")
-    report = json.loads(node.report(time.time()).model_dump_json())
+    report = json.loads(encode(node.report(time.time())))
     node.seq -= 1
     marker = "__MARK__"
     holder: Any = report
@@ -279,7 +280,7 @@ def test_one_bad_alert_in_a_batch_is_refused_alone_and_the_batch_is_not_500(targ
 
 def test_bodies_in_many_tcp_segments_are_read_whole_on_every_post_route(target: Target) -> None:
     node = target.nodes["vnode1"]
-    report = node.report(time.time()).model_dump_json().encode()
+    report = encode(node.report(time.time()))
     head = (f"POST /v1/reports HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {token('vnode1')}\r\nContent-Length: {len(report)}\r\n\r\n").encode()
     third = len(report) // 3
@@ -287,7 +288,7 @@ def test_bodies_in_many_tcp_segments_are_read_whole_on_every_post_route(target: 
                          pause_seconds=0.02)
     assert status == 202
     # chunked, each chunk its own segment
-    report = node.report(time.time()).model_dump_json().encode()
+    report = encode(node.report(time.time()))
     chunked_head = (f"POST /v1/reports HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
                     f"Authorization: Bearer {token('vnode1')}\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
     pieces = [report[i:i + 700] for i in range(0, len(report), 700)]

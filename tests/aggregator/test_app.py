@@ -10,7 +10,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode, set_training
-from vigil.agent.wire import Event
+from vigil.agent.wire import Event, encode
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import AggregatorConfig, ConfigError, parse_config
@@ -38,7 +38,7 @@ class Service:
         self.app = app
 
     async def post(self, node: FakeNode, **kw):
-        body = node.report(self.clock.t, **kw).model_dump_json(exclude_none=True)
+        body = encode(node.report(self.clock.t, **kw))
         auth = {"Authorization": f"Bearer {node_token(SECRET, node.name)}"}
         resp = await self.client.post("/v1/reports", data=body, headers={**auth, "Content-Type": "application/json"})
         assert resp.status == 202, await resp.text()
@@ -62,7 +62,7 @@ async def service():
 # Bad input -------------------------------------------------------------------------------------
 
 async def test_missing_or_wrong_token_is_401_and_counted(service):
-    body = FakeNode("a").report(1000.0).model_dump_json()
+    body = encode(FakeNode("a").report(1000.0))
     token = node_token(SECRET, "a")
     other_site = node_token(b"another-site-secret-0123456789abcdef", "a")
     cases = [({}, "unauthenticated"), ({"Authorization": "Bearer nope"}, "bad_credential"),
@@ -79,7 +79,7 @@ async def test_missing_or_wrong_token_is_401_and_counted(service):
 
 
 async def test_a_node_reports_only_for_itself(service):
-    body = FakeNode("b").report(1000.0).model_dump_json()
+    body = encode(FakeNode("b").report(1000.0))
     resp = await service.client.post("/v1/reports", data=body, headers=AUTH)  # a's token, b's report
     assert resp.status == 403 and (await resp.json())["error"] == "node_mismatch"
     assert (await (await service.client.get("/v1/nodes")).json())["nodes"] == []
@@ -92,16 +92,26 @@ async def test_malformed_json_is_400_with_reason(service):
 
 
 async def test_schema_error_names_the_key_path(service):
-    report = json.loads(FakeNode("a").report(1.0).model_dump_json())
-    report["gpus"][3]["index"] = "three"
-    report["gpus"][1]["temprature"] = 3
-    del report["boot_id"]
-    resp = await service.client.post("/v1/reports", json=report, headers=AUTH)
-    assert resp.status == 400
-    body = await resp.json()
-    assert body["error"] == "schema"
-    paths = {e["path"] for e in body["errors"]}
-    assert {"gpus.3.index", "gpus.1.temprature", "boot_id"} <= paths
+    good = json.loads(encode(FakeNode("a").report(1.0)))
+
+    def wrong_index(report):
+        report["gpus"][3]["index"] = "three"
+
+    def unknown_key(report):
+        report["gpus"][1]["temprature"] = 3
+
+    def missing(report):
+        del report["boot_id"]
+
+    # The decoder stops at the first error: each fault alone, each named by its path.
+    for spoil, path in ((wrong_index, "gpus.3.index"), (unknown_key, "gpus.1.temprature"), (missing, "boot_id")):
+        report = json.loads(json.dumps(good))
+        spoil(report)
+        resp = await service.client.post("/v1/reports", json=report, headers=AUTH)
+        assert resp.status == 400
+        body = await resp.json()
+        assert body["error"] == "schema"
+        assert [e["path"] for e in body["errors"]] == [path], body
     for bad in ([], "text", 3, None):
         resp = await service.client.post("/v1/reports", json=bad, headers=AUTH)
         assert resp.status == 400
@@ -110,7 +120,7 @@ async def test_schema_error_names_the_key_path(service):
 async def test_oversized_body_is_413(service):
     node = FakeNode("a")
     huge = node.report(1.0, events=[Event(kind="xid", ts=1.0, code=13, message="x" * 4096)] * 300)
-    body = huge.model_dump_json().encode()
+    body = encode(huge)
     resp = await service.client.post("/v1/reports", data=io.BytesIO(body), headers=AUTH)
     assert resp.status == 413
 

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode
 from vigil.agent.node_actions import node_key, signature_ok
-from vigil.agent.wire import Event, NodeActionRequest, NodeActionResult
+from vigil.agent.wire import Event, NodeActionRequest, NodeActionResult, convert, encode, to_builtins
 from vigil.aggregator.actuators.actuator import DispatchConfig
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
@@ -75,7 +75,7 @@ class Cluster:
     async def post(self, results: list[dict] | None = None, events: list[Event] | None = None) -> tuple[int, dict]:
         self.clock.t += 2.5
         # Not urgent: an urgent report wakes the app's own evaluator; the test evaluates itself.
-        report = json.loads(self.node.report(self.clock.t, events=events).model_dump_json(exclude_none=True))
+        report = json.loads(encode(self.node.report(self.clock.t, events=events)))
         if results is not None:
             report["action_results"] = results
         resp = await self.client.post("/v1/reports", data=json.dumps(report),
@@ -130,7 +130,7 @@ async def _reset_requested(c: Cluster) -> NodeActionRequest:
     status, answer = await c.post()
     assert status == 202
     [raw] = answer["requests"]
-    request = NodeActionRequest.model_validate(raw, strict=True)
+    request = convert(raw, NodeActionRequest)
     assert (request.id, request.action, request.node, request.gpu, request.gpu_uuid, request.boot_id) == \
         (admitted[0].id, "reset_gpu", "gpu-1", 3, "GPU-gpu-1-3", c.node.boot_id)
     assert signature_ok(request, node_key(MASTER, "gpu-1"))
@@ -139,8 +139,8 @@ async def _reset_requested(c: Cluster) -> NodeActionRequest:
 
 
 def _result(request: NodeActionRequest, outcome: str, reason: str, ts: float) -> dict:
-    return NodeActionResult(id=request.id, action=request.action, gpu=request.gpu, outcome=outcome,  # type: ignore[arg-type]
-                            reason=reason, ts=ts).model_dump(mode="json")
+    return to_builtins(NodeActionResult(id=request.id, action=request.action, gpu=request.gpu, outcome=outcome,  # type: ignore[arg-type]
+                            reason=reason, ts=ts))
 
 
 async def test_a_reset_is_requested_signed_after_the_drain_and_its_results_are_recorded(cluster: Cluster) -> None:

@@ -20,7 +20,7 @@ from tests.aggregator.aggregator_process import (
 )
 from tests.aggregator.conftest import FakeNode
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
-from vigil.agent.wire import Event
+from vigil.agent.wire import Event, encode
 from vigil.aggregator.actuators.webhook import WebhookActuator, WebhookConfig
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
@@ -62,7 +62,7 @@ class Storm:
         self.clock.t += 2.5
         for node in self.nodes:
             events = [xid79(self.clock.t)] if node.name in bad else None
-            body = node.report(self.clock.t, events=events, urgent=bool(events)).model_dump_json(exclude_none=True)
+            body = encode(node.report(self.clock.t, events=events, urgent=bool(events)))
             resp = await self.client.post("/v1/reports", data=body,
                                           headers={"Authorization": f"Bearer {node_token(SITE_SECRET, node.name)}"})
             assert resp.status == 202

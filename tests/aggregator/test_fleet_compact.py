@@ -12,7 +12,7 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode
 from vigil.agent.report_delta import delta, whole
-from vigil.agent.wire import Report
+from vigil.agent.wire import Report, decode_report
 from vigil.aggregator.fleet import GPU_COUNTERS, Fleet
 
 ROUNDS = 12
@@ -20,7 +20,7 @@ JUDGED_PORT_COUNTERS = ["symbol_error", "link_downed", "link_error_recovery"]
 
 
 def _wire(body: dict) -> Report:
-    return Report.model_validate_json(json.dumps(body), strict=True)  # as the service validates
+    return decode_report(json.dumps(body))  # as the service validates
 
 
 def _reports() -> list[Report]:
@@ -67,13 +67,12 @@ def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list
     reports = _reports()
     compact = _compact(reports)
     assert all(r.base_seq is not None for r in compact[1:])
-    assert "counters" not in compact[4].ports[0].model_fields_set or \
-        "symbol_error" not in compact[4].ports[0].counters  # a quiet report carries no judged counter
+    assert "symbol_error" not in compact[4].ports[0].counters  # a quiet report carries no judged counter
     a = _ingested(reports, port_counters).view().nodes["n1"]
     b = _ingested(compact, port_counters).view().nodes["n1"]
     for index, gpu in a.gpus.items():
         other = b.gpus[index]
-        assert other.last.model_dump() == gpu.last.model_dump()
+        assert other.last == gpu.last
         assert list(other.samples) == list(gpu.samples)
         assert (other.counters.resets, other.counters.last_ts, other.counters.last_increase_ts) == \
             (gpu.counters.resets, gpu.counters.last_ts, gpu.counters.last_increase_ts)

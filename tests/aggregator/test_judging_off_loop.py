@@ -16,6 +16,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode, set_training
+from vigil.agent.wire import encode
 from vigil.aggregator.app import EVALUATE_KEY, METRICS_KEY, make_app, measure_loop_lag
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -75,11 +76,11 @@ async def test_a_slow_detector_never_holds_intake_and_its_findings_go_through_th
     a, b = FakeNode("a"), FakeNode("b")
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         # An urgent report wakes the periodic evaluation, which judges on its own thread.
-        resp = await client.post("/v1/reports", data=a.report(T0, urgent=True).model_dump_json(), headers=auth("a"))
+        resp = await client.post("/v1/reports", data=encode(a.report(T0, urgent=True)), headers=auth("a"))
         assert resp.status == 202
         assert await asyncio.to_thread(detector.entered.wait, WAIT_SECONDS)
         # The detector is still running: intake answers, and holds the report back from the fleet.
-        resp = await client.post("/v1/reports", data=b.report(T0).model_dump_json(), headers=auth("b"))
+        resp = await client.post("/v1/reports", data=encode(b.report(T0)), headers=auth("b"))
         assert resp.status == 202
         assert set(engine.fleet.view().nodes) == {"a"}
         assert metrics.held_reports._value.get() == 1

@@ -10,7 +10,7 @@ from pathlib import Path
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event
+from vigil.agent.wire import Event, encode, replace
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -41,15 +41,15 @@ def test_seq_may_advance_as_far_as_the_node_could_have_reported() -> None:
     fleet = Fleet(FleetConfig(max_seq_jump=1000, max_reports_per_second=20))
     node = FakeNode("n1")
     fleet.ingest(node.report(T0), T0)
-    ahead = node.report(T0 + 1).model_copy(update={"seq": 1 + 1000})
+    ahead = replace(node.report(T0 + 1), seq=1 + 1000)
     assert fleet.refusal(ahead, T0 + 1) is None
-    assert (fleet.refusal(ahead.model_copy(update={"seq": 2 + 1000 + 20}), T0 + 1) or ("",))[0] == "seq_jump"
+    assert (fleet.refusal(replace(ahead, seq=2 + 1000 + 20), T0 + 1) or ("",))[0] == "seq_jump"
     # After an hour of silence (an aggregator outage), the node's seq has legitimately moved on.
-    later = node.report(T0 + 3600).model_copy(update={"seq": 1 + 3600 // 3})
+    later = replace(node.report(T0 + 3600), seq=1 + 3600 // 3)
     assert fleet.refusal(later, T0 + 3600) is None
     # A new boot starts its own sequence: no bound against the old one.
     node.reboot()
-    assert fleet.refusal(node.report(T0 + 2).model_copy(update={"seq": 10**9}), T0 + 2) is None
+    assert fleet.refusal(replace(node.report(T0 + 2), seq=10**9), T0 + 2) is None
 
 
 def test_members_reporting_since_and_forgetting_departed_nodes() -> None:
@@ -80,7 +80,7 @@ async def test_a_departed_node_is_archived_and_can_no_longer_be_named(tmp_path: 
     try:
         async with TestClient(TestServer(app, host="127.0.0.1")) as client:
             node = FakeNode("gone-1")
-            resp = await client.post("/v1/reports", data=node.report(T0).model_dump_json(),
+            resp = await client.post("/v1/reports", data=encode(node.report(T0)),
                                      headers={"Authorization": f"Bearer {node_token(SECRET, 'gone-1')}"})
             assert resp.status == 202
             clock[0] = T0 + 3601

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event
+from vigil.agent.wire import Event, encode
 from vigil.aggregator.app import make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -72,11 +72,11 @@ async def test_every_kind_is_exported_at_zero_before_any_report(service: Service
 
 async def test_accepted_reports_count_their_events_by_kind(service: Service) -> None:
     a, b = FakeNode("node-a"), FakeNode("node-b")
-    await service.post(a, a.report(NOW, events=events(NOW, xid=3, link_down=1)).model_dump_json(), 202)
-    await service.post(b, b.report(NOW, events=events(NOW, xid=2, hang=1)).model_dump_json(), 202)
-    await service.post(a, a.report(NOW + 1).model_dump_json(), 202)  # no events: nothing to count
+    await service.post(a, encode(a.report(NOW, events=events(NOW, xid=3, link_down=1))), 202)
+    await service.post(b, encode(b.report(NOW, events=events(NOW, xid=2, hang=1))), 202)
+    await service.post(a, encode(a.report(NOW + 1)), 202)  # no events: nothing to count
     # A kind no agent sends is counted, under "other" (a node cannot mint series).
-    await service.post(a, a.report(NOW + 2, events=events(NOW, made_up_kind=2)).model_dump_json(), 202)
+    await service.post(a, encode(a.report(NOW + 2, events=events(NOW, made_up_kind=2))), 202)
     got = await service.received()
     assert got["xid"] == 5 and got["link_down"] == 1 and got["hang"] == 1 and got["other"] == 2
     assert "made_up_kind" not in got
@@ -85,28 +85,28 @@ async def test_accepted_reports_count_their_events_by_kind(service: Service) -> 
 
 async def test_refused_reports_count_no_events(service: Service) -> None:
     node = FakeNode("node-a")
-    await service.post(node, node.report(NOW, events=events(NOW, xid=1)).model_dump_json(), 202)
+    await service.post(node, encode(node.report(NOW, events=events(NOW, xid=1))), 202)
     before = await service.received()
     assert before["xid"] == 1
 
     flood = events(NOW, xid=4, sxid=2)
     report = node.report(NOW, events=flood)
-    await service.post(node, report.model_dump_json()[:-10], 400)  # cut short: invalid_json
-    bad = json.loads(report.model_dump_json())
+    await service.post(node, encode(report)[:-10], 400)  # cut short: invalid_json
+    bad = json.loads(encode(report))
     bad["events"][0]["code"] = "thirteen"
     await service.post(node, json.dumps(bad), 400)  # schema
-    await service.post(node, report.model_dump_json(), 403, token_of="node-b")  # another node's credential
+    await service.post(node, encode(report), 403, token_of="node-b")  # another node's credential
     node.seq += 1_000_000
-    await service.post(node, node.report(NOW, events=flood).model_dump_json(), 409)  # seq_jump
+    await service.post(node, encode(node.report(NOW, events=flood)), 409)  # seq_jump
     node.seq -= 1_000_000
-    await service.post(node, node.report(NOW - 86_400, events=flood).model_dump_json(), 422)  # stale_ts
-    big = node.report(NOW, events=events(NOW, xid=MAX_BODY_BYTES // 50)).model_dump_json()
+    await service.post(node, encode(node.report(NOW - 86_400, events=flood)), 422)  # stale_ts
+    big = encode(node.report(NOW, events=events(NOW, xid=MAX_BODY_BYTES // 50)))
     assert len(big) > MAX_BODY_BYTES
     await service.post(node, big, 413)
 
     assert await service.received() == before
     # The refusals were counted where refusals are: the same node's next report still counts.
-    await service.post(node, node.report(NOW + 1, events=events(NOW, xid=1)).model_dump_json(), 202)
+    await service.post(node, encode(node.report(NOW + 1, events=events(NOW, xid=1))), 202)
     assert (await service.received())["xid"] == 2
 
 

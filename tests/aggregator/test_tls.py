@@ -16,6 +16,7 @@ import pytest
 
 from tests.aggregator.aggregator_process import SITE_SECRET, AggregatorProcess
 from tests.aggregator.conftest import FakeNode
+from vigil.agent.wire import encode
 from vigil.aggregator.auth import node_token
 
 OPENSSL = shutil.which("openssl")
@@ -40,7 +41,7 @@ def test_https_listener_with_the_configured_certificate(tmp_path: Path) -> None:
         conn = http.client.HTTPSConnection("127.0.0.1", agg.port, context=context, timeout=10)
         conn.request("GET", "/healthz")
         assert json.loads(conn.getresponse().read())["status"] == "ok"
-        body = FakeNode("gpu-1").report(time.time()).model_dump_json()
+        body = encode(FakeNode("gpu-1").report(time.time()))
         conn.request("POST", "/v1/reports", body, {
             "Authorization": f"Bearer {node_token(SITE_SECRET.encode(), 'gpu-1')}", "Content-Type": "application/json"})
         assert conn.getresponse().status == 202

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from vigil.agent.wire import Heartbeat as WireHeartbeat
+from vigil.agent.wire import convert
 from vigil_heartbeat import Heartbeat
 from vigil_heartbeat.integrations import hf_callback, watch_deepspeed
 
@@ -38,7 +39,7 @@ def received(sock: socket.socket) -> list[dict[str, Any]]:
         except TimeoutError:
             return out
         msg = json.loads(data)
-        WireHeartbeat.model_validate(msg)  # every datagram is a valid wire heartbeat
+        convert(msg, WireHeartbeat)  # every datagram is a valid wire heartbeat
         out.append(msg)
 
 

@@ -24,7 +24,7 @@ from vigil.agent.exporter import SnapshotExporter, render
 from vigil.agent.metric import Sample
 from vigil.agent.seams import Seams
 from vigil.agent.validation import ConfigError
-from vigil.agent.wire import PortState, Report
+from vigil.agent.wire import PortState, Report, decode_report, encode
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sysfs"
 H100 = FIXTURES / "h100"
@@ -480,7 +480,7 @@ def test_port_states_survive_the_report_wire_round_trip(h100: Rig) -> None:
     c = h100.cycle(advance=0.5)
     report = Report(node="n1", boot_id="b", seq=1, ts=h100.clock.t, interval_seconds=2.5,
                     ports=c.report["ports"], events=c.events)
-    back = Report.model_validate_json(report.model_dump_json())
+    back = decode_report(encode(report))
     ps = next(p for p in back.ports if p.device == "mlx5_0")
     assert ps.deltas["port_xmit_data"] == 1000 and ps.rates_per_second["port_xmit_data"] == 2000.0
     assert next(p for p in back.ports if p.device == "mlx5_1").flags["link_downed"] == "saturated"

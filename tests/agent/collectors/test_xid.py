@@ -103,7 +103,8 @@ def test_xid_counter_carries_gpu_index_and_uuid_from_nvml() -> None:
     assert value(col, "vigil_gpu_xid_last_timestamp_seconds", gpu="0", uuid="GPU-aaaa") == 100.0
     assert value(col, "vigil_kernel_log_lines_read_total") == 3
     by_code = {e.code: e for e in col.events}
-    assert by_code[79].model_dump(include={"kind", "gpu", "uuid", "pci_bus_id", "urgent", "source", "count"}) == {
+    xid79 = by_code[79]
+    assert {k: getattr(xid79, k) for k in ("kind", "gpu", "uuid", "pci_bus_id", "urgent", "source", "count")} == {
         "kind": "xid", "gpu": 0, "uuid": "GPU-aaaa", "pci_bus_id": "0000:3b:00", "urgent": True, "source": "kmsg",
         "count": 1,
     }

@@ -19,7 +19,7 @@ import pytest
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.profiles import H100_SXM_80GB
-from vigil.agent.wire import Report
+from vigil.agent.wire import Report, convert
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.engine import Engine
@@ -119,7 +119,7 @@ def _replay(nodes: int, minutes: float, edit: Any = None,
             raw.update(node=f"gpu-{i:02d}", boot_id=f"boot-{i}", seq=seq, ts=t)
             if edit is not None:
                 edit(i, raw)
-            engine.ingest(Report.model_validate(raw), t)
+            engine.ingest(convert(raw, Report), t)
         decisions.extend(engine.evaluate(t))
         t += 2.5
     return decisions
