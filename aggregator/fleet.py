@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from types import MappingProxyType
@@ -290,20 +290,26 @@ class CounterBaseline:
 
 
 class GpuSample(NamedTuple):
-    """What persistence checks need from one report of one GPU (the full state is ``last``)."""
+    """What persistence checks need from one report of one GPU (the full state is ``last``). Its
+    lists are the state's own: the fleet never changes a state's lists (a new report's state is a
+    new Struct with the lists decoded for it)."""
 
     ts: float
     health: str
     utilization_gpu_ratio: float | None
     sm_clock_hertz: float | None
     sm_clock_max_hertz: float | None
-    clock_event_reasons: tuple[str, ...]
+    clock_event_reasons: Sequence[str]
     memory_temperature_celsius: float | None
     memory_max_temperature_celsius: float | None
     remap_pending: bool | None
     remap_failure: bool | None
     retired_pages_pending: bool | None
-    nvlink_links_down: tuple[int, ...]
+    nvlink_links_down: Sequence[int]
+
+
+# GpuSample's fields after ts, read from a GpuState in one C-level call.
+_GPU_SAMPLE_FIELDS = attrgetter(*GpuSample._fields[1:])
 
 
 class PortSample(NamedTuple):
@@ -330,10 +336,7 @@ class GpuHistory:
         self.uuid = s.uuid
         self.last = s
         self.last_seen = ts
-        self.samples.append(GpuSample(
-            ts, s.health, s.utilization_gpu_ratio, s.sm_clock_hertz, s.sm_clock_max_hertz,
-            tuple(s.clock_event_reasons), s.memory_temperature_celsius, s.memory_max_temperature_celsius,
-            s.remap_pending, s.remap_failure, s.retired_pages_pending, tuple(s.nvlink_links_down)))
+        self.samples.append(GpuSample(ts, *_GPU_SAMPLE_FIELDS(s)))
         if changed is not None and _GPU_COUNTER_SET.isdisjoint(changed) and self.counters.still(ts):
             return
         self.counters.observe_values(ts, GPU_COUNTERS, (
