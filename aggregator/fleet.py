@@ -87,61 +87,62 @@ GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_repl
 _GPU_COUNTER_SET = frozenset(GPU_COUNTERS)
 
 
-class _Shape(NamedTuple):
-    """What completing a version-2 entry of one model needs: its fields that have a default other
-    than None (health, state words, lists, dicts: the entry carries them as they are, absent
-    meaning the default) with a getter of their values, those of them holding Structs (which
-    ``to_builtins`` would turn into dicts), and a getter of its optional fields (default None:
-    the entry carries one only when it changed to a value)."""
+def _completer(model: type[_M], merged: str | None = None,
+               structs: tuple[str, ...] = ()) -> Callable[[_M, _M], tuple[_M, Collection[str]]]:
+    """How a version-2 entry of ``model`` completes its base: ``complete(base, sent)`` returns
+    the new state and the fields taken from ``sent``. The entry carries its required fields, its
+    fields with a not-None default as they are (health, state words, lists, dicts: absent means
+    the default), and each optional field (default None) that changed to a value. ``merged``: a
+    dict field merged by name into the base's instead (a port's counters: a version-2 port lists
+    only those that moved); ``structs``: defaulted fields holding Structs, which ``to_builtins``
+    would turn into dicts. Both states were validated, so the result is a valid state.
 
-    defaulted: tuple[str, ...]
-    get_defaulted: Callable[[Any], tuple[Any, ...]]
-    structs: frozenset[str]
-    get_optional: Callable[[Any], tuple[Any, ...]]
-    no_change: tuple[None, ...]
+    This runs for every entry of every report, so it is C-level work: ``to_builtins`` lists the
+    fields ``sent`` has away from their defaults (the required and optional ones are scalars,
+    the same objects), one tuple comparison tells whether a defaulted field moved, and
+    ``structs.replace`` builds the state; with ``merged``, an entry whose only change is in that
+    dict is one dict update of the base (returned itself)."""
+    fields = msgspec.structs.fields(model)
+    defaulted = tuple(f.name for f in fields if not f.required and f.default is not None and f.name != merged)
+    get_defaulted = attrgetter(*defaulted)
+    get_optional = attrgetter(*optional_fields(model))
+    unchanged = (None,) * len(optional_fields(model))
+    to_builtins, replace = msgspec.to_builtins, msgspec.structs.replace
+
+    def complete(base: _M, sent: _M) -> tuple[_M, Collection[str]]:
+        now = get_defaulted(sent)
+        if merged is not None:
+            into: dict[str, Any] = getattr(base, merged)
+            moved = getattr(sent, merged)
+            into.update(moved)
+            if get_optional(sent) == unchanged and now == get_defaulted(base):
+                return base, moved.keys()
+        taken: dict[str, Any] = to_builtins(sent)
+        if now != get_defaulted(base) or (structs and not taken.keys().isdisjoint(structs)):
+            taken.update(zip(defaulted, now, strict=True))
+        if merged is not None:
+            taken[merged] = into
+        return replace(base, **taken), taken
+
+    return complete
 
 
-def _shape(model: type[msgspec.Struct], leave: tuple[str, ...] = (), structs: tuple[str, ...] = ()) -> _Shape:
-    defaulted = tuple(f.name for f in msgspec.structs.fields(model)
-                      if not f.required and f.default is not None and f.name not in leave)
-    optional = optional_fields(model)
-    return _Shape(defaulted, attrgetter(*defaulted), frozenset(structs), attrgetter(*optional),
-                  (None,) * len(optional))
-
-
-# A port's counters are merged, not replaced (a version-2 port lists only those that moved).
-_SHAPES = {GpuState: _shape(GpuState, structs=("processes",)), PortState: _shape(PortState, ("counters",)),
-           RankSummary: _shape(RankSummary)}
+_COMPLETERS: dict[type[Any], Callable[[Any, Any], tuple[Any, Collection[str]]]] = {
+    GpuState: _completer(GpuState, structs=("processes",)),
+    PortState: _completer(PortState, merged="counters"),
+    RankSummary: _completer(RankSummary),
+}
 
 
 def _complete(base: _M, sent: _M, cleared: Collection[str] = ()) -> tuple[_M, Collection[str]]:
     """``base`` (the state the node's previous report left, owned by the fleet) completed with
-    what ``sent`` (an entry of a version-2 report) carries: its required fields, its fields with
-    a not-None default, each optional field it gives a value, and None for the ``cleared`` ones.
-    Both were validated, so the result is a valid state. A port's ``counters`` are merged by
-    name into ``base``'s. Returns the state (``base`` itself when only port counters moved) and
-    the fields taken from ``sent`` (those away from their defaults, the cleared ones among them).
-
-    This runs for every entry of every report, so it is C-level work: ``to_builtins`` lists the
-    fields ``sent`` has away from their defaults (the optional and required ones are scalars: the
-    same objects), ``replace`` builds the state, and the common case of a port none of whose
-    fields but its counters changed is one dict update."""
-    shape = _SHAPES[type(sent)]
-    now = shape.get_defaulted(sent)
-    if type(base) is PortState:
-        assert isinstance(sent, PortState)
-        base.counters.update(sent.counters)
-        if not cleared and now == shape.get_defaulted(base) and shape.get_optional(sent) == shape.no_change \
-                and sent.device == base.device and sent.port == base.port:
-            return base, sent.counters.keys()
-    taken: dict[str, Any] = msgspec.to_builtins(sent)
-    if now != shape.get_defaulted(base) or not shape.structs.isdisjoint(taken):
-        taken.update(zip(shape.defaulted, now, strict=True))
-    if cleared:
-        taken.update(dict.fromkeys(cleared))
-    if type(base) is PortState:
-        taken["counters"] = base.counters
-    return msgspec.structs.replace(base, **taken), taken
+    what ``sent`` (an entry of a version-2 report) carries, and None for its ``cleared`` fields
+    (rare: an optional field that became absent); the state (``base`` itself when only a port's
+    counters moved) and the fields taken from ``sent``, the cleared ones among them."""
+    result: tuple[_M, Collection[str]] = _COMPLETERS[type(sent)](base, sent)
+    if not cleared:
+        return result
+    return msgspec.structs.replace(result[0], **dict.fromkeys(cleared)), [*result[1], *cleared]
 
 
 def port_is_active(state: PortState) -> bool:

@@ -40,6 +40,20 @@ def _reports() -> list[Report]:
             node.gpus[4]["pcie_replay_total"] += 9
         if k == 9:
             node.gpus[6]["pcie_replay_total"] = 1  # went backwards: a reset
+        # Fields going absent and coming back: an optional one (named in `cleared`), fields with a
+        # default other than None (absent in the compact entry means the default).
+        if k == 4:
+            del node.gpus[2]["temperature_celsius"]
+            del node.ports[1]["rate_bits_per_second"]
+            node.gpus[3]["health"] = "reset_required"
+            node.gpus[5]["clock_event_reasons"] = []
+            node.ports[3]["flags"] = {"port_rcv_errors": "saturated"}
+        if k == 6:
+            node.gpus[2]["temperature_celsius"] = 64.0
+            node.ports[1]["rate_bits_per_second"] = 200 * 10**9
+            del node.gpus[3]["health"]
+            node.gpus[5]["clock_event_reasons"] = ["hw_slowdown"]
+            del node.ports[3]["flags"]
         out.append(node.report(k * 2.5))
     return out
 
@@ -82,7 +96,7 @@ def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list
             assert other.counters.baseline_since(name) == gpu.counters.baseline_since(name)
     for key, port in a.ports.items():
         other_port = b.ports[key]
-        assert other_port.last.counters == port.last.counters
+        assert other_port.last == port.last
         assert list(other_port.samples) == list(port.samples)
         assert (other_port.counters.last_ts, other_port.counters.last_increase_ts) == \
             (port.counters.last_ts, port.counters.last_increase_ts)
@@ -97,3 +111,6 @@ def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list
     assert b.gpus[4].counters.sum_since("pcie_replay_total", 0.0) == 9
     assert b.gpus[6].counters.resets == 1
     assert b.ports[("mlx5_0", 1)].counters.last_ts == (ROUNDS - 1) * 2.5  # quiet reads are recorded too
+    assert compact[4].cleared == [("gpus", 2, "temperature_celsius"), ("ports", 1, "rate_bits_per_second")]
+    assert [s.health for s in b.gpus[3].samples][3:7] == ["ok", "reset_required", "reset_required", "ok"]
+    assert b.gpus[2].last.temperature_celsius == 64.0 and b.ports[("mlx5_3", 1)].last.flags == {}
