@@ -47,7 +47,7 @@ from vigil.agent.server import (
     start_unix,
 )
 from vigil.agent.snapshot import Snapshot
-from vigil.agent.wire import to_builtins
+from vigil.agent.wire import to_readable
 from vigil.build_info import register_build_info
 
 log = logging.getLogger("vigil.agent")
@@ -193,7 +193,7 @@ class Agent:
             "version": __version__,
             "boot_id": self.boot_id,
             "nvml_backend": self.config.nvml.backend,
-            "last_report": to_builtins(last) if last else None,
+            "last_report": to_readable(last) if last else None,
         }
 
     async def run(self, stop: asyncio.Event, on_ready: Callable[[str], None] | None = None) -> None:

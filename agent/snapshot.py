@@ -14,7 +14,7 @@ import msgspec
 
 from vigil.agent.collectors.collector import Collection
 from vigil.agent.metric import Sample
-from vigil.agent.wire import to_builtins
+from vigil.agent.wire import to_readable
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +68,7 @@ class Snapshot:
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, msgspec.Struct):
-        return to_builtins(value)
+        return to_readable(value)
     if isinstance(value, list):
         return [_jsonable(v) for v in value]
     return value

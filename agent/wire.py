@@ -478,6 +478,19 @@ def to_builtins(value: Any) -> Any:
     return msgspec.to_builtins(value)
 
 
+def to_readable(value: Any) -> Any:
+    """``value`` for a person (an API answer, a state page), as JSON-ready data: every field of
+    every Struct in it that has a value, defaults included (``"health": "ok"``), only absent
+    (None) ones left out."""
+    if isinstance(value, msgspec.Struct):
+        return {name: to_readable(item) for name, item in msgspec.structs.asdict(value).items() if item is not None}
+    if isinstance(value, list | tuple):
+        return [to_readable(item) for item in value]
+    if isinstance(value, dict):
+        return {key: to_readable(item) for key, item in value.items()}
+    return value
+
+
 def check(value: _W) -> _W:
     """A Struct built in Python, validated as the aggregator will (construction checks nothing):
     a validated copy, or SchemaError naming the field."""

@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from vigil.agent.validation import ConfigError
-from vigil.agent.wire import REPORT_VERSIONS, Report, SchemaError, WireError, decode_report, to_builtins
+from vigil.agent.wire import REPORT_VERSIONS, Report, SchemaError, WireError, decode_report, to_builtins, to_readable
 from vigil.aggregator.actuators import Actuator, DeliveryError, build_actuators
 from vigil.aggregator.actuators.kubernetes import KubernetesActuator
 from vigil.aggregator.alertmanager_input import add_routes
@@ -463,16 +463,16 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             "boot_id": n.boot_id, "seq": n.seq, "reports": n.reports, "seq_gaps": n.seq_gaps,
             "reboots": n.reboots, "interval_seconds": n.interval_seconds, "topology": n.topology,
             "nvml_available": n.nvml_available, "failed_collectors": n.failed_collectors,
-            "gpus": [to_builtins(g.last) for _, g in sorted(n.gpus.items())],
+            "gpus": [to_readable(g.last) for _, g in sorted(n.gpus.items())],
             "missing_gpus": sorted(n.missing_gpus),
-            "ports": [{k: v for k, v in to_builtins(p.last).items() if k != "counters"}
+            "ports": [{k: v for k, v in to_readable(p.last).items() if k != "counters"}
                       for _, p in sorted(n.ports.items())],
             "ranks": [{"job": job, "rank": rank, "state": r.last.state, "last_step": r.last.last_step,
                        "compute_seconds_p50": r.last.compute_seconds_p50,
                        "comm_seconds_p50": r.last.comm_seconds_p50}
                       for (job, rank), r in sorted(n.ranks.items())],
             "evidence": [f.model_dump(mode="json") for f in found],
-            "events": [to_builtins(e) for _, e in list(n.events)[-50:]],
+            "events": [to_readable(e) for _, e in list(n.events)[-50:]],
             "decisions": decisions,
         }
         return web.json_response(body)

@@ -17,6 +17,7 @@ from vigil.agent.wire import (
     MAX_COUNTER,
     MAX_TEXT_CHARS,
     Event,
+    GpuProcess,
     GpuState,
     PortState,
     Report,
@@ -27,6 +28,8 @@ from vigil.agent.wire import (
     decode,
     decode_report,
     encode,
+    to_builtins,
+    to_readable,
 )
 
 BASE: dict[str, Any] = {"node": "gpu-001", "boot_id": "b1", "seq": 1, "ts": 1.7e9, "interval_seconds": 2.5}
@@ -171,3 +174,11 @@ def test_a_collector_whose_output_breaks_the_contract_fails_its_cycle() -> None:
     assert not result.success
     assert result.error is not None and "utilization_gpu_ratio" in result.error
     assert result.collection.report == {}
+
+
+def test_a_state_for_a_person_shows_its_defaults_and_leaves_out_only_absent_fields() -> None:
+    gpu = GpuState(index=0, uuid="GPU-1", processes=[GpuProcess(pid=7)])
+    assert to_readable(gpu) == {"index": 0, "uuid": "GPU-1", "health": "ok", "clock_event_reasons": [],
+                                "nvlink_links_down": [], "processes": [{"pid": 7}]}
+    assert to_readable([gpu])[0]["health"] == "ok"
+    assert "health" not in to_builtins(gpu)  # the wire form leaves defaults out
