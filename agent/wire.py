@@ -478,16 +478,17 @@ def to_builtins(value: Any) -> Any:
     return msgspec.to_builtins(value)
 
 
-def to_readable(value: Any) -> Any:
+def to_readable(value: Any, *, absent: bool = False) -> Any:
     """``value`` for a person (an API answer, a state page), as JSON-ready data: every field of
-    every Struct in it that has a value, defaults included (``"health": "ok"``), only absent
-    (None) ones left out."""
+    every Struct in it that has a value, defaults included (``"health": "ok"``), absent (None)
+    ones left out unless ``absent``."""
     if isinstance(value, msgspec.Struct):
-        return {name: to_readable(item) for name, item in msgspec.structs.asdict(value).items() if item is not None}
+        return {name: to_readable(item, absent=absent) for name, item in msgspec.structs.asdict(value).items()
+                if absent or item is not None}
     if isinstance(value, list | tuple):
-        return [to_readable(item) for item in value]
+        return [to_readable(item, absent=absent) for item in value]
     if isinstance(value, dict):
-        return {key: to_readable(item) for key, item in value.items()}
+        return {key: to_readable(item, absent=absent) for key, item in value.items()}
     return value
 
 

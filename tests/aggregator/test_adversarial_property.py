@@ -13,7 +13,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, event, given, settings
@@ -21,6 +20,7 @@ from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode
 from vigil.agent.wire import encode as wire_encode
+from vigil.agent.wire import to_readable
 from vigil.aggregator.app import EVALUATE_KEY, METRICS_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -117,13 +117,7 @@ def plausible(base: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
 def every_field(value: Any) -> Any:
     """``value`` (a wire Struct) as JSON-ready data with every field, those at their default (None
     included) too, as a client may send them: each is a part to mutate."""
-    if isinstance(value, msgspec.Struct):
-        return {name: every_field(getattr(value, name)) for name in value.__struct_fields__}
-    if isinstance(value, list | tuple):
-        return [every_field(v) for v in value]
-    if isinstance(value, dict):
-        return {k: every_field(v) for k, v in value.items()}
-    return value
+    return to_readable(value, absent=True)
 
 
 def encode(body: Any) -> bytes:
