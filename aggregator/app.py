@@ -420,7 +420,8 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         intake(report, now)
         metrics.ingest_seconds.observe(time.perf_counter() - started)
         metrics.reports.inc()
-        metrics.count_events(e.kind for e in report.events)
+        if report.events:
+            metrics.count_events(e.kind for e in report.events)
         if report.urgent or any(e.urgent for e in report.events):
             wake.set()
         # report_versions: what this aggregator takes, so an agent may move to the compact form.

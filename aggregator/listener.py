@@ -203,13 +203,26 @@ async def read_body(request: web.Request, max_bytes: int, timeout_seconds: float
     many): read until its end, at most ``max_bytes`` and ``timeout_seconds``."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise BodyRefused(413, "too_large", f"body of {request.content_length} bytes exceeds {max_bytes}")
+    content = request.content
     parts: list[bytes] = []
     size = 0
+    if content.is_eof():
+        # Its framing has ended: the whole body is here already (a report in one or a few TCP
+        # segments, the usual case), taken without arming a timer (~10 us a request).
+        try:
+            body = content.read_nowait(max_bytes + 1)
+        except (ClientPayloadError, HttpProcessingError, ConnectionError) as exc:
+            raise BodyRefused(400, "bad_framing", f"body could not be read: {exc}") from None
+        if len(body) > max_bytes:
+            raise BodyRefused(413, "too_large", f"body exceeds {max_bytes} bytes")
+        if content.at_eof():
+            return body
+        parts, size = [body], len(body)
     try:
         async with asyncio.timeout(timeout_seconds):
             while size <= max_bytes:
                 # read(n) returns what has arrived (up to n): gather until EOF or past the limit.
-                chunk = await request.content.read(max_bytes + 1 - size)
+                chunk = await content.read(max_bytes + 1 - size)
                 if not chunk:
                     break
                 parts.append(chunk)
