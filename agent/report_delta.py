@@ -12,15 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from vigil.agent.wire import DELTA_VERSION, SECTIONS, Report, optional_fields, to_builtins
+from vigil.agent.wire import CLEARABLE, DELTA_VERSION, Report, to_builtins
 
 # What names an entry of each section: the same names in the same order, or the report goes whole.
 IDENTITY = {"gpus": ("index", "uuid"), "ports": ("device", "port"), "ranks": ("job", "rank")}
 
-# An entry always carries the fields whose default is not None (its identity among the required
-# ones): absent, they read as their default. Only the optional ones (default None) may be left
-# out as unchanged, so each entry of a compact report is a valid instance of the same model.
-OPTIONAL = {section: frozenset(optional_fields(model)) for section, model in SECTIONS.items()}
 # Report fields that say "unchanged" by being left out (the aggregator keeps the last it had).
 _KEPT_WHEN_ABSENT = ("topology", "host")
 # Port fields for a reader of one report, never sent in version 2: the aggregator derives its
@@ -56,7 +52,10 @@ def delta(base: dict[str, Any], current: dict[str, Any]) -> dict[str, Any] | Non
             return None
         entries = []
         first, second = keys
-        optional = OPTIONAL[section]
+        # Only the optional fields (default None, wire.CLEARABLE) may be left out as unchanged: the
+        # others are carried as they are (absent, they read as their default), so each entry of
+        # a compact report is a valid instance of its model.
+        optional = CLEARABLE[section]
         for i, (b, c) in enumerate(zip(before, now, strict=True)):
             if b[first] != c[first] or b[second] != c[second]:
                 return None

@@ -105,8 +105,9 @@ def _completer(model: type[_M], merged: str | None = None,
     fields = msgspec.structs.fields(model)
     defaulted = tuple(f.name for f in fields if not f.required and f.default is not None and f.name != merged)
     get_defaulted = attrgetter(*defaulted)
-    get_optional = attrgetter(*optional_fields(model))
-    unchanged = (None,) * len(optional_fields(model))
+    optional = optional_fields(model)
+    get_optional = attrgetter(*optional)
+    unchanged = (None,) * len(optional)
     to_builtins, replace = msgspec.to_builtins, msgspec.structs.replace
 
     def complete(base: _M, sent: _M) -> tuple[_M, Collection[str]]:
