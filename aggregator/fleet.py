@@ -87,6 +87,16 @@ GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_repl
 _GPU_COUNTER_SET = frozenset(GPU_COUNTERS)
 
 
+def _values_of(names: Sequence[str]) -> Callable[[Any], tuple[Any, ...]]:
+    """The values of fields ``names`` of a Struct as a tuple, in one C-level call: ``attrgetter``
+    of one name returns the bare value, which a tuple comparison or ``zip`` would misread (a rank
+    summary's one defaulted field, ``state``, would be zipped letter by letter)."""
+    if len(names) == 1:
+        get_one = attrgetter(names[0])
+        return lambda struct: (get_one(struct),)
+    return attrgetter(*names)
+
+
 def _completer(model: type[_M], merged: str | None = None,
                structs: tuple[str, ...] = ()) -> Callable[[_M, _M], tuple[_M, Collection[str]]]:
     """How a version-2 entry of ``model`` completes its base: ``complete(base, sent)`` returns
@@ -104,9 +114,9 @@ def _completer(model: type[_M], merged: str | None = None,
     dict is one dict update of the base (returned itself)."""
     fields = msgspec.structs.fields(model)
     defaulted = tuple(f.name for f in fields if not f.required and f.default is not None and f.name != merged)
-    get_defaulted = attrgetter(*defaulted)
+    get_defaulted = _values_of(defaulted)
     optional = optional_fields(model)
-    get_optional = attrgetter(*optional)
+    get_optional = _values_of(optional)
     unchanged = (None,) * len(optional)
     to_builtins, replace = msgspec.to_builtins, msgspec.structs.replace
 

@@ -10,7 +10,7 @@ from itertools import pairwise
 
 import pytest
 
-from tests.aggregator.conftest import FakeNode
+from tests.aggregator.conftest import FakeNode, rank_summary
 from vigil.agent.report_delta import delta, whole
 from vigil.agent.wire import Report, decode_report
 from vigil.aggregator.fleet import GPU_COUNTERS, Fleet
@@ -54,6 +54,10 @@ def _reports() -> list[Report]:
             del node.gpus[3]["health"]
             node.gpus[5]["clock_event_reasons"] = ["hw_slowdown"]
             del node.ports[3]["flags"]
+        # A rank's state, the only field of a rank summary with a default other than None, leaves
+        # the default and comes back (a hang, then progress again).
+        node.ranks = [rank_summary("j1", r, compute=0.4, comm=0.1, ts=k * 2.5, gpu=r, step=10 * k,
+                                   state="hung" if r == 1 and k in (5, 6) else "running") for r in range(2)]
         out.append(node.report(k * 2.5))
     return out
 
@@ -103,6 +107,11 @@ def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list
         for name in port.last.counters:
             assert other_port.counters.increases_since(name, 0.0) == port.counters.increases_since(name, 0.0)
             assert other_port.counters.covered_seconds(name, 0.0) == port.counters.covered_seconds(name, 0.0)
+    for key, rank in a.ranks.items():
+        assert b.ranks[key].last == rank.last
+        assert list(b.ranks[key].windows) == list(rank.windows)
+    assert [r.last.state for r in (b.ranks[("j1", 1)],)] == ["running"]
+    assert compact[5].ranks[1].state == "hung" and compact[7].ranks[1].state == "running"
     # What moved is there: the judged counters' increases, the GPU counter reset.
     assert a.ports[("mlx5_0", 1)].counters.sum_since("symbol_error", 0.0) == 6
     assert b.ports[("mlx5_0", 1)].counters.sum_since("symbol_error", 0.0) == 6
