@@ -286,17 +286,32 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     judging: Future[list[Finding]] | None = None
     superseded = 0  # bumped when a synchronous evaluation takes over from an in-flight one
 
-    def intake(report: Report, now: float) -> None:
+    def ingest(report: Report, now: float) -> bool:
+        """``report`` into the fleet; False when that failed. Everything that can refuse a report
+        was checked before it was accepted, so a failure here is a defect: it is logged with its
+        traceback and counted (VigilAggregatorIngestFailing), and never stops the reports after
+        it (held ones included) nor the judging loop that ingests them."""
+        try:
+            engine.ingest(report, now)
+        except Exception:
+            metrics.ingest_failures.inc()
+            log.exception("report %d of node %s (boot %s, version %d) failed to enter the fleet", report.seq,
+                          report.node, report.boot_id, report.version)
+            return False
+        return True
+
+    def intake(report: Report, now: float) -> bool:
+        """``report`` ingested now, or held while the detectors read; False: it failed to enter."""
         if judging is not None or held:
             held.append((report, now))
             held_last[report.node] = (report.boot_id, report.seq)
             metrics.held_reports.inc()
-        else:
-            engine.ingest(report, now)
+            return True
+        return ingest(report, now)
 
     def ingest_held(limit: int | None = None) -> None:
         for _ in range(len(held) if limit is None else min(limit, len(held))):
-            engine.ingest(*held.popleft())
+            ingest(*held.popleft())
         if not held:
             held_last.clear()
 
@@ -417,7 +432,11 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         refused = engine.fleet.refusal(report, now, held_last.get(report.node) if held_last else None)
         if refused is not None:
             return refuse_report(409 if refused[0] in ("seq_jump", "delta_base") else 422, *refused)
-        intake(report, now)
+        if not intake(report, now):
+            # Not accepted: the agent counts a server error and goes on (a compact report whose base
+            # the fleet no longer matches is then refused with delta_base and resent whole).
+            return _error(500, "ingest_failed", "the report passed every check but failed to enter the fleet "
+                          "(a defect, logged by the aggregator); send it again")
         metrics.ingest_seconds.observe(time.perf_counter() - started)
         metrics.reports.inc()
         if report.events:

@@ -180,6 +180,10 @@ class AggregatorMetrics:
         self.held_reports = Counter("vigil_aggregator_reports_held",
                                     "Accepted reports held back while the detectors read the fleet, ingested "
                                     "right after.", registry=r)
+        self.ingest_failures = Counter("vigil_aggregator_ingest_failures",
+                                       "Reports that passed every check and still failed to enter the fleet (a "
+                                       "defect: the log has its traceback); the others are ingested regardless.",
+                                       registry=r)
         self.actuator_up = Gauge("vigil_aggregator_actuator_up", "1 when the actuator's start-up check reached "
                                  "its target, 0 when it did not.", ["actuator"], registry=r)
         r.register(_NodeStates(node_states))

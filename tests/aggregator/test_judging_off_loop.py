@@ -16,7 +16,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode, set_training
-from vigil.agent.wire import encode
+from vigil.agent.wire import Report, encode
 from vigil.aggregator.app import EVALUATE_KEY, METRICS_KEY, make_app, measure_loop_lag
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -180,3 +180,54 @@ def test_departed_nodes_leave_memory() -> None:
         tracemalloc.stop()
     assert held > 40 * 20_000  # the nodes did take memory (tens of KiB each) ...
     assert left < held / 20  # ... and gave it back
+
+
+class BrokenIngestEngine(Engine):
+    """An engine whose ingest has a defect for one node's reports (the fake of an aggregator bug)."""
+
+    def __init__(self, *args: object, broken: str, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.broken = broken
+
+    def ingest(self, report: Report, now: float) -> None:
+        if report.node == self.broken:
+            raise RuntimeError("a defect in the fleet update")
+        super().ingest(report, now)
+
+
+async def test_a_report_failing_to_enter_the_fleet_is_counted_and_stops_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Held while the detectors read, a report whose ingest fails is logged and counted, and the
+    reports held after it still enter the fleet, and judging goes on; taken at once, it is
+    answered 500 (not accepted) with the same count."""
+    config = parse_config({"evaluate_interval_seconds": 3600})
+    sink = RecordingSink()
+    detector = BlockingDetector()
+    engine = BrokenIngestEngine(config, sink, detectors=[detector], broken="bad")
+    app = make_app(config, engine, sink, clock=lambda: T0, credentials=Credentials(site_secret=SECRET))
+    metrics = app[METRICS_KEY]
+    a, bad, c = FakeNode("a"), FakeNode("bad"), FakeNode("c")
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        resp = await client.post("/v1/reports", data=encode(a.report(T0, urgent=True)), headers=auth("a"))
+        assert resp.status == 202
+        assert await asyncio.to_thread(detector.entered.wait, WAIT_SECONDS)
+        for node in (bad, c):  # held, in this order, behind the detectors
+            resp = await client.post("/v1/reports", data=encode(node.report(T0)), headers=auth(node.name))
+            assert resp.status == 202
+        detector.release.set()
+        await until(lambda: "c" in engine.fleet.view().nodes)
+        assert set(engine.fleet.view().nodes) == {"a", "c"}
+        assert metrics.ingest_failures._value.get() == 1
+        assert "report 1 of node bad (boot boot-bad-1, version 1) failed to enter the fleet" in caplog.text
+        # Judging goes on: the next urgent report wakes another evaluation.
+        detector.entered.clear()
+        resp = await client.post("/v1/reports", data=encode(a.report(T0, urgent=True)), headers=auth("a"))
+        assert resp.status == 202
+        assert await asyncio.to_thread(detector.entered.wait, WAIT_SECONDS)
+        await until(lambda: engine.fleet.view().nodes["a"].reports == 2)
+        # Taken at once (nothing held): not accepted.
+        resp = await client.post("/v1/reports", data=encode(bad.report(T0)), headers=auth("bad"))
+        assert resp.status == 500
+        assert (await resp.json())["error"] == "ingest_failed"
+        assert metrics.ingest_failures._value.get() == 2
+        assert "vigil_aggregator_ingest_failures_total 2.0" in metrics.render().decode()
