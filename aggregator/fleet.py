@@ -6,7 +6,7 @@ baseline instead of looking like an error burst), de-duplicated Xid occurrences,
 membership from the rank summaries, and the node-action requests and results the outbox hands it.
 A version-2 report (wire.DELTA_VERSION) carries only what changed since the node's previous
 accepted report; ingest completes each of its GPUs, ports and ranks from that report's state
-(``_complete``), so what is stored and judged is the same whichever version the agent sent.
+(``_completer``), so what is stored and judged is the same whichever version the agent sent.
 It judges nothing; detectors read it through ``FleetView``.
 """
 
@@ -84,7 +84,6 @@ MAX_NODE_ACTIONS_KEPT = 64
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
 GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
                 "nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
-_GPU_COUNTER_SET = frozenset(GPU_COUNTERS)
 
 
 def _values_of(names: Sequence[str]) -> Callable[[Any], tuple[Any, ...]]:
@@ -98,9 +97,9 @@ def _values_of(names: Sequence[str]) -> Callable[[Any], tuple[Any, ...]]:
 
 
 def _completer(model: type[_M], merged: str | None = None,
-               structs: tuple[str, ...] = ()) -> Callable[[_M, _M], tuple[_M, Collection[str]]]:
+               structs: tuple[str, ...] = ()) -> Callable[[_M, _M], _M]:
     """How a version-2 entry of ``model`` completes its base: ``complete(base, sent)`` returns
-    the new state and the fields taken from ``sent``. The entry carries its required fields, its
+    the new state. The entry carries its required fields, its
     fields with a not-None default as they are (health, state words, lists, dicts: absent means
     the default), and each optional field (default None) that changed to a value. ``merged``: a
     dict field merged by name into the base's instead (a port's counters: a version-2 port lists
@@ -120,40 +119,33 @@ def _completer(model: type[_M], merged: str | None = None,
     unchanged = (None,) * len(optional)
     to_builtins, replace = msgspec.to_builtins, msgspec.structs.replace
 
-    def complete(base: _M, sent: _M) -> tuple[_M, Collection[str]]:
+    def complete(base: _M, sent: _M) -> _M:
         now = get_defaulted(sent)
         if merged is not None:
             into: dict[str, Any] = getattr(base, merged)
-            moved = getattr(sent, merged)
-            into.update(moved)
+            into.update(getattr(sent, merged))
             if get_optional(sent) == unchanged and now == get_defaulted(base):
-                return base, moved.keys()
+                return base
         taken: dict[str, Any] = to_builtins(sent)
         if now != get_defaulted(base) or (structs and not taken.keys().isdisjoint(structs)):
             taken.update(zip(defaulted, now, strict=True))
         if merged is not None:
             taken[merged] = into
-        return replace(base, **taken), taken
+        return replace(base, **taken)
 
     return complete
 
 
-_COMPLETERS: dict[type[Any], Callable[[Any, Any], tuple[Any, Collection[str]]]] = {
-    GpuState: _completer(GpuState, structs=("processes",)),
-    PortState: _completer(PortState, merged="counters"),
-    RankSummary: _completer(RankSummary),
-}
+_complete_gpu = _completer(GpuState, structs=("processes",))
+_complete_port = _completer(PortState, merged="counters")
+_complete_rank = _completer(RankSummary)
 
 
-def _complete(base: _M, sent: _M, cleared: Collection[str] = ()) -> tuple[_M, Collection[str]]:
-    """``base`` (the state the node's previous report left, owned by the fleet) completed with
-    what ``sent`` (an entry of a version-2 report) carries, and None for its ``cleared`` fields
-    (rare: an optional field that became absent); the state (``base`` itself when only a port's
-    counters moved) and the fields taken from ``sent``, the cleared ones among them."""
-    result: tuple[_M, Collection[str]] = _COMPLETERS[type(sent)](base, sent)
-    if not cleared:
-        return result
-    return msgspec.structs.replace(result[0], **dict.fromkeys(cleared)), [*result[1], *cleared]
+def _complete_cleared(complete: Callable[[_M, _M], _M], base: _M, sent: _M, cleared: Collection[str]) -> _M:
+    """``complete(base, sent)`` with None for ``sent``'s ``cleared`` fields: the optional fields
+    that became absent (rare; a report lists them in ``cleared``)."""
+    state = complete(base, sent)
+    return msgspec.structs.replace(state, **dict.fromkeys(cleared)) if cleared else state
 
 
 def port_is_active(state: PortState) -> bool:
@@ -320,8 +312,11 @@ class GpuSample(NamedTuple):
     nvlink_links_down: Sequence[int]
 
 
-# GpuSample's fields after ts, read from a GpuState in one C-level call.
+# GpuSample's fields after ts, and the judged counters, read from a GpuState in one C-level call
+# each; a sample is built by tuple.__new__ (a NamedTuple's own __new__ is a Python function).
 _GPU_SAMPLE_FIELDS = attrgetter(*GpuSample._fields[1:])
+_GPU_COUNTER_VALUES = attrgetter(*GPU_COUNTERS)
+_new_tuple = tuple.__new__
 
 
 class PortSample(NamedTuple):
@@ -342,18 +337,13 @@ class GpuHistory:
         self.samples: deque[GpuSample] = deque(maxlen=state_maxlen)
         self.counters = CounterBaseline(maxlen)
 
-    def observe(self, s: GpuState, ts: float, changed: Collection[str] | None = None) -> None:
-        """``s``: the GPU's whole state; ``changed``: the fields a compact entry carried (None:
-        the report was whole)."""
-        self.uuid = s.uuid
+    def observe(self, s: GpuState, ts: float) -> None:
+        """``s``: the GPU's whole state (of this GPU: the fleet starts a new history for a new
+        uuid at this index). Most reports move none of the judged counters: one comparison."""
         self.last = s
         self.last_seen = ts
-        self.samples.append(GpuSample(ts, *_GPU_SAMPLE_FIELDS(s)))
-        if changed is not None and _GPU_COUNTER_SET.isdisjoint(changed) and self.counters.still(ts):
-            return
-        self.counters.observe_values(ts, GPU_COUNTERS, (
-            s.ecc_corrected_volatile, s.ecc_uncorrected_volatile, s.pcie_replay_total, s.nvlink_crc_errors_total,
-            s.nvlink_replay_errors_total, s.nvlink_recovery_errors_total))
+        self.samples.append(_new_tuple(GpuSample, (ts, *_GPU_SAMPLE_FIELDS(s))))
+        self.counters.observe_values(ts, GPU_COUNTERS, _GPU_COUNTER_VALUES(s))
 
 
 class PortHistory:
@@ -390,15 +380,21 @@ class PortHistory:
     def observe(self, state: PortState, ts: float, sent: PortState | None = None) -> None:
         """``state``: the port's whole state; ``sent``: the compact entry it was completed from
         (None: the report was whole), whose counters are only those that moved (its flags are
-        whole)."""
-        self.last = state
-        self.last_seen = ts
-        active = port_is_active(state)
-        rate = state.rate_bits_per_second
-        self.samples.append(PortSample(ts, active, rate))
+        whole). A compact entry that moved only counters leaves ``last`` itself, its counters
+        updated in place: its link state, rate and flags are the last sample's."""
         counters, flags = state.counters, state.flags
-        moved_none = sent is not None and len(counters) == self._names_for \
-            and flags == self._flags and sent.counters.keys().isdisjoint(self._names)
+        if sent is not None and state is self.last:
+            last_sample = self.samples[-1]
+            active, rate = last_sample.active, last_sample.rate_bits_per_second
+            moved_none = len(counters) == self._names_for and sent.counters.keys().isdisjoint(self._names)
+        else:
+            self.last = state
+            active = port_is_active(state)
+            rate = state.rate_bits_per_second
+            moved_none = sent is not None and len(counters) == self._names_for \
+                and flags == self._flags and sent.counters.keys().isdisjoint(self._names)
+        self.last_seen = ts
+        self.samples.append(_new_tuple(PortSample, (ts, active, rate)))
         if not (moved_none and self.counters.still(ts)):  # else: none of the judged counters moved
             if len(counters) != self._names_for or flags != self._flags:
                 # The judged counters this port has, less the saturated ones (a saturated counter no
@@ -622,16 +618,21 @@ class Fleet:
         cleared: dict[tuple[str, int], list[str]] = {}
         for section, i, name in report.cleared:
             cleared.setdefault((section, i), []).append(name)
+        state_maxlen = cfg.state_history_reports
+        # An entry completes its history's last state when that state is the base's (its history
+        # was observed when the base report was ingested, base_seen; never when base_seen is None).
+        gpus = node.gpus
         seen: set[int] = set()
         for i, state in enumerate(report.gpus):
-            seen.add(state.index)
-            hist = node.gpus.get(state.index)
-            changed = None
-            if base_seen is not None and hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
-                state, changed = _complete(hist.last, state, cleared.get(("gpus", i), ()) if cleared else ())
-            if hist is None or hist.uuid != state.uuid:
-                hist = node.gpus[state.index] = GpuHistory(state, ts, maxlen, cfg.state_history_reports)
-            hist.observe(state, ts, changed)
+            index = state.index
+            seen.add(index)
+            hist = gpus.get(index)
+            if hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
+                state = _complete_cleared(_complete_gpu, hist.last, state, cleared.get(("gpus", i), ())) \
+                    if cleared else _complete_gpu(hist.last, state)
+            elif hist is None or hist.uuid != state.uuid:
+                hist = gpus[index] = GpuHistory(state, ts, maxlen, state_maxlen)
+            hist.observe(state, ts)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors
@@ -645,16 +646,17 @@ class Fleet:
                     node.missing_gpus.pop(index, None)
             if not seen <= known:
                 known |= seen
+        ports = node.ports
         for i, pstate in enumerate(report.ports):
             key = (pstate.device, pstate.port)
-            phist = node.ports.get(key)
+            phist = ports.get(key)
             psent = None
-            if base_seen is not None and phist is not None and phist.last_seen == base_seen:
-                psent = pstate
-                pstate, _ = _complete(phist.last, pstate, cleared.get(("ports", i), ()) if cleared else ())
             if phist is None:
-                phist = node.ports[key] = PortHistory(pstate, ts, maxlen, cfg.state_history_reports,
-                                                      self._port_counters)
+                phist = ports[key] = PortHistory(pstate, ts, maxlen, state_maxlen, self._port_counters)
+            elif phist.last_seen == base_seen:
+                psent = pstate
+                pstate = _complete_cleared(_complete_port, phist.last, pstate, cleared.get(("ports", i), ())) \
+                    if cleared else _complete_port(phist.last, pstate)
             phist.observe(pstate, ts, psent)
         jobs = self._jobs
         job: JobState | None = None
@@ -665,10 +667,10 @@ class Fleet:
                     job = jobs[summary.job] = JobState(summary.job)
                 job.last_seen = ts
             rhist = job.ranks.get(summary.rank)
-            if base_seen is not None and rhist is not None and rhist.node == node.name \
-                    and rhist.last_seen == base_seen:
-                summary, _ = _complete(rhist.last, summary, cleared.get(("ranks", i), ()) if cleared else ())
-            if rhist is None:
+            if rhist is not None and rhist.last_seen == base_seen and rhist.node == node.name:
+                summary = _complete_cleared(_complete_rank, rhist.last, summary, cleared.get(("ranks", i), ())) \
+                    if cleared else _complete_rank(rhist.last, summary)
+            elif rhist is None:
                 rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
                 node.ranks[(summary.job, summary.rank)] = rhist
             elif rhist.node != node.name:
