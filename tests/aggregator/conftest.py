@@ -11,6 +11,7 @@ import pytest
 from tests.aggregator.aggregator_process import WebhookReceiver
 from tests.postgres import PostgresServer, skip_reason
 from vigil.agent.wire import Event, GpuState, PortState, RankSummary, Report
+from vigil.aggregator.fleet import GPU_COUNTERS, NodeState
 from vigil.aggregator.store import Store
 
 GBPS = 1e9
@@ -155,3 +156,37 @@ def open_store(request: pytest.FixtureRequest, tmp_path: Any) -> Callable[[], St
     server: PostgresServer = request.getfixturevalue("postgres_server")
     server.reset_database()
     return lambda: Store("postgresql", dsn=server.dsn)
+
+
+def assert_same_node(a: NodeState, b: NodeState) -> None:
+    """``b`` holds what ``a`` holds of one node: its own fields, and per GPU, port and rank the
+    last state, the samples detectors read and every counter increase with the time it covers
+    (the same reports ingested two ways, e.g. whole and compact)."""
+    assert (b.topology, b.host, b.nvml_available, b.nvml_down_since, b.failed_collectors, b.missing_gpus) == \
+        (a.topology, a.host, a.nvml_available, a.nvml_down_since, a.failed_collectors, a.missing_gpus)
+    assert a.gpus.keys() == b.gpus.keys()
+    for index, gpu in a.gpus.items():
+        other = b.gpus[index]
+        assert other.last == gpu.last
+        assert list(other.samples) == list(gpu.samples)
+        assert (other.counters.resets, other.counters.last_ts, other.counters.last_increase_ts) == \
+            (gpu.counters.resets, gpu.counters.last_ts, gpu.counters.last_increase_ts)
+        for name in GPU_COUNTERS:
+            assert other.counters.increases_since(name, 0.0) == gpu.counters.increases_since(name, 0.0)
+            assert other.counters.covered_seconds(name, 0.0) == gpu.counters.covered_seconds(name, 0.0)
+            assert other.counters.baseline_since(name) == gpu.counters.baseline_since(name)
+    assert a.ports.keys() == b.ports.keys()
+    for key, port in a.ports.items():
+        other_port = b.ports[key]
+        assert other_port.last == port.last
+        assert list(other_port.samples) == list(port.samples)
+        assert (other_port.counters.last_ts, other_port.counters.last_increase_ts, other_port.max_rate_bits_per_second,
+                other_port.active_this_boot) == (port.counters.last_ts, port.counters.last_increase_ts,
+                                                 port.max_rate_bits_per_second, port.active_this_boot)
+        for name in port.last.counters:
+            assert other_port.counters.increases_since(name, 0.0) == port.counters.increases_since(name, 0.0)
+            assert other_port.counters.covered_seconds(name, 0.0) == port.counters.covered_seconds(name, 0.0)
+    assert a.ranks.keys() == b.ranks.keys()
+    for key, rank in a.ranks.items():
+        assert b.ranks[key].last == rank.last
+        assert list(b.ranks[key].windows) == list(rank.windows)

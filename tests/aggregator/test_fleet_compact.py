@@ -10,10 +10,10 @@ from itertools import pairwise
 
 import pytest
 
-from tests.aggregator.conftest import FakeNode, rank_summary
+from tests.aggregator.conftest import FakeNode, assert_same_node, rank_summary
 from vigil.agent.report_delta import delta, whole
 from vigil.agent.wire import Report, decode_report
-from vigil.aggregator.fleet import GPU_COUNTERS, Fleet
+from vigil.aggregator.fleet import Fleet
 
 ROUNDS = 12
 JUDGED_PORT_COUNTERS = ["symbol_error", "link_downed", "link_error_recovery"]
@@ -88,28 +88,7 @@ def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list
     assert "symbol_error" not in compact[4].ports[0].counters  # a quiet report carries no judged counter
     a = _ingested(reports, port_counters).view().nodes["n1"]
     b = _ingested(compact, port_counters).view().nodes["n1"]
-    for index, gpu in a.gpus.items():
-        other = b.gpus[index]
-        assert other.last == gpu.last
-        assert list(other.samples) == list(gpu.samples)
-        assert (other.counters.resets, other.counters.last_ts, other.counters.last_increase_ts) == \
-            (gpu.counters.resets, gpu.counters.last_ts, gpu.counters.last_increase_ts)
-        for name in GPU_COUNTERS:
-            assert other.counters.increases_since(name, 0.0) == gpu.counters.increases_since(name, 0.0)
-            assert other.counters.covered_seconds(name, 0.0) == gpu.counters.covered_seconds(name, 0.0)
-            assert other.counters.baseline_since(name) == gpu.counters.baseline_since(name)
-    for key, port in a.ports.items():
-        other_port = b.ports[key]
-        assert other_port.last == port.last
-        assert list(other_port.samples) == list(port.samples)
-        assert (other_port.counters.last_ts, other_port.counters.last_increase_ts) == \
-            (port.counters.last_ts, port.counters.last_increase_ts)
-        for name in port.last.counters:
-            assert other_port.counters.increases_since(name, 0.0) == port.counters.increases_since(name, 0.0)
-            assert other_port.counters.covered_seconds(name, 0.0) == port.counters.covered_seconds(name, 0.0)
-    for key, rank in a.ranks.items():
-        assert b.ranks[key].last == rank.last
-        assert list(b.ranks[key].windows) == list(rank.windows)
+    assert_same_node(a, b)
     assert [r.last.state for r in (b.ranks[("j1", 1)],)] == ["running"]
     assert compact[5].ranks[1].state == "hung" and compact[7].ranks[1].state == "running"
     # What moved is there: the judged counters' increases, the GPU counter reset.

@@ -22,10 +22,10 @@ import msgspec.inspect as mi
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from tests.aggregator.conftest import FakeNode, rank_summary
+from tests.aggregator.conftest import FakeNode, assert_same_node, rank_summary
 from vigil.agent.report_delta import IDENTITY, V2_PORT_EXCLUDE, delta, whole
 from vigil.agent.wire import GpuState, HostFacts, PortState, RankSummary, Report, decode_report, to_builtins
-from vigil.aggregator.fleet import GPU_COUNTERS, Fleet
+from vigil.aggregator.fleet import Fleet
 
 MODELS: dict[str, type[msgspec.Struct]] = {"gpus": GpuState, "ports": PortState, "ranks": RankSummary}
 # What the fields hold at most here: a few items are enough to go absent, change and come back.
@@ -155,31 +155,4 @@ def test_any_compact_chain_leaves_the_fleet_as_whole_reports_do(bodies: list[dic
     sent_compact = sum(r.base_seq is not None for r in compact)
     share = "none" if not sent_compact else "all" if sent_compact == len(compact) - 1 else "some"
     event(f"compact reports after the first: {share}")
-    a = _ingested(reports).view().nodes["n1"]
-    b = _ingested(compact).view().nodes["n1"]
-    assert (b.topology, b.host, b.nvml_available, b.nvml_down_since, b.failed_collectors, b.missing_gpus) == \
-        (a.topology, a.host, a.nvml_available, a.nvml_down_since, a.failed_collectors, a.missing_gpus)
-    assert a.gpus.keys() == b.gpus.keys()
-    for index, gpu in a.gpus.items():
-        other = b.gpus[index]
-        assert other.last == gpu.last
-        assert list(other.samples) == list(gpu.samples)
-        assert (other.counters.resets, other.counters.last_ts, other.counters.last_increase_ts) == \
-            (gpu.counters.resets, gpu.counters.last_ts, gpu.counters.last_increase_ts)
-        for name in GPU_COUNTERS:
-            assert other.counters.increases_since(name, 0.0) == gpu.counters.increases_since(name, 0.0)
-            assert other.counters.baseline_since(name) == gpu.counters.baseline_since(name)
-    assert a.ports.keys() == b.ports.keys()
-    for key, port in a.ports.items():
-        other_port = b.ports[key]
-        assert other_port.last == port.last
-        assert list(other_port.samples) == list(port.samples)
-        assert (other_port.max_rate_bits_per_second, other_port.active_this_boot) == \
-            (port.max_rate_bits_per_second, port.active_this_boot)
-        for name in port.last.counters:
-            assert other_port.counters.increases_since(name, 0.0) == port.counters.increases_since(name, 0.0)
-            assert other_port.counters.covered_seconds(name, 0.0) == port.counters.covered_seconds(name, 0.0)
-    assert a.ranks.keys() == b.ranks.keys()
-    for key, rank in a.ranks.items():
-        assert b.ranks[key].last == rank.last
-        assert list(b.ranks[key].windows) == list(rank.windows)
+    assert_same_node(_ingested(reports).view().nodes["n1"], _ingested(compact).view().nodes["n1"])
