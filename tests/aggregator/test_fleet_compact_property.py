@@ -1,8 +1,9 @@
 """Compact (version 2) reports leave the fleet as the same reports sent whole, for any sequence of
 valid reports: every field of every GPU, port and rank summary may take any value its wire type
 allows, go absent and come back between two reports (optional fields, fields with a default,
-lists, dicts, a port's counters moving, resetting or changing their names), and so may the
-report's own fields (topology, host, NVML availability, failed collectors).
+lists, dicts, a port's counters moving, resetting or changing their names), entries may leave
+the reports and come back, and so may the report's own fields (topology, host, NVML
+availability, failed collectors).
 
 The values come from the wire types themselves (``msgspec.inspect``), so a field added to a model
 is covered without touching this test. The compact chain is what the agent sends
@@ -108,12 +109,18 @@ def report_bodies(draw: st.DrawFn) -> list[dict[str, Any]]:
     node.ranks = [rank_summary("j1", r, compute=0.4, comm=0.1, ts=0.0, gpu=r) for r in range(2)]
     body = to_builtins(node.report(0.0))
     out = [body]
+    # Entries that left the reports (a GPU fell off the bus, a port's HCA vanished, a rank's job
+    # ended) and may come back later: either way the report goes whole.
+    gone: dict[str, list[dict[str, Any]]] = {section: [] for section in MODELS}
     for k in range(1, draw(st.integers(2, 7))):
         body = dict(body, seq=k + 1, ts=k * 2.5)
         for section in MODELS:
             entries = [draw(changed_entry(section, e)) for e in body.get(section, [])]
-            if section == "gpus" and entries and draw(st.integers(0, 9)) == 0:
-                entries = entries[:-1]  # a GPU fell off the bus: the report goes whole
+            change = draw(st.integers(0, 9))
+            if change == 0 and entries:
+                gone[section].append(entries.pop())
+            elif change == 1 and gone[section]:
+                entries.append(gone[section].pop())
             body[section] = entries
         if draw(st.integers(0, 3)) == 0:
             body["nvml_available"] = draw(st.booleans())
