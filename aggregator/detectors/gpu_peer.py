@@ -7,11 +7,15 @@ well below its peers while busy is flagged, with its throttle reasons as evidenc
 gets one finding per job (alert by default, drain by policy). It also says, once per job, when a
 job's ranks send step counts but no phase times: then no detector can rank its ranks, and only
 this GPU-side comparison can find a straggler. It does not judge absolute thermal limits (the
-thermal detector) or ranks' timings (the straggler detector).
+thermal detector) or ranks' timings (the straggler detector). Its only memory is each busy GPU's
+window as the last pass left it, so that a pass reads only the samples that arrived since.
 """
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left, insort
+from collections import deque
 from itertools import islice
 from operator import itemgetter
 from statistics import median
@@ -70,14 +74,89 @@ class _Gpu:
         self.power_limit = power_limit
 
 
+class _ClockWindow:
+    """One GPU's samples inside the persistence window, carried from pass to pass: a pass takes
+    in the samples that arrived since the last one and lets go of those that left the window,
+    instead of re-reading every sample of every busy GPU of the fleet (that was over half of a
+    judging pass). Valid while the GPU's history is the same object and its timestamps and the
+    passes' window starts do not go backwards; otherwise it is rebuilt."""
+
+    __slots__ = ("bad", "clocks", "hist", "last", "samples", "start")
+
+    def __init__(self, hist: GpuHistory) -> None:
+        self.hist = hist
+        self.samples: deque[GpuSample] = deque()  # the window's, oldest first
+        self.clocks: list[float] = []  # their SM clocks, sorted
+        self.bad = 0  # those without a clock or a utilization, or idle
+        self.last: GpuSample | None = None  # the newest sample taken in (in the window or not)
+        self.start = -math.inf
+
+    def advance(self, hist: GpuHistory, start: float, min_utilization: float) -> bool:
+        """The window from ``start`` on, with the samples the history holds now; False when
+        that cannot be done from what was taken in before (rebuild it)."""
+        if hist is not self.hist or start < self.start:
+            return False
+        ring = hist.samples
+        fresh: list[GpuSample] = []  # newest first
+        if self.last is None:
+            fresh.extend(reversed(ring))
+        else:
+            for sample in reversed(ring):
+                if sample is self.last:
+                    break
+                fresh.append(sample)
+            else:
+                return False  # the ring no longer holds the last one taken in: more arrived than it keeps
+        previous = self.last.ts if self.last is not None else -math.inf
+        for sample in reversed(fresh):  # oldest first
+            if sample.ts < previous:
+                return False  # the aggregator's clock went backwards between two reports
+            previous = sample.ts
+            self._take(sample, min_utilization)  # those older than the window leave below
+        if fresh:
+            self.last = fresh[0]
+        self.start = start
+        samples = self.samples
+        # What left: older than the window, or no longer in the ring (the window is its newest part).
+        while samples and (samples[0].ts < start or len(samples) > len(ring)):
+            self._drop(samples.popleft(), min_utilization)
+        return True
+
+    def _take(self, sample: GpuSample, min_utilization: float) -> None:
+        self.samples.append(sample)
+        clock, utilization = sample.sm_clock_hertz, sample.utilization_gpu_ratio
+        if clock is not None:
+            insort(self.clocks, clock)
+        if clock is None or utilization is None or utilization < min_utilization:
+            self.bad += 1
+
+    def _drop(self, sample: GpuSample, min_utilization: float) -> None:
+        clock, utilization = sample.sm_clock_hertz, sample.utilization_gpu_ratio
+        if clock is not None:
+            del self.clocks[bisect_left(self.clocks, clock)]
+        if clock is None or utilization is None or utilization < min_utilization:
+            self.bad -= 1
+
+    def median_clock(self, start: float, min_reports: int, slack: float) -> float | None:
+        """As ``GpuPeerDetector.window_clock`` reads the same window."""
+        count = len(self.samples)
+        if self.bad or count < min_reports or self.samples[0].ts - start > slack:
+            return None
+        clocks, middle = self.clocks, count // 2
+        return clocks[middle] if count % 2 else (clocks[middle - 1] + clocks[middle]) / 2
+
+
 class GpuPeerDetector:
     name = NAME
 
     def __init__(self, config: GpuPeerConfig) -> None:
         self.config = config
+        # Each busy GPU's window as the last pass left it (GPUs not judged in a pass are let go).
+        self._windows: dict[tuple[str, int], _ClockWindow] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         by_job: dict[str, list[_Gpu]] = {}
+        windows: dict[tuple[str, int], _ClockWindow] = {}
         for node in view.nodes.values():
             # Ranks this node's agent still reports (an ended job's ranks linger in the fleet for
             # a while; their GPUs may already run another job).
@@ -89,9 +168,10 @@ class GpuPeerDetector:
                 job = hist.last.job or rank_gpus.get(hist.index)
                 if job is None:
                     continue
-                clock = self._window_clock(hist, now)
+                clock = self._carried_window_clock(windows, (node.name, hist.index), hist, now)
                 if clock is not None:
                     by_job.setdefault(job, []).append(_Gpu(node, hist, clock, hist.last.power_limit_watts))
+        self._windows = windows
         out: list[Finding] = []
         for job, gpus in sorted(by_job.items()):
             out.extend(self._judge(job, gpus))
@@ -99,10 +179,23 @@ class GpuPeerDetector:
             out.extend(self._untimed(view))
         return out
 
-    def _window_clock(self, hist: GpuHistory, now: float) -> float | None:
+    def _carried_window_clock(self, windows: dict[tuple[str, int], _ClockWindow], key: tuple[str, int],
+                              hist: GpuHistory, now: float) -> float | None:
+        """``window_clock(hist, now)`` from the GPU's window as the last pass left it (kept in
+        ``windows`` for the next), or from the whole history when it cannot be carried."""
+        cfg = self.config
+        start = now - cfg.persistence_seconds
+        window = self._windows.get(key)
+        if window is None or not window.advance(hist, start, cfg.min_utilization_ratio):
+            window = _ClockWindow(hist)
+            if not window.advance(hist, start, cfg.min_utilization_ratio):
+                return self.window_clock(hist, now)  # its timestamps go backwards: read it whole
+        windows[key] = window
+        return window.median_clock(start, cfg.min_reports, cfg.persistence_seconds / cfg.min_reports)
+
+    def window_clock(self, hist: GpuHistory, now: float) -> float | None:
         """The GPU's median SM clock over the persistence window while busy, or None when the
-        window is not covered by enough busy samples. This runs for every busy GPU of the fleet
-        each pass, so the window's values are read by C-level maps, not a loop over its samples."""
+        window is not covered by enough busy samples, read from the whole history."""
         cfg = self.config
         start = now - cfg.persistence_seconds
         samples = hist.samples

@@ -4,10 +4,14 @@ other jobs are not."""
 
 import random
 
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
 from tests.aggregator.conftest import FakeNode, rank_summary
+from vigil.agent.wire import GpuState
 from vigil.aggregator.decision import Action
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
-from vigil.aggregator.fleet import Fleet
+from vigil.aggregator.fleet import Fleet, GpuHistory
 
 DETECTOR = GpuPeerDetector(GpuPeerConfig())
 
@@ -154,3 +158,47 @@ def test_untimed_job_seen_partially_first_is_said_once_on_rank_0s_node():
             fleet.ingest(n.report(t), t)
         found = [f for f in DETECTOR.evaluate(fleet.view(), t) if f.action is Action.OBSERVE]
         assert [(f.node, f.job) for f in found] == ([] if i < 2 else [("n0", "llm")])
+
+
+# A GPU's window carried from pass to pass reads as the whole history does, whatever the reports'
+# timing (bursts that overflow the ring, gaps past the window, the clock going backwards), the
+# samples (no clock, no utilization, idle) and the passes' times (backwards too), and when the
+# GPU's history is replaced (a new GPU at that index).
+# Mostly the usual (a busy GPU reporting every 2.5 s), so that windows often hold a clock.
+REPORT_GAPS = st.sampled_from([2.5] * 12 + [0.0, 0.5, 1.0, 7.0, 30.0, -3.0])
+SAMPLE_VALUES = st.tuples(st.sampled_from([0.9] * 12 + [None, 0.2, 0.5]),
+                          st.sampled_from([1.98e9] * 4 + [1.4e9, 1.7e9] * 4 + [None]))
+STEPS = st.lists(st.tuples(st.sampled_from(["report"] * 6 + ["pass"] * 3 + ["new_gpu"]),
+                           REPORT_GAPS, st.sampled_from([0.0, 1.0, 2.5, 2.5, -2.0]), SAMPLE_VALUES),
+                 min_size=10, max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(STEPS)
+def test_the_carried_window_reads_as_the_whole_history(steps):
+    config = GpuPeerConfig(persistence_seconds=10.0, min_reports=3)
+    detector = GpuPeerDetector(config)
+    windows = {}
+
+    def state(utilization, clock):
+        return GpuState(index=0, uuid="GPU-0", utilization_gpu_ratio=utilization, sm_clock_hertz=clock)
+
+    # A ring of 4 samples, shorter than the 10 s window at 2.5 s: samples leave the ring while
+    # still inside the window.
+    hist = GpuHistory(state(0.9, 1.98e9), 0.0, 16, 4)
+    t = 0.0
+    for kind, gap, pass_after, values in steps:
+        if kind == "report":
+            t += gap
+            hist.observe(state(*values), t)
+        elif kind == "pass":
+            now = t + pass_after
+            before = detector._windows.get(("n1", 0))
+            windows = {}  # as a pass does: the windows it kept become the detector's
+            carried = detector._carried_window_clock(windows, ("n1", 0), hist, now)
+            detector._windows = windows
+            assert carried == detector.window_clock(hist, now)
+            event("a clock" if carried is not None else "no clock")
+            event("carried" if before is not None and windows.get(("n1", 0)) is before else "rebuilt")
+        else:
+            hist = GpuHistory(state(0.9, 1.98e9), t, 16, 4)
