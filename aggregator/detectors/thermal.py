@@ -73,10 +73,14 @@ class ThermalDetector:
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
+        is_throttled, is_hbm_hot = self._throttled, self._hbm_hot
         for node in view.nodes.values():
             for gpu in node.gpus.values():
-                if gpu.last_seen < node.last_seen:
+                if gpu.last_seen < node.last_seen or not gpu.samples:
                     continue
+                newest = gpu.samples[-1]
+                if not (is_throttled(newest) or is_hbm_hot(newest)):
+                    continue  # a run of either kind ends at the newest sample: none here (most GPUs)
                 out.extend(self._judge(node, gpu, now))
         out.extend(self._long_horizon(view, out, now))
         throttled = {f.node for f in out if f.key in ("clock_throttle", "clock_throttle:intermittent")
