@@ -73,6 +73,10 @@ class Plan:
     workers: int = 1
     node_prefix: str = "load"
     connections: int = 1024  # open connections per worker at most (keep-alive)
+    # Sent at the same cadence before the measured duration and not counted: an aggregator in
+    # steady state has full windows (the fleet's 80 s sample rings, the detectors' 60 s windows),
+    # which a short run from an empty fleet never reaches.
+    warmup_seconds: float = 0.0
 
 
 # The forms a node sends a round in, by the version the aggregator's last answer allowed.
@@ -98,6 +102,9 @@ class WorkerResult:
     latencies_seconds: list[float] = field(default_factory=list)  # accepted sends only
     errors: Counter[str] = field(default_factory=Counter)  # "HTTP 401", "TimeoutError", ...
     cpu_seconds: float = 0.0
+    # The aggregator as the measured duration began (worker 0 reads it after a warm-up).
+    aggregator_at_start: ProcSample | None = None
+    warmup_errors: Counter[str] = field(default_factory=Counter)  # the warm-up's, kept apart
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,8 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
     topo_json = {n: json.dumps(topology_of(n)).encode() for n in mine}
     tokens = {n: f"Bearer {node_token(target.site_secret, node_name(plan.node_prefix, n))}" for n in mine}
     slot_seconds = plan.interval_seconds / plan.nodes
-    total_slots = int(plan.duration_seconds / slot_seconds)
+    total_slots = int((plan.warmup_seconds + plan.duration_seconds) / slot_seconds)
+    measured_from = int(plan.warmup_seconds / slot_seconds)  # the first slot counted
     url = target.url.rstrip("/") + "/v1/reports"
     pending: set[asyncio.Task[None]] = set()
     loop = asyncio.get_running_loop()
@@ -155,7 +163,9 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
     version = dict.fromkeys(mine, WIRE_VERSION)
     base: dict[int, int | None] = dict.fromkeys(mine)
 
-    async def send(session: aiohttp.ClientSession, n: int, seq: int, due: float) -> None:
+    async def send(session: aiohttp.ClientSession, n: int, seq: int, due: float, counted: bool) -> None:
+        """One report of node ``n``; ``counted``: in the measured duration (else the warm-up's)."""
+        tally = result if counted else warmup
         rendered = templates[(seq - 1) % len(templates)]
         if version[n] != DELTA_VERSION:
             form = FORMS[0]
@@ -165,8 +175,8 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
             form = FORMS[1]
         started = time.monotonic()
         if started - due > LATE_SECONDS:
-            result.late += 1
-        result.sent += 1
+            tally.late += 1
+        tally.sent += 1
         try:
             while True:
                 template = {FORMS[0]: rendered.whole_v1, FORMS[1]: rendered.whole_v2}.get(form, rendered.compact_v2)
@@ -177,14 +187,14 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
                     answer = await resp.read()
                     status = resp.status
                 if status == 409 and form == FORMS[2] and b'"delta_base"' in answer:
-                    result.rebased += 1  # the agent resends it whole at once
+                    tally.rebased += 1  # the agent resends it whole at once
                     form = FORMS[1]
                     continue
                 break
             if status == 202:
-                result.accepted += 1
-                result.by_form[form] += 1
-                result.latencies_seconds.append(time.monotonic() - started)
+                tally.accepted += 1
+                tally.by_form[form] += 1
+                tally.latencies_seconds.append(time.monotonic() - started)
                 versions = json.loads(answer).get("report_versions")
                 if isinstance(versions, list) and DELTA_VERSION in versions:
                     base[n] = seq if version[n] == DELTA_VERSION else None
@@ -192,22 +202,29 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
                 else:
                     version[n], base[n] = WIRE_VERSION, None
             else:
-                result.errors[f"HTTP {status}"] += 1
+                tally.errors[f"HTTP {status}"] += 1
         except Exception as exc:  # noqa: BLE001 - every failure is a counted error, by kind
-            result.errors[type(exc).__name__] += 1
+            tally.errors[type(exc).__name__] += 1
 
+    warmup = WorkerResult()  # what the warm-up's sends did: only its errors are reported
     cpu_start = time.process_time()
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS)
     connector = aiohttp.TCPConnector(limit=plan.connections)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         slot = worker  # slots of node n are n, n + N, n + 2N, ...; this worker's nodes are n % K == worker
+        measuring = measured_from == 0
         while slot < total_slots:
             due = start_monotonic + slot * slot_seconds
             delay = due - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if not measuring and slot >= measured_from:
+                measuring = True  # the warm-up is over: what is measured starts now
+                cpu_start = time.process_time()
+                if worker == 0 and target.pid is not None:
+                    result.aggregator_at_start = read_proc(target.pid)
             n, k = slot % plan.nodes, slot // plan.nodes
-            task = loop.create_task(send(session, n, k + 1, due))
+            task = loop.create_task(send(session, n, k + 1, due, measuring))
             pending.add(task)
             task.add_done_callback(pending.discard)
             slot += plan.workers
@@ -218,6 +235,7 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
             if still:
                 result.errors["not answered by the end"] += len(still)
     result.cpu_seconds = time.process_time() - cpu_start
+    result.warmup_errors = warmup.errors
     return result
 
 
@@ -229,7 +247,8 @@ def _worker_main(templates: list[RenderedRound], target: Target, plan: Plan, wor
 
 
 def build_templates(plan: Plan, hca_template: Path | None) -> list[RenderedRound]:
-    rounds = max(2, min(MAX_ROUNDS, int(plan.duration_seconds / plan.interval_seconds) + 2))
+    seconds = plan.warmup_seconds + plan.duration_seconds
+    rounds = max(2, min(MAX_ROUNDS, int(seconds / plan.interval_seconds) + 2))
     return [RenderedRound(RenderedReport.of(r.whole_v1), RenderedReport.of(r.whole_v2),
                           None if r.compact_v2 is None else RenderedReport.of(r.compact_v2))
             for r in report_forms(rounds, hca_template, plan.interval_seconds)]
@@ -268,6 +287,9 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
             results = [f.result() for f in futures]
     elapsed = time.perf_counter() - started
     after = read_proc(target.pid, proc_root) if target.pid else None
+    # The aggregator's CPU over the measured duration (from the warm-up's end); its memory from
+    # before the first report.
+    measured_from = results[0].aggregator_at_start or before if plan.warmup_seconds else before
     latencies = sorted(x for r in results for x in r.latencies_seconds)
     errors: Counter[str] = Counter()
     for r in results:
@@ -281,6 +303,7 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
     loadgen_cpu = sum(r.cpu_seconds for r in results)
     summary: dict[str, Any] = {
         "nodes": plan.nodes, "interval_seconds": plan.interval_seconds, "duration_seconds": plan.duration_seconds,
+        "warmup_seconds": plan.warmup_seconds,
         "workers": plan.workers, "report_bytes": sample(templates[-1].whole_v1),
         "compact_report_bytes": sample(templates[-1].compact_v2),
         "target_reports_per_second": round(plan.nodes / plan.interval_seconds, 1),
@@ -291,15 +314,17 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
         "latency_seconds": {"p50": percentile(latencies, 0.50), "p90": percentile(latencies, 0.90),
                             "p99": percentile(latencies, 0.99), "max": latencies[-1] if latencies else 0.0},
         "errors": dict(errors), "elapsed_seconds": round(elapsed, 2),
+        "warmup_errors": dict(sum((r.warmup_errors for r in results), Counter())),
         "loadgen_cpu_seconds": round(loadgen_cpu, 2),
         "loadgen_cores": round(loadgen_cpu / plan.duration_seconds, 2),
         "fleet_nodes": fleet_nodes(target, plan),
     }
-    if before is not None and after is not None:
-        cpu = after.cpu_seconds - before.cpu_seconds
+    if before is not None and after is not None and measured_from is not None:
+        cpu = after.cpu_seconds - measured_from.cpu_seconds
         per_report = cpu / accepted if accepted else 0.0
         summary["aggregator"] = {
-            "pid": target.pid, "cpu_seconds": round(cpu, 2), "cores": round(cpu / elapsed, 2),
+            "pid": target.pid, "cpu_seconds": round(cpu, 2),
+            "cores": round(cpu / (elapsed - plan.warmup_seconds), 2),
             "cpu_seconds_per_report": per_report,
             "reports_per_second_per_core": round(1 / per_report, 0) if per_report else 0.0,
             "rss_bytes_before": before.rss_bytes, "rss_bytes": after.rss_bytes, "peak_rss_bytes": after.peak_rss_bytes,
@@ -387,6 +412,7 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     ms = lambda v: f"{v * 1000:.1f} ms"  # noqa: E731
     lines = [
         f"nodes {s['nodes']} every {s['interval_seconds']:g} s for {s['duration_seconds']:g} s "
+        + (f"after a {s['warmup_seconds']:g} s warm-up " if s.get("warmup_seconds") else "") +
         f"({s['workers']} worker(s)), {s['report_bytes'] / 1024:.1f} KiB reports",
         f"offered {s['offered_reports_per_second']:,.1f} reports/s (target {s['target_reports_per_second']:,.1f}), "
         f"accepted {s['accepted_reports_per_second']:,.1f} reports/s; sent {s['sent']}, accepted {s['accepted']}, "
@@ -395,7 +421,9 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         + f"; compact {s['compact_report_bytes'] / 1024:.1f} KiB; rebased (409 delta_base, resent whole) "
           f"{s['rebased']}",
         f"intake latency p50 {ms(lat['p50'])}, p90 {ms(lat['p90'])}, p99 {ms(lat['p99'])}, max {ms(lat['max'])}",
-        "errors: " + (", ".join(f"{k} x{v}" for k, v in sorted(s["errors"].items())) or "none"),
+        "errors: " + (", ".join(f"{k} x{v}" for k, v in sorted(s["errors"].items())) or "none")
+        + ("; in the warm-up: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["warmup_errors"].items()))
+           if s.get("warmup_errors") else ""),
         f"loadgen CPU {s['loadgen_cpu_seconds']:.1f} s ({s['loadgen_cores']:.2f} cores)",
     ]
     if s.get("fleet_nodes") is not None:

@@ -21,6 +21,9 @@ def add_parser(sub: Any) -> None:
                                    "agent's cadence, and print throughput, latency, errors, CPU and memory.")
     p.add_argument("--nodes", type=int, default=2000, metavar="N", help="simulated nodes (default 2000)")
     p.add_argument("--duration", type=float, default=30.0, metavar="SECONDS", help="how long to send (default 30)")
+    p.add_argument("--warmup", type=float, default=0.0, metavar="SECONDS",
+                   help="send this long first without measuring (80 fills the aggregator's windows: its "
+                        "steady state; default 0)")
     p.add_argument("--interval", type=float, default=2.5, metavar="SECONDS",
                    help="each node posts this often (default 2.5, the agent's)")
     p.add_argument("--workers", type=int, default=1, metavar="K", help="generator processes splitting the nodes")
@@ -43,11 +46,12 @@ def run(args: argparse.Namespace) -> int:
     from vigil.aggregator.auth import read_secret
     from vigil.loadgen import Plan, Target, run_load, run_spawned, summary_lines
 
-    if args.nodes < 1 or args.workers < 1 or args.duration <= 0 or args.interval <= 0:
-        print("vigil loadgen: --nodes, --workers, --duration and --interval must be positive", file=sys.stderr)
+    if args.nodes < 1 or args.workers < 1 or args.duration <= 0 or args.interval <= 0 or args.warmup < 0:
+        print("vigil loadgen: --nodes, --workers, --duration and --interval must be positive, --warmup not negative",
+              file=sys.stderr)
         return 2
     plan = Plan(nodes=args.nodes, duration_seconds=args.duration, interval_seconds=args.interval,
-                workers=args.workers, node_prefix=args.node_prefix)
+                workers=args.workers, node_prefix=args.node_prefix, warmup_seconds=args.warmup)
     hca = Path(args.hca_sysfs) if args.hca_sysfs else None
     if args.spawn:
         summary = run_spawned(plan, hca)

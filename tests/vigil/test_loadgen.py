@@ -56,3 +56,16 @@ def test_wrong_site_secret_counts_every_report_as_an_error(tmp_path: Path, capsy
     assert s["accepted"] == 0
     assert s["errors"] == {"HTTP 401": NODES * 2}
     assert s["fleet_nodes"] == 0
+
+
+def test_a_warm_up_is_sent_but_not_counted(capsys: pytest.CaptureFixture[str]) -> None:
+    """The warm-up's reports go out at the same cadence (each node negotiates the compact form
+    in it) and only the measured duration's are counted, with the aggregator's CPU over it."""
+    s = _loadgen(capsys, "--spawn", "--warmup", "2", seconds=2)
+    assert s["warmup_seconds"] == 2
+    assert s["sent"] == NODES * 2  # the measured 2 s only
+    assert s["accepted"] == s["sent"] and s["errors"] == {} and s["warmup_errors"] == {}
+    # Every node had its answers in the warm-up: none starts the measured part as version 1.
+    assert s["accepted_by_form"]["whole v1"] == 0
+    assert s["accepted_by_form"]["compact v2"] >= NODES
+    assert s["aggregator"]["cpu_seconds_per_report"] > 0
