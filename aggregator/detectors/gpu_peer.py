@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections import deque
-from itertools import islice
-from operator import itemgetter
 from statistics import median
 
 from pydantic import Field
@@ -30,10 +28,6 @@ NAME = "gpu_peer"
 # A rank last reported this many of its node's intervals ago no longer places its GPU in its job
 # (the hang detector's rank_gone_intervals).
 _RANK_FRESH_INTERVALS = 4.0
-# A sample's fields read by C-level maps over a window (by position: a NamedTuple's own field
-# accessors cost a descriptor call each).
-_TS, _SM_CLOCK, _UTILIZATION = (itemgetter(GpuSample._fields.index(name))
-                                for name in ("ts", "sm_clock_hertz", "utilization_gpu_ratio"))
 
 
 class GpuPeerConfig(StrictModel):
@@ -195,27 +189,24 @@ class GpuPeerDetector:
 
     def window_clock(self, hist: GpuHistory, now: float) -> float | None:
         """The GPU's median SM clock over the persistence window while busy, or None when the
-        window is not covered by enough busy samples, read from the whole history."""
+        window is not covered by enough busy samples, read from the whole history (a window that
+        cannot be carried; the reference the carried one is tested against)."""
         cfg = self.config
         start = now - cfg.persistence_seconds
-        samples = hist.samples
-        # The window: the samples after the newest one older than its start.
-        stamps = list(map(_TS, samples))
-        first = len(stamps)
-        while first and stamps[first - 1] >= start:
-            first -= 1
-        count = len(stamps) - first
-        if count < cfg.min_reports:
-            return None
-        window = list(islice(samples, first, None))
-        clocks = list(map(_SM_CLOCK, window))
-        utilizations = list(map(_UTILIZATION, window))
-        if None in clocks or None in utilizations:
-            return None
-        if min(utilizations) < cfg.min_utilization_ratio:
-            return None  # idle or between phases in this window: nothing to compare
-        # Covered: the oldest sample near the window's start (the GPU was busy all along).
-        if stamps[first] - start > cfg.persistence_seconds / cfg.min_reports:
+        clocks = []
+        oldest = None
+        for s in reversed(hist.samples):
+            if s.ts < start:
+                break
+            if s.sm_clock_hertz is None or s.utilization_gpu_ratio is None:
+                return None
+            if s.utilization_gpu_ratio < cfg.min_utilization_ratio:
+                return None  # idle or between phases in this window: nothing to compare
+            clocks.append(s.sm_clock_hertz)
+            oldest = s.ts
+        # Covered: enough reports, the oldest near the window's start (the GPU was busy all along).
+        slack = cfg.persistence_seconds / cfg.min_reports
+        if len(clocks) < cfg.min_reports or oldest is None or oldest - start > slack:
             return None
         return median(clocks)
 
