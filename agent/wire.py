@@ -88,11 +88,14 @@ RankState = Literal["running", "hung", "exited"]
 JobPhase = Literal["training", "checkpointing", "evaluating"]
 
 
-class _Wire(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+class _Wire(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True, gc=False):
     # Unknown keys are refused; a field equal to its default is left out of the JSON (a reader
     # takes the default); keyword construction only. msgspec's JSON decoding is strict: no float
     # for an int, no "1" for a number, no 1 for a bool; NaN and Infinity are not JSON, and 1e400
-    # is out of every float's bounds.
+    # is out of every float's bounds. gc=False: instances stay out of the cyclic garbage
+    # collector's walks (a decoded report is a tree of scalars, lists and dicts: it holds no
+    # cycle). The aggregator keeps every node's latest GPU, port and rank states; tracked, they
+    # lengthened every collection's pause, which stops intake (docs/reports.md).
     pass
 
 

@@ -11,8 +11,9 @@ and ingested right after, so the detectors read a fleet nobody writes, and their
 back to the loop, which alone proposes them to the gate. It judges nothing itself (the
 engine does) and acts on nothing (the ledger and the dispatcher do). It mounts the gate's
 operator routes (``aggregator.operator_api``), answers /healthz 503 while decisions cannot be
-stored, and measures its own event loop's lag. Its answer to a report carries the node-action
-requests due for that node, and the report's action results go to the outbox (aggregator/outbox.py).
+stored, and measures its own event loop's lag and garbage-collection pauses. Its answer to a
+report carries the node-action requests due for that node, and the report's action results go
+to the outbox (aggregator/outbox.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import re
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -46,7 +47,7 @@ from vigil.aggregator.gate import Gate
 from vigil.aggregator.leadership import Leadership, SoleLeader
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.listener import BodyRefused, ConnectionGuard, read_body, tls_context
-from vigil.aggregator.metrics import CONTENT_TYPE, ActingReadings, AggregatorMetrics
+from vigil.aggregator.metrics import CONTENT_TYPE, GC_GENERATIONS, ActingReadings, AggregatorMetrics
 from vigil.aggregator.operator_api import add_no_gate_routes, add_operator_routes
 from vigil.aggregator.outbox import Outbox
 from vigil.aggregator.redact import redact_json
@@ -153,6 +154,28 @@ async def measure_loop_lag(metrics: AggregatorMetrics, *, period_seconds: float 
         lag = max(0.0, now() - due)
         metrics.loop_lag.set(lag)
         metrics.loop_lag_observed.observe(lag)
+
+
+@contextlib.contextmanager
+def timing_gc_pauses(metrics: AggregatorMetrics, *,
+                     clock: Callable[[], float] = time.perf_counter) -> Iterator[None]:
+    """While open, each cyclic garbage collection's pause (it holds the interpreter lock: intake
+    and judging both wait) goes into ``metrics.gc_pause_seconds`` by generation. Two clock reads
+    a collection; the callback leaves ``gc.callbacks`` on exit."""
+    by_generation = tuple(metrics.gc_pause_seconds.labels(g) for g in GC_GENERATIONS)
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = clock()
+        else:
+            by_generation[info["generation"]].observe(clock() - started[0])
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def check_startable(config: AggregatorConfig, credentials: Credentials) -> None:
@@ -400,6 +423,12 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
                 executor.shutdown(wait=True)
 
     app.cleanup_ctx.append(background("vigil-aggregator-loop-lag", lambda: measure_loop_lag(metrics)))
+
+    async def gc_pauses(_: web.Application) -> AsyncIterator[None]:
+        with timing_gc_pauses(metrics):
+            yield
+
+    app.cleanup_ctx.append(gc_pauses)
     app.cleanup_ctx.append(background("vigil-aggregator-evaluate", evaluate_forever))
     app[EVALUATE_KEY] = evaluate_now
 

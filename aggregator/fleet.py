@@ -293,33 +293,38 @@ class CounterBaseline:
         return start
 
 
-class GpuSample(NamedTuple):
-    """What persistence checks need from one report of one GPU (the full state is ``last``). Its
-    lists are the state's own: the fleet never changes a state's lists (a new report's state is a
-    new Struct with the lists decoded for it)."""
+class GpuSample(msgspec.Struct, frozen=True, gc=False):
+    """What persistence checks need from one report of one GPU (the full state is ``last``); the
+    state's lists become tuples.
+
+    Samples are most of what the fleet keeps (32 per GPU and per port: ~500 per node), so they
+    stay out of the cyclic garbage collector (``gc=False``; they hold only scalars and tuples of
+    scalars, no cycle): a collection's pause grows with the objects it walks, and as NamedTuples
+    holding the states' lists they made a full one ~0.6 s at 2,000 nodes, every intake stalled
+    meanwhile (docs/reports.md, "Garbage collection")."""
 
     ts: float
     health: str
     utilization_gpu_ratio: float | None
     sm_clock_hertz: float | None
     sm_clock_max_hertz: float | None
-    clock_event_reasons: Sequence[str]
+    clock_event_reasons: tuple[str, ...]
     memory_temperature_celsius: float | None
     memory_max_temperature_celsius: float | None
     remap_pending: bool | None
     remap_failure: bool | None
     retired_pages_pending: bool | None
-    nvlink_links_down: Sequence[int]
+    nvlink_links_down: tuple[int, ...]
 
 
-# GpuSample's fields after ts, and the judged counters, read from a GpuState in one C-level call
-# each; a sample is built by tuple.__new__ (a NamedTuple's own __new__ is a Python function).
-_GPU_SAMPLE_FIELDS = attrgetter(*GpuSample._fields[1:])
+# GpuSample's fields after ts, and the judged counters, read from a GpuState in one C-level call each.
+_GPU_SAMPLE_FIELDS = attrgetter(*GpuSample.__struct_fields__[1:])
 _GPU_COUNTER_VALUES = attrgetter(*GPU_COUNTERS)
-_new_tuple = tuple.__new__
 
 
-class PortSample(NamedTuple):
+class PortSample(msgspec.Struct, frozen=True, gc=False):
+    """A port's link state in one report; out of the garbage collector's walks, as GpuSample."""
+
     ts: float
     active: bool
     rate_bits_per_second: float | None
@@ -342,7 +347,11 @@ class GpuHistory:
         uuid at this index). Most reports move none of the judged counters: one comparison."""
         self.last = s
         self.last_seen = ts
-        self.samples.append(_new_tuple(GpuSample, (ts, *_GPU_SAMPLE_FIELDS(s))))
+        health, util, sm, sm_max, reasons, hbm, hbm_max, remap, remap_failed, pages, links = _GPU_SAMPLE_FIELDS(s)
+        # The lists as tuples: a list is always tracked by the collector, a tuple of scalars is not
+        # (and most are the empty tuple, one object); a whole report brings new lists every time.
+        self.samples.append(GpuSample(ts, health, util, sm, sm_max, tuple(reasons), hbm, hbm_max, remap,
+                                      remap_failed, pages, tuple(links)))
         self.counters.observe_values(ts, GPU_COUNTERS, _GPU_COUNTER_VALUES(s))
 
 
@@ -394,7 +403,7 @@ class PortHistory:
             moved_none = sent is not None and len(counters) == self._names_for \
                 and flags == self._flags and sent.counters.keys().isdisjoint(self._names)
         self.last_seen = ts
-        self.samples.append(_new_tuple(PortSample, (ts, active, rate)))
+        self.samples.append(PortSample(ts, active, rate))
         if not (moved_none and self.counters.still(ts)):  # else: none of the judged counters moved
             if len(counters) != self._names_for or flags != self._flags:
                 # The judged counters this port has, less the saturated ones (a saturated counter no

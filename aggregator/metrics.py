@@ -3,10 +3,10 @@
 Counts reports ingested and rejected (by reason) and the events they carried (by kind), times
 ingest and evaluation, reports how many nodes are in each state, and shows the acting side:
 decisions by action, detector and verdict, deliveries by actuator and outcome, pending and
-dead-lettered deliveries, the circuit breaker, store errors, leadership, actuator reachability and
-the event loop's lag. It uses its own registry (no process-global state), so tests and the simulator can
-build as many as they like. It neither judges nor serves; app.py mounts ``render`` and supplies
-the readings.
+dead-lettered deliveries, the circuit breaker, store errors, leadership, actuator reachability,
+the event loop's lag and the garbage collector's pauses. It uses its own registry (no
+process-global state), so tests and the simulator can build as many as they like. It neither
+judges nor serves; app.py mounts ``render`` and supplies the readings.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ STORE_ERROR_KINDS = ("write", "file", "delivery_update", "dropped")
 EVENT_KINDS = ("xid", "sxid", "gpu_lost", "mlx5_error", "link_down", "link_up", "link_flap", "counter_reset",
                "hang", "rank_exit", "nvml_unavailable")
 OTHER_EVENT_KIND = "other"
+# CPython's collector generations (gc.get_threshold() has one threshold each).
+GC_GENERATIONS = ("0", "1", "2")
 
 # Ingest is ~0.1 ms; evaluation of a 12,500-node fleet tens of ms.
 _INGEST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
@@ -177,6 +179,13 @@ class AggregatorMetrics:
                                        "Time the detectors took over the fleet once, on the judging thread "
                                        "(reports are held, not refused, meanwhile).",
                                        buckets=_EVALUATE_BUCKETS, registry=r)
+        self.gc_pause_seconds = Histogram("vigil_aggregator_gc_pause_seconds",
+                                          "How long each cyclic garbage collection stopped the whole process "
+                                          "(intake and judging), by generation (2: a full collection, its "
+                                          "length grows with the objects the fleet keeps tracked).",
+                                          ["generation"], buckets=_LAG_BUCKETS, registry=r)
+        for generation in GC_GENERATIONS:
+            self.gc_pause_seconds.labels(generation)
         self.held_reports = Counter("vigil_aggregator_reports_held",
                                     "Accepted reports held back while the detectors read the fleet, ingested "
                                     "right after.", registry=r)

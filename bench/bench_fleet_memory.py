@@ -1,8 +1,9 @@
 """The aggregator's memory per node and its intake while a large fleet is judged.
 
-Memory: tracemalloc over ``Fleet.ingest`` of MEMORY_NODES nodes x MEMORY_ROUNDS of the real
-agent-built reports (vigil/agent_reports.py: 8 GPUs, 8 ConnectX-7 ports, 8 ranks), what the
-fleet keeps per node; then the same nodes silent past ``fleet.forget_after_seconds``, and what
+Memory: tracemalloc over ``Fleet.ingest`` (the service's fleet, as the engine builds it) of
+MEMORY_NODES nodes x MEMORY_ROUNDS of the real agent-built reports (vigil/agent_reports.py: 8
+GPUs, 8 ConnectX-7 ports, 8 ranks), what the fleet keeps per node, and how many of its objects
+the cyclic garbage collector walks; then the same nodes silent past ``fleet.forget_after_seconds``, and what
 is left once they are forgotten (departed nodes leave memory).
 
 Intake: the real application (aiohttp, on loopback, in this process) holding a fleet of
@@ -34,7 +35,7 @@ from vigil.aggregator.app import METRICS_KEY, make_app, tune_gc
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.fleet import Fleet, FleetConfig
+from vigil.aggregator.metrics import GC_GENERATIONS
 from vigil.aggregator.sink import RecordingSink
 
 MEMORY_NODES = 300
@@ -45,6 +46,10 @@ PROBE_SECONDS = 12.0
 PROBE_PER_SECOND = 100
 P99_BUDGET_MS = 100.0  # issue #20: intake p99 while the fleet is judged
 SECRET = b"bench-fleet-memory-secret-0123456789"
+# Objects of the fleet the cyclic garbage collector walks, per node: ~110 now (histories, their
+# rings, counter baselines, the latest states' lists). With its samples tracked (NamedTuples) the
+# fleet had ~620 and a full collection at 2,000 nodes stopped the service ~0.6 s (docs/reports.md).
+MAX_TRACKED_PER_NODE = 200
 
 
 class InlineExecutor(Executor):
@@ -65,10 +70,12 @@ def _report(template: dict[str, Any], n: int, seq: int, ts: float) -> Report:
 
 def memory() -> list[Measurement]:
     templates = agent_reports(MEMORY_ROUNDS, FIXTURE_IB / "mlx5_0")
-    fleet = Fleet(FleetConfig(forget_after_seconds=3600))
+    # The service's fleet: the port counters its detectors judge are the ones it keeps deltas of.
+    fleet = Engine(parse_config({"fleet": {"forget_after_seconds": 3600}}), RecordingSink()).fleet
     t0 = 1.7e9
     fleet.ingest(_report(templates[0], 99_999, 1, t0), t0)  # first-node one-offs (interned names)
     gc.collect()
+    tracked_before = len(gc.get_objects())
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
@@ -78,6 +85,7 @@ def memory() -> list[Measurement]:
                 fleet.ingest(_report(template, n, seq, ts), ts)
         gc.collect()
         held = tracemalloc.get_traced_memory()[0] - before
+        tracked = len(gc.get_objects()) - tracked_before
         later = t0 + 3700
         fleet.ingest(_report(templates[-1], 99_999, len(templates) + 1, later), later)
         gone = len(fleet.forget_departed(later))
@@ -91,6 +99,10 @@ def memory() -> list[Measurement]:
         Measurement("aggregator fleet memory per node (8 GPUs, 8 ports, 8 ranks)", round(held / MEMORY_NODES / 1024),
                     "KiB", None, note=f"tracemalloc, {MEMORY_NODES} nodes x {MEMORY_ROUNDS} real reports; "
                     f"x 12,500 nodes = {held / MEMORY_NODES * 12_500 / 2**30:.1f} GiB"),
+        Measurement("aggregator fleet objects the garbage collector walks, per node", round(tracked / MEMORY_NODES),
+                    "objects", MAX_TRACKED_PER_NODE, note="tracked by the cyclic collector after the same reports: "
+                    "a full collection stops intake for as long as it walks them (the samples and wire states "
+                    f"are untracked); x 12,500 nodes = {tracked / MEMORY_NODES * 12_500 / 1e6:.1f} million"),
         Measurement("aggregator memory left per departed node", round(left / MEMORY_NODES / 1024, 2), "KiB", 1.0,
                     note="after fleet.forget_after_seconds (the fleet, its jobs' ranks, the histories)"),
     ]
@@ -132,10 +144,19 @@ async def _probe(executor: Executor | None, templates: list[dict[str, Any]]) -> 
     evaluations = next(s.value for s in judged if s.name.endswith("_count"))
     eval_sum = next(s.value for s in judged if s.name.endswith("_sum"))
     latencies.sort()
-    return {"p50": latencies[len(latencies) // 2], "p99": latencies[int(0.99 * (len(latencies) - 1))],
+    return {**_gc_pauses(next(iter(metrics.gc_pause_seconds.collect())).samples),
+            "p50": latencies[len(latencies) // 2], "p99": latencies[int(0.99 * (len(latencies) - 1))],
             "max": latencies[-1], "lag_mean": lag_sum / count if count else 0.0,
             "lag_max": _max_bucket(lag), "evaluations": evaluations,
             "evaluate_mean": eval_sum / evaluations if evaluations else 0.0, "sent": len(latencies)}
+
+
+def _gc_pauses(samples: list[Any]) -> dict[str, float]:
+    """From the service's GC pause histogram: collections, full ones, the longest's bucket bound."""
+    by_generation = {g: [s for s in samples if s.labels.get("generation") == g] for g in GC_GENERATIONS}
+    counts = {g: next(s.value for s in got if s.name.endswith("_count")) for g, got in by_generation.items()}
+    longest = max((_max_bucket(got) for g, got in by_generation.items() if counts[g]), default=0.0)
+    return {"gc_collections": sum(counts.values()), "gc_full": counts["2"], "gc_max": longest}
 
 
 def _max_bucket(samples: list[Any]) -> float:
@@ -159,7 +180,9 @@ def intake() -> list[Measurement]:
         what = f"intake p99, {JUDGED_NODES:,} nodes judged every {EVALUATE_SECONDS:g} s, {label}"
         note = (f"p50 {r['p50'] * 1000:.1f} ms, max {r['max'] * 1000:.0f} ms over {r['sent']:.0f} real reports; "
                 f"event loop lag mean {r['lag_mean'] * 1000:.1f} ms, max {_bound(r['lag_max'])}; "
-                f"{r['evaluations']:.0f} evaluations of {r['evaluate_mean']:.2f} s each; shared 2-core machine")
+                f"{r['evaluations']:.0f} evaluations of {r['evaluate_mean']:.2f} s each; {r['gc_collections']:.0f} "
+                f"garbage collections ({r['gc_full']:.0f} full), the longest {_bound(r['gc_max'])}; "
+                "shared 2-core machine")
         rows.append(Measurement(what, round(r["p99"] * 1000, 1), "ms", P99_BUDGET_MS, note=note))
     return rows
 

@@ -169,8 +169,11 @@ def fleet() -> dict[str, Any]:
                Target("sum by (actuator) (vigil_aggregator_deliveries_dead)", "dead {{actuator}}")], width=8),
         Panel("Actuators reachable at start-up", [Target("vigil_aggregator_actuator_up", "{{actuator}}")],
               width=8),
-        Panel("Event-loop lag and time since evaluation",
+        Panel("Event-loop lag, garbage-collection pauses, time since evaluation",
               [Target("max(vigil_aggregator_event_loop_lag_seconds)", "loop lag"),
+               Target("max by (generation) (increase(vigil_aggregator_gc_pause_seconds_sum[10m])"
+                      " / increase(vigil_aggregator_gc_pause_seconds_count[10m]))",
+                      "mean GC pause, generation {{generation}}"),
                Target("time() - max(vigil_aggregator_last_evaluation_timestamp_seconds)", "since evaluation")],
               unit="s", width=8),
         Row("GPU faults"),

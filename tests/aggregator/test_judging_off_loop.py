@@ -2,7 +2,7 @@
 on the judging thread never holds intake (a report posted meanwhile gets its 202, is held, and is
 ingested once the detectors are done); the lag probe measures how late its timer fires; a node
 silent past ``fleet.forget_after_seconds`` leaves the fleet, its job's ranks and memory, a node
-inside the window never does."""
+inside the window never does; each garbage collection's pause is timed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode, set_training
 from vigil.agent.wire import Report, encode
-from vigil.aggregator.app import EVALUATE_KEY, METRICS_KEY, make_app, measure_loop_lag
+from vigil.aggregator.app import EVALUATE_KEY, METRICS_KEY, make_app, measure_loop_lag, timing_gc_pauses
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import Action, Finding
@@ -135,6 +135,46 @@ async def test_the_service_exposes_its_loop_lag_and_keeps_measuring_it() -> None
         text = await (await client.get("/metrics")).text()
     assert "vigil_aggregator_event_loop_lag_seconds " in text
     assert "vigil_aggregator_event_loop_lag_observed_seconds_count" in text
+
+
+def test_each_garbage_collection_pause_is_timed_by_generation_while_open() -> None:
+    metrics = AggregatorMetrics(dict)
+    ticks = iter(range(1_000_000))
+    step_seconds = 0.125  # exact in binary: every pause reads as one step of this clock
+
+    def observed(generation: str) -> tuple[float, float]:
+        text = metrics.render().decode()
+        get = lambda s: float(text.split(f'vigil_aggregator_gc_pause_seconds_{s}{{generation="{generation}"}} ')[1]  # noqa: E731
+                              .split("\n")[0])
+        return get("count"), get("sum")
+
+    with timing_gc_pauses(metrics, clock=lambda: next(ticks) * step_seconds):
+        gc.collect(0)
+        gc.collect(2)
+    for generation in ("0", "2"):
+        count, total = observed(generation)
+        assert count >= 1  # others may have run meanwhile, each timed the same way
+        assert total == count * step_seconds
+    after = observed("2")
+    gc.collect(2)
+    assert observed("2") == after  # closed: no longer timed
+
+
+async def test_the_service_times_its_garbage_collections() -> None:
+    config = parse_config({"evaluate_interval_seconds": 3600})
+    sink = RecordingSink()
+    app = make_app(config, Engine(config, sink), sink, credentials=Credentials(site_secret=SECRET))
+
+    def full_collections(text: str) -> float:
+        return float(text.split('vigil_aggregator_gc_pause_seconds_count{generation="2"} ')[1].split("\n")[0])
+
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        before = full_collections(await (await client.get("/metrics")).text())
+        gc.collect()
+        after = full_collections(await (await client.get("/metrics")).text())
+    assert after >= before + 1
+    gc.collect()
+    assert full_collections(app[METRICS_KEY].render().decode()) == after  # the server stopped: no longer timed
 
 
 def test_forget_after_removes_a_departed_node_and_its_ranks_never_a_node_inside_the_window() -> None:
