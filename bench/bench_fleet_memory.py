@@ -3,8 +3,9 @@
 Memory: tracemalloc over ``Fleet.ingest`` (the service's fleet, as the engine builds it) of
 MEMORY_NODES nodes x MEMORY_ROUNDS of the real agent-built reports (vigil/agent_reports.py: 8
 GPUs, 8 ConnectX-7 ports, 8 ranks), what the fleet keeps per node, and how many of its objects
-the cyclic garbage collector walks; then the same nodes silent past ``fleet.forget_after_seconds``, and what
-is left once they are forgotten (departed nodes leave memory).
+the cyclic garbage collector walks; then the same nodes silent past
+``fleet.forget_after_seconds``, and what is left once they are forgotten (departed nodes leave
+memory).
 
 Intake: the real application (aiohttp, on loopback, in this process) holding a fleet of
 JUDGED_NODES nodes, evaluated every EVALUATE_SECONDS with every default detector, while a probe
@@ -46,7 +47,7 @@ PROBE_SECONDS = 12.0
 PROBE_PER_SECOND = 100
 P99_BUDGET_MS = 100.0  # issue #20: intake p99 while the fleet is judged
 SECRET = b"bench-fleet-memory-secret-0123456789"
-# Objects of the fleet the cyclic garbage collector walks, per node: ~110 now (histories, their
+# Objects of the fleet the cyclic garbage collector walks, per node: ~95-120 now (histories, their
 # rings, counter baselines, the latest states' lists). With its samples tracked (NamedTuples) the
 # fleet had ~620 and a full collection at 2,000 nodes stopped the service ~0.6 s (docs/reports.md).
 MAX_TRACKED_PER_NODE = 200
