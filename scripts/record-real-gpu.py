@@ -14,6 +14,14 @@ the replay test's expectations), per-call costs and the collector's CPU per cycl
 diag -r 1`` where present. It changes nothing on the GPU: without ``--reset`` the reset step stops at
 the command line it would run (the checks before it, the busy refusal included, run against the
 real driver); with ``--reset`` it resets idle GPU 0 for real, for a site that permits it.
+
+Run as root, it also records the same backend calls made by an unprivileged user (uid 65534, as an
+agent in a container without privileges runs): ``nvml-unprivileged.json``, which calls that user is
+refused. The real agent runs for ``--agent-seconds`` reporting to a real aggregator on loopback
+(dry run), whose fleet view and decisions are kept (``aggregator-node.json``).
+
+``--rehearse`` runs every step over FakeNvml (healthy-h100, no loads, the agent on its fake backend)
+on a machine without a GPU, so that a device session spends its minutes recording, not debugging.
 tests/fixtures/nvml-real/PROVENANCE.md says how the shipped recording was made.
 """
 
@@ -36,7 +44,13 @@ from typing import Any
 import pynvml
 
 from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.recording import RECORDING_FORMAT, RecordingNvml
+from vigil.agent.nvml.scenario import load_node_scenario
+
+REPO = Path(__file__).resolve().parents[1]
+# The uid/gid an unprivileged agent runs as for the probe (nobody on Debian and Ubuntu).
+UNPRIVILEGED_ID = 65534
 
 # Loads run in a child process for this long (s); readings are taken every READ_INTERVAL_SECONDS,
 # so each GPM pair spans a real interval of that length, as the collector's does.
@@ -75,11 +89,16 @@ def as_json(value: Any) -> Any:
     return value
 
 
+def open_nvml(rehearse: bool) -> Any:
+    """The real pynvml module, or for a rehearsal a FakeNvml H100 node on the wall clock."""
+    return FakeNvml(load_node_scenario("healthy-h100"), time.time) if rehearse else pynvml
+
+
 class Session:
     """The backend over a recording NVML, with every backend call and its result kept as an op."""
 
-    def __init__(self) -> None:
-        self.nvml = RecordingNvml(pynvml)
+    def __init__(self, nvml: Any) -> None:
+        self.nvml = RecordingNvml(nvml)
         self.backend = PynvmlBackend(self.nvml)
         self.ops: list[dict[str, Any]] = []
 
@@ -94,7 +113,12 @@ class Session:
         return result
 
 
+REHEARSAL = False  # set by main: no GPU loads over FakeNvml
+
+
 def start_load(kind: str) -> subprocess.Popen[str] | None:
+    if REHEARSAL:
+        return None
     try:
         import torch  # noqa: F401 - only to know it is there
     except ImportError:
@@ -115,9 +139,9 @@ def record_phase(s: Session, phase: str, count: int, reads: int) -> None:
         s.op(phase, "running_pids", i)
 
 
-def collector_cpu(count: int, cycles: int = 20) -> dict[str, Any]:
+def collector_cpu(nvml: Any, count: int, cycles: int = 20) -> dict[str, Any]:
     """CPU seconds per collection cycle of the real backend, all GPUs, with and without NVLink."""
-    backend = PynvmlBackend(pynvml)
+    backend = PynvmlBackend(nvml)
     backend.init()
     for i in range(count):
         backend.identity(i)
@@ -138,14 +162,14 @@ def collector_cpu(count: int, cycles: int = 20) -> dict[str, Any]:
     return out
 
 
-def gpu_collector_cpu(cycles: int = 15) -> dict[str, Any]:
+def gpu_collector_cpu(nvml: Any, cycles: int = 15) -> dict[str, Any]:
     """The agent's GPU collector (process attribution included) over the real backend, under a
     tensor load, 0.5 s apart: CPU and wall per cycle, for cycles that read NVLink and the energy
     counter (slow) and for those that do not (fast, the collector's usual cycle)."""
     from vigil.agent.attribution import ProcessAttribution
     from vigil.agent.collectors.gpu import GpuCollector, GpuConfig
 
-    backend = PynvmlBackend(pynvml)
+    backend = PynvmlBackend(nvml)
     backend.init()
     child = start_load("tensor")
     out: dict[str, Any] = {"gpus": backend.device_count(), "cycles": cycles, "load": "tensor" if child else "idle"}
@@ -180,7 +204,7 @@ def call_costs(calls: list[dict[str, Any]]) -> dict[str, Any]:
             for name, v in sorted(by.items())}
 
 
-def exercise_reset(out: Path, do_reset: bool) -> dict[str, Any]:
+def exercise_reset(nvml: Any, out: Path, do_reset: bool) -> dict[str, Any]:
     """The agent's node-action runner over the real backend: refused while a process holds GPU 0,
     then let through on the idle GPU, where ``nvidia-smi --gpu-reset`` runs only with --reset (else
     the command line is recorded and not run)."""
@@ -198,7 +222,7 @@ def exercise_reset(out: Path, do_reset: bool) -> dict[str, Any]:
         not_run.append(list(argv))
         return "(not run: scripts/record-real-gpu.py without --reset)"
 
-    backend = PynvmlBackend(pynvml, run=None if do_reset else dry_run)
+    backend = PynvmlBackend(nvml, run=None if do_reset else dry_run)
     backend.init()
     uuid = backend.identity(0).uuid
     runner = NodeActionRunner(NodeActionsConfig(allow=["reset_gpu"], key_file=str(key_file)), node=node,
@@ -233,34 +257,150 @@ def exercise_reset(out: Path, do_reset: bool) -> dict[str, Any]:
     return results
 
 
-def run_agent(out: Path, seconds: float) -> None:
-    """The real agent on the real backend for ``seconds``, scraped at its end (with a load running)."""
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _get(url: str) -> bytes:
     import urllib.request
 
-    agent = subprocess.Popen([sys.executable, "-m", "vigil", "agent", "--backend", "nvml", "--listen",
-                              "127.0.0.1:19400", "--node", "gpu-recorded"], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return bytes(answer.read())
+
+
+def _stop(proc: subprocess.Popen[str]) -> str:
+    proc.terminate()
+    try:
+        log, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        log, _ = proc.communicate()
+    return log or ""
+
+
+def _wait_http(url: str, proc: subprocess.Popen[str], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            _get(url)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {seconds} s (exit {proc.poll()})")
+
+
+def run_agent(out: Path, seconds: float, rehearse: bool) -> None:
+    """The real agent on the real backend for ``seconds``, reporting every 2 s to a real aggregator
+    on loopback (dry run: nothing is acted on), scraped at its end with a load running; the
+    aggregator's view of the node and its decisions are kept beside the agent's own state."""
+    import yaml
+
+    work = Path(tempfile.mkdtemp(prefix="vigil-record-"))
+    agg_port, agent_port = _free_port(), _free_port()
+    agg_url = f"http://127.0.0.1:{agg_port}"
+    (work / "aggregator.yaml").write_text(yaml.safe_dump({
+        "listen": f"127.0.0.1:{agg_port}", "store_path": str(work / "decisions.sqlite"), "dry_run": True,
+        "gate": {"breaker_max_share": 1.0, "breaker_startup_grace_seconds": 0}}))
+    (work / "agent.yaml").write_text(yaml.safe_dump({
+        "node": "gpu-recorded", "listen": f"127.0.0.1:{agent_port}",
+        "nvml": {"backend": "fake" if rehearse else "nvml"},
+        "aggregator": {"url": agg_url, "interval_seconds": 2.0},
+        "collectors": {"training": {"udp_listen": f"127.0.0.1:{_free_port()}"}}}))
+    # The services run in the work folder: the repository goes on their path by its absolute name.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    aggregator = subprocess.Popen([sys.executable, "-m", "vigil", "aggregator", "--config",
+                                   str(work / "aggregator.yaml")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=work, env=env)
+    agent = None
     child = None
     try:
+        _wait_http(f"{agg_url}/healthz", aggregator, 30)
+        agent = subprocess.Popen([sys.executable, "-m", "vigil", "agent", "--config", str(work / "agent.yaml")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=work, env=env)
         time.sleep(max(seconds - LOAD_SECONDS, 5))
         child = start_load("tensor")
         time.sleep(min(LOAD_SECONDS, seconds))
-        for path, name in (("/metrics", "agent-metrics.prom"), ("/v1/state", "agent-state.json")):
+        for url, name in ((f"http://127.0.0.1:{agent_port}/metrics", "agent-metrics.prom"),
+                          (f"http://127.0.0.1:{agent_port}/v1/state", "agent-state.json")):
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:19400{path}", timeout=10) as answer:
-                    (out / name).write_bytes(answer.read())
+                (out / name).write_bytes(_get(url))
             except OSError as exc:
-                (out / name).write_text(f"# could not scrape {path}: {exc}\n")
+                (out / name).write_text(f"# could not scrape {url}: {exc}\n")
+        seen: dict[str, Any] = {}
+        for key, path in (("nodes", "/v1/nodes"), ("decisions", "/v1/decisions"), ("metrics", "/metrics")):
+            try:
+                body = _get(agg_url + path)
+                seen[key] = json.loads(body) if key != "metrics" else [
+                    line for line in body.decode().splitlines()
+                    if line.startswith(("vigil_aggregator_reports_total", "vigil_aggregator_report_rejections_total",
+                                        "vigil_aggregator_ingest_failures_total", "vigil_aggregator_events_received"))]
+            except (OSError, ValueError) as exc:
+                seen[key] = f"could not read {path}: {exc}"
+        (out / "aggregator-node.json").write_text(json.dumps(seen, indent=1))
     finally:
         if child is not None:
             child.kill()
-        agent.terminate()
-        try:
-            log, _ = agent.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            log, _ = agent.communicate()
-        (out / "agent.log").write_text(log)
+            child.wait()
+        if agent is not None:
+            (out / "agent.log").write_text(_stop(agent))
+        (out / "aggregator.log").write_text(_stop(aggregator))
+
+
+def probe(rehearse: bool) -> dict[str, Any]:
+    """The backend's calls as this (unprivileged) process may make them: start-up, identity, two
+    reads 2 s apart, the Xid event registration, the process list. Returned as a recording."""
+    s = Session(open_nvml(rehearse))
+    s.op("init", "init")
+    count = s.op("init", "device_count") or 0
+    for i in range(count):
+        s.op("identity", "identity", i)
+    for _ in range(2):
+        for i in range(count):
+            s.op("idle", "read", i)
+        time.sleep(READ_INTERVAL_SECONDS)
+    for i in range(count):
+        s.op("idle", "running_pids", i)
+    registered = s.op("events", "open_events", list(range(count)))
+    s.op("events", "wait_xid", 100)
+    s.op("events", "close_events")
+    s.op("shutdown", "shutdown")
+    return {"format": RECORDING_FORMAT, "uid": os.geteuid(), "gid": os.getegid(),
+            "events_registered": registered, "calls": s.nvml.calls, "ops": s.ops}
+
+
+def probe_unprivileged(out: Path, rehearse: bool) -> None:
+    """Runs ``probe`` as uid/gid 65534 from a world-readable copy of the code (the checkout may sit
+    in root's home), and keeps what it recorded in ``nvml-unprivileged.json``."""
+    if os.geteuid() != 0:
+        (out / "nvml-unprivileged.json").write_text(json.dumps({"skipped": "not run as root"}))
+        return
+    code = Path(tempfile.mkdtemp(prefix="vigil-code-"))
+    os.chmod(code, 0o755)
+    for name in ("agent", "aggregator", "sim", "scenarios", "vigil", "scripts"):
+        shutil.copytree(REPO / name, code / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for path in [code, *code.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    paths = [str(code), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p.startswith("/tmp"))]
+    argv = [sys.executable, str(code / "scripts" / "record-real-gpu.py"), "--probe", "-"]
+    if rehearse:
+        argv.append("--rehearse")
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, cwd="/",
+                              user=UNPRIVILEGED_ID, group=UNPRIVILEGED_ID, extra_groups=[],
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HOME": "/"})
+        result = json.loads(done.stdout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        result = {"failed": f"{type(exc).__name__}: {exc}"}
+    except ValueError:
+        result = {"failed": done.returncode, "stdout": done.stdout[-4000:], "stderr": done.stderr[-4000:]}
+    (out / "nvml-unprivileged.json").write_text(json.dumps(result, separators=(",", ":")))
+    shutil.rmtree(code, ignore_errors=True)
 
 
 def main() -> int:
@@ -269,7 +409,16 @@ def main() -> int:
     parser.add_argument("--reset", action="store_true",
                         help="really reset idle GPU 0 through the node-action runner (default: stop at the command)")
     parser.add_argument("--agent-seconds", type=float, default=45.0)
+    parser.add_argument("--rehearse", action="store_true",
+                        help="every step over FakeNvml, without a GPU (to check the script before a device session)")
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # the unprivileged child
     args = parser.parse_args()
+    global REHEARSAL
+    REHEARSAL = args.rehearse
+    if args.probe:
+        print(json.dumps(probe(args.rehearse), separators=(",", ":"), default=str))
+        return 0
+    nvml = open_nvml(args.rehearse)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -292,7 +441,7 @@ def main() -> int:
     if shutil.which("dcgmi"):
         sh(out, "dcgmi-diag-r1.txt", ["dcgmi", "diag", "-r", "1"], timeout=180)
 
-    s = Session()
+    s = Session(nvml)
     s.op("init", "init")
     count = s.op("init", "device_count")
     for i in range(count):
@@ -316,11 +465,12 @@ def main() -> int:
     (out / "nvml-recording.json").write_text(json.dumps(recording, indent=None, separators=(",", ":")))
     (out / "backend-ops.json").write_text(json.dumps({"recorded_at": stamp, "ops": s.ops}, indent=1))
 
-    costs = {"recorded_at": stamp, "nvml_calls": call_costs(s.nvml.calls), "collector": collector_cpu(count),
-             "gpu_collector": gpu_collector_cpu()}
+    costs = {"recorded_at": stamp, "nvml_calls": call_costs(s.nvml.calls), "collector": collector_cpu(nvml, count),
+             "gpu_collector": gpu_collector_cpu(nvml)}
     (out / "costs.json").write_text(json.dumps(costs, indent=1))
-    run_agent(out, args.agent_seconds)
-    exercise_reset(out, args.reset)
+    probe_unprivileged(out, args.rehearse)
+    run_agent(out, args.agent_seconds, args.rehearse)
+    exercise_reset(nvml, out, args.reset)
     print(json.dumps({k: costs[k] for k in ("collector", "gpu_collector")}))
     return 0
 

@@ -43,8 +43,9 @@ _NVLINK_BYTES_PER_SECOND_PER_LINK = 25_000_000_000
 _NVLINK_TRAINING_SHARE = 0.30
 _NVLINK_MEMORY_BOUND_SHARE = 0.08
 # What nvmlDevice{En,De}coderUtilization return beside the percentage: the sampling period in us.
-# Not in nvidia-smi -q; the backend does not read it.
-_CODEC_SAMPLING_PERIOD_US = 1_000_000
+# The real H100 (driver 580) answered 100,000 us to both, idle and loaded
+# (tests/fixtures/nvml-real/nvml-recording.json, 2026-11-26); the backend does not read it.
+_CODEC_SAMPLING_PERIOD_US = 100_000
 _NVLINK_FIELDS = (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
 _ALL_LINKS = 0xFFFFFFFF  # scopeId: every link summed (nvml.h, NVLink throughput counters)
 

@@ -107,3 +107,29 @@ def test_mig_mode_and_devices_as_nvml_says(backend):
     for m in r.mig_devices:
         assert m.device.uuid.startswith("MIG-") and re.fullmatch(r"\d+g\.\d+gb(\+\w+)?", m.device.profile)
         assert m.memory_total_bytes and 0 <= (m.memory_used_bytes or 0) <= m.memory_total_bytes
+
+
+def test_memory_v2_matches_v1_with_the_reserve_apart(backend):
+    """The backend reads memory info v2 (R510+) and reports `used` as v1 defines it (allocated plus
+    reserved): on a GPU nobody is allocating on, it equals what NVML's v1 call answers, and the
+    reserve is a real share of the memory, not zero and not all of it."""
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    if backend.running_pids(0):
+        pytest.skip("GPU 0 is in use: its allocations move between the two reads")
+    v1 = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    r = backend.read(0, slow=False)
+    assert r.memory_total_bytes == v1.total
+    if r.memory_reserved_bytes is None:  # a driver before R510 refuses v2: the backend fell back to v1
+        assert r.memory_used_bytes == v1.used
+        return
+    assert 0 < r.memory_reserved_bytes < r.memory_total_bytes // 10
+    assert r.memory_used_bytes is not None and abs(r.memory_used_bytes - v1.used) <= 64 * 2**20
+
+
+def test_video_engines_are_ratios_or_absent(backend):
+    """nvmlDeviceGetEncoderUtilization / DecoderUtilization answer [percent, sampling period]: the
+    backend reports a 0..1 ratio, or nothing where the GPU has no such engine."""
+    r = backend.read(0, slow=False)
+    for name in ("encoder_utilization_ratio", "decoder_utilization_ratio"):
+        value = getattr(r, name)
+        assert value is None or 0.0 <= value <= 1.0, (name, value)
