@@ -66,6 +66,16 @@ LOADS = {
               "print('ready',flush=True)\nend=time.time()+{s}\nwhile time.time()<end:\n    b.copy_(a)\n"
               "    torch.cuda.synchronize()\n",
 }
+# A training loop instrumented as a user would: vigil_heartbeat's StepTimer around each step's bf16
+# products (CUDA events), one heartbeat a step to the agent at {addr} (job "recorded", rank 0, GPU 0).
+TRAINING_LOAD = (
+    "import torch,time\nfrom vigil_heartbeat import Heartbeat\nfrom vigil_heartbeat.pytorch import StepTimer\n"
+    "a=torch.randn(8192,8192,device='cuda',dtype=torch.bfloat16)\nb=torch.randn_like(a)\n"
+    "hb=Heartbeat(job='recorded',rank=0,gpu=0,addr=('127.0.0.1',{port}))\ntimer=StepTimer(hb)\n"
+    "print('ready',flush=True)\nend=time.time()+{s}\nstep=0\nwhile time.time()<end:\n    step+=1\n"
+    "    with timer.compute():\n        for _ in range(40):\n            c=a@b\n    timer.step(step)\n"
+    "    time.sleep(0.05)\n"
+)
 
 
 def sh(out: Path, name: str, argv: list[str], timeout: float = 120) -> str:
@@ -116,15 +126,18 @@ class Session:
 REHEARSAL = False  # set by main: no GPU loads over FakeNvml
 
 
-def start_load(kind: str) -> subprocess.Popen[str] | None:
+def start_load(kind: str, heartbeat_port: int = 0) -> subprocess.Popen[str] | None:
     if REHEARSAL:
         return None
     try:
         import torch  # noqa: F401 - only to know it is there
     except ImportError:
         return None
-    child = subprocess.Popen([sys.executable, "-c", LOADS[kind].format(s=LOAD_SECONDS + 4)],
-                             stdout=subprocess.PIPE, text=True)
+    code = TRAINING_LOAD.format(s=LOAD_SECONDS + 4, port=heartbeat_port) if kind == "training" else \
+        LOADS[kind].format(s=LOAD_SECONDS + 4)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "clients" / "heartbeat"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     assert child.stdout is not None
     child.stdout.readline()  # "ready": the tensors are on the GPU
     return child
@@ -293,14 +306,17 @@ def _wait_http(url: str, proc: subprocess.Popen[str], seconds: float) -> None:
     raise RuntimeError(f"{url} did not answer within {seconds} s (exit {proc.poll()})")
 
 
-def run_agent(out: Path, seconds: float, rehearse: bool) -> None:
+def run_agent(out: Path, seconds: float, rehearse: bool, training: bool = False) -> None:
     """The real agent on the real backend for ``seconds``, reporting every 2 s to a real aggregator
     on loopback (dry run: nothing is acted on), scraped at its end with a load running; the
-    aggregator's view of the node and its decisions are kept beside the agent's own state."""
+    aggregator's view of the node and its decisions are kept beside the agent's own state. With
+    ``training`` the load is a heartbeat-instrumented training loop and the files end in
+    ``-training``."""
     import yaml
 
+    suffix = "-training" if training else ""
     work = Path(tempfile.mkdtemp(prefix="vigil-record-"))
-    agg_port, agent_port = _free_port(), _free_port()
+    agg_port, agent_port, heartbeat_port = _free_port(), _free_port(), _free_port()
     agg_url = f"http://127.0.0.1:{agg_port}"
     (work / "aggregator.yaml").write_text(yaml.safe_dump({
         "listen": f"127.0.0.1:{agg_port}", "store_path": str(work / "decisions.sqlite"), "dry_run": True,
@@ -309,7 +325,7 @@ def run_agent(out: Path, seconds: float, rehearse: bool) -> None:
         "node": "gpu-recorded", "listen": f"127.0.0.1:{agent_port}",
         "nvml": {"backend": "fake" if rehearse else "nvml"},
         "aggregator": {"url": agg_url, "interval_seconds": 2.0},
-        "collectors": {"training": {"udp_listen": f"127.0.0.1:{_free_port()}"}}}))
+        "collectors": {"training": {"udp_listen": f"127.0.0.1:{heartbeat_port}"}}}))
     # The services run in the work folder: the repository goes on their path by its absolute name.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     aggregator = subprocess.Popen([sys.executable, "-m", "vigil", "aggregator", "--config",
@@ -322,16 +338,17 @@ def run_agent(out: Path, seconds: float, rehearse: bool) -> None:
         agent = subprocess.Popen([sys.executable, "-m", "vigil", "agent", "--config", str(work / "agent.yaml")],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=work, env=env)
         time.sleep(max(seconds - LOAD_SECONDS, 5))
-        child = start_load("tensor")
+        child = start_load("training" if training else "tensor", heartbeat_port)
         time.sleep(min(LOAD_SECONDS, seconds))
-        for url, name in ((f"http://127.0.0.1:{agent_port}/metrics", "agent-metrics.prom"),
-                          (f"http://127.0.0.1:{agent_port}/v1/state", "agent-state.json")):
+        for url, name in ((f"http://127.0.0.1:{agent_port}/metrics", f"agent-metrics{suffix}.prom"),
+                          (f"http://127.0.0.1:{agent_port}/v1/state", f"agent-state{suffix}.json")):
             try:
                 (out / name).write_bytes(_get(url))
             except OSError as exc:
                 (out / name).write_text(f"# could not scrape {url}: {exc}\n")
         seen: dict[str, Any] = {}
-        for key, path in (("nodes", "/v1/nodes"), ("decisions", "/v1/decisions"), ("metrics", "/metrics")):
+        for key, path in (("nodes", "/v1/nodes"), ("node", "/v1/nodes/gpu-recorded"), ("decisions", "/v1/decisions"),
+                          ("metrics", "/metrics")):
             try:
                 body = _get(agg_url + path)
                 seen[key] = json.loads(body) if key != "metrics" else [
@@ -340,14 +357,14 @@ def run_agent(out: Path, seconds: float, rehearse: bool) -> None:
                                         "vigil_aggregator_ingest_failures_total", "vigil_aggregator_events_received"))]
             except (OSError, ValueError) as exc:
                 seen[key] = f"could not read {path}: {exc}"
-        (out / "aggregator-node.json").write_text(json.dumps(seen, indent=1))
+        (out / f"aggregator-node{suffix}.json").write_text(json.dumps(seen, indent=1))
     finally:
         if child is not None:
             child.kill()
             child.wait()
         if agent is not None:
-            (out / "agent.log").write_text(_stop(agent))
-        (out / "aggregator.log").write_text(_stop(aggregator))
+            (out / f"agent{suffix}.log").write_text(_stop(agent))
+        (out / f"aggregator{suffix}.log").write_text(_stop(aggregator))
 
 
 def probe(rehearse: bool) -> dict[str, Any]:
@@ -411,6 +428,8 @@ def main() -> int:
     parser.add_argument("--agent-seconds", type=float, default=45.0)
     parser.add_argument("--rehearse", action="store_true",
                         help="every step over FakeNvml, without a GPU (to check the script before a device session)")
+    parser.add_argument("--agent-only", action="store_true",
+                        help="only the agent run, with a heartbeat-instrumented training loop (files *-training.*)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # the unprivileged child
     args = parser.parse_args()
     global REHEARSAL
@@ -421,6 +440,9 @@ def main() -> int:
     nvml = open_nvml(args.rehearse)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    if args.agent_only:
+        run_agent(out, args.agent_seconds, args.rehearse, training=True)
+        return 0
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     sh(out, "nvidia-smi-version.txt", ["nvidia-smi", "--version"])

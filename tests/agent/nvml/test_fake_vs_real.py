@@ -5,7 +5,10 @@ The fake's H100 profile answers, through the real backend, what the recorded H10
 under a full tensor load (tests/fixtures/nvml-real/agent-state.json: SwPowerCap at 99% of the
 power limit, SM clock at 0.72-0.80 of its maximum in the two recordings) is the lookalike a naive
 throttle rule would drain: replayed for ten minutes across a job's nodes it must give the default
-detectors nothing, while the same report with a thermal slowdown must drain.
+detectors nothing, while the same report with a thermal slowdown must drain. The real agent's report
+with a real training rank (agent-state-training.json: StepTimer's CUDA events, 65 ms a step) is
+replayed as one synchronous job across 8 nodes: its real spread drains nothing, one slower rank
+drains its node.
 """
 
 from __future__ import annotations
@@ -182,3 +185,65 @@ def test_the_lookalike_is_real_counting_power_cap_as_throttle_would_drain_it() -
     naive.detectors.thermal.reasons.append("sw_power_cap")
     decisions = _replay(nodes=1, minutes=3, config=naive)
     assert [(d.node, d.action) for d in decisions] == [("gpu-00", Action.DRAIN)]
+
+
+def _training_report() -> dict[str, Any]:
+    state = json.loads((FIXTURES / "agent-state-training.json").read_text())
+    report: dict[str, Any] = state["last_report"]
+    return report
+
+
+def _replay_training(nodes: int, minutes: float, slow_node: int | None = None,
+                     slow_factor: float = 1.0) -> list[Decision]:
+    """The real agent's report with its real rank (a bf16 training loop timed by StepTimer's CUDA
+    events, 65 ms a step), as rank i of one synchronous job on each of `nodes` nodes, every 2.5 s
+    for `minutes`: each agent window (5 s) advances, the steps with it. With `slow_node`, that
+    node's compute is `slow_factor` times longer and, the job being synchronous, every other rank
+    waits that long in its collectives (comm), so every rank's step is the slow one's."""
+    base = _training_report()
+    [rank] = base["ranks"]
+    window = rank["window_seconds"]
+    engine = Engine(AggregatorConfig(), RecordingSink())
+    decisions: list[Decision] = []
+    t0 = t = base["ts"]
+    seq = 0
+    while t <= t0 + minutes * 60:
+        seq += 1
+        shift = t - t0
+        windows = int(shift // window)
+        for i in range(nodes):
+            raw = json.loads(json.dumps(base))
+            raw.update(node=f"gpu-{i:02d}", boot_id=f"boot-{i}", seq=seq, ts=t)
+            r = raw["ranks"][0]
+            r.update(rank=i, pid=1000 + i, window_end_ts=rank["window_end_ts"] + windows * window,
+                     last_progress_ts=rank["last_progress_ts"] + shift,
+                     last_step=rank["last_step"] + int(shift / rank["step_seconds_p50"]))
+            # Each node's window lands anywhere in the rank's real spread (p50..p90 of its CUDA-event
+            # compute, 65.2-66.7 ms), a different place each window: the noise between nodes.
+            spread = rank["compute_seconds_p90"] - rank["compute_seconds_p50"]
+            r["compute_seconds_p50"] = rank["compute_seconds_p50"] + spread * ((i * 5 + windows * 3) % 8) / 7
+            if slow_node is not None:
+                for q in ("p50", "p90"):
+                    compute = rank[f"compute_seconds_{q}"]
+                    slow = compute * slow_factor
+                    r[f"step_seconds_{q}"] = slow
+                    r[f"compute_seconds_{q}"] = slow if i == slow_node else compute
+                    r[f"comm_seconds_{q}"] = 0.0 if i == slow_node else slow - compute
+            engine.ingest(convert(raw, Report), t)
+        decisions.extend(engine.evaluate(t))
+        t += 2.5
+    return decisions
+
+
+def test_a_real_training_rank_at_full_load_drains_nothing() -> None:
+    """The real rank's own spread (its p50..p90 from CUDA events) as the noise between 8 nodes, for
+    10 minutes: nothing."""
+    [rank] = _training_report()["ranks"]
+    assert rank["state"] == "running" and rank["steps"] > 50
+    assert 0.05 < rank["compute_seconds_p50"] <= rank["step_seconds_p50"] < 0.1  # GPU-bound: compute is the step
+    assert _replay_training(nodes=8, minutes=10) == []
+
+
+def test_the_same_job_with_one_rank_slower_drains_that_node_only() -> None:
+    decisions = _replay_training(nodes=8, minutes=3, slow_node=5, slow_factor=1.25)
+    assert decisions and {(d.node, d.action) for d in decisions} == {("gpu-05", Action.DRAIN)}
