@@ -35,11 +35,16 @@ def recorded() -> list[Measurement]:
     costly = ", ".join(f"{name.removeprefix('nvmlDevice').removeprefix('nvml')} {c['median_us'] / 1000:.1f} ms"
                        for name, c in calls)
     agent = now["gpu_collector"]
+    whole = json.loads((REAL / "agent-cpu-training.json").read_text())
     return [
         Measurement(f"GPU collector, real H100 under load (recorded {stamp}): CPU per cycle per GPU",
                     agent["fast_cycle"]["cpu_seconds_median"] * 1e3, "ms", None,
                     note=f"x8 for an HGX node; a cycle that also reads NVLink and energy (every 10 s): "
                          f"{agent['slow_cycle']['cpu_seconds_median'] * 1e3:.1f} ms"),
+        Measurement("whole agent process, real H100 (1 GPU, a rank heartbeating 15/s, a report every 2 s): "
+                    "CPU per second", whole["cpu_ms_per_second"], "ms", None,
+                    note=f"over {whole['seconds']:.0f} s under a training load; resident memory "
+                         f"{whole['rss_bytes_start'] / 2**20:.1f} -> {whole['rss_bytes_end'] / 2**20:.1f} MiB"),
         Measurement("backend read, real H100 idle: CPU per GPU", cycle["cpu_seconds_median"] * 1e3,
                     "ms", None, note="every query, NVLink and energy included"),
         Measurement("backend read, real H100: wall per GPU", cycle["wall_seconds_median"] * 1e3, "ms", None,

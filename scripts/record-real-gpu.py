@@ -20,6 +20,10 @@ agent in a container without privileges runs): ``nvml-unprivileged.json``, which
 refused. The real agent runs for ``--agent-seconds`` reporting to a real aggregator on loopback
 (dry run), whose fleet view and decisions are kept (``aggregator-node.json``).
 
+``--agent-only`` runs only the agent and aggregator, with a training loop sending heartbeats through
+``vigil_heartbeat``'s ``StepTimer`` throughout, and measures the agent's CPU per second and memory
+(``agent-cpu-training.json``; files ``*-training.*``).
+
 ``--rehearse`` runs every step over FakeNvml (healthy-h100, no loads, the agent on its fake backend)
 on a machine without a GPU, so that a device session spends its minutes recording, not debugging.
 tests/fixtures/nvml-real/PROVENANCE.md says how the shipped recording was made.
@@ -126,15 +130,14 @@ class Session:
 REHEARSAL = False  # set by main: no GPU loads over FakeNvml
 
 
-def start_load(kind: str, heartbeat_port: int = 0) -> subprocess.Popen[str] | None:
+def start_load(kind: str, heartbeat_port: int = 0, seconds: float = LOAD_SECONDS + 4) -> subprocess.Popen[str] | None:
     if REHEARSAL:
         return None
     try:
         import torch  # noqa: F401 - only to know it is there
     except ImportError:
         return None
-    code = TRAINING_LOAD.format(s=LOAD_SECONDS + 4, port=heartbeat_port) if kind == "training" else \
-        LOADS[kind].format(s=LOAD_SECONDS + 4)
+    code = TRAINING_LOAD.format(s=seconds, port=heartbeat_port) if kind == "training" else LOADS[kind].format(s=seconds)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "clients" / "heartbeat"),
                                                          os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
@@ -306,6 +309,20 @@ def _wait_http(url: str, proc: subprocess.Popen[str], seconds: float) -> None:
     raise RuntimeError(f"{url} did not answer within {seconds} s (exit {proc.poll()})")
 
 
+def _process_cost(pid: int, warmup_seconds: float, seconds: float) -> dict[str, Any]:
+    """A process's CPU (user + system, from /proc through psutil) and resident memory over
+    ``seconds``, after ``warmup_seconds``."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    time.sleep(warmup_seconds)
+    cpu0, rss0, wall0 = sum(proc.cpu_times()[:2]), proc.memory_info().rss, time.monotonic()
+    time.sleep(seconds)
+    cpu1, rss1, wall1 = sum(proc.cpu_times()[:2]), proc.memory_info().rss, time.monotonic()
+    return {"seconds": wall1 - wall0, "cpu_seconds": cpu1 - cpu0,
+            "cpu_ms_per_second": 1000 * (cpu1 - cpu0) / (wall1 - wall0), "rss_bytes_start": rss0, "rss_bytes_end": rss1}
+
+
 def run_agent(out: Path, seconds: float, rehearse: bool, training: bool = False) -> None:
     """The real agent on the real backend for ``seconds``, reporting every 2 s to a real aggregator
     on loopback (dry run: nothing is acted on), scraped at its end with a load running; the
@@ -337,9 +354,13 @@ def run_agent(out: Path, seconds: float, rehearse: bool, training: bool = False)
         _wait_http(f"{agg_url}/healthz", aggregator, 30)
         agent = subprocess.Popen([sys.executable, "-m", "vigil", "agent", "--config", str(work / "agent.yaml")],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=work, env=env)
-        time.sleep(max(seconds - LOAD_SECONDS, 5))
-        child = start_load("training" if training else "tensor", heartbeat_port)
-        time.sleep(min(LOAD_SECONDS, seconds))
+        if training:  # the loop runs throughout; the agent's CPU is measured past its first 20 s
+            child = start_load("training", heartbeat_port, seconds + 4)
+            (out / "agent-cpu-training.json").write_text(json.dumps(_process_cost(agent.pid, 20.0, seconds - 20.0)))
+        else:
+            time.sleep(max(seconds - LOAD_SECONDS, 5))
+            child = start_load("tensor", heartbeat_port)
+            time.sleep(min(LOAD_SECONDS, seconds))
         for url, name in ((f"http://127.0.0.1:{agent_port}/metrics", f"agent-metrics{suffix}.prom"),
                           (f"http://127.0.0.1:{agent_port}/v1/state", f"agent-state{suffix}.json")):
             try:

@@ -6,7 +6,7 @@ under a full tensor load (tests/fixtures/nvml-real/agent-state.json: SwPowerCap 
 power limit, SM clock at 0.72-0.80 of its maximum in the two recordings) is the lookalike a naive
 throttle rule would drain: replayed for ten minutes across a job's nodes it must give the default
 detectors nothing, while the same report with a thermal slowdown must drain. The real agent's report
-with a real training rank (agent-state-training.json: StepTimer's CUDA events, 65 ms a step) is
+with a real training rank (agent-state-training.json: StepTimer's CUDA events, 64 ms a step) is
 replayed as one synchronous job across 8 nodes: its real spread drains nothing, one slower rank
 drains its node.
 """
@@ -196,7 +196,7 @@ def _training_report() -> dict[str, Any]:
 def _replay_training(nodes: int, minutes: float, slow_node: int | None = None,
                      slow_factor: float = 1.0) -> list[Decision]:
     """The real agent's report with its real rank (a bf16 training loop timed by StepTimer's CUDA
-    events, 65 ms a step), as rank i of one synchronous job on each of `nodes` nodes, every 2.5 s
+    events, 64 ms a step), as rank i of one synchronous job on each of `nodes` nodes, every 2.5 s
     for `minutes`: each agent window (5 s) advances, the steps with it. With `slow_node`, that
     node's compute is `slow_factor` times longer and, the job being synchronous, every other rank
     waits that long in its collectives (comm), so every rank's step is the slow one's."""
@@ -219,7 +219,7 @@ def _replay_training(nodes: int, minutes: float, slow_node: int | None = None,
                      last_progress_ts=rank["last_progress_ts"] + shift,
                      last_step=rank["last_step"] + int(shift / rank["step_seconds_p50"]))
             # Each node's window lands anywhere in the rank's real spread (p50..p90 of its CUDA-event
-            # compute, 65.2-66.7 ms), a different place each window: the noise between nodes.
+            # compute, 64.0-65.6 ms), a different place each window: the noise between nodes.
             spread = rank["compute_seconds_p90"] - rank["compute_seconds_p50"]
             r["compute_seconds_p50"] = rank["compute_seconds_p50"] + spread * ((i * 5 + windows * 3) % 8) / 7
             if slow_node is not None:
