@@ -185,7 +185,7 @@ class ProcessAttribution:
         self._max = min(max_processes_per_gpu, GPU_PROCESSES_MAX)
         self._due = float("-inf")
         self._jobs: dict[int, str] = {}
-        self._processes: dict[int, list[GpuProcess]] = {}
+        self._processes: dict[int, tuple[GpuProcess, ...]] = {}
         self.failures = 0
         self.processes_left_out = 0
 
@@ -194,7 +194,7 @@ class ProcessAttribution:
         self.refresh(indices, now)
         return self._jobs
 
-    def processes(self, indices: Sequence[int], now: float) -> dict[int, list[GpuProcess]]:
+    def processes(self, indices: Sequence[int], now: float) -> dict[int, tuple[GpuProcess, ...]]:
         """GPU index -> its compute processes (at most the bound), attributed or not."""
         self.refresh(indices, now)
         return self._processes
@@ -204,7 +204,7 @@ class ProcessAttribution:
             return
         self._due = now + self._interval
         jobs: dict[int, str] = {}
-        processes: dict[int, list[GpuProcess]] = {}
+        processes: dict[int, tuple[GpuProcess, ...]] = {}
         for index in indices:
             listed = self._list(index)
             if not listed:
@@ -220,7 +220,7 @@ class ProcessAttribution:
                 out.append(proc)
                 if index not in jobs and proc.job is not None:
                     jobs[index] = proc.job  # one job per GPU in practice; the first attributed wins
-            processes[index] = out
+            processes[index] = tuple(out)  # GpuState.processes, as it goes on the wire
         self._jobs = jobs
         self._processes = processes
 

@@ -177,8 +177,11 @@ class GpuState(_Wire, kw_only=True):
     power_limit_watts: NonNeg | None = None
     energy_joules: NonNeg | None = None
     performance_state: Count | None = None
-    # Active clock-event (throttle) reasons by our short name, e.g. ["hw_thermal_slowdown"].
-    clock_event_reasons: Annotated[list[Short], Meta(max_length=64)] = []
+    # Active clock-event (throttle) reasons by our short name, e.g. ["hw_thermal_slowdown"]. The
+    # GPU's sequences are tuples, decoded as such: an empty one is a shared constant and a full one
+    # is left alone by the garbage collector, where a list per field per GPU per held report was
+    # one more object for every collection to walk (docs/reports.md, garbage collection).
+    clock_event_reasons: Annotated[tuple[Short, ...], Meta(max_length=64)] = ()
     ecc_corrected_volatile: Count | None = None
     ecc_uncorrected_volatile: Count | None = None
     ecc_corrected_aggregate: Count | None = None
@@ -195,7 +198,7 @@ class GpuState(_Wire, kw_only=True):
     nvlink_replay_errors_total: Count | None = None
     nvlink_recovery_errors_total: Count | None = None
     nvlink_links_active: Count | None = None
-    nvlink_links_down: Annotated[list[Index], Meta(max_length=64)] = []
+    nvlink_links_down: Annotated[tuple[Index, ...], Meta(max_length=64)] = ()
     # NVML GPM profiling (Hopper and later), averaged over the agent's collector interval; absent
     # on older GPUs and before the agent has a pair of samples.
     graphics_active_ratio: Ratio | None = None
@@ -214,7 +217,7 @@ class GpuState(_Wire, kw_only=True):
     # or "pod/<uid>" on Kubernetes; None when no process or no job is known.
     job: JobName | None = None
     # Its compute processes and their job/pod (at most GPU_PROCESSES_MAX, the first NVML lists).
-    processes: Annotated[list[GpuProcess], Meta(max_length=GPU_PROCESSES_MAX)] = []
+    processes: Annotated[tuple[GpuProcess, ...], Meta(max_length=GPU_PROCESSES_MAX)] = ()
 
 
 class PortState(_Wire, kw_only=True):

@@ -348,10 +348,10 @@ class GpuHistory:
         self.last = s
         self.last_seen = ts
         health, util, sm, sm_max, reasons, hbm, hbm_max, remap, remap_failed, pages, links = _GPU_SAMPLE_FIELDS(s)
-        # The lists as tuples: a list is always tracked by the collector, a tuple of scalars is not
-        # (and most are the empty tuple, one object); a whole report brings new lists every time.
-        self.samples.append(GpuSample(ts, health, util, sm, sm_max, tuple(reasons), hbm, hbm_max, remap,
-                                      remap_failed, pages, tuple(links)))
+        # The state's sequences are tuples already (wire.GpuState; most the empty one), shared with
+        # the sample: a list would be tracked by the collector, a tuple of scalars is not.
+        self.samples.append(GpuSample(ts, health, util, sm, sm_max, reasons, hbm, hbm_max, remap,
+                                      remap_failed, pages, links))
         self.counters.observe_values(ts, GPU_COUNTERS, _GPU_COUNTER_VALUES(s))
 
 

@@ -257,7 +257,7 @@ class _Gpu:
         self.health = "ok"
         self.static_samples: list[Sample] = []
         self.nvlink_samples: list[Sample] = []
-        self.nvlink_state: dict[str, int | list[int] | None] = {}
+        self.nvlink_state: dict[str, int | tuple[int, ...] | None] = {}
         self.energy_joules: float | None = None  # the last slow-cadence read of the energy counter
         # link -> (state labels, (crc, replay, recovery) error labels); cleared when labels change
         self.link_label_cache: dict[int, tuple[_Labels, tuple[_Labels, ...]]] = {}
@@ -326,7 +326,7 @@ class GpuCollector:
             samples.extend(self._gpu_samples(gpu, reading, slow))
             states.append(self._gpu_state(gpu, reading))
             states[-1].job = jobs.get(gpu.index)
-            states[-1].processes = processes.get(gpu.index, [])
+            states[-1].processes = processes.get(gpu.index, ())
             samples.extend(process_samples(gpu.labels, states[-1].processes))
         available = not self._gpus or any(g.health != "unavailable" for g in self._gpus)
         self._set_available(available, now, events, "every NVML call fails: driver or library gone")
@@ -456,7 +456,7 @@ class GpuCollector:
             "nvlink_replay_errors_total": sums["replay"] if seen["replay"] else None,
             "nvlink_recovery_errors_total": sums["recovery"] if seen["recovery"] else None,
             "nvlink_links_active": active if r.nvlinks else None,
-            "nvlink_links_down": down,
+            "nvlink_links_down": tuple(down),
         }
 
     def _gpu_state(self, gpu: _Gpu, r: GpuReading) -> GpuState:
@@ -483,7 +483,7 @@ class GpuCollector:
         state.energy_joules = r.energy_joules
         state.performance_state = r.performance_state
         if r.clock_event_reasons is not None and self._backend is not None:
-            state.clock_event_reasons = self._backend.reason_names(r.clock_event_reasons)
+            state.clock_event_reasons = tuple(self._backend.reason_names(r.clock_event_reasons))
         state.ecc_corrected_volatile = r.ecc_corrected_volatile
         state.ecc_uncorrected_volatile = r.ecc_uncorrected_volatile
         state.ecc_corrected_aggregate = r.ecc_corrected_aggregate

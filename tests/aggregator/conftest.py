@@ -10,7 +10,7 @@ import pytest
 
 from tests.aggregator.aggregator_process import WebhookReceiver
 from tests.postgres import PostgresServer, skip_reason
-from vigil.agent.wire import Event, GpuState, PortState, RankSummary, Report
+from vigil.agent.wire import Event, GpuState, PortState, RankSummary, Report, convert
 from vigil.aggregator.fleet import GPU_COUNTERS, NodeState
 from vigil.aggregator.store import Store
 
@@ -64,8 +64,9 @@ class FakeNode:
         return Report(
             node=self.name, boot_id=self.boot_id, seq=self.seq, ts=ts, interval_seconds=self.interval,
             urgent=urgent, topology=dict(self.topology), nvml_available=self.nvml_available,
-            # Copies: a Struct keeps the lists and dicts it is given, and these change later.
-            gpus=[GpuState(**copy.deepcopy(g)) for i, g in self.gpus.items() if i not in drop_gpus],
+            # Copies: a Struct keeps the lists and dicts it is given, and these change later. GPU
+            # entries are converted as the service decodes them (their sequences become tuples).
+            gpus=[convert(g, GpuState) for i, g in self.gpus.items() if i not in drop_gpus],
             ports=[PortState(**copy.deepcopy(p)) for p in self.ports.values()],
             ranks=list(self.ranks), events=list(events or []))
 

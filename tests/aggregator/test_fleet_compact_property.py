@@ -57,7 +57,7 @@ def values(t: mi.Type) -> st.SearchStrategy[Any]:
     if isinstance(t, mi.StrType):
         assert t.pattern is None, "no field of an entry has a pattern yet: teach values() the pattern"
         return TEXT.filter(lambda s: len(s) >= (t.min_length or 0))
-    if isinstance(t, mi.ListType):
+    if isinstance(t, mi.ListType | mi.VarTupleType):  # both a JSON array
         return st.lists(values(t.item_type), max_size=min(MAX_ITEMS, t.max_length or MAX_ITEMS))
     if isinstance(t, mi.DictType):
         return st.dictionaries(TEXT, values(t.value_type), max_size=min(MAX_ITEMS, t.max_length or MAX_ITEMS))

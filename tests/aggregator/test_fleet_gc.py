@@ -48,6 +48,11 @@ def test_a_fleet_with_full_rings_keeps_few_objects_tracked_by_the_collector() ->
         assert len(gpu.samples) == config.state_history_reports
         assert not any(gc.is_tracked(s) for s in gpu.samples)
         assert not gc.is_tracked(gpu.last)
+        # Its sequences are tuples (wire.GpuState): the empty one is a shared constant and a full
+        # one of names or indices is untracked at the first collection; a list stays tracked.
+        assert gpu.last.clock_event_reasons == ("sw_power_cap",)
+        assert not any(gc.is_tracked(v) for v in (gpu.last.clock_event_reasons, gpu.last.nvlink_links_down,
+                                                  gpu.last.processes))
     for port in node.ports.values():
         assert len(port.samples) == config.state_history_reports
         assert not any(gc.is_tracked(s) for s in port.samples)

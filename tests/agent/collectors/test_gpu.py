@@ -91,7 +91,7 @@ def test_healthy_h100_node(make, clock):
     gpus = report["gpus"]
     assert [g.index for g in gpus] == list(range(8))
     assert gpus[0].uuid == uuid and gpus[0].health == "ok" and gpus[0].nvlink_links_active == 18
-    assert gpus[0].nvlink_crc_errors_total == 0 and gpus[0].nvlink_links_down == []
+    assert gpus[0].nvlink_crc_errors_total == 0 and gpus[0].nvlink_links_down == ()
     assert collection.events == []
 
 
@@ -185,9 +185,9 @@ def test_faults_show_at_their_scripted_time(make, clock):
     assert value(late, "vigil_gpu_nvlink_state", gpu="6", link="9") == 0
     assert value(late, "vigil_gpu_health", gpu="7", state="lost") == 1
     gpus = late_collection.report["gpus"]
-    assert gpus[2].clock_event_reasons == ["hw_slowdown", "hw_thermal_slowdown"]
+    assert gpus[2].clock_event_reasons == ("hw_slowdown", "hw_thermal_slowdown")
     assert gpus[3].nvlink_crc_errors_total == 1400
-    assert gpus[6].nvlink_links_down == [9] and gpus[6].nvlink_links_active == 17
+    assert gpus[6].nvlink_links_down == (9,) and gpus[6].nvlink_links_active == 17
     assert gpus[4].remap_pending is True
 
 
