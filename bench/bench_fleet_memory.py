@@ -48,8 +48,9 @@ PROBE_PER_SECOND = 100
 P99_BUDGET_MS = 100.0  # issue #20: intake p99 while the fleet is judged
 SECRET = b"bench-fleet-memory-secret-0123456789"
 # Objects of the fleet the cyclic garbage collector walks, per node: ~70-120 now (histories, their
-# rings, counter baselines; ~95 while the GPU states' sequences were lists). With its samples tracked (NamedTuples) the
-# fleet had ~620 and a full collection at 2,000 nodes stopped the service ~0.6 s (docs/reports.md).
+# rings, counter baselines; ~95 while the GPU states' sequences were lists). With its samples
+# tracked (NamedTuples) the fleet had ~620 and a full collection at 2,000 nodes stopped the service
+# ~0.6 s (docs/reports.md).
 MAX_TRACKED_PER_NODE = 200
 
 
