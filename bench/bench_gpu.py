@@ -36,6 +36,7 @@ def recorded() -> list[Measurement]:
                        for name, c in calls)
     agent = now["gpu_collector"]
     whole = json.loads((REAL / "agent-cpu-training.json").read_text())
+    parts = json.loads((REAL / "agent-cpu-breakdown.json").read_text())["cpu_ms_per_second"]
     return [
         Measurement(f"GPU collector, real H100 under load (recorded {stamp}): CPU per cycle per GPU",
                     agent["fast_cycle"]["cpu_seconds_median"] * 1e3, "ms", None,
@@ -45,6 +46,11 @@ def recorded() -> list[Measurement]:
                     "CPU per second", whole["cpu_ms_per_second"], "ms", None,
                     note=f"over {whole['seconds']:.0f} s under a training load; resident memory "
                          f"{whole['rss_bytes_start'] / 2**20:.1f} -> {whole['rss_bytes_end'] / 2**20:.1f} MiB"),
+        Measurement("whole agent process, real H100 idle (1 GPU, scripts/agent-cpu-breakdown.py): CPU per second",
+                    parts["all"], "ms", None,
+                    note=f"without the GPU collector {parts['without gpu']} ms, with none {parts['none']} ms: "
+                         f"the GPU collector ~{parts['all'] - parts['without gpu']:.1f} ms a second per GPU "
+                         "(x8 for an HGX node); /proc ticks, 0.5 ms/s resolution"),
         Measurement("backend read, real H100 idle: CPU per GPU", cycle["cpu_seconds_median"] * 1e3,
                     "ms", None, note="every query, NVLink and energy included"),
         Measurement("backend read, real H100: wall per GPU", cycle["wall_seconds_median"] * 1e3, "ms", None,

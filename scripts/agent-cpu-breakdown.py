@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""The agent process's CPU per second, whole and with one collector at a time switched off.
+
+Starts ``vigil agent`` on loopback once per variant (all collectors; without gpu, host, xid, rdma,
+training; none), lets it settle, and reads its user + system CPU from /proc over ``--seconds``:
+what each collector costs the node as the process really runs it (executor hand-offs, the Xid
+wait thread, the exporter), which the per-cycle benches do not see. Prints one JSON object. It
+changes nothing on the node; the real backend needs a GPU, ``--backend fake`` runs anywhere.
+
+    PYTHONPATH=$PWD python3 scripts/agent-cpu-breakdown.py --backend nvml --seconds 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+COLLECTORS = ("gpu", "host", "xid", "rdma", "training")
+SETTLE_SECONDS = 8.0  # start-up: identities, the first GPM sample, the first report
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def measure(backend: str, off: tuple[str, ...], seconds: float, work: Path) -> float:
+    """The agent's CPU milliseconds per second with the collectors ``off`` disabled."""
+    collectors: dict[str, Any] = {name: {"enabled": False} for name in off}
+    if "training" not in off:
+        collectors["training"] = {"udp_listen": f"127.0.0.1:{_free_port()}"}
+    config = work / "agent.yaml"
+    config.write_text(yaml.safe_dump({"node": "cpu-breakdown", "listen": f"127.0.0.1:{_free_port()}",
+                                      "nvml": {"backend": backend}, "collectors": collectors}))
+    kmsg = work / "kmsg"
+    kmsg.touch()
+    agent = subprocess.Popen([sys.executable, "-m", "vigil", "agent", "--config", str(config), "--kmsg", str(kmsg)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(SETTLE_SECONDS)
+        cpu0, wall0 = _cpu_seconds(agent.pid), time.monotonic()
+        time.sleep(seconds)
+        cpu1, wall1 = _cpu_seconds(agent.pid), time.monotonic()
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        try:
+            agent.wait(15)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+    return 1000.0 * (cpu1 - cpu0) / (wall1 - wall0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("nvml", "fake"), default="fake")
+    parser.add_argument("--seconds", type=float, default=25.0)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="vigil-cpu-"))
+    variants: list[tuple[str, tuple[str, ...]]] = [("all", ())]
+    variants += [(f"without {name}", (name,)) for name in COLLECTORS]
+    variants.append(("none", COLLECTORS))
+    out: dict[str, Any] = {"backend": args.backend, "seconds": args.seconds,
+                           "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_ms_per_second": {}}
+    for name, off in variants:
+        out["cpu_ms_per_second"][name] = round(measure(args.backend, off, args.seconds, work), 2)
+        print(f"{name}: {out['cpu_ms_per_second'][name]} ms/s", file=sys.stderr, flush=True)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
