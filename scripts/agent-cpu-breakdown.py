@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,28 +24,19 @@ from typing import Any
 
 import yaml
 
+from vigil.loadgen import free_port, read_proc
+
 COLLECTORS = ("gpu", "host", "xid", "rdma", "training")
 SETTLE_SECONDS = 8.0  # start-up: identities, the first GPM sample, the first report
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def measure(backend: str, off: tuple[str, ...], seconds: float, work: Path) -> float:
     """The agent's CPU milliseconds per second with the collectors ``off`` disabled."""
     collectors: dict[str, Any] = {name: {"enabled": False} for name in off}
     if "training" not in off:
-        collectors["training"] = {"udp_listen": f"127.0.0.1:{_free_port()}"}
+        collectors["training"] = {"udp_listen": f"127.0.0.1:{free_port()}"}
     config = work / "agent.yaml"
-    config.write_text(yaml.safe_dump({"node": "cpu-breakdown", "listen": f"127.0.0.1:{_free_port()}",
+    config.write_text(yaml.safe_dump({"node": "cpu-breakdown", "listen": f"127.0.0.1:{free_port()}",
                                       "nvml": {"backend": backend}, "collectors": collectors}))
     kmsg = work / "kmsg"
     kmsg.touch()
@@ -55,9 +44,9 @@ def measure(backend: str, off: tuple[str, ...], seconds: float, work: Path) -> f
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(SETTLE_SECONDS)
-        cpu0, wall0 = _cpu_seconds(agent.pid), time.monotonic()
+        cpu0, wall0 = read_proc(agent.pid).cpu_seconds, time.monotonic()
         time.sleep(seconds)
-        cpu1, wall1 = _cpu_seconds(agent.pid), time.monotonic()
+        cpu1, wall1 = read_proc(agent.pid).cpu_seconds, time.monotonic()
     finally:
         agent.send_signal(signal.SIGTERM)
         try:

@@ -51,6 +51,7 @@ from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.recording import RECORDING_FORMAT, RecordingNvml
 from vigil.agent.nvml.scenario import load_node_scenario
+from vigil.loadgen import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # The uid/gid an unprivileged agent runs as for the probe (nobody on Debian and Ubuntu).
@@ -273,14 +274,6 @@ def exercise_reset(nvml: Any, out: Path, do_reset: bool) -> dict[str, Any]:
     return results
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _get(url: str) -> bytes:
     import urllib.request
 
@@ -310,17 +303,17 @@ def _wait_http(url: str, proc: subprocess.Popen[str], seconds: float) -> None:
 
 
 def _process_cost(pid: int, warmup_seconds: float, seconds: float) -> dict[str, Any]:
-    """A process's CPU (user + system, from /proc through psutil) and resident memory over
-    ``seconds``, after ``warmup_seconds``."""
-    import psutil
+    """A process's CPU (user + system, from /proc) and resident memory over ``seconds``, after
+    ``warmup_seconds``."""
+    from vigil.loadgen import read_proc
 
-    proc = psutil.Process(pid)
     time.sleep(warmup_seconds)
-    cpu0, rss0, wall0 = sum(proc.cpu_times()[:2]), proc.memory_info().rss, time.monotonic()
+    before, wall0 = read_proc(pid), time.monotonic()
     time.sleep(seconds)
-    cpu1, rss1, wall1 = sum(proc.cpu_times()[:2]), proc.memory_info().rss, time.monotonic()
-    return {"seconds": wall1 - wall0, "cpu_seconds": cpu1 - cpu0,
-            "cpu_ms_per_second": 1000 * (cpu1 - cpu0) / (wall1 - wall0), "rss_bytes_start": rss0, "rss_bytes_end": rss1}
+    after, wall1 = read_proc(pid), time.monotonic()
+    cpu = after.cpu_seconds - before.cpu_seconds
+    return {"seconds": wall1 - wall0, "cpu_seconds": cpu, "cpu_ms_per_second": 1000 * cpu / (wall1 - wall0),
+            "rss_bytes_start": before.rss_bytes, "rss_bytes_end": after.rss_bytes}
 
 
 def run_agent(out: Path, seconds: float, rehearse: bool, training: bool = False) -> None:
@@ -333,7 +326,7 @@ def run_agent(out: Path, seconds: float, rehearse: bool, training: bool = False)
 
     suffix = "-training" if training else ""
     work = Path(tempfile.mkdtemp(prefix="vigil-record-"))
-    agg_port, agent_port, heartbeat_port = _free_port(), _free_port(), _free_port()
+    agg_port, agent_port, heartbeat_port = free_port(), free_port(), free_port()
     agg_url = f"http://127.0.0.1:{agg_port}"
     (work / "aggregator.yaml").write_text(yaml.safe_dump({
         "listen": f"127.0.0.1:{agg_port}", "store_path": str(work / "decisions.sqlite"), "dry_run": True,
