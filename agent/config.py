@@ -45,6 +45,12 @@ class AggregatorTarget(StrictModel):
     cert_file: str | None = None  # client certificate (PEM) where the site uses mTLS ...
     key_file: str | None = None  # ... and its key
     interval_seconds: float = Field(default=2.5, gt=0)
+    # How often a compact (version 2) report carries the telemetry that moved (wire.py's
+    # GPU_TELEMETRY_FIELDS and PORT_TRAFFIC_COUNTERS: utilization of memory, profiling ratios,
+    # throughputs, traffic counters; nothing a detector judges); 0: every report. 30 s keeps the
+    # aggregator's copy as fresh as a 30 s scrape while most reports leave out over half their
+    # bytes; dashboards read it from this agent's /metrics at scrape resolution anyway.
+    telemetry_seconds: float = Field(default=30.0, ge=0, le=3600)
     timeout_seconds: float = Field(default=5.0, gt=0)
     max_backoff_seconds: float = Field(default=60.0, gt=0)
     # Every report is built at or under this (agent/limits.py: the aggregator's max_body_bytes

@@ -131,7 +131,8 @@ class Agent:
             timeout_seconds=target.timeout_seconds, max_backoff_seconds=target.max_backoff_seconds,
             max_report_bytes=target.max_report_bytes, max_pending_event_bytes=target.max_pending_event_bytes,
             ssl_context=client_ssl_context(url, target.ca_file, target.cert_file, target.key_file),
-            state_dir=reporter_state_dir(seams.state_dir, i), clock=seams.clock, node_actions=self.node_actions.handle)
+            state_dir=reporter_state_dir(seams.state_dir, i), clock=seams.clock, node_actions=self.node_actions.handle,
+            telemetry_seconds=target.telemetry_seconds)
             for i, url in enumerate(target.targets or [None])]
         self.reporter = self.reporters[0]
         self.heartbeats = HeartbeatIntake(self.heartbeat_sink(), seams.clock)

@@ -4,15 +4,18 @@ It reads two reports as JSON-ready dicts (the one the aggregator accepted and th
 now, both without events) and emits the version-2 body: every GPU, port and rank with its
 required fields (its identity) and the fields whose default is not None as they are, plus the
 optional fields that changed to a value (a port's counters: only those that moved; a field that
-became absent is named in ``cleared``), the report's own fields whole. It decides nothing about
-when to send it (agent/reporter.py negotiates the version and keeps the base) and sends nothing.
+became absent is named in ``cleared``), the report's own fields whole. Told to hold telemetry
+back (wire.GPU_TELEMETRY_FIELDS and wire.PORT_TRAFFIC_COUNTERS), it leaves out what of it
+moved and puts the base's values back into the current state, which is then what the aggregator
+holds once it accepts the body. It decides nothing about when to send it (agent/reporter.py
+negotiates the version, keeps the base and says when telemetry goes out) and sends nothing.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vigil.agent.wire import CLEARABLE, DELTA_VERSION, Report, to_builtins
+from vigil.agent.wire import CLEARABLE, DELTA_VERSION, GPU_TELEMETRY_FIELDS, PORT_TRAFFIC_COUNTERS, Report, to_builtins
 
 # What names an entry of each section: the same names in the same order, or the report goes whole.
 IDENTITY = {"gpus": ("index", "uuid"), "ports": ("device", "port"), "ranks": ("job", "rank")}
@@ -22,6 +25,8 @@ _KEPT_WHEN_ABSENT = ("topology", "host")
 # Port fields for a reader of one report, never sent in version 2: the aggregator derives its
 # own increases from the raw counters over its window.
 V2_PORT_EXCLUDE = frozenset({"deltas", "rates_per_second"})
+# A held-back field the base did not have (taken out of the current state again).
+_ABSENT = object()
 
 
 def whole(report: Report) -> dict[str, Any]:
@@ -36,9 +41,13 @@ def whole(report: Report) -> dict[str, Any]:
     return state
 
 
-def delta(base: dict[str, Any], current: dict[str, Any]) -> dict[str, Any] | None:
+def delta(base: dict[str, Any], current: dict[str, Any], *, telemetry: bool = True) -> dict[str, Any] | None:
     """``current`` relative to ``base``; None when their structure differs (other GPUs, ports or
-    ranks, in another order, a port's counter names, a host that went away): send it whole."""
+    ranks, in another order, a port's counter names, a host that went away): send it whole.
+    ``telemetry`` False: the telemetry that moved is left out, and ``current`` gets the base's
+    values of it back (only when a body is returned), so it stays what the aggregator holds."""
+    # (entry dict, field, the base's value or _ABSENT): what to put back once the body is sure.
+    held: list[tuple[dict[str, Any], str, Any]] = []
     out = {k: v for k, v in current.items() if k not in IDENTITY and k not in _KEPT_WHEN_ABSENT}
     for key in _KEPT_WHEN_ABSENT:
         if key in base and key not in current:
@@ -63,6 +72,10 @@ def delta(base: dict[str, Any], current: dict[str, Any]) -> dict[str, Any] | Non
             # the agent: bench_agent prints its cost per report).
             get = b.get
             entry = {k: v for k, v in c.items() if k not in optional or get(k) != v}
+            if not telemetry and section == "gpus" and not GPU_TELEMETRY_FIELDS.isdisjoint(entry):
+                for name in GPU_TELEMETRY_FIELDS.intersection(entry):
+                    del entry[name]
+                    held.append((c, name, get(name, _ABSENT)))
             if b.keys() != c.keys():
                 # Absent now: an optional field became None (named in ``cleared``); any other
                 # field is at its default, which its absence says.
@@ -72,6 +85,10 @@ def delta(base: dict[str, Any], current: dict[str, Any]) -> dict[str, Any] | Non
                 if counters.keys() != was.keys():
                     return None
                 moved = {name: value for name, value in counters.items() if was[name] != value}
+                if not telemetry and not PORT_TRAFFIC_COUNTERS.isdisjoint(moved):
+                    for name in PORT_TRAFFIC_COUNTERS.intersection(moved):
+                        del moved[name]
+                        held.append((counters, name, was[name]))
                 entry.pop("counters", None)
                 if moved:
                     entry["counters"] = moved
@@ -79,4 +96,10 @@ def delta(base: dict[str, Any], current: dict[str, Any]) -> dict[str, Any] | Non
         out[section] = entries
     if cleared:
         out["cleared"] = cleared
+    for into, name, value in held:
+        if value is _ABSENT:
+            del into[name]
+        else:
+            into[name] = value
     return out
+

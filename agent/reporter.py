@@ -10,7 +10,9 @@ restart or a crash keeps them. An urgent event makes the reporter push at once. 
 in the aggregator's 202 answer go to the node-action runner (off the event loop, one at a time), and
 their results ride the following reports until one carrying them is accepted. Reports are
 version 1 (whole) until an aggregator's answer lists version 2 in ``report_versions``; then each
-report carries only what changed since the last one accepted (agent/report_delta.py). A version-2
+report carries only what changed since the last one accepted (agent/report_delta.py), its
+telemetry (wire.GPU_TELEMETRY_FIELDS, wire.PORT_TRAFFIC_COUNTERS) at most every
+``telemetry_seconds``. A version-2
 report refused for its base (409 delta_base) is resent whole, one refused otherwise (an older
 aggregator) is resent as version 1, events kept either way. It judges nothing.
 """
@@ -26,7 +28,7 @@ import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -152,6 +154,16 @@ def client_ssl_context(url: str | None, ca_file: str | None = None, cert_file: s
     return context
 
 
+class _Held(NamedTuple):
+    """A version-2 report's state as the aggregator holds it once accepted: its seq, the state
+    (without events; held-back telemetry at the values sent before), and when it last got the
+    telemetry (the agent's clock)."""
+
+    seq: int
+    state: dict[str, Any]
+    telemetry_ts: float
+
+
 class Reporter:
     def __init__(
         self,
@@ -171,6 +183,7 @@ class Reporter:
         state_dir: Path | None = None,
         clock: Callable[[], float] = time.time,
         node_actions: NodeActionHandler | None = None,
+        telemetry_seconds: float = 30.0,
     ) -> None:
         self._url = url.rstrip("/") + "/v1/reports" if url else None
         self._token = token
@@ -203,8 +216,10 @@ class Reporter:
         # report it accepted (seq, state without events: what a compact report is relative to),
         # and the state of the body just built (the base once it is accepted).
         self.report_version = WIRE_VERSION
-        self._base: tuple[int, dict[str, Any]] | None = None
-        self._built: tuple[int, dict[str, Any]] | None = None
+        self._base: _Held | None = None
+        self._built: _Held | None = None
+        # A compact report carries the telemetry that moved only when the base's is this old.
+        self._telemetry_seconds = telemetry_seconds
         # Node actions: the runner (blocking: run in a thread), requests waiting for it, and
         # results waiting for an accepted report (those in the last body built are "carried").
         self._node_actions = node_actions
@@ -307,12 +322,17 @@ class Reporter:
             self._built = None
             return encode(replace(report, events=[]))
         state = whole(report)
-        self._built = (report.seq, state)
-        body = state
+        now = self._clock()
+        body, telemetry_ts = state, now
         if self._base is not None:
-            compact = delta(self._base[1], state)
+            refresh = now - self._base.telemetry_ts >= self._telemetry_seconds
+            # Holding telemetry back puts the base's values back into ``state``: what the
+            # aggregator holds once it accepts this body, so the base of the next one.
+            compact = delta(self._base.state, state, telemetry=refresh)
             if compact is not None:
-                body = {**compact, "base_seq": self._base[0]}
+                body = {**compact, "base_seq": self._base.seq}
+                telemetry_ts = now if refresh else self._base.telemetry_ts
+        self._built = _Held(report.seq, state, telemetry_ts)
         # msgspec's encoder: the same JSON as json.dumps (compact, shortest float repr), a fraction
         # of its CPU on the ~9 KiB compact body (bench_agent).
         return encode(body)

@@ -25,13 +25,39 @@ from vigil.agent.limits import REPORT_MAX_EVENTS
 # (its identity), every field whose default is not None as it is now (a list, a dict, a state
 # word: absent means its default), and of the fields whose default is None only those that
 # changed to a value (port counters: only those that moved); one that became absent is named in
-# the report's ``cleared``. The rest is as in the base. Ports never carry
+# the report's ``cleared``, except telemetry (below), which may wait up to 30 s. The rest is as in
+# the base. Ports never carry
 # ``deltas``/``rates_per_second`` in version 2 (the aggregator computes its own from the raw
 # counters). An agent sends 2 only to an aggregator whose answer to a report lists it in
 # ``report_versions``.
 WIRE_VERSION = 1
 DELTA_VERSION = 2
 REPORT_VERSIONS = (WIRE_VERSION, DELTA_VERSION)
+
+# Telemetry: what describes how busy a GPU or a link is and no detector judges. On a busy node
+# it moves every report (~13 floats a GPU, ~10 counters a port: over half a compact report's
+# bytes and a quarter of the aggregator's CPU per report, bench_ingest), while dashboards read it
+# from the agent's own /metrics at scrape resolution. A version-2 report carries what of it moved
+# at most every ``report_telemetry_seconds`` (agent config, 30 s by default); in between the
+# aggregator keeps the value it was last sent (docs/reports.md, "Telemetry resolution"). Version
+# 1 and every whole report carry all of it. A detector must never read these (a test keeps the
+# detectors' sources free of the GPU names; the network detector's config refuses the counters).
+GPU_TELEMETRY_FIELDS = frozenset({
+    # NVML utilization and memory use: utilization_gpu_ratio is judged (thermal, gpu_peer), these not.
+    "utilization_memory_ratio", "memory_used_bytes", "energy_joules",
+    # NVML GPM (Hopper and later) profiling ratios and throughputs.
+    "graphics_active_ratio", "sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio", "dram_active_ratio",
+    "fp16_active_ratio", "fp32_active_ratio", "fp64_active_ratio",
+    "pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second", "nvlink_tx_bytes_per_second",
+    "nvlink_rx_bytes_per_second"})
+# Port counters that count traffic, not faults: the IBTA PortCounters/PortCountersExtended data
+# and packet counters (sysfs ports/N/counters), and mlx5's received RDMA operations (ports/N/
+# hw_counters, NVIDIA's "Understanding mlx5 Linux Counters"). Errors, link events and congestion
+# (port_xmit_wait, ECN marks, CNPs, pauses) are not here: they go in every report that moves them.
+PORT_TRAFFIC_COUNTERS = frozenset({
+    "port_xmit_data", "port_rcv_data", "port_xmit_packets", "port_rcv_packets",
+    "unicast_xmit_packets", "unicast_rcv_packets", "multicast_xmit_packets", "multicast_rcv_packets",
+    "rx_read_requests", "rx_write_requests", "rx_atomic_requests", "rx_dct_connect"})
 
 # A node name is what a hostname can be (RFC 1123 section 2.1, RFC 952): dot-separated labels
 # of letters, digits and inner hyphens, 1-63 characters each, 253 in all. Nothing else: a

@@ -30,7 +30,10 @@ NODES = 500
 # docs/architecture.md section 9 (issue #20): 100,000 GPUs at one report per 2.5 s take
 # 5,000 reports/s; three times that leaves a core for judging, HTTP and bursts.
 BUDGET_REPORTS_PER_SECOND = 15_000
-ROUNDS = 8
+# The first round is whole; of the 12 compact ones after it, the last carries the telemetry that
+# moved (the agent sends it every 30 s, agent_reports.TELEMETRY_SECONDS): the share it has in a
+# node's steady stream of reports.
+ROUNDS = 13
 
 
 def payloads(version: int = WIRE_VERSION) -> list[tuple[float, bytes]]:

@@ -1,7 +1,8 @@
 """Reports as the real agent sends them, for the ingest benchmark (bench/bench_ingest.py) and the
 load generator (``vigil loadgen``): consecutive reports of one agent built by the agent's own
-pipeline over FakeNvml (8x H100 SXM), 8 ConnectX-7 HCAs with their traffic counters moving, and
-8 training ranks sending heartbeats; then given a node's name, boot id, seq, time and rank numbers.
+pipeline over FakeNvml (8x H100 SXM training at their power cap, a process each), 8 ConnectX-7
+HCAs with their traffic counters moving, and 8 training ranks sending heartbeats; then given a
+node's name, boot id, seq, time and rank numbers.
 
 It reads a scratch directory of its own (the HCA sysfs tree, the kernel log) and emits report
 dicts (each round in the forms the agent can send it: whole version 1, whole version 2, compact
@@ -10,6 +11,7 @@ version 2) and pre-rendered JSON templates; it sends nothing and talks to no ser
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vigil.agent.config import parse_config
+from vigil.agent.config import AggregatorTarget, parse_config
 from vigil.agent.daemon import Agent
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
@@ -33,7 +35,11 @@ from vigil.sim import fabric
 HCAS = 8
 RANKS = 8
 INTERVAL_SECONDS = 2.5  # the agent's default report interval
+TELEMETRY_SECONDS = AggregatorTarget().telemetry_seconds  # and how often its compact ones carry telemetry
 START_TS = 1_700_000_000.0
+# The GPUs as a real H100 training node reports them: busy at the power cap (sw_power_cap), a
+# process per GPU (scenarios/node/training-h100.yaml, from the real H100 recording).
+SCENARIO = "training-h100"
 # Counters that move on a busy NDR port between two reports (bytes are in 4-byte words in sysfs).
 TRAFFIC = {"port_xmit_data": 2_500_000_000, "port_rcv_data": 2_500_000_000, "port_xmit_packets": 2_400_000,
            "port_rcv_packets": 2_400_000, "unicast_xmit_packets": 2_400_000, "unicast_rcv_packets": 2_400_000,
@@ -49,7 +55,7 @@ class Clock:
 
 
 def build_agent(tmp: Path, clock: Clock, hca_template: Path | None = None) -> Agent:
-    """The real agent over FakeNvml (healthy-h100) and an 8-HCA sysfs tree under ``tmp``:
+    """The real agent over FakeNvml (``SCENARIO``) and an 8-HCA sysfs tree under ``tmp``:
     ``hca_template`` (a recorded ``class/infiniband/<hca>`` directory) copied 8 times, or the
     fleet simulator's ConnectX-7 NDR tree when None (it ships with the package)."""
     kmsg = tmp / "kern.log"
@@ -62,10 +68,12 @@ def build_agent(tmp: Path, clock: Clock, hca_template: Path | None = None) -> Ag
             shutil.copytree(hca_template, ib / f"mlx5_{i}")
     else:
         fabric.build_tree(sysfs, HCAS)
-    config = parse_config({"node": "bench-node", "nvml": {"backend": "fake", "scenario": "healthy-h100"}})
-    backend = PynvmlBackend(FakeNvml(load_node_scenario("healthy-h100"), clock, start=clock()))
+    config = parse_config({"node": "bench-node", "nvml": {"backend": "fake", "scenario": SCENARIO}})
+    backend = PynvmlBackend(FakeNvml(load_node_scenario(SCENARIO), clock, start=clock()))
     backend.init()
-    seams = Seams(nvml=backend, clock=clock, kmsg=str(kmsg), sysfs_root=sysfs, state_dir=tmp,
+    proc = tmp / "proc"  # the ranks' processes, as a node without Slurm or pods shows them (pid only)
+    proc.mkdir()
+    seams = Seams(nvml=backend, clock=clock, kmsg=str(kmsg), sysfs_root=sysfs, state_dir=tmp, proc_root=proc,
                   extra={"pid_alive": lambda pid: True})
     return Agent(config, seams)
 
@@ -76,7 +84,8 @@ def agent_reports(rounds: int, hca_template: Path | None = None, interval_second
     them), one every ``interval_seconds`` of its fake clock; the first cycle (no deltas yet) is
     not among them. ``version`` 2: the agent was told the aggregator takes it and each report
     was accepted, so the first is whole and each later one lists what changed since the one
-    before (its ``base_seq`` is renumbered by ``for_node``). ``build_cpu_seconds``, when given,
+    before (its ``base_seq`` is renumbered by ``for_node``), the telemetry that moved only every
+    ``TELEMETRY_SECONDS`` of the fake clock (in the 13th of 13 rounds at 2.5 s). ``build_cpu_seconds``, when given,
     gets the CPU time of each of those reports' building by the Reporter (build_body, and
     taking the answer in version 2), for bench_agent."""
     clock = Clock()
@@ -129,12 +138,16 @@ def report_forms(rounds: int, hca_template: Path | None = None,
                  interval_seconds: float = INTERVAL_SECONDS) -> list[RoundForms]:
     """``agent_reports``' rounds in all three forms, built with the agent's own functions
     (report_delta.whole and report_delta.delta). The first round's compact form is relative to
-    the last round, so a sender may cycle through them."""
+    the last round, so a sender may cycle through them. As the agent does by default, a compact
+    form carries the telemetry that moved once every ``TELEMETRY_SECONDS`` of rounds (every
+    12th at 2.5 s) and holds it back in the others."""
     v1 = agent_reports(rounds, hca_template, interval_seconds)
     v2 = [whole(convert(r, Report)) for r in v1]
+    every = max(1, round(TELEMETRY_SECONDS / interval_seconds))
     out = []
     for k, (r1, r2) in enumerate(zip(v1, v2, strict=True)):
-        compact = delta(v2[k - 1], r2)
+        # delta puts held-back telemetry back into the state it is given: give it a copy.
+        compact = delta(v2[k - 1], copy.deepcopy(r2), telemetry=k % every == 0)
         out.append(RoundForms(r1, r2, None if compact is None else {**compact, "base_seq": r2["seq"] - 1}))
     return out
 

@@ -28,6 +28,7 @@ from collections import Counter
 from pydantic import Field, model_validator
 
 from vigil.agent.validation import StrictModel
+from vigil.agent.wire import PORT_TRAFFIC_COUNTERS
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.fleet import FleetView, NodeState, PortHistory, port_is_active
 
@@ -96,6 +97,13 @@ class NetworkConfig(StrictModel):
         extra = sorted(set(self.flap_slow_counters) - set(self.flap_counters))
         if extra:
             raise ValueError(f"flap_slow_counters must be among flap_counters; not: {extra}")
+        # Traffic counters reach the aggregator at telemetry resolution only (wire.py): judged,
+        # they would read as bursts every report_telemetry_seconds and silence in between.
+        traffic = sorted(PORT_TRAFFIC_COUNTERS.intersection(
+            [*self.flap_counters, *self.error_counters, *self.congestion_counters]))
+        if traffic:
+            raise ValueError(f"{traffic} count traffic, not faults: agents send them at telemetry resolution "
+                             "(agent aggregator.telemetry_seconds), so no rule may judge them")
         return self
 
 

@@ -1,8 +1,10 @@
 """Report version negotiation, both ways, with the real Reporter: against the real aggregator
 application it moves from version 1 to the compact version 2 once an answer lists it, and the
-fleet holds the same state as from whole reports; against an aggregator that does not list it
-(an older one) it keeps sending version 1; a restarted aggregator (no base) gets the report
-whole again, and one rolled back (refusing version 2) gets version 1, with no event lost."""
+fleet holds the same state as from whole reports (with telemetry in every report; by default the
+compact ones carry it every 30 s, and the fleet has it as of the last refresh); against an
+aggregator that does not list it (an older one) it keeps sending version 1; a restarted
+aggregator (no base) gets the report whole again, and one rolled back (refusing version 2) gets
+version 1, with no event lost."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class Seen:
     """(status, version, base_seq, event codes) of each report body, in arrival order."""
 
     bodies: list[tuple[int, int, int | None, list[int]]] = field(default_factory=list)
+    raw: list[dict] = field(default_factory=list)  # each body as sent
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     async def add(self, status: int, body: bytes) -> None:
@@ -44,6 +47,7 @@ class Seen:
         async with self.changed:
             self.bodies.append((status, raw.get("version", 1), raw.get("base_seq"),
                                 [e["code"] for e in raw.get("events", [])]))
+            self.raw.append(raw)
             self.changed.notify_all()
 
     async def until(self, predicate: Callable[[], bool]) -> None:
@@ -101,21 +105,24 @@ async def serving(app: web.Application, port: int) -> AsyncIterator[None]:
         await runner.cleanup()
 
 
-def node_snapshot(temperature: float, xmit: int, rcv: int, snap: Snapshot | None = None) -> Snapshot:
+def node_snapshot(temperature: float, xmit: int, rcv: int, snap: Snapshot | None = None, *,
+                  sm_active: float = 0.5, symbol_errors: int = 0) -> Snapshot:
     """The node's state as its collectors put it (into ``snap`` when given, as a new cycle does)."""
     snap = snap if snap is not None else Snapshot()
     gpus = [GpuState(index=i, uuid=f"GPU-{i}", temperature_celsius=temperature + i, power_limit_watts=700.0,
-                     ecc_corrected_volatile=3) for i in range(2)]
+                     ecc_corrected_volatile=3, sm_active_ratio=sm_active) for i in range(2)]
     ports = [PortState(device="mlx5_0", port=1, state="4: ACTIVE", rate_bits_per_second=4e11,
-                       counters={"port_xmit_data": xmit, "port_rcv_data": rcv, "symbol_error": 0})]
+                       counters={"port_xmit_data": xmit, "port_rcv_data": rcv, "symbol_error": symbol_errors})]
     snap.put("gpu", CollectorResult(Collection(report={"gpus": gpus}), True, 0.001, 1.0))
     snap.put("rdma", CollectorResult(Collection(report={"ports": ports}), True, 0.001, 1.0))
     return snap
 
 
-def reporter(url: str, snap: Snapshot) -> Reporter:
+def reporter(url: str, snap: Snapshot, *, telemetry_seconds: float = 30.0,
+             clock: Callable[[], float] = time.time) -> Reporter:
     return Reporter(url=url, token=node_token(SECRET, NODE), node=NODE, boot_id="boot-1", topology={"rack": "r1"},
-                    snapshot=snap, interval_seconds=0.02, max_backoff_seconds=0.05)
+                    snapshot=snap, interval_seconds=0.02, max_backoff_seconds=0.05,
+                    telemetry_seconds=telemetry_seconds, clock=clock)
 
 
 @asynccontextmanager
@@ -137,7 +144,7 @@ async def test_the_agent_sends_compact_reports_once_the_aggregator_lists_them_an
     seen, port, backend = Seen(), free_port(), free_port()
     app = aggregator_app()
     snap = node_snapshot(40.0, 1000, 2000)
-    rep = reporter(f"http://127.0.0.1:{port}", snap)
+    rep = reporter(f"http://127.0.0.1:{port}", snap, telemetry_seconds=0)
     async with serving(app, backend), serving(front(seen, f"http://127.0.0.1:{backend}"), port), reporting(rep):
         await seen.until(lambda: len(seen.accepted()) >= 3)
         # Values move: one GPU field and one counter; the rest must stay as the base had them.
@@ -164,6 +171,45 @@ async def test_the_agent_sends_compact_reports_once_the_aggregator_lists_them_an
     assert [(g.index, g.power_limit_watts, g.ecc_corrected_volatile) for g in shown.gpus] == [
         (0, 700.0, 3), (1, 700.0, 3)]
     assert shown.ports[0].counters == counters and shown.topology == {"rack": "r1"}
+
+
+async def test_compact_reports_carry_telemetry_every_telemetry_seconds_and_faults_in_every_report():
+    """Telemetry (a GPU's profiling ratio, a port's traffic counter) that moves waits for the
+    next refresh; a judged field and a fault counter that move go in the next report; a whole
+    report carries everything; after the refresh the fleet holds what the agent has."""
+    seen, port, backend = Seen(), free_port(), free_port()
+    app = aggregator_app()
+    now = [time.time()]
+    snap = node_snapshot(40.0, 1000, 2000, sm_active=0.1)
+    rep = reporter(f"http://127.0.0.1:{port}", snap, clock=lambda: now[0])
+    async with serving(app, backend), serving(front(seen, f"http://127.0.0.1:{backend}"), port), reporting(rep):
+        await seen.until(lambda: len(seen.accepted()) >= 3)
+        node_snapshot(55.0, 5000, 2000, snap, sm_active=0.9, symbol_errors=2)
+        moved = len(seen.raw)
+        await seen.until(lambda: len(seen.accepted()) >= 6)
+        node = app[ENGINE_KEY].fleet.view().nodes[NODE]
+        held = (node.gpus[1].last.sm_active_ratio, node.ports[("mlx5_0", 1)].last.counters["port_xmit_data"])
+        fresh = (node.gpus[1].last.temperature_celsius, node.ports[("mlx5_0", 1)].last.counters["symbol_error"])
+        refreshed = len(seen.raw)
+        now[0] += 30.0  # the agent's clock: the telemetry interval has passed
+        await seen.until(lambda: len(seen.accepted()) >= 9)
+    assert held == (0.1, 1000)  # as of the whole report: nothing moved it since
+    assert fresh == (56.0, 2)  # judged and faults: in the next compact report
+    # The first body that carries the telemetry again was built after the clock moved (one
+    # already in flight then may still hold it back).
+    refresh = next(i for i in range(moved, len(seen.raw)) if "sm_active_ratio" in seen.raw[i]["gpus"][0])
+    assert refresh >= refreshed
+    sent = seen.raw[moved:refresh]
+    assert len(sent) >= 3 and all(r.get("base_seq") is not None for r in sent)
+    assert not any("sm_active_ratio" in g for r in sent for g in r["gpus"])
+    assert not any("port_xmit_data" in p.get("counters", {}) for r in sent for p in r["ports"])
+    assert [g["sm_active_ratio"] for g in seen.raw[refresh]["gpus"]] == [0.9, 0.9]
+    assert seen.raw[refresh]["ports"][0]["counters"] == {"port_xmit_data": 5000}
+    assert not any("sm_active_ratio" in g for r in seen.raw[refresh + 1:] for g in r["gpus"])  # unchanged since
+    node = app[ENGINE_KEY].fleet.view().nodes[NODE]
+    assert node.gpus[1].last.sm_active_ratio == 0.9 and node.ports[("mlx5_0", 1)].last.counters == {
+        "port_xmit_data": 5000, "port_rcv_data": 2000, "symbol_error": 2}
+    assert seen.raw[1].get("base_seq") is None and seen.raw[1]["gpus"][0]["sm_active_ratio"] == 0.1  # whole
 
 
 async def test_an_aggregator_that_does_not_list_version_2_keeps_getting_version_1():

@@ -102,3 +102,32 @@ def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list
     assert compact[4].cleared == [("gpus", 2, "temperature_celsius"), ("ports", 1, "rate_bits_per_second")]
     assert [s.health for s in b.gpus[3].samples][3:7] == ["ok", "reset_required", "reset_required", "ok"]
     assert b.gpus[2].last.temperature_celsius == 64.0 and b.ports[("mlx5_3", 1)].last.flags == {}
+
+
+@pytest.mark.parametrize("port_counters", [None, JUDGED_PORT_COUNTERS], ids=["all-judged", "some-judged"])
+def test_telemetry_held_back_leaves_the_fleet_as_the_agents_held_state_says(port_counters: list[str] | None) -> None:
+    """The agent's base after a compact report with telemetry held back (report_delta puts the
+    base's values back into its state) is exactly what the aggregator holds: the fleet fed the
+    compact bodies equals the fleet fed those held states whole, and every third report (a
+    refresh) brings the telemetry up to the agent's."""
+    reports = _reports()
+    for k, r in enumerate(reports):
+        for gpu in r.gpus:
+            gpu.sm_active_ratio = 0.5 + k / 100  # telemetry: moves every report
+    compact, held = [_wire(whole(reports[0]))], [_wire(whole(reports[0]))]
+    base = whole(reports[0])
+    for k, now in enumerate(reports[1:], start=1):
+        state = whole(now)
+        body = delta(base, state, telemetry=k % 3 == 0)
+        assert body is not None
+        compact.append(_wire({**body, "base_seq": base["seq"]}))
+        held.append(_wire(state))
+        base = state
+    a = _ingested(held, port_counters).view().nodes["n1"]
+    b = _ingested(compact, port_counters).view().nodes["n1"]
+    assert_same_node(a, b)
+    assert [g.sm_active_ratio for g in held[4].gpus][:1] == [0.53]  # as refreshed at k=3
+    assert held[4].ports[0].counters["port_xmit_data"] == reports[3].ports[0].counters["port_xmit_data"]
+    assert held[4].ports[0].counters["symbol_error"] == reports[4].ports[0].counters["symbol_error"]  # a fault: sent
+    assert b.gpus[0].last.sm_active_ratio == 0.5 + 9 / 100  # the last refresh, k=9 of 0..11
+    assert b.gpus[0].last.utilization_gpu_ratio == reports[-1].gpus[0].utilization_gpu_ratio  # judged: every report
