@@ -325,7 +325,9 @@ class Reporter:
         now = self._clock()
         body, telemetry_ts = state, now
         if self._base is not None:
-            refresh = now - self._base.telemetry_ts >= self._telemetry_seconds
+            # (A clock stepped back refreshes at once rather than holding telemetry until it catches up.)
+            since = now - self._base.telemetry_ts
+            refresh = since >= self._telemetry_seconds or since < 0
             # Holding telemetry back puts the base's values back into ``state``: what the
             # aggregator holds once it accepts this body, so the base of the next one.
             compact = delta(self._base.state, state, telemetry=refresh)

@@ -287,3 +287,28 @@ async def test_an_aggregator_rolled_back_gets_version_1_and_no_event_is_lost():
     carried = [(v, codes) for v, _, codes in seen.accepted() if 31 in codes]
     assert carried == [(1, [31])]  # resent as version 1, once
     assert rep.counts["downgraded"] >= 1 and rep.dropped_events == 0 and rep.report_version == 1
+
+
+def test_telemetry_waits_for_its_interval_and_a_clock_stepped_back_refreshes_it_at_once():
+    now = [time.time()]
+    snap = node_snapshot(40.0, 1000, 2000, sm_active=0.1)
+    rep = reporter("http://127.0.0.1:1", snap, clock=lambda: now[0])
+    versions = {"report_versions": [1, 2]}
+
+    def sent() -> dict:
+        body = json.loads(rep.build_body()[0])
+        rep.accepted(versions)
+        return body
+
+    assert sent().get("version", 1) == 1  # until an answer lists version 2
+    assert sent()["gpus"][0]["sm_active_ratio"] == 0.1  # whole version 2
+    node_snapshot(40.0, 1000, 2000, snap, sm_active=0.9)
+    now[0] += 29.0
+    assert "sm_active_ratio" not in sent()["gpus"][0]  # 29 s: held back
+    now[0] += 1.0
+    assert sent()["gpus"][0]["sm_active_ratio"] == 0.9  # 30 s since the whole one
+    node_snapshot(40.0, 1000, 2000, snap, sm_active=0.5)
+    now[0] += 5.0
+    assert "sm_active_ratio" not in sent()["gpus"][0]
+    now[0] -= 3600.0  # NTP stepped the clock back an hour
+    assert sent()["gpus"][0]["sm_active_ratio"] == 0.5
