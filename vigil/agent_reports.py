@@ -85,9 +85,9 @@ def agent_reports(rounds: int, hca_template: Path | None = None, interval_second
     not among them. ``version`` 2: the agent was told the aggregator takes it and each report
     was accepted, so the first is whole and each later one lists what changed since the one
     before (its ``base_seq`` is renumbered by ``for_node``), the telemetry that moved only every
-    ``TELEMETRY_SECONDS`` of the fake clock (in the 13th of 13 rounds at 2.5 s). ``build_cpu_seconds``, when given,
-    gets the CPU time of each of those reports' building by the Reporter (build_body, and
-    taking the answer in version 2), for bench_agent."""
+    ``TELEMETRY_SECONDS`` of the fake clock (in the 13th of 13 rounds at 2.5 s).
+    ``build_cpu_seconds``, when given, gets the CPU time of each of those reports' building by
+    the Reporter (build_body, and taking the answer in version 2), for bench_agent."""
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="vigil-reports-") as d:
         agent = build_agent(Path(d), clock, hca_template)
