@@ -45,7 +45,7 @@ class AggregatorTarget(StrictModel):
     cert_file: str | None = None  # client certificate (PEM) where the site uses mTLS ...
     key_file: str | None = None  # ... and its key
     interval_seconds: float = Field(default=2.5, gt=0)
-    # How often a compact (version 2) report carries the telemetry that moved (wire.py's
+    # How often a compact (version 2 or 3) report carries the telemetry that moved (wire.py's
     # GPU_TELEMETRY_FIELDS and PORT_TRAFFIC_COUNTERS: utilization of memory, profiling ratios,
     # throughputs, traffic counters; nothing a detector judges); 0: every report. 30 s keeps the
     # aggregator's copy as fresh as a 30 s scrape while most reports leave out over half their

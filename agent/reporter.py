@@ -9,12 +9,12 @@ events, each counted by reason and logged; pending events are journaled (agent/b
 restart or a crash keeps them. An urgent event makes the reporter push at once. Node action requests
 in the aggregator's 202 answer go to the node-action runner (off the event loop, one at a time), and
 their results ride the following reports until one carrying them is accepted. Reports are
-version 1 (whole) until an aggregator's answer lists version 2 in ``report_versions``; then each
-report carries only what changed since the last one accepted (agent/report_delta.py), its
-telemetry (wire.GPU_TELEMETRY_FIELDS, wire.PORT_TRAFFIC_COUNTERS) at most every
-``telemetry_seconds``. A version-2
-report refused for its base (409 delta_base) is resent whole, one refused otherwise (an older
-aggregator) is resent as version 1, events kept either way. It judges nothing.
+version 1 (whole) until an aggregator's answer lists a compact version in ``report_versions`` (3,
+else 2); then each report carries only what changed since the last one accepted
+(agent/report_delta.py), its telemetry (wire.GPU_TELEMETRY_FIELDS, wire.PORT_TRAFFIC_COUNTERS) at
+most every ``telemetry_seconds``. A compact report refused for its base (409 delta_base) is resent
+whole, one refused otherwise (an older aggregator) is resent as version 1, events kept either way.
+It judges nothing.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.report_delta import delta, whole
 from vigil.agent.snapshot import Snapshot
 from vigil.agent.wire import (
-    DELTA_VERSION,
+    COMPACT_VERSIONS,
     MAX_REQUESTS_PER_RESPONSE,
     MAX_RESULTS_PER_REPORT,
     WIRE_VERSION,
@@ -155,7 +155,7 @@ def client_ssl_context(url: str | None, ca_file: str | None = None, cert_file: s
 
 
 class _Held(NamedTuple):
-    """A version-2 report's state as the aggregator holds it once accepted: its seq, the state
+    """A compact report's state as the aggregator holds it once accepted: its seq, the state
     (without events; held-back telemetry at the values sent before), and when it last got the
     telemetry (the agent's clock)."""
 
@@ -207,12 +207,12 @@ class Reporter:
         self.errors = dict.fromkeys(ERROR_REASONS, 0)
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.last_success_ts: float | None = None
-        # The body last built as sent (a version-2 one lists only what changed), and that report
+        # The body last built as sent (a compact one lists only what changed), and that report
         # whole with the events it carried (/v1/state, the demo's view): kept as references, turned
         # into JSON only when asked.
         self.last_report_body: bytes | None = None
         self._last_built: tuple[Report, list[bytes]] | None = None
-        # The report version the aggregator's last answer said it takes, the last version-2
+        # The report version the aggregator's last answer said it takes, the last compact
         # report it accepted (seq, state without events: what a compact report is relative to),
         # and the state of the body just built (the base once it is accepted).
         self.report_version = WIRE_VERSION
@@ -316,12 +316,13 @@ class Reporter:
         return body, self._backlog.first_id + len(taken), len(taken)
 
     def _head(self, report: Report) -> bytes:
-        """The report without events as JSON: version 1 whole, or version 2 relative to the last
-        version-2 report accepted (whole when there is none or the structure changed)."""
-        if self.report_version != DELTA_VERSION:
+        """The report without events as JSON: version 1 whole, or compact (version 2 or 3)
+        relative to the last report of that version accepted (whole when there is none or the
+        structure changed)."""
+        if self.report_version not in COMPACT_VERSIONS:
             self._built = None
             return encode(replace(report, events=[]))
-        state = whole(report)
+        state = whole(report, self.report_version)
         now = self._clock()
         body, telemetry_ts = state, now
         if self._base is not None:
@@ -447,8 +448,9 @@ class Reporter:
         return "rejected"
 
     def _refused_compact(self, status: int, text: str) -> str:
-        """A version-2 report refused: resend at once (events kept), whole when the aggregator had
-        no base for it, as version 1 otherwise (an aggregator that does not take version 2)."""
+        """A compact report refused: resend at once (events kept), whole when the aggregator had
+        no base for it, as version 1 otherwise (an aggregator that does not take its version; its
+        next answer says which it takes)."""
         parsed = _parse_answer(text.encode())
         self._base = None
         if status == 409 and isinstance(parsed, dict) and parsed.get("error") == "delta_base":
@@ -457,8 +459,9 @@ class Reporter:
                      "it whole")
             return "resend"
         self.counts["downgraded"] += 1
+        refused = self.report_version
         self.report_version = WIRE_VERSION
-        log.warning("aggregator refused a version %d report (%d %s): resending as version %d", DELTA_VERSION,
+        log.warning("aggregator refused a version %d report (%d %s): resending as version %d", refused,
                     status, text[:300], WIRE_VERSION)
         return "resend"
 
@@ -490,11 +493,12 @@ class Reporter:
     def accepted(self, answer: object) -> None:
         """The aggregator accepted the body built last and answered ``answer`` (its parsed JSON):
         that report is the base of the next compact one, and the answer says which version to
-        send (version 2 when it lists it in ``report_versions``, else version 1: an older
-        aggregator, or one rolled back)."""
+        send (the highest compact version it lists in ``report_versions`` that this agent knows,
+        else version 1: an older aggregator, or one rolled back)."""
         self._base = self._built
         versions = answer.get("report_versions") if isinstance(answer, dict) else None
-        wanted = DELTA_VERSION if isinstance(versions, list) and DELTA_VERSION in versions else WIRE_VERSION
+        wanted = max((v for v in COMPACT_VERSIONS if v in versions), default=WIRE_VERSION) \
+            if isinstance(versions, list) else WIRE_VERSION
         if wanted != self.report_version:
             log.info("aggregator takes report version %d: sending it from now on", wanted)
             self.report_version = wanted

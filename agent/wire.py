@@ -26,13 +26,18 @@ from vigil.agent.limits import REPORT_MAX_EVENTS
 # word: absent means its default), and of the fields whose default is None only those that
 # changed to a value (port counters: only those that moved); one that became absent is named in
 # the report's ``cleared``, except telemetry (below), which may wait up to 30 s. The rest is as in
-# the base. Ports never carry
-# ``deltas``/``rates_per_second`` in version 2 (the aggregator computes its own from the raw
-# counters). An agent sends 2 only to an aggregator whose answer to a report lists it in
-# ``report_versions``.
+# the base. 3: as 2, but a field whose default is not None is left out too when it is unchanged
+# (a training GPU's throttle reasons and processes, a port's flags: the same every report), and
+# named in ``cleared`` when it went back to its default; so in version 3 an absent field always
+# means "as in the base". Ports never carry ``deltas``/``rates_per_second`` in versions 2 and 3
+# (the aggregator computes its own from the raw counters). An agent sends the highest version
+# both know that the aggregator's answer to a report lists in ``report_versions``.
 WIRE_VERSION = 1
 DELTA_VERSION = 2
-REPORT_VERSIONS = (WIRE_VERSION, DELTA_VERSION)
+SPARSE_VERSION = 3
+# The versions whose reports may be relative to a base (base_seq, cleared).
+COMPACT_VERSIONS = (DELTA_VERSION, SPARSE_VERSION)
+REPORT_VERSIONS = (WIRE_VERSION, DELTA_VERSION, SPARSE_VERSION)
 
 # Telemetry: what describes how busy a GPU or a link is and no detector judges. On a busy node
 # it moves every report (~13 floats a GPU, ~10 counters a port: over half a compact report's
@@ -374,7 +379,7 @@ class Report(_Wire, kw_only=True):
     """The agent's periodic push (``POST /v1/reports``). ``seq`` increases by one per report
     within a ``boot_id``; a new boot id means counters restarted from zero."""
 
-    version: Literal[1, 2] = 1  # REPORT_VERSIONS
+    version: Literal[1, 2, 3] = 1  # REPORT_VERSIONS
     node: NodeName
     boot_id: Id
     seq: Count
@@ -409,16 +414,18 @@ class Report(_Wire, kw_only=True):
     def __post_init__(self) -> None:
         if self.ports:
             check_port_counters(self.ports)
-        if self.base_seq is not None and self.version != DELTA_VERSION:
-            raise ValueError(f"base_seq is only valid in a version {DELTA_VERSION} report")
+        if self.base_seq is not None and self.version not in COMPACT_VERSIONS:
+            raise ValueError(f"base_seq is only valid in a report of version {' or '.join(map(str, COMPACT_VERSIONS))}")
         if self.cleared:
             if self.base_seq is None:
                 raise ValueError("cleared is only valid in a report relative to a base (base_seq)")
+            clearable = CLEARABLE[self.version]
             for section, i, name in self.cleared:
                 if i >= len(getattr(self, section)):
                     raise ValueError(f"cleared names {section}[{i}], but the report has {len(getattr(self, section))}")
-                if name not in CLEARABLE[section]:
-                    raise ValueError(f"cleared names {name!r}, not an optional field of {section}")
+                if name not in clearable[section]:
+                    kind = "an optional field" if self.version == DELTA_VERSION else "a field that may be left out"
+                    raise ValueError(f"cleared names {name!r}, not {kind} of {section} in version {self.version}")
 
     @property
     def is_delta(self) -> bool:
@@ -446,7 +453,25 @@ def optional_fields(model: type[msgspec.Struct]) -> tuple[str, ...]:
     return tuple(f.name for f in msgspec.structs.fields(model) if f.default is None)
 
 
-CLEARABLE = {section: frozenset(optional_fields(model)) for section, model in SECTIONS.items()}
+def field_defaults(model: type[msgspec.Struct]) -> dict[str, Any]:
+    """Each field of ``model`` that has a default, and that default (a fresh one for a mutable
+    default): what a field named in ``cleared`` becomes."""
+    return {f.name: f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+            for f in msgspec.structs.fields(model) if not f.required}
+
+
+# Fields a compact report never leaves out or clears: a port's counters (a version-2 or -3 port
+# lists those that moved, and a port whose counter names changed goes whole) and the port fields
+# for a reader of one report, never sent relative to a base.
+NOT_CLEARABLE = {"gpus": frozenset(), "ports": frozenset({"counters", "deltas", "rates_per_second"}),
+                 "ranks": frozenset()}
+# Per compact version, the fields of each section a report may name in ``cleared``: in version 2
+# the optional ones (default None), in version 3 every field with a default.
+CLEARABLE = {
+    DELTA_VERSION: {section: frozenset(optional_fields(model)) for section, model in SECTIONS.items()},
+    SPARSE_VERSION: {section: frozenset(field_defaults(model)) - NOT_CLEARABLE[section]
+                     for section, model in SECTIONS.items()},
+}
 
 
 class Heartbeat(_Wire, kw_only=True):

@@ -304,7 +304,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     # are ingested right after. The node-action tables are the one exception: the outbox keeps
     # writing them, and the recovery detector reads them only by key (atomic under the GIL).
     held: deque[tuple[Report, float]] = deque()
-    # Each held node's latest (boot id, seq): the base a version-2 report arriving meanwhile must name.
+    # Each held node's latest (boot id, seq): the base a compact report arriving meanwhile must name.
     held_last: dict[str, tuple[str, int]] = {}
     judging: Future[list[Finding]] | None = None
     superseded = 0  # bumped when a synchronous evaluation takes over from an in-flight one

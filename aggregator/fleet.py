@@ -4,9 +4,10 @@ It reads validated ``Report``s and keeps, per node, the latest state plus ring b
 states, counter deltas (computed between consecutive reports of one boot, so a reboot resets the
 baseline instead of looking like an error burst), de-duplicated Xid occurrences, and job
 membership from the rank summaries, and the node-action requests and results the outbox hands it.
-A version-2 report (wire.DELTA_VERSION) carries only what changed since the node's previous
-accepted report; ingest completes each of its GPUs, ports and ranks from that report's state
-(``_completer``), so what is stored and judged is the same whichever version the agent sent.
+A compact report (wire.COMPACT_VERSIONS, 2 or 3) carries only what changed since the node's
+previous accepted report; ingest completes each of its GPUs, ports and ranks from that report's
+state (``_completer``, ``_sparse_completer``), so what is stored and judged is the same whichever
+version the agent sent.
 It judges nothing; detectors read it through ``FleetView``.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from copy import copy
 from dataclasses import dataclass, field
 from operator import attrgetter
 from types import MappingProxyType
@@ -25,6 +27,8 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.agent.wire import (
+    DELTA_VERSION,
+    SPARSE_VERSION,
     Event,
     GpuState,
     NodeActionRequest,
@@ -32,6 +36,7 @@ from vigil.agent.wire import (
     PortState,
     RankSummary,
     Report,
+    field_defaults,
     kernel_boot_id,
     optional_fields,
 )
@@ -136,16 +141,64 @@ def _completer(model: type[_M], merged: str | None = None,
     return complete
 
 
-_complete_gpu = _completer(GpuState, structs=("processes",))
-_complete_port = _completer(PortState, merged="counters")
-_complete_rank = _completer(RankSummary)
+def _sparse_completer(model: type[_M], merged: str | None = None) -> Callable[[_M, _M], _M]:
+    """How a version-3 entry of ``model`` completes its base: every field it has away from its
+    default changed (or is one of its required fields), so the new state is the base with them
+    replaced: ``to_builtins`` lists them, and the few with a not-None default that moved (rare:
+    a throttle reason appearing, a process starting) are taken from ``sent`` as decoded (tuples,
+    Structs) rather than as ``to_builtins`` makes them. ``merged``: as in ``_completer``; an
+    entry whose only change is in that dict is one dict update of the base (returned itself)."""
+    fields = msgspec.structs.fields(model)
+    defaulted = frozenset(f.name for f in fields if not f.required and f.default is not None and f.name != merged)
+    required = sum(f.required for f in fields)
+    to_builtins, replace = msgspec.to_builtins, msgspec.structs.replace
+
+    def complete(base: _M, sent: _M) -> _M:
+        taken: dict[str, Any] = to_builtins(sent)
+        if not defaulted.isdisjoint(taken):
+            for name in defaulted.intersection(taken):
+                taken[name] = getattr(sent, name)
+        if merged is not None:
+            into: dict[str, Any] = getattr(base, merged)
+            if merged in taken:
+                into.update(getattr(sent, merged))
+                if len(taken) == required + 1:
+                    return base
+                taken[merged] = into
+            elif len(taken) == required:
+                return base
+        return replace(base, **taken)
+
+    return complete
+
+
+# Per compact version (wire.COMPACT_VERSIONS): how an entry of each section completes its base.
+class _Completers(NamedTuple):
+    gpu: Callable[[GpuState, GpuState], GpuState]
+    port: Callable[[PortState, PortState], PortState]
+    rank: Callable[[RankSummary, RankSummary], RankSummary]
+
+
+_COMPLETERS = {
+    DELTA_VERSION: _Completers(_completer(GpuState, structs=("processes",)), _completer(PortState, merged="counters"),
+                               _completer(RankSummary)),
+    SPARSE_VERSION: _Completers(_sparse_completer(GpuState), _sparse_completer(PortState, merged="counters"),
+                                _sparse_completer(RankSummary)),
+}
+# What a field named in ``cleared`` becomes (version 2 names only fields whose default is None).
+_DEFAULTS: dict[type[Any], dict[str, Any]] = {model: field_defaults(model)
+                                              for model in (GpuState, PortState, RankSummary)}
 
 
 def _complete_cleared(complete: Callable[[_M, _M], _M], base: _M, sent: _M, cleared: Collection[str]) -> _M:
-    """``complete(base, sent)`` with None for ``sent``'s ``cleared`` fields: the optional fields
-    that became absent (rare; a report lists them in ``cleared``)."""
+    """``complete(base, sent)`` with ``sent``'s ``cleared`` fields at their defaults: the fields
+    that became absent (rare; a report lists them in ``cleared``). A mutable default is a fresh
+    copy for each state."""
     state = complete(base, sent)
-    return msgspec.structs.replace(state, **dict.fromkeys(cleared)) if cleared else state
+    if not cleared:
+        return state
+    defaults = _DEFAULTS[type(sent)]
+    return msgspec.structs.replace(state, **{name: copy(defaults[name]) for name in cleared})
 
 
 def port_is_active(state: PortState) -> bool:
@@ -574,7 +627,7 @@ class Fleet:
     def ingest(self, report: Report, now: float) -> None:
         cfg = self.config
         node = self._nodes.get(report.node)
-        # A version-2 report's entries complete the state its base report left (refusal checked
+        # A compact report's entries complete the state its base report left (refusal checked
         # the base; an entry with none, which no agent sends, is taken as it came).
         base_seen = node.state_seen if report.base_seq is not None and node is not None \
             and node.boot_id == report.boot_id else None
@@ -623,7 +676,8 @@ class Fleet:
             node.host = report.host
         ts = now
         maxlen = cfg.history_reports
-        # Version 2: (section, entry) -> the fields that became absent (rare: usually empty).
+        # Versions 2 and 3: (section, entry) -> the fields that became absent (rare: usually empty).
+        complete = _COMPLETERS.get(report.version, _COMPLETERS[DELTA_VERSION])
         cleared: dict[tuple[str, int], list[str]] = {}
         for section, i, name in report.cleared:
             cleared.setdefault((section, i), []).append(name)
@@ -637,8 +691,8 @@ class Fleet:
             seen.add(index)
             hist = gpus.get(index)
             if hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
-                state = _complete_cleared(_complete_gpu, hist.last, state, cleared.get(("gpus", i), ())) \
-                    if cleared else _complete_gpu(hist.last, state)
+                state = _complete_cleared(complete.gpu, hist.last, state, cleared.get(("gpus", i), ())) \
+                    if cleared else complete.gpu(hist.last, state)
             elif hist is None or hist.uuid != state.uuid:
                 hist = gpus[index] = GpuHistory(state, ts, maxlen, state_maxlen)
             hist.observe(state, ts)
@@ -664,8 +718,8 @@ class Fleet:
                 phist = ports[key] = PortHistory(pstate, ts, maxlen, state_maxlen, self._port_counters)
             elif phist.last_seen == base_seen:
                 psent = pstate
-                pstate = _complete_cleared(_complete_port, phist.last, pstate, cleared.get(("ports", i), ())) \
-                    if cleared else _complete_port(phist.last, pstate)
+                pstate = _complete_cleared(complete.port, phist.last, pstate, cleared.get(("ports", i), ())) \
+                    if cleared else complete.port(phist.last, pstate)
             phist.observe(pstate, ts, psent)
         jobs = self._jobs
         job: JobState | None = None
@@ -677,8 +731,8 @@ class Fleet:
                 job.last_seen = ts
             rhist = job.ranks.get(summary.rank)
             if rhist is not None and rhist.last_seen == base_seen and rhist.node == node.name:
-                summary = _complete_cleared(_complete_rank, rhist.last, summary, cleared.get(("ranks", i), ())) \
-                    if cleared else _complete_rank(rhist.last, summary)
+                summary = _complete_cleared(complete.rank, rhist.last, summary, cleared.get(("ranks", i), ())) \
+                    if cleared else complete.rank(rhist.last, summary)
             elif rhist is None:
                 rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
                 node.ranks[(summary.job, summary.rank)] = rhist

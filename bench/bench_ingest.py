@@ -1,5 +1,6 @@
-"""Aggregator ingest rate, for the compact reports (version 2, what the agent sends to an
-aggregator that takes it) and the whole ones (version 1): JSON bytes -> the node token check ->
+"""Aggregator ingest rate, for the compact reports (version 3, what the agent sends to an
+aggregator that takes it; version 2, what an agent of the release before sends) and the whole
+ones (version 1): JSON bytes -> the node token check ->
 ``wire.decode_report`` (strict, as the service validates) -> the intake checks ->
 ``Engine.ingest``.
 
@@ -18,7 +19,7 @@ import time
 
 from bench.bench_agent import FIXTURE_IB
 from bench.measure import Measurement
-from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION, decode_report
+from vigil.agent.wire import DELTA_VERSION, SPARSE_VERSION, WIRE_VERSION, decode_report
 from vigil.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
 from vigil.aggregator.app import tune_gc
 from vigil.aggregator.auth import Credentials, node_token
@@ -48,7 +49,7 @@ def payloads(version: int = WIRE_VERSION) -> list[tuple[float, bytes]]:
 
 
 def measure() -> list[Measurement]:
-    return [_measure(DELTA_VERSION), _measure(WIRE_VERSION)]
+    return [_measure(SPARSE_VERSION), _measure(DELTA_VERSION), _measure(WIRE_VERSION)]
 
 
 def _measure(version: int) -> Measurement:
@@ -85,9 +86,10 @@ def _measure(version: int) -> Measurement:
     gc.set_threshold(*thresholds)
     gc.unfreeze()
     rate = (len(bodies) - warm) / cpu
-    what = {DELTA_VERSION: "compact (version 2, what changed)", WIRE_VERSION: "whole (version 1)"}[version]
+    what = {SPARSE_VERSION: "compact (version 3, what changed: what the agent sends)",
+            DELTA_VERSION: "compact (version 2, an older agent's)", WIRE_VERSION: "whole (version 1)"}[version]
     return Measurement(f"aggregator ingest, 8-GPU reports, {what}, one core", round(rate), "reports/s",
-                       BUDGET_REPORTS_PER_SECOND if version == DELTA_VERSION else None, higher_is_better=True,
+                       BUDGET_REPORTS_PER_SECOND if version == SPARSE_VERSION else None, higher_is_better=True,
                        note=f"{size / 1024:.1f} KiB JSON each, built by the agent pipeline; token check + strict "
                             f"validation + intake checks + ingest, {NODES} nodes x {ROUNDS - 1} rounds, CPU time; "
                             "apart, report by report on a second engine: decode + strict validation "

@@ -3,9 +3,9 @@
 
 Each node posts every ``interval_seconds`` with the nodes' phases spread evenly; a send is never
 held back by a slow answer (a send that starts late is counted as late). Each node negotiates the
-report version as the agent does (agent/reporter.py): version 1 until an answer lists version 2,
-then version 2 whole, then compact relative to its last accepted report; a 409 ``delta_base`` is
-resent whole at once (counted as rebased). It measures offered and
+report version as the agent does (agent/reporter.py): version 1 until an answer lists the
+newest compact version (3), then that version whole, then compact relative to its last accepted
+report; a 409 ``delta_base`` is resent whole at once (counted as rebased). It measures offered and
 accepted reports/s, intake latency percentiles, errors by status or exception, its own CPU, and,
 given the aggregator's pid, the aggregator's CPU and RSS from ``/proc/<pid>``. With ``spawn`` it
 makes the credentials and a dry-run config for N nodes in a scratch directory and runs
@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION
+from vigil.agent.wire import COMPACT_VERSIONS, WIRE_VERSION
 from vigil.agent_reports import INTERVAL_SECONDS, RenderedReport, report_forms, topology_of
 from vigil.aggregator.auth import node_token
 
@@ -79,8 +79,11 @@ class Plan:
     warmup_seconds: float = 0.0
 
 
-# The forms a node sends a round in, by the version the aggregator's last answer allowed.
-FORMS = ("whole v1", "whole v2", "compact v2")
+# The compact version the generator sends, as an agent of this release does to an aggregator
+# that takes it (an older aggregator gets version 1), and the forms a node sends a round in, by
+# the version the aggregator's last answer allowed.
+COMPACT_VERSION = max(COMPACT_VERSIONS)
+FORMS = ("whole v1", f"whole v{COMPACT_VERSION}", f"compact v{COMPACT_VERSION}")
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,8 @@ class RenderedRound:
     """One round's report in each form (vigil/agent_reports.py RoundForms), ready to render."""
 
     whole_v1: RenderedReport
-    whole_v2: RenderedReport
-    compact_v2: RenderedReport | None
+    whole: RenderedReport
+    compact: RenderedReport | None
 
 
 @dataclass
@@ -159,7 +162,7 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
     loop = asyncio.get_running_loop()
     wall_offset = time.time() - time.monotonic()
     # Per node, as the agent's Reporter keeps them: the version its last answer allowed, and the
-    # seq of its last accepted version-2 report (the base of a compact one).
+    # seq of its last accepted compact-version report (the base of a compact one).
     version = dict.fromkeys(mine, WIRE_VERSION)
     base: dict[int, int | None] = dict.fromkeys(mine)
 
@@ -167,9 +170,9 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
         """One report of node ``n``; ``counted``: in the measured duration (else the warm-up's)."""
         tally = result if counted else warmup
         rendered = templates[(seq - 1) % len(templates)]
-        if version[n] != DELTA_VERSION:
+        if version[n] != COMPACT_VERSION:
             form = FORMS[0]
-        elif base[n] == seq - 1 and rendered.compact_v2 is not None:
+        elif base[n] == seq - 1 and rendered.compact is not None:
             form = FORMS[2]
         else:
             form = FORMS[1]
@@ -179,7 +182,7 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
         tally.sent += 1
         try:
             while True:
-                template = {FORMS[0]: rendered.whole_v1, FORMS[1]: rendered.whole_v2}.get(form, rendered.compact_v2)
+                template = {FORMS[0]: rendered.whole_v1, FORMS[1]: rendered.whole}.get(form, rendered.compact)
                 assert template is not None
                 body = template.render(n, node_json[n], boot_json[n], topo_json[n], seq, due + wall_offset)
                 async with session.post(url, data=body, headers={"Authorization": tokens[n],
@@ -196,9 +199,9 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
                 tally.by_form[form] += 1
                 tally.latencies_seconds.append(time.monotonic() - started)
                 versions = json.loads(answer).get("report_versions")
-                if isinstance(versions, list) and DELTA_VERSION in versions:
-                    base[n] = seq if version[n] == DELTA_VERSION else None
-                    version[n] = DELTA_VERSION
+                if isinstance(versions, list) and COMPACT_VERSION in versions:
+                    base[n] = seq if version[n] == COMPACT_VERSION else None
+                    version[n] = COMPACT_VERSION
                 else:
                     version[n], base[n] = WIRE_VERSION, None
             else:
@@ -249,9 +252,9 @@ def _worker_main(templates: list[RenderedRound], target: Target, plan: Plan, wor
 def build_templates(plan: Plan, hca_template: Path | None) -> list[RenderedRound]:
     seconds = plan.warmup_seconds + plan.duration_seconds
     rounds = max(2, min(MAX_ROUNDS, int(seconds / plan.interval_seconds) + 2))
-    return [RenderedRound(RenderedReport.of(r.whole_v1), RenderedReport.of(r.whole_v2),
-                          None if r.compact_v2 is None else RenderedReport.of(r.compact_v2))
-            for r in report_forms(rounds, hca_template, plan.interval_seconds)]
+    return [RenderedRound(RenderedReport.of(r.whole_v1), RenderedReport.of(r.whole),
+                          None if r.compact is None else RenderedReport.of(r.compact))
+            for r in report_forms(rounds, hca_template, plan.interval_seconds, COMPACT_VERSION)]
 
 
 def fleet_nodes(target: Target, plan: Plan) -> int | None:
@@ -305,7 +308,7 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
         "nodes": plan.nodes, "interval_seconds": plan.interval_seconds, "duration_seconds": plan.duration_seconds,
         "warmup_seconds": plan.warmup_seconds,
         "workers": plan.workers, "report_bytes": sample(templates[-1].whole_v1),
-        "compact_report_bytes": sample(templates[-1].compact_v2),
+        "compact_report_bytes": sample(templates[-1].compact),
         "target_reports_per_second": round(plan.nodes / plan.interval_seconds, 1),
         "sent": sent, "accepted": accepted, "late_sends": sum(r.late for r in results),
         "accepted_by_form": {form: by_form[form] for form in FORMS}, "rebased": sum(r.rebased for r in results),

@@ -58,3 +58,52 @@ def test_a_report_that_goes_whole_leaves_the_state_as_it_was() -> None:
     before = copy.deepcopy(now)
     assert delta(base, now, telemetry=False) is None
     assert now == before
+
+
+def _training_gpu(reasons: list[str], health: str | None = None) -> dict[str, Any]:
+    """A GPU as report_delta.whole has it: a field at its default is left out."""
+    gpu: dict[str, Any] = {"index": 0, "uuid": "GPU-0", "power_watts": 490.0, "processes": [{"pid": 4000}]}
+    if reasons:
+        gpu["clock_event_reasons"] = reasons
+    if health is not None:
+        gpu["health"] = health
+    return gpu
+
+
+def _v(version: int, gpu: dict[str, Any], flags: dict[str, str]) -> dict[str, Any]:
+    port: dict[str, Any] = {"device": "mlx5_0", "port": 1, "counters": {"port_xmit_wait": 7}}
+    if flags:
+        port["flags"] = flags
+    return {"node": "n1", "boot_id": "b", "seq": 1, "ts": 1.0, "interval_seconds": 2.5, "version": version,
+            "gpus": [gpu], "ports": [port], "ranks": []}
+
+
+def test_version_3_leaves_unchanged_fields_with_a_default_out_and_clears_them_back_to_it() -> None:
+    flags = {"excessive_buffer_overrun_errors": "saturated"}
+    base = _v(3, _training_gpu(["sw_power_cap"]), flags)
+    same = _v(3, _training_gpu(["sw_power_cap"]), flags)
+    assert delta(base, same) == {**same, "gpus": [{"index": 0, "uuid": "GPU-0"}],
+                                 "ports": [{"device": "mlx5_0", "port": 1}]}
+    # Version 2 carries them as they are in every report (absent there means the default).
+    v2 = delta(_v(2, _training_gpu(["sw_power_cap"]), flags), _v(2, _training_gpu(["sw_power_cap"]), flags))
+    assert v2 is not None and v2["gpus"][0]["clock_event_reasons"] == ["sw_power_cap"] and v2["ports"][0]["flags"]
+    # Back to the default (no throttle reason, healthy again, no flag): named in cleared in
+    # version 3; in version 2 only an optional field is.
+    sick = _v(3, _training_gpu(["sw_power_cap", "hw_slowdown"], "reset_required"), flags)
+    well = _v(3, _training_gpu([]), {})
+    body = delta(sick, well)
+    assert body is not None and body["gpus"] == [{"index": 0, "uuid": "GPU-0"}]
+    assert body["cleared"] == [["gpus", 0, "clock_event_reasons"], ["gpus", 0, "health"], ["ports", 0, "flags"]]
+    sick2, well2 = (_v(2, s["gpus"][0], s["ports"][0].get("flags", {})) for s in (sick, well))
+    body2 = delta(sick2, well2)
+    assert body2 is not None and "cleared" not in body2 and "clock_event_reasons" not in body2["gpus"][0]
+    # A change is sent whole (the list, the dict), as in version 2.
+    body = delta(well, sick)
+    assert body is not None and body["gpus"][0]["clock_event_reasons"] == ["sw_power_cap", "hw_slowdown"]
+    assert body["ports"][0]["flags"] == flags and "cleared" not in body
+
+
+def test_states_of_two_versions_are_never_relative_to_each_other() -> None:
+    flags: dict[str, str] = {}
+    assert delta(_v(2, _training_gpu([]), flags), _v(3, _training_gpu([]), flags)) is None
+    assert delta(_v(3, _training_gpu([]), flags), _v(1, _training_gpu([]), flags)) is None

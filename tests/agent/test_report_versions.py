@@ -1,10 +1,11 @@
 """Report version negotiation, both ways, with the real Reporter: against the real aggregator
-application it moves from version 1 to the compact version 2 once an answer lists it, and the
+application it moves from version 1 to the compact version 3 once an answer lists it, and the
 fleet holds the same state as from whole reports (with telemetry in every report; by default the
 compact ones carry it every 30 s, and the fleet has it as of the last refresh); against an
-aggregator that does not list it (an older one) it keeps sending version 1; a restarted
-aggregator (no base) gets the report whole again, and one rolled back (refusing version 2) gets
-version 1, with no event lost."""
+aggregator of the release before (it lists 1 and 2) it sends version 2, which the aggregator still
+takes; against one that lists no compact version it keeps sending version 1; a restarted
+aggregator (no base) gets the report whole again, and one rolled back (refusing the version sent)
+gets version 1 and then the highest its answers list, with no event lost."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.loopback import free_port
@@ -76,9 +78,11 @@ def aggregator_app() -> web.Application:
     return make_app(config, Engine(config, sink), sink, credentials=Credentials(site_secret=SECRET))
 
 
-def front(seen: Seen, backend_url: str) -> web.Application:
+def front(seen: Seen, backend_url: str, answer_versions: list[int] | None = None) -> web.Application:
     """Loopback in front of the real aggregator: passes each report on and records it with the
-    status the aggregator answered (the aggregator reads its body off the socket itself)."""
+    status the aggregator answered (the aggregator reads its body off the socket itself).
+    ``answer_versions``: its answers list these versions instead (an aggregator of an older
+    release, which took version 2 as this one does)."""
 
     async def forward(request: web.Request) -> web.Response:
         body = await request.read()
@@ -86,6 +90,8 @@ def front(seen: Seen, backend_url: str) -> web.Application:
                 backend_url + "/v1/reports", data=body, headers={"Authorization": request.headers["Authorization"]}
         ) as resp:
             answer = await resp.read()
+        if answer_versions is not None and resp.status == 202:
+            answer = json.dumps({**json.loads(answer), "report_versions": answer_versions}).encode()
         await seen.add(resp.status, body)
         return web.Response(status=resp.status, body=answer, content_type="application/json")
 
@@ -140,12 +146,16 @@ def xid(code: int) -> Event:
     return Event(kind="xid", ts=time.time(), code=code)
 
 
-async def test_the_agent_sends_compact_reports_once_the_aggregator_lists_them_and_the_fleet_state_is_whole():
+@pytest.mark.parametrize("listed", [[1, 2, 3], [1, 2]], ids=["this-release", "release-before"])
+async def test_the_agent_sends_compact_reports_once_the_aggregator_lists_them_and_the_fleet_state_is_whole(
+        listed: list[int]):
     seen, port, backend = Seen(), free_port(), free_port()
     app = aggregator_app()
     snap = node_snapshot(40.0, 1000, 2000)
     rep = reporter(f"http://127.0.0.1:{port}", snap, telemetry_seconds=0)
-    async with serving(app, backend), serving(front(seen, f"http://127.0.0.1:{backend}"), port), reporting(rep):
+    compact = max(listed)
+    async with serving(app, backend), serving(front(seen, f"http://127.0.0.1:{backend}", listed), port), \
+            reporting(rep):
         await seen.until(lambda: len(seen.accepted()) >= 3)
         # Values move: one GPU field and one counter; the rest must stay as the base had them.
         node_snapshot(55.0, 5000, 2000, snap)
@@ -153,9 +163,9 @@ async def test_the_agent_sends_compact_reports_once_the_aggregator_lists_them_an
         await seen.until(lambda: any(48 in codes for _, _, codes in seen.accepted()))
         await seen.until(lambda: len(seen.accepted()) >= 6)
     accepted = seen.accepted()
-    assert accepted[0][:2] == (1, None)  # version 1 until an answer lists 2
-    assert accepted[1][:2] == (2, None)  # then version 2, whole: no base yet
-    assert all(v == 2 and base is not None for v, base, _ in accepted[2:])
+    assert accepted[0][:2] == (1, None)  # version 1 until an answer lists a compact one
+    assert accepted[1][:2] == (compact, None)  # then the highest listed, whole: no base yet
+    assert all(v == compact and base is not None for v, base, _ in accepted[2:])
     node = app[ENGINE_KEY].fleet.view().nodes[NODE]
     gpu = node.gpus[1].last
     assert gpu.temperature_celsius == 56.0 and gpu.power_limit_watts == 700.0 and gpu.ecc_corrected_volatile == 3
@@ -237,7 +247,7 @@ async def test_an_old_agents_version_1_report_is_taken_and_the_answer_lists_both
             f"http://127.0.0.1:{port}/v1/reports", data=body,
             headers={"Authorization": f"Bearer {node_token(SECRET, NODE)}"}) as resp:
         assert resp.status == 202
-        assert (await resp.json())["report_versions"] == [1, 2]
+        assert (await resp.json())["report_versions"] == [1, 2, 3]
     assert NODE in app[ENGINE_KEY].fleet.view().nodes
 
 
@@ -261,18 +271,20 @@ async def test_a_restarted_aggregator_gets_the_report_whole_again_and_no_event_i
     assert restarted[ENGINE_KEY].fleet.view().nodes[NODE].gpus[0].last.power_limit_watts == 700.0
 
 
-async def test_an_aggregator_rolled_back_gets_version_1_and_no_event_is_lost():
+@pytest.mark.parametrize("older", [[1], [1, 2]], ids=["to-version-1-only", "to-the-release-before"])
+async def test_an_aggregator_rolled_back_gets_version_1_then_what_it_lists_and_no_event_is_lost(older: list[int]):
     seen, port = Seen(), free_port()
-    newer = [True]
+    takes = [[1, 2, 3]]
 
     async def rolled_back(request: web.Request) -> web.Response:
         raw = json.loads(await request.read())
-        if raw.get("version", 1) != 1 and not newer[0]:  # what an older aggregator answers
-            return web.json_response({"error": "schema", "detail": "version: Input should be 1"}, status=400)
+        if raw.get("version", 1) not in takes[0]:  # what an older aggregator answers
+            return web.json_response({"error": "schema", "detail": "Invalid enum value - at `$.version`"},
+                                     status=400)
         report = decode_report(json.dumps(raw)) if raw.get("base_seq") is None else None
         answer: dict[str, object] = {"status": "accepted", "node": NODE, "seq": raw["seq"]}
-        if newer[0]:
-            answer["report_versions"] = [1, 2]
+        if takes[0] != [1]:  # an aggregator before version 2 says nothing of versions
+            answer["report_versions"] = takes[0]
         assert report is None or report.node == NODE
         return web.json_response(answer, status=202)
 
@@ -280,28 +292,34 @@ async def test_an_aggregator_rolled_back_gets_version_1_and_no_event_is_lost():
     app.router.add_post("/v1/reports", rolled_back)
     rep = reporter(f"http://127.0.0.1:{port}", node_snapshot(40.0, 1000, 2000))
     async with serving(app, port), reporting(rep):
-        await seen.until(lambda: any(v == 2 for v, _, _ in seen.accepted()))
-        newer[0] = False
+        await seen.until(lambda: any(v == 3 and base is not None for v, base, _ in seen.accepted()))
+        takes[0] = older
         rep.add_events([xid(31)])
         await seen.until(lambda: any(31 in codes for _, _, codes in seen.accepted()))
+        rolled = len(seen.bodies)
+        await seen.until(lambda: len(seen.bodies) >= rolled + 3)
     carried = [(v, codes) for v, _, codes in seen.accepted() if 31 in codes]
     assert carried == [(1, [31])]  # resent as version 1, once
-    assert rep.counts["downgraded"] >= 1 and rep.dropped_events == 0 and rep.report_version == 1
+    assert rep.counts["downgraded"] == 1 and rep.dropped_events == 0 and rep.report_version == max(older)
+    # Then what the older aggregator's answers list: version 2 (whole, then compact) or 1.
+    after = [(status, v, base is not None) for status, v, base, _ in seen.bodies[rolled:]]
+    assert {(status, v) for status, v, _ in after} == {(202, max(older))}
+    assert any(compact for _, _, compact in after) == (max(older) == 2)
 
 
 def test_telemetry_waits_for_its_interval_and_a_clock_stepped_back_refreshes_it_at_once():
     now = [time.time()]
     snap = node_snapshot(40.0, 1000, 2000, sm_active=0.1)
     rep = reporter("http://127.0.0.1:1", snap, clock=lambda: now[0])
-    versions = {"report_versions": [1, 2]}
+    versions = {"report_versions": [1, 2, 3]}
 
     def sent() -> dict:
         body = json.loads(rep.build_body()[0])
         rep.accepted(versions)
         return body
 
-    assert sent().get("version", 1) == 1  # until an answer lists version 2
-    assert sent()["gpus"][0]["sm_active_ratio"] == 0.1  # whole version 2
+    assert sent().get("version", 1) == 1  # until an answer lists a compact version
+    assert sent()["gpus"][0]["sm_active_ratio"] == 0.1  # whole version 3
     node_snapshot(40.0, 1000, 2000, snap, sm_active=0.9)
     now[0] += 29.0
     assert "sm_active_ratio" not in sent()["gpus"][0]  # 29 s: held back

@@ -131,6 +131,21 @@ def test_base_seq_and_cleared_belong_to_a_compact_report() -> None:
     refused(body(version=2, base_seq=0, gpus=[gpu], cleared=[["disks", 0, "power_watts"]]))
     ok = decode_report(body(version=2, base_seq=0, gpus=[gpu], cleared=[["gpus", 0, "power_watts"]]))
     assert ok.cleared == [("gpus", 0, "power_watts")]
+    assert "$.version" in refused(body(version=4, base_seq=0))  # no such version: refused, not guessed
+
+
+def test_version_3_may_clear_a_field_with_a_default_but_never_a_ports_counters() -> None:
+    gpu, port = {"index": 0, "uuid": "GPU-1"}, {"device": "mlx5_0", "port": 1}
+    ok = decode_report(body(version=3, base_seq=0, gpus=[gpu], ports=[port],
+                            cleared=[["gpus", 0, "health"], ["gpus", 0, "processes"], ["ports", 0, "flags"],
+                                     ["gpus", 0, "power_watts"]]))
+    assert ok.cleared == [("gpus", 0, "health"), ("gpus", 0, "processes"), ("ports", 0, "flags"),
+                          ("gpus", 0, "power_watts")]
+    assert "not a field that may be left out of ports in version 3" in refused(
+        body(version=3, base_seq=0, ports=[port], cleared=[["ports", 0, "counters"]]))
+    assert "not a field that may be left out" in refused(
+        body(version=3, base_seq=0, gpus=[gpu], cleared=[["gpus", 0, "uuid"]]))
+    assert "base_seq is only valid" in refused(body(version=1, base_seq=0))
 
 
 def test_what_the_agent_encodes_decodes_to_the_same_report() -> None:

@@ -223,9 +223,10 @@ def post_compact(harness: Harness, name: str, body: Any) -> tuple[int, Any]:
                         node_token(SECRET, name))
 
 
-def test_a_compact_report_completes_the_nodes_state(harness: Harness) -> None:
-    status, answer = post_compact(harness, "p2", compact(harness, "p2"))
-    assert status == 202 and answer["report_versions"] == [1, 2]
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_compact_report_completes_the_nodes_state(harness: Harness, version: int) -> None:
+    status, answer = post_compact(harness, "p2", {**compact(harness, "p2"), "version": version})
+    assert status == 202 and answer["report_versions"] == [1, 2, 3]
     node = harness.engine.fleet.view().nodes["p2"]
     assert node.gpus[0].last.temperature_celsius == 63.5 and node.gpus[0].last.power_watts == 650.0
     assert node.gpus[1].last.temperature_celsius == 62.0
@@ -237,8 +238,11 @@ def test_a_compact_report_completes_the_nodes_state(harness: Harness) -> None:
     ({"base_seq": 3}, 409, "delta_base"),  # not the node's last accepted report
     ({"boot_id": "another-boot"}, 409, "delta_base"),  # a new boot has no base
     ({"node": "p9"}, 403, "node_mismatch"),
-    ({"version": 1}, 400, "schema"),  # base_seq is only valid in version 2
-    ({"version": 3}, 400, "schema"),
+    ({"version": 1}, 400, "schema"),  # base_seq is only valid in a compact version
+    ({"version": 4}, 400, "schema"),  # no such version
+    ({"cleared": [["gpus", 0, "health"]]}, 400, "schema"),  # version 2 clears only fields whose default is None
+    ({"version": 3, "cleared": [["ports", 0, "counters"]]}, 400, "schema"),  # a port's counters are never cleared
+    ({"version": 3, "cleared": [["gpus", 2, "health"]]}, 400, "schema"),  # no such entry
     ({"base_seq": -1}, 400, "schema"),
     ({"base_seq": 1.0}, 400, "schema"),
     ({"gpus": [{"index": 0, "temperature_celsius": 1.0}]}, 400, "schema"),  # an entry without its identity

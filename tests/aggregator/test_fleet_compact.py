@@ -1,4 +1,4 @@
-"""Compact (version 2) reports leave the fleet exactly as the same reports sent whole: counter
+"""Compact reports (versions 2 and 3) leave the fleet exactly as the same reports sent whole: counter
 increases, the time they cover, resets and the samples detectors read, whether judged counters
 move in a report or none do (then the fleet records the read without comparing values), and when
 only counters nobody judges move."""
@@ -12,7 +12,7 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode, assert_same_node, rank_summary
 from vigil.agent.report_delta import delta, whole
-from vigil.agent.wire import Report, decode_report
+from vigil.agent.wire import COMPACT_VERSIONS, SPARSE_VERSION, Report, decode_report
 from vigil.aggregator.fleet import Fleet
 
 ROUNDS = 12
@@ -62,14 +62,18 @@ def _reports() -> list[Report]:
     return out
 
 
-def _compact(reports: list[Report]) -> list[Report]:
-    """The first whole as version 2, each later one relative to the one before (agent/reporter.py)."""
-    out = [_wire(whole(reports[0]))]
+def _bodies(reports: list[Report], version: int) -> list[dict]:
+    """The first whole in ``version``, each later one relative to the one before (agent/reporter.py)."""
+    out = [whole(reports[0], version)]
     for before, now in pairwise(reports):
-        body = delta(whole(before), whole(now))
+        body = delta(whole(before, version), whole(now, version))
         assert body is not None
-        out.append(_wire({**body, "base_seq": before.seq}))
+        out.append({**body, "base_seq": before.seq})
     return out
+
+
+def _compact(reports: list[Report], version: int) -> list[Report]:
+    return [_wire(b) for b in _bodies(reports, version)]
 
 
 def _ingested(reports: list[Report], port_counters: list[str] | None) -> Fleet:
@@ -80,10 +84,11 @@ def _ingested(reports: list[Report], port_counters: list[str] | None) -> Fleet:
     return fleet
 
 
+@pytest.mark.parametrize("version", COMPACT_VERSIONS, ids=lambda v: f"v{v}")
 @pytest.mark.parametrize("port_counters", [None, JUDGED_PORT_COUNTERS], ids=["all-judged", "some-judged"])
-def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list[str] | None) -> None:
+def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list[str] | None, version: int) -> None:
     reports = _reports()
-    compact = _compact(reports)
+    compact = _compact(reports, version)
     assert all(r.base_seq is not None for r in compact[1:])
     assert "symbol_error" not in compact[4].ports[0].counters  # a quiet report carries no judged counter
     a = _ingested(reports, port_counters).view().nodes["n1"]
@@ -99,13 +104,27 @@ def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list
     assert b.gpus[4].counters.sum_since("pcie_replay_total", 0.0) == 9
     assert b.gpus[6].counters.resets == 1
     assert b.ports[("mlx5_0", 1)].counters.last_ts == (ROUNDS - 1) * 2.5  # quiet reads are recorded too
-    assert compact[4].cleared == [("gpus", 2, "temperature_celsius"), ("ports", 1, "rate_bits_per_second")]
     assert [s.health for s in b.gpus[3].samples][3:7] == ["ok", "reset_required", "reset_required", "ok"]
     assert b.gpus[2].last.temperature_celsius == 64.0 and b.ports[("mlx5_3", 1)].last.flags == {}
+    assert b.gpus[5].last.clock_event_reasons == ("hw_slowdown",)
+    if version == SPARSE_VERSION:
+        # Fields with a default are cleared too when they go back to it, and left out while unchanged.
+        assert compact[4].cleared == [("gpus", 2, "temperature_celsius"), ("gpus", 5, "clock_event_reasons"),
+                                      ("ports", 1, "rate_bits_per_second")]
+        assert compact[6].cleared == [("gpus", 3, "health"), ("ports", 3, "flags")]
+        assert compact[7].cleared == [("ranks", 1, "state")]
+        sent = _bodies(reports, version)
+        assert "clock_event_reasons" in sent[6]["gpus"][5] and "flags" in sent[4]["ports"][3]
+        assert all("clock_event_reasons" not in b["gpus"][5] and "flags" not in b["ports"][3] for b in sent[7:])
+    else:
+        assert compact[4].cleared == [("gpus", 2, "temperature_celsius"), ("ports", 1, "rate_bits_per_second")]
+        assert all(r.gpus[5].clock_event_reasons == ("hw_slowdown",) for r in compact[6:])
 
 
+@pytest.mark.parametrize("version", COMPACT_VERSIONS, ids=lambda v: f"v{v}")
 @pytest.mark.parametrize("port_counters", [None, JUDGED_PORT_COUNTERS], ids=["all-judged", "some-judged"])
-def test_telemetry_held_back_leaves_the_fleet_as_the_agents_held_state_says(port_counters: list[str] | None) -> None:
+def test_telemetry_held_back_leaves_the_fleet_as_the_agents_held_state_says(port_counters: list[str] | None,
+                                                                            version: int) -> None:
     """The agent's base after a compact report with telemetry held back (report_delta puts the
     base's values back into its state) is exactly what the aggregator holds: the fleet fed the
     compact bodies equals the fleet fed those held states whole, and every third report (a
@@ -114,10 +133,10 @@ def test_telemetry_held_back_leaves_the_fleet_as_the_agents_held_state_says(port
     for k, r in enumerate(reports):
         for gpu in r.gpus:
             gpu.sm_active_ratio = 0.5 + k / 100  # telemetry: moves every report
-    compact, held = [_wire(whole(reports[0]))], [_wire(whole(reports[0]))]
-    base = whole(reports[0])
+    compact, held = [_wire(whole(reports[0], version))], [_wire(whole(reports[0], version))]
+    base = whole(reports[0], version)
     for k, now in enumerate(reports[1:], start=1):
-        state = whole(now)
+        state = whole(now, version)
         body = delta(base, state, telemetry=k % 3 == 0)
         assert body is not None
         compact.append(_wire({**body, "base_seq": base["seq"]}))

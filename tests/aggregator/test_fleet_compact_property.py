@@ -1,4 +1,4 @@
-"""Compact (version 2) reports leave the fleet as the same reports sent whole, for any sequence of
+"""Compact reports (versions 2 and 3) leave the fleet as the same reports sent whole, for any sequence of
 valid reports: every field of every GPU, port and rank summary may take any value its wire type
 allows, go absent and come back between two reports (optional fields, fields with a default,
 lists, dicts, a port's counters moving, resetting or changing their names), entries may leave
@@ -20,12 +20,22 @@ from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode, assert_same_node, rank_summary
 from vigil.agent.report_delta import IDENTITY, V2_PORT_EXCLUDE, delta, whole
-from vigil.agent.wire import GpuState, HostFacts, PortState, RankSummary, Report, decode_report, to_builtins
+from vigil.agent.wire import (
+    COMPACT_VERSIONS,
+    GpuState,
+    HostFacts,
+    PortState,
+    RankSummary,
+    Report,
+    decode_report,
+    to_builtins,
+)
 from vigil.aggregator.fleet import Fleet
 
 MODELS: dict[str, type[msgspec.Struct]] = {"gpus": GpuState, "ports": PortState, "ranks": RankSummary}
@@ -137,12 +147,12 @@ def _wire(body: dict[str, Any]) -> Report:
     return decode_report(json.dumps(body))  # as the service validates
 
 
-def _compact(reports: list[Report]) -> list[Report]:
+def _compact(reports: list[Report], version: int) -> list[Report]:
     """What the agent sends: each report relative to the one before, whole where delta says so."""
-    out = [_wire(whole(reports[0]))]
+    out = [_wire(whole(reports[0], version))]
     for before, now in pairwise(reports):
-        body = delta(whole(before), whole(now))
-        out.append(_wire(whole(now) if body is None else {**body, "base_seq": before.seq}))
+        body = delta(whole(before, version), whole(now, version))
+        out.append(_wire(whole(now, version) if body is None else {**body, "base_seq": before.seq}))
     return out
 
 
@@ -154,11 +164,12 @@ def _ingested(reports: list[Report]) -> Fleet:
     return fleet
 
 
+@pytest.mark.parametrize("version", COMPACT_VERSIONS, ids=lambda v: f"v{v}")
 @settings(max_examples=150, deadline=None)
-@given(report_bodies())
-def test_any_compact_chain_leaves_the_fleet_as_whole_reports_do(bodies: list[dict[str, Any]]) -> None:
+@given(bodies=report_bodies())
+def test_any_compact_chain_leaves_the_fleet_as_whole_reports_do(version: int, bodies: list[dict[str, Any]]) -> None:
     reports = [_wire(b) for b in bodies]
-    compact = _compact(reports)
+    compact = _compact(reports, version)
     sent_compact = sum(r.base_seq is not None for r in compact)
     share = "none" if not sent_compact else "all" if sent_compact == len(compact) - 1 else "some"
     event(f"compact reports after the first: {share}")

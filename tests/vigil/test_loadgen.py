@@ -1,5 +1,5 @@
 """``vigil loadgen`` against a real aggregator process on loopback: every report offered is
-accepted and the fleet lists every node; each node moves to the compact form (version 2) as the
+accepted and the fleet lists every node; each node moves to the compact form (version 3) as the
 agent does; a wrong site secret shows up as counted errors."""
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ def test_spawned_aggregator_accepts_every_report_and_lists_every_node(capsys: py
     assert s["errors"] == {}
     assert s["fleet_nodes"] == NODES  # GET /v1/nodes with the read token
     assert s["report_bytes"] > 15_000  # a real 8-GPU, 8-HCA report, not a stub
-    # Version 1 first (no answer yet), version 2 whole after the answer lists it, then compact
+    # Version 1 first (no answer yet), version 3 whole after the answer lists it, then compact
     # relative to the last accepted report; the aggregator had every base.
     forms = s["accepted_by_form"]
     assert sum(forms.values()) == s["accepted"]
-    assert forms["whole v1"] >= NODES and forms["whole v2"] >= NODES and forms["compact v2"] >= NODES
+    assert forms["whole v1"] >= NODES and forms["whole v3"] >= NODES and forms["compact v3"] >= NODES
     assert s["rebased"] == 0
     assert 0 < s["compact_report_bytes"] < s["report_bytes"] / 2
     assert s["latency_seconds"]["p50"] > 0
@@ -67,5 +67,5 @@ def test_a_warm_up_is_sent_but_not_counted(capsys: pytest.CaptureFixture[str]) -
     assert s["accepted"] == s["sent"] and s["errors"] == {} and s["warmup_errors"] == {}
     # Every node had its answers in the warm-up: none starts the measured part as version 1.
     assert s["accepted_by_form"]["whole v1"] == 0
-    assert s["accepted_by_form"]["compact v2"] >= NODES
+    assert s["accepted_by_form"]["compact v3"] >= NODES
     assert s["aggregator"]["cpu_seconds_per_report"] > 0
