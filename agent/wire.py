@@ -11,8 +11,6 @@ never 0. Constructing a Struct in Python checks nothing: ``check`` validates one
 from __future__ import annotations
 
 import re
-from itertools import chain
-from operator import attrgetter
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -93,7 +91,7 @@ NodeName = Annotated[str, Meta(min_length=1, max_length=MAX_NODE_NAME_CHARS, pat
 # arithmetic (1e400 or NaN never reaches a detector). msgspec bounds integers within int64, so
 # a count is at most 2**63 - 1 (an ECC or replay count never nears it); a port counter, which a
 # 64-bit hardware register can hold up to its saturation value, is bounded by MAX_COUNTER in
-# Report.__post_init__ instead (one C-level pass over all of a report's port counters).
+# Report.__post_init__ instead (check_port_counters).
 MAX_COUNT = 2**63 - 1
 MAX_COUNTER = 2**64 - 1
 Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
@@ -433,15 +431,16 @@ class Report(_Wire, kw_only=True):
         return self.base_seq is not None
 
 
-_COUNTERS = attrgetter("counters")
-_DELTAS = attrgetter("deltas")
-
-
 def check_port_counters(ports: list[PortState]) -> None:
-    """ValueError if a counter of ``ports`` is above MAX_COUNTER: one C-level pass over all of them."""
-    if max(chain.from_iterable(map(dict.values, chain(map(_COUNTERS, ports), map(_DELTAS, ports)))),
-           default=0) > MAX_COUNTER:
-        raise ValueError(f"a port counter is at most {MAX_COUNTER} (64 bits)")
+    """ValueError if a counter of ``ports`` is above MAX_COUNTER: ``max`` over each dict that has
+    any (a compact port has one or two counters and no deltas: 1.6 us for 8 ports where one
+    chained pass over all the dicts, empty ones included, took 2.7 us)."""
+    for port in ports:
+        counters, deltas = port.counters, port.deltas
+        if (counters and max(counters.values()) > MAX_COUNTER) or (deltas and max(deltas.values()) > MAX_COUNTER):
+            raise ValueError(f"a port counter is at most {MAX_COUNTER} (64 bits)")
+
+
 # A report's sections of entries, each a list of one model (version 2 completes them by identity).
 Section = Literal["gpus", "ports", "ranks"]
 SECTIONS: dict[str, type[GpuState] | type[PortState] | type[RankSummary]] = {
