@@ -4,8 +4,9 @@
 The node is the real agent over FakeNvml (8x H100 SXM), an 8-HCA sysfs tree built from the
 recorded H100 InfiniBand snapshot, a kernel log file, and 8 training ranks sending one heartbeat
 per step. CPU is process time (all threads), so the NVML event worker counts too. Building a
-report (the Reporter's build_body: the Report model, its JSON, and in version 2 the whole state
-as a dict and its delta against the last accepted one) is measured per report for both versions
+report (the Reporter's build_body: the Report model, its JSON, and in a compact version the
+whole state as a dict and its delta against the last accepted one) is measured per report for
+version 1 and the compact version the agent sends (3)
 and per second at the agent's 2.5 s report interval, added to the collection cycle's CPU.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from bench.measure import Measurement
 from vigil.agent.runner import collect_once
-from vigil.agent.wire import DELTA_VERSION, WIRE_VERSION
+from vigil.agent.wire import SPARSE_VERSION, WIRE_VERSION
 from vigil.agent_reports import INTERVAL_SECONDS, Clock, agent_reports, build_agent
 
 FIXTURE_IB = Path(__file__).parent.parent / "tests" / "fixtures" / "sysfs" / "h100" / "class" / "infiniband"
@@ -30,11 +31,11 @@ AGENT_BUDGET_MS_PER_SECOND = 1.0
 
 
 def report_build_seconds(version: int) -> list[float]:
-    """CPU per report the Reporter builds in ``version``, steady state: in version 2 the first
+    """CPU per report the Reporter builds in ``version``, steady state: in a compact version the first
     report after the move is whole and left out, each later one is compact."""
     cpu: list[float] = []
     agent_reports(REPORT_ROUNDS, FIXTURE_IB / "mlx5_0", version=version, build_cpu_seconds=cpu)
-    return cpu[1:] if version == DELTA_VERSION else cpu
+    return cpu[1:] if version == SPARSE_VERSION else cpu
 
 
 def measure() -> list[Measurement]:
@@ -85,21 +86,21 @@ def measure() -> list[Measurement]:
     breakdown = ", ".join(f"{n} {v / SECONDS * 1000:.2f}" for n, v in sorted(per_collector.items()))
     renders.sort()
     p99_ms = renders[int(len(renders) * 0.99) - 1] * 1000
-    build = {v: sorted(report_build_seconds(v)) for v in (WIRE_VERSION, DELTA_VERSION)}
+    build = {v: sorted(report_build_seconds(v)) for v in (WIRE_VERSION, SPARSE_VERSION)}
     mean_us = {v: sum(xs) / len(xs) * 1e6 for v, xs in build.items()}
     p50_us = {v: xs[len(xs) // 2] * 1e6 for v, xs in build.items()}
-    v2_ms_per_s = mean_us[DELTA_VERSION] / 1000 / INTERVAL_SECONDS
+    compact_ms_per_s = mean_us[SPARSE_VERSION] / 1000 / INTERVAL_SECONDS
     return [
         Measurement("agent CPU per collection cycle (8 GPUs + 8 HCAs + 8 ranks, fake NVML)", cpu_ms, "ms", 2.0,
                     note=f"CPU per second over {SECONDS:.0f} simulated seconds at configured cadences; "
                          f"ms/s by collector: {breakdown}"),
-        Measurement("agent report building, version 2 (compact), per report", round(mean_us[DELTA_VERSION]), "us",
+        Measurement("agent report building, version 3 (compact), per report", round(mean_us[SPARSE_VERSION]), "us",
                     None, note=f"Reporter.build_body + taking the answer, mean over {REPORT_ROUNDS - 1} reports "
-                               f"(p50 {p50_us[DELTA_VERSION]:.0f} us); version 1 (whole) "
+                               f"(p50 {p50_us[SPARSE_VERSION]:.0f} us); version 1 (whole) "
                                f"{mean_us[WIRE_VERSION]:.0f} us (p50 {p50_us[WIRE_VERSION]:.0f} us)"),
-        Measurement("agent CPU per second with report building (version 2, one report per 2.5 s)",
-                    round(cpu_ms + v2_ms_per_s, 3), "ms", AGENT_BUDGET_MS_PER_SECOND,
-                    note=f"collection {cpu_ms:.3f} ms/s + report building {v2_ms_per_s:.3f} ms/s "
+        Measurement("agent CPU per second with report building (version 3, one report per 2.5 s)",
+                    round(cpu_ms + compact_ms_per_s, 3), "ms", AGENT_BUDGET_MS_PER_SECOND,
+                    note=f"collection {cpu_ms:.3f} ms/s + report building {compact_ms_per_s:.3f} ms/s "
                          f"(version 1: {mean_us[WIRE_VERSION] / 1000 / INTERVAL_SECONDS:.3f} ms/s); "
                          "docs/architecture.md section 9"),
         Measurement("/metrics render, 8-GPU node (p99)", p99_ms, "ms", 2.0,

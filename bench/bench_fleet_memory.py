@@ -2,8 +2,9 @@
 
 Memory: tracemalloc over ``Fleet.ingest`` (the service's fleet, as the engine builds it) of
 MEMORY_NODES nodes x MEMORY_ROUNDS of the real agent-built reports (vigil/agent_reports.py: 8
-GPUs, 8 ConnectX-7 ports, 8 ranks), what the fleet keeps per node, and how many of its objects
-the cyclic garbage collector walks; then the same nodes silent past
+GPUs, 8 ConnectX-7 ports, 8 ranks; the first whole, then compact in the version the agent sends:
+a compact entry's unchanged values are the base's objects, shared), what the fleet keeps per
+node, and how many of its objects the cyclic garbage collector walks; then the same nodes silent past
 ``fleet.forget_after_seconds``, and what is left once they are forgotten (departed nodes leave
 memory).
 
@@ -30,7 +31,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from bench.bench_agent import FIXTURE_IB
 from bench.measure import Measurement
-from vigil.agent.wire import Report, convert
+from vigil.agent.wire import SPARSE_VERSION, Report, convert
 from vigil.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
 from vigil.aggregator.app import METRICS_KEY, make_app, tune_gc
 from vigil.aggregator.auth import Credentials, node_token
@@ -71,7 +72,7 @@ def _report(template: dict[str, Any], n: int, seq: int, ts: float) -> Report:
 
 
 def memory() -> list[Measurement]:
-    templates = agent_reports(MEMORY_ROUNDS, FIXTURE_IB / "mlx5_0")
+    templates = agent_reports(MEMORY_ROUNDS, FIXTURE_IB / "mlx5_0", version=SPARSE_VERSION)
     # The service's fleet: the port counters its detectors judge are the ones it keeps deltas of.
     fleet = Engine(parse_config({"fleet": {"forget_after_seconds": 3600}}), RecordingSink()).fleet
     t0 = 1.7e9
@@ -89,7 +90,7 @@ def memory() -> list[Measurement]:
         held = tracemalloc.get_traced_memory()[0] - before
         tracked = len(gc.get_objects()) - tracked_before
         later = t0 + 3700
-        fleet.ingest(_report(templates[-1], 99_999, len(templates) + 1, later), later)
+        fleet.ingest(_report(templates[0], 99_999, len(templates) + 1, later), later)  # whole
         gone = len(fleet.forget_departed(later))
         fleet.forget_idle_jobs(later + 3600)
         gc.collect()
