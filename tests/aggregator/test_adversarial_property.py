@@ -234,6 +234,23 @@ def test_a_compact_report_completes_the_nodes_state(harness: Harness, version: i
     assert next(iter(node.ports.values())).last.counters["link_downed"] == 0
 
 
+def test_a_version_3_report_keeps_what_it_leaves_out_and_clears_what_it_names(harness: Harness) -> None:
+    sick = {**compact(harness, "p2"), "version": 3}
+    sick["gpus"][1] = {**sick["gpus"][1], "health": "reset_required", "clock_event_reasons": ["hw_slowdown"]}
+    assert post_compact(harness, "p2", sick)[0] == 202
+    same = {**compact(harness, "p2"), "version": 3}  # GPU 1 as its identity only: unchanged
+    assert post_compact(harness, "p2", same)[0] == 202
+    gpu = harness.engine.fleet.view().nodes["p2"].gpus[1].last
+    assert (gpu.health, gpu.clock_event_reasons) == ("reset_required", ("hw_slowdown",))
+    cleared = [["gpus", 0, "power_watts"], ["gpus", 1, "health"], ["gpus", 1, "clock_event_reasons"]]
+    well = {**compact(harness, "p2"), "version": 3, "cleared": cleared}
+    assert post_compact(harness, "p2", well)[0] == 202
+    node = harness.engine.fleet.view().nodes["p2"]
+    assert node.gpus[0].last.power_watts is None and node.gpus[0].last.temperature_celsius == 63.5
+    assert (node.gpus[1].last.health, node.gpus[1].last.clock_event_reasons) == ("ok", ())
+    assert node.gpus[1].last.temperature_celsius == 62.0
+
+
 @pytest.mark.parametrize("change, status, reason", [
     ({"base_seq": 3}, 409, "delta_base"),  # not the node's last accepted report
     ({"boot_id": "another-boot"}, 409, "delta_base"),  # a new boot has no base
@@ -265,8 +282,12 @@ def test_a_malformed_or_baseless_compact_report_is_refused_counted_and_changes_n
     assert f'vigil_aggregator_refusals_total{{door="reports",reason="{reason}"}} 1.0' in metrics
 
 
-def test_no_compact_report_yields_a_5xx_and_a_refused_one_changes_nothing(harness: Harness) -> None:
-    base = compact(harness, "p2")
+@pytest.mark.parametrize("version", [2, 3])
+def test_no_compact_report_yields_a_5xx_and_a_refused_one_changes_nothing(harness: Harness, version: int) -> None:
+    # Version 3 with a cleared field of each kind it allows (a state word, a list, an optional one).
+    extra = {"cleared": [["gpus", 0, "health"], ["gpus", 1, "clock_event_reasons"], ["gpus", 0, "power_watts"],
+                         ["ports", 0, "flags"]]} if version == 3 else {}
+    base = {**compact(harness, "p2"), "version": version, **extra}
 
     @PROPERTY
     @given(st.one_of(mutated(base), plausible(base), st.binary(max_size=200)))
