@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.measure import Measurement
 from vigil.agent.runner import collect_once
-from vigil.agent.wire import SPARSE_VERSION, WIRE_VERSION
+from vigil.agent.wire import COMPACT_VERSIONS, SPARSE_VERSION, WIRE_VERSION
 from vigil.agent_reports import INTERVAL_SECONDS, Clock, agent_reports, build_agent
 
 FIXTURE_IB = Path(__file__).parent.parent / "tests" / "fixtures" / "sysfs" / "h100" / "class" / "infiniband"
@@ -35,7 +35,7 @@ def report_build_seconds(version: int) -> list[float]:
     report after the move is whole and left out, each later one is compact."""
     cpu: list[float] = []
     agent_reports(REPORT_ROUNDS, FIXTURE_IB / "mlx5_0", version=version, build_cpu_seconds=cpu)
-    return cpu[1:] if version == SPARSE_VERSION else cpu
+    return cpu[1:] if version in COMPACT_VERSIONS else cpu
 
 
 def measure() -> list[Measurement]:
