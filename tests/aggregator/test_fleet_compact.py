@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 from itertools import pairwise
+from typing import Any
 
+import msgspec
 import pytest
 
 from tests.aggregator.conftest import FakeNode, assert_same_node, rank_summary
 from vigil.agent.report_delta import delta, whole
-from vigil.agent.wire import COMPACT_VERSIONS, SPARSE_VERSION, Report, decode_report
-from vigil.aggregator.fleet import Fleet
+from vigil.agent.wire import COMPACT_VERSIONS, SPARSE_VERSION, GpuState, PortState, Report, decode_report
+from vigil.aggregator.fleet import _COMPLETERS, GPU_COUNTERS, Fleet, GpuHistory, GpuSample
 
 ROUNDS = 12
 JUDGED_PORT_COUNTERS = ["symbol_error", "link_downed", "link_error_recovery"]
@@ -150,3 +152,54 @@ def test_telemetry_held_back_leaves_the_fleet_as_the_agents_held_state_says(port
     assert held[4].ports[0].counters["symbol_error"] == reports[4].ports[0].counters["symbol_error"]  # a fault: sent
     assert b.gpus[0].last.sm_active_ratio == 0.5 + 9 / 100  # the last refresh, k=9 of 0..11
     assert b.gpus[0].last.utilization_gpu_ratio == reports[-1].gpus[0].utilization_gpu_ratio  # judged: every report
+
+
+# A value away from its default for each PortState field a version-3 entry may carry besides its
+# identity and counters (the test below checks the table against PortState's fields).
+PORT_FIELD_CHANGES: dict[str, Any] = {
+    "state": "DOWN", "phys_state": "Polling", "rate_bits_per_second": 2e11, "link_layer": "Ethernet",
+                      "netdev": "eth9", "deltas": {"symbol_error": 1}, "rates_per_second": {"symbol_error": 0.5},
+                      "flags": {"symbol_error": "saturated"}}
+
+
+def test_a_version_3_port_entry_that_moved_only_counters_is_its_base_and_any_other_field_completes_it() -> None:
+    """The port fast path (``_complete_sparse_port``) reads PortState's fields by name: an entry
+    with only its identity and counters leaves the base itself with the counters merged; an entry
+    with any other field set completes a new state with it (a field added to PortState and not
+    to the fast path would be lost, so the table must name every one)."""
+    others = {f.name for f in msgspec.structs.fields(PortState)
+              if not f.required and f.name != "counters"}
+    assert set(PORT_FIELD_CHANGES) == others
+    complete = _COMPLETERS[SPARSE_VERSION].port
+    base = PortState(device="mlx5_0", port=1, state="ACTIVE", phys_state="LinkUp", rate_bits_per_second=4e11,
+                     counters={"symbol_error": 3, "port_xmit_wait": 10})
+    same = complete(base, PortState(device="mlx5_0", port=1, counters={"port_xmit_wait": 12}))
+    assert same is base and base.counters == {"symbol_error": 3, "port_xmit_wait": 12}
+    for name, value in PORT_FIELD_CHANGES.items():
+        done = complete(base, PortState(device="mlx5_0", port=1, counters={"symbol_error": 4}, **{name: value}))
+        assert done is not base and getattr(done, name) == value, name
+        assert done.counters == {"symbol_error": 4, "port_xmit_wait": 12}
+        assert all(getattr(done, f) == getattr(base, f) for f in others - {name}), name
+
+
+def test_a_gpu_sample_and_counters_read_every_field_from_the_state() -> None:
+    """GpuHistory.observe reads GpuSample's fields and the judged counters by name (no attrgetter
+    on the hot path): each one from the state's field of that name, none swapped or missed."""
+    names = ("sm_clock_hertz", "sm_clock_max_hertz", "memory_temperature_celsius", "memory_max_temperature_celsius")
+    floats: dict[str, Any] = {name: float(k + 2) for k, name in enumerate(names)}
+    floats["utilization_gpu_ratio"] = 0.25
+    counters: dict[str, Any] = {name: 10 * (k + 1) for k, name in enumerate(GPU_COUNTERS)}
+    state = GpuState(index=0, uuid="GPU-0", health="reset_required", clock_event_reasons=("hw_slowdown",),
+                     remap_pending=True, remap_failure=False, retired_pages_pending=None, nvlink_links_down=(2, 5),
+                     **floats, **counters)
+    history = GpuHistory(state, 0.0, 8, 8)
+    history.observe(state, 1.0)
+    sample = history.samples[-1]
+    assert sample.ts == 1.0
+    assert all(getattr(sample, name) == getattr(state, name) for name in GpuSample.__struct_fields__[1:])
+    assert len(set(map(repr, msgspec.structs.astuple(sample)[1:]))) == len(GpuSample.__struct_fields__) - 1
+    # Each counter grows by its own amount: the increase each name records is its own.
+    grown = msgspec.structs.replace(state, **{name: 10 * (k + 1) + k + 1 for k, name in enumerate(GPU_COUNTERS)})
+    history.observe(grown, 2.0)
+    assert [history.counters.sum_since(name, 0.0) for name in GPU_COUNTERS] == [float(k + 1)
+                                                                               for k in range(len(GPU_COUNTERS))]
