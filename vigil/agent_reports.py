@@ -102,9 +102,12 @@ def agent_reports(rounds: int, hca_template: Path | None = None, interval_second
                     f.write_text(f"{int(f.read_text()) + step}\n")
                 for rank in range(RANKS):
                     for step_n in (2 * seq, 2 * seq + 1):
-                        hb = {"job": "llm-405b", "rank": rank, "step": step_n, "step_seconds": 1.21,
-                              "compute_seconds": 0.91, "comm_seconds": 0.28, "data_seconds": 0.02, "gpu": rank,
-                              "pid": 4000 + rank}
+                        # A real step's time wanders by about 1% from step to step (so each window's
+                        # quantiles differ, and a compact report carries them); the data time does not.
+                        jitter = ((rank * 31 + step_n * 17) % 9 - 4) * 0.003
+                        hb = {"job": "llm-405b", "rank": rank, "step": step_n, "step_seconds": 1.21 + jitter,
+                              "compute_seconds": 0.91 + 0.7 * jitter, "comm_seconds": 0.28 + 0.3 * jitter,
+                              "data_seconds": 0.02, "gpu": rank, "pid": 4000 + rank}
                         training.ingest(json.dumps(hb).encode(), clock.t)  # type: ignore[attr-defined]
                 for c in agent.collectors:
                     agent.snapshot.put(c.name, collect_once(c, clock.t))
