@@ -1,8 +1,8 @@
 """The aggregator over HTTP under the fleet's real cadence: ``vigil loadgen``'s open-loop schedule
 (vigil/loadgen.py) against a real ``vigil aggregator`` process it starts (dry run), with the same
 agent-built reports as bench_ingest (the recorded ConnectX-7 HCA, 8 times): each node sends its
-first report whole as version 1, its second whole as version 2 once the answer lists it, then
-compact reports (version 2, what changed), as the agent does.
+first report whole as version 1, its second whole in the newest compact version (3) once the
+answer lists it, then compact reports (version 3, what changed), as the agent does.
 
 Runs of RUN_SECONDS, after WARMUP_SECONDS sent and not measured: 2,000 nodes, then the largest of
 CANDIDATES (12,500 = 100,000 GPUs at one report per 2.5 s) the machine sustains (every report
