@@ -44,7 +44,6 @@ from vigil.aggregator.decision import Action
 
 _V = TypeVar("_V")
 _M = TypeVar("_M", GpuState, PortState, RankSummary)
-_S = TypeVar("_S", GpuState, PortState, RankSummary)
 
 
 class FleetConfig(StrictModel):
@@ -142,8 +141,8 @@ def _completer(model: type[_M], merged: str | None = None,
     return complete
 
 
-class _SparseComplete(Protocol[_S]):
-    def __call__(self, base: _S, sent: _S, into: dict[str, Any] | None = None) -> _S: ...
+class _SparseComplete(Protocol[_M]):
+    def __call__(self, base: _M, sent: _M, into: dict[str, Any] | None = None) -> _M: ...
 
 
 def _sparse_completer(model: type[_M]) -> _SparseComplete[_M]:
@@ -385,7 +384,6 @@ class GpuSample(msgspec.Struct, frozen=True, gc=False):
     remap_failure: bool | None
     retired_pages_pending: bool | None
     nvlink_links_down: tuple[int, ...]
-
 
 
 class PortSample(msgspec.Struct, frozen=True, gc=False):
