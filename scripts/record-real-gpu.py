@@ -403,27 +403,33 @@ def probe(rehearse: bool) -> dict[str, Any]:
             "events_registered": registered, "calls": s.nvml.calls, "ops": s.ops}
 
 
-def probe_unprivileged(out: Path, rehearse: bool) -> None:
+def probe_unprivileged(out: Path, rehearse: bool) -> bool:
     """Runs ``probe`` as uid/gid 65534 from a world-readable copy of the code (the checkout may sit
     in root's home), and keeps what it recorded in ``nvml-unprivileged.json``."""
     if os.geteuid() != 0:
         (out / "nvml-unprivileged.json").write_text(json.dumps({"skipped": "not run as root"}))
-        return
+        return True
     code = Path(tempfile.mkdtemp(prefix="vigil-code-"))
     os.chmod(code, 0o755)
-    for name in ("agent", "aggregator", "sim", "scenarios", "vigil", "scripts"):
+    # Everything `vigil` imports from the checkout: its linked packages and the heartbeat client.
+    for name in ("agent", "aggregator", "sim", "scenarios", "vigil", "scripts", "clients"):
         shutil.copytree(REPO / name, code / name, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for path in [code, *code.rglob("*")]:
         if not path.is_symlink():
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
-    paths = [str(code), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p.startswith("/tmp"))]
+    paths = [str(code), str(code / "clients" / "heartbeat"),
+             *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p.startswith("/tmp"))]
     argv = [sys.executable, str(code / "scripts" / "record-real-gpu.py"), "--probe", "-"]
+    # A rehearsal runs the copy as this user: the interpreter of a development checkout (a virtual
+    # environment under root's home) is often out of uid 65534's reach, and the copy and its imports
+    # are what a rehearsal must prove before a device session.
+    as_user: dict[str, Any] = {} if rehearse else {"user": UNPRIVILEGED_ID, "group": UNPRIVILEGED_ID,
+                                                   "extra_groups": []}
     if rehearse:
         argv.append("--rehearse")
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, cwd="/",
-                              user=UNPRIVILEGED_ID, group=UNPRIVILEGED_ID, extra_groups=[],
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, cwd="/", **as_user,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HOME": "/"})
         result = json.loads(done.stdout)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -432,6 +438,9 @@ def probe_unprivileged(out: Path, rehearse: bool) -> None:
         result = {"failed": done.returncode, "stdout": done.stdout[-4000:], "stderr": done.stderr[-4000:]}
     (out / "nvml-unprivileged.json").write_text(json.dumps(result, separators=(",", ":")))
     shutil.rmtree(code, ignore_errors=True)
+    if "failed" in result:
+        print(f"the unprivileged probe failed: {json.dumps(result)[:2000]}", file=sys.stderr)
+    return "failed" not in result
 
 
 def main() -> int:
@@ -444,6 +453,8 @@ def main() -> int:
                         help="every step over FakeNvml, without a GPU (to check the script before a device session)")
     parser.add_argument("--agent-only", action="store_true",
                         help="only the agent run, with a heartbeat-instrumented training loop (files *-training.*)")
+    parser.add_argument("--unprivileged-only", action="store_true",
+                        help="only the unprivileged user's calls (nvml-unprivileged.json)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # the unprivileged child
     args = parser.parse_args()
     global REHEARSAL
@@ -457,6 +468,8 @@ def main() -> int:
     if args.agent_only:
         run_agent(out, args.agent_seconds, args.rehearse, training=True)
         return 0
+    if args.unprivileged_only:
+        return 0 if probe_unprivileged(out, args.rehearse) else 1
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     sh(out, "nvidia-smi-version.txt", ["nvidia-smi", "--version"])
@@ -504,11 +517,11 @@ def main() -> int:
     costs = {"recorded_at": stamp, "nvml_calls": call_costs(s.nvml.calls), "collector": collector_cpu(nvml, count),
              "gpu_collector": gpu_collector_cpu(nvml)}
     (out / "costs.json").write_text(json.dumps(costs, indent=1))
-    probe_unprivileged(out, args.rehearse)
+    unprivileged = probe_unprivileged(out, args.rehearse)
     run_agent(out, args.agent_seconds, args.rehearse)
     exercise_reset(nvml, out, args.reset)
     print(json.dumps({k: costs[k] for k in ("collector", "gpu_collector")}))
-    return 0
+    return 0 if unprivileged else 1
 
 
 if __name__ == "__main__":
