@@ -3,7 +3,8 @@
 Each profile holds a model's identity strings, memory size, clocks and their maxima, power and
 temperature limits, NVLink count and the NVML queries the model answers with NotSupported, as
 FakeNvml needs them. Values come from a recorded ``nvidia-smi -q`` (H100, checked against it by
-tests/agent/nvml/test_profiles.py) or from NVIDIA's published specifications (cited per profile).
+tests/agent/nvml/test_profiles.py), from a real GPU recorded through NVML (H200), or from NVIDIA's
+published specifications (cited per profile).
 Profiles hold data only; FakeNvml turns them into NVML answers over time.
 """
 
@@ -114,32 +115,38 @@ H100_SXM_80GB = DeviceProfile(
     mig_profiles=H100_80GB_MIG,
 )
 
-# HGX H200 8-GPU: NVIDIA H200 Tensor Core GPU datasheet (141 GB HBM3e at 4.8 TB/s, up to 700 W
-# TDP, NVLink 900 GB/s = 18 links); clocks as for H100 SXM (same GH100 die, 1980 MHz boost), HBM3e
-# memory clock 3201 MHz and 143771 MiB as NVML reports the 141 GB part. Temperature limits as H100.
+# HGX H200 8-GPU. Measured on a real H200 SXM (board 692-2G520-0282-001, vbios 96.00.A5.00.1A) under
+# driver 580.159.04 / CUDA 13.0 (tests/fixtures/nvml-real-h200/, 2026-11-27, checked by
+# tests/agent/nvml/test_fake_vs_real.py): name, 143771 MiB, the 615 MiB reserve, 1980/3201 MHz
+# maxima, 345 MHz idle, 700 W limit, the thermal limits (T.Limit 87 C: slowdown 89, shutdown 95,
+# memory 95), idle draw and temperatures, and the draw and temperatures after 75 s of a bf16
+# training loop. NVIDIA H200 Tensor Core GPU datasheet: 18 NVLink 4 links (900 GB/s; the recorded
+# VM showed none). The PCI bus ids of the eight slots are not from a recording.
 H200_SXM_141GB = DeviceProfile(
     key="h200-sxm-141gb",
     name="NVIDIA H200",
     memory_total_bytes=143771 * MIB,
-    memory_reserved_bytes=551 * MIB,  # no recording of an H200: the H100's at driver 535 (same GH100)
+    memory_reserved_bytes=644_939_776,  # NVML v2's reserve (nvidia-smi -q rounds it up: "616 MiB")
     sm_clock_max_mhz=1980,
     memory_clock_max_mhz=3201,
     sm_clock_idle_mhz=345,
     power_limit_mw=700_000,
-    power_idle_mw=75_000,
-    power_busy_mw=660_000,
-    temperature_idle_celsius=31,
-    temperature_busy_celsius=63,
-    memory_temperature_idle_celsius=38,
-    memory_temperature_busy_celsius=60,
-    shutdown_temperature_celsius=93,
-    slowdown_temperature_celsius=87,
-    gpu_max_temperature_celsius=85,
+    power_idle_mw=83_200,
+    # At 96-100% utilization the real board draws 685-694 W, SwPowerCap holding it under 700 W
+    # (its SM clock at 1.38-1.46 GHz); the fake's draw is linear in utilization and uncapped.
+    power_busy_mw=692_000,
+    temperature_idle_celsius=37,
+    temperature_busy_celsius=61,
+    memory_temperature_idle_celsius=39,
+    memory_temperature_busy_celsius=54,
+    shutdown_temperature_celsius=95,
+    slowdown_temperature_celsius=89,
+    gpu_max_temperature_celsius=87,
     memory_max_temperature_celsius=95,
     nvlink_count=18,
-    vbios_version="96.00.AF.00.01",
-    driver_version="550.90.07",
-    cuda_driver_version=12040,
+    vbios_version="96.00.A5.00.1A",
+    driver_version="580.159.04",
+    cuda_driver_version=13000,
     pcie_bus_ids=("00000000:18:00.0", "00000000:2A:00.0", "00000000:3A:00.0", "00000000:5D:00.0",
                   "00000000:9A:00.0", "00000000:AB:00.0", "00000000:BA:00.0", "00000000:DB:00.0"),
     pcie_max_bytes_per_second=64_000_000_000,

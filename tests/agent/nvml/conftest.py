@@ -1,13 +1,17 @@
-"""Fixtures for the NVML boundary tests: a settable clock and a backend over FakeNvml."""
+"""Fixtures for the NVML boundary tests: a settable clock, a backend over FakeNvml, and the real GPUs
+recorded (tests/fixtures/nvml-real*/) with the fake that stands for each."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.profiles import H100_SXM_80GB, H200_SXM_141GB, DeviceProfile
 from vigil.agent.nvml.scenario import NodeScenario, load_node_scenario
 
 
@@ -34,3 +38,25 @@ def make_backend(clock: FakeClock) -> Callable[..., tuple[FakeNvml, PynvmlBacken
         return fake, backend
 
     return make
+
+
+@dataclass(frozen=True)
+class RealGpu:
+    """One real GPU recorded by scripts/record-real-gpu.py, and the fake that stands for it."""
+
+    folder: Path  # tests/fixtures/nvml-real*/ (PROVENANCE.md there says where and when)
+    scenario: str  # the FakeNvml node scenario of the same board
+    profile: DeviceProfile
+
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+# Every real recording the replay and fake-vs-real tests run over; a new board recorded is one row.
+REAL_GPUS = {
+    "h100": RealGpu(FIXTURES / "nvml-real", "healthy-h100", H100_SXM_80GB),
+    "h200": RealGpu(FIXTURES / "nvml-real-h200", "healthy-h200", H200_SXM_141GB),
+}
+
+
+@pytest.fixture(scope="module", params=list(REAL_GPUS))
+def real_gpu(request: pytest.FixtureRequest) -> RealGpu:
+    return REAL_GPUS[request.param]

@@ -1,13 +1,13 @@
-"""The backend over a real H100's recorded NVML answers (tests/fixtures/nvml-real/): every backend
-call made on the real GPU, replayed through ``ReplayNvml``, gives what it gave there, so a change to
-the backend's conversions, error handling or call pattern is checked against real hardware on a
-machine without one. scripts/record-real-gpu.py makes the recording; PROVENANCE.md says where."""
+"""The backend over real GPUs' recorded NVML answers (an H100 in tests/fixtures/nvml-real/, an H200
+in tests/fixtures/nvml-real-h200/): every backend call made on the real GPU, replayed through
+``ReplayNvml``, gives what it gave there, so a change to the backend's conversions, error handling or
+call pattern is checked against real hardware on a machine without one. scripts/record-real-gpu.py
+makes the recordings; each folder's PROVENANCE.md says where."""
 
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,17 +16,17 @@ from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.recording import RECORDING_FORMAT, RecordingNvml, ReplayNvml
 from vigil.agent.nvml.scenario import load_node_scenario
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "nvml-real"
+from .conftest import RealGpu
 
 
 @pytest.fixture(scope="module")
-def recording() -> dict[str, Any]:
-    return json.loads((FIXTURES / "nvml-recording.json").read_text())
+def recording(real_gpu: RealGpu) -> dict[str, Any]:
+    return json.loads((real_gpu.folder / "nvml-recording.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def ops() -> list[dict[str, Any]]:
-    return json.loads((FIXTURES / "backend-ops.json").read_text())["ops"]
+def ops(real_gpu: RealGpu) -> list[dict[str, Any]]:
+    return json.loads((real_gpu.folder / "backend-ops.json").read_text())["ops"]
 
 
 def _as_json(value: Any) -> Any:
@@ -70,10 +70,10 @@ def replay(recording: dict[str, Any], ops: list[dict[str, Any]]) -> tuple[Replay
     return nvml, out
 
 
-def test_the_recording_is_a_real_hopper_gpu(recording, ops) -> None:
+def test_the_recording_is_a_real_hopper_gpu(real_gpu, recording, ops) -> None:
     assert recording["format"] == RECORDING_FORMAT
     identity = next(op["result"] for op in ops if op["op"] == "identity")
-    assert identity["name"] == "NVIDIA H100 80GB HBM3" and identity["uuid"].startswith("GPU-")
+    assert identity["name"] == real_gpu.profile.name and identity["uuid"].startswith("GPU-")
     phases = {op["phase"] for op in ops if op["op"] == "read"}
     assert phases == {"idle", "tensor", "memory"}  # idle, a tensor-core load and a memory-bound load
 
@@ -110,7 +110,8 @@ def test_real_gpu_readings_under_load(ops) -> None:
     assert steady("tensor", "tensor_active_ratio") > 0.8 and steady("tensor", "dram_active_ratio") < 0.4
     assert steady("memory", "dram_active_ratio") > 0.8 and steady("memory", "tensor_active_ratio") < 0.05
     assert steady("idle", "sm_active_ratio") == 0.0
-    # SwPowerCap (bit 0x4) at 0.71-0.80 of the 1980 MHz boost clock, 99% of the 700 W limit.
+    # SwPowerCap (bit 0x4) at 0.71-0.80 of the 1980 MHz boost clock (H100; the H200 0.70-0.73), 98-99%
+    # of the 700 W limit.
     tensor = [op["result"] for op in reads[1:] if op["phase"] == "tensor"]
     assert all(r["clock_event_reasons"] & 0x4 for r in tensor[1:])
     assert 0.6 < steady("tensor", "sm_clock_hertz") / 1.98e9 < 0.85
@@ -140,11 +141,11 @@ def test_recording_over_the_fake_replays_too(clock) -> None:
     _same(got, want, "fake")
 
 
-def test_an_unprivileged_agent_is_refused_nothing(recording) -> None:
+def test_an_unprivileged_agent_is_refused_nothing(real_gpu, recording) -> None:
     """The same backend calls made as uid/gid 65534 with no groups (an agent in a container without
     privileges), on the same GPU: every call answers as it did for root, the Xid event registration
     included, and the backend over that recording gives what it gave there."""
-    unprivileged = json.loads((FIXTURES / "nvml-unprivileged.json").read_text())
+    unprivileged = json.loads((real_gpu.folder / "nvml-unprivileged.json").read_text())
     assert unprivileged["uid"] == unprivileged["gid"] == 65534
 
     def outcomes(calls: list[dict[str, Any]]) -> dict[str, set[str]]:
