@@ -188,6 +188,15 @@ def test_azurehpc_syslog_has_no_gpu_events() -> None:
     assert fixture_events("azurehpc-1dev_6flap_syslog") == []
 
 
+def test_a_real_h200_boot_has_no_gpu_events() -> None:
+    """The driver's own start-up lines from the recorded H200 (tests/fixtures/nvml-real-h200/): the
+    module load, an FBHUB interrupt the driver clears itself, the persistence-mode notice. NVRM
+    lines, none of them a fault."""
+    lines = (FIXTURES / "vigil-h200-dmesg-nvrm-boot.log").read_text().splitlines()
+    assert sum("NVRM:" in line for line in lines) == 3
+    assert fixture_events("vigil-h200-dmesg-nvrm-boot.log") == []
+
+
 # -- readers ---------------------------------------------------------------------------------
 
 
