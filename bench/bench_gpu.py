@@ -1,9 +1,9 @@
-"""GPU collector CPU per cycle: 8 fake H100s through PynvmlBackend and FakeNvml, beside the real H100.
+"""GPU collector CPU per cycle: 8 fake H100s through PynvmlBackend and FakeNvml, beside real boards.
 
 Measures the process CPU time of ``GpuCollector.collect`` over many cycles of the embedded default
 node (NVLink read every 10 s as configured by default), part of DESIGN.md section 9's 2 ms agent
-budget, and one backend read per fake GPU; prints beside them what a real H100 cost
-(tests/fixtures/nvml-real/costs.json, recorded by scripts/record-real-gpu.py: no GPU here). It
+budget, and one backend read per fake GPU; prints beside them what a real H100 and a real H200
+cost (tests/fixtures/nvml-real*/costs.json, recorded by scripts/record-real-gpu.py: no GPU here). It
 measures only; it judges nothing.
 """
 
@@ -20,42 +20,48 @@ from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import DEFAULT_SCENARIO, NodeScenario, load_node_scenario
 
 CYCLES = 2000
-REAL = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "nvml-real"
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+# The real boards recorded by scripts/record-real-gpu.py (each folder's PROVENANCE.md says where).
+REAL_BOARDS = (("H100", FIXTURES / "nvml-real"), ("H200", FIXTURES / "nvml-real-h200"))
 
 
-def recorded() -> list[Measurement]:
-    """The real H100's figures, as recorded (one GPU; a node's cycle reads each of its GPUs once)."""
-    now = json.loads((REAL / "costs.json").read_text())
-    before = json.loads((REAL / "costs-before-pcie-fix.json").read_text())
+def recorded(board: str, folder: Path) -> list[Measurement]:
+    """A real board's figures, as recorded (one GPU; a node's cycle reads each of its GPUs once)."""
+    now = json.loads((folder / "costs.json").read_text())
     stamp = now["recorded_at"][:10]
     cycle = now["collector"]["with_nvlink"]
-    old = before["collector"]["with_nvlink"]
     calls = sorted(now["nvml_calls"].items(), key=lambda kv: -kv[1]["median_us"])
     calls = [(name, c) for name, c in calls if c["calls"] > 2][:4]  # per-cycle calls, not start-up ones
     costly = ", ".join(f"{name.removeprefix('nvmlDevice').removeprefix('nvml')} {c['median_us'] / 1000:.1f} ms"
                        for name, c in calls)
+    before = folder / "costs-before-pcie-fix.json"
+    if before.exists():
+        old = json.loads(before.read_text())["collector"]["with_nvlink"]
+        costly = (f"before PCIe came from GPM: {old['wall_seconds_median'] * 1e3:.1f} ms "
+                  f"(nvmlDeviceGetPcieThroughput blocks 20 ms a call); costliest per call now: {costly}")
+    else:
+        costly = f"costliest per call: {costly}"
     agent = now["gpu_collector"]
-    whole = json.loads((REAL / "agent-cpu-training.json").read_text())
-    parts = json.loads((REAL / "agent-cpu-breakdown.json").read_text())["cpu_ms_per_second"]
+    whole = json.loads((folder / "agent-cpu-training.json").read_text())
+    parts = json.loads((folder / "agent-cpu-breakdown.json").read_text())["cpu_ms_per_second"]
     return [
-        Measurement(f"GPU collector, real H100 under load (recorded {stamp}): CPU per cycle per GPU",
+        Measurement(f"GPU collector, real {board} under load (recorded {stamp}): CPU per cycle per GPU",
                     agent["fast_cycle"]["cpu_seconds_median"] * 1e3, "ms", None,
                     note=f"x8 for an HGX node; a cycle that also reads NVLink and energy (every 10 s): "
                          f"{agent['slow_cycle']['cpu_seconds_median'] * 1e3:.1f} ms"),
-        Measurement("whole agent process, real H100 (1 GPU, a rank heartbeating 15/s, a report every 2 s): "
+        Measurement(f"whole agent process, real {board} (1 GPU, a rank heartbeating 15/s, a report every 2 s): "
                     "CPU per second", whole["cpu_ms_per_second"], "ms", None,
                     note=f"over {whole['seconds']:.0f} s under a training load; resident memory "
                          f"{whole['rss_bytes_start'] / 2**20:.1f} -> {whole['rss_bytes_end'] / 2**20:.1f} MiB"),
-        Measurement("whole agent process, real H100 idle (1 GPU, scripts/agent-cpu-breakdown.py): CPU per second",
-                    parts["all"], "ms", None,
+        Measurement(f"whole agent process, real {board} idle (1 GPU, scripts/agent-cpu-breakdown.py): "
+                    "CPU per second", parts["all"], "ms", None,
                     note=f"without the GPU collector {parts['without gpu']} ms, with none {parts['none']} ms: "
                          f"the GPU collector ~{parts['all'] - parts['without gpu']:.1f} ms a second per GPU "
-                         "(x8 for an HGX node); /proc ticks, 0.5 ms/s resolution"),
-        Measurement("backend read, real H100 idle: CPU per GPU", cycle["cpu_seconds_median"] * 1e3,
+                         "(x8 for an HGX node); /proc ticks of 10 ms"),
+        Measurement(f"backend read, real {board} idle: CPU per GPU", cycle["cpu_seconds_median"] * 1e3,
                     "ms", None, note="every query, NVLink and energy included"),
-        Measurement("backend read, real H100: wall per GPU", cycle["wall_seconds_median"] * 1e3, "ms", None,
-                    note=f"before PCIe came from GPM: {old['wall_seconds_median'] * 1e3:.1f} ms "
-                         "(nvmlDeviceGetPcieThroughput blocks 20 ms a call); costliest per call now: " + costly),
+        Measurement(f"backend read, real {board}: wall per GPU", cycle["wall_seconds_median"] * 1e3, "ms", None,
+                    note=costly),
     ]
 
 
@@ -106,7 +112,7 @@ def measure() -> list[Measurement]:
                         note="part of the 2 ms agent budget"),
             Measurement("backend read, fake H100: CPU per GPU", per_read_ms, "ms", None,
                         note="the fake answers at once; the real driver's calls cost what the next rows say"),
-            *mig(), *recorded()]
+            *mig(), *(m for board, folder in REAL_BOARDS for m in recorded(board, folder))]
 
 
 if __name__ == "__main__":
