@@ -78,8 +78,10 @@ class PowerBrake(_Fault):
 
 
 class PowerCap(_Fault):
-    """The GPU is held at a software power cap (nvidia-smi -pl, a site power budget): busy, its SM
-    clock at ``clock_ratio`` of its maximum, clock event reason sw_power_cap."""
+    """The GPU is held at a software power cap (nvidia-smi -pl, a site power budget, or a tensor
+    load that would draw more than the board's limit): busy, its SM clock at ``clock_ratio`` of its
+    maximum, clock event reason sw_power_cap, drawing at its enforced limit as a real capped board
+    does."""
 
     kind: Literal["power_cap"]
     duration_seconds: float | None = Field(default=None, gt=0)  # None: capped for ever

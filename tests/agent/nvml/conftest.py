@@ -46,14 +46,15 @@ class RealGpu:
 
     folder: Path  # tests/fixtures/nvml-real*/ (PROVENANCE.md there says where and when)
     scenario: str  # the FakeNvml node scenario of the same board
+    training_scenario: str  # the same board training at its power cap, as the recording shows
     profile: DeviceProfile
 
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 # Every real recording the replay and fake-vs-real tests run over; a new board recorded is one row.
 REAL_GPUS = {
-    "h100": RealGpu(FIXTURES / "nvml-real", "healthy-h100", H100_SXM_80GB),
-    "h200": RealGpu(FIXTURES / "nvml-real-h200", "healthy-h200", H200_SXM_141GB),
+    "h100": RealGpu(FIXTURES / "nvml-real", "healthy-h100", "training-h100", H100_SXM_80GB),
+    "h200": RealGpu(FIXTURES / "nvml-real-h200", "healthy-h200", "training-h200", H200_SXM_141GB),
 }
 
 

@@ -156,6 +156,34 @@ def test_fake_loaded_power_and_clocks_stay_in_the_real_range(real_gpu: RealGpu) 
     assert profile.sm_clock_idle_mhz * 1e6 <= idle[-1]["sm_clock_hertz"] < 0.25 * profile.sm_clock_max_mhz * 1e6
 
 
+def test_the_fakes_training_node_is_capped_as_the_real_board_is(real_gpu: RealGpu) -> None:
+    """The board's training scenario (scenarios/node/training-h100|h200.yaml: every GPU held by the
+    software power cap) read through the backend as the real board read under bf16 load: the
+    SwPowerCap reason, the SM clock inside the real loaded range, and the draw at the enforced
+    limit like the real one's (a capped GPU that drew 70% of its limit, as the fake used to, is no
+    capped GPU), moving between reads by a few watts as the real draw does."""
+    real = _ops(real_gpu, "read", "tensor")[1:] + _real_report(real_gpu)["gpus"]
+    limit_w = real_gpu.profile.power_limit_mw / 1000
+    clock_ratios = [r["sm_clock_hertz"] / (real_gpu.profile.sm_clock_max_mhz * 1e6) for r in real]
+    draws = [r["power_watts"] / limit_w for r in real]
+    now = [100.0]
+    nvml = FakeNvml(load_node_scenario(real_gpu.training_scenario), clock=lambda: now[0], start=0.0)
+    backend = PynvmlBackend(nvml)
+    backend.init()
+    watts = set()
+    for _ in range(8):
+        now[0] += 2.0
+        for i in range(backend.device_count()):
+            got = backend.read(i)
+            assert backend.reason_names(got.clock_event_reasons or 0) == ["sw_power_cap"]
+            assert got.sm_clock_hertz is not None and got.power_watts is not None
+            assert min(clock_ratios) - 0.02 <= got.sm_clock_hertz / (real_gpu.profile.sm_clock_max_mhz * 1e6) \
+                <= max(clock_ratios) + 0.02
+            assert min(draws) - 0.01 <= got.power_watts / limit_w <= min(1.0, max(draws) + 0.01)
+            watts.add(got.power_watts)
+    assert len(watts) > 8  # the draw moves between reads, as the real one does
+
+
 def _real_report(gpu: RealGpu) -> dict[str, Any]:
     state = json.loads((gpu.folder / "agent-state.json").read_text())
     report: dict[str, Any] = state["last_report"]
