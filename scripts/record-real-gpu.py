@@ -460,7 +460,17 @@ def main() -> int:
     global REHEARSAL
     REHEARSAL = args.rehearse
     if args.probe:
-        print(json.dumps(probe(args.rehearse), separators=(",", ":"), default=str))
+        recorded = probe(args.rehearse)
+        # The copy must hold all of vigil's own code: a module found elsewhere (an installed
+        # checkout) hides one the copy left out, which a GPU node without that install refuses.
+        outside = sorted(name for name, module in sys.modules.items()
+                         if name.partition(".")[0] in ("vigil", "vigil_heartbeat")
+                         and getattr(module, "__file__", None)
+                         and not Path(module.__file__).resolve().is_relative_to(REPO))
+        if outside:
+            print(f"imported from outside the copy {REPO}: {', '.join(outside)}", file=sys.stderr)
+            return 1
+        print(json.dumps(recorded, separators=(",", ":"), default=str))
         return 0
     nvml = open_nvml(args.rehearse)
     out: Path = args.out

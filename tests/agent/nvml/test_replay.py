@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -166,3 +167,27 @@ def test_an_unprivileged_agent_is_refused_nothing(real_gpu, recording) -> None:
             _same(_as_json(got), op["result"], f"unprivileged op {i} {op['op']}")
     reads = [got for op, got in results if op["op"] == "read"]
     assert reads and all(r.errors == [] and r.health == "ok" for r in reads)
+
+
+def test_the_recording_script_rehearses_its_unprivileged_probe(tmp_path) -> None:
+    """scripts/record-real-gpu.py's unprivileged probe runs from a copy of the code: a module the
+    copy leaves out fails only there, on the lease (it did on the H200's, 2026-11-27). Rehearsed
+    over FakeNvml, the copy must import, from itself alone (the child refuses a module of vigil's
+    found outside it, as this checkout's editable install would hide a missing one), and record
+    the probe's calls (as this user: the privilege drop itself needs the GPU node)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "clients" / "heartbeat")])}
+    done = subprocess.run([sys.executable, str(repo / "scripts" / "record-real-gpu.py"), str(tmp_path),
+                           "--rehearse", "--unprivileged-only"],
+                          capture_output=True, text=True, timeout=120, check=False, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = json.loads((tmp_path / "nvml-unprivileged.json").read_text())
+    if "skipped" in probe:  # not root: the script makes no copy to probe from
+        pytest.skip(probe["skipped"])
+    assert probe["format"] == RECORDING_FORMAT and probe["events_registered"] == list(range(8))
+    assert {op["op"] for op in probe["ops"]} >= {"init", "identity", "read", "running_pids", "open_events"}
+    assert {c["call"] for c in probe["calls"]} >= {"nvmlInit", "nvmlDeviceGetUUID", "nvmlEventSetCreate"}
