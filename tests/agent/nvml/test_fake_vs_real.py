@@ -246,7 +246,7 @@ def _training_report(gpu: RealGpu) -> dict[str, Any]:
 
 
 def _replay_training(gpu: RealGpu, nodes: int, minutes: float, slow_node: int | None = None,
-                     slow_factor: float = 1.0) -> list[Decision]:
+                     slow_factor: float = 1.0, edit: Any = None) -> list[Decision]:
     """The real agent's report with its real rank (a bf16 training loop timed by StepTimer's CUDA
     events, 64 ms a step), as rank i of one synchronous job on each of `nodes` nodes, every 2.5 s
     for `minutes`: each agent window (5 s) advances, the steps with it. With `slow_node`, that
@@ -281,6 +281,8 @@ def _replay_training(gpu: RealGpu, nodes: int, minutes: float, slow_node: int | 
                     r[f"step_seconds_{q}"] = slow
                     r[f"compute_seconds_{q}"] = slow if i == slow_node else compute
                     r[f"comm_seconds_{q}"] = 0.0 if i == slow_node else slow - compute
+            if edit is not None:
+                edit(i, seq, raw)
             engine.ingest(convert(raw, Report), t)
         decisions.extend(engine.evaluate(t))
         t += 2.5
@@ -302,3 +304,31 @@ def test_a_real_training_rank_at_full_load_drains_nothing(real_gpu: RealGpu) -> 
 def test_the_same_job_with_one_rank_slower_drains_that_node_only(real_gpu: RealGpu) -> None:
     decisions = _replay_training(real_gpu, nodes=8, minutes=3, slow_node=5, slow_factor=1.25)
     assert decisions and {(d.node, d.action) for d in decisions} == {("gpu-05", Action.DRAIN)}
+
+
+def test_real_capped_clocks_spread_across_a_job_flag_nothing(real_gpu: RealGpu) -> None:
+    """The GPU-peer lookalike: a capped board's SM clock moves from read to read (the H100's
+    1.35-1.58 GHz, the H200's 1.38-1.46 under the same load, 0.68-0.80 of the top clock), and
+    boards of one model differ by as much. Each node's GPU of one job sits for good in its own part
+    of that real range, the first node at its two lowest readings, the last at its two highest,
+    alternating between them report by report, for ten minutes: nothing. The same with one GPU
+    clocked 20% under its part of the range flags that node alone."""
+    real = _ops(real_gpu, "read", "tensor") + _training_report(real_gpu)["gpus"]
+    readings = sorted((r["sm_clock_hertz"], r["power_watts"]) for r in real)
+    assert readings[-1][0] / readings[0][0] > 1.04  # the spread is real
+    nodes = 8
+
+    def spread(i: int, seq: int, raw: dict[str, Any]) -> None:
+        low = round(i * (len(readings) - 2) / (nodes - 1))
+        gpu = raw["gpus"][0]
+        gpu["sm_clock_hertz"], gpu["power_watts"] = readings[low + seq % 2]
+
+    assert _replay_training(real_gpu, nodes=nodes, minutes=10, edit=spread) == []
+
+    def one_slow(i: int, seq: int, raw: dict[str, Any]) -> None:
+        spread(i, seq, raw)
+        if i == 2:
+            raw["gpus"][0]["sm_clock_hertz"] *= 0.8
+
+    decisions = _replay_training(real_gpu, nodes=nodes, minutes=3, edit=one_slow)
+    assert decisions and {(d.node, d.action) for d in decisions} == {("gpu-02", Action.ALERT)}
