@@ -14,7 +14,16 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode, assert_same_node, rank_summary
 from vigil.agent.report_delta import delta, whole
-from vigil.agent.wire import COMPACT_VERSIONS, SPARSE_VERSION, GpuState, PortState, Report, decode_report
+from vigil.agent.wire import (
+    COMPACT_VERSIONS,
+    SPARSE_VERSION,
+    GpuProcess,
+    GpuState,
+    PortState,
+    RankSummary,
+    Report,
+    decode_report,
+)
 from vigil.aggregator.fleet import _COMPLETERS, GPU_COUNTERS, Fleet, GpuHistory, GpuSample
 
 ROUNDS = 12
@@ -203,3 +212,26 @@ def test_a_gpu_sample_and_counters_read_every_field_from_the_state() -> None:
     history.observe(grown, 2.0)
     assert [history.counters.sum_since(name, 0.0) for name in GPU_COUNTERS] == [float(k + 1)
                                                                                for k in range(len(GPU_COUNTERS))]
+
+
+def test_a_version_3_entry_that_moved_a_defaulted_field_keeps_its_decoded_types() -> None:
+    """A GPU entry whose throttle reasons, links down or processes moved (the fields with a default
+    other than None): the completed state holds them as decoded, tuples of str and of GpuProcess
+    Structs, not as the lists and dicts ``to_builtins`` makes of them (the detectors read
+    ``p.pid``); a field left at its default keeps the base's. The same for a rank's state."""
+    complete = _COMPLETERS[SPARSE_VERSION]
+    base = GpuState(index=0, uuid="GPU-0", health="ok", power_watts=600.0, clock_event_reasons=("sw_power_cap",),
+                    processes=(GpuProcess(pid=10, job="a"),))
+    sent = GpuState(index=0, uuid="GPU-0", power_watts=650.0, clock_event_reasons=("sw_power_cap", "hw_slowdown"),
+                    nvlink_links_down=(3,), processes=(GpuProcess(pid=11, job="b"),))
+    done = complete.gpu(base, sent)
+    assert done.power_watts == 650.0 and done.health == "ok"
+    assert done.clock_event_reasons == ("sw_power_cap", "hw_slowdown") and done.nvlink_links_down == (3,)
+    assert done.processes == (GpuProcess(pid=11, job="b"),) and isinstance(done.processes, tuple)
+    assert type(done.processes[0]) is GpuProcess and done.processes[0].pid == 11
+    kept = complete.gpu(base, GpuState(index=0, uuid="GPU-0", power_watts=640.0))
+    assert kept.clock_event_reasons == ("sw_power_cap",) and kept.processes == base.processes
+    rank = rank_summary("j", 0, compute=0.1, comm=0.02, ts=1.0, step=5)
+    hung = complete.rank(rank, RankSummary(job="j", rank=0, state="hung", window_seconds=2.5, steps=0, last_step=5,
+                                           last_progress_ts=1.0))
+    assert hung.state == "hung" and hung.compute_seconds_p50 == 0.1 and hung.steps == 0
