@@ -21,8 +21,17 @@ from vigil.agent.nvml.scenario import DEFAULT_SCENARIO, NodeScenario, load_node_
 
 CYCLES = 2000
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
-# The real boards recorded by scripts/record-real-gpu.py (each folder's PROVENANCE.md says where).
-REAL_BOARDS = (("H100", FIXTURES / "nvml-real"), ("H200", FIXTURES / "nvml-real-h200"))
+
+
+def real_boards() -> list[tuple[str, Path]]:
+    """Every real board recorded by scripts/record-real-gpu.py (tests/fixtures/nvml-real*/, each
+    with its PROVENANCE.md), named as NVML named it."""
+    boards = []
+    for folder in sorted(FIXTURES.glob("nvml-real*")):
+        ops = json.loads((folder / "backend-ops.json").read_text())["ops"]
+        name = next(op["result"]["name"] for op in ops if op["op"] == "identity")
+        boards.append((name.removeprefix("NVIDIA "), folder))
+    return boards
 
 
 def recorded(board: str, folder: Path) -> list[Measurement]:
@@ -112,7 +121,7 @@ def measure() -> list[Measurement]:
                         note="part of the 2 ms agent budget"),
             Measurement("backend read, fake H100: CPU per GPU", per_read_ms, "ms", None,
                         note="the fake answers at once; the real driver's calls cost what the next rows say"),
-            *mig(), *(m for board, folder in REAL_BOARDS for m in recorded(board, folder))]
+            *mig(), *(m for board, folder in real_boards() for m in recorded(board, folder))]
 
 
 if __name__ == "__main__":
