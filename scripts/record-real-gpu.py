@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,9 @@ class Session:
 
     def __init__(self, nvml: Any) -> None:
         self.nvml = RecordingNvml(nvml)
-        self.backend = PynvmlBackend(self.nvml)
+        # RecordingNvml stands in for the pynvml module (through __getattr__), which
+        # PynvmlBackend's annotation (ModuleType | FakeNvml) does not name.
+        self.backend = PynvmlBackend(self.nvml)  # type: ignore[arg-type]  # duck-typed pynvml module
         self.ops: list[dict[str, Any]] = []
 
     def op(self, phase: str, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -235,7 +238,7 @@ def exercise_reset(nvml: Any, out: Path, do_reset: bool) -> dict[str, Any]:
     key_file.write_text(node_key(master, node).hex())
     not_run: list[list[str]] = []
 
-    def dry_run(argv: list[str], timeout_seconds: float) -> str:
+    def dry_run(argv: Sequence[str], timeout_seconds: float) -> str:
         not_run.append(list(argv))
         return "(not run: scripts/record-real-gpu.py without --reset)"
 
@@ -465,8 +468,8 @@ def main() -> int:
         # checkout) hides one the copy left out, which a GPU node without that install refuses.
         outside = sorted(name for name, module in sys.modules.items()
                          if name.partition(".")[0] in ("vigil", "vigil_heartbeat")
-                         and getattr(module, "__file__", None)
-                         and not Path(module.__file__).resolve().is_relative_to(REPO))
+                         and (module_file := getattr(module, "__file__", None))
+                         and not Path(module_file).resolve().is_relative_to(REPO))
         if outside:
             print(f"imported from outside the copy {REPO}: {', '.join(outside)}", file=sys.stderr)
             return 1

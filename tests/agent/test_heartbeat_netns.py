@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -189,10 +190,10 @@ print("\n#####\n".join(texts))
 """
 
 
-def _send(ns: str, target: str, plan: dict[str, list[object]]) -> dict[str, object]:
+def _send(ns: str, target: str, plan: dict[str, list[object]]) -> dict[str, Any]:
     done = _run("ip", "netns", "exec", ns, sys.executable, "-c", SENDER, target, json.dumps(plan), timeout=60)
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)  # type: ignore[no-any-return]
+    return json.loads(done.stdout)
 
 
 def _value(text: str, series: str) -> float | None:
@@ -225,13 +226,13 @@ def test_remote_heartbeats_are_refused_and_counted_local_ones_accepted(
         # refuses a heartbeat with 403.
         assert remote["deployed_udp"] == "refused"
         assert remote["deployed_http"] == ["oserror", "URLError"]
-        status, body = remote["deployed_metrics_post"]  # type: ignore[misc]
+        status, body = remote["deployed_metrics_post"]
         assert status == 403 and body["error"] == "metrics_listener"
         assert "vigil_agent_heartbeats_rejected_total" in str(remote["scrape"])  # /metrics is remote-scrapable
         # Misconfigured wide listener: the datagrams arrive, and the peer check refuses them.
         assert remote["wide_udp"] == "sent"
-        assert remote["wide_http"][0] == 403 and remote["wide_http"][1]["error"] == "not_local"  # type: ignore[index]
-        assert remote["wide_metrics_post"][0] == 403  # type: ignore[index]
+        assert remote["wide_http"][0] == 403 and remote["wide_http"][1]["error"] == "not_local"
+        assert remote["wide_metrics_post"][0] == 403
 
         for name, agent, ports in (("deployed", deployed, DEPLOYED), ("wide", wide, WIDE)):
             sock = str(sock_dir / f"{name}.sock")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,14 +53,15 @@ def _append(path: Path, text: str) -> None:
         f.write(text)
 
 
-def _names_emitted(agent: Agent, clock: Clock, times: list[float], feed: list[tuple[float, object]]) -> set[str]:
+def _names_emitted(agent: Agent, clock: Clock, times: list[float],
+                   feed: list[tuple[float, Callable[..., object]]]) -> set[str]:
     names: set[str] = set()
     pending = sorted(feed, key=lambda f: f[0])
     for t in times:
         clock.t = START + t
         while pending and pending[0][0] <= t:
             _, action = pending.pop(0)
-            action()  # type: ignore[operator]
+            action()
         for c in agent.collectors:
             agent.snapshot.put(c.name, collect_once(c, clock.t))
         for source in (agent.snapshot.samples, agent.runner.self_samples, agent.reporter.samples,
@@ -103,6 +105,7 @@ def emitted_and_declared(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[
                                                        "job": "llm", "rank": 0}]}},
         })
         clock = Clock()
+        backend: PynvmlBackend | None
         backend = PynvmlBackend(FakeNvml(load_node_scenario(scenario), clock, start=START))
         try:
             backend.init()
@@ -113,7 +116,7 @@ def emitted_and_declared(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[
         agent = Agent(config, seams)
         declared.update(agent.exporter.specs)
         training = next(c for c in agent.collectors if c.name == "training")
-        feed = [
+        feed: list[tuple[float, Callable[..., object]]] = [
             (2.0, lambda k=kmsg: k.write_text("".join(p.read_text() for p in KERNEL_LOGS))),
             (3.0, lambda m=megatron: m.write_text((FIXTURES / "training-logs" / "megatron.log").read_text())),
             (3.0, lambda t=training: t.ingest(b"not json", START + 3)),  # counted as rejected

@@ -52,7 +52,7 @@ class World:
             key_file = tmp_path / "node.key"
             key_file.write_text(key.hex() + "\n")
         self.sentinel = tmp_path / "reboot-required"
-        self.config = NodeActionsConfig(allow=list(allow), key_file=str(key_file) if key_file else None,  # type: ignore[arg-type]
+        self.config = NodeActionsConfig(allow=list(allow), key_file=str(key_file) if key_file else None,
                                         reboot_sentinel_path=str(self.sentinel))
         self.runner = NodeActionRunner(self.config, node=NODE, boot_id=BOOT, nvml=self.backend, clock=self.clock)
 

@@ -4,6 +4,7 @@ Struct built in Python is checked before it can reach a report."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vigil.agent.collectors.collector import Collection
+from vigil.agent.metric import MetricSpec
 from vigil.agent.runner import collect_once
 from vigil.agent.wire import (
     MAX_COUNT,
@@ -173,7 +175,7 @@ class _OutOfBounds:
     """A collector whose state breaks the wire contract (a ratio above 1)."""
 
     name = "gpu"
-    specs = ()
+    specs: Sequence[MetricSpec] = ()
 
     def collect(self, now: float) -> Collection:
         return Collection(report={"gpus": [GpuState(index=0, uuid="GPU-1", utilization_gpu_ratio=1.2)]})
@@ -192,7 +194,7 @@ def test_a_collector_whose_output_breaks_the_contract_fails_its_cycle() -> None:
 
 
 def test_a_state_for_a_person_shows_its_defaults_and_leaves_out_only_absent_fields() -> None:
-    gpu = GpuState(index=0, uuid="GPU-1", processes=[GpuProcess(pid=7)])
+    gpu = GpuState(index=0, uuid="GPU-1", processes=(GpuProcess(pid=7),))
     assert to_readable(gpu) == {"index": 0, "uuid": "GPU-1", "health": "ok", "clock_event_reasons": [],
                                 "nvlink_links_down": [], "processes": [{"pid": 7}]}
     assert to_readable([gpu])[0]["health"] == "ok"

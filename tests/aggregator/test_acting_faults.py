@@ -226,7 +226,7 @@ def test_breaker_trip_alerts_then_a_reset_drains_the_still_lost_gpu_and_operator
     wait_for("the window to pass", lambda: agg.request("GET", "/v1/breaker")["removals_in_window"] == 0)
     reset = vigil("breaker", "reset", *operator)
     assert reset.returncode == 0 and reset.stdout == "circuit breaker reset\n", reset.stderr
-    wait_for("a still-lost GPU drained after the reset", lambda: set(removing(receiver)) & {"gpu-a2", "gpu-a3"})
+    wait_for("a still-lost GPU drained after the reset", lambda: bool(set(removing(receiver)) & {"gpu-a2", "gpu-a3"}))
 
     held = vigil("hold", "gpu-a1", "--note", "cabling", *operator)
     assert held.returncode == 0 and "gpu-a1 held" in held.stdout, held.stderr

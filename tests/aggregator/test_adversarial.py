@@ -125,7 +125,8 @@ def dechunk(body: bytes) -> bytes:
     return out
 
 
-def alertmanager_payload(*alerts: dict[str, Any]) -> dict[str, Any]:
+def alertmanager_payload(*alerts: object) -> dict[str, Any]:
+    """An Alertmanager webhook body of ``alerts``: well formed or not (any JSON value), as sent."""
     return {"version": "4", "status": "firing", "receiver": "vigil", "groupKey": "{}", "alerts": list(alerts)}
 
 

@@ -76,7 +76,7 @@ def mutated(base: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
             body = replace(body, draw(st.sampled_from(paths)), draw(json_values))
         if draw(st.booleans()) and isinstance(body, dict):
             body = {**body, draw(st.text(min_size=1, max_size=8)): draw(json_values)}
-        return body  # type: ignore[no-any-return]
+        return body
 
     return build()
 
@@ -109,7 +109,7 @@ def plausible(base: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
         body: Any = base
         for path in draw(st.lists(st.sampled_from(paths), min_size=1, max_size=6)):
             body = replace(body, path, draw(same_type_value(get(base, path))))
-        return body  # type: ignore[no-any-return]
+        return body
 
     return build()
 

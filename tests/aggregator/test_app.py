@@ -112,6 +112,7 @@ async def test_schema_error_names_the_key_path(service):
         body = await resp.json()
         assert body["error"] == "schema"
         assert [e["path"] for e in body["errors"]] == [path], body
+    bad: object
     for bad in ([], "text", 3, None):
         resp = await service.client.post("/v1/reports", json=bad, headers=AUTH)
         assert resp.status == 400

@@ -53,6 +53,9 @@ class RecordingActuator:
         self.received.append(decision.id)
         return f"took {decision.action.value}"
 
+    def check(self) -> str:
+        return "reachable"
+
     def close(self) -> None:
         pass
 

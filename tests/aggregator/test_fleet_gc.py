@@ -43,18 +43,19 @@ def test_a_fleet_with_full_rings_keeps_few_objects_tracked_by_the_collector() ->
     tracked_per_node = (len(gc.get_objects()) - before) / NODES
     assert tracked_per_node <= MAX_TRACKED_PER_NODE, tracked_per_node
 
-    node = fleet.view().nodes["n0"]
-    for gpu in node.gpus.values():
-        assert len(gpu.samples) == config.state_history_reports
-        assert not any(gc.is_tracked(s) for s in gpu.samples)
-        assert not gc.is_tracked(gpu.last)
+    state = fleet.view().nodes["n0"]
+    for gpu_history in state.gpus.values():
+        assert len(gpu_history.samples) == config.state_history_reports
+        assert not any(gc.is_tracked(s) for s in gpu_history.samples)
+        assert not gc.is_tracked(gpu_history.last)
         # Its sequences are tuples (wire.GpuState): the empty one is a shared constant and a full
         # one of names or indices is untracked at the first collection; a list stays tracked.
-        assert gpu.last.clock_event_reasons == ("sw_power_cap",)
-        assert not any(gc.is_tracked(v) for v in (gpu.last.clock_event_reasons, gpu.last.nvlink_links_down,
-                                                  gpu.last.processes))
-    for port in node.ports.values():
-        assert len(port.samples) == config.state_history_reports
-        assert not any(gc.is_tracked(s) for s in port.samples)
-        assert not gc.is_tracked(port.last)
-    assert node.ranks and not any(gc.is_tracked(r.last) for r in node.ranks.values())
+        assert gpu_history.last.clock_event_reasons == ("sw_power_cap",)
+        assert not any(gc.is_tracked(v) for v in (gpu_history.last.clock_event_reasons,
+                                                  gpu_history.last.nvlink_links_down,
+                                                  gpu_history.last.processes))
+    for port_history in state.ports.values():
+        assert len(port_history.samples) == config.state_history_reports
+        assert not any(gc.is_tracked(s) for s in port_history.samples)
+        assert not gc.is_tracked(port_history.last)
+    assert state.ranks and not any(gc.is_tracked(r.last) for r in state.ranks.values())

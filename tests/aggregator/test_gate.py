@@ -27,7 +27,7 @@ def dec(node: str, action: Action, ts: float = T0, id: str | None = None, **kw: 
         reason=f"test {action.value}",
         detector="test",
         dry_run=False,
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )
 
 

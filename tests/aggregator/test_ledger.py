@@ -39,7 +39,8 @@ def test_a_locked_store_makes_nothing_retries_with_backoff_and_loses_nothing(tmp
     other = sqlite3.connect(tmp_path / "d.db", isolation_level=None)
     other.execute("BEGIN EXCLUSIVE")  # a backup or a second writer holds the lock past the timeout
     assert book.submit([dec("n1", Action.DRAIN, "a")], T0, 100) == []
-    assert book.problem() is not None and "locked" in book.problem()
+    problem = book.problem()
+    assert problem is not None and "locked" in problem
     assert book.store_errors["write"] == 1 and book.unstored == 1
     assert book.submit([], T0 + 0.5, 100) == []  # within the backoff: not even tried
     assert book.store_errors["write"] == 1

@@ -105,7 +105,7 @@ async def client():
 
 async def test_every_documented_path_answers_as_documented(client):
     answered: set[tuple[str, str]] = set()
-    requests = [
+    requests: list[tuple[str, str, str, dict[str, Any]]] = [
         ("get", "/v1/nodes", "/v1/nodes", {}),
         ("get", "/v1/nodes/{node}", "/v1/nodes/n0", {}),
         ("get", "/v1/nodes/{node}", "/v1/nodes/nobody", {}),
@@ -177,7 +177,7 @@ async def test_the_gate_routes_answer_as_documented(tmp_path):
             await c.post("/v1/reports", data=encode(node.report(4999.5, events=[xid], urgent=True)),
                          headers=AUTH)
             app[EVALUATE_KEY]()
-            for method, path, url, kw, status in [
+            cases: list[tuple[str, str, str, dict[str, Any], int]] = [
                 ("get", "/v1/breaker", "/v1/breaker", {"headers": OPERATOR}, 200),
                 ("get", "/v1/gate", "/v1/gate", {"headers": OPERATOR}, 200),
                 ("post", "/v1/nodes/{node}/hold", "/v1/nodes/n1/hold",
@@ -187,7 +187,8 @@ async def test_the_gate_routes_answer_as_documented(tmp_path):
                 ("get", "/v1/nodes/{node}/history", "/v1/nodes/n0/history", {"headers": OPERATOR}, 200),
                 ("get", "/v1/nodes/{node}/history", "/v1/nodes/n_0/history", {"headers": OPERATOR}, 400),
                 ("get", "/healthz", "/healthz", {}, 200),
-            ]:
+            ]
+            for method, path, url, kw, status in cases:
                 resp = await c.request(method, url, **kw)
                 assert resp.status == status, (url, await resp.text())
                 check(await resp.json(), documented(path, method, status) or "")

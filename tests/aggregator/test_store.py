@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from typing import cast
 
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.gate import Gate, GateConfig
@@ -74,7 +75,7 @@ def test_refusals_are_recorded_once_with_their_reason(open_store) -> None:
     assert (row.admitted, row.verdict, row.deliveries) == (False, "opt_out", ())
     assert sink.verdicts["opt_out"] == 5
     out = decisions_as_dicts([row])[0]
-    assert out["verdict"] == "opt_out" and "opted out" in out["detail"]
+    assert out["verdict"] == "opt_out" and "opted out" in cast(str, out["detail"])  # StoredDecision.detail: str
     store.close()
 
 

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 import urllib.parse
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +85,16 @@ def test_every_panel_of_the_official_dashboard_has_data(tmp_path: Path, processe
         url = f"http://{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
         return list(http_json(url)["data"]["result"])
 
+    def has_data(expr: str) -> bool:
+        return bool(query(expr))
+
     # The template variables' own queries (label_values(DCGM_FI_DEV_GPU_TEMP, instance|gpu)).
     wait_for("8 GPUs' DCGM_FI_DEV_GPU_TEMP", lambda: len(query("DCGM_FI_DEV_GPU_TEMP")) == 8, deadline,
              processes.logs)
     empty: list[str] = []
     for title, expr in panel_queries():
         try:
-            wait_for(f"panel {title!r}", lambda expr=expr: bool(query(expr)), deadline, processes.logs)
+            wait_for(f"panel {title!r}", partial(has_data, expr), deadline, processes.logs)
         except AssertionError:
             empty.append(title)
     assert not empty, f"panels without data: {empty}"

@@ -108,7 +108,7 @@ def test_memory_bound_h100_job_shows_on_the_job_dashboard_and_a100_has_no_gpm(tm
         # Both nodes scraped (the A100's ordinary GPU series are there) and vnode1's GPM pair taken.
         wait_for("vnode2 scraped", lambda: len(query('vigil_gpu_utilization_ratio{node="vnode2"}')) == 8,
                  deadline, processes.logs)
-        dram = wait_for("the job's DRAM bandwidth for 8 GPUs", lambda: (r := query(dram_expr)) and len(r) == 8 and r,
+        dram = wait_for("the job's DRAM bandwidth for 8 GPUs", lambda: r if len(r := query(dram_expr)) == 8 else None,
                         deadline, processes.logs)
         assert {r["metric"]["node"] for r in dram} == {"vnode1"}  # the A100 node has no GPM series
         for r in dram:

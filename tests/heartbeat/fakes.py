@@ -12,6 +12,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from vigil_heartbeat.client import Heartbeat
+
 
 class FakeGpu:
     def __init__(self) -> None:
@@ -67,8 +69,13 @@ def fake_torch(gpu: FakeGpu | None, *, available: bool = True) -> Any:
     return SimpleNamespace(cuda=cuda)
 
 
-class RecordingHeartbeat:
+class RecordingHeartbeat(Heartbeat):
+    """A Heartbeat (what StepTimer takes) whose ``step`` records instead of sending; its socket is
+    closed at once, so nothing can leave it."""
+
     def __init__(self) -> None:
+        super().__init__(job="test", rank=0, env={})
+        self.close()
         self.beats: list[dict[str, Any]] = []
 
     def step(self, step: int, step_seconds: float | None = None, compute_seconds: float | None = None,

@@ -31,7 +31,7 @@ def receiver():
 
 
 def received(sock: socket.socket) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     sock.settimeout(0.2)
     while True:
         try:

@@ -38,7 +38,7 @@ def test_cuda_event_compute_matches_the_gpu_and_ranks_more_work_higher(torch):
     _work(torch, a, b, 20)  # warm-up: kernel selection, clocks up
     torch.cuda.synchronize()
     beats = RecordingHeartbeat()
-    timer = StepTimer(beats, torch_module=torch)  # type: ignore[arg-type]
+    timer = StepTimer(beats, torch_module=torch)
     assert timer.timing == "cuda_events"
     plan = [20, 80] * 6  # products per step: step n runs plan[n - 1]
     computes: dict[int, list[float]] = {20: [], 80: []}

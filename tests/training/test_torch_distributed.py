@@ -93,8 +93,8 @@ def test_slowed_rank_drains_its_node_and_no_other_and_step_counts_alone_cannot_r
                 d["action"] == "drain" and d["detector"] == "straggler" for d in decisions(aggregator, "ddp-timed")),
                 200.0)  # generous: 8 torch processes start on a shared 2-core machine
         except AssertionError:
-            ranks = [aggregator.request("GET", f"/v1/nodes/{n}")["ranks"] for n in NODES]
-            raise AssertionError(f"no drain; decisions {decisions(aggregator, 'ddp-timed')}; ranks {ranks}") from None
+            seen = [aggregator.request("GET", f"/v1/nodes/{n}")["ranks"] for n in NODES]
+            raise AssertionError(f"no drain; decisions {decisions(aggregator, 'ddp-timed')}; ranks {seen}") from None
         timed = decisions(aggregator, "ddp-timed")
         drains = [d for d in timed if d["action"] == "drain"]
         assert {d["node"] for d in drains} == {SLOW_NODE}, drains

@@ -16,7 +16,7 @@ from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario, shipped_scenarios
 from vigil.agent.seams import Seams
-from vigil.agent.wire import Report
+from vigil.agent.wire import Event, Report
 
 
 class Clock:
@@ -69,6 +69,7 @@ def test_healthy_h100_node(make, clock):
     assert info[3].label("pci_bus_id") == "00000000:5D:00.0"
     assert info[0].label("driver_version") == "535.161.08" and info[0].label("cuda_driver_version") == "12.2"
     uuid = info[0].label("uuid")
+    assert uuid is not None
     assert value(s, "vigil_gpu_health", gpu="0", state="ok") == 1
     assert value(s, "vigil_gpu_health", gpu="0", state="lost") == 0
     assert value(s, "vigil_gpu_memory_total_bytes", gpu="0", uuid=uuid) == 81559 * 1024**2
@@ -248,7 +249,7 @@ def test_xid_events_from_the_worker_thread(make, clock):
     collector = make("xid", xid_events=True, event_wait_ms=10)
     assert collector.collect(0.0).events == []
     clock.t = 60.0
-    events = []
+    events: list[Event] = []
     deadline = time.monotonic() + 5.0
     while not events and time.monotonic() < deadline:  # the worker delivers within its wait
         events = collector.collect(60.0).events
@@ -291,7 +292,9 @@ def test_energy_counter_is_read_on_the_slow_cadence_and_holds_its_value_between(
     from vigil.agent.nvml.recording import RecordingNvml
 
     nvml = RecordingNvml(FakeNvml(load_node_scenario("healthy-h100"), clock, start=0.0))
-    backend = PynvmlBackend(nvml)
+    # RecordingNvml stands in for the pynvml module (through __getattr__), which
+    # PynvmlBackend's annotation (ModuleType | FakeNvml) does not name.
+    backend = PynvmlBackend(nvml)  # type: ignore[arg-type]  # duck-typed pynvml module
     backend.init()
     collector = GpuCollector(GpuConfig(xid_events=False, nvlink_interval_seconds=10.0), backend, clock)
     energies = []
@@ -326,7 +329,7 @@ def test_mig_devices_are_their_own_series_beside_their_parent(clock, tmp_path):
     info = series(samples, "vigil_gpu_mig_device_info", gpu="1")
     assert [(s.label("uuid"), s.label("profile"), s.label("gpu_instance_id"), s.label("compute_instance_id"))
             for s in info] == [(uuid1, "3g.40gb", "1", "0"), (uuid1, "2g.20gb", "3", "0"), (uuid1, "2g.20gb", "4", "0")]
-    assert all(s.label("mig_uuid").startswith("MIG-") for s in info)
+    assert all((s.label("mig_uuid") or "").startswith("MIG-") for s in info)
     assert len(series(samples, "vigil_gpu_mig_device_info", gpu="0", profile="1g.10gb")) == 7
     assert series(samples, "vigil_gpu_mig_device_info", gpu="3") == []
     ids = {"gpu": "1", "gpu_instance_id": "3", "compute_instance_id": "0"}

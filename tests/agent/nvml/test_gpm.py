@@ -161,7 +161,9 @@ def test_pcie_throughput_call_only_without_gpm(clock, scenario, sampled) -> None
     from vigil.agent.nvml.scenario import load_node_scenario
 
     nvml = RecordingNvml(FakeNvml(load_node_scenario(scenario), clock, start=0.0))
-    backend = PynvmlBackend(nvml)
+    # RecordingNvml stands in for the pynvml module (through __getattr__), which
+    # PynvmlBackend's annotation (ModuleType | FakeNvml) does not name.
+    backend = PynvmlBackend(nvml)  # type: ignore[arg-type]  # duck-typed pynvml module
     backend.init()
     backend.identity(0)
     backend.read(0)

@@ -8,7 +8,7 @@ import pynvml
 import pytest
 
 from vigil.agent.nvml.backend import PynvmlBackend
-from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.fake import FakeGpuHandle, FakeNvml
 from vigil.agent.nvml.profiles import A100_SXM_80GB, H100_SXM_80GB
 from vigil.agent.nvml.scenario import NodeScenario, ScenarioError, load_node_scenario, parse_node_scenario
 
@@ -162,7 +162,7 @@ class _FailingMigMode:
     def __getattr__(self, name: str) -> object:
         return getattr(self._fake, name)
 
-    def nvmlDeviceGetMigMode(self, handle: object) -> list[int]:
+    def nvmlDeviceGetMigMode(self, handle: FakeGpuHandle) -> list[int]:
         if self.fail:
             self.fail = False
             raise pynvml.NVMLError_Unknown()

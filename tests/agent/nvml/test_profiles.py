@@ -28,8 +28,12 @@ def _gpus(text: str) -> list[dict[str, list[str]]]:
 
 def test_h100_profile_matches_the_recording():
     text = RECORDING.read_text()
-    assert re.search(r"Driver Version\s+: (\S+)", text).group(1) == H100_SXM_80GB.driver_version
-    cuda = re.search(r"CUDA Version\s+: (\S+)", text).group(1)
+    driver = re.search(r"Driver Version\s+: (\S+)", text)
+    assert driver is not None
+    assert driver.group(1) == H100_SXM_80GB.driver_version
+    cuda_match = re.search(r"CUDA Version\s+: (\S+)", text)
+    assert cuda_match is not None
+    cuda = cuda_match.group(1)
     assert cuda == f"{H100_SXM_80GB.cuda_driver_version // 1000}.{H100_SXM_80GB.cuda_driver_version % 1000 // 10}"
     gpus = _gpus(text)
     assert len(gpus) == 8

@@ -60,7 +60,9 @@ def _same(got: Any, want: Any, where: str) -> None:
 
 def replay(recording: dict[str, Any], ops: list[dict[str, Any]]) -> tuple[ReplayNvml, list[tuple[dict, Any]]]:
     nvml = ReplayNvml(recording)
-    backend = PynvmlBackend(nvml)
+    # ReplayNvml and RecordingNvml stand in for the pynvml module (through __getattr__), which
+    # PynvmlBackend's annotation (ModuleType | FakeNvml) does not name.
+    backend = PynvmlBackend(nvml)  # type: ignore[arg-type]  # duck-typed pynvml module
     out = []
     for op in ops:
         try:
@@ -126,14 +128,15 @@ def test_recording_over_the_fake_replays_too(clock) -> None:
     from vigil.agent.nvml.fake import FakeNvml
 
     recorder = RecordingNvml(FakeNvml(load_node_scenario("healthy-h100"), clock, start=0.0))
-    live = PynvmlBackend(recorder)
+    live = PynvmlBackend(recorder)  # type: ignore[arg-type]  # duck-typed pynvml module
     live.init()
     want = [_as_json(live.identity(i)) for i in range(live.device_count())]
     for _ in range(3):
         clock.t += 2.0
         want += [_as_json(live.read(i)) for i in range(8)]
     live.shutdown()
-    again = PynvmlBackend(ReplayNvml(json.loads(json.dumps({"format": RECORDING_FORMAT, "calls": recorder.calls}))))
+    replayed = ReplayNvml(json.loads(json.dumps({"format": RECORDING_FORMAT, "calls": recorder.calls})))
+    again = PynvmlBackend(replayed)  # type: ignore[arg-type]  # duck-typed pynvml module
     again.init()
     got = [_as_json(again.identity(i)) for i in range(again.device_count())]
     for _ in range(3):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tests.aggregator.conftest import FakeNode, rank_summary
 from vigil.agent.wire import GpuState
 from vigil.aggregator.decision import Action
-from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
+from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector, _ClockWindow
 from vigil.aggregator.fleet import Fleet, GpuHistory
 
 DETECTOR = GpuPeerDetector(GpuPeerConfig())
@@ -178,7 +178,7 @@ STEPS = st.lists(st.tuples(st.sampled_from(["report"] * 6 + ["pass"] * 3 + ["new
 def test_the_carried_window_reads_as_the_whole_history(steps):
     config = GpuPeerConfig(persistence_seconds=10.0, min_reports=3)
     detector = GpuPeerDetector(config)
-    windows = {}
+    windows: dict[tuple[str, int], _ClockWindow] = {}
 
     def state(utilization, clock):
         return GpuState(index=0, uuid="GPU-0", utilization_gpu_ratio=utilization, sm_clock_hertz=clock)

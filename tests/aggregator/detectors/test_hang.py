@@ -2,7 +2,7 @@
 under their own limits, and the rank that stopped first named."""
 
 from tests.aggregator.conftest import FakeNode, set_training
-from vigil.aggregator.decision import Action
+from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.hang import HangConfig, HangDetector
 from vigil.aggregator.fleet import Fleet
 
@@ -165,7 +165,8 @@ def test_a_node_whose_ranks_stopped_while_it_still_reports_is_found_while_peers_
     nodes = nodes_()
     fleet = Fleet()
     detector = HangDetector(HangConfig())
-    t, found = 0.0, []
+    t = 0.0
+    found: list[Finding] = []
     while t < 200 and not found:
         set_training(nodes, "job", t, ranks_per_node=2, step=int(t))
         if t >= 100.0:
@@ -204,7 +205,8 @@ def test_a_rank_that_crashed_while_the_others_block_is_blamed_within_30_s():
     nodes = nodes_()
     fleet = Fleet()
     detector = HangDetector(HangConfig())
-    t, found = 0.0, []
+    t = 0.0
+    found: list[Finding] = []
     while t < 200 and not found:
         set_training(nodes, "job", min(t, 100.0), ranks_per_node=2, step=int(min(t, 100.0)))
         for n in nodes:

@@ -2,6 +2,7 @@
 complete 5 s windows, each repeated by the reports made until the next one is complete."""
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ class Job:
         self.compute = compute
         self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # (node index, local rank or None for the whole node) -> factor(window end) -> slowdown
-        self.slow: list[tuple[int, int | None, object]] = []
+        self.slow: list[tuple[int, int | None, Callable[..., float]]] = []
         self.scale = 1.0
         self.lag: dict[int, float] = {}
 
