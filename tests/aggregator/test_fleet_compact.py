@@ -133,6 +133,35 @@ def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list
 
 
 @pytest.mark.parametrize("version", COMPACT_VERSIONS, ids=lambda v: f"v{v}")
+def test_the_fleet_completes_only_states_it_made_and_never_a_reports(version: int) -> None:
+    """Version 3 completes a GPU's and a rank's state in place: only a copy the fleet made of it
+    (once), never the state a report brought whole, which its sender may keep (the simulator hands
+    its agent's own Report to the engine) and which a later whole report may bring again. Every
+    report fed in, whole or compact, encodes afterwards as it did when it was fed; and while compact
+    reports follow each other, each completes the same owned state (no copy a report)."""
+    reports = _reports()
+    compact = _compact(reports, version)
+    # A whole report in the middle of the chain (the agent rebased): its states are the report's too.
+    compact[6] = _wire(whole(reports[6], version))
+    fed = [msgspec.json.encode(r) for r in compact]
+    fleet = Fleet()
+    owned: list[tuple[int, int]] = []
+    for r in compact:
+        assert fleet.refusal(r, r.ts) is None
+        fleet.ingest(r, r.ts)
+        node = fleet.view().nodes["n1"]
+        owned.append((id(node.gpus[0].last), id(node.ranks[("j1", 0)].last)))
+    assert [msgspec.json.encode(r) for r in compact] == fed
+    held = fleet.view().nodes["n1"]
+    assert all(gpu.last is not r.gpus[gpu.index] for r in compact for gpu in held.gpus.values()
+               if gpu.index < len(r.gpus))
+    if version == SPARSE_VERSION:
+        # The first compact report after each whole one copies; the ones after it update that copy.
+        assert owned[1] == owned[2] == owned[5] and owned[7] == owned[8] == owned[-1] != owned[5]
+    assert_same_node(_ingested(reports, None).view().nodes["n1"], held)
+
+
+@pytest.mark.parametrize("version", COMPACT_VERSIONS, ids=lambda v: f"v{v}")
 @pytest.mark.parametrize("port_counters", [None, JUDGED_PORT_COUNTERS], ids=["all-judged", "some-judged"])
 def test_telemetry_held_back_leaves_the_fleet_as_the_agents_held_state_says(port_counters: list[str] | None,
                                                                             version: int) -> None:
@@ -218,18 +247,23 @@ def test_a_version_3_entry_that_moved_a_defaulted_field_keeps_its_decoded_types(
     """A GPU entry whose throttle reasons, links down or processes moved (the fields with a default
     other than None): the completed state holds them as decoded, tuples of str and of GpuProcess
     Structs, not as the lists and dicts ``to_builtins`` makes of them (the detectors read
-    ``p.pid``); a field left at its default keeps the base's. The same for a rank's state."""
+    ``p.pid``); a field left at its default keeps the base's. The same for a rank's state. (The
+    version-3 GPU and rank completers update their base in place: each call gets its own copy, as
+    the fleet completes only a copy it made.)"""
     complete = _COMPLETERS[SPARSE_VERSION]
+    assert complete.in_place
     base = GpuState(index=0, uuid="GPU-0", health="ok", power_watts=600.0, clock_event_reasons=("sw_power_cap",),
                     processes=(GpuProcess(pid=10, job="a"),))
     sent = GpuState(index=0, uuid="GPU-0", power_watts=650.0, clock_event_reasons=("sw_power_cap", "hw_slowdown"),
                     nvlink_links_down=(3,), processes=(GpuProcess(pid=11, job="b"),))
-    done = complete.gpu(base, sent)
+    own = msgspec.structs.replace(base)
+    done = complete.gpu(own, sent)
+    assert done is own
     assert done.power_watts == 650.0 and done.health == "ok"
     assert done.clock_event_reasons == ("sw_power_cap", "hw_slowdown") and done.nvlink_links_down == (3,)
     assert done.processes == (GpuProcess(pid=11, job="b"),) and isinstance(done.processes, tuple)
     assert type(done.processes[0]) is GpuProcess and done.processes[0].pid == 11
-    kept = complete.gpu(base, GpuState(index=0, uuid="GPU-0", power_watts=640.0))
+    kept = complete.gpu(msgspec.structs.replace(base), GpuState(index=0, uuid="GPU-0", power_watts=640.0))
     assert kept.clock_event_reasons == ("sw_power_cap",) and kept.processes == base.processes
     rank = rank_summary("j", 0, compute=0.1, comm=0.02, ts=1.0, step=5)
     hung = complete.rank(rank, RankSummary(job="j", rank=0, state="hung", window_seconds=2.5, steps=0, last_step=5,
