@@ -157,8 +157,8 @@ def _sparse_completer(model: type[_M], merged: str | None = None, *, in_place: b
     the fields with ``to_builtins`` and building the state with ``structs.replace(base, **taken)``,
     which build a dict and parse it back as keywords; updating in place spares copying the base's
     fields (a GPU has 53) and freeing the state it replaced (bench/bench_ingest_instructions, the
-    fleet update of a steady compact report: 332k instructions before, 233k now, of which in place
-    ~40k and the ports' own changes ~13k)."""
+    fleet update of a steady compact report: 332k instructions before, 233k now: ~67k the generated
+    completion, ~25k updating in place, ~13k the ports' own changes)."""
     lines = ["def complete(base, sent):", "    new = base" if in_place else "    new = copy_struct(base)"]
     constants: dict[str, Any] = {"copy_struct": msgspec.structs.replace}  # with no changes: a copy
     defaults = field_defaults(model)  # a mutable default ({}) as the value it starts at, compared only
