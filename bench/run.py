@@ -21,6 +21,7 @@ MODULES = [
     "bench.bench_heartbeat",
     "bench.bench_hang",
     "bench.bench_ingest",
+    "bench.bench_ingest_instructions",
     "bench.bench_latency",
     "bench.bench_alertmanager_batch",
     "bench.bench_rdma",
