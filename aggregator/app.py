@@ -36,6 +36,7 @@ from vigil.agent.validation import ConfigError
 from vigil.agent.wire import REPORT_VERSIONS, Report, SchemaError, WireError, decode_report, encode, to_readable
 from vigil.aggregator.actuators import Actuator, DeliveryError, build_actuators
 from vigil.aggregator.actuators.kubernetes import KubernetesActuator
+from vigil.aggregator.actuators.slurm import SlurmActuator
 from vigil.aggregator.alertmanager_input import add_routes
 from vigil.aggregator.auth import NODE_KEY, Credentials, Refusals, auth_middleware, is_loopback
 from vigil.aggregator.config import AggregatorConfig
@@ -249,6 +250,9 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             kube = dispatcher.actuators.get("kubernetes")
             if isinstance(kube, KubernetesActuator):
                 readings.kubernetes_events_not_recorded = kube.events_not_recorded
+            readings.actuator_refusals = {(name, reason): n for name, a in dispatcher.actuators.items()
+                                          if isinstance(a, SlurmActuator | KubernetesActuator)
+                                          for reason, n in list(a.refusals.items())}
         if ledger is not None:
             b = ledger.breaker_budget(clock(), reporting())
             readings.breaker_tripped = bool(b["tripped"])

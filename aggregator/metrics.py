@@ -75,6 +75,9 @@ class ActingReadings:
     # Kubernetes Events the API server did not take (the actions themselves were unaffected);
     # None without the Kubernetes actuator.
     kubernetes_events_not_recorded: int | None = None
+    # (actuator, reason) -> deliveries an actuator refused as unverified before changing anything
+    # (a job that is not the scheduler's id, or does not run on the decision's node, ...).
+    actuator_refusals: Mapping[tuple[str, str], int] = field(default_factory=dict)
     # Leadership of an HA pair (aggregator/leadership.py); a lone aggregator is always the leader.
     leader: bool = True
     leader_transitions: int = 0
@@ -138,6 +141,14 @@ class _Acting(PromCollector):
         yield CounterMetricFamily("vigil_aggregator_leadership_check_errors", "Leadership checks that failed on the "
                                   "database (connection lost, timeout); a leader stops acting at the first.",
                                   value=r.leadership_errors)
+        refusals = CounterMetricFamily("vigil_aggregator_actuator_refusals", "Deliveries an actuator refused "
+                                       "before changing anything, by actuator and reason (job_not_numeric, "
+                                       "job_not_a_pod, job_not_found, job_not_on_node, node_not_found, "
+                                       "not_drained_by_vigil, out_for_someone_else); each is also dead-lettered.",
+                                       labels=["actuator", "reason"])
+        for (actuator, reason), n in sorted(r.actuator_refusals.items()):
+            refusals.add_metric([actuator, reason], n)
+        yield refusals
         if r.kubernetes_events_not_recorded is not None:
             yield CounterMetricFamily("vigil_aggregator_kubernetes_events_not_recorded",
                                       "Kubernetes Events on Nodes the API server refused or did not answer "

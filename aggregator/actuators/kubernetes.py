@@ -3,8 +3,13 @@
 A removing action sets ``spec.unschedulable``, the taint ``vigil.io/unhealthy=<action>:NoSchedule``
 and a ``VigilUnhealthy`` node condition, then asks for a policy/v1 Eviction of each pod on the
 node (DaemonSet and mirror pods stay): a PodDisruptionBudget's 429 is retried later, not fatal.
-``resume`` undoes the three marks; ``restart_job`` evicts the job's pods on that node. It uses
-the official ``kubernetes`` client and decides nothing itself.
+``resume`` undoes the three marks; ``restart_job`` evicts the one pod its job key names
+(``pod/<uid>``, the identity the agent read from the process's cgroup), found among the pods the
+API server lists on the decision's node and matched by ``metadata.uid``, never by a name or label
+pattern; the eviction carries that uid as a precondition, so a pod of the same name created since
+is not touched. A job key of any other form, or a pod not on that node, is refused (permanent,
+counted in ``refusals`` by reason, logged). It uses the official ``kubernetes`` client and decides
+nothing itself.
 
 Reboots and GPU resets (``reboot: true``, ``reset_gpu: true``, off by default): the node is
 cordoned and emptied as above; once that is delivered, the aggregator's outbox asks the node's
@@ -25,9 +30,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import threading
 import time
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -53,6 +60,10 @@ FAILED_REASON = "VigilActionFailed"
 EVENT_TIMEOUT_SECONDS = 2.0
 # The API server's limit on an Event's message (k8s.io/api events validation: 1 kB for the note).
 EVENT_MESSAGE_MAX_CHARS = 1024
+# A Kubernetes job key: the pod's uid (metadata.uid, an RFC 4122 UUID the API server assigns).
+POD_JOB = re.compile(r"pod/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
+# Reasons a delivery was refused before anything was changed (the `refusals` counter).
+REFUSAL_REASONS = ("job_not_a_pod", "job_not_on_node")
 
 
 class KubernetesConfig(ActuatorConfig):
@@ -64,8 +75,6 @@ class KubernetesConfig(ActuatorConfig):
     taint_key: str = "vigil.io/unhealthy"
     condition_type: str = "VigilUnhealthy"
     evict_pods: bool = True
-    # Label that names a pod's training job, for restart_job.
-    job_label: str = "vigil.io/job"
     notify_in_dry_run: bool = False
     evict_timeout_seconds: float = Field(default=10.0, gt=0)
     # reboot_node: cordon and evict as always, then (once delivered) ask the node's agent to write
@@ -119,6 +128,8 @@ class KubernetesActuator:
         # Events the API server did not take (the action itself was unaffected); deliveries run
         # in the dispatcher's threads, hence the lock.
         self.events_not_recorded = 0
+        # reason -> deliveries refused before anything changed (REFUSAL_REASONS), same lock.
+        self.refusals: Counter[str] = Counter(dict.fromkeys(REFUSAL_REASONS, 0))
         self._events_lock = threading.Lock()
         self._instance = socket.gethostname()
         if api_client is None:
@@ -163,10 +174,9 @@ class KubernetesActuator:
                 self._mark(decision, unhealthy=False)
                 return f"uncordoned {decision.node}"
             if decision.action is Action.RESTART_JOB:
-                n = self._evict(decision.node, f"{self.config.job_label}={decision.job}")
-                return f"evicted {n} pod(s) of job {decision.job} on {decision.node}"
+                return self._evict_job(decision)
             self._mark(decision, unhealthy=True)
-            n = self._evict(decision.node, None) if self.config.evict_pods else 0
+            n = self._evict(decision.node) if self.config.evict_pods else 0
             done = f"cordoned and tainted {decision.node}, evicted {n} pod(s)"
             if decision.action is Action.REBOOT_NODE and self.config.reboot:
                 return f"{done}; the node's agent is asked to request a reboot (reboot daemon's sentinel)"
@@ -264,14 +274,41 @@ class KubernetesActuator:
             _request_timeout=self.timeout_seconds,
         )
 
-    def _evict(self, node: str, label_selector: str | None) -> int:
-        pods = self.api.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node}",
-            label_selector=label_selector,
-            _request_timeout=self.timeout_seconds,
-        ).items
-        blocked, evicted = [], 0
-        for pod in pods:
+    def _refuse(self, decision: Decision, reason: str, message: str) -> DeliveryError:
+        """A permanent DeliveryError for ``decision``, counted under ``reason`` and logged."""
+        with self._events_lock:
+            self.refusals[reason] += 1
+        log.error("kubernetes: refusing %s %s on %s (%s): %s", decision.action.value, decision.id, decision.node,
+                  reason, message)
+        return DeliveryError(message, retryable=False)
+
+    def _pods_on(self, node: str) -> list[Any]:
+        return list(self.api.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node}", _request_timeout=self.timeout_seconds).items)
+
+    def _evict_job(self, decision: Decision) -> str:
+        """Evict the one pod ``decision.job`` names (``pod/<uid>``), if it runs on the decision's node."""
+        job = decision.job or ""
+        key = POD_JOB.fullmatch(job)
+        if key is None:
+            raise self._refuse(decision, "job_not_a_pod",
+                               f"job {job[:80]!r} is not a pod identity (pod/<uid>); only a pod is evicted")
+        uid = key.group(1)
+        pod = next((p for p in self._pods_on(decision.node) if p.metadata.uid == uid), None)
+        if pod is None:
+            raise self._refuse(decision, "job_not_on_node",
+                               f"no pod with uid {uid} on {decision.node}; nothing evicted")
+        meta = pod.metadata
+        if meta.deletion_timestamp is not None:  # evicted by an earlier delivery, or leaving anyway
+            return f"pod {meta.namespace}/{meta.name} (job {job}) on {decision.node} is already terminating"
+        if not self._evict_pods(decision.node, [pod], uid_precondition=True):
+            return f"pod {meta.namespace}/{meta.name} (job {job}) on {decision.node} is already gone"
+        return f"evicted pod {meta.namespace}/{meta.name} (job {job}) on {decision.node}"
+
+    def _evict(self, node: str) -> int:
+        """Evict every pod on ``node`` but DaemonSet and mirror pods and those already leaving."""
+        pods = []
+        for pod in self._pods_on(node):
             meta = pod.metadata
             if meta.deletion_timestamp is not None:
                 continue
@@ -279,12 +316,23 @@ class KubernetesActuator:
                 continue  # the DaemonSet controller would put it straight back
             if "kubernetes.io/config.mirror" in (meta.annotations or {}):
                 continue  # static pods are the kubelet's, not the API server's
+            pods.append(pod)
+        return self._evict_pods(node, pods)
+
+    def _evict_pods(self, node: str, pods: list[Any], uid_precondition: bool = False) -> int:
+        """Ask for an Eviction of each pod; ``uid_precondition``: only of that very pod (its uid),
+        not of one created since under the same name. Returns how many were evicted."""
+        blocked, evicted = [], 0
+        for pod in pods:
+            meta = pod.metadata
             # apiVersion and kind as kubectl drain sends them: policy/v1 is the served version
             # since Kubernetes 1.22 (policy/v1beta1 was removed in 1.25).
             eviction = self._client.V1Eviction(
                 api_version="policy/v1",
                 kind="Eviction",
                 metadata=self._client.V1ObjectMeta(name=meta.name, namespace=meta.namespace),
+                delete_options=self._client.V1DeleteOptions(
+                    preconditions=self._client.V1Preconditions(uid=meta.uid)) if uid_precondition else None,
             )
             try:
                 self.api.create_namespaced_pod_eviction(

@@ -4,7 +4,16 @@ Removing actions drain the node (``State=DRAIN Reason="vigil: <reason> <decision
 reset or inspection itself is left to the site's tooling, which reads the reason. ``resume``
 undrains only a node that vigil took out (its reason starts with ``vigil:``), and ``restart_job``
 requeues the job held, excludes the bad node and releases it. Commands go through an injectable
-runner.
+runner; it decides nothing beyond refusing what it cannot verify.
+
+What it reads is structured, never free text a user can shape: a node's state and reason come
+from ``sinfo --json`` (Slurm 21.08 and later; 22.05's ``scontrol`` has no ``--json``), and where
+sinfo has no ``--json``, from ``scontrol show node -o`` cut at ``Reason=`` (the reason is free
+text: ``Reason=x State=IDLE`` must not read as IDLE). A job is named only by its numeric Slurm id
+(never ``squeue -n <name>``: a name with a comma is a list to squeue), read with ``squeue -j <id>
+-o`` fields that hold no free text (state, node lists), and requeued only when it runs on the
+decision's node (its node list expanded by ``scontrol show hostnames``). Each refusal is a
+permanent DeliveryError, logged and counted in ``refusals`` by reason.
 
 GPU resets (``reset_gpu: true``, off by default): the node is drained as above; the aggregator's
 outbox then asks the node's agent to reset the GPU (aggregator/outbox.py), not this actuator.
@@ -27,11 +36,15 @@ someone else drained or downed is not rebooted (their reason would be overwritte
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
 import subprocess
+import threading
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from vigil.agent.seams import CommandRunner, run_command
 from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError, one_node
@@ -49,11 +62,27 @@ PERMANENT_ERRORS = (
     "Access/permission denied",
     "not found",  # `scontrol show node X` for a node slurm.conf does not list
 )
+# A Slurm job id is a uint32 (slurm.h: job_id); NO_VAL and above are never a job's id.
+JOB_ID = re.compile(r"[0-9]{1,10}")
+MAX_JOB_ID = 0xFFFFFFFD
+# States in which a job runs and can be requeued (squeue %T); a COMPLETING one is already leaving.
+REQUEUEABLE_STATES = frozenset({"RUNNING", "SUSPENDED", "CONFIGURING"})
+# squeue fields with no free text in them: id, state, node list, excluded node list ("|" is in no
+# node name or state). The job's name, comment or working directory are never read.
+JOB_FORMAT = "%i|%T|%N|%x"
+# What sinfo answers when it predates --json (Slurm < 21.08): the text parse is used instead.
+NO_JSON = ("unrecognized option", "invalid option")
+# Reasons a delivery was refused before anything was changed in Slurm (the `refusals` counter).
+REFUSAL_REASONS = ("job_not_numeric", "job_not_found", "job_not_on_node", "node_not_found", "not_drained_by_vigil",
+                   "out_for_someone_else")
 
 
 class SlurmConfig(ActuatorConfig):
     scontrol: str = "scontrol"
     squeue: str = "squeue"
+    # Node state and reason are read with `sinfo --json` (Slurm 21.08+); an older sinfo falls back
+    # to `scontrol show node -o`, read only up to its free-text Reason=.
+    sinfo: str = "sinfo"
     # The cluster's slurm.conf, when it is not the default one (passed as SLURM_CONF).
     slurm_conf: str | None = None
     # Carry out reboot_node with `scontrol reboot ASAP nextstate=DOWN` (slurm.conf needs a
@@ -79,13 +108,50 @@ def _run_with_conf(conf: str, argv: Sequence[str], timeout_seconds: float) -> st
     return done.stdout
 
 
-def _kv(line: str) -> dict[str, str]:
-    """``scontrol show -o`` output as key -> value; Reason is free text up to ``[user@time]``."""
-    out = {m.group(1): m.group(2) for m in re.finditer(r"(\w+)=(\S*)", line)}
-    reason = re.search(r" Reason=(.*?)(?: \[[^\]]*\])?\s*$", line)
-    if reason:
-        out["Reason"] = reason.group(1)
-    return out
+@dataclass(frozen=True)
+class NodeState:
+    """A node as slurmctld has it: ``state`` as scontrol writes it (``IDLE+DRAIN``,
+    ``DOWN+REBOOT_ISSUED``) and its free-text ``reason`` ("" when none)."""
+
+    state: str
+    reason: str
+
+
+def node_from_sinfo_json(text: str, node: str) -> NodeState | None:
+    """``node`` in ``sinfo --json`` output (None if it is not there). 22.05 writes ``state`` as a
+    word and ``state_flags`` as a list; 23.02+ writes ``state`` as a list of words. sinfo 22.05
+    ignores ``-n`` with ``--json``, so the entry is picked by its exact name."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise DeliveryError(f"sinfo --json: not JSON ({exc})") from None
+    nodes = doc.get("nodes") if isinstance(doc, dict) else None
+    if not isinstance(nodes, list):
+        raise DeliveryError("sinfo --json: no node list in its answer")
+    for entry in nodes:
+        if not isinstance(entry, dict) or entry.get("name") != node:
+            continue
+        base, flags = entry.get("state"), entry.get("state_flags") or []
+        words = [*base] if isinstance(base, list) else [base] if isinstance(base, str) else []
+        words += flags if isinstance(flags, list) else []
+        if not words or not all(isinstance(w, str) for w in words):
+            raise DeliveryError(f"sinfo --json: node {node} has no readable state ({base!r}, {flags!r})")
+        reason = entry.get("reason")
+        return NodeState("+".join(w.upper() for w in words), reason if isinstance(reason, str) else "")
+    return None
+
+
+def node_from_scontrol_text(line: str) -> NodeState:
+    """``scontrol show node -o`` output, for a Slurm whose sinfo has no ``--json``. Every field
+    is read from the text before the first `` Reason=`` only (scontrol prints the free-text reason
+    after State, near the end of the line), and the first ``State=`` wins: no reason can forge one."""
+    head, sep, tail = line.rstrip("\n").partition(" Reason=")
+    state = re.search(r"(?:^| )State=(\S+)", head)
+    if state is None:
+        raise DeliveryError(f"scontrol show node: no State= in {head[:120]!r}")
+    # Slurm appends " [user@time]" to the reason it stores.
+    reason = re.sub(r" \[[^\]]*\]\s*$", "", tail).strip() if sep else ""
+    return NodeState(state.group(1), reason)
 
 
 class SlurmActuator:
@@ -98,6 +164,12 @@ class SlurmActuator:
         if run is None:
             run = functools.partial(_run_with_conf, config.slurm_conf) if config.slurm_conf else run_command
         self.run = run
+        # None until the first read: whether sinfo takes --json (one answer per process).
+        self._sinfo_json: bool | None = None
+        # reason -> deliveries refused before anything changed in Slurm; deliveries run in the
+        # dispatcher's threads, hence the lock.
+        self.refusals: Counter[str] = Counter(dict.fromkeys(REFUSAL_REASONS, 0))
+        self._refusals_lock = threading.Lock()
 
     def handles(self, decision: Decision) -> bool:
         if decision.action is Action.RESTART_JOB:
@@ -131,36 +203,62 @@ class SlurmActuator:
         room = MAX_REASON_CHARS - len(REASON_PREFIX) - len(decision.id) - 2
         return f"{REASON_PREFIX} {what[:room]} {decision.id}"
 
-    def _scontrol(self, *args: str) -> str:
+    def _refuse(self, decision: Decision, reason: str, message: str) -> DeliveryError:
+        """A permanent DeliveryError for ``decision``, counted under ``reason`` and logged."""
+        with self._refusals_lock:
+            self.refusals[reason] += 1
+        log.error("slurm: refusing %s %s on %s (%s): %s", decision.action.value, decision.id, decision.node,
+                  reason, message)
+        return DeliveryError(message, retryable=False)
+
+    def _command(self, argv: Sequence[str]) -> str:
         try:
-            return self.run([self.config.scontrol, *args], self.timeout_seconds)
+            return self.run(list(argv), self.timeout_seconds)
         except subprocess.CalledProcessError as exc:
             said = " ".join(f"{exc.stdout or ''} {exc.stderr or ''}".split())
-            message = f"scontrol {' '.join(args)}: {said or f'exit status {exc.returncode}'}"
+            message = f"{' '.join(argv)[:200]}: {said or f'exit status {exc.returncode}'}"
             raise DeliveryError(message, retryable=not any(p in message for p in PERMANENT_ERRORS)) from exc
         except (OSError, subprocess.SubprocessError) as exc:
-            raise DeliveryError(f"scontrol {args[0]}: {exc}") from exc
+            raise DeliveryError(f"{argv[0]} {argv[1] if len(argv) > 1 else ''}: {exc}") from exc
 
-    def _node(self, node: str) -> dict[str, str]:
-        return _kv(self._scontrol("show", "node", "-o", node))
+    def _scontrol(self, *args: str) -> str:
+        return self._command([self.config.scontrol, *args])
+
+    def _node(self, decision: Decision) -> NodeState:
+        node = decision.node
+        if self._sinfo_json is not False:
+            try:
+                found = node_from_sinfo_json(self._command([self.config.sinfo, "--json", "-N", "-n", node]), node)
+            except DeliveryError as exc:
+                if self._sinfo_json is not None or not any(s in str(exc) for s in NO_JSON):
+                    raise
+                self._sinfo_json = False
+                log.warning("slurm: %s has no --json (%s); node state is read from `scontrol show node -o` "
+                            "up to its Reason= instead", self.config.sinfo, exc)
+            else:
+                self._sinfo_json = True
+                if found is None:
+                    raise self._refuse(decision, "node_not_found", f"sinfo does not list node {node}")
+                return found
+        return node_from_scontrol_text(self._scontrol("show", "node", "-o", node))
 
     def _drain(self, decision: Decision) -> str:
-        current = self._node(decision.node)
-        if "DRAIN" in current.get("State", "") and decision.id in current.get("Reason", ""):
+        current = self._node(decision)
+        if "DRAIN" in current.state and decision.id in current.reason:
             return f"{decision.node} already drained for {decision.id}"
         reason = self.reason_for(decision)
         self._scontrol("update", f"NodeName={decision.node}", "State=DRAIN", f"Reason={reason}")
         return f"drained {decision.node}: {reason}"
 
     def _reboot(self, decision: Decision) -> str:
-        current = self._node(decision.node)
-        state, reason = current.get("State", ""), current.get("Reason", "")
+        current = self._node(decision)
+        state, reason = current.state, current.reason
         if decision.id in reason and any(s in state for s in ("REBOOT", "DOWN", "DRAIN")):
             return f"{decision.node} reboot already requested for {decision.id} ({state})"
         if ("DRAIN" in state or "DOWN" in state) and reason and not reason.startswith(REASON_PREFIX):
             # Someone else took it out (a repair, a maintenance): not vigil's to reboot.
-            raise DeliveryError(f"{decision.node} is out for someone else (reason: {reason!r}); not rebooted",
-                                retryable=False)
+            raise self._refuse(decision, "out_for_someone_else",
+                               f"{decision.node} is out for someone else (reason: {reason!r}); not rebooted")
         if self._return_to_service() == "2":
             # ReturnToService=2 makes a DOWN node that registers available again: the rebooted node
             # would be back in service before vigil verified it. Drain instead; the site reboots.
@@ -180,46 +278,59 @@ class SlurmActuator:
         return ""
 
     def _resume(self, decision: Decision) -> str:
-        current = self._node(decision.node)
-        state, reason = current.get("State", ""), current.get("Reason", "")
+        current = self._node(decision)
+        state, reason = current.state, current.reason
         if "DRAIN" not in state and "DOWN" not in state:
             return f"{decision.node} already in service ({state})"
         if not reason.startswith(REASON_PREFIX):
             # Someone else took it out for their own reason; that is theirs to undo. A node vigil
             # rebooted (DOWN after `reboot nextstate=DOWN`) keeps vigil's reason: Slurm appends to it.
-            raise DeliveryError(f"{decision.node} was not drained by vigil (reason: {reason!r})", retryable=False)
+            raise self._refuse(decision, "not_drained_by_vigil",
+                               f"{decision.node} was not drained by vigil (reason: {reason!r})")
         self._scontrol("update", f"NodeName={decision.node}", "State=RESUME")
         return f"resumed {decision.node}"
 
-    def _job_ids(self, job: str) -> list[str]:
-        if job.isdigit():
-            return [job]
-        try:
-            out = self.run([self.config.squeue, "-h", "-n", job, "-o", "%i"], self.timeout_seconds)
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise DeliveryError(f"squeue -n {job}: {exc}") from exc
-        return out.split()
+    def _hostnames(self, hostlist: str) -> list[str]:
+        """A Slurm hostlist (``vnode[2-3],gpu7``) as names, expanded by Slurm itself."""
+        if not hostlist or hostlist == "(null)":
+            return []
+        return self._scontrol("show", "hostnames", hostlist).split()
 
     def _requeue(self, decision: Decision) -> str:
         assert decision.job is not None  # handles() admits restart_job only with a job
-        ids = self._job_ids(decision.job)
-        if not ids:
-            raise DeliveryError(f"no Slurm job named or numbered {decision.job!r}", retryable=False)
-        done = []
-        for job_id in ids:
-            info = _kv(self._scontrol("show", "job", "-o", job_id))
+        job = decision.job
+        if JOB_ID.fullmatch(job) is None or not 0 < int(job) <= MAX_JOB_ID:
+            # A name would go to `squeue -n`, which reads "a,b" as two names: other teams' jobs.
+            raise self._refuse(decision, "job_not_numeric",
+                               f"job {job[:80]!r} is not a Slurm job id (a number); only ids are requeued")
+        job_id = str(int(job))
+        try:
+            line = self._command([self.config.squeue, "-h", "-j", job_id, "-o", JOB_FORMAT]).strip()
+        except DeliveryError as exc:
+            if exc.retryable:
+                raise
+            raise self._refuse(decision, "job_not_found", f"Slurm has no job {job_id}: {exc}") from None
+        fields = line.split("|")
+        if len(fields) != 4 or fields[0] != job_id:
+            raise self._refuse(decision, "job_not_found", f"Slurm has no job {job_id} (squeue: {line[:120]!r})")
+        _, state, nodes, excluded_list = fields
+        excluded = self._hostnames(excluded_list)
+        on_node = decision.node in self._hostnames(nodes)
+        if not on_node and decision.node not in excluded:
+            # Neither on the node (squeue's node list, expanded by Slurm) nor requeued from it by an
+            # earlier delivery of this decision: someone else's job, whatever the report claimed.
+            raise self._refuse(decision, "job_not_on_node", f"job {job_id} ({state}) runs on "
+                               f"{nodes or 'no node'}, not on {decision.node}; not requeued")
+        if on_node and state in REQUEUEABLE_STATES:
+            # Held, so it cannot start again before the bad node is excluded.
+            self._scontrol("requeuehold", job_id)
+        if decision.node not in excluded:
             # Slurm's own list (possibly compressed, e.g. "vnode[2-3]"), kept as Slurm wrote it; the
-            # one name vigil adds was checked above.
-            excluded = [n for n in info.get("ExcNodeList", "(null)").split(",") if n and n != "(null)"]
-            if info.get("JobState") in ("RUNNING", "SUSPENDED", "CONFIGURING"):
-                # Held, so it cannot start again before the bad node is excluded.
-                self._scontrol("requeuehold", job_id)
-            if decision.node not in excluded:
-                excluded.append(decision.node)
-                self._scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(excluded)}")
-            self._scontrol("release", job_id)
-            done.append(job_id)
-        return f"requeued job {','.join(done)} excluding {decision.node}"
+            # one name vigil adds was checked by one_node.
+            new = f"{excluded_list},{decision.node}" if excluded_list else decision.node
+            self._scontrol("update", f"JobId={job_id}", f"ExcNodeList={new}")
+        self._scontrol("release", job_id)
+        return f"requeued job {job_id} excluding {decision.node}"
 
 
 def build(config: SlurmConfig) -> SlurmActuator:

@@ -3,7 +3,8 @@
 The fake (aiohttp on 127.0.0.1, a random port) keeps Nodes and Pods, applies strategic-merge
 patches to a node and to its status subresource (conditions merge by ``type``, taints replace
 the list), lists pods by ``fieldSelector=spec.nodeName=`` and ``labelSelector``, and answers a
-policy/v1 Eviction with 201, or with 429 when a PodDisruptionBudget protects the pod. It keeps
+policy/v1 Eviction with 201, or with 429 when a PodDisruptionBudget protects the pod (409 when the
+Eviction's ``deleteOptions.preconditions.uid`` names another pod than the one of that name). It keeps
 the core/v1 Events created in a namespace (checking what the API server's validation checks:
 the namespace in the URL and the body agree, a name, an involved object, a reason), or refuses
 them with ``events_fail_with`` (an RBAC slip, a full etcd) while everything else works. The
@@ -16,6 +17,7 @@ import asyncio
 import copy
 import json
 import socket
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +88,11 @@ def make_node(name: str, taints: list[dict[str, str]] | None = None) -> dict[str
     }
 
 
+def pod_uid(namespace: str, name: str) -> str:
+    """A pod's uid as the API server assigns it (a UUID), fixed per name for the tests."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"pod/{namespace}/{name}"))
+
+
 def make_pod(
     name: str,
     node: str,
@@ -97,7 +104,7 @@ def make_pod(
     meta: dict[str, Any] = {
         "name": name,
         "namespace": namespace,
-        "uid": f"uid-{namespace}-{name}",
+        "uid": pod_uid(namespace, name),
         "resourceVersion": "2000",
         "labels": labels or {},
     }
@@ -244,6 +251,10 @@ class FakeApiServer:
         )
         if pod is None:
             return self._not_found("pods", name)
+        want_uid = ((body.get("deleteOptions") or {}).get("preconditions") or {}).get("uid")
+        if want_uid is not None and want_uid != pod["metadata"]["uid"]:
+            return status(409, "Conflict", f"Precondition failed: UID in precondition: {want_uid}, UID in object "
+                                           f"meta: {pod['metadata']['uid']}")
         if f"{ns}/{name}" in self.pdb_protected:
             return status(
                 429,
@@ -421,19 +432,79 @@ async def test_resume_uncordons_removes_only_our_taint_and_clears_the_condition(
     assert out == f"uncordoned {NODE}"
 
 
-async def test_restart_job_evicts_only_that_jobs_pods_on_that_node(api) -> None:
+async def test_restart_job_evicts_only_the_pod_its_uid_names_on_that_node(api) -> None:
+    fake, url = api
+    job = f"pod/{pod_uid('training', 'trainer-0')}"
+    act = actuator(url)
+    try:
+        out = await deliver(act, dec(Action.RESTART_JOB, job=job))
+        again = await deliver(act, dec(Action.RESTART_JOB, job=job))  # delivered again after a crash
+    finally:
+        act.close()
+    assert fake.evicted == ["training/trainer-0"]  # not trainer-1 (same job label), not gpu-node-8's trainer-2
+    listing = fake.of("GET", "/api/v1/pods")[0]["query"]
+    assert listing == {"fieldSelector": f"spec.nodeName={NODE}"}  # by node, never a name or label pattern
+    eviction = fake.of("POST", "/eviction")[0]["body"]
+    assert eviction["deleteOptions"]["preconditions"] == {"uid": pod_uid("training", "trainer-0")}
+    node = fake.nodes[NODE]
+    assert "unschedulable" not in node["spec"] and not vigil_taints(node)  # the node stays in service
+    assert out == f"evicted pod training/trainer-0 (job {job}) on {NODE}"
+    assert "already terminating" in again and len(fake.evicted) == 1
+
+
+@pytest.mark.parametrize("job", [
+    "llm-7b",  # a name (the label the old actuator selected by: every pod of it on the node)
+    "pod/*", "pod/", f"pod/{pod_uid('training', 'trainer-0').upper()}", f"pod/{pod_uid('training', 'trainer-0')},x",
+    f"{pod_uid('training', 'trainer-0')}",  # a bare uid: the key says what it is
+])
+async def test_restart_job_refuses_a_job_that_is_not_a_pod_identity(api, job: str) -> None:
     fake, url = api
     act = actuator(url)
     try:
-        out = await deliver(act, dec(Action.RESTART_JOB, job="llm-7b"))
+        with pytest.raises(DeliveryError, match="not a pod identity") as info:
+            await deliver(act, dec(Action.RESTART_JOB, job=job))
     finally:
         act.close()
-    assert sorted(fake.evicted) == ["training/trainer-0", "training/trainer-1"]  # not gpu-node-8's trainer-2
-    listing = fake.of("GET", "/api/v1/pods")[0]["query"]
-    assert listing == {"fieldSelector": f"spec.nodeName={NODE}", "labelSelector": "vigil.io/job=llm-7b"}
-    node = fake.nodes[NODE]
-    assert "unschedulable" not in node["spec"] and not vigil_taints(node)  # the node stays in service
-    assert "2 pod(s) of job llm-7b" in out
+    assert info.value.retryable is False and act.refusals == {"job_not_a_pod": 1}
+    assert fake.evicted == [] and not fake.of("GET", "/api/v1/pods")
+
+
+async def test_restart_job_refuses_a_pod_that_runs_on_another_node(api) -> None:
+    fake, url = api
+    act = actuator(url)
+    elsewhere = f"pod/{pod_uid('training', 'trainer-2')}"  # a real pod, on gpu-node-8
+    try:
+        with pytest.raises(DeliveryError, match="no pod with uid") as info:
+            await deliver(act, dec(Action.RESTART_JOB, job=elsewhere))
+    finally:
+        act.close()
+    assert info.value.retryable is False and act.refusals == {"job_not_on_node": 1}
+    assert fake.evicted == []
+
+
+async def test_restart_job_leaves_a_pod_recreated_under_the_same_name(api) -> None:
+    """The uid precondition: between the listing and the eviction the pod was replaced by one of
+    the same name (another job's): the API server answers 409 and nothing is evicted."""
+    fake, _ = api
+    job = f"pod/{pod_uid('training', 'trainer-0')}"
+    original = fake.evict
+
+    async def replaced_then_evict(request: web.Request) -> web.Response:
+        fake.pods[0]["metadata"]["uid"] = str(uuid.uuid4())
+        return await original(request)
+
+    fake.evict = replaced_then_evict  # type: ignore[method-assign]
+    app = fake.app()  # routes bound to the replaced handler
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    act = actuator(f"http://127.0.0.1:{server.port}")
+    try:
+        with pytest.raises(DeliveryError, match="409") as info:
+            await deliver(act, dec(Action.RESTART_JOB, job=job))
+    finally:
+        act.close()
+        await server.close()
+    assert info.value.retryable is False and fake.evicted == []
 
 
 async def test_unknown_node_is_a_permanent_error(api) -> None:
@@ -505,7 +576,7 @@ async def test_each_action_is_recorded_as_an_event_on_the_node(api) -> None:
     try:
         drained = await deliver(act, dec(Action.DRAIN, id="d-drain"))
         await deliver(act, dec(Action.RESUME, id="d-resume"))
-        await deliver(act, dec(Action.RESTART_JOB, id="d-restart", job="llm-7b"))
+        await deliver(act, dec(Action.RESTART_JOB, id="d-restart", job=f"pod/{pod_uid('training', 'trainer-1')}"))
     finally:
         act.close()
     events = node_events(fake)

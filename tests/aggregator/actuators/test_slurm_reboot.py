@@ -46,7 +46,7 @@ def test_reboot_is_idempotent_per_decision() -> None:
                                      "[root@2026-01-01T00:00:00]"})
         out = SlurmActuator(SlurmConfig(reboot=True), run=run).deliver(dec("gpu-7", Action.REBOOT_NODE))
         assert "already requested" in out
-        assert [c[1] for c in run.calls] == ["show"]
+        assert [c[:2] for c in run.calls] == [["sinfo", "--json"]]  # read only, nothing changed
 
 
 def test_a_node_someone_else_took_out_is_not_rebooted() -> None:
@@ -54,7 +54,7 @@ def test_a_node_someone_else_took_out_is_not_rebooted() -> None:
     with pytest.raises(DeliveryError, match="out for someone else") as info:
         SlurmActuator(SlurmConfig(reboot=True), run=run).deliver(dec("gpu-7", Action.REBOOT_NODE))
     assert info.value.retryable is False
-    assert [c[1] for c in run.calls] == ["show"]
+    assert [c[:2] for c in run.calls] == [["sinfo", "--json"]]  # read only, nothing changed
 
 
 def test_a_node_vigil_drained_before_can_be_rebooted() -> None:
