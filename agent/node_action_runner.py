@@ -3,7 +3,9 @@
 It reads one signed ``NodeActionRequest`` (agent/node_actions.py: the table, the key, the
 signature), checks it in a fixed order (allowed by ``node_actions.allow``, this node, this boot,
 not expired, signed under this node's key, for ``reset_gpu`` the named GPU and that no compute
-process holds it) and then runs it: a GPU reset through the NVML backend's ``reset_gpu``, or a
+process holds it) right before it runs it, so a request that waited in the queue past its offer's
+short validity (the aggregator stopped offering it: the node was resumed or held) is refused
+``expired``. Then it runs it: a GPU reset through the NVML backend's ``reset_gpu``, or a
 reboot request as the reboot daemon's sentinel file. It returns a ``NodeActionResult`` and counts
 it in ``vigil_agent_node_actions_total``; every refusal is logged. It runs nothing it was not
 asked for, nothing twice for one id in a boot, and never reboots anything itself.
@@ -51,10 +53,14 @@ _FAULTED = ("lost", "reset_required")
 # nvidia-smi's answer when a process holds the GPU it was asked to reset ("GPU 00000000:4C:00.0 is
 # currently in use by another process."): a busy GPU, not a failed reset.
 _IN_USE = "in use by another process"
-# Refusals that may pass on a later offer (the job holding the GPU ends): not remembered, so the
-# aggregator's next offer of the same id is checked afresh (aggregator/outbox.py keeps a busy
-# request pending and offers it again). Every other result is final for its id in this boot.
-_TRANSIENT_REASONS = frozenset({"busy", "processes_unknown"})
+# Refusals that may pass on a later offer: not remembered, so the aggregator's next offer of the
+# same id is checked afresh (aggregator/outbox.py keeps such a request pending and offers it
+# again): the job holding the GPU ends (busy, processes_unknown), or an offer expired before it ran
+# (the aggregator signs each offer valid for node_actions.offer_ttl_seconds, a minute by default,
+# so that a request it voided when the node's removal ended dies here too; while the request
+# stands, a fresh offer follows). Every other
+# result is final for its id in this boot.
+_TRANSIENT_REASONS = frozenset({"busy", "processes_unknown", "expired"})
 
 OUTCOMES = ("done", "refused", "failed", "repeat")
 REASONS = ("done", "not_allowed", "wrong_node", "stale_boot", "expired", "bad_signature", "unknown_gpu",

@@ -565,7 +565,8 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
     if ledger is not None:
-        add_operator_routes(app, ledger, clock=clock, reporting=reporting, dry_run=config.dry_run)
+        add_operator_routes(app, ledger, clock=clock, reporting=reporting, dry_run=config.dry_run,
+                            void_node_actions=node_actions.void)
     else:
         add_no_gate_routes(app)
     add_routes(app, sink, clock=clock, dry_run=config.dry_run, refusals=refusals,

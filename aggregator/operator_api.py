@@ -5,7 +5,9 @@
 them the operator role); ``GET /v1/nodes/{node}/history`` (read role) is the node's remediation
 history, assembled by ``aggregator.history``. Writes run in a worker thread, so a large batch being written never
 stalls the event loop. It judges nothing: a resume is a decision like any other, through the
-ledger and its gate.
+ledger and its gate. A hold or a resume ends the node's removal as far as vigil is concerned: its
+pending node-action requests (a GPU reset, a reboot request) are voided at once
+(``void_node_actions``, the outbox's ``void``), before the resume decision is even delivered.
 """
 
 from __future__ import annotations
@@ -47,8 +49,16 @@ async def _note(request: web.Request) -> str | web.Response:
 
 
 def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable[[], float],
-                        reporting: Callable[[], int], dry_run: bool) -> None:
-    """``reporting``: how many nodes reported within the breaker window (the budget's fleet)."""
+                        reporting: Callable[[], int], dry_run: bool,
+                        void_node_actions: Callable[[str, str, float, str], int] | None = None) -> None:
+    """``reporting``: how many nodes reported within the breaker window (the budget's fleet);
+    ``void_node_actions(node, reason, now, why)``: cancel the node's pending node-action requests
+    (reason ``held`` or ``resumed``), returning how many (called on the event loop)."""
+
+    def void(node: str, reason: str, note: str) -> int:
+        if void_node_actions is None:
+            return 0
+        return void_node_actions(node, reason, clock(), f"{reason} by an operator{': ' + note if note else ''}")
 
     async def get_breaker(_: web.Request) -> web.Response:
         return web.json_response(ledger.breaker_budget(clock(), reporting()))
@@ -72,8 +82,10 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
         done = await change_hold(request, True)
         if isinstance(done, web.Response):
             return done
-        node, _, was_held = done
-        return web.json_response({"node": node, "held": True, "was_held": was_held})
+        node, note, was_held = done
+        cancelled = void(node, "held", note)
+        return web.json_response({"node": node, "held": True, "was_held": was_held,
+                                  "node_actions_cancelled": cancelled})
 
     async def resume_node(request: web.Request) -> web.Response:
         """Release a hold, and put a removed node back in service (a resume decision by hand)."""
@@ -81,6 +93,7 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
         if isinstance(done, web.Response):
             return done
         node, note, was_held = done
+        cancelled = void(node, "resumed", note)
         now = clock()
         decision = Decision(id="resume-" + hashlib.sha256(f"{node}\x1f{now:.6f}".encode()).hexdigest()[:14],
                             ts=now, node=node, action=Action.RESUME, reason=f"resumed by an operator {note}".strip(),
@@ -91,7 +104,8 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
             return _error(503, "store_unavailable", problem)
         verdict = ledger.store.verdict_of(decision.id)
         return web.json_response({"node": node, "was_held": was_held, "resume": decision.id,
-                                  "admitted": bool(admitted), "verdict": verdict[1] if verdict else None})
+                                  "admitted": bool(admitted), "verdict": verdict[1] if verdict else None,
+                                  "node_actions_cancelled": cancelled})
 
     async def get_history(request: web.Request) -> web.Response:
         """The node's standing and its newest ``?limit=`` history entries, newest first."""

@@ -5,11 +5,15 @@ drain or a Kubernetes cordon and eviction) and, where ``FOLLOW_UPS`` pairs that 
 with a node action the site switched on, turns it into a ``NodeActionRequest`` (reset_gpu, or
 request_reboot: kured's sentinel) for that node's current boot (and GPU), signed under the
 node's key (``node_key(master key, node)``); ``due`` says which requests to offer in the answer
-to a node's report (again every ``retry_seconds`` until a final result or expiry), and ``record``
-takes the node's ``action_results``, handing the ones it knows to the fleet for the recovery
-detector. It judges nothing (the recovery detector verifies the reset), runs nothing on any node,
-and keeps its state in memory only (an aggregator restart forgets pending requests: the recovery
-detector then alerts on the unverified node). Every refused or unknown result is logged and counted.
+to a node's report (again every ``retry_seconds`` until a final result or expiry), each offer
+signed anew to expire ``offer_ttl_seconds`` later, and ``record`` takes the node's
+``action_results``, handing the ones it knows to the fleet for the recovery detector. ``void``
+cancels a node's pending requests when its removal ends (an operator's resume or hold, a delivered
+resume decision): they are never offered again, and a copy the agent still holds expires within
+``offer_ttl_seconds`` (docs/security-agent.md). It judges nothing (the recovery detector verifies
+the reset), runs nothing on any node, and keeps its state in memory only (an aggregator restart
+forgets pending requests: the recovery detector then alerts on the unverified node). Every
+refused or unknown result, and every cancellation, is logged and counted.
 """
 
 from __future__ import annotations
@@ -28,7 +32,13 @@ from pydantic import Field
 
 from vigil.agent.node_actions import NODE_ACTIONS, node_key, sign
 from vigil.agent.validation import ConfigError, StrictModel
-from vigil.agent.wire import MAX_REQUESTS_PER_RESPONSE, NodeActionName, NodeActionRequest, NodeActionResult
+from vigil.agent.wire import (
+    MAX_REQUESTS_PER_RESPONSE,
+    NodeActionName,
+    NodeActionRequest,
+    NodeActionResult,
+    replace,
+)
 from vigil.aggregator.decision import Action, Decision
 
 if TYPE_CHECKING:
@@ -54,6 +64,11 @@ FINISHED_MEMORY = 4096
 # Expired requests are looked for across all nodes at most this often (a node that never reports
 # again still has its request expire and counted).
 SWEEP_SECONDS = 1.0
+# The agent's refusal of an offer past its (short) validity: final only once the request itself
+# has expired; before that, the request is offered again, freshly signed.
+EXPIRED = "expired"
+# Why pending requests were cancelled (``void``): the node's removal ended.
+VOID_REASONS = ("resumed", "held")
 
 
 class NodeActionsConfig(StrictModel):
@@ -68,6 +83,13 @@ class NodeActionsConfig(StrictModel):
     # Offered again this long after the last offer while no final result arrived (a lost answer,
     # an agent restart, a GPU that was busy): 12 reports at the agent's 2.5 s cadence.
     retry_seconds: float = Field(default=30.0, gt=0)
+    # Each offer is signed to expire this long after it is made (never after the request's own
+    # expiry): a request voided by a resume or hold, and so no longer offered, is refused by the
+    # agent as expired within this bound. A minute covers the answer's trip and one reset queued
+    # ahead (the agent's reset_timeout_seconds); an agent whose clock runs ahead of the
+    # aggregator's by more refuses every offer as expired (transient: offered again until the
+    # request expires, then the recovery detector escalates).
+    offer_ttl_seconds: float = Field(default=60.0, gt=0, le=3600)
     # Bounds: one request per GPU is the most a node ever has in flight.
     max_pending_per_node: int = Field(default=MAX_REQUESTS_PER_RESPONSE, ge=1, le=1024)
     max_pending_total: int = Field(default=4096, ge=1, le=1_000_000)
@@ -185,9 +207,28 @@ class Outbox:
     def on_delivered(self, actuator: str, decision: Decision, now: float) -> None:
         """The dispatcher's hook: a decision an actuator delivered (the node is drained, or
         cordoned and emptied) becomes the request ``FOLLOW_UPS`` names, if that pair is followed."""
+        if decision.action is Action.RESUME:
+            self.void(decision.node, "resumed", now, f"resume {decision.id} delivered to {actuator}")
+            return
         node_action = self.follow.get((actuator, decision.action))
         if node_action is not None and not decision.dry_run:
             self.enqueue(decision, now, node_action)
+
+    def void(self, node: str, reason: str, now: float, why: str) -> int:
+        """Cancel every pending request for ``node`` (its removal ended: ``reason`` resumed or held),
+        counted as outcome ``cancelled`` and logged; returns how many. None is offered again, and
+        the agent refuses a copy it holds once that offer's short validity ends."""
+        if reason not in VOID_REASONS:
+            raise ValueError(f"void reason {reason!r} is not one of {VOID_REASONS}")
+        self._sweep(now)
+        entries = self._pending.get(node)
+        if not entries:
+            return 0
+        ids = list(entries)
+        for request_id in ids:
+            self._finish(node, request_id, entries[request_id].request.action, "cancelled", reason, why,
+                         logging.WARNING)
+        return len(ids)
 
     def _not_queued(self, decision: Decision, reason: str, why: str) -> None:
         self.not_queued[(decision.action.value, reason)] += 1
@@ -255,8 +296,14 @@ class Outbox:
             if entry.last_offered is None or now - entry.last_offered >= self.config.retry_seconds:
                 entry.last_offered = now
                 self.offered[request.action] += 1
-                out.append(request)
+                out.append(self._offer(request, now))
         return out
+
+    def _offer(self, request: NodeActionRequest, now: float) -> NodeActionRequest:
+        """``request`` signed to expire ``offer_ttl_seconds`` from ``now`` (or at its own expiry)."""
+        assert self._master is not None  # nothing is pending without the key
+        expires_at = min(request.expires_at, now + self.config.offer_ttl_seconds)
+        return sign(replace(request, expires_at=expires_at), node_key(self._master, request.node))
 
     # Results ------------------------------------------------------------------------------------
 
@@ -278,6 +325,14 @@ class Outbox:
                 self._count(result.action, result.outcome, "action_mismatch")
                 log.warning("node action result from %s for %s says action %r, the request was %s: ignored",
                             node, result.id, result.action, entry.request.action)
+                continue
+            if result.outcome == "refused" and result.reason == EXPIRED and now < entry.request.expires_at:
+                # The offer's validity ended before the agent ran it (a queue, a clock ahead): the
+                # request stands and is offered again, freshly signed. Not a result for the fleet.
+                self._count(result.action, "refused", "offer_expired")
+                log.warning("node action %s on %s: the agent refused the offer as expired (%s); offered again "
+                            "in %.0f s until %.0f", result.id, node, result.detail, self.config.retry_seconds,
+                            entry.request.expires_at)
                 continue
             self._count(result.action, result.outcome, result.reason)
             entry.last_result = result
@@ -314,10 +369,11 @@ class Outbox:
         while len(self._finished) > FINISHED_MEMORY:
             self._finished.popitem(last=False)
 
-    def _finish(self, node: str, request_id: str, action: str, outcome: str, reason: str, why: str) -> None:
-        """End a request without an agent's final result (expired, void), counted and logged."""
+    def _finish(self, node: str, request_id: str, action: str, outcome: str, reason: str, why: str,
+                level: int = logging.ERROR) -> None:
+        """End a request without an agent's final result (expired, void, cancelled), counted and logged."""
         self._count(action, outcome, reason)
-        log.error("node action %s on %s (%s) %s: %s", request_id, node, action, outcome, why)
+        log.log(level, "node action %s on %s (%s) %s: %s", request_id, node, action, outcome, why)
         self._forget(node, request_id)
 
     def _sweep(self, now: float) -> None:
@@ -352,8 +408,10 @@ class _OutboxMetrics(PromCollector):
         yield offered
         results = CounterMetricFamily("vigil_aggregator_node_action_results",
                                       "Node-action results, by action, outcome (done, refused, failed as the agent "
-                                      "reported; expired, void: ended by the aggregator) and reason (unknown_id: "
-                                      "no such request for that node, ignored).",
+                                      "reported; expired, void, cancelled: ended by the aggregator) and reason "
+                                      "(unknown_id: no such request for that node, ignored; offer_expired: the agent "
+                                      "refused an offer past its validity, offered again; cancelled resumed or "
+                                      "held: the node's removal ended).",
                                       labels=["action", "outcome", "reason"])
         for (action, outcome, reason), n in sorted(box.results.items()):
             results.add_metric([action, outcome, reason], n)

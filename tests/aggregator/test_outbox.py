@@ -41,7 +41,7 @@ def test_a_delivered_reset_becomes_one_signed_request_for_the_node_boot_and_gpu(
     [req] = box.due("gpu-1", T0 + 1, "boot-gpu-1-1")
     assert (req.id, req.action, req.node, req.boot_id, req.gpu, req.gpu_uuid) == \
         ("d1", "reset_gpu", "gpu-1", "boot-gpu-1-1", 3, "GPU-gpu-1-3")
-    assert (req.issued_at, req.expires_at) == (T0, T0 + 600)
+    assert (req.issued_at, req.expires_at) == (T0, T0 + 1 + 60)  # this offer's validity (offer_ttl_seconds)
     assert signature_ok(req, node_key(MASTER, "gpu-1"))
     assert not signature_ok(req, node_key(MASTER, "gpu-2"))
     assert not signature_ok(req, node_key(b"another master key, 32 bytes...", "gpu-1"))
