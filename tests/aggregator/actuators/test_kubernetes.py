@@ -452,34 +452,30 @@ async def test_restart_job_evicts_only_the_pod_its_uid_names_on_that_node(api) -
     assert "already terminating" in again and len(fake.evicted) == 1
 
 
-@pytest.mark.parametrize("job", [
-    "llm-7b",  # a name (the label the old actuator selected by: every pod of it on the node)
-    "pod/*", "pod/", f"pod/{pod_uid('training', 'trainer-0').upper()}", f"pod/{pod_uid('training', 'trainer-0')},x",
-    f"{pod_uid('training', 'trainer-0')}",  # a bare uid: the key says what it is
+UID0 = pod_uid("training", "trainer-0")
+
+
+@pytest.mark.parametrize("job, refused, reason", [
+    ("llm-7b", "not a pod identity", "job_not_a_pod"),  # a name: the old actuator evicted its label's pods
+    ("pod/*", "not a pod identity", "job_not_a_pod"),
+    ("pod/", "not a pod identity", "job_not_a_pod"),
+    (f"pod/{UID0.upper()}", "not a pod identity", "job_not_a_pod"),
+    (f"pod/{UID0},x", "not a pod identity", "job_not_a_pod"),
+    (UID0, "not a pod identity", "job_not_a_pod"),  # a bare uid: the key says what it is
+    (f"pod/{pod_uid('training', 'trainer-2')}", "no pod with uid", "job_not_on_node"),  # real, on gpu-node-8
 ])
-async def test_restart_job_refuses_a_job_that_is_not_a_pod_identity(api, job: str) -> None:
+async def test_restart_job_refuses_what_is_not_a_pod_on_that_node(api, job: str, refused: str, reason: str) -> None:
     fake, url = api
     act = actuator(url)
     try:
-        with pytest.raises(DeliveryError, match="not a pod identity") as info:
+        with pytest.raises(DeliveryError, match=refused) as info:
             await deliver(act, dec(Action.RESTART_JOB, job=job))
     finally:
         act.close()
-    assert info.value.retryable is False and act.refusals == {"job_not_a_pod": 1}
-    assert fake.evicted == [] and not fake.of("GET", "/api/v1/pods")
-
-
-async def test_restart_job_refuses_a_pod_that_runs_on_another_node(api) -> None:
-    fake, url = api
-    act = actuator(url)
-    elsewhere = f"pod/{pod_uid('training', 'trainer-2')}"  # a real pod, on gpu-node-8
-    try:
-        with pytest.raises(DeliveryError, match="no pod with uid") as info:
-            await deliver(act, dec(Action.RESTART_JOB, job=elsewhere))
-    finally:
-        act.close()
-    assert info.value.retryable is False and act.refusals == {"job_not_on_node": 1}
+    assert info.value.retryable is False and act.refusals == {reason: 1}
     assert fake.evicted == []
+    if reason == "job_not_a_pod":
+        assert not fake.of("GET", "/api/v1/pods")  # refused before the API server was asked anything
 
 
 async def test_restart_job_leaves_a_pod_recreated_under_the_same_name(api) -> None:
