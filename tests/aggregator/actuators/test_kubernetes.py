@@ -18,6 +18,7 @@ import copy
 import json
 import socket
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -472,7 +473,7 @@ async def test_restart_job_refuses_what_is_not_a_pod_on_that_node(api, job: str,
             await deliver(act, dec(Action.RESTART_JOB, job=job))
     finally:
         act.close()
-    assert info.value.retryable is False and act.refusals == {reason: 1}
+    assert info.value.retryable is False and act.refusals == Counter({reason: 1})
     assert fake.evicted == []
     if reason == "job_not_a_pod":
         assert not fake.of("GET", "/api/v1/pods")  # refused before the API server was asked anything

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json as json_module
 import re
 import subprocess
+from collections import Counter
 from collections.abc import Sequence
 
 import pytest
+from prometheus_client import generate_latest
 
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
 from vigil.agent.seams import CommandRunner
@@ -22,6 +24,7 @@ from vigil.aggregator.actuators.slurm import (
     node_from_sinfo_json,
 )
 from vigil.aggregator.decision import Action, Decision
+from vigil.aggregator.metrics import ActingReadings, AggregatorMetrics
 
 T0 = 1_700_000_000.0
 
@@ -240,7 +243,7 @@ def test_a_node_sinfo_does_not_list_is_refused_and_counted() -> None:
     act = SlurmActuator(SlurmConfig(), run=run)
     with pytest.raises(DeliveryError, match="does not list") as info:
         act.deliver(dec("gpu-9", Action.DRAIN))
-    assert info.value.retryable is False and act.refusals == {"node_not_found": 1}
+    assert info.value.retryable is False and act.refusals == Counter({"node_not_found": 1})
     assert all(c[1] != "update" for c in run.calls)
 
 
@@ -253,7 +256,7 @@ def test_restart_job_takes_only_a_numeric_slurm_job_id(job: str) -> None:
     act = SlurmActuator(SlurmConfig(), run=run)
     with pytest.raises(DeliveryError, match="not a Slurm job id") as info:
         act.deliver(dec("gpu-7", Action.RESTART_JOB, job=job))
-    assert info.value.retryable is False and act.refusals == {"job_not_numeric": 1}
+    assert info.value.retryable is False and act.refusals == Counter({"job_not_numeric": 1})
     assert run.calls == []  # nothing asked of Slurm: no squeue -n, no scontrol
 
 
@@ -264,7 +267,7 @@ def test_restart_job_refuses_a_job_that_runs_on_another_node() -> None:
         with pytest.raises(DeliveryError, match="not on gpu-7") as info:
             act.deliver(dec("gpu-7", Action.RESTART_JOB, job=job))
         assert info.value.retryable is False
-    assert act.refusals == {"job_not_on_node": 2}
+    assert act.refusals == Counter({"job_not_on_node": 2})
     assert not any(c[1] in ("requeuehold", "update", "release") for c in run.calls)
 
 
@@ -272,7 +275,7 @@ def test_restart_job_of_an_unknown_job_is_refused() -> None:
     act = SlurmActuator(SlurmConfig(), run=FakeScontrol({}))
     with pytest.raises(DeliveryError, match="no job 12") as info:
         act.deliver(dec("gpu-7", Action.RESTART_JOB, job="12"))
-    assert info.value.retryable is False and act.refusals == {"job_not_found": 1}
+    assert info.value.retryable is False and act.refusals == Counter({"job_not_found": 1})
 
 
 def test_restart_job_on_the_node_requeues_held_excludes_and_releases() -> None:
@@ -319,7 +322,7 @@ def test_real_slurm_a_job_name_with_a_comma_never_reaches_squeue(slurm_cluster: 
     with pytest.raises(DeliveryError, match=f"not on {node}") as elsewhere:
         act.deliver(dec(node, Action.RESTART_JOB, id="rj-id", job=team_a))
     assert named.value.retryable is False and elsewhere.value.retryable is False
-    assert act.refusals == {"job_not_numeric": 1, "job_not_on_node": 1}
+    assert act.refusals == Counter({"job_not_numeric": 1, "job_not_on_node": 1})
     assert not any("-n" in call or call[1] in ("requeuehold", "update", "release") for call in calls)
     for j in jobs:
         info = c.job(j)
@@ -353,3 +356,13 @@ def test_real_slurm_a_hostile_drain_reason_does_not_fake_a_resume(
     assert act.deliver(dec("vnode1", Action.RESUME, id="res-hostile1")) == "resumed vnode1"
     c.wait_for("vnode1 back in service", lambda: c.sinfo_state("vnode1") == "idle")
     c.reset()
+
+
+def test_refusals_are_exported_by_actuator_and_reason() -> None:
+    act = SlurmActuator(SlurmConfig(), run=FakeScontrol({}))
+    with pytest.raises(DeliveryError):
+        act.deliver(dec("gpu-7", Action.RESTART_JOB, job="a,b"))
+    readings = ActingReadings(actuator_refusals={("slurm", r): n for r, n in act.refusals.items()})
+    text = generate_latest(AggregatorMetrics(dict, lambda: readings).registry).decode()
+    assert 'vigil_aggregator_actuator_refusals_total{actuator="slurm",reason="job_not_numeric"} 1.0' in text
+    assert 'vigil_aggregator_actuator_refusals_total{actuator="slurm",reason="job_not_on_node"} 0.0' in text
