@@ -70,6 +70,7 @@ OUTCOMES = ("accepted", "cached", "stale", "refused", "unavailable")
 class KubernetesAuthConfig(StrictModel):
     """Node credentials on Kubernetes: the agent's projected service-account token (docs/kubernetes.md)."""
 
+    # Accept agents' projected tokens at the reports door (beside site_secret_file's node tokens).
     enabled: bool = False
     # The token's audience (the agent DaemonSet's serviceAccountToken.audience): a token made for
     # vigil is worthless to the API server and to anything else, and vice versa.
