@@ -160,6 +160,23 @@ def in_cluster_url(env: Mapping[str, str]) -> str:
     return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
 
 
+def review_families(outcomes: Mapping[str, int], cache_entries: int,
+                    waiting: int) -> list[CounterMetricFamily | GaugeMetricFamily]:
+    """The reviewer's series (its collector's; tests/rules lists the names from here)."""
+    family = CounterMetricFamily(
+        "vigil_aggregator_token_reviews", "Agents' Kubernetes tokens judged, by outcome: accepted (TokenReview "
+        "said yes), cached (verified recently), stale (verified before, accepted while the API server could not "
+        "answer), refused, unavailable (the API server could not answer and the token was not verified before).",
+        labels=["outcome"])
+    for outcome in OUTCOMES:
+        family.add_metric([outcome], outcomes.get(outcome, 0))
+    return [family, GaugeMetricFamily("vigil_aggregator_token_review_cache_entries",
+                                      "Verified agent tokens kept (bounded).", value=cache_entries),
+            GaugeMetricFamily("vigil_aggregator_token_reviews_waiting", "Reviews waiting for one of "
+                              "auth.kubernetes.max_in_flight slots (a flood of unknown tokens queues here).",
+                              value=waiting)]
+
+
 class TokenReviewer:
     """Verifies agents' projected tokens through the API server and names the node each speaks
     for. ``clock`` (monotonic) times the cache and the backoff; ``wall_clock`` compares with a
@@ -190,6 +207,7 @@ class TokenReviewer:
         self._down_until = float("-inf")
         self._session: aiohttp.ClientSession | None = None
         self.outcomes: Counter[str] = Counter(dict.fromkeys(OUTCOMES, 0))
+        self.waiting = 0  # reviews waiting for a slot
 
     async def close(self) -> None:
         if self._session is not None:
@@ -201,16 +219,7 @@ class TokenReviewer:
 
         class _Reviews(Collector):
             def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-                family = CounterMetricFamily(
-                    "vigil_aggregator_token_reviews", "Agents' Kubernetes tokens judged, by outcome: accepted "
-                    "(TokenReview said yes), cached (verified recently), stale (verified before, accepted "
-                    "while the API server could not answer), refused, unavailable (the API server could "
-                    "not answer and the token was not verified before).", labels=["outcome"])
-                for outcome in OUTCOMES:
-                    family.add_metric([outcome], reviewer.outcomes[outcome])
-                yield family
-                yield GaugeMetricFamily("vigil_aggregator_token_review_cache_entries",
-                                        "Verified agent tokens kept (bounded).", value=len(reviewer._cache))
+                yield from review_families(reviewer.outcomes, len(reviewer._cache), reviewer.waiting)
 
         return _Reviews()
 
@@ -237,8 +246,15 @@ class TokenReviewer:
             if now < self._down_until:
                 raise _Unavailable("it did not answer a moment ago")
             async with asyncio.timeout(self.config.timeout_seconds):
-                async with self._slots:
+                self.waiting += 1
+                try:
+                    await self._slots.acquire()
+                finally:
+                    self.waiting -= 1
+                try:
                     verdict = await self._review(token)
+                finally:
+                    self._slots.release()
         except (_Unavailable, TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             if now >= self._down_until:
                 self._down_until = self._clock() + UNAVAILABLE_BACKOFF_SECONDS

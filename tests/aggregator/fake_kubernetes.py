@@ -184,6 +184,10 @@ class FakeKubernetes:
         self._loop.run_until_complete(self._runner.cleanup())
         self._loop.close()
 
+    def release(self) -> None:
+        """Answer every request held (and every later one) at once."""
+        self._loop.call_soon_threadsafe(self._release.set)
+
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._release.set)
         self._loop.call_soon_threadsafe(self._loop.stop)
