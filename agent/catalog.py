@@ -9,6 +9,7 @@ no collector and touches no hardware.
 from __future__ import annotations
 
 from vigil.agent.collectors import gpu, host, rdma, training, xid
+from vigil.agent.credential_file import ExposedFiles
 from vigil.agent.metric import MetricSpec
 from vigil.agent.reporter import REPORTER_SPECS
 from vigil.agent.runner import RUNNER_SPECS
@@ -31,7 +32,7 @@ def agent_specs() -> list[MetricSpec]:
     raises here too rather than pick one.
     """
     out: dict[str, MetricSpec] = {}
-    for specs in (*COLLECTOR_SPECS.values(), RUNNER_SPECS, REPORTER_SPECS, SERVER_SPECS):
+    for specs in (*COLLECTOR_SPECS.values(), RUNNER_SPECS, REPORTER_SPECS, SERVER_SPECS, ExposedFiles.specs):
         for spec in specs:
             known = out.get(spec.name)
             if known is not None and known != spec:

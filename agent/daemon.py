@@ -25,6 +25,7 @@ from vigil import __version__
 from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.collector import Collection, Collector
 from vigil.agent.config import AgentConfig
+from vigil.agent.credential_file import ExposedFiles, TokenFile
 from vigil.agent.dcgm_compat import DcgmCompatCollector
 from vigil.agent.exporter import SnapshotExporter, render
 from vigil.agent.metric import Sample
@@ -110,9 +111,11 @@ class Agent:
         self.seams = seams
         self.snapshot = Snapshot()
         self.collectors = build_collectors(config, seams)
-        token = None
-        if config.aggregator.token_file:
-            token = Path(config.aggregator.token_file).read_text().strip()
+        # Re-read whenever the file is replaced (a projected Kubernetes token rotates).
+        token = TokenFile(config.aggregator.token_file) if config.aggregator.token_file else None
+        self.credential_files = ExposedFiles({"aggregator.token_file": config.aggregator.token_file,
+                                              "aggregator.key_file": config.aggregator.key_file,
+                                              "node_actions.key_file": config.node_actions.key_file})
         self.boot_id = read_boot_id(boot_id_path)
         target = config.aggregator
         # What the aggregator may ask of this node (nothing unless node_actions.allow lists it).
@@ -144,10 +147,11 @@ class Agent:
         self.runner = Runner(self.collectors, intervals, self.snapshot, self._on_events, clock=seams.clock)
         specs = [s for c in self.collectors for s in c.specs] + [*RUNNER_SPECS, *REPORTER_SPECS,
                                                                  *self.heartbeats.specs, *self.connections.specs,
-                                                                 *NODE_ACTION_SPECS]
+                                                                 *NODE_ACTION_SPECS, *ExposedFiles.specs]
         self.exporter = SnapshotExporter(specs, [self.snapshot.samples, self.runner.self_samples,
                                                  self.reporter_samples, self.heartbeats.samples,
-                                                 self.connections.samples, self.node_actions.samples])
+                                                 self.connections.samples, self.node_actions.samples,
+                                                 self.credential_files.samples])
         # Add-on prometheus-client collectors (e.g. dcgm-exporter compatibility) register here;
         # vigil's own series are rendered by the exporter's direct encoder.
         self.registry = CollectorRegistry(auto_describe=False)

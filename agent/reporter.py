@@ -34,6 +34,7 @@ import aiohttp
 
 from vigil import __version__
 from vigil.agent.backlog import Backlog
+from vigil.agent.credential_file import TokenFile
 from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES, REPORT_MAX_EVENTS
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.report_delta import delta, whole
@@ -169,7 +170,7 @@ class Reporter:
         self,
         *,
         url: str | None,
-        token: str | None,
+        token: str | TokenFile | None,
         node: str,
         boot_id: str,
         topology: Mapping[str, str],
@@ -348,12 +349,16 @@ class Reporter:
     def acknowledge(self, n_events: int) -> None:
         self._backlog.release_through(self._backlog.first_id + n_events)
 
+    def _auth_headers(self) -> dict[str, str]:
+        """This node's credential, read for each report: a token file is re-read once replaced
+        (kubelet rotates a projected service-account token)."""
+        token = self._token.current() if isinstance(self._token, TokenFile) else self._token
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
     async def run(self, stop: asyncio.Event) -> None:
         if self._url is None:
             log.info("no aggregator configured: reports are built for /v1/state only")
         headers = {"Content-Type": "application/json"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
         timeout = aiohttp.ClientTimeout(total=self._timeout)
         connector = aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else True)
         worker = asyncio.create_task(self._run_node_actions()) if self._node_actions is not None else None
@@ -413,7 +418,7 @@ class Reporter:
         the content: its events are dropped) or "state_too_large" (413 with no events)."""
         assert self._url is not None
         try:
-            async with session.post(self._url, data=body) as resp:
+            async with session.post(self._url, data=body, headers=self._auth_headers()) as resp:
                 status = resp.status
                 if status < 300:
                     self.counts["ok"] += 1

@@ -285,6 +285,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
                         on_report_refusal=count_report_refusal),
     ])
     app[REFUSALS_KEY] = refusals
+    app.on_cleanup.append(credentials.close)  # the TokenReview client, if any
     app[ENGINE_KEY] = engine
     app[SINK_KEY] = sink
     app[METRICS_KEY] = metrics

@@ -4,8 +4,11 @@ One explicit table maps (method, route) to a role: ``node`` (report for its own 
 ``alertmanager`` (Alertmanager's webhook), ``operator`` (every other POST, present or future) and
 ``read`` (fleet and decision queries); ``/healthz`` and ``/metrics`` are public. Node tokens are
 derived from a site secret (``<node>~HMAC-SHA256(secret, node)``), so the aggregator holds one
-secret file; the other roles have a token file each. Every refusal is a 401/403 with a JSON
-reason, counted by door and reason. It validates no request body and decides nothing else.
+secret file; on Kubernetes a node may instead send its agent pod's projected service-account
+token, which aggregator/tokenreview.py verifies and binds to the pod's node. The other roles have
+a token file each; a credential file other users may read is refused at start. Every refusal is
+a 401/403 with a JSON reason, counted by door and reason. It validates no request body and
+decides nothing else.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
+from vigil.agent.credential_file import exposure
 from vigil.agent.validation import ConfigError, StrictModel
 from vigil.agent.wire import check_node_name
+from vigil.aggregator.tokenreview import REVIEW_REASONS, KubernetesAuthConfig, TokenReviewer
 
 
 class Role(Enum):
@@ -61,6 +66,8 @@ DOOR_OF_ROLE = {Role.NODE: "reports", Role.ALERTMANAGER: "alertmanager", Role.OP
 NODE_KEY = web.RequestKey("authenticated_node", str)  # the node a node token speaks for
 TOKEN_SEPARATOR = "~"  # never in a node name, allowed in an RFC 6750 bearer token
 MIN_SECRET_CHARS = 32
+# The AuthConfig keys naming credential files (checked for exposure at start).
+CREDENTIAL_FILE_KEYS = ("site_secret_file", "alertmanager_token_file", "operator_token_file", "read_token_file")
 
 
 def role_for(method: str, route: str) -> Role:
@@ -82,6 +89,10 @@ class AuthConfig(StrictModel):
     # The operator token is also accepted for reads. Without a read token, reads on a loopback
     # listener are open; beyond loopback they need this or the operator token.
     read_token_file: str | None = None
+    # Node credentials on Kubernetes: the agent pod's projected service-account token, verified
+    # by the API server (TokenReview) and bound to the pod's node (docs/kubernetes.md). Node
+    # tokens from site_secret_file are still accepted beside it.
+    kubernetes: KubernetesAuthConfig = Field(default_factory=KubernetesAuthConfig)
 
 
 class TlsConfig(StrictModel):
@@ -143,6 +154,7 @@ class Credentials:
     alertmanager: bytes | None = None
     operator: bytes | None = None
     read: bytes | None = None
+    kubernetes: TokenReviewer | None = None
     # token -> the node it verified for. Only tokens that verified are kept, so a stream of forged
     # ones cannot fill it; a hit answers only for the exact bytes of a token that was valid. A new
     # site secret means new Credentials, and so an empty table.
@@ -150,6 +162,15 @@ class Credentials:
 
     @classmethod
     def load(cls, config: AuthConfig) -> Credentials:
+        """Read the credential files; one that other users may read (or its group change) is
+        refused, as ssh refuses such a key: with it anyone on this host could act as every node,
+        as Alertmanager or as an operator."""
+        for key in CREDENTIAL_FILE_KEYS:
+            path = getattr(config, key)
+            problem = exposure(path) if path else None
+            if problem is not None:
+                raise ConfigError(f"auth.{key}: {problem}; refused")
+
         def token(path: str | None, what: str) -> bytes | None:
             return read_secret(path, what) if path else None
 
@@ -159,15 +180,21 @@ class Credentials:
             alertmanager=token(config.alertmanager_token_file, "alertmanager token"),
             operator=token(config.operator_token_file, "operator token"),
             read=token(config.read_token_file, "read token"),
+            kubernetes=TokenReviewer(config.kubernetes) if config.kubernetes.enabled else None,
         )
+
+    async def close(self, _app: object = None) -> None:
+        """Close the TokenReview client (an aiohttp on_cleanup callback, hence the argument)."""
+        if self.kubernetes is not None:
+            await self.kubernetes.close()
 
     @property
     def any(self) -> bool:
-        return any((self.site_secret, self.alertmanager, self.operator, self.read))
+        return any((self.site_secret, self.alertmanager, self.operator, self.read, self.kubernetes))
 
     def configured(self, role: Role) -> bool:
         if role is Role.NODE:
-            return self.site_secret is not None
+            return self.site_secret is not None or self.kubernetes is not None
         return getattr(self, role.value) is not None
 
     def roles_of(self, token: bytes) -> tuple[set[Role], str | None]:
@@ -204,11 +231,14 @@ class Refusals:
     refused at any door. The series of the auth reasons exist at 0 from the start."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry  # where a TokenReviewer's own counts are registered
         self.counter = Counter("vigil_aggregator_refusals", "Requests, alerts and connections refused, by door "
                                "and reason.", ["door", "reason"], registry=registry)
         for door in DOORS[:4]:
             for reason in ("unauthenticated", "bad_credential", "forbidden"):
                 self.counter.labels(door, reason)
+        for reason in (*REVIEW_REASONS, "node_mismatch"):
+            self.counter.labels("reports", reason)
 
     def count(self, door: str, reason: str, n: int = 1) -> None:
         self.counter.labels(door, reason).inc(n)
@@ -233,6 +263,10 @@ def auth_middleware(credentials: Credentials, refusals: Refusals, *, loopback: b
             on_report_refusal(reason)
         return refusal(status, reason, detail)
 
+    reviewer = credentials.kubernetes
+    if reviewer is not None:
+        refusals.registry.register(reviewer.collector())
+
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
@@ -250,7 +284,14 @@ def auth_middleware(credentials: Credentials, refusals: Refusals, *, loopback: b
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
             return refuse(role, 401, "unauthenticated", f"this route needs a {role.value} bearer token")
-        roles, node = credentials.roles_of(given.strip().encode())
+        token = given.strip().encode()
+        roles, node = credentials.roles_of(token)
+        if not roles and role is Role.NODE and reviewer is not None:
+            # Not a node token: the agent pod's service-account token? (only at the reports door)
+            verdict = await reviewer.review(token)
+            if verdict.node is None:
+                return refuse(role, verdict.status, verdict.reason, verdict.detail)
+            roles, node = {Role.NODE}, verdict.node
         if not roles:
             return refuse(role, 401, "bad_credential", "the bearer token is not valid here")
         if role not in roles:

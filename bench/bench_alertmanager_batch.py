@@ -53,8 +53,10 @@ def measure() -> list[Measurement]:
         # reported, so every bench node reports once, with its own token, before the batch.
         secret = new_secret()
         (tmp / "site.secret").write_text(secret + "\n")
+        (tmp / "site.secret").chmod(0o600)  # the aggregator refuses a credential others may read
         am_token = new_secret()
         (tmp / "alertmanager.token").write_text(am_token + "\n")
+        (tmp / "alertmanager.token").chmod(0o600)
         (tmp / "agg.yaml").write_text(yaml.safe_dump({
             "listen": f"127.0.0.1:{port}", "store_path": str(tmp / "store.sqlite"), "dry_run": False,
             "gate": {"breaker_startup_grace_seconds": 0},

@@ -76,6 +76,7 @@ def measure() -> list[Measurement]:
             # As deployed: acting needs credentials, and each agent reports with its node token.
             secret = new_secret()
             (tmp / "site.secret").write_text(secret + "\n")
+            (tmp / "site.secret").chmod(0o600)  # the aggregator refuses a credential others may read
             (tmp / "agg.yaml").write_text(yaml.safe_dump({
                 "listen": f"127.0.0.1:{agg_port}", "store_path": str(tmp / "store.sqlite"), "dry_run": False,
                 "auth": {"site_secret_file": str(tmp / "site.secret")},

@@ -66,14 +66,21 @@ def serve(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         from vigil.aggregator.outbox import followed
-        from vigil.config_check import key_file_problems, report, state_dir_problems, token_file_problems
+        from vigil.config_check import (
+            exposed_file_problems,
+            key_file_problems,
+            report,
+            state_dir_problems,
+            token_file_problems,
+        )
 
         # The master key is read at start only where a node action follows a delivery (outbox.FOLLOW_UPS).
         key_file = config.node_actions.key_file if followed(config) else None
         return report("aggregator", args.config or "flags",
                       [*(problem for key in ("site_secret_file", "alertmanager_token_file", "operator_token_file",
                                              "read_token_file")
-                         for problem in token_file_problems(f"auth.{key}", getattr(config.auth, key))),
+                         for check in (token_file_problems, exposed_file_problems)
+                         for problem in check(f"auth.{key}", getattr(config.auth, key))),
                        *token_file_problems("tls.cert_file", config.tls.cert_file),
                        *token_file_problems("tls.key_file", config.tls.key_file),
                        *key_file_problems("node_actions.key_file", key_file),

@@ -24,6 +24,15 @@ def token_file_problems(key: str, path: str | None) -> list[str]:
     return [] if text.strip() else [f"{key}: {path} is empty"]
 
 
+def exposed_file_problems(key: str, path: str | None) -> list[str]:
+    """A credential file other users may read (or its group change): the aggregator refuses it
+    at start (aggregator/auth.py, Credentials.load)."""
+    from vigil.agent.credential_file import exposure
+
+    problem = exposure(path) if path else None
+    return [f"{key}: {problem}"] if problem else []
+
+
 def key_file_problems(key: str, path: str | None) -> list[str]:
     """The node-action master key: readable, hex, at least 32 bytes (what the aggregator reads at
     start: aggregator/outbox.py read_key_file)."""

@@ -36,6 +36,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from vigil.agent.credential_file import create_private
 from vigil.agent.wire import COMPACT_VERSIONS, WIRE_VERSION
 from vigil.agent_reports import INTERVAL_SECONDS, RenderedReport, report_forms, topology_of
 from vigil.aggregator.auth import node_token
@@ -350,8 +351,10 @@ class SpawnedAggregator:
         self.root = root
         self.site_secret = secrets.token_hex(32)
         self.read_token = secrets.token_hex(32)
-        (root / "site.secret").write_text(self.site_secret + "\n")
-        (root / "read.token").write_text(self.read_token + "\n")
+        for name, text in (("site.secret", self.site_secret), ("read.token", self.read_token)):
+            problem = create_private(root / name, text + "\n")  # the aggregator refuses one others may read
+            if problem is not None:
+                raise OSError(problem)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {"listen": f"127.0.0.1:{self.port}", "dry_run": True, "store_path": str(root / "decisions.sqlite"),

@@ -140,9 +140,11 @@ class AggregatorProcess:
         self.config_path = root / "aggregator.yaml"
         self.store_path = store_path or root / "decisions.sqlite"
         (root / "site.secret").write_text(SITE_SECRET + "\n")
+        (root / "site.secret").chmod(0o600)  # the aggregator refuses a credential others may read
         auth = {"site_secret_file": str(root / "site.secret")}
         for role, token in ROLE_TOKENS.items():
             (root / f"{role}.token").write_text(token + "\n")
+            (root / f"{role}.token").chmod(0o600)
             auth[f"{role}_token_file"] = str(root / f"{role}.token")
         config = {"auth": auth, **config, "listen": f"127.0.0.1:{self.port}", "store_path": str(self.store_path)}
         self.config_path.write_text(yaml.safe_dump(config))

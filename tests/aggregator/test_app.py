@@ -273,10 +273,12 @@ async def test_e2e_whole_job_data_loader_stall_drains_nobody(service):
 def test_secret_files_are_read_and_checked(tmp_path):
     path = tmp_path / "secret"
     path.write_text(SECRET.decode() + "\n")
+    path.chmod(0o600)  # the aggregator refuses a credential others may read
     config = parse_config({"auth": {"site_secret_file": str(path)}})
     sink = RecordingSink()
     assert make_app(config, Engine(config, sink), sink) is not None
     (tmp_path / "short").write_text("abc")
+    (tmp_path / "short").chmod(0o600)
     with pytest.raises(ConfigError, match="at least 32"):
         cfg = parse_config({"auth": {"site_secret_file": str(tmp_path / "short")}})
         make_app(cfg, Engine(cfg, sink), sink)

@@ -79,7 +79,8 @@ def test_agent_daemonset_has_only_the_access_it_needs() -> None:
 def test_aggregator_rbac_can_cordon_and_evict_and_nothing_else() -> None:
     role = by_kind("ClusterRole")["vigil-aggregator"]
     granted = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
-    for need in [("nodes", "patch"), ("nodes/status", "patch"), ("pods", "list"), ("pods/eviction", "create")]:
+    for need in [("nodes", "patch"), ("nodes/status", "patch"), ("pods", "list"), ("pods/eviction", "create"),
+                 ("tokenreviews", "create"), ("pods", "get")]:  # the last two: agents' tokens (auth.kubernetes)
         assert need in granted
     assert not {v for _, v in granted} & {"delete", "*", "escalate", "bind", "impersonate"}
     assert not {r for r, _ in granted} & {"secrets", "*", "configmaps"}
@@ -282,3 +283,53 @@ def test_the_ha_overlay_runs_two_replicas_on_postgresql_with_agents_reporting_to
     names = [f"http://vigil-aggregator-{i}.{pair['spec']['serviceName']}.vigil.svc:9500" for i in range(2)]
     assert agent.aggregator.targets == names
     assert objects[("PodDisruptionBudget", "vigil-aggregator")]["spec"]["minAvailable"] == 1
+
+
+def _agent_and_aggregator(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], Any, Any]:
+    by = {(d["kind"], d["metadata"]["name"]): d for d in objects}
+    pod = by[("DaemonSet", "vigil-agent")]["spec"]["template"]["spec"]
+    agent = parse_agent_config(yaml.safe_load(by[("ConfigMap", "vigil-agent")]["data"]["agent.yml"]))
+    aggregator = parse_aggregator_config(yaml.safe_load(by[("ConfigMap", "vigil-aggregator")]["data"]
+                                                        ["aggregator.yml"]))
+    return pod, agent, aggregator
+
+
+@pytest.mark.external
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl missing (Debian package kubernetes-client)")
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_no_overlay_gives_the_agent_a_secret_only_its_own_projected_token(overlay: Path) -> None:
+    """Each agent holds its own node's credential and nothing of the aggregator's (issue 37, 6): no
+    Secret in any form, a projected token for the aggregator's audience, bound to the pod, of the
+    service account the aggregator accepts, which has no rights in the Kubernetes API."""
+    assert KUBECTL is not None
+    built = run([KUBECTL, "kustomize", str(overlay)])
+    assert built.returncode == 0, built.stderr
+    objects = [d for d in yaml.safe_load_all(built.stdout) if d]
+    pod, agent, aggregator = _agent_and_aggregator(objects)
+    (container,) = pod["containers"]
+    assert not [v for v in pod["volumes"] if "secret" in v]
+    assert "secret" not in yaml.safe_dump(container.get("env", [])).lower() and "envFrom" not in container
+    projected = [v for v in pod["volumes"] if "projected" in v]
+    assert [list(src) for v in projected for src in v["projected"]["sources"]] == [["serviceAccountToken"]]
+    (volume,) = projected
+    (source,) = volume["projected"]["sources"]
+    token = source["serviceAccountToken"]
+    kube = aggregator.auth.kubernetes
+    assert kube.enabled and aggregator.auth.site_secret_file is None  # no site secret to leak on Kubernetes
+    assert token["audience"] == kube.audience and 600 <= token["expirationSeconds"] <= 3600
+    assert not volume["projected"]["defaultMode"] & 0o077  # root only (the agent warns otherwise)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+    assert agent.aggregator.token_file == f"{mount['mountPath']}/{token['path']}" and mount["readOnly"]
+    assert pod["serviceAccountName"] == kube.service_account and pod["automountServiceAccountToken"] is False
+    ds_namespace = next(d for d in objects if d["kind"] == "DaemonSet")["metadata"]["namespace"]
+    assert ds_namespace == kube.namespace
+    # The agents' account is bound to nothing: its token is worth something to vigil only.
+    subjects = [s for d in objects if d["kind"] in ("RoleBinding", "ClusterRoleBinding") for s in d["subjects"]]
+    assert {"kind": "ServiceAccount", "name": kube.service_account, "namespace": kube.namespace} not in subjects
+    assert ("ServiceAccount", kube.service_account) in {(d["kind"], d["metadata"]["name"]) for d in objects}
+    # The aggregator's Secrets: never readable by others in its pod (it refuses such a file).
+    for d in objects:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            for v in d["spec"]["template"]["spec"]["volumes"]:
+                if "secret" in v:
+                    assert not v["secret"].get("defaultMode", 0o644) & 0o007, (d["metadata"]["name"], v)

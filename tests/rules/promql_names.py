@@ -46,10 +46,12 @@ def aggregator_names() -> set[str]:
     metrics, not MetricSpecs, so they are listed from a throw-away instance's registry)."""
     try:
         from vigil.aggregator.metrics import AggregatorMetrics
+        from vigil.aggregator.tokenreview import review_families
     except ImportError:  # not landed yet: no aggregator metric can be used
         return set()
     names: set[str] = set()
-    for family in AggregatorMetrics(lambda: {}).registry.collect():
+    # The TokenReview client's series are registered beside them when auth.kubernetes is on.
+    for family in [*AggregatorMetrics(lambda: {}).registry.collect(), *review_families({}, 0, 0)]:
         # A labelled metric with no children yet has no samples, so names come from the type.
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
                     "summary": ("_sum", "_count", "")}.get(family.type, ("",))

@@ -33,6 +33,7 @@ def test_serves_and_stops_on_sigterm(tmp_path):
     port = free_port()
     token = tmp_path / "token"
     token.write_text("s" * 40 + "\n")
+    token.chmod(0o600)  # the aggregator refuses a credential others may read
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "vigil", "aggregator", "--listen", f"127.0.0.1:{port}",
                              "--site-secret-file", str(token), "--store", str(tmp_path / "d.sqlite")],
