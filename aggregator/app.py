@@ -560,7 +560,8 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         if dispatcher is None:
             return {}, []
         stalled = sorted(name for name, w in dispatcher.workers.items() if w.stalled())
-        problems = [f"actuator {name}: every worker busy past its deadline" for name in stalled]
+        problems = [f"actuator {name}: its target answers nothing within the deadline, or every worker is busy "
+                    "past it" for name in stalled]
         age = dispatcher.round_age()
         if age is not None and age > config.ha.progress_timeout_seconds:
             problems.append(f"the delivery loop completed no round for {age:.1f}s")
@@ -690,12 +691,14 @@ async def check_actuators(dispatcher: Dispatcher, metrics: AggregatorMetrics) ->
             log.error("actuator %s cannot reach its target: no answer within its deadline of %gs (%s)", name,
                       actuator.timeout_seconds, exc or "the check did not return")
         except DeliveryError as exc:
+            workers.answered()
             metrics.actuator_up.labels(name).set(0)
             log.error("actuator %s cannot reach its target: %s", name, exc)
         except Exception:  # an actuator's bug must not stop the start
             metrics.actuator_up.labels(name).set(0)
             log.exception("actuator %s check failed", name)
         else:
+            workers.answered()
             metrics.actuator_up.labels(name).set(1)
             log.info("actuator %s reaches its target: %s", name, said)
 

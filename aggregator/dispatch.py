@@ -69,6 +69,7 @@ class ActuatorWorkers:
         self._lock = threading.Lock()
         self._started: dict[int, float] = {}  # token -> when its work took a worker (monotonic)
         self._tokens = 0
+        self._timing_out = False
 
     def free(self) -> int:
         with self._lock:
@@ -85,8 +86,12 @@ class ActuatorWorkers:
         return 0.0 if first is None else max(0.0, self.monotonic() - first)
 
     def stalled(self) -> bool:
-        """Every worker busy and the oldest past its deadline: nothing new can start."""
-        return self.free() <= 0 and self.oldest_seconds() > self.deadline_seconds + DEADLINE_GRACE_SECONDS
+        """The target's last exchange was cut off at the deadline (none answered since), or every
+        worker is busy past it (nothing new can start)."""
+        with self._lock:
+            timing_out = self._timing_out
+        return timing_out or (self.free() <= 0 and self.oldest_seconds() > self.deadline_seconds
+                              + DEADLINE_GRACE_SECONDS)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``fn`` on a worker of this actuator's (callers submit only while ``free``, so work
@@ -104,8 +109,16 @@ class ActuatorWorkers:
             self._started.pop(token, None)
 
     def count_deadline(self, phase: str) -> None:
+        """A delivery or check (``phase``) cut off at the deadline: the actuator counts as stalled
+        until its target answers again."""
         with self._lock:
             self.deadline_exceeded[phase] += 1
+            self._timing_out = True
+
+    def answered(self) -> None:
+        """The target answered within the deadline (success or a refusal): not stalled."""
+        with self._lock:
+            self._timing_out = False
 
     def close(self) -> None:
         # A worker still blocked in its exchange finishes by its deadline; nothing waits for it here.
@@ -223,16 +236,20 @@ class Dispatcher:
         actuator = self.actuators.get(name)
         return (actuator.timeout_seconds if actuator is not None else 0.0) + DEADLINE_GRACE_SECONDS
 
-    def _log_busy(self, busy: set[str]) -> None:
-        for name in sorted(busy - self._busy_logged):
+    def _log_busy(self, waiting: set[str]) -> None:
+        """One ERROR when an actuator's deliveries start waiting for its workers, one WARNING
+        when a worker of it is free again."""
+        for name in sorted(waiting - self._busy_logged):
             w = self.workers.get(name)
-            if w is not None:
+            if w is not None and w.free() <= 0:
+                self._busy_logged.add(name)
                 log.error("actuator %s: all %d workers busy, the oldest for %.1fs (deadline %gs): its deliveries "
                           "wait in the store; other actuators go on", name, w.size, w.oldest_seconds(),
                           w.deadline_seconds)
-        for name in sorted(self._busy_logged - busy):
-            log.warning("actuator %s: a worker is free again; its waiting deliveries go out", name)
-        self._busy_logged = busy
+        for name in sorted(self._busy_logged):
+            if self.workers[name].free() > 0:
+                self._busy_logged.discard(name)
+                log.warning("actuator %s: a worker is free again; its waiting deliveries go out", name)
 
     def _send(self, actuator: Actuator, decision: Decision) -> str:
         """On the actuator's worker: the last look at leadership, then the delivery itself."""
@@ -278,6 +295,7 @@ class Dispatcher:
             workers.count_deadline("delivery")
             error = str(exc)
         except DeliveryError as exc:
+            workers.answered()
             error, retryable = str(exc), exc.retryable
         except TimeoutError:
             workers.count_deadline("delivery")
@@ -287,6 +305,7 @@ class Dispatcher:
             log.exception("actuator %s failed on %s", actuator.name, decision.id)
             error = f"{type(exc).__name__}: {exc}"
         else:
+            workers.answered()
             await self._store(self.store.mark, decision.id, actuator.name, "delivered", self.clock(), None, "", detail)
             self.outcomes[(actuator.name, "delivered")] += 1
             if self.on_delivered is not None:

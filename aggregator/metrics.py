@@ -99,7 +99,7 @@ class WorkersReading:
     size: int
     busy: int
     oldest_seconds: float  # how long the longest-running delivery or check has held its worker
-    stalled: bool  # every worker busy and the oldest past the actuator's deadline
+    stalled: bool  # the last exchange cut off at the deadline, or every worker busy past it
 
 
 class _Acting(PromCollector):
@@ -180,8 +180,9 @@ class _Acting(PromCollector):
         oldest = GaugeMetricFamily("vigil_aggregator_actuator_oldest_in_flight_seconds", "How long the actuator's "
                                    "longest-running delivery or check has held its worker (0: none).",
                                    labels=["actuator"])
-        stalled = GaugeMetricFamily("vigil_aggregator_actuator_stalled", "1 while every worker of the actuator is "
-                                    "busy and the oldest is past its deadline: its deliveries wait (others go on).",
+        stalled = GaugeMetricFamily("vigil_aggregator_actuator_stalled", "1 while the actuator's target answers "
+                                    "nothing within its deadline (its last exchange was cut off there) or every "
+                                    "worker is busy past it; other actuators go on.",
                                     labels=["actuator"])
         exceeded = CounterMetricFamily("vigil_aggregator_actuator_deadline_exceeded", "Deliveries and start-up "
                                        "checks cut off at the actuator's total deadline (timeout_seconds), by "

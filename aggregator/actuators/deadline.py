@@ -136,7 +136,8 @@ def exchange(request: urllib.request.Request, deadline_seconds: float, shown: st
             with exc:  # it holds the response's socket
                 answer = exc.code, _read(exc)
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-        if watch.expired:
+        # A socket timeout is the deadline too: each operation's own timeout is the whole budget.
+        if watch.expired or isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
             raise expired from None
         raise DeliveryError(f"{shown}: {redact_text(str(exc))}") from None
     finally:
