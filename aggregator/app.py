@@ -557,7 +557,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
 
     def acting_path() -> tuple[dict[str, Any], list[str]]:
         """The acting path at a glance for /healthz, and what stalls it (empty: nothing)."""
-        if dispatcher is None:
+        if dispatcher is None or not dispatcher.actuators:  # nothing configured to act through
             return {}, []
         stalled = sorted(name for name, w in dispatcher.workers.items() if w.stalled())
         problems = [f"actuator {name}: its target answers nothing within the deadline, or every worker is busy "

@@ -196,10 +196,11 @@ class Dispatcher:
         await self._postpone(waiting)
         return started
 
-    async def start_due(self) -> list[asyncio.Task[None]]:
+    async def start_due(self, horizon_seconds: float = 0.0) -> list[asyncio.Task[None]]:
         """Claim and start the due deliveries that have a free worker of their actuator; postpone
-        the others of a busy actuator. Returns the started deliveries' tasks (not awaited)."""
-        due = await self._store(self.store.due, self.clock(), self.config.concurrency * 8)
+        the others of a busy actuator. Returns the started deliveries' tasks (not awaited).
+        ``horizon_seconds``: also those due that much later (a claim of a previous leader or run)."""
+        due = await self._store(self.store.due, self.clock() + horizon_seconds, self.config.concurrency * 8)
         tasks, waiting = await self._start(due)
         await self._postpone(waiting)
         return tasks
@@ -341,22 +342,32 @@ class Dispatcher:
         self._event = asyncio.Event()
         self.last_round = self.monotonic()
         tasks: set[asyncio.Task[None]] = set()
+        # On starting to act (at start-up, on taking over), deliveries another run or the old
+        # leader had claimed are started at once rather than when their claim runs out: it is
+        # fenced or gone, and a repeat carries the same key (at least once).
+        claims_seconds = max((self._deadline(name) for name in self.actuators), default=0.0)
+        was_acting = False
         try:
             while True:
                 self._event.clear()
                 wait = self.config.poll_seconds
-                if self.acting():  # a standby: the leader delivers; woken when this one takes over
-                    wait = await self._round(tasks)
+                acting = self.acting()
+                if acting:  # a standby: the leader delivers; woken when this one takes over
+                    done = await self._round(tasks, 0.0 if was_acting else claims_seconds)
+                    wait = self.config.poll_seconds if done is None else done
+                    acting = done is not None  # a round the store refused is tried again as the first
+                was_acting = acting
                 self.last_round = self.monotonic()
                 await self._idle(wait)
         finally:
             for task in tasks:  # cut off here, a delivery stays open in the store: retried at the next start
                 task.cancel()
 
-    async def _round(self, tasks: set[asyncio.Task[None]]) -> float:
+    async def _round(self, tasks: set[asyncio.Task[None]], horizon_seconds: float) -> float | None:
+        """One pass: start what is due; returns how long to wait, None when the store failed."""
         wait = self.config.poll_seconds
         try:
-            for task in await self.start_due():
+            for task in await self.start_due(horizon_seconds):
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             next_ts = await self._store(self.store.next_due_ts)
@@ -364,7 +375,7 @@ class Dispatcher:
             # Nothing was claimed or started: the deliveries stay open in the store for the next round.
             self.store_errors += 1
             log.error("decision store %s: due deliveries not read or claimed: %s; retrying", self.store.path, exc)
-            return wait
+            return None
         if next_ts is not None:
             wait = max(0.0, min(wait, next_ts - self.clock()))
         return wait
