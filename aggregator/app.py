@@ -35,20 +35,21 @@ from aiohttp import web
 from vigil.agent.validation import ConfigError
 from vigil.agent.wire import REPORT_VERSIONS, Report, SchemaError, WireError, decode_report, encode, to_readable
 from vigil.aggregator.actuators import Actuator, DeliveryError, build_actuators
+from vigil.aggregator.actuators.actuator import DeadlineExceeded
 from vigil.aggregator.actuators.kubernetes import KubernetesActuator
 from vigil.aggregator.actuators.slurm import SlurmActuator
 from vigil.aggregator.alertmanager_input import add_routes
 from vigil.aggregator.auth import NODE_KEY, Credentials, Refusals, auth_middleware, is_loopback
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision, Finding
-from vigil.aggregator.dispatch import Dispatcher
+from vigil.aggregator.dispatch import DEADLINE_GRACE_SECONDS, Dispatcher
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import NodeState
 from vigil.aggregator.gate import Gate
 from vigil.aggregator.leadership import Leadership, SoleLeader
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.listener import BodyRefused, ConnectionGuard, read_body, tls_context
-from vigil.aggregator.metrics import CONTENT_TYPE, GC_GENERATIONS, ActingReadings, AggregatorMetrics
+from vigil.aggregator.metrics import CONTENT_TYPE, GC_GENERATIONS, ActingReadings, AggregatorMetrics, WorkersReading
 from vigil.aggregator.operator_api import add_no_gate_routes, add_operator_routes
 from vigil.aggregator.outbox import Outbox
 from vigil.aggregator.redact import redact_json
@@ -247,6 +248,12 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         if dispatcher is not None:
             readings.deliveries = dict(dispatcher.outcomes)
             readings.actuators = tuple(sorted(dispatcher.actuators))
+            readings.workers = {name: WorkersReading(w.size, w.busy(), w.oldest_seconds(), w.stalled())
+                                for name, w in dispatcher.workers.items()}
+            readings.deadline_exceeded = {(name, phase): n for name, w in dispatcher.workers.items()
+                                          for phase, n in w.deadline_exceeded.items()}
+            readings.deliveries_not_acting = dispatcher.not_acting
+            readings.round_age_seconds = dispatcher.round_age()
             kube = dispatcher.actuators.get("kubernetes")
             if isinstance(kube, KubernetesActuator):
                 readings.kubernetes_events_not_recorded = kube.events_not_recorded
@@ -264,6 +271,8 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             readings.leader = ledger.leads()
             readings.leader_transitions = leadership.transitions
             readings.leadership_errors = getattr(leadership, "errors", 0)
+            readings.leadership_fenced = leadership.fenced
+            readings.leadership_relinquished = leadership.relinquished
             try:
                 readings.open_deliveries = ledger.store.delivery_counts()
             except WRITE_ERRORS:
@@ -551,10 +560,33 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
+    def acting_path() -> tuple[dict[str, Any], list[str]]:
+        """The acting path at a glance for /healthz, and what stalls it (empty: nothing)."""
+        if dispatcher is None or not dispatcher.actuators:  # nothing configured to act through
+            return {}, []
+        stalled = sorted(name for name, w in dispatcher.workers.items() if w.stalled())
+        problems = [f"actuator {name}: its target answers nothing within the deadline, or every worker is busy "
+                    "past it" for name in stalled]
+        age = dispatcher.round_age()
+        if age is not None and age > config.ha.progress_timeout_seconds:
+            problems.append(f"the delivery loop completed no round for {age:.1f}s")
+        return {"stalled_actuators": stalled,
+                "busy_workers": {name: w.busy() for name, w in sorted(dispatcher.workers.items())},
+                "round_age_seconds": None if age is None else round(age, 3)}, problems
+
     async def healthz(_: web.Request) -> web.Response:
+        """503 while decisions cannot be stored (this replica must not take reports then); a
+        stalled acting path is ``status: degraded`` with 200: intake goes on, and restarting the
+        process would not unstick a receiver (docs/ha.md, "Probes")."""
         problem = sink.problem()
-        body = {"status": "ok" if problem is None else "failing", "nodes": len(engine.fleet.view().nodes),
-                "dry_run": config.dry_run, "role": "leader" if leads() else "standby"}
+        path, stalls = acting_path()
+        status = "failing" if problem is not None else "degraded" if stalls else "ok"
+        body: dict[str, Any] = {"status": status, "nodes": len(engine.fleet.view().nodes),
+                                "dry_run": config.dry_run, "role": "leader" if leads() else "standby"}
+        if path:
+            body["acting"] = path
+        if stalls:
+            body["degraded"] = stalls
         if problem is not None:
             return web.json_response({**body, "reason": problem}, status=503)
         return web.json_response(body)
@@ -584,29 +616,37 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
 
 async def keep_leadership(config: AggregatorConfig, ledger: Ledger, leadership: Leadership, wake: asyncio.Event,
                           dispatcher: Dispatcher | None, *, monotonic: Callable[[], float] = time.monotonic) -> None:
-    """Forever, every ``ha.check_interval_seconds``: the leader verifies it holds the lock, a warm
-    standby tries to take it. Taking over reads the gate's state back from the database before
-    anything is proposed or delivered; losing the lock stops both at once."""
+    """Forever, every ``ha.check_interval_seconds``: the leader verifies it holds the lock and
+    records its acting loop's progress (or gives the lock up when that stalled), a warm standby
+    tries to take it (fencing a leader whose progress stalled). Taking over reads the gate's state
+    back from the database before anything is proposed or delivered; losing the lock (or its lease)
+    stops both at once. The checks run on a thread of their own: no delivery, store call or other
+    work of the default pool can hold them."""
     started = monotonic()
-    while True:
-        warm = monotonic() - started >= config.ha.warm_after_seconds
-        try:
-            leader = await asyncio.to_thread(leadership.check, warm)
-            if leader and not ledger.leads():
-                await asyncio.to_thread(ledger.take_over)
-                log.warning("taking over: gate state read back from the store; evaluating and delivering now")
-                wake.set()
-                if dispatcher is not None:
-                    dispatcher.wake()
-            elif not leader and ledger.leads():
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vigil-leadership")
+    try:
+        while True:
+            warm = monotonic() - started >= config.ha.warm_after_seconds
+            try:
+                leader = await loop.run_in_executor(executor, leadership.check, warm)
+                if leader and not ledger.leads():
+                    await loop.run_in_executor(executor, ledger.take_over)
+                    log.warning("taking over: gate state read back from the store; evaluating and delivering now")
+                    wake.set()
+                    if dispatcher is not None:
+                        dispatcher.wake()
+                elif not leader:
+                    ledger.stand_by()  # lock or lease lost: the next leadership reads the state back again
+            except WRITE_ERRORS as exc:  # reading the state back failed: not leading until it works
                 ledger.stand_by()
-        except WRITE_ERRORS as exc:  # reading the state back failed: not leading until it works
-            ledger.stand_by()
-            log.error("taking over failed, the store could not be read: %s; trying again", exc)
-        except Exception:
-            ledger.stand_by()
-            log.exception("leadership check failed; standing by until the next check")
-        await asyncio.sleep(config.ha.check_interval_seconds)
+                log.error("taking over failed, the store could not be read: %s; trying again", exc)
+            except Exception:
+                ledger.stand_by()
+                log.exception("leadership check failed; standing by until the next check")
+            await asyncio.sleep(config.ha.check_interval_seconds)
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
 
 
 def build_sink(config: AggregatorConfig, started: float | None = None) -> tuple[Ledger, Dispatcher]:
@@ -620,33 +660,55 @@ def build_sink(config: AggregatorConfig, started: float | None = None) -> tuple[
     if config.store.backend == "postgresql":
         assert config.store.dsn_file is not None  # the config's validator insists
         dsn = read_dsn(config.store.dsn_file)
-        ha = Leadership(dsn, config.ha.lock_key)
+        if config.actuators.delivery.poll_seconds * 2 > config.ha.progress_timeout_seconds:
+            raise ConfigError(f"ha.progress_timeout_seconds ({config.ha.progress_timeout_seconds:g}) must be at least "
+                              f"twice actuators.delivery.poll_seconds ({config.actuators.delivery.poll_seconds:g}): an "
+                              "idle leader completes a round every poll")
+        ha = Leadership(dsn, config.ha.lock_key, progress_timeout_seconds=config.ha.progress_timeout_seconds)
         store = Store("postgresql", dsn=dsn, fence=lambda: ha.holder_pid, lock_key=config.ha.lock_key)
         leadership = ha
     else:
         store = Store(config.store_path, busy_timeout_seconds=config.store.busy_timeout_seconds)
     dispatcher = Dispatcher(store, actuators, config.actuators.delivery)
+    if isinstance(leadership, Leadership) and config.actuators.delivery.enabled:
+        leadership.progress = dispatcher.round_age  # leadership follows the acting loop's rounds
     ledger = Ledger(Gate(config.gate, started=started), store, actuators, wake=dispatcher.wake, config=config.store,
                     leadership=leadership)
     dispatcher.acting = ledger.leads
     return ledger, dispatcher
 
 
-def check_actuators(actuators: dict[str, Actuator], metrics: AggregatorMetrics) -> None:
-    """Each enabled actuator reaches for its target once; the result is a log line and
-    ``vigil_aggregator_actuator_up``. A failure does not stop the service (deliveries retry)."""
-    for name, actuator in sorted(actuators.items()):
+async def check_actuators(dispatcher: Dispatcher, metrics: AggregatorMetrics) -> None:
+    """Each enabled actuator reaches for its target once, on its own workers and within its
+    deadline, all at once and after the listener opened (intake never waits on them); each start
+    and outcome is a log line and ``vigil_aggregator_actuator_up``. A failure does not stop the
+    service (deliveries retry); a check past its deadline is counted like a delivery's."""
+
+    async def check(name: str, actuator: Actuator) -> None:
+        workers = dispatcher.workers[name]
+        deadline = actuator.timeout_seconds + DEADLINE_GRACE_SECONDS
+        log.info("actuator %s: checking that it reaches its target (deadline %gs)", name, actuator.timeout_seconds)
         try:
-            said = actuator.check()
+            async with asyncio.timeout(deadline):
+                said = await asyncio.wrap_future(workers.submit(actuator.check))
+        except (DeadlineExceeded, TimeoutError) as exc:
+            workers.count_deadline("check")
+            metrics.actuator_up.labels(name).set(0)
+            log.error("actuator %s cannot reach its target: no answer within its deadline of %gs (%s)", name,
+                      actuator.timeout_seconds, exc or "the check did not return")
         except DeliveryError as exc:
+            workers.answered()
             metrics.actuator_up.labels(name).set(0)
             log.error("actuator %s cannot reach its target: %s", name, exc)
         except Exception:  # an actuator's bug must not stop the start
             metrics.actuator_up.labels(name).set(0)
             log.exception("actuator %s check failed", name)
         else:
+            workers.answered()
             metrics.actuator_up.labels(name).set(1)
             log.info("actuator %s reaches its target: %s", name, said)
+
+    await asyncio.gather(*(check(name, a) for name, a in sorted(dispatcher.actuators.items())))
 
 
 async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
@@ -655,8 +717,6 @@ async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
     sink, dispatcher = build_sink(config, started=time.time())
     engine = Engine(config, sink)
     app = make_app(config, engine, sink, dispatcher=dispatcher)
-    if not config.dry_run:
-        await asyncio.to_thread(check_actuators, dispatcher.actuators, app[METRICS_KEY])
     tune_gc()
     ssl_context = tls_context(config.tls.cert_file, config.tls.key_file) \
         if config.tls.cert_file and config.tls.key_file else None
@@ -686,10 +746,18 @@ async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
         log.info("at most %d connections at once (server.max_connections, open-file limit)", guard.limit)
         if on_ready is not None:
             on_ready(config.listen)
+        # The reach checks only once the listener is open: a receiver that never answers delays
+        # neither the start nor intake (each check is held to its actuator's deadline).
+        checking = asyncio.create_task(check_actuators(dispatcher, app[METRICS_KEY]), name="vigil-actuator-checks") \
+            if not config.dry_run else None
         try:
             await (stop or asyncio.Event()).wait()
         finally:
             server.close()
+            if checking is not None:
+                checking.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await checking
     finally:
         await runner.cleanup()
         loop.set_exception_handler(previous_handler)

@@ -1,12 +1,18 @@
-"""Which replica of an HA pair acts: a PostgreSQL session-level advisory lock on its own connection.
+"""Which replica of an HA pair acts: a PostgreSQL advisory lock, kept only while the acting loop progresses.
 
 It reads PostgreSQL's answer to ``pg_try_advisory_lock`` on a dedicated connection, checked every
 ``check_interval_seconds``, and says whether this replica leads (``leader``) and which database
 session holds the lock for it (``holder_pid``: the store fences every acting write on it, in the
-write's own transaction). A replica asks for the lock only once its fleet view is warm; one that
-loses the connection stops leading at once. It is no consensus protocol of its own (PostgreSQL's
-lock manager is the one arbiter) and it judges and delivers nothing. A lone aggregator on SQLite
-uses ``SoleLeader``: always the leader.
+write's own transaction). Leadership follows progress, not the TCP session: at each check the
+leader writes when its acting loop (the dispatcher) last completed a round into
+``vigil_leader_progress``, in the database's time; a leader whose loop completed no round within
+``progress_timeout_seconds`` gives the lock up itself, its lease (``leader``) lapses on its own
+clock a little before anyone may fence it, and a warm standby that finds the leader's progress
+older than that terminates the holder's lock session (``pg_terminate_backend``: the store's fence
+then refuses every write of the old leader) and takes the lock. A replica asks for the lock only
+once its fleet view is warm and its own loop progresses; one that loses the connection stops
+leading at once. It is no consensus protocol of its own (PostgreSQL's lock manager is the one
+arbiter) and it judges and delivers nothing. A lone aggregator on SQLite uses ``SoleLeader``.
 """
 
 from __future__ import annotations
@@ -17,16 +23,35 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from vigil.agent.validation import StrictModel
-from vigil.aggregator.store import PG_ERRORS, pg_connect
+from vigil.aggregator.store import PG_ERRORS, PG_MIGRATION_LOCK, pg_connect
 
 log = logging.getLogger("vigil.aggregator.leadership")
 
 # Statements on the lock connection give up after this (a server that hangs must not hold the
 # check, and with it the knowledge that leadership is lost, for longer than a couple of checks).
 CHECK_STATEMENT_TIMEOUT_MS = 2000
+# A standby fencing a stalled leader waits this long for its lock session to end (the lock is
+# released when the backend exits); a longer exit is found at the next check.
+FENCE_WAIT_MS = 1000
+# The leader's lease ends this long before a standby may fence it (progress_timeout_seconds after
+# the progress it last wrote): room for the two clocks' readings and one delivery's claim.
+LEASE_MARGIN_SECONDS = 1.0
+# The leader's progress, one row per lock key, written in the database's own time (the replicas'
+# clocks never compared). Its own table, not a store migration: only an HA pair has one.
+PROGRESS_TABLE = ("CREATE TABLE IF NOT EXISTS vigil_leader_progress (lock_key BIGINT PRIMARY KEY,"
+                  " holder_pid INTEGER NOT NULL, progress_ts TIMESTAMPTZ NOT NULL)")
+WRITE_PROGRESS = ("INSERT INTO vigil_leader_progress (lock_key, holder_pid, progress_ts)"
+                  " VALUES (%s, pg_backend_pid(), clock_timestamp() - make_interval(secs => %s))"
+                  " ON CONFLICT (lock_key) DO UPDATE SET holder_pid = excluded.holder_pid,"
+                  " progress_ts = excluded.progress_ts")
+# The lock's holder now, and how old its recorded progress is (NULL: it recorded none yet).
+HOLDER_PROGRESS = ("SELECT l.pid, EXTRACT(EPOCH FROM clock_timestamp() - p.progress_ts)::float8"
+                   " FROM pg_locks l LEFT JOIN vigil_leader_progress p ON p.lock_key = %s AND p.holder_pid = l.pid"
+                   " WHERE l.locktype = 'advisory' AND l.classid::bigint = %s AND l.objid::bigint = %s"
+                   " AND l.objsubid = 1 AND l.granted")
 
 
 class HaConfig(StrictModel):
@@ -42,6 +67,18 @@ class HaConfig(StrictModel):
     # cover the silence detector's limit (detectors.silence.alert_after_seconds_min, 15 s) twice
     # over, so that a node is never silent merely because this replica has not heard it yet.
     warm_after_seconds: float = Field(default=30.0, ge=0)
+    # The leader keeps the lock only while its acting loop completes a round at least this often
+    # (it does every actuators.delivery.poll_seconds, 1 s, when idle); a standby fences a leader
+    # whose recorded progress is older. Detection plus takeover stay within the 15 s failover
+    # budget (docs/architecture.md section 9): this + 2 checks + reading the gate's state back.
+    progress_timeout_seconds: float = Field(default=6.0, gt=0, le=60)
+
+    @model_validator(mode="after")
+    def _room_for_checks(self) -> HaConfig:
+        if self.progress_timeout_seconds < 2 * self.check_interval_seconds + LEASE_MARGIN_SECONDS:
+            raise ValueError(f"progress_timeout_seconds must be at least twice check_interval_seconds plus "
+                             f"{LEASE_MARGIN_SECONDS:g} s (a leader writes its progress at every check)")
+        return self
 
 
 class SoleLeader:
@@ -50,6 +87,8 @@ class SoleLeader:
     leader = True
     holder_pid: int | None = None
     transitions = 0
+    fenced = 0
+    relinquished = 0
     ha = False
 
     def check(self, warm: bool) -> bool:
@@ -61,39 +100,60 @@ class SoleLeader:
 
 class Leadership:
     """The lock on its own connection. ``check`` runs on one thread at a time (the app's
-    leadership task); ``leader`` and ``holder_pid`` are read from any thread."""
+    leadership task); ``leader`` and ``holder_pid`` are read from any thread. ``progress`` says
+    how many seconds ago the acting loop last completed a round (None: no acting loop to follow)."""
 
     ha = True
 
     def __init__(self, dsn: str, lock_key: int, *, connect: Callable[[str], Any] = pg_connect,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, progress_timeout_seconds: float = 6.0,
+                 progress: Callable[[], float | None] = lambda: None) -> None:
         self.dsn = dsn
         self.lock_key = lock_key
         self.connect = connect
         self.clock = clock
+        self.progress_timeout_seconds = progress_timeout_seconds
+        self.progress = progress
         self.holder_pid: int | None = None
         self.transitions = 0  # times this replica became leader or stopped being it
         self.errors = 0  # checks that failed on the database (connection lost, timeout)
+        self.fenced = 0  # stalled leaders this replica fenced (terminated their lock session)
+        self.relinquished = 0  # times this leader gave the lock up: its own acting loop stalled
         self.since = clock()
+        self._lease_until = 0.0  # clock() reading up to which this leader may act
         self._conn: Any = None
         self._lock = threading.Lock()
+        self._unrecorded: tuple[int, float] | None = None  # (holder pid, first seen) without progress
 
     @property
     def leader(self) -> bool:
-        return self.holder_pid is not None
+        """Holds the lock, and its lease (renewed with each progress written) has not lapsed: a
+        replica frozen past it (SIGSTOP, a stalled loop) acts on nothing when it wakes up."""
+        return self.holder_pid is not None and self.clock() < self._lease_until
 
     def check(self, warm: bool) -> bool:
-        """Verify the lock is still ours, or (when ``warm``) try to take it; returns ``leader``."""
+        """Verify the lock is still ours and record progress (or give it up when the acting loop
+        stalled), or (when ``warm``) take it, fencing a stalled holder first; returns ``leader``."""
         with self._lock:
             try:
+                age = self._round_age()
                 if self.holder_pid is not None:
-                    self._verify()
-                elif warm:
-                    self._try_take()
+                    if age > self.progress_timeout_seconds:
+                        self.relinquished += 1
+                        self._drop(f"this replica's acting loop completed no round for {age:.1f}s "
+                                   f"(ha.progress_timeout_seconds {self.progress_timeout_seconds:g})")
+                    else:
+                        self._verify(age)
+                elif warm and age <= self.progress_timeout_seconds:
+                    self._try_take(age)
             except PG_ERRORS as exc:
                 self.errors += 1
                 self._drop(f"database connection failed: {' '.join(str(exc).split()) or type(exc).__name__}")
             return self.leader
+
+    def _round_age(self) -> float:
+        age = self.progress()
+        return 0.0 if age is None else age
 
     def _connection(self) -> Any:
         if self._conn is None or self._conn.closed or self._conn.broken:
@@ -101,29 +161,70 @@ class Leadership:
                 self._conn.close()
             self._conn = self.connect(self.dsn)
             self._conn.execute(f"SET statement_timeout = {CHECK_STATEMENT_TIMEOUT_MS}")
+            with self._conn.transaction():  # two replicas starting together: one creates it
+                self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (PG_MIGRATION_LOCK,))
+                self._conn.execute(PROGRESS_TABLE)
         return self._conn
 
-    def _try_take(self) -> None:
+    def _key_halves(self) -> tuple[int, int]:
+        key = self.lock_key & 0xFFFFFFFFFFFFFFFF
+        return key >> 32, key & 0xFFFFFFFF
+
+    def _try_take(self, age: float) -> None:
         conn = self._connection()
         got, pid = conn.execute("SELECT pg_try_advisory_lock(%s), pg_backend_pid()", (self.lock_key,)).fetchone()
+        if not got and self._fence_stalled(conn):
+            got, pid = conn.execute("SELECT pg_try_advisory_lock(%s), pg_backend_pid()",
+                                    (self.lock_key,)).fetchone()
         if got:
             self.holder_pid = int(pid)
+            self._record(conn, age)
             self._changed()
             log.warning("this replica is the LEADER now (advisory lock %d, database session %d)", self.lock_key, pid)
 
-    def _verify(self) -> None:
-        key = self.lock_key & 0xFFFFFFFFFFFFFFFF
-        row = self._connection().execute(
+    def _fence_stalled(self, conn: Any) -> bool:
+        """The lock is held by another session: when its recorded progress is older than the
+        bound (or it recorded none for that long, as seen from here), terminate that session so
+        the lock is free and every write of the stalled leader is refused by the store's fence."""
+        row = conn.execute(HOLDER_PROGRESS, (self.lock_key, *self._key_halves())).fetchone()
+        if row is None:  # released since: taken at the next try
+            return True
+        holder, age = int(row[0]), row[1]
+        if age is None:  # no progress recorded by this holder (it just took the lock, or is older than 0.x)
+            if self._unrecorded is None or self._unrecorded[0] != holder:
+                self._unrecorded = (holder, self.clock())
+            age = self.clock() - self._unrecorded[1]
+        if age <= self.progress_timeout_seconds:
+            return False
+        log.error("the leader (database session %d) recorded no progress for %.1fs (ha.progress_timeout_seconds "
+                  "%g): fencing it (its lock session is terminated; the store refuses its writes) and taking over",
+                  holder, age, self.progress_timeout_seconds)
+        conn.execute("SELECT pg_terminate_backend(%s, %s)", (holder, FENCE_WAIT_MS))
+        self.fenced += 1
+        return True
+
+    def _verify(self, age: float) -> None:
+        conn = self._connection()
+        row = conn.execute(
             "SELECT pg_backend_pid(), EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
             " AND classid::bigint = %s AND objid::bigint = %s AND objsubid = 1 AND pid = pg_backend_pid()"
-            " AND granted)", (key >> 32, key & 0xFFFFFFFF)).fetchone()
+            " AND granted)", self._key_halves()).fetchone()
         if row[0] != self.holder_pid or not row[1]:
             self._drop("the lock is no longer held by this replica's session")
+            return
+        self._record(conn, age)
+
+    def _record(self, conn: Any, age: float) -> None:
+        """The acting loop's last round, in the database's time; the lease runs from it."""
+        asked = self.clock()
+        conn.execute(WRITE_PROGRESS, (self.lock_key, age))
+        self._lease_until = asked - age + self.progress_timeout_seconds - LEASE_MARGIN_SECONDS
 
     def _drop(self, why: str) -> None:
         if self._conn is not None:
             self._conn.close()  # a broken session's lock is PostgreSQL's to release; never ours to keep
             self._conn = None
+        self._lease_until = 0.0
         if self.holder_pid is not None:
             self.holder_pid = None
             self._changed()
@@ -140,3 +241,4 @@ class Leadership:
                 self._conn.close()
                 self._conn = None
             self.holder_pid = None
+            self._lease_until = 0.0

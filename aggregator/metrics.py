@@ -3,10 +3,11 @@
 Counts reports ingested and rejected (by reason) and the events they carried (by kind), times
 ingest and evaluation, reports how many nodes are in each state, and shows the acting side:
 decisions by action, detector and verdict, deliveries by actuator and outcome, pending and
-dead-lettered deliveries, the circuit breaker, store errors, leadership, actuator reachability,
-the event loop's lag and the garbage collector's pauses. It uses its own registry (no
-process-global state), so tests and the simulator can build as many as they like. It neither
-judges nor serves; app.py mounts ``render`` and supplies the readings.
+dead-lettered deliveries, the circuit breaker, store errors, leadership (and the progress it
+follows, fencing), actuator reachability, each actuator's own workers and deadlines passed, the
+event loop's lag and the garbage collector's pauses. It uses its own registry (no process-global
+state), so tests and the simulator can build as many as they like. It neither judges nor serves;
+app.py mounts ``render`` and supplies the readings.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REJECT_REASONS = ("unauthorized", "too_large", "invalid_json", "schema")
 NODE_STATES = ("ok", "suspect", "failing", "silent")
 DELIVERY_OUTCOMES = ("delivered", "failed", "dead")
+# Where an actuator's total deadline was passed: a delivery, or the start-up reach check.
+DEADLINE_PHASES = ("delivery", "check")
 STORE_ERROR_KINDS = ("write", "file", "delivery_update", "dropped")
 # Event kinds the agent sends (agent/wire.py's Event); any other kind is counted as "other", so a
 # node cannot create series at will.
@@ -82,6 +85,24 @@ class ActingReadings:
     leader: bool = True
     leader_transitions: int = 0
     leadership_errors: int = 0
+    leadership_fenced: int = 0  # stalled leaders this replica fenced
+    leadership_relinquished: int = 0  # times this leader gave the lock up: its acting loop stalled
+    # Each actuator's own workers (aggregator/dispatch.py) and the deadlines it passed, by phase.
+    workers: Mapping[str, WorkersReading] = field(default_factory=dict)
+    deadline_exceeded: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (actuator, phase)
+    deliveries_not_acting: int = 0  # claimed, then not sent: this replica stopped acting meanwhile
+    # Seconds since the acting loop (the dispatcher) completed a round; None: it does not run.
+    round_age_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class WorkersReading:
+    """One actuator's worker pool at a scrape."""
+
+    size: int
+    busy: int
+    oldest_seconds: float  # how long the longest-running delivery or check has held its worker
+    stalled: bool  # the last exchange cut off at the deadline, or every worker busy past it
 
 
 class _Acting(PromCollector):
@@ -149,6 +170,43 @@ class _Acting(PromCollector):
         for (actuator, reason), n in sorted(r.actuator_refusals.items()):
             refusals.add_metric([actuator, reason], n)
         yield refusals
+        yield CounterMetricFamily("vigil_aggregator_leadership_fenced", "Stalled leaders this replica fenced: their "
+                                  "recorded progress was older than ha.progress_timeout_seconds, so their lock session "
+                                  "was terminated and the lock taken.", value=r.leadership_fenced)
+        yield CounterMetricFamily("vigil_aggregator_leadership_relinquished", "Times this leader gave the lock up "
+                                  "because its own acting loop completed no round within "
+                                  "ha.progress_timeout_seconds.", value=r.leadership_relinquished)
+        if r.round_age_seconds is not None:
+            yield GaugeMetricFamily("vigil_aggregator_acting_round_age_seconds", "Seconds since the delivery loop "
+                                    "last completed a round (it does every poll when idle; HA leadership follows "
+                                    "it).", value=r.round_age_seconds)
+        yield CounterMetricFamily("vigil_aggregator_deliveries_not_acting", "Deliveries claimed and then not sent: "
+                                  "this replica stopped acting (leadership or its lease lost) before the send.",
+                                  value=r.deliveries_not_acting)
+        size = GaugeMetricFamily("vigil_aggregator_actuator_workers", "Worker threads of the actuator's own pool "
+                                 "(actuators.delivery.workers).", labels=["actuator"])
+        busy = GaugeMetricFamily("vigil_aggregator_actuator_busy_workers", "The actuator's workers busy with a "
+                                 "delivery or a check now (one past its deadline stays busy until the actuator "
+                                 "returns).", labels=["actuator"])
+        oldest = GaugeMetricFamily("vigil_aggregator_actuator_oldest_in_flight_seconds", "How long the actuator's "
+                                   "longest-running delivery or check has held its worker (0: none).",
+                                   labels=["actuator"])
+        stalled = GaugeMetricFamily("vigil_aggregator_actuator_stalled", "1 while the actuator's target answers "
+                                    "nothing within its deadline (its last exchange was cut off there) or every "
+                                    "worker is busy past it; other actuators go on.",
+                                    labels=["actuator"])
+        exceeded = CounterMetricFamily("vigil_aggregator_actuator_deadline_exceeded", "Deliveries and start-up "
+                                       "checks cut off at the actuator's total deadline (timeout_seconds), by "
+                                       "actuator and phase (delivery, check).", labels=["actuator", "phase"])
+        for actuator in sorted(r.workers):
+            w = r.workers[actuator]
+            size.add_metric([actuator], w.size)
+            busy.add_metric([actuator], w.busy)
+            oldest.add_metric([actuator], w.oldest_seconds)
+            stalled.add_metric([actuator], int(w.stalled))
+            for phase in DEADLINE_PHASES:
+                exceeded.add_metric([actuator, phase], r.deadline_exceeded.get((actuator, phase), 0))
+        yield from (size, busy, oldest, stalled, exceeded)
         if r.kubernetes_events_not_recorded is not None:
             yield CounterMetricFamily("vigil_aggregator_kubernetes_events_not_recorded",
                                       "Kubernetes Events on Nodes the API server refused or did not answer "

@@ -676,6 +676,25 @@ class Store:
                 raise
         return [(Delivery(*row[:8]), Decision.model_validate_json(row[8])) for row in rows]
 
+    def postpone(self, deliveries: Sequence[tuple[str, str, float]]) -> None:
+        """Move each (decision id, actuator, until) delivery's next attempt to ``until`` without
+        counting an attempt: the dispatcher claims a delivery it is about to start (so a replica
+        that lost the lock and has not noticed yet is refused here, in the database, before it
+        sends; ``NotLeader``) and defers those of an actuator whose workers are all busy."""
+        if not deliveries:
+            return
+        with self._lock:
+            cur = self._begin()
+            try:
+                self._fenced(cur)
+                for decision_id, actuator, until in deliveries:
+                    self._x(cur, "UPDATE deliveries SET next_attempt_ts = ? WHERE decision_id = ? AND actuator = ?"
+                            " AND state IN ('pending', 'failed')", (until, decision_id, actuator))
+                cur.execute("COMMIT")
+            except BaseException:
+                _rollback(cur)
+                raise
+
     def next_due_ts(self) -> float | None:
         with self._lock:
             row = self._q(

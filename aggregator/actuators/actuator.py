@@ -1,16 +1,17 @@
 """The actuator contract: a synchronous deliverer of admitted decisions to one outside system.
 
 An actuator says which decisions it takes (``handles``), delivers one (``deliver``), raising
-``DeliveryError`` when it could not, and at start-up ``check``s that it can reach its target;
-the dispatch worker owns retries, backoff, the dead-letter state and threads. An actuator judges
-nothing and keeps no delivery state of its own.
+``DeliveryError`` when it could not (``DeadlineExceeded`` when its target took longer than
+``timeout_seconds`` in all), and at start-up ``check``s that it can reach its target, within the
+same total deadline; the dispatch worker owns retries, backoff, the dead-letter state and each
+actuator's own worker threads. An actuator judges nothing and keeps no delivery state of its own.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vigil.agent.wire import check_node_name
 from vigil.aggregator.decision import Decision
@@ -23,6 +24,14 @@ class DeliveryError(Exception):
     def __init__(self, message: str, retryable: bool = True) -> None:
         super().__init__(message)
         self.retryable = retryable
+
+
+class DeadlineExceeded(DeliveryError):
+    """The target did not finish within the total deadline (connect, headers and body together):
+    retryable, and counted apart (``vigil_aggregator_actuator_deadline_exceeded_total``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=True)
 
 
 def one_node(name: str) -> str:
@@ -63,6 +72,8 @@ class ActuatorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = False
+    # The total deadline of one delivery and of the start-up check: connect, headers and body
+    # together (a receiver trickling its answer is cut off here, not per read).
     timeout_seconds: float = Field(default=10.0, gt=0)
 
 
@@ -77,4 +88,23 @@ class DispatchConfig(BaseModel):
     max_backoff_seconds: float = Field(default=300.0, gt=0)
     # How often the worker looks for due retries when nothing wakes it.
     poll_seconds: float = Field(default=1.0, gt=0)
+    # Due deliveries fetched per round is 8 times this (no longer a limit shared by actuators:
+    # each has its own ``workers``).
     concurrency: int = Field(default=8, ge=1)
+    # Each actuator's own worker threads: deliveries to one actuator run on its pool only, so one
+    # stuck receiver never delays another actuator, intake, the store or leadership. While all of
+    # an actuator's workers are busy, its due deliveries wait in the store (bounded by it).
+    workers: int = Field(default=4, ge=1, le=64)
+    # Per actuator (by name) where it should differ from ``workers``.
+    workers_by_actuator: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("workers_by_actuator")
+    @classmethod
+    def _bounded(cls, sizes: dict[str, int]) -> dict[str, int]:
+        for name, size in sizes.items():
+            if not 1 <= size <= 64:
+                raise ValueError(f"workers_by_actuator.{name}: must be in 1..64, got {size}")
+        return sizes
+
+    def workers_of(self, actuator: str) -> int:
+        return self.workers_by_actuator.get(actuator, self.workers)

@@ -5,14 +5,13 @@ Labels ``alertname=VigilDecision, node, action, detector, severity`` identify th
 A ``resume`` resolves every VigilDecision alert still firing for that node (re-posted with
 ``endsAt`` = the resume's time). Routing, grouping and silencing stay with Alertmanager.
 Credentials in the URL (``https://user:password@alertmanager``) are sent as basic auth and never
-shown in what it returns, raises or logs.
+shown in what it returns, raises or logs. Each request is held to the total deadline
+``timeout_seconds`` (aggregator/actuators/deadline.py).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
-import urllib.error
 import urllib.parse
 import urllib.request
 from datetime import UTC, datetime
@@ -21,6 +20,7 @@ from typing import Any
 from pydantic import Field
 
 from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError
+from vigil.aggregator.actuators.deadline import exchange
 from vigil.aggregator.actuators.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
 from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
@@ -128,17 +128,10 @@ class AlertmanagerActuator:
             headers["Authorization"] = self._authorization
         request = urllib.request.Request(url, data=data, method=method, headers=headers)
         shown = f"{method} {redact_url(url)}"
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            with exc:  # it holds the response's socket
-                detail = exc.read()[:300].decode(errors="replace")
-            raise DeliveryError(
-                f"{shown}: HTTP {exc.code} {redact_text(detail)}", exc.code >= 500 or exc.code == 429
-            ) from None
-        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-            raise DeliveryError(f"{shown}: {redact_text(str(exc))}") from None
+        status, raw = exchange(request, self.timeout_seconds, shown)
+        if status >= 400:
+            detail = raw[:300].decode(errors="replace")
+            raise DeliveryError(f"{shown}: HTTP {status} {redact_text(detail)}", status >= 500 or status == 429)
         if not parse:
             return None
         try:

@@ -35,13 +35,14 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
-from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError, one_node
+from vigil.aggregator.actuators.actuator import ActuatorConfig, DeadlineExceeded, DeliveryError, one_node
 from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
 # 429: the eviction would violate a PodDisruptionBudget; 404: the pod is already gone
@@ -114,13 +115,18 @@ def _action_reason(decision: Decision) -> str:
 class KubernetesActuator:
     name = "kubernetes"
 
-    def __init__(self, config: KubernetesConfig, api_client: Any = None) -> None:
+    def __init__(self, config: KubernetesConfig, api_client: Any = None, *,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         from kubernetes import client  # optional dependency: loaded when used
         from kubernetes import config as kube_config
 
         self.config = config
         self.notify_in_dry_run = config.notify_in_dry_run
         self.timeout_seconds = config.timeout_seconds
+        # One delivery's API calls share its total deadline (each call gets what is left of it);
+        # deliveries run on several worker threads at once, hence per thread.
+        self._monotonic = monotonic
+        self._deadline = threading.local()
         from urllib3.exceptions import HTTPError as Urllib3Error  # the client's transport
 
         self._client = client
@@ -160,6 +166,7 @@ class KubernetesActuator:
 
     def deliver(self, decision: Decision) -> str:
         one_node(decision.node)  # one Node object per call, by its exact name
+        self._deadline.at = self._monotonic() + self.timeout_seconds
         try:
             done = self._act(decision)
         except DeliveryError as exc:
@@ -191,6 +198,17 @@ class KubernetesActuator:
         except (self._urllib3_error, OSError) as exc:
             # Connection refused/reset and timeouts reach us as urllib3's MaxRetryError (not an OSError).
             raise DeliveryError(f"kubernetes: {exc}") from exc
+
+    def _left(self, cap: float | None = None) -> float:
+        """What is left of this delivery's total deadline (at most ``cap``), for the next API call.
+        The client turns it into urllib3's ``Timeout(total=...)``, which bounds the connect and
+        each read: a server trickling one answer can still hold a call past it, and then the
+        dispatcher stops waiting at the deadline (aggregator/dispatch.py) and counts the stall."""
+        at = getattr(self._deadline, "at", None)
+        left = self.timeout_seconds if at is None else at - self._monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"kubernetes: the delivery's deadline of {self.timeout_seconds:g} s passed")
+        return left if cap is None else min(cap, left)
 
     def _record_event(self, decision: Decision, reason: str, type_: str, outcome: str) -> str | None:
         """Records a core/v1 Event on the decision's Node; returns None, or why it could not (the
@@ -247,7 +265,7 @@ class KubernetesActuator:
         return f"kubernetes API {getattr(info, 'git_version', '?')}"
 
     def _mark(self, decision: Decision, unhealthy: bool) -> None:
-        node = self.api.read_node(decision.node, _request_timeout=self.timeout_seconds)
+        node = self.api.read_node(decision.node, _request_timeout=self._left())
         taints = [t for t in (node.spec.taints or []) if t.key != self.config.taint_key]
         body_taints = [{"key": t.key, "value": t.value, "effect": t.effect} for t in taints]
         if unhealthy:
@@ -256,7 +274,7 @@ class KubernetesActuator:
         self.api.patch_node(
             decision.node,
             {"spec": {"unschedulable": unhealthy, "taints": body_taints}},
-            _request_timeout=self.timeout_seconds,
+            _request_timeout=self._left(),
         )
         condition = {
             "type": self.config.condition_type,
@@ -271,7 +289,7 @@ class KubernetesActuator:
             decision.node,
             {"status": {"conditions": [condition]}},
             _content_type="application/strategic-merge-patch+json",
-            _request_timeout=self.timeout_seconds,
+            _request_timeout=self._left(),
         )
 
     def _refuse(self, decision: Decision, reason: str, message: str) -> DeliveryError:
@@ -284,7 +302,7 @@ class KubernetesActuator:
 
     def _pods_on(self, node: str) -> list[Any]:
         return list(self.api.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node}", _request_timeout=self.timeout_seconds).items)
+            field_selector=f"spec.nodeName={node}", _request_timeout=self._left()).items)
 
     def _evict_job(self, decision: Decision) -> str:
         """Evict the one pod ``decision.job`` names (``pod/<uid>``), if it runs on the decision's node."""
@@ -336,7 +354,7 @@ class KubernetesActuator:
             )
             try:
                 self.api.create_namespaced_pod_eviction(
-                    meta.name, meta.namespace, eviction, _request_timeout=self.config.evict_timeout_seconds
+                    meta.name, meta.namespace, eviction, _request_timeout=self._left(self.config.evict_timeout_seconds)
                 )
                 evicted += 1
             except self._client.ApiException as exc:

@@ -5,7 +5,8 @@ The body is the Decision's wire form, signed per the Standard Webhooks scheme: `
 sending) and ``webhook-signature: v1,<base64 HMAC-SHA256(secret, "id.timestamp.body")>``, so a
 receiver can refuse a changed body, an old (replayed) request and a repeat (docs/webhooks.md).
 Retries, backoff and the dead-letter record are the dispatcher's; this module only sends one
-request, and never shows the URL's credentials in what it returns, raises or logs.
+request, within its total deadline (aggregator/actuators/deadline.py: a receiver trickling its
+answer is cut off there), and never shows the URL's credentials in what it returns, raises or logs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import hashlib
 import hmac
 import http.client
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +23,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError
+from vigil.aggregator.actuators.deadline import exchange
 from vigil.aggregator.actuators.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
 from vigil.aggregator.decision import Action, Decision
 
@@ -117,16 +118,12 @@ class WebhookActuator:
         if self._authorization:
             headers["Authorization"] = self._authorization
         request = urllib.request.Request(self._url, data=body, method="POST", headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
-                return f"POST {self.display_url}: {response.status}"
-        except urllib.error.HTTPError as exc:
-            exc.close()  # it holds the response's socket
-            retryable = exc.code >= 500 or exc.code in RETRYABLE_CLIENT_ERRORS
-            raise DeliveryError(f"POST {self.display_url}: HTTP {exc.code} {redact_text(str(exc.reason))}",
-                                retryable) from None
-        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-            raise DeliveryError(f"POST {self.display_url}: {redact_text(str(exc))}") from None
+        shown = f"POST {self.display_url}"
+        status, answer = exchange(request, self.timeout_seconds, shown)
+        if status >= 400:
+            retryable = status >= 500 or status in RETRYABLE_CLIENT_ERRORS
+            raise DeliveryError(f"{shown}: HTTP {status} {redact_text(_reason(status, answer))}", retryable)
+        return f"{shown}: {status}"
 
     def close(self) -> None:
         pass
@@ -134,17 +131,20 @@ class WebhookActuator:
     def check(self) -> str:
         """An unsigned OPTIONS request to the URL: any HTTP answer (even 404 or 405) proves the
         receiver is reachable; a refused connection, a DNS failure or a timeout does not."""
-        request = urllib.request.Request(self.config.url, method="OPTIONS",
-                                         headers={"User-Agent": "vigil-aggregator"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
-                status = response.status
-        except urllib.error.HTTPError as exc:
-            exc.close()
-            status = exc.code
-        except (urllib.error.URLError, OSError) as exc:
-            raise DeliveryError(f"OPTIONS {self.config.url}: {exc}") from exc
-        return f"OPTIONS {self.config.url}: HTTP {status}"
+        headers = {"User-Agent": "vigil-aggregator"}
+        if self._authorization:
+            headers["Authorization"] = self._authorization
+        request = urllib.request.Request(self._url, method="OPTIONS", headers=headers)
+        shown = f"OPTIONS {self.display_url}"
+        status, _ = exchange(request, self.timeout_seconds, shown)
+        return f"{shown}: HTTP {status}"
+
+
+def _reason(status: int, answer: bytes) -> str:
+    """The standard phrase of ``status``, then the start of the receiver's own words, if any."""
+    phrase = http.client.responses.get(status, "")
+    said = answer[:200].decode(errors="replace").strip()
+    return " ".join(p for p in (phrase, said) if p)
 
 
 def build(config: WebhookConfig) -> WebhookActuator:
