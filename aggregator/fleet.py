@@ -965,7 +965,7 @@ class Fleet:
     def _record_xid(self, node: NodeState, event: Event, ts: float, refused: dict[str, int]) -> None:
         """``event`` (an Xid) at ``ts`` on the aggregator's clock into its GPU's ring, de-duplicated."""
         gpu = event.gpu
-        if gpu is not None and gpu not in node.xids and len(node.xids) > self.config.max_gpus_per_node:
+        if gpu is not None and gpu not in node.xids and len(node.xids) >= self.config.max_gpus_per_node:
             # Beyond the node's GPUs: kept for the node as a whole (never dropped), counted.
             _count(refused, "too_many_gpus")
             gpu = None
