@@ -76,6 +76,9 @@ BUSY_RETRY_SECONDS = 0.05
 # of the event loop (~0.1 ms each: a batch holds the loop ~25 ms, a quarter of the 100 ms intake
 # budget of issue #20).
 HELD_INGEST_BATCH = 250
+# A node whose reports keep naming more than its caps is logged at most this often (each entry is
+# counted in vigil_aggregator_refusals_total): an attack must not flood the log.
+REFUSED_ENTRIES_LOG_SECONDS = 60.0
 
 # The aggregator keeps every node's latest GPU, port and rank state alive: ~10^6 objects for a
 # 100k-GPU fleet, and each report allocates a few hundred more. With CPython's default
@@ -339,6 +342,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     # Each held node's latest (boot id, seq): the base a compact report arriving meanwhile must name.
     held_last: dict[str, tuple[str, int]] = {}
     judging: Future[list[Finding]] | None = None
+    entries_refused_logged: dict[str, float] = {}  # node -> when its refused entries were last logged
     superseded = 0  # bumped when a synchronous evaluation takes over from an in-flight one
 
     def ingest(report: Report, now: float) -> bool:
@@ -356,6 +360,12 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         if refused:  # entries over the node's caps or on another node's ranks
             for reason, n in refused.items():
                 refusals.count("reports", reason, n)
+            last = entries_refused_logged.get(report.node)
+            if last is None or now - last >= REFUSED_ENTRIES_LOG_SECONDS:
+                entries_refused_logged[report.node] = now
+                log.warning("node %s: refused entries of its report %s (fleet.max_*_per_node, or ranks another "
+                            "node runs); logged once a minute per node, all counted", report.node,
+                            ", ".join(f"{reason}={n}" for reason, n in sorted(refused.items())))
         return True
 
     def intake(report: Report, now: float) -> bool:
