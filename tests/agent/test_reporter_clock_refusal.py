@@ -83,20 +83,26 @@ def _reporter(url: str) -> Reporter:
                     interval_seconds=0.01, max_backoff_seconds=0.02, clock=lambda: T0)
 
 
-@pytest.mark.parametrize(("status", "reason"), [(422, "stale_ts"), (422, "future_ts"), (409, "seq_jump")])
-async def test_a_transient_refusal_keeps_the_fatal_xid_and_resends_it(
-        serve: list[web.AppRunner], status: int, reason: str) -> None:
-    fake = RefusingAggregator(status, reason, refusals=5)
-    reporter = _reporter(await _url(serve, fake))
+async def _xid_after_the_first_report(reporter: Reporter, fake: RefusingAggregator, until: asyncio.Event) -> None:
+    """The reporter runs; once its first report is accepted the fatal Xid arrives; it stops when
+    ``until`` is set."""
     stop = asyncio.Event()
     task = asyncio.create_task(reporter.run(stop))
     try:
         await asyncio.wait_for(fake.first.wait(), 30)
         reporter.add_events([FATAL_XID])
-        await asyncio.wait_for(fake.accepted.wait(), 30)
+        await asyncio.wait_for(until.wait(), 30)
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+@pytest.mark.parametrize(("status", "reason"), [(422, "stale_ts"), (422, "future_ts"), (409, "seq_jump")])
+async def test_a_transient_refusal_keeps_the_fatal_xid_and_resends_it(
+        serve: list[web.AppRunner], status: int, reason: str) -> None:
+    fake = RefusingAggregator(status, reason, refusals=5)
+    reporter = _reporter(await _url(serve, fake))
+    await _xid_after_the_first_report(reporter, fake, fake.accepted)
     assert fake.statuses[:6] == [202] + [status] * 5
     assert set(fake.versions[1:]) == {3}  # refused compact reports were neither downgraded nor lost
     assert [(e.code, e.gpu, e.ts) for e in fake.events] == [(79, 3, T0)]  # once, as it was
@@ -112,16 +118,8 @@ async def test_a_refusal_for_the_content_still_drops_its_events_counted(serve: l
     resent as version 1 (events kept), and that one refused too drops them, counted."""
     fake = RefusingAggregator(422, "schema_mismatch", refusals=2)
     reporter = _reporter(await _url(serve, fake))
-    stop = asyncio.Event()
-    task = asyncio.create_task(reporter.run(stop))
-    try:
-        await asyncio.wait_for(fake.first.wait(), 30)
-        reporter.add_events([FATAL_XID])
-        # The next report goes out without it: the drop is what this pins (and is counted).
-        await asyncio.wait_for(fake.answered_after.wait(), 30)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
+    # The next report accepted goes out without it: the drop is what this pins (and is counted).
+    await _xid_after_the_first_report(reporter, fake, fake.answered_after)
     assert fake.events == []
     assert reporter.dropped["rejected"] == 1 and reporter.errors["refused_transient"] == 0
 
