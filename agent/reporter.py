@@ -3,9 +3,11 @@
 A report carries the collectors' report contributions (GPU, port, rank and host state) and the
 oldest pending events that fit under the aggregator's body limit (agent/limits.py). Events are
 kept, serialized, until the aggregator accepts them: a backlog goes out over as many reports as it
-takes, oldest first, and a 413 splits the report instead of dropping it. Only the bound on the
-backlog, an event no report can carry, or a report the aggregator refuses for its content drops
-events, each counted by reason and logged; pending events are journaled (agent/backlog.py), so a
+takes, oldest first, and a 413 splits the report instead of dropping it. A refusal a later resend
+can pass (the clock: an older aggregator's 422 future_ts or stale_ts; a 409 such as seq_jump) keeps
+them too, resent with backoff and counted. Only the bound on the backlog, an event no report can
+carry, or a report the aggregator refuses for its content drops events, each counted by reason and
+logged; pending events are journaled (agent/backlog.py), so a
 restart or a crash keeps them. An urgent event makes the reporter push at once. Node action requests
 in the aggregator's 202 answer go to the node-action runner (off the event loop, one at a time), and
 their results ride the following reports until one carrying them is accepted. Reports are
@@ -63,11 +65,17 @@ REPORTS = MetricSpec("vigil_agent_reports_total", MetricKind.COUNTER,
                      "(413: resent in smaller parts), rejected (refused for its content), rebased (a compact "
                      "report the aggregator had no base for: resent whole), downgraded (a compact report "
                      "refused: resent as version 1).", labels=("result",))
-ERROR_REASONS = ("unreachable", "timeout", "tls", "unauthorized", "throttled", "server_error")
+ERROR_REASONS = ("unreachable", "timeout", "tls", "unauthorized", "throttled", "server_error", "refused_transient")
 REPORT_ERRORS = MetricSpec("vigil_agent_report_errors_total", MetricKind.COUNTER,
                            "Reports not delivered (kept and retried), by reason: unreachable, timeout, tls "
                            "(certificate not verified), unauthorized (401/403), throttled (408/429), "
-                           "server_error (5xx).", labels=("reason",))
+                           "server_error (5xx), refused_transient (a refusal a later resend can pass: 409, "
+                           "or the clock's 422 future_ts/stale_ts of an aggregator that checks it).",
+                           labels=("reason",))
+# Refusals that say nothing about the report's content: the same events pass once the clocks agree
+# again or the seq bound has grown with time (aggregator/fleet.py). Any 409 but delta_base (resent
+# whole at once) is one too: a conflict with the aggregator's state of this node, not the content.
+TRANSIENT_REFUSALS = frozenset({"future_ts", "stale_ts", "seq_jump"})
 EVENTS_PENDING = MetricSpec("vigil_agent_events_pending", MetricKind.GAUGE,
                             "Events waiting for the aggregator to accept them.")
 EVENTS_PENDING_BYTES = MetricSpec("vigil_agent_events_pending_bytes", MetricKind.GAUGE,
@@ -444,6 +452,13 @@ class Reporter:
             return self._error("throttled", f"aggregator answered {status}: {text[:300]}")
         if status >= 500:
             return self._error("server_error", f"aggregator answered {status}: {text[:300]}")
+        refused = _parse_answer(text.encode())
+        reason = refused.get("error") if isinstance(refused, dict) else None
+        if (status == 409 and reason != "delta_base") or (status == 422 and reason in TRANSIENT_REFUSALS):
+            # Nothing was taken, the base included: the events ride a later report (the backlog's
+            # bound still holds, drops counted backlog_full).
+            return self._error("refused_transient", f"aggregator refused a report for now ({status} {reason}; "
+                               f"{n_events} event(s) kept and resent): {text[:300]}")
         if self._built is not None:
             return self._refused_compact(status, text)
         # Any other 4xx: the aggregator refused this report's content and would refuse it again.

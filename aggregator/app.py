@@ -40,6 +40,7 @@ from vigil.aggregator.actuators.kubernetes import KubernetesActuator
 from vigil.aggregator.actuators.slurm import SlurmActuator
 from vigil.aggregator.alertmanager_input import add_routes
 from vigil.aggregator.auth import NODE_KEY, Credentials, Refusals, auth_middleware, is_loopback
+from vigil.aggregator.clock import FLEET_CLOCK_HORIZON_SECONDS, FleetClockWatch, SteadyClock
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision, Finding
 from vigil.aggregator.dispatch import DEADLINE_GRACE_SECONDS, Dispatcher
@@ -49,7 +50,14 @@ from vigil.aggregator.gate import Gate
 from vigil.aggregator.leadership import Leadership, SoleLeader
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.listener import BodyRefused, ConnectionGuard, read_body, tls_context
-from vigil.aggregator.metrics import CONTENT_TYPE, GC_GENERATIONS, ActingReadings, AggregatorMetrics, WorkersReading
+from vigil.aggregator.metrics import (
+    CONTENT_TYPE,
+    GC_GENERATIONS,
+    ActingReadings,
+    AggregatorMetrics,
+    FleetReadings,
+    WorkersReading,
+)
 from vigil.aggregator.operator_api import add_no_gate_routes, add_operator_routes
 from vigil.aggregator.outbox import Outbox
 from vigil.aggregator.redact import redact_json
@@ -77,6 +85,9 @@ BUSY_RETRY_SECONDS = 0.05
 # of the event loop (~0.1 ms each: a batch holds the loop ~25 ms, a quarter of the 100 ms intake
 # budget of issue #20).
 HELD_INGEST_BATCH = 250
+# A node whose reports keep naming more than its caps is logged at most this often (each entry is
+# counted in vigil_aggregator_refusals_total): an attack must not flood the log.
+REFUSED_ENTRIES_LOG_SECONDS = 60.0
 
 # The aggregator keeps every node's latest GPU, port and rank state alive: ~10^6 objects for a
 # 100k-GPU fleet, and each report allocates a few hundred more. With CPython's default
@@ -131,6 +142,12 @@ def background(name: str,
             await task
 
     return context
+
+
+def clock_state(node: NodeState, skewed: bool) -> dict[str, Any]:
+    """A node's clock as /v1/nodes shows it: its offset from the aggregator's clock (its latest
+    report's, less that report's delay) and whether it is beyond ``fleet.max_clock_skew_seconds``."""
+    return {"clock_offset_seconds": round(node.clock_skew_seconds, 3), "clock_skewed": skewed}
 
 
 def node_state(node: NodeState, findings: list[Finding], now: float, silent_after: float) -> str:
@@ -205,14 +222,21 @@ async def no_5xx_from_input(request: web.Request,
 
 
 def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
-             clock: Callable[[], float] = time.time, credentials: Credentials | None = None,
+             clock: Callable[[], float] | None = None, credentials: Credentials | None = None,
              dispatcher: Dispatcher | None = None, outbox: Outbox | None = None,
              judge_executor: Executor | None = None) -> web.Application:
     """The service as an aiohttp application (routes, auth, the periodic evaluator as a cleanup
     context). ``credentials`` default to the files named in ``config.auth``; ``outbox`` (the
     node-action requests) to one built from ``config`` (its key file read here), which the
     dispatcher then feeds with delivered reset_gpu drains. ``judge_executor`` runs the periodic
-    evaluations' detectors (default: one thread of the application's own, shut down with it)."""
+    evaluations' detectors (default: one thread of the application's own, shut down with it).
+    ``clock`` is the time everything is judged on (default: a ``SteadyClock`` started now, which a
+    step of the system clock cannot move; a test or the simulator passes its own)."""
+    if clock is None:
+        clock = SteadyClock()
+    steady = clock if isinstance(clock, SteadyClock) else None
+    wall = steady.wall if steady is not None else clock
+    clock_watch = FleetClockWatch(config.fleet.max_clock_skew_seconds, config.fleet.clock_offset_tolerance_seconds)
     if credentials is None:
         credentials = Credentials.load(config.auth)
         check_startable(config, credentials)
@@ -279,7 +303,25 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
                 readings.open_deliveries = None  # the store is failing: store_up says so
         return readings
 
-    metrics = AggregatorMetrics(state_counts, acting)
+    def fleet_readings() -> FleetReadings:
+        return FleetReadings(clocks=clock_watch.reading, offset_seconds=steady.offset_seconds() if steady else 0.0,
+                             steps={"aggregator": steady.steps if steady else 0, "fleet": clock_watch.fleet_steps},
+                             evictions=dict(engine.fleet.evicted))
+
+    def watch_clocks(now: float) -> None:
+        """Once an evaluation: a step of the aggregator's own clock, and the fleet's clocks against it
+        (logged and counted; nothing is judged on either)."""
+        if steady is not None and (stepped := steady.check()) is not None:
+            log.warning("the system clock stepped %+.1f s; judging goes on on the step-free clock (wall minus it: "
+                        "%+.1f s; persisted times keep that offset until a restart)", stepped, steady.offset_seconds())
+        before = clock_watch.fleet_steps
+        reading = clock_watch.observe(engine.fleet.clock_offsets(now - FLEET_CLOCK_HORIZON_SECONDS))
+        if clock_watch.fleet_steps != before:
+            log.warning("most of the fleet's clocks moved at once (median offset now %+.1f s from the aggregator's): "
+                        "a step of the site's time source, or of the aggregator's clock before it started",
+                        reading.median_offset_seconds)
+
+    metrics = AggregatorMetrics(state_counts, acting, fleet_readings)
     metrics.registry.register(node_actions.collector())
     refusals = metrics.refusals
 
@@ -321,6 +363,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     # Each held node's latest (boot id, seq): the base a compact report arriving meanwhile must name.
     held_last: dict[str, tuple[str, int]] = {}
     judging: Future[list[Finding]] | None = None
+    entries_refused_logged: dict[str, float] = {}  # node -> when its refused entries were last logged
     superseded = 0  # bumped when a synchronous evaluation takes over from an in-flight one
 
     def ingest(report: Report, now: float) -> bool:
@@ -329,12 +372,21 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         traceback and counted (VigilAggregatorIngestFailing), and never stops the reports after
         it (held ones included) nor the judging loop that ingests them."""
         try:
-            engine.ingest(report, now)
+            refused = engine.ingest(report, now)
         except Exception:
             metrics.ingest_failures.inc()
             log.exception("report %d of node %s (boot %s, version %d) failed to enter the fleet", report.seq,
                           report.node, report.boot_id, report.version)
             return False
+        if refused:  # entries over the node's caps or on another node's ranks
+            for reason, n in refused.items():
+                refusals.count("reports", reason, n)
+            last = entries_refused_logged.get(report.node)
+            if last is None or now - last >= REFUSED_ENTRIES_LOG_SECONDS:
+                entries_refused_logged[report.node] = now
+                log.warning("node %s: refused entries of its report %s (fleet.max_*_per_node, or ranks another "
+                            "node runs); logged once a minute per node, all counted", report.node,
+                            ", ".join(f"{reason}={n}" for reason, n in sorted(refused.items())))
         return True
 
     def intake(report: Report, now: float) -> bool:
@@ -363,7 +415,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
 
     def finished(admitted: list[Decision], started: float) -> None:
         metrics.evaluate_seconds.observe(time.perf_counter() - started)
-        metrics.last_evaluation.set(clock())
+        metrics.last_evaluation.set(wall())  # Prometheus compares it with its own wall clock
         if ledger is None:  # the ledger logs what it records
             for d in admitted:
                 log.info("decision %s: %s %s%s (%s) %s", d.id, d.action.value, d.node,
@@ -383,6 +435,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         admitted: list[Decision] = []
         try:
             now = clock()
+            watch_clocks(now)
             forget_departed(now)
             admitted = engine.evaluate(now)
         finally:
@@ -400,6 +453,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
                 asyncio.get_running_loop().call_later(BUSY_RETRY_SECONDS, wake.set)
                 return
             now = clock()
+            watch_clocks(now)
             forget_departed(now)
             view = engine.prepare(now)
         generation = superseded
@@ -510,6 +564,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
                 "last_seen": n.last_seen, "seconds_since_report": round(now - n.last_seen, 3),
                 "boot_id": n.boot_id, "seq": n.seq, "topology": n.topology, "gpus": len(n.gpus),
                 "ports": len(n.ports), "jobs": sorted({job for job, _ in n.ranks}), "findings": len(found),
+                **clock_state(n, engine.fleet.is_skewed(n)),
             })
         return web.json_response({"nodes": nodes})
 
@@ -527,6 +582,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             "seconds_since_report": round(now - n.last_seen, 3), "first_seen": n.first_seen,
             "boot_id": n.boot_id, "seq": n.seq, "reports": n.reports, "seq_gaps": n.seq_gaps,
             "reboots": n.reboots, "interval_seconds": n.interval_seconds, "topology": n.topology,
+            **clock_state(n, engine.fleet.is_skewed(n)),
             "nvml_available": n.nvml_available, "failed_collectors": n.failed_collectors,
             "gpus": [to_readable(g.last) for _, g in sorted(n.gpus.items())],
             "missing_gpus": sorted(n.missing_gpus),
@@ -714,9 +770,10 @@ async def check_actuators(dispatcher: Dispatcher, metrics: AggregatorMetrics) ->
 async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
                 on_ready: Callable[[str], None] | None = None) -> None:
     """Run the service until ``stop`` is set (or forever)."""
-    sink, dispatcher = build_sink(config, started=time.time())
+    clock = SteadyClock()  # everything is judged on it: a step of the system clock drains nobody
+    sink, dispatcher = build_sink(config, started=clock())
     engine = Engine(config, sink)
-    app = make_app(config, engine, sink, dispatcher=dispatcher)
+    app = make_app(config, engine, sink, dispatcher=dispatcher, clock=clock)
     tune_gc()
     ssl_context = tls_context(config.tls.cert_file, config.tls.key_file) \
         if config.tls.cert_file and config.tls.key_file else None

@@ -5,7 +5,10 @@ the fleet view, lets the topology pass merge shared faults, turns each episode i
 ``Decision`` (a new one when the fault repeats well after it was decided), and proposes every
 current episode to the sink each cycle: the sink knows what is already admitted, and a refused
 one is judged again. Time is always given (``now``), so the simulator drives it on a simulated
-clock and the app on the wall clock. It keeps no record of what was admitted: when the recovery
+clock and the app on its step-free clock (aggregator/clock.py): every duration the detectors and
+the gate judge (silence, windows, cooldowns, the breaker's window) is a difference of two readings
+of that one clock, never of two wall clocks, so a step of the system clock or of a node's drains
+nobody. It keeps no record of what was admitted: when the recovery
 detector is enabled it reads, each evaluation, the ledger's gate state (in memory, no I/O) for
 the nodes vigil removed and hands them to the detectors as ``FleetView.removed``. ``evaluate``
 is three steps (``prepare``, ``judge``, ``decide``) so that the service can run the detectors,
@@ -63,8 +66,9 @@ class Engine:
         self.last_findings: list[Finding] = []
         self.admitted_total = 0
 
-    def ingest(self, report: Report, now: float) -> None:
-        self.fleet.ingest(report, now)
+    def ingest(self, report: Report, now: float) -> dict[str, int]:
+        """``report`` into the fleet; the entries it refused, by reason (Fleet.ingest)."""
+        return self.fleet.ingest(report, now)
 
     def findings(self, now: float) -> list[Finding]:
         return self.judge(self.view(), now)

@@ -70,11 +70,42 @@ class FleetConfig(StrictModel):
     # beyond the silence detector's own action (minutes), so nothing still being judged is
     # dropped; a node back from a multi-day repair re-joins as new with a fresh baseline.
     forget_after_seconds: float = Field(default=86400.0, ge=60)
-    # A report whose own timestamp is further than this from the aggregator's clock is refused
-    # (a report from the future would otherwise make every later real report look replayed).
-    # NTP keeps a cluster within milliseconds; two minutes also covers a report retried once
-    # after a short outage.
+    # A node whose clock is further than this from the aggregator's is reported as skewed (its
+    # node state, vigil_aggregator_nodes_clock_skewed, VigilNodeClockSkewed); its reports and
+    # events are still taken, their times placed on the aggregator's clock. NTP keeps a cluster
+    # within milliseconds; two minutes is far beyond any drift, so only a step or a dead time
+    # source shows.
     max_clock_skew_seconds: float = Field(default=120.0, gt=0)
+    # A report's own time minus its receive time is the node's clock offset less the report's
+    # delay (the agent stamps a report just before sending it; its POST times out after 5 s). An
+    # offset within this of the one held is that delay, not a new offset: the held one (0 for a
+    # node within it of the aggregator: nothing is moved) places event and window times.
+    clock_offset_tolerance_seconds: float = Field(default=5.0, gt=0)
+    # State one node's credential can make the aggregator keep, over time and not only per report
+    # (the wire bounds a report: 256 GPUs, 256 ports, 1,024 ranks). What is over a cap is refused
+    # and counted (vigil_aggregator_refusals_total{door="reports"}, reason too_many_gpus,
+    # too_many_ports, too_many_counters, too_many_ranks, too_many_jobs); ports, ranks and jobs
+    # not in the node's latest report are evicted first, oldest first, so only a report listing
+    # more than a cap at once is refused. GPUs are never evicted: one that left the reports is
+    # the evidence of a GPU fallen off the bus. The largest nodes have 8 to 16 GPUs and as many
+    # RDMA ports (HGX/DGX: 8 ConnectX plus 2 BlueField ports of two each); 64 of each is four
+    # times that.
+    max_gpus_per_node: int = Field(default=64, ge=1, le=1 << 20)
+    max_ports_per_node: int = Field(default=64, ge=1, le=1 << 20)
+    # Counter names kept per port (a compact entry merges the ones that moved into the port's):
+    # mlx5 exposes ~30 port counters and ~60 hw_counters; a report entry carries at most 256.
+    max_counters_per_port: int = Field(default=256, ge=1, le=1 << 20)
+    # The agent holds at most 256 ranks and 16 jobs (training.max_ranks, training.max_jobs) and
+    # reports each while it lives and 15 minutes after: twice that here, so a site that raises the
+    # agent's limits has room before anything is refused. Raise these with them.
+    max_ranks_per_node: int = Field(default=512, ge=1, le=1 << 20)
+    max_jobs_per_node: int = Field(default=32, ge=1, le=1 << 20)
+    # A (job, rank) a node reported live (running or hung) within this long is that node's: another
+    # node's report naming it is refused for that entry (rank_owner_conflict) until the hold lapses.
+    # A rank that really moved (a requeued job on new nodes) ended on its old node first: its agent
+    # reports it "exited" within a collector cycle, which ends the hold at once; 30 s is twelve
+    # reports at 2.5 s, beyond a lost report or two of a node that still claims it.
+    rank_hold_seconds: float = Field(default=30.0, gt=0)
     # The sequence number of a boot may advance by at most this many reports per second since
     # the node's last accepted report, plus ``max_seq_jump``: enough for urgent pushes between
     # periodic ones, never the 2**62 jump that would make every real report look replayed.
@@ -550,7 +581,10 @@ class RankHistory:
         # evidence however many reports carry it); an agent without one gives the arrival time.
         self.windows: deque[tuple[float, float, float | None, int]] = deque(maxlen=maxlen)
 
-    def observe(self, s: RankSummary, node: str, ts: float, report_ts: float) -> None:
+    def observe(self, s: RankSummary, node: str, ts: float, report_ts: float, offset: float = 0.0) -> None:
+        """``offset``: the node's clock minus the aggregator's (NodeState.clock_offset_seconds): a
+        window's end is placed on the aggregator's clock, so a skewed node's windows line up with
+        its peers'."""
         self.node = node
         self.gpu = s.gpu
         self.last = s
@@ -559,7 +593,7 @@ class RankHistory:
         self.report_ts = report_ts
         compute = s.compute_seconds_p50 if s.compute_seconds_p50 is not None else s.step_seconds_p50
         if s.steps > 0 and compute is not None:
-            end = s.window_end_ts if s.window_end_ts is not None else ts
+            end = s.window_end_ts - offset if s.window_end_ts is not None else ts
             if not self.windows or self.windows[-1][0] < end:
                 self.windows.append((end, compute, s.comm_seconds_p50, s.steps))
 
@@ -580,6 +614,13 @@ class NodeState:
 
     def __init__(self, report: Report, now: float, config: FleetConfig) -> None:
         self.name = report.node
+        # The node's clock minus the aggregator's, as its latest report showed it (less that
+        # report's delay), and the offset that places its event and window times on the
+        # aggregator's clock: 0 within ``clock_offset_tolerance_seconds``, replaced only by an
+        # offset further than that from it (a step), so one window's end is placed the same in
+        # every report that repeats it.
+        self.clock_skew_seconds = report.ts - now
+        self.clock_offset_seconds = 0.0
         self.first_seen = now
         self.last_seen = now
         # When the state it holds was last reported (a replayed report refreshes last_seen only).
@@ -635,18 +676,19 @@ class Fleet:
         self._port_counters = frozenset(port_counters) if port_counters is not None else None
         self._nodes: dict[str, NodeState] = {}
         self._jobs: dict[str, JobState] = {}
+        # Entries dropped to keep a node within its caps, by kind (ports, ranks, jobs): the oldest
+        # of those its latest report no longer named (vigil_aggregator_fleet_evictions_total).
+        self.evicted: dict[str, int] = dict.fromkeys(EVICTION_KINDS, 0)
 
     def refusal(self, report: Report, now: float, pending: tuple[str, int] | None = None) -> tuple[str, str] | None:
-        """Why ``report`` must be refused against the receiver's clock and the node's last
-        report, as (reason, detail); None: it may be ingested. Reads state, changes nothing, so
-        a refused report leaves the fleet exactly as it was. ``pending``: the (boot id, seq) of
-        this node's latest accepted report not ingested yet (held while the detectors read)."""
+        """Why ``report`` must be refused against the node's last report, as (reason, detail);
+        None: it may be ingested. Reads state, changes nothing, so a refused report leaves the
+        fleet exactly as it was. ``pending``: the (boot id, seq) of this node's latest accepted
+        report not ingested yet (held while the detectors read). The report's own time is never
+        a reason: a node's clock may be off (it is measured at ingest, and reported), and ``now``
+        is the aggregator's step-free clock (aggregator/clock.py), so the seq bound below is a
+        difference of two of its readings."""
         cfg = self.config
-        skew, limit = report.ts - now, cfg.max_clock_skew_seconds
-        if skew > limit:
-            return "future_ts", f"report ts is {skew:.0f}s ahead of the aggregator's clock (max {limit:g}s)"
-        if -skew > limit:
-            return "stale_ts", f"report ts is {-skew:.0f}s behind the aggregator's clock (max {limit:g}s)"
         node = self._nodes.get(report.node)
         if report.base_seq is not None:
             last = pending if pending is not None else (node.boot_id, node.seq) if node is not None else None
@@ -663,6 +705,14 @@ class Fleet:
     def reporting_since(self, ts: float) -> int:
         """Nodes whose last accepted report arrived at or after ``ts`` (the breaker's budget base)."""
         return sum(1 for n in self._nodes.values() if n.last_seen >= ts)
+
+    def clock_offsets(self, since: float) -> dict[str, float]:
+        """Each node heard from at or after ``since``: its clock minus the aggregator's, as held
+        (0 within ``clock_offset_tolerance_seconds``)."""
+        return {n.name: n.clock_offset_seconds for n in self._nodes.values() if n.last_seen >= since}
+
+    def is_skewed(self, node: NodeState) -> bool:
+        return abs(node.clock_offset_seconds) > self.config.max_clock_skew_seconds
 
     def is_member(self, name: str, now: float) -> bool:
         """Whether decisions may name ``name``: it reported within ``forget_after_seconds``."""
@@ -682,15 +732,30 @@ class Fleet:
                     del job.ranks[rank]
         return gone
 
-    def ingest(self, report: Report, now: float) -> None:
+    def ingest(self, report: Report, now: float) -> dict[str, int]:
+        """Fold ``report``, received at ``now`` (the aggregator's step-free clock), into the fleet.
+        Returns the entries refused to keep the node within its caps or off another node's ranks,
+        by reason (empty: none); the report itself is always taken, its events whatever its entries."""
         cfg = self.config
         node = self._nodes.get(report.node)
+        refused: dict[str, int] = {}
         # A compact report's entries complete the state its base report left (refusal checked
         # the base; an entry with none, which no agent sends, is taken as it came).
         base_seen = node.state_seen if report.base_seq is not None and node is not None \
             and node.boot_id == report.boot_id else None
+        fresh = node is None
         if node is None:
             node = self._nodes[report.node] = NodeState(report, now, cfg)
+        elif report.boot_id == node.boot_id and report.seq <= node.seq:
+            # A replayed or reordered report of this boot (the seq alone says so: the node's clock
+            # may have stepped back): its counters are older than what we hold, so applying them
+            # would fake a reset. Keep its events, which dedup absorbs; its clock says nothing new.
+            self._ingest_events(node, report, now, refused)
+            node.last_seen = max(node.last_seen, now)
+            return refused
+        self._measure_clock(node, report, now)
+        if fresh:
+            pass
         elif report.boot_id != node.boot_id:
             node.reboots += 1
             node.boot_id = report.boot_id
@@ -709,12 +774,6 @@ class Fleet:
                 port.counters.forget_baseline()
                 port.max_rate_bits_per_second = None
                 port.active_this_boot = False
-        elif report.seq <= node.seq and report.ts <= node.last_report_ts:
-            # A replayed or reordered report of this boot: its counters are older than what we
-            # hold, so applying them would fake a reset. Keep its events, which dedup absorbs.
-            self._ingest_events(node, report)
-            node.last_seen = max(node.last_seen, now)
-            return
         elif report.seq != node.seq + 1:
             node.seq_gaps += 1
         node.seq = report.seq
@@ -747,8 +806,11 @@ class Fleet:
         seen: set[int] = set()
         for i, state in enumerate(report.gpus):
             index = state.index
-            seen.add(index)
             hist = gpus.get(index)
+            if hist is None and len(gpus) >= cfg.max_gpus_per_node:
+                _count(refused, "too_many_gpus")  # never evicted: a GPU gone from the reports is evidence
+                continue
+            seen.add(index)
             if hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
                 base = hist.last
                 if in_place and base is not hist.owned:  # the fleet's own copy, made once (``owned``)
@@ -772,11 +834,26 @@ class Fleet:
             if not seen <= known:
                 known |= seen
         ports = node.ports
+        max_counters = cfg.max_counters_per_port
+        idle_ports: list[PortHistory] | None = None  # those this report does not name, oldest last
         for i, pstate in enumerate(report.ports):
             key = (pstate.device, pstate.port)
             phist = ports.get(key)
             psent = None
             if phist is None:
+                if len(ports) >= cfg.max_ports_per_node:
+                    if idle_ports is None:
+                        named = {(p.device, p.port) for p in report.ports}
+                        idle_ports = sorted((p for k, p in ports.items() if k not in named),
+                                            key=attrgetter("last_seen"), reverse=True)
+                    if not idle_ports:
+                        _count(refused, "too_many_ports")
+                        continue
+                    oldest = idle_ports.pop()
+                    del ports[(oldest.device, oldest.port)]
+                    self.evicted["ports"] += 1
+                if len(pstate.counters) > max_counters:
+                    pstate = _within(pstate, {}, max_counters, refused)
                 phist = ports[key] = PortHistory(pstate, ts, maxlen, state_maxlen, self._port_counters)
             elif phist.last_seen == base_seen:
                 psent = pstate
@@ -784,43 +861,114 @@ class Fleet:
                 pbase = phist.last
                 if pbase is not phist.owned:
                     pbase = phist.owned = _copy_struct(pbase, counters=dict(pbase.counters))
+                if len(pbase.counters) + len(pstate.counters) > max_counters:
+                    pstate = psent = _within(pstate, pbase.counters, max_counters, refused)
                 pstate = _complete_cleared(complete.port, pbase, pstate, cleared.get(("ports", i), ())) \
                     if cleared else complete.port(pbase, pstate)
             phist.observe(pstate, ts, psent)
         jobs = self._jobs
         job: JobState | None = None
+        room: _RankRoom | None = None  # built at the first rank new to this node
+        offset = node.clock_offset_seconds
         for i, summary in enumerate(report.ranks):
             if job is None or job.name != summary.job:
                 job = jobs.get(summary.job)
+            rhist = job.ranks.get(summary.rank) if job is not None else None
+            if rhist is None or rhist.node != node.name:
+                # New to this node: another node's live rank stays its own, and the node's caps hold.
+                if rhist is not None:
+                    if summary.state == "exited":
+                        continue  # the tail of a rank that moved away: it claims nothing
+                    if (rhist.last.state != "exited" and now - rhist.last_seen < cfg.rank_hold_seconds
+                            and rhist.node in self._nodes):
+                        _count(refused, "rank_owner_conflict")
+                        continue
+                if room is None:
+                    room = _RankRoom(node, report)
+                why = self._make_room(node, room, summary.job)
+                if why is not None:
+                    _count(refused, why)
+                    continue
                 if job is None:
                     job = jobs[summary.job] = JobState(summary.job)
-                job.last_seen = ts
-            rhist = job.ranks.get(summary.rank)
-            if rhist is not None and rhist.last_seen == base_seen and rhist.node == node.name:
+                if rhist is None:
+                    rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
+                else:
+                    old = self._nodes.get(rhist.node)
+                    if old is not None:
+                        old.ranks.pop((summary.job, summary.rank), None)
+                node.ranks[(summary.job, summary.rank)] = rhist
+                room.jobs[summary.job] = room.jobs.get(summary.job, 0) + 1
+            elif rhist.last_seen == base_seen:
                 rbase = rhist.last
                 if in_place and rbase is not rhist.owned:
                     rbase = rhist.owned = _copy_struct(rbase)
                 summary = _complete_cleared(complete.rank, rbase, summary, cleared.get(("ranks", i), ())) \
                     if cleared else complete.rank(rbase, summary)
-            elif rhist is None:
-                rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
-                node.ranks[(summary.job, summary.rank)] = rhist
-            elif rhist.node != node.name:
-                old = self._nodes.get(rhist.node)
-                if old is not None:
-                    old.ranks.pop((summary.job, summary.rank), None)
-                node.ranks[(summary.job, summary.rank)] = rhist
-            rhist.observe(summary, node.name, ts, report.ts)
-        self._ingest_events(node, report)
+            job.last_seen = ts  # type: ignore[union-attr]  # rhist is one of its ranks
+            rhist.observe(summary, node.name, ts, report.ts, offset)
+        self._ingest_events(node, report, now, refused)
+        return refused
 
-    def _ingest_events(self, node: NodeState, report: Report) -> None:
+    def _measure_clock(self, node: NodeState, report: Report, now: float) -> None:
+        """The node's clock against the aggregator's, from a report newer than any before it."""
+        skew = node.clock_skew_seconds = report.ts - now
+        tolerance = self.config.clock_offset_tolerance_seconds
+        if abs(skew - node.clock_offset_seconds) > tolerance:
+            node.clock_offset_seconds = skew if abs(skew) > tolerance else 0.0
+
+    def _make_room(self, node: NodeState, room: _RankRoom, job_name: str) -> str | None:
+        """Room on ``node`` for one more rank of ``job_name``, evicting the oldest of the ranks and
+        jobs its report does not name; the refusal's reason when there is none."""
+        cfg = self.config
+        if job_name not in room.jobs and len(room.jobs) >= cfg.max_jobs_per_node:
+            idle = room.oldest_idle_job()
+            if idle is None:
+                return "too_many_jobs"
+            for key in [k for k in node.ranks if k[0] == idle]:
+                self._evict_rank(node, room, key)
+            self.evicted["jobs"] += 1
+        while len(node.ranks) >= cfg.max_ranks_per_node:
+            oldest = room.oldest_idle_rank()
+            if oldest is None:
+                return "too_many_ranks"
+            self._evict_rank(node, room, oldest)
+        return None
+
+    def _evict_rank(self, node: NodeState, room: _RankRoom, key: tuple[str, int]) -> None:
+        rhist = node.ranks.pop(key, None)
+        if rhist is None:
+            return
+        self.evicted["ranks"] += 1
+        job_name, rank = key
+        left = room.jobs[job_name] = room.jobs[job_name] - 1
+        if not left:
+            del room.jobs[job_name]
+        job = self._jobs.get(job_name)
+        if job is not None and job.ranks.get(rank) is rhist:
+            del job.ranks[rank]
+            if not job.ranks and job_name not in room.named_jobs:
+                del self._jobs[job_name]
+
+    def _ingest_events(self, node: NodeState, report: Report, now: float, refused: dict[str, int]) -> None:
+        """The report's events, their times placed on the aggregator's clock (the node's held
+        offset; never after the report's arrival)."""
+        offset = node.clock_offset_seconds
         for event in report.events:
-            node.events.append((event.ts, event))
+            ts = event.ts - offset if offset else event.ts
+            if ts > now and offset:
+                ts = now
+            node.events.append((ts, event))
             if event.kind == "xid" and event.code is not None:
-                self._record_xid(node, event)
+                self._record_xid(node, event, ts, refused)
 
-    def _record_xid(self, node: NodeState, event: Event) -> None:
+    def _record_xid(self, node: NodeState, event: Event, ts: float, refused: dict[str, int]) -> None:
+        """``event`` (an Xid) at ``ts`` on the aggregator's clock into its GPU's ring, de-duplicated."""
         gpu = event.gpu
+        if gpu is not None and gpu not in node.xids and len(node.xids) >= self.config.max_gpus_per_node:
+            # Beyond the node's GPUs: kept for the node as a whole (never dropped), counted.
+            _count(refused, "too_many_gpus")
+            gpu = None
         if gpu is None:
             for hist in node.gpus.values():
                 if (event.pci_bus_id and hist.last.pci_bus_id
@@ -833,13 +981,13 @@ class Fleet:
             ring = node.xids[gpu] = deque(maxlen=self.config.event_history)
         window = self.config.xid_dedup_seconds
         for rec in reversed(ring):
-            if rec.code == event.code and abs(rec.ts - event.ts) <= window:
+            if rec.code == event.code and abs(rec.ts - ts) <= window:
                 rec.count = max(rec.count, event.count)
                 rec.sources.add(event.source)
                 return
-            if event.ts - rec.ts > window:
+            if ts - rec.ts > window:
                 break
-        ring.append(XidRecord(event.code or 0, event.ts, event.count, event.message, {event.source}))
+        ring.append(XidRecord(event.code or 0, ts, event.count, event.message, {event.source}))
 
     def note_action_request(self, request: NodeActionRequest) -> None:
         """A request the outbox made for ``request.node`` (its expiry is what the detector waits to)."""
@@ -865,6 +1013,66 @@ class Fleet:
 
     def view(self, removed: Mapping[str, Removal] | None = None) -> FleetView:
         return FleetView(self._nodes, self._jobs, removed, agent_resets=self.agent_resets)
+
+
+EVICTION_KINDS = ("ports", "ranks", "jobs")
+
+
+def _count(refused: dict[str, int], reason: str) -> None:
+    refused[reason] = refused.get(reason, 0) + 1
+
+
+def _within(sent: PortState, held: Mapping[str, int], limit: int, refused: dict[str, int]) -> PortState:
+    """``sent`` with the counters it names beyond ``limit`` names (with those already ``held``)
+    left out, each counted: a port cannot grow the aggregator one counter name a report."""
+    room = limit - len(held)
+    counters: dict[str, int] = {}
+    for name, value in sent.counters.items():
+        if name in held:
+            counters[name] = value
+        elif room > 0:
+            counters[name] = value
+            room -= 1
+        else:
+            _count(refused, "too_many_counters")
+    return msgspec.structs.replace(sent, counters=counters)
+
+
+class _RankRoom:
+    """A node's ranks and jobs as one report changes them: how many ranks each job has there, and
+    those the report does not name, oldest first: the ones evicted when a cap is reached. Built
+    once per report, at its first rank new to the node."""
+
+    __slots__ = ("_idle_jobs", "_idle_ranks", "_ranks", "jobs", "named_jobs")
+
+    def __init__(self, node: NodeState, report: Report) -> None:
+        named = {(s.job, s.rank) for s in report.ranks}
+        self.named_jobs = {job for job, _ in named}
+        self._ranks = node.ranks
+        self.jobs: dict[str, int] = {}
+        newest: dict[str, float] = {}
+        for (job, _), rhist in node.ranks.items():
+            self.jobs[job] = self.jobs.get(job, 0) + 1
+            if job not in self.named_jobs:
+                newest[job] = max(newest.get(job, -math.inf), rhist.last_seen)
+        # Newest first: the oldest is popped from the end.
+        self._idle_ranks = sorted((k for k in node.ranks if k not in named),
+                                  key=lambda k: node.ranks[k].last_seen, reverse=True)
+        self._idle_jobs = sorted(newest, key=newest.__getitem__, reverse=True)
+
+    def oldest_idle_rank(self) -> tuple[str, int] | None:
+        while self._idle_ranks:
+            key = self._idle_ranks.pop()
+            if key in self._ranks:
+                return key
+        return None
+
+    def oldest_idle_job(self) -> str | None:
+        while self._idle_jobs:
+            job = self._idle_jobs.pop()
+            if job in self.jobs:
+                return job
+        return None
 
 
 def _keep(table: dict[str, _V], key: str, value: _V) -> None:

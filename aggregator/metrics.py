@@ -5,9 +5,10 @@ ingest and evaluation, reports how many nodes are in each state, and shows the a
 decisions by action, detector and verdict, deliveries by actuator and outcome, pending and
 dead-lettered deliveries, the circuit breaker, store errors, leadership (and the progress it
 follows, fencing), actuator reachability, each actuator's own workers and deadlines passed, the
-event loop's lag and the garbage collector's pauses. It uses its own registry (no process-global
-state), so tests and the simulator can build as many as they like. It neither judges nor serves;
-app.py mounts ``render`` and supplies the readings.
+event loop's lag and the garbage collector's pauses, and the clocks (the aggregator's steps, the
+skewed nodes) and the entries the fleet evicted to stay within its caps. It uses its own registry
+(no process-global state), so tests and the simulator can build as many as they like. It neither
+judges nor serves; app.py mounts ``render`` and supplies the readings.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector as PromCollector
 
 from vigil.aggregator.auth import Refusals
+from vigil.aggregator.clock import ClockReading
+from vigil.aggregator.fleet import EVICTION_KINDS
 from vigil.build_info import register_build_info
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -103,6 +106,58 @@ class WorkersReading:
     busy: int
     oldest_seconds: float  # how long the longest-running delivery or check has held its worker
     stalled: bool  # the last exchange cut off at the deadline, or every worker busy past it
+
+
+CLOCK_STEP_SOURCES = ("aggregator", "fleet")
+
+
+@dataclass
+class FleetReadings:
+    """The clocks and the fleet's bounds at one scrape; app.py assembles it from its clock, the
+    fleet clock watch and the fleet."""
+
+    clocks: ClockReading = field(default_factory=ClockReading)
+    offset_seconds: float = 0.0  # the aggregator's wall clock minus its step-free clock
+    steps: Mapping[str, int] = field(default_factory=dict)  # CLOCK_STEP_SOURCES -> steps seen
+    evictions: Mapping[str, int] = field(default_factory=dict)  # EVICTION_KINDS -> entries evicted
+
+
+class _Fleet(PromCollector):
+    def __init__(self, readings: Callable[[], FleetReadings]) -> None:
+        self._readings = readings
+
+    def collect(self) -> Iterator[Metric]:
+        r = self._readings()
+        yield GaugeMetricFamily("vigil_aggregator_clock_offset_seconds",
+                                "The aggregator's wall clock minus the step-free clock it judges on (0 until "
+                                "the system clock is stepped; persisted times are off by this until a restart).",
+                                value=r.offset_seconds)
+        steps = CounterMetricFamily("vigil_aggregator_clock_steps", "Clock steps seen, by clock: aggregator (its "
+                                    "own wall clock moved against its monotonic one) or fleet (most nodes' clocks "
+                                    "moved by about the same offset at once). Neither changes any judgement.",
+                                    labels=["clock"])
+        for source in CLOCK_STEP_SOURCES:
+            steps.add_metric([source], r.steps.get(source, 0))
+        yield steps
+        yield GaugeMetricFamily("vigil_aggregator_fleet_clock_offset_seconds",
+                                "The median of the nodes' clocks minus the aggregator's (nodes heard from within "
+                                "5 minutes): far from 0, the aggregator's clock is the odd one.",
+                                value=r.clocks.median_offset_seconds)
+        yield GaugeMetricFamily("vigil_aggregator_nodes_clock_skewed",
+                                "Nodes whose clock is further than fleet.max_clock_skew_seconds from the "
+                                "aggregator's (their reports are still used, their times placed on its clock).",
+                                value=r.clocks.skewed)
+        named = GaugeMetricFamily("vigil_aggregator_node_clock_skew_seconds",
+                                  "A skewed node's clock minus the aggregator's (the 20 furthest).", labels=["node"])
+        for node, offset in r.clocks.furthest:
+            named.add_metric([node], offset)
+        yield named
+        evictions = CounterMetricFamily("vigil_aggregator_fleet_evictions", "Entries the fleet dropped to keep a "
+                                        "node within its caps (fleet.max_*_per_node), by kind: the oldest a node's "
+                                        "latest report no longer named.", labels=["kind"])
+        for kind in EVICTION_KINDS:
+            evictions.add_metric([kind], r.evictions.get(kind, 0))
+        yield evictions
 
 
 class _Acting(PromCollector):
@@ -216,7 +271,8 @@ class _Acting(PromCollector):
 
 class AggregatorMetrics:
     def __init__(self, node_states: Callable[[], Mapping[str, int]],
-                 acting: Callable[[], ActingReadings] | None = None) -> None:
+                 acting: Callable[[], ActingReadings] | None = None,
+                 fleet: Callable[[], FleetReadings] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.reports = Counter("vigil_aggregator_reports", "Reports accepted and ingested.", registry=r)
@@ -267,6 +323,7 @@ class AggregatorMetrics:
         r.register(_NodeStates(node_states))
         self.refusals = Refusals(r)  # every door's refusals (aggregator/auth.py declares it)
         r.register(_Acting(acting or ActingReadings))
+        r.register(_Fleet(fleet or FleetReadings))
         register_build_info(r, "aggregator")
 
     def count_events(self, kinds: Iterable[str]) -> None:

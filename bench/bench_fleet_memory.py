@@ -8,6 +8,11 @@ node, and how many of its objects the cyclic garbage collector walks; then the s
 ``fleet.forget_after_seconds``, and what is left once they are forgotten (departed nodes leave
 memory).
 
+Cardinality (issue 37): one node's valid credential sending, in every report, a new job name for
+each of its 1,024 ranks (or 1,024 new ranks of one job), 16 new GPU indices and 16 new ports with
+new counter names, beside an honest node: what the fleet holds for it after CARDINALITY_ROUNDS and
+after four times as many (flat: the per-node caps hold it), against CARDINALITY_BUDGET_KIB.
+
 Intake: the real application (aiohttp, on loopback, in this process) holding a fleet of
 JUDGED_NODES nodes, evaluated every EVALUATE_SECONDS with every default detector, while a probe
 posts real reports of those nodes at PROBE_PER_SECOND and times each answer from when it was due
@@ -65,6 +70,58 @@ class InlineExecutor(Executor):
         except Exception as exc:  # noqa: BLE001 - handed to the awaiting side, as a thread pool does
             future.set_exception(exc)
         return future
+
+
+# Reports of the attack measured: at the 20 reports a second the seq bound lets one node send, 100
+# is 5 s of it; the flat check compares with four times as many.
+CARDINALITY_ROUNDS = 100
+# What one node's credential may make the aggregator hold, at the default caps (fleet.max_*_per_node):
+# 512 ranks with their windows, 64 GPU and 64 port histories (1.2 MiB measured). 2 MiB a node is 25 GiB only if every
+# one of 12,500 nodes attacked at once; an attacker's own node is the usual bound.
+CARDINALITY_BUDGET_KIB = 2048.0
+
+
+def _attack_report(n: int, ts: float, new_jobs: bool) -> Report:
+    """Report ``n`` of the attacking node: every rank, GPU, port and counter name in it is new."""
+    ranks = [{"job": f"atk-{n}-{r}" if new_jobs else "atk", "rank": r if new_jobs else 1024 * n + r,
+              "window_seconds": 5.0, "window_end_ts": ts, "steps": 3, "last_step": 100, "last_progress_ts": ts,
+              "step_seconds_p50": 1.1, "compute_seconds_p50": 1.0, "comm_seconds_p50": 0.1} for r in range(1024)]
+    gpus = [{"index": 256 * n + i, "uuid": f"GPU-atk-{n}-{i}"} for i in range(16)]
+    ports = [{"device": f"atk{n}_{p}", "port": 1, "counters": {f"c{n}_{p}_{k}": k for k in range(64)}}
+             for p in range(16)]
+    return convert({"node": "mallory", "boot_id": "mallory-boot", "seq": n + 1, "ts": ts,
+                    "interval_seconds": INTERVAL_SECONDS, "ranks": ranks, "gpus": gpus, "ports": ports}, Report)
+
+
+def cardinality() -> list[Measurement]:
+    rows = []
+    for new_jobs, what in ((True, "a new job per rank per report"), (False, "1,024 new ranks per report")):
+        fleet = Engine(parse_config({}), RecordingSink()).fleet
+        t0 = 1.7e9
+        fleet.ingest(_attack_report(0, t0, new_jobs), t0)  # one-offs (interned names, code paths)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            held: list[float] = []
+            refused = 0
+            for n in range(1, 4 * CARDINALITY_ROUNDS + 1):
+                ts = t0 + n * 0.05
+                refused += sum(fleet.ingest(_attack_report(n, ts, new_jobs), ts).values())
+                if n in (CARDINALITY_ROUNDS, 4 * CARDINALITY_ROUNDS):
+                    gc.collect()
+                    held.append(tracemalloc.get_traced_memory()[0] - before)
+        finally:
+            tracemalloc.stop()
+        node = fleet.view().nodes["mallory"]
+        rows.append(Measurement(
+            f"aggregator memory held for one node under the cardinality attack ({what})", round(held[1] / 1024),
+            "KiB", CARDINALITY_BUDGET_KIB,
+            note=f"tracemalloc after {4 * CARDINALITY_ROUNDS} attack reports ({held[0] / 1024:,.0f} KiB after "
+                 f"{CARDINALITY_ROUNDS}: flat); it holds {len(node.ranks)} ranks, "
+                 f"{len({j for j, _ in node.ranks})} jobs, {len(node.gpus)} GPUs, {len(node.ports)} ports; "
+                 f"{refused:,} entries refused, {sum(fleet.evicted.values()):,} evicted"))
+    return rows
 
 
 def _report(template: dict[str, Any], n: int, seq: int, ts: float) -> Report:
@@ -194,7 +251,7 @@ def measure() -> list[Measurement]:
     thresholds, switch = gc.get_threshold(), sys.getswitchinterval()
     tune_gc()  # the service's own collector and thread-switch settings
     try:
-        return memory() + intake()
+        return memory() + cardinality() + intake()
     finally:
         gc.set_threshold(*thresholds)
         sys.setswitchinterval(switch)

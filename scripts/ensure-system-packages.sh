@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages whose real programs the tests run (promtool, prometheus,
-# alertmanager, node_exporter, victoria-metrics/vmalert, slurmctld/slurmd/munged, PostgreSQL) when they are
-# missing and we are root.
+# alertmanager, node_exporter, victoria-metrics/vmalert, slurmctld/slurmd/munged, PostgreSQL, faketime)
+# when they are missing and we are root.
 # Without root it says what is missing; the tests that need a program then skip with that reason.
 set -euo pipefail
 
@@ -20,6 +20,7 @@ declare -A need=(
   [kubectl]=kubernetes-client
   [buildah]=buildah
   [debootstrap]=debootstrap
+  [faketime]=faketime
 )
 missing=()
 for bin in "${!need[@]}"; do

@@ -151,8 +151,9 @@ class AggregatorProcess:
         self.log_path = root / "aggregator.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, nofile: int | None = None) -> None:
-        """``nofile``: the process's open-file limit (RLIMIT_NOFILE), to provoke EMFILE."""
+    def start(self, nofile: int | None = None, env: dict[str, str] | None = None) -> None:
+        """``nofile``: the process's open-file limit (RLIMIT_NOFILE), to provoke EMFILE; ``env``: more
+        environment (libfaketime's, to step its clock)."""
 
         def limit() -> None:
             if nofile is not None:
@@ -165,7 +166,7 @@ class AggregatorProcess:
                 cwd=REPO,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(REPO)},
+                env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
                 preexec_fn=limit if nofile is not None else None,
             )
         finally:

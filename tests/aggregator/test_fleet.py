@@ -95,7 +95,9 @@ def test_job_membership_follows_rank_summaries_and_idle_jobs_are_forgotten():
     fleet.ingest(a.report(0.0), 0.0)
     fleet.ingest(b.report(0.0), 0.0)
     assert fleet.view().jobs["j"].nodes() == {"a", "b"}
-    # rank 1 moves to node a (job restarted elsewhere)
+    # rank 1 moves to node a (job restarted elsewhere): its process on b ended first
+    b.ranks = [rank_summary("j", 1, compute=1, comm=0.1, ts=2.5, state="exited")]
+    fleet.ingest(b.report(2.5), 2.5)
     a.ranks.append(rank_summary("j", 1, compute=1, comm=0.1, ts=5.0))
     fleet.ingest(a.report(5.0), 5.0)
     assert fleet.view().jobs["j"].nodes() == {"a"}
