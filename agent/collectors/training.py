@@ -251,6 +251,8 @@ class _Tail:
 
 
 _VERIFIED: frozenset[Trust] = frozenset(("scheduler", "in_process"))
+# Refusals that say someone tried to speak for another job or rank, or to forge text: logged.
+_LOGGED_REASONS = frozenset(("job_mismatch", "rank_taken", "bad_text", "too_many_unverified_jobs"))
 
 
 def job_key_of(claim: str, sender: Sender) -> tuple[str, str] | str:
@@ -306,7 +308,11 @@ class TrainingCollector:
         reason = self._ingest(payload, now, sender)
         if reason is not None:
             with self._lock:
+                first = self._rejected[reason] == 0
                 self._rejected[reason] += 1
+            if first and reason in _LOGGED_REASONS:  # once per reason: a flood must not become a log flood
+                log.warning("heartbeat refused (%s) from pid %s uid %s (%s); further refusals are only counted "
+                            "in %s", reason, sender.pid, sender.uid, sender.trust, REJECTED.name)
         return reason
 
     def _ingest(self, payload: bytes, now: float, sender: Sender) -> str | None:
