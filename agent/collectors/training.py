@@ -72,20 +72,22 @@ class TrainingConfig(CollectorConfig):
     # /metrics and the report, so it runs at the report cadence rather than every second.
     interval_seconds: float = Field(default=2.5, gt=0)
     # The node-local heartbeat address: UDP datagrams, and (http: true) POST /v1/heartbeat over TCP
-    # on the same host:port. Neither carries the sender's identity, so what arrives there is
-    # refused (counted, reason "unverified") unless accept_unverified is true; then it is keyed
-    # unverified/<name> and never takes a job slot from a verified job (docs/training.md).
+    # on the same host:port, from loopback peers only. Neither carries the sender's identity
+    # (see accept_unverified); the Unix socket does.
     udp_listen: HostPort = "127.0.0.1:9401"
     http: bool = True
+    # UDP and HTTP heartbeats carry no sender identity: refused (counted, reason "unverified")
+    # unless true; then keyed unverified/<name>, with their own job cap, never a scheduler's job.
     accept_unverified: bool = False
-    # The heartbeat Unix datagram socket: every datagram carries its sender's pid and uid, as the
-    # kernel knows them (SCM_CREDENTIALS), and the pid's cgroup names its Slurm job or pod. The
-    # heartbeat client sends here by default (docs/security-agent.md).
+    # The heartbeat Unix datagram socket (the client's default: /run/vigil/heartbeat.sock). Every
+    # datagram carries its sender's pid and uid as the kernel knows them (SCM_CREDENTIALS), and
+    # the pid's cgroup names its Slurm job or pod: the job's key (docs/training.md "Job identity").
     unix_socket: str | None = None
-    # Anyone on the node may write to the socket by default: what a sender can claim is bound to
-    # its own verified process, so a wider mode lets no one speak for another job (0660 with
-    # unix_socket_group narrows who may send at all).
+    # The socket's mode; default 0666 (438): any local process may send, because what a sender
+    # can claim is bound to its own verified process and job. 0660 with unix_socket_group
+    # narrows who may send at all.
     unix_socket_mode: int = Field(default=0o666, ge=0, le=0o777)
+    # The socket's group (a name or gid), with a unix_socket_mode such as 0660; unset: the agent's.
     unix_socket_group: str | None = None
     # A verified sender in no Slurm job or pod: refused (counted, "unscheduled"), or with by_uid
     # keyed uid/<uid>/<name> (bare-metal sites without a scheduler), with the unverified cap.
@@ -114,6 +116,8 @@ class TrainingConfig(CollectorConfig):
     # file); unverified and uid-keyed ones have their own, smaller cap and give way to verified
     # ranks when the node's rank table is full, so invented names never lock a real job out.
     max_jobs: int = Field(default=16, ge=1)
+    # Jobs per node from unverified (accept_unverified) and uid-keyed senders, apart from
+    # max_jobs: a few for a site's opted-in tools, never enough to matter to a real job.
     max_unverified_jobs: int = Field(default=4, ge=0)
     max_ranks: int = Field(default=256, ge=1)  # per node: 8 GPUs, with room for CPU-side ranks
     # One job's ranks on this node: 8 GPUs with up to 8 processes each (MPS, CPU-side ranks), so
