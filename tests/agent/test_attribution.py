@@ -140,16 +140,8 @@ def _stat(pid: int, start_ticks: int) -> str:
     return f"{pid} (py (x) y) S 1 " + " ".join(["0"] * 17) + f" {start_ticks} 0 0\n"
 
 
-class Monotonic:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_sender_identities_are_cached_per_pid_and_start_time(tmp_path: Path) -> None:
-    clock = Monotonic()
+    clock = Clock()
     identities = ProcessIdentities(tmp_path, max_entries=2, ttl_seconds=30.0, monotonic=clock)
     proc_tree(tmp_path, 500, "slurm-v2-fox.cgroup")
     (tmp_path / "500" / "stat").write_text(_stat(500, 1000))

@@ -181,7 +181,9 @@ def test_example_training_loop_heartbeats_are_accepted_by_the_collector(tmp_path
         collector = TrainingCollector(TrainingConfig(), pid_alive=lambda pid: True)
         for _ in range(3):
             data, ancillary, _, _ = listener.recvmsg(4096, socket.CMSG_SPACE(12))
-            pid, uid, _ = credentials_of(ancillary)
+            credentials = credentials_of(ancillary)
+            assert credentials is not None
+            pid, uid, _ = credentials
             assert (pid, uid) == (child.pid, os.getuid())
             assert collector.ingest(data, 1000.0, Sender("scheduler", job="4242", pid=pid, uid=uid)) is None
     collection = collector.collect(1005.0)  # the window [1000, 1005) is complete

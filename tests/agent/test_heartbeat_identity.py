@@ -17,21 +17,21 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.agent.proc_table import UNSCHEDULED, in_slurm_job, place
+from tests.aggregator.aggregator_process import wait_for
 from tests.loopback import free_port
+from tests.pidfile import stop_children
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_SECONDS = 30.0
@@ -87,22 +87,11 @@ class AgentProcess:
                 return float(match.group(3))
         return None
 
-    def wait_for(self, what: str, ready: object) -> None:
-        deadline = time.monotonic() + DEADLINE_SECONDS
-        while time.monotonic() < deadline:
-            if ready():  # type: ignore[operator]
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"{what}: not within {DEADLINE_SECONDS} s")
+    def wait_for(self, what: str, ready: Callable[[], bool]) -> None:
+        wait_for(what, ready, DEADLINE_SECONDS)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_children([self.proc], 10.0)
         self.log.close()
 
 
@@ -228,11 +217,7 @@ def test_forged_claims_squatting_and_a_bad_label_leave_the_real_job_watched(
         assert agent.metric("vigil_collector_success", collector="training") == 1
     finally:
         if victim.stdin is not None:
-            victim.stdin.close()
-        try:
-            victim.wait(10)
-        except subprocess.TimeoutExpired:
-            victim.kill()
-            victim.wait(5)
+            victim.stdin.close()  # EOF: the victim's loop ends
+        stop_children([victim], 10.0)  # type: ignore[list-item]
         if victim.stdout is not None:
             victim.stdout.close()
