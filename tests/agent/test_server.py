@@ -238,3 +238,16 @@ async def test_the_metrics_listener_bounds_open_connections() -> None:
             w.close()
         server.close()
         await runner.cleanup()
+
+
+async def test_the_socket_mode_and_group_are_the_sites_choice(tmp_path: Path) -> None:
+    intake, _ = _intake()
+    path = str(tmp_path / "hb.sock")
+    narrow = await start_unix(intake, path, 0o660, str(os.getgid()))
+    try:
+        st = Path(path).stat()
+        assert (st.st_mode & 0o777, st.st_gid) == (0o660, os.getgid())
+    finally:
+        narrow.close()
+    with pytest.raises(OSError, match="no such group"):
+        await start_unix(intake, path, 0o660, "no-such-group-vigil")
