@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from vigil import __version__
+from vigil.agent.attribution import ProcessIdentities
 from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.collector import Collection, Collector
 from vigil.agent.config import AgentConfig
@@ -39,6 +40,7 @@ from vigil.agent.server import (
     ConnectionLimit,
     HeartbeatIntake,
     HeartbeatSink,
+    UnixHeartbeats,
     is_loopback_host,
     make_app,
     make_heartbeat_app,
@@ -138,7 +140,11 @@ class Agent:
             telemetry_seconds=target.telemetry_seconds)
             for i, url in enumerate(target.targets or [None])]
         self.reporter = self.reporters[0]
-        self.heartbeats = HeartbeatIntake(self.heartbeat_sink(), seams.clock)
+        training = config.collectors.training
+        self.heartbeats = HeartbeatIntake(
+            self.heartbeat_sink(), seams.clock,
+            identities=ProcessIdentities(Path(training.proc_root) if training.proc_root else seams.proc_root),
+            accept_unverified=training.accept_unverified, unscheduled=training.unscheduled)
         self.connections = ConnectionLimit(config.listen_max_connections)
         intervals = {}
         for c in self.collectors:
@@ -244,6 +250,11 @@ class Agent:
             log.warning("collectors.training.udp_listen %s is not a loopback address: heartbeats from other "
                         "hosts are refused and counted (not_local); pods reach the agent through "
                         "collectors.training.unix_socket", cfg.udp_listen)
+        if not cfg.unix_socket:
+            log.warning("collectors.training.unix_socket is not set: heartbeats can only come over UDP/HTTP, "
+                        "which carry no sender identity (%s)",
+                        "accepted as unverified" if cfg.accept_unverified
+                        else "refused: collectors.training.accept_unverified is off")
         listeners.datagrams.append(await _bind(start_udp(self.heartbeats, host, port), cfg.udp_listen,
                                               "collectors.training.udp_listen"))
         if cfg.http:
@@ -252,11 +263,13 @@ class Agent:
             await _bind(web.TCPSite(listeners.http, host, port).start(), cfg.udp_listen,
                         "collectors.training.udp_listen (http)")
         if cfg.unix_socket:
-            listeners.datagrams.append(await _bind(start_unix(self.heartbeats, cfg.unix_socket), cfg.unix_socket,
-                                              "collectors.training.unix_socket"))
+            listeners.unix = await _bind(start_unix(self.heartbeats, cfg.unix_socket, cfg.unix_socket_mode,
+                                                    cfg.unix_socket_group),
+                                         cfg.unix_socket, "collectors.training.unix_socket")
             listeners.unix_socket = (cfg.unix_socket, os.stat(cfg.unix_socket).st_ino)
-        log.info("heartbeats on %s (UDP%s)%s", cfg.udp_listen, ", HTTP" if cfg.http else "",
-                 f" and unix:{cfg.unix_socket}" if cfg.unix_socket else "")
+        log.info("heartbeats on %s%s (UDP%s, %s)", f"unix:{cfg.unix_socket} and " if cfg.unix_socket else "",
+                 cfg.udp_listen, ", HTTP" if cfg.http else "",
+                 "unverified, accepted" if cfg.accept_unverified else "unverified, refused")
 
 
 class _Listeners:
@@ -266,11 +279,14 @@ class _Listeners:
         self.server: asyncio.Server | None = None
         self.http: web.AppRunner | None = None
         self.datagrams: list[asyncio.DatagramTransport] = []
+        self.unix: UnixHeartbeats | None = None
         self.unix_socket: tuple[str, int] | None = None  # (path, inode): remove ours, never a successor's
 
     async def close(self) -> None:
         for transport in self.datagrams:
             transport.close()
+        if self.unix is not None:
+            self.unix.close()
         if self.unix_socket is not None:
             path, inode = self.unix_socket
             with contextlib.suppress(OSError):

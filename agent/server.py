@@ -1,32 +1,37 @@
 """The agent's listeners: /metrics, /healthz and /v1/state on ``listen``; heartbeats on node-local ones.
 
 /metrics renders the cached snapshot (a scrape never touches hardware); /v1/state is the snapshot
-and the last report as JSON. Heartbeats are trusted input about a job, so they are taken only from
-processes on this node: UDP datagrams and HTTP ``POST /v1/heartbeat`` on a loopback address, and
-datagrams on a Unix socket. Every heartbeat listener also checks the socket's peer address (never a
-header), and the /metrics listener takes no heartbeat at all; refusals are counted in
-``vigil_agent_heartbeats_rejected_total{reason}``. Accepted payloads go to the training collector's
-``ingest``, which validates and counts them. This module collects nothing itself.
+and the last report as JSON. Heartbeats steer what vigil does to a job, so each is bound to who sent
+it: on the Unix socket every datagram carries its sender's pid and uid as the kernel knows them
+(SCM_CREDENTIALS), and the pid's cgroup names its Slurm job or pod (agent.attribution); UDP and HTTP
+``POST /v1/heartbeat`` on loopback carry no such proof and are refused unless the site opts in.
+Every heartbeat listener checks the socket's peer (never a header), and the /metrics listener takes
+no heartbeat at all; refusals for who sent them are counted in
+``vigil_agent_heartbeats_rejected_total{reason}``. Accepted payloads go, with their ``Sender``, to
+the training collector's ``ingest``, which validates and counts them. This module collects nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import ipaddress
 import json
 import logging
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from aiohttp import web
 
+from vigil.agent.attribution import UNVERIFIED, ProcessIdentities, Sender, job_key
 from vigil.agent.exporter import CONTENT_TYPE
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.snapshot import Snapshot
@@ -44,11 +49,20 @@ HEARTBEAT_PATH = "/v1/heartbeat"
 # A connection that has not sent a whole request (or sits idle between requests) this long is
 # closed: aiohttp's keep-alive timer runs from accept and is not reset by dribbled headers.
 IDLE_TIMEOUT_SECONDS = 10.0
-REFUSE_REASONS = ("not_local", "metrics_listener")
+# Datagrams read from the Unix socket per wake-up of the event loop: a flood waits its turn behind
+# scrapes and reports instead of holding the loop (the rest stay in the socket's kernel queue).
+MAX_DATAGRAMS_PER_WAKEUP = 64
+# struct ucred (pid_t pid; uid_t uid; gid_t gid), as SCM_CREDENTIALS carries it (unix(7)).
+_UCRED = struct.Struct("iII")
+_ANCILLARY_BYTES = socket.CMSG_SPACE(_UCRED.size)
+REFUSE_REASONS = ("not_local", "metrics_listener", "unverified", "no_credentials", "sender_unknown", "unscheduled")
 HEARTBEATS_REFUSED = MetricSpec(
     "vigil_agent_heartbeats_rejected_total", MetricKind.COUNTER,
-    "Heartbeats refused for where they came from: not_local (the socket's peer is not on this node), "
-    "metrics_listener (sent to the /metrics listener, which takes none).", labels=("reason",))
+    "Heartbeats refused for who sent them: not_local (the socket's peer is not on this node), "
+    "metrics_listener (sent to the /metrics listener, which takes none), unverified (UDP/HTTP, which "
+    "carry no sender identity, while collectors.training.accept_unverified is off), no_credentials "
+    "(a Unix datagram without a pid the agent can see), sender_unknown (the sending process was gone "
+    "or unreadable), unscheduled (a sender in no Slurm job or pod).", labels=("reason",))
 CONNECTIONS_REFUSED = MetricSpec(
     "vigil_agent_connections_refused_total", MetricKind.COUNTER,
     "Connections to the /metrics listener closed at accept because listen_max_connections were open.")
@@ -56,7 +70,10 @@ SERVER_SPECS = (HEARTBEATS_REFUSED, CONNECTIONS_REFUSED)
 
 
 class HeartbeatSink(Protocol):
-    def ingest(self, payload: bytes, now: float) -> str | None: ...
+    def ingest(self, payload: bytes, now: float, sender: Sender) -> str | None: ...
+
+
+Credentials = tuple[int, int, int]  # pid, uid, gid as the kernel gave them
 
 
 def is_loopback_peer(peer: Any) -> bool:
@@ -77,27 +94,59 @@ def is_loopback_peer(peer: Any) -> bool:
 
 
 class HeartbeatIntake:
-    """Where every heartbeat listener hands its payloads: counts refusals, passes the rest on."""
+    """Where every heartbeat listener hands its payloads: decides who sent each (a ``Sender``),
+    counts what it refuses for that, passes the rest on.
+
+    ``identities`` maps a verified pid to its scheduler identity; ``accept_unverified`` lets UDP
+    and HTTP heartbeats in (keyed apart, never as a scheduler's job); ``unscheduled`` says what a
+    verified sender in no Slurm job or pod gets: refused, or keyed by its uid."""
 
     specs = SERVER_SPECS
 
-    def __init__(self, sink: HeartbeatSink | None, clock: Callable[[], float]) -> None:
+    def __init__(self, sink: HeartbeatSink | None, clock: Callable[[], float], *,
+                 identities: ProcessIdentities | None = None, accept_unverified: bool = False,
+                 unscheduled: Literal["refuse", "by_uid"] = "refuse") -> None:
         self.sink = sink
         self._clock = clock
+        self._identities = identities if identities is not None else ProcessIdentities()
+        self.accept_unverified = accept_unverified
+        self._unscheduled = unscheduled
         self._lock = threading.Lock()
         self.refused = dict.fromkeys(REFUSE_REASONS, 0)
 
-    def refuse(self, reason: str, peer: Any) -> None:
+    def refuse(self, reason: str, peer: Any) -> str:
         with self._lock:
             first = self.refused[reason] == 0
             self.refused[reason] += 1
         if first:  # once per reason per run: a flood of refusals must not become a flood of logs
             log.warning("heartbeat refused (%s) from %s; further refusals are only counted in %s",
                         reason, peer, HEARTBEATS_REFUSED.name)
+        return reason
 
-    def ingest(self, payload: bytes) -> str | None:
+    def ingest_unverified(self, payload: bytes, peer: Any) -> str | None:
+        """A heartbeat from a loopback UDP/HTTP peer: no identity, so only where the site opted in."""
+        if not self.accept_unverified:
+            return self.refuse("unverified", peer)
         assert self.sink is not None
-        return self.sink.ingest(payload, self._clock())
+        return self.sink.ingest(payload, self._clock(), UNVERIFIED)
+
+    def ingest_credentialed(self, payload: bytes, credentials: Credentials | None) -> str | None:
+        """A Unix datagram with the credentials the kernel attached: keyed by the sender's job."""
+        if credentials is None or credentials[0] <= 0:  # pid 0: not visible in our pid namespace
+            return self.refuse("no_credentials", "unix socket")
+        pid, uid, _ = credentials
+        identity = self._identities.lookup(pid)
+        if identity is None:
+            return self.refuse("sender_unknown", f"pid {pid} (uid {uid})")
+        key = job_key(identity)
+        if key is not None:
+            sender = Sender("scheduler", job=key, pid=pid, uid=uid)
+        elif self._unscheduled == "by_uid":
+            sender = Sender("uid", pid=pid, uid=uid)
+        else:
+            return self.refuse("unscheduled", f"pid {pid} (uid {uid}), in no Slurm job or pod")
+        assert self.sink is not None
+        return self.sink.ingest(payload, self._clock(), sender)
 
     def samples(self) -> list[Sample]:
         with self._lock:
@@ -201,12 +250,19 @@ def make_heartbeat_app(intake: HeartbeatIntake) -> web.Application:
                                      status=403)
         if intake.sink is None:
             return web.json_response({"error": "the training collector is disabled"}, status=404)
+        if not intake.accept_unverified:  # refused before the body is read
+            intake.refuse("unverified", peer)
+            return web.json_response(
+                {"error": "unverified",
+                 "detail": "HTTP carries no sender identity; send to the Unix socket "
+                           "(collectors.training.unix_socket), or set collectors.training.accept_unverified"},
+                status=403)
         try:
             async with asyncio.timeout(HEARTBEAT_READ_TIMEOUT_SECONDS):
                 payload = await _read_body(request, MAX_HEARTBEAT_BYTES)
         except TimeoutError:
             return web.json_response({"error": "timeout", "detail": "body not received in time"}, status=408)
-        reason = intake.ingest(payload)
+        reason = intake.ingest_unverified(payload, peer)
         if reason is not None:
             return web.json_response({"error": reason}, status=413 if reason == "too_large" else 400)
         return web.json_response({"status": "accepted"}, status=202)
@@ -233,16 +289,17 @@ def _peer(request: web.Request) -> Any:
 
 
 class _HeartbeatDatagrams(asyncio.DatagramProtocol):
-    def __init__(self, intake: HeartbeatIntake, *, check_peer: bool) -> None:
+    """UDP heartbeats: from loopback peers only, and then as unverified senders."""
+
+    def __init__(self, intake: HeartbeatIntake) -> None:
         self._intake = intake
-        self._check_peer = check_peer
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        if self._check_peer and not is_loopback_peer(addr):
+        if not is_loopback_peer(addr):
             self._intake.refuse("not_local", addr)
             return
         if self._intake.sink is not None:
-            self._intake.ingest(data)  # content rejections are counted by the collector
+            self._intake.ingest_unverified(data, addr)  # content rejections are counted by the collector
 
     def error_received(self, exc: Exception) -> None:
         log.debug("heartbeat socket error: %s", exc)
@@ -250,31 +307,87 @@ class _HeartbeatDatagrams(asyncio.DatagramProtocol):
 
 async def start_udp(intake: HeartbeatIntake, host: str, port: int) -> asyncio.DatagramTransport:
     loop = asyncio.get_running_loop()
-    transport, _ = await loop.create_datagram_endpoint(
-        lambda: _HeartbeatDatagrams(intake, check_peer=True), local_addr=(host, port))
+    transport, _ = await loop.create_datagram_endpoint(lambda: _HeartbeatDatagrams(intake), local_addr=(host, port))
     return transport
 
 
-async def start_unix(intake: HeartbeatIntake, path: str, mode: int = 0o666) -> asyncio.DatagramTransport:
-    """A datagram socket at ``path``: only processes that can open the path (this node's, or pods
-    given the directory by a hostPath volume) can send. A stale socket from a previous run is
+def credentials_of(ancillary: list[tuple[int, int, bytes]]) -> Credentials | None:
+    """The SCM_CREDENTIALS in a recvmsg's ancillary data, or None. File descriptors a sender passed
+    (SCM_RIGHTS) are closed: the agent keeps nothing a sender hands it."""
+    found = None
+    for level, kind, data in ancillary:
+        if level != socket.SOL_SOCKET:
+            continue
+        if kind == socket.SCM_CREDENTIALS and len(data) >= _UCRED.size:
+            found = _UCRED.unpack_from(data)
+        elif kind == socket.SCM_RIGHTS:
+            for fd in struct.unpack(f"{len(data) // 4}i", data[:len(data) - len(data) % 4]):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+    return found
+
+
+class UnixHeartbeats:
+    """The heartbeat Unix datagram socket, read with recvmsg so that each datagram comes with its
+    sender's credentials (asyncio's datagram endpoint drops ancillary data). At most
+    ``MAX_DATAGRAMS_PER_WAKEUP`` datagrams are handled per wake-up of the loop."""
+
+    def __init__(self, sock: socket.socket, intake: HeartbeatIntake, loop: asyncio.AbstractEventLoop) -> None:
+        self._sock = sock
+        self._intake = intake
+        self._loop = loop
+        loop.add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        for _ in range(MAX_DATAGRAMS_PER_WAKEUP):
+            try:
+                data, ancillary, _, _ = self._sock.recvmsg(MAX_HEARTBEAT_BYTES + 1, _ANCILLARY_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.debug("heartbeat socket error: %s", exc)
+                return
+            credentials = credentials_of(ancillary)
+            if self._intake.sink is not None:
+                # A datagram over the limit arrives cut at MAX_HEARTBEAT_BYTES + 1: too_large.
+                self._intake.ingest_credentialed(data, credentials)
+
+    def close(self) -> None:
+        if self._sock.fileno() >= 0:
+            self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+
+
+def _gid(group: str) -> int:
+    return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+
+
+async def start_unix(intake: HeartbeatIntake, path: str, mode: int = 0o666, group: str | None = None) -> UnixHeartbeats:
+    """A datagram socket at ``path`` that receives its senders' credentials (SO_PASSCRED), mode
+    ``mode`` and, if given, group ``group`` (a name or gid). A stale socket from a previous run is
     replaced; any other file there stops start-up rather than being deleted."""
     target = Path(path)
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISSOCK(target.lstat().st_mode):
             raise OSError(f"{path} exists and is not a socket; refusing to replace it")
         target.unlink()
+    try:
+        gid = _gid(group) if group is not None else -1
+    except KeyError:
+        raise OSError(f"unix_socket_group {group!r}: no such group") from None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
+        # Before bind: every datagram queued from then on carries its sender's pid, uid and gid.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        sock.setblocking(False)
         sock.bind(path)
-        os.chmod(path, mode)  # senders need write permission; the directory bounds who reaches it
+        if gid >= 0:
+            os.chown(path, -1, gid)
+        os.chmod(path, mode)  # senders need write permission; what each may claim is its own job
     except OSError:
         sock.close()
         raise
-    loop = asyncio.get_running_loop()
-    transport, _ = await loop.create_datagram_endpoint(
-        lambda: _HeartbeatDatagrams(intake, check_peer=False), sock=sock)
-    return transport
+    return UnixHeartbeats(sock, intake, asyncio.get_running_loop())
 
 
 def split_hostport(value: str, what: str) -> tuple[str, int]:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from bench.measure import Measurement
+from vigil.agent.attribution import IN_PROCESS
 from vigil.agent.runner import collect_once
 from vigil.agent.wire import COMPACT_VERSIONS, SPARSE_VERSION, WIRE_VERSION
 from vigil.agent_reports import INTERVAL_SECONDS, Clock, agent_reports, build_agent
@@ -62,7 +63,7 @@ def measure() -> list[Measurement]:
                         hb = {"job": "bench", "rank": rank, "step": step, "step_seconds": 1.0,
                               "compute_seconds": 0.8, "comm_seconds": 0.15, "data_seconds": 0.05, "gpu": rank,
                               "pid": 4242}
-                        training.ingest(json.dumps(hb).encode(), clock.t)  # type: ignore[attr-defined]
+                        training.ingest(json.dumps(hb).encode(), clock.t, IN_PROCESS)  # type: ignore[attr-defined]
                 for c in agent.collectors:
                     if clock.t < next_due[c.name]:
                         continue

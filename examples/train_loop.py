@@ -1,10 +1,10 @@
 """A PyTorch-style training loop instrumented for vigil: one import, one line per step.
 
-Run beside `vigil agent`: `PYTHONPATH=. python examples/train_loop.py [steps]` (or with vigil
-installed). It sends UDP heartbeats to the agent's node-local listener, 127.0.0.1:9401, or to
-$VIGIL_HEARTBEAT_ADDR (`unix:/run/vigil/heartbeat.sock` from a Kubernetes pod, docs/security-agent.md);
-job and rank come from torchrun's or Slurm's environment. Without torch installed it times a sleep
-stand-in.
+Run beside `vigil agent`, inside a Slurm job (`srun python examples/train_loop.py [steps]`) or a
+pod, with the vigil_heartbeat client installed. It sends its heartbeats to the agent's Unix socket,
+/run/vigil/heartbeat.sock (or $VIGIL_HEARTBEAT_ADDR); the agent keys them by the Slurm job or pod of
+this process, so "example" below is only a display name (docs/training.md "Job identity"). Rank
+comes from torchrun's or Slurm's environment. Without torch installed it times a sleep stand-in.
 """
 import sys
 import time
@@ -19,7 +19,7 @@ if torch is not None:
     model = torch.nn.Linear(512, 512)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-hb = Heartbeat(job="example")
+hb = Heartbeat(job="example")  # a label: the job is the scheduler's
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 100
 for step in range(1, steps + 1):
     with hb.phase("data"):

@@ -338,7 +338,9 @@ def run_agent(out: Path, seconds: float, rehearse: bool, training: bool = False)
         "node": "gpu-recorded", "listen": f"127.0.0.1:{agent_port}",
         "nvml": {"backend": "fake" if rehearse else "nvml"},
         "aggregator": {"url": agg_url, "interval_seconds": 2.0},
-        "collectors": {"training": {"udp_listen": f"127.0.0.1:{heartbeat_port}"}}}))
+        # The recorded load runs outside any scheduler: its UDP heartbeats are taken as unverified
+        # (keyed unverified/recorded), which the agent refuses unless told (docs/training.md).
+        "collectors": {"training": {"udp_listen": f"127.0.0.1:{heartbeat_port}", "accept_unverified": True}}}))
     # The services run in the work folder: the repository goes on their path by its absolute name.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     aggregator = subprocess.Popen([sys.executable, "-m", "vigil", "aggregator", "--config",

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from vigil.agent.attribution import IN_PROCESS, Sender
 from vigil.agent.collectors.collector import Collector
 from vigil.agent.config import AgentConfig
 from vigil.agent.reporter import build_report
@@ -82,8 +83,8 @@ class SimNode:
     def ingest_heartbeat(self, payload: bytes, now: float) -> str | None:
         if self.training is None:
             return "no training collector"
-        ingest: Callable[[bytes, float], str | None] = self.training.ingest  # type: ignore[attr-defined]
-        return ingest(payload, now)
+        ingest: Callable[[bytes, float, Sender], str | None] = self.training.ingest  # type: ignore[attr-defined]
+        return ingest(payload, now, IN_PROCESS)  # the simulated scheduler's jobs, named by the scenario
 
     def tick(self, now: float) -> Report | None:
         """Run every collector that is due and build this cycle's report (None while silent)."""

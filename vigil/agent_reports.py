@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vigil.agent.attribution import IN_PROCESS
 from vigil.agent.config import AggregatorTarget, parse_config
 from vigil.agent.daemon import Agent
 from vigil.agent.nvml.backend import PynvmlBackend
@@ -108,7 +109,7 @@ def agent_reports(rounds: int, hca_template: Path | None = None, interval_second
                         hb = {"job": "llm-405b", "rank": rank, "step": step_n, "step_seconds": 1.21 + jitter,
                               "compute_seconds": 0.91 + 0.7 * jitter, "comm_seconds": 0.28 + 0.3 * jitter,
                               "data_seconds": 0.02, "gpu": rank, "pid": 4000 + rank}
-                        training.ingest(json.dumps(hb).encode(), clock.t)  # type: ignore[attr-defined]
+                        training.ingest(json.dumps(hb).encode(), clock.t, IN_PROCESS)  # type: ignore[attr-defined]
                 for c in agent.collectors:
                     agent.snapshot.put(c.name, collect_once(c, clock.t))
                 started = time.process_time()

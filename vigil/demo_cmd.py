@@ -40,6 +40,7 @@ NODES: list[tuple[str, str | None, str]] = [
 XID_NODE = "gpu-node-02"
 TABLE_NODE = "gpu-node-03"  # the node whose GPUs the view lists one by one
 SLOW_NODE = "gpu-node-04"
+DEMO_SLURM_JOB = 1001  # the demo job's Slurm id in the fake nodes' process tables
 XID_AT_SECONDS = 15.0
 SLOW_FROM_SECONDS = 5.0
 XID_LINE = ("NVRM: Xid (PCI:0000:19:00): 79, pid='<unknown>', name=<unknown>, "
@@ -86,6 +87,14 @@ class Node:
     udp_port: int
     kmsg: Path
     proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def heartbeat_socket(self) -> Path:
+        return self.kmsg.with_suffix(".sock")
+
+    @property
+    def proc_root(self) -> Path:
+        return self.kmsg.with_suffix(".proc")
     ranks: list[int] = field(default_factory=list)
 
 
@@ -105,7 +114,7 @@ class TrainingJob(threading.Thread):
             for local in range(8):
                 rank = ni * 8 + local
                 self.clients.append((node, Heartbeat(job="demo-llm", rank=rank, gpu=local,
-                                                     addr=("127.0.0.1", node.udp_port))))
+                                                     addr=str(node.heartbeat_socket))))
         self.rng = random.Random(7)
 
     def run(self) -> None:
@@ -209,8 +218,16 @@ def run(args: argparse.Namespace) -> int:
                 "topology": {"rack": "rack-1", "leaf_switch": "leaf-1"},
                 "nvml": {"backend": "fake", **({"scenario": node.scenario} if node.scenario else {})},
                 "aggregator": {"url": agg, "interval_seconds": 1.0},
-                "collectors": {"training": {"udp_listen": f"127.0.0.1:{node.udp_port}"}},
+                # The job's ranks are this process; heartbeats are keyed by their sender's Slurm job
+                # (docs/training.md "Job identity"), so each fake node's process table puts it in one.
+                "collectors": {"training": {"udp_listen": f"127.0.0.1:{node.udp_port}",
+                                            "unix_socket": str(node.heartbeat_socket),
+                                            "proc_root": str(node.proc_root)}},
             }
+            own = node.proc_root / str(os.getpid())
+            own.mkdir(parents=True, exist_ok=True)
+            (own / "stat").write_bytes(Path("/proc/self/stat").read_bytes())
+            (own / "cgroup").write_text(f"0::/system.slice/slurmstepd.scope/job_{DEMO_SLURM_JOB}/step_0\n")
             cfg_path = workdir / f"{node.name}.yaml"
             cfg_path.write_text(yaml.safe_dump(config))
             log = open(workdir / f"{node.name}.log", "wb")  # noqa: SIM115 - closed with the process

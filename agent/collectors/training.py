@@ -1,9 +1,12 @@
-"""Training collector: per-rank progress from heartbeats (UDP / HTTP, via ``ingest``) and tailed logs.
+"""Training collector: per-rank progress from heartbeats (fed to ``ingest`` with their sender) and tailed logs.
 
 Emits last step, step and phase times, last progress time and window quantiles per job and rank;
 contributes per-rank window summaries (``RankSummary``) to the Report; and raises urgent ``hang``
-and ``rank_exit`` events, once per episode. It owns no socket (the agent's server feeds
-``ingest``) and judges no slowness: comparing ranks and nodes is the aggregator's work.
+and ``rank_exit`` events, once per episode. Jobs are keyed by the sender's scheduler identity
+(agent.attribution ``Sender``), never by the name a heartbeat claims; a (job, rank) belongs to the
+first verified process that sends it while that process lives. It owns no socket and reads no
+/proc (the agent's server identifies the sender) and judges no slowness: comparing ranks and nodes
+is the aggregator's work.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING, Literal, cast
 import psutil
 from pydantic import Field, field_validator, model_validator
 
+from vigil.agent.attribution import Sender, Trust, uid_key
 from vigil.agent.collectors.collector import Collection, CollectorConfig, StrictModel
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.step_log import LineError, LogFollower, StepLine, StepParser, compile_step_regex, make_parser
@@ -67,13 +72,29 @@ class TrainingConfig(CollectorConfig):
     # /metrics and the report, so it runs at the report cadence rather than every second.
     interval_seconds: float = Field(default=2.5, gt=0)
     # The node-local heartbeat address: UDP datagrams, and (http: true) POST /v1/heartbeat over TCP
-    # on the same host:port. A heartbeat is trusted input about a job, so only processes on this
-    # node may send one: keep it on loopback (agent/server.py also refuses any non-loopback peer).
+    # on the same host:port, from loopback peers only. Neither carries the sender's identity
+    # (see accept_unverified); the Unix socket does.
     udp_listen: HostPort = "127.0.0.1:9401"
     http: bool = True
-    # Also take datagrams on this Unix socket path: how pods in their own network namespace reach
-    # the agent (a hostPath directory mounted into them), docs/security-agent.md.
+    # UDP and HTTP heartbeats carry no sender identity: refused (counted, reason "unverified")
+    # unless true; then keyed unverified/<name>, with their own job cap, never a scheduler's job.
+    accept_unverified: bool = False
+    # The heartbeat Unix datagram socket (the client's default: /run/vigil/heartbeat.sock). Every
+    # datagram carries its sender's pid and uid as the kernel knows them (SCM_CREDENTIALS), and
+    # the pid's cgroup names its Slurm job or pod: the job's key (docs/training.md "Job identity").
     unix_socket: str | None = None
+    # The socket's mode; default 0666 (438): any local process may send, because what a sender
+    # can claim is bound to its own verified process and job. 0660 with unix_socket_group
+    # narrows who may send at all.
+    unix_socket_mode: int = Field(default=0o666, ge=0, le=0o777)
+    # The socket's group (a name or gid), with a unix_socket_mode such as 0660; unset: the agent's.
+    unix_socket_group: str | None = None
+    # A verified sender in no Slurm job or pod: refused (counted, "unscheduled"), or with by_uid
+    # keyed uid/<uid>/<name> (bare-metal sites without a scheduler), with the unverified cap.
+    unscheduled: Literal["refuse", "by_uid"] = "refuse"
+    # The process table the sender's cgroup is read from; None: /proc (a containerised agent with
+    # the host's /proc mounted elsewhere, or a test, sets it).
+    proc_root: str | None = None
     # Summaries cover complete, non-overlapping windows of this length aligned on the clock
     # ([k*W, (k+1)*W)); each report carries the latest complete one and its end, so the
     # aggregator judges every window exactly once instead of re-reading a sliding window. 5 s
@@ -91,8 +112,17 @@ class TrainingConfig(CollectorConfig):
     # A rank not heard from for this long and not known to be alive is forgotten, so series of
     # finished jobs do not accumulate; longer than hang_seconds so a hang is reported first.
     evict_after_seconds: float = Field(default=900.0, gt=0)
+    # Jobs per node from verified senders (a Slurm job or pod of this node, or a configured log
+    # file); unverified and uid-keyed ones have their own, smaller cap and give way to verified
+    # ranks when the node's rank table is full, so invented names never lock a real job out.
     max_jobs: int = Field(default=16, ge=1)
+    # Jobs per node from unverified (accept_unverified) and uid-keyed senders, apart from
+    # max_jobs: a few for a site's opted-in tools, never enough to matter to a real job.
+    max_unverified_jobs: int = Field(default=4, ge=0)
     max_ranks: int = Field(default=256, ge=1)  # per node: 8 GPUs, with room for CPU-side ranks
+    # One job's ranks on this node: 8 GPUs with up to 8 processes each (MPS, CPU-side ranks), so
+    # one job cannot fill the node's rank table alone.
+    max_ranks_per_job: int = Field(default=64, ge=1)
     max_steps_per_rank: int = Field(default=2048, ge=16)  # ring buffer for the window's quantiles
     max_payload_bytes: int = Field(default=4096, ge=256)
     log_files: list[LogFileConfig] = Field(default_factory=list)
@@ -108,8 +138,16 @@ class TrainingConfig(CollectorConfig):
         return split_host_port(self.udp_listen)
 
 
-REJECT_REASONS = ("too_large", "invalid_json", "not_object", "unknown_field", "schema", "too_many_jobs",
-                  "too_many_ranks")
+REJECT_REASONS = ("too_large", "invalid_json", "not_object", "unknown_field", "schema", "bad_text",
+                  "bad_job_name", "job_mismatch", "rank_taken", "too_many_jobs", "too_many_unverified_jobs",
+                  "too_many_ranks", "too_many_ranks_per_job")
+UNVERIFIED_KEY_PREFIX = "unverified/"
+# A claimed name that has the shape of a job key: a Slurm job id, or one of the key prefixes. From a
+# sender whose own key differs, it names someone else's job and is refused (job_mismatch).
+_KEY_SHAPED = re.compile(r"^(?:\d+|(?:pod|uid|unverified)/.*)$")
+# A name that becomes part of a key (unverified/<name>, uid/<uid>/<name>): plain characters only,
+# no list separators, patterns, whitespace or '/' (a key's namespace separator).
+_KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
 PHASES = ("compute", "comm", "data")
 LOG_ERROR_REASONS = ("unreadable", "parse")
 
@@ -132,7 +170,13 @@ RANK_STATE = MetricSpec("vigil_training_rank_state", MetricKind.GAUGE,
 HEARTBEATS = MetricSpec("vigil_training_heartbeats_received_total", MetricKind.COUNTER,
                         "Heartbeats accepted from the rank.", labels=_JR)
 REJECTED = MetricSpec("vigil_training_heartbeats_rejected_total", MetricKind.COUNTER,
-                      "Heartbeats dropped, by reason.", labels=("reason",))
+                      "Heartbeats dropped, by reason (job_mismatch: the claimed job is not the sender's; "
+                      "rank_taken: another live process owns the rank; bad_text: control characters or "
+                      "unpaired surrogates; too_many_*: a cap).", labels=("reason",))
+JOB_INFO = MetricSpec("vigil_training_job_info", MetricKind.INFO,
+                      "A job tracked on this node: its key (Slurm job id, pod/<uid>, uid/<uid>/<name>, "
+                      "unverified/<name>), how its sender was identified (trust), and the name its "
+                      "heartbeats claim (a display label only).", labels=("job", "trust", "name"))
 RANKS = MetricSpec("vigil_training_ranks", MetricKind.GAUGE, "Ranks currently tracked on this node.")
 EVICTED = MetricSpec("vigil_training_ranks_evicted_total", MetricKind.COUNTER,
                      "Ranks forgotten after being idle for evict_after_seconds.")
@@ -144,7 +188,7 @@ LOG_ROTATIONS = MetricSpec("vigil_training_log_rotations_total", MetricKind.COUN
                            "Times a followed log file was rotated or truncated.", labels=("path",))
 
 SPECS = (LAST_STEP, STEP_SECONDS, PHASE_SECONDS, WINDOW_STEP_SECONDS, LAST_PROGRESS, RANK_STATE, HEARTBEATS,
-         REJECTED, RANKS, EVICTED, LOG_LINES, LOG_ERRORS, LOG_ROTATIONS)
+         REJECTED, JOB_INFO, RANKS, EVICTED, LOG_LINES, LOG_ERRORS, LOG_ROTATIONS)
 
 _HEARTBEAT_FIELDS = frozenset(Heartbeat.__struct_fields__)
 # Missing three of its usual progress intervals in a row is not jitter.
@@ -185,6 +229,9 @@ class _Rank:
     gpu: int | None
     pid: int | None
     last: _Record
+    trust: Trust
+    # The kernel-verified process that owns this (job, rank) while it lives (None: unverified).
+    owner_pid: int | None
     last_progress_ts: float
     last_seen_ts: float
     history: deque[_Record]
@@ -207,6 +254,36 @@ class _Tail:
     errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOG_ERROR_REASONS, 0))
 
 
+_VERIFIED: frozenset[Trust] = frozenset(("scheduler", "in_process"))
+# Refusals that say someone tried to speak for another job or rank, or to forge text: logged.
+_LOGGED_REASONS = frozenset(("job_mismatch", "rank_taken", "bad_text", "too_many_unverified_jobs"))
+
+
+def job_key_of(claim: str, sender: Sender) -> tuple[str, str] | str:
+    """(job key, display name) for a heartbeat that claims job ``claim``, or the refusal reason.
+
+    A scheduler-identified sender's job is its scheduler's (the claim, if it is a free name such
+    as a torchrun run id, is kept as the display name only; one naming another job is refused).
+    A uid-keyed or unverified sender's key is its plain name in its own namespace. Configuration
+    (log files) and the simulator name their jobs themselves."""
+    trust = sender.trust
+    if trust == "in_process":
+        return claim, ""
+    if trust == "scheduler" and sender.job is not None:
+        if claim == sender.job:
+            return claim, ""
+        return "job_mismatch" if _KEY_SHAPED.match(claim) else (sender.job, claim)
+    if _KEY_SHAPED.match(claim):
+        return "job_mismatch"
+    if not _KEY_NAME.match(claim):
+        return "bad_job_name"
+    if trust == "uid" and sender.uid is not None:
+        return uid_key(sender.uid, claim), claim
+    if trust == "unverified":
+        return UNVERIFIED_KEY_PREFIX + claim, claim
+    return "job_mismatch"  # a verified sender without its identity: never keyed by its claim
+
+
 class TrainingCollector:
     name = "training"
     specs: Sequence[MetricSpec] = SPECS
@@ -216,6 +293,7 @@ class TrainingCollector:
         self._pid_alive = pid_alive
         self._lock = threading.Lock()  # ingest runs on the server's thread, collect on a worker
         self._ranks: dict[tuple[str, int], _Rank] = {}
+        self._names: dict[str, str] = {}  # job key -> the free name its heartbeats claim (a label)
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
         self._evicted = 0
         self._tails = [
@@ -226,18 +304,22 @@ class TrainingCollector:
     def config(self) -> TrainingConfig:
         return self._config
 
-    def ingest(self, payload: bytes, now: float) -> str | None:
-        """Accept one heartbeat (a UDP datagram or an HTTP body). Thread-safe.
+    def ingest(self, payload: bytes, now: float, sender: Sender) -> str | None:
+        """Accept one heartbeat (a datagram or an HTTP body) from ``sender``. Thread-safe.
 
         Returns None when accepted, else the reason it was dropped (also counted).
         """
-        reason = self._ingest(payload, now)
+        reason = self._ingest(payload, now, sender)
         if reason is not None:
             with self._lock:
+                first = self._rejected[reason] == 0
                 self._rejected[reason] += 1
+            if first and reason in _LOGGED_REASONS:  # once per reason: a flood must not become a log flood
+                log.warning("heartbeat refused (%s) from pid %s uid %s (%s); further refusals are only counted "
+                            "in %s", reason, sender.pid, sender.uid, sender.trust, REJECTED.name)
         return reason
 
-    def _ingest(self, payload: bytes, now: float) -> str | None:
+    def _ingest(self, payload: bytes, now: float, sender: Sender) -> str | None:
         if len(payload) > self._config.max_payload_bytes:
             return "too_large"
         try:
@@ -256,25 +338,42 @@ class TrainingCollector:
         if not all(math.isfinite(v) for v in (hb.step_seconds, hb.compute_seconds, hb.comm_seconds,
                                               hb.data_seconds) if v is not None):
             return "schema"
+        # A newline, an ANSI escape or an unpaired surrogate (which no exposition can encode) in the
+        # one free-text field: refused here, so it never reaches a label, a log line or a cycle.
+        if not hb.job.isprintable():
+            return "bad_text"
+        keyed = job_key_of(hb.job, sender)
+        if isinstance(keyed, str):
+            return keyed
+        key, name = keyed
+        # A verified sender's pid is the kernel's (in the agent's pid namespace); the claimed one
+        # is what the process believes (its own namespace's) and is used only when unverified.
+        pid = sender.pid if sender.pid is not None else hb.pid
         record = _Record(now, hb.step, hb.step_seconds, hb.compute_seconds, hb.comm_seconds, hb.data_seconds,
                          None if hb.phase in (None, "training") else hb.phase)
         with self._lock:
-            return self._observe(hb.job, hb.rank, hb.gpu, hb.pid, record, heartbeat=True)
+            return self._observe(key, hb.rank, hb.gpu, pid, record, heartbeat=True, trust=sender.trust,
+                                 owner=sender.pid, name=name)
 
     def _observe(self, job: str, rank: int, gpu: int | None, pid: int | None, record: _Record, *,
-                 heartbeat: bool) -> str | None:
+                 heartbeat: bool, trust: Trust, owner: int | None = None, name: str = "") -> str | None:
         key = (job, rank)
         state = self._ranks.get(key)
         if state is None:
-            if len(self._ranks) >= self._config.max_ranks:
-                return "too_many_ranks"
-            jobs = {j for j, _ in self._ranks}
-            if job not in jobs and len(jobs) >= self._config.max_jobs:
-                return "too_many_jobs"
-            state = _Rank(job=job, rank=rank, gpu=gpu, pid=pid, last=record, last_progress_ts=record.ts,
-                          last_seen_ts=record.ts, history=deque(maxlen=self._config.max_steps_per_rank))
+            refused = self._admit(job, trust)
+            if refused is not None:
+                return refused
+            state = _Rank(job=job, rank=rank, gpu=gpu, pid=pid, last=record, trust=trust, owner_pid=owner,
+                          last_progress_ts=record.ts, last_seen_ts=record.ts,
+                          history=deque(maxlen=self._config.max_steps_per_rank))
             self._ranks[key] = state
         else:
+            if owner is not None and owner != state.owner_pid:
+                # The rank is its first verified process's while that process lives; after it
+                # exits, the next one (a restart) takes the rank over.
+                if state.owner_pid is not None and self._alive(state.owner_pid):
+                    return "rank_taken"
+                state.owner_pid = owner
             if record.step != state.last.step:
                 # Any change counts as progress: a lower step is a restart from a checkpoint.
                 if not state.hang_reported:  # a hang's stall is not the rank's usual pace
@@ -287,12 +386,47 @@ class TrainingCollector:
             state.gpu = gpu if gpu is not None else state.gpu
             state.last = record
             state.last_seen_ts = record.ts
+        if name:
+            self._names[job] = name  # one per tracked job: dropped with its last rank
         if heartbeat:
             state.received += 1
         if len(state.history) == state.history.maxlen:
             state.baseline_step = state.history[0].step
         state.history.append(record)
         return None
+
+    def _admit(self, job: str, trust: Trust) -> str | None:
+        """None if a new rank of ``job`` fits the node's caps, else the reason it does not. Caps
+        are counted per trust: unverified jobs never fill the verified jobs' slots, and give way."""
+        verified = trust in _VERIFIED
+        same_tier = {j for (j, _), r in self._ranks.items() if (r.trust in _VERIFIED) == verified}
+        if job not in same_tier:
+            if verified and len(same_tier) >= self._config.max_jobs:
+                return "too_many_jobs"
+            if not verified and len(same_tier) >= self._config.max_unverified_jobs:
+                return "too_many_unverified_jobs"
+        if sum(1 for j, _ in self._ranks if j == job) >= self._config.max_ranks_per_job:
+            return "too_many_ranks_per_job"
+        if len(self._ranks) >= self._config.max_ranks and not (verified and self._evict_one_unverified()):
+            return "too_many_ranks"
+        return None
+
+    def _evict_one_unverified(self) -> bool:
+        """Forget the unverified rank heard from least recently, for a verified one. False if none."""
+        unverified = [(r.last_seen_ts, key) for key, r in self._ranks.items() if r.trust not in _VERIFIED]
+        if not unverified:
+            return False
+        _, key = min(unverified)
+        del self._ranks[key]
+        self._evicted += 1
+        return True
+
+    def _alive(self, pid: int) -> bool:
+        try:
+            return bool(self._pid_alive(pid))
+        except Exception as exc:  # noqa: BLE001 - an unknown answer keeps the owner
+            log.warning("pid check for %s failed: %s", pid, exc)
+            return True
 
     def collect(self, now: float) -> Collection:
         self._read_logs(now)
@@ -305,6 +439,9 @@ class TrainingCollector:
                 events.extend(self._watch(r, now))
             summaries = [self._summary(r, now) for r in ranks]
             samples = self._samples(ranks, summaries)
+            tracked = {r.job for r in ranks}
+            for job in [j for j in self._names if j not in tracked]:
+                del self._names[job]
         return Collection(samples=samples, events=events, report={"ranks": summaries})
 
     def _read_logs(self, now: float) -> None:
@@ -330,7 +467,8 @@ class TrainingCollector:
         record = _Record(now, line.step, line.step_seconds, line.compute_seconds, line.comm_seconds,
                          line.data_seconds)
         with self._lock:
-            reason = self._observe(lf.job_name, lf.rank, lf.gpu, None, record, heartbeat=False)
+            reason = self._observe(lf.job_name, lf.rank, lf.gpu, None, record, heartbeat=False,
+                                   trust="in_process")
             if reason is not None:
                 # Counted like a heartbeat over the limits, so the operator sees the same reason.
                 self._rejected[reason] += 1
@@ -450,6 +588,9 @@ class TrainingCollector:
             if r.received:
                 append(Sample(HEARTBEATS.name, float(r.received), jr))
         out.extend(Sample.of(REJECTED, n, reason=reason) for reason, n in self._rejected.items())
+        trusts = {r.job: r.trust for r in ranks}
+        out.extend(Sample.of(JOB_INFO, 1.0, job=job, trust=trust, name=self._names.get(job, ""))
+                   for job, trust in trusts.items())
         out.append(Sample.of(RANKS, len(ranks)))
         out.append(Sample.of(EVICTED, self._evicted))
         for tail in self._tails:

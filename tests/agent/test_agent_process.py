@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from tests.agent.proc_table import in_slurm_job
 from tests.loopback import free_port
 from vigil.agent.wire import Report, decode_report
 
@@ -120,10 +121,15 @@ def test_unknown_scenario_is_a_clear_error(tmp_path: Path, flag: str) -> None:
 
 
 def test_the_example_training_loop_shows_its_steps_in_the_agents_metrics(tmp_path: Path) -> None:
-    """Issue 5: examples/train_loop.py against `vigil agent --backend fake`."""
+    """Issue 5: examples/train_loop.py against `vigil agent --backend fake`, through the agent's
+    Unix socket; issue 37: keyed by the Slurm job its process runs in (placed there in the agent's
+    process table before it sends), its own name "example" a display label."""
     udp = free_port()
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text(f"collectors: {{training: {{udp_listen: '127.0.0.1:{udp}'}}}}\n")
+    sock = tmp_path / "hb.sock"
+    (tmp_path / "proc").mkdir()
+    cfg.write_text(f"collectors: {{training: {{udp_listen: '127.0.0.1:{udp}', unix_socket: '{sock}', "
+                   f"proc_root: '{tmp_path / 'proc'}'}}}}\n")
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "vigil", "agent", "--config", str(cfg), "--backend", "fake",
@@ -139,19 +145,25 @@ def test_the_example_training_loop_shows_its_steps_in_the_agents_metrics(tmp_pat
             except OSError:
                 time.sleep(0.1)
         root = Path(__file__).resolve().parents[2]
-        env = {**os.environ, "VIGIL_HEARTBEAT_ADDR": f"127.0.0.1:{udp}", "RANK": "5", "LOCAL_RANK": "5",
-               "PYTHONPATH": str(root)}
-        done = subprocess.run([sys.executable, str(root / "examples" / "train_loop.py"), "12"], env=env,
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        assert "sent 12 heartbeats" in done.stdout
+        env = {**os.environ, "VIGIL_HEARTBEAT_ADDR": f"unix:{sock}", "RANK": "5", "LOCAL_RANK": "5",
+               "PYTHONPATH": f"{root}:{root / 'clients' / 'heartbeat'}"}
+        # The shell waits to be placed in the job, then becomes the example (same pid, same start).
+        example = subprocess.Popen(["sh", "-c", 'read go && exec "$0" "$@"', sys.executable,
+                                    str(root / "examples" / "train_loop.py"), "12"], env=env,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        in_slurm_job(tmp_path / "proc", example.pid, 4242)
+        out, err = example.communicate("go\n", timeout=60)
+        assert example.returncode == 0, err
+        assert "sent 12 heartbeats, dropped 0" in out
         text = ""
         deadline = time.monotonic() + 10
-        while 'vigil_training_last_step{job="example",rank="5"} 12.0' not in text:
+        while 'vigil_training_last_step{job="4242",rank="5"} 12.0' not in text:
             assert time.monotonic() < deadline, text[-2000:]
             time.sleep(0.3)
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-        assert 'vigil_training_phase_seconds{job="example",phase="compute",rank="5"}' in text
+        assert 'vigil_training_phase_seconds{job="4242",phase="compute",rank="5"}' in text
+        assert 'vigil_training_job_info{job="4242",name="example",trust="scheduler"} 1.0' in text
+        assert 'job="example"' not in text.replace('name="example"', "")  # the name is never a key
     finally:
         _stop(proc)
 

@@ -154,29 +154,69 @@ def test_address_from_environment(receiver):
     assert resolve_addr({"VIGIL_HEARTBEAT_ADDR": f"{host}:{port}"}) == (host, port)
     assert resolve_addr({"VIGIL_HEARTBEAT_ADDR": "[::1]:9500"}) == ("::1", 9500)
     assert resolve_addr({"VIGIL_HEARTBEAT_ADDR": "nonsense"}) == ("127.0.0.1", 9401)
-    assert resolve_addr({}) == ("127.0.0.1", 9401)
     hb = Heartbeat(job="j", rank=0, env={"VIGIL_HEARTBEAT_ADDR": f"{host}:{port}"})
     hb.step(1, 0.1)
     assert json.loads(receiver.recv(4096))["step"] == 1
 
 
-def test_example_training_loop_heartbeats_are_accepted_by_the_collector(receiver):
+def test_example_training_loop_heartbeats_are_accepted_by_the_collector(tmp_path):
+    """The shipped example, as a real process, over a Unix socket: each datagram carries the
+    example's pid as the kernel knows it; keyed by its (here: given) Slurm job, its own name a label."""
+    from vigil.agent.attribution import Sender
     from vigil.agent.collectors.training import TrainingCollector, TrainingConfig
+    from vigil.agent.server import credentials_of
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    host, port = receiver.getsockname()
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": root, "VIGIL_HEARTBEAT_ADDR": f"{host}:{port}",
-           "RANK": "2", "LOCAL_RANK": "2"}
-    done = subprocess.run([sys.executable, os.path.join(root, "examples", "train_loop.py"), "3"], env=env,
-                          capture_output=True, text=True, timeout=60, check=True)
-    assert "sent 3 heartbeats, dropped 0" in done.stdout
-    collector = TrainingCollector(TrainingConfig(), pid_alive=lambda pid: True)
-    for _ in range(3):
-        assert collector.ingest(receiver.recv(4096), 1000.0) is None
-    (summary,) = collector.collect(1005.0).report["ranks"]  # the window [1000, 1005) is complete
-    assert (summary.job, summary.rank, summary.gpu, summary.last_step, summary.steps) == ("example", 2, 2, 3, 3)
+    path = str(tmp_path / "heartbeat.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        listener.bind(path)
+        listener.settimeout(5.0)
+        env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": f"{root}:{root}/clients/heartbeat",
+               "VIGIL_HEARTBEAT_ADDR": f"unix:{path}", "RANK": "2", "LOCAL_RANK": "2"}
+        child = subprocess.Popen([sys.executable, os.path.join(root, "examples", "train_loop.py"), "3"], env=env,
+                                 stdout=subprocess.PIPE, text=True)
+        out, _ = child.communicate(timeout=60)
+        assert child.returncode == 0 and "sent 3 heartbeats, dropped 0" in out
+        collector = TrainingCollector(TrainingConfig(), pid_alive=lambda pid: True)
+        for _ in range(3):
+            data, ancillary, _, _ = listener.recvmsg(4096, socket.CMSG_SPACE(12))
+            credentials = credentials_of(ancillary)
+            assert credentials is not None
+            pid, uid, _ = credentials
+            assert (pid, uid) == (child.pid, os.getuid())
+            assert collector.ingest(data, 1000.0, Sender("scheduler", job="4242", pid=pid, uid=uid)) is None
+    collection = collector.collect(1005.0)  # the window [1000, 1005) is complete
+    (summary,) = collection.report["ranks"]
+    assert (summary.job, summary.rank, summary.gpu, summary.last_step, summary.steps) == ("4242", 2, 2, 3, 3)
+    assert summary.pid == child.pid
     assert summary.compute_seconds_p50 is not None and summary.data_seconds_p50 is not None
     assert summary.step_seconds_p50 is not None and summary.step_seconds_p50 >= summary.compute_seconds_p50
+    (info,) = [s for s in collection.samples if s.name == "vigil_training_job_info"]
+    assert dict(info.labels) == {"job": "4242", "trust": "scheduler", "name": "example"}
+
+
+def test_the_unix_socket_is_the_default_where_its_directory_exists(tmp_path) -> None:
+    """Without VIGIL_HEARTBEAT_ADDR the client sends to the agent's socket when its directory is
+    there (on the host, or mounted into a pod), and falls back to UDP only where it is not."""
+    path = str(tmp_path / "vigil" / "heartbeat.sock")
+    assert resolve_addr({}, path) == ("127.0.0.1", 9401)
+    os.mkdir(tmp_path / "vigil")
+    assert resolve_addr({}, path) == path
+    assert resolve_addr({"VIGIL_HEARTBEAT_ADDR": "127.0.0.1:9401"}, path) == ("127.0.0.1", 9401)  # explicit
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(path)
+        listener.settimeout(2.0)
+        hb = Heartbeat(job="j", rank=1, env={}, unix_path=path)
+        hb.step(1, 1.0)
+        assert decode(listener.recv(4096), WireHeartbeat).step == 1
+        hb.close()
+
+
+def test_an_unencodable_job_name_never_raises(receiver):
+    hb = Heartbeat(job="bad\ud800name", rank=0, addr=receiver.getsockname(), env={})
+    hb.step(1, 0.1)
+    assert json.loads(receiver.recv(4096))["job"] == "bad?name" and hb.dropped == 0
 
 
 def test_a_unix_socket_address_reaches_a_listener_that_starts_later(tmp_path) -> None:

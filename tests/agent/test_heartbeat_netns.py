@@ -5,7 +5,10 @@ deployed), a "remote host" in the other. Two agents: one with the deployed heart
 (127.0.0.1), where the remote host's datagrams and connections are refused by the kernel and its
 POST to the /metrics listener is refused with 403 and counted; and one misconfigured to listen for
 heartbeats on 0.0.0.0, where the peer check refuses and counts every remote heartbeat. A sender on
-the agent's own node (UDP, HTTP and the Unix socket) is accepted by both.
+the agent's own node (UDP, HTTP and the Unix socket) is accepted by both: both agents opt in to
+unverified UDP/HTTP heartbeats (keyed unverified/<name>) and to senders in no scheduler's cgroup
+(the test's own processes, keyed uid/<uid>/<name>); test_heartbeat_identity.py covers who may
+claim which job.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class AgentInNamespace:
             "listen": f"0.0.0.0:{ports['metrics']}",
             "collectors": {
                 "training": {"udp_listen": f"{heartbeat_host}:{ports['heartbeat']}", "interval_seconds": 0.2,
-                             "unix_socket": str(unix_socket)},
+                             "unix_socket": str(unix_socket), "accept_unverified": True, "unscheduled": "by_uid"},
                 "xid": {"source": "file", "path": str(kmsg)},
             },
         }
@@ -178,12 +181,12 @@ print(json.dumps(out))
 
 # Run in the agent's namespace: poll both agents' /metrics until the local heartbeats show.
 WAIT_METRICS = r"""
-import sys, time, urllib.request
-want, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
+import json, sys, time, urllib.request
+wants, ports = json.loads(sys.argv[1]), [int(p) for p in sys.argv[2:]]
 deadline = time.monotonic() + 15
 while True:
     texts = [urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=5).read().decode() for p in ports]
-    if all(want in t for t in texts) or time.monotonic() > deadline:
+    if all(w in t for t in texts for w in wants) or time.monotonic() > deadline:
         break
     time.sleep(0.1)
 print("\n#####\n".join(texts))
@@ -244,15 +247,17 @@ def test_remote_heartbeats_are_refused_and_counted_local_ones_accepted(
             assert local["http"] == [202, {"status": "accepted"}], (name, local, "".join(agent.lines))
             assert local["udp"] == "sent" and local["unix"] == "sent"
 
-        total = sum(LOCAL.values())
-        want = f'vigil_training_heartbeats_received_total{{job="local-ok",rank="0"}} {float(total)}'
-        done = _run("ip", "netns", "exec", agent_ns, sys.executable, "-c", WAIT_METRICS, want,
+        unverified = float(LOCAL["udp"] + LOCAL["http"])
+        want = f'vigil_training_heartbeats_received_total{{job="unverified/local-ok",rank="0"}} {unverified}'
+        from_unix = (f'vigil_training_heartbeats_received_total{{job="uid/{os.getuid()}/local-ok",rank="0"}} '
+                     f'{float(LOCAL["unix"])}')
+        done = _run("ip", "netns", "exec", agent_ns, sys.executable, "-c", WAIT_METRICS, json.dumps([want, from_unix]),
                     str(DEPLOYED["metrics"]), str(WIDE["metrics"]), timeout=60)
         assert done.returncode == 0, done.stderr
         deployed_text, wide_text = done.stdout.split("\n#####\n")
         for text in (deployed_text, wide_text):
-            assert want in text  # every local heartbeat: UDP, HTTP and the Unix socket
-            assert 'job="remote"' not in text  # no remote heartbeat reached the training collector
+            assert want in text and from_unix in text  # every local heartbeat: UDP, HTTP and the Unix socket
+            assert "remote" not in "".join(line for line in text.splitlines() if 'job="' in line)  # no remote one
             assert _value(text, 'vigil_agent_heartbeats_rejected_total{reason="metrics_listener"}') == 1.0
         # The kernel refused the deployed agent's remote traffic: nothing reached it to count.
         assert _value(deployed_text, 'vigil_agent_heartbeats_rejected_total{reason="not_local"}') == 0.0

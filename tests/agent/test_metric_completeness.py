@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from vigil.agent.attribution import IN_PROCESS
 from vigil.agent.config import parse_config
 from vigil.agent.daemon import Agent
 from vigil.agent.nvml.backend import PynvmlBackend
@@ -119,7 +120,7 @@ def emitted_and_declared(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[
         feed: list[tuple[float, Callable[..., object]]] = [
             (2.0, lambda k=kmsg: k.write_text("".join(p.read_text() for p in KERNEL_LOGS))),
             (3.0, lambda m=megatron: m.write_text((FIXTURES / "training-logs" / "megatron.log").read_text())),
-            (3.0, lambda t=training: t.ingest(b"not json", START + 3)),  # counted as rejected
+            (3.0, lambda t=training: t.ingest(b"not json", START + 3, IN_PROCESS)),  # counted as rejected
             # A truncated sysfs counter and a mangled NVRM line: counted under a reason, never fatal.
             (4.0, lambda root=sysfs: _truncate(next(root.glob("class/infiniband/*/ports/1/counters/symbol_error")))),
             (4.0, lambda k=kmsg: _append(k, "NVRM: Xid (PCI:0000:zz:00): banana\n")),
@@ -127,7 +128,8 @@ def emitted_and_declared(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[
         for step in range(5):
             hb = {"job": "llm", "rank": 1, "step": step, "step_seconds": 1.0, "compute_seconds": 0.7,
                   "comm_seconds": 0.25, "data_seconds": 0.05, "gpu": 1, "pid": 999_999}
-            feed.append((1.0 + step * 0.1, lambda t=training, h=hb: t.ingest(json.dumps(h).encode(), START + 1)))
+            feed.append((1.0 + step * 0.1,
+                         lambda t=training, h=hb: t.ingest(json.dumps(h).encode(), START + 1, IN_PROCESS)))
         try:
             # 5: the training window [START, START + 5) holding the heartbeats is complete
             emitted |= _names_emitted(agent, clock, [0, 1, 2, 4, 5, 15, 45, 70, 100, 400, 1300], feed)

@@ -37,21 +37,22 @@ def test_spec_is_valid_and_heartbeat_matches_the_wire_model() -> None:
 
 @pytest.fixture
 async def clients() -> Any:
-    """(the /metrics listener, the heartbeat listener), both on loopback."""
+    """(the /metrics listener, the heartbeat listener, their intake), both on loopback."""
     snapshot = Snapshot()
     snapshot.put("host", CollectorResult(Collection(), True, 0.001, 1.0))
     training = TrainingCollector(TrainingConfig(), pid_alive=lambda pid: True)
-    intake = HeartbeatIntake(training, clock=lambda: 100.0)
+    intake = HeartbeatIntake(training, clock=lambda: 100.0, accept_unverified=True)  # HTTP: an opted-in site
     app = make_app(snapshot=snapshot, render_metrics=lambda: b"# nothing\n",
                    state_extra=lambda: {"node": "n1", "version": "0", "boot_id": "b", "nvml_backend": "fake",
                                         "last_report": None},
                    intake=intake)
     async with TestClient(TestServer(app)) as c, TestClient(TestServer(make_heartbeat_app(intake))) as h:
-        yield c, h
+        yield c, h, intake
 
 
-async def test_every_documented_path_answers_as_documented(clients: tuple[TestClient, TestClient]) -> None:
-    client, heartbeats = clients
+async def test_every_documented_path_answers_as_documented(
+        clients: tuple[TestClient, TestClient, HeartbeatIntake]) -> None:
+    client, heartbeats, intake = clients
     assert SPEC["paths"]["/v1/heartbeat"]["servers"][0]["url"] == "http://127.0.0.1:9401"
     hb = {"job": "llm", "rank": 3, "step": 10, "step_seconds": 1.2, "compute_seconds": 0.9, "gpu": 3, "pid": 77}
     check(hb, "Heartbeat")
@@ -68,6 +69,19 @@ async def test_every_documented_path_answers_as_documented(clients: tuple[TestCl
         check(body, "Error")
         assert body["error"] == reason
         assert str(status) in SPEC["paths"]["/v1/heartbeat"]["post"]["responses"]
+    for bad, reason in ((json.dumps({**hb, "job": "a\nb"}).encode(), "bad_text"),
+                        (json.dumps({**hb, "job": "4242"}).encode(), "job_mismatch"),
+                        (json.dumps({**hb, "job": "a,b"}).encode(), "bad_job_name")):
+        resp = await heartbeats.post("/v1/heartbeat", data=bad)
+        assert (resp.status, (await resp.json())["error"]) == (400, reason)
+        assert reason in SPEC["paths"]["/v1/heartbeat"]["post"]["responses"]["400"]["description"]
+    # Where the site has not opted in, HTTP heartbeats are refused for carrying no identity.
+    intake.accept_unverified = False
+    resp = await heartbeats.post("/v1/heartbeat", data=json.dumps(hb))
+    assert resp.status == 403
+    body = await resp.json()
+    check(body, "Error")
+    assert body["error"] == "unverified"
     # The /metrics listener takes no heartbeat, whoever sends it.
     resp = await client.post("/v1/heartbeat", data=json.dumps(hb))
     assert resp.status == 403

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from vigil.agent.attribution import IN_PROCESS
 from vigil.agent.collectors.training import TrainingCollector, TrainingConfig
 
 
@@ -21,9 +22,9 @@ def test_a_checkpoint_announced_by_the_client_reaches_the_report_and_is_not_a_ha
     collector = TrainingCollector(TrainingConfig(hang_seconds=300.0), pid_alive=lambda pid: True)
     t = 0.0
     for step in range(1, 11):
-        assert collector.ingest(beat(step), t) is None
+        assert collector.ingest(beat(step), t, IN_PROCESS) is None
         t += 2.0
-    assert collector.ingest(beat(10, "checkpointing"), t) is None  # accepted: the wire knows the field
+    assert collector.ingest(beat(10, "checkpointing"), t, IN_PROCESS) is None  # accepted: the wire knows the field
     summary = collector.collect(t + 400.0).report["ranks"][0]
     assert summary.phase == "checkpointing"
     assert summary.state == "running"  # 400 s without a step, but saving, not hung

@@ -16,6 +16,7 @@ import yaml
 
 from vigil.agent.config import parse_config as parse_agent_config
 from vigil.aggregator.config import parse_config as parse_aggregator_config
+from vigil_heartbeat.client import DEFAULT_UNIX_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -138,8 +139,10 @@ def test_deployed_agents_take_heartbeats_from_their_own_node_only() -> None:
         assert training.udp_listen == "127.0.0.1:9401", where
         assert training.unix_socket, where
     assert Path(configs["kubernetes"].collectors.training.unix_socket or "").parent == Path(mounts["heartbeat-socket"])
-    assert "RuntimeDirectory=vigil-agent" in unit
-    assert configs["systemd"].collectors.training.unix_socket == "/run/vigil-agent/heartbeat.sock"
+    assert "RuntimeDirectory=vigil\n" in unit
+    # Both at the heartbeat client's default path (clients/heartbeat), so training code needs no setting.
+    assert {c.collectors.training.unix_socket for c in configs.values()} == {DEFAULT_UNIX_PATH}
+    assert not any(c.collectors.training.accept_unverified for c in configs.values())
     # No heartbeat port is published for the node's address.
     assert {p["containerPort"] for p in pod["containers"][0]["ports"]} == {19400}
 

@@ -1,5 +1,6 @@
 """The job dashboard's GPM panels through a real Prometheus: two `vigil agent` processes on the
-fake NVML backend, each with one rank of training job "llm" (UDP heartbeats), scraped by Debian's
+fake NVML backend, each with one rank of Slurm job 4242 (heartbeats on each agent's Unix socket, from
+this process, which each agent's process table puts in that job), scraped by Debian's
 prometheus with the shipped rules/; the panels' own PromQL (dashboards/vigil-job.json) is run
 against it.
 
@@ -12,6 +13,7 @@ by pid; the test is bounded by DEADLINE_SECONDS.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -24,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.agent.proc_table import in_slurm_job
 from tests.dashboards.test_dashboards import substitute
 from tests.e2e.conftest import Processes, http_json, wait_for, which
 from tests.loopback import free_port
@@ -33,7 +36,7 @@ pytestmark = pytest.mark.external
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = which("prometheus")
 DEADLINE_SECONDS = 60.0
-JOB = "llm"
+JOB = "4242"  # the Slurm job of the heartbeats' sender: the key the dashboards' training_job shows
 MEMORY_BOUND_DRAM_RATIO = 0.93  # agent/nvml/fake.py's memory-bound DRAM ratio (the scenario's cap)
 
 
@@ -48,7 +51,8 @@ def _panel_exprs(title: str) -> list[str]:
 
 def _start_agent(procs: Processes, tmp: Path, node: str, scenario: str) -> tuple[str, str]:
     listen = f"127.0.0.1:{free_port()}"
-    heartbeat = f"127.0.0.1:{free_port()}"
+    heartbeat = str(tmp / f"{node}.sock")
+    in_slurm_job(tmp / f"{node}-proc", os.getpid(), int(JOB))
     kmsg = tmp / f"{node}.kmsg"
     kmsg.write_text("")
     sysfs = tmp / f"{node}-sys"
@@ -56,7 +60,8 @@ def _start_agent(procs: Processes, tmp: Path, node: str, scenario: str) -> tuple
     config = tmp / f"{node}-agent.yml"
     config.write_text(yaml.safe_dump({"collectors": {
         "gpu": {"interval_seconds": 1.0},
-        "training": {"udp_listen": heartbeat, "http": False, "interval_seconds": 0.5, "window_seconds": 1.0},
+        "training": {"udp_listen": f"127.0.0.1:{free_port()}", "http": False, "unix_socket": heartbeat,
+                     "proc_root": str(tmp / f"{node}-proc"), "interval_seconds": 0.5, "window_seconds": 1.0},
     }}))
     procs.start(f"agent-{node}", [sys.executable, "-m", "vigil", "agent", "--config", str(config),
                                   "--backend", "fake", "--scenario", scenario, "--listen", listen,
@@ -84,15 +89,15 @@ def test_memory_bound_h100_job_shows_on_the_job_dashboard_and_a100_has_no_gpm(tm
                                    f"--storage.tsdb.path={tmp_path / 'prom-data'}",
                                    f"--web.listen-address={prom}", "--log.level=warn"])
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     step = [0]
 
     def beat() -> None:  # one step of rank 0 (vnode1) and rank 1 (vnode2) of the job
         step[0] += 1
         for rank, (_, heartbeat) in enumerate(agents.values()):
-            host, port = heartbeat.rsplit(":", 1)
-            body = {"job": JOB, "rank": rank, "step": step[0], "step_seconds": 0.25, "pid": os.getpid()}
-            sock.sendto(json.dumps(body).encode(), (host, int(port)))
+            body = {"job": "llm", "rank": rank, "step": step[0], "step_seconds": 0.25, "pid": os.getpid()}
+            with contextlib.suppress(OSError):  # an agent still starting has no socket yet
+                sock.sendto(json.dumps(body).encode(), heartbeat)
 
     def query(expr: str) -> list[dict[str, Any]]:
         beat()

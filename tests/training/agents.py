@@ -1,5 +1,8 @@
 """Real `vigil agent` processes on the fake NVML backend for the training tests: one per fake
-node, each with its own heartbeat port, reporting to an aggregator every second; stopped by pid."""
+node, each with its own heartbeat Unix socket, reporting to an aggregator every second; stopped by
+pid. Heartbeats are keyed by their sender's Slurm job: the test cannot create Slurm jobs, so each
+agent reads cgroups from its own process table, where ``admit`` places a real process (its real pid,
+as the kernel reports it to the agent) in a job."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from tests.agent.proc_table import in_slurm_job
 from tests.aggregator.aggregator_process import SITE_SECRET, AggregatorProcess, wait_for
 from tests.loopback import free_port
 from vigil.aggregator.auth import node_token
@@ -25,6 +29,9 @@ class Agent:
         self.node = node
         self.udp_port = free_port()
         self.port = free_port()
+        self.socket_path = str(root / f"{node}.sock")
+        self.proc_root = root / f"{node}-proc"
+        self.proc_root.mkdir()
         cfg = root / f"{node}.yaml"
         token = root / f"{node}.token"  # the node's own credential (README "Security")
         token.write_text(node_token(SITE_SECRET.encode(), node) + "\n")
@@ -33,13 +40,18 @@ class Agent:
             "aggregator": {"url": aggregator, "interval_seconds": 1.0, "token_file": str(token)},
             # Short summary window: the test's job lives for tens of seconds, not hours.
             "collectors": {"training": {"udp_listen": f"127.0.0.1:{self.udp_port}", "window_seconds": 6.0,
-                                        "interval_seconds": 1.0}},
+                                        "interval_seconds": 1.0, "unix_socket": self.socket_path,
+                                        "proc_root": str(self.proc_root)}},
         }))
         self.log = (root / f"{node}.log").open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vigil", "agent", "--config", str(cfg), "--backend", "fake",
              "--listen", f"127.0.0.1:{self.port}", *(["--scenario", scenario] if scenario else [])],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def admit(self, pid: int, slurm_job: int) -> None:
+        """Process ``pid`` runs in Slurm job ``slurm_job`` on this node, as far as this agent can tell."""
+        in_slurm_job(self.proc_root, pid, slurm_job)
 
     def healthy(self) -> bool:
         assert self.proc.poll() is None, f"agent {self.node} exited {self.proc.returncode}"

@@ -5,6 +5,7 @@ per-rank timing. No torch needed."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from vigil_heartbeat import Heartbeat
 
 NODES = ("node-a", "node-b", "node-c")
 CAPPED = "node-c"
+SLURM_JOB = 7001  # the job's ranks (this test's process) run in it on every node
 
 
 def capped_scenario(root: Path) -> str:
@@ -47,7 +49,9 @@ def fleet(tmp_path: Path) -> Iterator[tuple[AggregatorProcess, dict[str, Agent]]
 def test_capped_node_in_a_step_only_job_is_flagged_and_no_other(fleet: Any) -> None:
     aggregator, agents = fleet
     stop = threading.Event()
-    clients = [Heartbeat(job="steps-only", rank=i * 8 + g, gpu=g, addr=("127.0.0.1", agents[n].udp_port), env={})
+    for agent in agents.values():
+        agent.admit(os.getpid(), SLURM_JOB)
+    clients = [Heartbeat(job="steps-only", rank=i * 8 + g, gpu=g, addr=agents[n].socket_path, env={})
                for i, n in enumerate(NODES) for g in range(8)]
 
     def train() -> None:  # a synchronous job: every rank steps together, one line per step
@@ -68,7 +72,7 @@ def test_capped_node_in_a_step_only_job_is_flagged_and_no_other(fleet: Any) -> N
         alerts = flagged()
         assert {d["node"] for d in alerts} == {CAPPED}, alerts
         ev = alerts[0]["evidence"]
-        assert alerts[0]["job"] == "steps-only" and ev["gpus"] == list(range(8))
+        assert alerts[0]["job"] == str(SLURM_JOB) and ev["gpus"] == list(range(8))  # the scheduler's id
         assert ev["sm_clock_ratio"] <= 0.85 and "hw_power_brake_slowdown" in ev["clock_event_reasons"]
         def said_it_cannot_rank() -> bool:  # judged on complete summary windows: may come a round later
             found, _ = aggregator.decisions()

@@ -3,7 +3,8 @@ real aggregator: with the StepTimer one slowed rank gets its node drained and no
 ``hb.step(n)`` the aggregator says it has no per-rank timing and drains nobody.
 
 Each of four nodes hosts one rank (each agent on the fake NVML backend, with its own heartbeat
-port): the straggler detector compares nodes with their job's other nodes and needs at least four
+socket; each rank admitted to its job's Slurm id in its node's process table): the straggler
+detector compares nodes with their job's other nodes and needs at least four
 (``detectors.straggler.min_nodes``). Rank 3, on node-d, computes 0.25 s longer per step. Every
 process is bounded in time and stopped by pid. Skipped without torch (``pip install -e '.[torch]'``,
 which `make test` does).
@@ -33,6 +34,8 @@ SLOW_RANK = 3
 SLOW_SECONDS = 0.25
 NODES = {"node-a": (0,), "node-b": (1,), "node-c": (2,), "node-d": (3,)}
 SLOW_NODE = "node-d"
+# The two jobs' Slurm ids: their keys, whatever run id torchrun gives them (a display name only).
+TIMED, STEPS = "7101", "7102"
 
 
 @pytest.fixture(scope="module")
@@ -49,19 +52,22 @@ def ddp_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Aggr
         yield running
 
 
-def train(agents: dict[str, Agent], job: str, mode: str, seconds: float, root: Path) -> list[subprocess.Popen[bytes]]:
+def train(agents: dict[str, Agent], job: str, mode: str, seconds: float, root: Path,
+          slurm_job: str) -> list[subprocess.Popen[bytes]]:
     master = free_port()
     procs = []
     for node, ranks in NODES.items():
         for local, rank in enumerate(ranks):
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "RANK": str(rank),
                    "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(local), "TORCHELASTIC_RUN_ID": job,
-                   "VIGIL_HEARTBEAT_ADDR": f"127.0.0.1:{agents[node].udp_port}", "OMP_NUM_THREADS": "1"}
+                   "VIGIL_HEARTBEAT_ADDR": f"unix:{agents[node].socket_path}", "OMP_NUM_THREADS": "1"}
             log = (root / f"{job}-rank{rank}.log").open("wb")
             procs.append(subprocess.Popen(
                 [sys.executable, str(WORKER), mode, str(seconds), str(SLOW_RANK), str(SLOW_SECONDS)],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
             log.close()
+            # Before torch's process group is up (seconds), so no step is sent unplaced.
+            agents[node].admit(procs[-1].pid, int(slurm_job))
     return procs
 
 
@@ -86,31 +92,32 @@ def test_slowed_rank_drains_its_node_and_no_other_and_step_counts_alone_cannot_r
     only), each with rank 3 slowed. Running them together halves the test's time (torch's start-up
     dominates) and shows the judgements stay per job."""
     aggregator, agents = ddp_cluster
-    procs = train(agents, "ddp-timed", "timed", 240.0, tmp_path) + train(agents, "ddp-steps", "steps", 240.0, tmp_path)
+    procs = (train(agents, "ddp-timed", "timed", 240.0, tmp_path, TIMED)
+             + train(agents, "ddp-steps", "steps", 240.0, tmp_path, STEPS))
     try:
         try:
             wait_for("a straggler drain", lambda: any(
-                d["action"] == "drain" and d["detector"] == "straggler" for d in decisions(aggregator, "ddp-timed")),
+                d["action"] == "drain" and d["detector"] == "straggler" for d in decisions(aggregator, TIMED)),
                 200.0)  # generous: 8 torch processes start on a shared 2-core machine
         except AssertionError:
             seen = [aggregator.request("GET", f"/v1/nodes/{n}")["ranks"] for n in NODES]
-            raise AssertionError(f"no drain; decisions {decisions(aggregator, 'ddp-timed')}; ranks {seen}") from None
-        timed = decisions(aggregator, "ddp-timed")
+            raise AssertionError(f"no drain; decisions {decisions(aggregator, TIMED)}; ranks {seen}") from None
+        timed = decisions(aggregator, TIMED)
         drains = [d for d in timed if d["action"] == "drain"]
         assert {d["node"] for d in drains} == {SLOW_NODE}, drains
         assert drains[0]["evidence"]["excess_ratio"] > 0 and drains[0]["evidence"]["job_nodes"] == len(NODES)
         # Timed ranks are never reported as untimed.
         assert not [d for d in timed if d["detector"] == "gpu_peer" and d["action"] == "observe"]
         ranks = {(r["job"], r["rank"]): r for n in NODES for r in aggregator.request("GET", f"/v1/nodes/{n}")["ranks"]}
-        slow = ranks[("ddp-timed", SLOW_RANK)]
+        slow = ranks[(TIMED, SLOW_RANK)]
         for rank in range(WORLD - 1):
-            assert slow["compute_seconds_p50"] > ranks[("ddp-timed", rank)]["compute_seconds_p50"]
-            assert slow["comm_seconds_p50"] < ranks[("ddp-timed", rank)]["comm_seconds_p50"]
+            assert slow["compute_seconds_p50"] > ranks[(TIMED, rank)]["compute_seconds_p50"]
+            assert slow["comm_seconds_p50"] < ranks[(TIMED, rank)]["comm_seconds_p50"]
         # The step-only job, judged over the same windows: said to be unrankable, nobody drained.
-        steps = decisions(aggregator, "ddp-steps")
+        steps = decisions(aggregator, STEPS)
         observe = [d for d in steps if d["detector"] == "gpu_peer" and d["action"] == "observe"]
         assert len(observe) == 1 and "no per-rank timing" in observe[0]["reason"]
         assert [d for d in steps if d["action"] == "drain"] == []
-        assert all(ranks[("ddp-steps", r)]["compute_seconds_p50"] is None for r in range(WORLD))
+        assert all(ranks[(STEPS, r)]["compute_seconds_p50"] is None for r in range(WORLD))
     finally:
         stop_all(procs)

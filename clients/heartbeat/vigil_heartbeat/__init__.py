@@ -1,4 +1,4 @@
-"""vigil's training-side heartbeat client: one UDP datagram per step to the node's vigil agent.
+"""vigil's training-side heartbeat client: one datagram per step to the node's vigil agent (its Unix socket, else UDP).
 
 ``Heartbeat`` (standard library only) is the client; ``vigil_heartbeat.pytorch`` times compute and
 collective wait per rank (imports torch only when used); ``vigil_heartbeat.integrations`` holds the

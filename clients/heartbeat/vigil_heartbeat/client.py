@@ -1,12 +1,14 @@
-"""Training-side heartbeat client: one UDP datagram per step to the local vigil agent.
+"""Training-side heartbeat client: one datagram per step to the local vigil agent.
 
 Reads its job, rank and local GPU from torchrun's or Slurm's environment when not given, and
-sends compact JSON matching the agent's ``Heartbeat`` wire model (plus pid and ts) to
-127.0.0.1:9401, or to the agent's Unix socket (``VIGIL_HEARTBEAT_ADDR=unix:/run/vigil/heartbeat.sock``)
-from a pod with its own network namespace, including the
-job's phase ("checkpointing", "evaluating") so a long save is not taken for a hang. It uses the
-standard library only, never raises into the training loop, never blocks, and does no retrying,
-batching or validation: a lost datagram costs one step's sample, never a training step.
+sends compact JSON matching the agent's ``Heartbeat`` wire model (plus pid and ts), including the
+job's phase ("checkpointing", "evaluating") so a long save is not taken for a hang, to the agent's
+Unix socket ``/run/vigil/heartbeat.sock`` when ``/run/vigil`` exists (the agent learns from the
+kernel which process, and so which Slurm job or pod, sent each datagram), else to UDP
+127.0.0.1:9401, or where ``VIGIL_HEARTBEAT_ADDR`` says. The job name it sends is only a label:
+the agent keys the job by the scheduler's identity of the sending process. It uses the standard
+library only, never raises into the training loop, never blocks, and does no retrying, batching
+or validation: a lost datagram costs one step's sample, never a training step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 
 DEFAULT_ADDR = ("127.0.0.1", 9401)
+# The agent's heartbeat socket (collectors.training.unix_socket in the shipped configurations):
+# the default wherever its directory exists, on the host or mounted into a pod.
+DEFAULT_UNIX_PATH = "/run/vigil/heartbeat.sock"
 ADDR_ENV = "VIGIL_HEARTBEAT_ADDR"
 UNIX_PREFIX = "unix:"
 # torchrun's rendezvous id defaults to the literal "none" when --rdzv-id is not given.
@@ -70,10 +75,17 @@ def resolve_identity(env: Mapping[str, str]) -> tuple[str, int, int | None]:
     return job.strip(), (rank if rank is not None and rank >= 0 else 0), local
 
 
-def resolve_addr(env: Mapping[str, str]) -> tuple[str, int] | str:
-    """``VIGIL_HEARTBEAT_ADDR`` as host:port (IPv6 in brackets) or ``unix:PATH``, else 127.0.0.1:9401."""
+def resolve_addr(env: Mapping[str, str], unix_path: str = DEFAULT_UNIX_PATH) -> tuple[str, int] | str:
+    """``VIGIL_HEARTBEAT_ADDR`` as host:port (IPv6 in brackets) or ``unix:PATH``; without it
+    ``unix_path`` when it or its directory exists (an agent restarting has removed the socket for
+    a moment), else 127.0.0.1:9401 (which an agent takes only where the site opted in)."""
     raw = env.get(ADDR_ENV, "").strip()
     if not raw:
+        try:
+            if os.path.exists(unix_path) or os.path.isdir(os.path.dirname(unix_path) or "/"):
+                return unix_path
+        except (OSError, ValueError, TypeError):
+            pass
         return DEFAULT_ADDR
     if raw.startswith(UNIX_PREFIX):
         return raw[len(UNIX_PREFIX):] or DEFAULT_ADDR
@@ -138,7 +150,7 @@ class Heartbeat:
 
     def __init__(self, job: str | None = None, rank: int | None = None, gpu: int | None = None,
                  addr: tuple[str, int] | str | None = None, *, env: Mapping[str, str] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, unix_path: str = DEFAULT_UNIX_PATH) -> None:
         self._sock: socket.socket | None = None
         env = os.environ if env is None else env
         self._clock = clock  # monotonic seconds for step and phase durations
@@ -146,7 +158,7 @@ class Heartbeat:
         self.job = str(job) if job else env_job
         self.rank = int(rank) if rank is not None else env_rank
         self.gpu = int(gpu) if gpu is not None else env_local
-        self._addr = addr if addr is not None else resolve_addr(env)
+        self._addr = addr if addr is not None else resolve_addr(env, unix_path)
         self.sent = 0
         self.dropped = 0
         self._phase_seconds = [0.0, 0.0, 0.0]  # compute, comm, data
@@ -158,8 +170,9 @@ class Heartbeat:
         self._suffix = b""  # the phase field while not training
         # Everything constant is encoded once; a step only formats numbers.
         gpu_part = f',"gpu":{self.gpu}' if self.gpu is not None and self.gpu >= 0 else ""
+        # errors="replace": a job name with an unpaired surrogate must not raise here either.
         self._prefix = (f'{{"job":{_json_string(self.job)},"rank":{self.rank}{gpu_part},'
-                        f'"pid":{os.getpid()},"step":').encode()
+                        f'"pid":{os.getpid()},"step":').encode("utf-8", "replace")
         self._unix_path: str | None = None
         sock = None
         try:
