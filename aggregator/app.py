@@ -546,7 +546,9 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         # Node actions: the agent's results first (a final one ends its request), then what is due.
         if report.action_results:
             node_actions.record(report.node, report.action_results, now)
-        requests = node_actions.due(report.node, now, report.boot_id) if leads() else []  # the leader asks
+        # The leader asks, with each request's validity on the node's own clock.
+        requests = node_actions.due(report.node, now, report.boot_id, engine.fleet.clock_offset(report.node)) \
+            if leads() else []
         if requests:
             answer["requests"] = requests
         # The wire's own encoder (Structs as they are): 2.9 us against json_response's 8.1 us, on the

@@ -711,6 +711,11 @@ class Fleet:
         (0 within ``clock_offset_tolerance_seconds``)."""
         return {n.name: n.clock_offset_seconds for n in self._nodes.values() if n.last_seen >= since}
 
+    def clock_offset(self, name: str) -> float:
+        """Node ``name``'s clock minus the aggregator's, as held (0 for a node not in the fleet)."""
+        node = self._nodes.get(name)
+        return node.clock_offset_seconds if node is not None else 0.0
+
     def is_skewed(self, node: NodeState) -> bool:
         return abs(node.clock_offset_seconds) > self.config.max_clock_skew_seconds
 

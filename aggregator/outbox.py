@@ -276,7 +276,8 @@ class Outbox:
                  signed.node, signed.gpu, signed.gpu_uuid, signed.boot_id, self.config.request_ttl_seconds)
         return signed
 
-    def due(self, node: str, now: float, boot_id: str | None = None) -> list[NodeActionRequest]:
+    def due(self, node: str, now: float, boot_id: str | None = None,
+            node_offset_seconds: float = 0.0) -> list[NodeActionRequest]:
         """The signed requests to offer ``node`` in this answer: never offered, or last offered
         ``retry_seconds`` ago; at most ``MAX_REQUESTS_PER_RESPONSE``. ``boot_id``: the boot the
         node reports from; a request for an earlier boot is void (the reboot reset every GPU)."""
@@ -296,14 +297,18 @@ class Outbox:
             if entry.last_offered is None or now - entry.last_offered >= self.config.retry_seconds:
                 entry.last_offered = now
                 self.offered[request.action] += 1
-                out.append(self._offer(request, now))
+                out.append(self._offer(request, now, node_offset_seconds))
         return out
 
-    def _offer(self, request: NodeActionRequest, now: float) -> NodeActionRequest:
-        """``request`` signed to expire ``offer_ttl_seconds`` from ``now`` (or at its own expiry)."""
+    def _offer(self, request: NodeActionRequest, now: float, node_offset_seconds: float) -> NodeActionRequest:
+        """``request`` signed to expire ``offer_ttl_seconds`` from ``now`` (or at its own expiry),
+        its validity told on the node's clock (``node_offset_seconds``: the node's clock minus
+        the aggregator's, as the fleet measured it), which is the clock the agent checks it on: a
+        node whose clock is off is offered requests it can take, for no longer than anyone else."""
         assert self._master is not None  # nothing is pending without the key
         expires_at = min(request.expires_at, now + self.config.offer_ttl_seconds)
-        return sign(replace(request, expires_at=expires_at), node_key(self._master, request.node))
+        return sign(replace(request, issued_at=request.issued_at + node_offset_seconds,
+                            expires_at=expires_at + node_offset_seconds), node_key(self._master, request.node))
 
     # Results ------------------------------------------------------------------------------------
 

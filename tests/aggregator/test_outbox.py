@@ -167,3 +167,20 @@ def test_a_reset_without_a_gpu_or_for_an_unknown_node_is_counted_not_sent() -> N
     assert box.enqueue(_decision(gpu=42, id="d2"), T0) is None
     assert box.enqueue(_decision(node="elsewhere", id="d3"), T0) is None
     assert box.not_queued == {("reset_gpu", "no_gpu"): 2, ("reset_gpu", "unknown_node"): 1}
+
+
+def test_a_node_whose_clock_is_off_is_offered_a_request_valid_on_its_own_clock() -> None:
+    # gpu-1's clock runs 180 s ahead of the aggregator's: the fleet measures it from its report,
+    # and the offer's window is told on the node's clock (which the agent checks it against), as
+    # long as anyone else's: not expired on arrival, not valid longer.
+    node, fleet = FakeNode("gpu-1"), Fleet()
+    fleet.ingest(node.report(T0 + 180), T0)
+    fleet.ingest(node.report(T0 + 181), T0 + 1)
+    box = Outbox(MASTER, NodeActionsConfig.model_validate({"request_ttl_seconds": 600}), fleet)
+    assert fleet.clock_offset("gpu-1") == 180 and fleet.clock_offset("unknown") == 0
+    box.on_delivered("slurm", _decision(), T0 + 1)
+    [req] = box.due("gpu-1", T0 + 2, "boot-gpu-1-1", fleet.clock_offset("gpu-1"))
+    assert (req.issued_at, req.expires_at) == (T0 + 1 + 180, T0 + 2 + 60 + 180)
+    assert signature_ok(req, node_key(MASTER, "gpu-1"))
+    # The request's own expiry stays on the aggregator's clock.
+    assert fleet.view().nodes["gpu-1"].action_expiry == {"d1": T0 + 1 + 600}
