@@ -19,6 +19,7 @@ outside the store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import random
@@ -280,7 +281,7 @@ class Dispatcher:
         self._in_flight.add(key)
         loop = asyncio.get_running_loop()
         future = workers.submit(self._send, actuator, decision)
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._freed, key))
+        future.add_done_callback(lambda _: self._freed_from_worker(loop, key))
         attempt = delivery.attempts + 1
         retryable = True
         deadline = actuator.timeout_seconds + DEADLINE_GRACE_SECONDS
@@ -329,6 +330,12 @@ class Dispatcher:
                       decision.action.value, decision.node, actuator.name, attempt, error)
             await self._store(self.store.mark, decision.id, actuator.name, "dead", now, None, error)
             self.outcomes[(actuator.name, "dead")] += 1
+
+    def _freed_from_worker(self, loop: asyncio.AbstractEventLoop, key: tuple[str, str]) -> None:
+        """``_freed`` on the loop, from the worker thread; a worker that returns after the service
+        stopped (its loop closed) has nothing left to wake."""
+        with contextlib.suppress(RuntimeError):  # the event loop is closed
+            loop.call_soon_threadsafe(self._freed, key)
 
     def _freed(self, key: tuple[str, str]) -> None:
         """A worker returned (its outcome recorded, or given up on at the deadline): look again."""

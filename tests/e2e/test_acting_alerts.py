@@ -4,6 +4,7 @@ counts it in /metrics, and Debian's prometheus, scraping it with the shipped rul
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.parse
 import urllib.request
@@ -46,8 +47,9 @@ def test_a_slurm_actuator_without_a_controller_logs_counts_and_fires_the_alert(t
         now = time.time()
         agg.post_report(node.report(now, events=[Event(kind="xid", ts=now, code=79, gpu=0, urgent=True,
                                                        message="GPU has fallen off the bus.")], urgent=True))
-        # The log line: the start-up check and each failed attempt.
-        assert "actuator slurm cannot reach its target: scontrol ping" in agg.log()
+        # The log line: the start-up check (run once the listener is open) and each failed attempt.
+        wait_for("the start-up check logged", lambda: re.search(
+            r"actuator slurm cannot reach its target: \S*scontrol ping", agg.log()) is not None, time.monotonic() + 20)
         wait_for("a failed delivery logged", lambda: "to slurm failed, attempt" in agg.log(), time.monotonic() + 20)
         # The metric.
         with urllib.request.urlopen(agg.url + "/metrics", timeout=10) as resp:
