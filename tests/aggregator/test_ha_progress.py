@@ -191,7 +191,7 @@ def test_a_leader_frozen_30_s_is_fenced_the_standby_acts_within_15_s_and_nothing
     assert [d["id"] for d in decisions] == [key]  # the freeze itself decided nothing (no silence)
 
 
-def test_a_leader_whose_webhook_receiver_trickles_keeps_leading_and_delays_no_other_actuator(
+def test_a_trickling_webhook_receiver_neither_unseats_the_leader_nor_delays_failover(
         tmp_path: Path, pg: PostgresServer) -> None:
     trickling = TricklingReceiver(0.2)
     am = RecordingAlertmanager()
@@ -216,6 +216,24 @@ def test_a_leader_whose_webhook_receiver_trickles_keeps_leading_and_delays_no_ot
         assert roles(aggs)["leader"] == [leader]
         assert all(metric(a, "vigil_aggregator_leadership_fenced_total") == 0 for a in aggs)
         assert metric(leader, "vigil_aggregator_leadership_relinquished_total") == 0
+        assert trickling.completed == 0
+        # The leader dies while the receiver still holds one of its exchanges open: the standby takes
+        # over and acts within the failover budget all the same (its own reach check and deliveries
+        # to that receiver are held too, on the webhook's workers only).
+        [standby] = [a for a in aggs if a is not leader]
+        wait_for("an exchange held open by the receiver", lambda: trickling.holding >= 1, 30)
+        assert leader.proc is not None
+        with fleet._lock:
+            fleet.aggs.remove(leader)
+        leader.proc.kill()
+        killed = time.monotonic()
+        leader.proc.wait(timeout=10)
+        xid_report(fleet, "gpu-h3")
+        wait_for("the new leader's alert at the other actuator", lambda: "gpu-h3" in am.nodes(),
+                 FAILOVER_BUDGET_SECONDS)
+        acting = time.monotonic() - killed
+        print(f"\nfailover, leader killed while its webhook receiver trickles: acting after {acting:.2f} s")
+        assert acting <= FAILOVER_BUDGET_SECONDS and roles([standby])["leader"] == [standby]
         assert trickling.completed == 0
         fleet.stop()
     finally:
