@@ -9,6 +9,7 @@ at once and keeps what was posted. All stop on ``close`` (their threads end on a
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import select
@@ -21,7 +22,7 @@ from typing import Any
 TRICKLED_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
 
 
-class _HoldingServer:
+class _HoldingServer(abc.ABC):
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -68,8 +69,9 @@ class _HoldingServer:
                 elif outcome == "completed":
                     self.completed += 1
 
+    @abc.abstractmethod
     def answer(self, conn: socket.socket) -> str:
-        raise NotImplementedError
+        """Answer (or hold) one request; returns "cut" or "completed"."""
 
     def _peer_closed(self, conn: socket.socket, wait_seconds: float) -> bool:
         """Waits up to ``wait_seconds`` (or until stopped); True when the client closed or shut
