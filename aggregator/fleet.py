@@ -575,11 +575,11 @@ class RankHistory:
         self.owned: RankSummary | None = None  # as GpuHistory.owned
         self.last_seen = ts
         self.report_ts = ts
-        # (window end, compute p50 (step p50 when phases are not reported), comm p50, steps), one
-        # entry per summary window in which the rank made steps. The window end is the agent's
+        # (window end, compute p50 (step p50 when phases are not reported), comm p50, steps,
+        # data p50), one entry per summary window in which the rank made steps. The window end is the agent's
         # (its summaries of one window repeat it and are stored once, so a window is one piece of
         # evidence however many reports carry it); an agent without one gives the arrival time.
-        self.windows: deque[tuple[float, float, float | None, int]] = deque(maxlen=maxlen)
+        self.windows: deque[tuple[float, float, float | None, int, float | None]] = deque(maxlen=maxlen)
 
     def observe(self, s: RankSummary, node: str, ts: float, report_ts: float, offset: float = 0.0) -> None:
         """``offset``: the node's clock minus the aggregator's (NodeState.clock_offset_seconds): a
@@ -595,7 +595,7 @@ class RankHistory:
         if s.steps > 0 and compute is not None:
             end = s.window_end_ts - offset if s.window_end_ts is not None else ts
             if not self.windows or self.windows[-1][0] < end:
-                self.windows.append((end, compute, s.comm_seconds_p50, s.steps))
+                self.windows.append((end, compute, s.comm_seconds_p50, s.steps, s.data_seconds_p50))
 
 
 @dataclass(slots=True)

@@ -249,7 +249,7 @@ class StragglerDetector:
         ranks_of: dict[str, int] = {}
         for rank in job.ranks.values():
             ranks_of[rank.node] = ranks_of.get(rank.node, 0) + 1
-            for end, compute, comm, steps in reversed(rank.windows):
+            for end, compute, comm, steps, _data in reversed(rank.windows):
                 k = math.ceil(end / width - 1e-9)
                 if k < index:
                     break

@@ -1,0 +1,50 @@
+"""Hardware classes: which nodes are peers for a relative judgement (straggler, GPU peers).
+
+It reads a node's latest GPU states (model name, maximum SM clock, enforced power limit) and
+names its class; nodes of different classes run at different speeds by design (an H100 node in
+an H200 job is the scheduler's choice, not a fault), so peer-relative detectors compare a node
+only with nodes of its own class. It judges nothing and keeps no state.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from vigil.aggregator.fleet import NodeState
+
+# Rounding of the continuous parts of a class, so that reading noise does not split a class:
+# NVML reports the maximum SM clock in MHz steps of 15 (H100 SXM 1,980 MHz, H200 1,980 MHz, A100
+# 1,410 MHz) and power limits in mW; a deliberate cap is at least tens of watts (nvidia-smi -pl).
+_CLOCK_STEP_HERTZ = 15e6
+_POWER_STEP_WATTS = 25.0
+
+HardwareClass = tuple[str, int | None, int | None]
+UNKNOWN: HardwareClass = ("", None, None)
+
+
+def hardware_class(node: NodeState, *, power_limit: bool = True) -> HardwareClass:
+    """The node's class: its GPUs' most common (model, max SM clock, power limit), with the clock
+    and the limit rounded. ``power_limit=False`` leaves the limit out (for a detector that judges
+    a lowered limit itself). A node that reports no GPU is of the ``UNKNOWN`` class."""
+    seen: Counter[HardwareClass] = Counter()
+    for hist in node.gpus.values():
+        s = hist.last
+        clock = None if s.sm_clock_max_hertz is None else round(s.sm_clock_max_hertz / _CLOCK_STEP_HERTZ)
+        limit = None if not power_limit or s.power_limit_watts is None \
+            else round(s.power_limit_watts / _POWER_STEP_WATTS)
+        seen[(s.name or "", clock, limit)] += 1
+    if not seen:
+        return UNKNOWN
+    # most_common keeps first-seen order among ties: GPU index order, stable across evaluations.
+    return seen.most_common(1)[0][0]
+
+
+def describe(cls: HardwareClass) -> str:
+    """A class for people: ``NVIDIA H100 80GB HBM3, 1980 MHz, 700 W``."""
+    name, clock, limit = cls
+    parts = [name or "unknown GPU"]
+    if clock is not None:
+        parts.append(f"{clock * _CLOCK_STEP_HERTZ / 1e6:.0f} MHz")
+    if limit is not None:
+        parts.append(f"{limit * _POWER_STEP_WATTS:.0f} W")
+    return ", ".join(parts)
