@@ -304,13 +304,19 @@ def _episode(occs: list[XidOccurrence], window_seconds: float) -> list[XidOccurr
 
 
 def _bursts(occs: list[XidOccurrence], burst_seconds: float) -> int:
-    bursts = 0
-    last: float | None = None
-    for o in occs:
-        if last is None or o.ts - last > burst_seconds:
-            bursts += 1
-        last = o.ts
-    return bursts
+    return len(burst_spans([o.ts for o in occs], burst_seconds))
+
+
+def burst_spans(times: Sequence[float], burst_seconds: float) -> list[tuple[float, float]]:
+    """(first, last) time of each burst in sorted ``times``: lines no further apart than
+    ``burst_seconds`` are one fault's burst."""
+    spans: list[tuple[float, float]] = []
+    for ts in times:
+        if spans and ts - spans[-1][1] <= burst_seconds:
+            spans[-1] = (spans[-1][0], ts)
+        else:
+            spans.append((ts, ts))
+    return spans
 
 
 def _companion154(episode: list[XidOccurrence], recent154: list[XidOccurrence]) -> XidOccurrence | None:

@@ -5,16 +5,22 @@ is one) and its row-remap flags, and hands them to ``judge_xids`` with NVIDIA's 
 catalog decides the action per code, repetition rules turn repeated application Xids into a node
 problem. It does not parse log lines (the agent does) nor hold the catalog (xid_catalog does).
 
-Peer-relative: an application-class Xid (the catalog's category "app": 13, 31, 43, 45, 68, ...)
-repeating on one GPU points at the GPU only while its peers (the other GPUs of its jobs, or of
-its node when no job is known) do not log the same code. A user's bug on every GPU of a job is
-the job's: one alert for the job, no removal. Designed false-drain rate: a job-wide application
-fault never drains (0 by construction); a GPU is drained only on >= 3 separate bursts within an
-hour while at most a quarter of its peers share the code.
+Peer-relative, per burst: an application-class Xid (the catalog's category "app": 13, 31, 43, 45,
+68, ...) points at its GPU only in the bursts its peers (the other GPUs of its jobs, or of its node
+when no job is known) did not share. A burst (one fault's lines, ``APP_BURST_SECONDS`` apart at
+most) is the job's when at least ``app_peer_share`` of the peers logged the same code within
+``app_peer_burst_seconds`` of it: a user's bug on every rank of a job is one alert for the job and
+no removal. A GPU is drained on ``app_repeat_threshold`` (3) bursts of its own within the hour, so
+a job-wide crash excuses that burst only, not the GPU's later solo repeats. Evidence window: one
+hour (``window_seconds``); persistence: 3 separate bursts; designed false-drain rate: a job-wide
+application fault never drains (0 by construction: every GPU of it shares the burst); a GPU
+repeating a user's bug alone three times in an hour while no peer does is the GPU's
+(NVIDIA: "if the error persists" on the same GPU, run diagnostics).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping
 
 from pydantic import Field
@@ -22,9 +28,10 @@ from pydantic import Field
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.fleet import FleetView, NodeState
-from vigil.aggregator.xid_catalog import XidCatalog, XidOccurrence, judge_xids
+from vigil.aggregator.xid_catalog import APP_BURST_SECONDS, XidCatalog, XidOccurrence, burst_spans, judge_xids
 
 NAME = "xid"
+Gpu = tuple[str, int | None]  # (node, GPU index; None: the node's Xids not tied to a GPU)
 
 
 class XidConfig(StrictModel):
@@ -37,10 +44,17 @@ class XidConfig(StrictModel):
     # GPU across jobs within an hour points at the GPU (NVIDIA Xid guide: "if the error persists").
     window_seconds: float = Field(default=3600.0, gt=0)
     app_repeat_threshold: int = Field(default=3, ge=1)
-    # A repeating application Xid is the GPU's only while fewer than this share of its peer GPUs
-    # (its jobs' GPUs, else its node's) logged the same code within the window: the same user
-    # bug runs on every rank, a bad GPU is one.
+    # A burst of an application Xid is the job's, not the GPU's, when at least this share of its
+    # peer GPUs (its jobs' GPUs, else its node's) logged the same code within
+    # app_peer_burst_seconds of it: the same user bug runs on every rank, a bad GPU is one.
     app_peer_share: float = Field(default=0.25, gt=0, le=1)
+    # How close a peer's line must be to count as the same burst. A job-wide crash lands on every
+    # rank within seconds: the ranks of a synchronous job are never a step apart (each step ends in
+    # a collective), the agent stamps a line within its 0.5 s kernel-log read (agent
+    # collectors.xid.interval_seconds) and places it on the aggregator's clock within 5 s
+    # (fleet clock_offset_tolerance_seconds). 60 s covers steps up to ~50 s; a relaunch after a
+    # crash takes minutes (requeue, model load), so the next crash is a burst of its own.
+    app_peer_burst_seconds: float = Field(default=60.0, ge=0)
     job_action: Action = Action.ALERT
 
 
@@ -57,65 +71,116 @@ class XidDetector:
         repeats = [f for f in out if f.key.endswith(":repeat")]
         if not repeats:
             return out
-        # Peer-relative: which GPUs logged each application code within the window.
-        cfg = self.config
-        having: dict[int, set[tuple[str, int | None]]] = {}
-        for f in repeats:
-            code = int(f.key.split(":")[1])
-            if code in having:
-                continue
-            having[code] = {(n.name, gpu) for n in view.nodes.values() for gpu, records in n.xids.items()
-                            if any(r.code == code and now - r.ts <= cfg.window_seconds for r in records)}
         kept: list[Finding] = [f for f in out if not f.key.endswith(":repeat")]
+        peers_of: dict[tuple[str, ...], tuple[set[Gpu], set[str]]] = {}
+        lines_of: dict[tuple[tuple[str, ...], int], tuple[list[float], list[Gpu]]] = {}
+        near: dict[tuple[tuple[str, ...], int, int, int], set[Gpu]] = {}
         jobs_alerted: set[tuple[str, int]] = set()
         for f in repeats:
             code = int(f.key.split(":")[1])
-            node = view.nodes[f.node]
-            peers, jobs = self._peers(view, node, f.gpu)
-            sharing = len((peers & having[code]) - {(f.node, f.gpu)})
-            others = len(peers - {(f.node, f.gpu)})
-            if others == 0 or sharing < max(1.0, cfg.app_peer_share * others):
-                kept.append(f)
-                continue
-            scope = f"job {', '.join(sorted(jobs))}" if jobs else f"node {f.node}"
-            kept.append(f.model_copy(update={
-                "action": self.catalog.entry(code).action, "key": f"xid:{code}:shared",
-                "reason": f"Xid {code} repeats on this GPU and on {sharing} of the {others} other GPUs of "
-                          f"{scope}: the application's fault, not this GPU's",
-                "evidence": {**f.evidence, "peers": others, "peers_sharing": sharing}}))
-            for job in sorted(jobs):
-                if (job, code) in jobs_alerted:
-                    continue
-                jobs_alerted.add((job, code))
-                members = sorted({n for n, _ in peers})
-                kept.append(Finding(
-                    detector=NAME, node=members[0], job=job, action=cfg.job_action, since=f.since,
-                    key=f"xid:{code}:job",
-                    reason=f"job {job}: application Xid {code} repeats on {sharing + 1} of its {others + 1} GPUs: "
-                           f"the job's fault (a user's bug or input), no node is removed",
-                    evidence={"signal": "xid", "codes": [code], "gpus": others + 1, "gpus_sharing": sharing + 1,
-                              "nodes": len(members)}))
+            scope, peers, jobs = self._scope(view, view.nodes[f.node], f.gpu, peers_of)
+            if (scope, code) not in lines_of:
+                lines_of[scope, code] = self._peer_lines(view, peers, code, now)
+            kept.extend(self._judge_repeat(view, f, code, scope, peers, jobs, lines_of[scope, code], near,
+                                           jobs_alerted, now))
         return kept
 
-    @staticmethod
-    def _peers(view: FleetView, node: NodeState, gpu: int | None) -> tuple[set[tuple[str, int | None]], set[str]]:
-        """The GPUs this GPU is compared with: every GPU of the jobs with a rank on it (a rank
-        without a GPU index puts its whole node in), else every GPU of its node."""
-        jobs = {r.job for r in node.ranks.values() if r.gpu is None or gpu is None or r.gpu == gpu}
-        peers: set[tuple[str, int | None]] = set()
-        for name in jobs:
-            job = view.jobs.get(name)
-            if job is None:
+    def _judge_repeat(self, view: FleetView, f: Finding, code: int, scope: tuple[str, ...], peers: set[Gpu],
+                      jobs: set[str], lines: tuple[list[float], list[Gpu]],
+                      near: dict[tuple[tuple[str, ...], int, int, int], set[Gpu]],
+                      jobs_alerted: set[tuple[str, int]], now: float) -> list[Finding]:
+        """Split ``f``'s repeating GPU's bursts into the job's (shared by its peers) and its own."""
+        cfg = self.config
+        me = (f.node, f.gpu)
+        others = len(peers - {me})
+        needed = max(1.0, cfg.app_peer_share * others)
+        records = view.nodes[f.node].xids.get(f.gpu, ())
+        times = sorted(r.ts for r in records if r.code == code and f.since <= r.ts <= now
+                       and now - r.ts <= cfg.window_seconds)
+        own: list[tuple[float, float]] = []
+        shared: list[tuple[float, float]] = []
+        sharing = 0
+        line_ts, line_gpu = lines
+        for first, last in burst_spans(times, APP_BURST_SECONDS):
+            lo = bisect_left(line_ts, first - cfg.app_peer_burst_seconds)
+            hi = bisect_right(line_ts, last + cfg.app_peer_burst_seconds)
+            gpus = near.get((scope, code, lo, hi))
+            if gpus is None:
+                gpus = near[scope, code, lo, hi] = set(line_gpu[lo:hi])
+            n = len(gpus - {me})
+            if others and n >= needed:
+                shared.append((first, last))
+                sharing = max(sharing, n)
+            else:
+                own.append((first, last))
+        bursts = {"bursts_own": len(own), "bursts_shared": len(shared)}
+        if len(own) >= cfg.app_repeat_threshold:
+            what = f"Xid {code} ({self.catalog.entry(code).name})"
+            excused = f"; {len(shared)} other burst(s) its peers shared were the job's" if shared else ""
+            return [f.model_copy(update={
+                "since": own[0][0],
+                "reason": f"{what} repeated in {len(own)} separate bursts on this GPU alone within "
+                          f"{cfg.window_seconds:g}s (threshold {cfg.app_repeat_threshold}){excused}: "
+                          f"possible hardware fault, run diagnostics",
+                "evidence": {**f.evidence, **bursts, "peers": others}})]
+        scope_text = f"job {', '.join(sorted(jobs))}" if jobs else f"node {f.node}"
+        out = [f.model_copy(update={
+            "action": self.catalog.entry(code).action, "key": f"xid:{code}:shared",
+            "reason": f"Xid {code} repeats on this GPU, and {len(shared)} of its {len(shared) + len(own)} bursts "
+                      f"were shared by up to {sharing} of the {others} other GPUs of {scope_text}: the "
+                      f"application's fault; {len(own)} burst(s) of its own (threshold {cfg.app_repeat_threshold})",
+            "evidence": {**f.evidence, **bursts, "peers": others, "peers_sharing": sharing}})]
+        for job in sorted(jobs):
+            if (job, code) in jobs_alerted:
                 continue
-            for r in job.ranks.values():
-                if r.gpu is not None:
-                    peers.add((r.node, r.gpu))
-                else:
-                    member = view.nodes.get(r.node)
-                    peers.update((r.node, g) for g in (member.gpus if member is not None else ()))
-        if not peers:
-            peers = {(node.name, g) for g in node.gpus}
-        return peers, {j for j in jobs if j in view.jobs}
+            jobs_alerted.add((job, code))
+            members = sorted({n for n, _ in peers})
+            out.append(Finding(
+                detector=NAME, node=members[0], job=job, action=cfg.job_action, since=f.since,
+                key=f"xid:{code}:job",
+                reason=f"job {job}: application Xid {code} repeats on {sharing + 1} of its {others + 1} GPUs at "
+                       f"once: the job's fault (a user's bug or input), no node is removed",
+                evidence={"signal": "xid", "codes": [code], "gpus": others + 1, "gpus_sharing": sharing + 1,
+                          "nodes": len(members)}))
+        return out
+
+    def _peer_lines(self, view: FleetView, peers: set[Gpu], code: int, now: float) -> tuple[list[float], list[Gpu]]:
+        """Times (sorted) and GPUs of the peers' lines of ``code`` within the window (widened by
+        the burst tolerance, so a burst at the window's start still sees its peers)."""
+        t0 = now - self.config.window_seconds - self.config.app_peer_burst_seconds
+        lines: list[tuple[float, Gpu]] = []
+        for name, gpu in peers:
+            node = view.nodes.get(name)
+            if node is None:
+                continue
+            lines.extend((r.ts, (name, gpu)) for r in node.xids.get(gpu, ()) if r.code == code and t0 <= r.ts <= now)
+        lines.sort(key=lambda line: line[0])
+        return [ts for ts, _ in lines], [g for _, g in lines]
+
+    @staticmethod
+    def _scope(view: FleetView, node: NodeState, gpu: int | None,
+               peers_of: dict[tuple[str, ...], tuple[set[Gpu], set[str]]]) -> tuple[tuple[str, ...], set[Gpu], set[str]]:
+        """The GPUs this GPU is compared with: every GPU of the jobs with a rank on it (a rank
+        without a GPU index puts its whole node in), else every GPU of its node; computed once
+        per set of jobs (a job-wide crash makes every GPU of a large job ask)."""
+        jobs = tuple(sorted({r.job for r in node.ranks.values()
+                             if (r.gpu is None or gpu is None or r.gpu == gpu) and r.job in view.jobs}))
+        if jobs and jobs not in peers_of:
+            peers: set[Gpu] = set()
+            for name in jobs:
+                for r in view.jobs[name].ranks.values():
+                    if r.gpu is not None:
+                        peers.add((r.node, r.gpu))
+                    else:
+                        member = view.nodes.get(r.node)
+                        peers.update((r.node, g) for g in (member.gpus if member is not None else ()))
+            peers_of[jobs] = (peers, set(jobs))
+        if jobs and peers_of[jobs][0]:
+            return (jobs, *peers_of[jobs])
+        scope = ("", node.name)  # no job name is empty: the node's own scope
+        if scope not in peers_of:
+            peers_of[scope] = ({(node.name, g) for g in node.gpus}, set())
+        return (scope, *peers_of[scope])
 
     def _judge(self, view: FleetView, now: float) -> list[Finding]:
         cfg = self.config

@@ -90,6 +90,41 @@ def test_a_gpu_whose_application_xids_repeat_alone_is_suspect():
     assert (removal.node, removal.gpu, removal.action) == ("n005", 3, Action.DRAIN)
 
 
+def test_a_job_wide_crash_excuses_its_own_burst_only_not_the_gpus_later_solo_repeats():
+    # The whole job crashes at 0 s (all 128 GPUs); later node 5's GPU 3 repeats Xid 13 alone.
+    everyone = {(i, g): (0.0,) for i in range(16) for g in range(8)}
+    fleet, now = job_fleet(16, {**everyone, (5, 3): (0.0, 300.0, 600.0, 900.0)})
+    found = DETECTOR.evaluate(fleet.view(), now)
+    [removal] = [f for f in found if f.action in REMOVALS]
+    assert (removal.node, removal.gpu, removal.action) == ("n005", 3, Action.DRAIN)
+    assert (removal.evidence["bursts_own"], removal.evidence["bursts_shared"]) == (3, 1)
+    assert removal.since == 300.0  # its own episode starts with its first solo burst
+
+
+def test_two_solo_bursts_after_a_job_wide_crash_are_not_yet_a_repeat():
+    # The lookalike: the job-wide burst plus two of its own is three bursts, but only two are the GPU's.
+    everyone = {(i, g): (0.0,) for i in range(16) for g in range(8)}
+    fleet, now = job_fleet(16, {**everyone, (5, 3): (0.0, 300.0, 600.0)})
+    found = DETECTOR.evaluate(fleet.view(), now)
+    assert not [f for f in found if f.action in REMOVALS]
+    [shared] = [f for f in found if f.key == "xid:13:shared"]
+    assert (shared.evidence["bursts_own"], shared.evidence["bursts_shared"]) == (2, 1)
+
+
+def test_a_job_wide_burst_is_judged_per_burst_within_its_tolerance():
+    # Peers' lines 40 s from the GPU's are the same crash (steps, read cadence, clock placement);
+    # lines two minutes away are another moment and excuse nothing.
+    config = XidConfig()
+    assert config.app_peer_burst_seconds == 60.0
+    peers_near = {(i, g): (40.0, 340.0, 640.0) for i in range(16) for g in range(8) if (i, g) != (5, 3)}
+    fleet, now = job_fleet(16, {**peers_near, (5, 3): (0.0, 300.0, 600.0)})
+    assert not [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action in REMOVALS]
+    peers_far = {(i, g): (120.0, 420.0, 720.0) for i in range(16) for g in range(8) if (i, g) != (5, 3)}
+    fleet, now = job_fleet(16, {**peers_far, (5, 3): (0.0, 300.0, 600.0)})
+    removals = [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action in REMOVALS]
+    assert {(f.node, f.gpu) for f in removals} == {("n005", 3)}
+
+
 def test_without_a_job_the_node_is_the_peer_group():
     node = FakeNode("solo", ports=0)
     fleet = Fleet()
