@@ -32,6 +32,7 @@ from vigil.aggregator.xid_catalog import APP_BURST_SECONDS, XidCatalog, XidOccur
 
 NAME = "xid"
 Gpu = tuple[str, int | None]  # (node, GPU index; None: the node's Xids not tied to a GPU)
+Scopes = dict[tuple[str, ...], tuple[set[Gpu], set[str]]]  # jobs (or ("", node)) -> (peer GPUs, jobs)
 
 
 class XidConfig(StrictModel):
@@ -72,7 +73,7 @@ class XidDetector:
         if not repeats:
             return out
         kept: list[Finding] = [f for f in out if not f.key.endswith(":repeat")]
-        peers_of: dict[tuple[str, ...], tuple[set[Gpu], set[str]]] = {}
+        peers_of: Scopes = {}
         lines_of: dict[tuple[tuple[str, ...], int], tuple[list[float], list[Gpu]]] = {}
         near: dict[tuple[tuple[str, ...], int, int, int], set[Gpu]] = {}
         jobs_alerted: set[tuple[str, int]] = set()
@@ -159,7 +160,7 @@ class XidDetector:
 
     @staticmethod
     def _scope(view: FleetView, node: NodeState, gpu: int | None,
-               peers_of: dict[tuple[str, ...], tuple[set[Gpu], set[str]]]) -> tuple[tuple[str, ...], set[Gpu], set[str]]:
+               peers_of: Scopes) -> tuple[tuple[str, ...], set[Gpu], set[str]]:
         """The GPUs this GPU is compared with: every GPU of the jobs with a rank on it (a rank
         without a GPU index puts its whole node in), else every GPU of its node; computed once
         per set of jobs (a job-wide crash makes every GPU of a large job ask)."""
