@@ -6,13 +6,17 @@ retrained below the rate it had earlier in this boot drains the node: every coll
 that rail slows the whole job. Congestion counters (ECN marks, CNPs, PFC pauses) describe the
 fabric, not the node: they only ever produce an ``observe`` finding.
 
-Flaps are judged on four horizons: ``flap_threshold`` link-down/recovery events in
+Flaps are judged on five horizons: ``flap_threshold`` link-down/recovery events in
 ``window_seconds`` drains (a link retraining every few minutes); ``flap_slow_threshold`` times the
 link went down (``link_downed``) within ``flap_slow_window_seconds`` drains (a port dropping every
 6 minutes never fits 3 drops in 10 minutes, but its fifth drop is 24 minutes after its first);
 ``flap_threshold`` events within one hour alerts; that many in each of ``flap_persist_hours`` of
 the last ``flap_persist_horizon_hours`` hours drains (a link that keeps retraining without going
-down). Designed false-drain rate: a healthy IB link goes down a handful of times a year
+down); ``flap_daily_threshold`` drops within ``flap_daily_window_seconds`` (3 in 24 h) alerts (a
+link dropping once an hour, at its third drop; designed false-alert rate ~2.4e-4 a port-year).
+Drops are counted from the detector's own bounded memory of each port's link_downed increases
+(derived from the view each evaluation), so a day's count survives the fleet's counter ring
+(``history_reports``). Designed false-drain rate: a healthy IB link goes down a handful of times a year
 (link_downed stays 0 on healthy HDR/NDR links between maintenance, and one maintenance costs a
 port one or two drops: a leaf reboot, a reseated cable); 5 drops in 6 hours is ~0 false drains
 by the counters. A drop that several nodes' ports took at the same moment (a switch reboot, a
@@ -23,7 +27,7 @@ switch's flaps and downs across its nodes are attributed to the switch by the to
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections import Counter
+from collections import Counter, deque
 
 from pydantic import Field, model_validator
 
@@ -68,6 +72,20 @@ class NetworkConfig(StrictModel):
     # with probability ~(20 s / 360 s)^2 = 0.3% per drop.
     flap_shared_min_nodes: int = Field(default=3, ge=2)
     flap_shared_seconds: float = Field(default=10.0, ge=0)
+    # Rare flaps, over a day: a link that drops once an hour never fills the 6-hour window
+    # before its fifth drop (4 h after its first). flap_daily_threshold times the link went down
+    # (flap_slow_counters, the node's own drops: shared ones excluded as above) within
+    # flap_daily_window_seconds alerts: a person looks at the cable, nothing is removed. Healthy
+    # IB links do not go down between maintenance: NVIDIA's Health Validation fails a GB200 node
+    # on one RDMA link outage (rdma_linkflap_fatal, fatal_flap_threshold 1) and Meta's GCM health
+    # checks call any InfiniBand "lost carrier" critical; one maintenance costs a port one or two
+    # drops (a reseated cable), so three of its own in a day is one more than any maintenance.
+    # Designed false-alert rate: at even 4 independent own drops a year per port, a third within
+    # a day of two others happens 4 x (4/365)^2 / 2 = 2.4e-4 times a port-year (~2 alerts a year
+    # on 10,000 ports). The once-an-hour link is alerted at its third drop (2 h after its first).
+    flap_daily_threshold: int = Field(default=3, ge=2)
+    flap_daily_window_seconds: float = Field(default=24 * 3600.0, gt=0)
+    flap_daily_action: Action = Action.ALERT
     # Long horizons: flap_threshold events within this much time alerts ...
     flap_alert_window_seconds: float = Field(default=3600.0, gt=0)
     flap_alert_action: Action = Action.ALERT
@@ -107,14 +125,31 @@ class NetworkConfig(StrictModel):
         return self
 
 
+# Drops remembered per port and counter: far above any threshold (a port dropping this often
+# within a day is drained on the short horizon long before).
+_DROPS_KEPT = 64
+PortKey = tuple[str, str, str]  # (node, port, counter)
+
+
 class NetworkDetector:
     name = NAME
 
     def __init__(self, config: NetworkConfig) -> None:
         self.config = config
+        # Link drops (flap_slow_counters increases) per port within the longest drop window,
+        # derived from the view: the fleet keeps history_reports increases per counter, which a
+        # site may set below a day's drops. Bounded: _DROPS_KEPT per port and counter, forgotten
+        # when older than the window or when the port's node has left the view.
+        self._drops: dict[PortKey, deque[tuple[float, float]]] = {}
+
+    @property
+    def drops_remembered(self) -> int:
+        """Link drops held in the memory (its bound is tested)."""
+        return sum(len(d) for d in self._drops.values())
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
+        self._remember_drops(view, now)
         shared = self._shared_drops(view, now)
         for node in view.nodes.values():
             for port in node.ports.values():
@@ -123,23 +158,45 @@ class NetworkDetector:
                 out.extend(self._judge(node, port, now, shared))
         return out
 
-    def _shared_drops(self, view: FleetView, now: float) -> frozenset[tuple[str, str, float]]:
-        """(node, port, ts) of the link drops within the slow window that ports of at least
-        ``flap_shared_min_nodes`` nodes took at the same moment: the fabric's, not a node's."""
-        cfg = self.config
-        t0 = now - cfg.flap_slow_window_seconds
-        drops: list[tuple[float, str, str]] = []
-        tolerance = cfg.flap_shared_seconds
+    def _drop_window(self) -> float:
+        return max(self.config.flap_slow_window_seconds, self.config.flap_daily_window_seconds)
+
+    def _remember_drops(self, view: FleetView, now: float) -> None:
+        """Take the ports' new link drops into the memory; forget what is older than the window."""
+        t0 = now - self._drop_window()
+        for key in [k for k, drops in self._drops.items() if drops[-1][0] <= t0 or k[0] not in view.nodes]:
+            del self._drops[key]
         for node in view.nodes.values():
-            found = False
             for port in node.ports.values():
                 if port.counters.last_increase_ts <= t0:
                     continue
-                for counter in cfg.flap_slow_counters:
-                    for ts, _ in port.counters.increases_since(counter, t0):
-                        drops.append((ts, node.name, port.name))
-                        found = True
-            if found and node.interval_seconds:
+                for counter in self.config.flap_slow_counters:
+                    key = (node.name, port.name, counter)
+                    known = self._drops.get(key)
+                    since = max(t0, known[-1][0]) if known else t0
+                    new = [(ts, d) for ts, d in port.counters.increases_since(counter, since) if ts > since]
+                    if not new:
+                        continue
+                    if known is None:
+                        known = self._drops[key] = deque(maxlen=_DROPS_KEPT)
+                    known.extend(new)
+
+    def _port_drops(self, node: str, port: str, t0: float) -> list[tuple[float, float]]:
+        """The port's remembered drops after ``t0``, oldest first."""
+        return sorted(e for c in self.config.flap_slow_counters for e in self._drops.get((node, port, c), ())
+                      if e[0] > t0)
+
+    def _shared_drops(self, view: FleetView, now: float) -> frozenset[tuple[str, str, float]]:
+        """(node, port, ts) of the remembered link drops that ports of at least
+        ``flap_shared_min_nodes`` nodes took at the same moment: the fabric's, not a node's."""
+        cfg = self.config
+        t0 = now - self._drop_window()
+        drops: list[tuple[float, str, str]] = []
+        tolerance = cfg.flap_shared_seconds
+        for (name, port_name, _), remembered in self._drops.items():
+            drops.extend((ts, name, port_name) for ts, _ in remembered if ts > t0)
+            node = view.nodes.get(name)
+            if node is not None and node.interval_seconds:
                 tolerance = max(tolerance, float(node.interval_seconds))
         if len(drops) < cfg.flap_shared_min_nodes:
             return frozenset()
@@ -227,12 +284,12 @@ class NetworkDetector:
     def _flap_horizon(self) -> float:
         cfg = self.config
         return max(cfg.window_seconds, cfg.flap_alert_window_seconds, 3600.0 * cfg.flap_persist_horizon_hours,
-                   cfg.flap_slow_window_seconds)
+                   self._drop_window())
 
     def _judge_flaps(self, node: NodeState, port: PortHistory, now: float,
                      shared: frozenset[tuple[str, str, float]]) -> list[Finding]:
-        """Link down/recovery events on the short, several-hour, slow and hourly horizons; the
-        strongest that holds is reported."""
+        """Link down/recovery events on the short, several-hour, slow, hourly and daily horizons;
+        the strongest that holds is reported."""
         cfg = self.config
         events = sorted(e for c in cfg.flap_counters
                         for e in port.counters.increases_since(c, now - self._flap_horizon()))
@@ -257,8 +314,7 @@ class NetworkDetector:
                                   f"last {cfg.flap_persist_horizon_hours} hours ({sum(hours):.0f} in all)",
                                   {"signal": "link_flaps", "events_per_hour": hours, "horizon": "long"})]
         t_slow = now - cfg.flap_slow_window_seconds
-        drops = sorted(e for c in cfg.flap_slow_counters for e in port.counters.increases_since(c, t_slow)
-                       if e[0] > t_slow)
+        drops = self._port_drops(node.name, port.name, t_slow)
         own = [(ts, d) for ts, d in drops if (node.name, port.name, ts) not in shared]
         if sum(d for _, d in own) >= cfg.flap_slow_threshold:
             return [self._finding(node, port, cfg.flap_slow_action, own[0][0], "flap_slow",
@@ -275,6 +331,17 @@ class NetworkDetector:
                                   f"{flaps:.0f} link down/recovery events in {cfg.flap_alert_window_seconds:.0f} s",
                                   {"signal": "link_flaps", "events": flaps,
                                    "window_seconds": cfg.flap_alert_window_seconds, "horizon": "medium"})]
+        t_daily = now - cfg.flap_daily_window_seconds
+        daily = [(ts, d) for ts, d in self._port_drops(node.name, port.name, t_daily)
+                 if (node.name, port.name, ts) not in shared]
+        if sum(d for _, d in daily) >= cfg.flap_daily_threshold:
+            return [self._finding(node, port, cfg.flap_daily_action, daily[0][0], "flap_daily",
+                                  f"link down {sum(d for _, d in daily):.0f} times in "
+                                  f"{cfg.flap_daily_window_seconds / 3600.0:g} h (a healthy link drops only "
+                                  f"in maintenance): look at its cable and transceiver",
+                                  {"signal": "link_flaps", "events": sum(d for _, d in daily),
+                                   "window_seconds": cfg.flap_daily_window_seconds, "horizon": "daily",
+                                   "drops": [round(ts, 1) for ts, _ in daily][-cfg.flap_daily_threshold:]})]
         return []
 
     @staticmethod

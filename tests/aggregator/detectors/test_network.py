@@ -6,10 +6,8 @@ from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Action
 from vigil.aggregator.detectors.network import NetworkConfig, NetworkDetector
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.fleet import Fleet
+from vigil.aggregator.fleet import Fleet, FleetConfig
 from vigil.aggregator.sink import RecordingSink
-
-DETECTOR = NetworkDetector(NetworkConfig())
 
 
 def judge(change=None, end=300.0):
@@ -21,7 +19,7 @@ def judge(change=None, end=300.0):
             change(node, t)
         fleet.ingest(node.report(t), t)
         t += 2.5
-    return DETECTOR.evaluate(fleet.view(), t - 2.5)
+    return NetworkDetector(NetworkConfig()).evaluate(fleet.view(), t - 2.5)
 
 
 def test_healthy_ports_produce_nothing():
@@ -79,17 +77,19 @@ def test_congestion_only_informs():
     assert f.action is Action.OBSERVE
 
 
-def flapping_every(period_s, hours, counter="link_downed"):
-    """A port whose link drops once every ``period_s``; the findings per minute for ``hours``."""
+def flapping_every(period_s, hours, counter="link_downed", *, fleet=None, config=None):
+    """A port whose link drops once every ``period_s``; the findings per minute for ``hours``. The
+    detector keeps a memory of drops: one per fleet, as in the aggregator."""
     node = FakeNode("a", gpus=0)
-    fleet = Fleet()
+    fleet = fleet or Fleet()
+    detector = NetworkDetector(config or NetworkConfig())
     out = []
     for minute in range(int(hours * 60) + 1):
         t = minute * 60.0
         if minute and t % period_s == 0:
             node.ports[2]["counters"][counter] += 1
         fleet.ingest(node.report(t), t)
-        out.append((t, DETECTOR.evaluate(fleet.view(), t)))
+        out.append((t, detector.evaluate(fleet.view(), t)))
     return out
 
 
@@ -98,6 +98,7 @@ def drops_at(schedule, hours, phase_seconds=0.0):
     i-th node ``i * phase_seconds`` later than the first); each node's findings per minute."""
     nodes = {name: FakeNode(name, gpus=0, ports=4) for name in schedule}
     fleet = Fleet()
+    detector = NetworkDetector(NetworkConfig())
     out: dict[str, list] = {name: [] for name in schedule}
     for step in range(int(hours * 120) + 1):
         base = step * 30.0
@@ -107,7 +108,7 @@ def drops_at(schedule, hours, phase_seconds=0.0):
             fleet.ingest(node.report(t), t)
         if step % 2 == 0:
             now = base + len(nodes) * phase_seconds
-            found = DETECTOR.evaluate(fleet.view(), now)
+            found = detector.evaluate(fleet.view(), now)
             for name in schedule:
                 out[name].append((now, [f for f in found if f.node == name]))
     return out
@@ -152,9 +153,63 @@ def test_four_drops_in_six_hours_do_not_drain():
     assert all(f.action is not Action.DRAIN for _, fs in found for f in fs)
 
 
-def test_drops_two_hours_apart_never_fill_the_slow_window():
+def test_drops_two_hours_apart_never_fill_the_slow_window_but_alert_on_the_daily_one():
     found = drops_at({"a": [h * 7200.0 for h in range(1, 7)]}, hours=13)["a"]
+    assert all(f.action is Action.ALERT for _, fs in found for f in fs)
+    first_alert = next(t for t, fs in found if fs)
+    assert first_alert == 3 * 7200.0  # the report that sees the third drop
+
+
+def test_a_link_dropping_once_an_hour_alerts_at_its_third_drop_and_drains_at_its_fifth():
+    found = flapping_every(3600, 6)
+    first_alert = next(t for t, fs in found if fs)
+    first_drain = next(t for t, fs in found if any(f.action is Action.DRAIN for f in fs))
+    assert first_alert == 3 * 3600.0  # drops at 1, 2 and 3 h: two hours after the first, not five
+    [alert] = dict(found)[first_alert]
+    assert (alert.action, alert.key, alert.evidence["horizon"], alert.evidence["events"]) == (
+        Action.ALERT, "flap_daily:mlx5_2/1", "daily", 3)
+    assert alert.since == 3600.0
+    assert first_drain == 5 * 3600.0  # the slow tier's fifth drop still drains
+
+
+def test_drops_more_than_half_a_day_apart_never_alert():
+    # The lookalike: a reseated cable, a leaf's firmware activation, another maintenance the next
+    # day - never three of the port's own drops inside 24 h.
+    found = drops_at({"a": [1800.0, 13.5 * 3600.0, 26.0 * 3600.0]}, hours=27)["a"]
     assert all(not fs for _, fs in found)
+
+
+def test_two_drops_in_a_day_never_alert():
+    found = drops_at({"a": [1800.0, 2400.0]}, hours=24)["a"]
+    assert all(not fs for _, fs in found)
+
+
+def test_drop_counts_survive_the_fleets_counter_ring():
+    # The fleet keeps only 4 increases per counter (history_reports, its minimum): the fifth
+    # drop evicts the first from the view, not from the detector's memory.
+    found = flapping_every(1800, 6, fleet=Fleet(FleetConfig(history_reports=4)))
+    first_drain = next(t for t, fs in found if any(f.action is Action.DRAIN for f in fs))
+    assert first_drain == 5 * 1800.0
+    found = flapping_every(3600, 6, fleet=Fleet(FleetConfig(history_reports=4)),
+                           config=NetworkConfig(flap_daily_threshold=6, flap_slow_threshold=7))
+    assert not any(fs for _, fs in found[:-1])
+    [alert] = found[-1][1]  # the sixth drop, at 6 h: six remembered, four in the ring
+    assert (alert.evidence["events"], alert.evidence["horizon"]) == (6, "daily")
+
+
+def test_the_drop_memory_forgets_what_is_past_the_window():
+    detector = NetworkDetector(NetworkConfig())
+    node = FakeNode("a", gpus=0)
+    fleet = Fleet()
+    t = 0.0
+    for t in (0.0, 60.0, 120.0, 180.0):
+        node.ports[2]["counters"]["link_downed"] += 1 if t else 0
+        fleet.ingest(node.report(t), t)
+        detector.evaluate(fleet.view(), t)
+    assert detector.drops_remembered == 3
+    fleet.ingest(node.report(25 * 3600.0), 25 * 3600.0)
+    assert detector.evaluate(fleet.view(), 25 * 3600.0) == []
+    assert detector.drops_remembered == 0
 
 
 def test_drops_shared_by_many_nodes_at_once_are_the_fabrics():
