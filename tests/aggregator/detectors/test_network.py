@@ -212,6 +212,17 @@ def test_the_drop_memory_forgets_what_is_past_the_window():
     assert detector.drops_remembered == 0
 
 
+def test_the_drop_memory_is_bounded_per_port():
+    detector = NetworkDetector(NetworkConfig())
+    node = FakeNode("a", gpus=0)
+    fleet = Fleet()
+    for minute in range(200):  # a drop every minute: drained on the short horizon, remembered up to 64
+        node.ports[2]["counters"]["link_downed"] += 1
+        fleet.ingest(node.report(minute * 60.0), minute * 60.0)
+        detector.evaluate(fleet.view(), minute * 60.0)
+    assert detector.drops_remembered == 64
+
+
 def test_drops_shared_by_many_nodes_at_once_are_the_fabrics():
     # A leaf switch rebooting five times over five hours: every node's port drops at the same
     # moments (each node's report sees it within one interval). No node-level slow flap; the
