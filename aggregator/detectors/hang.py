@@ -28,12 +28,15 @@ from statistics import median
 from pydantic import Field
 
 from vigil.agent.validation import StrictModel
-from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.fleet import FleetView, JobState, RankHistory
 
 NAME = "hang"
 LONG_PHASES = ("checkpointing", "evaluating")
 _GAPS_KEPT = 8
+# Nodes named in a job-level finding's evidence (``job_nodes``): enough for an actuator to check the
+# job runs where it was reported, bounded for a 1,000-node job's decision body.
+JOB_NODES_NAMED = 16
 
 
 class HangConfig(StrictModel):
@@ -179,7 +182,6 @@ class HangDetector:
             why = "ranks stopped first; the rest of the job waits on them"
             if not culprits and min(stall.values()) < limit:
                 return []
-        first = min(job.ranks.values(), key=lambda r: r.rank)
         since = min(now - stall[r.rank] for r in stopped) if stopped else min(r.last_seen for r in silent_node_ranks)
         culprit_nodes = sorted({r.node for r in culprits})
         all_nodes = job.nodes()
@@ -187,6 +189,9 @@ class HangDetector:
             "signal": "step_progress", "ranks": len(job.ranks), "stopped_ranks": len(stopped),
             "max_stall_seconds": round(max(stall.values()), 1),
             "stall_seconds_threshold": round(limit, 1), "phase": phase,
+            # The nodes its ranks reported from (the first JOB_NODES_NAMED by name): a job-level
+            # decision names no node, and an actuator acts on the job only where it runs on one.
+            "job_nodes": sorted(all_nodes)[:JOB_NODES_NAMED],
         }
         out: list[Finding] = []
         if culprit_nodes and len(culprit_nodes) <= cfg.max_culprit_nodes and len(culprit_nodes) < len(all_nodes):
@@ -199,7 +204,7 @@ class HangDetector:
                     reason=f"job {job.name}: {why} (ranks {ranks[:8]} on this node)",
                     evidence={**evidence_base, "culprit_ranks": ranks, "first_stopped_rank": first_stop.rank}))
             out.append(Finding(
-                detector=NAME, node=first.node, job=job.name, action=Action.RESTART_JOB, since=since, key="hang",
+                detector=NAME, node=WHOLE_JOB, job=job.name, action=Action.RESTART_JOB, since=since, key="hang",
                 reason=(f"job {job.name} stalled by {', '.join(culprit_nodes)} (rank {first_stop.rank} stopped "
                         f"first, at step {first_stop.last.last_step}): restart without them"),
                 evidence={**evidence_base, "culprit_nodes": culprit_nodes, "first_stopped_rank": first_stop.rank}))
@@ -209,7 +214,7 @@ class HangDetector:
         whole = min(stall.values())
         action = Action.RESTART_JOB if whole >= max(cfg.stall_seconds, limit) else Action.ALERT
         out.append(Finding(
-            detector=NAME, node=first.node, job=job.name, action=action, since=since, key="hang",
+            detector=NAME, node=WHOLE_JOB, job=job.name, action=action, since=since, key="hang",
             reason=(f"job {job.name}: every rank stopped for {whole:.0f} s (limit {limit:.0f} s, {phase}), "
                     f"no single culprit" + ("" if action is Action.RESTART_JOB
                                             else f"; restart after {cfg.stall_seconds:.0f} s")),
