@@ -167,7 +167,12 @@ class KubernetesActuator:
     def deliver(self, decision: Decision) -> str:
         # One Node object per call, by its exact name; a job-level restart names none (job_nodes
         # checks each node it reads), and its Event is recorded on the node its pod ran on.
-        where = job_nodes(decision)
+        try:
+            where = job_nodes(decision)
+        except DeliveryError as exc:
+            if decision.node is not None:
+                raise  # not a node name: refused as before, by one_node
+            raise self._refuse(decision, "job_not_on_node", str(exc)) from None
         self._deadline.at = self._monotonic() + self.timeout_seconds
         try:
             done, node = self._act(decision, where)
@@ -304,7 +309,7 @@ class KubernetesActuator:
         """A permanent DeliveryError for ``decision``, counted under ``reason`` and logged."""
         with self._events_lock:
             self.refusals[reason] += 1
-        log.error("kubernetes: refusing %s %s on %s (%s): %s", decision.action.value, decision.id, decision.node,
+        log.error("kubernetes: refusing %s %s on %s (%s): %s", decision.action.value, decision.id, decision.subject,
                   reason, message)
         return DeliveryError(message, retryable=False)
 

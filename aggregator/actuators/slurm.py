@@ -209,7 +209,7 @@ class SlurmActuator:
         """A permanent DeliveryError for ``decision``, counted under ``reason`` and logged."""
         with self._refusals_lock:
             self.refusals[reason] += 1
-        log.error("slurm: refusing %s %s on %s (%s): %s", decision.action.value, decision.id, decision.node,
+        log.error("slurm: refusing %s %s on %s (%s): %s", decision.action.value, decision.id, decision.subject,
                   reason, message)
         return DeliveryError(message, retryable=False)
 
@@ -306,6 +306,10 @@ class SlurmActuator:
             raise self._refuse(decision, "job_not_numeric",
                                f"job {job[:80]!r} is not a Slurm job id (a number); only ids are requeued")
         job_id = str(int(job))
+        try:  # each a node name (one_node), before Slurm is asked anything
+            reported = job_nodes(decision)
+        except DeliveryError as exc:
+            raise self._refuse(decision, "job_not_on_node", str(exc)) from None
         try:
             line = self._command([self.config.squeue, "-h", "-j", job_id, "-o", JOB_FORMAT]).strip()
         except DeliveryError as exc:
@@ -316,7 +320,6 @@ class SlurmActuator:
         if len(fields) != 4 or fields[0] != job_id:
             raise self._refuse(decision, "job_not_found", f"Slurm has no job {job_id} (squeue: {line[:120]!r})")
         _, state, nodes, excluded_list = fields
-        reported = job_nodes(decision)
         if decision.node is None:
             return self._requeue_job(decision, job_id, state, nodes, reported)
         excluded = self._hostnames(excluded_list)
