@@ -42,7 +42,7 @@ from vigil.aggregator.alertmanager_input import add_routes
 from vigil.aggregator.auth import NODE_KEY, Credentials, Refusals, auth_middleware, is_loopback
 from vigil.aggregator.clock import FLEET_CLOCK_HORIZON_SECONDS, FleetClockWatch, SteadyClock
 from vigil.aggregator.config import AggregatorConfig
-from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision, Finding
+from vigil.aggregator.decision import REMOVING_ACTIONS, WHOLE_JOB, Action, Decision, Finding
 from vigil.aggregator.dispatch import DEADLINE_GRACE_SECONDS, Dispatcher
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import NodeState
@@ -248,7 +248,8 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     def findings_by_node() -> dict[str, list[Finding]]:
         out: dict[str, list[Finding]] = {}
         for f in engine.last_findings:
-            out.setdefault(f.node, []).append(f)
+            if f.node != WHOLE_JOB:  # a job-level finding is no node's
+                out.setdefault(f.node, []).append(f)
         return out
 
     def state_counts() -> dict[str, int]:
@@ -418,7 +419,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         metrics.last_evaluation.set(wall())  # Prometheus compares it with its own wall clock
         if ledger is None:  # the ledger logs what it records
             for d in admitted:
-                log.info("decision %s: %s %s%s (%s) %s", d.id, d.action.value, d.node,
+                log.info("decision %s: %s %s%s (%s) %s", d.id, d.action.value, d.subject,
                          f" gpu {d.gpu}" if d.gpu is not None else "", d.detector, d.reason)
 
     def evaluate_now() -> list[Decision]:

@@ -1,8 +1,9 @@
-"""Decisions: what the aggregator concluded about a node, and what it proposes to do.
+"""Decisions: what the aggregator concluded about a node or a job, and what it proposes to do.
 
 A detector returns ``Finding``s; the app turns each into a ``Decision`` with a stable id (the
-idempotency key every actuator uses), which the gate admits or refuses. This module holds the
-types only: no judgement, no I/O.
+idempotency key every actuator uses), which the gate admits or refuses. A decision about a whole
+job (a job stopped everywhere with no culprit) names the job and no node (``node`` is None): no
+node is blamed, counted or acted on for it. This module holds the types only: no judgement, no I/O.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import hashlib
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Action(StrEnum):
@@ -29,6 +30,26 @@ class Action(StrEnum):
 
 # Actions that take capacity away from the scheduler: these are what the circuit breaker counts.
 REMOVING_ACTIONS = frozenset({Action.DRAIN, Action.RESET_GPU, Action.REBOOT_NODE, Action.INSPECT_HARDWARE})
+# Actions that may be about a whole job (``node`` None, ``job`` set): they take no node away.
+JOB_LEVEL_ACTIONS = frozenset({Action.OBSERVE, Action.ALERT, Action.RESTART_JOB})
+# A job-level decision's subject as the store keys it (its rows' node column, the delivery order):
+# ':' never appears in a node name (a DNS name, wire.NODE_NAME_PATTERN), so it cannot collide.
+JOB_SUBJECT_PREFIX = "job:"
+# A finding's ``node`` for a finding about its whole job (``job`` set): never a node name (those
+# have 1..253 characters), so a detector reading other findings' nodes matches no node with it.
+# Decision.from_finding turns it into ``node`` None, the wire's form.
+WHOLE_JOB = ""
+
+
+def _check_subject(node: str | None, job: str | None, action: Action) -> None:
+    if node is None and (job is None or action not in JOB_LEVEL_ACTIONS):
+        raise ValueError(f"a decision without a node must name a job and be one of "
+                         f"{sorted(a.value for a in JOB_LEVEL_ACTIONS)}, got {action.value} for job {job!r}")
+
+
+def subject(node: str | None, job: str | None) -> str:
+    """What a decision is about, as one string: its node, or ``job:<job>`` for a job-level one."""
+    return node if node is not None else JOB_SUBJECT_PREFIX + (job or "")
 
 
 class Finding(BaseModel):
@@ -39,7 +60,7 @@ class Finding(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     detector: str
-    node: str
+    node: str  # WHOLE_JOB (""): about the whole job (``job`` set), no node blamed
     action: Action
     reason: str
     since: float
@@ -52,6 +73,11 @@ class Finding(BaseModel):
     # episodes span repeats: a new occurrence well after the decision was made is a repeat.
     latest: float | None = None
 
+    @model_validator(mode="after")
+    def _subject(self) -> Finding:
+        _check_subject(self.node or None, self.job, self.action)
+        return self
+
 
 class Decision(BaseModel):
     """The wire form (DESIGN.md section 6) handed to the gate, the store and the actuators."""
@@ -60,7 +86,7 @@ class Decision(BaseModel):
 
     id: str
     ts: float
-    node: str
+    node: str | None  # None: a job-level decision (``job`` set); no node is blamed or acted on
     action: Action
     reason: str
     detector: str
@@ -73,12 +99,22 @@ class Decision(BaseModel):
     # counts only earlier decisions made before it, not two readings of one event.
     since: float | None = None
 
+    @model_validator(mode="after")
+    def _subject(self) -> Decision:
+        _check_subject(self.node, self.job, self.action)
+        return self
+
+    @property
+    def subject(self) -> str:
+        """Its node, or ``job:<job>`` for a job-level decision (the store's key)."""
+        return subject(self.node, self.job)
+
     @classmethod
     def from_finding(cls, finding: Finding, now: float, dry_run: bool) -> Decision:
         return cls(
             id=decision_id(finding),
             ts=now,
-            node=finding.node,
+            node=finding.node or None,
             action=finding.action,
             reason=finding.reason,
             detector=finding.detector,
@@ -95,7 +131,7 @@ def decision_id(finding: Finding) -> str:
     """Stable across restarts and re-evaluations of one episode: a hash of what identifies it."""
     parts = (
         finding.detector,
-        finding.node,
+        subject(finding.node or None, finding.job),
         str(finding.gpu),
         str(finding.job),
         finding.action.value,

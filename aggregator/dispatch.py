@@ -320,14 +320,14 @@ class Dispatcher:
         if retryable and attempt < self.config.max_attempts:
             retry = self.backoff_seconds(attempt)
             log.warning("delivery of %s (%s %s) to %s failed, attempt %d of %d, retry in %.1fs: %s",
-                        decision.id, decision.action.value, decision.node, actuator.name, attempt,
+                        decision.id, decision.action.value, decision.subject, actuator.name, attempt,
                         self.config.max_attempts, retry, error)
             await self._store(self.store.mark, decision.id, actuator.name, "failed", now, now + retry, error)
             self.outcomes[(actuator.name, "failed")] += 1
         else:
             log.error("delivery of %s (%s %s) to %s is DEAD-LETTERED after %d attempt(s): %s; "
                       "nothing will retry it (see `vigil aggregator decisions`)", decision.id,
-                      decision.action.value, decision.node, actuator.name, attempt, error)
+                      decision.action.value, decision.subject, actuator.name, attempt, error)
             await self._store(self.store.mark, decision.id, actuator.name, "dead", now, None, error)
             self.outcomes[(actuator.name, "dead")] += 1
 

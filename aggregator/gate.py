@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -182,14 +182,14 @@ class GateState:
         """Add an admitted removing decision to its node's history."""
         entry = HistoryEntry(ts=ts, id=d.id, action=d.action, gpu=d.gpu, detector=d.detector,
                              since=d.since if d.since is not None else d.ts)
-        self.history.setdefault(d.node, []).append(entry)
+        self.history.setdefault(d.subject, []).append(entry)
 
     def earlier_faults(self, d: Decision, horizon_seconds: float, now: float, began: float) -> list[HistoryEntry]:
         """Earlier episodes of the same fault as ``d``: removing decisions on the same GPU (or,
         for a node-level fault, by the same detector) admitted within the horizon and before
         ``d``'s fault ``began`` (two detectors reading one event are one episode, not a repeat)."""
         out = []
-        for e in self.history.get(d.node, ()):
+        for e in self.history.get(d.subject, ()):
             if e.id == d.id or now - e.ts > horizon_seconds or e.ts >= began:
                 continue
             same = e.gpu == d.gpu if d.gpu is not None else (e.gpu is None and e.detector == d.detector)
@@ -209,10 +209,10 @@ class GateState:
         d = verdict.decision
         self.recent[_dedup_key(d)] = now
         if d.action is Action.RESTART_JOB:
-            self.restarts.append((now, d.job or d.node))
+            self.restarts.append((now, d.job or d.subject))
             return
-        if d.action in INFORMING:
-            return
+        if d.action in INFORMING or d.node is None:
+            return  # a job-level decision counts against no node
         if d.action in REMOVING_ACTIONS:
             self.remember(d, now)
         rec = self.node(d.node)
@@ -258,7 +258,12 @@ class Verdict:
 
 
 def _dedup_key(d: Decision) -> tuple[str, str, str]:
-    return (d.node, d.action.value, d.job or "")
+    return dedup_key(d.subject, d.action.value, d.job)
+
+
+def dedup_key(subject: str, action: str, job: str | None) -> tuple[str, str, str]:
+    """The gate's duplicate key: (node or ``job:<job>``, action, job or "")."""
+    return (subject, action, job or "")
 
 
 class Gate:
@@ -300,9 +305,13 @@ class Gate:
 
         last = state.recent.get(_dedup_key(decision))
         if last is not None and now - last < cfg.dedup_seconds:
-            return refuse("duplicate", f"{proposed.value} on {decision.node} already admitted {now - last:.0f}s ago")
+            return refuse("duplicate", f"{proposed.value} on {decision.subject} already admitted {now - last:.0f}s ago")
         if proposed in INFORMING:
             return admit(proposed)
+        if decision.node is None:
+            # About a whole job (Decision allows only restart_job here): no node's hold, opt-out,
+            # maintenance window, cooldown or breaker budget applies; the restart budget does.
+            return self._restart(decision, now, state, refuse, admit)
         by_hand = decision.detector == OPERATOR
         if decision.node in state.holds and not by_hand:
             ts, note = state.holds[decision.node]
@@ -326,11 +335,7 @@ class Gate:
                 )
             return admit(proposed)
         if proposed is Action.RESTART_JOB:
-            restarts = [ts for ts, _ in state.restarts if ts >= now - cfg.breaker_window_seconds]
-            if len(restarts) + 1 > cfg.restart_job_budget:
-                return refuse("restart_budget", f"{len(restarts)} job restarts within "
-                              f"{cfg.breaker_window_seconds:.0f}s, budget {cfg.restart_job_budget}")
-            return admit(proposed)
+            return self._restart(decision, now, state, refuse, admit)
 
         # Only what was done before this fault began counts as "failed again": a second reading of
         # the same event (another detector, a proposal judged again later) climbs nothing.
@@ -382,6 +387,15 @@ class Gate:
             )
             return refuse("breaker_tripped", why, trip=True, alerts=(tripped,))
         return admit(action, reason, detail, earlier)
+
+    def _restart(self, decision: Decision, now: float, state: GateState, refuse: Callable[[str, str], Verdict],
+                 admit: Callable[[Action], Verdict]) -> Verdict:
+        cfg = self.config
+        restarts = [ts for ts, _ in state.restarts if ts >= now - cfg.breaker_window_seconds]
+        if len(restarts) + 1 > cfg.restart_job_budget:
+            return refuse("restart_budget", f"{len(restarts)} job restarts within "
+                          f"{cfg.breaker_window_seconds:.0f}s, budget {cfg.restart_job_budget}")
+        return admit(decision.action)
 
     def _escalate(self, proposed: Action, rec: NodeRecord, now: float, earlier: Sequence[HistoryEntry],
                   began: float) -> tuple[Action, str, str]:

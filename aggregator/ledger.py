@@ -138,7 +138,7 @@ class Ledger:
                 _, lost = self._unstored.popitem(last=False)
                 self.store_errors["dropped"] += 1
                 log.error("decision store %s failing too long: proposal %s (%s %s) dropped from memory",
-                          self.store.path, lost.id, lost.action.value, lost.node)
+                          self.store.path, lost.id, lost.action.value, lost.subject)
         with self._lock:
             if self._problem is not None and now < self._retry_at:
                 return []
@@ -251,7 +251,7 @@ class Ledger:
     @staticmethod
     def _log(verdict: Verdict) -> None:
         d = verdict.decision
-        what = f"{d.id}: {d.action.value} {d.node}{f' gpu {d.gpu}' if d.gpu is not None else ''} ({d.detector})"
+        what = f"{d.id}: {d.action.value} {d.subject}{f' gpu {d.gpu}' if d.gpu is not None else ''} ({d.detector})"
         if verdict.trip:
             log.error("circuit breaker TRIPPED: %s (refused %s); automation stopped until "
                       "`vigil aggregator breaker reset`", verdict.detail, what)

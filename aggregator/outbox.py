@@ -207,7 +207,7 @@ class Outbox:
     def on_delivered(self, actuator: str, decision: Decision, now: float) -> None:
         """The dispatcher's hook: a decision an actuator delivered (the node is drained, or
         cordoned and emptied) becomes the request ``FOLLOW_UPS`` names, if that pair is followed."""
-        if decision.action is Action.RESUME:
+        if decision.action is Action.RESUME and decision.node is not None:  # a resume names its node
             self.void(decision.node, "resumed", now, f"resume {decision.id} delivered to {actuator}")
             return
         node_action = self.follow.get((actuator, decision.action))
@@ -243,13 +243,14 @@ class Outbox:
         if self._master is None:
             return None
         action = node_action or decision.action.value
-        if action not in NODE_ACTIONS:
-            self._not_queued(decision, "unknown_action", f"{action} is not a node action")
+        target = decision.node
+        if action not in NODE_ACTIONS or target is None:  # a job-level decision asks no node anything
+            self._not_queued(decision, "unknown_action", f"{action} is not a node action for {decision.subject}")
             return None
-        node_pending = self._pending.get(decision.node, {})
+        node_pending = self._pending.get(target, {})
         if decision.id in node_pending or decision.id in self._finished:
             return None  # delivered again (at least once): the first request stands
-        node = self.fleet.view().nodes.get(decision.node) if self.fleet is not None else None
+        node = self.fleet.view().nodes.get(target) if self.fleet is not None else None
         if node is None:
             self._not_queued(decision, "unknown_node", "the node has no state in the fleet")
             return None
@@ -265,11 +266,11 @@ class Outbox:
                              f"in all (node_actions.max_pending_per_node/max_pending_total)")
             return None
         request = NodeActionRequest(
-            id=decision.id, action=cast(NodeActionName, action), node=decision.node, boot_id=node.boot_id,
+            id=decision.id, action=cast(NodeActionName, action), node=target, boot_id=node.boot_id,
             gpu=decision.gpu if gpu_uuid is not None else None, gpu_uuid=gpu_uuid, issued_at=now,
             expires_at=now + self.config.request_ttl_seconds, reason=decision.reason)
-        signed = sign(request, node_key(self._master, decision.node))
-        self._pending.setdefault(decision.node, {})[decision.id] = _Entry(signed)
+        signed = sign(request, node_key(self._master, target))
+        self._pending.setdefault(target, {})[decision.id] = _Entry(signed)
         if self.fleet is not None:
             self.fleet.note_action_request(signed)
         log.info("node action %s queued: %s %s gpu %s (%s), boot %s, expires in %.0f s", signed.id, action,

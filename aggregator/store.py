@@ -7,8 +7,10 @@ changes them, so a restart neither loses an accepted decision nor repeats a comp
 It migrates older schemas in order, applies retention, and notices its file being deleted while
 it runs. Both engines run the same methods over the same SQL (``Dialect`` names the few
 differences); with PostgreSQL the acting writes are fenced: they fail with ``NotLeader`` unless
-this replica holds the leadership lock (aggregator/leadership.py). It judges nothing and
-delivers nothing.
+this replica holds the leadership lock (aggregator/leadership.py). The ``node`` column of the
+decisions and deliveries is the decision's subject: its node, or ``job:<job>`` for a job-level
+decision (Decision.subject; never a node name), so a job's deliveries queue in order like a
+node's and no node's history holds them. It judges nothing and delivers nothing.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from vigil.agent.validation import StrictModel
-from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
-from vigil.aggregator.gate import BreakerRecord, GateConfig, GateState, NodeRecord, Verdict
+from vigil.aggregator.decision import JOB_SUBJECT_PREFIX, REMOVING_ACTIONS, Action, Decision
+from vigil.aggregator.gate import BreakerRecord, GateConfig, GateState, NodeRecord, Verdict, dedup_key
 
 log = logging.getLogger(__name__)
 
@@ -479,7 +481,7 @@ class Store:
             state.holds[node] = (ts, note)
         for body, ts in self._q("SELECT body, ts FROM decisions WHERE admitted = 1 ORDER BY seq"):
             d = Decision.model_validate_json(body)
-            state.recent[(d.node, d.action.value, d.job or "")] = ts
+            state.recent[dedup_key(d.subject, d.action.value, d.job)] = ts
             if d.action in REMOVING_ACTIONS:
                 state.remember(d, ts)
         return state
@@ -524,19 +526,20 @@ class Store:
                     self._x(cur,
                         "INSERT INTO decisions (id, ts, node, action, proposed_action, detector, admitted,"
                         " verdict, detail, dry_run, body) VALUES (?,?,?,?,?,?,?,?,?,?,?) RETURNING seq",
-                        (d.id, now, d.node, d.action.value, verdict.proposed_action.value, d.detector,
+                        (d.id, now, d.subject, d.action.value, verdict.proposed_action.value, d.detector,
                          int(verdict.admitted), verdict.reason, verdict.detail, int(d.dry_run),
                          d.model_dump_json()),
                     )
                     seq = cur.fetchone()[0]
                     if verdict.admitted:
-                        touched.add(d.node)
+                        if d.node is not None:
+                            touched.add(d.node)
                         for name, notify_in_dry_run in actuators.items():
                             st = "dry_run" if d.dry_run and not notify_in_dry_run else "pending"
                             self._x(cur,
                                 "INSERT INTO deliveries (decision_id, actuator, node, seq, state,"
                                 " next_attempt_ts, updated_ts) VALUES (?,?,?,?,?,?,?)",
-                                (d.id, name, d.node, seq, st, now, now),
+                                (d.id, name, d.subject, seq, st, now, now),
                             )
                 for node in sorted(touched & shadow.nodes.keys()):
                     self._write_node(cur, node, shadow.nodes[node])
@@ -733,7 +736,8 @@ class Store:
                     "INSERT INTO node_history (ts, node, kind, actor, decision_id, action, outcome, attempt, detail)"
                     " SELECT ?, d.node, 'delivery', d.actuator, d.decision_id, x.action, ?, d.attempts, ?"
                     " FROM deliveries d JOIN decisions x ON x.id = d.decision_id"
-                    " WHERE d.decision_id = ? AND d.actuator = ?",
+                    " WHERE d.decision_id = ? AND d.actuator = ?"
+                    f" AND substr(d.node, 1, {len(JOB_SUBJECT_PREFIX)}) <> '{JOB_SUBJECT_PREFIX}'",
                     (now, state, error or detail, decision_id, actuator),
                 )
                 cur.execute("COMMIT")
@@ -785,7 +789,7 @@ class Store:
         return out
 
     def node_events(self, node: str, limit: int = 100) -> list[NodeEvent]:
-        """The node's ``node_history`` rows, most recent first."""
+        """The node's ``node_history`` rows, most recent first (job-level deliveries have none)."""
         with self._lock:
             rows = self._q(
                 "SELECT seq, ts, node, kind, actor, decision_id, action, outcome, attempt, detail FROM node_history"

@@ -7,17 +7,31 @@ varied offsets against the report and evaluation ticks; the figure is the time f
 the first hang decision (DESIGN.md section 9: <= 30 s). Then the same job announces a checkpoint
 ("checkpointing" phase) and saves for 5 minutes, its agents even marking the ranks hung at 300 s:
 the figure is the number of hang decisions (budget 0).
+
+Then a plain-DDP hang (issue 38) in a 4-node job through the real aggregator process and four real
+agents (tests/e2e/ddp_hang.py): the agents start one after another, so their 2.5 s report cycles
+run at independent phases, and each marks its rank "hung" when its own clock crosses. Every rank
+stops at the same step at the same moment. Shipped defaults except the two 300 s clocks, both
+scaled to 60 s so the run takes about 90 s: the agents' ``hang_seconds`` and the aggregator's
+``stall_seconds`` (the race is between them). The figures: the time from the stop to the job's
+alert (the right first decision), to its restart_job, and the node removals (budget 0; the
+detector before issue 38 drained the nodes whose agents said "hung" first).
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from statistics import median
 
 from bench.measure import Measurement
+from tests.e2e.ddp_hang import run
 from vigil.agent.wire import RankSummary, Report
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+
+DDP_CLOCK_SECONDS = 60.0  # the agents' hang_seconds and the aggregator's stall_seconds (300 s shipped)
 
 NODES = 16
 RANKS_PER_NODE = 8
@@ -77,6 +91,30 @@ def measure() -> list[Measurement]:
         latencies.append(first if first is not None else float("inf"))
     _, checkpoint_hangs = _run(120.0, 120.0 + 300.0 + 60.0, phase="checkpointing", phase_until=120.0 + 300.0)
     _, unannounced = _run(120.0, 120.0 + 300.0 + 60.0, phase_until=120.0 + 300.0)  # the control
+    return [*_simulated(latencies, checkpoint_hangs, unannounced), *_ddp_hang()]
+
+
+def _ddp_hang() -> list[Measurement]:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run(Path(tmp), hang_seconds=[DDP_CLOCK_SECONDS] * 4, interval_seconds=2.5, step_seconds=1.0,
+                     steps=12, until_after_stop=DDP_CLOCK_SECONDS + 30.0, training={"window_seconds": 5.0},
+                     aggregator={"dry_run": True, "detectors": {"hang": {"stall_seconds": DDP_CLOCK_SECONDS}}})
+    alerts, restarts = result.of("alert"), result.of("restart_job")
+    named = {d["node"] for _, d in alerts + restarts}
+    alert_at = alerts[0][0] if alerts else float("inf")
+    restart = f"{restarts[0][0]:.1f} s" if restarts else "none"
+    where = "the job, no node" if named == {None} else f"nodes {sorted(map(str, named))}"
+    return [
+        Measurement("plain-DDP hang, 4-node job, real aggregator + agents: time to the job's alert", alert_at, "s",
+                    30.0, note=(f"restart_job at {restart} (stall_seconds {DDP_CLOCK_SECONDS:.0f} s); decisions name "
+                                f"{where}; reports every 2.5 s at independent phases")),
+        Measurement("plain-DDP hang, 4-node job, real aggregator + agents: false removals", float(len(result.removals)),
+                    "nodes", 0.0, note=(f"agents' hang_seconds = stall_seconds = {DDP_CLOCK_SECONDS:.0f} s "
+                                        "(300 s shipped); before issue 38: the first agents to say hung drained")),
+    ]
+
+
+def _simulated(latencies: list[float], checkpoint_hangs: int, unannounced: int) -> list[Measurement]:
     return [
         Measurement("hang detection latency, 2 s steps (max of 10 stops)", max(latencies), "s", 30.0,
                     note=f"median {median(latencies):.1f} s; 16 nodes x 8 ranks, reports and evaluation every 2.5 s"),

@@ -64,7 +64,8 @@ def _job_plot(result: SimResult, index: int, path: Path) -> None:
         if d.admitted and (d.node in nodes or d.job == trace.name):
             for ax in (ax1, ax2):
                 ax.axvline(d.t / 60.0, color="tab:green", ls=":", lw=0.9)
-            ax2.annotate(f"{d.action} {d.node}", (d.t / 60.0, 0.0), xycoords=("data", "axes fraction"),
+            subject = d.node or f"job {d.job}"  # a job-level decision names no node
+            ax2.annotate(f"{d.action} {subject}", (d.t / 60.0, 0.0), xycoords=("data", "axes fraction"),
                          rotation=90, va="bottom", ha="left", fontsize=7, color="tab:green")
     ax1.set_ylabel("step seconds")
     ax2.set_ylabel("compute seconds")
@@ -127,7 +128,8 @@ def write_report(result: SimResult, s: Score, directory: Path) -> Path:
         f"<td class={'ok' if e['met'] else 'bad'}>{'met' if e['met'] else 'MISSED'}</td></tr>"
         for e in data["expectations"])
     drows = "".join(
-        f"<tr><td>{d.t:g}</td><td>{esc(d.node)}</td><td>{esc(d.action)}</td><td>{esc(d.detector)}</td>"
+        f"<tr><td>{d.t:g}</td><td>{esc(d.node or f'job {d.job}')}</td><td>{esc(d.action)}</td>"
+        f"<td>{esc(d.detector)}</td>"
         f"<td>{'admitted' if d.admitted else 'refused: ' + esc(d.verdict)}</td><td>{esc(d.reason)}</td></tr>"
         for d in result.decisions[:500])
     jobs = "".join(f"<h2>job {esc(n)}</h2><img src='{p}' alt='job {esc(n)}'>" for n, p in job_pngs)

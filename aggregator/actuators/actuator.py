@@ -44,6 +44,25 @@ def one_node(name: str) -> str:
         raise DeliveryError(f"refusing to act on {name[:80]!r}: {exc}", retryable=False) from None
 
 
+# At most this many nodes of a job-level decision's ``job_nodes`` are read (the hang detector
+# names 16): a bound on the scheduler calls one delivery makes.
+JOB_NODES_READ = 16
+
+
+def job_nodes(decision: Decision) -> list[str]:
+    """Where a job-level decision's job was reported running: its node, or for a decision naming
+    no node, the nodes its evidence's ``job_nodes`` lists (each checked by ``one_node``). An
+    actuator acts on the job only where the scheduler runs it on one of these, so a report's claim
+    of another team's job acts on nothing. A permanent DeliveryError when there is none."""
+    if decision.node is not None:
+        return [one_node(decision.node)]
+    listed = decision.evidence.get("job_nodes")
+    if not isinstance(listed, list) or not listed or not all(isinstance(n, str) for n in listed):
+        raise DeliveryError(f"job-level decision {decision.id} names no node the job ran on (evidence job_nodes)",
+                            retryable=False)
+    return [one_node(n) for n in listed[:JOB_NODES_READ]]
+
+
 class Actuator(Protocol):
     name: str
     # Notifiers (Alertmanager, webhook) may be delivered even in dry run, when configured to.

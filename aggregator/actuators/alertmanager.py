@@ -49,11 +49,12 @@ def severity(action: Action) -> str:
 def alert_for(decision: Decision, firing_seconds: float) -> dict[str, Any]:
     labels = {
         "alertname": ALERTNAME,
-        "node": decision.node,
         "action": decision.action.value,
         "detector": decision.detector,
         "severity": severity(decision.action),
     }
+    if decision.node is not None:  # a job-level decision names the job alone: no node is to blame
+        labels["node"] = decision.node
     if decision.gpu is not None:
         labels["gpu"] = str(decision.gpu)
     if decision.job is not None:
@@ -88,7 +89,7 @@ class AlertmanagerActuator:
         return decision.action is not Action.OBSERVE
 
     def deliver(self, decision: Decision) -> str:
-        if decision.action is Action.RESUME:
+        if decision.action is Action.RESUME and decision.node is not None:  # a resume always names its node
             firing = self._firing(decision.node)
             for alert in firing:
                 alert["endsAt"] = _iso(decision.ts)
@@ -96,7 +97,7 @@ class AlertmanagerActuator:
                 self._post(firing)
             return f"resolved {len(firing)} alert(s) for {decision.node}"
         self._post([alert_for(decision, self.config.firing_seconds)])
-        return f"alert {decision.action.value} on {decision.node} posted"
+        return f"alert {decision.action.value} on {decision.subject} posted"
 
     def close(self) -> None:
         pass

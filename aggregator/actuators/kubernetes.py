@@ -42,7 +42,7 @@ from typing import Any
 
 from pydantic import Field
 
-from vigil.aggregator.actuators.actuator import ActuatorConfig, DeadlineExceeded, DeliveryError, one_node
+from vigil.aggregator.actuators.actuator import ActuatorConfig, DeadlineExceeded, DeliveryError, job_nodes
 from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
 # 429: the eviction would violate a PodDisruptionBudget; 404: the pod is already gone
@@ -165,31 +165,44 @@ class KubernetesActuator:
         return decision.action in REMOVING_ACTIONS or decision.action is Action.RESUME
 
     def deliver(self, decision: Decision) -> str:
-        one_node(decision.node)  # one Node object per call, by its exact name
+        # One Node object per call, by its exact name; a job-level restart names none (job_nodes
+        # checks each node it reads), and its Event is recorded on the node its pod ran on.
+        try:
+            where = job_nodes(decision)
+        except DeliveryError as exc:
+            if decision.node is not None:
+                raise  # not a node name: refused as before, by one_node
+            raise self._refuse(decision, "job_not_on_node", str(exc)) from None
         self._deadline.at = self._monotonic() + self.timeout_seconds
         try:
-            done = self._act(decision)
+            done, node = self._act(decision, where)
         except DeliveryError as exc:
-            self._record_event(decision, FAILED_REASON, "Warning", f"{decision.action.value} failed: {exc}")
+            if decision.node is not None:
+                self._record_event(decision, decision.node, FAILED_REASON, "Warning",
+                                   f"{decision.action.value} failed: {exc}")
             raise
-        not_recorded = self._record_event(decision, _action_reason(decision), "Normal", done)
+        if node is None:
+            return done
+        not_recorded = self._record_event(decision, node, _action_reason(decision), "Normal", done)
         return done if not_recorded is None else f"{done} (Event not recorded: {not_recorded})"
 
-    def _act(self, decision: Decision) -> str:
+    def _act(self, decision: Decision, where: list[str]) -> tuple[str, str | None]:
+        """What was done, and the node to record its Event on (None: none, the job was not found)."""
         try:
+            if decision.action is Action.RESTART_JOB:
+                return self._evict_job(decision, where)
+            node = where[0]
             if decision.action is Action.RESUME:
                 self._mark(decision, unhealthy=False)
-                return f"uncordoned {decision.node}"
-            if decision.action is Action.RESTART_JOB:
-                return self._evict_job(decision)
+                return f"uncordoned {node}", node
             self._mark(decision, unhealthy=True)
-            n = self._evict(decision.node) if self.config.evict_pods else 0
-            done = f"cordoned and tainted {decision.node}, evicted {n} pod(s)"
+            n = self._evict(node) if self.config.evict_pods else 0
+            done = f"cordoned and tainted {node}, evicted {n} pod(s)"
             if decision.action is Action.REBOOT_NODE and self.config.reboot:
-                return f"{done}; the node's agent is asked to request a reboot (reboot daemon's sentinel)"
+                return f"{done}; the node's agent is asked to request a reboot (reboot daemon's sentinel)", node
             if decision.action is Action.RESET_GPU and self.config.reset_gpu:
-                return f"{done}; the node's agent is asked to reset GPU {decision.gpu}"
-            return done
+                return f"{done}; the node's agent is asked to reset GPU {decision.gpu}", node
+            return done, node
         except self._client.ApiException as exc:
             raise DeliveryError(
                 f"kubernetes: HTTP {exc.status} {exc.reason}{_status_message(exc.body)}",
@@ -210,20 +223,20 @@ class KubernetesActuator:
             raise DeadlineExceeded(f"kubernetes: the delivery's deadline of {self.timeout_seconds:g} s passed")
         return left if cap is None else min(cap, left)
 
-    def _record_event(self, decision: Decision, reason: str, type_: str, outcome: str) -> str | None:
-        """Records a core/v1 Event on the decision's Node; returns None, or why it could not (the
-        caller's action stands either way: this never raises for an API or transport failure)."""
+    def _record_event(self, decision: Decision, node: str, reason: str, type_: str, outcome: str) -> str | None:
+        """Records a core/v1 Event on ``node`` (the decision's, or where its job's pod ran); returns
+        None, or why it could not (the caller's action stands either way: this never raises for an
+        API or transport failure)."""
         c = self._client
         now = datetime.now(UTC)
         message = f"{outcome}; decision {decision.id} ({decision.detector}): {decision.reason}"
         event = c.CoreV1Event(
             # client-go's naming (<object>.<hex nanoseconds>): unique per attempt, so every retry
             # of a failing action is on the record too.
-            metadata=c.V1ObjectMeta(name=f"{decision.node}.{time.time_ns():x}", namespace=EVENT_NAMESPACE),
+            metadata=c.V1ObjectMeta(name=f"{node}.{time.time_ns():x}", namespace=EVENT_NAMESPACE),
             # uid = the node's name, as the kubelet sets it for node events (kubectl describe node
             # looks events up by either the node's uid or its name).
-            involved_object=c.V1ObjectReference(api_version="v1", kind="Node", name=decision.node,
-                                                uid=decision.node),
+            involved_object=c.V1ObjectReference(api_version="v1", kind="Node", name=node, uid=node),
             reason=reason,
             type=type_,
             action=decision.action.value,
@@ -296,7 +309,7 @@ class KubernetesActuator:
         """A permanent DeliveryError for ``decision``, counted under ``reason`` and logged."""
         with self._events_lock:
             self.refusals[reason] += 1
-        log.error("kubernetes: refusing %s %s on %s (%s): %s", decision.action.value, decision.id, decision.node,
+        log.error("kubernetes: refusing %s %s on %s (%s): %s", decision.action.value, decision.id, decision.subject,
                   reason, message)
         return DeliveryError(message, retryable=False)
 
@@ -304,24 +317,26 @@ class KubernetesActuator:
         return list(self.api.list_pod_for_all_namespaces(
             field_selector=f"spec.nodeName={node}", _request_timeout=self._left()).items)
 
-    def _evict_job(self, decision: Decision) -> str:
-        """Evict the one pod ``decision.job`` names (``pod/<uid>``), if it runs on the decision's node."""
+    def _evict_job(self, decision: Decision, where: list[str]) -> tuple[str, str]:
+        """Evict the one pod ``decision.job`` names (``pod/<uid>``), if it runs on one of ``where``
+        (the decision's node, or a job-level decision's job_nodes); returns what was done and where."""
         job = decision.job or ""
         key = POD_JOB.fullmatch(job)
         if key is None:
             raise self._refuse(decision, "job_not_a_pod",
                                f"job {job[:80]!r} is not a pod identity (pod/<uid>); only a pod is evicted")
         uid = key.group(1)
-        pod = next((p for p in self._pods_on(decision.node) if p.metadata.uid == uid), None)
-        if pod is None:
+        found = next(((node, p) for node in where for p in self._pods_on(node) if p.metadata.uid == uid), None)
+        if found is None:
             raise self._refuse(decision, "job_not_on_node",
-                               f"no pod with uid {uid} on {decision.node}; nothing evicted")
+                               f"no pod with uid {uid} on {', '.join(where)}; nothing evicted")
+        node, pod = found
         meta = pod.metadata
         if meta.deletion_timestamp is not None:  # evicted by an earlier delivery, or leaving anyway
-            return f"pod {meta.namespace}/{meta.name} (job {job}) on {decision.node} is already terminating"
-        if not self._evict_pods(decision.node, [pod], uid_precondition=True):
-            return f"pod {meta.namespace}/{meta.name} (job {job}) on {decision.node} is already gone"
-        return f"evicted pod {meta.namespace}/{meta.name} (job {job}) on {decision.node}"
+            return f"pod {meta.namespace}/{meta.name} (job {job}) on {node} is already terminating", node
+        if not self._evict_pods(node, [pod], uid_precondition=True):
+            return f"pod {meta.namespace}/{meta.name} (job {job}) on {node} is already gone", node
+        return f"evicted pod {meta.namespace}/{meta.name} (job {job}) on {node}", node
 
     def _evict(self, node: str) -> int:
         """Evict every pod on ``node`` but DaemonSet and mirror pods and those already leaving."""

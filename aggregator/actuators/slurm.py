@@ -3,7 +3,8 @@
 Removing actions drain the node (``State=DRAIN Reason="vigil: <reason> <decision id>"``); the
 reset or inspection itself is left to the site's tooling, which reads the reason. ``resume``
 undrains only a node that vigil took out (its reason starts with ``vigil:``), and ``restart_job``
-requeues the job held, excludes the bad node and releases it. Commands go through an injectable
+requeues the job held, excludes the bad node and releases it; a job-level ``restart_job`` (no
+node: a job stopped everywhere, nobody to blame) requeues it and excludes nobody. Commands go through an injectable
 runner; it decides nothing beyond refusing what it cannot verify.
 
 What it reads is structured, never free text a user can shape: a node's state and reason come
@@ -12,7 +13,8 @@ sinfo has no ``--json``, from ``scontrol show node -o`` cut at ``Reason=`` (the 
 text: ``Reason=x State=IDLE`` must not read as IDLE). A job is named only by its numeric Slurm id
 (never ``squeue -n <name>``: a name with a comma is a list to squeue), read with ``squeue -j <id>
 -o`` fields that hold no free text (state, node lists), and requeued only when it runs on the
-decision's node (its node list expanded by ``scontrol show hostnames``). Each refusal is a
+decision's node (its node list expanded by ``scontrol show hostnames``), or for a job-level
+decision, on one of the nodes that reported it (``actuator.job_nodes``). Each refusal is a
 permanent DeliveryError, logged and counted in ``refusals`` by reason.
 
 GPU resets (``reset_gpu: true``, off by default): the node is drained as above; the aggregator's
@@ -47,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vigil.agent.seams import CommandRunner, run_command
-from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError, one_node
+from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError, job_nodes, one_node
 from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
 log = logging.getLogger(__name__)
@@ -177,11 +179,11 @@ class SlurmActuator:
         return decision.action in REMOVING_ACTIONS or decision.action is Action.RESUME
 
     def deliver(self, decision: Decision) -> str:
-        one_node(decision.node)  # one node per scontrol call, never a hostlist expression
+        if decision.action is Action.RESTART_JOB:
+            return self._requeue(decision)  # job_nodes checks each node name it uses
+        one_node(decision.node or "")  # one node per scontrol call, never a hostlist expression
         if decision.action is Action.RESUME:
             return self._resume(decision)
-        if decision.action is Action.RESTART_JOB:
-            return self._requeue(decision)
         if decision.action is Action.REBOOT_NODE and self.config.reboot:
             return self._reboot(decision)
         return self._drain(decision)
@@ -207,7 +209,7 @@ class SlurmActuator:
         """A permanent DeliveryError for ``decision``, counted under ``reason`` and logged."""
         with self._refusals_lock:
             self.refusals[reason] += 1
-        log.error("slurm: refusing %s %s on %s (%s): %s", decision.action.value, decision.id, decision.node,
+        log.error("slurm: refusing %s %s on %s (%s): %s", decision.action.value, decision.id, decision.subject,
                   reason, message)
         return DeliveryError(message, retryable=False)
 
@@ -225,7 +227,7 @@ class SlurmActuator:
         return self._command([self.config.scontrol, *args])
 
     def _node(self, decision: Decision) -> NodeState:
-        node = decision.node
+        node = decision.node or ""  # deliver checked it with one_node: a node action names its node
         if self._sinfo_json is not False:
             try:
                 found = node_from_sinfo_json(self._command([self.config.sinfo, "--json", "-N", "-n", node]), node)
@@ -266,7 +268,7 @@ class SlurmActuator:
                         "rebooted node to service unverified; drained instead", decision.node, decision.id)
             return f"{self._drain(decision)} (not rebooted: slurm.conf ReturnToService=2 would skip verification)"
         reason = self.reason_for(decision)
-        self._scontrol("reboot", "ASAP", "nextstate=DOWN", f"reason={reason}", decision.node)
+        self._scontrol("reboot", "ASAP", "nextstate=DOWN", f"reason={reason}", decision.node or "")
         return f"reboot requested for {decision.node} (ASAP, next state DOWN until vigil verifies it): {reason}"
 
     def _return_to_service(self) -> str:
@@ -304,6 +306,10 @@ class SlurmActuator:
             raise self._refuse(decision, "job_not_numeric",
                                f"job {job[:80]!r} is not a Slurm job id (a number); only ids are requeued")
         job_id = str(int(job))
+        try:  # each a node name (one_node), before Slurm is asked anything
+            reported = job_nodes(decision)
+        except DeliveryError as exc:
+            raise self._refuse(decision, "job_not_on_node", str(exc)) from None
         try:
             line = self._command([self.config.squeue, "-h", "-j", job_id, "-o", JOB_FORMAT]).strip()
         except DeliveryError as exc:
@@ -314,6 +320,8 @@ class SlurmActuator:
         if len(fields) != 4 or fields[0] != job_id:
             raise self._refuse(decision, "job_not_found", f"Slurm has no job {job_id} (squeue: {line[:120]!r})")
         _, state, nodes, excluded_list = fields
+        if decision.node is None:
+            return self._requeue_job(decision, job_id, state, nodes, reported)
         excluded = self._hostnames(excluded_list)
         on_node = decision.node in self._hostnames(nodes)
         if not on_node and decision.node not in excluded:
@@ -331,6 +339,17 @@ class SlurmActuator:
             self._scontrol("update", f"JobId={job_id}", f"ExcNodeList={new}")
         self._scontrol("release", job_id)
         return f"requeued job {job_id} excluding {decision.node}"
+
+    def _requeue_job(self, decision: Decision, job_id: str, state: str, nodes: str, reported: list[str]) -> str:
+        """A job-level restart: requeue the job, excluding no node (none is to blame)."""
+        if state not in REQUEUEABLE_STATES:
+            # Requeued by an earlier delivery of this decision, or ended: nothing runs to restart.
+            return f"job {job_id} is {state}, not running: nothing requeued"
+        if not set(reported) & set(self._hostnames(nodes)):
+            raise self._refuse(decision, "job_not_on_node", f"job {job_id} ({state}) runs on {nodes or 'no node'}, "
+                               f"on none of the nodes that reported it ({', '.join(reported)}); not requeued")
+        self._scontrol("requeue", job_id)
+        return f"requeued job {job_id} (a job-level restart: no node excluded)"
 
 
 def build(config: SlurmConfig) -> SlurmActuator:

@@ -4,11 +4,20 @@ It reads each rank's latest step summary (last progress time on the agent's own 
 last step, step time, phase). A rank is stopped after max(min_stall_seconds, step_multiple x its
 job's median step time, gap_multiple x the rank's usual gap between progress updates); a job any
 of whose ranks says it is checkpointing or evaluating gets that phase's own, longer limit instead.
-A job stopped by one or two nodes (their ranks exited, hung, fell behind on steps, went silent or
-stopped while the rest moved) gets those nodes drained and the job restarted; a job stopped
-everywhere with no culprit is an alert at once and a restart after ``stall_seconds``. It does not
-judge slow-but-moving ranks (that is the straggler detector). Besides the findings it keeps only a
-bounded memory of each rank's recent progress gaps, derived from the view.
+A job stopped by one or two nodes (their ranks stopped while the rest moved, crashed while the rest
+still ran, went silent, or stopped well before the rest: when each rank last progressed, on its
+agent's clock placed on the aggregator's, and the step it reached) gets those nodes drained and
+the job restarted; a job stopped everywhere with no culprit (a plain DDP hang: every rank at the
+same step at the same moment) is an alert at once and a restart after ``stall_seconds``, naming
+the job and no node. An agent's own "hung" state is not culprit evidence in a job stopped
+together: each agent says it when its own clock crosses ``hang_seconds``, at its own phase, so
+whichever said it first would be blamed by chance. It does not judge slow-but-moving ranks (that
+is the straggler detector). Evidence window: the ranks' latest summaries; threshold: the stall
+limit below, and ``skew_seconds`` between stop times for blame; persistence: none beyond the
+limit (a stop is one event); designed false-removal rate: 0 for a job that stops together (no
+node is drained without a stop time or an exit that sets it apart). Besides the findings it keeps
+only a bounded memory of each rank's recent progress gaps and when it was first seen exited,
+derived from the view.
 """
 
 from __future__ import annotations
@@ -19,12 +28,15 @@ from statistics import median
 from pydantic import Field
 
 from vigil.agent.validation import StrictModel
-from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.fleet import FleetView, JobState, RankHistory
 
 NAME = "hang"
 LONG_PHASES = ("checkpointing", "evaluating")
 _GAPS_KEPT = 8
+# Nodes named in a job-level finding's evidence (``job_nodes``): enough for an actuator to check the
+# job runs where it was reported, bounded for a 1,000-node job's decision body.
+JOB_NODES_NAMED = 16
 
 
 class HangConfig(StrictModel):
@@ -46,7 +58,11 @@ class HangConfig(StrictModel):
     # half of PyTorch's default NCCL watchdog timeout (600 s, torch.distributed
     # init_process_group), so the restart comes before the job tears itself down blind.
     stall_seconds: float = Field(default=300.0, gt=0)
-    # A rank that stopped this much earlier than the rest of its job stopped the job.
+    # A rank whose last progress (its agent's clock, placed on the aggregator's) is this much, plus
+    # its own usual gap between progress updates, earlier than the latest-stopped rank of its job,
+    # at a lower step, stopped the job. Far above the agents' clock-offset tolerance (5 s, fleet
+    # clock_offset_tolerance_seconds) and a report interval (2.5 s), so clocks and report phases
+    # never set a rank apart; in synchronous training the ranks stop within one step of each other.
     skew_seconds: float = Field(default=30.0, gt=0)
     # More culprit nodes than this is not a node fault: restart the job, drain nobody.
     max_culprit_nodes: int = Field(default=2, ge=1)
@@ -66,6 +82,8 @@ class HangDetector:
         self.config = config
         # (job, rank) -> (last progress ts seen, recent gaps between progress updates)
         self._progress: dict[tuple[str, int], tuple[float, deque[float]]] = {}
+        # (job, rank) -> when it was first seen exited (the evaluation's ``now``).
+        self._exited: dict[tuple[str, int], float] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -74,12 +92,17 @@ class HangDetector:
             out.extend(self._judge(view, job, now, seen))
         for key in [k for k in self._progress if k not in seen]:
             del self._progress[key]
+        for key in [k for k in self._exited if k not in seen]:
+            del self._exited[key]
         return out
 
-    def _gap(self, job: str, r: RankHistory, seen: set[tuple[str, int]]) -> float:
-        """The rank's usual seconds between progress updates (0 until two were seen)."""
+    def _gap(self, job: str, r: RankHistory, seen: set[tuple[str, int]], now: float) -> float:
+        """The rank's usual seconds between progress updates (0 until two were seen); notes when
+        it was first seen exited."""
         key = (job, r.rank)
         seen.add(key)
+        if r.last.state == "exited":
+            self._exited.setdefault(key, now)
         ts = r.last.last_progress_ts
         entry = self._progress.get(key)
         if entry is None:
@@ -125,7 +148,7 @@ class HangDetector:
                 live.append(rank)
                 if now - node.last_seen > cfg.late_report_intervals * node.interval_seconds:
                     late.add(rank.rank)
-        gaps = {r.rank: self._gap(job.name, r, seen) for r in live}
+        gaps = {r.rank: self._gap(job.name, r, seen, now) for r in live}
         if not live or all(r.last.state == "exited" for r in live):
             return []  # finished, or nothing left to judge
         limit, phase = self.limit(job, live, gaps)
@@ -155,11 +178,10 @@ class HangDetector:
             culprits = stopped
             why = "ranks stopped while their peers progressed"
         else:
-            culprits = self._blame(live, stall, silent_node_ranks)
+            culprits = self._blame(view, job.name, live, gaps, silent_node_ranks, limit, now)
             why = "ranks stopped first; the rest of the job waits on them"
             if not culprits and min(stall.values()) < limit:
                 return []
-        first = min(job.ranks.values(), key=lambda r: r.rank)
         since = min(now - stall[r.rank] for r in stopped) if stopped else min(r.last_seen for r in silent_node_ranks)
         culprit_nodes = sorted({r.node for r in culprits})
         all_nodes = job.nodes()
@@ -167,6 +189,9 @@ class HangDetector:
             "signal": "step_progress", "ranks": len(job.ranks), "stopped_ranks": len(stopped),
             "max_stall_seconds": round(max(stall.values()), 1),
             "stall_seconds_threshold": round(limit, 1), "phase": phase,
+            # The nodes its ranks reported from (the first JOB_NODES_NAMED by name): a job-level
+            # decision names no node, and an actuator acts on the job only where it runs on one.
+            "job_nodes": sorted(all_nodes)[:JOB_NODES_NAMED],
         }
         out: list[Finding] = []
         if culprit_nodes and len(culprit_nodes) <= cfg.max_culprit_nodes and len(culprit_nodes) < len(all_nodes):
@@ -179,7 +204,7 @@ class HangDetector:
                     reason=f"job {job.name}: {why} (ranks {ranks[:8]} on this node)",
                     evidence={**evidence_base, "culprit_ranks": ranks, "first_stopped_rank": first_stop.rank}))
             out.append(Finding(
-                detector=NAME, node=first.node, job=job.name, action=Action.RESTART_JOB, since=since, key="hang",
+                detector=NAME, node=WHOLE_JOB, job=job.name, action=Action.RESTART_JOB, since=since, key="hang",
                 reason=(f"job {job.name} stalled by {', '.join(culprit_nodes)} (rank {first_stop.rank} stopped "
                         f"first, at step {first_stop.last.last_step}): restart without them"),
                 evidence={**evidence_base, "culprit_nodes": culprit_nodes, "first_stopped_rank": first_stop.rank}))
@@ -189,7 +214,7 @@ class HangDetector:
         whole = min(stall.values())
         action = Action.RESTART_JOB if whole >= max(cfg.stall_seconds, limit) else Action.ALERT
         out.append(Finding(
-            detector=NAME, node=first.node, job=job.name, action=action, since=since, key="hang",
+            detector=NAME, node=WHOLE_JOB, job=job.name, action=action, since=since, key="hang",
             reason=(f"job {job.name}: every rank stopped for {whole:.0f} s (limit {limit:.0f} s, {phase}), "
                     f"no single culprit" + ("" if action is Action.RESTART_JOB
                                             else f"; restart after {cfg.stall_seconds:.0f} s")),
@@ -202,19 +227,30 @@ class HangDetector:
         since that report arrived (each on its own clock, so skew between them does not count)."""
         return (now - r.last_seen) + max(0.0, r.report_ts - r.last.last_progress_ts)
 
-    def _blame(self, live: list[RankHistory], stall: dict[int, float],
-               silent_node_ranks: list[RankHistory]) -> list[RankHistory]:
-        """In a job stopped everywhere, the ranks that stopped it: exited or hung per their agent,
-        behind on steps, on a silent node, or stalled well before the others."""
+    def _blame(self, view: FleetView, job: str, live: list[RankHistory], gaps: dict[int, float],
+               silent_node_ranks: list[RankHistory], limit: float, now: float) -> list[RankHistory]:
+        """In a job stopped everywhere, the ranks that stopped it: on a silent node, crashed while
+        the rest still ran, or stopped well before the rest at a lower step. An agent's "hung" is
+        not among them: every agent says it once its own clock crosses, each at its own phase."""
         cfg = self.config
-        states = [r for r in live if r.last.state in ("hung", "exited")]
-        if states and len(states) < len(live):
-            return states + silent_node_ranks
         if silent_node_ranks:
             return silent_node_ranks
+        # When each rank last progressed, on the aggregator's clock (as RankHistory.observe places
+        # window ends), so a node's clock offset does not set its ranks apart.
+        stopped_at = {r.rank: r.last.last_progress_ts - self._offset(view, r.node) for r in live}
+        waiting = [r for r in live if r.last.state != "exited"]
+        latest = max((stopped_at[r.rank] for r in waiting), default=max(stopped_at.values()))
+        # A crash: the process was gone before the rest had waited a stall limit. Exits seen later
+        # are the job tearing itself down (the NCCL watchdog, an operator), one rank after another.
+        crashed = [r for r in live if r.last.state == "exited"
+                   and self._exited.get((job, r.rank), now) - latest < limit]
+        if crashed and len(crashed) < len(live):
+            return crashed
         top = max(r.last.last_step for r in live)
-        behind = [r for r in live if r.last.last_step < top]
-        if behind and len(behind) < len(live) / 2:
-            return behind
-        youngest = min(stall.values())
-        return [r for r in live if stall[r.rank] - youngest >= cfg.skew_seconds]
+        return [r for r in waiting if r.last.last_step < top
+                and latest - stopped_at[r.rank] >= cfg.skew_seconds + gaps.get(r.rank, 0.0)]
+
+    @staticmethod
+    def _offset(view: FleetView, node: str) -> float:
+        state = view.nodes.get(node)
+        return state.clock_offset_seconds if state is not None else 0.0

@@ -25,7 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Agent:
-    def __init__(self, root: Path, node: str, aggregator: str, scenario: str | None = None) -> None:
+    def __init__(self, root: Path, node: str, aggregator: str, scenario: str | None = None,
+                 training: dict[str, Any] | None = None, interval_seconds: float = 1.0) -> None:
+        """``training``: more of the training collector's settings (e.g. its ``hang_seconds``);
+        ``interval_seconds``: how often it reports and its collector runs."""
         self.node = node
         self.udp_port = free_port()
         self.port = free_port()
@@ -37,11 +40,11 @@ class Agent:
         token.write_text(node_token(SITE_SECRET.encode(), node) + "\n")
         cfg.write_text(yaml.safe_dump({
             "node": node,
-            "aggregator": {"url": aggregator, "interval_seconds": 1.0, "token_file": str(token)},
+            "aggregator": {"url": aggregator, "interval_seconds": interval_seconds, "token_file": str(token)},
             # Short summary window: the test's job lives for tens of seconds, not hours.
             "collectors": {"training": {"udp_listen": f"127.0.0.1:{self.udp_port}", "window_seconds": 6.0,
-                                        "interval_seconds": 1.0, "unix_socket": self.socket_path,
-                                        "proc_root": str(self.proc_root)}},
+                                        "interval_seconds": interval_seconds, "unix_socket": self.socket_path,
+                                        "proc_root": str(self.proc_root), **(training or {})}},
         }))
         self.log = (root / f"{node}.log").open("wb")
         self.proc = subprocess.Popen(

@@ -453,6 +453,27 @@ async def test_restart_job_evicts_only_the_pod_its_uid_names_on_that_node(api) -
     assert "already terminating" in again and len(fake.evicted) == 1
 
 
+async def test_a_job_level_restart_evicts_the_pod_on_a_node_that_reported_it_and_nothing_else(api) -> None:
+    # Issue 38: a job stopped everywhere names no node; its evidence lists the nodes that reported it.
+    fake, url = api
+    job = f"pod/{pod_uid('training', 'trainer-2')}"  # runs on gpu-node-8
+    whole = Decision(id="d-job", ts=T0, node=None, job=job, action=Action.RESTART_JOB, reason="every rank stopped",
+                     detector="hang", evidence={"job_nodes": [NODE, "gpu-node-8"]}, dry_run=False)
+    elsewhere = whole.model_copy(update={"id": "d-else", "evidence": {"job_nodes": [NODE]}})
+    act = actuator(url)
+    try:
+        out = await deliver(act, whole)
+        with pytest.raises(DeliveryError, match="no pod with uid"):
+            await deliver(act, elsewhere)
+    finally:
+        act.close()
+    assert fake.evicted == ["training/trainer-2"]
+    assert out == f"evicted pod training/trainer-2 (job {job}) on gpu-node-8"
+    for node in fake.nodes.values():
+        assert "unschedulable" not in node["spec"] and not vigil_taints(node)  # no node cordoned
+    assert act.refusals["job_not_on_node"] == 1
+
+
 UID0 = pod_uid("training", "trainer-0")
 
 

@@ -2,7 +2,7 @@
 under their own limits, and the rank that stopped first named."""
 
 from tests.aggregator.conftest import FakeNode, set_training
-from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.hang import HangConfig, HangDetector
 from vigil.aggregator.fleet import Fleet
 
@@ -63,7 +63,9 @@ def test_whole_job_stall_is_an_alert_in_seconds_and_a_restart_later_and_drains_n
     assert [(f.action, f.job) for f in found] == [(Action.ALERT, "job")]
     assert found[0].evidence["signal"] == "step_progress" and found[0].evidence["stall_seconds_threshold"] == 20.0
     _, found = run(nodes_(), 405.0, stop_at=100.0)
-    assert [(f.action, f.node) for f in found] == [(Action.RESTART_JOB, "n0")]
+    # A job-level finding: it names the job and no node (rank 0's node is not to blame).
+    assert [(f.action, f.node, f.job) for f in found] == [(Action.RESTART_JOB, WHOLE_JOB, "job")]
+    assert found[0].evidence["job_nodes"] == [f"n{i}" for i in range(6)]
 
 
 def test_2s_steps_a_stopped_job_is_detected_within_30s():
@@ -176,7 +178,7 @@ def test_a_node_whose_ranks_stopped_while_it_still_reports_is_found_while_peers_
             fleet.ingest(n.report(t), t)
         found = detector.evaluate(fleet.view(), t)
         t += INTERVAL
-    assert {(f.node, f.action) for f in found} == {("n0", Action.DRAIN), ("n0", Action.RESTART_JOB)}
+    assert {(f.node, f.action) for f in found} == {("n0", Action.DRAIN), (WHOLE_JOB, Action.RESTART_JOB)}
     assert t - 100.0 <= 30.0
 
 
