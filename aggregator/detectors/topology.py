@@ -297,8 +297,8 @@ class TopologyAttributor:
             allowed = self.explains(label)
             comps: dict[str, _Component] = {}
             for name, found in by_node.items():
-                node = view.nodes.get(name)
-                value = node.topology.get(label) if node is not None else None
+                state = view.nodes.get(name)
+                value = state.topology.get(label) if state is not None else None
                 if value is None:
                     continue
                 relevant = [f for f in found if classed[id(f)] in allowed and (port is None or self.on_port(f, port))]

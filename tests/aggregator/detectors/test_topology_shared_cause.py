@@ -121,7 +121,8 @@ def test_leaf_errors_are_the_leafs_even_when_the_first_three_share_a_rack():
     view, topology = fleet_view(), TopologyAttributor(TopologyConfig())
     findings = [port_errors(n) for n in ("n16", "n17", "n18")]
     out = topology.evaluate(view, 100.0, findings, {})
-    assert sorted((f.action, f.component) for f in out) == [(Action.ALERT, "leaf-1"), (Action.INSPECT_HARDWARE, "leaf-1")]
+    assert sorted((f.action, f.component) for f in out) == [
+        (Action.ALERT, "leaf-1"), (Action.INSPECT_HARDWARE, "leaf-1")]
 
 
 def test_a_leaf_takes_the_slowness_of_its_erring_nodes_not_other_faults_under_it():
