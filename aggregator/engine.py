@@ -21,7 +21,7 @@ from vigil.agent.wire import Report
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Decision, Finding
 from vigil.aggregator.detectors import REGISTRY, Detector
-from vigil.aggregator.detectors.topology import Episode, TopologyAttributor, episode
+from vigil.aggregator.detectors.topology import Episode, TopologyAttributor, episode, is_onset
 from vigil.aggregator.fleet import Fleet, FleetView, Removal
 from vigil.aggregator.gate import GateState
 from vigil.aggregator.ledger import Ledger
@@ -61,7 +61,8 @@ class Engine:
         # its window must not emit a new id every evaluation. The float is the fault's latest
         # occurrence when the decision was made (a much later one is a repeat).
         self._active: dict[Episode, tuple[Decision, float | None]] = {}
-        # When each current finding's episode was first found (the topology hold counts from it).
+        # When each current finding's episode was first found: the topology hold counts from it
+        # (hold_seconds for a lone node, at most max_hold_seconds while a component is plausible).
         self._first_seen: dict[Episode, float] = {}
         self.last_findings: list[Finding] = []
         self.admitted_total = 0
@@ -96,9 +97,9 @@ class Engine:
             found.extend(detector.evaluate(view, now))
         previous = self._first_seen
         self._first_seen = {ep: previous.get(ep, now) for ep in map(episode, found)}
-        if self.topology is not None:
-            found = self.topology.evaluate(view, now, found, self._first_seen)
-        return found
+        if self.topology is None:
+            return [f for f in found if not is_onset(f)]  # onsets are the topology pass's evidence only
+        return self.topology.evaluate(view, now, found, self._first_seen)
 
     def evaluate(self, now: float) -> list[Decision]:
         """Propose every current episode; returns what the sink admitted now. The three steps in

@@ -297,11 +297,19 @@ class Gate:
 
         def alert(kind: str, why: str, evidence: dict[str, object]) -> Decision:
             # Deterministic id: the same alert about the same thing is one alert, however often
-            # its cause is proposed again.
+            # its cause is proposed again. A component's (a switch, a rack) is named as such.
             key = f"{kind}\x1f{decision.node}\x1f{state.breaker.tripped_ts or now:.6f}"
             return Decision(id=f"{kind}-" + hashlib.sha256(key.encode()).hexdigest()[:14], ts=now,
-                            node=decision.node, gpu=decision.gpu, action=Action.ALERT, reason=why,
-                            detector="gate", evidence=evidence, dry_run=dry_run)
+                            node=decision.node, gpu=decision.gpu, component=decision.component,
+                            action=Action.ALERT, reason=why, detector="gate", evidence=evidence, dry_run=dry_run)
+
+        def refused_alert(action: Action) -> Decision:
+            # A real fault still reaches a person while automation is stopped (the same id whether
+            # this proposal tripped the breaker or found it open: one alert).
+            return alert("breaker-refused", f"vigil did not {action.value} {decision.node} (circuit breaker "
+                         f"open): {decision.reason}", {"refused_decision": decision.id,
+                                                       "proposed_action": action.value,
+                                                       "component": decision.component})
 
         last = state.recent.get(_dedup_key(decision))
         if last is not None and now - last < cfg.dedup_seconds:
@@ -359,11 +367,7 @@ class Gate:
 
         if state.breaker.tripped:
             why = f"circuit breaker open since {state.breaker.tripped_ts}: {state.breaker.reason}"
-            # A real fault still reaches a person while automation is stopped.
-            told = alert("breaker-refused", f"vigil did not {action.value} {decision.node} (circuit breaker "
-                         f"open): {decision.reason}", {"refused_decision": decision.id,
-                                                       "proposed_action": action.value})
-            return refuse("breaker_open", why, alerts=(told,))
+            return refuse("breaker_open", why, alerts=(refused_alert(action),))
         removed = state.removed_nodes_since(now - cfg.breaker_window_seconds)
         grace = self.in_grace(now)
         budget = cfg.breaker_budget(fleet_nodes, in_grace=grace)
@@ -385,7 +389,10 @@ class Gate:
                 evidence={"removed_nodes": sorted(removed), "budget": budget, "fleet_nodes": fleet_nodes},
                 dry_run=dry_run,
             )
-            return refuse("breaker_tripped", why, trip=True, alerts=(tripped,))
+            # The trip's alert is about the fleet and takes the alert slot of the refused subject
+            # (dedup by node and action): the refused fault itself is alerted as well, so a
+            # component's finding that trips the breaker still pages with its own reason.
+            return refuse("breaker_tripped", why, trip=True, alerts=(tripped, refused_alert(action)))
         return admit(action, reason, detail, earlier)
 
     def _restart(self, decision: Decision, now: float, state: GateState, refuse: Callable[[str, str], Verdict],

@@ -24,6 +24,7 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.detectors.topology import ONSET
 from vigil.aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
 
 NAME = "thermal"
@@ -43,6 +44,14 @@ class ThermalConfig(StrictModel):
     persistence_seconds: float = Field(default=60.0, gt=0)
     min_reports: int = Field(default=3, ge=1)
     action: Action = Action.DRAIN
+    # Onset: a throttle run this long (and this many reports) that has not met the persistence yet
+    # is reported as an `observe` that only the topology pass reads (never acted on), so a rack's
+    # cooling or power failure is seen while its nodes turn bad, before any of them is removed.
+    # 5 s and 3 reports (7.5 s at the agent's 2.5 s cadence): a power-brake transient lasts a
+    # second or two. An onset alone removes nobody; the topology pass needs 3 erring nodes under
+    # one component (docs/detectors.md, topology).
+    onset_seconds: float = Field(default=5.0, ge=0)
+    onset_reports: int = Field(default=3, ge=1)
     # nvidia-smi -q "Memory Max Operating Temp" is 95 C on H100 SXM; used when NVML omits it.
     memory_max_celsius_default: float = 95.0
     memory_margin_celsius: float = Field(default=3.0, ge=0)
@@ -206,6 +215,13 @@ class ThermalDetector:
                 continue
             start, n = run
             if n < cfg.min_reports or now - start < cfg.persistence_seconds:
+                if test == "throttle" and n >= cfg.onset_reports and now - start >= cfg.onset_seconds:
+                    out.append(Finding(
+                        detector=NAME, node=node.name, gpu=gpu.index, action=Action.OBSERVE, since=start,
+                        key="clock_throttle:onset",
+                        reason=f"GPU {gpu.index}: held down by heat or a power brake for {now - start:.0f} s",
+                        evidence={"signal": "clock_event_reasons", ONSET: True,
+                                  "throttled_seconds": round(now - start, 1)}))
                 continue
             if test == "throttle":
                 ratio = (last.sm_clock_hertz or 0.0) / (last.sm_clock_max_hertz or 1.0)

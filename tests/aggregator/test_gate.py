@@ -133,7 +133,7 @@ def test_storm_of_40_percent_trips_the_breaker_at_the_share_and_drains_no_more(t
     told = [d for d in admitted if d.id.startswith("breaker-refused-")]
     assert len(drains) == 10
     assert len(trips) == 1 and trips[0].detector == "gate" and "circuit breaker" in trips[0].reason
-    assert len(told) == 29  # every fault refused while open still reaches a person
+    assert len(told) == 30  # every fault refused (the one that tripped it too) still reaches a person
     assert store.breaker().tripped
     refused = [r for r in store.decisions(limit=100) if not r.admitted]
     assert {r.verdict for r in refused} == {"breaker_tripped", "breaker_open"}

@@ -61,10 +61,12 @@ def test_a_finding_refused_while_the_breaker_is_open_is_made_after_the_reset_and
     book = ledger(tmp_path / "d.db", breaker_max_nodes=1, breaker_floor_nodes=1)
     book.submit([dec("n1", Action.DRAIN, "first")], T0, 100)
     trip = book.submit([dec("n2", Action.DRAIN, "lost-gpu")], T0 + 1, 100)
-    assert [d.detector for d in trip] == ["gate"] and book.store.state.breaker.tripped
-    # Proposed again each cycle while open: one alert that a person must hear about, then quiet.
-    told = book.submit([dec("n2", Action.DRAIN, "lost-gpu")], T0 + 2, 100)
-    assert [(d.action, d.node) for d in told] == [(Action.ALERT, "n2")] and "circuit breaker" in told[0].reason
+    # The trip's alert, and one for the fault it refused, that a person must hear about ...
+    assert [d.detector for d in trip] == ["gate", "gate"] and book.store.state.breaker.tripped
+    assert trip[0].reason.startswith("vigil circuit breaker tripped")
+    assert trip[1].node == "n2" and trip[1].reason.startswith("vigil did not drain n2 (circuit breaker open)")
+    # ... then quiet while the same fault is proposed again each cycle with the breaker open.
+    assert book.submit([dec("n2", Action.DRAIN, "lost-gpu")], T0 + 2, 100) == []
     assert book.submit([dec("n2", Action.DRAIN, "lost-gpu")], T0 + 3, 100) == []
     assert book.reset_breaker() is True
     [made] = book.submit([dec("n2", Action.DRAIN, "lost-gpu")], T0 + 4000, 100)

@@ -1,6 +1,7 @@
 from tests.aggregator.conftest import FakeNode
 from vigil.aggregator.decision import Action
 from vigil.aggregator.detectors.thermal import ThermalConfig, ThermalDetector
+from vigil.aggregator.detectors.topology import is_onset
 from vigil.aggregator.fleet import Fleet
 
 DETECTOR = ThermalDetector(ThermalConfig())
@@ -32,7 +33,17 @@ def test_busy_gpu_held_down_by_heat_for_a_minute_drains():
 
 
 def test_short_brake_is_ignored():
-    assert judge(FakeNode("a"), 170.0, fault=throttle("hw_power_brake_slowdown")) == []
+    # 30 s held down: no finding to act on, only the onset the topology pass reads
+    [onset] = judge(FakeNode("a"), 170.0, fault=throttle("hw_power_brake_slowdown"))
+    assert (onset.action, onset.key, onset.gpu) == (Action.OBSERVE, "clock_throttle:onset", 3)
+    assert is_onset(onset) and onset.since == 170.0
+
+
+def test_onset_waits_for_three_reports_and_five_seconds():
+    # a brake of 2 reports (2.5 s) is no onset; the third report (5 s) is
+    assert judge(FakeNode("a"), 197.5, fault=throttle("hw_thermal_slowdown")) == []
+    [onset] = judge(FakeNode("a"), 192.5, fault=throttle("hw_thermal_slowdown"), end=197.5)
+    assert is_onset(onset) and onset.evidence["throttled_seconds"] == 5.0
 
 
 def test_power_cap_alone_is_normal():
@@ -100,7 +111,7 @@ def test_a_gpu_braking_in_short_bursts_is_alerted_then_drained_over_the_long_hor
         else:
             node.gpus[3] = dict(healthy)
         fleet.ingest(node.report(t), t)
-        found.append((t, detector.evaluate(fleet.view(), t)))
+        found.append((t, [f for f in detector.evaluate(fleet.view(), t) if not is_onset(f)]))
         t += 2.5
     actions = [(t, f.action) for t, fs in found for f in fs]
     assert all(f.key == "clock_throttle:intermittent" and f.gpu == 3 for _, fs in found for f in fs)
