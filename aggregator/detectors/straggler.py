@@ -443,10 +443,10 @@ class StragglerDetector:
     @staticmethod
     def _phase_note(ev: Evidence) -> str:
         """Which phase carries the excess: a slow GPU computes longer, a slow data loader waits."""
-        data = ev.get("data_excess_seconds")
-        if data is None:
+        data, compute = ev.get("data_excess_seconds"), ev.get("compute_excess_seconds")
+        if not isinstance(data, float) or not isinstance(compute, float):
             return ""
-        return f"; compute {ev.get('compute_excess_seconds')} s, data {data} s over the class's"
+        return f"; compute {compute:+.3f} s, data {data:+.3f} s against the class's medians"
 
     @staticmethod
     def _finding(job: JobState, node: str, action: Action, since: float, key: str, reason: str,
