@@ -7,9 +7,10 @@ each group, every GPU's SM clock (median over the persistence window) and enforc
 with its peers' medians; a GPU clocked or capped well below its peers while busy is flagged, with
 its throttle reasons as evidence, and its node gets one finding per job (alert by default, drain
 by policy). It also says, once per job, when a job's ranks send step counts but no phase times:
-then no detector can rank its ranks, and only this GPU-side comparison can find a straggler. It does not judge absolute thermal limits (the
-thermal detector) or ranks' timings (the straggler detector). Its only memory is each busy GPU's
-window as the last pass left it, so that a pass reads only the samples that arrived since.
+then no detector can rank its ranks, and only this GPU-side comparison can find a straggler. It
+does not judge absolute thermal limits (the thermal detector) or ranks' timings (the straggler
+detector). Its only memory is each busy GPU's window as the last pass left it, so that a pass
+reads only the samples that arrived since.
 """
 
 from __future__ import annotations
