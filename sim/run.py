@@ -329,8 +329,10 @@ class Simulation:
                     if felt is not None:
                         fault_nodes[len(job_faults)] = sc.fault_nodes(f)
                         job_faults.append(felt)
-            self.jobs.append(JobModel(job, sc.resolve_nodes(job.nodes), job_faults, fault_nodes,
-                                      seed=self.seed, start=self.clock.start, gpus_per_node=sc.fleet.gpus_per_node))
+            job_nodes = sc.resolve_nodes(job.nodes)
+            self.jobs.append(JobModel(job, job_nodes, job_faults, fault_nodes, seed=self.seed, start=self.clock.start,
+                                      gpus_per_node=sc.fleet.gpus_per_node,
+                                      profiles=[profiles.get(n, sc.fleet.profile) for n in job_nodes]))
 
     def _nvml(self, name: str, nvml_faults: list[dict[str, Any]]) -> Any:
         from vigil.agent.nvml.scenario import NodeScenario

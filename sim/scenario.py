@@ -160,11 +160,22 @@ class Job(_Strict):
     # The job finishes (its ranks exit and send nothing more); None: it runs to the end.
     end_seconds: float | None = Field(default=None, gt=0)
     pauses: list[Pause] = Field(default_factory=list)
+    # Mixed hardware: a node's ranks compute this many times as long on nodes of a profile
+    # (fleet.profile / fleet.profiles) as ``step_seconds`` x ``phases.compute`` says; absent: 1.
+    # ``{h100-sxm-80gb: 1.12}`` in an H200 job: its H100 nodes compute 12% longer by design.
+    profile_compute_factor: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _ends_after_it_starts(self) -> Job:
         if self.end_seconds is not None and self.end_seconds <= self.start_seconds:
             raise ValueError("end_seconds must be after start_seconds")
+        from vigil.agent.nvml.profiles import PROFILES
+
+        for profile, factor in self.profile_compute_factor.items():
+            if profile not in PROFILES:
+                raise ValueError(f"profile_compute_factor: {profile!r} is not one of {sorted(PROFILES)}")
+            if not 0 < factor <= 100:
+                raise ValueError(f"profile_compute_factor: {profile}: {factor:g} is not in (0, 100]")
         return self
 
 

@@ -1,14 +1,16 @@
 """The training job model: per-rank step and phase times of a synchronous data-parallel job.
 
-Each step every rank computes (its own time, jittered, slower on a slow node), loads data, then
-meets the others in a collective; so every rank's step takes as long as the slowest rank's
-compute + data plus the collective itself, and the slow rank is the one with the longest compute
-and the shortest collective wait. It emits the heartbeats the ranks would send; it does not
-deliver them (the fleet feeds them to the real training collector).
+Each step every rank computes (its own time, jittered, slower on a slow node or on a node of a
+slower hardware profile), loads data, then meets the others in a collective; so every rank's step
+takes as long as the slowest rank's compute + data plus the collective itself, and the slow rank
+is the one with the longest compute (or data wait) and the shortest collective wait. It emits the
+heartbeats the ranks would send; it does not deliver them (the fleet feeds them to the real
+training collector).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +45,10 @@ class JobModel:
     """One job on ``nodes`` (names, in rank order), stepping on the simulated clock."""
 
     def __init__(self, job: Job, nodes: list[str], faults: list[JobFault],
-                 fault_nodes: dict[int, list[str]], *, seed: int, start: float, gpus_per_node: int = 8) -> None:
+                 fault_nodes: dict[int, list[str]], *, seed: int, start: float, gpus_per_node: int = 8,
+                 profiles: Sequence[str] | None = None) -> None:
+        """``profiles``: each node's device profile, in ``nodes`` order (the job's
+        ``profile_compute_factor`` sets its ranks' speed); None: every node computes alike."""
         self.job = job
         self.nodes = nodes
         self.ranks_per_node = job.ranks_per_node
@@ -52,6 +57,10 @@ class JobModel:
         self._node_index = {n: i for i, n in enumerate(nodes)}
         self._rng = np.random.default_rng([seed, _stable_hash(job.name)])
         self._base_compute = job.step_seconds * job.phases.compute
+        # Per rank: the compute time of its node's hardware relative to the job's step_seconds.
+        self._hardware = np.repeat(
+            [job.profile_compute_factor.get(p, 1.0) for p in profiles] if profiles is not None else np.ones(len(nodes)),
+            job.ranks_per_node)
         self._base_comm = job.step_seconds * job.phases.comm
         self._base_data = job.step_seconds * job.phases.data
         self._start = start
@@ -133,7 +142,7 @@ class JobModel:
 
     def _draw(self, t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
         n = self.n_ranks
-        factor = np.ones(n)
+        factor = self._hardware.copy()
         elapsed = t - self._start
         for fault, mask in self._slow:
             if fault.active(elapsed):

@@ -1,14 +1,16 @@
 """GPU peer detector: the likely straggler of a job that sends no per-rank timing, from its GPUs.
 
 It groups busy GPUs by the job that uses them (the agent's process attribution, else the rank
-heartbeats' local GPU index) and compares, within each job, every GPU's SM clock (median over the
-persistence window) and enforced power limit with its peers' medians; a GPU clocked or capped
-well below its peers while busy is flagged, with its throttle reasons as evidence, and its node
-gets one finding per job (alert by default, drain by policy). It also says, once per job, when a
-job's ranks send step counts but no phase times: then no detector can rank its ranks, and only
-this GPU-side comparison can find a straggler. It does not judge absolute thermal limits (the
-thermal detector) or ranks' timings (the straggler detector). Its only memory is each busy GPU's
-window as the last pass left it, so that a pass reads only the samples that arrived since.
+heartbeats' local GPU index) and by their node's hardware class (GPU model and max SM clock,
+peer_class.hardware_class without the power limit, which it judges itself), and compares, within
+each group, every GPU's SM clock (median over the persistence window) and enforced power limit
+with its peers' medians; a GPU clocked or capped well below its peers while busy is flagged, with
+its throttle reasons as evidence, and its node gets one finding per job (alert by default, drain
+by policy). It also says, once per job, when a job's ranks send step counts but no phase times:
+then no detector can rank its ranks, and only this GPU-side comparison can find a straggler. It
+does not judge absolute thermal limits (the thermal detector) or ranks' timings (the straggler
+detector). Its only memory is each busy GPU's window as the last pass left it, so that a pass
+reads only the samples that arrived since.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
 from vigil.aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
 
 NAME = "gpu_peer"
@@ -59,6 +62,14 @@ class GpuPeerConfig(StrictModel):
     action: Action = Action.ALERT
     # Say once per job that its ranks send no phase times (observe: recorded, delivered to nobody).
     report_untimed_jobs: bool = True
+    # Peers by hardware class: a GPU is compared only with the job's GPUs on nodes of the same
+    # GPU model and max SM clock (peer_class.hardware_class without the power limit). Models differ
+    # in clocks under one load by design (an H100 among H200s is the scheduler's choice); the
+    # enforced power limit stays out of the class because this detector judges a lowered limit
+    # itself (power_limit_ratio): a capped node would otherwise be a class of its own and never be
+    # compared. A class with fewer than min_gpus busy GPUs in a job is not judged. False: the whole
+    # job is one class.
+    by_hardware_class: bool = True
 
 
 class _Gpu:
@@ -152,9 +163,11 @@ class GpuPeerDetector:
         self._windows: dict[tuple[str, int], _ClockWindow] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
-        by_job: dict[str, list[_Gpu]] = {}
+        # (job, hardware class) -> its busy GPUs: peers are GPUs of one job and one class.
+        by_job: dict[tuple[str, HardwareClass], list[_Gpu]] = {}
         windows: dict[tuple[str, int], _ClockWindow] = {}
         for node in view.nodes.values():
+            cls = hardware_class(node, power_limit=False) if self.config.by_hardware_class else UNKNOWN
             # Ranks this node's agent still reports (an ended job's ranks linger in the fleet for
             # a while; their GPUs may already run another job).
             fresh = node.last_seen - _RANK_FRESH_INTERVALS * node.interval_seconds
@@ -167,11 +180,11 @@ class GpuPeerDetector:
                     continue
                 clock = self._carried_window_clock(windows, (node.name, hist.index), hist, now)
                 if clock is not None:
-                    by_job.setdefault(job, []).append(_Gpu(node, hist, clock, hist.last.power_limit_watts))
+                    by_job.setdefault((job, cls), []).append(_Gpu(node, hist, clock, hist.last.power_limit_watts))
         self._windows = windows
         out: list[Finding] = []
-        for job, gpus in sorted(by_job.items()):
-            out.extend(self._judge(job, gpus))
+        for (job, cls), gpus in sorted(by_job.items(), key=lambda kv: (kv[0][0], describe(kv[0][1]))):
+            out.extend(self._judge(job, cls, gpus))
         if self.config.report_untimed_jobs:
             out.extend(self._untimed(view))
         return out
@@ -213,7 +226,8 @@ class GpuPeerDetector:
             return None
         return median(clocks)
 
-    def _judge(self, job: str, gpus: list[_Gpu]) -> list[Finding]:
+    def _judge(self, job: str, cls: HardwareClass, gpus: list[_Gpu]) -> list[Finding]:
+        """Flag the GPUs of one hardware class of one job against that class's medians."""
         cfg = self.config
         if len(gpus) < cfg.min_gpus:
             return []
@@ -241,8 +255,9 @@ class GpuPeerDetector:
             out.append(Finding(
                 detector=NAME, node=node_name, job=job, gpu=indices[0] if len(indices) == 1 else None,
                 action=cfg.action, since=first, key=job,
-                reason=(f"job {job}: GPUs {indices} run at {clock_ratio:.0%} of the job's median SM clock"
-                        + (f", power limit {limit_ratio:.0%} of the job's" if limit_ratio is not None else "")
+                reason=(f"job {job}: GPUs {indices} run at {clock_ratio:.0%} of the median SM clock of the job's "
+                        f"{describe(cls)} GPUs"
+                        + (f", power limit {limit_ratio:.0%} of theirs" if limit_ratio is not None else "")
                         + f" ({', '.join(last.clock_event_reasons) or 'no clock-event reason'}): the likely "
                           "straggler of a job without per-rank timing"),
                 evidence={"signal": signal, "gpus": indices, "uuid": g.hist.uuid,
@@ -251,6 +266,7 @@ class GpuPeerDetector:
                           "power_limit_watts": g.power_limit, "job_median_power_limit_watts": limit_med,
                           "power_watts": last.power_watts, "utilization_gpu_ratio": last.utilization_gpu_ratio,
                           "clock_event_reasons": list(last.clock_event_reasons), "job_gpus": len(gpus),
+                          "hardware_class": describe(cls),
                           "window_seconds": cfg.persistence_seconds}))
         return out
 

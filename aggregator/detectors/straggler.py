@@ -2,19 +2,27 @@
 
 It reads every rank's summaries of complete, non-overlapping windows (the agent's training
 window, each judged exactly once, as soon as every live rank has sent it), reduces each node to
-the median compute time of its ranks, and compares it with the other nodes of its job by median
-and MAD. A node flagged in several consecutive windows is drained (short horizon); a node flagged
-in many windows of the last half hour is alerted on, then drained (long horizon: an intermittent
-straggler). A drained node that keeps running its job and is flagged again is the same episode
-(its findings keep that episode's start), not a repeat for the gate to escalate. A slowdown
-shared by the whole job moves the median, not the outliers, and drains nobody. It never takes
-one rank's step times as a node's evidence and does not judge hangs.
+the median of its ranks' own time per step (compute p50 plus data-loading p50: the time a rank
+spends before it can join the collective) and compares it with the other nodes of its job *of
+its own hardware class* (peer_class.hardware_class: GPU model, max SM clock, power limit) by
+median and MAD. A node flagged in several consecutive judged windows is drained (short horizon);
+a node flagged in many windows of the last half hour is alerted on, then drained (long horizon:
+an intermittent straggler). A window in which the node was not judged (no data from it, or too
+few peers with data) neither breaks nor extends its run. A drained node that keeps running its
+job and is flagged again is the same episode (its findings keep that episode's start), not a
+repeat for the gate to escalate. A slowdown shared by the whole job (or by a whole class, or a
+job-wide data stall) moves the median, not the outliers, and drains nobody; a class slower as a
+group, or too small to be judged, is recorded once (``observe``). It never takes one rank's step
+times as a node's evidence and does not judge hangs.
 
 Designed false-drain rate (docs/detectors.md has the derivation): a healthy node's statistic
-crosses the threshold in one window with probability p <= 3.4e-6 (4.5 robust sigma, one-sided,
-Gaussian); three independent consecutive windows at 17,280 windows a day give 17,280 * p^3 =
-7e-13 false drains per node-day. Tails 100x heavier than Gaussian (p = 3.4e-4, e.g. a MAD estimated
-from 16 nodes) still give 7e-7 per node-day, i.e. < 0.001 per 1,000 node-days.
+crosses the threshold in one judged window with probability p <= 3.4e-6 (4.5 robust sigma,
+one-sided, Gaussian); a drain needs three independent judged windows in a row (windows without
+the node's data are skipped, so each of the three is still one independent trial), and a node is
+judged in at most 17,280 windows a day (5 s windows; 8,640 when agents report every 10 s, since
+a report carries only its latest complete window): <= 17,280 * p^3 = 7e-13 false drains per
+node-day. Tails 100x heavier than Gaussian (p = 3.4e-4, e.g. a MAD estimated from 16 nodes)
+still give 7e-7 per node-day, i.e. < 0.001 per 1,000 node-days.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
 from vigil.aggregator.fleet import FleetView, JobState, RankHistory
 
 NAME = "straggler"
@@ -40,14 +49,15 @@ _MAD_TO_SIGMA = 1.4826
 # table of b_n for n <= 9; n / (n - 0.8) beyond).
 _MAD_SMALL_N = {3: 1.495, 4: 1.363, 5: 1.206, 6: 1.200, 7: 1.140, 8: 1.129, 9: 1.107}
 # The spread of one window of a few nodes is itself noisy (the MAD of 4 values can be near 0 by
-# chance): sigma is never below the median of the job's last this-many window spreads.
+# chance): sigma is never below the median of the class's last this-many window spreads.
 _SPREAD_MEMORY_WINDOWS = 24
 # A window is judged within a few evaluations of its end; after a pause in evaluation, at most
 # this many missed windows are caught up (ranks keep fleet.rank_history_reports, 16 by default).
 _RANK_WINDOWS_MAX = 64
-# Windows beyond the persistence run whose node presence is kept, so late data can be skipped.
+# Windows beyond the persistence run whose judged nodes are kept, so late data can be skipped.
+# The run itself spans persistence_windows x (report interval / window) windows: a report
+# carries only its latest complete window, so at 10 s reports every other 5 s window has no data.
 _PRESENCE_SPARE_WINDOWS = 8
-
 
 class StragglerConfig(StrictModel):
     enabled: bool = True
@@ -55,12 +65,15 @@ class StragglerConfig(StrictModel):
     # (collectors.training.window_seconds, 5 s by default) when that is longer: each agent
     # window is one piece of independent evidence, judged once.
     window_seconds: float = Field(default=5.0, gt=0)
-    # Three consecutive windows (15 s at 5 s): a single slow window is a GC pause or a checkpoint
-    # shard; with the window in progress and one report interval, a drain within 30 s.
+    # Three consecutive judged windows (15 s at 5 s): a single slow window is a GC pause or a
+    # checkpoint shard; with the window in progress and one report interval, a drain within 30 s.
+    # A window that carries no data of the node (its report late or lost, or an agent reporting
+    # less often than the window: at 10 s reports only every other 5 s window arrives) neither
+    # breaks nor extends the run; each of the three is still one independent judged window.
     persistence_windows: int = Field(default=3, ge=1)
-    # Robust z of a node's median compute time against the other nodes of its job in the same
-    # window. 4.5 sigma: p = 3.4e-6 per node-window (Gaussian), see the module docstring for the
-    # fleet-day rate; a 10%-slow node is >= 10 sigma out at the 1-3% step jitter of real jobs.
+    # Robust z of a node's median own time (compute + data) against the other nodes of its job
+    # and class in the same window. 4.5 sigma: p = 3.4e-6 per node-window (Gaussian), see the
+    # module docstring for the fleet-day rate; a 10%-slow node is >= 10 sigma out at the 1-3% step jitter of real jobs.
     z_threshold: float = Field(default=4.5, gt=0)
     # ... and a slowdown large enough to matter: a node 4% slow in compute costs a synchronous
     # job ~3% (compute is ~75% of a step), 30 GPU-hours a day per 1,000 GPUs. Below 5% so that a
@@ -75,8 +88,9 @@ class StragglerConfig(StrictModel):
     # steps in all: most of a node's ranks, never one rank, speak for the node.
     min_node_rank_share: float = Field(default=0.5, gt=0, le=1)
     min_node_steps: int = Field(default=2, ge=1)
-    # More outlier nodes than this share of the job's nodes (at least one) is a job-wide effect
-    # (a bimodal job, mixed hardware), not a node: nobody is flagged in that window.
+    # More outlier nodes than this share of a class's nodes in the job (at least one) is a
+    # class-wide effect (a bimodal job, hardware the class does not tell apart), not a node:
+    # nobody of that class is flagged in that window.
     max_outlier_node_share: float = Field(default=0.1, gt=0, le=1)
     action: Action = Action.DRAIN
     # Long horizon: flagged windows counted over this much history. 6 of 360 windows (30 s of
@@ -96,24 +110,41 @@ class StragglerConfig(StrictModel):
     # For as long, each later finding on it keeps the start of the episode that got it drained:
     # its next slow spell is the same fault, not a repeat for the gate's ladder to escalate.
     removed_memory_seconds: float = Field(default=3600.0, gt=0)
+    # Peers by hardware class: a node is compared only with the nodes of its job of the same GPU
+    # model, max SM clock and power limit (peer_class.hardware_class). An H100 node in an H200 job
+    # is 6-12% slower by design (the scheduler's choice, not a fault): compared with the H200s it
+    # would be drained. A class of fewer than min_nodes nodes in the job is not judged (its own
+    # median would be its suspect's) and is recorded once (observe), as is a class slower than
+    # the job's largest class by min_excess_ratio in persistence_windows judged windows in a row.
+    # False: the whole job is one class (as before issue 38).
+    by_hardware_class: bool = True
 
 
 @dataclass(slots=True)
 class _NodeWindow:
+    own: float  # median over the node's ranks of compute p50 + data p50: the time it takes itself
     compute: float
+    data: float | None  # median of its ranks' data p50, None when they report no data phase
     comm: float | None
     ranks: int
     steps: int
 
 
+Evidence = dict[str, float | int | str | None]
+
+
 @dataclass(slots=True)
 class _Verdict:
-    """One judged window: evidence per flagged node, the nodes with a statistic, and why
-    nobody was flagged when the window was not judgeable."""
+    """One judged window: evidence per flagged node, the nodes that were judged in it (flagged or
+    not: a run's windows), and each hardware class's median own time and nodes."""
 
-    flagged: dict[str, dict[str, float | int | None]]
-    present: set[str]
-    note: str = ""
+    flagged: dict[str, Evidence]
+    judged: set[str]
+    # class -> (median own seconds of its baseline nodes, their names) in this window.
+    classes: dict[HardwareClass, tuple[float, list[str]]] = field(default_factory=dict)
+    reference: HardwareClass | None = None  # the class with the most nodes
+    # Why a class's nodes were not flagged when it was not judgeable or was judged class-wide.
+    notes: dict[HardwareClass, str] = field(default_factory=dict)
     # Older verdicts keep only their flagged nodes (a 30 min horizon of every node's presence
     # would cost 360 sets of the job's nodes); a run through a pruned window ends there.
     pruned: bool = False
@@ -133,8 +164,12 @@ class _JobMemo:
     # remediation, so every later finding on it carries this ``since`` (one decision id, and the
     # gate's ladder counts nothing admitted after the fault began). Forgotten with ``removed``.
     episode_since: dict[str, float] = field(default_factory=dict)
-    # The job's recent window spreads, relative to the median (robust sigma / median).
-    spreads: deque[float] = field(default_factory=lambda: deque(maxlen=_SPREAD_MEMORY_WINDOWS))
+    # Each class's recent window spreads, relative to its median (robust sigma / median).
+    spreads: dict[HardwareClass, deque[float]] = field(default_factory=dict)
+    # class -> (consecutive windows it was slower than the reference class or too small to be
+    # judged, the first of them); a class is recorded (observe) once per job.
+    class_runs: dict[HardwareClass, tuple[int, int]] = field(default_factory=dict)
+    class_said: set[HardwareClass] = field(default_factory=set)
 
 
 class StragglerDetector:
@@ -159,10 +194,13 @@ class StragglerDetector:
             return []
         width = max([cfg.window_seconds] + [r.last.window_seconds for r in ranks])
         nodes = {r.node for r in ranks}
-        last = self._last_complete(view, ranks, nodes, width, now)
+        interval = max([0.0] + [view.nodes[n].interval_seconds for n in nodes if n in view.nodes])
+        last = self._last_complete(ranks, interval, width, now)
         memo = self._memo.get(job.name)
         if memo is None or memo.job is not job or memo.width != width:
             memo = self._memo[job.name] = _JobMemo(job, width)
+        classes = {n: hardware_class(view.nodes[n]) if cfg.by_hardware_class and n in view.nodes else UNKNOWN
+                   for n in nodes}
         horizon = max(cfg.long_horizon_seconds, cfg.persistence_windows * width)
         keep_from = last - math.ceil(horizon / width)
         # Judge each complete window once, oldest first (at most what the ranks still hold).
@@ -170,28 +208,33 @@ class StragglerDetector:
         first = last - cfg.persistence_windows - 1
         if memo.last_judged is not None:
             first = max(first, memo.last_judged + 1, last - _RANK_WINDOWS_MAX)
+        out: list[Finding] = []
         for index in range(first, last + 1):
-            memo.windows[index] = self._verdict(job, memo, index, now)
+            verdict = memo.windows[index] = self._verdict(job, memo, index, classes)
             memo.last_judged = index
+            out.extend(self._class_findings(job, memo, verdict, index))
         for index in [i for i in memo.windows if i < keep_from]:
             del memo.windows[index]
-        prune_before = last - cfg.persistence_windows - _PRESENCE_SPARE_WINDOWS
+        # A run of persistence_windows judged windows spans this many windows when a report
+        # carries one window of every ceil(interval / width).
+        stride = max(1, math.ceil(interval / width - 1e-9))
+        prune_before = last - cfg.persistence_windows * stride - _PRESENCE_SPARE_WINDOWS
         for index, verdict in memo.windows.items():
             if index < prune_before and not verdict.pruned:
-                verdict.present = set()
+                verdict.judged = set()
+                verdict.classes = {}
                 verdict.pruned = True
         for node in [n for n, t in memo.removed.items() if now - t > cfg.removed_memory_seconds]:
             del memo.removed[node]
             memo.episode_since.pop(node, None)
-        return self._findings(job, memo, last, now)
+        return out + self._findings(job, memo, last, now)
 
     @staticmethod
-    def _last_complete(view: FleetView, ranks: list[RankHistory], nodes: set[str], width: float, now: float) -> int:
+    def _last_complete(ranks: list[RankHistory], interval: float, width: float, now: float) -> int:
         """The newest window that can be judged: as soon as every live rank has sent a summary of
         it or a later one, and at the latest one window plus one reporting interval after its end
         (an agent summarises at its own phase, then reports; a rank with no step in the window
         sends nothing for it)."""
-        interval = max([0.0] + [view.nodes[n].interval_seconds for n in nodes if n in view.nodes])
         deadline = math.floor((now - interval - width) / width + 1e-9)
         current = math.floor(now / width + 1e-9)
         live_after = now - 2 * width - interval
@@ -206,65 +249,142 @@ class StragglerDetector:
                 return deadline
         return max(deadline, reached)
 
-    def _verdict(self, job: JobState, memo: _JobMemo, index: int, now: float) -> _Verdict:
+    def _verdict(self, job: JobState, memo: _JobMemo, index: int, classes: dict[str, HardwareClass]) -> _Verdict:
         cfg = self.config
         stats = self._node_stats(job, index, memo.width)
-        present = set(stats)
-        baseline = {n: s for n, s in stats.items() if n not in memo.removed}
-        if len(baseline) < cfg.min_nodes:
-            return _Verdict({}, present, "too few nodes")
-        computes = [s.compute for s in baseline.values()]
-        med = median(computes)
+        members: dict[HardwareClass, dict[str, _NodeWindow]] = {}
+        for node, s in stats.items():
+            members.setdefault(classes.get(node, UNKNOWN), {})[node] = s
+        verdict = _Verdict({}, set())
+        for cls, mine in members.items():
+            baseline = {n: s for n, s in mine.items() if n not in memo.removed}
+            if baseline:
+                verdict.classes[cls] = (median(s.own for s in baseline.values()), sorted(baseline))
+            if len(baseline) < cfg.min_nodes:
+                verdict.notes[cls] = "too few nodes"  # not judged: its windows neither break nor extend a run
+                continue
+            self._judge_class(memo, cls, mine, baseline, verdict, len(stats))
+        if verdict.classes:
+            verdict.reference = min(verdict.classes, key=lambda c: (-len(verdict.classes[c][1]), describe(c)))
+        return verdict
+
+    def _judge_class(self, memo: _JobMemo, cls: HardwareClass, mine: dict[str, _NodeWindow],
+                     baseline: dict[str, _NodeWindow], verdict: _Verdict, job_nodes: int) -> None:
+        """Flag the nodes of one class of the job in one window against the class's baseline."""
+        cfg = self.config
+        owns = [s.own for s in baseline.values()]
+        med = median(owns)
         if med <= 0:
-            return _Verdict({}, present, "no compute time")
-        n = len(computes)
-        mad = median(abs(c - med) for c in computes)
+            verdict.notes[cls] = "no compute time"
+            return
+        verdict.judged.update(mine)
+        n = len(owns)
+        mad = median(abs(c - med) for c in owns)
         spread = _MAD_TO_SIGMA * mad * _MAD_SMALL_N.get(n, n / (n - 0.8)) / med
-        memo.spreads.append(spread)
-        sigma = max(spread, median(memo.spreads), cfg.min_spread_ratio) * med
+        spreads = memo.spreads.setdefault(cls, deque(maxlen=_SPREAD_MEMORY_WINDOWS))
+        spreads.append(spread)
+        sigma = max(spread, median(spreads), cfg.min_spread_ratio) * med
         comms = [s.comm for s in baseline.values() if s.comm is not None]
         comm_med = median(comms) if len(comms) >= cfg.min_nodes else None
+        datas = [s.data for s in baseline.values() if s.data is not None]
+        data_med = median(datas) if datas else None
+        compute_med = median(s.compute for s in baseline.values())
         floor = max(cfg.min_excess_ratio * med, cfg.z_threshold * sigma)
-        flagged: dict[str, dict[str, float | int | None]] = {}
-        for node, s in stats.items():
-            excess = s.compute - med
+        flagged: dict[str, Evidence] = {}
+        for node, s in mine.items():
+            excess = s.own - med
             if excess < floor:
                 continue
             # The straggler waits least in the collective: everyone else waits for it.
             if comm_med is not None and (s.comm is None or s.comm > comm_med):
                 continue
             flagged[node] = {
-                "compute_seconds_node_median": round(s.compute, 6), "job_median_compute_seconds": round(med, 6),
+                "own_seconds_node_median": round(s.own, 6), "class_median_own_seconds": round(med, 6),
+                "compute_seconds_node_median": round(s.compute, 6),
+                "class_median_compute_seconds": round(compute_med, 6),
+                "data_seconds_node_median": None if s.data is None else round(s.data, 6),
+                "class_median_data_seconds": None if data_med is None else round(data_med, 6),
+                "compute_excess_seconds": round(s.compute - compute_med, 3),
+                "data_excess_seconds": None if s.data is None or data_med is None else round(s.data - data_med, 3),
                 "excess_ratio": round(excess / med, 4), "z": round(excess / sigma, 2),
-                "comm_seconds_node_median": s.comm, "job_median_comm_seconds": comm_med,
-                "ranks": s.ranks, "steps": s.steps, "job_nodes": len(baseline)}
+                "comm_seconds_node_median": s.comm, "class_median_comm_seconds": comm_med,
+                "ranks": s.ranks, "steps": s.steps, "class_nodes": len(baseline), "job_nodes": job_nodes,
+                "hardware_class": describe(cls)}
         allowed = max(1, math.floor(cfg.max_outlier_node_share * len(baseline)))
         if sum(1 for n in flagged if n not in memo.removed) > allowed:
-            return _Verdict({}, present, f"{len(flagged)} outlier nodes: job-wide")
-        return _Verdict(flagged, present)
+            verdict.notes[cls] = f"{len(flagged)} outlier nodes: class-wide"
+            return
+        verdict.flagged.update(flagged)
 
     def _node_stats(self, job: JobState, index: int, width: float) -> dict[str, _NodeWindow]:
-        """Per node: the median over its ranks of each rank's compute p50 in window ``index``."""
-        per_node: dict[str, list[tuple[float, float | None, int]]] = {}
+        """Per node: the median over its ranks of each rank's own time (compute p50 + data p50),
+        compute p50, data p50 and collective wait p50 in window ``index``."""
+        per_node: dict[str, list[tuple[float, float | None, float | None, int]]] = {}
         ranks_of: dict[str, int] = {}
         for rank in job.ranks.values():
             ranks_of[rank.node] = ranks_of.get(rank.node, 0) + 1
-            for end, compute, comm, steps, _data in reversed(rank.windows):
-                k = math.ceil(end / width - 1e-9)
+            for entry in reversed(rank.windows):
+                # (end, compute p50, comm p50, steps, data p50, ...): indexed, the tuple may grow.
+                k = math.ceil(entry[0] / width - 1e-9)
                 if k < index:
                     break
                 if k == index:
-                    per_node.setdefault(rank.node, []).append((compute, comm, steps))
+                    per_node.setdefault(rank.node, []).append((entry[1], entry[4], entry[2], entry[3]))
                     break
         cfg = self.config
         out: dict[str, _NodeWindow] = {}
         for node, rows in per_node.items():
-            steps = sum(r[2] for r in rows)
+            steps = sum(r[3] for r in rows)
             if len(rows) < cfg.min_node_rank_share * ranks_of[node] or steps < cfg.min_node_steps:
                 continue
-            comms = [r[1] for r in rows if r[1] is not None]
-            out[node] = _NodeWindow(median(r[0] for r in rows), median(comms) if len(comms) == len(rows) else None,
-                                    len(rows), steps)
+            datas = [r[1] for r in rows if r[1] is not None]
+            comms = [r[2] for r in rows if r[2] is not None]
+            out[node] = _NodeWindow(
+                own=median(r[0] + (r[1] or 0.0) for r in rows), compute=median(r[0] for r in rows),
+                data=median(datas) if datas else None,
+                comm=median(comms) if len(comms) == len(rows) else None, ranks=len(rows), steps=steps)
+        return out
+
+    def _class_findings(self, job: JobState, memo: _JobMemo, verdict: _Verdict, index: int) -> list[Finding]:
+        """A class of the job slower than its largest class, or too small to be judged, in
+        persistence_windows judged windows in a row: recorded once (observe), never a removal."""
+        cfg = self.config
+        ref = verdict.reference
+        if ref is None or len(verdict.classes) < 2:
+            return []
+        ref_med, ref_nodes = verdict.classes[ref]
+        out: list[Finding] = []
+        for cls, (med, names) in sorted(verdict.classes.items(), key=lambda kv: describe(kv[0])):
+            if cls in memo.class_said:
+                continue
+            small = len(names) < cfg.min_nodes
+            ratio = med / ref_med - 1.0 if ref_med > 0 else 0.0
+            if cls == ref and not small:
+                continue
+            if not small and ratio < cfg.min_excess_ratio:
+                memo.class_runs.pop(cls, None)
+                continue
+            count, start = memo.class_runs.get(cls, (0, index))
+            memo.class_runs[cls] = (count + 1, start)
+            if count + 1 < cfg.persistence_windows:
+                continue
+            memo.class_said.add(cls)
+            memo.class_runs.pop(cls, None)
+            judged = ("too few to be compared with each other, so the straggler detector does not judge them"
+                      if small else "each is compared with its own class only")
+            out.append(Finding(
+                detector=NAME, node=names[0], job=job.name, action=Action.OBSERVE,
+                since=(start - 1) * memo.width, key=f"{job.name}:class:{describe(cls)}",
+                reason=(f"job {job.name}: its {len(names)} nodes of {describe(cls)} take {ratio:+.1%} per step "
+                        f"against its {len(ref_nodes)} nodes of {describe(ref)} (median own time, "
+                        f"{count + 1} {memo.width:g} s windows): a difference of hardware class, the "
+                        f"scheduler's choice, not a fault; {judged}"),
+                evidence={"signal": "own_seconds_p50", "hardware_class": describe(cls), "class_nodes": len(names),
+                          "nodes": names[:16], "class_median_own_seconds": round(med, 6),
+                          "reference_class": describe(ref), "reference_nodes": len(ref_nodes),
+                          "reference_median_own_seconds": round(ref_med, 6), "class_excess_ratio": round(ratio, 4),
+                          "too_few_to_judge": small, "min_nodes": cfg.min_nodes,
+                          "windows": count + 1, "window_seconds": memo.width}))
         return out
 
     def _findings(self, job: JobState, memo: _JobMemo, last: int, now: float) -> list[Finding]:
@@ -278,27 +398,29 @@ class StragglerDetector:
         for _, v in judged:
             candidates.update(v.flagged)
         for node in sorted(candidates):
-            # The run of flagged windows ending with the latest judged window; a window without
-            # the node's statistic (a late report) neither breaks nor extends it.
+            # The run of flagged windows ending with the latest window that judged the node; a
+            # window that did not judge it (no data of it, or too few peers with data) neither
+            # breaks nor extends the run.
             run = 0
             run_start = None
             for i, v in reversed(judged):
                 if node in v.flagged:
                     run += 1
                     run_start = i
-                elif node in v.present or v.note or v.pruned:
+                elif node in v.judged or v.pruned:
                     break
             count = sum(1 for _, v in judged if node in v.flagged)
             ev = next(v.flagged[node] for _, v in reversed(judged) if node in v.flagged)
             first_flag = next(i for i, v in judged if node in v.flagged)
+            excess = float(ev["excess_ratio"] or 0)
             if run >= cfg.persistence_windows and run_start is not None:
                 memo.removed[node] = now
                 since = memo.episode_since.setdefault(node, (run_start - 1) * width)
                 out.append(self._finding(
                     job, node, cfg.action, since, job.name,
-                    f"job {job.name}: the median compute time of the node's ranks is {ev['excess_ratio'] or 0:.1%} "
-                    f"above the job's node median (z {ev['z']}) in {run} consecutive {width:g} s windows, with "
-                    f"the shortest collective wait",
+                    f"job {job.name}: the median own time per step (compute + data) of the node's ranks is "
+                    f"{excess:.1%} above its class's node median (z {ev['z']}{self._phase_note(ev)}) in {run} "
+                    f"judged {width:g} s windows in a row, with the shortest collective wait",
                     {**ev, "windows": run, "window_seconds": width, "horizon": "short"}))
             elif count >= cfg.long_drain_windows or count >= cfg.long_alert_windows:
                 drain = count >= cfg.long_drain_windows
@@ -311,15 +433,25 @@ class StragglerDetector:
                 out.append(self._finding(
                     job, node, cfg.action if drain else Action.ALERT, since,
                     f"{job.name}:intermittent",
-                    f"job {job.name}: intermittent straggler, the node's ranks were slower than the job's nodes "
-                    f"(latest {ev['excess_ratio'] or 0:.1%}, z {ev['z']}) in {count} {width:g} s windows of the "
-                    f"last {cfg.long_horizon_seconds:g} s",
+                    f"job {job.name}: intermittent straggler, the node's ranks were slower than its class's "
+                    f"nodes (latest {excess:.1%}, z {ev['z']}{self._phase_note(ev)}) in {count} {width:g} s "
+                    f"windows of the last {cfg.long_horizon_seconds:g} s",
                     {**ev, "windows": count, "window_seconds": width, "horizon": "long",
                      "horizon_seconds": cfg.long_horizon_seconds}))
         return out
 
     @staticmethod
+    def _phase_note(ev: Evidence) -> str:
+        """Which phase carries the excess: a slow GPU computes longer, a slow data loader waits."""
+        data, compute = ev.get("data_excess_seconds"), ev.get("compute_excess_seconds")
+        if not isinstance(data, float) or not isinstance(compute, float):
+            return ""
+        return f"; compute {compute:+.3f} s, data {data:+.3f} s against the class's medians"
+
+    @staticmethod
     def _finding(job: JobState, node: str, action: Action, since: float, key: str, reason: str,
                  evidence: dict[str, object]) -> Finding:
+        signal = "compute_seconds_p50" if evidence.get("data_seconds_node_median") is None \
+            else "compute_plus_data_seconds_p50"
         return Finding(detector=NAME, node=node, job=job.name, action=action, since=since, key=key,
-                       reason=reason, evidence={"signal": "compute_seconds_p50", **evidence})
+                       reason=reason, evidence={"signal": signal, **evidence})

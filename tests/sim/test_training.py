@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from pydantic import ValidationError
 
 from vigil.sim.scenario import DataStall, Hang, Job, SlowNode
 from vigil.sim.training import JobModel
@@ -154,3 +156,22 @@ def test_hardware_faults_reach_the_job() -> None:
     batch = m.advance(1000.0 + 120)
     assert not ((batch.end_ts > 1012.5) & (batch.end_ts < 1040.0)).any()  # blocked while the port is down
     assert batch.end_ts.max() > 1100.0  # and steps again once it is back
+
+
+def test_nodes_of_a_slower_profile_compute_longer_by_their_factor() -> None:
+    # Mixed hardware: the job's H100 nodes compute 12% longer than its H200 nodes, every step,
+    # and everyone waits for them; a profile the job does not name computes at 1.
+    profiles = ["h200-sxm-141gb"] * 12 + ["h100-sxm-80gb"] * 4
+    job = _job(profile_compute_factor={"h100-sxm-80gb": 1.12})
+    batch = JobModel(job, NODES, [], {}, seed=2, start=1000.0, profiles=profiles).advance(1000.0 + 120)
+    compute = batch.compute_seconds.mean(axis=0)
+    h100 = np.arange(12 * 4, 16 * 4)
+    assert 1.10 < compute[h100].mean() / compute[: 12 * 4].mean() < 1.14
+    assert set(np.argsort(batch.comm_seconds.mean(axis=0))[:16]) == set(h100)
+    plain = JobModel(_job(), NODES, [], {}, seed=2, start=1000.0, profiles=profiles).advance(1000.0 + 120)
+    assert 0.98 < plain.compute_seconds.mean(axis=0)[h100].mean() / plain.compute_seconds.mean() < 1.02
+
+
+def test_a_compute_factor_must_name_a_known_profile() -> None:
+    with pytest.raises(ValidationError, match="not one of"):
+        _job(profile_compute_factor={"b200": 0.5})

@@ -202,3 +202,45 @@ def test_the_carried_window_reads_as_the_whole_history(steps):
             event("carried" if before is not None and windows.get(("n1", 0)) is before else "rebuilt")
         else:
             hist = GpuHistory(state(0.9, 1.98e9), t, 16, 4)
+
+
+# Peers by hardware class ---------------------------------------------------------------------
+
+def mixed(h100_nodes, *, then=None):
+    """H200 nodes, and the named ones H100s that run 20% lower clocks under the same load (by design)."""
+    def mutate(n, t):
+        for g in n.gpus.values():
+            g["name"] = "NVIDIA H100 80GB HBM3" if n.name in h100_nodes else "NVIDIA H200"
+            if n.name in h100_nodes:
+                g["sm_clock_hertz"] *= 0.8
+        if then is not None:
+            then(n, t)
+    return mutate
+
+
+def test_a_node_of_another_gpu_model_is_not_a_straggler():
+    # One H100 node among six H200 nodes: 8 of 56 GPUs at 80% of the job's median clock. Compared
+    # with the whole job it was flagged; compared with its own class (its 8 GPUs) nothing differs.
+    fleet, now = drive(nodes_(7), 120.0, mutate=mixed({"n3"}))
+    assert [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action is not Action.OBSERVE] == []
+    whole_job = GpuPeerDetector(GpuPeerConfig(by_hardware_class=False))
+    fleet, now = drive(nodes_(7), 120.0, mutate=mixed({"n3"}))
+    assert [f.node for f in whole_job.evaluate(fleet.view(), now) if f.action is Action.ALERT] == ["n3"]
+
+
+def test_a_capped_gpu_is_still_found_among_its_own_model_in_a_mixed_job():
+    # The power limit is not part of this detector's class: a capped H200 stays an H200's peer.
+    fleet, now = drive(nodes_(7), 120.0, mutate=mixed({"n3"}, then=capped("n5", clock=1.6e9, limit=500.0)))
+    found = [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action is Action.ALERT]
+    assert [f.node for f in found] == ["n5"]
+    assert found[0].evidence["hardware_class"] == "NVIDIA H200, 1980 MHz"
+    assert found[0].evidence["job_gpus"] == 48  # its class's GPUs, the H100 node's 8 left out
+
+
+def test_a_class_too_small_to_compare_is_not_judged():
+    # A 3-GPU node of another model: fewer busy GPUs than min_gpus, no median of its own, and
+    # never compared with the other model's.
+    nodes = nodes_(5)
+    nodes.append(FakeNode("odd", gpus=3, ports=0))
+    fleet, now = drive(nodes, 120.0, mutate=mixed({"odd"}))
+    assert [f for f in DETECTOR.evaluate(fleet.view(), now) if f.action is not Action.OBSERVE] == []
