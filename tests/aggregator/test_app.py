@@ -262,7 +262,7 @@ async def test_e2e_leaf_switch_link_errors(service):
     got, decisions = await run(service, fleet(), 90, fault=errors)
     assert sorted(got) == [("alert", "leaf-1", "topology"), ("inspect_hardware", "leaf-1", "topology")]
     assert decisions[0]["component"] == "leaf-1"
-    assert decisions[0]["evidence"]["signal"] == "symbol_error_rate"
+    assert decisions[0]["evidence"]["signals"] == ["symbol_error_rate"]
 
 
 async def test_e2e_whole_job_data_loader_stall_drains_nobody(service):
