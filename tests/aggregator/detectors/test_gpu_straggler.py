@@ -35,11 +35,13 @@ def feed(nodes: list[FakeNode], seconds: float, *, slow: Slow | None = None, at:
          noise: float = 0.0, seed: int = 0, ranks_per_node: int = 8, gpu_index: bool = True,
          mutate: Callable[[FakeNode, float], None] | None = None, skip: Callable[[FakeNode, float], bool] | None = None,
          detectors: list | None = None, agent_resets: bool = False, comm_override: dict[int, float] | None = None,
-         start: float = 0.0) -> list[tuple[float, list[Finding]]]:
+         start: float = 0.0, spikes: float = 0.0) -> list[tuple[float, list[Finding]]]:
     """A synchronous job on ``nodes`` at 2.5 s reports with the agent's aligned 5 s windows (each
     window drawn once and repeated by the reports that carry it). ``slow`` maps (node, local rank)
     to a compute factor from ``at`` on; a rank's wait is the slowest rank's compute less its own,
-    plus the collective. Returns every evaluation's findings."""
+    plus the collective. ``spikes``: the chance that a rank's window is 40% slow (a GC pause, a
+    page-fault storm: a heavy tail, independent from window to window). Returns every
+    evaluation's findings."""
     rng = random.Random(seed)
     fleet = Fleet(agent_resets=agent_resets)
     dets = detectors if detectors is not None else [GpuStragglerDetector(GpuStragglerConfig())]
@@ -50,7 +52,8 @@ def feed(nodes: list[FakeNode], seconds: float, *, slow: Slow | None = None, at:
         end = math.floor(t / WINDOW) * WINDOW
         if end not in draws:
             draws[end] = [COMPUTE * scale * ((slow or {}).get((n.name, local), 1.0) if end - WINDOW >= at else 1.0)
-                          * math.exp(rng.gauss(0.0, noise)) for n in nodes for local in range(ranks_per_node)]
+                          * math.exp(rng.gauss(0.0, noise)) * (1.4 if rng.random() < spikes else 1.0)
+                          for n in nodes for local in range(ranks_per_node)]
         computes = draws[end]
         slowest = max(computes)
         for ni, node in enumerate(nodes):
@@ -241,6 +244,15 @@ def test_later_findings_keep_the_episode_and_the_rank_leaves_the_baseline() -> N
 def test_healthy_noisy_job_for_an_hour_flags_nothing() -> None:
     # 128 ranks at 3% per-window jitter, 720 windows: 92,160 rank-windows.
     assert flagged(feed(nodes_(16), 3600, noise=0.03, seed=5)) == set()
+
+
+def test_heavy_tailed_spikes_that_do_not_persist_flag_nobody() -> None:
+    # 2% of rank-windows 40% slow (far beyond 6 sigma at 2% jitter), for 30 minutes of 128 ranks:
+    # ~1,100 spikes, a run of four in a row on one rank ~0.01 expected. The same with one window
+    # of persistence removes ranks: the persistence is what holds the budget.
+    assert flagged(feed(nodes_(16), 1800, noise=0.02, spikes=0.02, seed=4)) == set()
+    hasty = GpuStragglerDetector(GpuStragglerConfig(persistence_windows=1))
+    assert flagged(feed(nodes_(16), 1800, noise=0.02, spikes=0.02, seed=4, detectors=[hasty]))
 
 
 def test_too_few_ranks_are_not_judged() -> None:
