@@ -9,12 +9,13 @@ import math
 import random
 from collections.abc import Callable
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode
 from vigil.agent.wire import RankSummary
-from vigil.aggregator.config import DetectorsConfig
+from vigil.aggregator.config import ConfigError, DetectorsConfig, parse_config
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors import REGISTRY
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig, GpuStragglerDetector
@@ -88,6 +89,8 @@ def test_registered_with_its_config_section() -> None:
     assert REGISTRY["gpu_straggler"] is GpuStragglerDetector
     assert isinstance(DetectorsConfig().gpu_straggler, GpuStragglerConfig)
     assert DetectorsConfig().gpu_straggler.enabled
+    with pytest.raises(ConfigError, match=r"detectors\.gpu_straggler\.persistence_windows"):
+        parse_config({"detectors": {"gpu_straggler": {"persistence_windows": 0}}})
 
 
 def test_one_gpu_25_percent_slow_is_drained_within_30_s_and_alone() -> None:
