@@ -25,6 +25,7 @@ from vigil.agent.validation import (
 from vigil.aggregator.actuators import ActuatorsConfig
 from vigil.aggregator.auth import AuthConfig, TlsConfig
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig
+from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig
 from vigil.aggregator.detectors.hang import HangConfig
 from vigil.aggregator.detectors.memory import MemoryConfig
 from vigil.aggregator.detectors.network import NetworkConfig
@@ -52,6 +53,8 @@ class DetectorsConfig(StrictModel):
     pcie_nvlink: PcieNvlinkConfig = PcieNvlinkConfig()
     network: NetworkConfig = NetworkConfig()
     straggler: StragglerConfig = StragglerConfig()
+    # One slow GPU (rank) that its node's median hides (docs/detectors.md).
+    gpu_straggler: GpuStragglerConfig = GpuStragglerConfig()
     hang: HangConfig = HangConfig()
     silence: SilenceConfig = SilenceConfig()
     gpu_peer: GpuPeerConfig = GpuPeerConfig()

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.detectors.gpu_peer import GpuPeerDetector
+from vigil.aggregator.detectors.gpu_straggler import GpuStragglerDetector
 from vigil.aggregator.detectors.hang import HangDetector
 from vigil.aggregator.detectors.memory import MemoryDetector
 from vigil.aggregator.detectors.network import NetworkDetector
@@ -38,6 +39,7 @@ REGISTRY: dict[str, Callable[[Any], Detector]] = {
     "pcie_nvlink": PcieNvlinkDetector,
     "network": NetworkDetector,
     "straggler": StragglerDetector,
+    "gpu_straggler": GpuStragglerDetector,
     "hang": HangDetector,
     "silence": SilenceDetector,
     "gpu_peer": GpuPeerDetector,

@@ -172,6 +172,26 @@ class _JobMemo:
     class_said: set[HardwareClass] = field(default_factory=set)
 
 
+def last_complete_window(ranks: list[RankHistory], interval: float, width: float, now: float) -> int:
+    """The newest window that can be judged: as soon as every live rank has sent a summary of
+    it or a later one, and at the latest one window plus one reporting interval after its end
+    (an agent summarises at its own phase, then reports; a rank with no step in the window
+    sends nothing for it)."""
+    deadline = math.floor((now - interval - width) / width + 1e-9)
+    current = math.floor(now / width + 1e-9)
+    live_after = now - 2 * width - interval
+    reached = current
+    for rank in ranks:
+        if rank.last_seen < live_after:
+            continue  # stopped reporting (silent or drained node, ended rank): waits for nobody
+        if not rank.windows:
+            return deadline
+        reached = min(reached, math.ceil(rank.windows[-1][0] / width - 1e-9))
+        if reached <= deadline:
+            return deadline
+    return max(deadline, reached)
+
+
 class StragglerDetector:
     name = NAME
 
@@ -195,7 +215,7 @@ class StragglerDetector:
         width = max([cfg.window_seconds] + [r.last.window_seconds for r in ranks])
         nodes = {r.node for r in ranks}
         interval = max([0.0] + [view.nodes[n].interval_seconds for n in nodes if n in view.nodes])
-        last = self._last_complete(ranks, interval, width, now)
+        last = last_complete_window(ranks, interval, width, now)
         memo = self._memo.get(job.name)
         if memo is None or memo.job is not job or memo.width != width:
             memo = self._memo[job.name] = _JobMemo(job, width)
@@ -229,25 +249,6 @@ class StragglerDetector:
             memo.episode_since.pop(node, None)
         return out + self._findings(job, memo, last, now)
 
-    @staticmethod
-    def _last_complete(ranks: list[RankHistory], interval: float, width: float, now: float) -> int:
-        """The newest window that can be judged: as soon as every live rank has sent a summary of
-        it or a later one, and at the latest one window plus one reporting interval after its end
-        (an agent summarises at its own phase, then reports; a rank with no step in the window
-        sends nothing for it)."""
-        deadline = math.floor((now - interval - width) / width + 1e-9)
-        current = math.floor(now / width + 1e-9)
-        live_after = now - 2 * width - interval
-        reached = current
-        for rank in ranks:
-            if rank.last_seen < live_after:
-                continue  # stopped reporting (silent or drained node, ended rank): waits for nobody
-            if not rank.windows:
-                return deadline
-            reached = min(reached, math.ceil(rank.windows[-1][0] / width - 1e-9))
-            if reached <= deadline:
-                return deadline
-        return max(deadline, reached)
 
     def _verdict(self, job: JobState, memo: _JobMemo, index: int, classes: dict[str, HardwareClass]) -> _Verdict:
         cfg = self.config

@@ -1,0 +1,394 @@
+"""GPU straggler detector: the one slow GPU (rank) that a node's median hides.
+
+It reads every rank's summaries of complete, non-overlapping windows (judged once each, on the
+node straggler's schedule) and compares each rank's compute time with the other ranks of its job
+on nodes of the same hardware class (peer_class.hardware_class) by median and MAD; a rank far
+slower than them, with a collective wait among the job's shortest, in consecutive windows, while
+it is a minority of its node's ranks, is its job's straggler. Its finding names the node and the
+GPU, with that GPU's telemetry over the run as evidence (throttle reasons, SM clock against its
+node's other GPUs, pending remap or retirement, NVLink links down, PCIe replays): ``reset_gpu``
+where the agents reset GPUs and the evidence is a state a reset clears, else ``drain``. A node
+most of whose ranks are slow is the node straggler's (straggler.py), a slowdown of the whole job
+moves the median and flags nobody; it judges neither the data phase nor hangs.
+
+Designed false-removal rate (8 ranks a node: 8x the node statistic's tests): a healthy rank's
+compute p50 (of 1-5 steps) crosses z_threshold = 6 robust sigma in one window with p = 9.9e-10
+(Gaussian, one-sided); a removal needs 4 consecutive independent windows. At 17,280 windows a day,
+8 x 17,280 = 138,240 rank-windows per node-day: 138,240 x p^4 = 1.3e-31 removals per node-day.
+One rank's p50 of a few steps carries each step's tail (a GC pause, a page fault), so take tails
+far heavier than Gaussian: p = 3.4e-4 (the node detector's heavy-tail figure, here at 6 sigma
+where a Gaussian gives 3e5 times less) gives 138,240 x p^4 = 1.8e-9 per node-day (1.8e-6 per
+1,000 node-days); even p = 1e-3 (one rank-window in a thousand beyond 6 sigma) gives 1.4e-7 per
+node-day, 1.4e-4 per 1,000 node-days, within the budget of < 0.001. Three windows would not hold
+at p = 3.4e-4 (138,240 x p^3 = 5.4e-6 per node-day, 0.0054 per 1,000 node-days): hence four.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from statistics import median
+
+from pydantic import Field
+
+from vigil.agent.validation import StrictModel
+from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
+from vigil.aggregator.detectors.straggler import last_complete_window
+from vigil.aggregator.fleet import FleetView, JobState, NodeState, RankHistory
+
+NAME = "gpu_straggler"
+
+# 1.4826 * MAD estimates the standard deviation of normally distributed noise (Rousseeuw & Croux,
+# JASA 1993), times n / (n - 0.8) for the small-sample bias (Croux & Rousseeuw 1992; a class
+# group has at least min_ranks >= 8 ranks, where the table's b_n is within 1% of it).
+_MAD_TO_SIGMA = 1.4826
+# As the node straggler: sigma is never below the median of the group's last this-many spreads.
+_SPREAD_MEMORY_WINDOWS = 24
+# At most this many missed windows are caught up after a pause (ranks keep 16 by default).
+_RANK_WINDOWS_MAX = 64
+# A run whose rank sent nothing for this many judged windows ends (the rank left the job).
+_ABSENT_WINDOWS_MAX = 8
+# A node's hardware class is read again after this long: it changes only when most of its GPUs'
+# model, clocks or power limits do, and reading it for every node of a 1,024-node job at every
+# judged window was a third of the detector's cost.
+_CLASS_REFRESH_SECONDS = 30.0
+# Throttle reasons that show a cause for a slow GPU (NVML clock-event reasons by the agent's
+# short name, agent/nvml/backend.py); "sw_power_cap" is a loaded GPU's normal state.
+_THROTTLE_CAUSES = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown")
+# GPU-local states a GPU reset clears: a pending row remap and a pending page retirement take
+# effect at the next reset (NVIDIA row remapping and dynamic page retirement guides; memory.py's
+# remap_pending_action and retired_pending_action). Throttling (cooling, the board's power brake),
+# NVLink links down (DCGM_FR_NVLINK_DOWN -> RESTART_VM, pcie_nvlink.py) and PCIe replays (the
+# link's signal) are recorded as causes but a reset does not clear them: drain.
+_RESET_CLEARS = ("remap_pending", "retired_pages_pending")
+
+
+class GpuStragglerConfig(StrictModel):
+    enabled: bool = True
+    # The shortest judged window; the agents' summary window (collectors.training.window_seconds,
+    # 5 s) when longer. Each agent window is one piece of independent evidence, judged once.
+    window_seconds: float = Field(default=5.0, gt=0)
+    # Four consecutive windows (20 s at 5 s): three hold the node statistic's budget, not the 8x
+    # more tests of one statistic per rank (module docstring: 138,240 x p^4 = 1.8e-9 removals per
+    # node-day at tails p = 3.4e-4; p^3 would be 5.4e-6). With the window in progress at the
+    # onset and one report interval, a decision within ~30 s.
+    persistence_windows: int = Field(default=4, ge=1)
+    # Robust z of a rank's compute p50 against the job's ranks of its hardware class in the same
+    # window. 6 sigma: p = 9.9e-10 per rank-window (Gaussian, one-sided); the module docstring
+    # has the fleet-day rate. A 25%-slow GPU is 12-16 sigma out at the 2% step jitter of large jobs.
+    z_threshold: float = Field(default=6.0, gt=0)
+    # ... and a large excess: a GPU 10% slow costs its synchronous job 10% of every step (every
+    # rank waits for it). 2.5x the node statistic's 4% floor: one rank's p50 of a few steps has
+    # ~sqrt(8) = 2.8x the spread of a median over a node's 8 ranks.
+    min_excess_ratio: float = Field(default=0.10, ge=0)
+    # The spread never counts as less than this share of the median: ranks of one model in one
+    # job step within 1-3% of each other (the node detector's jitter figure), never exactly alike.
+    min_spread_ratio: float = Field(default=0.01, gt=0)
+    # Fewer ranks than this in a class group: no median worth comparing with (no judgement).
+    min_ranks: int = Field(default=8, ge=4)
+    # The straggler waits least in the collective: its wait is at most this quantile of its
+    # group's waits (the job's shortest tenth; everyone else waits for it).
+    max_comm_quantile: float = Field(default=0.1, gt=0, le=0.5)
+    # Flagged ranks must be fewer than this share of their node's ranks in the window: a node
+    # most of whose ranks are slow moves its node median, and is the node straggler's to judge
+    # (one fault is not decided twice). 0.5: 1-3 of 8, never 4.
+    max_node_rank_share: float = Field(default=0.5, gt=0, le=1)
+    # More outlier ranks than this share of a class group (at least one) in a window is a
+    # job-wide effect (a bimodal job, a role that differs by rank), not a GPU: nobody is flagged.
+    max_outlier_rank_share: float = Field(default=0.1, gt=0, le=1)
+    # The action without a cause a GPU reset clears (and whenever the agents do not reset GPUs).
+    action: Action = Action.DRAIN
+    # Corroboration: the GPU's median SM clock over the run at or under this share of its node's
+    # other GPUs' median is a cause recorded as "sm_clock_low" (gpu_peer.py's clock_ratio: GPUs
+    # of one model under one load sit within about a tenth of each other).
+    clock_ratio: float = Field(default=0.85, gt=0, lt=1)
+    # A rank found a persistent straggler leaves its group's baseline for this long, and each
+    # later finding on it keeps the start of its episode (straggler.py's removed_memory_seconds).
+    removed_memory_seconds: float = Field(default=3600.0, gt=0)
+
+
+@dataclass(slots=True)
+class _Window:
+    """One window's ranks and their p50s, as columns: floats in lists are no objects for the
+    garbage collector to track (a tuple per rank of 8,192 made collections walk the fleet)."""
+
+    ranks: list[RankHistory] = field(default_factory=list)
+    computes: list[float] = field(default_factory=list)
+    comms: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Verdict:
+    """One judged window: evidence per flagged rank, and the ranks judged (flagged or not)."""
+
+    flagged: dict[int, _Flag]
+    judged: set[int]
+
+
+@dataclass(slots=True)
+class _Flag:
+    excess_ratio: float
+    z: float
+    evidence: dict[str, object]
+
+
+@dataclass(slots=True)
+class _Run:
+    start: int
+    last: int
+    windows: int
+    flag: _Flag
+
+
+@dataclass(slots=True)
+class _JobMemo:
+    job: JobState
+    width: float
+    last_judged: int | None = None
+    runs: dict[int, _Run] = field(default_factory=dict)
+    removed: dict[int, float] = field(default_factory=dict)
+    episode_since: dict[int, float] = field(default_factory=dict)
+    spreads: dict[HardwareClass, deque[float]] = field(default_factory=dict)
+
+
+class GpuStragglerDetector:
+    name = NAME
+
+    def __init__(self, config: GpuStragglerConfig) -> None:
+        self.config = config
+        self._memo: dict[str, _JobMemo] = {}
+        # node -> its hardware class and when it was read (_CLASS_REFRESH_SECONDS).
+        self._classes: dict[str, tuple[HardwareClass, float]] = {}
+
+    def evaluate(self, view: FleetView, now: float) -> list[Finding]:
+        out: list[Finding] = []
+        if len(self._classes) > len(view.nodes):
+            self._classes = {n: c for n, c in self._classes.items() if n in view.nodes}
+        for job in view.jobs.values():
+            out.extend(self._judge(view, job, now))
+        for name in [n for n, m in self._memo.items() if view.jobs.get(n) is not m.job]:
+            del self._memo[name]
+        return out
+
+    def _class_of(self, view: FleetView, node: str, now: float) -> HardwareClass:
+        held = self._classes.get(node)
+        if held is not None and 0 <= now - held[1] < _CLASS_REFRESH_SECONDS:
+            return held[0]
+        state = view.nodes.get(node)
+        cls = hardware_class(state) if state is not None else UNKNOWN
+        self._classes[node] = (cls, now)
+        return cls
+
+    def _judge(self, view: FleetView, job: JobState, now: float) -> list[Finding]:
+        cfg = self.config
+        ranks = list(job.ranks.values())
+        if len(ranks) < cfg.min_ranks:
+            return []
+        width = max([cfg.window_seconds] + [r.last.window_seconds for r in ranks])
+        # The node straggler's schedule: both detectors judge the same windows at the same time.
+        interval = max([0.0] + [view.nodes[n].interval_seconds for n in {r.node for r in ranks} if n in view.nodes])
+        last = last_complete_window(ranks, interval, width, now)
+        memo = self._memo.get(job.name)
+        if memo is None or memo.job is not job or memo.width != width:
+            memo = self._memo[job.name] = _JobMemo(job, width)
+        first = last - cfg.persistence_windows - 1
+        if memo.last_judged is not None:
+            first = max(first, memo.last_judged + 1, last - _RANK_WINDOWS_MAX)
+        if first <= last:
+            rows = self._rows(ranks, first, width)
+            for index in range(first, last + 1):
+                window = rows.get(index)
+                if window:
+                    self._advance(memo, index, self._verdict(view, memo, window, now))
+                memo.last_judged = index
+        for rank in [r for r, t in memo.removed.items() if now - t > cfg.removed_memory_seconds]:
+            del memo.removed[rank]
+            memo.episode_since.pop(rank, None)
+        return self._findings(view, job, memo, now)
+
+    @staticmethod
+    def _rows(ranks: list[RankHistory], first: int, width: float) -> dict[int, _Window]:
+        """Each window from ``first`` on, with every rank's compute and comm p50 in it, in one
+        pass over each rank's newest windows. A rank without a collective wait (no phase times:
+        its compute is its step time, which a synchronous job shares) is not judged."""
+        out: dict[int, _Window] = {}
+        ceil = math.ceil
+        for rank in ranks:
+            seen = None
+            for entry in reversed(rank.windows):
+                k = ceil(entry[0] / width - 1e-9)
+                if k < first:
+                    break
+                comm = entry[2]
+                if comm is None or k == seen:
+                    continue  # the newest entry of a window stands (an agent sends one a window)
+                seen = k
+                window = out.get(k)
+                if window is None:
+                    window = out[k] = _Window()
+                window.ranks.append(rank)
+                window.computes.append(entry[1])
+                window.comms.append(comm)
+                window.steps.append(entry[3])
+        return out
+
+    def _verdict(self, view: FleetView, memo: _JobMemo, window: _Window, now: float) -> _Verdict:
+        cfg = self.config
+        ranks, computes_of, comms_of = window.ranks, window.computes, window.comms
+        groups: dict[HardwareClass, list[int]] = {}  # class -> positions in the window
+        classes: dict[str, HardwareClass] = {}
+        for i, rank in enumerate(ranks):
+            cls = classes.get(rank.node)
+            if cls is None:
+                cls = classes[rank.node] = self._class_of(view, rank.node, now)
+            groups.setdefault(cls, []).append(i)
+        removed = memo.removed
+        flagged: dict[int, _Flag] = {}
+        nodes_of: dict[int, str] = {}
+        judged: set[int] = set()
+        for cls, members in groups.items():
+            baseline = [i for i in members if ranks[i].rank not in removed] if removed else members
+            n = len(baseline)
+            if n < cfg.min_ranks:
+                continue  # too few peers of this class: its ranks are not judged in this window
+            judged.update(ranks[i].rank for i in members)
+            computes = sorted([computes_of[i] for i in baseline])
+            med = _sorted_median(computes)
+            if med <= 0:
+                continue
+            mad = _sorted_median(sorted([abs(c - med) for c in computes]))
+            spreads = memo.spreads.setdefault(cls, deque(maxlen=_SPREAD_MEMORY_WINDOWS))
+            spreads.append(_MAD_TO_SIGMA * mad * n / (n - 0.8) / med)
+            sigma = max(spreads[-1], median(spreads), cfg.min_spread_ratio) * med
+            floor = med + max(cfg.min_excess_ratio * med, cfg.z_threshold * sigma)
+            comm_limit = sorted([comms_of[i] for i in baseline])[int(cfg.max_comm_quantile * (n - 1))]
+            outliers = [i for i in members if computes_of[i] >= floor and comms_of[i] <= comm_limit]
+            allowed = max(1, math.floor(cfg.max_outlier_rank_share * n))
+            if sum(1 for i in outliers if ranks[i].rank not in removed) > allowed:
+                continue  # job-wide: judged, nobody flagged
+            for i in outliers:
+                compute = computes_of[i]
+                excess, z = round((compute - med) / med, 4), round((compute - med) / sigma, 2)
+                nodes_of[ranks[i].rank] = ranks[i].node
+                flagged[ranks[i].rank] = _Flag(excess, z, {
+                    "compute_seconds_p50": round(compute, 6), "group_median_compute_seconds": round(med, 6),
+                    "excess_ratio": excess, "z": z, "comm_seconds_p50": round(comms_of[i], 6),
+                    "group_comm_seconds_limit": round(comm_limit, 6), "steps": window.steps[i], "group_ranks": n,
+                    "hardware_class": describe(cls)})
+        if flagged:
+            # A node most of whose ranks are slow is the node straggler's: leave it to it.
+            slow = Counter(nodes_of.values())
+            present = Counter(rank.node for rank in ranks if rank.node in slow)
+            for rank_id, node in nodes_of.items():
+                if slow[node] >= cfg.max_node_rank_share * present[node]:
+                    del flagged[rank_id]
+                else:
+                    flagged[rank_id].evidence.update(node_ranks_slow=slow[node], node_ranks=present[node])
+        return _Verdict(flagged, judged)
+
+    def _advance(self, memo: _JobMemo, index: int, verdict: _Verdict) -> None:
+        """Fold one judged window into the runs: a flagged rank's run grows, a judged rank that
+        is not flagged ends its run, and a window without the rank's data neither breaks nor
+        extends it (until it has sent nothing for _ABSENT_WINDOWS_MAX windows)."""
+        for rank in list(memo.runs):
+            if rank in verdict.flagged:
+                continue
+            if rank in verdict.judged or index - memo.runs[rank].last > _ABSENT_WINDOWS_MAX:
+                del memo.runs[rank]
+        for rank, flag in verdict.flagged.items():
+            run = memo.runs.get(rank)
+            if run is None:
+                memo.runs[rank] = _Run(index, index, 1, flag)
+            else:
+                run.last, run.windows, run.flag = index, run.windows + 1, flag
+
+    def _findings(self, view: FleetView, job: JobState, memo: _JobMemo, now: float) -> list[Finding]:
+        cfg = self.config
+        width = memo.width
+        out: list[Finding] = []
+        for rank_id, run in sorted(memo.runs.items()):
+            rank = job.ranks.get(rank_id)
+            if run.windows < cfg.persistence_windows or rank is None:
+                continue
+            memo.removed[rank_id] = now
+            since = memo.episode_since.setdefault(rank_id, (run.start - 1) * width)
+            node = view.nodes.get(rank.node)
+            gpu, source = _gpu_of(rank, node, job)
+            causes, found = _telemetry(node, gpu, since, cfg.clock_ratio) if node is not None and gpu is not None \
+                else ([], {})
+            # A GPU only guessed from the rank's place on its node is named only when its own
+            # telemetry shows the cause (never reset on a guess alone).
+            named = gpu if source in ("reported", "process") or causes else None
+            clears = [c for c in causes if c in _RESET_CLEARS]
+            action = Action.RESET_GPU if view.agent_resets and named is not None and clears else cfg.action
+            flag = run.flag
+            where = f"GPU {gpu}" if gpu is not None else "its GPU"
+            out.append(Finding(
+                detector=NAME, node=rank.node, job=job.name, gpu=named, action=action, since=since,
+                key=f"{job.name}:rank:{rank_id}",
+                reason=(f"job {job.name}: rank {rank_id} ({where}) computes {flag.excess_ratio:.1%} slower than "
+                        f"the job's {flag.evidence['group_ranks']} ranks of its hardware class (z {flag.z}) with the "
+                        f"shortest collective wait, in {run.windows} consecutive {width:g} s windows; "
+                        + (f"its telemetry shows {', '.join(causes)}" if causes else "no cause in its telemetry")),
+                evidence={"signal": "compute_seconds_p50", "rank": rank_id, "gpu": gpu, "gpu_source": source,
+                          **flag.evidence, "causes": causes, **found, "windows": run.windows, "window_seconds": width}))
+        return out
+
+
+def _sorted_median(values: list[float]) -> float:
+    n = len(values)
+    middle = n // 2
+    return values[middle] if n % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def _gpu_of(rank: RankHistory, node: NodeState | None, job: JobState) -> tuple[int | None, str]:
+    """The rank's GPU and how it is known: the index its heartbeats carry ("reported"), else the
+    GPU whose compute processes list the rank's pid ("process"), else its place among the job's
+    ranks on the node, the usual LOCAL_RANK -> cuda:LOCAL_RANK mapping ("local_rank", a guess)."""
+    if rank.gpu is not None:
+        return rank.gpu, "reported"
+    if node is None:
+        return None, "unknown"
+    pid = rank.last.pid
+    if pid is not None:
+        for hist in node.gpus.values():
+            if any(p.pid == pid for p in hist.last.processes):
+                return hist.index, "process"
+    local = sorted(r.rank for r in job.ranks.values() if r.node == rank.node).index(rank.rank)
+    return (local, "local_rank") if local in node.gpus else (None, "unknown")
+
+
+def _telemetry(node: NodeState, gpu: int, since: float, clock_ratio: float) -> tuple[list[str], dict[str, object]]:
+    """What the GPU's own reports show since the run began: its throttle reasons (those present
+    in at least half its samples are causes), its median SM clock against its node's other GPUs'
+    median, pending remap or page retirement, NVLink links down, PCIe replays."""
+    hist = node.gpus.get(gpu)
+    if hist is None:
+        return [], {"gpu_reported": False}
+    samples = [s for s in hist.samples if s.ts >= since] or list(hist.samples)[-1:]
+    causes: list[str] = []
+    reasons = {r: sum(1 for s in samples if r in s.clock_event_reasons) for r in _THROTTLE_CAUSES}
+    causes += [r for r, count in reasons.items() if count and 2 * count >= len(samples)]
+    clocks = [s.sm_clock_hertz for s in samples if s.sm_clock_hertz is not None]
+    others = [s.sm_clock_hertz for g in node.gpus.values() if g.index != gpu for s in g.samples
+              if s.ts >= since and s.sm_clock_hertz is not None]
+    ratio = median(clocks) / median(others) if clocks and others and median(others) > 0 else None
+    if ratio is not None and ratio <= clock_ratio:
+        causes.append("sm_clock_low")
+    last = hist.last
+    if last.remap_pending:
+        causes.append("remap_pending")
+    if last.retired_pages_pending:
+        causes.append("retired_pages_pending")
+    if last.nvlink_links_down:
+        causes.append("nvlink_links_down")
+    replays = hist.counters.sum_since("pcie_replay_total", since)
+    if replays > 0:
+        causes.append("pcie_replays")
+    return causes, {"uuid": hist.uuid,
+            "clock_event_reasons": {r: c for r, c in reasons.items() if c}, "samples": len(samples),
+            "sm_clock_ratio_to_node": None if ratio is None else round(ratio, 3),
+            "nvlink_links_down": list(last.nvlink_links_down), "pcie_replays": replays}
