@@ -24,7 +24,8 @@ from vigil.sim.run import run_scenario
 from vigil.sim.scenario import REMOVAL_ACTIONS, SCENARIO_DIR, Scenario, load_scenario
 from vigil.sim.score import removal_key, score
 
-# The agent's real report cadence (docs/agent.md), which the issue's figures are stated at.
+# The agent's default report cadence (agent/config.py, report interval_seconds), which the
+# issue's figures are stated at.
 REPORT_SECONDS = 2.5
 
 # One row per fault class of issue 38, then the lookalikes that must remove nobody:
