@@ -257,13 +257,14 @@ class Simulation:
         self._schedule: list[tuple[float, int, Callable[[], None]]] = []  # a heap: (t, order, action)
         self._scheduled = 0
         # Per node with a port fault: its counters' growth (start, end, hca, counter, per second),
-        # and the simulated second they have grown up to (each node's when its agent reads them).
+        # grown when its agent reads them; since when (its last reboot zeroed them), and how much
+        # each growth has added since then.
         self._port_rates: dict[str, list[tuple[float, float, int, str, float]]] = {}
-        self._grown_to: dict[str, float] = {}
+        self._port_since: dict[str, float] = {}
+        self._port_added: dict[tuple[str, int], int] = {}
         # Per node, the heartbeats its ranks sent that its agent has not taken in yet: (ts, payload).
         self._inbox: dict[str, list[tuple[float, bytes]]] = {}
         self.jobs: list[JobModel] = []
-        self._port_carry: dict[tuple[str, int, str], float] = {}
         self._boots = 0
         self._nvml_setup: dict[str, tuple[int, str, list[dict[str, Any]]]] = {}
         self._healthy: dict[str, Any] = {}
@@ -388,7 +389,9 @@ class Simulation:
         node.close()
         if node.fabric is not None:
             node.fabric.reset(self.scenario.fleet.hcas_per_node, self.scenario.fleet.link_layer)
-            self._grown_to[node.name] = now  # the counters start again from zero
+            # The counters start again from zero.
+            self._port_since[node.name] = now
+            self._port_added = {k: v for k, v in self._port_added.items() if k[0] != node.name}
         node.boot_id = self._boot_id()
         kern = self._kern_path(node.name)
         seams = Seams(nvml=self._nvml(node.name, nvml_faults), sysfs_root=node.seams.sysfs_root, kmsg=kern,
@@ -662,24 +665,24 @@ class Simulation:
             self._actuate(d)
         return out
 
-    def _grow_port_counters(self, name: str, t1: float) -> None:
-        """The node's faulty port counters grow up to ``t1`` (just before its agent reads them)."""
+    def _grow_port_counters(self, name: str, t: float) -> None:
+        """The node's faulty port counters as of ``t`` (just before its agent reads them): each
+        growth's whole count from its start (or the node's last reboot) to ``t``, so the pieces
+        add up to rate x duration whatever the agents' phases."""
         rates = self._port_rates.get(name)
-        if not rates:
+        fab = self.nodes[name].fabric
+        if not rates or fab is None:
             return
-        t0 = self._grown_to.get(name, 0.0)
-        self._grown_to[name] = max(t0, t1)
-        for start, end, hca, counter, per_second in rates:
-            a, b = max(t0, start), min(t1, end)
+        since = self._port_since.get(name, 0.0)
+        for i, (start, end, hca, counter, per_second) in enumerate(rates):
+            a, b = max(since, start), min(t, end)
             if b <= a:
                 continue
-            key = (name, hca, counter)
-            amount = self._port_carry.get(key, 0.0) + per_second * (b - a)
-            whole = int(amount)
-            self._port_carry[key] = amount - whole
-            fab = self.nodes[name].fabric
-            if whole and fab is not None:
-                fab.add_counter(hca, counter, whole)
+            total = int(per_second * (b - a) + 1e-6)
+            added = self._port_added.get((name, i), 0)
+            if total > added:
+                fab.add_counter(hca, counter, total - added)
+                self._port_added[(name, i)] = total
 
     def _feed(self, model: JobModel, batch: StepBatch) -> None:
         """Put each node's ranks' heartbeats for the window in its inbox (its agent takes them in
