@@ -37,7 +37,7 @@ def _fleet_hour(slice_seconds: float = 960.0) -> Measurement:
 
 
 def _fatal_xid() -> Measurement:
-    # Off the report grid (90 s is a tick): the line lands 1 s after a report was built.
+    # 91 s, off the intervals' ends: the line waits for node-0005's next report (at its agent's phase).
     data = load_scenario("kernel-xid-79").model_dump()
     data["faults"][0]["at_seconds"] = 91.0
     sc = shortened(parse_scenario(data, "kernel-xid-79-off-grid"), 120)

@@ -27,6 +27,7 @@ MODULES = [
     "bench.bench_rdma",
     "bench.bench_sim",
     "bench.bench_judgments",
+    "bench.bench_faults",
     "bench.bench_failover",
 ]
 

@@ -1,19 +1,22 @@
 """The simulation driver: a fleet scenario run through the real agent and aggregator code.
 
-Every report interval of simulated time it applies the faults that are due (FakeNvml keeps its
-own schedule), steps the training jobs and feeds their heartbeats to each node's training
-collector, ticks every node's collectors, builds and ingests the reports into the real engine
-(detectors, then the gate in dry run over an in-memory store), and records every decision with
-its simulated time. With a scenario's ``remediation`` it also carries out admitted reboots and
+Every report interval of simulated time it steps the training jobs; each node's agent then runs
+at its own phase within the interval (a seeded draw, as agents started at different moments
+do): the faults due by then happen (FakeNvml keeps its own schedule), its training collector
+takes in the heartbeats sent by then, its collectors run and its report goes into the real
+engine. The aggregator (detectors, then the gate in dry run over an in-memory store, its
+start-up grace counted from the simulation's start as the service counts it from its own)
+evaluates at every interval's end and at once after an urgent report; every decision is
+recorded with its simulated time. With a scenario's ``remediation`` it also carries out admitted reboots and
 GPU resets (the latter through the real outbox and the node's real NodeActionRunner). It scores
 nothing (sim.score does) and never sleeps.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
 import hashlib
+import heapq
 import json
 import logging
 import math
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from vigil.agent.config import AgentConfig, parse_config
+from vigil.agent.nvml.scenario import PowerBrake, PowerCap, ThermalThrottle
 from vigil.agent.seams import Seams
 from vigil.agent.validation import ConfigError, format_validation_error
 from vigil.agent.wire import (
@@ -66,6 +70,8 @@ Progress = Callable[[float, float], None]  # (simulated seconds done, total)
 
 # Simulated process ids: job i's rank r runs as (i + 1) * _PID_STRIDE + 1 + r (ranks < 1,000,000).
 _PID_STRIDE = 1_000_000
+# The random stream of the agents' report phases (apart from the jobs' and the GPUs' streams).
+_PHASE_STREAM = 0x5048_4153
 
 @dataclass(frozen=True)
 class SimDecision:
@@ -229,7 +235,7 @@ class Simulation:
         if engine is not None:
             self.engine = engine
         elif not self._resets:
-            self.engine, self.sink = build_engine(scenario)
+            self.engine, self.sink = build_engine(scenario, started=self.clock.start)
         self._tmp = tempfile.TemporaryDirectory(prefix="vigil-sim-") if workdir is None else None
         self.workdir = workdir if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         if self._resets:
@@ -238,7 +244,8 @@ class Simulation:
             master = self.workdir / "node-action-master.key"
             master.write_text(self._master_key.hex() + "\n")
             try:
-                self.engine, self.sink = build_engine(scenario, node_action_key_file=master)
+                self.engine, self.sink = build_engine(scenario, started=self.clock.start,
+                                                      node_action_key_file=master)
                 # As the app builds it (aggregator/app.py): enabled by the same config, over the engine's fleet.
                 self.outbox = Outbox.from_config(self.engine.config, self.engine.fleet)
             except BaseException:
@@ -247,16 +254,21 @@ class Simulation:
                 raise
         self.nodes: dict[str, SimNode] = {}
         self._faults_by_node: dict[str, list[Any]] = {}
-        self._schedule: list[tuple[float, int, Callable[[], None]]] = []
+        self._schedule: list[tuple[float, int, Callable[[], None]]] = []  # a heap: (t, order, action)
+        self._scheduled = 0
+        # Per node with a port fault: its counters' growth (start, end, hca, counter, per second),
+        # grown when its agent reads them; since when (its last reboot zeroed them), and how much
+        # each growth has added since then.
+        self._port_rates: dict[str, list[tuple[float, float, int, str, float]]] = {}
+        self._port_since: dict[str, float] = {}
+        self._port_added: dict[tuple[str, int], int] = {}
+        # Per node, the heartbeats its ranks sent that its agent has not taken in yet: (ts, payload).
+        self._inbox: dict[str, list[tuple[float, bytes]]] = {}
         self.jobs: list[JobModel] = []
-        self._port_rates: list[tuple[float, float, str, int, str, float]] = []
-        self._port_carry: dict[tuple[str, int, str], float] = {}
         self._boots = 0
         self._nvml_setup: dict[str, tuple[int, str, list[dict[str, Any]]]] = {}
         self._healthy: dict[str, Any] = {}
         self._store_seq = 0
-        # Once the loop runs, new events (a reboot the simulator carries out) go in in order.
-        self._running = False
         self._down: dict[str, list[tuple[float, float]]] = {}  # node -> its reboots' [down, back)
         self._remediated: list[Remediated] = []
         # GPU resets: admitted reset_gpu decisions waiting for the outbox (by id); per node, its
@@ -379,6 +391,9 @@ class Simulation:
         node.close()
         if node.fabric is not None:
             node.fabric.reset(self.scenario.fleet.hcas_per_node, self.scenario.fleet.link_layer)
+            # The counters start again from zero.
+            self._port_since[node.name] = now
+            self._port_added = {k: v for k, v in self._port_added.items() if k[0] != node.name}
         node.boot_id = self._boot_id()
         kern = self._kern_path(node.name)
         seams = Seams(nvml=self._nvml(node.name, nvml_faults), sysfs_root=node.seams.sysfs_root, kmsg=kern,
@@ -390,11 +405,9 @@ class Simulation:
         return f"sim-{self.seed}-{self._boots:06d}"
 
     def _at(self, t: float, action: Callable[[], None]) -> None:
-        entry = (t, len(self._schedule), action)
-        if self._running:
-            bisect.insort(self._schedule, entry, key=lambda e: (e[0], e[1]))
-        else:
-            self._schedule.append(entry)  # sorted once, when every fault is scheduled
+        """Do ``action`` at ``t`` simulated seconds (events at one time in the order scheduled)."""
+        self._scheduled += 1
+        heapq.heappush(self._schedule, (t, self._scheduled, action))
 
     def _schedule_reboot(self, node: SimNode, t0: float, down_seconds: float, clears: bool) -> None:
         """A reboot of ``node`` at ``t0``: silent for ``down_seconds``, then back (``_reboot``).
@@ -503,7 +516,6 @@ class Simulation:
             for name in self.scenario.fault_nodes(fault):
                 node = self.nodes[name]
                 self._schedule_fault(fault, node)
-        self._schedule.sort(key=lambda e: (e[0], e[1]))
 
     def _schedule_fault(self, fault: Any, node: SimNode) -> None:
         t0 = fault.at_seconds
@@ -531,11 +543,11 @@ class Simulation:
                 self._at(down + down_for, lambda: fab.set_link(fault.hca, True))
         elif isinstance(fault, PortErrors):
             end = fault.until_seconds if fault.until_seconds is not None else math.inf
-            self._port_rates.append((t0, end, node.name, fault.hca, fault.counter, fault.per_second))
+            self._port_rates.setdefault(node.name, []).append((t0, end, fault.hca, fault.counter, fault.per_second))
         elif isinstance(fault, RoceCongestion):
             end = fault.until_seconds if fault.until_seconds is not None else math.inf
             for counter, per_second in fault.rates().items():
-                self._port_rates.append((t0, end, node.name, fault.hca, counter, per_second))
+                self._port_rates.setdefault(node.name, []).append((t0, end, fault.hca, counter, per_second))
         elif isinstance(fault, Silence):
             self._at(t0, lambda: setattr(node, "silent", True))
             if fault.until_seconds is not None:
@@ -566,6 +578,10 @@ class Simulation:
         return result
 
     def _loop(self, wall0: float) -> SimResult:
+        """Interval k covers ((k-1)*dt, k*dt]: the jobs step to its end, each node's agent reports
+        once at its own phase within it (its heartbeats up to that moment delivered first), the
+        aggregator evaluates at its end and, as the service's urgent wake does, at once after a
+        report with an urgent event."""
         sc = self.scenario
         dt = sc.report_interval_seconds
         ticks = max(1, math.ceil(sc.duration_seconds / dt - 1e-9))
@@ -575,26 +591,28 @@ class Simulation:
         fleet_t: list[float] = []
         reporting: list[int] = []
         silent: list[int] = []
-        next_event = 0
         fleet_nodes = len(self.nodes)
-        prev = 0.0
-        self._running = True
+        offsets = report_offsets(sc, self.seed)
+        # Earliest first within an interval (each node reports at k*dt - its offset).
+        order = sorted(self.nodes.values(), key=lambda n: -offsets[n.name])
         for k in range(1, ticks + 1):
             t = min(k * dt, sc.duration_seconds)
-            while next_event < len(self._schedule) and self._schedule[next_event][0] <= t:
-                at, _, action = self._schedule[next_event]
-                self.clock.advance_to(max(at, self.clock.elapsed))
-                action()
-                next_event += 1
-            self.clock.advance_to(t)
-            self._grow_port_counters(prev, t)
             for model, trace in zip(self.jobs, traces, strict=True):
-                batch = model.advance(self.clock.now)
-                heartbeats += self._feed(model, batch)
+                batch = model.advance(self.clock.start + t)
+                self._feed(model, batch)
                 _trace(trace, model, batch, t)
-            now = self.clock.now
             n_reporting = 0
-            for node in self.nodes.values():
+            for node in order:
+                t_node = k * dt - offsets[node.name]
+                if t_node > sc.duration_seconds + 1e-9:
+                    continue  # the run ends before this agent's cycle comes round
+                self._advance(t_node)
+                if node.silent:
+                    self._deliver(node, self.clock.now, drop=True)  # an agent that is down hears nothing
+                    continue
+                heartbeats += self._deliver(node, self.clock.now)
+                self._grow_port_counters(node.name, t_node)
+                now = self.clock.now
                 report = node.tick(now)
                 if report is None:
                     continue
@@ -606,14 +624,14 @@ class Simulation:
                 if self.outbox is not None:
                     self._exchange(node, report, now)
                 n_reporting += 1
+                if t_node < t and (report.urgent or any(e.urgent for e in report.events)):
+                    decisions.extend(self._judge(now, fleet_nodes))
             reports += n_reporting
-            for d in self._evaluate(now, fleet_nodes):
-                decisions.append(d)
-                self._actuate(d)
+            self._advance(t)
+            decisions.extend(self._judge(self.clock.now, fleet_nodes))
             fleet_t.append(t)
             reporting.append(n_reporting)
             silent.append(sum(1 for n in self.nodes.values() if n.silent))
-            prev = t
             if self._progress is not None:
                 self._progress(t, sc.duration_seconds)
         rejected: dict[str, int] = {}
@@ -629,26 +647,53 @@ class Simulation:
             jobs=traces, fleet_t=fleet_t, fleet_reporting=reporting, fleet_silent=silent,
             remediations=list(self._remediated))
 
-    def _grow_port_counters(self, t0: float, t1: float) -> None:
-        for start, end, name, hca, counter, per_second in self._port_rates:
-            a, b = max(t0, start), min(t1, end)
+    def _advance(self, t: float) -> None:
+        """Simulated time to ``t`` seconds: the scheduled events due by then happen in order, the
+        clock moves."""
+        while self._schedule and self._schedule[0][0] <= t:
+            at, _, action = heapq.heappop(self._schedule)
+            self._move_to(at)
+            action()
+        self._move_to(t)
+
+    def _move_to(self, t: float) -> None:
+        if t > self.clock.elapsed:
+            self.clock.advance_to(t)
+
+    def _judge(self, now: float, fleet_nodes: int) -> list[SimDecision]:
+        """One evaluation of the aggregator, and what the simulator carries out of it."""
+        out = self._evaluate(now, fleet_nodes)
+        for d in out:
+            self._actuate(d)
+        return out
+
+    def _grow_port_counters(self, name: str, t: float) -> None:
+        """The node's faulty port counters as of ``t`` (just before its agent reads them): each
+        growth's whole count from its start (or the node's last reboot) to ``t``, so the pieces
+        add up to rate x duration whatever the agents' phases."""
+        rates = self._port_rates.get(name)
+        fab = self.nodes[name].fabric
+        if not rates or fab is None:
+            return
+        since = self._port_since.get(name, 0.0)
+        for i, (start, end, hca, counter, per_second) in enumerate(rates):
+            a, b = max(since, start), min(t, end)
             if b <= a:
                 continue
-            key = (name, hca, counter)
-            amount = self._port_carry.get(key, 0.0) + per_second * (b - a)
-            whole = int(amount)
-            self._port_carry[key] = amount - whole
-            fab = self.nodes[name].fabric
-            if whole and fab is not None:
-                fab.add_counter(hca, counter, whole)
+            total = int(per_second * (b - a) + 1e-6)
+            added = self._port_added.get((name, i), 0)
+            if total > added:
+                fab.add_counter(hca, counter, total - added)
+                self._port_added[(name, i)] = total
 
-    def _feed(self, model: JobModel, batch: StepBatch) -> int:
-        """Give each node's training collector its ranks' heartbeats for the window: every step
-        when there are few, else an even sample that keeps the last step (the window summary's
-        step count comes from step numbers, its quantiles from the sample)."""
+    def _feed(self, model: JobModel, batch: StepBatch) -> None:
+        """Put each node's ranks' heartbeats for the window in its inbox (its agent takes them in
+        up to its own report time, ``_deliver``): every step when there are few, else an even
+        sample that keeps the last step (the window summary's step count comes from step
+        numbers, its quantiles from the sample)."""
         k = len(batch.step)
         if k == 0 and not batch.announcements:
-            return 0
+            return
         per_window = self.scenario.heartbeats_per_rank
         rows = np.arange(k) if k <= per_window else np.unique(
             np.linspace(0, k - 1, per_window).round().astype(int))
@@ -660,7 +705,6 @@ class Simulation:
         pid_base = (self.jobs.index(model) + 1) * _PID_STRIDE + 1
         r_per = model.ranks_per_node
         gpus = self.scenario.fleet.gpus_per_node
-        sent = 0
         steps = batch.step[rows]
         ends = batch.end_ts[rows]
         step_s = batch.step_seconds[rows]
@@ -669,16 +713,15 @@ class Simulation:
         data = batch.data_seconds[rows]
         alive = batch.alive[rows]
         for i, name in enumerate(model.nodes):
-            node = self.nodes[name]
-            if node.silent:
-                continue
+            # Rank by rank, each rank's in time order (an agent takes them in in this order).
+            box = self._inbox.setdefault(name, [])
             for local in range(r_per):
                 rank = i * r_per + local
                 pending = [nt for nt in notes if nt[3][rank]]
                 for j in range(len(rows)):
                     end = float(ends[j])
                     while pending and pending[0][0] < end:
-                        sent += self._note(node, job, rank, local % gpus, pid_base + rank, pending.pop(0))
+                        box.append(self._note(job, rank, local % gpus, pid_base + rank, pending.pop(0)))
                     if not alive[j, rank]:
                         continue
                     payload = (
@@ -687,25 +730,44 @@ class Simulation:
                         f'"comm_seconds":{comm[j, rank]:.6f},"data_seconds":{data[j, rank]:.6f},'
                         f'"gpu":{local % gpus},"pid":{pid_base + rank}}}'
                     ).encode()
-                    node.ingest_heartbeat(payload, end)
-                    sent += 1
+                    box.append((end, payload))
                 for note in pending:
-                    sent += self._note(node, job, rank, local % gpus, pid_base + rank, note)
-        return sent
+                    box.append(self._note(job, rank, local % gpus, pid_base + rank, note))
+
+    def _deliver(self, node: SimNode, now: float, drop: bool = False) -> int:
+        """The node's training collector takes in the heartbeats sent by ``now`` (each at its own
+        time, as the socket receives them; ``drop``: lost, the agent is down); later ones wait
+        for its next cycle."""
+        box = self._inbox.get(node.name)
+        if not box:
+            return 0
+        due = [hb for hb in box if hb[0] <= now]
+        if len(due) < len(box):
+            self._inbox[node.name] = [hb for hb in box if hb[0] > now]
+        else:
+            del self._inbox[node.name]
+        if drop:
+            return 0
+        for ts, payload in due:
+            node.ingest_heartbeat(payload, ts)
+        return len(due)
 
     @staticmethod
-    def _note(node: SimNode, job: str, rank: int, gpu: int, pid: int,
-              note: tuple[float, int, str, np.ndarray]) -> int:
+    def _note(job: str, rank: int, gpu: int, pid: int, note: tuple[float, int, str, np.ndarray]) -> tuple[float, bytes]:
         ts, step, phase, _ = note
-        node.ingest_heartbeat(f'{{"job":"{job}","rank":{rank},"step":{step},"step_seconds":0,'
-                              f'"phase":"{phase}","gpu":{gpu},"pid":{pid}}}'.encode(), ts)
-        return 1
+        return ts, (f'{{"job":"{job}","rank":{rank},"step":{step},"step_seconds":0,'
+                    f'"phase":"{phase}","gpu":{gpu},"pid":{pid}}}').encode()
 
     def _pid_alive(self, pid: int) -> bool:
         """The nodes' process table (the training collector's ``pid_alive`` seam): a rank's process
         lives until its job has finished, as the real client's pid does."""
         index = pid // _PID_STRIDE - 1
-        return not (0 <= index < len(self.jobs) and self.jobs[index].finished)
+        if not 0 <= index < len(self.jobs):
+            return True
+        model = self.jobs[index]
+        end = model.job.end_seconds
+        # The job model runs to each interval's end; an agent asking earlier sees it still running.
+        return not (model.finished and end is not None and self.clock.elapsed >= end)
 
     def _evaluate(self, now: float, fleet_nodes: int) -> list[SimDecision]:
         t = now - self.clock.start
@@ -728,16 +790,38 @@ class Simulation:
         return bool(self.sink.store.breaker().tripped)
 
 
+# NVML faults that lower a GPU's SM clock, by the node-level model that defines their fields.
+_THROTTLES: dict[str, Any] = {"thermal_throttle": ThermalThrottle, "power_brake": PowerBrake, "power_cap": PowerCap}
+
+
+def report_offsets(scenario: Scenario, seed: int) -> dict[str, float]:
+    """How long before each interval's end each node's agent reports: a phase drawn uniformly in
+    [0, report interval) per node, fixed by the seed (agents started at different moments report
+    at different moments of every cycle; a real agent's training windows are aligned on the clock,
+    so each agent reads the same windows at its own moment), or 0 everywhere with
+    ``agent_phases: lockstep``. A rebooted node's new agent keeps its node's phase."""
+    names = scenario.node_names()
+    if scenario.agent_phases == "lockstep":
+        return dict.fromkeys(names, 0.0)
+    dt = scenario.report_interval_seconds
+    drawn = np.random.default_rng([seed, _PHASE_STREAM]).uniform(0.0, dt, size=len(names))
+    # Rounded to the millisecond (decision times stay short numbers), still within [0, dt).
+    return {n: round(float(o), 3) % dt for n, o in zip(names, drawn, strict=True)}
+
+
 def job_impact(fault: Any, job: str) -> JobFault | None:
     """What a hardware fault does to a job on its node (``hardware_disrupts_jobs``): the job
     model's own fault with the same target and time, or None for faults a job does not feel."""
     target = {"node": fault.node, "nodes": fault.nodes, "component": fault.component, "at_seconds": fault.at_seconds}
-    if isinstance(fault, NvmlFault) and fault.kind in ("thermal_throttle", "power_brake"):
-        extra = fault.model_extra or {}
-        ratio = float(extra.get("clock_ratio", 0.5 if fault.kind == "thermal_throttle" else 0.3))
+    if isinstance(fault, NvmlFault) and fault.kind in _THROTTLES:
+        # The node-level model's own fields and defaults (clock ratio, duration).
+        throttle = _THROTTLES[fault.kind].model_validate(fault.node_fault())
+        if throttle.clock_ratio >= 1.0:
+            return None
+        until = None if throttle.duration_seconds is None else fault.at_seconds + throttle.duration_seconds
         # Compute-bound kernels slow in proportion to the SM clock.
-        return SlowNode(kind="slow_node", gpus=[fault.gpu or 0], factor=min(100.0, 1.0 / ratio),
-                        until_seconds=fault.at_seconds + float(extra["duration_seconds"]), **target)
+        return SlowNode(kind="slow_node", gpus=[fault.gpu or 0], factor=min(100.0, 1.0 / throttle.clock_ratio),
+                        until_seconds=until, **target)
     lost = (isinstance(fault, NvmlFault) and fault.kind == "gpu_lost") or (isinstance(fault, KernelXid)
                                                                           and fault.code == 79)
     if lost:
@@ -792,12 +876,15 @@ def _log_bus_id(nvml_bus_id: str) -> str:
     return f"{parts[0][-4:]}:{parts[1]}:{parts[2].split('.')[0]}"
 
 
-def build_engine(scenario: Scenario, *, node_action_key_file: Path | None = None) -> tuple[Any, Any]:
+def build_engine(scenario: Scenario, *, started: float | None = None,
+                 node_action_key_file: Path | None = None) -> tuple[Any, Any]:
     """The real aggregator: engine and detectors configured by the scenario, then the gate in dry
     run over an in-memory store. Configuration errors name their key path under ``aggregator.``
     or ``gate.``. ``node_action_key_file``: the master key file of agent resets (the simulator
     carries out GPU resets, ``remediation.reset_seconds``): the aggregator then runs with
-    ``actuators.slurm.reset_gpu`` on (no actuator is built here; the simulator delivers the drain)."""
+    ``actuators.slurm.reset_gpu`` on (no actuator is built here; the simulator delivers the drain).
+    ``started``: when the aggregator started, as the app gives its gate (aggregator/app.py
+    ``build_sink``): the breaker's start-up grace counts from it; None: no grace."""
     from pydantic import ValidationError
 
     from vigil.aggregator.config import parse_config as parse_aggregator_config
@@ -819,7 +906,7 @@ def build_engine(scenario: Scenario, *, node_action_key_file: Path | None = None
     except ValidationError as exc:
         raise ScenarioError(format_validation_error(exc, f"invalid scenario {scenario.name} (gate)")) from None
     store = Store(":memory:")
-    sink = Ledger(Gate(gate_config), store, actuators={})
+    sink = Ledger(Gate(gate_config, started=started), store, actuators={})
     return Engine(config, sink), sink
 
 

@@ -16,30 +16,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from vigil.agent.nvml.scenario import FAULT_KINDS
 from vigil.agent.validation import format_validation_error, read_yaml_file
 
 # The repository's scenarios/, installed as package data of `vigil` (vigil/scenarios links to it).
 SCENARIO_DIR = Path(str(resources.files("vigil") / "scenarios"))
 
-# The node-level FakeNvml fault kinds (agent/nvml scenario contract); the simulator passes these
-# through to each node's FakeNvml unchanged.
-NVML_FAULT_KINDS = (
-    "reset_required",
-    "ecc_corrected_growth",
-    "ecc_uncorrectable",
-    "row_remap_pending",
-    "row_remap_failure",
-    "thermal_throttle",
-    "power_brake",
-    "xid",
-    "gpu_lost",
-    "nvlink_errors",
-    "nvlink_down",
-    "nvml_unavailable",
-    "temperature_drift",
-    "hot_hbm",
-    "pcie_replay",
-)
+# The node-level FakeNvml fault kinds (agent/nvml/scenario.py is the one definition of each kind and
+# its fields); the simulator passes these through to each node's FakeNvml unchanged.
+NVML_FAULT_KINDS = FAULT_KINDS
+NvmlKind = Literal[FAULT_KINDS]  # type: ignore[valid-type]
 
 
 class ScenarioError(Exception):
@@ -205,11 +191,7 @@ class NvmlFault(_FaultBase):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    kind: Literal[
-        "ecc_corrected_growth", "ecc_uncorrectable", "row_remap_pending", "row_remap_failure",
-        "thermal_throttle", "power_brake", "xid", "gpu_lost", "reset_required", "nvlink_errors",
-        "nvlink_down", "nvml_unavailable", "temperature_drift", "hot_hbm", "pcie_replay",
-    ]
+    kind: NvmlKind
     gpu: int | None = Field(default=None, ge=0)
 
     def node_fault(self, at_seconds: float | None = None) -> dict[str, Any]:
@@ -548,6 +530,9 @@ class Scenario(_Strict):
     seed: int = 0
     duration_seconds: float = Field(gt=0, le=30 * 86400)
     report_interval_seconds: float = Field(default=10.0, gt=0)
+    # Each agent reports at its own phase within the interval (drawn per node from the seed), as
+    # agents started at different moments do; "lockstep": every agent at the interval's end.
+    agent_phases: Literal["independent", "lockstep"] = "independent"
     # Heartbeats fed per rank and report: every step when a window holds fewer, else an even
     # sample ending at the last step (1,000 nodes x 8 ranks at one step a second would otherwise
     # cost more than everything else together); the summary's step count stays exact.

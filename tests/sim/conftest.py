@@ -25,6 +25,19 @@ def horizon(sc: Scenario) -> float:
     return min(sc.duration_seconds, max(ends))
 
 
+def next_report(sc: Scenario, node: str, at: float, *, strictly: bool = False) -> float:
+    """When ``node``'s agent first reports at or after ``at`` (after it, ``strictly``): each agent
+    reports once per interval at its own phase (``report_offsets``); rounded as decision times are."""
+    from vigil.sim.run import report_offsets
+
+    dt = sc.report_interval_seconds
+    offset = report_offsets(sc, sc.seed)[node]
+    k = 1
+    while k * dt - offset < at or (strictly and k * dt - offset <= at):
+        k += 1
+    return round(k * dt - offset, 3)
+
+
 def raw(name: str) -> dict[str, Any]:
     data = yaml.safe_load((SCENARIO_DIR / f"{name}.yaml").read_text())
     data.setdefault("name", name)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.sim.conftest import next_report
 from vigil.sim.run import SimDecision, SimResult, run_scenario
 from vigil.sim.scenario import ScenarioError, parse_scenario
 from vigil.sim.score import out_of_service, return_to_service, score, summary
@@ -40,26 +41,29 @@ def admitted(result: SimResult, action: str, node: str = "node-0001") -> list[Si
 
 
 def test_an_admitted_reboot_reboots_the_node_and_the_fix_returns_it_to_service() -> None:
-    result = run_scenario(parse_scenario(tiny()))
+    sc = parse_scenario(tiny())
+    result = run_scenario(sc)
     reboot = admitted(result, "reboot_node")
-    assert reboot and reboot[0].t == FAULT_AT
+    # The Xid is read at node-0001's next report; the urgent report is judged at once.
+    read = next_report(sc, "node-0001", FAULT_AT)
+    assert reboot and reboot[0].t == read
     assert [(r.node, r.t, r.back_seconds, r.clears) for r in result.remediations] == [
-        ("node-0001", FAULT_AT, FAULT_AT + REBOOT_SECONDS, True)]
+        ("node-0001", read, round(read + REBOOT_SECONDS, 3), True)]
     assert result.remediations[0].decision_id == reboot[0].id
     # Silent while it reboots: no report from it (4 nodes, 3 reporting) for the whole down time.
     down = [n for t, n in zip(result.fleet_t, result.fleet_silent, strict=True)
-            if FAULT_AT < t < FAULT_AT + REBOOT_SECONDS]
+            if read < t < read + REBOOT_SECONDS]
     assert down and set(down) == {1}
     resume = admitted(result, "resume")
     assert len(resume) == 1
-    # Back at 40 s, clean for 20 s: resumed no sooner than 60 s.
-    assert resume[0].t >= FAULT_AT + REBOOT_SECONDS + PERSISTENCE_SECONDS
+    # Back 30 s after the reboot, clean for 20 s: resumed no sooner than that.
+    assert resume[0].t >= read + REBOOT_SECONDS + PERSISTENCE_SECONDS
     assert not admitted(result, "inspect_hardware")
 
     rts = summary(result, score(result))["return_to_service"]
     [spell] = rts["spells"]
     assert spell == {"node": "node-0001", "action": "reboot_node", "fault_at_seconds": FAULT_AT,
-                     "removed_at_seconds": FAULT_AT, "resumed_at_seconds": resume[0].t, "returned": True,
+                     "removed_at_seconds": read, "resumed_at_seconds": resume[0].t, "returned": True,
                      "seconds": resume[0].t - FAULT_AT, "final_state": "resumed"}
     assert rts["by_action"] == {"reboot_node": {
         "removed": 1, "returned": 1, "not_returned": {"inspect_hardware": 0, "still_out": 0},

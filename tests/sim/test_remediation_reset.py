@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.sim.conftest import next_report
 from vigil.sim.run import SimDecision, SimResult, run_scenario
 from vigil.sim.scenario import ScenarioError, parse_scenario
 from vigil.sim.score import return_to_service
@@ -42,7 +43,8 @@ def admitted(result: SimResult, action: str, node: str = "node-0001") -> list[Si
 
 
 def test_an_admitted_reset_is_run_by_the_node_s_agent_and_the_fix_returns_it_to_service() -> None:
-    result = run_scenario(parse_scenario(tiny()))
+    sc = parse_scenario(tiny())
+    result = run_scenario(sc)
     [reset] = admitted(result, "reset_gpu")
     assert reset.gpu == 1
     # Offered in the answer to the node's next report, run RESET_SECONDS later by its runner: a
@@ -50,7 +52,7 @@ def test_an_admitted_reset_is_run_by_the_node_s_agent_and_the_fix_returns_it_to_
     [done] = result.remediations
     assert (done.action, done.node, done.gpu, done.decision_id, done.outcome, done.clears) == (
         "reset_gpu", "node-0001", 1, reset.id, "done (done)", True)
-    assert done.back_seconds == reset.t + 5.0 + RESET_SECONDS
+    assert done.back_seconds == round(next_report(sc, "node-0001", reset.t, strictly=True) + RESET_SECONDS, 3)
     assert set(result.fleet_silent) == {0}  # a reset is no reboot: the node keeps reporting
     [resume] = admitted(result, "resume")
     # Verified from the report carrying the result (at the reset's time here) for 20 s.

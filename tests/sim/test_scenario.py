@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any, get_args
 
 import pytest
 
@@ -103,3 +105,59 @@ def test_every_shipped_scenario_loads_and_has_answers(path: Path) -> None:
     assert sc.description
     # a scenario without expectations must at least say that nothing may be drained
     assert sc.expect or not sc.faults or sc.expect_breaker != "any" or "no drain" in sc.description.lower()
+
+
+# -- docs/simulator.md's fault table: every kind it documents is one the schema takes ----------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "simulator.md"
+
+
+def _documented_fault_kinds() -> dict[str, list[str]]:
+    """Each fault kind of docs/simulator.md's "Faults" table -> the fields the table names for it
+    in parentheses (the NVML row lists its kinds as `kind` (`field`, ...)); other rows name their
+    kind in the first column."""
+    section = DOCS.read_text().split("\n## Faults", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")][1:]
+    out: dict[str, list[str]] = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if cells[0].startswith("`"):
+            out[cells[0].strip("`")] = []
+            continue
+        assert cells[0] == "NVML kinds", f"a row of the fault table that names no kind: {row}"
+        for kind, fields in re.findall(r"`(\w+)`(?:\s*\(([^)]*)\))?", cells[2]):
+            out[kind] = re.findall(r"`(\w+)`", fields or "")
+    assert len(out) > 10, f"the fault table of {DOCS} was not found or changed shape: {sorted(out)}"
+    return out
+
+
+def _minimal_fault(kind: str, fields: list[str]) -> dict[str, Any]:
+    """A fault of ``kind`` with each required field (and each documented one) given a value its
+    model takes: 1 for numbers, the test's job for a job."""
+    from vigil.agent.nvml import scenario as node_level
+    from vigil.sim import scenario as fleet_level
+
+    fault: dict[str, Any] = {"kind": kind, "at_seconds": 10, "node": "node-0001"}
+    # An NVML kind's fields are the node-level model's (the one definition the simulator checks).
+    union = node_level.Fault if kind in node_level.FAULT_KINDS else fleet_level.Fault
+    members = get_args(get_args(union)[0])  # Annotated[A | B | ..., discriminator] -> (A, B, ...)
+    model = next(m for m in members if kind in get_args(m.model_fields["kind"].annotation))
+    required = [name for name, info in model.model_fields.items() if info.is_required()]
+    for name in (*required, *fields):
+        fault.setdefault(name, "train" if name == "job" else 1)
+    return fault
+
+
+def test_every_fault_kind_in_the_docs_table_is_accepted() -> None:
+    from vigil.agent.nvml.scenario import FAULT_KINDS
+
+    documented = _documented_fault_kinds()
+    # Every node-level FakeNvml kind is documented, and every documented kind parses with the
+    # fields the table names for it.
+    assert set(FAULT_KINDS) <= set(documented), sorted(set(FAULT_KINDS) - set(documented))
+    for kind, fields in documented.items():
+        # An Ethernet (RoCE) fabric: roce_congestion needs it, the other kinds do not mind.
+        data = {**BASE, "fleet": {"nodes": 64, "link_layer": "Ethernet"},
+                "jobs": [{"name": "train", "step_seconds": 1.0}], "faults": [_minimal_fault(kind, fields)]}
+        sc = parse_scenario(data, f"docs-{kind}.yaml")
+        assert sc.faults[0].kind == kind

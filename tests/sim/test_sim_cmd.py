@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.sim.conftest import raw
+from tests.sim.conftest import next_report, raw
 from vigil.cli import main
+from vigil.sim.scenario import parse_scenario
 from vigil.sim_cmd import ProgressBar
 
 
@@ -28,7 +29,9 @@ def test_json_object_and_exit_zero_when_met(tmp_path: Path, capsys: pytest.Captu
                 "simulated_seconds", "wall_seconds", "pass"):
         assert key in out
     assert out["pass"] is True and out["simulated_seconds"] == 120.0
-    assert out["expectations"][0]["met"] and out["expectations"][0]["latency_seconds"] == 0.0
+    # The Xid is logged at 90 s and read at node-0005's next report (its agent's own phase).
+    read = next_report(parse_scenario(raw("kernel-xid-79")), "node-0005", 90)
+    assert out["expectations"][0]["met"] and out["expectations"][0]["latency_seconds"] == round(read - 90, 3)
     assert set(out["detection_latency_seconds"]) == {"p50", "p95", "max"}
 
 
