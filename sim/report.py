@@ -91,7 +91,7 @@ def _fleet_plot(result: SimResult, path: Path) -> None:
     seen: set[str] = set()
     for d in sorted((d for d in result.decisions if d.admitted and d.action in
                      ("drain", "reset_gpu", "reboot_node", "inspect_hardware")), key=lambda d: d.t):
-        if d.node not in seen:
+        if d.node is not None and d.node not in seen:
             seen.add(d.node)
             removed += t >= d.t
     fig, ax = plt.subplots(figsize=(11, 4))

@@ -78,7 +78,7 @@ class SimDecision:
     """One decision the engine proposed, with what the gate made of it."""
 
     t: float  # simulated seconds since the start
-    node: str
+    node: str | None  # None: a job-level decision (it names the job)
     action: str
     detector: str
     reason: str
@@ -433,7 +433,7 @@ class Simulation:
             if self.outbox is not None and decision is not None:
                 self.outbox.enqueue(decision, self.clock.now)
             return
-        if d.action != "reboot_node":
+        if d.action != "reboot_node" or d.node is None:
             return
         node = self.nodes.get(d.node)
         if node is None or any(down <= d.t < back for down, back in self._down.get(d.node, ())):

@@ -212,7 +212,7 @@ def return_to_service(result: SimResult) -> dict[str, Any]:
 
 
 def removal_key(d: SimDecision) -> tuple[str, str, int | None, str | None]:
-    if d.action == "restart_job":
+    if d.action == "restart_job" or d.node is None:
         return ("job", d.action, None, d.job)
     return (d.node, d.action, d.gpu if d.action == "reset_gpu" else None, None)
 
@@ -250,6 +250,8 @@ def _allows(scenario: Scenario, a: Allow, d: SimDecision) -> bool:
         owns = [t for n in scenario.job_nodes(a.job) if (t := scenario.own_fault_time(n)) is not None]
         return d.job == a.job and bool(owns) and d.t >= min(owns)
     assert a.nodes is not None
+    if d.node is None:
+        return False
     own = scenario.own_fault_time(d.node)
     return d.node in scenario.resolve_nodes(a.nodes) and own is not None and d.t >= own
 
