@@ -36,6 +36,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("mixed-h100-h200", "mixed H100/H200 nodes in one job"),
     ("rack-thermal", "a rack's GPUs thermally throttled"),
     ("leaf-port-errors-30s", "a leaf whose ports err over 30 s"),
+    ("ddp-hang-4", "a plain DDP hang in a 4-node job (simulated; bench_hang: real processes)"),
     ("job-slowdown", "lookalike: the whole job slower"),
     ("data-loader-stall", "lookalike: a job-wide data stall"),
     ("node-own-heat", "lookalike: one node's own heat"),

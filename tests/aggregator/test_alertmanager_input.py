@@ -98,8 +98,10 @@ async def test_alert_input_cannot_bypass_opt_out_or_the_breaker(tmp_path) -> Non
     assert store.decisions()[0].verdict == "opt_out"
     assert len((await (await client.post("/v1/alertmanager", json=payload("gpu-1"))).json())["admitted"]) == 1
     tripped = await (await client.post("/v1/alertmanager", json=payload("gpu-2"))).json()
-    assert store.decisions(admitted_only=True)[0].decision.action is Action.ALERT  # the breaker's alert
-    assert store.breaker().tripped and len(tripped["admitted"]) == 1
+    # Two alerts: the breaker's trip, and the refused drain's own (what was not done, and why).
+    alerts = [d.decision for d in store.decisions(admitted_only=True) if d.decision.action is Action.ALERT]
+    assert sorted(a.id.rsplit("-", 1)[0] for a in alerts) == ["breaker", "breaker-refused"]
+    assert store.breaker().tripped and len(tripped["admitted"]) == 2
     reset = await (await client.post("/v1/breaker/reset")).json()
     assert reset == {"reset": True, "was_tripped": True} and not store.breaker().tripped
     await client.close()
