@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -32,6 +32,8 @@ class Action(StrEnum):
 REMOVING_ACTIONS = frozenset({Action.DRAIN, Action.RESET_GPU, Action.REBOOT_NODE, Action.INSPECT_HARDWARE})
 # Actions that may be about a whole job (``node`` None, ``job`` set): they take no node away.
 JOB_LEVEL_ACTIONS = frozenset({Action.OBSERVE, Action.ALERT, Action.RESTART_JOB})
+# The type of a detector's configurable action for a job-level finding (one of JOB_LEVEL_ACTIONS).
+JobAction = Literal[Action.OBSERVE, Action.ALERT, Action.RESTART_JOB]
 # A job-level decision's subject as the store keys it (its rows' node column, the delivery order):
 # ':' never appears in a node name (a DNS name, wire.NODE_NAME_PATTERN), so it cannot collide.
 JOB_SUBJECT_PREFIX = "job:"

@@ -23,7 +23,7 @@ from statistics import median
 from pydantic import Field
 
 from vigil.agent.validation import StrictModel
-from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
 from vigil.aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
 
@@ -285,7 +285,7 @@ class GpuPeerDetector:
             if first is None:
                 continue
             out.append(Finding(
-                detector=NAME, node=first.node, job=job.name, action=Action.OBSERVE, since=0.0, key="untimed",
+                detector=NAME, node=WHOLE_JOB, job=job.name, action=Action.OBSERVE, since=0.0, key="untimed",
                 reason=(f"job {job.name}: no per-rank timing (its ranks send step counts only); in synchronous "
                         "training every rank's step time is the same, so vigil cannot rank its ranks. Send "
                         "compute and comm times (vigil_heartbeat.pytorch.StepTimer); until then stragglers are "

@@ -35,7 +35,7 @@ from statistics import median
 from pydantic import Field
 
 from vigil.agent.validation import StrictModel
-from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
 from vigil.aggregator.fleet import FleetView, JobState, RankHistory
 
@@ -374,7 +374,7 @@ class StragglerDetector:
             judged = ("too few to be compared with each other, so the straggler detector does not judge them"
                       if small else "each is compared with its own class only")
             out.append(Finding(
-                detector=NAME, node=names[0], job=job.name, action=Action.OBSERVE,
+                detector=NAME, node=WHOLE_JOB, job=job.name, action=Action.OBSERVE,
                 since=(start - 1) * memo.width, key=f"{job.name}:class:{describe(cls)}",
                 reason=(f"job {job.name}: its {len(names)} nodes of {describe(cls)} take {ratio:+.1%} per step "
                         f"against its {len(ref_nodes)} nodes of {describe(ref)} (median own time, "

@@ -23,7 +23,7 @@ from collections import deque
 from pydantic import Field
 
 from vigil.agent.validation import StrictModel
-from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.decision import WHOLE_JOB, Action, Finding, JobAction
 from vigil.aggregator.detectors.topology import ONSET
 from vigil.aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
 
@@ -60,7 +60,7 @@ class ThermalConfig(StrictModel):
     # not each node's (jobs of at least min_job_nodes nodes; smaller ones are judged per GPU).
     max_job_node_share: float = Field(default=0.25, gt=0, le=1)
     min_job_nodes: int = Field(default=4, ge=2)
-    job_action: Action = Action.ALERT
+    job_action: JobAction = Action.ALERT
     # Long horizon: a GPU held down in bursts shorter than the persistence (30 s of every 2 min)
     # never makes 60 s in a row but slows its job as much. Throttled time over this horizon:
     # 10% alerts, 25% (7.5 of 30 min) drains. A healthy GPU's brakes last seconds (< 1%).
@@ -165,7 +165,7 @@ class ThermalDetector:
                 shared.setdefault(n, job.name)
             since = min(f.since for f in found if f.node in hit and f.key.startswith("clock_throttle"))
             alerts.append(Finding(
-                detector=NAME, node=sorted(hit)[0], job=job.name, action=cfg.job_action, since=since,
+                detector=NAME, node=WHOLE_JOB, job=job.name, action=cfg.job_action, since=since,
                 key="clock_throttle:job",
                 reason=f"job {job.name}: GPUs held down by heat or power brakes on {len(hit)} of its {len(nodes)} "
                        f"nodes at once: the job's or the facility's, not a node's",

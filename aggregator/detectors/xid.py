@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pydantic import Field
 
 from vigil.agent.validation import StrictModel
-from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.decision import WHOLE_JOB, Action, Finding, JobAction
 from vigil.aggregator.fleet import FleetView, NodeState
 from vigil.aggregator.xid_catalog import APP_BURST_SECONDS, XidCatalog, XidOccurrence, burst_spans, judge_xids
 
@@ -56,7 +56,7 @@ class XidConfig(StrictModel):
     # (fleet clock_offset_tolerance_seconds). 60 s covers steps up to ~50 s; a relaunch after a
     # crash takes minutes (requeue, model load), so the next crash is a burst of its own.
     app_peer_burst_seconds: float = Field(default=60.0, ge=0)
-    job_action: Action = Action.ALERT
+    job_action: JobAction = Action.ALERT
 
 
 class XidDetector:
@@ -137,7 +137,7 @@ class XidDetector:
             jobs_alerted.add((job, code))
             members = sorted({n for n, _ in peers})
             out.append(Finding(
-                detector=NAME, node=members[0], job=job, action=cfg.job_action, since=f.since,
+                detector=NAME, node=WHOLE_JOB, job=job, action=cfg.job_action, since=f.since,
                 key=f"xid:{code}:job",
                 reason=f"job {job}: application Xid {code} repeats on {sharing + 1} of its {others + 1} GPUs at "
                        f"once: the job's fault (a user's bug or input), no node is removed",

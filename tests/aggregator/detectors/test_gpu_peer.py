@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode, rank_summary
 from vigil.agent.wire import GpuState
-from vigil.aggregator.decision import Action
+from vigil.aggregator.decision import WHOLE_JOB, Action
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector, _ClockWindow
 from vigil.aggregator.fleet import Fleet, GpuHistory
 
@@ -145,7 +145,7 @@ def test_gpus_of_an_ended_job_are_not_placed_in_it_by_its_old_heartbeats():
     assert [f for f in DETECTOR.evaluate(fleet.view(), t) if f.action is Action.ALERT] == []
 
 
-def test_untimed_job_seen_partially_first_is_said_once_on_rank_0s_node():
+def test_untimed_job_seen_partially_first_is_said_once_for_the_job_when_rank_0_reports():
     nodes = nodes_()
     fleet = Fleet()
     for i, t in enumerate((0.0, 2.5, 5.0, 7.5)):
@@ -157,7 +157,7 @@ def test_untimed_job_seen_partially_first_is_said_once_on_rank_0s_node():
                 continue  # only n3's agent has reported the job so far
             fleet.ingest(n.report(t), t)
         found = [f for f in DETECTOR.evaluate(fleet.view(), t) if f.action is Action.OBSERVE]
-        assert [(f.node, f.job) for f in found] == ([] if i < 2 else [("n0", "llm")])
+        assert [(f.node, f.job) for f in found] == ([] if i < 2 else [(WHOLE_JOB, "llm")])
 
 
 # A GPU's window carried from pass to pass reads as the whole history does, whatever the reports'
