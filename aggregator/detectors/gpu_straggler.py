@@ -35,19 +35,16 @@ from pydantic import Field
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
-from vigil.aggregator.detectors.straggler import last_complete_window
+from vigil.aggregator.detectors.straggler import (
+    RANK_WINDOWS_MAX,
+    SPREAD_MEMORY_WINDOWS,
+    last_complete_window,
+    mad_sigma,
+)
 from vigil.aggregator.fleet import FleetView, JobState, NodeState, RankHistory
 
 NAME = "gpu_straggler"
 
-# 1.4826 * MAD estimates the standard deviation of normally distributed noise (Rousseeuw & Croux,
-# JASA 1993), times n / (n - 0.8) for the small-sample bias (Croux & Rousseeuw 1992; a class
-# group has at least min_ranks >= 8 ranks, where the table's b_n is within 1% of it).
-_MAD_TO_SIGMA = 1.4826
-# As the node straggler: sigma is never below the median of the group's last this-many spreads.
-_SPREAD_MEMORY_WINDOWS = 24
-# At most this many missed windows are caught up after a pause (ranks keep 16 by default).
-_RANK_WINDOWS_MAX = 64
 # A run whose rank sent nothing for this many judged windows ends (the rank left the job).
 _ABSENT_WINDOWS_MAX = 8
 # A node's hardware class is read again after this long: it changes only when most of its GPUs'
@@ -196,7 +193,7 @@ class GpuStragglerDetector:
             memo = self._memo[job.name] = _JobMemo(job, width)
         first = last - cfg.persistence_windows - 1
         if memo.last_judged is not None:
-            first = max(first, memo.last_judged + 1, last - _RANK_WINDOWS_MAX)
+            first = max(first, memo.last_judged + 1, last - RANK_WINDOWS_MAX)
         if first <= last:
             rows = self._rows(ranks, first, width)
             for index in range(first, last + 1):
@@ -260,8 +257,8 @@ class GpuStragglerDetector:
             if med <= 0:
                 continue
             mad = _sorted_median(sorted([abs(c - med) for c in computes]))
-            spreads = memo.spreads.setdefault(cls, deque(maxlen=_SPREAD_MEMORY_WINDOWS))
-            spreads.append(_MAD_TO_SIGMA * mad * n / (n - 0.8) / med)
+            spreads = memo.spreads.setdefault(cls, deque(maxlen=SPREAD_MEMORY_WINDOWS))
+            spreads.append(mad_sigma(mad, n) / med)
             sigma = max(spreads[-1], median(spreads), cfg.min_spread_ratio) * med
             floor = med + max(cfg.min_excess_ratio * med, cfg.z_threshold * sigma)
             comm_limit = sorted([comms_of[i] for i in baseline])[int(cfg.max_comm_quantile * (n - 1))]

@@ -50,10 +50,10 @@ _MAD_TO_SIGMA = 1.4826
 _MAD_SMALL_N = {3: 1.495, 4: 1.363, 5: 1.206, 6: 1.200, 7: 1.140, 8: 1.129, 9: 1.107}
 # The spread of one window of a few nodes is itself noisy (the MAD of 4 values can be near 0 by
 # chance): sigma is never below the median of the class's last this-many window spreads.
-_SPREAD_MEMORY_WINDOWS = 24
+SPREAD_MEMORY_WINDOWS = 24
 # A window is judged within a few evaluations of its end; after a pause in evaluation, at most
 # this many missed windows are caught up (ranks keep fleet.rank_history_reports, 16 by default).
-_RANK_WINDOWS_MAX = 64
+RANK_WINDOWS_MAX = 64
 # Windows beyond the persistence run whose judged nodes are kept, so late data can be skipped.
 # The run itself spans persistence_windows x (report interval / window) windows: a report
 # carries only its latest complete window, so at 10 s reports every other 5 s window has no data.
@@ -172,6 +172,12 @@ class _JobMemo:
     class_said: set[HardwareClass] = field(default_factory=set)
 
 
+def mad_sigma(mad: float, n: int) -> float:
+    """The standard deviation that the MAD ``mad`` of ``n`` values estimates, small-sample bias
+    corrected (both straggler statistics use it)."""
+    return _MAD_TO_SIGMA * mad * _MAD_SMALL_N.get(n, n / (n - 0.8))
+
+
 def last_complete_window(ranks: list[RankHistory], interval: float, width: float, now: float) -> int:
     """The newest window that can be judged: as soon as every live rank has sent a summary of
     it or a later one, and at the latest one window plus one reporting interval after its end
@@ -224,10 +230,10 @@ class StragglerDetector:
         horizon = max(cfg.long_horizon_seconds, cfg.persistence_windows * width)
         keep_from = last - math.ceil(horizon / width)
         # Judge each complete window once, oldest first (at most what the ranks still hold).
-        # ranks hold _RANK_WINDOWS_MAX windows at most: older ones cannot be judged any more.
+        # ranks hold RANK_WINDOWS_MAX windows at most: older ones cannot be judged any more.
         first = last - cfg.persistence_windows - 1
         if memo.last_judged is not None:
-            first = max(first, memo.last_judged + 1, last - _RANK_WINDOWS_MAX)
+            first = max(first, memo.last_judged + 1, last - RANK_WINDOWS_MAX)
         out: list[Finding] = []
         for index in range(first, last + 1):
             verdict = memo.windows[index] = self._verdict(job, memo, index, classes)
@@ -281,8 +287,8 @@ class StragglerDetector:
         verdict.judged.update(mine)
         n = len(owns)
         mad = median(abs(c - med) for c in owns)
-        spread = _MAD_TO_SIGMA * mad * _MAD_SMALL_N.get(n, n / (n - 0.8)) / med
-        spreads = memo.spreads.setdefault(cls, deque(maxlen=_SPREAD_MEMORY_WINDOWS))
+        spread = mad_sigma(mad, n) / med
+        spreads = memo.spreads.setdefault(cls, deque(maxlen=SPREAD_MEMORY_WINDOWS))
         spreads.append(spread)
         sigma = max(spread, median(spreads), cfg.min_spread_ratio) * med
         comms = [s.comm for s in baseline.values() if s.comm is not None]
