@@ -16,7 +16,9 @@ import hmac
 import json
 from dataclasses import dataclass
 
-from vigil.agent.wire import NodeActionRequest, replace
+import msgspec
+
+from vigil.agent.wire import NodeActionRequest, NodeActionResult, replace
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,12 @@ NODE_ACTIONS: dict[str, NodeActionSpec] = {
                     "kured's /var/run/reboot-required); the daemon drains and reboots under its own lock",
         needs_gpu=False,
     ),
+    "run_probes": NodeActionSpec(
+        description="run the named probes (agent/probes/: a timed burn, memory, P2P, dcgmi diag, ib_write_bw, "
+                    "a collective) and report each measurement, signed; an intrusive probe is refused while a "
+                    "compute process holds a GPU",
+        needs_gpu=False,
+    ),
 }
 # The signing key's derivation label: node key = HMAC-SHA256(master key, label + node name), so a
 # node holds only its own key and cannot sign a request for any other node.
@@ -51,10 +59,11 @@ def node_key(master_key: bytes, node: str) -> bytes:
     return hmac.new(master_key, _KEY_LABEL + node.encode(), hashlib.sha256).digest()
 
 
-def _signed_bytes(request: NodeActionRequest) -> bytes:
-    # Every field but the signature, absent ones as null: the same bytes on both sides.
-    body = {name: getattr(request, name) for name in request.__struct_fields__ if name != "signature"}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+def _signed_bytes(message: NodeActionRequest | NodeActionResult) -> bytes:
+    # Every field but the signature, absent ones as null, nested structs as their builtins: the
+    # same bytes on both sides.
+    body = {name: getattr(message, name) for name in message.__struct_fields__ if name != "signature"}
+    return json.dumps(msgspec.to_builtins(body), sort_keys=True, separators=(",", ":")).encode()
 
 
 def sign(request: NodeActionRequest, key: bytes) -> NodeActionRequest:
@@ -66,3 +75,15 @@ def sign(request: NodeActionRequest, key: bytes) -> NodeActionRequest:
 def signature_ok(request: NodeActionRequest, key: bytes) -> bool:
     expected = hmac.new(key, _signed_bytes(request), hashlib.sha256).hexdigest()
     return hmac.compare_digest(expected, request.signature)
+
+
+def sign_result(result: NodeActionResult, key: bytes) -> NodeActionResult:
+    """``result`` with its signature under ``key`` (the node key): the agent signs what it measured,
+    bound to the request's id and to its node and boot (which the result names)."""
+    signature = hmac.new(key, b"result:" + _signed_bytes(result), hashlib.sha256).hexdigest()
+    return replace(result, signature=signature)
+
+
+def result_signature_ok(result: NodeActionResult, key: bytes) -> bool:
+    expected = hmac.new(key, b"result:" + _signed_bytes(result), hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, result.signature)

@@ -310,13 +310,64 @@ class HostFacts(_Wire, kw_only=True):
 
 # Node actions (agent/node_actions.py holds their table and the signing): the signed request the
 # aggregator sends in its answer to a report, and the agent's result in a following report.
-NodeActionName = Literal["reset_gpu", "request_reboot"]  # keys of NODE_ACTIONS (a test keeps them equal)
+NodeActionName = Literal["reset_gpu", "request_reboot", "run_probes"]  # keys of NODE_ACTIONS (a test keeps them equal)
 
 # At most this many requests in one answer, and results in one report: far above what one node
 # ever has in flight (one per GPU), so a flood cannot ride on either.
 MAX_REQUESTS_PER_RESPONSE = 16
 MAX_RESULTS_PER_REPORT = 16
 SIGNATURE_HEX_CHARS = 64
+
+
+# Active validation (agent/probes/: the table of probes and what each measures; docs/probes.md):
+# the probes a ``run_probes`` request may name (keys of agent.probes.PROBES, a test keeps them equal).
+ProbeName = Literal["gpu_compute", "gpu_memory", "gpu_p2p", "dcgm_diag", "rdma_bw", "collective"]
+# pass: measured and within every absolute check the agent can make itself (errors, throttling
+# under load, a failed diagnostic); the aggregator then judges ``value`` against the baseline of
+# the node's hardware class. fail: an absolute check failed. error: the probe could not run to the
+# end (a timeout, a crash, a peer that never joined). skipped: not applicable or not installed
+# on this node (no dcgmi, no perftest, one GPU for P2P): neither evidence of health nor of a fault.
+ProbeStatus = Literal["pass", "fail", "error", "skipped"]
+# Bounds: one result per probe and GPU (8-16 GPUs, 6 probes) and a handful of figures each.
+MAX_PROBES_PER_REQUEST = 8
+MAX_PROBE_RESULTS = 64
+MAX_PROBE_METRICS = 16
+MAX_PROBE_GROUP = 4096
+
+
+class ProbeGroup(_Wire, kw_only=True):
+    """Where a probe that needs other nodes meets them: a collective's rendezvous (every member gets
+    the same ``group`` and ``rendezvous``, its own ``rank``), or an RDMA test's partner (the
+    known-healthy node whose ``ib_write_bw`` server this node connects to, or serves)."""
+
+    group: Id  # the run's id, the same on every member
+    rank: Annotated[int, Meta(ge=0, lt=MAX_PROBE_GROUP)] = 0
+    world_size: Annotated[int, Meta(ge=1, le=MAX_PROBE_GROUP)] = 1
+    rendezvous: Short = ""  # host:port of rank 0's store (collective)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: NCCL where CUDA is, gloo elsewhere
+    partner: Short | None = None  # rdma_bw: the partner's address; None with ``serve``: be the server
+    serve: bool = False
+
+
+class ProbeResult(_Wire, kw_only=True):
+    """One probe's measurement on one node (one GPU, where the probe is per GPU): ``value`` in
+    ``unit`` (higher is better: TFLOP/s, GB/s, Gb/s) is what the aggregator judges against the
+    baseline of the node's hardware class; ``metrics`` are the figures recorded during it (clocks,
+    power, throttle reasons, the coefficient of variation across passes, error counts)."""
+
+    probe: ProbeName
+    gpu: Index | None = None
+    status: ProbeStatus
+    reason: Short = ""  # a machine word: ok, throttled, pattern_errors, diag_failed, timeout, not_installed ...
+    detail: Text = ""
+    value: NonNeg | None = None
+    unit: Short = ""
+    metrics: Annotated[dict[Short, Num], Meta(max_length=MAX_PROBE_METRICS)] = {}
+    seconds: NonNeg = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.detail) > MAX_TEXT_CHARS:
+            self.detail = self.detail[:MAX_TEXT_CHARS]
 
 
 class NodeActionRequest(_Wire, kw_only=True):
@@ -332,11 +383,19 @@ class NodeActionRequest(_Wire, kw_only=True):
     issued_at: Timestamp
     expires_at: Timestamp
     reason: Text = ""
+    # run_probes only: which probes (the agent's table, in this order), and the group a
+    # collective or RDMA probe meets, and whether the probes may run while a job holds a GPU
+    # (only the non-intrusive ones ever do).
+    probes: Annotated[list[ProbeName], Meta(max_length=MAX_PROBES_PER_REQUEST)] = []
+    probe_group: ProbeGroup | None = None
+    quick: bool = False  # the short variants (fewer passes, smaller buffers): a screen, not a verdict
     signature: Annotated[str, Meta(max_length=SIGNATURE_HEX_CHARS)] = ""
 
     def __post_init__(self) -> None:
         if len(self.reason) > MAX_TEXT_CHARS:
             self.reason = self.reason[:MAX_TEXT_CHARS]
+        if len(set(self.probes)) != len(self.probes):
+            raise ValueError("probes lists a probe twice")
 
 
 NodeActionOutcome = Literal["done", "refused", "failed"]
@@ -354,6 +413,13 @@ class NodeActionResult(_Wire, kw_only=True):
     reason: Short  # a short machine-readable word: done, busy, not_allowed, bad_signature, expired, ...
     detail: Text = ""
     ts: Timestamp
+    # run_probes only: each probe's measurement, and the result's HMAC-SHA256 under the node key
+    # (agent/node_actions.py sign_result): bound to the request id, node and boot, so a result
+    # cannot be replayed for another request or made up by anything without the node's key.
+    probes: Annotated[list[ProbeResult], Meta(max_length=MAX_PROBE_RESULTS)] = []
+    node: NodeName | None = None
+    boot_id: Id | None = None
+    signature: Annotated[str, Meta(max_length=SIGNATURE_HEX_CHARS)] = ""
 
     def __post_init__(self) -> None:
         if len(self.detail) > MAX_TEXT_CHARS:

@@ -1,0 +1,60 @@
+"""What every probe gets from the world (the seams, its deadline, its group) and the agent's
+``probes`` configuration: how long and how hard each probe works. No probe logic lives here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from vigil.agent.seams import Clock, CommandRunner
+from vigil.agent.validation import StrictModel
+from vigil.agent.wire import ProbeGroup, ProbeName, ProbeResult
+
+if TYPE_CHECKING:
+    from vigil.agent.probes.engine import ComputeEngine
+
+
+class ProbesConfig(StrictModel):
+    """``probes``: how long and how hard each probe works on this node (docs/probes.md)."""
+
+    # The timed matmul burn per GPU: passes of this many seconds each; the coefficient of variation
+    # across passes shows a GPU whose clocks sag under sustained load. 5 passes of 4 s: 20 s per
+    # GPU, all GPUs at once, long enough to heat an HBM stack and reach a power-brake.
+    burn_pass_seconds: float = Field(default=4.0, gt=0, le=600)
+    burn_passes: int = Field(default=5, ge=2, le=100)
+    # The memory probes' buffer per GPU (bandwidth copies and the pattern test).
+    memory_bytes: int = Field(default=1 << 30, ge=1 << 20, le=1 << 40)
+    # dcgmi diag's run level (1 quick, 2 medium, 3 long, 4 extended: minutes to an hour).
+    dcgm_level: int = Field(default=2, ge=1, le=4)
+    # ib_write_bw's message size and the seconds it runs per HCA.
+    rdma_seconds: float = Field(default=5.0, gt=0, le=600)
+    # The collective's buffer and iterations (an all-reduce as nccl-tests' all_reduce_perf runs it).
+    collective_bytes: int = Field(default=1 << 26, ge=1 << 10, le=1 << 34)
+    collective_iterations: int = Field(default=20, ge=1, le=10_000)
+    # Every probe run (all the probes of one request) is stopped after this long and reported
+    # ``error``/``timeout``: a stuck GPU must not hold the agent's node-action queue for ever.
+    run_timeout_seconds: float = Field(default=900.0, gt=0, le=7200)
+    # The non-intrusive probes this agent may run while a job holds a GPU (intrusive ones never do).
+    allow_with_job: list[ProbeName] = Field(default_factory=list)
+
+
+@dataclass
+class ProbeContext:
+    """What a probe gets from the world: every OS and hardware boundary is here, nothing else."""
+
+    config: ProbesConfig
+    gpus: list[int]  # the node's GPU indices to probe (NVML's order)
+    nvml: Any  # agent.nvml.backend.PynvmlBackend (or None: no NVML): clocks, power, throttle during a burn
+    engine: ComputeEngine | None  # the compute seam (torch on CUDA, or on CPU where there is none); None: no torch
+    run: CommandRunner  # dcgmi, ib_write_bw
+    clock: Clock  # monotonic seconds: durations and the deadline
+    deadline: float  # clock() by which the probe must have returned
+    group: ProbeGroup | None = None
+    quick: bool = False
+
+
+ProbeFunction = Callable[[ProbeContext], list[ProbeResult]]
