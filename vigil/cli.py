@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "sim": "vigil.sim_cmd",
     "token": "vigil.token_cmd",
     "loadgen": "vigil.loadgen_cmd",
+    "check": "vigil.check_cmd",
 }
 
 
