@@ -14,6 +14,7 @@ baseline.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import yaml
 from pynvml import NVMLError
 
 from vigil.agent.probe_baselines import ProbeBaselines, Verdict, judge
@@ -94,6 +96,7 @@ class CheckReport:
     seconds: float = 0.0
     checked_at: float = 0.0
     drain: DrainOutcome | None = None
+    baselines_sha256: str | None = None  # of the --baselines file's bytes (None: no file)
 
     @property
     def outcome(self) -> str:
@@ -107,6 +110,7 @@ class CheckReport:
             "node": self.node, "outcome": self.outcome, "exit_code": self.exit_code,
             "hardware_class": self.hardware_class, "engine": self.engine, "quick": self.quick,
             "checked_at": self.checked_at, "seconds": round(self.seconds, 3),
+            "baselines_sha256": self.baselines_sha256,
             "failures": self.failures(), "cannot_judge": self.cannot_judge,
             "results": [{**msgspec.to_builtins(j.result),
                          "verdict": {"passed": j.verdict.passed, "reason": j.verdict.reason,
@@ -352,18 +356,28 @@ def add_parser(sub: Any) -> None:
                         "after 60 s, so give it about 40)")
 
 
-def load_baselines(path: str | None) -> ProbeBaselines:
-    from vigil.agent.validation import ConfigError, read_config_file, validate_config
+def load_baselines(path: str | None) -> tuple[ProbeBaselines, str | None]:
+    """The baselines in ``path`` (ProbeBaselines alone, or an aggregator config's probes.baselines)
+    and the SHA-256 of the bytes they were read from, which the report names: which version of a
+    shared file judged this node."""
+    from vigil.agent.validation import ConfigError, validate_config
 
     if path is None:
-        return ProbeBaselines()
-    data = read_config_file(path)
-    if "probes" in data:  # an aggregator configuration: its probes.baselines section
+        return ProbeBaselines(), None
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read baselines {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(raw) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cannot parse baselines {path}: {exc}") from None
+    if isinstance(data, dict) and "probes" in data:  # an aggregator configuration: its probes.baselines
         probes = data["probes"]
         if not isinstance(probes, dict):
             raise ConfigError(f"{path}: probes: must be a mapping")
         data = probes.get("baselines") or {}
-    return validate_config(ProbeBaselines, data)
+    return validate_config(ProbeBaselines, data), hashlib.sha256(raw).hexdigest()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -377,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
-        baselines = load_baselines(args.baselines)
+        baselines, baselines_sha256 = load_baselines(args.baselines)
         # The agent's probes section where its configuration has one; the defaults otherwise.
         probes_config = getattr(config, "probes", None) or ProbesConfig()
         names = None if args.probes is None else [n.strip() for n in args.probes.split(",") if n.strip()]
@@ -407,13 +421,12 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - torch's import and CUDA's init fail in many ways
             return refuse(f"cannot build the compute engine: {type(exc).__name__}: {exc}")
         report = run_check(options, baselines, probes_config, nvml=nvml, engine=engine)
+        report.baselines_sha256 = baselines_sha256
     finally:
         if nvml is not None:
             nvml.shutdown()
     if args.drain:
-        report.drain = apply_to_slurm(report, run=run_command)
-        if report.drain.action == "failed":
-            print(f"vigil check: slurm: could not change {report.node}: {report.drain.detail}", file=sys.stderr)
+        report.drain = apply_to_slurm(report, run=run_command)  # print_report says what it did
     print_report(report, human)
     if args.json:
         try:

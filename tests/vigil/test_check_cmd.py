@@ -10,6 +10,7 @@ tests/e2e/test_vigil_check_slurm.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -373,8 +374,11 @@ def test_baselines_come_alone_or_from_an_aggregator_config(tmp_path: Path) -> No
     inside = tmp_path / "aggregator.yaml"
     inside.write_text(yaml.safe_dump({"listen": ":9500", "probes": {"baselines": {
         "classes": {H100: {"gpu_compute": {"min_value": 600}}}}}}))
-    assert load_baselines(str(alone)) == load_baselines(str(inside))
-    assert load_baselines(str(alone)).baseline(H100, "gpu_compute") == Baseline(min_value=600)
+    (from_alone, digest), (from_inside, _) = load_baselines(str(alone)), load_baselines(str(inside))
+    assert from_alone == from_inside
+    assert from_alone.baseline(H100, "gpu_compute") == Baseline(min_value=600)
+    assert digest == hashlib.sha256(alone.read_bytes()).hexdigest()
+    assert load_baselines(None) == (ProbeBaselines(), None)
 
 
 def _agent_yaml(tmp_path: Path, **extra: Any) -> Path:
@@ -389,7 +393,7 @@ def _agent_yaml(tmp_path: Path, **extra: Any) -> Path:
     (["--probes", ","], "no probe selected"),
     (["--node", "node[1-4]"], "a node name is a hostname"),
     (["--timeout", "0"], "--timeout 0"),
-    (["--baselines", "/nonexistent/b.yaml"], "cannot read config /nonexistent/b.yaml"),
+    (["--baselines", "/nonexistent/b.yaml"], "cannot read baselines /nonexistent/b.yaml"),
 ])
 def test_usage_errors_exit_2_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              args: list[str], why: str) -> None:
@@ -420,6 +424,7 @@ def test_the_command_prints_a_line_per_result_and_writes_the_report(tmp_path: Pa
     assert (report["outcome"], report["exit_code"], report["node"]) == ("unhealthy", 1, "gpu-node-1")
     assert report["results"][0]["verdict"]["reason"] == "unverified"
     assert report["drain"] is None and report["hardware_class"] == H100
+    assert report["baselines_sha256"] == hashlib.sha256(demanded.read_bytes()).hexdigest()
     assert list(tmp_path.glob(".report.json.*")) == []  # written whole, by rename
 
 
