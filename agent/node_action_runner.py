@@ -110,8 +110,8 @@ PROBE_RUNS_TOTAL = MetricSpec(
     labels=("probe", "status"))
 PROBE_SECONDS = MetricSpec(
     "vigil_agent_probe_seconds", MetricKind.GAUGE,
-    "How long the last run of each probe took, in seconds (a probe stopped at probes.run_timeout_seconds "
-    "reports the time it was given).",
+    "How long the last run of each probe took, in seconds; 0 until it has run (a probe stopped at "
+    "probes.run_timeout_seconds reports the time it was given).",
     labels=("probe",))
 NODE_ACTION_SPECS = (NODE_ACTIONS_TOTAL, PROBE_RUNS_TOTAL, PROBE_SECONDS)
 
@@ -227,6 +227,7 @@ class NodeActionRunner:
             counts.setdefault((action, "done", "done"), 0)
         for probe in self._probes.table:
             probe_counts.setdefault((probe, "pass"), 0)
+            probe_seconds.setdefault(probe, 0.0)
         return [*(Sample.of(NODE_ACTIONS_TOTAL, n, action=a, outcome=o, reason=r) for (a, o, r), n in counts.items()),
                 *(Sample.of(PROBE_RUNS_TOTAL, n, probe=p, status=st) for (p, st), n in probe_counts.items()),
                 *(Sample.of(PROBE_SECONDS, v, probe=p) for p, v in probe_seconds.items())]
