@@ -21,6 +21,8 @@ from vigil.agent.collectors.xid import XidConfig
 from vigil.agent.dcgm_compat import ExporterConfig
 from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
 from vigil.agent.node_action_runner import NodeActionsConfig
+from vigil.agent.probes import PROBES
+from vigil.agent.probes.context import ProbesConfig
 from vigil.agent.validation import HostPort, StrictModel, read_config_file, validate_config
 from vigil.agent.wire import check_node_name
 
@@ -126,6 +128,18 @@ class AgentConfig(StrictModel):
     # What the aggregator may ask this agent to do on its node (agent/node_action_runner.py,
     # docs/security-agent.md "Node actions"): nothing unless `allow` lists it.
     node_actions: NodeActionsConfig = NodeActionsConfig()
+    # How long and how hard the probes work when the aggregator asks for them (node_actions.allow
+    # lists run_probes) or `vigil check` runs them (agent/probes/, docs/probes.md).
+    probes: ProbesConfig = ProbesConfig()
+
+    @model_validator(mode="after")
+    def _only_non_intrusive_beside_a_job(self) -> AgentConfig:
+        intrusive = [p for p in self.probes.allow_with_job if PROBES[p].intrusive]
+        if intrusive:
+            verb = "is" if len(intrusive) == 1 else "are"
+            raise ValueError(f"probes.allow_with_job: {', '.join(intrusive)} {verb} intrusive and never run while "
+                             "a job holds a GPU")
+        return self
 
 
 def parse_config(data: Any) -> AgentConfig:

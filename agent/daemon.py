@@ -30,7 +30,8 @@ from vigil.agent.credential_file import ExposedFiles, TokenFile
 from vigil.agent.dcgm_compat import DcgmCompatCollector
 from vigil.agent.exporter import SnapshotExporter, render
 from vigil.agent.metric import Sample
-from vigil.agent.node_action_runner import NODE_ACTION_SPECS, NodeActionRunner
+from vigil.agent.node_action_runner import NODE_ACTION_SPECS, NodeActionRunner, ProbeWorld
+from vigil.agent.probes.engine import build_engine
 from vigil.agent.reporter import LAST_SUCCESS, REPORTER_SPECS, Reporter, client_ssl_context
 from vigil.agent.runner import RUNNER_SPECS, Runner
 from vigil.agent.sd_notify import SdNotifier
@@ -93,6 +94,18 @@ def open_nvml(config: AgentConfig, clock: Callable[[], float]) -> Any:
     return open_backend(config.nvml, clock)
 
 
+def probe_world(config: AgentConfig, seams: Seams) -> ProbeWorld:
+    """What run_probes reaches the world through. The compute engine (torch) is built only where
+    node_actions.allow lists run_probes: an agent that never probes never imports torch."""
+    engine = None
+    if "run_probes" in config.node_actions.allow:
+        engine = build_engine(seams.nvml)
+        if engine is None:
+            log.warning("run_probes is allowed but there is no compute engine (torch is not installed): the GPU "
+                        "probes will be reported skipped (no_engine)")
+    return ProbeWorld(config=config.probes, engine=engine, run=seams.run, sysfs_root=seams.sysfs_root)
+
+
 def build_collectors(config: AgentConfig, seams: Seams) -> list[Collector]:
     out: list[Collector] = []
     for name, build in REGISTRY.items():
@@ -122,7 +135,7 @@ class Agent:
         target = config.aggregator
         # What the aggregator may ask of this node (nothing unless node_actions.allow lists it).
         self.node_actions = NodeActionRunner(config.node_actions, node=config.node, boot_id=self.boot_id,
-                                             nvml=seams.nvml, clock=seams.clock)
+                                             nvml=seams.nvml, clock=seams.clock, probes=probe_world(config, seams))
         for url in target.targets:
             if token and url.startswith("http://"):
                 log.warning("aggregator URL %s is plain http: this node's token crosses the network readable; "

@@ -5,9 +5,13 @@ signature), checks it in a fixed order (allowed by ``node_actions.allow``, this 
 not expired, signed under this node's key, for ``reset_gpu`` the named GPU and that no compute
 process holds it) right before it runs it, so a request that waited in the queue past its offer's
 short validity (the aggregator stopped offering it: the node was resumed or held) is refused
-``expired``. Then it runs it: a GPU reset through the NVML backend's ``reset_gpu``, or a
-reboot request as the reboot daemon's sentinel file. It returns a ``NodeActionResult`` and counts
-it in ``vigil_agent_node_actions_total``; every refusal is logged. It runs nothing it was not
+``expired``. Then it runs it: a GPU reset through the NVML backend's ``reset_gpu``, a
+reboot request as the reboot daemon's sentinel file, or ``run_probes`` (agent/probes/: the named
+probes in the table's order, within ``probes.run_timeout_seconds``, refused ``busy`` while a
+compute process holds a GPU unless every probe named is non-intrusive and listed in
+``probes.allow_with_job``; the result carries each probe's measurement, signed under the node key).
+It returns a ``NodeActionResult`` and counts it in ``vigil_agent_node_actions_total`` (and each
+probe in ``vigil_agent_probe_runs_total``); every refusal is logged. It runs nothing it was not
 asked for, nothing twice for one id in a boot, and never reboots anything itself.
 """
 
@@ -19,17 +23,34 @@ import os
 import subprocess
 import tempfile
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import Field, field_validator, model_validator
 
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.node_actions import NODE_ACTIONS, signature_ok
+from vigil.agent.node_actions import NODE_ACTIONS, sign_result, signature_ok
+from vigil.agent.probes import PROBES, ProbeSpec
+from vigil.agent.probes.context import ProbeContext, ProbesConfig
+from vigil.agent.probes.engine import ComputeEngine
+from vigil.agent.seams import Clock, CommandRunner, run_command
 from vigil.agent.validation import StrictModel
-from vigil.agent.wire import NodeActionName, NodeActionOutcome, NodeActionRequest, NodeActionResult
+from vigil.agent.wire import (
+    MAX_PROBE_RESULTS,
+    NodeActionName,
+    NodeActionOutcome,
+    NodeActionRequest,
+    NodeActionResult,
+    ProbeName,
+    ProbeResult,
+    SchemaError,
+    check,
+)
+from vigil.agent.wire import replace as wire_replace
 
 log = logging.getLogger("vigil.agent.node_actions")
 
@@ -60,19 +81,39 @@ _IN_USE = "in use by another process"
 # so that a request it voided when the node's removal ended dies here too; while the request
 # stands, a fresh offer follows). Every other
 # result is final for its id in this boot.
-_TRANSIENT_REASONS = frozenset({"busy", "processes_unknown", "expired"})
+# A probe run abandoned past its timeout may still hold the GPUs (probe_running): asked again
+# once it has ended.
+_TRANSIENT_REASONS = frozenset({"busy", "processes_unknown", "expired", "probe_running"})
+# The probes that measure through the compute engine (agent/probes/engine.py): without one (no
+# torch on this node) they are reported skipped, reason no_engine, not run.
+ENGINE_PROBES: frozenset[ProbeName] = frozenset({"gpu_compute", "gpu_memory", "gpu_p2p"})
+# A probe's worst status names its run in vigil_agent_probe_runs_total (one count per probe run,
+# whatever its number of per-GPU results).
+_STATUS_ORDER = ("error", "fail", "pass", "skipped")
 
 OUTCOMES = ("done", "refused", "failed", "repeat")
 REASONS = ("done", "not_allowed", "wrong_node", "stale_boot", "expired", "bad_signature", "unknown_gpu",
-           "busy", "processes_unknown", "command_failed", "write_failed")
+           "busy", "processes_unknown", "command_failed", "write_failed", "bad_request", "probe_running")
 NODE_ACTIONS_TOTAL = MetricSpec(
     "vigil_agent_node_actions_total", MetricKind.COUNTER,
     "Node actions the aggregator asked for, by action and outcome: done, refused (a check failed, nothing "
     "was run), failed (it ran and did not succeed) or repeat (an id already handled this boot: its first "
     "result sent again, nothing run); reason says which check or failure (not_allowed, wrong_node, "
-    "stale_boot, expired, bad_signature, unknown_gpu, busy, processes_unknown, command_failed, write_failed).",
+    "stale_boot, expired, bad_signature, unknown_gpu, busy, processes_unknown, command_failed, write_failed, "
+    "bad_request, probe_running).",
     labels=("action", "outcome", "reason"))
-NODE_ACTION_SPECS = (NODE_ACTIONS_TOTAL,)
+PROBE_RUNS_TOTAL = MetricSpec(
+    "vigil_agent_probe_runs_total", MetricKind.COUNTER,
+    "Probes run on the aggregator's request (run_probes), by probe and status: pass, fail (an absolute check "
+    "failed), error (it could not finish: timeout, peer_timeout, a crash) or skipped (not installed, not "
+    "applicable); one count per probe run, its worst status over its per-GPU results.",
+    labels=("probe", "status"))
+PROBE_SECONDS = MetricSpec(
+    "vigil_agent_probe_seconds", MetricKind.GAUGE,
+    "How long the last run of each probe took, in seconds; 0 until it has run (a probe stopped at "
+    "probes.run_timeout_seconds reports the time it was given).",
+    labels=("probe",))
+NODE_ACTION_SPECS = (NODE_ACTIONS_TOTAL, PROBE_RUNS_TOTAL, PROBE_SECONDS)
 
 
 class NodeActionsConfig(StrictModel):
@@ -130,6 +171,21 @@ class GpuBackend(Protocol):
     def reset_gpu(self, index: int, timeout_seconds: float = ...) -> str: ...
 
 
+@dataclass(frozen=True)
+class ProbeWorld:
+    """What ``run_probes`` needs besides the request: the ``probes`` configuration and every seam a
+    probe reaches the world through (agent/probes/context.py's ProbeContext is built from it per
+    probe). ``table`` is the probe table (agent.probes.PROBES; a test hands in one whose probe
+    functions it controls, e.g. the collective with a delaying ``comm``)."""
+
+    config: ProbesConfig = field(default_factory=ProbesConfig)
+    engine: ComputeEngine | None = None  # agent.probes.engine.build_engine(nvml); None: no torch
+    run: CommandRunner = run_command
+    monotonic: Clock = time.monotonic  # durations and the run's deadline (never the wall clock)
+    sysfs_root: Path = Path("/sys")
+    table: Mapping[ProbeName, ProbeSpec] = field(default_factory=lambda: dict(PROBES))
+
+
 class _Refused(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -142,24 +198,39 @@ class NodeActionRunner:
     takes seconds): call it off the event loop. Thread-safe; requests run one at a time."""
 
     def __init__(self, config: NodeActionsConfig, *, node: str, boot_id: str, nvml: GpuBackend | None,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], probes: ProbeWorld | None = None) -> None:
         self._config = config
         self._node = node
         self._boot_id = boot_id
         self._nvml = nvml
         self._clock = clock
+        self._probes = probes or ProbeWorld()
         self._key = read_node_key(config.key_file) if config.key_file else None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one request at a time
         self._handled: OrderedDict[str, NodeActionResult] = OrderedDict()
+        # The counters have a lock of their own: a scrape must not wait for a probe run (minutes).
+        self._metrics_lock = threading.Lock()
         self._counts: dict[tuple[str, str, str], int] = {}
+        self._probe_counts: dict[tuple[str, str], int] = {}
+        self._probe_seconds: dict[str, float] = {}
+        # A probe thread left running past the run's timeout (a thread cannot be killed): while it
+        # lives, no other run_probes starts (probe_running), so two probes never share the GPUs.
+        self._abandoned: list[threading.Thread] = []
 
     def samples(self) -> list[Sample]:
-        with self._lock:
+        with self._metrics_lock:
             counts = dict(self._counts)
+            probe_counts = dict(self._probe_counts)
+            probe_seconds = dict(self._probe_seconds)
         # A zero for each action's "done", so the series exists before anything was asked.
         for action in NODE_ACTIONS:
             counts.setdefault((action, "done", "done"), 0)
-        return [Sample.of(NODE_ACTIONS_TOTAL, n, action=a, outcome=o, reason=r) for (a, o, r), n in counts.items()]
+        for probe in self._probes.table:
+            probe_counts.setdefault((probe, "pass"), 0)
+            probe_seconds.setdefault(probe, 0.0)
+        return [*(Sample.of(NODE_ACTIONS_TOTAL, n, action=a, outcome=o, reason=r) for (a, o, r), n in counts.items()),
+                *(Sample.of(PROBE_RUNS_TOTAL, n, probe=p, status=st) for (p, st), n in probe_counts.items()),
+                *(Sample.of(PROBE_SECONDS, v, probe=p) for p, v in probe_seconds.items())]
 
     def handle(self, request: NodeActionRequest) -> NodeActionResult:
         """The result of ``request``: checked, then run if every check passed."""
@@ -177,6 +248,9 @@ class NodeActionRunner:
                 result = self._result(request, "refused", refused.reason, refused.detail)
             else:
                 result = self._run(request)
+            if request.action == "run_probes" and authentic and self._key is not None:
+                # Bound to the request id, this node and boot; signed under the node key.
+                result = sign_result(wire_replace(result, node=self._node, boot_id=self._boot_id), self._key)
             # A forged request cannot claim an id and so void the real one; a busy GPU is asked again.
             if authentic and result.reason not in _TRANSIENT_REASONS:
                 self._handled[request.id] = result
@@ -208,6 +282,47 @@ class NodeActionRunner:
             raise _Refused("bad_signature", "signature does not verify under this node's key")
         if NODE_ACTIONS[request.action].needs_gpu:
             self._check_gpu(request)
+        if request.action == "run_probes":
+            self._check_probes(request)
+
+    def _check_probes(self, request: NodeActionRequest) -> None:
+        table = self._probes.table
+        if not request.probes:
+            raise _Refused("bad_request", "run_probes names no probe")
+        unknown = [p for p in request.probes if p not in table]
+        if unknown:
+            raise _Refused("bad_request", f"no such probe on this agent: {', '.join(unknown)}")
+        grouped = [p for p in request.probes if table[p].needs_group]
+        if grouped and request.probe_group is None:
+            raise _Refused("bad_request", f"{', '.join(grouped)} needs a probe group and the request names none")
+        self._abandoned = [t for t in self._abandoned if t.is_alive()]
+        if self._abandoned:
+            raise _Refused("probe_running", f"{len(self._abandoned)} probe(s) of an earlier run passed its timeout "
+                                            "and still run")
+        # Intrusive probes never run beside a job; a non-intrusive one only where allow_with_job lists it.
+        beside_job = set(self._probes.config.allow_with_job)
+        needs_idle = [p for p in request.probes if table[p].intrusive or p not in beside_job]
+        if needs_idle and self._nvml is not None:
+            self._check_idle(needs_idle)
+
+    def _check_idle(self, probes: list[ProbeName]) -> None:
+        nvml = self._nvml
+        assert nvml is not None
+        try:
+            count = nvml.device_count()
+        except Exception as exc:  # noqa: BLE001 - any NVMLError: the node's GPUs cannot be listed
+            raise _Refused("processes_unknown", f"cannot count the GPUs through NVML: {exc}") from None
+        held: list[str] = []
+        for index in range(count):
+            pids = nvml.running_pids(index)
+            if pids is None:
+                raise _Refused("processes_unknown", f"NVML cannot list GPU {index}'s processes: "
+                                                    f"{', '.join(probes)} must not run beside a job")
+            if pids:
+                held.append(f"GPU {index}: pids {', '.join(map(str, sorted(pids)))}")
+        if held:
+            raise _Refused("busy", f"{', '.join(probes)} never run beside a job; "
+                                   f"compute processes on {'; '.join(held)}")
 
     def _check_gpu(self, request: NodeActionRequest) -> None:
         nvml, index = self._nvml, request.gpu
@@ -236,6 +351,8 @@ class NodeActionRunner:
     # --- running ----------------------------------------------------------------------------
 
     def _run(self, request: NodeActionRequest) -> NodeActionResult:
+        if request.action == "run_probes":
+            return self._run_probes(request)
         if request.action == "reset_gpu":
             assert self._nvml is not None and request.gpu is not None  # _check_gpu
             try:
@@ -258,6 +375,76 @@ class NodeActionRunner:
             return self._result(request, "failed", "write_failed", f"cannot write {path}: {exc}")
         return self._result(request, "done", "done", f"wrote {path}")
 
+    def _run_probes(self, request: NodeActionRequest) -> NodeActionResult:
+        """Every probe the request names, in the table's order, within the run's timeout. A probe runs
+        in a thread of its own: one that overruns is reported error/timeout and left behind (Python
+        cannot stop a thread; its own deadline, ``ProbeContext.deadline``, is the run's, so a
+        well-behaved probe ends soon after), the rest skipped (run_timeout); a probe that raises is
+        reported error with the exception, and the run goes on."""
+        world = self._probes
+        started = world.monotonic()
+        deadline = started + world.config.run_timeout_seconds
+        try:
+            gpus = list(range(self._nvml.device_count())) if self._nvml is not None else []
+        except Exception:  # noqa: BLE001 - NVML gone since the checks: no GPU to probe
+            gpus = []
+        results: list[ProbeResult] = []
+        timed_out = False
+        for name in [p for p in world.table if p in request.probes]:
+            probe_started = world.monotonic()
+            if timed_out or probe_started >= deadline:
+                got = [ProbeResult(probe=name, status="skipped", reason="run_timeout",
+                                   detail=f"not run: the run's {world.config.run_timeout_seconds:g} s were spent")]
+            elif name in ENGINE_PROBES and world.engine is None:
+                got = [ProbeResult(probe=name, status="skipped", reason="no_engine",
+                                   detail="no compute engine on this node (torch is not installed)")]
+            else:
+                ctx = ProbeContext(config=world.config, gpus=gpus, nvml=self._nvml, engine=world.engine,
+                                   run=world.run, clock=world.monotonic, deadline=deadline,
+                                   group=request.probe_group, quick=request.quick, sysfs_root=world.sysfs_root)
+                got, timed_out = self._run_one(name, world.table[name], ctx, deadline - probe_started)
+            self._count_probe(name, got, world.monotonic() - probe_started)
+            results.extend(got)
+        summary = ", ".join(f"{p} {_worst(p, results)}" for p in world.table if p in request.probes)
+        return wire_replace(self._result(request, "done", "done", summary), probes=results[:MAX_PROBE_RESULTS])
+
+    def _run_one(self, name: ProbeName, spec: ProbeSpec, ctx: ProbeContext,
+                 seconds: float) -> tuple[list[ProbeResult], bool]:
+        """``spec.run(ctx)`` in a worker thread given ``seconds``: its checked results, and whether it
+        overran (then it is left running, remembered in ``_abandoned``)."""
+        box: list[list[ProbeResult] | BaseException] = []
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                box.append(spec.run(ctx))
+            except BaseException as exc:  # noqa: BLE001 - reported as the probe's error, never a crash
+                box.append(exc)
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=work, name=f"vigil-probe-{name}", daemon=True)
+        worker.start()
+        if not done.wait(max(0.0, seconds)):
+            self._abandoned.append(worker)
+            log.error("probe %s did not return within the run's %g s: reported as timed out and left running",
+                      name, self._probes.config.run_timeout_seconds)
+            return [ProbeResult(probe=name, status="error", reason="timeout",
+                                detail=f"did not return within {seconds:.1f} s (probes.run_timeout_seconds)",
+                                seconds=seconds)], True
+        outcome = box[0]
+        if isinstance(outcome, BaseException):
+            log.warning("probe %s raised %s: %s", name, type(outcome).__name__, outcome)
+            return [ProbeResult(probe=name, status="error", reason="crashed",
+                                detail=f"{type(outcome).__name__}: {outcome}")], False
+        return [_checked(name, r) for r in outcome], False
+
+    def _count_probe(self, name: ProbeName, results: list[ProbeResult], seconds: float) -> None:
+        with self._metrics_lock:
+            key = (name, _worst(name, results))
+            self._probe_counts[key] = self._probe_counts.get(key, 0) + 1
+            self._probe_seconds[name] = max(0.0, seconds)
+
     def _result(self, request: NodeActionRequest, outcome: NodeActionOutcome, reason: str,
                 detail: str) -> NodeActionResult:
         return NodeActionResult(id=request.id, action=request.action, gpu=request.gpu, outcome=outcome,
@@ -265,7 +452,25 @@ class NodeActionRunner:
 
     def _count(self, action: str, outcome: str, reason: str) -> None:
         key = (action, outcome, reason)
-        self._counts[key] = self._counts.get(key, 0) + 1
+        with self._metrics_lock:
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+
+def _checked(name: ProbeName, result: object) -> ProbeResult:
+    """A probe's result as the aggregator will decode it (bounds, types), or an error result: one
+    malformed figure must not make the whole report undecodable."""
+    if not isinstance(result, ProbeResult) or result.probe != name:
+        return ProbeResult(probe=name, status="error", reason="invalid_result",
+                           detail=f"the probe returned {type(result).__name__}, not its own ProbeResult")
+    try:
+        return check(result)
+    except SchemaError as exc:
+        return ProbeResult(probe=name, status="error", reason="invalid_result", detail=str(exc))
+
+
+def _worst(name: str, results: list[ProbeResult]) -> str:
+    statuses = {r.status for r in results if r.probe == name}
+    return next((s for s in _STATUS_ORDER if s in statuses), "skipped")
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -5,11 +5,14 @@ baselines.
 It reads a ``ProbeResult`` (agent/wire.py), the baselines of the node's hardware class (from
 configuration: ``probes.baselines``) and, where the aggregator has learned one, the fleet's own
 figure for that class (the median of its passing probes). It returns pass or fail with the reason;
-it runs nothing and learns nothing itself.
+it runs nothing and learns nothing itself. ``slow_members`` reads every member's ``collective``
+result of one group run and names the member(s) whose links are slow with every peer.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pydantic import Field
@@ -83,3 +86,48 @@ def judge(result: ProbeResult, baselines: ProbeBaselines, hardware_class: str | 
                                       f"({'configured' if reason == 'below_baseline' else 'learned'} baseline)",
                        floor)
     return Verdict(True, "ok", f"{where}: {result.value if result.value is not None else '-'} {result.unit}", floor)
+
+
+# A member is slow when the median of its pair bandwidths is below this fraction of the group's
+# typical member (the median of the members' medians). One half: a link trained down to half its
+# width or speed (4X to 2X, NDR to HDR), the smallest common degradation, halves what the pair
+# moves, while healthy pairs of one fabric repeat within a few percent (nccl-tests' own tolerance:
+# results vary by a few percent run to run); a healthy member paired once with a slow one keeps
+# its median, since that is one pair of its n-1.
+SLOW_PAIR_FRACTION = 0.5
+# Below three members nobody can be named: with two, the one slow pair accuses both ends alike
+# (the aggregator confirms such a pair against a known-healthy partner instead).
+SLOW_MEMBERS_MIN_GROUP = 3
+
+
+def slow_members(results: Mapping[str, ProbeResult]) -> list[str]:
+    """The nodes whose links are slow with every peer while the group's other pairs are fine, from
+    each member's ``collective`` result of one group run (by node). A pair's bandwidth is the
+    lower of its two ends' ``peer_<rank>`` figures (either end alone where only one reported); a
+    member is named when the median of its pairs is below ``SLOW_PAIR_FRACTION`` of the median of
+    all members' medians. [] for a uniform group, fewer than ``SLOW_MEMBERS_MIN_GROUP`` members
+    with figures, or results without pair figures. A member whose own result did not pass is never
+    named here (its node is not known by rank), but its peers' figures about it still count."""
+    rank_node: dict[int, str] = {}
+    sides: dict[tuple[int, int], list[float]] = {}
+    for node, result in results.items():
+        if result.probe != "collective" or result.status != "pass" or "rank" not in result.metrics:
+            continue
+        rank = int(result.metrics["rank"])
+        rank_node[rank] = node
+        for name, gb_per_s in result.metrics.items():
+            if name.startswith("peer_") and name[5:].isdigit():
+                peer = int(name[5:])
+                if peer != rank:
+                    sides.setdefault((min(rank, peer), max(rank, peer)), []).append(gb_per_s)
+    pairs = {pair: min(values) for pair, values in sides.items()}
+    per_member: dict[int, list[float]] = {}
+    for (a, b), gb_per_s in pairs.items():
+        per_member.setdefault(a, []).append(gb_per_s)
+        per_member.setdefault(b, []).append(gb_per_s)
+    if len(per_member) < SLOW_MEMBERS_MIN_GROUP:
+        return []
+    medians = {rank: statistics.median(values) for rank, values in per_member.items()}
+    typical = statistics.median(medians.values())
+    slow = [rank for rank, median in medians.items() if median < SLOW_PAIR_FRACTION * typical]
+    return sorted(rank_node[rank] for rank in slow if rank in rank_node)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -32,6 +33,11 @@ class ProbesConfig(StrictModel):
     dcgm_level: int = Field(default=2, ge=1, le=4)
     # ib_write_bw's message size and the seconds it runs per HCA.
     rdma_seconds: float = Field(default=5.0, gt=0, le=600)
+    # ib_write_bw's average below this fraction of the port's line rate (sysfs ports/<p>/rate) fails.
+    # Healthy links reach 95-98%: 392.34 of 400 Gb/s on NDR (tests/fixtures/perftest/), "190+ Gb/s"
+    # on HDR in perftest guides; 90% leaves room for RoCE's headers, and a link trained down to a
+    # lower speed or width (the fault this finds) falls to 50% or less.
+    rdma_min_line_rate_ratio: float = Field(default=0.9, gt=0, le=1)
     # The collective's buffer and iterations (an all-reduce as nccl-tests' all_reduce_perf runs it).
     collective_bytes: int = Field(default=1 << 26, ge=1 << 10, le=1 << 34)
     collective_iterations: int = Field(default=20, ge=1, le=10_000)
@@ -55,6 +61,7 @@ class ProbeContext:
     deadline: float  # clock() by which the probe must have returned
     group: ProbeGroup | None = None
     quick: bool = False
+    sysfs_root: Path = Path("/sys")  # rdma_bw: the HCAs and their ports' rates (class/infiniband)
 
 
 ProbeFunction = Callable[[ProbeContext], list[ProbeResult]]
