@@ -105,6 +105,29 @@ class _Growth:
 
 
 @dataclass(frozen=True, slots=True)
+class UnderLoadEffects:
+    """What the ``under_load`` faults active on one GPU do to a probe's figures (the fake engine
+    applies them): factors of 1 and no errors on a sound GPU."""
+
+    sm_clock_factor: float = 1.0
+    compute_factor: float = 1.0  # of the burn's throughput, the clock's sag included
+    compute_jitter: float = 0.0  # every other pass loses this share more
+    memory_factor: float = 1.0
+    pattern_errors: int = 0
+
+
+_NO_EFFECTS = UnderLoadEffects()
+
+
+@dataclass(frozen=True, slots=True)
+class _UnderLoadFault:
+    start: float
+    end: float
+    window: _Window | None  # the clock sag while loaded (None: the clock holds)
+    effects: UnderLoadEffects
+
+
+@dataclass(frozen=True, slots=True)
 class _Step:
     at: float
     count: int
@@ -177,6 +200,10 @@ class FakeGpuHandle:
         self.mig_enabled = False
         self.mig_pending = False
         self.mig_slots: list[FakeMigHandle | None] = []
+        # A probe's load (FakeNvml.begin_load/end_load: how many probe loads run on the GPU now),
+        # and the faults that show only under it.
+        self.probe_loads = 0
+        self.under_load: list[_UnderLoadFault] = []
         for fault in scenario.faults:
             if getattr(fault, "gpu", None) != index:
                 continue
@@ -223,11 +250,25 @@ class FakeGpuHandle:
                 case "memory_bound":
                     end = at + fault.duration_seconds if fault.duration_seconds else math.inf
                     self.memory_bound.append((at, end, fault.dram_active_ratio))
+                case "under_load":
+                    end = at + fault.duration_seconds if fault.duration_seconds else math.inf
+                    window = None
+                    if fault.sm_clock_factor < 1.0:
+                        cause = {"thermal": _HW_THERMAL, "power_brake": _HW_POWER_BRAKE}.get(fault.throttle)
+                        reasons = _HW_SLOWDOWN | cause if cause is not None else 0
+                        window = _Window(at, end, reasons, fault.sm_clock_factor, hot=fault.throttle == "thermal")
+                    self.under_load.append(_UnderLoadFault(at, end, window, UnderLoadEffects(
+                        sm_clock_factor=fault.sm_clock_factor,
+                        compute_factor=fault.compute_factor * fault.sm_clock_factor,
+                        compute_jitter=fault.compute_jitter, memory_factor=fault.memory_factor,
+                        pattern_errors=fault.pattern_errors)))
         self.xids.sort()
 
     # --- the state at scenario time t -------------------------------------------------------
 
     def utilization(self, t: float) -> float:
+        if self.probe_loads:
+            return 1.0  # a burn or a copy loop keeps the GPU busy every sample period
         load = self.load
         if load.utilization == 0.0:
             return 0.0
@@ -235,10 +276,28 @@ class FakeGpuHandle:
         return 0.0 if u < 0.0 else 1.0 if u > 1.0 else u
 
     def window(self, t: float) -> _Window | None:
+        if self.probe_loads:
+            for f in self.under_load:
+                if f.window is not None and f.start <= t < f.end:
+                    return f.window
         for w in self.windows:
             if w.start <= t < w.end:
                 return w
         return None
+
+    def load_effects(self, t: float) -> UnderLoadEffects:
+        """The under-load faults active at ``t``, combined (factors multiply, errors add)."""
+        active = [f.effects for f in self.under_load if f.start <= t < f.end]
+        if not active:
+            return _NO_EFFECTS
+        if len(active) == 1:
+            return active[0]
+        return UnderLoadEffects(
+            sm_clock_factor=math.prod(e.sm_clock_factor for e in active),
+            compute_factor=math.prod(e.compute_factor for e in active),
+            compute_jitter=max(e.compute_jitter for e in active),
+            memory_factor=math.prod(e.memory_factor for e in active),
+            pattern_errors=sum(e.pattern_errors for e in active))
 
     def dram_cap(self, t: float) -> float | None:
         """The DRAM-active ratio a memory-bound job holds this GPU at, or None when it is not one."""
@@ -345,6 +404,7 @@ class FakeNvml:
         # GPM sample buffers allocated and not yet freed, by the address of their opaque pointer:
         # a test checks the backend frees every sample it allocates.
         self.gpm_samples: dict[int, _FakeGpmSample] = {}
+        self._load_lock = threading.Lock()
         for layout in scenario.mig:
             self.configure_mig(layout.gpu, layout.instances, enabled=layout.enabled,
                                pending=layout.enabled if layout.pending is None else layout.pending)
@@ -359,6 +419,24 @@ class FakeNvml:
 
     def now(self) -> float:
         return self._clock() - self._start
+
+    # --- a probe's load (the fake engine, agent/probes/engine_fake.py) -------------------------
+
+    def begin_load(self, index: int) -> None:
+        """A probe starts loading GPU ``index`` flat out: until end_load it reads busy (utilisation
+        100%, busy power, top clock) and its under_load faults show (a sagging clock and its
+        throttle reasons); loads nest (a P2P copy loads two GPUs, probes may overlap)."""
+        with self._load_lock:
+            self.handles[index].probe_loads += 1
+
+    def end_load(self, index: int) -> None:
+        with self._load_lock:
+            handle = self.handles[index]
+            handle.probe_loads = max(handle.probe_loads - 1, 0)
+
+    def load_effects(self, index: int) -> UnderLoadEffects:
+        """What GPU ``index``'s under_load faults do to a probe's figures now."""
+        return self.handles[index].load_effects(self.now())
 
     def configure_mig(self, index: int, instances: Sequence[str | None], *, enabled: bool = True,
                       pending: bool | None = None) -> None:

@@ -147,6 +147,34 @@ class PcieReplay(_Fault):
     duration_seconds: float | None = Field(default=None, gt=0)
 
 
+class UnderLoad(_Fault):
+    """A fault that shows only while the GPU works flat out (a probe's burn or copies, which the
+    fake engine announces to FakeNvml): a marginal HBM stack, a failing cold plate or VRM. Idle, and
+    under the scenario's own job load, the GPU reads healthy; loaded, its SM clock sags to
+    ``sm_clock_factor`` of its maximum with ``throttle`` set (HW slowdown and its thermal or
+    power-brake cause, as nvidia-smi nests them; ``none``: a sag no reason explains), a burn reaches
+    ``compute_factor`` x ``sm_clock_factor`` of what it would (every other pass also loses
+    ``compute_jitter`` of it: passes that disagree), copies ``memory_factor``, and the pattern test
+    finds ``pattern_errors`` words wrong."""
+
+    kind: Literal["under_load"]
+    duration_seconds: float | None = Field(default=None, gt=0)  # None: for ever
+    sm_clock_factor: float = Field(default=1.0, gt=0, le=1)
+    throttle: Literal["thermal", "power_brake", "none"] = "thermal"
+    compute_factor: float = Field(default=1.0, gt=0, le=1)
+    compute_jitter: float = Field(default=0.0, ge=0, le=1)  # 1: every other pass stalls
+    memory_factor: float = Field(default=1.0, gt=0, le=1)
+    pattern_errors: int = Field(default=0, ge=0, le=1 << 40)
+
+    @model_validator(mode="after")
+    def _has_an_effect(self) -> UnderLoad:
+        if (self.sm_clock_factor == 1.0 and self.compute_factor == 1.0 and self.compute_jitter == 0.0
+                and self.memory_factor == 1.0 and self.pattern_errors == 0):
+            raise ValueError("under_load changes nothing: set sm_clock_factor, compute_factor, compute_jitter, "
+                             "memory_factor or pattern_errors")
+        return self
+
+
 class NvmlUnavailable(_Strict):
     """The driver goes away for the whole node: nvmlInit and every call fail from then on."""
 
@@ -157,14 +185,14 @@ class NvmlUnavailable(_Strict):
 Fault = Annotated[
     EccCorrectedGrowth | EccUncorrectable | RowRemapPending | RowRemapFailure | ThermalThrottle | PowerBrake
     | Xid | GpuLost | ResetRequired | NvlinkErrors | NvlinkDown | NvmlUnavailable | TemperatureDrift | HotHbm
-    | PcieReplay | PowerCap | MemoryBound,
+    | PcieReplay | PowerCap | MemoryBound | UnderLoad,
     Field(discriminator="kind"),
 ]
 
 FAULT_KINDS: tuple[str, ...] = (
     "ecc_corrected_growth", "ecc_uncorrectable", "row_remap_pending", "row_remap_failure", "thermal_throttle",
     "power_brake", "xid", "gpu_lost", "reset_required", "nvlink_errors", "nvlink_down", "nvml_unavailable",
-    "temperature_drift", "hot_hbm", "pcie_replay", "power_cap", "memory_bound",
+    "temperature_drift", "hot_hbm", "pcie_replay", "power_cap", "memory_bound", "under_load",
 )
 
 

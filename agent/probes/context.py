@@ -27,6 +27,11 @@ class ProbesConfig(StrictModel):
     # GPU, all GPUs at once, long enough to heat an HBM stack and reach a power-brake.
     burn_pass_seconds: float = Field(default=4.0, gt=0, le=600)
     burn_passes: int = Field(default=5, ge=2, le=100)
+    # The burn fails on its own when its passes' coefficient of variation (stdev / mean) exceeds
+    # this: a sanity bound, far above the few percent healthy GPUs of one class vary by (a tighter
+    # bound per hardware class is probes.baselines' max_metrics {"cv": ...}); 0.15 catches clocks
+    # that oscillate or collapse mid-burn without a throttle reason to show for it.
+    burn_cv_max: float = Field(default=0.15, gt=0, le=10)
     # The memory probes' buffer per GPU (bandwidth copies and the pattern test).
     memory_bytes: int = Field(default=1 << 30, ge=1 << 20, le=1 << 40)
     # dcgmi diag's run level (1 quick, 2 medium, 3 long, 4 extended: minutes to an hour).

@@ -1,11 +1,28 @@
 """The compute seam the GPU probes measure through: a burn, copies, a pattern test and P2P copies
-on one device. The real engine (torch on CUDA, or on the CPU where there is no GPU) and the fake
-one over FakeNvml live beside this protocol; the probes never import torch themselves.
+on one device. The real engine (torch on CUDA, or on the CPU where there is no GPU:
+engine_torch.py) and the fake one that couples a probe's load to FakeNvml's under-load faults
+(engine_fake.py) live beside this protocol; the probes never import torch themselves.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Called by the engine from inside a burn, while the device works (after a batch of matmuls was
+# issued, before waiting for it): the compute probe reads NVML there, so its clocks, power and
+# throttle reasons are the loaded GPU's.
+LoadSampler = Callable[[], None]
+
+
+class AllocationError(Exception):
+    """The device could not give the memory a probe asked for (CUDA out of memory): a fail of the
+    GPU under test, not an error of the probe."""
 
 
 class ComputeEngine(Protocol):
@@ -15,25 +32,60 @@ class ComputeEngine(Protocol):
     def kind(self) -> str:  # "cuda" or "cpu": recorded with every result
         ...
 
-    def matmul_tflops(self, device: int, seconds: float) -> float:
-        """Run square matmuls on ``device`` for about ``seconds``; the TFLOP/s achieved."""
+    @property
+    def concurrent(self) -> bool:
+        """Whether every GPU may be driven at once (one thread per GPU); on the CPU every GPU is the
+        same cores, so the probes take them in turn."""
+        ...
+
+    def matmul_tflops(self, device: int, seconds: float, sample: LoadSampler | None = None) -> float:
+        """Run square matmuls on ``device`` for about ``seconds``; the TFLOP/s achieved. ``sample``
+        is called now and then while the device works."""
         ...
 
     def copy_gb_per_s(self, device: int, nbytes: int) -> float:
-        """Device-to-device copy bandwidth on ``device`` (read + write bytes per second / 1e9)."""
+        """Device-to-device copy bandwidth on ``device`` (read + write bytes per second / 1e9).
+        Raises AllocationError when the buffers cannot be had."""
         ...
 
     def pattern_errors(self, device: int, nbytes: int) -> int:
-        """Allocate ``nbytes`` on ``device``, write patterns, read them back: the words that differ."""
+        """Allocate ``nbytes`` on ``device``, write patterns, read them back: the words that differ.
+        Raises AllocationError when the buffer cannot be had."""
         ...
 
     def p2p_gb_per_s(self, src: int, dst: int, nbytes: int) -> float:
-        """Copy bandwidth from ``src`` to ``dst`` (peer to peer where the hardware allows)."""
+        """Copy bandwidth from ``src`` to ``dst`` (peer to peer where the hardware allows).
+        Raises AllocationError when the buffers cannot be had."""
         ...
 
 
 def build_engine(nvml: object | None) -> ComputeEngine | None:
-    """The engine for this node: over a FakeNvml backend, the fake engine that couples load to the
-    fake's faults; else torch (CUDA where present, the CPU elsewhere); None without torch.
-    (Foundation placeholder: the torch and fake engines are being written.)"""
-    return None
+    """The engine for this node: over a FakeNvml backend (or a FakeNvml itself), the fake engine
+    that couples a probe's load to the fake's under-load faults, over torch on the CPU; else torch
+    (CUDA where present, the CPU elsewhere); None without torch (the GPU probes then report
+    ``skipped``/``no_engine``)."""
+    from vigil.agent.nvml.fake import FakeNvml
+    from vigil.agent.probes.engine_torch import TorchEngine
+
+    # PynvmlBackend keeps the module it calls (pynvml or a FakeNvml) as ``_nvml``
+    # (agent/nvml/backend.py) and offers no accessor: read it here rather than guess from a type.
+    module = nvml if isinstance(nvml, FakeNvml) else getattr(nvml, "_nvml", None)
+    try:
+        if isinstance(module, FakeNvml):
+            from vigil.agent.probes.engine_fake import FakeLoadEngine
+
+            return FakeLoadEngine(TorchEngine(use_cuda=False), module)
+        identity = getattr(nvml, "identity", None)
+        return TorchEngine(nvml_uuid=(lambda index: str(identity(index).uuid)) if identity else None)
+    except ImportError as exc:
+        log.warning("no compute engine for the GPU probes: torch cannot be imported (%s)", exc)
+        return None
+
+
+def per_gpu(engine: ComputeEngine, gpus: list[int], work: Callable[[int], T]) -> list[T]:
+    """``work(gpu)`` for every GPU, all at once (one thread each) where the engine drives devices
+    concurrently, else in turn; the answers in ``gpus``' order."""
+    if not engine.concurrent or len(gpus) < 2:
+        return [work(gpu) for gpu in gpus]
+    with ThreadPoolExecutor(max_workers=len(gpus), thread_name_prefix="probe-gpu") as pool:
+        return list(pool.map(work, gpus))
