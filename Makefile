@@ -68,6 +68,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.bench_loadgen
 	$(BIN)/python -m bench.bench_fleet_memory
+	$(BIN)/python -m bench.bench_group_testing
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) .pytest_cache .mypy_cache .ruff_cache
