@@ -157,7 +157,9 @@ def _result(ctx: ProbeContext, gpu: int, tflops: list[float], samples: _Samples,
                       f"{where}: {', '.join(throttled)} under load in "
                       f"{max(samples.reasons[n] for n in throttled)} of {samples.count} samples{clock}")
     bound = ctx.config.burn_cv_max
-    if cv is not None and cv > bound:
+    # On the CPU engine (no GPU: torch on the host) the passes vary with the OS scheduler and every
+    # other process, not with any hardware under test: the figure is recorded, never failed.
+    if cv is not None and cv > bound and engine_kind != "cpu":
         return result("fail", "cv_high",
                       f"{where}: passes vary by {cv:.1%} (bound {bound:.0%}): "
                       + ", ".join(f"{t:.3g}" for t in tflops) + " TFLOP/s")
