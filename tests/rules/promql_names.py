@@ -45,13 +45,19 @@ def aggregator_names() -> set[str]:
     """Series names the aggregator's /metrics carries (aggregator/metrics.py builds prometheus-client
     metrics, not MetricSpecs, so they are listed from a throw-away instance's registry)."""
     try:
+        from vigil.aggregator.fleet import Fleet
         from vigil.aggregator.metrics import AggregatorMetrics
+        from vigil.aggregator.outbox import Outbox
+        from vigil.aggregator.prober import Prober, ProbesConfig
         from vigil.aggregator.tokenreview import review_families
     except ImportError:  # not landed yet: no aggregator metric can be used
         return set()
     names: set[str] = set()
-    # The TokenReview client's series are registered beside them when auth.kubernetes is on.
-    for family in [*AggregatorMetrics(lambda: {}).registry.collect(), *review_families({}, 0, 0)]:
+    # The TokenReview client's series are registered beside them when auth.kubernetes is on; the
+    # node-action outbox's and the prober's always (aggregator/app.py).
+    outbox = Outbox(None)
+    for family in [*AggregatorMetrics(lambda: {}).registry.collect(), *review_families({}, 0, 0),
+                   *outbox.collector().collect(), *Prober(ProbesConfig(), outbox, Fleet()).collector().collect()]:
         # A labelled metric with no children yet has no samples, so names come from the type.
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
                     "summary": ("_sum", "_count", "")}.get(family.type, ("",))
