@@ -33,6 +33,7 @@ from vigil.agent.probe_baselines import ProbeBaselines
 from vigil.agent.validation import StrictModel
 from vigil.agent.wire import NodeActionRequest, ProbeGroup, ProbeName
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
+from vigil.aggregator.detectors import REGISTRY
 from vigil.aggregator.detectors.probe_verdict import (
     TRIGGERS,
     Trigger,
@@ -63,9 +64,19 @@ class SuspectTrigger(StrictModel):
     """A finding that makes its node a suspect to probe when idle: its detector, its key (an
     fnmatch pattern) and its action. A finding about a whole job (no node) is never one."""
 
+    # A detector's config section name (detectors.<name>), e.g. straggler.
     detector: str
+    # fnmatch pattern over the finding's key, e.g. "*:intermittent" (the straggler's long horizon).
     key: str = "*"
+    # The findings' actions that make a suspect: alert, below the removal threshold.
     actions: list[Action] = Field(default_factory=lambda: [Action.ALERT], min_length=1)
+
+    @field_validator("detector")
+    @classmethod
+    def _known(cls, detector: str) -> str:
+        if detector not in REGISTRY and detector != "topology":
+            raise ValueError(f"no detector {detector!r} (one of {', '.join(sorted(REGISTRY))}, topology)")
+        return detector
 
     def matches(self, finding: Finding) -> bool:
         return (finding.detector == self.detector and finding.action in self.actions
@@ -106,6 +117,7 @@ class ProbesConfig(StrictModel):
     suspect_cooldown_seconds: float = Field(default=3600.0, ge=0)
     # A suspect not named by a trigger finding for this long is forgotten (still busy, or gone).
     suspect_ttl_seconds: float = Field(default=3600.0, gt=0)
+    # Suspects kept at most (the oldest named first is forgotten): bounded memory whatever the findings.
     max_suspects: int = Field(default=4096, ge=1, le=1_000_000)
     # Learned figures: the latest passing value of this many GPUs per (hardware class, probe).
     learned_samples: int = Field(default=64, ge=2, le=4096)

@@ -323,6 +323,8 @@ def test_probes_off_by_default_change_nothing_and_need_the_key_when_on() -> None
         parse_config({"probes": {"enabled": True}})
     with pytest.raises(ConfigError, match=r"probe_verdict\.enabled needs probes\.enabled"):
         parse_config({"detectors": {"probe_verdict": {"enabled": True}}})
+    with pytest.raises(ConfigError, match="no detector 'stragler'"):
+        parse_config({"probes": {"suspect_triggers": [{"detector": "stragler"}]}})
     with pytest.raises(ConfigError, match="collective need"):
         parse_config({"probes": {"recovery_probes": ["gpu_compute", "collective"]}})
 
