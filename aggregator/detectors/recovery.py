@@ -172,11 +172,16 @@ class RecoveryDetector:
             return self._unverified(node, removal, t_fix, now, waiting, base)
         if view is not None and view.probes is not None:
             return self._probed(node, removal, t_fix, now, base, view.probes, view.learned_probes)
+        return self._resume(node, removal, t_fix, now, "every expected GPU present, no fault since, RDMA ports active",
+                            base)
+
+    @staticmethod
+    def _resume(node: NodeState, removal: Removal, t_fix: float, now: float, proof: str,
+                evidence: dict[str, object]) -> Finding:
         return Finding(
             detector=NAME, node=node.name, action=Action.RESUME, since=t_fix, key="verified",
-            reason=(f"{node.name} healthy for {now - t_fix:.0f} s after {removal.action.value}: every expected "
-                    f"GPU present, no fault since, RDMA ports active"),
-            evidence={**base, "signal": "recovered", "verified_seconds": round(now - t_fix, 1),
+            reason=f"{node.name} healthy for {now - t_fix:.0f} s after {removal.action.value}: {proof}",
+            evidence={**evidence, "signal": "recovered", "verified_seconds": round(now - t_fix, 1),
                       "gpus": len(node.gpus)})
 
     def _probed(self, node: NodeState, removal: Removal, t_fix: float, now: float, base: dict[str, object],
@@ -200,12 +205,7 @@ class RecoveryDetector:
             verdict = judge_run(outcome.result, node, wanted, probes.baselines, learned)
             evidence = {**base, "probes": verdict.evidence(), "probe_result_received": outcome.received}
             if verdict.outcome == "pass":
-                return Finding(
-                    detector=NAME, node=node.name, action=Action.RESUME, since=t_fix, key="verified",
-                    reason=(f"{node.name} healthy for {now - t_fix:.0f} s after {removal.action.value} and passed its "
-                            f"probes ({verdict.detail})"),
-                    evidence={**evidence, "signal": "recovered", "verified_seconds": round(now - t_fix, 1),
-                              "gpus": len(node.gpus)})
+                return self._resume(node, removal, t_fix, now, f"passed its probes ({verdict.detail})", evidence)
             if verdict.outcome == "fail":
                 # The ladder's next rung: a reset that left a fault -> reboot; a reboot -> a technician.
                 action = Action.REBOOT_NODE if removal.action is Action.RESET_GPU else Action.INSPECT_HARDWARE

@@ -47,14 +47,6 @@ def named(node: FakeNode) -> FakeNode:
     return node
 
 
-def report(fleet: Fleet, node: FakeNode, start: float, end: float) -> float:
-    t = start
-    while t <= end:
-        fleet.ingest(node.report(t), t)
-        t += node.interval
-    return t - node.interval
-
-
 class Setup:
     """A fleet of ``n`` reporting nodes, the outbox holding the master key, the prober."""
 
