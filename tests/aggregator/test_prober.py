@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.aggregator.conftest import FakeNode, rank_summary
+from tests.aggregator.conftest import FakeNode, rank_summary, set_training
 from tests.aggregator.test_app_node_actions import MASTER, SECRET, _cluster
 from vigil.agent.node_actions import node_key, sign_result, signature_ok
 from vigil.agent.probe_baselines import Baseline, ProbeBaselines
@@ -27,9 +27,10 @@ from vigil.aggregator.detectors.probe_verdict import (
     trigger_of,
 )
 from vigil.aggregator.detectors.recovery import RecoveryConfig, RecoveryDetector
+from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector
 from vigil.aggregator.fleet import Fleet, Removal
 from vigil.aggregator.outbox import NodeActionsConfig, Outbox
-from vigil.aggregator.prober import Prober, ProbesConfig
+from vigil.aggregator.prober import Prober, ProbesConfig, SuspectTrigger
 
 H100 = "NVIDIA H100 80GB HBM3"
 BASELINES = ProbeBaselines(default={"gpu_compute": Baseline(min_value=600.0),
@@ -240,6 +241,37 @@ def test_a_suspect_that_passes_is_cleared_and_a_whole_job_slowdown_is_no_suspect
     assert s.prober.runs[("suspect", "pass")] == 1
 
 
+def _straggler_run(slow: dict[str, float]) -> tuple[Setup, list[Finding]]:
+    """16 nodes, 4 of them A100s (slower as a class, by design), on the real straggler detector,
+    the whole job 40% slower from 100 s on (a data-loader stall); every trigger finding of the
+    straggler, whatever its action, makes a suspect. Returns the setup and every finding."""
+    broad = ProbesConfig(enabled=True, baselines=BASELINES, suspect_triggers=[
+        SuspectTrigger(detector="straggler", actions=[Action.OBSERVE, Action.ALERT, Action.DRAIN])])
+    s = Setup(16, broad)
+    for node in s.nodes[12:]:
+        for g in node.gpus.values():
+            g["name"] = "NVIDIA A100-SXM4-80GB"
+    straggler = StragglerDetector(StragglerConfig())
+    findings: list[Finding] = []
+    for _ in range(80):
+        factors = {n.name: 1.5 for n in s.nodes[12:]} | slow
+        set_training(s.nodes, "train-1", s.t, scale=1.0 if s.t < 100.0 else 1.4, slow=factors)
+        s.run(2.5)
+        found = straggler.evaluate(s.fleet.view(), s.t)
+        findings.extend(found)
+        s.prober.plan(s.fleet.view(), found, s.t)
+    return s, findings
+
+
+def test_a_whole_job_slowdown_through_the_real_straggler_detector_makes_no_suspect() -> None:
+    s, findings = _straggler_run({})
+    assert findings and all(f.node == WHOLE_JOB for f in findings)  # the A100 class: about the job
+    assert s.prober.suspects() == [] and s.outbox.pending() == 0
+    # The control: one H100 node 20% slower is named, and becomes a suspect (busy: not probed yet).
+    s, findings = _straggler_run({"n3": 1.2})
+    assert "n3" in {f.node for f in findings} and s.prober.suspects() == ["n3"] and s.outbox.pending() == 0
+
+
 def test_learned_figures_judge_a_class_without_configured_baselines() -> None:
     s = Setup(3, ProbesConfig(enabled=True))  # no configured min_value
     s.run(10.0)
@@ -366,6 +398,15 @@ async def test_over_http_xid79_reboot_passive_pass_then_a_failing_probe_escalate
             boot_id=request.boot_id, probes=[ProbeResult(probe="gpu_compute", gpu=0, status="pass", value=300.0),
                                              ProbeResult(probe="gpu_memory", gpu=0, status="pass", value=2600.0)]),
             node_key(MASTER, c.node.name))
+        forged = sign_result(NodeActionResult(
+            id=request.id, action="run_probes", outcome="done", reason="done", ts=c.clock.t, node=c.node.name,
+            boot_id=request.boot_id, probes=[ProbeResult(probe="gpu_compute", gpu=0, status="pass", value=900.0),
+                                             ProbeResult(probe="gpu_memory", gpu=0, status="pass", value=2600.0)]),
+            node_key(MASTER, "another-node"))
+        await post([forged])  # the report is taken; the made-up result is not
+        assert [d.action for d in evaluate()] == []
+        assert ('vigil_aggregator_node_action_results_refused_total{action="run_probes",reason="bad_signature"} 1.0'
+                in await c.metrics())
         await post([failing])
         escalated = evaluate()
         assert [d.action for d in escalated] == [Action.INSPECT_HARDWARE]
