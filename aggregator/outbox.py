@@ -167,8 +167,20 @@ class _Entry:
     last_result: NodeActionResult | None = None
 
 
+# A run_probes refusal the agent lifts by itself (agent/node_action_runner.py): NVML cannot list the
+# GPUs' processes now, or an abandoned probe of an earlier run still holds them. Kept pending like busy.
+PROBE_TRANSIENT = frozenset({BUSY, "processes_unknown", "probe_running"})
+
+
+def transient(result: NodeActionResult) -> bool:
+    """Whether ``result`` keeps its request pending (offered again) rather than ending it."""
+    if result.outcome != "refused":
+        return False
+    return result.reason in PROBE_TRANSIENT if result.action == "run_probes" else result.reason == BUSY
+
+
 def _final(result: NodeActionResult) -> bool:
-    return not (result.outcome == "refused" and result.reason == BUSY)
+    return not transient(result)
 
 
 class Outbox:

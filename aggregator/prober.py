@@ -43,7 +43,7 @@ from vigil.aggregator.detectors.probe_verdict import (
 )
 from vigil.aggregator.detectors.recovery import PROBING
 from vigil.aggregator.fleet import Fleet, FleetView, NodeState
-from vigil.aggregator.outbox import BUSY, Outbox
+from vigil.aggregator.outbox import Outbox, transient
 
 log = logging.getLogger("vigil.aggregator.prober")
 
@@ -397,7 +397,7 @@ class Prober:
         for name, run in list(self._runs.items()):
             node = view.nodes.get(name)
             outcome = node.action_results.get(run.request_id) if node is not None else None
-            if outcome is not None and not (outcome.result.outcome == "refused" and outcome.result.reason == BUSY):
+            if outcome is not None and not transient(outcome.result):
                 assert node is not None
                 verdict = judge_run(outcome.result, node, run.probes, self.config.baselines,
                                     self.fleet.learned_probes)

@@ -66,7 +66,7 @@ from vigil.agent.wire import ProbeName
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.probe_verdict import Learned, judge_run, probe_request_id
 from vigil.aggregator.fleet import ActionOutcome, FleetView, NodeState, Removal, port_is_active
-from vigil.aggregator.outbox import BUSY
+from vigil.aggregator.outbox import BUSY, transient
 from vigil.aggregator.xid_catalog import XidCatalog, occurrence_action
 
 if TYPE_CHECKING:
@@ -197,8 +197,7 @@ class RecoveryDetector:
         base = {**base, "probe_request": request_id, "attempt": attempt, "probes_requested": wanted}
         outcome = node.action_results.get(request_id)
         expires = node.action_expiry.get(request_id)
-        done = outcome is not None and outcome.received >= t_fix and not (
-            outcome.result.outcome == "refused" and outcome.result.reason == BUSY)
+        done = outcome is not None and outcome.received >= t_fix and not transient(outcome.result)
         trouble: str | None = None
         if done:
             assert outcome is not None

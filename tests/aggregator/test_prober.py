@@ -180,6 +180,21 @@ def test_an_erroring_or_silent_run_is_retried_once_then_alerted() -> None:
     assert s.prober.runs[("recovery", "error")] == 1 and s.prober.runs[("recovery", "timeout")] == 1
 
 
+def test_a_refusal_the_agent_lifts_itself_keeps_the_run_waiting_not_retried() -> None:
+    s = Setup()
+    s.reboot("n0")
+    _, [request] = s.evaluate({"n0": REBOOT})
+    for reason in ("busy", "processes_unknown", "probe_running"):
+        refusal = sign_result(NodeActionResult(id=request.id, action="run_probes", outcome="refused", reason=reason,
+                                               ts=s.t, node="n0", boot_id=request.boot_id), node_key(MASTER, "n0"))
+        assert s.outbox.record("n0", [refusal], s.t)
+        findings, again = s.evaluate({"n0": REBOOT})
+        assert again == [] and [f.key for f in findings] == ["probing"] and s.outbox.queued("n0", request.id)
+    assert s.prober.in_flight()["recovery"] == 1 and sum(s.prober.runs.values()) == 0
+    s.answer(request, outcome="refused")  # a final refusal (e.g. not_allowed): retried once
+    assert [f.key for f in s.evaluate({"n0": REBOOT})[0]] == ["probing:retry"]
+
+
 def test_the_fleet_share_caps_the_runs_in_flight_and_one_node_never_has_two() -> None:
     s = Setup(100)  # 2% of 100 reporting nodes: 2 at once
     names = ("n0", "n1", "n2")
