@@ -1,8 +1,9 @@
 """The prober: probe runs requested after the recovery detector's passive checks and for idle
 suspects, signed and bounded by the fleet share; results verified before the fleet takes them;
 resume only after a passing run, escalation after a failing one; a suspect drained only when its
-probe fails. Fake agents (tests.aggregator.conftest) and signed results made here with the node key;
-the probes themselves are the agent's (not run here)."""
+probe fails. Fake agents (tests.aggregator.conftest) and signed results made here with the node key,
+and once the agent's real runner (agent/node_action_runner.py) with probe functions this test
+controls (a fault only load shows is a figure below its floor)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode, rank_summary, set_training
 from tests.aggregator.test_app_node_actions import MASTER, SECRET, _cluster
+from vigil.agent.node_action_runner import NodeActionRunner, ProbeWorld
+from vigil.agent.node_action_runner import NodeActionsConfig as AgentNodeActionsConfig
 from vigil.agent.node_actions import node_key, sign_result, signature_ok
+from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.fake import FakeNvml
+from vigil.agent.nvml.scenario import NodeScenario
 from vigil.agent.probe_baselines import Baseline, ProbeBaselines
+from vigil.agent.probes import PROBES as PROBE_TABLE
+from vigil.agent.probes import ProbeSpec
+from vigil.agent.probes.context import ProbeContext
 from vigil.agent.wire import Event, NodeActionRequest, NodeActionResult, ProbeResult, convert, encode, to_builtins
 from vigil.aggregator.app import EVALUATE_KEY, PROBER_KEY
 from vigil.aggregator.auth import node_token
@@ -193,6 +202,51 @@ def test_a_refusal_the_agent_lifts_itself_keeps_the_run_waiting_not_retried() ->
     assert s.prober.in_flight()["recovery"] == 1 and sum(s.prober.runs.values()) == 0
     s.answer(request, outcome="refused")  # a final refusal (e.g. not_allowed): retried once
     assert [f.key for f in s.evaluate({"n0": REBOOT})[0]] == ["probing:retry"]
+
+
+def _agent_runs(tmp_path: Path, s: Setup, request: NodeActionRequest, compute_tflops: float) -> NodeActionResult:
+    """The node's real agent-side runner (agent/node_action_runner.py) takes the offer as the wire
+    carries it and runs the probes through its probe table, each probe a function this test controls
+    (the compute burn reads ``compute_tflops`` per GPU: a fault only load shows, or none); its result
+    comes back through the wire's JSON."""
+    clock = lambda: s.t  # noqa: E731  (the node's clock is the aggregator's here)
+    fake = FakeNvml(NodeScenario.model_validate({"gpus": 8}), clock, start=0.0)
+    backend = PynvmlBackend(fake)  # type: ignore[arg-type]
+    backend.init()
+    key_file = tmp_path / "node.key"
+    key_file.write_text(node_key(MASTER, request.node).hex())
+
+    def measured(name: str, value: float | None, unit: str) -> object:
+        def run(ctx: ProbeContext) -> list[ProbeResult]:
+            if value is None:
+                return [ProbeResult(probe=name, status="skipped", reason="not_installed")]  # type: ignore[arg-type]
+            return [ProbeResult(probe=name, gpu=g, status="pass", reason="ok", value=value, unit=unit)  # type: ignore[arg-type]
+                    for g in range(8)]
+        return run
+
+    values = {"gpu_compute": (compute_tflops, "tflops"), "gpu_memory": (2600.0, "gb_per_s")}
+    table = {name: ProbeSpec(spec.description, spec.intrusive, spec.needs_group, spec.quick, spec.unit,
+                             measured(name, *values.get(name, (None, "")))) for name, spec in PROBE_TABLE.items()}  # type: ignore[arg-type]
+    runner = NodeActionRunner(AgentNodeActionsConfig(allow=["run_probes"], key_file=str(key_file)), node=request.node,
+                              boot_id=request.boot_id, nvml=backend, clock=clock,
+                              probes=ProbeWorld(table=table, engine="engine"))  # type: ignore[arg-type]  # the probes here need none
+    [offer] = s.outbox.due(request.node, s.t, request.boot_id)
+    result = runner.handle(convert(json.loads(encode(offer)), NodeActionRequest))
+    return convert(json.loads(encode(result)), NodeActionResult)
+
+
+@pytest.mark.parametrize(("tflops", "expected"), [(450.0, (Action.INSPECT_HARDWARE, "probe_failed")),
+                                                  (700.0, (Action.RESUME, "verified"))])
+def test_the_agents_real_runner_answers_the_prober_and_its_signed_result_is_judged(
+        tmp_path: Path, tflops: float, expected: tuple[Action, str]) -> None:
+    s = Setup()
+    s.reboot("n0")
+    _, [request] = s.evaluate({"n0": REBOOT})
+    result = _agent_runs(tmp_path, s, request, tflops)
+    assert result.outcome == "done" and result.signature and result.node == "n0"
+    assert s.outbox.record("n0", [result], s.t) == [result] and not s.outbox.refused
+    [f] = s.evaluate({"n0": REBOOT})[0]
+    assert (f.action, f.key) == expected
 
 
 def test_the_fleet_share_caps_the_runs_in_flight_and_one_node_never_has_two() -> None:
