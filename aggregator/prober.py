@@ -286,6 +286,11 @@ class Prober:
             if any(m in self._runs for m in members) or len(self._runs) + len(members) > cap:
                 self.deferred["share_cap"] += 1
                 return
+            if not self.config.allow_with_job and any(
+                    (node := view.nodes.get(m)) is not None and node_job(node, now, self.fleet.config.rank_hold_seconds)
+                    for m in members):
+                self.deferred["busy"] += 1
+                return
             group = probe_request_id("group", f"{iso.name}\0{iso.used}")
             rendezvous = f"{members[0]}:{self.config.group_port}"
             run = _GroupRun(test, group, members)

@@ -386,9 +386,13 @@ class StandInIsolation:
 
 def test_a_group_isolation_runs_collectives_with_one_rendezvous_and_records_each_test() -> None:
     s = Setup(4, PROBES.model_copy(update={"max_fleet_share": 1.0}))
+    s.nodes[1].ranks = [rank_summary("train-1", 0, compute=0.8, comm=0.1, ts=0.0, gpu=0)]
     s.run(10.0)
     iso = StandInIsolation()
     assert s.prober.isolate("repaired-4", iso, s.t) and not s.prober.isolate("another", iso, s.t)
+    assert s.evaluate({})[1] == [] and s.prober.deferred["busy"] == 1  # n1 runs a job: the test waits
+    s.nodes[1].ranks = []
+    s.run(60.0)
     _, requests = s.evaluate({})
     assert [r.node for r in requests] == ["n0", "n1", "n3"]
     groups = [r.probe_group for r in requests]
