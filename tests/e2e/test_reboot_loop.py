@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,10 +80,10 @@ def reboot_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCl
         cluster.stop()
 
 
-def scontrol_states(cluster: SlurmCluster) -> dict[str, tuple[str, str]]:
+def scontrol_states(cluster: SlurmCluster, nodes: tuple[str, ...] = NODES) -> dict[str, tuple[str, str]]:
     """node -> (State, Reason) as `scontrol show node -o` prints them."""
     out: dict[str, tuple[str, str]] = {}
-    for line in cluster.run([cluster.scontrol, "show", "node", "-o", ",".join(NODES)]).splitlines():
+    for line in cluster.run([cluster.scontrol, "show", "node", "-o", ",".join(nodes)]).splitlines():
         name = re.search(r"NodeName=(\S+)", line)
         state = re.search(r" State=(\S+)", line)
         reason = re.search(r" Reason=(.*?)(?: \[[^\]]*\])?\s*$", line)
@@ -117,14 +117,17 @@ class Run:
 
 class FakeNodes:
     """One agent per node, started as the reboot program expects: ``reboot/<node>/`` holds its
-    pidfile, its boot id and ``after-reboot.json`` (how it starts again after the reboot)."""
+    pidfile, its boot id and ``after-reboot.json`` (how it starts again after the reboot, with the
+    scenario ``after_reboot`` names for it). ``agent_extra(node)``: more of each agent's config."""
 
-    def __init__(self, cluster: SlurmCluster, work: Path, aggregator_url: str) -> None:
+    def __init__(self, cluster: SlurmCluster, work: Path, aggregator_url: str, *, nodes: tuple[str, ...] = NODES,
+                 after_reboot: dict[str, dict[str, Any]] = AFTER_REBOOT,
+                 agent_extra: Callable[[str], dict[str, Any]] = lambda _: {}) -> None:
         self.cluster = cluster
         self.procs: list[subprocess.Popen[bytes]] = []
         self.kmsg: dict[str, Path] = {}
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        for node in NODES:
+        for node in nodes:
             node_dir = cluster.root / "reboot" / node
             node_dir.mkdir(parents=True, exist_ok=True)
             (node_dir / "boot_id").write_text(f"{uuid.uuid4()}\n")
@@ -132,13 +135,14 @@ class FakeNodes:
             token.write_text(node_token(SITE_SECRET.encode(), node) + "\n")
             listen = f"127.0.0.1:{free_port()}"
             argv = {}
-            for boot, scenario in ((0, HEALTHY), (1, AFTER_REBOOT[node])):
+            for boot, scenario in ((0, HEALTHY), (1, after_reboot[node])):
                 (work / f"{node}-boot{boot}.scenario.yaml").write_text(yaml.safe_dump(scenario))
                 (work / f"{node}-boot{boot}.yaml").write_text(yaml.safe_dump({
                     "node": node, "listen": listen,
                     "nvml": {"backend": "fake", "scenario": str(work / f"{node}-boot{boot}.scenario.yaml")},
                     "aggregator": {"url": aggregator_url, "interval_seconds": 0.5, "token_file": str(token)},
                     "collectors": {"training": {"enabled": False}},
+                    **agent_extra(node),
                 }))
                 kmsg = work / f"{node}-boot{boot}.kmsg"  # each boot has its own kernel log
                 kmsg.write_text("[    5.000000] nvidia: module loaded\n")

@@ -13,42 +13,29 @@ the same recorded run.
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
 import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.aggregator.aggregator_process import REPO, SITE_SECRET, AggregatorProcess, slurm_aggregator_config
-from tests.e2e.test_reboot_loop import RESUME_TIMEOUT_SECONDS, XID_79
-from tests.loopback import free_port
-from tests.pidfile import stop_children, stop_pidfile, write_pidfile
-from tests.slurm_cluster import SlurmCluster, start_cluster
+from tests.aggregator.aggregator_process import AggregatorProcess, slurm_aggregator_config
+from tests.e2e.test_reboot_loop import HEALTHY, XID_79, FakeNodes, reboot_cluster, scontrol_states
+from tests.slurm_cluster import SlurmCluster
 from vigil.agent.node_actions import node_key
-from vigil.aggregator.auth import node_token
 
 pytestmark = pytest.mark.external
 torch = pytest.importorskip("torch")  # the agent's compute engine (the probes run on the CPU)
 
-REBOOT_PROGRAM = Path(__file__).resolve().parent / "reboot_program.py"
-FIXED, UNDER_LOAD = "vnode1", "vnode2"
+FIXED, UNDER_LOAD = "vnode1", "vnode2"  # of reboot_cluster's nodes (its vnode3 stays out of this test)
 NODES = (FIXED, UNDER_LOAD)
 MASTER_KEY = bytes(range(64, 96))
-GPUS = 2
-HEALTHY: dict[str, Any] = {"profile": "h100-sxm-80gb", "gpus": GPUS,
-                           "load": {"utilization": 0.0, "memory_used_ratio": 0.0}}
 AFTER_REBOOT: dict[str, dict[str, Any]] = {
     FIXED: HEALTHY,
-    # Idle it reads healthy; under a probe's load GPU 1's SM clock sags to 60% with HW thermal slowdown.
+    # Idle (and under its scenario's own load) it reads healthy; under a probe's load GPU 1's SM clock
+    # sags to 60% with HW thermal slowdown.
     UNDER_LOAD: {**HEALTHY, "faults": [{"kind": "under_load", "at_seconds": 0, "gpu": 1, "sm_clock_factor": 0.6,
                                         "throttle": "thermal", "compute_factor": 0.6}]},
 }
@@ -60,30 +47,7 @@ PERSISTENCE_SECONDS = 5.0  # the recovery detector's passive proof period, short
 AGENT_PROBES = {"burn_pass_seconds": 0.5, "burn_passes": 2, "burn_cv_max": 10.0, "memory_bytes": 1 << 22,
                 "run_timeout_seconds": 120}
 RUN_TIMEOUT_SECONDS = 240.0
-
-
-@pytest.fixture(scope="module")
-def probe_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    root = tmp_path_factory.mktemp("slurm")  # short: munge's socket path must fit in sun_path
-    cluster = start_cluster(root, NODES, extra_conf=[
-        f'RebootProgram="{sys.executable} {REBOOT_PROGRAM} {root}"',
-        f"ResumeTimeout={RESUME_TIMEOUT_SECONDS}",
-    ], return_to_service=1)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-def scontrol_states(cluster: SlurmCluster) -> dict[str, tuple[str, str]]:
-    """node -> (State, Reason) as `scontrol show node -o` prints them."""
-    out: dict[str, tuple[str, str]] = {}
-    for line in cluster.run([cluster.scontrol, "show", "node", "-o", ",".join(NODES)]).splitlines():
-        fields = dict(re.findall(r"(\w+)=(\S*)", line))
-        reason = re.search(r" Reason=(.*?)(?: \[[^\]]*\])?\s*$", line)
-        if "NodeName" in fields:
-            out[fields["NodeName"]] = (fields.get("State", ""), reason.group(1) if reason else "")
-    return out
+__all__ = ["reboot_cluster"]  # the fixture, imported: a cluster of its own for this module
 
 
 @dataclass
@@ -98,49 +62,19 @@ class Run:
                 for d in sorted(self.decisions, key=lambda d: d["ts"]) if d["node"] == node]
 
 
-def _agents(cluster: SlurmCluster, work: Path, aggregator_url: str) -> tuple[list[subprocess.Popen[bytes]],
-                                                                             dict[str, Path]]:
-    """One agent per node, allowed run_probes with its node key, started as the reboot program expects."""
-    procs: list[subprocess.Popen[bytes]] = []
-    kmsgs: dict[str, Path] = {}
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for node in NODES:
-        node_dir = cluster.root / "reboot" / node
-        node_dir.mkdir(parents=True, exist_ok=True)
-        (node_dir / "boot_id").write_text(f"{uuid.uuid4()}\n")
-        token = work / f"{node}.token"
-        token.write_text(node_token(SITE_SECRET.encode(), node) + "\n")
+def _agent_extra(work: Path) -> Callable[[str], dict[str, Any]]:
+    def extra(node: str) -> dict[str, Any]:
+        """Each agent may run probes, with its node key and the test's small probes."""
         key = work / f"{node}.node-key"
         key.write_text(node_key(MASTER_KEY, node).hex() + "\n")
         key.chmod(0o600)
-        listen = f"127.0.0.1:{free_port()}"
-        argv = {}
-        for boot, scenario in ((0, HEALTHY), (1, AFTER_REBOOT[node])):
-            (work / f"{node}-boot{boot}.scenario.yaml").write_text(yaml.safe_dump(scenario))
-            (work / f"{node}-boot{boot}.yaml").write_text(yaml.safe_dump({
-                "node": node, "listen": listen,
-                "nvml": {"backend": "fake", "scenario": str(work / f"{node}-boot{boot}.scenario.yaml")},
-                "aggregator": {"url": aggregator_url, "interval_seconds": 0.5, "token_file": str(token)},
-                "collectors": {"training": {"enabled": False}},
-                "node_actions": {"key_file": str(key), "allow": ["run_probes"]},
-                "probes": AGENT_PROBES,
-            }))
-            kmsg = work / f"{node}-boot{boot}.kmsg"
-            kmsg.write_text("[    5.000000] nvidia: module loaded\n")
-            argv[boot] = [sys.executable, "-m", "vigil", "agent", "--config", str(work / f"{node}-boot{boot}.yaml"),
-                          "--kmsg", str(kmsg), "--boot-id-file", str(node_dir / "boot_id")]
-        kmsgs[node] = work / f"{node}-boot0.kmsg"
-        (node_dir / "after-reboot.json").write_text(json.dumps({"argv": argv[1], "cwd": str(REPO), "env": env}))
-        with (work / f"{node}-boot0.log").open("wb") as log:
-            proc = subprocess.Popen(argv[0], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-        procs.append(proc)
-        write_pidfile(node_dir / "agent.pid", proc.pid)
-    return procs, kmsgs
+        return {"node_actions": {"key_file": str(key), "allow": ["run_probes"]}, "probes": AGENT_PROBES}
+    return extra
 
 
 @pytest.fixture(scope="module")
-def run(probe_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    cluster = probe_cluster
+def run(reboot_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    cluster = reboot_cluster
     work = tmp_path_factory.mktemp("reboot-probes")
     master = work / "node-actions.key"
     master.write_text(MASTER_KEY.hex() + "\n")
@@ -154,7 +88,7 @@ def run(probe_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -
     config["probes"] = {"enabled": True, "max_fleet_share": 1.0, "run_timeout_seconds": 150}
     agg = AggregatorProcess(work, config)
     agg.start()
-    procs, kmsgs = _agents(cluster, work, agg.url)
+    nodes = FakeNodes(cluster, work, agg.url, nodes=NODES, after_reboot=AFTER_REBOOT, agent_extra=_agent_extra(work))
     try:
         deadline = time.monotonic() + 30
         while len(agg.request("GET", "/v1/nodes")["nodes"]) < len(NODES):
@@ -162,23 +96,20 @@ def run(probe_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -
             time.sleep(0.2)
         result = Run(xid_ts=time.time())
         for node in NODES:
-            with kmsgs[node].open("a") as f:
-                f.write(XID_79)
+            nodes.append(node, XID_79)
         deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
         while time.monotonic() < deadline:
             decisions, _ = agg.decisions()
             done = {d["node"] for d in decisions if d["detector"] == "recovery" and d["action"] != "observe"}
-            if set(NODES) <= done and scontrol_states(cluster).get(FIXED, ("",))[0] == "IDLE":
+            if set(NODES) <= done and scontrol_states(cluster, NODES).get(FIXED, ("",))[0] == "IDLE":
                 break
             time.sleep(0.5)
         result.decisions, _ = agg.decisions()
-        result.final = scontrol_states(cluster)
+        result.final = scontrol_states(cluster, NODES)
         result.log = agg.log()[-4000:]
         yield result
     finally:
-        for pidfile in sorted(cluster.restarted_dir.glob("*-agent.pid")):
-            stop_pidfile(pidfile, 5)
-        stop_children(procs)
+        nodes.stop()
         agg.stop()
 
 
