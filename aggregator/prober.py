@@ -23,7 +23,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
@@ -43,6 +42,7 @@ from vigil.aggregator.detectors.probe_verdict import (
 )
 from vigil.aggregator.detectors.recovery import PROBING
 from vigil.aggregator.fleet import Fleet, FleetView, NodeState
+from vigil.aggregator.group_testing import GroupIsolation, GroupTest
 from vigil.aggregator.outbox import Outbox, transient
 
 log = logging.getLogger("vigil.aggregator.prober")
@@ -154,30 +154,6 @@ def node_job(node: NodeState, now: float, rank_hold_seconds: float) -> str | Non
     return None
 
 
-class GroupTest(Protocol):
-    """aggregator/group_testing.py's test: the members probed together, and a known-healthy partner."""
-
-    @property
-    def members(self) -> tuple[str, ...]: ...
-
-    @property
-    def partner(self) -> str | None: ...
-
-
-class Isolation(Protocol):
-    """aggregator/group_testing.py's ``GroupIsolation``: the tests to run next, and their outcomes."""
-
-    @property
-    def done(self) -> bool: ...
-
-    @property
-    def faulty(self) -> Sequence[str] | set[str] | frozenset[str]: ...
-
-    def next_tests(self) -> Sequence[GroupTest]: ...
-
-    def record(self, test: GroupTest, passed: bool) -> None: ...
-
-
 @dataclass
 class _Run:
     request_id: str
@@ -207,7 +183,7 @@ class _GroupRun:
 @dataclass
 class _IsolationRun:
     name: str
-    isolation: Isolation
+    isolation: GroupIsolation
     started: float
     tests: list[_GroupRun] = field(default_factory=list)  # in flight
     queued: list[GroupTest] = field(default_factory=list)  # next, not started (no room yet)
@@ -259,7 +235,7 @@ class Prober:
 
     # Group testing -----------------------------------------------------------------------------
 
-    def isolate(self, name: str, isolation: Isolation, now: float) -> bool:
+    def isolate(self, name: str, isolation: GroupIsolation, now: float) -> bool:
         """Drive ``isolation`` (one at a time) from the next ``plan`` on; False while one runs."""
         if self._isolation is not None:
             return False

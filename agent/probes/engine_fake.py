@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.probes.engine import ComputeEngine, LoadSampler
 
-
 # The modelled GPU's figures (an H100 SXM 80GB, NVIDIA's datasheet: 989 dense BF16 TFLOP/s, 3.35 TB/s
 # HBM3, 450 GB/s NVLink per direction), at the fraction a real burn or copy achieves (about 70%,
 # 85% and 82%): what the fake reports for a healthy GPU under a probe.

@@ -38,6 +38,7 @@ from vigil.aggregator.detectors.probe_verdict import (
 from vigil.aggregator.detectors.recovery import RecoveryConfig, RecoveryDetector
 from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector
 from vigil.aggregator.fleet import Fleet, Removal
+from vigil.aggregator.group_testing import GroupIsolation
 from vigil.aggregator.outbox import NodeActionsConfig, Outbox
 from vigil.aggregator.prober import Prober, ProbesConfig, SuspectTrigger
 
@@ -357,57 +358,37 @@ def test_learned_figures_judge_a_class_without_configured_baselines() -> None:
     assert [x["floor"] for x in drain.evidence["failed"]] == [pytest.approx(630.0)] * 8
 
 
-class StandInIsolation:
-    """aggregator/group_testing.py's interface (GroupIsolation), as small as a test needs: two
-    tests, then done; what it was told is kept."""
-
-    class Test:
-        def __init__(self, members: tuple[str, ...], partner: str | None) -> None:
-            self.members, self.partner = members, partner
-
-    def __init__(self) -> None:
-        self.plan = [[self.Test(("n0", "n1"), "n3")], [self.Test(("n2",), "n3")]]
-        self.recorded: list[tuple[tuple[str, ...], bool]] = []
-
-    @property
-    def done(self) -> bool:
-        return not self.plan
-
-    @property
-    def faulty(self) -> set[str]:
-        return {m for members, passed in self.recorded if not passed for m in members}
-
-    def next_tests(self) -> list[StandInIsolation.Test]:
-        return self.plan.pop(0) if self.plan else []
-
-    def record(self, test: StandInIsolation.Test, passed: bool) -> None:
-        self.recorded.append((test.members, passed))
-
-
-def test_a_group_isolation_runs_collectives_with_one_rendezvous_and_records_each_test() -> None:
-    s = Setup(4, PROBES.model_copy(update={"max_fleet_share": 1.0}))
-    s.nodes[1].ranks = [rank_summary("train-1", 0, compute=0.8, comm=0.1, ts=0.0, gpu=0)]
+def test_a_group_isolation_runs_collectives_with_one_rendezvous_and_names_the_node_whose_collective_fails(
+        ) -> None:
+    """aggregator/group_testing.py's GroupIsolation driven by the prober: each test's members get one
+    ProbeGroup; a member with a job holds the test back; the outcome of each test goes back to it."""
+    s = Setup(10, PROBES.model_copy(update={"max_fleet_share": 1.0}))
+    s.nodes[3].ranks = [rank_summary("train-1", 0, compute=0.8, comm=0.1, ts=0.0, gpu=0)]
     s.run(10.0)
-    iso = StandInIsolation()
-    assert s.prober.isolate("repaired-4", iso, s.t) and not s.prober.isolate("another", iso, s.t)
-    assert s.evaluate({})[1] == [] and s.prober.deferred["busy"] == 1  # n1 runs a job: the test waits
-    s.nodes[1].ranks = []
+    iso = GroupIsolation([f"n{i}" for i in range(8)], ["n8", "n9"], d_hint=1)
+    assert s.prober.isolate("repaired-8", iso, s.t) and not s.prober.isolate("another", iso, s.t)
+    assert s.evaluate({})[1] == [] and s.prober.deferred["busy"] == 1  # n3 runs a job: the test waits
+    s.nodes[3].ranks = []
     s.run(60.0)
-    _, requests = s.evaluate({})
-    assert [r.node for r in requests] == ["n0", "n1", "n3"]
-    groups = [r.probe_group for r in requests]
-    assert all(g is not None and g.world_size == 3 and g.rendezvous == f"n0:{PROBES.group_port}" for g in groups)
-    assert [g.rank for g in groups if g] == [0, 1, 2] and len({g.group for g in groups if g}) == 1
-    assert all(r.probes == ["collective"] for r in requests)
-    for r in requests:
-        s.answer(r, {"collective": 90.0 if r.node == "n1" else 0.0}, status="fail" if r.node == "n1" else "pass")
-    _, second = s.evaluate({})
-    assert iso.recorded == [(("n0", "n1"), False)] and [r.node for r in second] == ["n2", "n3"]
-    for r in second:
-        s.answer(r, {"collective": 90.0})
-    s.evaluate({})
-    s.evaluate({})
-    assert iso.recorded[-1] == (("n2",), True) and s.prober.isolations == [("repaired-4", ("n0", "n1"), 2)]
+    for _ in range(40):
+        _, requests = s.evaluate({})
+        by_group: dict[str, list[NodeActionRequest]] = {}
+        for r in requests:
+            assert r.probe_group is not None and r.probes == ["collective"]
+            by_group.setdefault(r.probe_group.group, []).append(r)
+        for members in by_group.values():
+            groups = [r.probe_group for r in members if r.probe_group is not None]
+            assert [g.rank for g in groups] == list(range(len(members)))
+            assert {(g.world_size, g.rendezvous) for g in groups} == {
+                (len(members), f"{members[0].node}:{PROBES.group_port}")}
+        for members in by_group.values():
+            broken = any(r.node == "n5" for r in members)  # one slow link fails the whole collective
+            for r in members:
+                s.answer(r, {"collective": 10.0 if broken else 90.0}, status="fail" if broken else "pass")
+        if s.prober.isolations:
+            break
+    [(name, faulty, used)] = s.prober.isolations
+    assert (name, faulty) == ("repaired-8", ("n5",)) and used == iso.tests_used
 
 
 def test_probes_off_by_default_change_nothing_and_need_the_key_when_on() -> None:
