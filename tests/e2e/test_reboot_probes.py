@@ -40,12 +40,9 @@ AFTER_REBOOT: dict[str, dict[str, Any]] = {
                                         "throttle": "thermal", "compute_factor": 0.6}]},
 }
 PERSISTENCE_SECONDS = 5.0  # the recovery detector's passive proof period, shortened (10 reports at 0.5 s)
-# The probes kept small: two short burn passes and small buffers per GPU on a shared CPU. A matmul
-# on a CPU other processes share varies far more between passes than a GPU's (15% measured here
-# with two agents burning at once), so the passes' spread is not judged here (burn_cv_max): the
-# fault this test injects is the thermal slowdown under load, which the burn reports as throttled.
-AGENT_PROBES = {"burn_pass_seconds": 0.5, "burn_passes": 2, "burn_cv_max": 10.0, "memory_bytes": 1 << 22,
-                "run_timeout_seconds": 120}
+# The probes kept small: two short burn passes and small buffers per GPU on a shared CPU (the fake
+# GPUs report their modelled figures; the CPU's own pass-to-pass spread is never a failure).
+AGENT_PROBES = {"burn_pass_seconds": 0.5, "burn_passes": 2, "memory_bytes": 1 << 22, "run_timeout_seconds": 120}
 RUN_TIMEOUT_SECONDS = 240.0
 __all__ = ["reboot_cluster"]  # the fixture, imported: a cluster of its own for this module
 
