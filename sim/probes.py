@@ -234,6 +234,9 @@ class SimProbeAgent:
                     seconds=seconds))
             return out
         if probe == "dcgm_diag":
+            if not self.config.dcgm_installed:
+                return [ProbeResult(probe="dcgm_diag", status="skipped", reason="not_installed",
+                                    detail="dcgmi is not installed", seconds=0.0)]
             failures = hw.dcgm_failures()
             return [ProbeResult(probe="dcgm_diag", status="fail" if failures else "pass",
                                 reason="diag_failed" if failures else "ok", detail="; ".join(failures),

@@ -279,7 +279,7 @@ class Simulation:
                 if self._probing:
                     from vigil.aggregator.prober import Prober
 
-                    self.prober = Prober(self.engine.config, self.outbox, self.engine.fleet)
+                    self.prober = Prober(self.engine.config.probes, self.outbox, self.engine.fleet)
             except BaseException:
                 if self._tmp is not None:
                     self._tmp.cleanup()
@@ -902,7 +902,7 @@ class Simulation:
         if self.prober is not None:
             # As the app does after each evaluation: the prober plans probe runs from what the
             # engine found, and queues them in the outbox.
-            self.prober.plan(self.engine.fleet.view(), self.engine.last_findings, now)
+            self.prober.plan(self.engine.view(), self.engine.last_findings, now)
         rows = _rows_after(store, before)
         if rows:
             self._store_seq = max(r.seq for r in rows)

@@ -452,6 +452,9 @@ class SimProbes(_Strict):
 
     seconds: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_PROBE_SECONDS))
     noise: float = Field(default=0.01, ge=0, le=0.5)
+    # Whether the nodes have DCGM (dcgmi): without it dcgm_diag is skipped at once, as the agent's
+    # probe does where dcgmi is not installed.
+    dcgm_installed: bool = True
 
     @model_validator(mode="after")
     def _known_probes(self) -> SimProbes:
@@ -466,6 +469,8 @@ class SimProbes(_Strict):
         return self
 
     def duration(self, probe: str) -> float:
+        if probe == "dcgm_diag" and not self.dcgm_installed:
+            return 0.0
         return self.seconds.get(probe, DEFAULT_PROBE_SECONDS[probe])
 
 
