@@ -60,6 +60,7 @@ from vigil.aggregator.metrics import (
 )
 from vigil.aggregator.operator_api import add_no_gate_routes, add_operator_routes
 from vigil.aggregator.outbox import Outbox
+from vigil.aggregator.prober import Prober
 from vigil.aggregator.redact import redact_json
 from vigil.aggregator.sink import DecisionSink
 from vigil.aggregator.store import WRITE_ERRORS, Store, read_dsn
@@ -72,6 +73,7 @@ SINK_KEY = web.AppKey("sink", DecisionSink)
 METRICS_KEY = web.AppKey("metrics", AggregatorMetrics)
 CONFIG_KEY = web.AppKey("config", AggregatorConfig)
 WAKE_KEY = web.AppKey("wake", asyncio.Event)
+PROBER_KEY = web.AppKey("prober", Prober)
 # Runs one evaluation now (what the periodic task does): the simulator and tests call it on
 # their own clock.
 EVALUATE_KEY: web.AppKey[Callable[[], list[Decision]]] = web.AppKey("evaluate")
@@ -243,6 +245,8 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     node_actions = outbox if outbox is not None else Outbox.from_config(config, engine.fleet)
     if dispatcher is not None and node_actions.enabled:
         dispatcher.on_delivered = node_actions.on_delivered
+    # Probe runs (aggregator/prober.py): planned after each evaluation's decisions, queued in the outbox.
+    prober = Prober(config.probes, node_actions, engine.fleet)
     silent_after = config.detectors.silence.alert_after_seconds_min
 
     def findings_by_node() -> dict[str, list[Finding]]:
@@ -324,6 +328,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
 
     metrics = AggregatorMetrics(state_counts, acting, fleet_readings)
     metrics.registry.register(node_actions.collector())
+    metrics.registry.register(prober.collector())
     refusals = metrics.refusals
 
     def count_report_refusal(reason: str) -> None:
@@ -344,6 +349,12 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     app[CONFIG_KEY] = config
     wake = asyncio.Event()
     app[WAKE_KEY] = wake
+    app[PROBER_KEY] = prober
+
+    def plan_probes(now: float) -> None:
+        """The prober's round after the decisions (the leader only: only it offers requests)."""
+        if prober.enabled and leads():
+            prober.plan(engine.view(), engine.last_findings, now)
 
     def forget_departed(now: float) -> None:
         store = getattr(sink, "store", None)
@@ -439,6 +450,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             watch_clocks(now)
             forget_departed(now)
             admitted = engine.evaluate(now)
+            plan_probes(now)
         finally:
             finished(admitted, started)
         return admitted
@@ -470,7 +482,9 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         while True:
             with turn() as free:
                 if free:
-                    finished(engine.decide(found, now), started)
+                    admitted = engine.decide(found, now)
+                    plan_probes(now)
+                    finished(admitted, started)
                     return
             await asyncio.sleep(BUSY_RETRY_SECONDS)
 

@@ -30,6 +30,7 @@ from vigil.aggregator.detectors.hang import HangConfig
 from vigil.aggregator.detectors.memory import MemoryConfig
 from vigil.aggregator.detectors.network import NetworkConfig
 from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkConfig
+from vigil.aggregator.detectors.probe_verdict import ProbeVerdictConfig
 from vigil.aggregator.detectors.recovery import RecoveryConfig
 from vigil.aggregator.detectors.silence import SilenceConfig
 from vigil.aggregator.detectors.straggler import StragglerConfig
@@ -41,6 +42,7 @@ from vigil.aggregator.gate import GateConfig
 from vigil.aggregator.leadership import HaConfig
 from vigil.aggregator.listener import ServerConfig
 from vigil.aggregator.outbox import NodeActionsConfig, switched_on
+from vigil.aggregator.prober import ProbesConfig
 from vigil.aggregator.store import StoreConfig
 
 __all__ = ["AggregatorConfig", "ConfigError", "DetectorsConfig", "load_config", "parse_config"]
@@ -60,6 +62,8 @@ class DetectorsConfig(StrictModel):
     gpu_peer: GpuPeerConfig = GpuPeerConfig()
     # Off by default: gives back nodes vigil rebooted once they verify (docs/detectors.md).
     recovery: RecoveryConfig = RecoveryConfig()
+    # Off by default: drains a suspect whose probe run failed (needs probes.enabled; docs/probes.md).
+    probe_verdict: ProbeVerdictConfig = ProbeVerdictConfig()
     topology: TopologyConfig = TopologyConfig()
 
 
@@ -87,6 +91,9 @@ class AggregatorConfig(StrictModel):
     # Signed requests to the agents (aggregator/outbox.py); used by actuators.slurm.reset_gpu,
     # actuators.kubernetes.reset_gpu and actuators.kubernetes.reboot.
     node_actions: NodeActionsConfig = NodeActionsConfig()
+    # Active validation: probe runs the aggregator asks the agents for (aggregator/prober.py,
+    # docs/probes.md); the recovery detector then resumes only after the probes pass.
+    probes: ProbesConfig = ProbesConfig()
 
     @model_validator(mode="after")
     def _node_action_key(self) -> AggregatorConfig:
@@ -95,6 +102,17 @@ class AggregatorConfig(StrictModel):
             raise ValueError(f"{' and '.join(on)} {'needs' if len(on) == 1 else 'need'} node_actions.key_file "
                              "(the master key the requests to the agents are signed with: vigil token "
                              "master-key --out FILE)")
+        return self
+
+    @model_validator(mode="after")
+    def _probes(self) -> AggregatorConfig:
+        if self.probes.enabled and not self.node_actions.key_file:
+            raise ValueError("probes.enabled needs node_actions.key_file (each probe run is a request signed with "
+                             "that master key, each result signed under the node's key: vigil token master-key "
+                             "--out FILE)")
+        if self.detectors.probe_verdict.enabled and not self.probes.enabled:
+            raise ValueError("detectors.probe_verdict.enabled needs probes.enabled (it judges the probe runs the "
+                             "prober requests)")
         return self
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from copy import copy
 from dataclasses import dataclass, field
 from operator import attrgetter
 from types import MappingProxyType
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import msgspec
 from pydantic import Field
@@ -41,6 +41,9 @@ from vigil.agent.wire import (
     optional_fields,
 )
 from vigil.aggregator.decision import Action
+
+if TYPE_CHECKING:
+    from vigil.aggregator.prober import ProbesConfig
 
 _V = TypeVar("_V")
 _M = TypeVar("_M", GpuState, PortState, RankSummary)
@@ -679,6 +682,12 @@ class Fleet:
         # Entries dropped to keep a node within its caps, by kind (ports, ranks, jobs): the oldest
         # of those its latest report no longer named (vigil_aggregator_fleet_evictions_total).
         self.evicted: dict[str, int] = dict.fromkeys(EVICTION_KINDS, 0)
+        # Active validation (aggregator/prober.py owns both and sets them; the view hands them to the
+        # detectors): the ``probes`` settings when probing is on (the recovery detector then resumes
+        # only after a probe run passes), and the fleet's learned probe figures per (hardware class,
+        # probe), replaced whole by the prober (never changed in place: a judge reading it sees one).
+        self.probes: ProbesConfig | None = None
+        self.learned_probes: Mapping[tuple[str, str], tuple[float, int]] = MappingProxyType({})
 
     def refusal(self, report: Report, now: float, pending: tuple[str, int] | None = None) -> tuple[str, str] | None:
         """Why ``report`` must be refused against the node's last report, as (reason, detail);
@@ -1017,7 +1026,8 @@ class Fleet:
                     node.ranks.pop((name, rank.rank), None)
 
     def view(self, removed: Mapping[str, Removal] | None = None) -> FleetView:
-        return FleetView(self._nodes, self._jobs, removed, agent_resets=self.agent_resets)
+        return FleetView(self._nodes, self._jobs, removed, agent_resets=self.agent_resets, probes=self.probes,
+                         learned_probes=self.learned_probes)
 
 
 EVICTION_KINDS = ("ports", "ranks", "jobs")
@@ -1111,16 +1121,22 @@ class FleetView:
     """What detectors see: read-only mappings over the fleet (detectors must not mutate state),
     and the nodes vigil removed (empty unless the engine was asked for them)."""
 
-    __slots__ = ("agent_resets", "jobs", "nodes", "removed")
+    __slots__ = ("agent_resets", "jobs", "learned_probes", "nodes", "probes", "removed")
 
     def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
-                 removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False) -> None:
+                 removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False,
+                 probes: ProbesConfig | None = None,
+                 learned_probes: Mapping[tuple[str, str], tuple[float, int]] | None = None) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
         self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
         # An admitted reset_gpu is carried out by the node's agent on a signed request, and its
         # result arrives in the reports (NodeState.action_results).
         self.agent_resets = agent_resets
+        # Probing on (aggregator/prober.py): its settings, and the learned figures per (hardware
+        # class, probe) -> (median value, passing samples), both owned by the prober.
+        self.probes = probes
+        self.learned_probes: Mapping[tuple[str, str], tuple[float, int]] = learned_probes or MappingProxyType({})
 
     def members(self, label: str, value: str) -> list[str]:
         """Nodes whose topology label ``label`` (e.g. leaf_switch) equals ``value``."""

@@ -7,7 +7,10 @@ request_reboot: kured's sentinel) for that node's current boot (and GPU), signed
 node's key (``node_key(master key, node)``); ``due`` says which requests to offer in the answer
 to a node's report (again every ``retry_seconds`` until a final result or expiry), each offer
 signed anew to expire ``offer_ttl_seconds`` later, and ``record`` takes the node's
-``action_results``, handing the ones it knows to the fleet for the recovery detector. ``void``
+``action_results``, handing the ones it knows to the fleet for the recovery detector (a run_probes
+result only when signed under the node's key and bound to the request's node and boot: what it
+measured is judged). ``enqueue_request`` takes a request no decision carries (the prober's
+run_probes, aggregator/prober.py) through the same bounds and signing. ``void``
 cancels a node's pending requests when its removal ends (an operator's resume or hold, a delivered
 resume decision): they are never offered again, and a copy the agent still holds expires within
 ``offer_ttl_seconds`` (docs/security-agent.md). It judges nothing (the recovery detector verifies
@@ -21,7 +24,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -30,13 +33,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector as PromCollector
 from pydantic import Field
 
-from vigil.agent.node_actions import NODE_ACTIONS, node_key, sign
+from vigil.agent.node_actions import NODE_ACTIONS, node_key, result_signature_ok, sign
 from vigil.agent.validation import ConfigError, StrictModel
 from vigil.agent.wire import (
     MAX_REQUESTS_PER_RESPONSE,
     NodeActionName,
     NodeActionRequest,
     NodeActionResult,
+    ProbeGroup,
+    ProbeName,
     replace,
 )
 from vigil.aggregator.decision import Action, Decision
@@ -186,13 +191,18 @@ class Outbox:
         self.offered: Counter[str] = Counter()  # action -> requests offered
         self.results: Counter[tuple[str, str, str]] = Counter()  # (action, outcome, reason)
         self.not_queued: Counter[tuple[str, str]] = Counter()  # (action, reason): decisions not turned into requests
+        # (action, reason): results for a pending request refused before the fleet saw them
+        # (bad_signature, node_mismatch, boot_mismatch: a run_probes result not bound to its request).
+        self.refused: Counter[tuple[str, str]] = Counter()
 
     @classmethod
     def from_config(cls, config: AggregatorConfig, fleet: Fleet | None = None) -> Outbox:
         """Enabled (holding the master key) only when some FOLLOW_UPS pair is in effect
-        (``followed``); raises ConfigError when the key file cannot be read."""
+        (``followed``) or probing is on (``probes.enabled``: aggregator/prober.py); raises
+        ConfigError when the key file cannot be read."""
         follow = followed(config)
-        key = read_key_file(config.node_actions.key_file) if follow and config.node_actions.key_file else None
+        wanted = follow or config.probes.enabled  # the prober's run_probes requests are signed too
+        key = read_key_file(config.node_actions.key_file) if wanted and config.node_actions.key_file else None
         return cls(key, config.node_actions, fleet, follow)
 
     @property
@@ -230,51 +240,80 @@ class Outbox:
                          logging.WARNING)
         return len(ids)
 
-    def _not_queued(self, decision: Decision, reason: str, why: str) -> None:
-        self.not_queued[(decision.action.value, reason)] += 1
-        log.error("node action %s (%s %s gpu %s) not requested: %s", decision.id, decision.action.value,
-                  decision.node, decision.gpu, why)
+    def _not_queued(self, action: str, subject: str, request_id: str, reason: str, why: str) -> None:
+        self.not_queued[(action, reason)] += 1
+        log.error("node action %s (%s %s) not requested: %s", request_id, action, subject, why)
 
     def enqueue(self, decision: Decision, now: float, node_action: str | None = None) -> NodeActionRequest | None:
         """The signed request for ``decision`` (id = the decision id, for the node's current boot),
         asking for ``node_action`` (default: the decision's own action's name), or None when it
         cannot be made (counted, logged) or is already queued or finished."""
+        action = node_action or decision.action.value
+        if decision.node is None:  # a job-level decision asks no node anything
+            self._sweep(now)
+            if self._master is not None:
+                self._not_queued(decision.action.value, decision.subject, decision.id, "unknown_action",
+                                 f"{action} is not a node action for {decision.subject}")
+            return None
+        return self._queue(decision.node, decision.id, action, now, gpu=decision.gpu, reason=decision.reason,
+                           label=decision.action.value)
+
+    def enqueue_request(self, node: str, request_id: str, action: str, now: float, *,
+                        probes: Sequence[ProbeName] = (), probe_group: ProbeGroup | None = None,
+                        quick: bool = False, reason: str = "", ttl_seconds: float | None = None,
+                        gpu: int | None = None) -> NodeActionRequest | None:
+        """A signed request that no delivered decision carries (the prober's run_probes: ``probes``,
+        ``probe_group``), with the same bounds, signing and expiry as ``enqueue``; it expires
+        ``ttl_seconds`` from now (default ``request_ttl_seconds``). None when it cannot be made
+        (counted, logged) or is already queued or finished."""
+        return self._queue(node, request_id, action, now, gpu=gpu, reason=reason, label=action, probes=probes,
+                           probe_group=probe_group, quick=quick, ttl_seconds=ttl_seconds)
+
+    def queued(self, node: str, request_id: str) -> bool:
+        """Whether ``request_id`` for ``node`` waits for a final result."""
+        return request_id in self._pending.get(node, {})
+
+    def _queue(self, target: str, request_id: str, action: str, now: float, *, gpu: int | None, reason: str,
+               label: str, probes: Sequence[ProbeName] = (), probe_group: ProbeGroup | None = None,
+               quick: bool = False, ttl_seconds: float | None = None) -> NodeActionRequest | None:
+        """The one place a request is made: checked against the node's state and the bounds,
+        signed under the node's key, noted in the fleet. ``label`` names it in the not-queued count."""
         self._sweep(now)
         if self._master is None:
             return None
-        action = node_action or decision.action.value
-        target = decision.node
-        if action not in NODE_ACTIONS or target is None:  # a job-level decision asks no node anything
-            self._not_queued(decision, "unknown_action", f"{action} is not a node action for {decision.subject}")
+        if action not in NODE_ACTIONS:
+            self._not_queued(label, target, request_id, "unknown_action", f"{action} is not a node action")
             return None
         node_pending = self._pending.get(target, {})
-        if decision.id in node_pending or decision.id in self._finished:
+        if request_id in node_pending or request_id in self._finished:
             return None  # delivered again (at least once): the first request stands
         node = self.fleet.view().nodes.get(target) if self.fleet is not None else None
         if node is None:
-            self._not_queued(decision, "unknown_node", "the node has no state in the fleet")
+            self._not_queued(label, target, request_id, "unknown_node", "the node has no state in the fleet")
             return None
         gpu_uuid = None
         if NODE_ACTIONS[action].needs_gpu:
-            gpu = node.gpus.get(decision.gpu) if decision.gpu is not None else None
-            if gpu is None:
-                self._not_queued(decision, "no_gpu", "the decision names no GPU the node reported")
+            state = node.gpus.get(gpu) if gpu is not None else None
+            if state is None:
+                self._not_queued(label, target, request_id, "no_gpu", "the decision names no GPU the node reported")
                 return None
-            gpu_uuid = gpu.uuid
+            gpu_uuid = state.uuid
         if len(node_pending) >= self.config.max_pending_per_node or self.pending() >= self.config.max_pending_total:
-            self._not_queued(decision, "outbox_full", f"{len(node_pending)} pending for the node, {self.pending()} "
+            self._not_queued(label, target, request_id, "outbox_full",
+                             f"{len(node_pending)} pending for the node, {self.pending()} "
                              f"in all (node_actions.max_pending_per_node/max_pending_total)")
             return None
+        ttl = self.config.request_ttl_seconds if ttl_seconds is None else ttl_seconds
         request = NodeActionRequest(
-            id=decision.id, action=cast(NodeActionName, action), node=target, boot_id=node.boot_id,
-            gpu=decision.gpu if gpu_uuid is not None else None, gpu_uuid=gpu_uuid, issued_at=now,
-            expires_at=now + self.config.request_ttl_seconds, reason=decision.reason)
+            id=request_id, action=cast(NodeActionName, action), node=target, boot_id=node.boot_id,
+            gpu=gpu if gpu_uuid is not None else None, gpu_uuid=gpu_uuid, issued_at=now,
+            expires_at=now + ttl, reason=reason, probes=list(probes), probe_group=probe_group, quick=quick)
         signed = sign(request, node_key(self._master, target))
-        self._pending.setdefault(target, {})[decision.id] = _Entry(signed)
+        self._pending.setdefault(target, {})[request_id] = _Entry(signed)
         if self.fleet is not None:
             self.fleet.note_action_request(signed)
         log.info("node action %s queued: %s %s gpu %s (%s), boot %s, expires in %.0f s", signed.id, action,
-                 signed.node, signed.gpu, signed.gpu_uuid, signed.boot_id, self.config.request_ttl_seconds)
+                 signed.node, signed.gpu, signed.gpu_uuid, signed.boot_id, ttl)
         return signed
 
     def due(self, node: str, now: float, boot_id: str | None = None,
@@ -332,6 +371,13 @@ class Outbox:
                 log.warning("node action result from %s for %s says action %r, the request was %s: ignored",
                             node, result.id, result.action, entry.request.action)
                 continue
+            refusal = self._identity_refusal(entry.request, result)
+            if refusal is not None:
+                reason, why = refusal
+                self.refused[(entry.request.action, reason)] += 1
+                log.error("node action result from %s for %s refused (%s): %s; the request stays pending", node,
+                          result.id, reason, why)
+                continue
             if result.outcome == "refused" and result.reason == EXPIRED and now < entry.request.expires_at:
                 # The offer's validity ended before the agent ran it (a queue, a clock ahead): the
                 # request stands and is offered again, freshly signed. Not a result for the fleet.
@@ -356,6 +402,21 @@ class Outbox:
         if accepted and self.fleet is not None:
             self.fleet.record_action_results(node, accepted, now)
         return accepted
+
+    def _identity_refusal(self, request: NodeActionRequest, result: NodeActionResult) -> tuple[str, str] | None:
+        """Why a result that carries measurements (run_probes: what the aggregator judges and learns
+        from) must not reach the fleet, as (reason, detail), or None: it must be signed under the
+        node's key (agent/node_actions.sign_result) and name the request's node and boot."""
+        if request.action != "run_probes":
+            return None
+        assert self._master is not None  # nothing is pending without the key
+        if not result.signature or not result_signature_ok(result, node_key(self._master, request.node)):
+            return "bad_signature", "the result is not signed under the node's key"
+        if result.node != request.node:
+            return "node_mismatch", f"the result names node {result.node!r}, the request {request.node!r}"
+        if result.boot_id != request.boot_id:
+            return "boot_mismatch", f"the result names boot {result.boot_id!r}, the request {request.boot_id!r}"
+        return None
 
     def _count(self, action: str, outcome: str, reason: str) -> None:
         action = action if action in NODE_ACTIONS else OTHER
@@ -429,5 +490,14 @@ class _OutboxMetrics(PromCollector):
         for (action, reason), n in sorted(box.not_queued.items()):
             not_queued.add_metric([action, reason], n)
         yield not_queued
+        refused = CounterMetricFamily("vigil_aggregator_node_action_results_refused",
+                                      "Node-action results for a pending request refused before the fleet took them, "
+                                      "by action and reason (bad_signature: not signed under the node's key; "
+                                      "node_mismatch, boot_mismatch: not bound to the request's node and boot). "
+                                      "The request stays pending until a bound result or its expiry.",
+                                      labels=["action", "reason"])
+        for (action, reason), n in sorted(box.refused.items()):
+            refused.add_metric([action, reason], n)
+        yield refused
         yield GaugeMetricFamily("vigil_aggregator_node_actions_pending",
                                 "Node-action requests waiting for a final result.", value=box.pending())

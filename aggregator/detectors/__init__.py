@@ -17,6 +17,7 @@ from vigil.aggregator.detectors.hang import HangDetector
 from vigil.aggregator.detectors.memory import MemoryDetector
 from vigil.aggregator.detectors.network import NetworkDetector
 from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkDetector
+from vigil.aggregator.detectors.probe_verdict import ProbeVerdictDetector
 from vigil.aggregator.detectors.recovery import RecoveryDetector
 from vigil.aggregator.detectors.silence import SilenceDetector
 from vigil.aggregator.detectors.straggler import StragglerDetector
@@ -44,4 +45,5 @@ REGISTRY: dict[str, Callable[[Any], Detector]] = {
     "silence": SilenceDetector,
     "gpu_peer": GpuPeerDetector,
     "recovery": RecoveryDetector,
+    "probe_verdict": ProbeVerdictDetector,
 }

@@ -38,22 +38,45 @@ was active in every report, and at least ``min_reports`` reports arrived; a node
 verified ``unverified_alert_seconds`` after ``t_fix`` gets one alert (a person looks). The gate
 still applies its hysteresis (``gate.min_removed_seconds``) and never resumes a held node.
 
+With probes on (``probes.enabled``, aggregator/prober.py), passing the checks above no longer
+resumes: the node gets an ``observe`` finding (signal ``probing``: "passed passive checks,
+probing", in the decision log, acted on by no actuator) on which the prober requests the
+``probes.recovery_probes`` run (id: probe_verdict.probe_request_id of the removal's decision and
+the attempt). Resume comes only from that run, reported after ``t_fix``, judged pass
+(probe_verdict.judge_run: every requested probe passes or is skipped, at least one passes, each
+value against its class's configured or learned baseline). A failed probe climbs the ladder
+(after reset_gpu: reboot_node; after reboot_node: inspect_hardware), the failed probes with their
+values and floors as evidence; a run that errors or has no result within
+``probes.run_timeout_seconds`` is requested once more (``probing:retry``), then alerted.
+
 Designed false-resume rate: 0 by construction for a node that shows any of the fault signals above
 after its remediation; what the reports cannot show (a fault that needs load to appear) is the
-residual, and the gate's escalation history sends a repeat after the resume to inspection.
+residual (with probes on, what the probes cannot show under their load), and the gate's escalation
+history sends a repeat after the resume to inspection.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field, field_validator
 
 from vigil.agent.validation import StrictModel
+from vigil.agent.wire import ProbeName
 from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.detectors.probe_verdict import Learned, judge_run, probe_request_id
 from vigil.aggregator.fleet import ActionOutcome, FleetView, NodeState, Removal, port_is_active
 from vigil.aggregator.outbox import BUSY
 from vigil.aggregator.xid_catalog import XidCatalog, occurrence_action
 
+if TYPE_CHECKING:
+    from vigil.aggregator.prober import ProbesConfig
+
 NAME = "recovery"
+# With probes on (aggregator/prober.py): the finding's signal that a node passed its passive checks
+# and waits for its probe run (the prober requests it), and how many runs it gets before an alert.
+PROBING = "probing"
+PROBE_ATTEMPTS = 2
 
 # The actions whose outcome can be verified from the reports (drain: a person decides;
 # inspect_hardware: a technician does).
@@ -103,12 +126,13 @@ class RecoveryDetector:
             node = view.nodes.get(name)
             if node is None or removal.held or removal.action not in follow:
                 continue
-            finding = self._judge(node, removal, now, view.agent_resets)
+            finding = self._judge(node, removal, now, view.agent_resets, view)
             if finding is not None:
                 out.append(finding)
         return out
 
-    def _judge(self, node: NodeState, removal: Removal, now: float, agent_resets: bool = False) -> Finding | None:
+    def _judge(self, node: NodeState, removal: Removal, now: float, agent_resets: bool = False,
+               view: FleetView | None = None) -> Finding | None:
         cfg = self.config
         # A reboot is a new kernel boot id, not a restarted agent (wire.kernel_boot_id).
         new_boot = node.kernel_reboots > 0 and node.kernel_boot_started > removal.ts
@@ -146,12 +170,75 @@ class RecoveryDetector:
         waiting = self._not_ready(node, t_fix, now)
         if waiting is not None:
             return self._unverified(node, removal, t_fix, now, waiting, base)
+        if view is not None and view.probes is not None:
+            return self._probed(node, removal, t_fix, now, base, view.probes, view.learned_probes)
         return Finding(
             detector=NAME, node=node.name, action=Action.RESUME, since=t_fix, key="verified",
             reason=(f"{node.name} healthy for {now - t_fix:.0f} s after {removal.action.value}: every expected "
                     f"GPU present, no fault since, RDMA ports active"),
             evidence={**base, "signal": "recovered", "verified_seconds": round(now - t_fix, 1),
                       "gpus": len(node.gpus)})
+
+    def _probed(self, node: NodeState, removal: Removal, t_fix: float, now: float, base: dict[str, object],
+                probes: ProbesConfig, learned: Learned) -> Finding:
+        """Passive checks passed and probing is on: the node waits for a probe run made after
+        ``t_fix`` (the prober requests it on the ``probing`` finding); all pass: resume; a probe
+        fails: the next rung; an error or no result within the run's timeout: once more, then an alert."""
+        ids = [probe_request_id("recovery", removal.decision, attempt) for attempt in range(PROBE_ATTEMPTS)]
+        attempt = max((a for a, rid in enumerate(ids) if rid in node.action_results or rid in node.action_expiry),
+                      default=0)
+        request_id = ids[attempt]
+        wanted = list(probes.recovery_probes)
+        base = {**base, "probe_request": request_id, "attempt": attempt, "probes_requested": wanted}
+        outcome = node.action_results.get(request_id)
+        expires = node.action_expiry.get(request_id)
+        done = outcome is not None and outcome.received >= t_fix and not (
+            outcome.result.outcome == "refused" and outcome.result.reason == BUSY)
+        trouble: str | None = None
+        if done:
+            assert outcome is not None
+            verdict = judge_run(outcome.result, node, wanted, probes.baselines, learned)
+            evidence = {**base, "probes": verdict.evidence(), "probe_result_received": outcome.received}
+            if verdict.outcome == "pass":
+                return Finding(
+                    detector=NAME, node=node.name, action=Action.RESUME, since=t_fix, key="verified",
+                    reason=(f"{node.name} healthy for {now - t_fix:.0f} s after {removal.action.value} and passed its "
+                            f"probes ({verdict.detail})"),
+                    evidence={**evidence, "signal": "recovered", "verified_seconds": round(now - t_fix, 1),
+                              "gpus": len(node.gpus)})
+            if verdict.outcome == "fail":
+                # The ladder's next rung: a reset that left a fault -> reboot; a reboot -> a technician.
+                action = Action.REBOOT_NODE if removal.action is Action.RESET_GPU else Action.INSPECT_HARDWARE
+                return Finding(
+                    detector=NAME, node=node.name, action=action, since=outcome.received, key="probe_failed",
+                    gpu=removal.gpu if action is Action.REBOOT_NODE else None,
+                    reason=(f"{node.name} passed the passive checks after {removal.action.value} but failed its "
+                            f"probes: {verdict.detail}"),
+                    evidence={**evidence, "signal": "probe_failed", "failed": [j.evidence() for j in verdict.failed]})
+            trouble = f"the probe run errored ({verdict.detail})"
+        elif expires is not None and now >= expires:
+            trouble = f"no probe result within {probes.run_timeout_seconds:.0f} s"
+        if trouble is not None:
+            if attempt + 1 < PROBE_ATTEMPTS:
+                return self._probing(node, removal, t_fix, now, {**base, "previous": trouble},
+                                     ids[attempt + 1], attempt + 1, wanted)
+            return Finding(
+                detector=NAME, node=node.name, action=Action.ALERT, since=t_fix, key="probe_error",
+                reason=(f"{node.name} passed the passive checks after {removal.action.value} but its probes could not "
+                        f"be judged ({trouble}, {PROBE_ATTEMPTS} attempts); it stays out of service"),
+                evidence={**base, "signal": "probe_error", "detail": trouble})
+        return self._probing(node, removal, t_fix, now, base, request_id, attempt, wanted)
+
+    def _probing(self, node: NodeState, removal: Removal, t_fix: float, now: float, base: dict[str, object],
+                 request_id: str, attempt: int, wanted: list[ProbeName]) -> Finding:
+        # observe: recorded in the decision log (the node's state is visible) and acted on by nobody
+        # but the prober; an alert would page a person for the normal path.
+        return Finding(
+            detector=NAME, node=node.name, action=Action.OBSERVE, since=t_fix,
+            key=PROBING if attempt == 0 else f"{PROBING}:retry",
+            reason=(f"{node.name} passed passive checks for {now - t_fix:.0f} s after {removal.action.value}, "
+                    f"probing ({', '.join(wanted)})" + (" again" if attempt else "")),
+            evidence={**base, "signal": PROBING, "probe_request": request_id, "attempt": attempt})
 
     def _reset_not_done(self, node: NodeState, removal: Removal, outcome: ActionOutcome | None, now: float,
                         base: dict[str, object]) -> Finding | None:
