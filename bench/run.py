@@ -28,6 +28,7 @@ MODULES = [
     "bench.bench_sim",
     "bench.bench_judgments",
     "bench.bench_faults",
+    "bench.bench_probe_recovery",
     "bench.bench_failover",
 ]
 

@@ -8,7 +8,10 @@ engine. The aggregator (detectors, then the gate in dry run over an in-memory st
 start-up grace counted from the simulation's start as the service counts it from its own)
 evaluates at every interval's end and at once after an urgent report; every decision is
 recorded with its simulated time. With a scenario's ``remediation`` it also carries out admitted reboots and
-GPU resets (the latter through the real outbox and the node's real NodeActionRunner). It scores
+GPU resets (the latter through the real outbox and the node's real NodeActionRunner). With the
+aggregator's ``probes.enabled`` the real prober (aggregator/prober.py) plans probe runs after every
+evaluation, as the app does; its signed run_probes requests go through the real outbox, and each
+node's simulated agent (sim/probes.py) answers them after the probes' simulated duration. It scores
 nothing (sim.score does) and never sleeps.
 """
 
@@ -46,7 +49,9 @@ from vigil.agent.wire import (
 from vigil.sim import fabric
 from vigil.sim.clock import SimClock
 from vigil.sim.fleet import KernelLog, SimNode, kernel_xid_line
+from vigil.sim.probes import SimHardware, SimProbeAgent, node_rng, probe_seconds
 from vigil.sim.scenario import (
+    PROBE_FAULTS,
     DataStall,
     Hang,
     KernelXid,
@@ -112,6 +117,25 @@ class Remediated:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class ProbeRun:
+    """A run_probes request a node's simulated agent answered (``probes``): when it was offered and
+    answered (simulated seconds), what it ran and how each probe came out on the agent's side (the
+    aggregator's verdict against the baselines is its own: see the decisions)."""
+
+    t: float  # offered to the agent (the report whose answer carried it)
+    node: str
+    request_id: str
+    probes: tuple[str, ...]
+    done_seconds: float  # the result ready for the node's next report
+    outcome: str  # done, or refused (reason)
+    failed: tuple[str, ...] = ()  # "probe[ gpu N]: reason" of every probe result the agent failed or errored
+    values: tuple[tuple[str, int | None, float | None], ...] = ()  # (probe, gpu, value) of each result
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
 @dataclass
 class JobTrace:
     """What the plots need of a job: per window, the job's step time and each node's compute."""
@@ -142,6 +166,8 @@ class SimResult:
     fleet_silent: list[int] = field(default_factory=list)
     # The reboots and GPU resets the simulator carried out itself (scenario ``remediation``), in order.
     remediations: list[Remediated] = field(default_factory=list)
+    # The run_probes requests the simulated agents answered (aggregator ``probes.enabled``), in order.
+    probe_runs: list[ProbeRun] = field(default_factory=list)
 
 
 # What an agent does not do in the simulator: psutil would read this machine, not a simulated
@@ -230,24 +256,30 @@ class Simulation:
         self.agent_config = agent_config(scenario)
         remediation = scenario.remediation
         self._resets = remediation is not None and remediation.reset_seconds is not None and engine is None
-        self.outbox: Any = None  # the aggregator's node-action outbox (GPU resets; None: resets off)
+        self._probing = engine is None and probing_enabled(scenario)
+        self.outbox: Any = None  # the aggregator's node-action outbox (GPU resets, probes; None: neither)
+        self.prober: Any = None  # the aggregator's prober (aggregator/prober.py; None: probing off)
         self._master_key = sim_master_key(self.seed)
         if engine is not None:
             self.engine = engine
-        elif not self._resets:
+        elif not (self._resets or self._probing):
             self.engine, self.sink = build_engine(scenario, started=self.clock.start)
         self._tmp = tempfile.TemporaryDirectory(prefix="vigil-sim-") if workdir is None else None
         self.workdir = workdir if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
-        if self._resets:
+        if self._resets or self._probing:
             from vigil.aggregator.outbox import Outbox
 
             master = self.workdir / "node-action-master.key"
             master.write_text(self._master_key.hex() + "\n")
             try:
                 self.engine, self.sink = build_engine(scenario, started=self.clock.start,
-                                                      node_action_key_file=master)
-                # As the app builds it (aggregator/app.py): enabled by the same config, over the engine's fleet.
+                                                      node_action_key_file=master, agent_resets=self._resets)
+                # As the app builds them (aggregator/app.py): enabled by the same config, over the engine's fleet.
                 self.outbox = Outbox.from_config(self.engine.config, self.engine.fleet)
+                if self._probing:
+                    from vigil.aggregator.prober import Prober
+
+                    self.prober = Prober(self.engine.config.probes, self.outbox, self.engine.fleet)
             except BaseException:
                 if self._tmp is not None:
                     self._tmp.cleanup()
@@ -278,6 +310,13 @@ class Simulation:
         self._runners: dict[str, tuple[str, Any]] = {}
         self._handling: dict[str, set[str]] = {}
         self._results: dict[str, list[NodeActionResult]] = {}
+        # Probes: each node's probe-only faults (a reboot that clears them removes them), its
+        # simulated agent's probe side, the runs answered, and each probe group's members so far
+        # (group id -> node -> its collective factor; a collective runs at its slowest member's).
+        self._probe_faults: dict[str, list[Any]] = {}
+        self._probe_agents: dict[str, SimProbeAgent] = {}
+        self._probe_runs: list[ProbeRun] = []
+        self._groups: dict[str, dict[str, float]] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -287,6 +326,8 @@ class Simulation:
         for fault in sc.faults:
             for n in sc.fault_nodes(fault):
                 self._faults_by_node.setdefault(n, []).append(fault)
+                if isinstance(fault, PROBE_FAULTS):
+                    self._probe_faults.setdefault(n, []).append(fault)
         base = self.agent_config
         from vigil.agent.daemon import build_collectors
         from vigil.agent.nvml.profiles import PROFILES
@@ -388,6 +429,10 @@ class Simulation:
         _, _, nvml_faults = self._nvml_setup[node.name]
         if clears:
             nvml_faults = [f for f in nvml_faults if f["at_seconds"] > now]
+        # Faults only a probe sees: cleared where their own ``reboot_clears`` (else the reboot's) says.
+        self._probe_faults[node.name] = [
+            f for f in self._probe_faults.get(node.name, [])
+            if f.at_seconds > now or not (clears if f.reboot_clears is None else f.reboot_clears)]
         node.close()
         if node.fabric is not None:
             node.fabric.reset(self.scenario.fleet.hcas_per_node, self.scenario.fleet.link_layer)
@@ -473,6 +518,9 @@ class Simulation:
         handling = self._handling.setdefault(node.name, set())
         if request.id in handling or any(r.id == request.id for r in self._results.get(node.name, ())):
             return
+        if request.action == "run_probes":
+            self._offer_probes(node, request, handling)
+            return
         handling.add(request.id)
         remediation = self.scenario.remediation
         assert remediation is not None and remediation.reset_seconds is not None
@@ -492,6 +540,81 @@ class Simulation:
             log.info("remediation: %s of GPU %s on %s at %g s (decision %s): %s (%s)", request.action, request.gpu,
                      node.name, self.clock.elapsed, request.id, result.outcome, result.reason)
         self._at(self.clock.elapsed + remediation.reset_seconds, run)
+
+    def _offer_probes(self, node: SimNode, request: NodeActionRequest, handling: set[str]) -> None:
+        """The node's simulated agent takes a run_probes request: refused at once (signed, in the
+        next report) when a check fails or a job holds the node; else its probes run one after
+        another for their simulated durations (``probes.seconds``) and the signed result waits for
+        the node's next report. A reboot meanwhile ends the run (that agent is gone)."""
+        agent = self._probe_agent(node.name)
+        now = self.clock.now
+        t0 = self.clock.elapsed
+        refused = agent.check(request, node.boot_id, now, self._busy(node.name))
+        if refused is not None:
+            self._results.setdefault(node.name, []).append(refused)
+            self._probe_runs.append(ProbeRun(round(t0, 3), node.name, request.id, tuple(request.probes),
+                                             round(t0, 3), f"refused ({refused.reason})"))
+            log.info("probes: %s refused %s (%s): %s", node.name, request.id, refused.reason, refused.detail)
+            return
+        handling.add(request.id)
+        boot = node.boot_id
+        group = request.probe_group
+        if group is not None:  # this member joins its group's collective now
+            members = self._groups.setdefault(group.group, {})
+            members[node.name] = self._hardware(node.name).collective_factor()
+
+        def done() -> None:
+            handling.discard(request.id)
+            if node.boot_id != boot or node.silent:
+                return  # the node rebooted meanwhile: that agent and its run are gone
+            busbw = None
+            if group is not None and "collective" in request.probes:
+                members = self._groups.get(group.group, {})
+                if len(members) >= group.world_size:
+                    from vigil.sim.probes import COLLECTIVE_GB_PER_S_PER_HCA
+
+                    busbw = COLLECTIVE_GB_PER_S_PER_HCA * max(1, self.scenario.fleet.hcas_per_node) \
+                        * min(members.values())
+            result = agent.run(request, boot, self.clock.now, self._hardware(node.name), busbw)
+            self._results.setdefault(node.name, []).append(result)
+            failed = tuple(f"{p.probe}{'' if p.gpu is None else f' gpu {p.gpu}'}: {p.reason}"
+                           for p in result.probes if p.status in ("fail", "error"))
+            self._probe_runs.append(ProbeRun(
+                round(t0, 3), node.name, request.id, tuple(request.probes), round(self.clock.elapsed, 3),
+                result.outcome, failed, tuple((p.probe, p.gpu, p.value) for p in result.probes)))
+            log.info("probes: %s ran %s (%s) from %g s to %g s: %s", node.name, request.id, ", ".join(request.probes),
+                     t0, self.clock.elapsed, "; ".join(failed) or "every probe passed on the agent's side")
+        self._at(t0 + probe_seconds(request, self.scenario.probes), done)
+
+    def _probe_agent(self, name: str) -> SimProbeAgent:
+        agent = self._probe_agents.get(name)
+        if agent is None:
+            index = self._nvml_setup[name][0]
+            agent = self._probe_agents[name] = SimProbeAgent(name, self._master_key, self.scenario.probes,
+                                                             node_rng(self.seed, index))
+        return agent
+
+    def _hardware(self, name: str) -> SimHardware:
+        """The node's hardware under a probe's load now: its profile, its probe-only faults."""
+        _, profile, _ = self._nvml_setup[name]
+        fleet = self.scenario.fleet
+        return SimHardware(profile, fleet.gpus_per_node, fleet.hcas_per_node, self._probe_faults.get(name, []),
+                           self.clock.elapsed, self.scenario.probes.noise, self._probe_agent(name).rng)
+
+    def _busy(self, name: str) -> str | None:
+        """Why the node is busy (a job's processes hold its GPUs), or None: a job that covers the
+        node has started and not ended, and the node has not rebooted since it started (a reboot
+        ends the node's processes; the simulated job is not restarted on it)."""
+        t = self.clock.elapsed
+        for model in self.jobs:
+            job = model.job
+            if name not in model.nodes or t < job.start_seconds or (job.end_seconds is not None
+                                                                    and t >= job.end_seconds):
+                continue
+            if any(down >= job.start_seconds for down, _ in self._down.get(name, ())):
+                continue
+            return f"job {job.name} holds the node's GPUs"
+        return None
 
     def _runner(self, node: SimNode) -> Any:
         """The node's NodeActionRunner for its current boot (a reboot starts a new agent): reset_gpu
@@ -645,7 +768,7 @@ class Simulation:
             heartbeats_rejected=rejected, breaker_tripped=self._breaker_tripped(decisions),
             collectors=sorted({c.name for n in self.nodes.values() for c in n.collectors}),
             jobs=traces, fleet_t=fleet_t, fleet_reporting=reporting, fleet_silent=silent,
-            remediations=list(self._remediated))
+            remediations=list(self._remediated), probe_runs=list(self._probe_runs))
 
     def _advance(self, t: float) -> None:
         """Simulated time to ``t`` seconds: the scheduled events due by then happen in order, the
@@ -776,10 +899,14 @@ class Simulation:
         store = self.sink.store
         before = self._store_seq
         self.engine.evaluate(now)
+        if self.prober is not None:
+            # As the app does after each evaluation: the prober plans probe runs from what the
+            # engine found, and queues them in the outbox.
+            self.prober.plan(self.engine.view(), self.engine.last_findings, now)
         rows = _rows_after(store, before)
         if rows:
             self._store_seq = max(r.seq for r in rows)
-        if self.outbox is not None:
+        if self._resets:
             self._reset_decisions.update((r.decision.id, r.decision) for r in rows
                                          if r.admitted and str(r.decision.action) == "reset_gpu")
         return [_sim_decision(r.decision, t, r.admitted, r.verdict) for r in sorted(rows, key=lambda r: r.seq)]
@@ -876,13 +1003,20 @@ def _log_bus_id(nvml_bus_id: str) -> str:
     return f"{parts[0][-4:]}:{parts[1]}:{parts[2].split('.')[0]}"
 
 
+def probing_enabled(scenario: Scenario) -> bool:
+    """Whether the scenario's aggregator probes (``aggregator.probes.enabled``)."""
+    probes = scenario.aggregator.get("probes")
+    return isinstance(probes, dict) and probes.get("enabled") is True
+
+
 def build_engine(scenario: Scenario, *, started: float | None = None,
-                 node_action_key_file: Path | None = None) -> tuple[Any, Any]:
+                 node_action_key_file: Path | None = None, agent_resets: bool = True) -> tuple[Any, Any]:
     """The real aggregator: engine and detectors configured by the scenario, then the gate in dry
     run over an in-memory store. Configuration errors name their key path under ``aggregator.``
     or ``gate.``. ``node_action_key_file``: the master key file of agent resets (the simulator
     carries out GPU resets, ``remediation.reset_seconds``): the aggregator then runs with
-    ``actuators.slurm.reset_gpu`` on (no actuator is built here; the simulator delivers the drain).
+    ``actuators.slurm.reset_gpu`` on (no actuator is built here; the simulator delivers the drain);
+    with ``agent_resets`` false the key only signs the prober's run_probes requests.
     ``started``: when the aggregator started, as the app gives its gate (aggregator/app.py
     ``build_sink``): the breaker's start-up grace counts from it; None: no grace."""
     from pydantic import ValidationError
@@ -895,8 +1029,9 @@ def build_engine(scenario: Scenario, *, started: float | None = None,
 
     data: dict[str, Any] = {**scenario.aggregator, "dry_run": True}
     if node_action_key_file is not None:
-        data = _merge(data, {"actuators": {"enabled": True, "slurm": {"enabled": True, "reset_gpu": True}},
-                             "node_actions": {"key_file": str(node_action_key_file)}})
+        data = _merge(data, {"node_actions": {"key_file": str(node_action_key_file)}})
+    if node_action_key_file is not None and agent_resets:
+        data = _merge(data, {"actuators": {"enabled": True, "slurm": {"enabled": True, "reset_gpu": True}}})
     try:
         config = parse_aggregator_config(data)
     except ConfigError as exc:

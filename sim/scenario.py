@@ -383,11 +383,95 @@ class Silence(_FaultBase):
     until_seconds: float | None = None
 
 
+class UnderLoad(_FaultBase):
+    """A fault that shows only under load, so only in a probe (active validation, issue 39): the
+    node's passive reports stay exactly a healthy node's (no Xid, no throttle at idle, no port
+    errors), its probes fail. ``what``: ``hbm`` (a marginal HBM stack: the memory probe's pattern
+    test finds errors, DCGM's memory test fails), ``power`` (the GPU throttles only at full power:
+    the compute burn's clocks sag and its throttle reasons show it), ``nvlink`` (NVLink errs only at
+    line rate: the P2P copies from and to the GPU fail), ``rdma`` (the HCA port errs only at line
+    rate: ib_write_bw and the collective fall short). ``reboot_clears``: whether a reboot fixes it;
+    None (default): as the reboot fixes the node's other faults (``remediation.clears``, a scripted
+    reboot's ``clears``)."""
+
+    kind: Literal["probe_only"]
+    what: Literal["hbm", "power", "nvlink", "rdma"]
+    gpu: int = Field(default=0, ge=0)
+    hca: int = Field(default=0, ge=0)
+    until_seconds: float | None = None
+    reboot_clears: bool | None = None
+
+
+class ProbeSlow(_FaultBase):
+    """A node slow by a few per cent that reports nothing wrong: its compute probe measures
+    ``factor`` times less than its hardware class does (on ``gpus``, default all). Below a
+    straggler detector's removal floor in a job (script the job's side with a ``slow_node`` of the
+    same factor); a probe against the class's baseline confirms it. ``reboot_clears`` as
+    ``probe_only``'s."""
+
+    kind: Literal["probe_slow"]
+    factor: float = Field(default=1.04, gt=1.0, le=100.0)
+    gpus: list[int] | None = None
+    until_seconds: float | None = None
+    reboot_clears: bool | None = None
+
+
+# The fault kinds that only a probe sees (sim/probes.py answers run_probes with them).
+PROBE_FAULTS = (UnderLoad, ProbeSlow)
+
+
 Fault = Annotated[
     NvmlFault | KernelXid | PortDown | PortFlap | PortErrors | RoceCongestion | SlowNode | DataStall | Hang
-    | Silence | Reboot,
+    | Silence | Reboot | UnderLoad | ProbeSlow,
     Field(discriminator="kind"),
 ]
+
+
+# The probes' simulated durations (``probes.seconds``), from the agent's defaults (agent/probes/
+# context.py ProbesConfig) where they fix one, else stated assumptions:
+# - gpu_compute: 5 passes of 4 s (burn_passes x burn_pass_seconds), every GPU at once: 20 s.
+# - gpu_memory: copies and a pattern test over a 1 GiB buffer per GPU: well under a second of
+#   transfers at ~2.8 TB/s; 10 s with allocation, several passes and the CUDA context (assumed).
+# - gpu_p2p: 56 ordered pairs of 8 GPUs, a few 1 GiB copies each (~3 ms at ~370 GB/s): 10 s with
+#   the peer-access set-up (assumed).
+# - dcgm_diag: ``dcgmi diag -r 2`` (the agent's default level) takes about 2 minutes on an 8-GPU
+#   node (NVIDIA DCGM user guide, "Run levels": level 2 a couple of minutes, 3 about 30 minutes).
+# - rdma_bw: ib_write_bw for rdma_seconds (5 s) per HCA and its connection set-up: 10 s (assumed,
+#   HCAs tested in turn would take 5 s x HCAs; the simulated probe is per node).
+# - collective: 20 iterations of a 64 MiB all-reduce and the rendezvous: 15 s (assumed).
+DEFAULT_PROBE_SECONDS: dict[str, float] = {
+    "gpu_compute": 20.0, "gpu_memory": 10.0, "gpu_p2p": 10.0, "dcgm_diag": 120.0, "rdma_bw": 10.0,
+    "collective": 15.0,
+}
+
+
+class SimProbes(_Strict):
+    """``probes``: how the simulated agents answer ``run_probes`` (sim/probes.py): each probe's
+    duration on the simulated clock, and the relative noise of every measured figure (healthy
+    hardware of one class repeats a matmul burn or a copy within about 1%)."""
+
+    seconds: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_PROBE_SECONDS))
+    noise: float = Field(default=0.01, ge=0, le=0.5)
+    # Whether the nodes have DCGM (dcgmi): without it dcgm_diag is skipped at once, as the agent's
+    # probe does where dcgmi is not installed.
+    dcgm_installed: bool = True
+
+    @model_validator(mode="after")
+    def _known_probes(self) -> SimProbes:
+        from vigil.agent.probes import PROBES
+
+        unknown = sorted(set(self.seconds) - set(PROBES))
+        if unknown:
+            raise ValueError(f"seconds: unknown probe(s) {unknown} (one of {sorted(PROBES)})")
+        bad = sorted(k for k, v in self.seconds.items() if not 0 < v <= 7200)
+        if bad:
+            raise ValueError(f"seconds: {bad} outside (0, 7200]")
+        return self
+
+    def duration(self, probe: str) -> float:
+        if probe == "dcgm_diag" and not self.dcgm_installed:
+            return 0.0
+        return self.seconds.get(probe, DEFAULT_PROBE_SECONDS[probe])
 
 
 class Remediation(_Strict):
@@ -561,6 +645,9 @@ class Scenario(_Strict):
     # The simulator carries out admitted reboot_node (and, with reset_seconds, reset_gpu) decisions
     # itself; None: decisions change nothing on the simulated nodes (the gate runs in dry run), only scripted faults do.
     remediation: Remediation | None = None
+    # How the simulated agents answer the aggregator's run_probes requests (aggregator config
+    # ``probes.enabled`` turns the prober on; sim/probes.py runs them).
+    probes: SimProbes = SimProbes()
     # Passed through to the real configurations: the agent's (for every simulated node), the
     # aggregator's (detector thresholds, fleet windows) and the gate's (always in dry run here).
     agent: dict[str, Any] = Field(default_factory=dict)
@@ -590,6 +677,14 @@ class Scenario(_Strict):
                 _check_node_fault(fault, self.fleet, where)
             if isinstance(fault, DataStall | Hang) and fault.job not in jobs:
                 raise ValueError(f"{where}.job: unknown job {fault.job!r}")
+            if isinstance(fault, UnderLoad) and fault.gpu >= self.fleet.gpus_per_node:
+                raise ValueError(f"{where}.gpu: {fault.gpu} >= gpus_per_node {self.fleet.gpus_per_node}")
+            if isinstance(fault, UnderLoad) and fault.what == "rdma" and fault.hca >= self.fleet.hcas_per_node:
+                raise ValueError(f"{where}.hca: {fault.hca} >= hcas_per_node {self.fleet.hcas_per_node}")
+            if isinstance(fault, ProbeSlow) and fault.gpus is not None \
+                    and (not fault.gpus or not all(0 <= g < self.fleet.gpus_per_node for g in fault.gpus)):
+                raise ValueError(f"{where}.gpus: a non-empty list of indexes below gpus_per_node "
+                                 f"{self.fleet.gpus_per_node}")
             if isinstance(fault, NvmlFault | KernelXid) and fault.gpu is not None \
                     and fault.gpu >= self.fleet.gpus_per_node:
                 raise ValueError(f"{where}.gpu: {fault.gpu} >= gpus_per_node {self.fleet.gpus_per_node}")

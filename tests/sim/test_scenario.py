@@ -143,8 +143,10 @@ def _minimal_fault(kind: str, fields: list[str]) -> dict[str, Any]:
     members = get_args(get_args(union)[0])  # Annotated[A | B | ..., discriminator] -> (A, B, ...)
     model = next(m for m in members if kind in get_args(m.model_fields["kind"].annotation))
     required = [name for name, info in model.model_fields.items() if info.is_required()]
+    # Fields whose model takes no 1: a probe_only's kind of load, a GPU list, the one HCA's index.
+    values: dict[str, Any] = {"job": "train", "what": "hbm", "gpus": [1], "hca": 0}
     for name in (*required, *fields):
-        fault.setdefault(name, "train" if name == "job" else 1)
+        fault.setdefault(name, values.get(name, 1))
     return fault
 
 
