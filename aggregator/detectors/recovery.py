@@ -39,10 +39,12 @@ verified ``unverified_alert_seconds`` after ``t_fix`` gets one alert (a person l
 still applies its hysteresis (``gate.min_removed_seconds``) and never resumes a held node.
 
 With probes on (``probes.enabled``, aggregator/prober.py), passing the checks above no longer
-resumes: the node gets an ``observe`` finding (signal ``probing``: "passed passive checks,
-probing", in the decision log, acted on by no actuator) on which the prober requests the
-``probes.recovery_probes`` run (id: probe_verdict.probe_request_id of the removal's decision and
-the attempt). Resume comes only from that run, reported after ``t_fix``, judged pass
+resumes by itself: from the remediation's first clean report (in parallel with the passive window,
+so that the probes cost no time beyond it when they are shorter) the node gets an ``observe``
+finding (signal ``probing``: "clean so far, probing", in the decision log, acted on by no
+actuator) on which the prober requests the ``probes.recovery_probes`` run (id:
+probe_verdict.probe_request_id of the removal's decision and the attempt). Resume comes only
+from that run, reported after ``t_fix``, judged pass
 (probe_verdict.judge_run: every requested probe passes or is skipped, at least one passes, each
 value against its class's configured or learned baseline). A failed probe climbs the ladder
 (after reset_gpu: reboot_node; after reboot_node: inspect_hardware), the failed probes with their
@@ -168,10 +170,12 @@ class RecoveryDetector:
                 reason=f"{removal.action.value} did not fix {node.name}: {detail}",
                 evidence={**base, "signal": signal, "detail": detail})
         waiting = self._not_ready(node, t_fix, now)
+        if view is not None and view.probes is not None:
+            # The probes run while the passive window fills (the node is out of service either way):
+            # resume needs both, and a failed probe climbs the ladder at once.
+            return self._probed(node, removal, t_fix, now, base, view.probes, view.learned_probes, waiting)
         if waiting is not None:
             return self._unverified(node, removal, t_fix, now, waiting, base)
-        if view is not None and view.probes is not None:
-            return self._probed(node, removal, t_fix, now, base, view.probes, view.learned_probes)
         return self._resume(node, removal, t_fix, now, "every expected GPU present, no fault since, RDMA ports active",
                             base)
 
@@ -185,10 +189,12 @@ class RecoveryDetector:
                       "gpus": len(node.gpus)})
 
     def _probed(self, node: NodeState, removal: Removal, t_fix: float, now: float, base: dict[str, object],
-                probes: ProbesConfig, learned: Learned) -> Finding:
-        """Passive checks passed and probing is on: the node waits for a probe run made after
-        ``t_fix`` (the prober requests it on the ``probing`` finding); all pass: resume; a probe
-        fails: the next rung; an error or no result within the run's timeout: once more, then an alert."""
+                probes: ProbesConfig, learned: Learned, passive_waiting: str | None) -> Finding | None:
+        """Probing is on: from the remediation's first clean report the node waits for a probe run
+        made after ``t_fix`` (the prober requests it on the ``probing`` finding), in parallel with
+        the passive window (``passive_waiting``: why that has not passed yet, or None). Every probe
+        passes and the passive window passed: resume; a probe fails: the next rung at once; an error
+        or no result within the run's timeout: once more, then an alert."""
         ids = [probe_request_id("recovery", removal.decision, attempt) for attempt in range(PROBE_ATTEMPTS)]
         attempt = max((a for a, rid in enumerate(ids) if rid in node.action_results or rid in node.action_expiry),
                       default=0)
@@ -204,6 +210,8 @@ class RecoveryDetector:
             verdict = judge_run(outcome.result, node, wanted, probes.baselines, learned)
             evidence = {**base, "probes": verdict.evidence(), "probe_result_received": outcome.received}
             if verdict.outcome == "pass":
+                if passive_waiting is not None:
+                    return self._unverified(node, removal, t_fix, now, f"probes passed; {passive_waiting}", base)
                 return self._resume(node, removal, t_fix, now, f"passed its probes ({verdict.detail})", evidence)
             if verdict.outcome == "fail":
                 # The ladder's next rung: a reset that left a fault -> reboot; a reboot -> a technician.
@@ -235,7 +243,7 @@ class RecoveryDetector:
         return Finding(
             detector=NAME, node=node.name, action=Action.OBSERVE, since=t_fix,
             key=PROBING if attempt == 0 else f"{PROBING}:retry",
-            reason=(f"{node.name} passed passive checks for {now - t_fix:.0f} s after {removal.action.value}, "
+            reason=(f"{node.name} clean for {now - t_fix:.0f} s after {removal.action.value}, "
                     f"probing ({', '.join(wanted)})" + (" again" if attempt else "")),
             evidence={**base, "signal": PROBING, "probe_request": request_id, "attempt": attempt})
 

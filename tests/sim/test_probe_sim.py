@@ -56,8 +56,9 @@ def test_a_reboot_that_looks_fine_but_fails_under_load_is_not_resumed_and_goes_t
     assert s.passed, summary(result, s)["expectations"]
     [reboot] = result.remediations
     [run] = [r for r in result.probe_runs if r.node == "node-0005"]
-    # Probed only after the new boot passed the passive checks (60 s clean), and signed results came back.
-    assert run.t >= reboot.back_seconds + 60 and run.outcome == "done"
+    # Probed from the new boot's first clean reports (in parallel with the 60 s passive window),
+    # never before the node was back; signed results came back.
+    assert reboot.back_seconds <= run.t < reboot.back_seconds + 60 and run.outcome == "done"
     assert run.failed == ("gpu_memory gpu 3: pattern_errors",)
     [inspect] = [d for d in result.decisions if d.admitted and d.action == "inspect_hardware"]
     assert inspect.node == "node-0005" and inspect.detector == "recovery" and inspect.t >= run.done_seconds
@@ -77,7 +78,9 @@ def test_a_reboot_that_fixes_the_node_is_resumed_only_after_its_probes_pass() ->
     # dcgm_diag is asked for and skipped (no DCGM on these nodes); the burn, memory and P2P ran per GPU.
     assert {(p, g) for p, g, _ in run.values if p == "gpu_compute"} == {("gpu_compute", g) for g in range(8)}
     [resume] = [d for d in result.decisions if d.admitted and d.action == "resume"]
-    assert resume.t >= run.done_seconds and "probes" in resume.reason
+    [reboot] = result.remediations
+    # Resumed once both the probes passed and the passive window (60 s clean) had passed.
+    assert resume.t >= max(run.done_seconds, reboot.back_seconds + 60) and "probes" in resume.reason
     rts = return_to_service(result)["by_action"]["reboot_node"]
     assert rts["returned"] == 1 and rts["seconds"]["max"] == resume.t - 60
 
