@@ -43,6 +43,7 @@ from vigil.agent.wire import (
 from vigil.aggregator.decision import Action
 
 if TYPE_CHECKING:
+    from vigil.aggregator.detectors.probe_verdict import IsolationOutcome
     from vigil.aggregator.prober import ProbesConfig
 
 _V = TypeVar("_V")
@@ -688,6 +689,8 @@ class Fleet:
         # probe), replaced whole by the prober (never changed in place: a judge reading it sees one).
         self.probes: ProbesConfig | None = None
         self.learned_probes: Mapping[tuple[str, str], tuple[float, int]] = MappingProxyType({})
+        # Group-testing isolations, running and the latest finished (replaced whole by the prober).
+        self.isolations: tuple[IsolationOutcome, ...] = ()
 
     def refusal(self, report: Report, now: float, pending: tuple[str, int] | None = None) -> tuple[str, str] | None:
         """Why ``report`` must be refused against the node's last report, as (reason, detail);
@@ -1027,7 +1030,7 @@ class Fleet:
 
     def view(self, removed: Mapping[str, Removal] | None = None) -> FleetView:
         return FleetView(self._nodes, self._jobs, removed, agent_resets=self.agent_resets, probes=self.probes,
-                         learned_probes=self.learned_probes)
+                         learned_probes=self.learned_probes, isolations=self.isolations)
 
 
 EVICTION_KINDS = ("ports", "ranks", "jobs")
@@ -1121,12 +1124,13 @@ class FleetView:
     """What detectors see: read-only mappings over the fleet (detectors must not mutate state),
     and the nodes vigil removed (empty unless the engine was asked for them)."""
 
-    __slots__ = ("agent_resets", "jobs", "learned_probes", "nodes", "probes", "removed")
+    __slots__ = ("agent_resets", "isolations", "jobs", "learned_probes", "nodes", "probes", "removed")
 
     def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
                  removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False,
                  probes: ProbesConfig | None = None,
-                 learned_probes: Mapping[tuple[str, str], tuple[float, int]] | None = None) -> None:
+                 learned_probes: Mapping[tuple[str, str], tuple[float, int]] | None = None,
+                 isolations: Sequence[IsolationOutcome] = ()) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
         self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
@@ -1137,6 +1141,8 @@ class FleetView:
         # class, probe) -> (median value, passing samples), both owned by the prober.
         self.probes = probes
         self.learned_probes: Mapping[tuple[str, str], tuple[float, int]] = learned_probes or MappingProxyType({})
+        # Group-testing isolations (the prober's): the probe verdict detector acts on finished ones.
+        self.isolations: tuple[IsolationOutcome, ...] = tuple(isolations)
 
     def members(self, label: str, value: str) -> list[str]:
         """Nodes whose topology label ``label`` (e.g. leaf_switch) equals ``value``."""

@@ -5,12 +5,15 @@ decisions, the simulator the same) it reads the detectors' findings and the flee
 signed run_probes requests in the outbox: the recovery probe set for a removed node the recovery
 detector found clean on passive evidence ("probing" findings, retried once there), the suspect
 probe set for a node a trigger finding names once it is idle (no job, unless ``allow_with_job``),
-and the collective runs of one group-testing isolation; never two runs on one node, never more
-than ``max_fleet_share`` of the reporting fleet at once. It collects each run's signed result
-from the fleet (the outbox verified it), counts it, and learns the fleet's own probe figures per
-(hardware class, probe) from passing runs, which it publishes to the fleet for the detectors
-(``Fleet.learned_probes``; it owns that and ``Fleet.probes``). It decides nothing about a node:
-the recovery detector resumes or escalates, the probe verdict detector drains a failed suspect.
+and the collective runs of one group-testing isolation at a time (started by an operator, by the
+simulator, or by itself when ``group_min_suspects`` idle suspects wait: ``start_isolation``);
+never two runs on one node, never more than ``max_fleet_share`` of the reporting fleet at once.
+It collects each run's signed result from the fleet (the outbox verified it), counts it, and
+learns the fleet's own probe figures per (hardware class, probe) from passing runs, which it
+publishes to the fleet for the detectors
+(``Fleet.learned_probes``; it owns that, ``Fleet.probes`` and ``Fleet.isolations``, the running and
+finished isolations). It decides nothing about a node: the recovery detector resumes or escalates,
+the probe verdict detector drains a failed suspect and each node a finished isolation names faulty.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import fnmatch
 import logging
 import math
 import statistics
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -35,6 +38,8 @@ from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors import REGISTRY
 from vigil.aggregator.detectors.probe_verdict import (
     TRIGGERS,
+    IsolationOutcome,
+    IsolationTest,
     Trigger,
     judge_run,
     learned_key,
@@ -42,7 +47,7 @@ from vigil.aggregator.detectors.probe_verdict import (
 )
 from vigil.aggregator.detectors.recovery import PROBING
 from vigil.aggregator.fleet import Fleet, FleetView, NodeState
-from vigil.aggregator.group_testing import GroupIsolation, GroupTest
+from vigil.aggregator.group_testing import GroupIsolation, GroupTest, information_bound
 from vigil.aggregator.outbox import Outbox, transient
 
 log = logging.getLogger("vigil.aggregator.prober")
@@ -58,6 +63,26 @@ MAX_LEARNED_KEYS = 256
 # Why a wanted run did not start now (it is tried again next evaluation): share_cap (the fleet
 # share is in use), busy (the node has a job), outbox (the outbox could not queue it).
 DEFER_REASONS = ("share_cap", "busy", "outbox")
+# Who started an isolation: an operator (POST /v1/probes/isolations), the prober itself (idle
+# suspects), the simulator (a scenario's ``isolations``).
+ISOLATION_SOURCES = ("operator", "auto", "sim")
+ISOLATION_STATES = ("done", "aborted")
+# Why an isolation was not started (counted, and the operator route's 4xx reason).
+ISOLATION_REFUSALS = ("disabled", "running", "too_many", "bad_d_hint", "unknown_node", "removed", "probe_running",
+                      "fleet_share", "no_partner")
+# Finished isolations kept (the newest; the fleet's view and GET /v1/probes/isolations show them).
+FINISHED_ISOLATIONS_KEPT = 32
+# Known-healthy partners handed to one isolation at most (its tests alone take them leaf first).
+MAX_PARTNERS = 64
+
+
+class IsolationRefused(ValueError):
+    """An isolation that cannot start: ``reason`` (one of ISOLATION_REFUSALS) and why."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
 
 
 class SuspectTrigger(StrictModel):
@@ -123,6 +148,20 @@ class ProbesConfig(StrictModel):
     learned_samples: int = Field(default=64, ge=2, le=4096)
     # A group test's rendezvous: rank 0's node name and this port (the agents' collective store).
     group_port: int = Field(default=29500, ge=1, le=65535)
+    # At least this many idle suspects waiting are isolated as one group (collective group tests)
+    # instead of probed one by one; 0: never automatically. 4: below it, the suspect probes alone
+    # cost about as many runs as a group isolation's tests (log2 C(4, 1) + confirmation = 3).
+    group_min_suspects: int = Field(default=4, ge=0, le=100_000)
+    # The topology label that names a node's leaf switch: tests stay within a leaf first.
+    group_leaf_label: str = Field(default="leaf_switch", min_length=1, max_length=64)
+    # Nodes in one isolation at most (the operator route refuses more with 400 too_many).
+    max_isolation_nodes: int = Field(default=1024, ge=2, le=100_000)
+    # A node whose probe run passed within this long is a known-healthy partner before one that
+    # only reports clean (the prober's own record; an hour: the suspect cooldown).
+    partner_pass_seconds: float = Field(default=3600.0, gt=0)
+    # A group test that errored or timed out (no member failed) is run again this many times,
+    # then the isolation is aborted: an error is no evidence, so it never names anyone.
+    group_test_retries: int = Field(default=1, ge=0, le=10)
 
     @field_validator("recovery_probes", "suspect_probes")
     @classmethod
@@ -185,9 +224,27 @@ class _IsolationRun:
     name: str
     isolation: GroupIsolation
     started: float
+    nodes: tuple[str, ...]
+    d_hint: int
+    source: str
+    note: str
+    leaf_of: dict[str, str]
     tests: list[_GroupRun] = field(default_factory=list)  # in flight
     queued: list[GroupTest] = field(default_factory=list)  # next, not started (no room yet)
-    used: int = 0
+    used: int = 0  # runs started (retries included): a new group id each
+    recorded: list[IsolationTest] = field(default_factory=list)
+    attempts: Counter[GroupTest] = field(default_factory=Counter)
+
+    def outcome(self, state: str = "running", finished: float | None = None, detail: str = "") -> IsolationOutcome:
+        iso = self.isolation
+        faulty = tuple(sorted(iso.faulty)) if state == "done" else ()
+        d = len(faulty) if state == "done" else min(self.d_hint, len(self.nodes))
+        return IsolationOutcome(
+            name=self.name, source=self.source, note=self.note, nodes=self.nodes, d_hint=self.d_hint,
+            started=self.started, state=state, finished=finished,  # type: ignore[arg-type]
+            faulty=faulty, cleared=tuple(sorted(iso.cleared)), tests_used=iso.tests_used,
+            information_bound=information_bound(len(self.nodes), d), tests=tuple(self.recorded),
+            leaf_of=MappingProxyType(dict(self.leaf_of)), detail=detail)
 
 
 class Prober:
@@ -204,9 +261,16 @@ class Prober:
         self._probed_at: dict[str, float] = {}  # node -> its latest suspect run's start (cooldown)
         self._learned: OrderedDict[tuple[str, str], OrderedDict[tuple[str, int | None], float]] = OrderedDict()
         self._isolation: _IsolationRun | None = None
-        self.isolations: list[tuple[str, tuple[str, ...], int]] = []  # finished: (name, faulty, tests used)
+        self._finished: deque[IsolationOutcome] = deque(maxlen=FINISHED_ISOLATIONS_KEPT)
+        self._passed_at: dict[str, float] = {}  # node -> its latest passing probe run (partners)
+        self._flagged: frozenset[str] = frozenset()  # nodes the latest evaluation's findings named
+        self._isolations_begun = 0
         self.runs: Counter[tuple[str, str]] = Counter()  # (trigger, outcome)
         self.deferred: Counter[str] = Counter()
+        self.isolations_started: Counter[str] = Counter()  # source
+        self.isolations_finished: Counter[str] = Counter()  # done, aborted
+        self.isolation_tests = 0  # group tests recorded (retries of an errored test not counted)
+        self.isolation_refusals: Counter[str] = Counter()  # reason
 
     @property
     def enabled(self) -> bool:
@@ -219,6 +283,12 @@ class Prober:
     def suspects(self) -> list[str]:
         return list(self._suspects)
 
+    @property
+    def isolations(self) -> list[IsolationOutcome]:
+        """The finished isolations kept (oldest first), then the running one."""
+        running = [self._isolation.outcome()] if self._isolation is not None else []
+        return [*self._finished, *running]
+
     def plan(self, view: FleetView, findings: Sequence[Finding], now: float) -> list[NodeActionRequest]:
         """One round after an evaluation: collect finished runs, note suspects, start the runs
         wanted within the fleet share. Returns the requests queued now."""
@@ -226,22 +296,129 @@ class Prober:
             return []
         self._collect(view, now)
         self._note_suspects(view, findings, now)
+        self._flagged = frozenset(f.node for f in findings if f.node != WHOLE_JOB)
         cap = self._cap(view, now)
         started: list[NodeActionRequest] = []
         self._start_recovery(findings, now, cap, started)
+        self._auto_isolate(view, now, cap)
         self._start_group(view, now, cap, started)
         self._start_suspects(view, now, cap, started)
+        self._publish()
         return started
 
     # Group testing -----------------------------------------------------------------------------
 
-    def isolate(self, name: str, isolation: GroupIsolation, now: float) -> bool:
-        """Drive ``isolation`` (one at a time) from the next ``plan`` on; False while one runs."""
+    def start_isolation(self, nodes: Sequence[str], d_hint: int, view: FleetView, now: float, *,
+                        source: str, note: str = "") -> IsolationOutcome:
+        """Isolate the faulty ones among ``nodes`` (expecting about ``d_hint``) with collective
+        group tests from the next ``plan`` on: topology from the nodes' leaf label, known-healthy
+        partners by ``partners``. Raises IsolationRefused (counted) when it cannot start."""
+        try:
+            return self._start_isolation(list(nodes), d_hint, view, now, source, note)
+        except IsolationRefused as exc:
+            self.isolation_refusals[exc.reason] += 1
+            log.warning("isolation (%s) of %d nodes refused: %s: %s", source, len(nodes), exc.reason, exc.detail)
+            raise
+
+    def _start_isolation(self, nodes: list[str], d_hint: int, view: FleetView, now: float, source: str,
+                         note: str) -> IsolationOutcome:
+        if not self.enabled:
+            raise IsolationRefused("disabled", "probing is off (probes.enabled, node_actions.key_file)")
         if self._isolation is not None:
-            return False
-        self._isolation = _IsolationRun(name, isolation, now)
-        log.info("group isolation %s started", name)
-        return True
+            raise IsolationRefused("running", f"isolation {self._isolation.name} is running (one at a time)")
+        if not 1 <= len(nodes) <= self.config.max_isolation_nodes or len(set(nodes)) != len(nodes):
+            raise IsolationRefused("too_many", f"1..{self.config.max_isolation_nodes} distinct nodes, got "
+                                               f"{len(nodes)} ({len(set(nodes))} distinct)")
+        if not 1 <= d_hint <= len(nodes):
+            raise IsolationRefused("bad_d_hint", f"d_hint must be in 1..{len(nodes)}, got {d_hint}")
+        unknown = [n for n in nodes if n not in view.nodes]
+        if unknown:
+            raise IsolationRefused("unknown_node", f"not in the fleet: {', '.join(unknown[:5])}"
+                                                   + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+        removed = [n for n in nodes if n in view.removed]
+        if removed:
+            raise IsolationRefused("removed", "out of service (the recovery path probes them): "
+                                              + ", ".join(removed[:5]))
+        running = [n for n in nodes if n in self._runs]
+        if running:
+            raise IsolationRefused("probe_running", f"a probe run is in flight on {', '.join(running[:5])}")
+        cap = self._cap(view, now)
+        if max(len(nodes), 2) > cap:
+            raise IsolationRefused("fleet_share", f"a group test may span all {len(nodes)} nodes but "
+                                                  f"probes.max_fleet_share allows {cap} at once")
+        partners = self.partners(view, set(nodes), now)
+        if not partners:
+            raise IsolationRefused("no_partner", "no known-healthy partner: every other node is busy, flagged, "
+                                                 "removed or silent")
+        label = self.config.group_leaf_label
+        leaf_of = {n: view.nodes[n].topology.get(label, "") for n in (*nodes, *partners)}
+        self._isolations_begun += 1
+        name = f"iso-{source}-{self._isolations_begun}-{int(now)}"
+        isolation = GroupIsolation(nodes, partners, d_hint, leaf_of)
+        return self.isolate(name, isolation, now, nodes=nodes, d_hint=d_hint, source=source, note=note,
+                            leaf_of=leaf_of)
+
+    def partners(self, view: FleetView, exclude: set[str], now: float) -> list[str]:
+        """Known-healthy partners for a test alone: nodes not in ``exclude``, reporting, in service,
+        no suspect, named by no finding of the latest evaluation, idle (unless ``allow_with_job``);
+        those whose probe run passed within ``partner_pass_seconds`` first (the latest first), then
+        by name; at most MAX_PARTNERS."""
+        hold = self.fleet.config.rank_hold_seconds
+        out = [n for n, node in view.nodes.items()
+               if n not in exclude and n not in view.removed and n not in self._suspects and n not in self._flagged
+               and now - node.last_seen <= 3 * node.interval_seconds
+               and (self.config.allow_with_job or node_job(node, now, hold) is None)]
+        window = self.config.partner_pass_seconds
+        out.sort(key=lambda n: (-self._passed_at[n] if now - self._passed_at.get(n, -math.inf) <= window else math.inf,
+                                n))
+        return out[:MAX_PARTNERS]
+
+    def isolate(self, name: str, isolation: GroupIsolation, now: float, *, nodes: Sequence[str], d_hint: int,
+                source: str = "operator", note: str = "", leaf_of: dict[str, str] | None = None) -> IsolationOutcome:
+        """Drive ``isolation`` of ``nodes`` from the next ``plan`` on (one at a time)."""
+        if self._isolation is not None:
+            raise IsolationRefused("running", f"isolation {self._isolation.name} is running (one at a time)")
+        self._isolation = _IsolationRun(name, isolation, now, tuple(nodes), d_hint, source, note, dict(leaf_of or {}))
+        self.isolations_started[source] += 1
+        log.warning("group isolation %s (%s) started: %d nodes, d_hint %d%s", name, source, len(nodes), d_hint,
+                    f": {note}" if note else "")
+        self._publish()
+        return self._isolation.outcome()
+
+    def _auto_isolate(self, view: FleetView, now: float, cap: int) -> None:
+        """``group_min_suspects`` idle suspects waiting (past their cooldown, no run): isolate them
+        as one group (the oldest named first, as many as the fleet share holds), about a quarter
+        expected faulty (a suspect is named below the removal threshold: most are not)."""
+        wanted = self.config.group_min_suspects
+        if wanted == 0 or self._isolation is not None:
+            return
+        hold = self.fleet.config.rank_hold_seconds
+        idle = [n for n in self._suspects if (node := view.nodes.get(n)) is not None and n not in view.removed
+                and n not in self._runs and n not in self._probed_at
+                and (self.config.allow_with_job or node_job(node, now, hold) is None)]
+        idle = idle[:min(cap, self.config.max_isolation_nodes)]
+        if len(idle) < max(wanted, 2):
+            return
+        try:
+            self.start_isolation(idle, max(1, len(idle) // 4), view, now, source="auto",
+                                 note=f"{len(idle)} idle suspects")
+        except IsolationRefused:
+            return  # counted and logged; the suspects are probed alone meanwhile
+        for n in idle:
+            del self._suspects[n]
+            self._probed_at[n] = now
+
+    def _publish(self) -> None:
+        self.fleet.isolations = tuple(self.isolations)
+
+    def _finish(self, iso: _IsolationRun, state: str, now: float, detail: str) -> None:
+        outcome = iso.outcome(state, now, detail)
+        self._finished.append(outcome)
+        self.isolations_finished[state] += 1
+        self._isolation = None
+        log.warning("group isolation %s %s after %d tests (information bound %.1f): faulty %s%s", iso.name, state,
+                    outcome.tests_used, outcome.information_bound, ", ".join(outcome.faulty) or "none",
+                    f" ({detail})" if detail else "")
 
     def _start_group(self, view: FleetView, now: float, cap: int, started: list[NodeActionRequest]) -> None:
         iso = self._isolation
@@ -249,11 +426,7 @@ class Prober:
             return
         if not iso.tests and not iso.queued:
             if iso.isolation.done:
-                faulty = tuple(sorted(iso.isolation.faulty))
-                self.isolations.append((iso.name, faulty, iso.used))
-                log.warning("group isolation %s done after %d tests: faulty %s", iso.name, iso.used,
-                            ", ".join(faulty) or "none")
-                self._isolation = None
+                self._finish(iso, "done", now, "")
                 return
             iso.queued = list(iso.isolation.next_tests())
         while iso.queued:
@@ -283,16 +456,34 @@ class Prober:
             iso.tests.append(run)
             iso.used += 1
 
-    def _group_result(self, run: _Run, outcome: str) -> None:
+    def _group_result(self, run: _Run, outcome: str, now: float) -> None:
+        """A member's run outcome. A test passes when every member passed, fails when one failed
+        (below the collective's floor); when none failed but one errored or timed out it is run
+        again (``group_test_retries``), then the isolation is aborted: an error names nobody."""
         iso = self._isolation
         if iso is None:
             return
         for test in list(iso.tests):
             if run.node in test.members and run.request_id == probe_request_id("group", f"{test.group}\0{run.node}"):
                 test.outcomes[run.node] = outcome
-                if len(test.outcomes) == len(test.members):
-                    iso.tests.remove(test)
-                    iso.isolation.record(test.test, all(o == "pass" for o in test.outcomes.values()))
+                if len(test.outcomes) < len(test.members):
+                    return
+                iso.tests.remove(test)
+                outcomes = set(test.outcomes.values())
+                if "fail" in outcomes or outcomes == {"pass"}:
+                    passed = outcomes == {"pass"}
+                    iso.isolation.record(test.test, passed)
+                    iso.recorded.append(IsolationTest(test.test.members, test.test.partner, passed))
+                    self.isolation_tests += 1
+                elif iso.attempts[test.test] < self.config.group_test_retries:
+                    iso.attempts[test.test] += 1
+                    iso.queued.insert(0, test.test)
+                    log.warning("group test of %s in isolation %s did not complete (%s): run again", ", ".join(
+                        test.members), iso.name, ", ".join(sorted(outcomes)))
+                else:
+                    self._finish(iso, "aborted", now, f"a group test of {', '.join(test.test.nodes)} did not "
+                                                      f"complete ({', '.join(sorted(outcomes))}) after "
+                                                      f"{iso.attempts[test.test] + 1} tries: no node named")
                 return
 
     # Runs ---------------------------------------------------------------------------------------
@@ -347,6 +538,9 @@ class Prober:
         cooldown = self.config.suspect_cooldown_seconds
         for name in [n for n, t in self._probed_at.items() if now - t >= cooldown]:
             del self._probed_at[name]
+        for name in [n for n, t in self._passed_at.items() if n not in view.nodes
+                     or now - t > self.config.partner_pass_seconds]:
+            del self._passed_at[name]
 
     def _start_suspects(self, view: FleetView, now: float, cap: int, started: list[NodeActionRequest]) -> None:
         hold = self.fleet.config.rank_hold_seconds
@@ -399,8 +593,10 @@ class Prober:
                 continue
             del self._runs[name]
             self.runs[(run.trigger, result)] += 1
+            if result == "pass":
+                self._passed_at[name] = now
             if run.trigger == "group":
-                self._group_result(run, result)
+                self._group_result(run, result, now)
         if learned:
             self.fleet.learned_probes = MappingProxyType(
                 {key: (statistics.median(values.values()), len(values)) for key, values in self._learned.items()})
@@ -452,3 +648,27 @@ class _ProberMetrics(PromCollector):
         for reason in DEFER_REASONS:
             deferred.add_metric([reason], p.deferred.get(reason, 0))
         yield deferred
+        started = CounterMetricFamily("vigil_aggregator_isolations_started",
+                                      "Group-testing isolations started, by source (operator: POST "
+                                      "/v1/probes/isolations; auto: probes.group_min_suspects idle suspects; sim).",
+                                      labels=["source"])
+        for source in ISOLATION_SOURCES:
+            started.add_metric([source], p.isolations_started.get(source, 0))
+        yield started
+        finished = CounterMetricFamily("vigil_aggregator_isolations_finished",
+                                       "Group-testing isolations finished, by outcome (done: every node faulty or "
+                                       "cleared; aborted: a group test kept erroring, nobody named).",
+                                       labels=["outcome"])
+        for state in ISOLATION_STATES:
+            finished.add_metric([state], p.isolations_finished.get(state, 0))
+        yield finished
+        yield CounterMetricFamily("vigil_aggregator_isolation_tests",
+                                  "Group tests (collective probes over a group) recorded by isolations.",
+                                  value=p.isolation_tests)
+        refused = CounterMetricFamily("vigil_aggregator_isolation_refusals",
+                                      "Isolations not started, by reason (disabled, running, too_many, bad_d_hint, "
+                                      "unknown_node, removed, probe_running, fleet_share, no_partner).",
+                                      labels=["reason"])
+        for reason in ISOLATION_REFUSALS:
+            refused.add_metric([reason], p.isolation_refusals.get(reason, 0))
+        yield refused

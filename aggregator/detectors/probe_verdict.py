@@ -6,7 +6,9 @@ outbox before the fleet took them), the baselines of the node's hardware class
 prober owns), and judges a whole run with the one per-probe verdict both services share
 (agent/probe_baselines.judge). ``judge_run`` is also the recovery detector's; the detector here
 drains a suspect (a node found slow below the removal threshold, probed by the prober when idle)
-whose latest probe run failed. It runs nothing, requests nothing and learns nothing.
+whose latest probe run failed, and each node a finished group-testing isolation named faulty
+(``FleetView.isolations``, which the prober publishes). It runs nothing, requests nothing and
+learns nothing.
 
 Evidence window: the node's latest suspect run (``probes.suspect_probes``: one request, every GPU),
 counted for ``window_seconds`` after its result arrived. Threshold: a probe the agent judged
@@ -28,13 +30,26 @@ straggler detector alerts on it (its own budget: < 1e-6 per node-day), which giv
 node-day. The lookalike that must not act: a slowdown of the whole job (every rank slower, the
 straggler's class-level ``observe`` with no node) makes no suspect, and a probe that merely
 errors (a peer that never joined) drains nobody.
+
+Isolations (aggregator/group_testing.py driven by the prober): a node is named faulty only after
+it failed a collective alone with a known-healthy partner (a failed group only starts a halving),
+so a group failure caused by another member never drains it. Evidence: the isolation's tests the
+node was in that failed, the partner of its test alone, tests used against the information bound.
+Persistence: the isolation's one test alone (the partner's health is what makes it the node's
+own). The lookalike that must not drain: a shared switch. A leaf that fails under every node
+fails each test alone too (the partner is taken from the node's own leaf first), so an isolation
+naming at least ``leaf_suspicion_min_nodes`` (3) nodes of one leaf that are more than
+``leaf_suspicion_share`` (half) of that leaf's nodes it tested is reported as one alert on the
+leaf, and none of them is drained: independent node faults are rare (3 of 64 freshly repaired
+nodes is already a bad day), and more than half of one leaf at once is the switch, as the
+topology detector argues for passive signals (docs/detectors.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -54,6 +69,47 @@ TRIGGERS: tuple[Trigger, ...] = ("recovery", "suspect", "group")
 # (hardware class as peer_class.describe writes it, probe) -> (median value, passing samples).
 Learned = Mapping[tuple[str, str], tuple[float, int]]
 RunOutcome = Literal["pass", "fail", "error"]
+
+
+@dataclass(frozen=True)
+class IsolationTest:
+    """One collective test of an isolation as run: its members, the known-healthy partner of a
+    test alone, whether it passed."""
+
+    members: tuple[str, ...]
+    partner: str | None
+    passed: bool
+
+    def evidence(self) -> dict[str, object]:
+        return {"members": list(self.members), "partner": self.partner, "passed": self.passed}
+
+
+@dataclass(frozen=True)
+class IsolationOutcome:
+    """A group-testing isolation as the prober reports it (running, done or aborted), with every
+    test recorded so far. ``leaf_of``: each tested node's leaf (topology), for the leaf rule."""
+
+    name: str
+    source: str  # operator, auto (idle suspects) or sim
+    note: str
+    nodes: tuple[str, ...]
+    d_hint: int
+    started: float
+    state: Literal["running", "done", "aborted"] = "running"
+    finished: float | None = None
+    faulty: tuple[str, ...] = ()
+    cleared: tuple[str, ...] = ()
+    tests_used: int = 0
+    information_bound: float = 0.0
+    tests: tuple[IsolationTest, ...] = ()
+    leaf_of: Mapping[str, str] = field(default_factory=dict)
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "source": self.source, "note": self.note, "nodes": list(self.nodes),
+                "d_hint": self.d_hint, "started": self.started, "state": self.state, "finished": self.finished,
+                "faulty": list(self.faulty), "cleared": len(self.cleared), "tests_used": self.tests_used,
+                "information_bound": round(self.information_bound, 2), "detail": self.detail}
 
 
 def probe_request_id(trigger: Trigger, subject: str, attempt: int = 0) -> str:
@@ -159,6 +215,11 @@ class ProbeVerdictConfig(StrictModel):
     # A suspect run's result counts this long after it arrived: an hour, the prober's suspect
     # cooldown, so the gate sees the same finding until it decides (a refused drain is proposed again).
     window_seconds: float = Field(default=3600.0, gt=0)
+    # A finished isolation naming at least this many nodes of one leaf (topology), more than
+    # ``leaf_suspicion_share`` of that leaf's nodes it tested, is one alert on the leaf and drains
+    # none of them (a shared switch, not independent node faults; see the module's docstring).
+    leaf_suspicion_min_nodes: int = Field(default=3, ge=2)
+    leaf_suspicion_share: float = Field(default=0.5, gt=0, lt=1)
 
     @field_validator("action")
     @classmethod
@@ -195,4 +256,44 @@ class ProbeVerdictDetector:
                 reason=f"suspect {name} failed its probe run: {verdict.detail}",
                 evidence={"signal": "probe_failed", "probe_request": request_id,
                           "failed": [j.evidence() for j in verdict.failed], "probes": verdict.evidence()}))
+        for iso in view.isolations:
+            if iso.state == "done" and iso.finished is not None and now - iso.finished <= self.config.window_seconds:
+                out.extend(self._isolation(view, iso))
+        return out
+
+    def _isolation(self, view: FleetView, iso: IsolationOutcome) -> list[Finding]:
+        assert iso.finished is not None
+        bound = round(iso.information_bound, 2)
+        tested: dict[str, list[str]] = {}
+        for n in iso.nodes:
+            tested.setdefault(iso.leaf_of.get(n, ""), []).append(n)
+        out: list[Finding] = []
+        switch: set[str] = set()
+        for leaf, members in tested.items():
+            named = [n for n in members if n in iso.faulty]
+            if (leaf and len(named) >= self.config.leaf_suspicion_min_nodes
+                    and len(named) > self.config.leaf_suspicion_share * len(members)):
+                switch.update(named)
+                out.append(Finding(
+                    detector=NAME, node=leaf, component=leaf, action=Action.ALERT, since=iso.finished,
+                    key=f"isolation:{iso.name}:leaf",
+                    reason=(f"isolation {iso.name} named {len(named)} of the {len(members)} nodes of leaf {leaf} it "
+                            "tested: a shared switch, not node faults; none is drained"),
+                    evidence={"signal": "isolation_leaf", "isolation": iso.name, "leaf": leaf, "faulty": named,
+                              "tested": members, "tests_used": iso.tests_used, "information_bound": bound}))
+        for node in iso.faulty:
+            if node in switch or node in view.removed or node not in view.nodes:
+                continue
+            failed = [t for t in iso.tests if node in t.members and not t.passed]
+            alone = [t for t in failed if t.members == (node,)]
+            partner = alone[-1].partner if alone else None
+            out.append(Finding(
+                detector=NAME, node=node, action=self.config.action, since=iso.finished,
+                key=f"isolation:{iso.name}",
+                reason=(f"{node} failed its collective alone with the known-healthy partner {partner} in isolation "
+                        f"{iso.name} ({iso.tests_used} tests for {len(iso.nodes)} nodes, information bound "
+                        f"{bound})"),
+                evidence={"signal": "isolation_faulty", "isolation": iso.name, "partner": partner,
+                          "failed_tests": [t.evidence() for t in failed], "tests_used": iso.tests_used,
+                          "information_bound": bound, "nodes": len(iso.nodes)}))
         return out

@@ -40,7 +40,7 @@ from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetec
 from vigil.aggregator.fleet import Fleet, Removal
 from vigil.aggregator.group_testing import GroupIsolation
 from vigil.aggregator.outbox import NodeActionsConfig, Outbox
-from vigil.aggregator.prober import Prober, ProbesConfig, SuspectTrigger
+from vigil.aggregator.prober import IsolationRefused, Prober, ProbesConfig, SuspectTrigger
 
 H100 = "NVIDIA H100 80GB HBM3"
 BASELINES = ProbeBaselines(default={"gpu_compute": Baseline(min_value=600.0),
@@ -392,7 +392,10 @@ def test_a_group_isolation_runs_collectives_with_one_rendezvous_and_names_the_no
     s.nodes[3].ranks = [rank_summary("train-1", 0, compute=0.8, comm=0.1, ts=0.0, gpu=0)]
     s.run(10.0)
     iso = GroupIsolation([f"n{i}" for i in range(8)], ["n8", "n9"], d_hint=1)
-    assert s.prober.isolate("repaired-8", iso, s.t) and not s.prober.isolate("another", iso, s.t)
+    nodes = [f"n{i}" for i in range(8)]
+    assert s.prober.isolate("repaired-8", iso, s.t, nodes=nodes, d_hint=1).state == "running"
+    with pytest.raises(IsolationRefused, match="repaired-8 is running"):
+        s.prober.isolate("another", iso, s.t, nodes=nodes, d_hint=1)
     assert s.evaluate({})[1] == [] and s.prober.deferred["busy"] == 1  # n3 runs a job: the test waits
     s.nodes[3].ranks = []
     s.run(60.0)
@@ -411,10 +414,12 @@ def test_a_group_isolation_runs_collectives_with_one_rendezvous_and_names_the_no
             broken = any(r.node == "n5" for r in members)  # one slow link fails the whole collective
             for r in members:
                 s.answer(r, {"collective": 10.0 if broken else 90.0}, status="fail" if broken else "pass")
-        if s.prober.isolations:
+        if s.prober.isolations[-1].state != "running":
             break
-    [(name, faulty, used)] = s.prober.isolations
-    assert (name, faulty) == ("repaired-8", ("n5",)) and used == iso.tests_used
+    [done] = s.prober.isolations
+    assert (done.name, done.state, done.faulty) == ("repaired-8", "done", ("n5",))
+    assert done.tests_used == iso.tests_used == len(done.tests) == s.prober.isolation_tests
+    assert s.fleet.view().isolations == (done,)
 
 
 def test_probes_off_by_default_change_nothing_and_need_the_key_when_on() -> None:
