@@ -58,7 +58,7 @@ from vigil.aggregator.metrics import (
     FleetReadings,
     WorkersReading,
 )
-from vigil.aggregator.operator_api import add_no_gate_routes, add_operator_routes
+from vigil.aggregator.operator_api import add_isolation_routes, add_no_gate_routes, add_operator_routes
 from vigil.aggregator.outbox import Outbox
 from vigil.aggregator.prober import Prober
 from vigil.aggregator.redact import redact_json
@@ -675,6 +675,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
                             void_node_actions=node_actions.void)
     else:
         add_no_gate_routes(app)
+    add_isolation_routes(app, prober, view=engine.view, clock=clock, leads=leads)
     add_routes(app, sink, clock=clock, dry_run=config.dry_run, refusals=refusals,
                # the nodes that reported within the breaker's window: forged or departed
                # nodes cannot inflate its budget

@@ -8,6 +8,9 @@ stalls the event loop. It judges nothing: a resume is a decision like any other,
 ledger and its gate. A hold or a resume ends the node's removal as far as vigil is concerned: its
 pending node-action requests (a GPU reset, a reboot request) are voided at once
 (``void_node_actions``, the outbox's ``void``), before the resume decision is even delivered.
+``POST /v1/probes/isolations`` (operator role) starts a group-testing isolation of a set of
+nodes (a freshly repaired set) through the prober, which validates it against the fleet;
+``GET /v1/probes/isolations`` (read role) lists the running and the finished ones.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from aiohttp import web
 
 from vigil.agent.wire import check_node_name
 from vigil.aggregator.decision import Action, Decision
+from vigil.aggregator.fleet import FleetView
 from vigil.aggregator.gate import OPERATOR
 from vigil.aggregator.history import DEFAULT_LIMIT, MAX_LIMIT, node_history
 from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.prober import IsolationRefused, Prober
 from vigil.aggregator.store import WRITE_ERRORS
 
 MAX_NOTE_CHARS = 500
@@ -140,3 +145,70 @@ def add_no_gate_routes(app: web.Application) -> None:
 
     for method, path in GATE_ROUTES:
         app.router.add_route(method, path, no_gate)
+
+
+ISOLATION_ROUTE = "/v1/probes/isolations"
+ISOLATION_KEYS = frozenset({"nodes", "d_hint", "note"})
+# 4xx per refusal: a request that cannot be right (400) against one that cannot start now (409).
+_CONFLICT = frozenset({"disabled", "running", "removed", "probe_running", "fleet_share", "no_partner"})
+
+
+def _isolation_body(body: object, max_nodes: int) -> tuple[list[str], int, str] | tuple[str, str]:
+    """(nodes, d_hint, note) from the body, or (reason, detail) of a 400."""
+    if not isinstance(body, dict):
+        return "invalid_json", 'body must be a JSON object like {"nodes": ["node-1", ...], "d_hint": 1}'
+    extra = sorted(set(body) - ISOLATION_KEYS)
+    if extra:
+        return "unknown_field", f"unknown field(s) {', '.join(map(str, extra))[:200]} (nodes, d_hint, note)"
+    nodes = body.get("nodes")
+    if not isinstance(nodes, list) or not 1 <= len(nodes) <= max_nodes:
+        return "bad_nodes", f"nodes must be a list of 1..{max_nodes} node names"
+    for n in nodes:
+        if not isinstance(n, str):
+            return "bad_nodes", "nodes must be node names (strings)"
+        try:
+            check_node_name(n)
+        except ValueError as exc:
+            return "bad_nodes", str(exc)[:200]
+    if len(set(nodes)) != len(nodes):
+        return "bad_nodes", "nodes repeat"
+    d_hint = body.get("d_hint", 1)
+    if not isinstance(d_hint, int) or isinstance(d_hint, bool) or not 1 <= d_hint <= len(nodes):
+        return "bad_d_hint", f"d_hint (the faulty nodes expected) must be an integer in 1..{len(nodes)}"
+    note = body.get("note", "")
+    if not isinstance(note, str) or len(note) > MAX_NOTE_CHARS:
+        return "bad_note", f"note must be a string of at most {MAX_NOTE_CHARS} characters"
+    return nodes, d_hint, " ".join(note.split())
+
+
+def add_isolation_routes(app: web.Application, prober: Prober, *, view: Callable[[], FleetView],
+                         clock: Callable[[], float], leads: Callable[[], bool]) -> None:
+    """``view``: the fleet as the detectors see it (the gate's removals included); ``leads``:
+    whether this replica leads (only the leader's prober offers requests)."""
+
+    async def start(request: web.Request) -> web.Response:
+        max_nodes = prober.config.max_isolation_nodes
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        parsed = _isolation_body(body, max_nodes)
+        if len(parsed) == 2:
+            reason, detail = parsed
+            prober.refused(reason)
+            return _error(400, reason, detail)
+        nodes, d_hint, note = parsed
+        if not leads():
+            prober.refused("standby")
+            return _error(409, "standby", "this replica is a standby: start the isolation on the leader")
+        try:
+            outcome = prober.start_isolation(nodes, d_hint, view(), clock(), source="operator", note=note)
+        except IsolationRefused as exc:
+            return _error(409 if exc.reason in _CONFLICT else 400, exc.reason, exc.detail)
+        return web.json_response(outcome.as_dict(), status=202)
+
+    async def listing(_: web.Request) -> web.Response:
+        return web.json_response({"isolations": [o.as_dict() for o in reversed(prober.isolations)]})
+
+    app.router.add_post(ISOLATION_ROUTE, start)
+    app.router.add_get(ISOLATION_ROUTE, listing)

@@ -69,7 +69,8 @@ ISOLATION_SOURCES = ("operator", "auto", "sim")
 ISOLATION_STATES = ("done", "aborted")
 # Why an isolation was not started (counted, and the operator route's 4xx reason).
 ISOLATION_REFUSALS = ("disabled", "running", "too_many", "bad_d_hint", "unknown_node", "removed", "probe_running",
-                      "fleet_share", "no_partner")
+                      "fleet_share", "no_partner", "standby", "invalid_json", "unknown_field", "bad_nodes",
+                      "bad_note")
 # Finished isolations kept (the newest; the fleet's view and GET /v1/probes/isolations show them).
 FINISHED_ISOLATIONS_KEPT = 32
 # Known-healthy partners handed to one isolation at most (its tests alone take them leaf first).
@@ -357,6 +358,10 @@ class Prober:
         isolation = GroupIsolation(nodes, partners, d_hint, leaf_of)
         return self.isolate(name, isolation, now, nodes=nodes, d_hint=d_hint, source=source, note=note,
                             leaf_of=leaf_of)
+
+    def refused(self, reason: str) -> None:
+        """Count an isolation the operator route refused before asking (its own checks)."""
+        self.isolation_refusals[reason] += 1
 
     def partners(self, view: FleetView, exclude: set[str], now: float) -> list[str]:
         """Known-healthy partners for a test alone: nodes not in ``exclude``, reporting, in service,
@@ -666,8 +671,10 @@ class _ProberMetrics(PromCollector):
                                   "Group tests (collective probes over a group) recorded by isolations.",
                                   value=p.isolation_tests)
         refused = CounterMetricFamily("vigil_aggregator_isolation_refusals",
-                                      "Isolations not started, by reason (disabled, running, too_many, bad_d_hint, "
-                                      "unknown_node, removed, probe_running, fleet_share, no_partner).",
+                                      "Isolations not started, by reason (the prober's: disabled, running, too_many, "
+                                      "bad_d_hint, unknown_node, removed, probe_running, fleet_share, no_partner; "
+                                      "the operator route's: standby, invalid_json, unknown_field, bad_nodes, "
+                                      "bad_note).",
                                       labels=["reason"])
         for reason in ISOLATION_REFUSALS:
             refused.add_metric([reason], p.isolation_refusals.get(reason, 0))

@@ -168,6 +168,11 @@ class SimResult:
     remediations: list[Remediated] = field(default_factory=list)
     # The run_probes requests the simulated agents answered (aggregator ``probes.enabled``), in order.
     probe_runs: list[ProbeRun] = field(default_factory=list)
+    # The prober's group-testing isolations (aggregator/detectors/probe_verdict.IsolationOutcome:
+    # finished and running, tests used against the information bound), and the scenario's
+    # ``isolations`` the prober refused: (simulated seconds, reason, detail).
+    isolations: list[Any] = field(default_factory=list)
+    isolations_refused: list[tuple[float, str, str]] = field(default_factory=list)
 
 
 # What an agent does not do in the simulator: psutil would read this machine, not a simulated
@@ -316,6 +321,7 @@ class Simulation:
         self._probe_faults: dict[str, list[Any]] = {}
         self._probe_agents: dict[str, SimProbeAgent] = {}
         self._probe_runs: list[ProbeRun] = []
+        self._isolations_refused: list[tuple[float, str, str]] = []
         self._groups: dict[str, dict[str, float]] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -370,6 +376,8 @@ class Simulation:
             node.pci_bus_ids = [_log_bus_id(b) for b in PROFILES[profile].pcie_bus_ids]
             self.nodes[name] = node
         self._schedule_faults()
+        if self.prober is not None:
+            self._schedule_isolations()
         for job in sc.jobs:
             job_faults: list[JobFault] = []
             fault_nodes: dict[int, list[str]] = {}
@@ -634,6 +642,24 @@ class Simulation:
         self._runners[node.name] = (node.boot_id, runner)
         return runner
 
+    def _schedule_isolations(self) -> None:
+        """Each scenario ``isolations`` entry, started at its time through the prober (as the
+        operator route does): refused ones are kept for the score."""
+        for iso in self.scenario.isolations:
+            nodes = self.scenario.resolve_nodes(iso.nodes)
+
+            def start(nodes: list[str] = nodes, d_hint: int = iso.d_hint, note: str = iso.note) -> None:
+                from vigil.aggregator.prober import IsolationRefused
+
+                assert self.prober is not None and self.engine is not None
+                try:
+                    self.prober.start_isolation(nodes, d_hint, self.engine.view(), self.clock.now, source="sim",
+                                                note=note)
+                except IsolationRefused as exc:
+                    self._isolations_refused.append((round(self.clock.elapsed, 3), exc.reason, exc.detail))
+
+            self._at(iso.at_seconds, start)
+
     def _schedule_faults(self) -> None:
         for fault in self.scenario.faults:
             for name in self.scenario.fault_nodes(fault):
@@ -768,7 +794,9 @@ class Simulation:
             heartbeats_rejected=rejected, breaker_tripped=self._breaker_tripped(decisions),
             collectors=sorted({c.name for n in self.nodes.values() for c in n.collectors}),
             jobs=traces, fleet_t=fleet_t, fleet_reporting=reporting, fleet_silent=silent,
-            remediations=list(self._remediated), probe_runs=list(self._probe_runs))
+            remediations=list(self._remediated), probe_runs=list(self._probe_runs),
+            isolations=list(self.prober.isolations) if self.prober is not None else [],
+            isolations_refused=list(self._isolations_refused))
 
     def _advance(self, t: float) -> None:
         """Simulated time to ``t`` seconds: the scheduled events due by then happen in order, the

@@ -445,6 +445,17 @@ DEFAULT_PROBE_SECONDS: dict[str, float] = {
 }
 
 
+class SimIsolation(_Strict):
+    """``isolations``: a group-testing isolation the simulator starts at ``at_seconds`` through the
+    real prober's ``start_isolation``, as ``POST /v1/probes/isolations`` does (a freshly repaired
+    set): ``nodes`` (names or a range), about ``d_hint`` of them expected faulty."""
+
+    at_seconds: float = Field(ge=0)
+    nodes: NodeSet
+    d_hint: int = Field(default=1, ge=1)
+    note: str = Field(default="", max_length=500)
+
+
 class SimProbes(_Strict):
     """``probes``: how the simulated agents answer ``run_probes`` (sim/probes.py): each probe's
     duration on the simulated clock, and the relative noise of every measured figure (healthy
@@ -648,6 +659,8 @@ class Scenario(_Strict):
     # How the simulated agents answer the aggregator's run_probes requests (aggregator config
     # ``probes.enabled`` turns the prober on; sim/probes.py runs them).
     probes: SimProbes = SimProbes()
+    # Group-testing isolations started during the run (they need aggregator ``probes.enabled``).
+    isolations: list[SimIsolation] = Field(default_factory=list)
     # Passed through to the real configurations: the agent's (for every simulated node), the
     # aggregator's (detector thresholds, fleet windows) and the gate's (always in dry run here).
     agent: dict[str, Any] = Field(default_factory=dict)
@@ -665,6 +678,11 @@ class Scenario(_Strict):
             _check_nodeset(job.nodes, names, self.fleet.name_format, f"jobs.{i}.nodes")
         for i, group in enumerate(self.fleet.profiles):
             _check_nodeset(group.nodes, names, self.fleet.name_format, f"fleet.profiles.{i}.nodes")
+        for i, iso in enumerate(self.isolations):
+            _check_nodeset(iso.nodes, names, self.fleet.name_format, f"isolations.{i}.nodes")
+            probes = self.aggregator.get("probes")
+            if not (isinstance(probes, dict) and probes.get("enabled") is True):
+                raise ValueError(f"isolations.{i}: an isolation needs aggregator probes.enabled: true")
         for i, fault in enumerate(self.faults):
             where = f"faults.{i}"
             if fault.node is not None and fault.node not in names:

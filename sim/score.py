@@ -83,6 +83,9 @@ class Score:
     alerts: list[SimDecision]
     max_removals: int | None
     breaker_ok: bool
+    # The scenario's ``isolations`` that were refused, aborted or still running at the end (each
+    # must be started and finish, for its drains and its clears to mean anything).
+    isolation_problems: tuple[str, ...] = ()
 
     @property
     def met(self) -> int:
@@ -122,7 +125,7 @@ class Score:
     @property
     def passed(self) -> bool:
         return (self.met == len(self.expectations) and not self.false_removals and not self.violations
-                and not self.over_cap and self.breaker_ok)
+                and not self.over_cap and self.breaker_ok and not self.isolation_problems)
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,10 @@ def score(result: SimResult) -> Score:
     alerts = [d for d in admitted if d.action == "alert"]
     wanted = scenario.expect_breaker
     breaker_ok = wanted == "any" or (wanted == "tripped") == result.breaker_tripped
-    return Score(outcomes, removals, violations, alerts, scenario.max_removals, breaker_ok)
+    problems = [f"refused at {t:g} s: {reason}: {detail}" for t, reason, detail in result.isolations_refused]
+    problems += [f"{i.name} {i.state}{': ' + i.detail if i.detail else ''}" for i in result.isolations
+                 if i.source == "sim" and i.state != "done"]
+    return Score(outcomes, removals, violations, alerts, scenario.max_removals, breaker_ok, tuple(problems))
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -350,4 +356,6 @@ def summary(result: SimResult, s: Score) -> dict[str, Any]:
         "heartbeats_rejected": result.heartbeats_rejected,
         "collectors": result.collectors,
         "return_to_service": return_to_service(result),
+        "isolations": [i.as_dict() for i in result.isolations],
+        "isolation_problems": list(s.isolation_problems),
     }

@@ -123,6 +123,10 @@ ACTIONS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callabl
     "hold": ("hold a node: automation leaves it alone until it is resumed", operator_cmd.add_node_args,
              operator_cmd.hold),
     "resume": ("release a node's hold and put it back in service", operator_cmd.add_node_args, operator_cmd.resume),
+    "isolate": ("find the faulty nodes of a set with collective group tests (a freshly repaired set)",
+                operator_cmd.add_isolate_args, operator_cmd.isolate),
+    "isolations": ("list group-testing isolations: running, finished, tests used against the information bound",
+                   operator_cmd.add_isolations_args, operator_cmd.isolations),
     "history": ("show a node's remediation history: decisions, verdicts, deliveries, holds",
                 operator_cmd.add_history_args, operator_cmd.history),
 }

@@ -1,9 +1,10 @@
-"""``vigil aggregator gate|breaker|hold|resume|history``: an operator's actions, through the aggregator's API.
+"""``vigil aggregator gate|breaker|hold|resume|history|isolate|isolations``: operator actions via the API.
 
 They talk to the running service (``--url``, with the operator's bearer token from
 ``--token-file``), never to its store, so the service that owns the gate's state is the one that
 changes it: show the gate's state, show or reset the circuit breaker, hold a node (automation
-leaves it alone) or resume it, show a node's remediation history. They decide nothing themselves.
+leaves it alone) or resume it, show a node's remediation history, start a group-testing isolation
+of a set of nodes (a freshly repaired set) and list isolations. They decide nothing themselves.
 """
 
 from __future__ import annotations
@@ -191,3 +192,40 @@ def history(args: argparse.Namespace) -> int:
         return 2
     path = f"/v1/nodes/{urllib.parse.quote(args.node, safe='')}/history?limit={args.limit}"
     return _run(args, "GET", path, _print_history)
+
+
+def add_isolate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("nodes", nargs="+", metavar="NODE", help="the nodes to isolate the faulty ones among")
+    p.add_argument("--d-hint", type=int, default=1, metavar="K", help="how many are expected faulty (default 1)")
+    p.add_argument("--note", default="", help="why (kept with the isolation)")
+    _common(p)
+
+
+def add_isolations_args(p: argparse.ArgumentParser) -> None:
+    _common(p)
+
+
+def _print_isolation(i: dict[str, Any]) -> None:
+    state = i["state"] if i["state"] != "done" else f"done, faulty: {', '.join(i['faulty']) or 'none'}"
+    print(f"{i['name']} ({i['source']}) started {_when(i['started'])}: {len(i['nodes'])} nodes, d_hint {i['d_hint']}; "
+          f"{state}; {i['tests_used']} tests (information bound {i['information_bound']})"
+          + (f"; {i['detail']}" if i["detail"] else "") + (f"; {i['note']}" if i["note"] else ""))
+
+
+def isolate(args: argparse.Namespace) -> int:
+    def show(i: dict[str, Any]) -> None:
+        print(f"isolation {i['name']} started: {len(i['nodes'])} nodes, d_hint {i['d_hint']} "
+              f"(information bound {i['information_bound']} tests); follow it: vigil aggregator isolations")
+
+    body = {"nodes": args.nodes, "d_hint": args.d_hint, "note": args.note}
+    return _run(args, "POST", "/v1/probes/isolations", show, body)
+
+
+def isolations(args: argparse.Namespace) -> int:
+    def show(r: dict[str, Any]) -> None:
+        if not r["isolations"]:
+            print("no isolation has run")
+        for i in r["isolations"]:
+            _print_isolation(i)
+
+    return _run(args, "GET", "/v1/probes/isolations", show)
