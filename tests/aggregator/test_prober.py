@@ -499,3 +499,67 @@ async def test_over_http_xid79_reboot_passive_pass_then_a_failing_probe_escalate
         metrics = await c.metrics()
         assert 'vigil_aggregator_probe_runs_total{outcome="fail",trigger="recovery"} 1.0' in metrics
         assert c.client.app[PROBER_KEY].in_flight()["recovery"] == 0
+
+
+def _answer_groups(s: Setup, requests: list[NodeActionRequest], bad: str | None, outcome: str = "done") -> None:
+    by_group: dict[str, list[NodeActionRequest]] = {}
+    for r in requests:
+        assert r.probe_group is not None
+        by_group.setdefault(r.probe_group.group, []).append(r)
+    for members in by_group.values():
+        slow = any(r.node == bad for r in members)
+        for r in members:
+            s.answer(r, {"collective": 10.0 if slow else 90.0}, outcome=outcome)
+
+
+GROUPED = PROBES.model_copy(update={"max_fleet_share": 1.0, "baselines": ProbeBaselines(
+    default={**BASELINES.default, "collective": Baseline(min_value=40.0)})})
+
+
+def test_four_idle_suspects_are_isolated_as_one_group_with_clean_idle_partners_and_the_bad_one_drained() -> None:
+    s = Setup(8, GROUPED)
+    s.nodes[7].ranks = [rank_summary("train-1", 0, compute=0.8, comm=0.1, ts=0.0, gpu=0)]  # busy: no partner
+    s.run(10.0)
+    s.nodes[7].ranks = [rank_summary("train-1", 0, compute=0.8, comm=0.1, ts=s.t, gpu=0)]
+    s.run(2.5)
+    three = [suspect(f"n{i}") for i in range(3)]
+    _, requests = s.evaluate({}, three)  # below group_min_suspects (4): probed alone, one by one
+    assert {r.probes[0] for r in requests} == {"gpu_compute"} and s.prober.isolations == []
+    s2 = Setup(8, GROUPED)
+    s2.nodes[7].ranks = list(s.nodes[7].ranks)
+    s2.run(12.5)
+    flagged = Finding(detector="xid", node="n6", action=Action.ALERT, reason="an Xid", since=s2.t, key="x")
+    _, requests = s2.evaluate({}, [suspect(f"n{i}") for i in range(4)] + [flagged])
+    [iso] = s2.prober.isolations
+    assert (iso.source, iso.nodes, iso.d_hint) == ("auto", ("n0", "n1", "n2", "n3"), 1)
+    assert s2.prober.suspects() == []  # taken into the isolation, not probed alone
+    # Partners: idle, clean, reporting, not suspects: n4 and n5 (n6 is flagged, n7 runs a job).
+    assert s2.prober.partners(s2.fleet.view(), set(iso.nodes), s2.t) == ["n4", "n5"]
+    for _ in range(20):
+        _answer_groups(s2, requests, "n2")
+        s2.run(2.5)
+        _, requests = s2.evaluate({})
+        if s2.prober.isolations[-1].state != "running":
+            break
+    [done] = s2.prober.isolations
+    assert done.faulty == ("n2",) and set(done.cleared) == {"n0", "n1", "n3"}
+    assert all({*t.members, t.partner or "n0"} <= {"n0", "n1", "n2", "n3", "n4", "n5"} for t in done.tests)
+    [drain] = ProbeVerdictDetector(ProbeVerdictConfig(enabled=True)).evaluate(s2.fleet.view(), s2.t)
+    assert (drain.node, drain.action, drain.evidence["signal"]) == ("n2", Action.DRAIN, "isolation_faulty")
+
+
+def test_a_group_test_that_only_errors_is_run_again_then_the_isolation_aborts_and_names_nobody() -> None:
+    s = Setup(6, GROUPED)
+    s.run(10.0)
+    s.prober.start_isolation(["n0", "n1", "n2", "n3"], 1, s.fleet.view(), s.t, source="operator")
+    _, requests = s.evaluate({})
+    first = {r.node for r in requests}
+    for _ in range(2):  # group_test_retries 1: the first try and one more
+        assert {r.node for r in requests} == first and requests
+        _answer_groups(s, requests, None, outcome="failed")
+        s.run(2.5)
+        _, requests = s.evaluate({})
+    [aborted] = s.prober.isolations
+    assert aborted.state == "aborted" and aborted.faulty == () and "did not complete" in aborted.detail
+    assert ProbeVerdictDetector(ProbeVerdictConfig(enabled=True)).evaluate(s.fleet.view(), s.t) == []
+    assert s.prober.isolations_finished["aborted"] == 1 and s.prober.isolation_tests == 0

@@ -3,8 +3,12 @@ at all without probing), and run_probes answered by the simulated agents through
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import pytest
+
+from vigil.aggregator.group_testing import worst_case_tests
 from vigil.sim.run import run_scenario
 from vigil.sim.scenario import parse_scenario
 from vigil.sim.score import return_to_service, score, summary
@@ -100,3 +104,35 @@ def test_a_sub_floor_slow_node_is_drained_only_by_its_failed_probe_and_its_looka
     removals = [d for d in result.decisions if d.admitted and d.action in ("drain", "reboot_node", "inspect_hardware")]
     assert [(d.node, d.detector) for d in removals] == [("node-0003", "probe_verdict")]
     assert removals[0].t >= runs["node-0003"].done_seconds
+
+
+def test_three_bad_among_64_repaired_are_found_by_group_tests_and_drained_and_nobody_else() -> None:
+    result = run_scenario(shipped("repaired-64-three-bad"))
+    s = score(result)
+    report = summary(result, s)
+    assert s.passed, (report["expectations"], report["forbid_violations"], report["isolation_problems"])
+    [iso] = result.isolations
+    assert (iso.source, iso.state, iso.faulty) == ("sim", "done", ("node-0005", "node-0026", "node-0049"))
+    assert len(iso.cleared) == 61 and iso.information_bound == pytest.approx(math.log2(math.comb(64, 3)))
+    # Within the group-testing module's own worst case for d = 3 (its tests hold it there), and
+    # the figure the run reports: 19 tests against the bound of 15.35.
+    assert iso.tests_used == len(iso.tests) <= worst_case_tests(64, 3, 3)
+    assert report["isolations"][0]["tests_used"] == iso.tests_used
+    # Every run was a collective, and nothing passive ever named a node.
+    assert {r.probes for r in result.probe_runs} == {("collective",)}
+    removals = [d for d in result.decisions if d.admitted]
+    assert sorted((d.node, d.action, d.detector) for d in removals) == [
+        (n, "drain", "probe_verdict") for n in ("node-0005", "node-0026", "node-0049")]
+    # Each drain names its test alone with a known-healthy partner, after the isolation finished.
+    for d in removals:
+        alone = [t for t in d.evidence["failed_tests"] if t["members"] == [d.node]]
+        assert alone and alone[0]["partner"] not in iso.faulty
+        assert iso.finished is not None and d.t >= 30 + (iso.finished - iso.started)  # started at 30 s
+
+
+def test_an_isolation_the_prober_refuses_fails_the_score() -> None:
+    sc = shipped("repaired-64-three-bad")
+    aggregator = {**sc.aggregator, "probes": {**sc.aggregator["probes"], "max_fleet_share": 0.5}}
+    result = run_scenario(sc.model_copy(update={"aggregator": aggregator}))
+    assert [r[1] for r in result.isolations_refused] == ["fleet_share"]
+    assert result.decisions == [] and not score(result).passed
