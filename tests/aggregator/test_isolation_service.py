@@ -6,11 +6,13 @@ naming most of one leaf is that leaf's alert, not drains (the shared-switch look
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode
@@ -35,6 +37,7 @@ from vigil.aggregator.gate import Gate
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.prober import ProbesConfig
 from vigil.aggregator.store import Store
+from vigil.cli import main
 
 OPERATOR = b"operator-token-for-tests-0123456789"
 NODES = [f"gpu-{i}" for i in range(6)]  # gpu-0..gpu-3 the repaired set, gpu-4 and gpu-5 partners
@@ -207,3 +210,22 @@ def test_an_isolation_naming_most_of_one_leaf_is_that_leafs_alert_not_drains() -
     assert detector.evaluate(fleet.view(), 210.0) == []
     fleet.isolations = (_done(("a0",), nodes, leaf_of),)
     assert detector.evaluate(fleet.view(), 200.0 + 3601.0) == []
+
+
+async def test_vigil_aggregator_isolate_starts_one_and_isolations_lists_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    async with service(tmp_path) as s:
+        await s.round()
+        token = tmp_path / "operator.token"
+        token.write_text(OPERATOR.decode() + "\n")
+        url = str(s.client.make_url("")).rstrip("/")
+        common = ["--url", url, "--token-file", str(token)]
+        assert await asyncio.to_thread(main, ["aggregator", "isolate", "gpu-0", "gpu-1", "gpu-2", "--d-hint", "1",
+                                              "--note", "repaired", *common]) == 0
+        out = capsys.readouterr().out
+        assert "isolation iso-operator-1-" in out and "3 nodes, d_hint 1" in out
+        assert await asyncio.to_thread(main, ["aggregator", "isolations", *common]) == 0
+        assert "running; 0 tests (information bound 1.58); repaired" in capsys.readouterr().out
+        # A refusal is one line on stderr with the API's reason, exit 1.
+        assert await asyncio.to_thread(main, ["aggregator", "isolate", "gpu-3", "gpu-4", *common]) == 1
+        assert "HTTP 409 running" in capsys.readouterr().err
