@@ -646,36 +646,32 @@ class _ProberMetrics(PromCollector):
         yield GaugeMetricFamily("vigil_aggregator_probe_suspects",
                                 "Nodes a trigger finding named, waiting to be probed (idle, room in the fleet share, "
                                 "past their cooldown).", value=len(p.suspects()))
-        deferred = CounterMetricFamily("vigil_aggregator_probe_runs_deferred",
-                                       "Wanted probe runs not started at an evaluation, by reason (share_cap: "
-                                       "probes.max_fleet_share in use; busy: the node has a job; outbox: the outbox "
-                                       "could not queue it); tried again at the next.", labels=["reason"])
-        for reason in DEFER_REASONS:
-            deferred.add_metric([reason], p.deferred.get(reason, 0))
-        yield deferred
-        started = CounterMetricFamily("vigil_aggregator_isolations_started",
-                                      "Group-testing isolations started, by source (operator: POST "
-                                      "/v1/probes/isolations; auto: probes.group_min_suspects idle suspects; sim).",
-                                      labels=["source"])
-        for source in ISOLATION_SOURCES:
-            started.add_metric([source], p.isolations_started.get(source, 0))
-        yield started
-        finished = CounterMetricFamily("vigil_aggregator_isolations_finished",
-                                       "Group-testing isolations finished, by outcome (done: every node faulty or "
-                                       "cleared; aborted: a group test kept erroring, nobody named).",
-                                       labels=["outcome"])
-        for state in ISOLATION_STATES:
-            finished.add_metric([state], p.isolations_finished.get(state, 0))
-        yield finished
+        yield _by_label("vigil_aggregator_probe_runs_deferred",
+                        "Wanted probe runs not started at an evaluation, by reason (share_cap: probes.max_fleet_share "
+                        "in use; busy: the node has a job; outbox: the outbox could not queue it); tried again at "
+                        "the next.", "reason", DEFER_REASONS, p.deferred)
+        yield _by_label("vigil_aggregator_isolations_started",
+                        "Group-testing isolations started, by source (operator: POST /v1/probes/isolations; auto: "
+                        "probes.group_min_suspects idle suspects; sim).", "source", ISOLATION_SOURCES,
+                        p.isolations_started)
+        yield _by_label("vigil_aggregator_isolations_finished",
+                        "Group-testing isolations finished, by outcome (done: every node faulty or cleared; aborted: "
+                        "a group test kept erroring, nobody named).", "outcome", ISOLATION_STATES,
+                        p.isolations_finished)
         yield CounterMetricFamily("vigil_aggregator_isolation_tests",
                                   "Group tests (collective probes over a group) recorded by isolations.",
                                   value=p.isolation_tests)
-        refused = CounterMetricFamily("vigil_aggregator_isolation_refusals",
-                                      "Isolations not started, by reason (the prober's: disabled, running, too_many, "
-                                      "bad_d_hint, unknown_node, removed, probe_running, fleet_share, no_partner; "
-                                      "the operator route's: standby, invalid_json, unknown_field, bad_nodes, "
-                                      "bad_note).",
-                                      labels=["reason"])
-        for reason in ISOLATION_REFUSALS:
-            refused.add_metric([reason], p.isolation_refusals.get(reason, 0))
-        yield refused
+        yield _by_label("vigil_aggregator_isolation_refusals",
+                        "Isolations not started, by reason (the prober's: disabled, running, too_many, bad_d_hint, "
+                        "unknown_node, removed, probe_running, fleet_share, no_partner; the operator route's: "
+                        "standby, invalid_json, unknown_field, bad_nodes, bad_note).", "reason", ISOLATION_REFUSALS,
+                        p.isolation_refusals)
+
+
+def _by_label(name: str, documentation: str, label: str, values: Sequence[str],
+              counts: Counter[str]) -> CounterMetricFamily:
+    """A counter family with one series per value of its one label (0 until counted)."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for value in values:
+        family.add_metric([value], counts.get(value, 0))
+    return family
