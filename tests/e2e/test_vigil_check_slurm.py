@@ -29,8 +29,9 @@ pytestmark = pytest.mark.external
 
 NODES = ("vnode1", "vnode2")
 H100 = "NVIDIA H100 80GB HBM3"
-# Short, so a test sees several runs; slurmctld starts one per interval (slurm.conf(5)).
-HEALTH_CHECK_INTERVAL_SECONDS = 2
+# Short, so a test sees several runs; slurmd starts one per interval (slurm.conf(5)), overlapping
+# runs held off by the wrapper's lock.
+HEALTH_CHECK_INTERVAL_SECONDS = 3
 # One run is a Python start and a quick probe; waits allow many of them on a loaded machine.
 WAIT_SECONDS = 120.0
 UNREACHABLE_FLOOR = {"classes": {H100: {"gpu_compute": {"min_value": 1e9}}}}
@@ -40,7 +41,9 @@ WRAPPER = """\
 # slurmd runs its HealthCheckProgram as root with an empty environment but SLURMD_NODENAME.
 export PATH={path} SLURM_CONF={slurm_conf} PYTHONPATH={pythonpath}
 node="$SLURMD_NODENAME"
-exec {python} -m vigil check --drain --quick --probes gpu_compute --timeout 40 --node "$node" \\
+# slurmd starts a run every interval even while the last one goes on (deploy/slurm/vigil-healthcheck.sh):
+# one at a time per node, a run that finds another exits 0 at once.
+exec flock -n {work}/"$node".lock {python} -m vigil check --drain --quick --probes gpu_compute --timeout 40 --node "$node" \\
     --config {work}/"$node".yaml --baselines {work}/"$node"-baselines.yaml \\
     --json {work}/"$node"-report.json >>{work}/"$node"-check.log 2>&1
 """
