@@ -300,6 +300,12 @@ class PynvmlBackend:
 
     # --- library -------------------------------------------------------------------------------
 
+
+    @property
+    def library(self) -> Any:
+        """The module this backend calls: pynvml, or the FakeNvml a test or scenario gave it (the
+        probes' fake engine couples its load to that fake)."""
+        return self._nvml
     def init(self) -> None:
         self._nvml.nvmlInit()
 

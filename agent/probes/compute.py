@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from vigil.agent.probes.context import ProbeContext
-from vigil.agent.probes.engine import AllocationError, per_gpu
+from vigil.agent.probes.engine import AllocationError, per_gpu, usable_engine
 from vigil.agent.wire import ProbeResult, ProbeStatus
 
 # Clock-event reasons that fail the burn (PynvmlBackend.reason_names' names). NVML API reference,
@@ -53,16 +53,14 @@ class _Samples:
 
 
 def run(ctx: ProbeContext) -> list[ProbeResult]:
-    if ctx.engine is None:
-        return [ProbeResult(probe="gpu_compute", status="skipped", reason="no_engine",
-                            detail="torch is not importable on this node")]
-    if not ctx.gpus:
-        return [ProbeResult(probe="gpu_compute", status="skipped", reason="no_gpus")]
+    engine = usable_engine(ctx, "gpu_compute")
+    if isinstance(engine, list):
+        return engine
     config = ctx.config
     passes = QUICK_PASSES if ctx.quick else config.burn_passes
     seconds = min(QUICK_PASS_SECONDS, config.burn_pass_seconds) if ctx.quick else config.burn_pass_seconds
     nvml_lock = threading.Lock()  # one NVML read at a time from this probe's threads
-    return per_gpu(ctx.engine, ctx.gpus, lambda gpu: _burn(ctx, gpu, passes, seconds, nvml_lock))
+    return per_gpu(engine, ctx.gpus, lambda gpu: _burn(ctx, gpu, passes, seconds, nvml_lock))
 
 
 def _read(ctx: ProbeContext, gpu: int, samples: _Samples, lock: threading.Lock, force: bool) -> None:

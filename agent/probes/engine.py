@@ -9,7 +9,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from vigil.agent.wire import ProbeName, ProbeResult
+
+if TYPE_CHECKING:
+    from vigil.agent.probes.context import ProbeContext
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,9 +72,8 @@ def build_engine(nvml: object | None) -> ComputeEngine | None:
     from vigil.agent.nvml.fake import FakeNvml
     from vigil.agent.probes.engine_torch import TorchEngine
 
-    # PynvmlBackend keeps the module it calls (pynvml or a FakeNvml) as ``_nvml``
-    # (agent/nvml/backend.py) and offers no accessor: read it here rather than guess from a type.
-    module = nvml if isinstance(nvml, FakeNvml) else getattr(nvml, "_nvml", None)
+    # PynvmlBackend.library: the module it calls (pynvml or a FakeNvml).
+    module = nvml if isinstance(nvml, FakeNvml) else getattr(nvml, "library", None)
     try:
         if isinstance(module, FakeNvml):
             from vigil.agent.probes.engine_fake import FakeLoadEngine
@@ -89,3 +93,16 @@ def per_gpu(engine: ComputeEngine, gpus: list[int], work: Callable[[int], T]) ->
         return [work(gpu) for gpu in gpus]
     with ThreadPoolExecutor(max_workers=len(gpus), thread_name_prefix="probe-gpu") as pool:
         return list(pool.map(work, gpus))
+
+
+def usable_engine(ctx: ProbeContext, probe: ProbeName, min_gpus: int = 1) -> ComputeEngine | list[ProbeResult]:
+    """The engine a GPU probe measures through, or its ``skipped`` result where it cannot run here
+    (no engine: torch is not importable; fewer GPUs than it needs)."""
+    if ctx.engine is None:
+        return [ProbeResult(probe=probe, status="skipped", reason="no_engine",
+                            detail="torch is not importable on this node")]
+    if len(ctx.gpus) < min_gpus:
+        reason = "no_gpus" if min_gpus == 1 else "single_gpu"
+        return [ProbeResult(probe=probe, status="skipped", reason=reason,
+                            detail=f"{len(ctx.gpus)} GPU(s): {probe} needs {min_gpus}")]
+    return ctx.engine

@@ -11,7 +11,7 @@ does) and repairs nothing.
 from __future__ import annotations
 
 from vigil.agent.probes.context import ProbeContext
-from vigil.agent.probes.engine import AllocationError, per_gpu
+from vigil.agent.probes.engine import AllocationError, per_gpu, usable_engine
 from vigil.agent.wire import ProbeResult
 
 # ``--quick``: at most this much per GPU (a 256 MiB copy takes ~0.2 ms on an H100's 3 TB/s HBM).
@@ -19,13 +19,11 @@ QUICK_BYTES = 256 << 20
 
 
 def run(ctx: ProbeContext) -> list[ProbeResult]:
-    if ctx.engine is None:
-        return [ProbeResult(probe="gpu_memory", status="skipped", reason="no_engine",
-                            detail="torch is not importable on this node")]
-    if not ctx.gpus:
-        return [ProbeResult(probe="gpu_memory", status="skipped", reason="no_gpus")]
+    engine = usable_engine(ctx, "gpu_memory")
+    if isinstance(engine, list):
+        return engine
     nbytes = min(ctx.config.memory_bytes, QUICK_BYTES) if ctx.quick else ctx.config.memory_bytes
-    return per_gpu(ctx.engine, ctx.gpus, lambda gpu: _probe(ctx, gpu, nbytes))
+    return per_gpu(engine, ctx.gpus, lambda gpu: _probe(ctx, gpu, nbytes))
 
 
 def _probe(ctx: ProbeContext, gpu: int, nbytes: int) -> ProbeResult:

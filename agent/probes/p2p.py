@@ -11,7 +11,7 @@ GPU there is nothing to measure (``skipped``).
 from __future__ import annotations
 
 from vigil.agent.probes.context import ProbeContext
-from vigil.agent.probes.engine import AllocationError
+from vigil.agent.probes.engine import AllocationError, usable_engine
 from vigil.agent.wire import ProbeResult
 
 # Bytes per pair: 256 MiB moves in ~0.7 ms over an H100's NVLink (~370 GB/s one way), repeated for
@@ -21,13 +21,9 @@ QUICK_PAIR_BYTES = 64 << 20
 
 
 def run(ctx: ProbeContext) -> list[ProbeResult]:
-    engine = ctx.engine
-    if engine is None:
-        return [ProbeResult(probe="gpu_p2p", status="skipped", reason="no_engine",
-                            detail="torch is not importable on this node")]
-    if len(ctx.gpus) < 2:
-        return [ProbeResult(probe="gpu_p2p", status="skipped", reason="single_gpu",
-                            detail=f"{len(ctx.gpus)} GPU(s): no pair to copy between")]
+    engine = usable_engine(ctx, "gpu_p2p", min_gpus=2)
+    if isinstance(engine, list):
+        return engine
     nbytes = min(ctx.config.memory_bytes, QUICK_PAIR_BYTES if ctx.quick else PAIR_BYTES)
     out = []
     for src in ctx.gpus:
