@@ -43,7 +43,8 @@ export PATH={path} SLURM_CONF={slurm_conf} PYTHONPATH={pythonpath}
 node="$SLURMD_NODENAME"
 # slurmd starts a run every interval even while the last one goes on (deploy/slurm/vigil-healthcheck.sh):
 # one at a time per node, a run that finds another exits 0 at once.
-exec flock -n {work}/"$node".lock {python} -m vigil check --drain --quick --probes gpu_compute --timeout 40 --node "$node" \\
+exec flock -n {work}/"$node".lock \\
+    {python} -m vigil check --drain --quick --probes gpu_compute --timeout 40 --node "$node" \\
     --config {work}/"$node".yaml --baselines {work}/"$node"-baselines.yaml \\
     --json {work}/"$node"-report.json >>{work}/"$node"-check.log 2>&1
 """
