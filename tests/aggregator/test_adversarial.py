@@ -379,3 +379,49 @@ def test_healthz_answered_within_100_ms_throughout(target: Target) -> None:
     """The issue's figure, over every probe taken during the attacks above (the module's order);
     the worst is printed at the end of the module."""
     assert max(target.healthz_seconds) < HEALTHZ_BUDGET_SECONDS
+
+
+def test_the_probe_doors_refuse_what_they_cannot_trust(target: Target) -> None:
+    """Issue 39's doors on the real process: starting a group isolation is an operator's act, its
+    body is validated and bounded (400 with the reason, counted), and a probe result no request
+    asked for is ignored and counted; nothing is drained."""
+    route = "/v1/probes/isolations"
+    body = {"nodes": ["vnode1", "vnode2"], "d_hint": 1}
+    for bearer, status in ((None, 401), ("garbage", 401), (token("vnode1"), 403), (ROLE_TOKENS["read"], 403),
+                           (ROLE_TOKENS["alertmanager"], 403)):
+        target.post(route, body, bearer, expect=status)
+    operator = ROLE_TOKENS["operator"]
+    bad: list[tuple[bytes | dict[str, Any], str]] = [
+        (b"{not json", "invalid_json"), ({"nodes": "vnode1"}, "bad_nodes"), ({"nodes": []}, "bad_nodes"),
+        ({"nodes": ["vnode[1-3]"]}, "bad_nodes"), ({"nodes": ["vnode1", "vnode1"]}, "bad_nodes"),
+        ({"nodes": [f"n{i}" for i in range(100_000)]}, "bad_nodes"),
+        ({"nodes": ["vnode1"], "d_hint": 5}, "bad_d_hint"), ({"nodes": ["vnode1"], "d_hint": 1e400}, "bad_d_hint"),
+        ({"nodes": ["vnode1"], "run": "rm -rf /"}, "unknown_field")]
+    for raw, reason in bad:
+        out = target.post(route, raw, operator, expect=400)
+        assert out["error"] == reason, (raw if isinstance(raw, bytes) else str(raw)[:80], out)
+    # Well formed, but probing is off on this aggregator: refused (409), never started.
+    assert target.post(route, body, operator, expect=409)["error"] == "disabled"
+    text = target.metrics()
+    assert re.search(r'^vigil_aggregator_isolation_refusals_total\{reason="bad_nodes"\} [5-9]', text, re.M)
+    assert re.search(r'^vigil_aggregator_isolation_refusals_total\{reason="disabled"\} 1', text, re.M)
+    assert target.agg.request("GET", route, token=ROLE_TOKENS["read"])["isolations"] == []
+    # A node's signed-looking probe result that no request asked for: the report is taken, the
+    # result ignored and counted (unknown_id), and no decision follows from it.
+    node = target.nodes["vnode3"]
+    report = json.loads(encode(node.report(time.time())))
+    report["action_results"] = [{"id": "probe-recovery-forged", "action": "run_probes", "outcome": "done",
+                                 "reason": "done", "ts": time.time(), "node": "vnode3", "boot_id": node.boot_id,
+                                 "signature": "0" * 64,
+                                 "probes": [{"probe": "gpu_compute", "gpu": 0, "status": "pass", "value": 1.0}]}]
+    target.post("/v1/reports", report, token("vnode3"), expect=202)
+    assert re.search(r'^vigil_aggregator_node_action_results_total\{action="run_probes",outcome="done",'
+                     r'reason="unknown_id"\} 1', target.metrics(), re.M)
+    # More probe results than the wire allows: refused whole as a schema error.
+    report = json.loads(encode(node.report(time.time())))
+    report["action_results"] = [{**report_result, "probes": [{"probe": "gpu_compute", "status": "pass"}] * 65}
+                                for report_result in [{"id": "x", "action": "run_probes", "outcome": "done",
+                                                       "reason": "done", "ts": time.time()}]]
+    assert target.post("/v1/reports", report, token("vnode3"), expect=400)["error"] == "schema"
+    target.healthz()
+    target.assert_nothing_drained()
