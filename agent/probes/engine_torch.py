@@ -35,7 +35,9 @@ _COPIES_MIN = 3
 # stay quick and small whatever ``probes.memory_bytes`` asks of a GPU.
 CPU_MAX_BYTES = 16 << 20
 # A loop whose clock never advances is a broken clock, not a fast device: stop rather than spin.
-_ITERATIONS_MAX = 10_000_000
+# A million is far above any real pass: an H100's bf16 8192^3 matmul takes ~1.6 ms, so the longest
+# pass allowed (probes.burn_pass_seconds 600) is ~375,000 of them.
+_ITERATIONS_MAX = 1_000_000
 # Patterns written to every word of the pattern test, as 64-bit words (signed: torch.int64). All
 # zeros and all ones find stuck bits; 0x55../0xAA.. find adjacent bits that couple; the address
 # and its complement find address-line faults (a word written to the wrong place), as memtest86's

@@ -133,6 +133,7 @@ def test_three_bad_among_64_repaired_are_found_by_group_tests_and_drained_and_no
 def test_an_isolation_the_prober_refuses_fails_the_score() -> None:
     sc = shipped("repaired-64-three-bad")
     aggregator = {**sc.aggregator, "probes": {**sc.aggregator["probes"], "max_fleet_share": 0.5}}
-    result = run_scenario(sc.model_copy(update={"aggregator": aggregator}))
+    # The isolation starts (and is refused) at 30 s: two minutes of the run say all there is.
+    result = run_scenario(sc.model_copy(update={"aggregator": aggregator, "duration_seconds": 120.0}))
     assert [r[1] for r in result.isolations_refused] == ["fleet_share"]
     assert result.decisions == [] and not score(result).passed
