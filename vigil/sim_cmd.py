@@ -111,6 +111,12 @@ def _print_text(data: dict[str, Any]) -> None:
         times = f", fault to resume p50 {sec['p50']:g} s max {sec['max']:g} s" if r["returned"] else ""
         print(f"  return to service after {action}: {r['returned']}/{r['removed']} back{times}"
               f"{f' (not back: {gone})' if gone else ''}")
+    for iso in data.get("isolations", []):
+        bound = iso["information_bound"]
+        ratio = f", {iso['tests_used'] / bound:.2f}x" if bound else ""
+        print(f"  isolation {iso['name']} ({iso['state']}): {len(iso['faulty'])} faulty of {len(iso['nodes'])} "
+              f"({', '.join(iso['faulty']) or 'none'}) in {iso['tests_used']} tests "
+              f"(information bound {bound:g}{ratio})")
     b = data["breaker"]
     if b["expected"] != "any":
         print(f"  breaker: expected {b['expected']}, tripped {b['tripped']}")

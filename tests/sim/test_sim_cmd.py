@@ -69,3 +69,12 @@ def test_progress_bar_draws_and_ends_with_a_newline() -> None:
     bar(100, 100)
     text = stream.getvalue()
     assert "[#####.....]" in text and "[##########]" in text and text.endswith("\n")
+
+
+def test_an_isolation_is_reported_with_its_tests_against_the_information_bound(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--scenario", str(_write(tmp_path, raw("repaired-64-three-bad")))]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "isolation " in line]
+    assert len(lines) == 1
+    assert "(done): 3 faulty of 64 (node-0005, node-0026, node-0049) in " in lines[0]
+    assert "tests (information bound 15.35, " in lines[0]
