@@ -24,10 +24,10 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
@@ -485,31 +485,28 @@ class _OutboxMetrics(PromCollector):
         for action in sorted(NODE_ACTIONS):
             offered.add_metric([action], box.offered.get(action, 0))
         yield offered
-        results = CounterMetricFamily("vigil_aggregator_node_action_results",
-                                      "Node-action results, by action, outcome (done, refused, failed as the agent "
-                                      "reported; expired, void, cancelled: ended by the aggregator) and reason "
-                                      "(unknown_id: no such request for that node, ignored; offer_expired: the agent "
-                                      "refused an offer past its validity, offered again; cancelled resumed or "
-                                      "held: the node's removal ended).",
-                                      labels=["action", "outcome", "reason"])
-        for (action, outcome, reason), n in sorted(box.results.items()):
-            results.add_metric([action, outcome, reason], n)
-        yield results
-        not_queued = CounterMetricFamily("vigil_aggregator_node_action_not_requested",
-                                         "Delivered decisions that could not become a node-action request, by "
-                                         "action and reason (no_gpu, unknown_node, outbox_full).",
-                                         labels=["action", "reason"])
-        for (action, reason), n in sorted(box.not_queued.items()):
-            not_queued.add_metric([action, reason], n)
-        yield not_queued
-        refused = CounterMetricFamily("vigil_aggregator_node_action_results_refused",
-                                      "Node-action results for a pending request refused before the fleet took them, "
-                                      "by action and reason (bad_signature: not signed under the node's key; "
-                                      "node_mismatch, boot_mismatch: not bound to the request's node and boot). "
-                                      "The request stays pending until a bound result or its expiry.",
-                                      labels=["action", "reason"])
-        for (action, reason), n in sorted(box.refused.items()):
-            refused.add_metric([action, reason], n)
-        yield refused
+        yield _by_labels("vigil_aggregator_node_action_results",
+                         "Node-action results, by action, outcome (done, refused, failed as the agent reported; "
+                         "expired, void, cancelled: ended by the aggregator) and reason (unknown_id: no such request "
+                         "for that node, ignored; offer_expired: the agent refused an offer past its validity, offered "
+                         "again; cancelled resumed or held: the node's removal ended).",
+                         ["action", "outcome", "reason"], box.results)
+        yield _by_labels("vigil_aggregator_node_action_not_requested",
+                         "Delivered decisions that could not become a node-action request, by action and reason "
+                         "(no_gpu, unknown_node, outbox_full).", ["action", "reason"], box.not_queued)
+        yield _by_labels("vigil_aggregator_node_action_results_refused",
+                         "Node-action results for a pending request refused before the fleet took them, by action "
+                         "and reason (bad_signature: not signed under the node's key; node_mismatch, boot_mismatch: "
+                         "not bound to the request's node and boot). The request stays pending until a bound result "
+                         "or its expiry.", ["action", "reason"], box.refused)
         yield GaugeMetricFamily("vigil_aggregator_node_actions_pending",
                                 "Node-action requests waiting for a final result.", value=box.pending())
+
+
+def _by_labels(name: str, documentation: str, labels: list[str],
+               counts: Mapping[Any, int]) -> CounterMetricFamily:
+    """A counter family with one series per counted tuple of label values (the keys of ``counts``), sorted."""
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for values, n in sorted(counts.items()):
+        family.add_metric(list(values), n)
+    return family
