@@ -115,6 +115,9 @@ GpuHealth = Literal["ok", "lost", "reset_required", "unavailable"]
 RankState = Literal["running", "hung", "exited"]
 # What a job does between steps, as its heartbeat client says; absent means training.
 JobPhase = Literal["training", "checkpointing", "evaluating"]
+# A training value that is not a finite number, as the heartbeat client spells it (JSON has no
+# NaN or Infinity, and the decoder refuses them as numbers): a NaN loss is the signal itself.
+NonFinite = Literal["nan", "inf", "-inf"]
 
 
 class _Wire(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True, gc=False):
@@ -154,6 +157,9 @@ class Event(_Wire, kw_only=True):
     # Which reader saw it ("kmsg", "nvml", "sysfs", "heartbeat"): an Xid seen by both the kernel
     # log and NVML's event API is one fault, and the aggregator dedups by (gpu, code, time).
     source: Short = ""
+    # A training log line that names a peer ("NCCL WARN ... peer 10.0.0.7", "connection to
+    # gpu-17 closed"): the host or address it names, as written (the aggregator resolves it).
+    peer: Short | None = None
 
     def __post_init__(self) -> None:
         if len(self.message) > MAX_TEXT_CHARS:
@@ -296,6 +302,23 @@ class RankSummary(_Wire, kw_only=True):
     data_seconds_p50: NonNeg | None = None
     data_seconds_p90: NonNeg | None = None
     phase: JobPhase | None = None  # the rank's latest heartbeat's phase (None: training)
+    # The lowest step in the window: below an earlier window's ``last_step``, the job restarted
+    # (from a checkpoint) in between.
+    first_step: Count | None = None
+    # Application signals (heartbeat ``loss`` / ``grad_norm``, optional): the window's median and
+    # latest finite loss, the median and largest finite gradient norm, and the steps whose loss or
+    # gradient norm was NaN or infinite (with the first such step).
+    loss_p50: Num | None = None
+    loss_last: Num | None = None
+    grad_norm_p50: NonNeg | None = None
+    grad_norm_max: NonNeg | None = None
+    nonfinite_steps: Count = 0
+    nonfinite_first_step: Count | None = None
+    # The rank's latest completed announced checkpoint (``hb.checkpointing()`` ended): the step it
+    # saved, when it ended (agent clock) and how long the save took.
+    checkpoint_step: Count | None = None
+    checkpoint_ts: Timestamp | None = None
+    checkpoint_seconds: NonNeg | None = None
 
 
 class HostFacts(_Wire, kw_only=True):
@@ -555,6 +578,10 @@ class Heartbeat(_Wire, kw_only=True):
     phase: JobPhase | None = None
     # How compute/comm were measured: "cuda_events" (GPU timeline) or "cpu" (host clock, a fallback).
     timing: Literal["cuda_events", "cpu"] | None = None
+    # Application signals, optional: the step's loss and global gradient norm, a number or one of
+    # "nan", "inf", "-inf" (NonFinite).
+    loss: Num | NonFinite | None = None
+    grad_norm: NonNeg | NonFinite | None = None
 
 
 # Encoding and decoding: one encoder, and one strict decoder per type, made once.

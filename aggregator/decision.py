@@ -21,6 +21,9 @@ class Action(StrEnum):
     OBSERVE = "observe"
     ALERT = "alert"
     RESTART_JOB = "restart_job"
+    # Stop a job's restart loop and page a person (a job that cannot progress: crash loop, NaN
+    # loss): Slurm requeues it held; it starts again only when a person releases it.
+    HOLD_JOB = "hold_job"
     RESET_GPU = "reset_gpu"
     DRAIN = "drain"
     REBOOT_NODE = "reboot_node"
@@ -31,7 +34,9 @@ class Action(StrEnum):
 # Actions that take capacity away from the scheduler: these are what the circuit breaker counts.
 REMOVING_ACTIONS = frozenset({Action.DRAIN, Action.RESET_GPU, Action.REBOOT_NODE, Action.INSPECT_HARDWARE})
 # Actions that may be about a whole job (``node`` None, ``job`` set): they take no node away.
-JOB_LEVEL_ACTIONS = frozenset({Action.OBSERVE, Action.ALERT, Action.RESTART_JOB})
+JOB_LEVEL_ACTIONS = frozenset({Action.OBSERVE, Action.ALERT, Action.RESTART_JOB, Action.HOLD_JOB})
+# Actions about a job's run itself (restart or stop it): the gate's restart budget counts them.
+JOB_RUN_ACTIONS = frozenset({Action.RESTART_JOB, Action.HOLD_JOB})
 # The type of a detector's configurable action for a job-level finding (one of JOB_LEVEL_ACTIONS).
 JobAction = Literal[Action.OBSERVE, Action.ALERT, Action.RESTART_JOB]
 # A job-level decision's subject as the store keys it (its rows' node column, the delivery order):

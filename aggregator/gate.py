@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
+from vigil.aggregator.decision import JOB_RUN_ACTIONS, REMOVING_ACTIONS, Action, Decision
 
 NodeCondition = Literal["in_service", "removed", "awaiting_inspection"]
 
@@ -208,7 +208,7 @@ class GateState:
             return
         d = verdict.decision
         self.recent[_dedup_key(d)] = now
-        if d.action is Action.RESTART_JOB:
+        if d.action in JOB_RUN_ACTIONS:
             self.restarts.append((now, d.job or d.subject))
             return
         if d.action in INFORMING or d.node is None:
@@ -317,7 +317,7 @@ class Gate:
         if proposed in INFORMING:
             return admit(proposed)
         if decision.node is None:
-            # About a whole job (Decision allows only restart_job here): no node's hold, opt-out,
+            # About a whole job (Decision allows only restart_job and hold_job here): no node's hold, opt-out,
             # maintenance window, cooldown or breaker budget applies; the restart budget does.
             return self._restart(decision, now, state, refuse, admit)
         by_hand = decision.detector == OPERATOR
@@ -342,7 +342,7 @@ class Gate:
                     f"(< {cfg.min_removed_seconds:.0f}s)",
                 )
             return admit(proposed)
-        if proposed is Action.RESTART_JOB:
+        if proposed in JOB_RUN_ACTIONS:
             return self._restart(decision, now, state, refuse, admit)
 
         # Only what was done before this fault began counts as "failed again": a second reading of

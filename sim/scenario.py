@@ -521,13 +521,13 @@ class Remediation(_Strict):
 
 # Action classes that cost a job or a node (DESIGN.md section 3); the scorer judges each on its
 # own: a drain where a reset was right is as wrong as a drain of the wrong node.
-REMOVAL_ACTIONS = ("drain", "reset_gpu", "reboot_node", "inspect_hardware", "restart_job")
+REMOVAL_ACTIONS = ("drain", "reset_gpu", "reboot_node", "inspect_hardware", "restart_job", "hold_job")
 ACTIONS = ("observe", "alert", *REMOVAL_ACTIONS, "resume")
 # What answers a whole job's fault: never a node's removal (a job's bug is the job's).
-JOB_ACTIONS = ("restart_job", "alert")
+JOB_ACTIONS = ("restart_job", "hold_job", "alert")
 
 ActionName = Literal["observe", "alert", "drain", "reset_gpu", "reboot_node", "inspect_hardware", "restart_job",
-                     "resume"]
+                     "hold_job", "resume"]
 
 
 class Expectation(_Strict):

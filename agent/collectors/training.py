@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import psutil
 from pydantic import Field, field_validator, model_validator
@@ -554,7 +554,7 @@ class TrainingCollector:
                 comm_v.append(rec.comm_seconds)
             if rec.data_seconds is not None:
                 data_v.append(rec.data_seconds)
-        quantiles: dict[str, float | None] = {}
+        quantiles: dict[str, Any] = {}
         for name, values in zip(("step", *PHASES), columns, strict=True):
             values.sort()
             quantiles[f"{name}_seconds_p50"] = percentile(values, 0.5) if values else None

@@ -41,7 +41,8 @@ def _iso(ts: float) -> str:
 
 
 def severity(action: Action) -> str:
-    if action in REMOVING_ACTIONS:
+    # A held job waits for a person: it pages like a removal.
+    if action in REMOVING_ACTIONS or action is Action.HOLD_JOB:
         return "critical"
     return "warning" if action in (Action.RESTART_JOB, Action.ALERT) else "info"
 
