@@ -23,7 +23,8 @@ INTERVAL = 2.5
 
 def summary(job: str, rank: int, *, pid: int | None, step: int, ts: float, state: str = "running",
             checkpoint: int | None = None) -> RankSummary:
-    return RankSummary(job=job, rank=rank, pid=pid, state=state, window_seconds=5.0, steps=2 if state == "running" else 0,  # type: ignore[arg-type]
+    steps = 2 if state == "running" else 0
+    return RankSummary(job=job, rank=rank, pid=pid, state=state, window_seconds=5.0, steps=steps,  # type: ignore[arg-type]
                        last_step=step, last_progress_ts=ts, step_seconds_p50=1.0, first_step=max(0, step - 2),
                        checkpoint_step=checkpoint)
 
@@ -47,7 +48,8 @@ class Job:
     def __init__(self, name: str, nodes: list[FakeNode], ranks: int = 2, pid_base: int = 1000) -> None:
         self.name, self.nodes, self.ranks, self.pid = name, nodes, ranks, pid_base
 
-    def timeline(self, runs: list[Run], t0: float, gap: float = 5.0) -> Iterator[tuple[float, dict[str, list[RankSummary]]]]:
+    def timeline(self, runs: list[Run], t0: float,
+                 gap: float = 5.0) -> Iterator[tuple[float, dict[str, list[RankSummary]]]]:
         t = t0
         for run in runs:
             self.pid += 100
@@ -101,7 +103,7 @@ def holds(found):
 def test_a_job_crashing_at_the_same_step_is_held_after_three_restarts_naming_the_job_and_no_node():
     # Each run resumes from the checkpoint at step 40 and crashes at step 50: 10-20 s runs.
     runs = [Run(0, 50, seconds=60.0)] + [Run(40, 50) for _ in range(4)]
-    detector, _, found, _ = play(Job("4242", nodes_()), runs)
+    _, _, found, _ = play(Job("4242", nodes_()), runs)
     held = holds(found)
     assert held, "never held"
     first_t, first = held[0]
@@ -179,7 +181,7 @@ def crash_on(job: Job, first: str | None, t0: float, *, together: bool = False) 
     while t < t0 + 60:
         ranks = job._ranks(20, t0 + 20, "exited", None)
         if not together and t < t0 + 50:
-            for name, rs in ranks.items():
+            for name in list(ranks):
                 if name != first:
                     ranks[name] = job._ranks(20, t0 + 20, "running", None)[name]
         yield t, ranks
