@@ -286,14 +286,16 @@ class JobRecoveryPlanner:
             if now - plan.last_trigger > cfg.trigger_memory_seconds:
                 del self._plans[key]  # the trigger went away: a transient, nothing decided
                 return None
-            plan.figures.spares_available = spares
-            plan.estimate = self.estimate(plan.figures)
-            plan.chosen = self.choose(plan.estimate)
             seen = self._checkpoints.get(plan.job)
-            due = plan.chosen == "now" or (plan.chosen == "checkpoint" and seen is not None
-                                           and seen[-1][1] > plan.since)
-            if not due:
-                return None
+            if plan.chosen == "checkpoint" and seen is not None and seen[-1][1] > plan.since:
+                # The checkpoint it waited for: emitted with the estimate that chose to wait.
+                plan.figures.checkpoint_step = seen[-1][0]
+            else:
+                plan.figures.spares_available = spares
+                plan.estimate = self.estimate(plan.figures)
+                plan.chosen = self.choose(plan.estimate)
+                if plan.chosen != "now":
+                    return None
             plan.emitted = now
             plan.before_step_seconds = _step_seconds(job, fresh)
             plan.finding = self._finding(plan)

@@ -1,0 +1,62 @@
+"""The spare pool: the sizing rule (binomial tail at the observed failure rate, with its prior),
+the count and draws as read, when a verified node should join, and its metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from vigil.aggregator.config import ConfigError, parse_config
+from vigil.aggregator.spares import SparePool, SparesConfig, failure_rate, recommended_spares
+
+
+def poisson_tail(mean: float, s: int) -> float:
+    return 1 - sum(math.exp(-mean) * mean ** k / math.factorial(k) for k in range(s + 1))
+
+
+def test_the_pool_is_the_smallest_size_whose_overflow_risk_is_within_the_target() -> None:
+    # 1,000 nodes at Llama 3's 1.6e-4 removals per node-hour, a day to refill: 3.8 failures expected.
+    s = recommended_spares(1000, 1.6e-4, 86400, 0.01)
+    assert s == 9
+    mean = 1000 * -math.expm1(-1.6e-4 * 24)
+    assert poisson_tail(mean, s) <= 0.012 and poisson_tail(mean, s - 1) > 0.01  # Poisson agrees
+    assert recommended_spares(1000, 1.6e-4, 86400, 0.001) > s  # a smaller risk needs more
+    assert recommended_spares(1000, 3.2e-4, 86400, 0.01) > s  # so does a worse fleet
+    assert recommended_spares(0, 1e-3, 86400, 0.01) == recommended_spares(100, 0.0, 86400, 0.01) == 0
+    assert recommended_spares(20_000, 1.6e-4, 86400, 0.01) > 0  # no underflow on a large fleet
+
+
+def test_the_observed_rate_moves_from_the_prior_as_history_accumulates() -> None:
+    cfg = SparesConfig()
+    assert failure_rate(0, 0, cfg) == cfg.prior_rate_per_node_hour
+    assert failure_rate(50, 100_000, cfg) > 4e-4  # 5e-4 observed, weighed against the prior
+    assert failure_rate(0, 1_000_000, cfg) < 2e-6
+
+
+def test_draws_are_spares_gone_between_reads_and_a_short_pool_wants_a_verified_node() -> None:
+    pool = SparePool(SparesConfig(enabled=True))
+    assert pool.available is None and not pool.wants_spare()  # never read: unknown, not short
+    pool.size(1000, 0, 0)
+    pool.observe(["n1", "n2"])
+    pool.observe(["n2", "n3"])
+    assert (pool.available, pool.draws) == (2, 1)
+    assert pool.wants_spare()  # 2 of 9
+    assert not SparePool(SparesConfig(refill=False)).wants_spare()
+    pool.failed("timeout")
+    registry = CollectorRegistry()
+    registry.register(pool.collector())
+    text = generate_latest(registry).decode()
+    for line in ("vigil_spares_available 2.0", "vigil_spares_recommended 9.0", "vigil_spare_draws_total 1.0",
+                 'vigil_spares_read_errors_total{reason="timeout"} 1.0'):
+        assert line in text
+
+
+def test_the_config_sections_default_off_and_refuse_a_hostile_feature() -> None:
+    config = parse_config({})
+    assert not config.spares.enabled and not config.job_recovery.enabled
+    assert parse_config({"spares": {"enabled": True, "slurm_feature": "spare_a"}}).spares.slurm_feature == "spare_a"
+    for bad in ("a,b", "x y", ""):  # a list or a word scontrol would split
+        with pytest.raises(ConfigError, match="slurm_feature"):
+            parse_config({"spares": {"slurm_feature": bad}})
