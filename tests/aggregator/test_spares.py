@@ -3,12 +3,19 @@ the count and draws as read, when a verified node should join, and its metrics."
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
+from collections.abc import Sequence
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from vigil.aggregator.actuators.slurm import SlurmActuator, SlurmConfig
+from vigil.aggregator.app import wire_spares
 from vigil.aggregator.config import ConfigError, parse_config
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.metrics import AggregatorMetrics
 from vigil.aggregator.spares import SparePool, SparesConfig, failure_rate, recommended_spares
 
 
@@ -60,3 +67,27 @@ def test_the_config_sections_default_off_and_refuse_a_hostile_feature() -> None:
     for bad in ("a,b", "x y", ""):  # a list or a word scontrol would split
         with pytest.raises(ConfigError, match="slurm_feature"):
             parse_config({"spares": {"slurm_feature": bad}})
+
+
+def test_the_app_reads_the_pool_through_the_slurm_actuator_and_feeds_the_planner() -> None:
+    def sinfo(argv: Sequence[str], timeout_seconds: float) -> str:
+        return json.dumps({"nodes": [{"name": "vnode3", "state": "idle", "features": "vigil_spare",
+                                      "active_features": "vigil_spare"}]})
+
+    config = parse_config({"spares": {"enabled": True}, "job_recovery": {"enabled": True}})
+    engine = Engine(config, sink=None, detectors=[])  # type: ignore[arg-type]
+    metrics = AggregatorMetrics(dict)
+    slurm = SlurmActuator(SlurmConfig(), run=sinfo)
+
+    async def main() -> None:
+        task = asyncio.create_task(wire_spares(config, engine, None, metrics, {"slurm": slurm}, lambda: 0.0)())
+        async with asyncio.timeout(10):
+            while engine.spares_available() is None:
+                await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(main())
+    assert engine.spares_available() == 1
+    # No node reports yet: nothing to cover, so a verified node is not wanted as a spare.
+    assert slurm.spare_feature == "vigil_spare" and not slurm.spare_wanted()
+    assert b"vigil_spares_available 1.0" in metrics.render()
