@@ -143,6 +143,20 @@ def node_from_sinfo_json(text: str, node: str) -> NodeState | None:
     """``node`` in ``sinfo --json`` output (None if it is not there). 22.05 writes ``state`` as a
     word and ``state_flags`` as a list; 23.02+ writes ``state`` as a list of words. sinfo 22.05
     ignores ``-n`` with ``--json``, so the entry is picked by its exact name."""
+    for entry in _sinfo_entries(text):
+        if entry.get("name") != node:
+            continue
+        state = _state_of(entry)
+        if state is None:
+            raise DeliveryError(f"sinfo --json: node {node} has no readable state ({entry.get('state')!r}, "
+                                f"{entry.get('state_flags')!r})")
+        reason = entry.get("reason")
+        return NodeState(state, reason if isinstance(reason, str) else "")
+    return None
+
+
+def _sinfo_entries(text: str) -> list[dict[str, object]]:
+    """The node entries of ``sinfo --json`` output (those that are objects)."""
     try:
         doc = json.loads(text)
     except ValueError as exc:
@@ -150,17 +164,17 @@ def node_from_sinfo_json(text: str, node: str) -> NodeState | None:
     nodes = doc.get("nodes") if isinstance(doc, dict) else None
     if not isinstance(nodes, list):
         raise DeliveryError("sinfo --json: no node list in its answer")
-    for entry in nodes:
-        if not isinstance(entry, dict) or entry.get("name") != node:
-            continue
-        base, flags = entry.get("state"), entry.get("state_flags") or []
-        words = [*base] if isinstance(base, list) else [base] if isinstance(base, str) else []
-        words += flags if isinstance(flags, list) else []
-        if not words or not all(isinstance(w, str) for w in words):
-            raise DeliveryError(f"sinfo --json: node {node} has no readable state ({base!r}, {flags!r})")
-        reason = entry.get("reason")
-        return NodeState("+".join(w.upper() for w in words), reason if isinstance(reason, str) else "")
-    return None
+    return [entry for entry in nodes if isinstance(entry, dict)]
+
+
+def _state_of(entry: dict[str, object]) -> str | None:
+    """An entry's state words, upper case, "+"-joined (``IDLE+DRAIN``); None if unreadable."""
+    base, flags = entry.get("state"), entry.get("state_flags") or []
+    words = [*base] if isinstance(base, list) else [base] if isinstance(base, str) else []
+    words += flags if isinstance(flags, list) else []
+    if not words or not all(isinstance(w, str) for w in words):
+        return None
+    return "+".join(str(w).upper() for w in words)
 
 
 def _features(value: object) -> list[str]:
@@ -172,24 +186,11 @@ def _features(value: object) -> list[str]:
 def nodes_from_sinfo_json(text: str) -> list[tuple[str, str, list[str], list[str]]]:
     """Every node of ``sinfo --json``: (name, state words "+"-joined, upper case, available and
     active features). An entry without a readable name or state is skipped."""
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise DeliveryError(f"sinfo --json: not JSON ({exc})") from None
-    entries = doc.get("nodes") if isinstance(doc, dict) else None
-    if not isinstance(entries, list):
-        raise DeliveryError("sinfo --json: no node list in its answer")
     out = []
-    for entry in entries:
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            continue
-        base, flags = entry.get("state"), entry.get("state_flags") or []
-        words = [*base] if isinstance(base, list) else [base] if isinstance(base, str) else []
-        words += flags if isinstance(flags, list) else []
-        if not words or not all(isinstance(w, str) for w in words):
-            continue
-        out.append((entry["name"], "+".join(w.upper() for w in words), _features(entry.get("features")),
-                    _features(entry.get("active_features"))))
+    for entry in _sinfo_entries(text):
+        name, state = entry.get("name"), _state_of(entry)
+        if isinstance(name, str) and state is not None:
+            out.append((name, state, _features(entry.get("features")), _features(entry.get("active_features"))))
     return out
 
 
