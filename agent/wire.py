@@ -314,6 +314,9 @@ class RankSummary(_Wire, kw_only=True):
     grad_norm_max: NonNeg | None = None
     nonfinite_steps: Count = 0
     nonfinite_first_step: Count | None = None
+    # Of those, the steps whose loss itself was NaN or infinite (a gradient norm alone overflows
+    # routinely under AMP's loss scaling; a non-finite loss is the training diverging).
+    nonfinite_loss_steps: Count = 0
     # The rank's latest completed announced checkpoint (``hb.checkpointing()`` ended): the step it
     # saved, when it ended (agent clock) and how long the save took.
     checkpoint_step: Count | None = None
