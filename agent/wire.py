@@ -135,7 +135,8 @@ class Event(_Wire, kw_only=True):
     """Something that happened, as opposed to a state: an Xid, a link going down, a hang.
 
     ``kind`` is one of: xid, sxid, gpu_lost, mlx5_error, link_down, link_up, link_flap,
-    counter_reset, hang, rank_exit, nvml_unavailable. Subject fields that do not apply are None.
+    counter_reset, hang, rank_exit, nvml_unavailable, and from training logs nccl_timeout, cuda_error,
+    nccl_warn (agent/app_log.py). Subject fields that do not apply are None.
     ``count`` > 1 means identical events were collapsed (a flood is counted, not forwarded line
     by line); ``ts`` is then the first occurrence and ``last_ts`` the latest.
     """
