@@ -30,6 +30,7 @@ MODULES = [
     "bench.bench_faults",
     "bench.bench_probe_recovery",
     "bench.bench_failover",
+    "bench.bench_goodput",
 ]
 
 
