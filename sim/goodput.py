@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vigil.sim.scenario import Goodput, Hang, Job, KernelXid, NvmlFault, PortDown, Reboot, Scenario, Silence, SlowNode
@@ -232,12 +232,18 @@ def _split(loss: Loss, rate: float, t0: float, end: float, t_first: float | None
 class Ledger:
     """Every incident of a scenario in the three arms (see the module's docstring)."""
 
-    def __init__(self, scenario: Scenario, decisions: Sequence[Any], *, simulated_seconds: float | None = None) -> None:
+    def __init__(self, scenario: Scenario, decisions: Sequence[Any], *, simulated_seconds: float | None = None,
+                 measured_slowdown: dict[int, float] | None = None) -> None:
+        """``measured_slowdown``: per fault index, the slow job's step time over its healthy one as
+        the run's job model measured it (``ledger`` reads it from the run's job traces); where
+        absent, the model's ``1 + compute share x (factor - 1)``."""
         self.scenario = scenario
         self.g = scenario.goodput
         self.progress = JobProgress(scenario)
         self.decisions = sorted(decisions, key=lambda d: d.t)
-        self.incidents = incidents(scenario)
+        measured = measured_slowdown or {}
+        self.incidents = [replace(i, slowdown=measured[i.fault]) if i.effect == "slow" and i.fault in measured else i
+                          for i in incidents(scenario)]
         self.run_seconds = simulated_seconds if simulated_seconds is not None else scenario.duration_seconds
         self.real = self.g.represents_seconds is not None
         self.window_seconds = self.g.represents_seconds if self.g.represents_seconds is not None else self.run_seconds
@@ -505,5 +511,44 @@ class Ledger:
 
 
 def ledger(result: Any) -> Ledger:
-    """The ledger of a finished run (sim.run.SimResult)."""
-    return Ledger(result.scenario, result.decisions, simulated_seconds=result.simulated_seconds)
+    """The ledger of a finished run (sim.run.SimResult), each straggler's slowdown as its job ran."""
+    return Ledger(result.scenario, result.decisions, simulated_seconds=result.simulated_seconds,
+                  measured_slowdown=measured_slowdowns(result.scenario, result.jobs))
+
+
+# The windows a slowdown is measured on: the job's steps in the 300 s before the fault against
+# those from 30 s after it (the first windows straddle the onset) for up to 300 s, or until the
+# fault or the next fault of the job.
+_BEFORE_SECONDS = 300.0
+_SETTLE_SECONDS = 30.0
+_AFTER_SECONDS = 300.0
+
+
+def measured_slowdowns(scenario: Scenario, traces: Sequence[Any]) -> dict[int, float]:
+    """Per slow fault the live job model feels (a slow node; a throttle where hardware reaches the
+    jobs), its job's median step time after the onset over its median before, from the run's
+    job traces (sim.run.JobTrace); faults without a clean window on either side are left out."""
+    import numpy as np
+
+    by_job = {t.name: t for t in traces}
+    faults = scenario.faults
+    out: dict[int, float] = {}
+    for inc in incidents(scenario):
+        f = faults[inc.fault]
+        if inc.effect != "slow" or not (isinstance(f, SlowNode) or scenario.hardware_disrupts_jobs):
+            continue
+        trace = by_job.get(inc.job)
+        if trace is None or not trace.t:
+            continue
+        # The other faults the live job feels (hardware only where it reaches the jobs).
+        others = [o.t for o in incidents(scenario) if o.job == inc.job and o.effect in ("slow", "crash")
+                  and (isinstance(faults[o.fault], SlowNode | Hang) or scenario.hardware_disrupts_jobs)]
+        prev = max((t for t in others if t < inc.t), default=-math.inf)
+        nxt = min([t for t in others if t > inc.t] + [inc.until if inc.until is not None else math.inf])
+        t = np.asarray(trace.t)
+        step = np.asarray(trace.step_seconds)
+        before = step[(t > max(prev, inc.t - _BEFORE_SECONDS)) & (t <= inc.t)]
+        after = step[(t > inc.t + _SETTLE_SECONDS) & (t <= min(nxt, inc.t + _SETTLE_SECONDS + _AFTER_SECONDS))]
+        if len(before) >= 3 and len(after) >= 3:
+            out[inc.fault] = max(1.0, float(np.median(after) / np.median(before)))
+    return out

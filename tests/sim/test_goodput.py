@@ -9,8 +9,8 @@ import pytest
 
 from tests.sim.conftest import raw
 from vigil.cli import main
-from vigil.sim.goodput import Horizon, JobProgress, Ledger, incidents, ledger
-from vigil.sim.run import SimDecision, run_scenario
+from vigil.sim.goodput import Horizon, JobProgress, Ledger, incidents, ledger, measured_slowdowns
+from vigil.sim.run import JobTrace, SimDecision, run_scenario
 from vigil.sim.scenario import Scenario, load_scenario, parse_scenario
 
 GPUS = 16 * 8  # the test job: 16 nodes x 8 GPUs
@@ -124,6 +124,18 @@ def test_straggler_drained_but_never_restarted_straggles_until_the_next_restart(
     assert drained < nobody == pytest.approx(sum(led.loss(inc, "no_vigil", real).stages.values()))
 
 
+def test_a_stragglers_slowdown_is_measured_on_its_job_as_it_ran() -> None:
+    sc = _scenario([*SLOW_AT_100, {"kind": "hang", "job": "llm", "at_seconds": 250}])
+    t = [float(x) for x in range(10, 400, 10)]
+    # 2 s steps before the onset, 2.2 s after it settles; the hang at 250 s ends the clean window.
+    trace = JobTrace("llm", [], t=t, step_seconds=[2.0 if x <= 100 else 2.2 if x < 250 else 9.0 for x in t])
+    assert measured_slowdowns(sc, [trace]) == {0: pytest.approx(1.1)}
+    led = Ledger(sc, [], measured_slowdown={0: 1.1})
+    assert led.incidents[0].slowdown == 1.1 and Ledger(sc, []).incidents[0].slowdown == pytest.approx(1.15)
+    # Too few windows after the onset: the model's figure stands.
+    assert measured_slowdowns(sc, [JobTrace("llm", [], t=t[:11], step_seconds=[2.0] * 11)]) == {}
+
+
 def test_oracle_picks_the_cheapest_moment_for_a_straggler() -> None:
     led = Ledger(_scenario(SLOW_AT_100), [])
     inc = led.incidents[0]
@@ -183,6 +195,8 @@ def test_goodput_small_through_the_real_engine(capsys: pytest.CaptureFixture[str
     arms = g["rates"][0]["arms"]
     assert arms["oracle"]["ettr"] >= arms["vigil"]["ettr"] >= arms["no_vigil"]["ettr"]
     xid, slow = g["incidents"]
+    # The 15%-slow node as the run's job felt it: between 1 and the model's 1 + 0.75 x 0.15.
+    assert 1.05 < ledger(result).incidents[1].slowdown < 1.1125
     assert xid["arms"]["vigil"]["gpu_hours"] < xid["arms"]["no_vigil"]["gpu_hours"]
     assert "drain" in slow["arms"]["vigil"]["stages_gpu_hours"]
     assert main(["sim", "--scenario", "goodput-small"]) == 0
