@@ -150,6 +150,13 @@ class Job(_Strict):
     # (fleet.profile / fleet.profiles) as ``step_seconds`` x ``phases.compute`` says; absent: 1.
     # ``{h100-sxm-80gb: 1.12}`` in an H200 job: its H100 nodes compute 12% longer by design.
     profile_compute_factor: dict[str, float] = Field(default_factory=dict)
+    # The goodput ledger's cost of one restart of this job (requeue, rendezvous, checkpoint load,
+    # warm-up), in seconds of the whole job; None: ``goodput.restart_seconds``.
+    restart_seconds: float | None = Field(default=None, ge=0)
+
+    def checkpoint_every_seconds(self) -> float | None:
+        """The cadence of the job's checkpoint pause, or None when it has none."""
+        return next((p.every_seconds for p in self.pauses if p.kind == "checkpoint"), None)
 
     @model_validator(mode="after")
     def _ends_after_it_starts(self) -> Job:
@@ -163,6 +170,39 @@ class Job(_Strict):
             if not 0 < factor <= 100:
                 raise ValueError(f"profile_compute_factor: {profile}: {factor:g} is not in (0, 100]")
         return self
+
+
+class Goodput(_Strict):
+    """What the goodput ledger (sim/goodput.py) assumes about the jobs' recovery, and what real
+    time the scenario's faults stand for. Every default is cited or stated as an assumption in
+    docs/simulator.md ("Goodput")."""
+
+    # A job without a checkpoint pause checkpoints this often (stated assumption: 30 min; a job's
+    # ``pauses`` of kind checkpoint override it). Work since the last checkpoint is lost on a restart.
+    checkpoint_every_seconds: float = Field(default=1800.0, gt=0)
+    # One restart of a job (requeue, rendezvous, checkpoint load, warm-up): the cluster guide this
+    # project follows puts the whole recovery at "5-10 minutes" (issue 40); its upper end.
+    restart_seconds: float = Field(default=600.0, ge=0)
+    # A lost rank leaves the others blocked in a collective until NCCL's watchdog aborts them:
+    # torch.distributed's default process-group timeout for NCCL is 10 min (600 s).
+    watchdog_seconds: float = Field(default=600.0, gt=0)
+    # Without vigil: a person finds the node behind a crashed job this long after the crash
+    # (stated assumption); until then each restart lands on the node and fails again.
+    person_crash_seconds: float = Field(default=3600.0, ge=0)
+    # Without vigil: a person finds a straggler this long after its onset (stated assumption);
+    # None: never found (nobody excludes it when the job restarts: it slows the job to the end).
+    person_straggler_seconds: float | None = Field(default=86400.0, ge=0)
+    # A spare is free when a job restarts without a node (it keeps its size at once); false: the
+    # job waits ``node_return_seconds`` (reboot and verification) for the node or a repaired one.
+    spare_available: bool = True
+    node_return_seconds: float = Field(default=3600.0, ge=0)
+    # What real time and fleet the scenario's faults stand for (week-in-the-life: a week of a
+    # 1,024-node cluster at Llama 3's interruption rate); None: the scenario's own run.
+    represents_seconds: float | None = Field(default=None, gt=0)
+    represents_nodes: int | None = Field(default=None, gt=0)
+    # Interruption rates (per 1,000 nodes a day) the ledger also accounts at, besides the scenario's
+    # own: the issue's 1-2 a day per 1,000 nodes.
+    rates_per_1000_node_days: list[float] = Field(default_factory=lambda: [1.0, 2.0])
 
 
 class _FaultBase(_Strict):
@@ -643,6 +683,8 @@ class Scenario(_Strict):
     # ranks on that GPU by its clock ratio, a lost GPU stops its ranks (the job blocks in its
     # next collective), a port down stops the node's ranks while it is down.
     hardware_disrupts_jobs: bool = False
+    # The goodput ledger's assumptions (checkpoint cadence, restart cost, baselines, real time).
+    goodput: Goodput = Goodput()
     jobs: list[Job] = Field(default_factory=list)
     faults: list[Fault] = Field(default_factory=list)
     expect: list[Expectation] = Field(default_factory=list)

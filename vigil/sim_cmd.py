@@ -1,7 +1,8 @@
 """``vigil sim``: run a fleet scenario through the real agent and aggregator on a simulated clock.
 
-Prints a short verdict (or one JSON object with ``--json``), optionally writes a report page
-with plots, and exits 0 only when every expectation is met, every removal is justified and nothing
+Prints a short verdict (or one JSON object with ``--json``) with the jobs' goodput (ETTR and the
+GPU time lost by stage, without vigil, with it and for an oracle: sim/goodput.py), optionally
+writes a report page with plots, and exits 0 only when every expectation is met, every removal is justified and nothing
 forbidden happened. A progress bar goes to stderr when it is a terminal. It decides nothing itself: sim.score does.
 """
 
@@ -72,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
     result = run_scenario(scenario, seed=args.seed, progress=progress)
     s = score(result)
     data = summary(result, s)
+    if scenario.jobs and scenario.goodput.represents_seconds is not None:
+        from vigil.sim.goodput import ledger
+
+        data["goodput"] = ledger(result).to_json()
     if args.report:
         from vigil.sim.report import write_report
 
@@ -117,8 +122,33 @@ def _print_text(data: dict[str, Any]) -> None:
         print(f"  isolation {iso['name']} ({iso['state']}): {len(iso['faulty'])} faulty of {len(iso['nodes'])} "
               f"({', '.join(iso['faulty']) or 'none'}) in {iso['tests_used']} tests "
               f"(information bound {bound:g}{ratio})")
+    if "goodput" in data:
+        _print_goodput(data["goodput"])
     b = data["breaker"]
     if b["expected"] != "any":
         print(f"  breaker: expected {b['expected']}, tripped {b['tripped']}")
     if "report" in data:
         print(f"  report: {data['report']}")
+
+
+_ARM_NAMES = {"no_vigil": "no vigil", "vigil": "vigil", "oracle": "oracle"}
+
+
+def _print_goodput(g: dict[str, Any]) -> None:
+    print(f"  goodput ({g['accounting']}; checkpoint every {g['assumptions']['checkpoint_every_seconds']:g} s, "
+          f"restart {g['assumptions']['restart_seconds']:g} s):")
+    for i, r in enumerate(g["rates"]):
+        whose = "the scenario's own" if i == 0 else "stated"
+        print(f"    at {r['rate_per_1000_node_days']:g} interruptions a day per 1,000 nodes ({whose}):")
+        for arm, a in r["arms"].items():
+            stages = ", ".join(f"{k} {v:,.0f}" for k, v in a["by_stage_gpu_hours"].items()) or "nothing"
+            jobs = ", ".join(f"{j} {v['ettr'] * 100:.2f}%" for j, v in a["jobs"].items())
+            print(f"      {_ARM_NAMES[arm]:<8} ETTR {a['ettr'] * 100:6.2f}%  {a['gpu_hours_lost']:,.0f} GPU-h lost "
+                  f"({stages}); per job {jobs}")
+        if i == 0:
+            arms = r["arms"]
+            causes = sorted({c for a in arms.values() for c in a["by_cause_gpu_hours"]},
+                            key=lambda c: -arms["no_vigil"]["by_cause_gpu_hours"].get(c, 0.0))
+            print("      by cause, GPU-h no vigil / vigil / oracle: " + ", ".join(
+                f"{c} {' / '.join(format(a['by_cause_gpu_hours'].get(c, 0.0), ',.0f') for a in arms.values())}"
+                for c in causes))
