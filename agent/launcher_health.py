@@ -66,6 +66,8 @@ class LauncherHealthConfig(StrictModel):
     # Off unless a site runs ft_launcher with --ft-node-health-check-endpoint pointed at `socket`
     # (docs/goodput.md); needs the `resiliency` extra (grpcio).
     enabled: bool = False
+    # What ft_launcher's --ft-node-health-check-endpoint names (unix:///run/vigil/nvhcd.sock); its
+    # directory must exist (bind-mount it into the job's container).
     socket: str = "/run/vigil/nvhcd.sock"
     # The launcher runs as the job's user: 0660 with a group the job's users are in; 0666 lets any
     # local process ask (the answer is this node's standing, nothing more).

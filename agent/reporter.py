@@ -16,7 +16,8 @@ else 2); then each report carries only what changed since the last one accepted
 (agent/report_delta.py), its telemetry (wire.GPU_TELEMETRY_FIELDS, wire.PORT_TRAFFIC_COUNTERS) at
 most every ``telemetry_seconds``. A compact report refused for its base (409 delta_base) is resent
 whole, one refused otherwise (an older aggregator) is resent as version 1, events kept either way.
-It judges nothing.
+The answer's ``standing`` (whether the aggregator trusts this node) is kept with when it came, for
+the launcher health check (agent/launcher_health.py). It judges nothing.
 """
 
 from __future__ import annotations

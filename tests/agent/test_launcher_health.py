@@ -183,3 +183,39 @@ def test_the_reporter_keeps_the_standing_and_it_goes_stale() -> None:
                 {"trusted": True, "reason": "", "decision": "", "since": True}):
         reporter.accepted({"status": "accepted", "standing": bad})
     assert reporter.standing_malformed == 3 and reporter.standing is not None and not reporter.standing.trusted
+
+
+async def test_the_agent_serves_it_from_its_reporters_and_removes_the_socket(tmp_path: Path) -> None:
+    from vigil.agent.config import parse_config
+    from vigil.agent.daemon import Agent
+    from vigil.agent.nvml.backend import PynvmlBackend
+    from vigil.agent.nvml.fake import FakeNvml
+    from vigil.agent.nvml.scenario import load_node_scenario
+    from vigil.agent.seams import Seams
+
+    clock = Clock(1_700_000_000.0)
+    path = tmp_path / "nvhcd.sock"
+    (tmp_path / "kmsg.log").touch()
+    config = parse_config({"node": "gpu-1", "listen": "127.0.0.1:0", "nvml": {"backend": "fake"},
+                           "collectors": {"training": {"enabled": False}},
+                           "launcher_health": {"enabled": True, "socket": str(path)}})
+    backend = PynvmlBackend(FakeNvml(load_node_scenario("healthy-h100"), clock, start=clock.t))
+    backend.init()
+    agent = Agent(config, Seams(nvml=backend, clock=clock, kmsg=str(tmp_path / "kmsg.log"),
+                                sysfs_root=tmp_path / "no-sysfs", state_dir=tmp_path))
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(agent.run(stop, on_ready=lambda _: ready.set()))
+    await asyncio.wait_for(ready.wait(), 30)
+    try:
+        body = encode_request(LAUNCHER_ARGS)
+        assert json.loads((await asyncio.to_thread(_call, path, body))[2])["standing"] == "unknown"
+        agent.reporter.accepted({"standing": {"trusted": False, "reason": "out", "decision": "d-9", "since": 1.0}})
+        success, code, output, _ = await asyncio.to_thread(_call, path, body)
+        assert (success, code, json.loads(output)["decision"]) == (False, 1, "d-9")
+        metrics = agent.render_metrics().decode()
+        assert 'vigil_agent_launcher_health_checks_total{answer="untrusted"} 1' in metrics
+        assert 'vigil_agent_launcher_health_checks_total{answer="unknown"} 1' in metrics
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    assert not path.exists()
