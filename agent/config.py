@@ -19,6 +19,7 @@ from vigil.agent.collectors.rdma import RdmaConfig
 from vigil.agent.collectors.training import TrainingConfig
 from vigil.agent.collectors.xid import XidConfig
 from vigil.agent.dcgm_compat import ExporterConfig
+from vigil.agent.launcher_health import LauncherHealthConfig
 from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
 from vigil.agent.node_action_runner import NodeActionsConfig
 from vigil.agent.probes import PROBES
@@ -131,6 +132,9 @@ class AgentConfig(StrictModel):
     # How long and how hard the probes work when the aggregator asks for them (node_actions.allow
     # lists run_probes) or `vigil check` runs them (agent/probes/, docs/probes.md).
     probes: ProbesConfig = ProbesConfig()
+    # The node health check NVIDIA's ft_launcher asks before a rendezvous, answered from vigil's
+    # standing of this node (agent/launcher_health.py, docs/goodput.md); needs the resiliency extra.
+    launcher_health: LauncherHealthConfig = LauncherHealthConfig()
 
     @model_validator(mode="after")
     def _only_non_intrusive_beside_a_job(self) -> AgentConfig:

@@ -29,6 +29,7 @@ from vigil.agent.config import AgentConfig
 from vigil.agent.credential_file import ExposedFiles, TokenFile
 from vigil.agent.dcgm_compat import DcgmCompatCollector
 from vigil.agent.exporter import SnapshotExporter, render
+from vigil.agent.launcher_health import LauncherHealth
 from vigil.agent.metric import Sample
 from vigil.agent.node_action_runner import NODE_ACTION_SPECS, NodeActionRunner, ProbeWorld
 from vigil.agent.probes.engine import build_engine
@@ -167,10 +168,15 @@ class Agent:
         specs = [s for c in self.collectors for s in c.specs] + [*RUNNER_SPECS, *REPORTER_SPECS,
                                                                  *self.heartbeats.specs, *self.connections.specs,
                                                                  *NODE_ACTION_SPECS, *ExposedFiles.specs]
-        self.exporter = SnapshotExporter(specs, [self.snapshot.samples, self.runner.self_samples,
-                                                 self.reporter_samples, self.heartbeats.samples,
-                                                 self.connections.samples, self.node_actions.samples,
-                                                 self.credential_files.samples])
+        sources = [self.snapshot.samples, self.runner.self_samples, self.reporter_samples, self.heartbeats.samples,
+                   self.connections.samples, self.node_actions.samples, self.credential_files.samples]
+        # ft_launcher's node health check, answered from the reporters' standing (off by default).
+        self.launcher_health = LauncherHealth(config.launcher_health, self.reporters, seams.clock) \
+            if config.launcher_health.enabled else None
+        if self.launcher_health is not None:
+            specs += self.launcher_health.specs
+            sources.append(self.launcher_health.samples)
+        self.exporter = SnapshotExporter(specs, sources)
         # Add-on prometheus-client collectors (e.g. dcgm-exporter compatibility) register here;
         # vigil's own series are rendered by the exporter's direct encoder.
         self.registry = CollectorRegistry(auto_describe=False)
@@ -231,6 +237,9 @@ class Agent:
             listeners.server = await _bind(serve_bounded(runner, host, port, self.connections), self.config.listen,
                                            "listen")
             await self._start_heartbeat_listeners(listeners)
+            if self.launcher_health is not None:
+                listeners.launcher_health = self.launcher_health
+                await self.launcher_health.start()
             sockets = listeners.server.sockets
             bound = sockets[0].getsockname() if sockets else (host, port)
             address = f"{bound[0]}:{bound[1]}"
@@ -294,8 +303,11 @@ class _Listeners:
         self.datagrams: list[asyncio.DatagramTransport] = []
         self.unix: UnixHeartbeats | None = None
         self.unix_socket: tuple[str, int] | None = None  # (path, inode): remove ours, never a successor's
+        self.launcher_health: LauncherHealth | None = None
 
     async def close(self) -> None:
+        if self.launcher_health is not None:
+            await self.launcher_health.stop()
         for transport in self.datagrams:
             transport.close()
         if self.unix is not None:

@@ -16,7 +16,8 @@ else 2); then each report carries only what changed since the last one accepted
 (agent/report_delta.py), its telemetry (wire.GPU_TELEMETRY_FIELDS, wire.PORT_TRAFFIC_COUNTERS) at
 most every ``telemetry_seconds``. A compact report refused for its base (409 delta_base) is resent
 whole, one refused otherwise (an older aggregator) is resent as version 1, events kept either way.
-It judges nothing.
+The answer's ``standing`` (whether the aggregator trusts this node) is kept with when it came, for
+the launcher health check (agent/launcher_health.py). It judges nothing.
 """
 
 from __future__ import annotations
@@ -163,6 +164,37 @@ def client_ssl_context(url: str | None, ca_file: str | None = None, cert_file: s
     return context
 
 
+class Standing(NamedTuple):
+    """The aggregator's last word on this node (its answer's ``standing``: aggregator/node_standing.py)
+    and when it came (this agent's clock)."""
+
+    trusted: bool
+    reason: str
+    decision: str
+    since: float | None
+    received: float
+
+    def age_seconds(self, now: float) -> float:
+        return now - self.received
+
+
+# What the agent keeps of a standing's strings (the aggregator sends at most 240 characters of reason).
+STANDING_TEXT_MAX_CHARS = 240
+
+
+def parse_standing(raw: object, received: float) -> Standing | None:
+    """``raw`` (an answer's ``standing``) as a Standing; None when it is not one (malformed)."""
+    if not isinstance(raw, dict):
+        return None
+    trusted, reason, decision, since = (raw.get(k) for k in ("trusted", "reason", "decision", "since"))
+    if not isinstance(trusted, bool) or not isinstance(reason, str) or not isinstance(decision, str):
+        return None
+    if since is not None and (isinstance(since, bool) or not isinstance(since, int | float)):
+        return None
+    return Standing(trusted, reason[:STANDING_TEXT_MAX_CHARS], decision[:STANDING_TEXT_MAX_CHARS],
+                    float(since) if since is not None else None, received)
+
+
 class _Held(NamedTuple):
     """A compact report's state as the aggregator holds it once accepted: its seq, the state
     (without events; held-back telemetry at the values sent before), and when it last got the
@@ -238,6 +270,10 @@ class Reporter:
         self._carried: list[NodeActionResult] = []
         self.requests_ignored = dict.fromkeys(IGNORED_REASONS, 0)
         self.results_dropped = dict.fromkeys(RESULT_DROP_REASONS, 0)
+        # The node's standing from the last answer that carried one (a standby's carries none), and
+        # how many answers carried one that does not parse (the previous one is kept and ages).
+        self.standing: Standing | None = None
+        self.standing_malformed = 0
         recovered: list[bytes] = []
         for raw in self._backlog.recover():
             try:
@@ -523,6 +559,22 @@ class Reporter:
             log.info("aggregator takes report version %d: sending it from now on", wanted)
             self.report_version = wanted
             self._base = None
+        raw = answer.get("standing") if isinstance(answer, dict) else None
+        if raw is not None:
+            standing = parse_standing(raw, self._clock())
+            if standing is None:
+                self.standing_malformed += 1
+                log.warning("the aggregator's answer has a standing that does not parse (ignored): %.200r", raw)
+            else:
+                self.standing = standing
+
+    def standing_at(self, now: float, stale_seconds: float) -> Standing | None:
+        """The standing if an answer brought it within ``stale_seconds`` (on this agent's clock; a
+        clock stepped back past it counts as stale too), else None: unknown."""
+        s = self.standing
+        if s is None or not 0 <= s.age_seconds(now) <= stale_seconds:
+            return None
+        return s
 
     def _take_requests(self, answer: bytes | None, parsed: object) -> None:
         """Queue the node action requests of an accepted report's answer. A malformed answer or

@@ -59,6 +59,7 @@ from vigil.aggregator.metrics import (
     FleetReadings,
     WorkersReading,
 )
+from vigil.aggregator.node_standing import NodeStanding
 from vigil.aggregator.operator_api import add_isolation_routes, add_no_gate_routes, add_operator_routes
 from vigil.aggregator.outbox import Outbox
 from vigil.aggregator.prober import Prober
@@ -270,6 +271,10 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     leads = ledger.leads if ledger is not None else (lambda: True)
     if dispatcher is not None:
         dispatcher.acting = leads
+
+    # Each report's answer says whether vigil trusts the node (aggregator/node_standing.py).
+    standing = NodeStanding(lambda: ledger.store.state if ledger is not None else None,
+                            lambda: engine.last_findings, dry_run=config.dry_run or config.gate.dry_run)
 
     def reporting() -> int:
         return engine.fleet.reporting_since(clock() - breaker_window)
@@ -573,6 +578,8 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             if leads() else []
         if requests:
             answer["requests"] = requests
+        if leads():  # a standby's gate state is read back only when it takes over
+            answer["standing"] = standing.of(report.node)
         # The wire's own encoder (Structs as they are): 2.9 us against json_response's 8.1 us, on the
         # path every report takes.
         return web.Response(body=encode(answer), status=202, content_type="application/json")
