@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vigil.aggregator.job_recovery import NAME as JOB_RECOVERY
 from vigil.sim.run import SimDecision, SimResult
 from vigil.sim.scenario import REMOVAL_ACTIONS, Allow, Expectation, Forbid, Scenario
 
@@ -61,6 +62,9 @@ class Removal:
     decision: SimDecision
     justified_by: str | None
     why: str
+    # A job restarted without a node vigil removed (the job-recovery planner): judged with that
+    # removal, and no node taken out of its own (not counted against ``max_removals``).
+    follows: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {**self.decision.to_json(), "justified_by": self.justified_by, "why": self.why}
@@ -101,7 +105,7 @@ class Score:
     @property
     def removal_count(self) -> int:
         """Distinct removals: a subject and an action class (a re-proposal is the same removal)."""
-        return len({removal_key(r.decision) for r in self.removals})
+        return len({removal_key(r.decision) for r in self.removals if not r.follows})
 
     @property
     def over_cap(self) -> bool:
@@ -298,6 +302,17 @@ def score(result: SimResult) -> Score:
     removals: list[Removal] = []
     for d in admitted:
         if d.action not in _REMOVAL:
+            continue
+        if d.detector == JOB_RECOVERY and d.node is not None:
+            # The planner's restart of a job without a node (aggregator/job_recovery.py) answers
+            # the node's own removal: as right as that removal was, and no removal of its own.
+            trigger = next((r for r in removals if r.decision.node == d.node and r.decision.t <= d.t
+                            and r.decision.detector != JOB_RECOVERY), None)
+            if trigger is not None and trigger.justified_by is not None:
+                removals.append(Removal(d, f"follows {trigger.justified_by}", "", follows=True))
+            else:
+                removals.append(Removal(d, None, f"restarts job {d.job} without {d.node}, whose removal "
+                                        f"{'is itself unjustified' if trigger else 'never happened'}", follows=True))
             continue
         by = next((f"expect.{i}" for i, exp in enumerate(scenario.expect)
                    if d.action in exp.actions and d.t >= starts[i] and _answers(scenario, exp, d)), None)
