@@ -21,7 +21,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,9 +153,10 @@ PartitionName=gpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
 
 
 def start_cluster(root: Path, nodes: Sequence[str] = NODE_NAMES, *, return_to_service: int = 2,
-                  extra_conf: Sequence[str] = ()) -> SlurmCluster:
+                  extra_conf: Sequence[str] = (), node_conf: Mapping[str, str] | None = None) -> SlurmCluster:
     """``return_to_service``: slurm.conf's ReturnToService (2: a DOWN node returns on any valid
-    registration); ``extra_conf``: further slurm.conf lines, e.g. ``RebootProgram=...``."""
+    registration); ``extra_conf``: further slurm.conf lines, e.g. ``RebootProgram=...``;
+    ``node_conf``: more of a node's NodeName line by node, e.g. ``Features=vigil_spare Weight=100``."""
     paths = {name: _which(name) for name in (*BINARIES, "scancel")}
     missing = [name for name, path in paths.items() if path is None]
     if missing:
@@ -170,7 +171,7 @@ def start_cluster(root: Path, nodes: Sequence[str] = NODE_NAMES, *, return_to_se
     key.chmod(0o400)
     node_lines = "\n".join(
         f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={_free_port()}"
-        " CPUs=1 RealMemory=100 State=UNKNOWN"
+        f" CPUs=1 RealMemory=100 State=UNKNOWN {(node_conf or {}).get(n, '')}".rstrip()
         for n in nodes
     )
     conf = root / "slurm.conf"
