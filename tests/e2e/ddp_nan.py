@@ -8,7 +8,8 @@ job gives up (FloatingPointError, a non-zero exit), as a training loop's NaN gua
 again from its checkpoint (before the bad step) it meets the same batch: NaN again, at the same step.
 
 argv: the work directory (checkpoint, events log), the agents' directory (``<node>.sock``,
-``<node>-proc``: see train_rank.py for why the rank writes its own cgroup line there). Rank, world
+``<node>-proc``: see train_rank.py for why the rank writes its own cgroup line there), the step of
+the bad batch. Rank, world
 size and master address come from Slurm's environment of the step and the batch script.
 """
 
@@ -29,14 +30,13 @@ from tests.e2e.train_rank import log_event
 from vigil_heartbeat import Heartbeat
 
 CHECKPOINT_EVERY_STEPS = 5
-BAD_BATCH_STEP = 12  # rank 0's input holds an inf at this step, every run
 NAN_STEPS_TO_CRASH = 3  # the loop's NaN guard gives up after this many non-finite losses in a row
 STEP_SECONDS = 0.25  # the pace of a step (the model is tiny; a real step takes this long)
 MAX_STEPS = 200  # bound: a run that never meets the bad batch still ends
 
 
 def main() -> int:
-    work, agents = Path(sys.argv[1]), Path(sys.argv[2])
+    work, agents, bad_batch_step = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     node, job = os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_ID"]
     rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
     in_slurm_job(agents / f"{node}-proc", os.getpid(), int(job))
@@ -60,7 +60,7 @@ def main() -> int:
         started = time.perf_counter()
         step += 1
         x, y = torch.randn(32, 16, generator=data), torch.randn(32, 1, generator=data)
-        if step == BAD_BATCH_STEP and rank == 0:
+        if step == bad_batch_step and rank == 0:  # an inf in the input, every run
             x[0, 0] = math.inf
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()

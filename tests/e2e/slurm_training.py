@@ -126,8 +126,7 @@ def start_training(slurm: SlurmCluster, work: Path, aggregator_config: dict[str,
     every node (its training collector: ``agent_training`` over tests/training/agents.py's),
     every agent healthy and reporting before it returns."""
     slurm.reset()
-    for node in slurm.nodes:
-        slurm.wait_for(f"{node} idle", lambda n=node: slurm.sinfo_state(n) == "idle", START_SECONDS)
+    slurm.wait_for("every node idle", lambda: set(states(slurm).values()) == {"idle"}, START_SECONDS)
     config = slurm_aggregator_config(slurm.scontrol, str(slurm.root / "slurm.conf"))
     for key, value in aggregator_config.items():
         config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value

@@ -204,7 +204,7 @@ def test_a_job_crash_looping_without_progress_is_held_and_paged(
         assert held["Reason"].startswith("JobHeld"), held
         runs = {e["restart"] for e in events(cluster.work, "start")}
         # The page: the hold_job alert at the real Alertmanager, severity critical, naming the job.
-        pages = []
+        pages: list[dict[str, Any]] = []
         deadline = time.monotonic() + 30
         while not pages:
             pages = [a for a in _pages(alertmanager, job) if a["labels"]["action"] == "hold_job"]

@@ -19,18 +19,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vigil_heartbeat import Heartbeat
 
-from tests.e2e.ddp_nan import BAD_BATCH_STEP
 from tests.e2e.slurm_training import TrainingCluster, events, spare_cluster, start_training, states
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster
 from vigil.aggregator.decision import REMOVING_ACTIONS
+from vigil_heartbeat import Heartbeat
 
 pytestmark = pytest.mark.external
 torch = pytest.importorskip("torch")
 __all__ = ["spare_cluster"]  # the fixture, imported: this module's own Slurm cluster
 
+BAD_BATCH_STEP = 12  # after the checkpoint at step 10 (ddp_nan saves every 5 steps)
 LOOP_RUNS = 6  # the script's own bound: more runs than the hold needs
 AGENT_TRAINING = {"window_seconds": 1.0}
 
@@ -52,7 +52,7 @@ def test_nan_loss_across_a_restart_holds_the_job_and_removes_no_node(ddp_run: Tr
     ports = " ".join(str(free_port()) for _ in range(LOOP_RUNS))
     script = (f"#!/bin/bash\nexport MASTER_ADDR=127.0.0.1\nfor port in {ports}; do\n"
               f"  MASTER_PORT=$port srun -N2 -n2 --kill-on-bad-exit=1 {sys.executable} -m tests.e2e.ddp_nan "
-              f"{cluster.work} {cluster.agents_dir} && exit 0\n  sleep 1\ndone\nexit 1\n")
+              f"{cluster.work} {cluster.agents_dir} {BAD_BATCH_STEP} && exit 0\n  sleep 1\ndone\nexit 1\n")
     job = cluster.submit(script, 2, "nanloss")
     holds = cluster.wait_decided("the hold of the NaN job", lambda ds: [d for d in ds if d["action"] == "hold_job"],
                                  150)
@@ -65,7 +65,7 @@ def test_nan_loss_across_a_restart_holds_the_job_and_removes_no_node(ddp_run: Tr
     # if it was starting as the hold landed), each NaN first at the bad batch's step.
     starts = [e for e in events(cluster.work, "start") if e["rank"] == 0]
     assert 2 <= len(starts) <= 3, starts
-    first_nan = {}
+    first_nan: dict[tuple[int, int], int] = {}
     for e in events(cluster.work, "nan"):
         first_nan.setdefault((e["rank"], len([s for s in starts if s["ts"] < e["ts"]])), e["step"])
     assert min(first_nan.values()) == BAD_BATCH_STEP, first_nan
