@@ -61,6 +61,11 @@ REPORT_SECONDS = 0.5
 JOB_SECONDS = 90.0  # each rank's own bound: a job the test fails to see through still ends
 AGENT_TRAINING = {"window_seconds": WINDOW_SECONDS}
 STRAGGLER = {"window_seconds": WINDOW_SECONDS, "persistence_windows": 3, "min_nodes": 3}
+# The planner's assumed cadence before it has seen two checkpoints: this job's (1800 s shipped,
+# at which "now" would be cheaper than waiting half an hour for the first checkpoint).
+CADENCE_SECONDS = CHECKPOINT_EVERY_STEPS * STEP_SECONDS + CHECKPOINT_SECONDS
+JOB_RECOVERY = {"enabled": True, "default_checkpoint_interval_seconds": CADENCE_SECONDS}
+SPARES = {"enabled": True, "refresh_seconds": 1.0}
 
 MAX_RESTARTS = 2  # detectors.crash_loop.max_restarts_without_progress here (3 shipped)
 CRASH_AT_STEP = 18
@@ -73,6 +78,8 @@ ALERTMANAGER = which("prometheus-alertmanager") or which("alertmanager")
 def straggler_run(spare_cluster: SlurmCluster, tmp_path: Path) -> Iterator[TrainingCluster]:
     cluster = start_training(spare_cluster, tmp_path, {
         "detectors": {"straggler": STRAGGLER},
+        "job_recovery": JOB_RECOVERY,
+        "spares": SPARES,
         "gate": {"min_removed_seconds": 0},
     }, AGENT_TRAINING, report_seconds=REPORT_SECONDS)
     try:
@@ -116,6 +123,7 @@ def test_a_stragglers_job_is_requeued_at_its_next_checkpoint_onto_the_spare(stra
     assert evidence["signal"] == "job_recovery" and evidence["when"] == "checkpoint", evidence
     assert evidence["exclude"] == [SLOW_NODE] and evidence["chosen"] in evidence["estimate"], evidence
     assert evidence["trigger"] == {"detector": "straggler", "action": "drain"}, evidence
+    assert evidence["spares_available"] == 1, evidence  # vnode4, idle with the feature
 
     # Slurm: held, vnode2 excluded, released; started again on vnode1, vnode3 and the spare.
     slurm.wait_for(f"job {job} running again", lambda: slurm.job(job).get("Restarts") == "1"
