@@ -46,6 +46,7 @@ from tests.e2e.slurm_training import (
 )
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster
+from vigil.aggregator.decision import REMOVING_ACTIONS
 
 pytestmark = pytest.mark.external
 __all__ = ["spare_cluster"]  # the fixture, imported: this module's own four-node cluster
@@ -225,7 +226,8 @@ def test_a_job_crash_looping_without_progress_is_held_and_paged(
         assert MAX_RESTARTS + 1 <= len(runs) <= MAX_RESTARTS + 2, sorted(runs)
         assert all(e["step"] == CRASH_AT_STEP for e in events(cluster.work, "crash")), events(cluster.work, "crash")
         # No node is to blame: nothing removed, every node in service.
-        assert [d for _, d in cluster.seen.values() if d["node"] is not None] == [], cluster.explain()
+        acting_on_nodes = {a.value for a in REMOVING_ACTIONS} | {"restart_job"}
+        assert [d for _, d in cluster.seen.values() if d["action"] in acting_on_nodes] == [], cluster.explain()
         assert set(states(slurm).values()) == {"idle"}, states(slurm)
     finally:
         cluster.stop()
