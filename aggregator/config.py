@@ -24,6 +24,8 @@ from vigil.agent.validation import (
 )
 from vigil.aggregator.actuators import ActuatorsConfig
 from vigil.aggregator.auth import AuthConfig, TlsConfig
+from vigil.aggregator.detectors.app_signals import AppSignalsConfig
+from vigil.aggregator.detectors.crash_loop import CrashLoopConfig
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig
 from vigil.aggregator.detectors.hang import HangConfig
@@ -65,6 +67,10 @@ class DetectorsConfig(StrictModel):
     # Off by default: drains a suspect whose probe run failed (needs probes.enabled; docs/probes.md).
     probe_verdict: ProbeVerdictConfig = ProbeVerdictConfig()
     topology: TopologyConfig = TopologyConfig()
+    # Jobs that restart without progress (hold_job) and nodes many jobs crash on (docs/detectors.md).
+    crash_loop: CrashLoopConfig = CrashLoopConfig()
+    # The job's own loss and training logs: NaN loss, spikes, NCCL/CUDA lines (docs/detectors.md).
+    app_signals: AppSignalsConfig = AppSignalsConfig()
 
 
 class AggregatorConfig(StrictModel):

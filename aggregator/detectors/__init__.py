@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from vigil.aggregator.decision import Finding
+from vigil.aggregator.detectors.app_signals import AppSignalsDetector
+from vigil.aggregator.detectors.crash_loop import CrashLoopDetector
 from vigil.aggregator.detectors.gpu_peer import GpuPeerDetector
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerDetector
 from vigil.aggregator.detectors.hang import HangDetector
@@ -46,4 +48,6 @@ REGISTRY: dict[str, Callable[[Any], Detector]] = {
     "gpu_peer": GpuPeerDetector,
     "recovery": RecoveryDetector,
     "probe_verdict": ProbeVerdictDetector,
+    "crash_loop": CrashLoopDetector,
+    "app_signals": AppSignalsDetector,
 }

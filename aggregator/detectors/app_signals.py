@@ -1,0 +1,352 @@
+"""Application-signal detector: what the training job itself says (its loss, its logs), attributed to
+a node only where the evidence names one, otherwise to the job.
+
+It reads each rank's summary windows (``loss_p50``, ``nonfinite_steps``, ``nonfinite_first_step``,
+each window judged once), the job's incarnations (aggregator/job_runs.py, the crash-loop
+detector's notion of a restart) and the training-log events the agents forward (``nccl_timeout``,
+``cuda_error``, ``nccl_warn``, with ``job``, ``rank`` and ``peer``). A NaN or infinite loss is a
+job-level alert at once; the divergence again after a restart, before the job got past where it
+diverged, holds the job (``hold_job``: restarting it only loops). A gradient norm that is not
+finite while the loss is (AMP's GradScaler skips such steps by design) and a NaN window the job
+trains on past are not acted on. A loss spike against the job's own recent windows is a job
+alert. A log line naming a peer that is a node of the fleet is an alert about that node, an
+uncorrectable-ECC CUDA error one about the node that logged it, anything else an alert about the
+job: never a removal from a log line alone (the xid and memory detectors judge the hardware's own
+reports). Evidence windows, thresholds, persistence and designed false-positive rates:
+docs/detectors.md, "app_signals".
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+from pydantic import Field
+
+from vigil.agent.validation import StrictModel
+from vigil.agent.wire import Event
+from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
+from vigil.aggregator.detectors.hang import JOB_NODES_NAMED
+from vigil.aggregator.fleet import FleetView, JobState
+from vigil.aggregator.job_runs import MAX_INCARNATIONS, JobRun, JobRuns
+
+NAME = "app_signals"
+LOG_KINDS = ("nccl_timeout", "cuda_error", "nccl_warn")
+# 1.4826 * MAD estimates a Gaussian's sigma (Rousseeuw & Croux, JASA 1993), as the straggler's.
+_MAD_TO_SIGMA = 1.4826
+# Log episodes kept (subject, job, kind): far beyond the jobs and nodes that log at once; the
+# oldest go first.
+_LOG_EPISODES_KEPT = 4096
+_MESSAGE_CHARS = 200
+
+
+class AppSignalsConfig(StrictModel):
+    enabled: bool = True
+    # A NaN/inf loss reproduced after a restart holds the job when both were seen within this long
+    # (the crash-loop detector's window: four runs of a large job).
+    window_seconds: float = Field(default=21600.0, gt=0)
+    hold_action: Action = Action.HOLD_JOB
+    # Loss spikes: the job's window loss (median over its ranks of each new window's median loss)
+    # against the median of its last ``spike_history_windows`` windows (5 min at 5 s windows),
+    # judged once ``spike_min_history_windows`` (1 min) are known. A spike is at least
+    # ``spike_ratio`` above that median (1.5x: PaLM's training-instability spikes, Chowdhery et
+    # al. 2022 section 5.1, are multiples of the running loss, where a bad batch or an LR warm-up
+    # end moves it by percent) and ``spike_z`` robust sigma above it (6: p ~ 1e-9 per window if
+    # the windows' losses were Gaussian), in ``spike_windows`` consecutive windows (one window's
+    # median already ignores one bad step; two are >= 10 s of a raised loss).
+    spike_history_windows: int = Field(default=60, ge=4)
+    spike_min_history_windows: int = Field(default=12, ge=3)
+    spike_ratio: float = Field(default=0.5, gt=0)
+    spike_z: float = Field(default=6.0, gt=0)
+    spike_windows: int = Field(default=2, ge=1)
+    # The spread never counts as less than this share of the median (a flat loss, quantised).
+    spike_min_spread_ratio: float = Field(default=0.01, gt=0)
+    # A training-log alert stays open this long after its latest line; lines of one subject and
+    # kind closer together than this are one episode (an NCCL timeout is logged by every rank).
+    log_episode_seconds: float = Field(default=600.0, gt=0)
+    # CUDA errors whose message names the hardware (case-insensitive substrings): the node that
+    # logged them is alerted on, not the job. CUDA's own text for an uncorrectable ECC error
+    # (cudaErrorECCUncorrectable: "uncorrectable ECC error encountered").
+    hardware_error_patterns: list[str] = Field(default_factory=lambda: ["uncorrectable ecc"])
+
+
+@dataclass(slots=True)
+class _Nan:
+    ts: float  # aggregator clock, the evaluation that saw it
+    step: int  # the first step whose loss was not finite (or the window's last step)
+    rank: int
+
+
+@dataclass(slots=True)
+class _JobSignals:
+    loss_seen: bool = False  # a finite loss was reported: the job reports its loss
+    nan_since: _Nan | None = None  # the open NaN episode (alert)
+    nan_by_incarnation: dict[int, _Nan] = field(default_factory=dict)
+    hold_since: float | None = None
+    hold_evidence: dict[str, Any] = field(default_factory=dict)
+    losses: deque[float] = field(default_factory=deque)
+    spike_run: int = 0
+    spike_since: float | None = None
+    spike_evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _LogEpisode:
+    since: float
+    latest: float
+    count: int
+    node: str  # WHOLE_JOB for the job's
+    job: str | None
+    kind: str
+    action: Action
+    reason: str
+    evidence: dict[str, Any]
+
+
+class AppSignalsDetector:
+    name = NAME
+
+    def __init__(self, config: AppSignalsConfig) -> None:
+        self.config = config
+        self.runs = JobRuns(config.window_seconds)
+        self._jobs: dict[str, _JobSignals] = {}
+        # (job, rank) -> the end of the last window judged, and whether its latest window with
+        # steps had a non-finite loss.
+        self._judged: dict[tuple[str, int], float] = {}
+        self._nan_now: dict[tuple[str, int], bool] = {}
+        # node -> the last event seen in its ring (identity), so each event is read once.
+        self._event_marker: dict[str, tuple[float, Event]] = {}
+        self._logs: dict[tuple[str, str, str], _LogEpisode] = {}
+
+    def evaluate(self, view: FleetView, now: float) -> list[Finding]:
+        self.runs.observe(view, now)
+        out: list[Finding] = []
+        for job in view.jobs.values():
+            run = self.runs.get(job.name)
+            if run is not None:
+                out.extend(self._judge_job(job, run, now))
+        for name in [j for j in self._jobs if self.runs.get(j) is None]:
+            del self._jobs[name]
+        live = {(j, r) for j, job in view.jobs.items() for r in job.ranks}
+        for table in (self._judged, self._nan_now):
+            for key in [k for k in table if k not in live]:
+                del table[key]
+        out.extend(self._judge_logs(view, now))
+        return out
+
+    # -- loss --------------------------------------------------------------------------------------
+
+    def _judge_job(self, job: JobState, run: JobRun, now: float) -> list[Finding]:
+        state = self._jobs.setdefault(job.name, _JobSignals(losses=deque(maxlen=self.config.spike_history_windows)))
+        new_losses: list[float] = []
+        for r in job.ranks.values():
+            s = r.last
+            key = (job.name, r.rank)
+            window = s.window_end_ts if s.window_end_ts is not None else r.last_seen
+            if self._judged.get(key, -1.0) >= window:
+                continue
+            self._judged[key] = window
+            if s.steps == 0:
+                continue
+            if s.loss_p50 is not None:
+                new_losses.append(s.loss_p50)
+                if s.nonfinite_steps == 0:
+                    self._nan_now[key] = False  # a clean window: this rank trains on
+            elif s.nonfinite_steps > 0 and state.loss_seen:
+                # Not one finite loss in a window with steps, in a job that reports its loss: the
+                # loss itself is not finite (a step whose gradient alone overflows keeps its loss).
+                self._nan_now[key] = True
+                nan = _Nan(now, s.nonfinite_first_step if s.nonfinite_first_step is not None else s.last_step, r.rank)
+                if state.nan_since is None:
+                    state.nan_since = nan
+                inc = run.incarnation_of(r.rank)
+                if inc is not None and (inc not in state.nan_by_incarnation
+                                        or nan.step < state.nan_by_incarnation[inc].step):
+                    state.nan_by_incarnation[inc] = nan
+            state.loss_seen = state.loss_seen or s.loss_p50 is not None
+        if not any(self._nan_now.get((job.name, r), False) for r in job.ranks):
+            state.nan_since = None
+        out: list[Finding] = []
+        nodes = sorted(job.nodes())[:JOB_NODES_NAMED]
+        if state.nan_since is not None:
+            nan = state.nan_since
+            out.append(Finding(
+                detector=NAME, node=WHOLE_JOB, job=job.name, action=Action.ALERT, since=nan.ts, key="nonfinite_loss",
+                reason=f"job {job.name}: loss is NaN/inf from step {nan.step} (rank {nan.rank})",
+                evidence={"signal": "nonfinite_loss", "first_step": nan.step, "rank": nan.rank,
+                          "incarnation": run.incarnation_of(nan.rank), "job_nodes": nodes}))
+        hold = self._hold(job, run, state, now, nodes)
+        if hold is not None:
+            out.append(hold)
+        spike = self._spike(job, state, new_losses, now, nodes)
+        if spike is not None:
+            out.append(spike)
+        return out
+
+    def _hold(self, job: JobState, run: JobRun, state: _JobSignals, now: float, nodes: list[str]) -> Finding | None:
+        """The divergence again in a later incarnation, before the job got past where it diverged."""
+        cfg = self.config
+        nans = state.nan_by_incarnation
+        oldest = run.latest.index - MAX_INCARNATIONS
+        for inc in [i for i, n in nans.items() if now - n.ts > cfg.window_seconds or i < oldest]:
+            del nans[inc]
+        if state.hold_since is not None:
+            diverged = max(n.step for n in nans.values()) if nans else None
+            latest = run.latest
+            if diverged is None or (latest.index not in nans and latest.best_step is not None
+                                    and latest.best_step > diverged):
+                state.hold_since = None  # got past it (or it is long ago): the episode is over
+        if state.hold_since is None:
+            order = sorted(nans)
+            for a, i in enumerate(order):
+                earlier = run.get(i)
+                reached = max(nans[i].step, earlier.best_step or 0) if earlier is not None else nans[i].step
+                again = [j for j in order[a + 1:] if nans[j].step <= reached]
+                if again:
+                    state.hold_since = nans[i].ts
+                    state.hold_evidence = {
+                        "signal": "nonfinite_loss", "restarts": again[-1] - i, "best_step": run.best_step(),
+                        "nonfinite_first_steps": [[k, nans[k].step] for k in order[a:]],
+                        "steps_per_incarnation": [[x.start_step, x.best_step] for x in list(run.incarnations)[-8:]],
+                        "job_nodes": nodes}
+                    break
+        if state.hold_since is None:
+            return None
+        steps = state.hold_evidence["nonfinite_first_steps"]
+        return Finding(
+            detector=NAME, node=WHOLE_JOB, job=job.name, action=cfg.hold_action, since=state.hold_since,
+            key="nonfinite_loss_repeat",
+            reason=(f"job {job.name}: loss NaN/inf again after a restart (first steps by incarnation {steps}): "
+                    f"restarting it only loops; hold it for a person (no node is at fault)"),
+            evidence=state.hold_evidence)
+
+    def _spike(self, job: JobState, state: _JobSignals, new_losses: list[float], now: float,
+               nodes: list[str]) -> Finding | None:
+        cfg = self.config
+        if new_losses:
+            value = median(new_losses)
+            history = state.losses
+            spiking = False
+            if len(history) >= cfg.spike_min_history_windows:
+                med = median(history)
+                spread = max(_MAD_TO_SIGMA * median(abs(x - med) for x in history),
+                             cfg.spike_min_spread_ratio * abs(med), 1e-12)
+                excess = value - med
+                spiking = excess >= cfg.spike_ratio * abs(med) and excess / spread >= cfg.spike_z
+                if spiking:
+                    state.spike_run += 1
+                    if state.spike_since is None:
+                        state.spike_since = now
+                    state.spike_evidence = {"signal": "loss_spike", "loss": value, "median": med,
+                                            "robust_z": round(excess / spread, 1), "windows": state.spike_run,
+                                            "history_windows": len(history), "job_nodes": nodes}
+            if not spiking:
+                state.spike_run, state.spike_since = 0, None
+            history.append(value)
+        if state.spike_since is None or state.spike_run < cfg.spike_windows:
+            return None
+        ev = state.spike_evidence
+        return Finding(
+            detector=NAME, node=WHOLE_JOB, job=job.name, action=Action.ALERT, since=state.spike_since, key="loss_spike",
+            reason=(f"job {job.name}: loss {ev['loss']:.4g} against its recent median {ev['median']:.4g} "
+                    f"({ev['robust_z']} robust sigma) for {ev['windows']} windows"),
+            evidence=ev)
+
+    # -- training logs ------------------------------------------------------------------------------
+
+    def _judge_logs(self, view: FleetView, now: float) -> list[Finding]:
+        cfg = self.config
+        names: dict[str, list[str]] | None = None  # short host name -> nodes, built when a peer is named
+        for node in view.nodes.values():
+            marker = self._event_marker.get(node.name)
+            fresh: list[tuple[float, Event]] = []
+            for item in reversed(node.events):
+                if item is marker:
+                    break
+                fresh.append(item)
+            if node.events:
+                self._event_marker[node.name] = node.events[-1]
+            for ts, event in reversed(fresh):
+                if event.kind not in LOG_KINDS or now - ts > cfg.log_episode_seconds:
+                    continue
+                peer_node = None
+                if event.peer is not None:
+                    if names is None:
+                        names = {}
+                        for n in view.nodes:
+                            names.setdefault(n.split(".")[0], []).append(n)
+                    peer_node = resolve_peer(view, names, event.peer)
+                self._note(node.name, peer_node, ts, event)
+        for name in [n for n in self._event_marker if n not in view.nodes]:
+            del self._event_marker[name]
+        out: list[Finding] = []
+        for key, ep in list(self._logs.items()):
+            if now - ep.latest > cfg.log_episode_seconds or (ep.node and ep.node not in view.nodes):
+                del self._logs[key]
+                continue
+            out.append(Finding(detector=NAME, node=ep.node, job=ep.job, action=ep.action, since=ep.since,
+                               key=f"log:{ep.kind}", reason=ep.reason, latest=ep.latest,
+                               evidence={**ep.evidence, "lines": ep.count}))
+        return out
+
+    def _note(self, reporter: str, peer_node: str | None, ts: float, event: Event) -> None:
+        """One training-log event into its episode: about the peer node it names, the node that
+        logged a hardware error, or its job."""
+        cfg = self.config
+        text = event.message.lower()
+        job = event.job
+        action = Action.ALERT
+        if peer_node is not None and peer_node != reporter:
+            node, kind = peer_node, f"{event.kind}:peer"
+            reason = (f"training logs on {reporter} name this node ({event.peer}) in {event.kind} lines"
+                      f"{f' of job {job}' if job else ''}: check its GPUs and links (log evidence only: no removal)")
+        elif event.kind == "cuda_error" and any(p.lower() in text for p in cfg.hardware_error_patterns):
+            node, kind = reporter, "cuda_error:hardware"
+            reason = (f"a CUDA error naming the hardware in the training log{f' of job {job}' if job else ''} on "
+                      f"this node: {event.message[:_MESSAGE_CHARS]} (the xid and memory detectors judge the GPU's "
+                      f"own reports)")
+        elif job is not None:
+            node, kind = WHOLE_JOB, event.kind
+            peer = f" naming peer {event.peer} (not a node vigil knows by that name)" if event.peer else ""
+            reason = (f"job {job}: {event.kind} in its training log on {reporter}{peer}: "
+                      f"{event.message[:_MESSAGE_CHARS]}")
+        else:
+            node, kind, action = reporter, event.kind, Action.OBSERVE
+            reason = f"{event.kind} in a training log of no known job on this node: {event.message[:_MESSAGE_CHARS]}"
+        key = (node, job or "", kind)
+        ep = self._logs.get(key)
+        if ep is not None and ts - ep.latest <= cfg.log_episode_seconds:
+            ep.latest = max(ep.latest, ts)
+            ep.count += event.count
+            reporters = ep.evidence["reported_by"]
+            if reporter not in reporters and len(reporters) < JOB_NODES_NAMED:
+                reporters.append(reporter)
+            return
+        if ep is None and len(self._logs) >= _LOG_EPISODES_KEPT:
+            del self._logs[min(self._logs, key=lambda k: self._logs[k].latest)]
+        self._logs[key] = _LogEpisode(
+            since=ts, latest=ts, count=event.count, node=node, job=job, kind=kind, action=action, reason=reason,
+            evidence={"signal": "training_log", "kind": event.kind, "job": job, "rank": event.rank,
+                      "peer": event.peer, "reported_by": [reporter], "message": event.message[:_MESSAGE_CHARS]})
+
+
+def resolve_peer(view: FleetView, short_names: dict[str, list[str]], peer: str) -> str | None:
+    """The node a log line's peer names: a node's name, or its first label where one node has it
+    (``gpu-17`` for ``gpu-17.cluster``), with a ``:port`` left off. An address (10.0.0.7) is not
+    resolved: the fleet holds no node addresses (a report carries none, and the address a report
+    comes from is a proxy's or a NAT's at many sites), so such a line goes to its job."""
+    host = peer.strip()
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    if host in view.nodes:
+        return host
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return None
+    except ValueError:
+        pass
+    matches = short_names.get(host.split(".")[0], [])
+    return matches[0] if len(matches) == 1 else None

@@ -1,0 +1,218 @@
+"""Job runs: each training job's incarnations (its runs between restarts), as its ranks show them.
+
+It reads the view's jobs each evaluation (each rank's latest summary: pid, state, steps, checkpoint
+step) and keeps, per job key (the scheduler's identity the agent bound), its recent incarnations:
+when each began on the aggregator's clock, the lowest and highest step and the latest checkpoint
+step its ranks reported, and when it ended (every rank exited, or a later incarnation began). A
+rank restarted when another process took it over (a new pid), when it runs again after it exited,
+or, for a rank with no process identity (a tailed log), when its step went back (``last_step``
+below its last, or ``first_step`` below what it had reached before that window began). One
+process whose step counter goes back (a counter kept per epoch) did not restart. It decides
+nothing: the crash-loop and application-signal detectors each keep one of these and judge from it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from vigil.aggregator.fleet import FleetView, RankHistory
+
+# Incarnations kept per job: far beyond any restart threshold (a few), bounded for a job that
+# restarts all day; what dropped off is folded into the job's best step and checkpoint before it.
+MAX_INCARNATIONS = 32
+# (window end, last step) kept per rank without a pid, for its ``first_step`` test (two windows back).
+_WINDOWS_KEPT = 4
+
+
+@dataclass(slots=True)
+class Incarnation:
+    """One run of a job between restarts. Steps are the ranks' own (``last_step``); ``started``
+    and ``ended`` are the evaluations (aggregator clock) that first saw it begin and end."""
+
+    index: int  # 0: the first run this aggregator saw
+    started: float
+    start_step: int | None = None  # the lowest step its ranks reported (where it resumed)
+    best_step: int | None = None  # the highest
+    checkpoint_step: int | None = None  # the latest completed announced checkpoint its ranks reported
+    ended: float | None = None
+
+    @property
+    def steps(self) -> tuple[int | None, int | None]:
+        return self.start_step, self.best_step
+
+
+@dataclass(slots=True)
+class _RankSeen:
+    pid: int | None
+    exited: bool
+    last_step: int
+    generation: int  # the index of the incarnation the rank runs in
+    windows: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_WINDOWS_KEPT))
+
+
+class JobRun:
+    """One job's incarnations, oldest first (at most MAX_INCARNATIONS)."""
+
+    __slots__ = ("_folded_best", "_folded_checkpoint", "incarnations", "job", "last_seen", "ranks")
+
+    def __init__(self, job: str, now: float) -> None:
+        self.job = job
+        self.incarnations: deque[Incarnation] = deque([Incarnation(0, now)])
+        self.ranks: dict[int, _RankSeen] = {}
+        self.last_seen = now
+        # The best step and checkpoint of incarnations no longer kept.
+        self._folded_best: int | None = None
+        self._folded_checkpoint: int | None = None
+
+    @property
+    def latest(self) -> Incarnation:
+        return self.incarnations[-1]
+
+    @property
+    def restarts(self) -> int:
+        """Restarts seen since the first incarnation."""
+        return self.latest.index
+
+    def incarnation_of(self, rank: int) -> int | None:
+        seen = self.ranks.get(rank)
+        return seen.generation if seen is not None else None
+
+    def get(self, index: int) -> Incarnation | None:
+        first = self.incarnations[0].index
+        return self.incarnations[index - first] if first <= index <= self.latest.index else None
+
+    def before(self, inc: Incarnation) -> tuple[int | None, int | None]:
+        """The best step and the latest checkpoint step of the incarnations before ``inc``."""
+        best, checkpoint = self._folded_best, self._folded_checkpoint
+        for other in self.incarnations:
+            if other.index >= inc.index:
+                break
+            best = _max(best, other.best_step)
+            checkpoint = _max(checkpoint, other.checkpoint_step)
+        return best, checkpoint
+
+    def progressed(self, inc: Incarnation, min_steps: int) -> bool:
+        """Whether ``inc`` moved the job forward: a step at least ``min_steps`` past every earlier
+        incarnation's best, or a checkpoint it completed itself (past the step it resumed at)
+        beyond every earlier one. The first incarnation seen has nothing to compare with: True."""
+        if inc.index == self.incarnations[0].index and self._folded_best is None:
+            return True
+        best, checkpoint = self.before(inc)
+        if inc.best_step is not None and (best is None or inc.best_step >= best + min_steps):
+            return True
+        ckpt = inc.checkpoint_step
+        return (ckpt is not None and inc.start_step is not None and ckpt > inc.start_step
+                and (checkpoint is None or ckpt > checkpoint))
+
+    def best_step(self) -> int | None:
+        best = self._folded_best
+        for inc in self.incarnations:
+            best = _max(best, inc.best_step)
+        return best
+
+    def best_checkpoint(self) -> int | None:
+        checkpoint = self._folded_checkpoint
+        for inc in self.incarnations:
+            checkpoint = _max(checkpoint, inc.checkpoint_step)
+        return checkpoint
+
+    def _begin(self, now: float) -> Incarnation:
+        latest = self.latest
+        if latest.ended is None:
+            latest.ended = now
+        inc = Incarnation(latest.index + 1, now)
+        if len(self.incarnations) == MAX_INCARNATIONS:
+            old = self.incarnations.popleft()
+            self._folded_best = _max(self._folded_best, old.best_step)
+            self._folded_checkpoint = _max(self._folded_checkpoint, old.checkpoint_step)
+        self.incarnations.append(inc)
+        return inc
+
+    def observe(self, ranks: list[RankHistory], now: float) -> None:
+        self.last_seen = now
+        for r in ranks:
+            self._observe_rank(r, now)
+        for gone in [k for k in self.ranks if k not in {r.rank for r in ranks}]:
+            del self.ranks[gone]
+        latest = self.latest
+        if latest.ended is None and ranks and all(r.last.state == "exited" for r in ranks):
+            latest.ended = now
+
+    def _observe_rank(self, r: RankHistory, now: float) -> None:
+        s = r.last
+        exited = s.state == "exited"
+        seen = self.ranks.get(r.rank)
+        if seen is None:
+            seen = self.ranks[r.rank] = _RankSeen(s.pid, exited, s.last_step, self.latest.index)
+        elif _restarted(seen, r):
+            latest = self.latest
+            # Its peers restarted already (this rank joins their incarnation), or it is the first.
+            seen.generation = latest.index if latest.index > seen.generation else self._begin(now).index
+            seen.windows.clear()
+        seen.pid = s.pid if s.pid is not None else seen.pid
+        seen.exited = exited
+        seen.last_step = s.last_step
+        end = s.window_end_ts
+        if s.pid is None and end is not None and (not seen.windows or seen.windows[-1][0] < end):
+            seen.windows.append((end, s.last_step))
+        inc = self.get(seen.generation)
+        if inc is None:
+            return
+        inc.start_step = s.last_step if inc.start_step is None else min(inc.start_step, s.last_step)
+        inc.best_step = _max(inc.best_step, s.last_step)
+        if s.checkpoint_step is not None:
+            inc.checkpoint_step = _max(inc.checkpoint_step, s.checkpoint_step)
+
+
+def _restarted(seen: _RankSeen, r: RankHistory) -> bool:
+    s = r.last
+    if s.pid is not None and seen.pid is not None:
+        if s.pid != seen.pid:
+            return True  # another process took the rank over
+        return seen.exited and s.state != "exited"
+    if seen.exited and s.state != "exited":
+        return True
+    if s.pid is not None or seen.pid is not None:
+        return False
+    # No process identity (a tailed log): the step going back is the only sign.
+    if s.last_step < seen.last_step:
+        return True
+    if s.first_step is None or s.window_end_ts is None:
+        return False
+    # A summary's last_step may be past its window's end (the agent reads it when it reports), so
+    # the window's lowest step is compared only with steps reported two windows before it began.
+    horizon = s.window_end_ts - 2 * s.window_seconds
+    reached = max((step for end, step in seen.windows if end <= horizon), default=None)
+    return reached is not None and s.first_step < reached
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    return a if b is None else max(a, b)
+
+
+class JobRuns:
+    """Every job's runs, updated from the view at each evaluation (``observe``); a job not in the
+    view for ``forget_seconds`` is forgotten."""
+
+    def __init__(self, forget_seconds: float) -> None:
+        self.forget_seconds = forget_seconds
+        self._runs: dict[str, JobRun] = {}
+
+    def observe(self, view: FleetView, now: float) -> None:
+        for name, job in view.jobs.items():
+            run = self._runs.get(name)
+            if run is None:
+                run = self._runs[name] = JobRun(name, now)
+            run.observe(list(job.ranks.values()), now)
+        for name in [n for n, run in self._runs.items() if now - run.last_seen > self.forget_seconds]:
+            del self._runs[name]
+
+    def get(self, job: str) -> JobRun | None:
+        return self._runs.get(job)
+
+    def __iter__(self) -> Iterator[JobRun]:
+        return iter(self._runs.values())
