@@ -164,3 +164,11 @@ def job_nodes(slurm: SlurmCluster, job: str) -> list[str]:
 
 def states(slurm: SlurmCluster) -> dict[str, str]:
     return {node: slurm.sinfo_state(node) for node in slurm.nodes}
+
+
+def assert_held(job: dict[str, str]) -> None:
+    """``scontrol show job``'s fields of a job requeued held: pending at priority 0, for the reason
+    Slurm gives a held job (``job_requeued_in_held_state`` right after ``scontrol requeuehold``,
+    JobHeldAdmin / JobHeldUser)."""
+    assert (job["JobState"], job["Priority"]) == ("PENDING", "0"), job
+    assert job["Reason"] in ("job_requeued_in_held_state", "JobHeldAdmin", "JobHeldUser"), job

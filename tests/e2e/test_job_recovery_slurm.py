@@ -37,6 +37,7 @@ from tests.e2e.slurm_training import (
     SPARE,
     SPARE_FEATURE,
     TrainingCluster,
+    assert_held,
     events,
     job_nodes,
     rank_command,
@@ -209,8 +210,7 @@ def test_a_job_crash_looping_without_progress_is_held_and_paged(
 
         # Slurm: requeued and held (a person releases it), never running again by itself.
         slurm.wait_for(f"job {job} held", lambda: slurm.job(job).get("JobState") == "PENDING", 30)
-        held = slurm.job(job)
-        assert held["Reason"].startswith("JobHeld"), held
+        assert_held(slurm.job(job))
         runs = {e["restart"] for e in events(cluster.work, "start")}
         # The page: the hold_job alert at the real Alertmanager, severity critical, naming the job.
         pages: list[dict[str, Any]] = []

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.slurm_training import TrainingCluster, events, spare_cluster, start_training, states
+from tests.e2e.slurm_training import TrainingCluster, assert_held, events, spare_cluster, start_training, states
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster
 from vigil.aggregator.decision import REMOVING_ACTIONS
@@ -58,8 +58,7 @@ def test_nan_loss_across_a_restart_holds_the_job_and_removes_no_node(ddp_run: Tr
                                  150)
     assert [(d["detector"], d["node"], d["job"]) for d in holds] == [("app_signals", None, job)], cluster.explain()
     slurm.wait_for(f"job {job} held", lambda: slurm.job(job).get("JobState") == "PENDING", 30)
-    held = slurm.job(job)
-    assert held["Reason"].startswith("JobHeld"), held
+    assert_held(slurm.job(job))
 
     # The loop stopped after the NaN came back in the restarted run: two runs (a third at most,
     # if it was starting as the hold landed), each NaN first at the bad batch's step.
