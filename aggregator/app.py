@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import re
@@ -63,6 +64,7 @@ from vigil.aggregator.outbox import Outbox
 from vigil.aggregator.prober import Prober
 from vigil.aggregator.redact import redact_json
 from vigil.aggregator.sink import DecisionSink
+from vigil.aggregator.spares import SparePool
 from vigil.aggregator.store import WRITE_ERRORS, Store, read_dsn
 
 log = logging.getLogger("vigil.aggregator")
@@ -513,6 +515,11 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
 
     app.cleanup_ctx.append(gc_pauses)
     app.cleanup_ctx.append(background("vigil-aggregator-evaluate", evaluate_forever))
+    if engine.job_recovery is not None:
+        metrics.registry.register(engine.job_recovery.collector())
+    if config.spares.enabled:
+        app.cleanup_ctx.append(background("vigil-aggregator-spares", wire_spares(
+            config, engine, ledger, metrics, dispatcher.actuators if dispatcher is not None else {}, clock)))
     app[EVALUATE_KEY] = evaluate_now
 
     def refuse_report(status: int, reason: str, detail: str, **extra: Any) -> web.Response:
@@ -686,6 +693,61 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         app.cleanup_ctx.append(background("vigil-aggregator-leadership",
                                           lambda: keep_leadership(config, ledger, leadership, wake, dispatcher)))
     return app
+
+
+def wire_spares(config: AggregatorConfig, engine: Engine, ledger: Ledger | None, metrics: AggregatorMetrics,
+                actuators: dict[str, Actuator], clock: Callable[[], float]) -> Callable[[], Coroutine[Any, Any, None]]:
+    """The spare pool (aggregator/spares.py): its metrics, its count fed to the job-recovery
+    planner, the Slurm actuator's refill, and the loop that reads and sizes it every
+    ``spares.refresh_seconds`` (each read within ``spares.timeout_seconds`` in all)."""
+    cfg = config.spares
+    pool = SparePool(cfg)
+    metrics.registry.register(pool.collector())
+    engine.spares_available = lambda: pool.available
+    slurm, kube = actuators.get("slurm"), actuators.get("kubernetes")
+    read: Callable[[], list[str]] | None = None
+    if isinstance(slurm, SlurmActuator):
+        slurm.spare_feature, slurm.spare_wanted = cfg.slurm_feature, pool.wants_spare
+        pool.refills = lambda: (slurm.spares_added, slurm.spares_add_failed)
+        read = functools.partial(slurm.spare_nodes, cfg.slurm_feature)
+    elif isinstance(kube, KubernetesActuator):
+        read = functools.partial(kube.spare_nodes, cfg.kubernetes_label)
+    started = clock()
+
+    def size(now: float) -> None:
+        removals, oldest = 0, started
+        if ledger is not None:
+            for entries in ledger.store.state.history.values():
+                for e in entries:
+                    if now - e.ts <= cfg.history_seconds and e.action in REMOVING_ACTIONS:
+                        removals += 1
+                        oldest = min(oldest, e.ts)
+        nodes = engine.fleet.reporting_since(now - config.gate.breaker_window_seconds)
+        pool.size(nodes, removals, nodes * min(cfg.history_seconds, max(now - oldest, 0.0)) / 3600.0)
+
+    async def keep() -> None:
+        if read is None:
+            log.warning("spares.enabled, but neither the slurm nor the kubernetes actuator is enabled: the pool "
+                        "is not read (vigil_spares_available absent)")
+        loop = asyncio.get_running_loop()
+        while True:
+            size(clock())
+            if read is not None:
+                try:
+                    async with asyncio.timeout(cfg.timeout_seconds):
+                        pool.observe(await loop.run_in_executor(None, read))
+                except TimeoutError:
+                    pool.failed("timeout")
+                    log.error("spares: the pool was not read within %gs", cfg.timeout_seconds)
+                except DeliveryError as exc:
+                    pool.failed("error")
+                    log.error("spares: the pool could not be read: %s", exc)
+                except Exception:  # a reader's bug must not stop the loop
+                    pool.failed("error")
+                    log.exception("spares: the pool could not be read")
+            await asyncio.sleep(cfg.refresh_seconds)
+
+    return keep
 
 
 async def keep_leadership(config: AggregatorConfig, ledger: Ledger, leadership: Leadership, wake: asyncio.Event,

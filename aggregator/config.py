@@ -41,10 +41,12 @@ from vigil.aggregator.detectors.topology import TopologyConfig
 from vigil.aggregator.detectors.xid import XidConfig
 from vigil.aggregator.fleet import FleetConfig
 from vigil.aggregator.gate import GateConfig
+from vigil.aggregator.job_recovery import JobRecoveryConfig
 from vigil.aggregator.leadership import HaConfig
 from vigil.aggregator.listener import ServerConfig
 from vigil.aggregator.outbox import NodeActionsConfig, switched_on
 from vigil.aggregator.prober import ProbesConfig
+from vigil.aggregator.spares import SparesConfig
 from vigil.aggregator.store import StoreConfig
 
 __all__ = ["AggregatorConfig", "ConfigError", "DetectorsConfig", "load_config", "parse_config"]
@@ -100,6 +102,11 @@ class AggregatorConfig(StrictModel):
     # Active validation: probe runs the aggregator asks the agents for (aggregator/prober.py,
     # docs/probes.md); the recovery detector then resumes only after the probes pass.
     probes: ProbesConfig = ProbesConfig()
+    # Off by default: restart a running job without a node that slows or threatens it, at the
+    # moment that loses the least GPU time (aggregator/job_recovery.py, docs/goodput.md).
+    job_recovery: JobRecoveryConfig = JobRecoveryConfig()
+    # Off by default: the pool of healthy idle nodes a restart draws on (aggregator/spares.py).
+    spares: SparesConfig = SparesConfig()
 
     @model_validator(mode="after")
     def _node_action_key(self) -> AggregatorConfig:

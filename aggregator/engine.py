@@ -17,6 +17,8 @@ the costly one, on a worker thread while its event loop keeps taking reports.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vigil.agent.wire import Report
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Decision, Finding
@@ -24,6 +26,7 @@ from vigil.aggregator.detectors import REGISTRY, Detector
 from vigil.aggregator.detectors.topology import Episode, TopologyAttributor, episode, is_onset
 from vigil.aggregator.fleet import Fleet, FleetView, Removal
 from vigil.aggregator.gate import GateState
+from vigil.aggregator.job_recovery import JobRecoveryPlanner
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.outbox import agent_resets_enabled
 from vigil.aggregator.sink import DecisionSink
@@ -57,6 +60,10 @@ class Engine:
         self.detectors = detectors
         topo = config.detectors.topology
         self.topology = TopologyAttributor(topo) if topo.enabled else None
+        # Over the findings acted on: restarts a running job without a node that slows it, at the
+        # moment it chose (aggregator/job_recovery.py); the spare pool's count (the app's) feeds it.
+        self.job_recovery = JobRecoveryPlanner(config.job_recovery) if config.job_recovery.enabled else None
+        self.spares_available: Callable[[], int | None] = lambda: None
         # An episode that stays active keeps its decision: a detector whose `since` slides with
         # its window must not emit a new id every evaluation. The float is the fault's latest
         # occurrence when the decision was made (a much later one is a repeat).
@@ -98,8 +105,12 @@ class Engine:
         previous = self._first_seen
         self._first_seen = {ep: previous.get(ep, now) for ep in map(episode, found)}
         if self.topology is None:
-            return [f for f in found if not is_onset(f)]  # onsets are the topology pass's evidence only
-        return self.topology.evaluate(view, now, found, self._first_seen)
+            acted = [f for f in found if not is_onset(f)]  # onsets are the topology pass's evidence only
+        else:
+            acted = self.topology.evaluate(view, now, found, self._first_seen)
+        if self.job_recovery is not None:
+            acted += self.job_recovery.evaluate(view, now, acted, self.spares_available())
+        return acted
 
     def evaluate(self, now: float) -> list[Decision]:
         """Propose every current episode; returns what the sink admitted now. The three steps in

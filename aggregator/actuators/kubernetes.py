@@ -3,7 +3,9 @@
 A removing action sets ``spec.unschedulable``, the taint ``vigil.io/unhealthy=<action>:NoSchedule``
 and a ``VigilUnhealthy`` node condition, then asks for a policy/v1 Eviction of each pod on the
 node (DaemonSet and mirror pods stay): a PodDisruptionBudget's 429 is retried later, not fatal.
-``resume`` undoes the three marks; ``restart_job`` evicts the one pod its job key names
+``resume`` undoes the three marks; ``hold_job`` is refused (``hold_not_supported``: a pod's controller
+restarts it, and suspending that controller is left to a person); ``spare_nodes`` lists the spare
+pool (Ready, schedulable nodes with the pool's label); ``restart_job`` evicts the one pod its job key names
 (``pod/<uid>``, the identity the agent read from the process's cgroup), found among the pods the
 API server lists on the decision's node and matched by ``metadata.uid``, never by a name or label
 pattern; the eviction carries that uid as a precondition, so a pod of the same name created since
@@ -64,7 +66,7 @@ EVENT_MESSAGE_MAX_CHARS = 1024
 # A Kubernetes job key: the pod's uid (metadata.uid, an RFC 4122 UUID the API server assigns).
 POD_JOB = re.compile(r"pod/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
 # Reasons a delivery was refused before anything was changed (the `refusals` counter).
-REFUSAL_REASONS = ("job_not_a_pod", "job_not_on_node")
+REFUSAL_REASONS = ("job_not_a_pod", "job_not_on_node", "hold_not_supported")
 
 
 class KubernetesConfig(ActuatorConfig):
@@ -160,11 +162,17 @@ class KubernetesActuator:
         self.api: Any = client.CoreV1Api(api_client)
 
     def handles(self, decision: Decision) -> bool:
-        if decision.action is Action.RESTART_JOB:
+        if decision.action in (Action.RESTART_JOB, Action.HOLD_JOB):
             return decision.job is not None
         return decision.action in REMOVING_ACTIONS or decision.action is Action.RESUME
 
     def deliver(self, decision: Decision) -> str:
+        if decision.action is Action.HOLD_JOB:
+            # A job key here is a pod; what restarts it (a Job, a JobSet, an operator) is not
+            # vigil's to suspend safely. Refused, counted and dead-lettered; the page goes out
+            # through Alertmanager or the webhook.
+            raise self._refuse(decision, "hold_not_supported", "hold_job is not supported on Kubernetes: the "
+                               "pod's controller restarts it; suspend its Job by hand (spec.suspend: true)")
         # One Node object per call, by its exact name; a job-level restart names none (job_nodes
         # checks each node it reads), and its Event is recorded on the node its pod ran on.
         try:
@@ -276,6 +284,24 @@ class KubernetesActuator:
         except (self._urllib3_error, OSError) as exc:
             raise DeliveryError(f"kubernetes: {exc}") from exc
         return f"kubernetes API {getattr(info, 'git_version', '?')}"
+
+    def spare_nodes(self, label: str) -> list[str]:
+        """The spare pool: Ready, schedulable (not cordoned) nodes with ``label`` (key=value)."""
+        self._deadline.at = self._monotonic() + self.timeout_seconds
+        try:
+            items = self.api.list_node(label_selector=label, _request_timeout=self._left()).items
+        except self._client.ApiException as exc:
+            raise DeliveryError(f"kubernetes: HTTP {exc.status} {exc.reason}{_status_message(exc.body)}") from exc
+        except (self._urllib3_error, OSError) as exc:
+            raise DeliveryError(f"kubernetes: {exc}") from exc
+        out = []
+        for node in items:
+            if node.spec is not None and node.spec.unschedulable:
+                continue
+            conditions = (node.status.conditions if node.status is not None else None) or []
+            if any(c.type == "Ready" and c.status == "True" for c in conditions):
+                out.append(node.metadata.name)
+        return sorted(out)
 
     def _mark(self, decision: Decision, unhealthy: bool) -> None:
         node = self.api.read_node(decision.node, _request_timeout=self._left())

@@ -33,6 +33,20 @@ fails verification stays DOWN and goes to inspection. That hold needs slurm.conf
 rebooting (``scontrol show config`` read at each reboot; logged). Slurm keeps vigil's reason (appending
 " : reboot issued" and the like), so ``resume`` still knows it as a node vigil took out. A node
 someone else drained or downed is not rebooted (their reason would be overwritten).
+
+``hold_job`` (a job that cannot progress: crash loop, NaN loss) stops the job's restart loop: a
+running job is requeued held (``scontrol requeuehold``), so it starts again only when a person
+releases it; the same identity checks as ``restart_job`` (a numeric id, running on a node that
+reported it). A job found pending and already held (priority 0) is a redelivery: done. A pending
+job that is not held runs on no node, so no report can vouch for it: the delivery is retried, and
+holds the job once it runs again (a crash loop starts it again soon).
+
+Spares (docs/goodput.md): ``spare_nodes`` lists the idle nodes with the pool's feature (``sinfo
+--json``, or ``sinfo -h -N -o %N|%T|%b`` where it has none: name, state and active features, no
+free text). After a ``resume`` that verification admitted (detector recovery or probe_verdict),
+while the pool is short (``spare_wanted``, the app's pool), the feature is added to the node with
+``scontrol update NodeName=<node> AvailableFeatures=<its own>,<feature> ActiveFeatures=...`` (Slurm
+22.05 takes both in one call; ActiveFeatures alone must stay a subset of AvailableFeatures).
 """
 
 from __future__ import annotations
@@ -45,7 +59,7 @@ import re
 import subprocess
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vigil.agent.seams import CommandRunner, run_command
@@ -75,6 +89,12 @@ JOB_FORMAT = "%i|%T|%N|%x"
 # What sinfo answers when it predates --json (Slurm < 21.08): the text parse is used instead.
 NO_JSON = ("unrecognized option", "invalid option")
 # Reasons a delivery was refused before anything was changed in Slurm (the `refusals` counter).
+# Nodes given back by these detectors were verified (a clean period, probes passed): fit to be spares.
+VERIFYING_DETECTORS = frozenset({"recovery", "probe_verdict"})
+# squeue fields for hold_job: id, state, node list, priority (0: held); no free text.
+HOLD_FORMAT = "%i|%T|%N|%Q"
+# States in which a held job waits: a requeued-held job passes COMPLETING on its way to PENDING.
+WAITING_STATES = frozenset({"PENDING", "COMPLETING", "REQUEUE_HOLD", "REQUEUED"})
 REFUSAL_REASONS = ("job_not_numeric", "job_not_found", "job_not_on_node", "node_not_found", "not_drained_by_vigil",
                    "out_for_someone_else")
 
@@ -123,6 +143,20 @@ def node_from_sinfo_json(text: str, node: str) -> NodeState | None:
     """``node`` in ``sinfo --json`` output (None if it is not there). 22.05 writes ``state`` as a
     word and ``state_flags`` as a list; 23.02+ writes ``state`` as a list of words. sinfo 22.05
     ignores ``-n`` with ``--json``, so the entry is picked by its exact name."""
+    for entry in _sinfo_entries(text):
+        if entry.get("name") != node:
+            continue
+        state = _state_of(entry)
+        if state is None:
+            raise DeliveryError(f"sinfo --json: node {node} has no readable state ({entry.get('state')!r}, "
+                                f"{entry.get('state_flags')!r})")
+        reason = entry.get("reason")
+        return NodeState(state, reason if isinstance(reason, str) else "")
+    return None
+
+
+def _sinfo_entries(text: str) -> list[dict[str, object]]:
+    """The node entries of ``sinfo --json`` output (those that are objects)."""
     try:
         doc = json.loads(text)
     except ValueError as exc:
@@ -130,17 +164,47 @@ def node_from_sinfo_json(text: str, node: str) -> NodeState | None:
     nodes = doc.get("nodes") if isinstance(doc, dict) else None
     if not isinstance(nodes, list):
         raise DeliveryError("sinfo --json: no node list in its answer")
-    for entry in nodes:
-        if not isinstance(entry, dict) or entry.get("name") != node:
+    return [entry for entry in nodes if isinstance(entry, dict)]
+
+
+def _state_of(entry: dict[str, object]) -> str | None:
+    """An entry's state words, upper case, "+"-joined (``IDLE+DRAIN``); None if unreadable."""
+    base, flags = entry.get("state"), entry.get("state_flags") or []
+    words = [*base] if isinstance(base, list) else [base] if isinstance(base, str) else []
+    words += flags if isinstance(flags, list) else []
+    if not words or not all(isinstance(w, str) for w in words):
+        return None
+    return "+".join(str(w).upper() for w in words)
+
+
+def _features(value: object) -> list[str]:
+    """A feature list as sinfo writes it: "a,b" (22.05), a list (23.02+), "" or "(null)": none."""
+    words = value if isinstance(value, list) else str(value or "").split(",")
+    return [w for w in (str(x).strip() for x in words) if w and w != "(null)"]
+
+
+def nodes_from_sinfo_json(text: str) -> list[tuple[str, str, list[str], list[str]]]:
+    """Every node of ``sinfo --json``: (name, state words "+"-joined, upper case, available and
+    active features). An entry without a readable name or state is skipped."""
+    out = []
+    for entry in _sinfo_entries(text):
+        name, state = entry.get("name"), _state_of(entry)
+        if isinstance(name, str) and state is not None:
+            out.append((name, state, _features(entry.get("features")), _features(entry.get("active_features"))))
+    return out
+
+
+def nodes_from_sinfo_text(text: str) -> list[tuple[str, str, list[str], list[str]]]:
+    """``sinfo -h -N -o %N|%T|%f|%b`` (name, state, available and active features: no free text),
+    for a sinfo without --json. %T writes flags as suffixes ("idle~", "idle*", "drained")."""
+    out = []
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 4:
             continue
-        base, flags = entry.get("state"), entry.get("state_flags") or []
-        words = [*base] if isinstance(base, list) else [base] if isinstance(base, str) else []
-        words += flags if isinstance(flags, list) else []
-        if not words or not all(isinstance(w, str) for w in words):
-            raise DeliveryError(f"sinfo --json: node {node} has no readable state ({base!r}, {flags!r})")
-        reason = entry.get("reason")
-        return NodeState("+".join(w.upper() for w in words), reason if isinstance(reason, str) else "")
-    return None
+        name, state, available, active = fields
+        out.append((name, state.upper(), _features(available), _features(active)))
+    return out
 
 
 def node_from_scontrol_text(line: str) -> NodeState:
@@ -168,19 +232,27 @@ class SlurmActuator:
         self.run = run
         # None until the first read: whether sinfo takes --json (one answer per process).
         self._sinfo_json: bool | None = None
+        # Whether a verified node should join the spare pool (the app sets the pool's wants_spare);
+        # the feature it gets, and the nodes added (and failures to), for the pool's metrics.
+        self.spare_wanted: Callable[[], bool] = lambda: False
+        self.spare_feature = "vigil_spare"
+        self.spares_added = 0
+        self.spares_add_failed = 0
         # reason -> deliveries refused before anything changed in Slurm; deliveries run in the
         # dispatcher's threads, hence the lock.
         self.refusals: Counter[str] = Counter(dict.fromkeys(REFUSAL_REASONS, 0))
         self._refusals_lock = threading.Lock()
 
     def handles(self, decision: Decision) -> bool:
-        if decision.action is Action.RESTART_JOB:
+        if decision.action in (Action.RESTART_JOB, Action.HOLD_JOB):
             return decision.job is not None
         return decision.action in REMOVING_ACTIONS or decision.action is Action.RESUME
 
     def deliver(self, decision: Decision) -> str:
         if decision.action is Action.RESTART_JOB:
             return self._requeue(decision)  # job_nodes checks each node name it uses
+        if decision.action is Action.HOLD_JOB:
+            return self._hold(decision)
         one_node(decision.node or "")  # one node per scontrol call, never a hostlist expression
         if decision.action is Action.RESUME:
             return self._resume(decision)
@@ -290,7 +362,56 @@ class SlurmActuator:
             raise self._refuse(decision, "not_drained_by_vigil",
                                f"{decision.node} was not drained by vigil (reason: {reason!r})")
         self._scontrol("update", f"NodeName={decision.node}", "State=RESUME")
-        return f"resumed {decision.node}"
+        done = f"resumed {decision.node}"
+        if decision.detector in VERIFYING_DETECTORS and self.spare_wanted():
+            done += self._add_spare(decision.node or "")
+        return done
+
+    def _add_spare(self, node: str) -> str:
+        """The pool's feature added to ``node`` (verified just now); a failure leaves the resume done."""
+        feature = self.spare_feature
+        try:
+            available, active = self._features(node)
+            if feature in active:
+                return f"; already a spare ({feature})"
+            self._scontrol("update", f"NodeName={node}", "AvailableFeatures=" + ",".join([*available, feature]
+                                                                                      if feature not in available
+                                                                                      else available),
+                           "ActiveFeatures=" + ",".join([*active, feature]))
+        except DeliveryError as exc:
+            self.spares_add_failed += 1
+            log.error("slurm: %s resumed, but not added to the spare pool (feature %s): %s", node, feature, exc)
+            return f"; not added to the spare pool: {exc}"
+        self.spares_added += 1
+        log.info("slurm: %s added to the spare pool (feature %s)", node, feature)
+        return f"; added to the spare pool (feature {feature})"
+
+    def _features(self, node: str) -> tuple[list[str], list[str]]:
+        """``node``'s available and active features."""
+        for name, _, available, active in self._sinfo_nodes([node]):
+            if name == node:
+                return available, active
+        raise DeliveryError(f"sinfo does not list node {node}", retryable=False)
+
+    def _sinfo_nodes(self, nodes: Sequence[str] = ()) -> list[tuple[str, str, list[str], list[str]]]:
+        """(name, state words joined by "+", available features, active features) per node."""
+        if self._sinfo_json is not False:
+            try:
+                text = self._command([self.config.sinfo, "--json", *(["-N", "-n", ",".join(nodes)] if nodes else [])])
+            except DeliveryError as exc:
+                if self._sinfo_json is not None or not any(s in str(exc) for s in NO_JSON):
+                    raise
+                self._sinfo_json = False
+            else:
+                self._sinfo_json = True
+                return nodes_from_sinfo_json(text)
+        argv = [self.config.sinfo, "-h", "-N", "-o", "%N|%T|%f|%b", *(["-n", ",".join(nodes)] if nodes else [])]
+        return nodes_from_sinfo_text(self._command(argv))
+
+    def spare_nodes(self, feature: str) -> list[str]:
+        """The idle nodes (no flag: not draining, down, reserved...) with the active ``feature``."""
+        return sorted({name for name, state, _, active in self._sinfo_nodes()
+                       if state == "IDLE" and feature in active})
 
     def _hostnames(self, hostlist: str) -> list[str]:
         """A Slurm hostlist (``vnode[2-3],gpu7``) as names, expanded by Slurm itself."""
@@ -298,20 +419,22 @@ class SlurmActuator:
             return []
         return self._scontrol("show", "hostnames", hostlist).split()
 
-    def _requeue(self, decision: Decision) -> str:
-        assert decision.job is not None  # handles() admits restart_job only with a job
+    def _read_job(self, decision: Decision, fmt: str) -> tuple[str, list[str], list[str]]:
+        """The job's numeric id, its squeue fields in ``fmt`` (4 of them) and the nodes that
+        reported it; each refusal counted before Slurm is changed."""
+        assert decision.job is not None  # handles() admits job actions only with a job
         job = decision.job
         if JOB_ID.fullmatch(job) is None or not 0 < int(job) <= MAX_JOB_ID:
             # A name would go to `squeue -n`, which reads "a,b" as two names: other teams' jobs.
             raise self._refuse(decision, "job_not_numeric",
-                               f"job {job[:80]!r} is not a Slurm job id (a number); only ids are requeued")
+                               f"job {job[:80]!r} is not a Slurm job id (a number); only ids are acted on")
         job_id = str(int(job))
         try:  # each a node name (one_node), before Slurm is asked anything
             reported = job_nodes(decision)
         except DeliveryError as exc:
             raise self._refuse(decision, "job_not_on_node", str(exc)) from None
         try:
-            line = self._command([self.config.squeue, "-h", "-j", job_id, "-o", JOB_FORMAT]).strip()
+            line = self._command([self.config.squeue, "-h", "-j", job_id, "-o", fmt]).strip()
         except DeliveryError as exc:
             if exc.retryable:
                 raise
@@ -319,7 +442,25 @@ class SlurmActuator:
         fields = line.split("|")
         if len(fields) != 4 or fields[0] != job_id:
             raise self._refuse(decision, "job_not_found", f"Slurm has no job {job_id} (squeue: {line[:120]!r})")
-        _, state, nodes, excluded_list = fields
+        return job_id, fields, reported
+
+    def _hold(self, decision: Decision) -> str:
+        """Stop the job's restart loop: requeue it held (running), or find it held already."""
+        job_id, (_, state, nodes, priority), reported = self._read_job(decision, HOLD_FORMAT)
+        if state in WAITING_STATES and priority.strip() == "0":
+            return f"job {job_id} is held ({state}, priority 0)"
+        if state not in REQUEUEABLE_STATES:
+            # Pending (not held) or ending: it runs on no node, so no report vouches for it. A
+            # retry holds it once it runs again on a node that reported it.
+            raise DeliveryError(f"job {job_id} is {state}, on no node: held once it runs again")
+        if not set(reported) & set(self._hostnames(nodes)):
+            raise self._refuse(decision, "job_not_on_node", f"job {job_id} ({state}) runs on {nodes or 'no node'}, "
+                               f"on none of the nodes that reported it ({', '.join(reported)}); not held")
+        self._scontrol("requeuehold", job_id)
+        return f"job {job_id} requeued held: its restart loop is stopped until a person releases it"
+
+    def _requeue(self, decision: Decision) -> str:
+        job_id, (_, state, nodes, excluded_list), reported = self._read_job(decision, JOB_FORMAT)
         if decision.node is None:
             return self._requeue_job(decision, job_id, state, nodes, reported)
         excluded = self._hostnames(excluded_list)
