@@ -229,5 +229,8 @@ def test_a_job_crash_looping_without_progress_is_held_and_paged(
         acting_on_nodes = {a.value for a in REMOVING_ACTIONS} | {"restart_job"}
         assert [d for _, d in cluster.seen.values() if d["action"] in acting_on_nodes] == [], cluster.explain()
         assert set(states(slurm).values()) == {"idle"}, states(slurm)
+        first_crash = min(e["ts"] for e in events(cluster.work, "crash"))
+        print(f"\ncrash loop: held after {len(runs)} runs, {holds[0]['ts'] - first_crash:.1f} s after the first "
+              f"crash; evidence {evidence}")
     finally:
         cluster.stop()
