@@ -26,7 +26,9 @@ from tests.slurm_cluster import SlurmCluster
 from vigil.aggregator.decision import REMOVING_ACTIONS
 from vigil_heartbeat import Heartbeat
 
-pytestmark = pytest.mark.external
+pytestmark = [pytest.mark.external, pytest.mark.skipif(
+    "loss" not in inspect.signature(Heartbeat.step).parameters,
+    reason="needs the heartbeat client's hb.step(..., loss=) (issue 40, clients/heartbeat)")]
 torch = pytest.importorskip("torch")
 __all__ = ["spare_cluster"]  # the fixture, imported: this module's own Slurm cluster
 
@@ -37,8 +39,6 @@ AGENT_TRAINING = {"window_seconds": 1.0}
 
 @pytest.fixture
 def ddp_run(spare_cluster: SlurmCluster, tmp_path: Path) -> Iterator[TrainingCluster]:
-    if "loss" not in inspect.signature(Heartbeat.step).parameters:
-        pytest.skip("needs the heartbeat client's hb.step(..., loss=) (issue 40, clients/heartbeat)")
     cluster = start_training(spare_cluster, tmp_path, {}, AGENT_TRAINING, report_seconds=0.5)
     try:
         yield cluster
