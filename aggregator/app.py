@@ -728,7 +728,7 @@ def wire_spares(config: AggregatorConfig, engine: Engine, ledger: Ledger | None,
     async def keep() -> None:
         if read is None:
             log.warning("spares.enabled, but neither the slurm nor the kubernetes actuator is enabled: the pool "
-                        "is not read (vigil_spares_available absent)")
+                        "is not read (vigil_aggregator_spares_available absent)")
         loop = asyncio.get_running_loop()
         while True:
             size(clock())

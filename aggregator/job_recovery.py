@@ -62,7 +62,7 @@ class JobRecoveryConfig(StrictModel):
     no_spare_wait_seconds: float = Field(default=1800.0, ge=0)
     # Risk of a crash per hour of a node with failing hardware (a drain, reset, reboot or
     # inspection that is not a straggler's). A stated assumption: no public figure per finding;
-    # tune it from vigil_job_recovery_outcomes_total.
+    # tune it from vigil_aggregator_job_recovery_outcomes_total.
     failing_hazard_per_hour: float = Field(default=0.1, ge=0)
     # Detectors whose finding means the node no longer takes part (the job is blocked): restart
     # now, with or without a spare.
@@ -359,28 +359,30 @@ class _PlannerMetrics(PromCollector):
 
     def collect(self) -> Iterator[Metric]:
         p = self._planner
-        outcomes = CounterMetricFamily("vigil_job_recovery_outcomes", "Job-recovery plans ended, by the option "
-                                       "chosen (now, checkpoint, job_end) and outcome (improved, unchanged, "
-                                       "job_gone, not_restarted, job_left).", labels=["chosen", "outcome"])
+        outcomes = CounterMetricFamily("vigil_aggregator_job_recovery_outcomes",
+            "Job-recovery plans ended, by the option "
+            "chosen (now, checkpoint, job_end) and outcome (improved, unchanged, "
+            "job_gone, not_restarted, job_left).", labels=["chosen", "outcome"])
         for chosen in OPTIONS:
             for outcome in OUTCOMES:
                 outcomes.add_metric([chosen, outcome], p.outcomes.get((chosen, outcome), 0))
         yield outcomes
-        made = CounterMetricFamily("vigil_job_recovery_restarts", "restart_job decisions the planner emitted, "
-                                   "by the moment it chose (now, checkpoint).", labels=["chosen"])
+        made = CounterMetricFamily("vigil_aggregator_job_recovery_restarts",
+            "restart_job decisions the planner emitted, "
+            "by the moment it chose (now, checkpoint).", labels=["chosen"])
         for chosen in ("now", "checkpoint"):
             made.add_metric([chosen], p.plans_made.get(chosen, 0))
         yield made
         # Over the same plans (those whose step time after the restart was measured), so the two
         # sums compare: their ratio is how far the estimates can be trusted.
-        yield GaugeMetricFamily("vigil_job_recovery_estimated_saved_gpu_seconds",
-                                "Sum over measured restarts of the GPU-seconds they were expected to save against "
-                                "leaving the node in the job to its end (estimate job_end minus the chosen).",
-                                value=p.estimated_saved_gpu_seconds)
-        yield GaugeMetricFamily("vigil_job_recovery_realised_saved_gpu_seconds",
-                                "Sum over the same restarts of the GPU-seconds saved as measured: the job's step "
-                                "time before vs after over the planner's horizon, less the time until it ran "
-                                "again (negative when restarts cost more than they saved).",
-                                value=p.realised_saved_gpu_seconds)
-        yield GaugeMetricFamily("vigil_job_recovery_pending_plans", "Plans waiting for their chosen moment "
+        yield GaugeMetricFamily("vigil_aggregator_job_recovery_estimated_saved_gpu_seconds",
+            "Sum over measured restarts of the GPU-seconds they were expected to save against "
+            "leaving the node in the job to its end (estimate job_end minus the chosen).",
+            value=p.estimated_saved_gpu_seconds)
+        yield GaugeMetricFamily("vigil_aggregator_job_recovery_realised_saved_gpu_seconds",
+            "Sum over the same restarts of the GPU-seconds saved as measured: the job's step "
+            "time before vs after over the planner's horizon, less the time until it ran "
+            "again (negative when restarts cost more than they saved).",
+            value=p.realised_saved_gpu_seconds)
+        yield GaugeMetricFamily("vigil_aggregator_job_recovery_pending_plans", "Plans waiting for their chosen moment "
                                 "(a checkpoint) or the job's end.", value=p.pending)

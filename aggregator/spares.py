@@ -21,7 +21,7 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 
-# Why a read of the pool failed (vigil_spares_read_errors_total).
+# Why a read of the pool failed (vigil_aggregator_spares_read_errors_total).
 READ_ERRORS = ("timeout", "error")
 
 
@@ -125,25 +125,30 @@ class _PoolMetrics(PromCollector):
     def collect(self) -> Iterator[Metric]:
         p = self._pool
         if p.available is not None:
-            yield GaugeMetricFamily("vigil_spares_available", "Spare nodes in the pool at the last read (Slurm: "
-                                    "idle with spares.slurm_feature; Kubernetes: Ready, schedulable, labelled "
-                                    "spares.kubernetes_label).", value=p.available)
-        yield GaugeMetricFamily("vigil_spares_recommended", "The pool size the sizing rule asks for: the smallest S "
-                                "with P(more than S nodes fail within spares.refill_seconds) <= spares.risk.",
-                                value=p.recommended)
-        yield GaugeMetricFamily("vigil_spares_failure_rate_per_node_hour", "The fleet's removal rate the sizing "
-                                "rule uses (observed removals with the configured prior).",
-                                value=p.rate_per_node_hour)
-        yield CounterMetricFamily("vigil_spare_draws", "Spare nodes that left the pool between two reads (a job, "
-                                  "a restart's landing, or out of service).", value=p.draws)
+            yield GaugeMetricFamily("vigil_aggregator_spares_available",
+                "Spare nodes in the pool at the last read (Slurm: "
+                "idle with spares.slurm_feature; Kubernetes: Ready, schedulable, labelled "
+                "spares.kubernetes_label).", value=p.available)
+        yield GaugeMetricFamily("vigil_aggregator_spares_recommended",
+            "The pool size the sizing rule asks for: the smallest S "
+            "with P(more than S nodes fail within spares.refill_seconds) <= spares.risk.",
+            value=p.recommended)
+        yield GaugeMetricFamily("vigil_aggregator_spares_failure_rate_per_node_hour",
+            "The fleet's removal rate the sizing "
+            "rule uses (observed removals with the configured prior).",
+            value=p.rate_per_node_hour)
+        yield CounterMetricFamily("vigil_aggregator_spare_draws",
+            "Spare nodes that left the pool between two reads (a job, "
+            "a restart's landing, or out of service).", value=p.draws)
         added, failed = p.refills()
-        refills = CounterMetricFamily("vigil_spares_refills", "Nodes resumed after verification while the pool "
-                                      "was short, by outcome (added: given the pool's feature; failed: the "
-                                      "update was refused, the resume stands).", labels=["outcome"])
+        refills = CounterMetricFamily("vigil_aggregator_spares_refills",
+            "Nodes resumed after verification while the pool "
+            "was short, by outcome (added: given the pool's feature; failed: the "
+            "update was refused, the resume stands).", labels=["outcome"])
         refills.add_metric(["added"], added)
         refills.add_metric(["failed"], failed)
         yield refills
-        errors = CounterMetricFamily("vigil_spares_read_errors", "Reads of the pool that failed, by reason "
+        errors = CounterMetricFamily("vigil_aggregator_spares_read_errors", "Reads of the pool that failed, by reason "
                                      "(timeout: past spares.timeout_seconds; error: the scheduler refused or "
                                      "answered what could not be read).", labels=["reason"])
         for reason in READ_ERRORS:

@@ -138,8 +138,8 @@ def test_the_outcome_is_measured_against_the_estimate_and_exported() -> None:
     registry = CollectorRegistry()
     registry.register(planner.collector())
     text = generate_latest(registry).decode()
-    assert 'vigil_job_recovery_outcomes_total{chosen="checkpoint",outcome="improved"} 1.0' in text
-    assert 'vigil_job_recovery_restarts_total{chosen="checkpoint"} 1.0' in text
+    assert 'vigil_aggregator_job_recovery_outcomes_total{chosen="checkpoint",outcome="improved"} 1.0' in text
+    assert 'vigil_aggregator_job_recovery_restarts_total{chosen="checkpoint"} 1.0' in text
     assert planner.estimated_saved_gpu_seconds > 0 and planner.realised_saved_gpu_seconds > 0
 
 

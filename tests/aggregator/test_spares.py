@@ -55,8 +55,9 @@ def test_draws_are_spares_gone_between_reads_and_a_short_pool_wants_a_verified_n
     registry = CollectorRegistry()
     registry.register(pool.collector())
     text = generate_latest(registry).decode()
-    for line in ("vigil_spares_available 2.0", "vigil_spares_recommended 9.0", "vigil_spare_draws_total 1.0",
-                 'vigil_spares_read_errors_total{reason="timeout"} 1.0'):
+    for line in ("vigil_aggregator_spares_available 2.0", "vigil_aggregator_spares_recommended 9.0",
+                 "vigil_aggregator_spare_draws_total 1.0",
+                 'vigil_aggregator_spares_read_errors_total{reason="timeout"} 1.0'):
         assert line in text
 
 
@@ -90,4 +91,4 @@ def test_the_app_reads_the_pool_through_the_slurm_actuator_and_feeds_the_planner
     assert engine.spares_available() == 1
     # No node reports yet: nothing to cover, so a verified node is not wanted as a spare.
     assert slurm.spare_feature == "vigil_spare" and not slurm.spare_wanted()
-    assert b"vigil_spares_available 1.0" in metrics.render()
+    assert b"vigil_aggregator_spares_available 1.0" in metrics.render()
