@@ -35,6 +35,9 @@ SPARE = "vnode4"
 SPARE_FEATURE = "vigil_spare"  # aggregator/spares.py's default Slurm feature
 # Slurm allocates the lowest-weight nodes first (slurm.conf(5) Weight): the spare is taken last.
 NODE_CONF = {SPARE: f"Features={SPARE_FEATURE} Weight=100"}
+# A requeued job may start again this long after its requeue (AuthInfo cred_expire, 120 s by
+# default): short, so a test sees the restart.
+REQUEUE_DELAY_SECONDS = 10
 START_SECONDS = 30.0  # any process coming up, a job starting, a first report arriving
 PYTHONPATH = f"{REPO}:{REPO / 'clients' / 'heartbeat'}"
 
@@ -42,7 +45,8 @@ PYTHONPATH = f"{REPO}:{REPO / 'clients' / 'heartbeat'}"
 @pytest.fixture(scope="module")
 def spare_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """vnode1-3 and the spare vnode4, all idle."""
-    cluster = start_cluster(tmp_path_factory.mktemp("slurm"), NODES, node_conf=NODE_CONF)
+    cluster = start_cluster(tmp_path_factory.mktemp("slurm"), NODES, node_conf=NODE_CONF,
+                            cred_expire_seconds=REQUEUE_DELAY_SECONDS)
     try:
         yield cluster
     finally:
@@ -101,6 +105,19 @@ class TrainingCluster:
                 return found
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout_seconds}s waiting for {what}\n{self.explain()}")
+            time.sleep(0.25)
+
+    def wait_job(self, job: str, what: str, check: Callable[[dict[str, str]], bool], timeout_seconds: float
+                 ) -> dict[str, str]:
+        """Poll ``scontrol show job`` until ``check`` holds for its fields; them, or the logs on a timeout."""
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            fields = self.slurm.job(job)
+            if check(fields):
+                return fields
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_seconds}s waiting for job {job} {what}: "
+                                     f"{fields}\n{self.explain()}")
             time.sleep(0.25)
 
     def explain(self) -> str:

@@ -35,6 +35,7 @@ import pytest
 from tests.e2e.conftest import Processes, http_json, which
 from tests.e2e.slurm_training import (
     SPARE,
+    REQUEUE_DELAY_SECONDS,
     SPARE_FEATURE,
     TrainingCluster,
     assert_held,
@@ -128,9 +129,8 @@ def test_a_stragglers_job_is_requeued_at_its_next_checkpoint_onto_the_spare(stra
     assert evidence["spares_available"] == 1, evidence  # vnode4, idle with the feature
 
     # Slurm: held, vnode2 excluded, released; started again on vnode1, vnode3 and the spare.
-    slurm.wait_for(f"job {job} running again", lambda: slurm.job(job).get("Restarts") == "1"
-                   and slurm.job(job).get("JobState") == "RUNNING", 60)
-    after = slurm.job(job)
+    after = cluster.wait_job(job, "running again", lambda j: (j["Restarts"], j["JobState"]) == ("1", "RUNNING"),
+                             REQUEUE_DELAY_SECONDS + 30)
     assert after["NumNodes"] == "3" and SLOW_NODE in after["ExcNodeList"], after
     assert job_nodes(slurm, job) == ["vnode1", "vnode3", SPARE], after
     restarted = [e for e in events(cluster.work, "start") if e["slurm_restarts"] == 1]
@@ -209,8 +209,7 @@ def test_a_job_crash_looping_without_progress_is_held_and_paged(
         assert evidence["restarts"] >= MAX_RESTARTS and evidence["best_step"] == CRASH_AT_STEP, evidence
 
         # Slurm: requeued and held (a person releases it), never running again by itself.
-        slurm.wait_for(f"job {job} held", lambda: slurm.job(job).get("JobState") == "PENDING", 30)
-        assert_held(slurm.job(job))
+        assert_held(cluster.wait_job(job, "held", lambda j: j["JobState"] == "PENDING", 30))
         runs = {e["restart"] for e in events(cluster.work, "start")}
         # The page: the hold_job alert at the real Alertmanager, severity critical, naming the job.
         pages: list[dict[str, Any]] = []

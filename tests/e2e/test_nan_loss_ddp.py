@@ -57,8 +57,7 @@ def test_nan_loss_across_a_restart_holds_the_job_and_removes_no_node(ddp_run: Tr
     holds = cluster.wait_decided("the hold of the NaN job", lambda ds: [d for d in ds if d["action"] == "hold_job"],
                                  150)
     assert [(d["detector"], d["node"], d["job"]) for d in holds] == [("app_signals", None, job)], cluster.explain()
-    slurm.wait_for(f"job {job} held", lambda: slurm.job(job).get("JobState") == "PENDING", 30)
-    assert_held(slurm.job(job))
+    assert_held(cluster.wait_job(job, "held", lambda j: j["JobState"] == "PENDING", 30))
 
     # The loop stopped after the NaN came back in the restarted run: two runs (a third at most,
     # if it was starting as the hold landed), each NaN first at the bad batch's step.
