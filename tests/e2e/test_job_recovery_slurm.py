@@ -34,8 +34,8 @@ import pytest
 
 from tests.e2e.conftest import Processes, http_json, which
 from tests.e2e.slurm_training import (
-    SPARE,
     REQUEUE_DELAY_SECONDS,
+    SPARE,
     SPARE_FEATURE,
     TrainingCluster,
     assert_held,
