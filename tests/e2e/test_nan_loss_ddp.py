@@ -57,6 +57,12 @@ def test_nan_loss_across_a_restart_holds_the_job_and_removes_no_node(ddp_run: Tr
     holds = cluster.wait_decided("the hold of the NaN job", lambda ds: [d for d in ds if d["action"] == "hold_job"],
                                  150)
     assert [(d["detector"], d["node"], d["job"]) for d in holds] == [("app_signals", None, job)], cluster.explain()
+    evidence = holds[0]["evidence"]
+    assert evidence["signal"] == "nonfinite_loss" and evidence["restarts"] >= 1, evidence
+    assert sorted(evidence["job_nodes"]) == ["vnode1", "vnode2"], evidence
+    # The first NaN was an alert naming the job (no node), before the hold.
+    alerts = [d for _, d in cluster.seen.values() if d["action"] == "alert" and d["detector"] == "app_signals"]
+    assert [(d["node"], d["job"]) for d in alerts] == [(None, job)] and alerts[0]["ts"] < holds[0]["ts"], alerts
     assert_held(cluster.wait_job(job, "held", lambda j: j["JobState"] == "PENDING", 30))
 
     # The loop stopped after the NaN came back in the restarted run: two runs (a third at most,
@@ -74,3 +80,6 @@ def test_nan_loss_across_a_restart_holds_the_job_and_removes_no_node(ddp_run: Tr
     assert [d for d in decided if d["action"] in acting_on_nodes] == [], cluster.explain()
     node_states = states(slurm)
     assert set(node_states.values()) <= {"idle", "allocated", "mixed"}, node_states
+    second_nan = min(e["ts"] for e in events(cluster.work, "nan") if e["ts"] > starts[1]["ts"])
+    print(f"\nNaN loss: held after {len(starts)} runs, {holds[0]['ts'] - second_nan:.1f} s after the restarted "
+          f"run's first NaN step; evidence {evidence}")
