@@ -79,7 +79,7 @@ def main() -> int:
             if nan_steps >= NAN_STEPS_TO_CRASH:
                 log_event(work, event="crash", node=node, rank=rank, step=step)
                 raise FloatingPointError(f"rank {rank}: loss is {value} at step {step}")
-        if step % CHECKPOINT_EVERY_STEPS == 0:
+        if step % CHECKPOINT_EVERY_STEPS == 0 and nan_steps == 0:  # never save a diverged model
             with hb.checkpointing():
                 if rank == 0:
                     torch.save({"model": model.module.state_dict(), "step": step}, saved)
