@@ -1,10 +1,12 @@
 """Training collector: per-rank progress from heartbeats (fed to ``ingest`` with their sender) and tailed logs.
 
 Emits last step, step and phase times, last progress time and window quantiles per job and rank;
-contributes per-rank window summaries (``RankSummary``) to the Report; and raises urgent ``hang``
-and ``rank_exit`` events, once per episode. Jobs are keyed by the sender's scheduler identity
-(agent.attribution ``Sender``), never by the name a heartbeat claims; a (job, rank) belongs to the
-first verified process that sends it while that process lives. It owns no socket and reads no
+contributes per-rank window summaries (``RankSummary``: progress, restarts, loss and gradient norm,
+the latest announced checkpoint) to the Report; raises urgent ``hang`` and ``rank_exit`` events,
+once per episode; and forwards the application error lines of followed logs (agent.app_log). Jobs
+are keyed by the sender's scheduler identity (agent.attribution ``Sender``), never by the name a
+heartbeat claims; a (job, rank) belongs to the first verified process that sends it while that
+process lives. It owns no socket and reads no
 /proc (the agent's server identifies the sender) and judges no slowness: comparing ranks and nodes
 is the aggregator's work.
 """
@@ -25,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import psutil
 from pydantic import Field, field_validator, model_validator
 
+from vigil.agent.app_log import KINDS as APP_SIGNAL_KINDS
+from vigil.agent.app_log import AppLogSignals
 from vigil.agent.attribution import Sender, Trust, uid_key
 from vigil.agent.collectors.collector import Collection, CollectorConfig, StrictModel
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
@@ -186,9 +190,28 @@ LOG_ERRORS = MetricSpec("vigil_training_log_errors_total", MetricKind.COUNTER,
                         "Problems following a log file, by reason.", labels=("path", "reason"))
 LOG_ROTATIONS = MetricSpec("vigil_training_log_rotations_total", MetricKind.COUNTER,
                            "Times a followed log file was rotated or truncated.", labels=("path",))
+LOG_SIGNALS = MetricSpec("vigil_training_log_signals_total", MetricKind.COUNTER,
+                         "Application error lines matched in a followed log file, by kind (nccl_timeout, "
+                         "cuda_error, nccl_warn); forwarded as report events, repeats collapsed.",
+                         labels=("path", "kind"))
+LOSS = MetricSpec("vigil_training_loss", MetricKind.GAUGE,
+                  "The rank's latest finite loss, as its heartbeats report it.", labels=_JR)
+GRAD_NORM = MetricSpec("vigil_training_grad_norm", MetricKind.GAUGE,
+                       "The rank's latest finite global gradient norm, as its heartbeats report it.", labels=_JR)
+NONFINITE = MetricSpec("vigil_training_nonfinite_steps_total", MetricKind.COUNTER,
+                       "Heartbeats of the rank whose loss or gradient norm was NaN or infinite.", labels=_JR)
+CHECKPOINT_STEP = MetricSpec("vigil_training_checkpoint_step", MetricKind.GAUGE,
+                             "The step the rank's latest completed announced checkpoint saved.", labels=_JR)
+CHECKPOINT_TS = MetricSpec("vigil_training_checkpoint_timestamp_seconds", MetricKind.GAUGE,
+                           "Unix time at which the rank's latest announced checkpoint ended.", labels=_JR,
+                           unit="seconds")
+CHECKPOINT_SECONDS = MetricSpec("vigil_training_checkpoint_duration_seconds", MetricKind.GAUGE,
+                                "How long the rank's latest announced checkpoint took.", labels=_JR,
+                                unit="seconds")
 
 SPECS = (LAST_STEP, STEP_SECONDS, PHASE_SECONDS, WINDOW_STEP_SECONDS, LAST_PROGRESS, RANK_STATE, HEARTBEATS,
-         REJECTED, JOB_INFO, RANKS, EVICTED, LOG_LINES, LOG_ERRORS, LOG_ROTATIONS)
+         REJECTED, JOB_INFO, RANKS, EVICTED, LOG_LINES, LOG_ERRORS, LOG_ROTATIONS, LOG_SIGNALS, LOSS, GRAD_NORM,
+         NONFINITE, CHECKPOINT_STEP, CHECKPOINT_TS, CHECKPOINT_SECONDS)
 
 _HEARTBEAT_FIELDS = frozenset(Heartbeat.__struct_fields__)
 # Missing three of its usual progress intervals in a row is not jitter.
@@ -197,6 +220,18 @@ HANG_GAP_FACTOR = 3.0
 
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")  # json accepts NaN/Infinity unless told not to
+
+
+def _signals(state: _Rank, record: _Record) -> None:
+    """Take in a heartbeat's loss and gradient norm (at least one is present)."""
+    state.signals = True
+    loss, norm = record.loss, record.grad_norm
+    if isinstance(loss, str) or isinstance(norm, str):
+        state.nonfinite += 1
+    if isinstance(loss, float):
+        state.last_loss = loss
+    if isinstance(norm, float):
+        state.last_grad_norm = norm
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -220,6 +255,18 @@ class _Record:
     # "checkpointing" / "evaluating" as the client says (its own, longer limits at the
     # aggregator); None: training.
     phase: str | None = None
+    # The step's loss and gradient norm: a float, or "nan"/"inf"/"-inf" (wire NonFinite).
+    loss: float | str | None = None
+    grad_norm: float | str | None = None
+
+
+@dataclass(slots=True)
+class _Checkpoint:
+    """A completed announced checkpoint: the step it saved, when it ended (agent clock), how long."""
+
+    step: int
+    ts: float
+    seconds: float
 
 
 @dataclass(slots=True)
@@ -243,6 +290,17 @@ class _Rank:
     state: Literal["running", "hung", "exited"] = "running"
     hang_reported: bool = False
     exit_reported: bool = False
+    # The checkpoint in progress (when its announcement arrived, the step it repeats) and the
+    # latest one that ended: a heartbeat whose phase is not "checkpointing" ends it.
+    saving_since: float | None = None
+    saving_step: int = 0
+    checkpoint: _Checkpoint | None = None
+    # Application signals: the latest finite loss and gradient norm, and every heartbeat whose
+    # loss or gradient norm was NaN or infinite (a counter); signals: the rank sent either once.
+    last_loss: float | None = None
+    last_grad_norm: float | None = None
+    nonfinite: int = 0
+    signals: bool = False
 
 
 @dataclass(slots=True)
@@ -250,6 +308,7 @@ class _Tail:
     config: LogFileConfig
     follower: LogFollower
     parser: StepParser
+    signals: AppLogSignals
     steps: int = 0
     errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOG_ERROR_REASONS, 0))
 
@@ -297,7 +356,8 @@ class TrainingCollector:
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
         self._evicted = 0
         self._tails = [
-            _Tail(lf, LogFollower(lf.path), make_parser(lf.format, lf.regex)) for lf in config.log_files
+            _Tail(lf, LogFollower(lf.path), make_parser(lf.format, lf.regex), AppLogSignals(lf.job_name))
+            for lf in config.log_files
         ]
 
     @property
@@ -350,7 +410,7 @@ class TrainingCollector:
         # is what the process believes (its own namespace's) and is used only when unverified.
         pid = sender.pid if sender.pid is not None else hb.pid
         record = _Record(now, hb.step, hb.step_seconds, hb.compute_seconds, hb.comm_seconds, hb.data_seconds,
-                         None if hb.phase in (None, "training") else hb.phase)
+                         None if hb.phase in (None, "training") else hb.phase, hb.loss, hb.grad_norm)
         with self._lock:
             return self._observe(key, hb.rank, hb.gpu, pid, record, heartbeat=True, trust=sender.trust,
                                  owner=sender.pid, name=name)
@@ -367,6 +427,7 @@ class TrainingCollector:
                           last_progress_ts=record.ts, last_seen_ts=record.ts,
                           history=deque(maxlen=self._config.max_steps_per_rank))
             self._ranks[key] = state
+            self._checkpoint(state, record)
         else:
             if owner is not None and owner != state.owner_pid:
                 # The rank is its first verified process's while that process lives; after it
@@ -382,18 +443,36 @@ class TrainingCollector:
                 state.hang_reported = False
             if pid is not None and pid != state.pid:
                 state.exit_reported = False  # a new process for this rank: a new episode
+                state.saving_since = None  # a save its process did not live to end is no checkpoint
+            elif record.step < state.last.step:
+                state.saving_since = None  # nor one the job restarted from an older checkpoint during
+            self._checkpoint(state, record)
             state.pid = pid if pid is not None else state.pid
             state.gpu = gpu if gpu is not None else state.gpu
             state.last = record
             state.last_seen_ts = record.ts
         if name:
             self._names[job] = name  # one per tracked job: dropped with its last rank
+        if record.loss is not None or record.grad_norm is not None:
+            _signals(state, record)
         if heartbeat:
             state.received += 1
         if len(state.history) == state.history.maxlen:
             state.baseline_step = state.history[0].step
         state.history.append(record)
         return None
+
+    @staticmethod
+    def _checkpoint(state: _Rank, record: _Record) -> None:
+        """Follow the rank's announced checkpoints: one starts at a "checkpointing" heartbeat
+        (repeating the last step, the one saved) and ends at the next heartbeat in any other phase
+        (the client's return to training, or its next step if that announcement was lost)."""
+        if record.phase == "checkpointing":
+            if state.saving_since is None:
+                state.saving_since, state.saving_step = record.ts, record.step
+        elif state.saving_since is not None:
+            state.checkpoint = _Checkpoint(state.saving_step, record.ts, max(0.0, record.ts - state.saving_since))
+            state.saving_since = None
 
     def _admit(self, job: str, trust: Trust) -> str | None:
         """None if a new rank of ``job`` fits the node's caps, else the reason it does not. Caps
@@ -430,7 +509,7 @@ class TrainingCollector:
 
     def collect(self, now: float) -> Collection:
         self._read_logs(now)
-        events: list[Event] = []
+        events: list[Event] = [ev for tail in self._tails for ev in tail.signals.drain(now)]
         with self._lock:
             self._evict(now)
             ranks = list(self._ranks.values())
@@ -453,6 +532,7 @@ class TrainingCollector:
                 log.warning("training log %s: %s", tail.config.path, exc)
                 continue
             for line in lines:
+                tail.signals.feed(line, now)  # an error line is never a progress line: both look
                 try:
                     parsed = tail.parser.feed(line)
                 except LineError as exc:
@@ -536,8 +616,13 @@ class TrainingCollector:
         _, end = self._window(now)
         steps = 0
         prev = r.baseline_step
+        first_step: int | None = None
         columns: tuple[list[float], list[float], list[float], list[float]] = ([], [], [], [])
         step_v, compute_v, comm_v, data_v = columns
+        losses: list[float] = []
+        norms: list[float] = []
+        nonfinite = 0
+        nonfinite_first: int | None = None
         for rec in r.history:
             if rec.ts >= end:
                 break
@@ -546,6 +631,18 @@ class TrainingCollector:
             elif rec.step > prev:
                 steps += rec.step - prev
             prev = rec.step
+            if first_step is None or rec.step < first_step:
+                first_step = rec.step  # below an earlier window's last step: the job restarted
+            if rec.loss is not None or rec.grad_norm is not None:
+                loss, norm = rec.loss, rec.grad_norm
+                if isinstance(loss, str) or isinstance(norm, str):
+                    nonfinite += 1
+                    if nonfinite_first is None:
+                        nonfinite_first = rec.step
+                if isinstance(loss, float):
+                    losses.append(loss)
+                if isinstance(norm, float):
+                    norms.append(norm)
             if rec.step_seconds is not None and rec.phase is None:  # a phase announcement is no step
                 step_v.append(rec.step_seconds)
             if rec.compute_seconds is not None:
@@ -559,9 +656,19 @@ class TrainingCollector:
             values.sort()
             quantiles[f"{name}_seconds_p50"] = percentile(values, 0.5) if values else None
             quantiles[f"{name}_seconds_p90"] = percentile(values, 0.9) if values else None
+        if losses or norms or nonfinite:
+            loss_last = losses[-1] if losses else None
+            losses.sort()
+            quantiles.update(loss_p50=percentile(losses, 0.5) if losses else None, loss_last=loss_last,
+                             grad_norm_p50=percentile(sorted(norms), 0.5) if norms else None,
+                             grad_norm_max=max(norms) if norms else None, nonfinite_steps=nonfinite,
+                             nonfinite_first_step=nonfinite_first)
+        ckpt = r.checkpoint
+        if ckpt is not None:
+            quantiles.update(checkpoint_step=ckpt.step, checkpoint_ts=ckpt.ts, checkpoint_seconds=ckpt.seconds)
         return RankSummary(job=r.job, rank=r.rank, gpu=r.gpu, pid=r.pid, state=r.state,
                            window_seconds=self._config.window_seconds, window_end_ts=end, steps=steps,
-                           last_step=r.last.step,
+                           last_step=r.last.step, first_step=first_step,
                            last_progress_ts=r.last_progress_ts, phase=cast(JobPhase | None, r.last.phase), **quantiles)
 
     def _samples(self, ranks: list[_Rank], summaries: list[RankSummary]) -> list[Sample]:
@@ -587,6 +694,17 @@ class TrainingCollector:
                 append(Sample(RANK_STATE.name, 1.0 if r.state == state else 0.0, (*jr, ("state", state))))
             if r.received:
                 append(Sample(HEARTBEATS.name, float(r.received), jr))
+            if r.signals:
+                if r.last_loss is not None:
+                    append(Sample(LOSS.name, r.last_loss, jr))
+                if r.last_grad_norm is not None:
+                    append(Sample(GRAD_NORM.name, r.last_grad_norm, jr))
+                append(Sample(NONFINITE.name, float(r.nonfinite), jr))
+            ckpt = r.checkpoint
+            if ckpt is not None:
+                append(Sample(CHECKPOINT_STEP.name, float(ckpt.step), jr))
+                append(Sample(CHECKPOINT_TS.name, ckpt.ts, jr))
+                append(Sample(CHECKPOINT_SECONDS.name, ckpt.seconds, jr))
         out.extend(Sample.of(REJECTED, n, reason=reason) for reason, n in self._rejected.items())
         trusts = {r.job: r.trust for r in ranks}
         out.extend(Sample.of(JOB_INFO, 1.0, job=job, trust=trust, name=self._names.get(job, ""))
@@ -598,6 +716,8 @@ class TrainingCollector:
             out.append(Sample.of(LOG_LINES, tail.steps, path=path))
             out.append(Sample.of(LOG_ROTATIONS, tail.follower.rotations + tail.follower.truncations, path=path))
             out.extend(Sample.of(LOG_ERRORS, n, path=path, reason=reason) for reason, n in tail.errors.items())
+            out.extend(Sample.of(LOG_SIGNALS, tail.signals.matched[kind], path=path, kind=kind)
+                       for kind in APP_SIGNAL_KINDS)
         return out
 
     def close(self) -> None:

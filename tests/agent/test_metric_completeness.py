@@ -129,9 +129,14 @@ def emitted_and_declared(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[
         ]
         for step in range(5):
             hb = {"job": "llm", "rank": 1, "step": step, "step_seconds": 1.0, "compute_seconds": 0.7,
-                  "comm_seconds": 0.25, "data_seconds": 0.05, "gpu": 1, "pid": 999_999}
+                  "comm_seconds": 0.25, "data_seconds": 0.05, "gpu": 1, "pid": 999_999,
+                  "loss": 2.5 - step * 0.1, "grad_norm": "nan" if step == 3 else 0.8}
             feed.append((1.0 + step * 0.1,
                          lambda t=training, h=hb: t.ingest(json.dumps(h).encode(), START + 1, IN_PROCESS)))
+        # An announced checkpoint of step 4, and the return to training that ends it.
+        for at, phase in ((1.6, "checkpointing"), (1.8, "training")):
+            hb = {"job": "llm", "rank": 1, "step": 4, "step_seconds": 0, "gpu": 1, "pid": 999_999, "phase": phase}
+            feed.append((at, lambda t=training, h=hb, a=at: t.ingest(json.dumps(h).encode(), START + a, IN_PROCESS)))
         try:
             # 5: the training window [START, START + 5) holding the heartbeats is complete
             emitted |= _names_emitted(agent, clock, [0, 1, 2, 4, 5, 15, 45, 70, 100, 400, 1300], feed)

@@ -80,9 +80,10 @@ class RecordingHeartbeat(Heartbeat):
 
     def step(self, step: int, step_seconds: float | None = None, compute_seconds: float | None = None,
              comm_seconds: float | None = None, data_seconds: float | None = None, *,
-             timing: str | None = None) -> None:
-        self.beats.append({"step": step, "compute": compute_seconds, "comm": comm_seconds, "data": data_seconds,
-                           "timing": timing})
+             timing: str | None = None, loss: object = None, grad_norm: object = None) -> None:
+        beat = {"step": step, "compute": compute_seconds, "comm": comm_seconds, "data": data_seconds, "timing": timing}
+        beat.update({k: v for k, v in (("loss", loss), ("grad_norm", grad_norm)) if v is not None})
+        self.beats.append(beat)
 
 
 class ManualClock:

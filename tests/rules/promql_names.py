@@ -49,6 +49,7 @@ def aggregator_names() -> set[str]:
         from vigil.aggregator.metrics import AggregatorMetrics
         from vigil.aggregator.outbox import Outbox
         from vigil.aggregator.prober import Prober, ProbesConfig
+        from vigil.aggregator.spares import SparePool, SparesConfig
         from vigil.aggregator.tokenreview import review_families
     except ImportError:  # not landed yet: no aggregator metric can be used
         return set()
@@ -56,8 +57,12 @@ def aggregator_names() -> set[str]:
     # The TokenReview client's series are registered beside them when auth.kubernetes is on; the
     # node-action outbox's and the prober's always (aggregator/app.py).
     outbox = Outbox(None)
+    # The spare pool's and the job-recovery planner's when enabled; the pool's count once read.
+    pool = SparePool(SparesConfig(enabled=True))
+    pool.observe([])
     for family in [*AggregatorMetrics(lambda: {}).registry.collect(), *review_families({}, 0, 0),
-                   *outbox.collector().collect(), *Prober(ProbesConfig(), outbox, Fleet()).collector().collect()]:
+                   *outbox.collector().collect(), *Prober(ProbesConfig(), outbox, Fleet()).collector().collect(),
+                   *pool.collector().collect()]:
         # A labelled metric with no children yet has no samples, so names come from the type.
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
                     "summary": ("_sum", "_count", "")}.get(family.type, ("",))

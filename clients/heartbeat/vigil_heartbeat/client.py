@@ -2,7 +2,8 @@
 
 Reads its job, rank and local GPU from torchrun's or Slurm's environment when not given, and
 sends compact JSON matching the agent's ``Heartbeat`` wire model (plus pid and ts), including the
-job's phase ("checkpointing", "evaluating") so a long save is not taken for a hang, to the agent's
+job's phase ("checkpointing", "evaluating") so a long save is not taken for a hang, and where the
+loop gives them the step's loss and gradient norm (NaN and infinity spelled as strings), to the agent's
 Unix socket ``/run/vigil/heartbeat.sock`` when ``/run/vigil`` exists (the agent learns from the
 kernel which process, and so which Slurm job or pod, sent each datagram), else to UDP
 127.0.0.1:9401, or where ``VIGIL_HEARTBEAT_ADDR`` says. The job name it sends is only a label:
@@ -43,6 +44,34 @@ _PHASE_ALIASES = {
 PHASES = ("training", "checkpointing", "evaluating")
 # How the phase times were measured: on the GPU's own timeline, or on the host around the calls.
 TIMINGS = ("cuda_events", "cpu")
+# The agent's bound on a training value (agent/wire.py ``Num``: |x| <= 1e18, which refuses NaN and
+# infinity as numbers); a finite value beyond it is sent as the bound, so the datagram stays valid.
+VALUE_BOUND = 1e18
+_INF = float("inf")
+
+
+def _value(value: object, signed: bool) -> bytes | None:
+    """A loss or gradient norm as the wire spells it: a number, or "nan"/"inf"/"-inf" (JSON has no
+    NaN). A tensor (anything with ``.item()``) is read with one ``.item()``; None when the value is
+    not a number, or negative where a norm is meant (the agent would refuse the whole heartbeat)."""
+    if type(value) is not float:
+        item = getattr(value, "item", None)
+        number = float(item() if item is not None else value)  # type: ignore[arg-type]
+    else:
+        number = value
+    if number != number:
+        return b'"nan"'
+    if -VALUE_BOUND <= number <= VALUE_BOUND:
+        if number < 0 and not signed:
+            return None
+        return b"%.9g" % number
+    if number == _INF:
+        return b'"inf"'
+    if number == -_INF:
+        return b'"-inf"'  # non-finite is the signal, for a norm too
+    if number > 0:
+        return b"%.9g" % VALUE_BOUND
+    return b"%.9g" % -VALUE_BOUND if signed else None
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -142,11 +171,12 @@ class Heartbeat:
     phases and the wall time since the previous ``step`` call.
 
     ``sent`` and ``dropped`` count datagrams handed to the kernel and datagrams lost (socket
-    errors, unencodable values); nothing is ever raised to the caller.
+    errors, unencodable values), ``unreadable`` the loss and gradient-norm values left out of a
+    heartbeat that was still sent; nothing is ever raised to the caller.
     """
 
     __slots__ = ("_addr", "_clock", "_last_step", "_last_step_at", "_phase", "_phase_seconds", "_prefix", "_sock",
-                 "_suffix", "_timers", "_unix_path", "dropped", "gpu", "job", "rank", "sent")
+                 "_suffix", "_timers", "_unix_path", "dropped", "gpu", "job", "rank", "sent", "unreadable")
 
     def __init__(self, job: str | None = None, rank: int | None = None, gpu: int | None = None,
                  addr: tuple[str, int] | str | None = None, *, env: Mapping[str, str] | None = None,
@@ -161,6 +191,7 @@ class Heartbeat:
         self._addr = addr if addr is not None else resolve_addr(env, unix_path)
         self.sent = 0
         self.dropped = 0
+        self.unreadable = 0  # loss/grad_norm values left out (not a number, a negative norm)
         self._phase_seconds = [0.0, 0.0, 0.0]  # compute, comm, data
         self._timers = {name: _PhaseTimer(self, ("compute", "comm", "data").index(canon))
                         for name, canon in _PHASE_ALIASES.items()}
@@ -238,9 +269,13 @@ class Heartbeat:
 
     def step(self, step: int, step_seconds: float | None = None, compute_seconds: float | None = None,
              comm_seconds: float | None = None, data_seconds: float | None = None, *,
-             timing: str | None = None) -> None:
+             timing: str | None = None, loss: object = None, grad_norm: object = None) -> None:
         """Send one heartbeat; phase arguments override the timed phases. ``timing`` says how the
-        phase times were measured ("cuda_events" or "cpu"). Never raises or blocks."""
+        phase times were measured ("cuda_events" or "cpu"). ``loss`` and ``grad_norm`` (optional)
+        are the step's loss and global gradient norm: a float, or a tensor read with one
+        ``.item()`` (on a CUDA tensor that waits for the GPU to finish the work queued before it:
+        pass the float a loop already logs to avoid a second wait); NaN and infinity are sent as
+        "nan"/"inf"/"-inf", the signal itself. Never raises or blocks."""
         now = self._clock()
         phases = self._phase_seconds
         try:
@@ -263,6 +298,10 @@ class Heartbeat:
                 msg += b',"data_seconds":%.6f' % data_seconds
             if timing is not None and timing in TIMINGS:
                 msg += b',"timing":"%s"' % timing.encode()
+            if loss is not None:
+                msg += self._signal(b',"loss":', loss, True)
+            if grad_norm is not None:
+                msg += self._signal(b',"grad_norm":', grad_norm, False)
             msg += b'%s,"ts":%.6f}' % (self._suffix, time.time())
             self._last_step = step
             self._send(msg)
@@ -271,6 +310,18 @@ class Heartbeat:
         finally:
             phases[0] = phases[1] = phases[2] = 0.0
             self._last_step_at = now
+
+    def _signal(self, key: bytes, value: object, signed: bool) -> bytes:
+        # A value that cannot be read (a tensor on a dead device, a string) costs the field, never
+        # the heartbeat: its step still counts as progress.
+        try:
+            text = _value(value, signed)
+        except Exception:  # noqa: BLE001 - the promise is that training never sees our errors
+            text = None
+        if text is None:
+            self.unreadable += 1
+            return b""
+        return key + text
 
     def close(self) -> None:
         if self._sock is not None:

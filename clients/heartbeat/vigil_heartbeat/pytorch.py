@@ -203,9 +203,11 @@ class StepTimer:
 
     # --- the step -----------------------------------------------------------------------------
 
-    def step(self, step: int) -> None:
+    def step(self, step: int, *, loss: Any = None, grad_norm: Any = None) -> None:
         """End of step ``step``: queue its marks, resolve every completed earlier step without
-        waiting, and send the heartbeat with the latest resolved compute and comm times."""
+        waiting, and send the heartbeat with the latest resolved compute and comm times, and the
+        step's ``loss`` and ``grad_norm`` when given (``Heartbeat.step``: a float costs nothing,
+        a CUDA tensor one ``.item()``, which waits for the GPU)."""
         self._depth, self._watched = 0, None  # a forward that raised never ran its post-hook
         if self._watching and self._step_mark is not None:
             with contextlib.suppress(Exception):
@@ -229,7 +231,7 @@ class StepTimer:
         if self.last_resolved is not None:
             _, compute, comm = self.last_resolved
         self._hb.step(step, compute_seconds=compute, comm_seconds=comm, data_seconds=data or None,
-                      timing=self.timing)
+                      timing=self.timing, loss=loss, grad_norm=grad_norm)
 
     def _resolve(self) -> None:
         while self._pending:
