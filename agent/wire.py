@@ -135,7 +135,8 @@ class Event(_Wire, kw_only=True):
     """Something that happened, as opposed to a state: an Xid, a link going down, a hang.
 
     ``kind`` is one of: xid, sxid, gpu_lost, mlx5_error, link_down, link_up, link_flap,
-    counter_reset, hang, rank_exit, nvml_unavailable. Subject fields that do not apply are None.
+    counter_reset, hang, rank_exit, nvml_unavailable, and from training logs nccl_timeout, cuda_error,
+    nccl_warn (agent/app_log.py). Subject fields that do not apply are None.
     ``count`` > 1 means identical events were collapsed (a flood is counted, not forwarded line
     by line); ``ts`` is then the first occurrence and ``last_ts`` the latest.
     """
@@ -314,6 +315,9 @@ class RankSummary(_Wire, kw_only=True):
     grad_norm_max: NonNeg | None = None
     nonfinite_steps: Count = 0
     nonfinite_first_step: Count | None = None
+    # Of those, the steps whose loss itself was NaN or infinite (a gradient norm alone overflows
+    # routinely under AMP's loss scaling; a non-finite loss is the training diverging).
+    nonfinite_loss_steps: Count = 0
     # The rank's latest completed announced checkpoint (``hb.checkpointing()`` ended): the step it
     # saved, when it ended (agent clock) and how long the save took.
     checkpoint_step: Count | None = None

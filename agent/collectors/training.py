@@ -621,7 +621,7 @@ class TrainingCollector:
         step_v, compute_v, comm_v, data_v = columns
         losses: list[float] = []
         norms: list[float] = []
-        nonfinite = 0
+        nonfinite = nonfinite_loss = 0
         nonfinite_first: int | None = None
         for rec in r.history:
             if rec.ts >= end:
@@ -637,6 +637,7 @@ class TrainingCollector:
                 loss, norm = rec.loss, rec.grad_norm
                 if isinstance(loss, str) or isinstance(norm, str):
                     nonfinite += 1
+                    nonfinite_loss += isinstance(loss, str)
                     if nonfinite_first is None:
                         nonfinite_first = rec.step
                 if isinstance(loss, float):
@@ -662,7 +663,7 @@ class TrainingCollector:
             quantiles.update(loss_p50=percentile(losses, 0.5) if losses else None, loss_last=loss_last,
                              grad_norm_p50=percentile(sorted(norms), 0.5) if norms else None,
                              grad_norm_max=max(norms) if norms else None, nonfinite_steps=nonfinite,
-                             nonfinite_first_step=nonfinite_first)
+                             nonfinite_first_step=nonfinite_first, nonfinite_loss_steps=nonfinite_loss)
         ckpt = r.checkpoint
         if ckpt is not None:
             quantiles.update(checkpoint_step=ckpt.step, checkpoint_ts=ckpt.ts, checkpoint_seconds=ckpt.seconds)

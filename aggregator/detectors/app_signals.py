@@ -153,11 +153,15 @@ class AppSignalsDetector:
                 continue
             if s.loss_p50 is not None:
                 new_losses.append(s.loss_p50)
-                if s.nonfinite_steps == 0:
+            # A step whose loss was not finite (an agent that predates nonfinite_loss_steps: not
+            # one finite loss in a window with steps, in a job that reports its loss). A step whose
+            # gradient norm alone overflowed keeps its loss: AMP's loss scaling skips it by design.
+            nan_loss = s.nonfinite_loss_steps > 0 or (s.loss_p50 is None and s.nonfinite_steps > 0
+                                                      and state.loss_seen)
+            if not nan_loss:
+                if s.loss_p50 is not None and s.nonfinite_steps == 0:
                     self._nan_now[key] = False  # a clean window: this rank trains on
-            elif s.nonfinite_steps > 0 and state.loss_seen:
-                # Not one finite loss in a window with steps, in a job that reports its loss: the
-                # loss itself is not finite (a step whose gradient alone overflows keeps its loss).
+            else:
                 self._nan_now[key] = True
                 nan = _Nan(now, s.nonfinite_first_step if s.nonfinite_first_step is not None else s.last_step, r.rank)
                 if state.nan_since is None:

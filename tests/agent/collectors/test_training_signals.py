@@ -45,7 +45,7 @@ def test_nan_only_in_the_gradient_norm_is_a_nonfinite_step():
              (2, beat(12, loss=2.2, grad_norm="inf"))])
     col = c.collect(T0 + 5)
     s = summary_of(col, "j1", 0)
-    assert (s.nonfinite_steps, s.nonfinite_first_step) == (2, 11)
+    assert (s.nonfinite_steps, s.nonfinite_first_step, s.nonfinite_loss_steps) == (2, 11, 0)
     assert s.loss_last == 2.2 and s.grad_norm_max == 0.5  # the finite ones only
     assert value(col.samples, "vigil_training_grad_norm", **JR) == 0.5  # the latest finite
     assert value(col.samples, "vigil_training_nonfinite_steps_total", **JR) == 2
@@ -56,7 +56,14 @@ def test_a_nan_loss_window_has_no_loss_figures_but_counts_every_step():
     feed(c, [(i, beat(20 + i, loss="nan", grad_norm="nan")) for i in range(3)])
     s = summary_of(c.collect(T0 + 5), "j1", 0)
     assert (s.loss_p50, s.loss_last, s.grad_norm_p50, s.grad_norm_max) == (None, None, None, None)
-    assert (s.nonfinite_steps, s.nonfinite_first_step) == (3, 20)
+    assert (s.nonfinite_steps, s.nonfinite_first_step, s.nonfinite_loss_steps) == (3, 20, 3)
+
+
+def test_a_loss_that_turns_nan_after_finite_steps_counts_its_nan_steps_apart():
+    c = make()
+    feed(c, [(0, beat(30, loss=2.0)), (1, beat(31, loss=2.1)), (2, beat(32, loss="nan")), (3, beat(33, loss="inf"))])
+    s = summary_of(c.collect(T0 + 5), "j1", 0)
+    assert s.loss_last == 2.1 and (s.nonfinite_steps, s.nonfinite_loss_steps, s.nonfinite_first_step) == (2, 2, 32)
 
 
 def test_a_window_without_signals_leaves_the_fields_out():

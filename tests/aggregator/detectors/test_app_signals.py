@@ -14,11 +14,11 @@ INTERVAL = 5.0  # one report per agent window, so each report carries a new wind
 
 
 def window(job: str, rank: int, *, pid: int, step: int, end: float, loss: float | None = 2.0, nonfinite: int = 0,
-           state: str = "running") -> RankSummary:
+           state: str = "running", nan_loss: int = 0) -> RankSummary:
     return RankSummary(job=job, rank=rank, pid=pid, state=state, window_seconds=5.0, window_end_ts=end,  # type: ignore[arg-type]
                        steps=5 if state == "running" else 0, last_step=step, last_progress_ts=end, first_step=step - 4,
                        loss_p50=loss, loss_last=loss, nonfinite_steps=nonfinite,
-                       nonfinite_first_step=step - nonfinite + 1 if nonfinite else None)
+                       nonfinite_first_step=step - nonfinite + 1 if nonfinite else None, nonfinite_loss_steps=nan_loss)
 
 
 class Trainer:
@@ -34,11 +34,11 @@ class Trainer:
         self.found: list = []
 
     def window(self, step: int, *, loss: float | None = 2.0, nonfinite: int = 0, state: str = "running",
-               events: dict[str, list[Event]] | None = None) -> list:
+               events: dict[str, list[Event]] | None = None, nan_loss: int = 0) -> list:
         self.t += INTERVAL
         for i, node in enumerate(self.nodes):
             node.ranks = [window(self.job, i, pid=self.pid + i, step=step, end=self.t, loss=loss, nonfinite=nonfinite,
-                                 state=state)]
+                                 state=state, nan_loss=nan_loss)]
             self.fleet.ingest(node.report(self.t, events=(events or {}).get(node.name)), self.t)
         found = self.detector.evaluate(self.fleet.view(), self.t)
         self.found.extend(found)
@@ -74,6 +74,17 @@ def test_nan_loss_again_after_a_restart_holds_the_job_and_removes_no_node():
     again = [f for f in tr.window(30, loss=None, nonfinite=5) if f.action is Action.HOLD_JOB]
     assert again and again[0].since == hold[0].since
     assert all(f.node == WHOLE_JOB for f in tr.found)
+
+
+def test_a_nan_loss_after_finite_steps_in_one_window_is_seen_by_its_loss_count():
+    # The job diverges at step 29 and crashes within the same window: the window's finite losses
+    # (steps 26-28) do not hide it, since the agent counts non-finite losses on their own.
+    tr = Trainer()
+    for k in range(5):
+        tr.window(5 * (k + 1))
+    found = tr.window(30, loss=2.0, nonfinite=2, nan_loss=2)
+    assert [(f.action, f.node) for f in found] == [(Action.ALERT, WHOLE_JOB)]
+    assert found[0].evidence["first_step"] == 29
 
 
 def test_nonfinite_gradient_norms_with_a_finite_loss_are_not_acted_on():
