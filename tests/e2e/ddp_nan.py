@@ -3,12 +3,10 @@ the NaN-loss test (tests/e2e/test_nan_loss_ddp.py): it reports its loss with eve
 the real heartbeat client (``hb.step(n, loss=...)``), saves a checkpoint every few steps (``with
 hb.checkpointing():``) and resumes from it when started again. At a fixed step a bad batch (an
 inf in rank 0's input) makes the loss non-finite: DDP's gradient all-reduce carries the NaN to
-every rank's weights, so every rank's loss is NaN from the next step on; the loop trains on for a
-few NaN steps, then gives up (FloatingPointError, a non-zero exit), as a NaN guard with a patience
-does. The patience outlasts two of the agents' 1 s summary windows: the app_signals detector reads
-a window as a NaN loss only when it holds no finite loss (docs/detectors.md, app_signals: the
-summary's non-finite count is of loss OR gradient-norm steps), so a NaN that ends the run within
-one window of its first step is not seen as one (the crash-loop detector holds such a job). Started
+every rank's weights, so every rank's loss is NaN from the next step on; after three NaN steps
+the loop gives up (FloatingPointError, a non-zero exit), as a NaN guard with a short patience
+does: the run ends within one of the agents' 1 s summary windows of its first NaN, a window that
+also holds finite losses (the agent counts non-finite losses apart: RankSummary.nonfinite_loss_steps). Started
 again from its checkpoint (before the bad step) it meets the same batch: NaN again, at the same step.
 
 argv: the work directory (checkpoint, events log), the agents' directory (``<node>.sock``,
@@ -34,7 +32,7 @@ from tests.e2e.train_rank import log_event
 from vigil_heartbeat import Heartbeat
 
 CHECKPOINT_EVERY_STEPS = 5
-NAN_STEPS_TO_CRASH = 10  # the loop's NaN guard gives up after this many non-finite losses (2.5 s)
+NAN_STEPS_TO_CRASH = 3  # the loop's NaN guard gives up after this many non-finite losses (0.75 s)
 STEP_SECONDS = 0.25  # the pace of a step (the model is tiny; a real step takes this long)
 MAX_STEPS = 200  # bound: a run that never meets the bad batch still ends
 
