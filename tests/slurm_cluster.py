@@ -21,7 +21,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,7 +127,7 @@ ClusterName=vigiltest
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 AuthType=auth/munge
-AuthInfo=socket={root}/munge.sock
+AuthInfo=socket={root}/munge.sock{cred_expire}
 CredType=cred/munge
 SlurmUser={user}
 SlurmdUser={user}
@@ -153,9 +153,13 @@ PartitionName=gpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
 
 
 def start_cluster(root: Path, nodes: Sequence[str] = NODE_NAMES, *, return_to_service: int = 2,
-                  extra_conf: Sequence[str] = ()) -> SlurmCluster:
+                  extra_conf: Sequence[str] = (), node_conf: Mapping[str, str] | None = None,
+                  cred_expire_seconds: int | None = None) -> SlurmCluster:
     """``return_to_service``: slurm.conf's ReturnToService (2: a DOWN node returns on any valid
-    registration); ``extra_conf``: further slurm.conf lines, e.g. ``RebootProgram=...``."""
+    registration); ``extra_conf``: further slurm.conf lines, e.g. ``RebootProgram=...``;
+    ``node_conf``: more of a node's NodeName line by node, e.g. ``Features=vigil_spare Weight=100``;
+    ``cred_expire_seconds``: AuthInfo's cred_expire, which is also how long a requeued job waits
+    before it may start again (slurm.conf(5): 120 s by default)."""
     paths = {name: _which(name) for name in (*BINARIES, "scancel")}
     missing = [name for name, path in paths.items() if path is None]
     if missing:
@@ -170,7 +174,7 @@ def start_cluster(root: Path, nodes: Sequence[str] = NODE_NAMES, *, return_to_se
     key.chmod(0o400)
     node_lines = "\n".join(
         f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={_free_port()}"
-        " CPUs=1 RealMemory=100 State=UNKNOWN"
+        f" CPUs=1 RealMemory=100 State=UNKNOWN {(node_conf or {}).get(n, '')}".rstrip()
         for n in nodes
     )
     conf = root / "slurm.conf"
@@ -178,6 +182,7 @@ def start_cluster(root: Path, nodes: Sequence[str] = NODE_NAMES, *, return_to_se
         SLURM_CONF.format(
             root=root, ctld_port=_free_port(), user=getpass.getuser(), node_lines=node_lines, nodes=",".join(nodes),
             return_to_service=return_to_service, extra_conf="\n".join(extra_conf),
+            cred_expire="" if cred_expire_seconds is None else f",cred_expire={cred_expire_seconds}",
         )
     )
     env = {**os.environ, "SLURM_CONF": str(conf), "PATH": SEARCH_PATH}

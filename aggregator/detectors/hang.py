@@ -161,8 +161,13 @@ class HangDetector:
         # job ends, its agents report the exits a report interval or two apart, and the ranks not
         # yet reported exited have not progressed since: they are not peers moving past a crash.
         latest_stop = max((stall[r.rank] for r in stopped), default=0.0)
+        # ... and at a step at least as far as the stopped ranks reached: a peer stepping below it
+        # is a restarted run replaying from its checkpoint (a restart loop's srun, a requeue), whose
+        # other ranks' agents have not yet reported their new processes (issue 40: the old run's
+        # "exited" made a node whose rank started a few seconds later a culprit).
+        reached = max((r.last.last_step for r in stopped), default=0)
         moving = [r for r in live if r not in stopped
-                  and (not stopped or stall[r.rank] + limit / 2 <= latest_stop)]
+                  and (not stopped or (stall[r.rank] + limit / 2 <= latest_stop and r.last.last_step >= reached))]
         if stopped and not moving and len(stopped) < len(live):
             return []  # the rest has neither stopped nor moved on since: not judgeable yet
         if moving:

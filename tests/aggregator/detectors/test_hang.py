@@ -221,3 +221,31 @@ def test_a_rank_that_crashed_while_the_others_block_is_blamed_within_30_s():
         t += INTERVAL
     assert {(f.node, f.action) for f in found} >= {("n2", Action.DRAIN)}
     assert t - 100.0 <= 30.0
+
+
+def test_a_restarted_job_whose_ranks_come_back_at_different_moments_drains_nobody():
+    # The lookalike of the crash above (issue 40): the whole job crashes at 100 s, and its restart
+    # loop starts it again from its checkpoint (step 50) at 160 s; n5's rank processes come up 10 s
+    # after the others', so for two reports its agent still says "exited" (the old run) while the
+    # others step again, below the step the old run reached. Not a rank stopped while its peers
+    # progressed: the job restarted. Nothing is decided.
+    nodes = nodes_()
+    fleet = Fleet()
+    detector = HangDetector(HangConfig())
+    t = 0.0
+    while t < 260:
+        for n in nodes:
+            back = 170.0 if n.name == "n5" else 160.0
+            if t < 100.0:
+                set_training([n], "job", t, ranks_per_node=2, step=int(t))
+            elif t < back:
+                set_training([n], "job", 100.0, ranks_per_node=2, step=100)
+                for r in n.ranks:
+                    r.state = "exited"
+            else:
+                set_training([n], "job", t, ranks_per_node=2, step=50 + int(t - back))
+            for r in n.ranks:  # set_training numbers each node's ranks from 0: make them the job's
+                r.rank += 2 * nodes.index(n)
+            fleet.ingest(n.report(t), t)
+        assert detector.evaluate(fleet.view(), t) == [], t
+        t += INTERVAL
