@@ -439,6 +439,11 @@ class SlurmActuator:
             if exc.retryable:
                 raise
             raise self._refuse(decision, "job_not_found", f"Slurm has no job {job_id}: {exc}") from None
+        if not line:
+            # squeue answered (exit 0) with no line: slurmctld between two records of the job (seen
+            # right after a requeue, as it leaves COMPLETING) or a job that just ended. An unknown id
+            # is an error from squeue ("Invalid job id specified", refused above); this is retried.
+            raise DeliveryError(f"squeue listed nothing for job {job_id} (between states?); retrying")
         fields = line.split("|")
         if len(fields) != 4 or fields[0] != job_id:
             raise self._refuse(decision, "job_not_found", f"Slurm has no job {job_id} (squeue: {line[:120]!r})")

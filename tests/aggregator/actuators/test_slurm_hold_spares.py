@@ -49,7 +49,7 @@ class FakeSlurm:
             job = argv[argv.index("-j") + 1]
             if job not in self.jobs:
                 raise subprocess.CalledProcessError(1, list(argv), "", "Invalid job id specified")
-            return f"{job}|{self.jobs[job]}\n"
+            return f"{job}|{self.jobs[job]}\n" if self.jobs[job] else "\n"
         if argv[0] == "sinfo":
             return json.dumps({"nodes": [{"name": n, "state": s, "state_flags": f, "features": av,
                                           "active_features": ac, "reason": self.reasons.get(n, "")}
@@ -90,6 +90,21 @@ def test_hold_job_refuses_a_name_and_a_job_on_other_nodes_and_waits_for_a_pendin
     assert pending.value.retryable
     assert fake.scontrol() == []
     assert act.refusals["job_not_numeric"] == 1 and act.refusals["job_not_on_node"] == 1
+
+
+def test_an_empty_squeue_answer_between_two_states_is_retried_not_refused() -> None:
+    # Right after a requeue slurmctld may list nothing for a job it knows (leaving COMPLETING):
+    # the hold waits for the next try; an unknown id (squeue's error) is refused for good.
+    fake = FakeSlurm(jobs={"42": ""})
+    act = SlurmActuator(SlurmConfig(), run=fake)
+    with pytest.raises(DeliveryError) as between:
+        act.deliver(hold("42"))
+    assert between.value.retryable and not act.refusals
+    fake.jobs["42"] = "RUNNING|vnode1|100"
+    assert "requeued held" in act.deliver(hold("42"))
+    with pytest.raises(DeliveryError) as unknown:
+        act.deliver(hold("44"))
+    assert not unknown.value.retryable and act.refusals["job_not_found"] == 1
 
 
 def test_spare_nodes_are_the_idle_ones_with_the_feature_in_both_sinfo_shapes() -> None:
