@@ -99,7 +99,7 @@ def test_an_empty_squeue_answer_between_two_states_is_retried_not_refused() -> N
     act = SlurmActuator(SlurmConfig(), run=fake)
     with pytest.raises(DeliveryError) as between:
         act.deliver(hold("42"))
-    assert between.value.retryable and not act.refusals
+    assert between.value.retryable and not +act.refusals
     fake.jobs["42"] = "RUNNING|vnode1|100"
     assert "requeued held" in act.deliver(hold("42"))
     with pytest.raises(DeliveryError) as unknown:
