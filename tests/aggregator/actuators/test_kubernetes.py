@@ -138,6 +138,7 @@ class FakeApiServer:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._record])
+        app.router.add_get("/api/v1/nodes", self.list_nodes)
         app.router.add_get("/api/v1/nodes/{name}", self.get_node)
         app.router.add_patch("/api/v1/nodes/{name}", self.patch_node)
         app.router.add_patch("/api/v1/nodes/{name}/status", self.patch_node_status)
@@ -221,6 +222,14 @@ class FakeApiServer:
             else:
                 conditions.append(dict(cond))
         return web.json_response(node)
+
+    async def list_nodes(self, request: web.Request) -> web.Response:
+        items = list(self.nodes.values())
+        for term in filter(None, request.query.get("labelSelector", "").split(",")):
+            key, _, value = term.partition("=")
+            items = [n for n in items if n["metadata"]["labels"].get(key) == value]
+        return web.json_response(
+            {"apiVersion": "v1", "kind": "NodeList", "metadata": {"resourceVersion": "3000"}, "items": items})
 
     async def list_pods(self, request: web.Request) -> web.Response:
         field_selector = request.query.get("fieldSelector", "")
@@ -847,3 +856,37 @@ def test_a_failed_reboot_request_alerts_at_once() -> None:
     [finding] = detector.evaluate(fleet.view(removed), T0 + 5)
     assert finding.action is Action.ALERT and finding.key == "reboot_request_failed"
     assert "failed write_failed" in finding.reason and finding.evidence["detail"] == "Read-only file system"
+
+
+async def test_spare_nodes_are_ready_schedulable_nodes_with_the_pool_label(api) -> None:
+    fake, url = api
+    for name, ready, cordoned in (("spare-1", "True", False), ("spare-2", "True", True), ("spare-3", "False", False)):
+        node = make_node(name)
+        node["metadata"]["labels"]["vigil.io/spare"] = "true"
+        node["spec"]["unschedulable"] = cordoned
+        node["status"]["conditions"][0]["status"] = ready
+        fake.nodes[name] = node
+    act = actuator(url)
+    try:
+        spares = await asyncio.to_thread(act.spare_nodes, "vigil.io/spare=true")
+    finally:
+        act.close()
+    # Cordoned (vigil's own drain, or a person's) and NotReady nodes are no spares; unlabelled ones neither.
+    assert spares == ["spare-1"]
+    assert fake.of("GET", "/api/v1/nodes")[0]["query"]["labelSelector"] == "vigil.io/spare=true"
+
+
+async def test_hold_job_is_refused_for_good_and_touches_nothing(api) -> None:
+    fake, url = api
+    act = actuator(url)
+    hold = Decision(id="h-0123456789abcdef01", ts=T0, node=None, action=Action.HOLD_JOB, reason="crash loop",
+                    detector="crash_loop", job=f"pod/{pod_uid('training', 'trainer-0')}", dry_run=False,
+                    evidence={"job_nodes": [NODE]})
+    try:
+        assert act.handles(hold)
+        with pytest.raises(DeliveryError) as refused:
+            await deliver(act, hold)
+    finally:
+        act.close()
+    assert not refused.value.retryable and "spec.suspend" in str(refused.value)
+    assert act.refusals["hold_not_supported"] == 1 and fake.requests == [] and fake.evicted == []
