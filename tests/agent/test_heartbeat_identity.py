@@ -212,6 +212,26 @@ def test_forged_claims_squatting_and_a_bad_label_leave_the_real_job_watched(
         step(12)
         agent.wait_for("the victim's step after the bad label", lambda: agent.metric(
             "vigil_training_last_step", job=str(VICTIM_JOB), rank="0") == 12)
+        # 4. Application signals (issue 40), which can hold a job: another job's process sends the
+        # victim's job a NaN loss (refused: the job is the sender's); a verified process of the
+        # victim's own job sends values the wire refuses (a bare NaN token, 1e999 read as infinity,
+        # a misspelt "NaN", a negative gradient norm). None of it reaches the victim's rank.
+        forged_nan = send_from(proc_root, f"0::/system.slice/slurmstepd.scope/job_{ATTACKER_JOB}/step_0\n", path,
+                               [b'{"job":"%d","rank":0,"step":13,"step_seconds":1.0,"loss":"nan"}' % VICTIM_JOB])
+        malformed = send_from(proc_root, f"0::/system.slice/slurmstepd.scope/job_{VICTIM_JOB}/step_1\n", path,
+                              [b'{"job":"x","rank":7,"step":1,"step_seconds":1.0,"loss":NaN}',
+                               b'{"job":"x","rank":7,"step":1,"step_seconds":1.0,"loss":1e999}',
+                               b'{"job":"x","rank":7,"step":1,"step_seconds":1.0,"loss":"NaN"}',
+                               b'{"job":"x","rank":7,"step":1,"step_seconds":1.0,"grad_norm":-2.0}'])
+        agent.wait_for("the forged and malformed signals counted", lambda: (
+            agent.metric("vigil_training_heartbeats_rejected_total", reason="job_mismatch") == (6 if os.geteuid() == 0
+                                                                                                else 4)
+            and agent.metric("vigil_training_heartbeats_rejected_total", reason="invalid_json") == 1
+            and agent.metric("vigil_training_heartbeats_rejected_total", reason="schema") == 3))
+        finish(forged_nan)
+        finish(malformed)
+        assert agent.metric("vigil_training_nonfinite_steps_total", job=str(VICTIM_JOB), rank="0") is None
+        assert agent.metric("vigil_training_last_step", job=str(VICTIM_JOB), rank="7") is None
         health = json.loads(agent.get("/healthz") or "{}")
         assert health["failed_collectors"] == [] and "training" in health["collectors"]
         assert agent.metric("vigil_collector_success", collector="training") == 1
