@@ -25,7 +25,7 @@ from vigil.agent.node_action_runner import NodeActionsConfig
 from vigil.agent.probes import PROBES
 from vigil.agent.probes.context import ProbesConfig
 from vigil.agent.validation import HostPort, StrictModel, read_config_file, validate_config
-from vigil.agent.wire import check_node_name
+from vigil.agent.wire import check_real_node_name
 
 
 class NvmlConfig(StrictModel):
@@ -107,8 +107,9 @@ class CollectorsConfig(StrictModel):
 
 class AgentConfig(StrictModel):
     # What the aggregator knows this node as: a hostname (agent/wire.py's one rule), so that a
-    # typo'd name fails here, at start-up, instead of in every report.
-    node: Annotated[str, AfterValidator(check_node_name)] = Field(default_factory=socket.gethostname,
+    # typo'd name fails here, at start-up, instead of in every report; never loadgen-* (reserved
+    # for vigil loadgen's synthetic nodes, which the aggregator does not judge).
+    node: Annotated[str, AfterValidator(check_real_node_name)] = Field(default_factory=socket.gethostname,
                                                                   validate_default=True)
     # /metrics, /healthz and /v1/state. It may be any address (0.0.0.0 for Prometheus): heartbeats
     # have their own node-local listener (collectors.training.udp_listen, unix_socket).

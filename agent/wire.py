@@ -84,6 +84,21 @@ def check_node_name(name: object) -> str:
     return name
 
 
+# vigil loadgen's synthetic nodes (aggregator/synthetic_nodes.py): an aggregator in dry run holds
+# them apart and never judges them; one that acts refuses them. No real node may take such a name.
+SYNTHETIC_NODE_PREFIX = "loadgen-"
+
+
+def check_real_node_name(name: object) -> str:
+    """``name`` if a real node (an agent, a node token) may use it: check_node_name's rule, and not
+    in the synthetic namespace, else ValueError saying why."""
+    name = check_node_name(name)
+    if name.startswith(SYNTHETIC_NODE_PREFIX):
+        raise ValueError(f"node names starting {SYNTHETIC_NODE_PREFIX!r} are reserved for vigil loadgen's synthetic "
+                         "nodes, which the aggregator never judges; rename this node")
+    return name
+
+
 # The same rule as check_node_name, as the decoder's pattern (msgspec matches with re.search:
 # anchored at both ends, \Z so that a trailing newline is refused too).
 NodeName = Annotated[str, Meta(min_length=1, max_length=MAX_NODE_NAME_CHARS, pattern=rf"^(?:{NODE_NAME_PATTERN})\Z")]

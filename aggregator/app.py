@@ -67,6 +67,9 @@ from vigil.aggregator.redact import redact_json
 from vigil.aggregator.sink import DecisionSink
 from vigil.aggregator.spares import SparePool
 from vigil.aggregator.store import WRITE_ERRORS, Store, read_dsn
+from vigil.aggregator.synthetic_nodes import REFUSAL_REASON as SYNTHETIC_REFUSAL
+from vigil.aggregator.synthetic_nodes import forget_after_seconds as synthetic_forget_after
+from vigil.aggregator.synthetic_nodes import refusal as synthetic_refusal
 
 log = logging.getLogger("vigil.aggregator")
 
@@ -337,6 +340,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     metrics.registry.register(node_actions.collector())
     metrics.registry.register(prober.collector())
     refusals = metrics.refusals
+    refusals.count("reports", SYNTHETIC_REFUSAL, 0)  # the series exists at 0 from the start
 
     def count_report_refusal(reason: str) -> None:
         metrics.rejections.labels(reason).inc()
@@ -373,6 +377,10 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
                 store.archive_node(node.name, now, node.summary())
             except WRITE_ERRORS as exc:  # the fleet forgets it anyway; only the post-mortem copy is lost
                 log.error("could not archive forgotten node %s in the store: %s", node.name, exc)
+        # vigil loadgen's nodes go as soon as they stop (no archive: nothing was judged of them).
+        gone = engine.synthetic.forget_departed(now, lambda n: synthetic_forget_after(n.interval_seconds))
+        if gone:
+            log.info("forgot %d synthetic node(s) (%s...) that stopped reporting", len(gone), gone[0].name)
 
     # The fleet has one writer, this loop; while the detectors read it on the judging thread
     # (``judging``), accepted reports wait in ``held`` (in order, with their arrival time) and
@@ -552,8 +560,11 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         if speaker is not None and speaker != report.node:
             return refuse_report(403, "node_mismatch", f"the credential of {speaker!r} may not report for "
                                  f"{report.node!r}")
+        synthetic = synthetic_refusal(report.node, config.dry_run)
+        if synthetic is not None:
+            return refuse_report(403, SYNTHETIC_REFUSAL, synthetic)
         now = clock()
-        refused = engine.fleet.refusal(report, now, held_last.get(report.node) if held_last else None)
+        refused = engine.fleet_of(report.node).refusal(report, now, held_last.get(report.node) if held_last else None)
         if refused is not None:
             return refuse_report(409 if refused[0] in ("seq_jump", "delta_base") else 422, *refused)
         if not intake(report, now):
@@ -670,6 +681,9 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         status = "failing" if problem is not None else "degraded" if stalls else "ok"
         body: dict[str, Any] = {"status": status, "nodes": len(engine.fleet.view().nodes),
                                 "dry_run": config.dry_run, "role": "leader" if leads() else "standby"}
+        synthetic = len(engine.synthetic.view().nodes)
+        if synthetic:  # vigil loadgen's nodes, held apart (aggregator/synthetic_nodes.py)
+            body["synthetic_nodes"] = synthetic
         if path:
             body["acting"] = path
         if stalls:

@@ -30,6 +30,7 @@ from vigil.aggregator.job_recovery import JobRecoveryPlanner
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.outbox import agent_resets_enabled
 from vigil.aggregator.sink import DecisionSink
+from vigil.aggregator.synthetic_nodes import is_synthetic
 
 
 def removals(state: GateState) -> dict[str, Removal]:
@@ -54,6 +55,9 @@ class Engine:
         net = config.detectors.network
         judged = [*net.flap_counters, *net.error_counters, *net.congestion_counters] if net.enabled else []
         self.fleet = Fleet(config.fleet, port_counters=judged, agent_resets=agent_resets_enabled(config))
+        # vigil loadgen's nodes (aggregator/synthetic_nodes.py): ingested as any node's reports are,
+        # but held apart, where no detector, breaker count, silence check or listing reads them.
+        self.synthetic = Fleet(config.fleet, port_counters=judged, agent_resets=agent_resets_enabled(config))
         if detectors is None:
             detectors = [build(getattr(config.detectors, name)) for name, build in REGISTRY.items()
                          if getattr(config.detectors, name).enabled]
@@ -74,9 +78,13 @@ class Engine:
         self.last_findings: list[Finding] = []
         self.admitted_total = 0
 
+    def fleet_of(self, node: str) -> Fleet:
+        """The fleet that holds ``node``: the synthetic one for a reserved name, else the judged one."""
+        return self.synthetic if is_synthetic(node) else self.fleet
+
     def ingest(self, report: Report, now: float) -> dict[str, int]:
-        """``report`` into the fleet; the entries it refused, by reason (Fleet.ingest)."""
-        return self.fleet.ingest(report, now)
+        """``report`` into its fleet; the entries it refused, by reason (Fleet.ingest)."""
+        return self.fleet_of(report.node).ingest(report, now)
 
     def findings(self, now: float) -> list[Finding]:
         return self.judge(self.view(), now)

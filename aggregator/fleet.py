@@ -736,11 +736,12 @@ class Fleet:
         node = self._nodes.get(name)
         return node is not None and now - node.last_seen < self.config.forget_after_seconds
 
-    def forget_departed(self, now: float) -> list[NodeState]:
-        """Drop the nodes silent longer than ``forget_after_seconds`` and return them (for the
-        archive); their ranks leave their jobs."""
-        horizon = now - self.config.forget_after_seconds
-        gone = [n for n in self._nodes.values() if n.last_seen < horizon]
+    def forget_departed(self, now: float,
+                        after_seconds: Callable[[NodeState], float] | None = None) -> list[NodeState]:
+        """Drop the nodes silent longer than ``forget_after_seconds`` (or ``after_seconds(node)``)
+        and return them (for the archive); their ranks leave their jobs."""
+        after = after_seconds or (lambda _: self.config.forget_after_seconds)
+        gone = [n for n in self._nodes.values() if n.last_seen < now - after(n)]
         for node in gone:
             del self._nodes[node.name]
             for job_name, rank in node.ranks:

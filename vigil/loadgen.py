@@ -5,11 +5,15 @@ Each node posts every ``interval_seconds`` with the nodes' phases spread evenly;
 held back by a slow answer (a send that starts late is counted as late). Each node negotiates the
 report version as the agent does (agent/reporter.py): version 1 until an answer lists the
 newest compact version (3), then that version whole, then compact relative to its last accepted
-report; a 409 ``delta_base`` is resent whole at once (counted as rebased). It measures offered and
-accepted reports/s, intake latency percentiles, errors by status or exception, its own CPU, and,
-given the aggregator's pid, the aggregator's CPU and RSS from ``/proc/<pid>``. With ``spawn`` it
+report; a 409 ``delta_base`` is resent whole at once (counted as rebased). It measures its own
+lateness (each send's start against its due time, one monotonic clock) and says when it fell
+behind (the run is then invalid: it measured the generator), offered and accepted reports/s,
+intake latency percentiles, errors by status or exception, its own CPU, and, given the
+aggregator's pid, the aggregator's CPU and RSS from ``/proc/<pid>``. With ``spawn`` it
 makes the credentials and a dry-run config for N nodes in a scratch directory and runs
-``vigil aggregator`` as a child, stopped by pid at the end. It decides nothing and acts on nothing.
+``vigil aggregator`` as a child, stopped by pid at the end; against a running aggregator its nodes
+are synthetic (loadgen-*: held apart, never judged, forgotten seconds after the run) and it refuses
+one not in dry run. It decides nothing and acts on nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import aiohttp
 import yaml
 
 from vigil.agent.credential_file import create_private
-from vigil.agent.wire import COMPACT_VERSIONS, WIRE_VERSION
+from vigil.agent.wire import COMPACT_VERSIONS, SYNTHETIC_NODE_PREFIX, WIRE_VERSION
 from vigil.agent_reports import INTERVAL_SECONDS, RenderedReport, report_forms, topology_of
 from vigil.aggregator.auth import node_token
 
@@ -53,9 +57,72 @@ DRAIN_SECONDS = 15.0
 # couple of minutes at 2.5 s; a longer run cycles them (the aggregator sees a counter reset).
 MAX_ROUNDS = 48
 START_TIMEOUT_SECONDS = 60.0
+HEALTH_TIMEOUT_SECONDS = 10.0  # GET /healthz, before and after a run against a running aggregator
 STOP_TIMEOUT_SECONDS = 10.0
 # Workers start on a common clock this far ahead (a spawned Python imports aiohttp in ~1 s).
 WORKER_START_SECONDS = 3.0
+
+
+# The generator is behind schedule when more than this share of its sends started LATE_SECONDS or
+# more after their due time: its offered load was not the plan's, and every figure then measures
+# the generator (a starved event loop), not the aggregator. A tenth leaves room for a passing
+# stall of a shared machine (a 250 ms pause delays 5 of 40 sends at 20 reports/s) and none for a
+# generator that falls further behind all run long (all of its sends late).
+MAX_LATE_FRACTION = 0.10
+
+
+class Pace:
+    """The generator's own lateness: each send's start against its due time, both on one
+    monotonic ``clock``; says whether the offered load was the plan's."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.lateness_seconds: list[float] = []
+        self.first_due: float | None = None
+        self.last_start: float | None = None
+
+    def started(self, due: float) -> float:
+        """A send due at ``due`` starts now: its start (the clock's reading)."""
+        now = self.clock()
+        self.lateness_seconds.append(max(0.0, now - due))
+        self.first_due = due if self.first_due is None else min(self.first_due, due)
+        self.last_start = now if self.last_start is None else max(self.last_start, now)
+        return now
+
+    @property
+    def late(self) -> int:
+        return sum(1 for x in self.lateness_seconds if x > LATE_SECONDS)
+
+
+def pace_summary(paces: list[Pace], target_per_second: float, slot_seconds: float) -> dict[str, Any]:
+    """Whether the generators sent at the plan's rate: their lateness percentiles, the rate they
+    actually sent at (sends over the span from the first due time to the last start, one slot
+    added: a generator on time sends exactly the plan's rate), and ``behind_schedule``."""
+    lateness = sorted(x for p in paces for x in p.lateness_seconds)
+    sent = len(lateness)
+    late = sum(p.late for p in paces)
+    firsts = [p.first_due for p in paces if p.first_due is not None]
+    lasts = [p.last_start for p in paces if p.last_start is not None]
+    span = max(lasts) - min(firsts) + slot_seconds if firsts and lasts else 0.0
+    sent_per_second = sent / span if span > 0 else 0.0
+    return {"behind_schedule": sent > 0 and late > MAX_LATE_FRACTION * sent,
+            "offered_reports_per_second": round(target_per_second, 1),
+            "sent_reports_per_second": round(sent_per_second, 1),
+            "late_sends": late, "late_fraction": round(late / sent, 4) if sent else 0.0,
+            "lateness_seconds": {"p50": percentile(lateness, 0.50), "p99": percentile(lateness, 0.99),
+                                 "max": lateness[-1] if lateness else 0.0}}
+
+
+def pace_line(generator: dict[str, Any]) -> str:
+    """The verdict on the generator, to print beside the throughput."""
+    g, lat = generator, generator["lateness_seconds"]
+    if not g["behind_schedule"]:
+        return (f"generator on schedule: offered {g['offered_reports_per_second']:,.0f} reports/s, sent "
+                f"{g['sent_reports_per_second']:,.0f}/s; lateness p99 {lat['p99'] * 1000:.1f} ms")
+    return (f"INVALID: generator behind schedule: offered {g['offered_reports_per_second']:,.0f} reports/s, sent "
+            f"{g['sent_reports_per_second']:,.0f}/s ({g['late_fraction']:.0%} of sends started over "
+            f"{LATE_SECONDS * 1000:.0f} ms late, p99 {lat['p99'] * 1000:,.0f} ms); the figures measure the "
+            "generator, not the aggregator (more --workers, or fewer --nodes)")
 
 
 @dataclass(frozen=True)
@@ -102,13 +169,13 @@ class WorkerResult:
     accepted: int = 0
     rebased: int = 0  # compact reports refused with 409 delta_base and resent whole
     by_form: Counter[str] = field(default_factory=Counter)  # accepted sends by FORMS
-    late: int = 0
     latencies_seconds: list[float] = field(default_factory=list)  # accepted sends only
     errors: Counter[str] = field(default_factory=Counter)  # "HTTP 401", "TimeoutError", ...
     cpu_seconds: float = 0.0
     # The aggregator as the measured duration began (worker 0 reads it after a warm-up).
     aggregator_at_start: ProcSample | None = None
     warmup_errors: Counter[str] = field(default_factory=Counter)  # the warm-up's, kept apart
+    pace: Pace = field(default_factory=Pace)  # the measured sends' lateness
 
 
 @dataclass(frozen=True)
@@ -177,9 +244,7 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
             form = FORMS[2]
         else:
             form = FORMS[1]
-        started = time.monotonic()
-        if started - due > LATE_SECONDS:
-            tally.late += 1
+        started = tally.pace.started(due)
         tally.sent += 1
         try:
             while True:
@@ -258,9 +323,42 @@ def build_templates(plan: Plan, hca_template: Path | None) -> list[RenderedRound
             for r in report_forms(rounds, hca_template, plan.interval_seconds, COMPACT_VERSION)]
 
 
+def health(target: Target) -> dict[str, Any]:
+    """The aggregator's GET /healthz (public): its dry_run, its synthetic node count."""
+    import urllib.request
+
+    with urllib.request.urlopen(target.url.rstrip("/") + "/healthz", timeout=HEALTH_TIMEOUT_SECONDS) as resp:
+        body = json.loads(resp.read())
+    return body if isinstance(body, dict) else {}
+
+
+def refusal(target: Target, plan: Plan) -> str | None:
+    """Why this run must not start against a running aggregator (None: it may). Its nodes must be
+    in the reserved synthetic namespace (the aggregator holds them apart, judges none of them and
+    forgets them seconds after the run), and the aggregator must be in dry run (one that acts
+    refuses them: vigil/aggregator/synthetic_nodes.py)."""
+    first = node_name(plan.node_prefix, 0)
+    if not first.startswith(SYNTHETIC_NODE_PREFIX):
+        return (f"node names {first}... are not in the reserved synthetic namespace {SYNTHETIC_NODE_PREFIX}*: against "
+                "a running aggregator they would be judged as real nodes (use --node-prefix loadgen)")
+    import urllib.error
+
+    try:
+        dry_run = health(target).get("dry_run")
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        return f"cannot read {target.url.rstrip('/')}/healthz to check that the aggregator is in dry run: {exc}"
+    if dry_run is not True:
+        return ("the aggregator is not in dry run (GET /healthz: dry_run false): it acts, so it refuses synthetic "
+                "nodes; load-test a dry-run aggregator (a shadow replica, or --spawn)")
+    return None
+
+
 def fleet_nodes(target: Target, plan: Plan) -> int | None:
-    """How many of this run's nodes the aggregator's fleet lists (GET /v1/nodes); None without a
-    read token."""
+    """How many of this run's nodes the aggregator holds: its synthetic count (GET /healthz) for
+    synthetic nodes, else those its fleet lists (GET /v1/nodes; None without a read token)."""
+    if node_name(plan.node_prefix, 0).startswith(SYNTHETIC_NODE_PREFIX):
+        count = health(target).get("synthetic_nodes", 0)  # present only while there are any
+        return count if isinstance(count, int) else None
     if target.read_token is None:
         return None
     import urllib.request
@@ -305,15 +403,18 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
         by_form.update(r.by_form)
     sample = lambda t: len(t.render(0, b'"x"', b'"x"', b"{}", 2, 0.0)) if t is not None else 0  # noqa: E731
     loadgen_cpu = sum(r.cpu_seconds for r in results)
+    generator = pace_summary([r.pace for r in results], plan.nodes / plan.interval_seconds,
+                             plan.interval_seconds / plan.nodes)
     summary: dict[str, Any] = {
         "nodes": plan.nodes, "interval_seconds": plan.interval_seconds, "duration_seconds": plan.duration_seconds,
         "warmup_seconds": plan.warmup_seconds,
         "workers": plan.workers, "report_bytes": sample(templates[-1].whole_v1),
         "compact_report_bytes": sample(templates[-1].compact),
         "target_reports_per_second": round(plan.nodes / plan.interval_seconds, 1),
-        "sent": sent, "accepted": accepted, "late_sends": sum(r.late for r in results),
+        "sent": sent, "accepted": accepted, "late_sends": generator["late_sends"],
         "accepted_by_form": {form: by_form[form] for form in FORMS}, "rebased": sum(r.rebased for r in results),
-        "offered_reports_per_second": round(sent / plan.duration_seconds, 1),
+        # What the generator actually sent at (the plan's rate only when it kept its schedule).
+        "offered_reports_per_second": generator["sent_reports_per_second"],
         "accepted_reports_per_second": round(accepted / plan.duration_seconds, 1),
         "latency_seconds": {"p50": percentile(latencies, 0.50), "p90": percentile(latencies, 0.90),
                             "p99": percentile(latencies, 0.99), "max": latencies[-1] if latencies else 0.0},
@@ -322,6 +423,9 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
         "loadgen_cpu_seconds": round(loadgen_cpu, 2),
         "loadgen_cores": round(loadgen_cpu / plan.duration_seconds, 2),
         "fleet_nodes": fleet_nodes(target, plan),
+        "generator": generator,
+        # False: the generator fell behind its schedule, so the figures measure it, not the aggregator.
+        "valid": not generator["behind_schedule"],
     }
     if before is not None and after is not None and measured_from is not None:
         cpu = after.cpu_seconds - measured_from.cpu_seconds
@@ -432,6 +536,8 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
            if s.get("warmup_errors") else ""),
         f"loadgen CPU {s['loadgen_cpu_seconds']:.1f} s ({s['loadgen_cores']:.2f} cores)",
     ]
+    if s.get("generator"):
+        lines.insert(2, pace_line(s["generator"]))
     if s.get("fleet_nodes") is not None:
         lines.append(f"aggregator fleet lists {s['fleet_nodes']} of the {s['nodes']} nodes")
     agg = s.get("aggregator")

@@ -2,8 +2,10 @@
 
 It reads its flags (and the site secret, read token files for a running aggregator), runs
 vigil/loadgen.py's open-loop schedule of N nodes, and prints throughput, intake latency, errors,
-its own CPU and the aggregator's CPU and memory, as lines or ``--json``. With ``--spawn`` it
-starts a dry-run aggregator of its own and stops it at the end; it never acts on anything.
+its own CPU and the aggregator's CPU and memory, as lines or ``--json``, and exits 3 when its own
+generator fell behind schedule (the figures then measure it). With ``--spawn`` it starts a dry-run
+aggregator of its own and stops it at the end; with ``--url`` it sends only synthetic nodes
+(loadgen-*) and refuses an aggregator not in dry run. It never acts on anything.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+# The exit status of a run whose generator fell behind its schedule (its figures are invalid);
+# 2 is a refusal (bad flags, or a running aggregator that must not take synthetic nodes).
+EXIT_BEHIND_SCHEDULE = 3
 
 
 def add_parser(sub: Any) -> None:
@@ -34,7 +40,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--site-secret-file", metavar="FILE", help="with --url: the site secret the node tokens derive from")
     p.add_argument("--read-token-file", metavar="FILE", help="with --url: to count the nodes in GET /v1/nodes")
     p.add_argument("--aggregator-pid", type=int, metavar="PID", help="with --url: read its CPU and RSS from /proc")
-    p.add_argument("--node-prefix", default="load", metavar="PREFIX", help="node names PREFIX-00000... (default load)")
+    p.add_argument("--node-prefix", metavar="PREFIX",
+                   help="node names PREFIX-00000... (default: load with --spawn; with --url, loadgen: against a "
+                        "running aggregator they must be in the reserved synthetic namespace loadgen-*)")
     p.add_argument("--hca-sysfs", metavar="DIR",
                    help="a recorded class/infiniband/<hca> directory to build the 8 HCAs from "
                         "(default: the simulator's ConnectX-7 tree)")
@@ -44,14 +52,15 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from vigil.agent.validation import ConfigError
     from vigil.aggregator.auth import read_secret
-    from vigil.loadgen import Plan, Target, run_load, run_spawned, summary_lines
+    from vigil.loadgen import Plan, Target, refusal, run_load, run_spawned, summary_lines
 
     if args.nodes < 1 or args.workers < 1 or args.duration <= 0 or args.interval <= 0 or args.warmup < 0:
         print("vigil loadgen: --nodes, --workers, --duration and --interval must be positive, --warmup not negative",
               file=sys.stderr)
         return 2
     plan = Plan(nodes=args.nodes, duration_seconds=args.duration, interval_seconds=args.interval,
-                workers=args.workers, node_prefix=args.node_prefix, warmup_seconds=args.warmup)
+                workers=args.workers, node_prefix=args.node_prefix or ("load" if args.spawn else "loadgen"),
+                warmup_seconds=args.warmup)
     hca = Path(args.hca_sysfs) if args.hca_sysfs else None
     if args.spawn:
         summary = run_spawned(plan, hca)
@@ -65,10 +74,16 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"vigil loadgen: {exc}", file=sys.stderr)
             return 2
-        summary = run_load(Target(args.url, secret, read, args.aggregator_pid), plan, hca)
+        target = Target(args.url, secret, read, args.aggregator_pid)
+        refused = refusal(target, plan)
+        if refused is not None:
+            print(f"vigil loadgen: refused: {refused}", file=sys.stderr)
+            return 2
+        summary = run_load(target, plan, hca)
     if args.json:
         print(json.dumps(summary))
     else:
         for line in summary_lines(summary):
             print(line)
-    return 0
+    # A generator behind its schedule measured itself: the run is invalid (EXIT_BEHIND_SCHEDULE).
+    return 0 if summary["valid"] else EXIT_BEHIND_SCHEDULE

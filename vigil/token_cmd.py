@@ -94,9 +94,11 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:  # the aggregator refuses it at start; here it is only read
         print(f"vigil token: warning: {problem}", file=sys.stderr)
     tokens = []
+    from vigil.agent.wire import check_real_node_name
+
     for node in args.node:
         try:
-            tokens.append(node_token(secret, node))
+            tokens.append(node_token(secret, check_real_node_name(node)))
         except ValueError as exc:
             print(f"vigil token: node {node!r}: {exc}", file=sys.stderr)
             return 2

@@ -45,3 +45,11 @@ def test_load_config_errors_are_clear(tmp_path: Path) -> None:
     good.write_text("node: gpu-17\ntopology: {rack: r3, leaf_switch: leaf-07}\n")
     c = load_config(good)
     assert c.node == "gpu-17" and c.topology["leaf_switch"] == "leaf-07"
+
+
+def test_a_node_name_in_loadgens_reserved_namespace_is_refused() -> None:
+    """loadgen-* names are vigil loadgen's synthetic nodes, which the aggregator never judges: a
+    real agent may not take one. The lookalike, a name that merely starts "loadgen", is a node's."""
+    with pytest.raises(ConfigError, match="reserved for vigil loadgen"):
+        parse_config({"node": "loadgen-gpu-001"})
+    assert parse_config({"node": "loadgenerator-1"}).node == "loadgenerator-1"

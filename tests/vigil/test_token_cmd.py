@@ -34,3 +34,12 @@ def test_create_refuses_a_name_that_is_not_a_hostname_and_a_short_secret(tmp_pat
     path.write_text("short")
     assert main(["token", "create", "--secret-file", str(path), "--node", "gpu-1"]) == 2
     assert "at least 32" in capsys.readouterr().err
+
+
+def test_create_refuses_a_name_in_loadgens_reserved_namespace(tmp_path, capsys) -> None:
+    """A loadgen-* node is never judged: no token is minted for one (vigil loadgen derives its own)."""
+    path = tmp_path / "site.secret"
+    path.write_text("x" * 40)
+    assert main(["token", "create", "--secret-file", str(path), "--node", "loadgen-00001"]) == 2
+    assert "reserved for vigil loadgen" in capsys.readouterr().err
+    assert main(["token", "create", "--secret-file", str(path), "--node", "loadgen1"]) == 0
