@@ -202,6 +202,7 @@ def test_ha_aggregator_on_postgresql_takes_the_agents_report_for_its_own_node_on
     kube = FakeKubernetes()
     server = postgres.PostgresServer()
     procs: list[subprocess.Popen[bytes]] = []
+    logs = []
     node = "gpu-node-7"
     try:
         # The ha overlay's aggregator config; adapted: a free loopback port (host networking) and
@@ -219,6 +220,7 @@ def test_ha_aggregator_on_postgresql_takes_the_agents_report_for_its_own_node_on
         # Debian's /var/run is a link to /run, which buildah's bind would not follow.
         volumes[account] = "/run/secrets/kubernetes.io/serviceaccount"
         log = (tmp_path / "aggregator.log").open("wb")
+        logs.append(log)
         procs.append(subprocess.Popen(_run(container, "vigil", "aggregator", "--config", "/etc/vigil/aggregator.yml",
                                            volumes=volumes), stdout=log, stderr=subprocess.STDOUT))
         url, read = f"http://127.0.0.1:{port}", (tmp_path / "etc-vigil" / "token" / "read.token").read_text().strip()
@@ -257,6 +259,7 @@ def test_ha_aggregator_on_postgresql_takes_the_agents_report_for_its_own_node_on
             _own(tmp_path / name)
         _own(tmp_path / "kern.log", "", 0o444)
         agent_log = (tmp_path / "agent.log").open("wb")
+        logs.append(agent_log)
         procs.append(subprocess.Popen(_run(
             container, "vigil", "agent", "--config=/etc/vigil/agent.yml", f"--node={node}", "--backend", "fake",
             volumes={etc: "/etc/vigil", tmp_path / "state": "/var/lib/vigil-agent", tmp_path / "run": "/run/vigil",
@@ -282,5 +285,7 @@ def test_ha_aggregator_on_postgresql_takes_the_agents_report_for_its_own_node_on
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        for log_file in logs:
+            log_file.close()
         server.stop()
         kube.close()
