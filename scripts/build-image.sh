@@ -2,8 +2,8 @@
 # Build the vigil image (Containerfile) with buildah, without a registry.
 #   scripts/build-image.sh                 # base: a Debian bookworm rootfs made by debootstrap
 #   BASE=docker.io/library/python:3.11-slim-bookworm scripts/build-image.sh   # a pulled base
-# Makes build/wheelhouse (vigil's wheel and its runtime dependencies, from the configured package
-# index), then `buildah bud` -> localhost/vigil:<version>. Needs root (or rootless buildah),
+# Makes build/wheelhouse (vigil's wheel, its runtime dependencies and those of the server extras
+# EXTRAS, from the configured package index), then `buildah bud` -> localhost/vigil:<version>. Needs root (or rootless buildah),
 # buildah, and debootstrap for the Debian base. Prints each step and how long it took.
 #
 # For `make test` (the build overlaps the test run; tests/deploy/test_image.py waits for it):
@@ -80,6 +80,8 @@ esac
 PY=${PYTHON:-.venv/bin/python}
 VERSION=$("$PY" -c 'import vigil; print(vigil.__version__)')
 IMAGE=${IMAGE:-localhost/vigil:$VERSION}
+# The extras every server component needs (Containerfile says why one image carries them all).
+EXTRAS=${EXTRAS:-k8s,postgres,resiliency}
 step() { printf '%s [build-image] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 
 # On any exit, a stop (TERM from --stop or the time limit) included: remove what a build cut short
@@ -120,18 +122,19 @@ if [ "$BASE" = localhost/vigil-base:bookworm ] && ! buildah "${STORAGE[@]}" insp
   buildah "${STORAGE[@]}" rm "$ctr" >/dev/null && ctr=""
 fi
 
-step "wheelhouse: vigil $VERSION and its runtime dependencies"
+step "wheelhouse: vigil $VERSION[$EXTRAS] and its runtime dependencies"
 mkdir -p build  # a fresh clone has none: `pytest tests/deploy/test_image.py` alone builds here first
 rm -rf build/wheelhouse build/wheel-build
 # setuptools' own build directory, fresh each time (DIST_EXTRA_CONFIG: an extra setup.cfg): its
 # default, build/lib, keeps whatever an older checkout built there and the wheel would carry it.
 printf '[build]\nbuild_base = build/wheel-build\n' > build/wheel-build.cfg
-DIST_EXTRA_CONFIG=build/wheel-build.cfg "$PY" -m pip wheel --quiet -w build/wheelhouse .
+DIST_EXTRA_CONFIG=build/wheel-build.cfg "$PY" -m pip wheel --quiet -w build/wheelhouse ".[$EXTRAS]"
 rm -rf build/wheel-build
 step "buildah bud -> $IMAGE (base $BASE)"
 containers_before=$(buildah "${STORAGE[@]}" containers --quiet --notruncate 2>/dev/null; echo -)
 old_id=$(buildah "${STORAGE[@]}" inspect --type image --format '{{.FromImageID}}' "$IMAGE" 2>/dev/null || true)
-buildah "${STORAGE[@]}" bud --quiet --isolation chroot --layers=false --build-arg "BASE=$BASE" -t "$IMAGE" \
+buildah "${STORAGE[@]}" bud --quiet --isolation chroot --layers=false --build-arg "BASE=$BASE" \
+  --build-arg "EXTRAS=$EXTRAS" -t "$IMAGE" \
   -f Containerfile . >/dev/null
 # The previous build of this tag, now untagged: each rebuild (every `make test`) would keep one more.
 new_id=$(buildah "${STORAGE[@]}" inspect --type image --format '{{.FromImageID}}' "$IMAGE")
