@@ -6,10 +6,11 @@ them the operator role); ``GET /v1/nodes/{node}/history`` (read role) is the nod
 history, assembled by ``aggregator.history``. Each takes one node by its exact name: a Slurm
 hostlist or a glob (``vnode[1-5]``) is refused 400 ``bad_node``, counted in
 vigil_aggregator_refusals_total{door, reason="bad_node"}, never expanded. Writes run in a worker
-thread, so a large batch being written never stalls the event loop. It judges nothing: a resume is a decision like any other, through the
-ledger and its gate. A hold or a resume ends the node's removal as far as vigil is concerned: its
-pending node-action requests (a GPU reset, a reboot request) are voided at once
-(``void_node_actions``, the outbox's ``void``), before the resume decision is even delivered.
+thread, so a large batch being written never stalls the event loop. It judges nothing: a resume is
+a decision like any other, through the ledger and its gate. A hold or a resume ends the node's
+removal as far as vigil is concerned: its pending node-action requests (a GPU reset, a reboot
+request) are voided at once (``void_node_actions``, the outbox's ``void``), before the resume
+decision is even delivered.
 ``POST /v1/probes/isolations`` (operator role) starts a group-testing isolation of a set of
 nodes (a freshly repaired set) through the prober, which validates it against the fleet;
 ``GET /v1/probes/isolations`` (read role) lists the running and the finished ones.

@@ -49,7 +49,8 @@ async def test_lookalike_names_are_held_exactly(bench: Bench) -> None:
     for name in ("vnode1", "vnode-1-5", "gpu-node-01.cluster.example"):
         resp = await b.client.post(f"/v1/nodes/{name}/hold", headers=OPERATOR)
         assert resp.status == 200 and (await resp.json())["node"] == name
-    assert set(b.ledger.gate_state(b.clock.now, 10)["holds"]) == {"vnode1", "vnode-1-5",
+    holds: dict[str, object] = b.ledger.gate_state(b.clock.now, 10)["holds"]  # type: ignore[assignment]
+    assert set(holds) == {"vnode1", "vnode-1-5",
                                                                     "gpu-node-01.cluster.example"}
     assert await refused_count(b, "operator") == 0
 
