@@ -700,7 +700,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     app.router.add_get("/healthz", healthz)
     if ledger is not None:
         add_operator_routes(app, ledger, clock=clock, reporting=reporting, dry_run=config.dry_run,
-                            void_node_actions=node_actions.void)
+                            void_node_actions=node_actions.void, refusals=refusals)
     else:
         add_no_gate_routes(app)
     add_isolation_routes(app, prober, view=engine.view, clock=clock, leads=leads)

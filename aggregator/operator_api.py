@@ -3,11 +3,14 @@
 ``GET /v1/breaker`` and ``GET /v1/gate`` show what the ledger decides from; ``POST
 /v1/nodes/{node}/hold`` and ``/resume`` are the operator's actions (the auth middleware gives
 them the operator role); ``GET /v1/nodes/{node}/history`` (read role) is the node's remediation
-history, assembled by ``aggregator.history``. Writes run in a worker thread, so a large batch being written never
-stalls the event loop. It judges nothing: a resume is a decision like any other, through the
-ledger and its gate. A hold or a resume ends the node's removal as far as vigil is concerned: its
-pending node-action requests (a GPU reset, a reboot request) are voided at once
-(``void_node_actions``, the outbox's ``void``), before the resume decision is even delivered.
+history, assembled by ``aggregator.history``. Each takes one node by its exact name: a Slurm
+hostlist or a glob (``vnode[1-5]``) is refused 400 ``bad_node``, counted in
+vigil_aggregator_refusals_total{door, reason="bad_node"}, never expanded. Writes run in a worker
+thread, so a large batch being written never stalls the event loop. It judges nothing: a resume is
+a decision like any other, through the ledger and its gate. A hold or a resume ends the node's
+removal as far as vigil is concerned: its pending node-action requests (a GPU reset, a reboot
+request) are voided at once (``void_node_actions``, the outbox's ``void``), before the resume
+decision is even delivered.
 ``POST /v1/probes/isolations`` (operator role) starts a group-testing isolation of a set of
 nodes (a freshly repaired set) through the prober, which validates it against the fleet;
 ``GET /v1/probes/isolations`` (read role) lists the running and the finished ones.
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from vigil.agent.wire import check_node_name
+from vigil.aggregator.auth import Refusals
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.fleet import FleetView
 from vigil.aggregator.gate import OPERATOR
@@ -37,6 +41,24 @@ GATE_ROUTES = (("GET", "/v1/breaker"), ("GET", "/v1/gate"), ("POST", "/v1/nodes/
 
 def _error(status: int, reason: str, detail: str) -> web.Response:
     return web.json_response({"error": reason, "detail": detail}, status=status)
+
+
+# A node name is taken exactly: nothing is expanded. These characters mark a Slurm hostlist
+# (``vnode[1-5]``, ``a,b``) or a shell glob (``vnode*``) that reached the API unexpanded.
+_HOSTLIST_OR_GLOB = frozenset("[],*?")
+
+
+def node_name_refusal(node: str) -> str | None:
+    """Why ``node`` (a path segment) is not one node's name, or None when it is. A hostlist or
+    glob is named as such: the operator meant several nodes, and each is held or resumed on its own."""
+    try:
+        check_node_name(node)
+    except ValueError as exc:
+        if _HOSTLIST_OR_GLOB & set(node):
+            return (f"{node[:80]!r} is not a node name, it looks like a Slurm hostlist or a glob: each node "
+                    "is named exactly, nothing is expanded (scontrol show hostnames expands a hostlist)")
+        return str(exc)
+    return None
 
 
 async def _note(request: web.Request) -> str | web.Response:
@@ -55,10 +77,23 @@ async def _note(request: web.Request) -> str | web.Response:
 
 def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable[[], float],
                         reporting: Callable[[], int], dry_run: bool,
-                        void_node_actions: Callable[[str, str, float, str], int] | None = None) -> None:
+                        void_node_actions: Callable[[str, str, float, str], int] | None = None,
+                        refusals: Refusals | None = None) -> None:
     """``reporting``: how many nodes reported within the breaker window (the budget's fleet);
     ``void_node_actions(node, reason, now, why)``: cancel the node's pending node-action requests
-    (reason ``held`` or ``resumed``), returning how many (called on the event loop)."""
+    (reason ``held`` or ``resumed``), returning how many (called on the event loop);
+    ``refusals``: where a request naming no node is counted (``bad_node`` at its door)."""
+    if refusals is not None:
+        for door in ("operator", "read"):
+            refusals.counter.labels(door, "bad_node")  # the series exist at 0
+
+    def bad_node(door: str, node: str) -> web.Response | None:
+        why = node_name_refusal(node)
+        if why is None:
+            return None
+        if refusals is not None:
+            refusals.count(door, "bad_node")
+        return _error(400, "bad_node", why)
 
     def void(node: str, reason: str, note: str) -> int:
         if void_node_actions is None:
@@ -73,10 +108,13 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
 
     async def change_hold(request: web.Request, held: bool) -> tuple[str, str, bool] | web.Response:
         """(node, note, whether it was held) after setting or releasing a hold."""
+        node = request.match_info["node"]
+        refused = bad_node("operator", node)
+        if refused is not None:
+            return refused
         note = await _note(request)
         if isinstance(note, web.Response):
             return note
-        node = request.match_info["node"]
         try:
             was_held = await asyncio.to_thread(ledger.hold, node, held, clock(), note)
         except WRITE_ERRORS as exc:
@@ -115,10 +153,9 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
     async def get_history(request: web.Request) -> web.Response:
         """The node's standing and its newest ``?limit=`` history entries, newest first."""
         node = request.match_info["node"]
-        try:
-            check_node_name(node)
-        except ValueError as exc:
-            return _error(400, "bad_node", str(exc))
+        refused = bad_node("read", node)
+        if refused is not None:
+            return refused
         raw = request.query.get("limit", str(DEFAULT_LIMIT))
         try:
             limit = int(raw)

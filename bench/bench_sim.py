@@ -24,7 +24,7 @@ def _fleet_hour(slice_seconds: float = 960.0) -> Measurement:
     sc = shortened(load_scenario("healthy-1000x24h"), slice_seconds)
     ticks: list[tuple[float, float]] = []
     wall0 = time.perf_counter()
-    run_scenario(sc, progress=lambda done, total: ticks.append((done, time.perf_counter())))
+    run_scenario(sc, progress=lambda done, total, _decisions: ticks.append((done, time.perf_counter())))
     wall = time.perf_counter() - wall0
     # Start-up (1,000 FakeNvml, collectors, sysfs) once, then the per-simulated-second rate; the
     # slice spans one round of the quiet nodes' 900 s GPU collection, so the rate carries its share.

@@ -70,7 +70,7 @@ from vigil.sim.training import JobFault, JobModel, StepBatch
 
 log = logging.getLogger("vigil.sim")
 
-Progress = Callable[[float, float], None]  # (simulated seconds done, total)
+Progress = Callable[[float, float, int], None]  # (simulated seconds done, total, decisions so far)
 
 
 # Simulated process ids: job i's rank r runs as (i + 1) * _PID_STRIDE + 1 + r (ranks < 1,000,000).
@@ -782,7 +782,7 @@ class Simulation:
             reporting.append(n_reporting)
             silent.append(sum(1 for n in self.nodes.values() if n.silent))
             if self._progress is not None:
-                self._progress(t, sc.duration_seconds)
+                self._progress(t, sc.duration_seconds, len(decisions))
         rejected: dict[str, int] = {}
         for node in self.nodes.values():
             for reason, n in getattr(node.training, "_rejected", {}).items():

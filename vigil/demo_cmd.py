@@ -3,7 +3,9 @@
 Starts one aggregator and a handful of agent processes (fake 8x H100 nodes), runs a small
 synchronous training job that sends heartbeats to every agent, injects one fault of a few kinds
 (a fatal Xid in a kernel log, a GPU-level fault from a FakeNvml scenario, a slow node), and shows
-nodes, GPUs and decisions as they happen. Every process it starts is stopped by pid at the end.
+nodes, GPUs and decisions as they happen. The aggregator runs in dry run: the demo says so at the
+start, on its view and on every decision, and nothing is acted on. Every process it starts is
+stopped by pid at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import urllib.error
@@ -45,6 +48,13 @@ XID_AT_SECONDS = 15.0
 SLOW_FROM_SECONDS = 5.0
 XID_LINE = ("NVRM: Xid (PCI:0000:19:00): 79, pid='<unknown>', name=<unknown>, "
             "GPU has fallen off the bus.\n")
+
+
+DRY_RUN_BANNER = ("vigil demo: DRY RUN. The aggregator decides and records, and nothing is acted on: "
+                  "no node is drained, reset or rebooted, no scheduler or alert receiver is called.")
+WRAP_COLUMNS = 100  # a decision's reason wraps at this width; it is never cut off
+REASON_INDENT = " " * 6
+DECISIONS_HEADER = "decisions (dry run: recorded, not acted on):"
 
 
 def add_parser(sub: Any) -> None:
@@ -159,8 +169,9 @@ def _gpu_table(node: Node) -> list[str]:
 
 
 def _render(nodes: list[Node], agg: str, started: float, decisions: list[dict[str, Any]]) -> str:
-    lines = [f"vigil demo  t={time.time() - started:5.1f}s   aggregator {agg}", ""]
-    lines.append(f"{'node':<13} {'fault':<52} {'GPUs ok':>7} {'hot':>4} {'max C':>6} {'state':<10}")
+    lines = [f"vigil demo (DRY RUN: nothing is acted on)  t={time.time() - started:5.1f}s   aggregator {agg}", ""]
+    fault_chars = max(len(n.fault) for n in nodes)  # the whole description: never cut off
+    lines.append(f"{'node':<13} {'fault':<{fault_chars}} {'GPUs ok':>7} {'hot':>4} {'max C':>6} {'state':<10}")
     try:
         agg_nodes = {n["node"]: n for n in _get_json(f"{agg}/v1/nodes").get("nodes", [])}
     except (urllib.error.URLError, OSError, ValueError):
@@ -174,16 +185,27 @@ def _render(nodes: list[Node], agg: str, started: float, decisions: list[dict[st
         temps = [g["temperature_celsius"] for g in gpus if g.get("temperature_celsius") is not None]
         throttled = sum(1 for g in gpus if g.get("clock_event_reasons"))
         agg_state = str(agg_nodes.get(node.name, {}).get("state", "?"))
-        lines.append(f"{node.name:<13} {node.fault[:52]:<52} {ok:>4}/{len(gpus):<2} {throttled:>4} "
+        lines.append(f"{node.name:<13} {node.fault:<{fault_chars}} {ok:>4}/{len(gpus):<2} {throttled:>4} "
                      f"{(max(temps) if temps else 0):>6.0f} {agg_state:<10}")
-    lines += ["", *_gpu_table(next(n for n in nodes if n.name == TABLE_NODE)), "", "decisions:"]
-    for d in decisions[-12:]:
-        where = d["node"] + (f" gpu {d['gpu']}" if d.get("gpu") is not None else "")
-        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(d['ts']))}  {d['action']:<16} {where:<20} "
-                     f"[{d['detector']}] {d['reason'][:70]}")
-    if not decisions:
-        lines.append("  (none yet)")
+    lines += ["", *_gpu_table(next(n for n in nodes if n.name == TABLE_NODE)), "",
+              DECISIONS_HEADER, *decision_lines(decisions[-12:])]
     return "\n".join(lines)
+
+
+def decision_lines(decisions: list[dict[str, Any]]) -> list[str]:
+    """Each decision on a line of its own, marked dry run (or ACTED ON, were it not), and its reason
+    in full below it, wrapped at WRAP_COLUMNS."""
+    if not decisions:
+        return ["  (none yet)"]
+    out = []
+    for d in decisions:
+        where = (d.get("node") or f"job {d.get('job')}") + (f" gpu {d['gpu']}" if d.get("gpu") is not None else "")
+        acted = "dry run, not acted on" if d.get("dry_run", True) else "ACTED ON"
+        out.append(f"  {time.strftime('%H:%M:%S', time.localtime(d['ts']))}  {d['action']:<16} {where:<20} "
+                   f"[{d['detector']}] ({acted})")
+        out += textwrap.wrap(str(d["reason"]), WRAP_COLUMNS, initial_indent=REASON_INDENT,
+                             subsequent_indent=REASON_INDENT, break_long_words=False, break_on_hyphens=False)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     agg = f"http://127.0.0.1:{agg_port}"
     nodes = [Node(n, s, f, _free_port(), _free_port(), workdir / f"{n}.kmsg") for n, s, f in NODES]
     decisions: list[dict[str, Any]] = []
+    print(DRY_RUN_BANNER, flush=True)
     try:
         agg_log = open(workdir / "aggregator.log", "wb")  # noqa: SIM115 - closed with the process
         # Dry run (nothing is acted on), and a breaker that lets the demo's 4 faulty nodes of 5
@@ -252,9 +275,9 @@ def run(args: argparse.Namespace) -> int:
             if tty:
                 sys.stdout.write("\x1b[2J\x1b[H" + view + "\n")
                 sys.stdout.flush()
-            elif view.split("decisions:")[1] != last_printed:
+            elif view.split(DECISIONS_HEADER)[1] != last_printed:
                 print(view, flush=True)
-                last_printed = view.split("decisions:")[1]
+                last_printed = view.split(DECISIONS_HEADER)[1]
             time.sleep(1.0)
     except (RuntimeError, OSError) as exc:
         print(f"vigil demo: {exc} (logs in {workdir})", file=sys.stderr)
@@ -272,11 +295,13 @@ def run(args: argparse.Namespace) -> int:
                 p.wait(5)
     summary = {"decisions": decisions, "nodes": [{"node": n.name, "fault": n.fault} for n in nodes]}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("\nsummary:")
+    print("\nsummary (dry run: none of these decisions was acted on):")
     by_node: dict[str, list[str]] = {}
     for d in decisions:
         by_node.setdefault(d["node"], []).append(f"{d['action']} ({d['detector']})")
+    fault_chars = max(len(n.fault) for n in nodes)
     for n in nodes:
-        print(f"  {n.name:<13} fault: {n.fault:<55} -> {', '.join(by_node.get(n.name, [])) or 'no decision'}")
-    print(f"\nlogs, the decision store and summary.json are in {workdir}")
+        taken = ", ".join(by_node.get(n.name, [])) or "no decision"
+        print(f"  {n.name:<13} fault: {n.fault:<{fault_chars}} -> {taken}")
+    print(f"\nlogs, the decision store and summary.json (each decision's reason in full) are in {workdir}")
     return 0

@@ -4,7 +4,10 @@ They talk to the running service (``--url``, with the operator's bearer token fr
 ``--token-file``), never to its store, so the service that owns the gate's state is the one that
 changes it: show the gate's state, show or reset the circuit breaker, hold a node (automation
 leaves it alone) or resume it, show a node's remediation history, start a group-testing isolation
-of a set of nodes (a freshly repaired set) and list isolations. They decide nothing themselves.
+of a set of nodes (a freshly repaired set) and list isolations. A node is named exactly: a Slurm
+hostlist or glob (``vnode[1-5]``) is refused before any request, never expanded (an expansion that
+failed half-way would leave a set half held; the shell and ``scontrol show hostnames`` expand it
+visibly). They decide nothing themselves.
 """
 
 from __future__ import annotations
@@ -15,16 +18,37 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:9500"
 TIMEOUT_SECONDS = 10.0
+NODE_HELP = "the node's exact name, as its agent reports it (a hostlist is refused, not expanded)"
 
 
 class ApiError(Exception):
     pass
+
+
+def node_name(command: str) -> Callable[[str], str]:
+    """argparse's type for ``command``'s node argument: one node's exact name (the aggregator's
+    own rule), refused with the loop that does what a hostlist meant."""
+
+    def check(text: str) -> str:
+        from vigil.aggregator.operator_api import node_name_refusal
+
+        why = node_name_refusal(text)
+        if why is None:
+            return text
+        if "hostlist" in why:
+            expand = f"$(scontrol show hostnames '{text[:80]}')"
+            why += (f"; e.g. vigil aggregator isolate {expand}" if command == "isolate" else
+                    f"; e.g. for n in {expand}; do vigil aggregator {command} \"$n\"; done")
+        raise argparse.ArgumentTypeError(why)
+
+    return check
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -43,13 +67,13 @@ def add_breaker_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_node_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("node", help="the node's name, as its agent reports it")
+    p.add_argument("node", type=node_name(p.prog.rsplit(" ", 1)[-1]), help=NODE_HELP)
     p.add_argument("--note", default="", help="why (kept with the hold and in the resume's reason)")
     _common(p)
 
 
 def add_history_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("node", help="the node's name, as its agent reports it")
+    p.add_argument("node", type=node_name("history"), help=NODE_HELP)
     p.add_argument("--limit", type=int, default=100, metavar="N",
                    help="the newest N entries (1..1000, default 100), printed oldest first")
     _common(p)
@@ -195,7 +219,9 @@ def history(args: argparse.Namespace) -> int:
 
 
 def add_isolate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("nodes", nargs="+", metavar="NODE", help="the nodes to isolate the faulty ones among")
+    p.add_argument("nodes", nargs="+", metavar="NODE", type=node_name("isolate"),
+                   help="the nodes to isolate the faulty ones among, each by its exact name "
+                        "(a hostlist: $(scontrol show hostnames 'vnode[1-5]'))")
     p.add_argument("--d-hint", type=int, default=1, metavar="K", help="how many are expected faulty (default 1)")
     p.add_argument("--note", default="", help="why (kept with the isolation)")
     _common(p)

@@ -3,7 +3,9 @@
 Prints a short verdict (or one JSON object with ``--json``) with the jobs' goodput (ETTR and the
 GPU time lost by stage, without vigil, with it and for an oracle: sim/goodput.py), optionally
 writes a report page with plots, and exits 0 only when every expectation is met, every removal is justified and nothing
-forbidden happened. A progress bar goes to stderr when it is a terminal. It decides nothing itself: sim.score does.
+forbidden happened. Progress goes to stderr, never stdout (so ``--json`` stays one JSON object): a bar
+on a terminal, otherwise a line at most every ``--progress-every`` wall seconds (simulated time, %
+done, decisions so far). It decides nothing itself: sim.score does.
 """
 
 from __future__ import annotations
@@ -12,8 +14,13 @@ import argparse
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
+
+# A line every 5 s of wall time: a minutes-long run shows it is alive without flooding a CI log.
+PROGRESS_EVERY_SECONDS = 5.0
 
 
 def add_parser(sub: Any) -> None:
@@ -28,6 +35,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--duration", type=float, metavar="SECONDS",
                    help="simulate only the first SECONDS (faults and expectations after it are dropped)")
     p.add_argument("--log-level", default="ERROR", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--progress-every", type=float, default=PROGRESS_EVERY_SECONDS, metavar="SECONDS",
+                   help="when stderr is not a terminal: a progress line at most every SECONDS of wall time "
+                        f"(default {PROGRESS_EVERY_SECONDS:g}; 0: every simulated step; a negative value: none)")
 
 
 class ProgressBar:
@@ -38,16 +48,40 @@ class ProgressBar:
         self._width = width
         self._last = -1
 
-    def __call__(self, done: float, total: float) -> None:
+    def __call__(self, done: float, total: float, decisions: int = 0) -> None:
         share = min(1.0, done / total) if total > 0 else 1.0
         filled = int(share * self._width)
         if filled == self._last and share < 1.0:
             return
         self._last = filled
         bar = "#" * filled + "." * (self._width - filled)
-        self._stream.write(f"\r[{bar}] {share * 100:5.1f}%  {done:,.0f}/{total:,.0f} simulated s")
+        self._stream.write(f"\r[{bar}] {share * 100:5.1f}%  {done:,.0f}/{total:,.0f} simulated s, "
+                           f"decisions: {decisions:,}")
         if share >= 1.0:
             self._stream.write("\n")
+        self._stream.flush()
+
+
+class ProgressLines:
+    """One line per ``every_seconds`` of wall time (``clock``), for a stderr that is not a terminal
+    (a log, a pipe, a CI job): simulated time, % done, decisions so far; the last step always."""
+
+    def __init__(self, stream: TextIO, *, every_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._stream = stream
+        self._every_seconds = every_seconds
+        self._clock = clock
+        self._start = clock()
+        self._last = self._start
+
+    def __call__(self, done: float, total: float, decisions: int = 0) -> None:
+        now = self._clock()
+        final = done >= total
+        if not final and now - self._last < self._every_seconds:
+            return
+        self._last = now
+        share = min(1.0, done / total) if total > 0 else 1.0
+        self._stream.write(f"vigil sim: {done:,.0f}/{total:,.0f} simulated s ({share * 100:.1f}%), "
+                           f"decisions so far: {decisions:,}, {now - self._start:,.0f} s wall\n")
         self._stream.flush()
 
 
@@ -69,7 +103,11 @@ def run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"vigil sim: {exc}", file=sys.stderr)
         return 2
-    progress = ProgressBar(sys.stderr) if sys.stderr.isatty() and not args.json else None
+    progress: Callable[[float, float, int], None] | None = None
+    if sys.stderr.isatty():
+        progress = ProgressBar(sys.stderr)
+    elif args.progress_every >= 0:
+        progress = ProgressLines(sys.stderr, every_seconds=args.progress_every)
     result = run_scenario(scenario, seed=args.seed, progress=progress)
     s = score(result)
     data = summary(result, s)

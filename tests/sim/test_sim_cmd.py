@@ -12,7 +12,7 @@ import yaml
 from tests.sim.conftest import next_report, raw
 from vigil.cli import main
 from vigil.sim.scenario import parse_scenario
-from vigil.sim_cmd import ProgressBar
+from vigil.sim_cmd import ProgressBar, ProgressLines
 
 
 def _write(tmp_path: Path, data: dict, name: str = "s.yaml") -> Path:
@@ -65,10 +65,36 @@ def test_report_page_with_plots(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_progress_bar_draws_and_ends_with_a_newline() -> None:
     stream = io.StringIO()
     bar = ProgressBar(stream, width=10)
-    bar(50, 100)
-    bar(100, 100)
+    bar(50, 100, 2)
+    bar(100, 100, 3)
     text = stream.getvalue()
     assert "[#####.....]" in text and "[##########]" in text and text.endswith("\n")
+    assert "decisions: 3" in text
+
+
+def test_json_stdout_stays_one_object_while_progress_lines_go_to_stderr(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, raw("kernel-xid-79"))
+    assert main(["sim", "--scenario", str(path), "--json", "--duration", "120", "--progress-every", "0"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # nothing but the object on stdout
+    lines = captured.err.splitlines()
+    assert len(lines) > 10 and all(line.startswith("vigil sim: ") for line in lines)
+    assert lines[-1].startswith("vigil sim: 120/120 simulated s (100.0%), ")
+    assert f"decisions so far: {len(out['decisions'])}," in lines[-1]
+
+
+def test_progress_lines_are_at_most_one_per_interval_of_wall_time_and_always_the_last() -> None:
+    wall = [100.0]
+    stream = io.StringIO()
+    lines = ProgressLines(stream, every_seconds=5.0, clock=lambda: wall[0])
+    for step in range(1, 13):  # 12 simulated steps, 1 s of wall time each
+        wall[0] += 1.0
+        lines(step * 100.0, 1200.0, step // 4)
+    text = stream.getvalue().splitlines()
+    assert text == ["vigil sim: 500/1,200 simulated s (41.7%), decisions so far: 1, 5 s wall",
+                    "vigil sim: 1,000/1,200 simulated s (83.3%), decisions so far: 2, 10 s wall",
+                    "vigil sim: 1,200/1,200 simulated s (100.0%), decisions so far: 3, 12 s wall"]
 
 
 def test_an_isolation_is_reported_with_its_tests_against_the_information_bound(

@@ -62,6 +62,7 @@ async def test_a_bad_limit_or_a_refused_request_is_one_line_on_stderr(bench: Ben
     no_token = await asyncio.to_thread(main, ["aggregator", "history", "n0", "--url", url])
     err = capsys.readouterr().err
     assert no_token == 1 and "HTTP 401 unauthenticated" in err and len(err.strip().splitlines()) == 1
-    bad_name = await asyncio.to_thread(main, ["aggregator", "history", "n_0", "--url", url,
-                                              "--token-file", token_file(tmp_path)])
-    assert bad_name == 1 and "HTTP 400 bad_node" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad_name:  # refused before any request
+        await asyncio.to_thread(main, ["aggregator", "history", "n_0", "--url", url,
+                                       "--token-file", token_file(tmp_path)])
+    assert bad_name.value.code == 2 and "a node name is a hostname" in capsys.readouterr().err
