@@ -32,7 +32,7 @@ from typing import Any, Literal, Protocol
 from aiohttp import web
 
 from vigil.agent.attribution import UNVERIFIED, ProcessIdentities, Sender, job_key
-from vigil.agent.exporter import CONTENT_TYPE
+from vigil.agent.exporter import encode_for_scraper
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.snapshot import Snapshot
 from vigil.agent.validation import split_host_port
@@ -210,9 +210,9 @@ def make_app(
     """The /metrics listener's application. It may listen on any address; it takes no heartbeat."""
     app = web.Application(client_max_size=1 << 16)
 
-    async def metrics(_: web.Request) -> web.Response:
-        body = render_metrics()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+    async def metrics(request: web.Request) -> web.Response:
+        body, headers = encode_for_scraper(render_metrics(), request.headers.get("Accept-Encoding"))
+        return web.Response(body=body, headers=headers)
 
     async def healthz(_: web.Request) -> web.Response:
         failed = snapshot.failed()
