@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
-from vigil.log_format import add_log_args, configure_logging
+from vigil.log_format import add_log_args, configure_logging, console_line
+
+_LOGGER = "vigil.agent"
 
 
 def add_parser(sub: Any) -> None:
@@ -79,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = _merged_config(args)
     except ConfigError as exc:
-        print(f"vigil agent: {exc}", file=sys.stderr)
+        print(console_line(args.log_format, f"vigil agent: {exc}", logger=_LOGGER, level=logging.ERROR),
+              file=sys.stderr)
         return 2
     from vigil.agent.nvml.scenario import ScenarioError
 
@@ -89,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         seams = make_seams(config, kmsg=args.kmsg, sysfs_root=args.sysfs_root)
         agent = Agent(config, seams, boot_id_path=Path(args.boot_id_file) if args.boot_id_file else BOOT_ID_PATH)
     except (OSError, ValueError, ScenarioError) as exc:
-        print(f"vigil agent: cannot start: {exc}", file=sys.stderr)
+        print(console_line(args.log_format, f"vigil agent: cannot start: {exc}", logger=_LOGGER,
+                           level=logging.ERROR), file=sys.stderr)
         return 2
 
     async def main() -> None:
@@ -97,11 +102,13 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await agent.run(stop, on_ready=lambda addr: print(f"vigil agent listening on {addr}", flush=True))
+        await agent.run(stop, on_ready=lambda addr: print(
+            console_line(args.log_format, f"vigil agent listening on {addr}", logger=_LOGGER), flush=True))
 
     try:
         asyncio.run(main())
     except OSError as exc:
-        print(f"vigil agent: {exc.strerror or exc}", file=sys.stderr)
+        print(console_line(args.log_format, f"vigil agent: {exc.strerror or exc}", logger=_LOGGER,
+                           level=logging.ERROR), file=sys.stderr)
         return 1
     return 0
