@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
 import sys
@@ -25,6 +26,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--backend", choices=("nvml", "fake"), help="NVML backend (overrides nvml.backend)")
     p.add_argument("--scenario", metavar="FILE|NAME", help="fake backend scenario (overrides nvml.scenario)")
     p.add_argument("--listen", metavar="HOST:PORT", help="HTTP address for /metrics (overrides listen)")
+    p.add_argument("--heartbeat-listen", metavar="HOST:PORT",
+                   help="node-local heartbeat address, UDP and HTTP (overrides collectors.training.udp_listen; "
+                        "a second agent on one host needs its own)")
+    p.add_argument("--heartbeat-socket", metavar="PATH",
+                   help="heartbeat Unix socket (overrides collectors.training.unix_socket; a second agent on "
+                        "one host needs its own)")
     p.add_argument("--node", help="node name (overrides node; default: the hostname)")
     p.add_argument("--aggregator", metavar="URL", help="aggregator base URL (overrides aggregator.url)")
     p.add_argument("--token-file", metavar="FILE", help="bearer token for the aggregator")
@@ -48,6 +55,10 @@ def _merged_config(args: argparse.Namespace) -> Any:
         data.setdefault("nvml", {})["scenario"] = args.scenario
     if args.listen:
         data["listen"] = args.listen
+    if args.heartbeat_listen:
+        data.setdefault("collectors", {}).setdefault("training", {})["udp_listen"] = args.heartbeat_listen
+    if args.heartbeat_socket:
+        data.setdefault("collectors", {}).setdefault("training", {})["unix_socket"] = args.heartbeat_socket
     if args.node:
         data["node"] = args.node
     if args.aggregator:
@@ -108,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(main())
     except OSError as exc:
-        print(console_line(args.log_format, f"vigil agent: {exc.strerror or exc}", logger=_LOGGER,
+        hint = ("; another process holds it (a second agent on this host needs its own --listen, "
+                "--heartbeat-listen and --heartbeat-socket)" if exc.errno == errno.EADDRINUSE else "")
+        print(console_line(args.log_format, f"vigil agent: {exc.strerror or exc}{hint}", logger=_LOGGER,
                            level=logging.ERROR), file=sys.stderr)
         return 1
     return 0
