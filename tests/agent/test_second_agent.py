@@ -4,6 +4,7 @@ setting and the flag (no traceback), and never takes over the first agent's Unix
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tests.loopback import free_port
+from tests.pidfile import stop_children
 
 START_TIMEOUT_SECONDS = 30
 
@@ -25,19 +27,14 @@ def _command(tmp_path: Path, node: str, heartbeat_port: int, sock: Path) -> list
 
 
 @contextmanager
-def _running(command: list[str], log: Path) -> Iterator[subprocess.Popen[str]]:
-    with log.open("w") as err, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+def _running(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("w") as err, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err) as proc:
         try:
             assert proc.stdout is not None
-            assert "listening on" in proc.stdout.readline(), log.read_text()
+            assert b"listening on" in proc.stdout.readline(), log.read_text()
             yield proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            stop_children([proc])
 
 
 def _refused(command: list[str]) -> str:
@@ -57,6 +54,12 @@ def test_a_second_agent_on_one_host_fails_fast_on_a_taken_listener_and_runs_on_i
         line = _refused(_command(tmp_path, "second", first_port, second_sock))
         assert f"cannot listen on 127.0.0.1:{first_port} (collectors.training.udp_listen)" in line
         assert "--heartbeat-listen" in line
+        # with --log-format json, the refusal is one JSON line too, as every line before it
+        done = subprocess.run([*_command(tmp_path, "second", first_port, second_sock), "--log-format", "json"],
+                              capture_output=True, text=True, timeout=START_TIMEOUT_SECONDS, check=False)
+        assert done.returncode == 1
+        records = [json.loads(raw) for raw in (done.stdout + done.stderr).splitlines()]
+        assert records[-1]["level"] == "ERROR" and "--heartbeat-listen" in records[-1]["message"]
         # its own port, the first agent's Unix socket: refused, the first's socket untouched
         line = _refused(_command(tmp_path, "second", second_port, first_sock))
         assert f"cannot listen on {first_sock} (collectors.training.unix_socket)" in line
