@@ -395,7 +395,7 @@ def process_samples(gpu_labels: tuple[tuple[str, str], ...], processes: Iterable
 
 
 def kubernetes_labels(samples: Iterable[Sample]) -> dict[str, dict[str, str]]:
-    """For the dcgm-exporter compatibility layer: GPU index (the ``gpu`` label) -> dcgm-exporter's
+    """For the dcgm-exporter compatibility layer: GPU uuid (the ``uuid`` label) -> dcgm-exporter's
     ``pod``, ``namespace``, ``container`` label values, from the snapshot's
     ``vigil_gpu_process_info`` samples. Only GPUs with a process in a pod whose names a resolver
     gave appear (dcgm-exporter labels a GPU only when the kubelet names its pod); the first such
@@ -405,9 +405,9 @@ def kubernetes_labels(samples: Iterable[Sample]) -> dict[str, dict[str, str]]:
         if s.name != PROCESS_INFO.name:
             continue
         labels = dict(s.labels)
-        gpu = labels.get("gpu", "")
-        if gpu in out or not labels.get("pod"):
+        uuid = labels.get("uuid", "")
+        if uuid in out or not labels.get("pod"):
             continue
-        out[gpu] = {"pod": labels["pod"], "namespace": labels.get("namespace", ""),
+        out[uuid] = {"pod": labels["pod"], "namespace": labels.get("namespace", ""),
                     "container": labels.get("container", "")}
     return out

@@ -5,8 +5,10 @@ mJ, MiB, percent), so a site's dcgm-exporter dashboards and alerts keep working 
 
 It reads only the snapshot's samples (never NVML) and converts; a value vigil does not have
 (the vGPU licence, which exists only inside a vGPU guest; the DCP profiling fields before Hopper;
-NVLink bandwidth on a GPU without NVLink) is absent, never faked. It does not attribute GPUs to pods: a
-caller hands it `pod_labels` (see PodLabels). The vigil_* series stay the primary interface.
+NVLink bandwidth on a GPU without NVLink) is absent, never faked. It attributes no GPU to a pod
+itself: a GPU's pod, namespace and container come from the snapshot's `vigil_gpu_process_info`
+(agent.attribution: the process's cgroup, named by its runtime bundle) or a `pod_labels` hook. The
+vigil_* series stay the primary interface.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector as PromCollector
 
+from vigil.agent.attribution import PROCESS_INFO, kubernetes_labels
 from vigil.agent.metric import Sample
 from vigil.agent.validation import StrictModel
 
@@ -234,9 +237,9 @@ class DcgmCompatCollector(PromCollector):
     """A prometheus-client collector yielding ``DCGM_FI_DEV_*`` families from vigil samples.
 
     ``samples`` is the snapshot's sample source (``Snapshot.samples``); ``hostname`` fills the
-    ``hostname`` label; ``pod_labels`` (optional) gives each attributed GPU's pod, namespace and
-    container; ``clock`` (seconds, monotonic) times the DCGM_EXP_* windows. Register it in the
-    agent's registry.
+    ``hostname`` label; ``pod_labels`` (optional; default: from the samples' process attribution)
+    gives each attributed GPU's pod, namespace and container; ``clock`` (seconds, monotonic) times
+    the DCGM_EXP_* windows. Register it in the agent's registry.
     """
 
     def __init__(self, samples: Callable[[], Iterable[Sample]], hostname: str = "",
@@ -268,7 +271,8 @@ class DcgmCompatCollector(PromCollector):
         identities = self._identities(by_name)
         if not identities:
             return
-        self._pods = self._pod_labels() if self._pod_labels is not None else {}
+        self._pods = self._pod_labels() if self._pod_labels is not None else \
+            kubernetes_labels(by_name.get(PROCESS_INFO.name, ()))
         now = self._clock()
         for f in FIELDS:
             family = self._family(f, by_name.get(f.source, ()), identities)

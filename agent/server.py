@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import grp
 import ipaddress
 import json
@@ -32,7 +33,7 @@ from typing import Any, Literal, Protocol
 from aiohttp import web
 
 from vigil.agent.attribution import UNVERIFIED, ProcessIdentities, Sender, job_key
-from vigil.agent.exporter import CONTENT_TYPE
+from vigil.agent.exporter import encode_for_scraper
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.snapshot import Snapshot
 from vigil.agent.validation import split_host_port
@@ -210,9 +211,9 @@ def make_app(
     """The /metrics listener's application. It may listen on any address; it takes no heartbeat."""
     app = web.Application(client_max_size=1 << 16)
 
-    async def metrics(_: web.Request) -> web.Response:
-        body = render_metrics()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+    async def metrics(request: web.Request) -> web.Response:
+        body, headers = encode_for_scraper(render_metrics(), request.headers.get("Accept-Encoding"))
+        return web.Response(body=body, headers=headers)
 
     async def healthz(_: web.Request) -> web.Response:
         failed = snapshot.failed()
@@ -362,14 +363,30 @@ def _gid(group: str) -> int:
     return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
 
 
+def _socket_is_served(path: str) -> bool:
+    """Whether a process has a datagram socket bound at ``path``: connect() reaches it, where a
+    stale one left by a process that exited is refused (unix(7): ECONNREFUSED)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 async def start_unix(intake: HeartbeatIntake, path: str, mode: int = 0o666, group: str | None = None) -> UnixHeartbeats:
     """A datagram socket at ``path`` that receives its senders' credentials (SO_PASSCRED), mode
     ``mode`` and, if given, group ``group`` (a name or gid). A stale socket from a previous run is
-    replaced; any other file there stops start-up rather than being deleted."""
+    replaced; one another process still serves (a second agent on the host), or any other file
+    there, stops start-up rather than being deleted."""
     target = Path(path)
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISSOCK(target.lstat().st_mode):
             raise OSError(f"{path} exists and is not a socket; refusing to replace it")
+        if _socket_is_served(path):  # another agent's: replacing it would take its heartbeats
+            raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
         target.unlink()
     try:
         gid = _gid(group) if group is not None else -1

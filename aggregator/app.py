@@ -33,6 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
+from vigil.agent.exporter import encode_for_scraper
 from vigil.agent.validation import ConfigError
 from vigil.agent.wire import REPORT_VERSIONS, Report, SchemaError, WireError, decode_report, encode, to_readable
 from vigil.aggregator.actuators import Actuator, DeliveryError, build_actuators
@@ -655,8 +656,10 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         # Delivery errors and evidence may quote a configured URL: never its password or key.
         return web.json_response(redact_json(body))
 
-    async def metrics_handler(_: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    async def metrics_handler(request: web.Request) -> web.Response:
+        body, headers = encode_for_scraper(metrics.render(), request.headers.get("Accept-Encoding"),
+                                           CONTENT_TYPE)
+        return web.Response(body=body, headers=headers)
 
     def acting_path() -> tuple[dict[str, Any], list[str]]:
         """The acting path at a glance for /healthz, and what stalls it (empty: nothing)."""

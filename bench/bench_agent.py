@@ -19,6 +19,7 @@ from pathlib import Path
 
 from bench.measure import Measurement
 from vigil.agent.attribution import IN_PROCESS
+from vigil.agent.exporter import GZIP_LEVEL, encode_for_scraper
 from vigil.agent.runner import collect_once
 from vigil.agent.wire import COMPACT_VERSIONS, SPARSE_VERSION, WIRE_VERSION
 from vigil.agent_reports import INTERVAL_SECONDS, Clock, agent_reports, build_agent
@@ -80,12 +81,18 @@ def measure() -> list[Measurement]:
                 body = agent.render_metrics()
                 renders.append(time.perf_counter() - start)
             series = sum(1 for line in body.splitlines() if not line.startswith(b"#"))
+            gzips: list[float] = []
+            for _ in range(RENDERS):
+                start = time.perf_counter()
+                wire, _headers = encode_for_scraper(body, "gzip")
+                gzips.append(time.perf_counter() - start)
         finally:
             for c in agent.collectors:
                 c.close()
     cpu_ms = sum(per_collector.values()) / SECONDS * 1000
     breakdown = ", ".join(f"{n} {v / SECONDS * 1000:.2f}" for n, v in sorted(per_collector.items()))
     renders.sort()
+    gzips.sort()
     p99_ms = renders[int(len(renders) * 0.99) - 1] * 1000
     build = {v: sorted(report_build_seconds(v)) for v in (WIRE_VERSION, SPARSE_VERSION)}
     mean_us = {v: sum(xs) / len(xs) * 1e6 for v, xs in build.items()}
@@ -106,6 +113,10 @@ def measure() -> list[Measurement]:
                          "docs/architecture.md section 9"),
         Measurement("/metrics render, 8-GPU node (p99)", p99_ms, "ms", 2.0,
                     note=f"{series} series, {len(body) / 1024:.0f} KiB, {RENDERS} renders"),
+        Measurement("/metrics gzip for a scraper that accepts it, 8-GPU node (p99)",
+                    gzips[int(len(gzips) * 0.99) - 1] * 1000, "ms", None,
+                    note=f"level {GZIP_LEVEL}: {len(body) / 1024:.0f} KiB -> {len(wire) / 1024:.1f} KiB "
+                         f"on the wire; {RENDERS} encodings"),
     ]
 
 

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import logging
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
-from vigil.log_format import add_log_args, configure_logging
+from vigil.log_format import add_log_args, configure_logging, console_line
+
+_LOGGER = "vigil.agent"
 
 
 def add_parser(sub: Any) -> None:
@@ -22,6 +26,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--backend", choices=("nvml", "fake"), help="NVML backend (overrides nvml.backend)")
     p.add_argument("--scenario", metavar="FILE|NAME", help="fake backend scenario (overrides nvml.scenario)")
     p.add_argument("--listen", metavar="HOST:PORT", help="HTTP address for /metrics (overrides listen)")
+    p.add_argument("--heartbeat-listen", metavar="HOST:PORT",
+                   help="node-local heartbeat address, UDP and HTTP (overrides collectors.training.udp_listen; "
+                        "a second agent on one host needs its own)")
+    p.add_argument("--heartbeat-socket", metavar="PATH",
+                   help="heartbeat Unix socket (overrides collectors.training.unix_socket; a second agent on "
+                        "one host needs its own)")
     p.add_argument("--node", help="node name (overrides node; default: the hostname)")
     p.add_argument("--aggregator", metavar="URL", help="aggregator base URL (overrides aggregator.url)")
     p.add_argument("--token-file", metavar="FILE", help="bearer token for the aggregator")
@@ -45,6 +55,10 @@ def _merged_config(args: argparse.Namespace) -> Any:
         data.setdefault("nvml", {})["scenario"] = args.scenario
     if args.listen:
         data["listen"] = args.listen
+    if args.heartbeat_listen:
+        data.setdefault("collectors", {}).setdefault("training", {})["udp_listen"] = args.heartbeat_listen
+    if args.heartbeat_socket:
+        data.setdefault("collectors", {}).setdefault("training", {})["unix_socket"] = args.heartbeat_socket
     if args.node:
         data["node"] = args.node
     if args.aggregator:
@@ -79,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = _merged_config(args)
     except ConfigError as exc:
-        print(f"vigil agent: {exc}", file=sys.stderr)
+        print(console_line(args.log_format, f"vigil agent: {exc}", logger=_LOGGER, level=logging.ERROR),
+              file=sys.stderr)
         return 2
     from vigil.agent.nvml.scenario import ScenarioError
 
@@ -89,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         seams = make_seams(config, kmsg=args.kmsg, sysfs_root=args.sysfs_root)
         agent = Agent(config, seams, boot_id_path=Path(args.boot_id_file) if args.boot_id_file else BOOT_ID_PATH)
     except (OSError, ValueError, ScenarioError) as exc:
-        print(f"vigil agent: cannot start: {exc}", file=sys.stderr)
+        print(console_line(args.log_format, f"vigil agent: cannot start: {exc}", logger=_LOGGER,
+                           level=logging.ERROR), file=sys.stderr)
         return 2
 
     async def main() -> None:
@@ -97,11 +113,15 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await agent.run(stop, on_ready=lambda addr: print(f"vigil agent listening on {addr}", flush=True))
+        await agent.run(stop, on_ready=lambda addr: print(
+            console_line(args.log_format, f"vigil agent listening on {addr}", logger=_LOGGER), flush=True))
 
     try:
         asyncio.run(main())
     except OSError as exc:
-        print(f"vigil agent: {exc.strerror or exc}", file=sys.stderr)
+        hint = ("; another process holds it (a second agent on this host needs its own --listen, "
+                "--heartbeat-listen and --heartbeat-socket)" if exc.errno == errno.EADDRINUSE else "")
+        print(console_line(args.log_format, f"vigil agent: {exc.strerror or exc}{hint}", logger=_LOGGER,
+                           level=logging.ERROR), file=sys.stderr)
         return 1
     return 0

@@ -19,7 +19,7 @@ from typing import Any
 
 from vigil import __version__, operator_cmd
 from vigil.decisions_cmd import add_decisions_args, decisions
-from vigil.log_format import add_log_args, configure_logging
+from vigil.log_format import add_log_args, configure_logging, console_line
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -60,7 +60,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = _merged_config(args)
     except ConfigError as exc:
-        print(f"vigil aggregator: {exc}", file=sys.stderr)
+        print(console_line(args.log_format, f"vigil aggregator: {exc}", logger="vigil.aggregator",
+                           level=logging.ERROR), file=sys.stderr)
         return 2
     if args.check:
         from pathlib import Path
@@ -98,17 +99,20 @@ def serve(args: argparse.Namespace) -> int:
         def ready(addr: str) -> None:
             # The log line carries the release, so a log search shows which version ran when.
             logging.getLogger("vigil.aggregator").info("vigil aggregator %s on %s%s", __version__, addr, dry)
-            print(f"vigil aggregator listening on {addr}{dry}", flush=True)
+            print(console_line(args.log_format, f"vigil aggregator listening on {addr}{dry}",
+                               logger="vigil.aggregator"), flush=True)
 
         await serve_app(config, stop=stop, on_ready=ready)
 
     try:
         asyncio.run(main())
     except (ConfigError, StoreError) as exc:
-        print(f"vigil aggregator: {exc}", file=sys.stderr)
+        print(console_line(args.log_format, f"vigil aggregator: {exc}", logger="vigil.aggregator",
+                           level=logging.ERROR), file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"vigil aggregator: {exc.strerror or exc}", file=sys.stderr)
+        print(console_line(args.log_format, f"vigil aggregator: {exc.strerror or exc}", logger="vigil.aggregator",
+                           level=logging.ERROR), file=sys.stderr)
         return 1
     return 0
 

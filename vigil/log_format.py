@@ -6,8 +6,9 @@ exception, ``exc``. Whatever the format, what a record quotes (a job name, a dra
 agent's detail: text an outsider chose) cannot forge a line or reach a terminal as a control
 sequence: in text, control characters in the message (its arguments included) are written as
 escapes (``\\n``, ``\\x1b``, ``\\u2028``) and a traceback's lines are indented under its record; in
-JSON they are JSON escapes. It configures the root logger only; it decides nothing about what is
-logged.
+JSON they are JSON escapes. The commands' own console lines (the "listening on" line a supervisor
+waits for on stdout, a fatal start-up error) take the same format through ``console_line``. It
+configures the root logger only; it decides nothing about what is logged.
 """
 
 from __future__ import annotations
@@ -94,6 +95,16 @@ class JsonFormatter(logging.Formatter):
         text = json.dumps(line, ensure_ascii=False)
         # They can only be inside strings there, where \uXXXX stands for the same character.
         return _UNSAFE_IN_JSON.sub(_json_escape, text) if _UNSAFE_IN_JSON.search(text) else text
+
+
+def console_line(fmt: str, message: str, *, logger: str, level: int = logging.INFO) -> str:
+    """``message`` as the command prints it outside logging (``--log-format text``: as it is, the
+    line operators and scripts know) or, with ``json``, as one JSON object like every log line: a
+    pipeline reading the output in JSON never meets a plain-text line."""
+    if fmt != "json":
+        return message
+    record = logging.LogRecord(logger, level, __file__, 0, message, None, None)
+    return JsonFormatter().format(record)
 
 
 def configure_logging(level: str, fmt: str) -> None:

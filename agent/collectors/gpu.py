@@ -30,6 +30,7 @@ from vigil.agent.nvml.backend import (
     PynvmlBackend,
     error_reason,
 )
+from vigil.agent.pod_names import BUNDLE_TEMPLATES, BundlePodNames
 from vigil.agent.wire import Event, GpuHealth, GpuState
 
 if TYPE_CHECKING:
@@ -54,6 +55,10 @@ class GpuConfig(CollectorConfig):
     # The process table job attribution reads (/proc/<pid>/cgroup, environ); None: the agent's
     # (/proc). A test or a containerised agent with the host's /proc mounted elsewhere sets it.
     proc_root: str | None = None
+    # Container runtime bundles ({id}: the container id of a process's cgroup) whose CRI annotations
+    # name a GPU process's pod, namespace and container (agent.pod_names): containerd's, then
+    # CRI-O's. A containerised agent needs them mounted read-only at these paths; [] names no pod.
+    pod_name_bundles: list[str] = Field(default_factory=lambda: list(BUNDLE_TEMPLATES))
 
 
 _G = ("gpu", "uuid")
@@ -555,6 +560,8 @@ class GpuCollector:
 
 def build(config: AgentConfig, seams: Seams, resolver: PodResolver | None = None) -> GpuCollector:
     proc_root = Path(config.collectors.gpu.proc_root) if config.collectors.gpu.proc_root else seams.proc_root
+    if resolver is None and config.collectors.gpu.pod_name_bundles:
+        resolver = BundlePodNames(config.collectors.gpu.pod_name_bundles)
     attribution = ProcessAttribution(seams.nvml, proc_root=proc_root, resolver=resolver,
                                      interval_seconds=config.collectors.gpu.job_attribution_interval_seconds)
     return GpuCollector(config.collectors.gpu, seams.nvml, seams.clock, attribution)

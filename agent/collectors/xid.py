@@ -376,7 +376,10 @@ def open_kernel_log(config: XidConfig, kmsg: str | Path | IO[str] | None, *, spa
         return StreamReader(kmsg, queue_max_lines=config.queue_max_lines)
     if kmsg is not None:
         path = Path(kmsg)
-        source = "kmsg" if stat.S_ISCHR(path.stat().st_mode) else "file"
+        try:
+            source = "kmsg" if stat.S_ISCHR(path.stat().st_mode) else "file"
+        except FileNotFoundError:  # not there yet: a file, read from its beginning once it appears
+            source = "file"
     else:
         source = config.source
         path = Path(config.path or DEFAULT_KMSG)

@@ -30,15 +30,19 @@ def test_json_log_lines_parse(tmp_path: Path, command: str) -> None:
             cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
         try:
             assert proc.stdout is not None
-            assert "listening on" in proc.stdout.readline(), log.read_text()
+            ready = proc.stdout.readline()
+            assert "listening on" in ready, log.read_text()
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0, log.read_text()
+            out = ready + proc.stdout.read()
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
-    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    # Every line on either stream, the ready line a supervisor waits for included (issue 41).
+    lines = [json.loads(line) for line in (out + log.read_text()).splitlines() if line.strip()]
     assert lines, "no log lines"
+    assert json.loads(ready)["message"].startswith(f"vigil {command} listening on 127.0.0.1:")
     for line in lines:
         assert {"ts", "level", "logger", "message"} <= line.keys()
         assert line["ts"].endswith("+00:00")
