@@ -6,8 +6,10 @@ root, with only these changes: ``/etc/vigil`` and ``/var/lib/`` moved under a te
 ``/opt/vigil/bin/vigil`` replaced by ``python -m vigil`` (this interpreter, or where the service
 user cannot run it, as under a root-only pyenv, the system's of the same version given this
 environment's packages), ``sudo`` dropped (the test is root), and the ``vigil`` user and group
-replaced by a throwaway system user made here and removed after. The negative: the guide's old step 2 (the TLS key left 0600 root-owned, as OpenSSL 3 writes
-it whatever the umask) passes a check run as root and fails the one run as the service's user.
+replaced by a throwaway system user made here and removed after (the shipped configs are copied
+with the same paths moved). The negative: the guide's old step 2 (the TLS key left 0600 and
+root-owned, as OpenSSL 3 writes it whatever the umask) passes a check run as root and fails the
+one run as the service's user.
 """
 
 from __future__ import annotations
