@@ -108,16 +108,16 @@ def store_problems(config: AggregatorConfig, import_module: ImportModule, connec
     path = Path(config.store_path)
     if str(path) == ":memory:":
         return []
-    if path.exists():
-        return [] if os.access(path, os.W_OK) and os.access(path.parent, os.W_OK) else \
-            [f"store_path: {path} (or its directory) is not writable by uid {os.geteuid()}"]
     parent = path.resolve().parent
+    if path.exists():  # SQLite writes its journal beside the file
+        return [] if os.access(path, os.W_OK) and os.access(parent, os.W_OK) else \
+            [f"store_path: {path} or its directory is not writable by uid {os.geteuid()}"]
     # systemd's StateDirectory= creates the directory for the service: a missing one whose own
     # parent exists is fine.
     if parent.is_dir():
         return [] if os.access(parent, os.W_OK) else \
-            [f"store_path: {parent} is not writable by uid {os.geteuid()}"]
-    return [] if parent.parent.is_dir() else [f"store_path: neither {parent} nor its parent exists"]
+            [f"store_path: {path} cannot be created: {parent} is not writable by uid {os.geteuid()}"]
+    return [] if parent.parent.is_dir() else [f"store_path: {path}: neither {parent} nor its parent exists"]
 
 
 def startup_problems(config: AggregatorConfig, *, import_module: ImportModule = importlib.import_module,

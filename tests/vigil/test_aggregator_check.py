@@ -120,3 +120,20 @@ def test_each_problem_is_its_own_line_and_postgresql_must_answer(tmp_path: Path)
                                                   "auth.operator_token_file)", "store.dsn_file"]
     assert problems[2] == "store.dsn_file: cannot connect to PostgreSQL: connection refused Is the server running?"
     assert "kubernetes" in imported and "psycopg" in imported
+
+
+def test_agent_check_builds_the_reporters_tls_context(tmp_path: Path) -> None:
+    """``vigil agent --check``: a CA file that is no certificate fails as the agent's start would."""
+    ca, token = tmp_path / "ca.pem", tmp_path / "token"
+    ca.write_text("not a certificate\n")
+    token.write_text("n1.abc\n")
+    token.chmod(0o600)
+    path = tmp_path / "agent.yml"
+    path.write_text(yaml.safe_dump({"node": "n1", "state_dir": str(tmp_path / "state"), "aggregator": {
+        "url": "https://127.0.0.1:9500", "ca_file": str(ca), "token_file": str(token)}}))
+    checked = subprocess.run([sys.executable, "-m", "vigil", "agent", "--config", str(path), "--check"], cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                                 str(REPO), os.environ.get("PYTHONPATH")]))},
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 2, checked.stdout + checked.stderr
+    assert "aggregator: TLS for https://127.0.0.1:9500 (ca_file, cert_file, key_file): " in checked.stdout
