@@ -63,6 +63,7 @@ from vigil.aggregator.metrics import (
 from vigil.aggregator.node_standing import NodeStanding
 from vigil.aggregator.operator_api import add_isolation_routes, add_no_gate_routes, add_operator_routes
 from vigil.aggregator.outbox import Outbox
+from vigil.aggregator.preflight import check_startable, ha_timing_problem, startup_problems
 from vigil.aggregator.prober import Prober
 from vigil.aggregator.redact import redact_json
 from vigil.aggregator.sink import DecisionSink
@@ -204,14 +205,6 @@ def timing_gc_pauses(metrics: AggregatorMetrics, *,
         yield
     finally:
         gc.callbacks.remove(callback)
-
-
-def check_startable(config: AggregatorConfig, credentials: Credentials) -> None:
-    """ConfigError (one line, why) when this configuration must not serve."""
-    if not config.dry_run and not credentials.any:
-        raise ConfigError("dry_run is false but no credentials are configured (auth.site_secret_file, "
-                          "auth.alertmanager_token_file, auth.operator_token_file): anyone who can reach "
-                          f"{config.listen} could take nodes out; configure them or set dry_run: true")
 
 
 @web.middleware
@@ -820,10 +813,8 @@ def build_sink(config: AggregatorConfig, started: float | None = None) -> tuple[
     if config.store.backend == "postgresql":
         assert config.store.dsn_file is not None  # the config's validator insists
         dsn = read_dsn(config.store.dsn_file)
-        if config.actuators.delivery.poll_seconds * 2 > config.ha.progress_timeout_seconds:
-            raise ConfigError(f"ha.progress_timeout_seconds ({config.ha.progress_timeout_seconds:g}) must be at least "
-                              f"twice actuators.delivery.poll_seconds ({config.actuators.delivery.poll_seconds:g}): an "
-                              "idle leader completes a round every poll")
+        if (ha_problem := ha_timing_problem(config)) is not None:
+            raise ConfigError(ha_problem)
         ha = Leadership(dsn, config.ha.lock_key, progress_timeout_seconds=config.ha.progress_timeout_seconds)
         store = Store("postgresql", dsn=dsn, fence=lambda: ha.holder_pid, lock_key=config.ha.lock_key)
         leadership = ha
@@ -873,7 +864,11 @@ async def check_actuators(dispatcher: Dispatcher, metrics: AggregatorMetrics) ->
 
 async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
                 on_ready: Callable[[str], None] | None = None) -> None:
-    """Run the service until ``stop`` is set (or forever)."""
+    """Run the service until ``stop`` is set (or forever). It refuses to start (ConfigError, every
+    reason on one line) where preflight.startup_problems finds any: ``--check`` runs the same."""
+    problems = startup_problems(config)
+    if problems:
+        raise ConfigError("cannot start: " + "; ".join(problems))
     clock = SteadyClock()  # everything is judged on it: a step of the system clock drains nobody
     sink, dispatcher = build_sink(config, started=clock())
     engine = Engine(config, sink)

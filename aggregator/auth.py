@@ -171,15 +171,18 @@ class Credentials:
             if problem is not None:
                 raise ConfigError(f"auth.{key}: {problem}; refused")
 
-        def token(path: str | None, what: str) -> bytes | None:
-            return read_secret(path, what) if path else None
+        def token(key: str, what: str, min_chars: int = 16) -> bytes | None:
+            path = getattr(config, key)
+            try:
+                return read_secret(path, what, min_chars) if path else None
+            except ConfigError as exc:  # the key path first, as every config error names it
+                raise ConfigError(f"auth.{key}: {exc}") from None
 
         return cls(
-            site_secret=read_secret(config.site_secret_file, "site secret", MIN_SECRET_CHARS)
-            if config.site_secret_file else None,
-            alertmanager=token(config.alertmanager_token_file, "alertmanager token"),
-            operator=token(config.operator_token_file, "operator token"),
-            read=token(config.read_token_file, "read token"),
+            site_secret=token("site_secret_file", "site secret", MIN_SECRET_CHARS),
+            alertmanager=token("alertmanager_token_file", "alertmanager token"),
+            operator=token("operator_token_file", "operator token"),
+            read=token("read_token_file", "read token"),
             kubernetes=TokenReviewer(config.kubernetes) if config.kubernetes.enabled else None,
         )
 

@@ -71,12 +71,27 @@ def _merged_config(args: argparse.Namespace) -> Any:
 
 
 def _check(config: Any, source: str) -> int:
+    """The files the agent reads at start, read as this user (run it as the service's), and each
+    https target's TLS context built as the reporter builds it."""
+    import ssl
+
     from vigil.agent.nvml.scenario import ScenarioError, load_node_scenario
+    from vigil.agent.reporter import client_ssl_context
     from vigil.config_check import report, state_dir_problems, token_file_problems
 
-    problems = [*token_file_problems("aggregator.token_file", config.aggregator.token_file),
-                *token_file_problems("aggregator.ca_file", config.aggregator.ca_file),
+    target = config.aggregator
+    problems = [*(problem for key, path in (("aggregator.token_file", target.token_file),
+                                            ("aggregator.ca_file", target.ca_file),
+                                            ("aggregator.cert_file", target.cert_file),
+                                            ("aggregator.key_file", target.key_file))
+                  for problem in token_file_problems(key, path)),
                 *state_dir_problems("state_dir", config.state_dir)]
+    if not problems:
+        for url in target.targets:
+            try:
+                client_ssl_context(url, target.ca_file, target.cert_file, target.key_file)
+            except (OSError, ssl.SSLError) as exc:
+                problems.append(f"aggregator: TLS for {url} (ca_file, cert_file, key_file): {exc}")
     if config.nvml.backend == "fake" and config.nvml.scenario:
         try:
             load_node_scenario(config.nvml.scenario)

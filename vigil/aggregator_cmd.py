@@ -64,30 +64,11 @@ def serve(args: argparse.Namespace) -> int:
                            level=logging.ERROR), file=sys.stderr)
         return 2
     if args.check:
-        from pathlib import Path
+        from vigil.aggregator.preflight import startup_problems
+        from vigil.config_check import report
 
-        from vigil.aggregator.outbox import followed
-        from vigil.config_check import (
-            exposed_file_problems,
-            key_file_problems,
-            report,
-            state_dir_problems,
-            token_file_problems,
-        )
-
-        # The master key is read at start only where a node action follows a delivery (outbox.FOLLOW_UPS).
-        key_file = config.node_actions.key_file if followed(config) else None
-        return report("aggregator", args.config or "flags",
-                      [*(problem for key in ("site_secret_file", "alertmanager_token_file", "operator_token_file",
-                                             "read_token_file")
-                         for check in (token_file_problems, exposed_file_problems)
-                         for problem in check(f"auth.{key}", getattr(config.auth, key))),
-                       *token_file_problems("tls.cert_file", config.tls.cert_file),
-                       *token_file_problems("tls.key_file", config.tls.key_file),
-                       *key_file_problems("node_actions.key_file", key_file),
-                       *(token_file_problems("store.dsn_file", config.store.dsn_file)
-                         if config.store.backend == "postgresql" else
-                         state_dir_problems("store_path", str(Path(config.store_path).resolve().parent)))])
+        # The service's own start-up checks (it refuses to start on any of them), as this user.
+        return report("aggregator", args.config or "flags", startup_problems(config))
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -2,8 +2,9 @@
 are usable, before a unit is started or a rollout proceeds.
 
 Each check returns the problems it found as ``key.path: what is wrong`` lines; the commands print
-them and exit 2 (or print ``config OK`` and exit 0). It opens files for reading only and creates
-nothing; it does not bind ports or contact the aggregator.
+them and exit 2 (or print ``config OK`` and exit 0). The aggregator's list is the service's own
+(aggregator/preflight.py ``startup_problems``); the agent's file checks are here. It opens files
+for reading only and creates nothing; it does not bind ports or contact the aggregator.
 """
 
 from __future__ import annotations
@@ -22,30 +23,6 @@ def token_file_problems(key: str, path: str | None) -> list[str]:
         return [f"{key}: cannot read {path}: {exc.strerror or exc} (create it: see deploy/slurm/README.md, "
                 "'Create the token')"]
     return [] if text.strip() else [f"{key}: {path} is empty"]
-
-
-def exposed_file_problems(key: str, path: str | None) -> list[str]:
-    """A credential file other users may read (or its group change): the aggregator refuses it
-    at start (aggregator/auth.py, Credentials.load)."""
-    from vigil.agent.credential_file import exposure
-
-    problem = exposure(path) if path else None
-    return [f"{key}: {problem}"] if problem else []
-
-
-def key_file_problems(key: str, path: str | None) -> list[str]:
-    """The node-action master key: readable, hex, at least 32 bytes (what the aggregator reads at
-    start: aggregator/outbox.py read_key_file)."""
-    if path is None:
-        return []
-    from vigil.agent.validation import ConfigError
-    from vigil.aggregator.outbox import read_key_file
-
-    try:
-        read_key_file(path)
-    except ConfigError as exc:
-        return [f"{key}: {exc} (create it: vigil token master-key --out FILE)"]
-    return []
 
 
 def state_dir_problems(key: str, path: str | None) -> list[str]:

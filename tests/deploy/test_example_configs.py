@@ -48,7 +48,7 @@ def test_shipped_configs_start_after_the_documented_token_step(tmp_path: Path) -
 
     before = {c: _check(c, p, tmp_path) for c, p in configs.items()}
     assert before["agent"].returncode == 2 and "aggregator.token_file: cannot read" in before["agent"].stdout
-    assert before["aggregator"].returncode == 2 and "token_file: cannot read" in before["aggregator"].stdout
+    assert before["aggregator"].returncode == 2 and "auth.site_secret_file: cannot read" in before["aggregator"].stdout
 
     _token_step(tmp_path)
     token = (tmp_path / "etc" / "vigil" / "token")

@@ -73,7 +73,8 @@ def test_check_names_an_unusable_master_key(tmp_path: Path) -> None:
     config = tmp_path / "aggregator.yml"
     config.write_text(yaml.safe_dump({
         "store_path": str(tmp_path / "d.sqlite"), "node_actions": {"key_file": str(key)},
-        "actuators": {"kubernetes": {"enabled": True, "reboot": True}}}))
+        # api_url: without it (and without a kubeconfig) the actuator cannot be built and --check says so.
+        "actuators": {"kubernetes": {"enabled": True, "reboot": True, "api_url": "https://127.0.0.1:6443"}}}))
     missing = _check(config)
     assert missing.returncode == 2 and "node_actions.key_file: cannot read node action master key" in missing.stdout
     key.write_text("abcd\n")
