@@ -26,6 +26,9 @@ from pathlib import Path
 
 import pytest
 
+import vigil
+import vigil_heartbeat
+
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "deploy" / "slurm" / "README.md"
 
@@ -41,7 +44,11 @@ def guide_block(name: str) -> str:
 
 
 # PYTHONPATH for an interpreter other than this one: this environment's packages, then the caller's.
-_PACKAGES = os.pathsep.join([*dict.fromkeys((sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])),
+# An editable install finds vigil and vigil_heartbeat through an import hook that a .pth file
+# installs, and .pth files on PYTHONPATH are not read: their folders are named here.
+_PACKAGES = os.pathsep.join([*dict.fromkeys((sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                             str(Path(vigil.__file__).resolve().parents[1]),
+                                             str(Path(vigil_heartbeat.__file__).resolve().parents[1]))),
                              *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
@@ -71,7 +78,8 @@ def _python_for(user: str) -> str | None:
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     for python in (sys.executable, *(p for p in (f"/usr/bin/{version}", f"/usr/local/bin/{version}")
                                       if os.path.exists(p))):
-        probe = run_as_root(f"runuser -u {user} -- {python} -c 'import vigil.aggregator.preflight'", python)
+        probe = run_as_root(f"runuser -u {user} -- {python} -c "
+                            "'import vigil.aggregator.preflight, vigil.agent.daemon'", python)
         if probe.returncode == 0:
             return python
     return None
