@@ -37,6 +37,7 @@ import yaml
 
 from tests import postgres
 from tests.aggregator.fake_kubernetes import FakeKubernetes
+from tests.aggregator.test_tls import self_signed
 from tests.deploy.test_kubernetes_overlays import KUBECTL, objects
 from tests.loopback import free_port
 from vigil import __version__
@@ -103,10 +104,12 @@ def container() -> Iterator[str]:
     subprocess.run([BUILDAH, *STORAGE, "rm", name], capture_output=True, timeout=120)
 
 
-def _run(name: str, *argv: str, volumes: dict[Path, str] | None = None) -> list[str]:
+def _run(name: str, *argv: str, volumes: dict[Path, str] | None = None,
+         env: dict[str, str] | None = None) -> list[str]:
     assert BUILDAH is not None
     binds = [f"--volume={host}:{inside}" for host, inside in (volumes or {}).items()]
-    return [BUILDAH, *STORAGE, "run", "--isolation", "chroot", *binds, name, "--", *argv]
+    envs = [f"--env={key}={value}" for key, value in (env or {}).items()]
+    return [BUILDAH, *STORAGE, "run", "--isolation", "chroot", *binds, *envs, name, "--", *argv]
 
 
 def test_version_runs_as_non_root(container: str) -> None:
@@ -181,12 +184,15 @@ def test_the_kubernetes_actuator_imports_and_the_kured_config_checks(container: 
     _own(master / "master.key", "ab" * 32 + "\n")  # vigil token master-key's form: 64 hex digits
     account = _own(tmp_path / "serviceaccount")
     _own(account / "token", "aggregator-api-token\n")
-    _own(account / "ca.crt", "", 0o444)
+    ca, _ = self_signed(tmp_path)  # the cluster's CA, as kubelet projects it (the clients load it at start)
+    _own(account / "ca.crt", ca.read_text(), 0o444)
     _own(tmp_path / "store")
     volumes |= {master: "/etc/vigil-master", account: "/run/secrets/kubernetes.io/serviceaccount",
                 tmp_path / "store": "/var/lib/vigil-aggregator"}
+    # In a pod, kubelet sets these; the check builds the clients (nothing is asked of the API server).
+    in_pod = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(free_port())}
     check = subprocess.run(_run(container, "vigil", "aggregator", "--config", "/etc/vigil/aggregator.yml", "--check",
-                                volumes=volumes), capture_output=True, text=True, timeout=120)
+                                volumes=volumes, env=in_pod), capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
 
 
