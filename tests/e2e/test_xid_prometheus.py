@@ -5,8 +5,10 @@ scraped the agent for WARM_UP_SECONDS (30 s: issue 41's "a Prometheus started 30
 in its own scrapes), an Xid 79 line is appended right after a scrape; then every "Xid" panel query
 of the shipped dashboards (read from dashboards/*.json, not retyped) must show it at the first
 scrape after the line (the recorded rate within two rule evaluations), and VigilGpuXidRebootRequired
-must be firing in /api/v1/alerts within 60 s of the line. Every process is ours, on loopback,
-stopped by pid; the test is bounded by DEADLINE_SECONDS.
+must be firing in /api/v1/alerts within 60 s of the line. A second agent (NVML_NODE) gets an Xid 48
+from NVML's event API (a fake-backend scenario, NVML_XID_AT_SECONDS after its start, past the
+warm-up): the same panels show it and VigilGpuXidResetRequired pages for it. Every process is ours,
+on loopback, stopped by pid; the test is bounded by DEADLINE_SECONDS.
 """
 
 from __future__ import annotations
@@ -34,15 +36,17 @@ WARM_UP_SECONDS = 30
 PAGE_WITHIN_SECONDS = 60.0  # issue 41, "Done when"
 DEADLINE_SECONDS = 90.0
 NODE = "vnode1"
+NVML_NODE = "vnode2"
+NVML_XID_AT_SECONDS = 35  # after the agent's start: past the warm-up, inside DEADLINE_SECONDS
 # healthy-h100 GPU 0 sits at PCI 0000:19:00 (tests/agent/test_agent_integration.py).
 XID_79 = ("[ 2071.315227] NVRM: Xid (PCI:0000:19:00): 79, pid='<unknown>', name=<unknown>, "
           "GPU has fallen off the bus.\n")
-# Grafana's variables: the node, every GPU, a 5-minute range (Grafana would pass the picked range).
-VARIABLES = {"$node": NODE, "$gpu": ".*", "$__range": "5m"}
 
 
-def xid_panel_queries() -> list[tuple[str, str, bool]]:
-    """(dashboard: title, expression, uses a recorded series) of every panel titled with "Xid"."""
+def xid_panel_queries(node: str = NODE) -> list[tuple[str, str, bool]]:
+    """(dashboard: title, expression, uses a recorded series) of every panel titled with "Xid", with
+    Grafana's variables set: the node, every GPU, a 5-minute range (Grafana passes the picked range)."""
+    variables = {"$node": node, "$gpu": ".*", "$__range": "5m"}
     out = []
     for name in ("vigil-fleet.json", "vigil-node.json"):
         board = json.loads((ROOT / "dashboards" / name).read_text())
@@ -51,7 +55,7 @@ def xid_panel_queries() -> list[tuple[str, str, bool]]:
                 continue
             for target in panel["targets"]:
                 expr = target["expr"]
-                for var, value in VARIABLES.items():
+                for var, value in variables.items():
                     expr = expr.replace(var, value)
                 assert "$" not in expr.replace("$1", ""), expr
                 out.append((f"{name}: {panel['title']}", expr, ":vigil_" in expr))
@@ -73,26 +77,34 @@ def test_an_xid_reaches_the_panels_in_one_scrape_and_pages_within_a_minute(tmp_p
     kmsg.write_text("")
     sysfs = tmp_path / "sys"
     sysfs.mkdir()
-    listen = f"127.0.0.1:{free_port()}"
     config = tmp_path / "agent.yml"
     off = {"enabled": False}
     config.write_text(yaml.safe_dump({"collectors": {
         "gpu": {"interval_seconds": 1.0}, "training": off, "rdma": off}}))
+    nvml_scenario = tmp_path / "nvml-xid-48.yaml"
+    nvml_scenario.write_text(yaml.safe_dump({
+        "description": "GPU 2 reports Xid 48 through NVML's event API.", "profile": "h100-sxm-80gb", "gpus": 8,
+        "load": {"utilization": 0.9, "noise": 0.05, "memory_used_ratio": 0.8},
+        "faults": [{"at_seconds": NVML_XID_AT_SECONDS, "gpu": 2, "kind": "xid", "code": 48}]}))
+    listen = {NODE: f"127.0.0.1:{free_port()}", NVML_NODE: f"127.0.0.1:{free_port()}"}
     prom = f"127.0.0.1:{free_port()}"
     prom_config = tmp_path / "prometheus.yml"
     prom_config.write_text(yaml.safe_dump({
         "global": {"scrape_interval": f"{SCRAPE_SECONDS}s", "evaluation_interval": f"{SCRAPE_SECONDS}s",
                    "scrape_timeout": "4s"},
         "rule_files": [str(p) for p in sorted((ROOT / "rules").glob("*.rules.yml"))],
-        "scrape_configs": [{"job_name": "vigil-agent",
-                            "static_configs": [{"targets": [listen], "labels": {"node": NODE}}]}],
+        "scrape_configs": [{"job_name": "vigil-agent", "static_configs": [
+            {"targets": [address], "labels": {"node": node}} for node, address in listen.items()]}],
     }))
     processes.start("prometheus", [PROMETHEUS, f"--config.file={prom_config}",
                                    f"--storage.tsdb.path={tmp_path / 'prom-data'}",
                                    f"--web.listen-address={prom}", "--log.level=warn"])
-    processes.start("agent", [sys.executable, "-m", "vigil", "agent", "--config", str(config), "--backend", "fake",
-                              "--scenario", "healthy-h100", "--listen", listen, "--node", NODE,
-                              "--kmsg", str(kmsg), "--sysfs-root", str(sysfs), "--log-level", "WARNING"])
+    for node, scenario in ((NODE, "healthy-h100"), (NVML_NODE, str(nvml_scenario))):
+        processes.start(node, [sys.executable, "-m", "vigil", "agent", "--config", str(config), "--backend", "fake",
+                               "--scenario", scenario, "--listen", listen[node], "--node", node,
+                               "--kmsg", str(kmsg if node == NODE else tmp_path / "quiet.log"),
+                               "--sysfs-root", str(sysfs), "--log-level", "WARNING"])
+    (tmp_path / "quiet.log").write_text("")
 
     def query(expr: str, at: float | None = None) -> list[dict[str, Any]]:
         processes.check_alive()
@@ -103,54 +115,87 @@ def test_an_xid_reaches_the_panels_in_one_scrape_and_pages_within_a_minute(tmp_p
         result = query(expr, at)
         return float(result[0]["value"][1]) if result else None
 
+    def first_scrape(selector: str, value: float) -> tuple[float, float | None] | None:
+        """The timestamp of the first scrape of ``selector`` at ``value`` in the last 2 minutes, and
+        the value the scrape before it carried (None: the series was born there)."""
+        result = query(f"{selector}[2m]")
+        if not result:
+            return None
+        samples = [(float(t), float(v)) for t, v in result[0]["values"]]
+        for i, (t, v) in enumerate(samples):
+            if v == value:
+                return t, samples[i - 1][1] if i else None
+        return None
+
+    def panels_show(node: str, code: str, first_at: float) -> dict[str, bool]:
+        """Per "Xid" panel: one of its targets (kernel log or NVML) shows ``code`` on ``node``, asked
+        at the first scrape that carried it; a recorded rate is written by the next rule evaluation
+        (or the one after, if that one ran while the scrape was being appended): two intervals."""
+        shown: dict[str, bool] = {}
+        for title, expr, recorded in xid_panel_queries(node):
+            at = first_at + 2 * SCRAPE_SECONDS if recorded else first_at
+            if recorded:
+                wait_for(f"rule evaluation after {at}", lambda at=at: time.time() > at + 1, deadline, processes.logs)
+            hit = any(r["metric"].get("code", code) == code and r["metric"].get("node", node) == node
+                      and float(r["value"][1]) > 0 for r in query(expr, at))
+            shown[title] = shown.get(title, False) or hit
+        return shown
+
+    def page(alertname: str, node: str) -> dict[str, Any] | None:
+        alerts = http_json(f"http://{prom}/api/v1/alerts")["data"]["alerts"]
+        return next((a for a in alerts if a["labels"]["alertname"] == alertname and a["labels"]["node"] == node
+                     and a["state"] == "firing"), None)
+
+    def active_at(alert: dict[str, Any]) -> float:
+        return datetime.fromisoformat(alert["activeAt"].replace("Z", "+00:00")).timestamp()
+
     xid79 = f'vigil_gpu_xid_errors_total{{node="{NODE}", gpu="0", code="79"}}'
+    up = f'up{{node="{NODE}"}}'
     # The paged codes are there at 0 from the agent's first scrape: the series increase() needs.
     wait_for("GPU 0's Xid 79 series at 0", lambda: scalar(xid79) == 0, deadline, processes.logs)
     # Warm-up, counted in Prometheus's own scrapes of the agent (no sleep).
     warm_scrapes = WARM_UP_SECONDS // SCRAPE_SECONDS
-    wait_for(f"{warm_scrapes} scrapes", lambda: (scalar(f'count_over_time(up{{node="{NODE}"}}[1m])') or 0)
-             >= warm_scrapes, deadline, processes.logs)
-    assert scalar(f'increase({xid79}[5m])') == 0  # nothing to page on yet
+    wait_for(f"{warm_scrapes} scrapes", lambda: (scalar(f"count_over_time({up}[1m])") or 0) >= warm_scrapes,
+             deadline, processes.logs)
+    assert scalar(f"increase({xid79}[5m])") == 0  # nothing to page on yet
 
     # Append the line right after a scrape, so the next one is a whole interval away.
-    last = scalar(f'timestamp(up{{node="{NODE}"}})')
-    wait_for("the next scrape", lambda: scalar(f'timestamp(up{{node="{NODE}"}})') != last, deadline,
-             processes.logs)
+    last = scalar(f"timestamp({up})")
+    wait_for("the next scrape", lambda: scalar(f"timestamp({up})") != last, deadline, processes.logs)
     line_at = time.time()
     with kmsg.open("a") as fh:
         fh.write(XID_79)
 
-    first_at = wait_for("the Xid in Prometheus", lambda: scalar(f"timestamp({xid79} == 1)"), deadline,
-                        processes.logs)
+    first_at, before = wait_for("the Xid in Prometheus", lambda: first_scrape(xid79, 1), deadline, processes.logs)
+    assert before == 0  # an increase from the zero series
     # That was the first scrape after the line: no scrape of the agent lies between them.
     window_ms = int((first_at - line_at) * 1000)
     assert window_ms > 0
-    assert scalar(f'count_over_time(up{{node="{NODE}"}}[{window_ms}ms])', first_at) == 1
-
-    shown: dict[str, bool] = {}  # per panel: one of its targets (kernel log or NVML) shows the Xid
-    for title, expr, recorded in xid_panel_queries():
-        # A recorded rate is written by the next rule evaluation; one that runs while the scrape is
-        # still being appended sees it at the one after: two evaluation intervals.
-        at = first_at + 2 * SCRAPE_SECONDS if recorded else first_at
-        if recorded:
-            wait_for(f"rule evaluation after {at}", lambda at=at: time.time() > at + 1, deadline, processes.logs)
-        rows = query(expr, at)
-        hit = any(r["metric"].get("code", "79") == "79" and float(r["value"][1]) > 0 for r in rows)
-        shown[title] = shown.get(title, False) or hit
+    assert scalar(f"count_over_time({up}[{window_ms}ms])", first_at) == 1
+    shown = panels_show(NODE, "79", first_at)
     assert len(shown) == 3 and all(shown.values()), shown
+    reboot = wait_for("VigilGpuXidRebootRequired firing", lambda: page("VigilGpuXidRebootRequired", NODE),
+                      min(deadline, time.monotonic() + PAGE_WITHIN_SECONDS), processes.logs)
+    assert {k: reboot["labels"][k] for k in ("gpu", "code", "vigil_action")} == {
+        "gpu": "0", "code": "79", "vigil_action": "reboot_node"}
+    assert active_at(reboot) - line_at < PAGE_WITHIN_SECONDS
 
-    def reboot_page() -> dict[str, Any] | None:
-        alerts = http_json(f"http://{prom}/api/v1/alerts")["data"]["alerts"]
-        return next((a for a in alerts if a["labels"]["alertname"] == "VigilGpuXidRebootRequired"
-                     and a["state"] == "firing"), None)
-
-    page = wait_for("VigilGpuXidRebootRequired firing", reboot_page,
-                    min(deadline, time.monotonic() + PAGE_WITHIN_SECONDS), processes.logs)
-    assert {k: page["labels"][k] for k in ("node", "gpu", "code", "vigil_action")} == {
-        "node": NODE, "gpu": "0", "code": "79", "vigil_action": "reboot_node"}
-    active_at = datetime.fromisoformat(page["activeAt"].replace("Z", "+00:00")).timestamp()
-    assert active_at - line_at < PAGE_WITHIN_SECONDS
-    # Only that GPU and code page: the other 255 zero series and the NVML ones stay quiet.
+    # The NVML-delivered Xid 48: the scrape before carried its series at 0, so it is an increase.
+    xid48 = f'vigil_gpu_nvml_xid_events_total{{node="{NVML_NODE}", gpu="2", code="48"}}'
+    nvml_at, before = wait_for("the NVML Xid in Prometheus", lambda: first_scrape(xid48, 1), deadline,
+                               processes.logs)
+    assert before == 0
+    shown = panels_show(NVML_NODE, "48", nvml_at)
+    assert len(shown) == 3 and all(shown.values()), shown
+    reset = wait_for("VigilGpuXidResetRequired firing", lambda: page("VigilGpuXidResetRequired", NVML_NODE),
+                     min(deadline, time.monotonic() + PAGE_WITHIN_SECONDS), processes.logs)
+    assert {k: reset["labels"][k] for k in ("gpu", "code", "vigil_action")} == {
+        "gpu": "2", "code": "48", "vigil_action": "reset_gpu"}
+    assert active_at(reset) - nvml_at < PAGE_WITHIN_SECONDS
+    # Only those two GPUs and codes page: the other zero series stay quiet.
     alerts = http_json(f"http://{prom}/api/v1/alerts")["data"]["alerts"]
-    assert [a["labels"]["alertname"] for a in alerts if a["labels"].get("severity") == "page"] == [
-        "VigilGpuXidRebootRequired"]
+    assert sorted((a["labels"]["alertname"], a["labels"]["node"]) for a in alerts
+                  if a["labels"].get("severity") == "page") == [
+        ("VigilGpuXidRebootRequired", NODE), ("VigilGpuXidResetRequired", NVML_NODE)]
+    print(f"\nXid line -> first scrape {first_at - line_at:.1f} s, -> page active {active_at(reboot) - line_at:.1f} s;"
+          f" NVML Xid first scrape -> page active {active_at(reset) - nvml_at:.1f} s")
