@@ -260,7 +260,8 @@ class XidCollector:
             source = self._open_source()  # raises OSError: the runner reports this collector failed
             self._source = source
             self._parser = KernelLogParser(raw_kmsg=source.raw_kmsg)
-            for gpu in self._ids.known(now):  # before the first line: the paged codes start at 0
+            for gpu in self._ids.known(now):  # before the first line: the paged counters start at 0
+                self._fallen.setdefault((gpu.index, gpu.uuid), 0)
                 for code in PAGED_XID_CODES:
                     self._xid.setdefault((gpu.index, gpu.uuid, code), 0)
             saved_seq = self._saved.get("kmsg_seq")
