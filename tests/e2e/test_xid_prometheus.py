@@ -166,32 +166,32 @@ def test_an_xid_reaches_the_panels_in_one_scrape_and_pages_within_a_minute(tmp_p
     with kmsg.open("a") as fh:
         fh.write(XID_79)
 
-    first_at, before = wait_for("the Xid in Prometheus", lambda: first_scrape(xid79, 1), deadline, processes.logs)
-    assert before == 0  # an increase from the zero series
+    def seen_and_paged(node: str, selector: str, code: str, alertname: str, expected: dict[str, str],
+                       since: float) -> tuple[float, dict[str, Any]]:
+        """The first scrape carrying the Xid (an increase from the zero series), every "Xid" panel
+        showing it there, and ``alertname`` firing for it within PAGE_WITHIN_SECONDS of ``since``."""
+        first_at, before = wait_for(f"{selector} at 1", lambda: first_scrape(selector, 1), deadline, processes.logs)
+        assert before == 0
+        shown = panels_show(node, code, first_at)
+        assert len(shown) == 3 and all(shown.values()), shown
+        alert = wait_for(f"{alertname} firing", lambda: page(alertname, node),
+                         min(deadline, time.monotonic() + PAGE_WITHIN_SECONDS), processes.logs)
+        assert {k: alert["labels"][k] for k in expected} == expected
+        assert active_at(alert) - since < PAGE_WITHIN_SECONDS
+        return first_at, alert
+
+    first_at, reboot = seen_and_paged(NODE, xid79, "79", "VigilGpuXidRebootRequired",
+                                      {"gpu": "0", "code": "79", "vigil_action": "reboot_node"}, line_at)
     # That was the first scrape after the line: no scrape of the agent lies between them.
     window_ms = int((first_at - line_at) * 1000)
     assert window_ms > 0
     assert scalar(f"count_over_time({up}[{window_ms}ms])", first_at) == 1
-    shown = panels_show(NODE, "79", first_at)
-    assert len(shown) == 3 and all(shown.values()), shown
-    reboot = wait_for("VigilGpuXidRebootRequired firing", lambda: page("VigilGpuXidRebootRequired", NODE),
-                      min(deadline, time.monotonic() + PAGE_WITHIN_SECONDS), processes.logs)
-    assert {k: reboot["labels"][k] for k in ("gpu", "code", "vigil_action")} == {
-        "gpu": "0", "code": "79", "vigil_action": "reboot_node"}
-    assert active_at(reboot) - line_at < PAGE_WITHIN_SECONDS
 
-    # The NVML-delivered Xid 48: the scrape before carried its series at 0, so it is an increase.
+    # The NVML-delivered Xid 48 (its time is the scenario's: measured from the first scrape carrying it).
     xid48 = f'vigil_gpu_nvml_xid_events_total{{node="{NVML_NODE}", gpu="2", code="48"}}'
-    nvml_at, before = wait_for("the NVML Xid in Prometheus", lambda: first_scrape(xid48, 1), deadline,
-                               processes.logs)
-    assert before == 0
-    shown = panels_show(NVML_NODE, "48", nvml_at)
-    assert len(shown) == 3 and all(shown.values()), shown
-    reset = wait_for("VigilGpuXidResetRequired firing", lambda: page("VigilGpuXidResetRequired", NVML_NODE),
-                     min(deadline, time.monotonic() + PAGE_WITHIN_SECONDS), processes.logs)
-    assert {k: reset["labels"][k] for k in ("gpu", "code", "vigil_action")} == {
-        "gpu": "2", "code": "48", "vigil_action": "reset_gpu"}
-    assert active_at(reset) - nvml_at < PAGE_WITHIN_SECONDS
+    nvml_at, _ = wait_for("the NVML Xid", lambda: first_scrape(xid48, 1), deadline, processes.logs)
+    _, reset = seen_and_paged(NVML_NODE, xid48, "48", "VigilGpuXidResetRequired",
+                              {"gpu": "2", "code": "48", "vigil_action": "reset_gpu"}, nvml_at)
     # Only those two GPUs and codes page: the other zero series stay quiet.
     alerts = http_json(f"http://{prom}/api/v1/alerts")["data"]["alerts"]
     assert sorted((a["labels"]["alertname"], a["labels"]["node"]) for a in alerts
