@@ -118,6 +118,19 @@ def _table(title: str, expr: str, width: int = 12, unit: str = "short", descript
     return Panel(title, [Target(expr, instant=True)], kind="table", unit=unit, width=width, description=description)
 
 
+def _xids_by_source(sel: str, window: str) -> str:
+    """Xids per GPU and code in ``window`` from both sources, told apart by a ``source`` label. The
+    agent starts the paged codes' counters at 0, so increase() sees their first Xid."""
+    return " or ".join(
+        f'label_replace(increase({metric}{{{sel}}}[{window}]), "source", "{source}", "", "")'
+        for metric, source in (("vigil_gpu_xid_errors_total", "kmsg"), ("vigil_gpu_nvml_xid_events_total", "nvml")))
+
+
+def _xids_per_gpu(sel: str, window: str) -> str:
+    """Xids per GPU in ``window``: the larger of the two sources' counts (they see the same faults)."""
+    return f"max by (node, gpu, uuid) (sum by (node, gpu, uuid, source) ({_xids_by_source(sel, window)}))"
+
+
 def fleet() -> dict[str, Any]:
     items: list[Panel | Row] = [
         Row("Fleet"),
@@ -178,13 +191,18 @@ def fleet() -> dict[str, Any]:
               unit="s", width=8),
         Row("GPU faults"),
         Panel("Xid rate by code", [Target("sum by (code) (node_gpu_code:vigil_gpu_xid_errors:rate5m)",
-                                          "Xid {{code}}")], unit="ops", width=12),
+                                          "Xid {{code}} (kernel log)"),
+                                   Target("sum by (code) (node_gpu_code:vigil_gpu_nvml_xid_events:rate5m)",
+                                          "Xid {{code}} (NVML)")], unit="ops", width=12,
+              description="The same faults seen twice where both sources work: the kernel log (xid collector) "
+                          "and NVML's event API (gpu collector)."),
         Panel("GPUs with a failed or pending row remap",
               [Target("sum(vigil_gpu_row_remap_failure)", "remap failed"),
                Target("sum(vigil_gpu_row_remap_pending)", "remap pending"),
                Target('sum(vigil_gpu_health{state!="ok"})', "not healthy")], width=12),
         _table("Worst GPUs: Xids in the range",
-               'topk(10, sum by (node, gpu, uuid) (increase(vigil_gpu_xid_errors_total[$__range]))) > 0'),
+               f"topk(10, {_xids_per_gpu('', '$__range')}) > 0",
+               description="Per GPU, the larger of the kernel log's and NVML's counts (the same faults)."),
         _table("Worst GPUs: corrected ECC errors per second",
                'topk(10, node_gpu:vigil_gpu_ecc_errors:rate5m{error_type="corrected"}) > 0'),
         _table("Hottest GPUs", "topk(10, vigil_gpu_temperature_celsius)", unit="celsius"),
@@ -240,8 +258,10 @@ def node() -> dict[str, Any]:
               width=8),
         Panel("Retired pages", [Target(f"vigil_gpu_retired_pages_total{{{sel}}}", gpu_legend + " {{cause}}")],
               width=12, description="Page retirement (pre-A100 GPUs); A100 and later remap rows instead."),
-        Panel("Xids in the range", [Target(f"increase(vigil_gpu_xid_errors_total{{{sel}}}[$__range])",
-                                           gpu_legend + " Xid {{code}}", instant=True)], kind="table", width=12),
+        Panel("Xids in the range", [Target(f"{_xids_by_source(sel, '$__range')} > 0",
+                                           gpu_legend + " Xid {{code}} ({{source}})", instant=True)],
+              kind="table", width=12,
+              description="Xids per GPU and code from the kernel log (source kmsg) and NVML's event API (nvml)."),
         Row("NVLink and PCIe"),
         Panel("NVLink links down", [Target(f"vigil_gpu_nvlink_state{{{sel}}} == 0", gpu_legend + " link {{link}}")],
               kind="state-timeline", width=12),
@@ -299,6 +319,10 @@ BUSY_RATIO = 0.5
 CAPPED_CLOCK_RATIO = 0.8
 
 
+# The VigilTrainingStraggler threshold (rules/vigil-alerts.rules.yml; a test keeps them equal).
+STRAGGLER_RATIO = 1.1
+
+
 def _job_gpus(metric: str, sel: str) -> str:
     """``metric`` for the GPUs of the nodes the job's ranks run on (joined on the node label)."""
     nodes = f"group by (node) (node_training_job:vigil_training_step_seconds:max{{{sel}}})"
@@ -316,13 +340,19 @@ def job() -> dict[str, Any]:
                                 Target(f"training_job:vigil_training_step_seconds:max{{{sel}}}", "slowest rank")],
               unit="s", width=8),
         Panel("Straggler score per node", [Target(
-            f"node_training_job:vigil_training_step_seconds:ratio_to_job_median{{{sel}}}", "{{node}}")],
-            width=12, description="The node's slowest rank over the job's median rank (1.0 = on pace); "
-                                  "the ticket alert fires above 1.2 for 10 minutes.",
+            f"node_training_job:vigil_training_compute_data_seconds:ratio_to_job_median{{{sel}}}", "{{node}}")],
+            width=12, description="The compute plus data-loading time of the node's slowest rank over the job's "
+                                  "median rank's (1.0 = on pace; step time is equal on every rank of a "
+                                  "synchronous job); the ticket alert fires above 1.1 for 10 minutes.",
             defaults={"thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None},
-                                                                   {"color": "red", "value": 1.2}]}}),
-        _table("Slowest nodes now", f"topk(10, node_training_job:vigil_training_step_seconds:ratio_to_job_median"
-                                    f"{{{sel}}})", width=12),
+                                                                   {"color": "red", "value": STRAGGLER_RATIO}]}}),
+        Panel("Slowest nodes now", [
+            Target(f"topk(10, node_training_job:vigil_training_compute_data_seconds:ratio_to_job_median{{{sel}}})",
+                   instant=True),
+            Target(f"node_training_job:vigil_training_data_seconds:max{{{sel}}}", instant=True)],
+            kind="table", width=12,
+            description="First query: the straggler score (compute + data time over the job's median); second: "
+                        "the node's longest data-loading time per step in seconds (a slow loader, not a slow GPU)."),
         Row("Where the step goes"),
         Panel("Compute / comm / data split (job median)", [Target(
             f"quantile by (phase) (0.5, node_training_job_rank_phase:vigil_training_phase_seconds:last{{{sel}}})",

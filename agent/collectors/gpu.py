@@ -21,6 +21,7 @@ from pydantic import Field
 
 from vigil.agent.attribution import PROCESS_INFO, PodResolver, ProcessAttribution, process_samples
 from vigil.agent.collectors.collector import Collection, CollectorConfig
+from vigil.agent.collectors.xid import PAGED_XID_CODES
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.nvml.backend import (
     CLOCK_EVENT_REASONS,
@@ -523,6 +524,9 @@ class GpuCollector:
         indices = [g.index for g in self._gpus or () if g.identity is not None]
         if not indices or not backend.open_events(indices):
             return
+        for index in indices:  # the paged codes start at 0, so increase() sees their first Xid (xid.py)
+            for code in PAGED_XID_CODES:
+                self._xid_counts.setdefault((index, code), 0)
         self._worker = threading.Thread(target=self._listen, args=(backend,), name="vigil-nvml-xid", daemon=True)
         self._worker.start()
 

@@ -71,6 +71,16 @@ class XidConfig(CollectorConfig):
     boot_id_path: str = DEFAULT_BOOT_ID_PATH
 
 
+# The Xid codes whose catalog action pages (aggregator/data/xid_catalog.csv: reset_gpu, reboot_node,
+# inspect_hardware; the Vigil*Xid* alerts in rules/vigil-alerts.rules.yml; tests keep all three in
+# step). Their series exist at 0 from the collector's start, per GPU: a counter born at 1 has no
+# earlier sample, so increase() reads 0 and the page would wait for an `offset 5m` arm. 32 codes:
+# 256 series on an 8-GPU node; the catalog's 140 alert/observe codes are left to appear at their
+# first Xid to keep that bounded.
+PAGED_XID_CODES: tuple[int, ...] = (
+    46, 48, 54, 62, 64, 74, 79, 95, 109, 110, 119, 120, 136, 140, 143, 144, 145, 146, 147, 148, 149, 150,
+    151, 155, 156, 158, 165, 167, 168, 169, 171, 172)
+
 _GPU = ("gpu", "uuid")
 XID_ERRORS = MetricSpec("vigil_gpu_xid_errors_total", MetricKind.COUNTER,
                         "NVRM Xid lines in the kernel log, by GPU and Xid code.", labels=(*_GPU, "code"))
@@ -135,6 +145,13 @@ class _IdentityMap:
         if bus not in self._by_bus and (self._read_at is None or now - self._read_at >= self._refresh_seconds):
             self._read(now)
         return self._by_bus.get(bus, _NO_GPU)
+
+    def known(self, now: float) -> list[_Gpu]:
+        """Every GPU NVML names (read now), or the unnamed GPU where there is no NVML to ask."""
+        if self._nvml is None:
+            return [_NO_GPU]
+        self._read(now)
+        return sorted(set(self._by_bus.values()), key=lambda g: (g.index is None, g.index or 0)) or [_NO_GPU]
 
     def _read(self, now: float) -> None:
         assert self._nvml is not None
@@ -243,6 +260,10 @@ class XidCollector:
             source = self._open_source()  # raises OSError: the runner reports this collector failed
             self._source = source
             self._parser = KernelLogParser(raw_kmsg=source.raw_kmsg)
+            for gpu in self._ids.known(now):  # before the first line: the paged counters start at 0
+                self._fallen.setdefault((gpu.index, gpu.uuid), 0)
+                for code in PAGED_XID_CODES:
+                    self._xid.setdefault((gpu.index, gpu.uuid, code), 0)
             saved_seq = self._saved.get("kmsg_seq")
             if source.raw_kmsg and isinstance(saved_seq, int) and self._saved.get("boot_id") == self._boot_id:
                 self._skip_seq = saved_seq  # same boot: the ring buffer replays what we counted

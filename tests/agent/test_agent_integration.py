@@ -114,14 +114,17 @@ def test_faults_show_in_metrics_at_their_scripted_times(agent_faults: tuple[Agen
 
 def test_kernel_log_line_moves_the_xid_counter(agent_faults: tuple[Agent, FakeClock], tmp_path: Path) -> None:
     agent, clock = agent_faults
-    scrape(agent, clock.t)
+    before = scrape(agent, clock.t)
+    zeros = {ls: v for (n, ls), v in before.items() if n == "vigil_gpu_xid_errors_total"}
+    assert len(zeros) == 8 * 32 and set(zeros.values()) == {0.0}  # the paged codes start at 0 per GPU
     with open(tmp_path / "kmsg.log", "a") as f:
         f.write("[ 1234.567890] NVRM: Xid (PCI:0000:19:00): 79, pid='<unknown>', name=<unknown>, "
                 "GPU has fallen off the bus.\n")
     clock.t += 1
     m = scrape(agent, clock.t)
-    hits = {ls: v for (n, ls), v in m.items() if n == "vigil_gpu_xid_errors_total"}
+    hits = {ls: v for (n, ls), v in m.items() if n == "vigil_gpu_xid_errors_total" and v}
     assert list(hits.values()) == [1.0]
+    assert hits.keys() <= zeros.keys()  # the series that was at 0: increase() reads 1
     labels = dict(next(iter(hits)))
     assert labels["code"] == "79" and labels["gpu"] == "0"  # 0000:19:00 is GPU 0 of the H100 profile
 

@@ -130,3 +130,19 @@ def test_every_expression_parses(tmp_path: Path) -> None:
     done = subprocess.run([str(PROMTOOL), "check", "rules", str(path)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{len(rules)} rules found" in done.stdout
+
+
+def test_xid_panels_read_both_sources_and_the_straggler_views_compute_time() -> None:
+    xid_exprs = [expr for title, expr in expressions() if "Xid" in title]
+    assert len(xid_exprs) == 4  # fleet: rate by code (2 targets), worst GPUs; node: Xids in the range
+    assert any("nvml_xid_events" in e for e in xid_exprs[:2]) and all(
+        "vigil_gpu_xid_errors" in e or "nvml_xid_events" in e for e in xid_exprs)
+    assert all("vigil_gpu_xid_errors" in e and "nvml_xid_events" in e for e in xid_exprs[2:])
+    job = {p["title"]: p for p in panels(dashboards()["vigil-job.json"])}
+    slowest = [t["expr"] for t in job["Slowest nodes now"]["targets"]]
+    assert "compute_data_seconds:ratio_to_job_median" in slowest[0] and "data_seconds:max" in slowest[1]
+    assert "step_seconds" not in " ".join(slowest)
+    alert = next(r for g in yaml.safe_load((RULES / "vigil-alerts.rules.yml").read_text())["groups"]
+                 for r in g["rules"] if r.get("alert") == "VigilTrainingStraggler")
+    assert alert["expr"] == (
+        f"node_training_job:vigil_training_compute_data_seconds:ratio_to_job_median > {build.STRAGGLER_RATIO}")

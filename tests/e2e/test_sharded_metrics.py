@@ -41,8 +41,11 @@ DEADLINE_SECONDS = 90.0
 NODES = {"vnode0": "gpu-lost", "vnode1": "nvlink-errors", "vnode2": "healthy-h100", "vnode3": "healthy-h100"}
 # A healthy 8-GPU H100 node serves 1,107 series once its profiling metrics appear (432 of them
 # per-link NVLink error counters, 144 per-link NVLink states; docs/metrics.md) plus Prometheus's 5
-# per target (up, scrape_*): 1,112. This budget fails a change that grows it by more than ~8 %.
-SERIES_PER_NODE_BUDGET = 1200
+# per target (up, scrape_*): 1,112; since the 32 paged Xid codes start at 0 per GPU from both the
+# kernel log and NVML and its fallen-off-the-bus counter (issue 41, docs/metrics.md "Xids in
+# Prometheus"), 520 more: 1,652 measured. This budget
+# fails a change that grows it by more than ~8 %.
+SERIES_PER_NODE_BUDGET = 1750
 RATE_RELATIVE_TOLERANCE = 0.1  # two servers scrape at different instants
 
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.rules.promql_names import catalog_names, metric_names
+from vigil.agent.collectors.xid import PAGED_XID_CODES
 from vigil.aggregator.decision import Action
 from vigil.aggregator.xid_catalog import XidCatalog
 
@@ -114,9 +115,19 @@ def test_recorded_names_follow_level_metric_operation() -> None:
 
 
 def _codes(alert: str) -> set[int]:
+    """The alert's Xid codes; every selector of the alert (both sources, every arm) names the same."""
+    arms = _alerts()[alert]["expr"].split('code=~"')[1:]
+    selectors = {arm[:arm.index('"')] for arm in arms}
+    assert len(arms) == 4 and len(selectors) == 1, selectors
+    return {int(c) for c in selectors.pop().split("|")}
+
+
+@pytest.mark.parametrize("alert", ["VigilGpuXidResetRequired", "VigilGpuXidRebootRequired",
+                                   "VigilGpuXidInspectHardware"])
+def test_xid_alerts_read_both_sources_and_the_agent_starts_their_codes_at_zero(alert: str) -> None:
     expr = _alerts()[alert]["expr"]
-    start = expr.index('code=~"') + len('code=~"')
-    return {int(c) for c in expr[start:expr.index('"', start)].split("|")}
+    assert "increase(vigil_gpu_xid_errors_total{" in expr and "increase(vigil_gpu_nvml_xid_events_total{" in expr
+    assert _codes(alert) <= set(PAGED_XID_CODES)
 
 
 @pytest.mark.parametrize(("alert", "action"), [

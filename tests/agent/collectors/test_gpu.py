@@ -10,6 +10,7 @@ import pytest
 from vigil.agent.attribution import ProcessAttribution
 from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.gpu import SPECS, GpuCollector, GpuConfig
+from vigil.agent.collectors.xid import PAGED_XID_CODES
 from vigil.agent.config import parse_config
 from vigil.agent.metric import Sample
 from vigil.agent.nvml.backend import PynvmlBackend
@@ -259,6 +260,10 @@ def test_xid_events_from_the_worker_thread(make, clock):
     assert event.pci_bus_id == "00000000:9B:00.0"
     s = collector.collect(61.0).samples
     assert value(s, "vigil_gpu_nvml_xid_events_total", gpu="4", code="79") == 1
+    # The paged codes of every listened GPU start at 0 (xid.PAGED_XID_CODES): increase() sees the first.
+    nvml_xids = series(s, "vigil_gpu_nvml_xid_events_total")
+    assert len(nvml_xids) == 8 * len(PAGED_XID_CODES)
+    assert sum(x.value for x in nvml_xids) == 1
     assert series(s, "vigil_gpu_xid_errors_total") == []  # the kernel-log collector's name
     collector.close()
     assert collector._worker is None

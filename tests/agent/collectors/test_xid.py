@@ -11,7 +11,7 @@ import pytest
 
 from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.collector import Collection
-from vigil.agent.collectors.xid import XidCollector, XidConfig, open_kernel_log
+from vigil.agent.collectors.xid import PAGED_XID_CODES, XidCollector, XidConfig, open_kernel_log
 from vigil.agent.config import parse_config
 from vigil.agent.kernel_log import FileFollower, KmsgReader, LineSource, StreamReader
 from vigil.agent.metric import Sample
@@ -130,9 +130,11 @@ def test_one_unreadable_gpu_does_not_hide_the_others() -> None:
     assert value(col, "vigil_gpu_xid_errors_total", gpu="1", uuid="GPU-bbbb", code="95") == 1
 
 
-def test_no_lines_means_no_error_series() -> None:
+def test_no_lines_means_no_error_series_and_the_paged_codes_at_zero() -> None:
     col = collector(ListSource()).collect(1.0)
-    assert series(col, "vigil_gpu_xid_errors_total") == []
+    xids = series(col, "vigil_gpu_xid_errors_total")
+    assert {(s.label("gpu"), s.label("code"), s.value) for s in xids} == {
+        ("", str(code), 0.0) for code in PAGED_XID_CODES}
     assert series(col, "vigil_kernel_log_lines_unparsed_total") == []
     assert value(col, "vigil_kernel_log_lines_read_total") == 0
     assert col.events == []
@@ -217,7 +219,7 @@ def test_appending_to_a_followed_file_moves_the_counter_within_one_cycle(tmp_pat
     log = tmp_path / "kern.log"
     log.write_text(f"[ 1.0] {XID79}\n")  # history before the agent started: not counted
     c = collector(FileFollower(log, start="end"), nvml=FakeGpus(GPUS))
-    assert series(c.collect(1.0), "vigil_gpu_xid_errors_total") == []
+    assert [s for s in series(c.collect(1.0), "vigil_gpu_xid_errors_total") if s.value] == []
     with log.open("a") as fh:
         fh.write(f"[ 2.0] {XID79}\n")
     col = c.collect(1.5)
@@ -250,7 +252,7 @@ def test_followed_file_resumes_after_restart_without_recounting(tmp_path: Path) 
         fh.write(f"{XID95}\n")  # written while the agent was down
     second = start()
     col = second.collect(3.0)
-    assert value(col, "vigil_gpu_xid_errors_total", code="79") is None
+    assert value(col, "vigil_gpu_xid_errors_total", code="79") == 0  # not recounted: the paged code is back at 0
     assert value(col, "vigil_gpu_xid_errors_total", code="95") == 1
     second.close()
 
@@ -272,7 +274,7 @@ def test_kmsg_resumes_by_sequence_on_the_same_boot_only(tmp_path: Path) -> None:
     again = collector(again_src, state_dir=state, boot_id=boot_id)
     again_src.push(*ring, f"3,13,13000,-;{XID95}")
     col = again.collect(2.0)
-    assert value(col, "vigil_gpu_xid_errors_total", code="79") is None
+    assert value(col, "vigil_gpu_xid_errors_total", code="79") == 0  # not recounted
     assert value(col, "vigil_gpu_xid_errors_total", code="95") == 1
     assert [e.code for e in col.events] == [95]
     again.close()
@@ -400,7 +402,7 @@ def test_fallen_off_notice_carried_by_its_xid79_is_one_fault_and_not_counted_as_
     src.push(*(FIXTURES / "blog-xid79-fallen-notice-syslog.log").read_text().splitlines())
     col = c.collect(10.0)
     assert value(col, "vigil_gpu_xid_errors_total", gpu="0", uuid="GPU-cccc", code="79") == 1
-    assert series(col, "vigil_gpu_fallen_off_bus_total") == []
+    assert [x for x in series(col, "vigil_gpu_fallen_off_bus_total") if x.value] == []
     assert value(col, "vigil_kernel_log_lines_folded_total", kind="xid") == 1
     assert [(e.kind, e.code) for e in col.events] == [("xid", 79), ("xid", 44)]
     # A notice with no Xid 79 before it is a fault of its own, and counted.
@@ -421,3 +423,32 @@ def test_sxid_details_and_mlx5_dump_lines_are_counted_as_folded_not_as_errors() 
     assert value(col, "vigil_mlx5_errors_total", device="0000:0d:00.0", error="health_compromised") == 1
     assert value(col, "vigil_mlx5_errors_total", device="0000:0d:00.0", error="firmware_fatal") is None
     assert value(col, "vigil_kernel_log_lines_folded_total", kind="mlx5_error") == 16
+
+
+def test_paged_codes_are_the_catalogs_acting_codes() -> None:
+    from vigil.aggregator.xid_catalog import XidCatalog
+
+    catalog = XidCatalog.default()
+    acting = {"reset_gpu", "reboot_node", "inspect_hardware"}
+    assert set(PAGED_XID_CODES) == {c for c in catalog.codes() if catalog.entry(c).action.value in acting}
+    assert len(PAGED_XID_CODES) == len(set(PAGED_XID_CODES)) == 32
+
+
+def test_paged_codes_start_at_zero_per_gpu_so_the_first_xid_is_an_increase() -> None:
+    src = ListSource()
+    c = collector(src, nvml=FakeGpus(GPUS))
+    first = c.collect(1.0)
+    zeros = series(first, "vigil_gpu_xid_errors_total")
+    assert len(zeros) == len(GPUS) * len(PAGED_XID_CODES)
+    assert {s.value for s in zeros} == {0.0}
+    assert value(first, "vigil_gpu_xid_errors_total", gpu="4", uuid=GPUS[2].uuid, code="79") == 0
+    assert value(first, "vigil_gpu_xid_errors_total", code="13") is None  # not paged: born at its first Xid
+    assert [x.value for x in series(first, "vigil_gpu_fallen_off_bus_total")] == [0.0] * len(GPUS)
+    assert first.events == []
+    src.push(XID79)
+    second = c.collect(2.0)
+    assert value(second, "vigil_gpu_xid_errors_total", gpu="0", uuid="GPU-aaaa", code="79") == 1
+    assert len(series(second, "vigil_gpu_xid_errors_total")) == len(zeros)  # the same series, no new one
+    # A restarted agent starts every paged series at 0 again: a reset, not an increase.
+    again = collector(ListSource(), nvml=FakeGpus(GPUS)).collect(3.0)
+    assert value(again, "vigil_gpu_xid_errors_total", gpu="0", uuid="GPU-aaaa", code="79") == 0
