@@ -340,6 +340,39 @@ class RankSummary(_Wire, kw_only=True):
     checkpoint_seconds: NonNeg | None = None
 
 
+# What a rank's collective can be doing, as PyTorch's Flight Recorder records it
+# (torch/csrc/distributed/c10d/FlightRecorder: "scheduled", "started", "completed").
+CollectiveStage = Literal["scheduled", "started", "completed"]
+# At most this many collective states in one report: a rank per GPU, a handful of process groups
+# each (data, tensor, pipeline parallel), on the largest nodes (16 GPUs x 64).
+COLLECTIVES_MAX = 1024
+
+
+class CollectiveState(_Wire, kw_only=True):
+    """One rank's progress through one process group's collectives, read from a PyTorch Flight
+    Recorder dump on this node (agent/collectors/flight_recorder.py): the newest collective the
+    rank entered and the newest it completed. ``job`` is the scheduler's job key, bound by the
+    agent from the process that wrote the dump (its cgroup), never taken from the dump's text."""
+
+    job: Short
+    rank: Index  # the global rank
+    group: Short  # the process group as the dump names it (its pg name / uid)
+    group_size: Count | None = None
+    # Sequence ids (collective_seq_id) of the newest collective entered (scheduled or started) and
+    # the newest completed; None: none yet in the dump's ring.
+    last_entered_seq: Count | None = None
+    last_completed_seq: Count | None = None
+    # The newest entered collective: its op ("allreduce", "broadcast", ...), its stage and its
+    # input size in bytes, where the dump has them.
+    op: Short | None = None
+    stage: CollectiveStage | None = None
+    size_bytes: Count | None = None
+    # When the dump was written (the file's mtime, on the agent's clock) and why, as the dump says
+    # ("timeout", "watchdog", "on_demand", ...; "" unknown).
+    dump_ts: Timestamp
+    reason: Short = ""
+
+
 class HostFacts(_Wire, kw_only=True):
     cpu_utilization_ratio: Ratio | None = None
     load1: NonNeg | None = None
@@ -500,6 +533,10 @@ class Report(_Wire, kw_only=True):
     gpus: Annotated[list[GpuState], Meta(max_length=256)] = []
     ports: Annotated[list[PortState], Meta(max_length=256)] = []
     ranks: Annotated[list[RankSummary], Meta(max_length=1024)] = []
+    # Flight Recorder progress of the ranks on this node (CollectiveState), whole in every report
+    # while their dump is fresh (agent: collectors.flight_recorder.fresh_seconds); not a section:
+    # a compact report never leaves it out or completes it from a base.
+    collectives: Annotated[list[CollectiveState], Meta(max_length=COLLECTIVES_MAX)] = []
     host: HostFacts | None = None
     events: Annotated[list[Event], Meta(max_length=REPORT_MAX_EVENTS)] = []
     # Collectors whose last cycle failed, so the aggregator can tell "no data" from "healthy".

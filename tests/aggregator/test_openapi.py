@@ -17,7 +17,17 @@ from openapi_spec_validator import validate as validate_spec
 from pydantic import BaseModel
 
 from tests.aggregator.conftest import FakeNode, set_training
-from vigil.agent.wire import Event, GpuState, HostFacts, PortState, RankSummary, Report, encode, replace
+from vigil.agent.wire import (
+    CollectiveState,
+    Event,
+    GpuState,
+    HostFacts,
+    PortState,
+    RankSummary,
+    Report,
+    encode,
+    replace,
+)
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -51,7 +61,8 @@ def test_spec_is_valid_openapi():
     validate_spec(SPEC)
 
 
-@pytest.mark.parametrize("model", [Report, GpuState, PortState, RankSummary, HostFacts, Event, Decision, Finding])
+@pytest.mark.parametrize("model", [Report, GpuState, PortState, RankSummary, CollectiveState, HostFacts, Event,
+                                   Decision, Finding])
 def test_documented_schema_has_the_models_fields(model: type[BaseModel] | type[msgspec.Struct]):
     schema = SCHEMAS[model.__name__]
     if issubclass(model, msgspec.Struct):
