@@ -1,0 +1,159 @@
+"""One rank of a real data-parallel job (torch.distributed, gloo, CPU) with NO vigil instrumentation,
+for the uninstrumented-hang tests (tests/e2e/test_uninstrumented_hang.py): no heartbeat client, no
+vigil import. It is the test's program, not vigil's: besides training it writes its phase
+("computing", "collective", "checkpointing", "evaluating", "done") with its step to
+``<work>/phase-<rank>.json`` (one atomic rename per change), which the harness
+(tests/e2e/uninstrumented_cluster.py) turns into its node's fake GPU and RDMA telemetry, as a real
+job's state shows on real hardware. "collective" spans ``loss.backward()``, where DDP's gradient
+all-reduce runs (the model is tiny: backward is the all-reduce's wait).
+
+A hang: rank ``--stop-rank`` stops at step ``--stop-at-step`` after its compute and before its
+backward, so it never enters that step's all-reduce while the others wait in it. ``--stop-how
+stuck`` (the default): its main thread never returns (a dead data loader or a deadlocked thread);
+``sigstop``: the whole process is stopped (SIGSTOP; nothing of it runs, not even a dump). With the
+flight recorder on (``TORCH_FR_BUFFER_SIZE``), a waiting rank whose all-reduce times out
+(``--collective-timeout-seconds``, the process group's timeout) writes torch's own JSON dump
+(``torch._C._distributed_c10d._dump_fr_trace_json``) to ``$TORCH_FR_DUMP_TEMP_FILE<rank>`` and sets
+a key in the job's store, on which every other live rank's dump thread dumps too: what NCCL's
+watchdog does with ``TORCH_NCCL_DUMP_ON_TIMEOUT`` (the first rank to time out signals the others
+through the store; Llama 3's practice). gloo has no watchdog, so the program does it with the same
+torch calls. A timed-out rank then waits to be killed: a dead job keeps its allocation until it
+is restarted.
+
+Lookalikes: ``--checkpoint-at-step`` (every rank checkpointing for ``--checkpoint-seconds``: rank 0
+saves with torch.save while the others wait in a barrier, the phase says so) and
+``--evaluate-at-step`` (forward passes under ``no_grad`` for ``--evaluate-seconds``, no collective).
+Bounded by ``--max-seconds``. Rank, world size and the rendezvous come from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+def write_phase(work: Path, rank: int, phase: str, step: int) -> None:
+    """Atomic (write then rename): the harness never reads half a file."""
+    path = work / f"phase-{rank}.json"
+    tmp = work / f".phase-{rank}.tmp"
+    tmp.write_text(json.dumps({"rank": rank, "phase": phase, "step": step, "ts": time.time()}))
+    os.replace(tmp, path)
+
+
+def dump_flight_recorder(rank: int) -> None:
+    """torch's own Flight Recorder JSON, where torch would put it (TORCH_FR_DUMP_TEMP_FILE + rank)."""
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    if not prefix or not os.environ.get("TORCH_FR_BUFFER_SIZE"):
+        return
+    trace = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True)
+    target = Path(f"{prefix}{rank}")
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_bytes(trace if isinstance(trace, bytes) else trace.encode())
+    os.replace(tmp, target)
+
+
+DUMP_KEY = "flight_recorder_dump"  # set in the job's store by the first rank to time out
+
+
+def dump_when_asked(store: dist.Store, rank: int) -> None:
+    """The watchdog's part: dump once any rank asks (the key appears in the store)."""
+    while True:
+        try:
+            if store.check([DUMP_KEY]):
+                dump_flight_recorder(rank)
+                return
+        except RuntimeError:  # the store's server (rank 0) went away: nothing left to dump for
+            return
+        time.sleep(0.2)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--compute-seconds", type=float, default=0.25, help="the pace of a step's compute")
+    parser.add_argument("--stop-rank", type=int, default=-1)
+    parser.add_argument("--stop-at-step", type=int, default=0)
+    parser.add_argument("--stop-how", choices=("stuck", "sigstop"), default="stuck")
+    parser.add_argument("--checkpoint-at-step", type=int, default=0)
+    parser.add_argument("--checkpoint-seconds", type=float, default=0.0)
+    parser.add_argument("--evaluate-at-step", type=int, default=0)
+    parser.add_argument("--evaluate-seconds", type=float, default=0.0)
+    parser.add_argument("--collective-timeout-seconds", type=float, default=600.0)
+    parser.add_argument("--max-seconds", type=float, default=120.0, help="bound: exit 0 after this long")
+    args = parser.parse_args()
+    rank, work = args.rank, args.work
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.master_port}", rank=rank,
+                            world_size=args.world,
+                            timeout=datetime.timedelta(seconds=args.collective_timeout_seconds))
+    if os.environ.get("TORCH_FR_BUFFER_SIZE"):
+        store = dist.distributed_c10d._get_default_store()
+        threading.Thread(target=dump_when_asked, args=(store, rank), daemon=True).start()
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                                        torch.nn.Linear(64, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(1234 + rank)
+    deadline = time.monotonic() + args.max_seconds
+    step = 0
+    while time.monotonic() < deadline:
+        step += 1
+        write_phase(work, rank, "computing", step)
+        started = time.perf_counter()
+        x, y = torch.randn(32, 64, generator=data), torch.randn(32, 1, generator=data)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        time.sleep(max(0.0, args.compute_seconds - (time.perf_counter() - started)))
+        if rank == args.stop_rank and step == args.stop_at_step:
+            if args.stop_how == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # stays here until SIGCONT or SIGKILL
+            time.sleep(max(0.0, deadline - time.monotonic()))  # stuck: never reaches the all-reduce
+            return 0
+        write_phase(work, rank, "collective", step)
+        try:
+            loss.backward()  # DDP's gradient all-reduce
+        except RuntimeError:  # the process group's timeout: the job is dead
+            if os.environ.get("TORCH_FR_BUFFER_SIZE"):
+                dist.distributed_c10d._get_default_store().set(DUMP_KEY, str(rank))
+            dump_flight_recorder(rank)
+            write_phase(work, rank, "timed_out", step)
+            time.sleep(max(0.0, deadline - time.monotonic()))
+            return 1
+        opt.step()
+        opt.zero_grad()
+        if step == args.checkpoint_at_step:
+            write_phase(work, rank, "checkpointing", step)
+            until = time.monotonic() + args.checkpoint_seconds
+            if rank == 0:
+                torch.save({"model": model.module.state_dict(), "step": step}, work / "checkpoint.pt")
+            time.sleep(max(0.0, until - time.monotonic()))  # a large model's save, to a slow file system
+            dist.barrier()
+        if step == args.evaluate_at_step:
+            write_phase(work, rank, "evaluating", step)
+            until = time.monotonic() + args.evaluate_seconds
+            with torch.no_grad():
+                while time.monotonic() < until:
+                    model.module(torch.randn(256, 64, generator=data))
+                    time.sleep(0.01)
+    write_phase(work, rank, "done", step)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    sys.exit(main())
