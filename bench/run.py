@@ -20,6 +20,7 @@ MODULES = [
     "bench.bench_xid",
     "bench.bench_heartbeat",
     "bench.bench_hang",
+    "bench.bench_uninstrumented_hang",
     "bench.bench_ingest",
     "bench.bench_ingest_instructions",
     "bench.bench_latency",

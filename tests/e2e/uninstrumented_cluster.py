@@ -11,8 +11,11 @@ No vigil code runs in the job. The job's real state drives each node's telemetry
 
 - ``training``: computing, or in a collective for less than ``BLOCKED_AFTER_SECONDS`` (an all-reduce
   of this model takes milliseconds): GPUs busy training, RDMA data counters growing;
-- ``busy_spin``: in a collective for longer (or past its timeout): the collective kernels spin
-  waiting for a peer (high power and SM activity, no DRAM or PCIe traffic), RDMA counters flat;
+- ``busy_spin``: in its collective phase for longer (or stopped there, or past the collective's
+  timeout): the collective's kernels are resident and spin waiting for a peer (SM clock high, power
+  low, no DRAM or PCIe traffic), RDMA counters flat. A rank stopped inside its collective phase is
+  modelled so too, as NCCL's kernels are once launched: they keep polling on the GPU while the
+  host thread that would feed them is stopped;
 - ``idle``: the rank is stopped (SIGSTOP: it launches nothing) or stuck in its own code (computing
   for longer than ``STUCK_AFTER_SECONDS``: its GPU ran out of queued work), done, or checkpointing
   (the GPUs wait on the host writing the save: low power; the compute fabric carries nothing);
@@ -21,7 +24,8 @@ No vigil code runs in the job. The job's real state drives each node's telemetry
 The RDMA counters (``port_xmit_data``/``port_rcv_data`` in 4-byte words, and the packet counts) are
 rewritten in place at offset 0 (the agent keeps them open and re-reads them; a counter only grows,
 so its text never shrinks and a reader never sees a truncated file). The GPUs follow the mode
-through the fake NVML's run-time control (``gpu_mode``). Every process is bounded in time and
+through the fake NVML's run-time seam (``FakeNvml.set_busy_spin``), which each node's agent
+(tests/e2e/fake_node_agent.py) applies from the mode file the driver writes. Every process is bounded in time and
 stopped by pid.
 """
 
@@ -49,6 +53,7 @@ from vigil.aggregator.auth import node_token
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_PROGRAM = Path(__file__).with_name("uninstrumented_job.py")
+NODE_AGENT = Path(__file__).with_name("fake_node_agent.py")
 # A real ConnectX-7 InfiniBand port's sysfs tree (tests/fixtures/sysfs/PROVENANCE.md).
 HCA = REPO / "tests" / "fixtures" / "sysfs" / "h100" / "class" / "infiniband" / "mlx5_0"
 NODES = ("node-a", "node-b", "node-c", "node-d")
@@ -71,13 +76,15 @@ MODES = ("training", "busy_spin", "idle", "evaluating")
 
 def node_mode(phase: str | None, in_phase_seconds: float, stopped: bool) -> str:
     """The telemetry a node shows for its rank's state (the seam's one rule; see the module doc)."""
+    if phase == "collective" and (stopped or in_phase_seconds >= BLOCKED_AFTER_SECONDS):
+        return "busy_spin"
     if stopped or phase in (None, "done", "checkpointing"):
         return "idle"
     if phase == "evaluating":
         return "evaluating"
     if phase == "computing" and in_phase_seconds >= STUCK_AFTER_SECONDS:
         return "idle"
-    if phase == "timed_out" or (phase == "collective" and in_phase_seconds >= BLOCKED_AFTER_SECONDS):
+    if phase == "timed_out":
         return "busy_spin"
     return "training"
 
@@ -113,6 +120,7 @@ class NodeState:
     pid: int
     sysfs_root: Path
     port: RdmaPort
+    mode_file: Path
     mode: str = "training"
     modes: list[tuple[float, str]] = field(default_factory=list)  # (wall clock, mode) at each change
 
@@ -128,11 +136,10 @@ def _stopped(pid: int) -> bool:
 class TelemetryDriver(threading.Thread):
     """The seam: each rank's real state -> its node's fake GPU mode and RDMA counters."""
 
-    def __init__(self, work: Path, nodes: list[NodeState], gpu_mode: Callable[[NodeState, str], None]) -> None:
+    def __init__(self, work: Path, nodes: list[NodeState]) -> None:
         super().__init__(name="telemetry-driver", daemon=True)
         self.work = work
         self.nodes = nodes
-        self.gpu_mode = gpu_mode
         self.stop_event = threading.Event()
         self._since: dict[int, tuple[str | None, int, float]] = {}  # rank -> (phase, step, first seen)
 
@@ -156,7 +163,9 @@ class TelemetryDriver(threading.Thread):
             if mode != state.mode or not state.modes:
                 state.mode = mode
                 state.modes.append((time.time(), mode))
-                self.gpu_mode(state, mode)
+                tmp = state.mode_file.with_name(f".{state.mode_file.name}.tmp")
+                tmp.write_text(mode)
+                os.replace(tmp, state.mode_file)  # the node's agent follows it (fake_node_agent.py)
             if mode == "training":
                 state.port.advance(seconds)
 
@@ -169,11 +178,12 @@ class TelemetryDriver(threading.Thread):
 
 
 class NodeAgent:
-    """A real ``vigil agent`` for one fake node: fake NVML (``scenario``), its own sysfs root and
-    process table, reporting to the aggregator every ``interval_seconds``."""
+    """A real vigil agent for one fake node (tests/e2e/fake_node_agent.py): fake NVML (``scenario``)
+    whose GPUs follow ``mode_file``, its own sysfs root and process table, reporting to the
+    aggregator every ``interval_seconds`` with its GPU readings at that resolution too."""
 
     def __init__(self, root: Path, node: str, aggregator: str, scenario: Path, sysfs_root: Path,
-                 proc_root: Path, interval_seconds: float, collectors: dict[str, Any]) -> None:
+                 proc_root: Path, mode_file: Path, interval_seconds: float, collectors: dict[str, Any]) -> None:
         self.node = node
         self.port = free_port()
         token = root / f"{node}.token"
@@ -183,7 +193,10 @@ class NodeAgent:
         cfg = root / f"{node}.yaml"
         cfg.write_text(yaml.safe_dump({
             "node": node,
-            "aggregator": {"url": aggregator, "interval_seconds": interval_seconds, "token_file": str(token)},
+            "listen": f"127.0.0.1:{self.port}",
+            "nvml": {"backend": "fake", "scenario": str(scenario)},
+            "aggregator": {"url": aggregator, "interval_seconds": interval_seconds, "token_file": str(token),
+                           "telemetry_seconds": interval_seconds},
             "collectors": {
                 "gpu": {"interval_seconds": interval_seconds, "job_attribution_interval_seconds": interval_seconds,
                         "proc_root": str(proc_root)},
@@ -193,9 +206,9 @@ class NodeAgent:
         }))
         self.log = (root / f"{node}.log").open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vigil", "agent", "--config", str(cfg), "--backend", "fake",
-             "--scenario", str(scenario), "--listen", f"127.0.0.1:{self.port}", "--kmsg", str(kmsg),
-             "--sysfs-root", str(sysfs_root), "--log-level", "WARNING"],
+            [sys.executable, str(NODE_AGENT), "--config", str(cfg), "--scenario", str(scenario),
+             "--sysfs-root", str(sysfs_root), "--proc-root", str(proc_root), "--kmsg", str(kmsg),
+             "--mode-file", str(mode_file)],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
 
     def healthy(self) -> bool:
@@ -238,8 +251,8 @@ def job_args(**options: float | int) -> list[str]:
 
 
 def run(root: Path, *, aggregator: dict[str, Any], job: dict[str, float | int], watch_seconds: float,
-        until: Callable[[JobRun], bool], gpu_mode: Callable[[NodeState, str], None],
-        scenario: Callable[[int], dict[str, Any]], agent_collectors: dict[str, Any] | None = None,
+        until: Callable[[JobRun], bool], scenario: Callable[[int], dict[str, Any]],
+        agent_collectors: dict[str, Any] | None = None,
         flight_recorder: bool = False, interval_seconds: float = 1.0) -> JobRun:
     """Start everything, let the job run, poll the aggregator's decisions until ``until`` holds or
     ``watch_seconds`` pass (after the job's first step); stop everything by pid.
@@ -271,14 +284,18 @@ def run(root: Path, *, aggregator: dict[str, Any], job: dict[str, float | int], 
             sysfs, proc_root = root / f"{node}-sys", root / f"{node}-proc"
             sysfs.mkdir()
             in_slurm_job(proc_root, proc.pid, int(SLURM_JOB))
+            # Its owner too (the flight recorder collector binds a dump to the job of its owner's uid).
+            (proc_root / str(proc.pid) / "status").write_bytes(Path(f"/proc/{proc.pid}/status").read_bytes())
             path = root / f"{node}-scenario.yaml"
             path.write_text(yaml.safe_dump(scenario(proc.pid)))
-            states.append(NodeState(node, rank, proc.pid, sysfs, RdmaPort(sysfs)))
-            agents.append(NodeAgent(root, node, agg.url, path, sysfs, proc_root, interval_seconds,
+            state = NodeState(node, rank, proc.pid, sysfs, RdmaPort(sysfs), root / f"{node}.mode")
+            state.mode_file.write_text(state.mode)
+            states.append(state)
+            agents.append(NodeAgent(root, node, agg.url, path, sysfs, proc_root, state.mode_file, interval_seconds,
                                     {**(agent_collectors or {})}))
         for agent in agents:
             wait_for(f"agent {agent.node}", agent.healthy, 30.0)
-        driver = TelemetryDriver(work, states, gpu_mode)
+        driver = TelemetryDriver(work, states)
         driver.start()
         wait_for("the job's first step", lambda: all((work / f"phase-{r}.json").exists() for r in range(len(NODES))),
                  60.0)

@@ -7,9 +7,10 @@ vigil import. It is the test's program, not vigil's: besides training it writes 
 job's state shows on real hardware. "collective" spans ``loss.backward()``, where DDP's gradient
 all-reduce runs (the model is tiny: backward is the all-reduce's wait).
 
-A hang: rank ``--stop-rank`` stops at step ``--stop-at-step`` after its compute and before its
-backward, so it never enters that step's all-reduce while the others wait in it. ``--stop-how
-stuck`` (the default): its main thread never returns (a dead data loader or a deadlocked thread);
+A hang: rank ``--stop-rank`` stops at step ``--stop-at-step`` inside the step's collective phase,
+before its backward hands the gradient all-reduce to the process group, so the flight recorder
+never sees it enter that all-reduce while the others wait in it. ``--stop-how
+stuck`` (the default): its main thread never returns (a thread deadlocked on the way into the call);
 ``sigstop``: the whole process is stopped (SIGSTOP; nothing of it runs, not even a dump). With the
 flight recorder on (``TORCH_FR_BUFFER_SIZE``), a waiting rank whose all-reduce times out
 (``--collective-timeout-seconds``, the process group's timeout) writes torch's own JSON dump
@@ -118,12 +119,12 @@ def main() -> int:
         x, y = torch.randn(32, 64, generator=data), torch.randn(32, 1, generator=data)
         loss = torch.nn.functional.mse_loss(model(x), y)
         time.sleep(max(0.0, args.compute_seconds - (time.perf_counter() - started)))
+        write_phase(work, rank, "collective", step)
         if rank == args.stop_rank and step == args.stop_at_step:
             if args.stop_how == "sigstop":
                 os.kill(os.getpid(), signal.SIGSTOP)  # stays here until SIGCONT or SIGKILL
-            time.sleep(max(0.0, deadline - time.monotonic()))  # stuck: never reaches the all-reduce
+            time.sleep(max(0.0, deadline - time.monotonic()))  # stuck: never hands the all-reduce over
             return 0
-        write_phase(work, rank, "collective", step)
         try:
             loss.backward()  # DDP's gradient all-reduce
         except RuntimeError:  # the process group's timeout: the job is dead
