@@ -26,6 +26,7 @@ from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario
 from vigil.agent.seams import Seams
+from vigil.log_format import configure_logging
 
 POLL_SECONDS = 0.2
 
@@ -50,6 +51,7 @@ def main() -> None:
     for flag in ("--config", "--scenario", "--sysfs-root", "--proc-root", "--kmsg", "--mode-file"):
         parser.add_argument(flag, type=Path, required=True)
     args = parser.parse_args()
+    configure_logging("INFO", "text")
     config = load_config(args.config)
     fake = FakeNvml(load_node_scenario(args.scenario), time.time)
     backend = PynvmlBackend(fake)

@@ -109,9 +109,9 @@ def test_healthy_checkpointing_and_evaluating_job_gets_no_decision(tmp_path: Pat
                  job={"checkpoint_at_step": 10, "checkpoint_seconds": checkpoint_seconds,
                       "evaluate_at_step": 12, "evaluate_seconds": evaluate_seconds})
     assert trained_after_evaluating(result), "the job did not get through its checkpoint and evaluation"
+    assert [(d["detector"], d["action"], d["node"]) for _, d in result.decisions()] == []
+    assert result.dumps == {}
     for state in result.nodes:  # each node showed both lookalikes after training, and never a spin
         modes = [mode for _, mode in state.modes]
         after = modes[modes.index("training"):]
         assert "idle" in after and "evaluating" in after and "busy_spin" not in modes, (state.node, modes)
-    assert result.dumps == {}
-    assert result.decisions() == [], result.decisions()
