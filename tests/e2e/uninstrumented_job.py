@@ -57,7 +57,7 @@ def dump_flight_recorder(rank: int) -> None:
     prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
     if not prefix or not os.environ.get("TORCH_FR_BUFFER_SIZE"):
         return
-    trace = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True)
+    trace = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True)  # type: ignore[attr-defined]  # not in torch stubs
     target = Path(f"{prefix}{rank}")
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_bytes(trace if isinstance(trace, bytes) else trace.encode())
