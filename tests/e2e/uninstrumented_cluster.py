@@ -269,14 +269,14 @@ def run(root: Path, *, aggregator: dict[str, Any], job: dict[str, float | int], 
     try:
         master = free_port()
         for rank, node in enumerate(NODES):
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "RANK": str(rank),
+                   "WORLD_SIZE": str(len(NODES)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
             if flight_recorder:  # each rank dumps where its node's agent reads
                 (fr_dir / node).mkdir()
                 env |= {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": str(fr_dir / node / "trace_rank_")}
             log = (root / f"rank{rank}.log").open("wb")
             ranks.append(subprocess.Popen(
-                [sys.executable, str(JOB_PROGRAM), "--work", str(work), "--rank", str(rank), "--world",
-                 str(len(NODES)), "--master-port", str(master), "--max-seconds", repr(watch_seconds + 30.0),
+                [sys.executable, str(JOB_PROGRAM), "--work", str(work), "--max-seconds", repr(watch_seconds + 30.0),
                  *job_args(**job)], env=env, stdout=log, stderr=subprocess.STDOUT))
             log.close()
         states: list[NodeState] = []
@@ -284,8 +284,10 @@ def run(root: Path, *, aggregator: dict[str, Any], job: dict[str, float | int], 
             sysfs, proc_root = root / f"{node}-sys", root / f"{node}-proc"
             sysfs.mkdir()
             in_slurm_job(proc_root, proc.pid, int(SLURM_JOB))
-            # Its owner too (the flight recorder collector binds a dump to the job of its owner's uid).
-            (proc_root / str(proc.pid) / "status").write_bytes(Path(f"/proc/{proc.pid}/status").read_bytes())
+            # Its owner and environment too: the flight recorder collector binds a dump to the job
+            # of its owner's uid, for a rank that job's processes on this node declare (RANK).
+            for name in ("status", "environ"):
+                (proc_root / str(proc.pid) / name).write_bytes(Path(f"/proc/{proc.pid}/{name}").read_bytes())
             path = root / f"{node}-scenario.yaml"
             path.write_text(yaml.safe_dump(scenario(proc.pid)))
             state = NodeState(node, rank, proc.pid, sysfs, RdmaPort(sysfs), root / f"{node}.mode")

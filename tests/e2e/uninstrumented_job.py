@@ -24,7 +24,8 @@ is restarted.
 Lookalikes: ``--checkpoint-at-step`` (every rank checkpointing for ``--checkpoint-seconds``: rank 0
 saves with torch.save while the others wait in a barrier, the phase says so) and
 ``--evaluate-at-step`` (forward passes under ``no_grad`` for ``--evaluate-seconds``, no collective).
-Bounded by ``--max-seconds``. Rank, world size and the rendezvous come from the command line.
+Bounded by ``--max-seconds``. Rank, world size and the rendezvous come from the environment, as
+torchrun sets it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 """
 
 from __future__ import annotations
@@ -82,9 +83,6 @@ def dump_when_asked(store: dist.Store, rank: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", type=Path, required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--master-port", type=int, required=True)
     parser.add_argument("--compute-seconds", type=float, default=0.25, help="the pace of a step's compute")
     parser.add_argument("--stop-rank", type=int, default=-1)
     parser.add_argument("--stop-at-step", type=int, default=0)
@@ -96,12 +94,11 @@ def main() -> int:
     parser.add_argument("--collective-timeout-seconds", type=float, default=600.0)
     parser.add_argument("--max-seconds", type=float, default=120.0, help="bound: exit 0 after this long")
     args = parser.parse_args()
-    rank, work = args.rank, args.work
+    rank, world, work = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.work
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.master_port}", rank=rank,
-                            world_size=args.world,
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.collective_timeout_seconds))
     if os.environ.get("TORCH_FR_BUFFER_SIZE"):
         store = dist.distributed_c10d._get_default_store()
