@@ -5,9 +5,9 @@ state drives each node's fake GPUs and InfiniBand counters (the harness's docume
 1. One rank stops inside a collective (rank 2 at step 8, stuck before its gradient all-reduce is
    handed to the process group; the other three wait in it). From telemetry alone (every GPU
    busy-spinning, every port flat) ``telemetry_hang`` decides on the job within 60 s of the stop;
-   with the flight recorder on, the three waiting ranks time out (15 s, the process group's
-   timeout), dump, and signal rank 2 to dump too (as NCCL's dump-on-timeout does), and
-   ``collective_culprit`` drains rank 2's node, and no other, within 30 s of the last dump.
+   with the flight recorder on, the job's stall watchdog fires after 10 s in the collective, every
+   rank dumps (the first signals the rest through the job's store, as NCCL's dump-on-timeout does),
+   and ``collective_culprit`` drains rank 2's node, and no other, within 30 s of the last dump.
 2. The same job healthy, then checkpointing for 30 s and evaluating for 12 s: no decision at all.
 
 Windows, shortened so each test is bounded (about 60 s): ``telemetry_hang`` alerts after 10 s and
@@ -30,7 +30,7 @@ from tests.e2e.uninstrumented_cluster import NODES, SLURM_JOB, JobRun, run
 pytestmark = pytest.mark.external
 
 STOP_RANK, STOP_AT_STEP = 2, 8
-COLLECTIVE_TIMEOUT_SECONDS = 15
+DUMP_AFTER_SECONDS = 10  # the job's stall watchdog
 ALERT_WITHIN_SECONDS = 60.0  # the issue's bound from the stop to the telemetry decision
 NAMED_WITHIN_SECONDS = 30.0  # the issue's bound from the dump to the culprit decision
 REMOVALS = ("drain", "reset_gpu", "reboot_node", "inspect_hardware")
@@ -48,13 +48,6 @@ def aggregator(alert_seconds: float) -> dict[str, Any]:
             "detectors": {"telemetry_hang": {"alert_seconds": alert_seconds, "restart_seconds": 40.0}}}
 
 
-def flight_recorder(root: Path) -> dict[str, Any]:
-    """Each agent reads the dumps of its node's ranks (the harness points each rank's
-    TORCH_FR_DUMP_TEMP_FILE at <root>/fr/<node>/trace_rank_)."""
-    return {"flight_recorder": {"enabled": True, "interval_seconds": 1.0,
-                                "dump_glob": str(root / "fr" / "*" / "trace_rank_*")}}
-
-
 def phase_ts(root: Path, rank: int) -> dict[str, Any]:
     return dict(json.loads((root / "work" / f"phase-{rank}.json").read_text()))
 
@@ -65,9 +58,9 @@ def test_rank_stopped_in_a_collective_is_alerted_from_telemetry_and_its_node_nam
         return any(d["detector"] == "collective_culprit" for _, d in r.seen.values())
 
     result = run(tmp_path, aggregator=aggregator(10.0), scenario=scenario, flight_recorder=True,
-                 agent_collectors=flight_recorder(tmp_path), watch_seconds=75.0, until=culprit_named,
+                 watch_seconds=75.0, until=culprit_named,
                  job={"stop_rank": STOP_RANK, "stop_at_step": STOP_AT_STEP,
-                      "collective_timeout_seconds": COLLECTIVE_TIMEOUT_SECONDS})
+                      "dump_after_seconds": DUMP_AFTER_SECONDS})
     stopped = phase_ts(tmp_path, STOP_RANK)
     assert (stopped["phase"], stopped["step"]) == ("collective", STOP_AT_STEP), stopped
     stop_wall = float(stopped["ts"])
@@ -105,7 +98,7 @@ def test_healthy_checkpointing_and_evaluating_job_gets_no_decision(tmp_path: Pat
             return False
 
     result = run(tmp_path, aggregator=aggregator(6.0), scenario=scenario, flight_recorder=True,
-                 agent_collectors=flight_recorder(tmp_path), watch_seconds=70.0, until=trained_after_evaluating,
+                 watch_seconds=70.0, until=trained_after_evaluating,
                  job={"checkpoint_at_step": 10, "checkpoint_seconds": checkpoint_seconds,
                       "evaluate_at_step": 12, "evaluate_seconds": evaluate_seconds})
     assert trained_after_evaluating(result), "the job did not get through its checkpoint and evaluation"

@@ -293,8 +293,10 @@ def run(root: Path, *, aggregator: dict[str, Any], job: dict[str, float | int], 
             state = NodeState(node, rank, proc.pid, sysfs, RdmaPort(sysfs), root / f"{node}.mode")
             state.mode_file.write_text(state.mode)
             states.append(state)
+            reader = {"flight_recorder": {"enabled": True, "interval_seconds": interval_seconds,
+                                          "dump_glob": str(fr_dir / node / "trace_rank_*")}} if flight_recorder else {}
             agents.append(NodeAgent(root, node, agg.url, path, sysfs, proc_root, state.mode_file, interval_seconds,
-                                    {**(agent_collectors or {})}))
+                                    reader))
         for agent in agents:
             wait_for(f"agent {agent.node}", agent.healthy, 30.0)
         driver = TelemetryDriver(work, states)
