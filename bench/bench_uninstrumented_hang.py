@@ -1,16 +1,18 @@
 """Hangs with no instrumentation: detection time from telemetry, and the culprit named from the flight recorder.
 
 Drills on a simulated clock through the aggregator's real engine (every detector, shipped defaults,
-dry run), fed the reports a fleet of agents sends (every 2.5 s, at independent phases; GPU readings
-refreshed at the agents' telemetry resolution, ``telemetry_seconds`` 30 s shipped, so a changed
-reading reaches the aggregator up to 30 s late). No rank sends a heartbeat.
+dry run), fed the reports a fleet of agents sends (every 2.5 s, at independent phases; utilisation,
+clocks and power in every report, DRAM, PCIe and NVLink readings and the ports' data counters at the
+agents' telemetry resolution, ``telemetry_seconds`` 30 s shipped, so they reach the aggregator up to
+30 s late: docs/reports.md). No rank sends a heartbeat.
 
 1. Telemetry (the ``telemetry_hang`` detector): a 16-node job, 8 GPUs and 8 InfiniBand ports per
    node, trains (readings with noise: utilisation, clock, power, DRAM, PCIe, NVLink; the ports move
    GB/s) and hangs at a random moment: every GPU busy-spins (resident kernels, boost clock, a fifth
    of the power limit, no DRAM or PCIe traffic) and the ports carry only subnet-management bytes.
    The figure: the time from the hang to the first decision (DESIGN.md section 9: an alert within
-   60 s), p50 and max over the drills. Lookalikes on the same job, each 5 minutes: a checkpoint
+   60 s), p50 and max over the drills, and the same with the agents sending every reading in every
+   report (``telemetry_seconds`` 0). Lookalikes on the same job, each 5 minutes: a checkpoint
    (GPUs idle, no RDMA data) and an evaluation (GPUs busy with DRAM traffic, no RDMA data): their
    decisions (budget 0).
 2. Flight recorder (the ``collective_culprit`` detector): a 16-node job of 8 ranks per node; one
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import random
 from statistics import median
+
+from msgspec.structs import replace
 
 from bench.measure import Measurement
 from vigil.agent.wire import CollectiveState, GpuState, PortState, Report
@@ -81,26 +85,40 @@ def _ports(data_bytes: list[int]) -> list[PortState]:
 class _Job:
     """The job's nodes as their agents report them: modes over simulated time, counters, phases."""
 
-    def __init__(self, mode_at: list[tuple[float, str]], rng: random.Random) -> None:
+    def __init__(self, mode_at: list[tuple[float, str]], rng: random.Random,
+                 telemetry_seconds: float = TELEMETRY_SECONDS) -> None:
         self.mode_at = mode_at  # (from t, mode), sorted
         self.rng = rng
+        self.telemetry_seconds = telemetry_seconds
         self.report_phase = [rng.uniform(0, REPORT_SECONDS) for _ in range(NODES)]
         self.telemetry_phase = [rng.uniform(0, TELEMETRY_SECONDS) for _ in range(NODES)]
         self.gpus: list[list[GpuState]] = [[_gpu(n, i, "training", rng) for i in range(GPUS)] for n in range(NODES)]
         self.refreshed = [-1e9] * NODES
-        self.data = [[rng.randrange(1 << 40) for _ in range(GPUS)] for _ in range(NODES)]
+        self.counted = [[rng.randrange(1 << 40) for _ in range(GPUS)] for _ in range(NODES)]
+        self.data = [list(c) for c in self.counted]  # as last sent
         self.seq = [0] * NODES
 
     def mode(self, t: float) -> str:
         return [m for start, m in self.mode_at if start <= t][-1]
 
     def advance(self, node: int, t: float, seconds: float) -> None:
+        """Utilisation, clocks and power go in every report; DRAM, PCIe, NVLink and the ports' data
+        counters (the report's telemetry fields, docs/reports.md) at the telemetry resolution."""
         mode = self.mode(t)
         rate = PORT_BYTES_PER_SECOND if mode == "training" else KEEPALIVE_BYTES_PER_SECOND
-        self.data[node] = [b + int(rate * seconds * self.rng.uniform(0.8, 1.2)) for b in self.data[node]]
-        if t - self.refreshed[node] >= TELEMETRY_SECONDS:  # the agent sends readings at this resolution
-            self.gpus[node] = [_gpu(node, i, mode, self.rng) for i in range(GPUS)]
+        self.counted[node] = [b + int(rate * seconds * self.rng.uniform(0.8, 1.2)) for b in self.counted[node]]
+        fresh = [_gpu(node, i, mode, self.rng) for i in range(GPUS)]
+        if t - self.refreshed[node] >= self.telemetry_seconds:
+            self.gpus[node] = fresh
+            self.data[node] = list(self.counted[node])
             self.refreshed[node] = t
+        else:
+            self.gpus[node] = [replace(g, dram_active_ratio=old.dram_active_ratio,
+                                       pcie_tx_bytes_per_second=old.pcie_tx_bytes_per_second,
+                                       pcie_rx_bytes_per_second=old.pcie_rx_bytes_per_second,
+                                       nvlink_tx_bytes_per_second=old.nvlink_tx_bytes_per_second,
+                                       nvlink_rx_bytes_per_second=old.nvlink_rx_bytes_per_second)
+                               for g, old in zip(fresh, self.gpus[node], strict=True)]
 
     def report(self, node: int, t: float, collectives: list[CollectiveState] | None = None) -> Report:
         self.seq[node] += 1
@@ -131,12 +149,12 @@ def _drive(job: _Job, until: float, collectives: dict[int, tuple[float, list[Col
     return out
 
 
-def telemetry_drills(rng: random.Random) -> list[float]:
+def telemetry_drills(rng: random.Random, telemetry_seconds: float = TELEMETRY_SECONDS) -> list[float]:
     """Seconds from the hang to the job's first decision, one per drill (inf: never)."""
     out = []
     for _ in range(DRILLS):
         stop = rng.uniform(120.0, 180.0)
-        decisions = _drive(_Job([(0.0, "training"), (stop, "busy_spin")], rng), stop + 240.0)
+        decisions = _drive(_Job([(0.0, "training"), (stop, "busy_spin")], rng, telemetry_seconds), stop + 240.0)
         hung = [t for t, d in decisions if d.job == JOB and d.detector == "telemetry_hang"]
         out.append(min(hung) - stop if hung else float("inf"))
     return out
@@ -193,6 +211,7 @@ def culprit_drills(rng: random.Random) -> tuple[int, int, list[float]]:
 def measure() -> list[Measurement]:
     rng = random.Random(43)
     times = telemetry_drills(rng)
+    every_report = telemetry_drills(rng, 0.0)
     checkpoint, evaluation = lookalike_decisions("idle", rng), lookalike_decisions("evaluating", rng)
     right, wrong, delays = culprit_drills(rng)
     delay = median(delays) if delays else float("nan")
@@ -200,7 +219,9 @@ def measure() -> list[Measurement]:
         Measurement(f"uninstrumented hang -> alert from telemetry (max of {DRILLS} drills)", max(times), "s",
                     ALERT_BUDGET_SECONDS,
                     note=(f"p50 {median(times):.1f} s; {NODES} nodes x {GPUS} GPUs, no heartbeats, shipped defaults; "
-                          f"readings at the agents' {TELEMETRY_SECONDS:.0f} s telemetry resolution")),
+                          f"readings at the agents' {TELEMETRY_SECONDS:.0f} s telemetry resolution; with "
+                          f"telemetry_seconds 0 (every report): p50 {median(every_report):.1f} s, "
+                          f"max {max(every_report):.1f} s")),
         Measurement("uninstrumented job, 5-min checkpoint / 5-min evaluation: decisions",
                     float(checkpoint + evaluation), "decisions", 0.0,
                     note=f"checkpoint {checkpoint}, evaluation {evaluation}"),

@@ -8,11 +8,11 @@ state drives each node's fake GPUs and InfiniBand counters (the harness's docume
    with the flight recorder on, the job's stall watchdog fires after 10 s in the collective, every
    rank dumps (the first signals the rest through the job's store, as NCCL's dump-on-timeout does),
    and ``collective_culprit`` drains rank 2's node, and no other, within 30 s of the last dump.
-2. The same job healthy, then checkpointing for 30 s and evaluating for 12 s: no decision at all.
+2. The same job healthy, then checkpointing for 25 s and evaluating for 10 s: no decision at all.
 
 Windows, shortened so each test is bounded (about 60 s): ``telemetry_hang`` alerts after 10 s and
 restarts after 40 s of the signature (60 s and 300 s shipped); in the lookalike test it alerts after
-6 s, so the 30 s checkpoint is five alert windows, as a 5-minute checkpoint is against the shipped
+5 s, so the 25 s checkpoint is five alert windows, as a 5-minute checkpoint is against the shipped
 60 s. Agents report, and send their GPU readings, every second (2.5 s and 30 s shipped); the
 aggregator evaluates every second.
 """
@@ -95,7 +95,7 @@ def test_rank_stopped_in_a_collective_is_alerted_from_telemetry_and_its_node_nam
 
 
 def test_healthy_checkpointing_and_evaluating_job_gets_no_decision(tmp_path: Path) -> None:
-    checkpoint_seconds, evaluate_seconds = 30.0, 12.0
+    checkpoint_seconds, evaluate_seconds = 25.0, 10.0
 
     def trained_after_evaluating(r: JobRun) -> bool:
         try:
@@ -103,7 +103,7 @@ def test_healthy_checkpointing_and_evaluating_job_gets_no_decision(tmp_path: Pat
         except (OSError, ValueError):
             return False
 
-    result = run(tmp_path, aggregator=aggregator(6.0), scenario=scenario, flight_recorder=True,
+    result = run(tmp_path, aggregator=aggregator(5.0), scenario=scenario, flight_recorder=True,
                  watch_seconds=70.0, until=trained_after_evaluating,
                  job={"checkpoint_at_step": 10, "checkpoint_seconds": checkpoint_seconds,
                       "evaluate_at_step": 12, "evaluate_seconds": evaluate_seconds})
