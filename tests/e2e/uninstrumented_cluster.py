@@ -38,8 +38,8 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ import yaml
 from tests.agent.proc_table import in_slurm_job
 from tests.aggregator.aggregator_process import SITE_SECRET, AggregatorProcess, wait_for
 from tests.loopback import free_port
+from tests.training.agents import Agent
 from vigil.aggregator.auth import node_token
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,15 +178,18 @@ class TelemetryDriver(threading.Thread):
             last = now
 
 
-class NodeAgent:
+class NodeAgent(Agent):
     """A real vigil agent for one fake node (tests/e2e/fake_node_agent.py): fake NVML (``scenario``)
     whose GPUs follow ``mode_file``, its own sysfs root and process table, reporting to the
-    aggregator every ``interval_seconds`` with its GPU readings at that resolution too."""
+    aggregator every ``interval_seconds`` with its GPU readings at that resolution too. Started
+    here, not by the training tests' Agent (no heartbeat listeners: the job sends none); checked
+    and stopped as that one is."""
 
     def __init__(self, root: Path, node: str, aggregator: str, scenario: Path, sysfs_root: Path,
                  proc_root: Path, mode_file: Path, interval_seconds: float, collectors: dict[str, Any]) -> None:
         self.node = node
         self.port = free_port()
+        self.proc_root = proc_root
         token = root / f"{node}.token"
         token.write_text(node_token(SITE_SECRET.encode(), node) + "\n")
         kmsg = root / f"{node}.kmsg"
@@ -211,24 +215,6 @@ class NodeAgent:
              "--mode-file", str(mode_file)],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
 
-    def healthy(self) -> bool:
-        assert self.proc.poll() is None, f"agent {self.node} exited {self.proc.returncode}"
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=0.5).read()
-            return True
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-
 
 @dataclass
 class JobRun:
@@ -245,28 +231,34 @@ class JobRun:
         return next(s.node for s in self.nodes if s.rank == rank)
 
 
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
 def job_args(**options: float | int) -> list[str]:
     """``stop_rank=2`` -> ["--stop-rank", "2"]: the job program's flags."""
     return [a for k, v in options.items() for a in (f"--{k.replace('_', '-')}", repr(v))]
 
 
 def run(root: Path, *, aggregator: dict[str, Any], job: dict[str, float | int], watch_seconds: float,
-        until: Callable[[JobRun], bool], scenario: Callable[[int], dict[str, Any]],
-        agent_collectors: dict[str, Any] | None = None,
-        flight_recorder: bool = False, interval_seconds: float = 1.0) -> JobRun:
+        until: Callable[[JobRun], bool], scenario: Callable[[int], dict[str, Any]], flight_recorder: bool = False,
+        interval_seconds: float = 1.0) -> JobRun:
     """Start everything, let the job run, poll the aggregator's decisions until ``until`` holds or
     ``watch_seconds`` pass (after the job's first step); stop everything by pid.
-    ``scenario(pid)``: a node's fake NVML scenario whose GPUs hold process ``pid``."""
+    ``scenario(pid)``: a node's fake NVML scenario whose GPUs hold process ``pid``;
+    ``flight_recorder``: the ranks record and dump (TORCH_FR_BUFFER_SIZE, TORCH_FR_DUMP_TEMP_FILE
+    under <root>/fr/<node>/) and each node's agent reads its own ranks' dumps there."""
     work = root / "work"
     work.mkdir()
     fr_dir = root / "fr"
     fr_dir.mkdir()
-    agg = AggregatorProcess(root, aggregator)
-    agg.start()
-    ranks: list[subprocess.Popen[bytes]] = []
-    agents: list[NodeAgent] = []
-    driver: TelemetryDriver | None = None
-    try:
+    with ExitStack() as teardown:  # in reverse: the driver, the agents, the ranks, the aggregator
+        agg = AggregatorProcess(root, aggregator)
+        agg.start()
+        teardown.callback(agg.stop)
+        ranks: list[subprocess.Popen[bytes]] = []
         master = free_port()
         for rank, node in enumerate(NODES):
             env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "RANK": str(rank),
@@ -278,8 +270,10 @@ def run(root: Path, *, aggregator: dict[str, Any], job: dict[str, float | int], 
             ranks.append(subprocess.Popen(
                 [sys.executable, str(JOB_PROGRAM), "--work", str(work), "--max-seconds", repr(watch_seconds + 30.0),
                  *job_args(**job)], env=env, stdout=log, stderr=subprocess.STDOUT))
+            teardown.callback(_kill, ranks[-1])
             log.close()
         states: list[NodeState] = []
+        agents: list[NodeAgent] = []
         for rank, (node, proc) in enumerate(zip(NODES, ranks, strict=True)):
             sysfs, proc_root = root / f"{node}-sys", root / f"{node}-proc"
             sysfs.mkdir()
@@ -297,10 +291,13 @@ def run(root: Path, *, aggregator: dict[str, Any], job: dict[str, float | int], 
                                           "dump_glob": str(fr_dir / node / "trace_rank_*")}} if flight_recorder else {}
             agents.append(NodeAgent(root, node, agg.url, path, sysfs, proc_root, state.mode_file, interval_seconds,
                                     reader))
+            teardown.callback(agents[-1].stop)
         for agent in agents:
             wait_for(f"agent {agent.node}", agent.healthy, 30.0)
         driver = TelemetryDriver(work, states)
         driver.start()
+        teardown.callback(driver.join, 5)
+        teardown.callback(driver.stop_event.set)
         wait_for("the job's first step", lambda: all((work / f"phase-{r}.json").exists() for r in range(len(NODES))),
                  60.0)
         result = JobRun(states)
@@ -316,14 +313,3 @@ def run(root: Path, *, aggregator: dict[str, Any], job: dict[str, float | int], 
                     result.dumps[rank] = time.time()
             time.sleep(POLL_SECONDS)
         return result
-    finally:
-        if driver is not None:
-            driver.stop_event.set()
-            driver.join(5)
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-        for agent in agents:
-            agent.stop()
-        agg.stop()
