@@ -36,6 +36,7 @@ from vigil.aggregator.detectors.probe_verdict import ProbeVerdictConfig
 from vigil.aggregator.detectors.recovery import RecoveryConfig
 from vigil.aggregator.detectors.silence import SilenceConfig
 from vigil.aggregator.detectors.straggler import StragglerConfig
+from vigil.aggregator.detectors.telemetry_hang import TelemetryHangConfig
 from vigil.aggregator.detectors.thermal import ThermalConfig
 from vigil.aggregator.detectors.topology import TopologyConfig
 from vigil.aggregator.detectors.xid import XidConfig
@@ -73,6 +74,8 @@ class DetectorsConfig(StrictModel):
     crash_loop: CrashLoopConfig = CrashLoopConfig()
     # The job's own loss and training logs: NaN loss, spikes, NCCL/CUDA lines (docs/detectors.md).
     app_signals: AppSignalsConfig = AppSignalsConfig()
+    # Hangs of jobs that send no heartbeats, from GPU busy-spin and flat RDMA (docs/detectors.md).
+    telemetry_hang: TelemetryHangConfig = TelemetryHangConfig()
 
 
 class AggregatorConfig(StrictModel):
