@@ -36,6 +36,7 @@ from vigil.aggregator.detectors.probe_verdict import ProbeVerdictConfig
 from vigil.aggregator.detectors.recovery import RecoveryConfig
 from vigil.aggregator.detectors.silence import SilenceConfig
 from vigil.aggregator.detectors.straggler import StragglerConfig
+from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerConfig
 from vigil.aggregator.detectors.thermal import ThermalConfig
 from vigil.aggregator.detectors.topology import TopologyConfig
 from vigil.aggregator.detectors.xid import XidConfig
@@ -73,6 +74,8 @@ class DetectorsConfig(StrictModel):
     crash_loop: CrashLoopConfig = CrashLoopConfig()
     # The job's own loss and training logs: NaN loss, spikes, NCCL/CUDA lines (docs/detectors.md).
     app_signals: AppSignalsConfig = AppSignalsConfig()
+    # A slow node of a job with no heartbeats, from its GPUs' activity; alert only (docs/detectors.md).
+    telemetry_straggler: TelemetryStragglerConfig = TelemetryStragglerConfig()
 
 
 class AggregatorConfig(StrictModel):

@@ -23,6 +23,7 @@ from vigil.aggregator.detectors.probe_verdict import ProbeVerdictDetector
 from vigil.aggregator.detectors.recovery import RecoveryDetector
 from vigil.aggregator.detectors.silence import SilenceDetector
 from vigil.aggregator.detectors.straggler import StragglerDetector
+from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerDetector
 from vigil.aggregator.detectors.thermal import ThermalDetector
 from vigil.aggregator.detectors.xid import XidDetector
 from vigil.aggregator.fleet import FleetView
@@ -50,4 +51,5 @@ REGISTRY: dict[str, Callable[[Any], Detector]] = {
     "probe_verdict": ProbeVerdictDetector,
     "crash_loop": CrashLoopDetector,
     "app_signals": AppSignalsDetector,
+    "telemetry_straggler": TelemetryStragglerDetector,
 }
