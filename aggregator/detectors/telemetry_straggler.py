@@ -1,9 +1,9 @@
 """Telemetry straggler detector: the slow node of a job that sends no heartbeats, from its GPUs alone.
 
 It reads, for every job that has no rank summaries (the heartbeat straggler detectors judge those),
-the latest state of each GPU the agents attribute to the job (``GpuState.job``), groups the job's
-nodes by hardware class (peer_class.py), and flags a node whose GPUs' activity is a robust outlier
-below its peers' while those peers busy-wait, in every evaluation over a stated window. It emits
+the latest utilization of each GPU the agents attribute to the job (``GpuState.job``), groups the
+job's nodes by hardware class (peer_class.py), and flags a node whose GPUs' utilization is a robust
+outlier below its peers' while those peers busy-wait, in every evaluation over a stated window. It emits
 an ``alert`` naming the node (never a drain: see "Corroboration"), and judges no hang, no whole-job
 slowdown, no throttled GPU (thermal.py and gpu_peer.py read clocks and throttle reasons).
 
@@ -31,17 +31,23 @@ data imbalance): hence an alert for a person, not a removal. Mycroft (Deng et al
 arXiv:2509.03018) localises from the collective layer's own state, which needs the job's NCCL
 instrumented; this detector is the fallback for jobs that carry none.
 
-Signal. SM activity where every judged GPU of the class reports it (GPM: Hopper and later), else
-utilization.gpu. SM activity first because utilization saturates: any resident kernel (a comm
-stream, a CUDA graph, a persistent kernel) pins it at 100% on every node and hides the idle SMs;
-utilization is the fallback because a starved GPU idles with no kernel at all, which it does see
-(and for starvation it is the stronger contrast: the waiting peers read ~100%).
+Signal: utilization.gpu, not GPM's SM activity, for two reasons. The project's rule: SM activity
+is telemetry (wire.GPU_TELEMETRY_FIELDS) that compact reports carry at most every 30 s and that no
+detector may read (tests/aggregator/detectors/test_telemetry_unjudged.py); utilization is in every
+report and already judged (thermal, gpu_peer). And the physics: for a host-starved node it is the
+stronger contrast. Take a step of 1 s compute (SM activity ~0.8), a 0.2 s all-reduce and a 1 s host
+stall on one node, the NCCL spin holding ~0.2 of the SMs: the waiting peers read utilization 1.0
+and SM activity (0.8 + 0.2 x 1.2) / 2.2 = 0.47, the starved node utilization 1.2 / 2.2 = 0.55 and
+SM activity (0.8 + 0.2 x 0.2) / 2.2 = 0.38: a 45% gap against a 19% one. Its blind spot: a job
+that keeps a kernel resident through the host stall (a persistent kernel, an overlapping comm
+stream) reads ~1 everywhere and is not found.
 
 Decision rule (each evaluation, per job and hardware class): at least ``min_nodes`` nodes with
 fresh telemetry and the job's full GPU count each (a node with fewer of the job's GPUs is partial
 attribution and is not judged); the peers busy (their median utilization at or above
 ``peers_busy_utilization``: an eval, checkpoint or data phase idles every node and is not judged);
-a node whose median activity is at least ``min_drop_ratio`` below the class median and more than
+a node whose median utilization (over its GPUs, then over its last ``smoothing_reports`` reports)
+is at least ``min_drop_ratio`` below the class median and more than
 ``z_threshold`` robust sigma below it (MAD x 1.4826, floored at ``min_spread_ratio`` of the
 median), with at most ``max_outlier_share`` of the nodes so flagged (else the job is bimodal: a
 pipeline's stages, not a straggler). Persistence: flagged in every evaluation for
@@ -50,10 +56,10 @@ not flag it (or does not judge the job) ends the run. Four nodes at least: with 
 two peers is no baseline and one node is a third of the job; with four, the outlier is a quarter at
 most and three peers set the median.
 
-Designed false-alert rate. Sampling noise: a node's figure is the median of its 8 GPUs; per-GPU
-sampling noise of +-10% (uniform) moves it at most 10%, never the 15% floor: zero alerts from that
-noise model. Gaussian noise at the floor's spread (2% of the median): 15% is 7.5 sigma, p = 3e-14
-per sample; 10 consecutive independent samples: p^10, nil. The designed rate is thus governed by
+Designed false-alert rate. Sampling noise: a node's figure is a median of its 8 GPUs' readings;
+per-GPU sampling noise of +-10% (uniform) moves it at most 10%, never the 15% floor: zero alerts
+from that noise model. Gaussian noise at the floor's spread (2% of the median): 15% is 7.5 sigma,
+p = 3e-14 per smoothed figure; ten independent minutes in a row: p^10, nil. The designed rate is thus governed by
 persistent, non-fault differences between nodes of one class (a pipeline stage, a node hosting an
 evaluation or logging rank): those are why the action is an alert and not a drain.
 
@@ -82,8 +88,8 @@ from vigil.aggregator.fleet import FleetView, NodeState
 NAME = "telemetry_straggler"
 # Median absolute deviation to a normal sigma (1 / Phi^-1(3/4)).
 _MAD_TO_SIGMA = 1.4826
-# One GPU's latest report: (when it arrived, SM activity, utilization.gpu).
-_Gpu = tuple[float, float | None, float | None]
+# One GPU's latest report: (when it arrived, utilization.gpu).
+_Gpu = tuple[float, float]
 
 
 class TelemetryStragglerConfig(StrictModel):
@@ -95,7 +101,7 @@ class TelemetryStragglerConfig(StrictModel):
     # an NCCL collective keeps its kernel resident (NVML counts it busy); in an eval, checkpoint or
     # data phase every GPU idles and the job is not judged.
     peers_busy_utilization: float = Field(default=0.8, gt=0, le=1)
-    # A node's activity at least this far below its class median (relative): a node idling 15% of
+    # A node's utilization at least this far below its class median (relative): a node idling 15% of
     # each step costs its synchronous job that much. Above the +-10% sampling noise of one GPU,
     # which the median of a node's GPUs cannot exceed (module docstring).
     min_drop_ratio: float = Field(default=0.15, gt=0, lt=1)
@@ -122,8 +128,7 @@ class TelemetryStragglerConfig(StrictModel):
 
 @dataclass(slots=True)
 class _NodeFigures:
-    activity: float  # median over the node's GPUs of the job, of the class's signal
-    utilization: float | None
+    utilization: float  # median over the node's GPUs of the job (then over its recent reports)
     gpus: int
     sample_ts: float  # the newest report among those GPUs
 
@@ -147,13 +152,13 @@ class TelemetryStragglerDetector:
         self.config = config
         # (job, node) -> its current run of flagged evaluations.
         self._runs: dict[tuple[str, str], _Run] = {}
-        # (job, node, signal) -> its figures in its latest distinct reports (``_smoothed``).
-        self._recent: dict[tuple[str, str, str], deque[_NodeFigures]] = {}
-        self._seen: set[tuple[str, str, str]] = set()
+        # (job, node) -> its figures in its latest distinct reports (``_smoothed``).
+        self._recent: dict[tuple[str, str], deque[_NodeFigures]] = {}
+        self._seen: set[tuple[str, str]] = set()
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         flagged: dict[tuple[str, str], _Flag] = {}
-        self._seen: set[tuple[str, str, str]] = set()
+        self._seen = set()
         for job, nodes in self._uninstrumented_jobs(view, now).items():
             for node, (figures, evidence) in self._judge(view, job, nodes).items():
                 flagged[(job, node)] = (figures, evidence)
@@ -173,7 +178,7 @@ class TelemetryStragglerDetector:
                 if now - run.start >= self.config.persistence_seconds and run.samples >= self.config.min_samples]
 
     def _uninstrumented_jobs(self, view: FleetView, now: float) -> dict[str, dict[str, list[_Gpu]]]:
-        """job -> node -> (ts, sm_active, utilization) of each fresh GPU attributed to the job, for
+        """job -> node -> (ts, utilization) of each fresh GPU attributed to the job, for
         the jobs no rank reports heartbeats for."""
         out: dict[str, dict[str, list[_Gpu]]] = {}
         instrumented = {name for name, job in view.jobs.items() if job.ranks}
@@ -181,13 +186,13 @@ class TelemetryStragglerDetector:
             oldest = now - self.config.fresh_intervals * node.interval_seconds
             for hist in node.gpus.values():
                 s = hist.last
-                if s.job is None or s.job in instrumented or hist.last_seen < oldest or s.health != "ok":
-                    continue
-                out.setdefault(s.job, {}).setdefault(node.name, []).append(
-                    (hist.last_seen, s.sm_active_ratio, s.utilization_gpu_ratio))
+                if s.job is None or s.job in instrumented or hist.last_seen < oldest or s.health != "ok" \
+                        or s.utilization_gpu_ratio is None:
+                    continue  # a GPU without a reading is no evidence: its node then counts fewer GPUs
+                out.setdefault(s.job, {}).setdefault(node.name, []).append((hist.last_seen, s.utilization_gpu_ratio))
         return out
 
-    def _smoothed(self, key: tuple[str, str, str], figures: _NodeFigures) -> _NodeFigures:
+    def _smoothed(self, key: tuple[str, str], figures: _NodeFigures) -> _NodeFigures:
         """The node's figures as the median of its last ``smoothing_reports`` distinct reports."""
         recent = self._recent.get(key)
         if recent is None:
@@ -195,9 +200,7 @@ class TelemetryStragglerDetector:
         if not recent or figures.sample_ts > recent[-1].sample_ts:
             recent.append(figures)
         self._seen.add(key)
-        utils = [f.utilization for f in recent if f.utilization is not None]
-        return _NodeFigures(median(f.activity for f in recent), median(utils) if utils else None, figures.gpus,
-                            figures.sample_ts)
+        return _NodeFigures(median(f.utilization for f in recent), figures.gpus, figures.sample_ts)
 
     def _judge(self, view: FleetView, job: str, nodes: dict[str, list[_Gpu]]) -> dict[str, _Flag]:
         cfg = self.config
@@ -212,40 +215,27 @@ class TelemetryStragglerDetector:
             judged = [n for n in members if len(nodes[n]) == full]
             if len(judged) < cfg.min_nodes:
                 continue
-            sm_everywhere = all(g[1] is not None for n in judged for g in nodes[n])
-            signal = "sm_active_ratio" if sm_everywhere else "utilization_gpu_ratio"
-            figures: dict[str, _NodeFigures] = {}
-            for n in judged:
-                gpus = nodes[n]
-                values = [g[1] if sm_everywhere else g[2] for g in gpus]
-                present = [v for v in values if v is not None]
-                if len(present) < len(values):
-                    continue  # the fallback signal missing on some GPU: the node is not judged
-                utils = [g[2] for g in gpus if g[2] is not None]
-                figures[n] = self._smoothed((job, n, signal), _NodeFigures(
-                    median(present), median(utils) if utils else None, len(gpus), max(g[0] for g in gpus)))
-            if len(figures) < cfg.min_nodes:
-                continue
-            med = median(f.activity for f in figures.values())
+            figures = {n: self._smoothed((job, n), _NodeFigures(median(g[1] for g in nodes[n]), len(nodes[n]),
+                                                                max(g[0] for g in nodes[n])))
+                       for n in judged}
+            med = median(f.utilization for f in figures.values())
             if med <= 0:
                 continue
-            mad = median(abs(f.activity - med) for f in figures.values())
+            mad = median(abs(f.utilization - med) for f in figures.values())
             sigma = max(mad * _MAD_TO_SIGMA, cfg.min_spread_ratio * med)
             floor = max(cfg.min_drop_ratio * med, cfg.z_threshold * sigma)
-            outliers = [n for n, f in figures.items() if med - f.activity >= floor]
+            outliers = [n for n, f in figures.items() if med - f.utilization >= floor]
             if not outliers or len(outliers) > max(1, int(cfg.max_outlier_share * len(figures))):
                 continue
-            peer_utils = [f.utilization for n, f in figures.items() if n not in outliers and f.utilization is not None]
-            peers_util = median(peer_utils) if peer_utils else None
-            if peers_util is None or peers_util < cfg.peers_busy_utilization:
+            peers_util = median(f.utilization for n, f in figures.items() if n not in outliers)
+            if peers_util < cfg.peers_busy_utilization:
                 continue  # the peers are not waiting in a collective: a phase of the job, not judged
             for n in outliers:
                 f = figures[n]
                 out[n] = (f, {
-                    "signal": NAME, "activity_signal": signal, "node_activity": round(f.activity, 4),
-                    "job_median_activity": round(med, 4), "drop_ratio": round((med - f.activity) / med, 4),
-                    "z": round((f.activity - med) / sigma, 2), "node_utilization": None if f.utilization is None
-                    else round(f.utilization, 4), "peers_median_utilization": round(peers_util, 4),
+                    "signal": NAME, "node_utilization": round(f.utilization, 4),
+                    "job_median_utilization": round(med, 4), "drop_ratio": round((med - f.utilization) / med, 4),
+                    "z": round((f.utilization - med) / sigma, 2), "peers_median_utilization": round(peers_util, 4),
                     "node_gpus": f.gpus, "judged_nodes": len(figures), "hardware_class": describe(cls)})
         return out
 
@@ -253,10 +243,10 @@ class TelemetryStragglerDetector:
         ev = run.evidence
         return Finding(
             detector=NAME, node=node, job=job, action=Action.ALERT, since=run.start, key=f"{NAME}:{job}",
-            reason=(f"job {job} (no heartbeats): {node}'s GPUs show {ev['activity_signal']} {ev['node_activity']} "
-                    f"against the job's median {ev['job_median_activity']} ({ev['drop_ratio']:.0%} lower, "
-                    f"z {ev['z']}) while its peers wait in the collective (utilization "
-                    f"{ev['peers_median_utilization']}), for {now - run.start:.0f} s: a straggler candidate "
+            reason=(f"job {job} (no heartbeats): {node}'s GPUs show utilization {ev['node_utilization']} against "
+                    f"the job's median {ev['job_median_utilization']} ({ev['drop_ratio']:.0%} lower, z {ev['z']}) "
+                    f"while its peers wait in the collective ({ev['peers_median_utilization']}), for "
+                    f"{now - run.start:.0f} s: a straggler candidate "
                     "(host-starved: CPU, data loading), alert only"),
             evidence={**ev, "window_seconds": round(now - run.start, 1), "samples": run.samples,
                       "persistence_seconds": self.config.persistence_seconds})

@@ -13,14 +13,14 @@ from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerCon
 from vigil.aggregator.fleet import Fleet
 
 INTERVAL = 10.0
-# A healthy data-parallel step as the GPUs read: compute at ~0.8 of SMs, the collective's spin on a
-# few, utilization pinned near 1 (module docstring).
-BUSY = {"sm_active_ratio": 0.60, "utilization_gpu_ratio": 0.99}
+# A healthy data-parallel step as NVML reads it: a kernel resident all the time (compute, then the
+# collective's spin), utilization pinned near 1 (module docstring).
+BUSY = {"utilization_gpu_ratio": 0.99}
 # A host-starved node: no kernel while it waits for its batch.
-STARVED = {"sm_active_ratio": 0.45, "utilization_gpu_ratio": 0.70}
+STARVED = {"utilization_gpu_ratio": 0.70}
 
 
-def drive(nodes, seconds, *, load=None, gpm=True, seed=5, detector=None, ranks=False, drop=None):
+def drive(nodes, seconds, *, load=None, seed=5, detector=None, ranks=False, drop=None):
     """Every node reports every INTERVAL s for ``seconds``, its GPUs attributed to job "llm" with
     ``load(node, t) -> dict`` (default BUSY) under +-10% uniform noise per GPU and sample; the
     detector judges after each round. Returns every round's findings, by time."""
@@ -37,8 +37,6 @@ def drive(nodes, seconds, *, load=None, gpm=True, seed=5, detector=None, ranks=F
                     g.setdefault("job", "llm")
                 for key, value in figures.items():
                     g[key] = min(1.0, value * (1 + rng.uniform(-0.1, 0.1)))
-                if not gpm:
-                    g.pop("sm_active_ratio", None)
             n.ranks = [rank_summary("llm", ni * 8 + i, compute=1.0, comm=0.1, ts=t, gpu=i, step=int(t))
                        for i in n.gpus] if ranks else []
             if drop is None or not drop(n, t):
@@ -73,19 +71,22 @@ def test_starved_node_is_alerted_after_its_window_and_only_it():
     for findings in fired.values():
         assert [(f.node, f.job, f.action) for f in findings] == [("n3", "llm", Action.ALERT)]
     ev = fired[first][0].evidence
-    assert ev["signal"] == "telemetry_straggler" and ev["activity_signal"] == "sm_active_ratio"
-    assert ev["node_activity"] < ev["job_median_activity"] and ev["drop_ratio"] >= 0.15
+    assert ev["signal"] == "telemetry_straggler"
+    assert ev["node_utilization"] < ev["job_median_utilization"] and ev["drop_ratio"] >= 0.15
     assert ev["peers_median_utilization"] >= 0.8 and ev["samples"] >= 10 and ev["window_seconds"] >= 600
     since = fired[first][0].since
     assert 100 <= since <= 160 and first - since >= 600
     assert {f.since for fs in fired.values() for f in fs} == {since}  # one episode
 
 
-def test_utilization_is_the_signal_where_gpm_is_absent():
-    fired = firing(drive(nodes_(), 800, load=starved("n1"), gpm=False))
-    assert fired
-    f = fired[max(fired)][0]
-    assert f.node == "n1" and f.evidence["activity_signal"] == "utilization_gpu_ratio"
+def test_a_node_whose_gpus_send_no_utilization_is_not_judged():
+    # n1's GPUs report no utilization (NVML refused the query): no evidence, no alert.
+    def load(n, t):
+        return {} if n.name == "n1" else BUSY
+    nodes = nodes_()
+    for g in nodes[1].gpus.values():
+        g.pop("utilization_gpu_ratio")
+    assert not firing(drive(nodes, 800, load=load))
 
 
 def test_a_short_slowdown_or_one_broken_by_a_phase_does_not_fire():
@@ -96,7 +97,7 @@ def test_a_short_slowdown_or_one_broken_by_a_phase_does_not_fire():
     # ends the run before the window fills.
     def load(n, t):
         if t % 300 < 30:
-            return {"sm_active_ratio": 0.05, "utilization_gpu_ratio": 0.05}
+            return {"utilization_gpu_ratio": 0.05}
         return starved("n2")(n, t)
     assert not firing(drive(nodes_(), 1500, load=load))
 
@@ -105,10 +106,10 @@ def test_whole_job_slowdown_and_job_phases_do_not_fire():
     # Every node equally low (a slow library, a fleet-wide cap).
     assert not firing(drive(nodes_(), 900, load=lambda n, t: STARVED))
 
-    # An evaluation or data phase: every GPU mostly idle, one node idler still (it hosts the eval
-    # rank's extra work elsewhere): nobody waits in a collective, the job is not judged.
+    # An evaluation or data phase: every GPU mostly idle, one node idler still (its ranks' share of
+    # the eval set is smaller): nobody waits in a collective, the job is not judged.
     def eval_phase(n, t):
-        return {"sm_active_ratio": 0.10 if n.name == "n0" else 0.25, "utilization_gpu_ratio": 0.30}
+        return {"utilization_gpu_ratio": 0.10 if n.name == "n0" else 0.30}
     assert not firing(drive(nodes_(), 900, load=eval_phase))
 
 
@@ -128,8 +129,8 @@ def test_partial_attribution_missing_telemetry_and_too_few_nodes_do_not_fire():
 
 
 def test_heterogeneous_job_is_judged_within_each_hardware_class():
-    # Four H100 nodes and four H200 nodes: the faster H200s wait longer each step, so their SM
-    # activity is lower by design; within each class nobody stands out.
+    # Four H100 nodes and four H200 nodes whose GPUs read differently by design (here the H200s
+    # lower): within each class nobody stands out.
     nodes = nodes_(8)
     for n in nodes[4:]:
         for g in n.gpus.values():
@@ -167,3 +168,29 @@ def test_bimodal_job_flags_nobody():
 def test_registered_and_on_by_default_as_alert_only():
     assert "telemetry_straggler" in REGISTRY
     assert DetectorsConfig().telemetry_straggler.enabled
+
+
+def test_default_engine_alerts_on_the_starved_node_and_decides_nothing_else():
+    """The shipped defaults end to end (every detector, the topology pass): one alert, on n3."""
+    from vigil.aggregator.config import AggregatorConfig
+    from vigil.aggregator.engine import Engine
+    from vigil.aggregator.sink import RecordingSink
+
+    config = AggregatorConfig()
+    sink = RecordingSink()
+    engine = Engine(config, sink)
+    nodes = nodes_()
+    rng = random.Random(7)
+    load = starved("n3", since=100)
+    decided = []
+    t = 0.0
+    while t <= 900:
+        for n in nodes:
+            for g in n.gpus.values():
+                g["job"] = "llm"
+                for key, value in load(n, t).items():
+                    g[key] = min(1.0, value * (1 + rng.uniform(-0.1, 0.1)))
+            engine.ingest(n.report(t), t)
+        decided += engine.evaluate(t)
+        t += INTERVAL
+    assert [(d.node, d.action, d.detector) for d in decided] == [("n3", Action.ALERT, "telemetry_straggler")]
