@@ -37,6 +37,7 @@ from vigil.aggregator.detectors.recovery import RecoveryConfig
 from vigil.aggregator.detectors.silence import SilenceConfig
 from vigil.aggregator.detectors.straggler import StragglerConfig
 from vigil.aggregator.detectors.telemetry_hang import TelemetryHangConfig
+from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerConfig
 from vigil.aggregator.detectors.thermal import ThermalConfig
 from vigil.aggregator.detectors.topology import TopologyConfig
 from vigil.aggregator.detectors.xid import XidConfig
@@ -76,6 +77,8 @@ class DetectorsConfig(StrictModel):
     app_signals: AppSignalsConfig = AppSignalsConfig()
     # Hangs of jobs that send no heartbeats, from GPU busy-spin and flat RDMA (docs/detectors.md).
     telemetry_hang: TelemetryHangConfig = TelemetryHangConfig()
+    # A slow node of a job with no heartbeats, from its GPUs' activity; alert only (docs/detectors.md).
+    telemetry_straggler: TelemetryStragglerConfig = TelemetryStragglerConfig()
 
 
 class AggregatorConfig(StrictModel):

@@ -24,6 +24,7 @@ from vigil.aggregator.detectors.recovery import RecoveryDetector
 from vigil.aggregator.detectors.silence import SilenceDetector
 from vigil.aggregator.detectors.straggler import StragglerDetector
 from vigil.aggregator.detectors.telemetry_hang import TelemetryHangDetector
+from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerDetector
 from vigil.aggregator.detectors.thermal import ThermalDetector
 from vigil.aggregator.detectors.xid import XidDetector
 from vigil.aggregator.fleet import FleetView
@@ -52,4 +53,5 @@ REGISTRY: dict[str, Callable[[Any], Detector]] = {
     "crash_loop": CrashLoopDetector,
     "app_signals": AppSignalsDetector,
     "telemetry_hang": TelemetryHangDetector,
+    "telemetry_straggler": TelemetryStragglerDetector,
 }
