@@ -133,8 +133,12 @@ class RasReportReader:
         return True, RasSignal(section=section or "", rank=rank, host=host, message=message)
 
     def _refuse(self, reason: str, text: str) -> tuple[bool, RasSignal | None]:
+        """Count the line; a line of NCCL's shape with a value out of bounds (a rank, a host) is
+        skipped within its section, anything else ends the section and is read as an ordinary
+        line (it may be a heading of its own, or a training log's line after a lone word)."""
         self.refused[reason] += 1
+        if reason in ("ras_bad_rank", "ras_bad_host"):
+            return True, None
         self._section = None
         self._expect_count = None
-        # A heading refused here may still open a section of its own ("INCOMPLETE" after a cut one).
-        return self.feed(text) if reason == "ras_malformed" and text.strip() else (True, None)
+        return self.feed(text) if reason == "ras_malformed" else (True, None)
