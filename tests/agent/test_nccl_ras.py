@@ -100,3 +100,10 @@ def test_followed_log_counts_ras_refusals_by_reason(tmp_path):
     assert value(col.samples, "vigil_training_log_signals_total", path=str(path), kind="nccl_ras") == 4
     got = {r: value(col.samples, "vigil_training_log_errors_total", path=str(path), reason=r) for r in REFUSALS}
     assert got == {"ras_malformed": 2, "ras_bad_host": 1, "ras_bad_rank": 1, "ras_too_many": 0}
+
+
+def test_a_watchdog_timeout_carries_its_rank_and_the_collective_it_waited_in():
+    line = (FIXTURES.parent / "app-signals" / "torch-nccl-timeout.log").read_text().splitlines()[0]
+    sig = match_line(line)
+    assert sig is not None and (sig.kind, sig.rank, sig.peer) == ("nccl_timeout", 0, None)
+    assert "SeqNum=" in sig.message and "OpType=" in sig.message

@@ -115,3 +115,12 @@ def test_a_culprit_from_the_steps_carries_the_nccl_events_and_nothing_more():
     assert sorted((f.action, f.node) for f in found) == [(Action.DRAIN, "n3"), (Action.RESTART_JOB, WHOLE_JOB)]
     assert all(len(f.evidence["nccl_events"]) == 2 and "nccl_suspect" not in f.evidence for f in found)
 
+
+
+def test_watchdog_timeouts_are_evidence_but_name_no_peer():
+    timeouts = (ROOT / "app-signals" / "torch-nccl-timeout.log").read_text().splitlines()[:2]  # ranks 0 and 4
+    found = run({"n0": events_of(timeouts[:1]), "n2": events_of(timeouts[1:])})
+    assert [(f.action, f.node) for f in found] == [(Action.ALERT, WHOLE_JOB)]
+    assert sorted((e["kind"], e["rank"], e["peer"]) for e in found[0].evidence["nccl_events"]) == [
+        ("nccl_timeout", 0, None), ("nccl_timeout", 4, None)]
+    assert found[0].evidence["nccl_suspect"] is None
