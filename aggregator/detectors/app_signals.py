@@ -10,11 +10,10 @@ diverged, holds the job (``hold_job``: restarting it only loops). A gradient nor
 finite while the loss is (AMP's GradScaler skips such steps by design) and a NaN window the job
 trains on past are not acted on. A loss spike against the job's own recent windows is a job
 alert. A log line naming a peer that is a node of the fleet (by name, or by an address its agent
-lists: aggregator/nccl_peers.py) is an alert about that node, an
-uncorrectable-ECC CUDA error one about the node that logged it, anything else an alert about the
-job: never a removal from a log line alone (the xid and memory detectors judge the hardware's own
-reports). Evidence windows, thresholds, persistence and designed false-positive rates:
-docs/detectors.md, "app_signals".
+lists: aggregator/nccl_peers.py) is an alert about that node, an uncorrectable-ECC CUDA error one
+about the node that logged it, anything else an alert about the job: never a removal from a log
+line alone (the xid and memory detectors judge the hardware's own reports). Evidence windows,
+thresholds, persistence and designed false-positive rates: docs/detectors.md, "app_signals".
 """
 
 from __future__ import annotations
