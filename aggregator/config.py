@@ -25,6 +25,7 @@ from vigil.agent.validation import (
 from vigil.aggregator.actuators import ActuatorsConfig
 from vigil.aggregator.auth import AuthConfig, TlsConfig
 from vigil.aggregator.detectors.app_signals import AppSignalsConfig
+from vigil.aggregator.detectors.collective_culprit import CollectiveCulpritConfig
 from vigil.aggregator.detectors.crash_loop import CrashLoopConfig
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig
@@ -73,6 +74,9 @@ class DetectorsConfig(StrictModel):
     crash_loop: CrashLoopConfig = CrashLoopConfig()
     # The job's own loss and training logs: NaN loss, spikes, NCCL/CUDA lines (docs/detectors.md).
     app_signals: AppSignalsConfig = AppSignalsConfig()
+    # The rank that never entered the collective its group waits in, from Flight Recorder dumps
+    # (the agent's collectors.flight_recorder; docs/detectors.md).
+    collective_culprit: CollectiveCulpritConfig = CollectiveCulpritConfig()
 
 
 class AggregatorConfig(StrictModel):
