@@ -18,8 +18,11 @@ from vigil.agent.collectors.flight_recorder import (
     parse_dump,
 )
 from vigil.agent.config import parse_config
+from vigil.agent.report_delta import delta, whole
+from vigil.agent.reporter import build_report
+from vigil.agent.snapshot import CollectorResult, Snapshot
 from vigil.agent.validation import ConfigError
-from vigil.agent.wire import CollectiveState
+from vigil.agent.wire import COMPACT_VERSIONS, CollectiveState
 
 FIXTURES = Path(__file__).parent.parent.parent / "fixtures" / "flight_recorder"
 NOW = 1_800_000_000.0
@@ -147,3 +150,20 @@ def test_config_is_off_by_default_and_rejects_relative_globs() -> None:
     assert parse_config({}).collectors.flight_recorder.enabled is False
     with pytest.raises(ConfigError, match="absolute"):
         parse_config({"collectors": {"flight_recorder": {"dump_glob": "fr/*"}}})
+
+
+def test_collectives_go_whole_into_full_and_compact_reports(tmp_path: Path) -> None:
+    _put(tmp_path, "nccl_trace_rank_0", _fixture("fr_hang_rank0.json"))
+    c = _collector(tmp_path)
+    snap = Snapshot()
+    base = None
+    for seq, now in ((1, NOW), (2, NOW + 5)):
+        snap.put("flight_recorder", CollectorResult(c.collect(now), True, 0.01, now))
+        report = build_report(snap, [], node="n1", boot_id="b", seq=seq, ts=now, interval_seconds=2.5,
+                              topology={})
+        assert [(s.rank, s.group, s.last_entered_seq) for s in report.collectives] == [(0, "0", 6), (0, "1", 3)]
+        state = whole(report, COMPACT_VERSIONS[-1])
+        if base is not None:
+            body = delta(base, state)
+            assert body is not None and body["collectives"] == state["collectives"]
+        base = state

@@ -153,3 +153,13 @@ def test_one_rank_reported_by_two_nodes_is_trusted_from_neither() -> None:
 def test_a_single_node_job_is_an_alert_not_a_drain() -> None:
     (f,) = run({"n0": [state(0, 6, 5), state(1, 6, 5), state(2, 5, 5)]})[-1]
     assert (f.node, f.action) == (WHOLE_JOB, Action.ALERT)
+
+
+def test_the_fleet_keeps_each_nodes_latest_list_whole() -> None:
+    fleet, node = Fleet(), FakeNode("n0", gpus=0, ports=0)
+    fleet.ingest(msgspec.structs.replace(node.report(T0), collectives=[state(0, 6, 5), state(1, 6, 5)]), T0)
+    assert [s.rank for s in fleet.view().nodes["n0"].collectives] == [0, 1]
+    fleet.ingest(msgspec.structs.replace(node.report(T0 + 2.5), collectives=[state(1, 7, 6)]), T0 + 2.5)
+    assert [(s.rank, s.last_entered_seq) for s in fleet.view().nodes["n0"].collectives] == [(1, 7)]
+    fleet.ingest(node.report(T0 + 5), T0 + 5)  # dumps no longer fresh: the agent sends none
+    assert fleet.view().nodes["n0"].collectives == ()
