@@ -55,7 +55,7 @@ _RANK_SUFFIX = re.compile(r"(\d{1,7})(?:\.json)?$")
 # torch names the default process group "0" (distributed_c10d: _process_group_name); it holds
 # every rank, so a dump's rank must be below its size where the dump states it.
 DEFAULT_GROUP = "0"
-OUTCOMES = ("read", "malformed", "too_large", "not_a_file", "bad_rank", "no_job", "ambiguous_job")
+OUTCOMES = ("read", "malformed", "too_large", "not_a_file", "bad_rank", "no_job", "ambiguous_job", "rank_not_here")
 
 
 class FlightRecorderConfig(CollectorConfig):
@@ -84,7 +84,8 @@ class FlightRecorderConfig(CollectorConfig):
 
 DUMPS = MetricSpec("vigil_agent_flight_recorder_dumps_total", MetricKind.COUNTER,
                    "Flight Recorder dump files read (outcome=read) or refused (malformed, too_large, not_a_file, "
-                   "bad_rank, no_job, ambiguous_job), each new or changed file once.", labels=("outcome",))
+                   "bad_rank, no_job, ambiguous_job, rank_not_here), each new or changed file once.",
+                   labels=("outcome",))
 COLLECTIVES = MetricSpec("vigil_agent_flight_recorder_collectives", MetricKind.GAUGE,
                          "(rank, process group) collective states reported from fresh Flight Recorder dumps.")
 SPECS = (DUMPS, COLLECTIVES)
@@ -235,9 +236,25 @@ class _Read:
     refused: str | None
 
 
-def jobs_by_uid(proc_root: Path, job_of: JobOfPid) -> dict[int, set[str]]:
-    """uid -> the scheduler jobs with a live process of that uid on this node (bounded scan)."""
-    out: dict[int, set[str]] = {}
+def rank_of_environ(raw: bytes) -> int | None:
+    """The global rank a process's environment declares (torchrun's RANK, else srun's SLURM_PROCID)."""
+    env: dict[bytes, bytes] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep and key in (b"RANK", b"SLURM_PROCID"):
+            env[key] = value
+    declared = env.get(b"RANK") or env.get(b"SLURM_PROCID")
+    return int(declared) if declared is not None and declared.isdigit() and len(declared) <= 7 else None
+
+
+# uid -> job -> the global ranks its processes on this node declare (empty: none declares one).
+JobsByUid = dict[int, dict[str, set[int]]]
+
+
+def jobs_by_uid(proc_root: Path, job_of: JobOfPid) -> JobsByUid:
+    """uid -> the scheduler jobs with a live process of that uid on this node, and the ranks those
+    processes declare in their environment (bounded scan)."""
+    out: JobsByUid = {}
     try:
         pids = [p.name for p in proc_root.iterdir() if p.name.isdigit()][:PROCS_MAX]
     except OSError:
@@ -251,8 +268,16 @@ def jobs_by_uid(proc_root: Path, job_of: JobOfPid) -> dict[int, set[str]]:
         if uid is None:
             continue
         job = job_of(int(name))
-        if job is not None:
-            out.setdefault(uid, set()).add(job)
+        if job is None:
+            continue
+        ranks = out.setdefault(uid, {}).setdefault(job, set())
+        try:
+            with (proc_root / name / "environ").open("rb") as f:
+                rank = rank_of_environ(f.read(MAX_PROC_FILE_BYTES))
+        except OSError:
+            rank = None
+        if rank is not None:
+            ranks.add(rank)
     return out
 
 
@@ -261,9 +286,10 @@ class FlightRecorderCollector:
     specs: Sequence[MetricSpec] = SPECS
 
     def __init__(self, config: FlightRecorderConfig, *, root: Path = Path("/"),
-                 jobs_of_uid: Callable[[], dict[int, set[str]]] | None = None) -> None:
+                 jobs_of_uid: Callable[[], JobsByUid] | None = None) -> None:
         """``root``: the filesystem the dump glob is under; ``jobs_of_uid``: the node's live jobs by
-        process owner (default: a scan of /proc through agent/attribution.py)."""
+        process owner, with the ranks they declare (default: a scan of /proc through
+        agent/attribution.py)."""
         self._config = config
         self._root = root
         self._jobs_of_uid = jobs_of_uid or (lambda: jobs_by_uid(Path("/proc"),
@@ -322,15 +348,19 @@ class FlightRecorderCollector:
         jobs = self._jobs_of_uid() if fresh else {}
         states: list[CollectiveState] = []
         for path, r in fresh:
-            owners = jobs.get(r.uid, set())
-            if len(owners) != 1:
-                # Counted once per new or changed file, as every outcome; unbound dumps stay unread.
-                if path in changed:
-                    self._counts["no_job" if not owners else "ambiguous_job"] += 1
+            owners = jobs.get(r.uid, {})
+            job, ranks = next(iter(owners.items())) if len(owners) == 1 else (None, set())
+            refused = None
+            if job is None:
+                refused = "ambiguous_job" if owners else "no_job"
+            elif ranks and r.rank not in ranks:
+                # The rank must be one a process of the job on this node declares, where any
+                # declares one: a dump cannot speak for a rank that runs elsewhere.
+                refused = "rank_not_here"
+            if path in changed:  # counted once per new or changed file, as every outcome
+                self._counts[refused or "read"] += 1
+            if job is None or refused is not None:
                 continue
-            if path in changed:
-                self._counts["read"] += 1
-            (job,) = owners
             states.extend(_states(job, r, now))
         states = states[:COLLECTIVES_MAX]
         samples = [Sample.of(DUMPS, n, outcome=o) for o, n in self._counts.items()]

@@ -14,6 +14,7 @@ from vigil.agent.collectors.flight_recorder import (
     DUMPS,
     FlightRecorderCollector,
     FlightRecorderConfig,
+    JobsByUid,
     jobs_by_uid,
     parse_dump,
 )
@@ -46,8 +47,8 @@ def _fixture(name: str) -> bytes:
     return (FIXTURES / name).read_bytes()
 
 
-def _collector(root: Path, jobs: dict[int, set[str]] | None = None, **kw: object) -> FlightRecorderCollector:
-    table = {UID: {"4242"}} if jobs is None else jobs
+def _collector(root: Path, jobs: JobsByUid | None = None, **kw: object) -> FlightRecorderCollector:
+    table = {UID: {"4242": set()}} if jobs is None else jobs
     return FlightRecorderCollector(_config(**kw), root=root, jobs_of_uid=lambda: table)
 
 
@@ -130,20 +131,27 @@ def test_dump_binds_only_to_the_one_live_job_of_its_owner(tmp_path: Path) -> Non
     # The dump names no job; even one that claimed a job would be ignored: the owner decides.
     finished = _collector(tmp_path, jobs={}).collect(NOW)
     assert finished.report["collectives"] == [] and _counts(finished)["no_job"] == 1
-    two = _collector(tmp_path, jobs={UID: {"1", "2"}}).collect(NOW)
+    two = _collector(tmp_path, jobs={UID: {"1": set(), "2": set()}}).collect(NOW)
     assert two.report["collectives"] == [] and _counts(two)["ambiguous_job"] == 1
-    other_user = _collector(tmp_path, jobs={UID + 1: {"1"}}).collect(NOW)
+    other_user = _collector(tmp_path, jobs={UID + 1: {"1": set()}}).collect(NOW)
     assert other_user.report["collectives"] == []
+    # The job's processes here are ranks 4-7: a dump for rank 0 speaks for a rank elsewhere.
+    elsewhere = _collector(tmp_path, jobs={UID: {"1": {4, 5, 6, 7}}}).collect(NOW)
+    assert elsewhere.report["collectives"] == [] and _counts(elsewhere)["rank_not_here"] == 1
+    here = _collector(tmp_path, jobs={UID: {"1": {0, 1}}}).collect(NOW)
+    assert {s.job for s in here.report["collectives"]} == {"1"} and _counts(here)["read"] == 1
 
 
 def test_jobs_by_uid_reads_the_process_table(tmp_path: Path) -> None:
-    for pid, uid in ((10, 1000), (11, 1000), (12, 0)):
+    for pid, uid, env in ((10, 1000, b"RANK=3\0SLURM_PROCID=9\0"), (11, 1000, b"SLURM_PROCID=2\0"),
+                          (12, 0, b"RANK=0\0"), (13, 1000, b"RANK=x\0")):
         d = tmp_path / str(pid)
         d.mkdir()
         (d / "status").write_bytes(f"Name:\tpython\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n".encode())
+        (d / "environ").write_bytes(env)
     (tmp_path / "self").mkdir()
-    jobs = {10: "77", 11: "77", 12: None}
-    assert jobs_by_uid(tmp_path, jobs.get) == {1000: {"77"}}
+    jobs = {10: "77", 11: "77", 12: None, 13: "78"}
+    assert jobs_by_uid(tmp_path, jobs.get) == {1000: {"77": {3, 2}, "78": set()}}
 
 
 def test_config_is_off_by_default_and_rejects_relative_globs() -> None:

@@ -32,7 +32,7 @@ def _from_real_dumps(tmp_path: Path) -> dict[int, list[CollectiveState]]:
         path.write_bytes((FIXTURES / f"fr_hang_rank{r}.json").read_bytes())
         os.utime(path, (T0 - 5, T0 - 5))
         collector = FlightRecorderCollector(FlightRecorderConfig(enabled=True), root=root,
-                                            jobs_of_uid=lambda: {os.getuid(): {JOB}})
+                                            jobs_of_uid=lambda r=r: {os.getuid(): {JOB: {r}}})
         out[r] = collector.collect(T0).report["collectives"]
     return out
 
