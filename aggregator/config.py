@@ -25,6 +25,7 @@ from vigil.agent.validation import (
 from vigil.aggregator.actuators import ActuatorsConfig
 from vigil.aggregator.auth import AuthConfig, TlsConfig
 from vigil.aggregator.detectors.app_signals import AppSignalsConfig
+from vigil.aggregator.detectors.collective_culprit import CollectiveCulpritConfig
 from vigil.aggregator.detectors.crash_loop import CrashLoopConfig
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig
@@ -79,6 +80,9 @@ class DetectorsConfig(StrictModel):
     telemetry_hang: TelemetryHangConfig = TelemetryHangConfig()
     # A slow node of a job with no heartbeats, from its GPUs' activity; alert only (docs/detectors.md).
     telemetry_straggler: TelemetryStragglerConfig = TelemetryStragglerConfig()
+    # The rank that never entered the collective its group waits in, from Flight Recorder dumps
+    # (the agent's collectors.flight_recorder; docs/detectors.md).
+    collective_culprit: CollectiveCulpritConfig = CollectiveCulpritConfig()
 
 
 class AggregatorConfig(StrictModel):

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.detectors.app_signals import AppSignalsDetector
+from vigil.aggregator.detectors.collective_culprit import CollectiveCulpritDetector
 from vigil.aggregator.detectors.crash_loop import CrashLoopDetector
 from vigil.aggregator.detectors.gpu_peer import GpuPeerDetector
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerDetector
@@ -54,4 +55,5 @@ REGISTRY: dict[str, Callable[[Any], Detector]] = {
     "app_signals": AppSignalsDetector,
     "telemetry_hang": TelemetryHangDetector,
     "telemetry_straggler": TelemetryStragglerDetector,
+    "collective_culprit": CollectiveCulpritDetector,
 }
