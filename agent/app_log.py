@@ -1,9 +1,10 @@
-"""Application signals in training logs: NCCL collective timeouts, CUDA errors and NCCL warnings.
+"""Application signals in training logs: NCCL collective timeouts, CUDA errors, NCCL warnings and RAS reports.
 
 Reads the lines the training collector's log followers hand it (any log format: these lines come
 from PyTorch, CUDA and NCCL, not from the framework's progress printer), matches them against one
 table of real error formats (each row cites where its format was seen), and emits report
-``Event``s with the log's job, the rank and the peer host a line names, counted in full but
+``Event``s with the log's job, the rank and the peer host a line names (NCCL RAS reports in the same
+log: agent.nccl_ras), counted in full but
 forwarded collapsed and rate-limited, so a log repeating one line cannot flood reports. It does not
 judge what a signal means or whom it blames: the aggregator does.
 """
@@ -13,12 +14,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from vigil.agent.nccl_ras import RasReportReader
 from vigil.agent.wire import Event
 
 # The event kinds, and whether each makes the reporter push at once: a collective timeout or a
 # CUDA error ends the job (PyTorch's watchdog tears the process group down; a sticky CUDA error
-# poisons the context), while an NCCL warning may precede a failure or be survived.
-KINDS = ("nccl_timeout", "cuda_error", "nccl_warn")
+# poisons the context), while an NCCL warning may precede a failure or be survived, and a RAS
+# report is a snapshot a sidecar may print every minute (the hang detector weighs it).
+KINDS = ("nccl_timeout", "cuda_error", "nccl_warn", "nccl_ras")
 URGENT = frozenset(("nccl_timeout", "cuda_error"))
 
 
@@ -67,7 +70,9 @@ _RANK_MAX = 1 << 20  # wire Index
 # The peer a line names, as NCCL's ncclSocketToString prints an address: "<host or ip><<port>>":
 # "Got completion from peer 10.216.210.236<54862>" (NVIDIA/nccl#1405), "peer fe80::966d:ae03:8b:df54%ib0<33397>"
 # (NVIDIA/nccl#928), "Connection closed by remote peer node2<42830>" (NVIDIA/nccl#1232).
-_PEER = re.compile(r"\bpeer ([^\s<>]+)<\d+>")
+# NCCL's socket connects name it too: "socketStartConnect: Connect to 10.0.0.2<45763> failed"
+# (NVIDIA/nccl-tests#166).
+_PEER = re.compile(r"\b(?:peer|[Cc]onnect to) ([^\s<>]+)<\d+>")
 # A line's identity for collapsing repeats: its text from the match on, digits folded (sequence
 # numbers, milliseconds, opcodes and lengths differ from one repeat to the next).
 _DIGITS = re.compile(r"\d+")
@@ -130,10 +135,21 @@ class AppLogSignals:
         self._pending: dict[tuple[str, int | None, str | None, str], _Pending] = {}
         self._last_forward: dict[tuple[str, int | None, str | None, str], float] = {}
         self.matched = dict.fromkeys(KINDS, 0)  # every matched line, forwarded or folded
+        self._ras = RasReportReader()
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Lines of RAS reports refused, by reason (agent.nccl_ras.REFUSALS)."""
+        return self._ras.refused
 
     def feed(self, line: str, now: float) -> str | None:
         """Take one line; the kind it matched, or None."""
-        signal = match_line(line)
+        in_ras, ras = self._ras.feed(line)
+        if ras is not None:
+            signal: Signal | None = Signal(kind="nccl_ras", rank=ras.rank, peer=ras.host,
+                                           message=ras.message[:MESSAGE_MAX_CHARS], shape=ras.section)
+        else:
+            signal = None if in_ras else match_line(line)
         if signal is None:
             return None
         self.matched[signal.kind] += 1

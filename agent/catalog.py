@@ -8,7 +8,7 @@ no collector and touches no hardware.
 
 from __future__ import annotations
 
-from vigil.agent.collectors import gpu, host, rdma, training, xid
+from vigil.agent.collectors import flight_recorder, gpu, host, rdma, training, xid
 from vigil.agent.credential_file import ExposedFiles
 from vigil.agent.metric import MetricSpec
 from vigil.agent.reporter import REPORTER_SPECS
@@ -22,6 +22,7 @@ COLLECTOR_SPECS: dict[str, tuple[MetricSpec, ...]] = {
     "rdma": tuple(rdma.SPECS),
     "training": tuple(training.SPECS),
     "xid": tuple(xid.SPECS),
+    "flight_recorder": tuple(flight_recorder.SPECS),
 }
 
 

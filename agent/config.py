@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
+from vigil.agent.collectors.flight_recorder import FlightRecorderConfig
 from vigil.agent.collectors.gpu import GpuConfig
 from vigil.agent.collectors.host import HostConfig
 from vigil.agent.collectors.rdma import RdmaConfig
@@ -103,6 +104,8 @@ class CollectorsConfig(StrictModel):
     rdma: RdmaConfig = RdmaConfig()
     training: TrainingConfig = TrainingConfig()
     xid: XidConfig = XidConfig()
+    # PyTorch Flight Recorder dumps of the jobs on this node (off by default; docs/training.md).
+    flight_recorder: FlightRecorderConfig = FlightRecorderConfig()
 
 
 class AgentConfig(StrictModel):

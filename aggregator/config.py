@@ -25,6 +25,7 @@ from vigil.agent.validation import (
 from vigil.aggregator.actuators import ActuatorsConfig
 from vigil.aggregator.auth import AuthConfig, TlsConfig
 from vigil.aggregator.detectors.app_signals import AppSignalsConfig
+from vigil.aggregator.detectors.collective_culprit import CollectiveCulpritConfig
 from vigil.aggregator.detectors.crash_loop import CrashLoopConfig
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig
@@ -36,6 +37,8 @@ from vigil.aggregator.detectors.probe_verdict import ProbeVerdictConfig
 from vigil.aggregator.detectors.recovery import RecoveryConfig
 from vigil.aggregator.detectors.silence import SilenceConfig
 from vigil.aggregator.detectors.straggler import StragglerConfig
+from vigil.aggregator.detectors.telemetry_hang import TelemetryHangConfig
+from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerConfig
 from vigil.aggregator.detectors.thermal import ThermalConfig
 from vigil.aggregator.detectors.topology import TopologyConfig
 from vigil.aggregator.detectors.xid import XidConfig
@@ -73,6 +76,13 @@ class DetectorsConfig(StrictModel):
     crash_loop: CrashLoopConfig = CrashLoopConfig()
     # The job's own loss and training logs: NaN loss, spikes, NCCL/CUDA lines (docs/detectors.md).
     app_signals: AppSignalsConfig = AppSignalsConfig()
+    # Hangs of jobs that send no heartbeats, from GPU busy-spin and flat RDMA (docs/detectors.md).
+    telemetry_hang: TelemetryHangConfig = TelemetryHangConfig()
+    # A slow node of a job with no heartbeats, from its GPUs' activity; alert only (docs/detectors.md).
+    telemetry_straggler: TelemetryStragglerConfig = TelemetryStragglerConfig()
+    # The rank that never entered the collective its group waits in, from Flight Recorder dumps
+    # (the agent's collectors.flight_recorder; docs/detectors.md).
+    collective_culprit: CollectiveCulpritConfig = CollectiveCulpritConfig()
 
 
 class AggregatorConfig(StrictModel):

@@ -29,6 +29,7 @@ from vigil.agent.validation import StrictModel
 from vigil.agent.wire import (
     DELTA_VERSION,
     SPARSE_VERSION,
+    CollectiveState,
     Event,
     GpuState,
     NodeActionRequest,
@@ -656,6 +657,9 @@ class NodeState:
         self.xids: dict[int | None, deque[XidRecord]] = {}
         self.ranks: dict[tuple[str, int], RankHistory] = {}
         self.host = report.host
+        # The Flight Recorder progress of its ranks (wire.CollectiveState), as its latest report
+        # carried it; dump_ts is on the node's clock (clock_offset_seconds places it on ours).
+        self.collectives: tuple[CollectiveState, ...] = tuple(report.collectives)
         # Node actions (aggregator/outbox.py): request id -> its expiry, and -> the latest result
         # the agent reported with when the report carrying it arrived (the aggregator's clock).
         self.action_expiry: dict[str, float] = {}
@@ -809,6 +813,8 @@ class Fleet:
         node.failed_collectors = list(report.failed_collectors)
         if report.host is not None:
             node.host = report.host
+        # Whole in every report while the dumps are fresh (not a section): each report replaces it.
+        node.collectives = tuple(report.collectives)
         ts = now
         maxlen = cfg.history_reports
         # Versions 2 and 3: (section, entry) -> the fields that became absent (rare: usually empty).

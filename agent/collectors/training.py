@@ -187,12 +187,14 @@ EVICTED = MetricSpec("vigil_training_ranks_evicted_total", MetricKind.COUNTER,
 LOG_LINES = MetricSpec("vigil_training_log_steps_total", MetricKind.COUNTER,
                        "Progress lines parsed from a followed log file.", labels=("path",))
 LOG_ERRORS = MetricSpec("vigil_training_log_errors_total", MetricKind.COUNTER,
-                        "Problems following a log file, by reason.", labels=("path", "reason"))
+                        "Problems following a log file, by reason (unreadable, parse, and NCCL RAS report "
+                        "lines refused: ras_malformed, ras_bad_host, ras_bad_rank, ras_too_many).",
+                        labels=("path", "reason"))
 LOG_ROTATIONS = MetricSpec("vigil_training_log_rotations_total", MetricKind.COUNTER,
                            "Times a followed log file was rotated or truncated.", labels=("path",))
 LOG_SIGNALS = MetricSpec("vigil_training_log_signals_total", MetricKind.COUNTER,
                          "Application error lines matched in a followed log file, by kind (nccl_timeout, "
-                         "cuda_error, nccl_warn); forwarded as report events, repeats collapsed.",
+                         "cuda_error, nccl_warn, nccl_ras); forwarded as report events, repeats collapsed.",
                          labels=("path", "kind"))
 LOSS = MetricSpec("vigil_training_loss", MetricKind.GAUGE,
                   "The rank's latest finite loss, as its heartbeats report it.", labels=_JR)
@@ -717,6 +719,7 @@ class TrainingCollector:
             out.append(Sample.of(LOG_LINES, tail.steps, path=path))
             out.append(Sample.of(LOG_ROTATIONS, tail.follower.rotations + tail.follower.truncations, path=path))
             out.extend(Sample.of(LOG_ERRORS, n, path=path, reason=reason) for reason, n in tail.errors.items())
+            out.extend(Sample.of(LOG_ERRORS, n, path=path, reason=reason) for reason, n in tail.signals.refused.items())
             out.extend(Sample.of(LOG_SIGNALS, tail.signals.matched[kind], path=path, kind=kind)
                        for kind in APP_SIGNAL_KINDS)
         return out

@@ -42,6 +42,12 @@ _NVLINK_BYTES_PER_SECOND_PER_LINK = 25_000_000_000
 # collectives (all-reduce, all-gather) keep the links ~30% busy; a memory-bound job moves little.
 _NVLINK_TRAINING_SHARE = 0.30
 _NVLINK_MEMORY_BOUND_SHARE = 0.08
+# A busy-spinning GPU (busy_spin): NCCL's kernels poll on one block per channel, 16-32 channels on
+# an H100's 132 SMs (NCCL_MIN/MAX_NCHANNELS defaults), so a few SMs are active and the draw stays
+# near idle: sichek's hang check expects under 160 W of an H100's 700 W limit. The share of the
+# idle-to-busy power span it draws, and the share of SMs active.
+_SPIN_POWER_SHARE = 0.12
+_SPIN_SM_ACTIVE_RATIO = 0.12
 # What nvmlDevice{En,De}coderUtilization return beside the percentage: the sampling period in us.
 # The real H100 (driver 580) answered 100,000 us to both, idle and loaded
 # (tests/fixtures/nvml-real/nvml-recording.json, 2026-11-26); the backend does not read it.
@@ -196,6 +202,9 @@ class FakeGpuHandle:
         self.hbm_extra: list[tuple[float, float, float]] = []  # (start, end, degrees Celsius)
         self.pcie_replay_growth: list[_Growth] = []
         self.memory_bound: list[tuple[float, float, float]] = []  # (start, end, DRAM active ratio)
+        # Busy-spin windows (start, end), and the run-time switch FakeNvml.set_busy_spin sets.
+        self.busy_spin: list[tuple[float, float]] = []
+        self.spin_now = False
         # MIG mode now and after the next reset, and the MIG devices by slot (None: empty slot).
         self.mig_enabled = False
         self.mig_pending = False
@@ -250,6 +259,9 @@ class FakeGpuHandle:
                 case "memory_bound":
                     end = at + fault.duration_seconds if fault.duration_seconds else math.inf
                     self.memory_bound.append((at, end, fault.dram_active_ratio))
+                case "busy_spin":
+                    end = at + fault.duration_seconds if fault.duration_seconds else math.inf
+                    self.busy_spin.append((at, end))
                 case "under_load":
                     end = at + fault.duration_seconds if fault.duration_seconds else math.inf
                     window = None
@@ -266,9 +278,15 @@ class FakeGpuHandle:
 
     # --- the state at scenario time t -------------------------------------------------------
 
-    def utilization(self, t: float) -> float:
+    def spinning(self, t: float) -> bool:
+        """Whether the GPU busy-spins at ``t`` (and no probe loads it)."""
         if self.probe_loads:
-            return 1.0  # a burn or a copy loop keeps the GPU busy every sample period
+            return False
+        return self.spin_now or any(start <= t < end for start, end in self.busy_spin)
+
+    def utilization(self, t: float) -> float:
+        if self.probe_loads or self.spinning(t):
+            return 1.0  # a burn, a copy loop or a polling kernel keeps the GPU busy every sample period
         load = self.load
         if load.utilization == 0.0:
             return 0.0
@@ -280,8 +298,10 @@ class FakeGpuHandle:
             for f in self.under_load:
                 if f.window is not None and f.start <= t < f.end:
                     return f.window
+        spinning = self.spinning(t)
         for w in self.windows:
-            if w.start <= t < w.end:
+            # A software power cap holds only a GPU drawing at its limit: a polling kernel does not.
+            if w.start <= t < w.end and not (spinning and w.reasons & _SW_POWER_CAP):
                 return w
         return None
 
@@ -314,6 +334,17 @@ class FakeGpuHandle:
         job saturates DRAM with the tensor pipes nearly idle. A capped clock (power cap, brake,
         thermal) leaves the activity ratios, which are shares of cycles, as they are but moves less
         data per second, so DRAM and the interconnects scale with it."""
+        m = pynvml
+        if self.spinning(t):  # a polling kernel on a few SMs: no tensor work, no traffic
+            return {m.NVML_GPM_METRIC_GRAPHICS_UTIL: 100.0, m.NVML_GPM_METRIC_SM_UTIL: 100.0 * _SPIN_SM_ACTIVE_RATIO,
+                    m.NVML_GPM_METRIC_SM_OCCUPANCY: 100.0 * _SPIN_SM_ACTIVE_RATIO / 8,
+                    **dict.fromkeys((m.NVML_GPM_METRIC_ANY_TENSOR_UTIL, m.NVML_GPM_METRIC_HMMA_TENSOR_UTIL,
+                                     m.NVML_GPM_METRIC_IMMA_TENSOR_UTIL, m.NVML_GPM_METRIC_DFMA_TENSOR_UTIL,
+                                     m.NVML_GPM_METRIC_DRAM_BW_UTIL, m.NVML_GPM_METRIC_FP16_UTIL,
+                                     m.NVML_GPM_METRIC_FP64_UTIL, m.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
+                                     m.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC), 0.0),
+                    m.NVML_GPM_METRIC_FP32_UTIL: 1.0,
+                    m.NVML_GPM_METRIC_PCIE_TX_PER_SEC: 0.01, m.NVML_GPM_METRIC_PCIE_RX_PER_SEC: 0.01}
         u = self.utilization(t)
         w = self.window(t)
         clock = w.clock_ratio if w is not None else 1.0
@@ -329,7 +360,6 @@ class FakeGpuHandle:
         p = self.profile
         pcie_mib = p.pcie_max_bytes_per_second / _MIB * 0.02 * (0.05 + u) * clock
         nvlink_mib = p.nvlink_count * _NVLINK_BYTES_PER_SECOND_PER_LINK / _MIB * nvlink
-        m = pynvml
         return {
             m.NVML_GPM_METRIC_GRAPHICS_UTIL: 100.0 * u,
             m.NVML_GPM_METRIC_SM_UTIL: 100.0 * sm,
@@ -433,6 +463,12 @@ class FakeNvml:
         with self._load_lock:
             handle = self.handles[index]
             handle.probe_loads = max(handle.probe_loads - 1, 0)
+
+    def set_busy_spin(self, indexes: Sequence[int], on: bool) -> None:
+        """The seam for a run driven by a real job's state (a test, the simulator): GPUs
+        ``indexes`` busy-spin from now until switched off (as a busy_spin fault, without a time)."""
+        for index in indexes:
+            self.handles[index].spin_now = on
 
     def load_effects(self, index: int) -> UnderLoadEffects:
         """What GPU ``index``'s under_load faults do to a probe's figures now."""
@@ -690,6 +726,8 @@ class FakeNvml:
             return int(p.power_limit_mw * min(ratio, 1.0))
         if w is not None:
             u *= w.clock_ratio
+        if handle.spinning(t):
+            u = _SPIN_POWER_SHARE
         return int(p.power_idle_mw + (p.power_busy_mw - p.power_idle_mw) * u)
 
     def nvmlDeviceGetPowerUsage(self, handle: FakeGpuHandle) -> int:
@@ -851,6 +889,8 @@ class FakeNvml:
 
     def nvmlDeviceGetPcieThroughput(self, handle: FakeGpuHandle, counter: int) -> int:
         t = self._device(handle, "nvmlDeviceGetPcieThroughput")
+        if handle.spinning(t):
+            return 10  # KB/s: doorbells and the proxy's polls, no payload
         u = handle.utilization(t)
         kb_per_second = handle.profile.pcie_max_bytes_per_second // 1000 // 50  # ~2% of the link
         share = 1.0 if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES else 0.6

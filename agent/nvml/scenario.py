@@ -97,6 +97,16 @@ class MemoryBound(_Fault):
     dram_active_ratio: float = Field(default=0.93, gt=0, le=1)
 
 
+class BusySpin(_Fault):
+    """From ``at_seconds`` the GPU busy-spins: a kernel resident every sample period (NCCL's,
+    polling for a peer that never sends) on a few SMs at its top clock, drawing a fifth of its
+    power limit, with no DRAM, PCIe or NVLink traffic: the hang signature scitix/sichek's GPU hang
+    check reads (components/hang/config/default_spec.yaml). At run time: FakeNvml.set_busy_spin."""
+
+    kind: Literal["busy_spin"]
+    duration_seconds: float | None = Field(default=None, gt=0)  # None: for ever
+
+
 class Xid(_Fault):
     kind: Literal["xid"]
     code: int = Field(ge=1, le=65535)
@@ -185,14 +195,14 @@ class NvmlUnavailable(_Strict):
 Fault = Annotated[
     EccCorrectedGrowth | EccUncorrectable | RowRemapPending | RowRemapFailure | ThermalThrottle | PowerBrake
     | Xid | GpuLost | ResetRequired | NvlinkErrors | NvlinkDown | NvmlUnavailable | TemperatureDrift | HotHbm
-    | PcieReplay | PowerCap | MemoryBound | UnderLoad,
+    | PcieReplay | PowerCap | MemoryBound | UnderLoad | BusySpin,
     Field(discriminator="kind"),
 ]
 
 FAULT_KINDS: tuple[str, ...] = (
     "ecc_corrected_growth", "ecc_uncorrectable", "row_remap_pending", "row_remap_failure", "thermal_throttle",
     "power_brake", "xid", "gpu_lost", "reset_required", "nvlink_errors", "nvlink_down", "nvml_unavailable",
-    "temperature_drift", "hot_hbm", "pcie_replay", "power_cap", "memory_bound", "under_load",
+    "temperature_drift", "hot_hbm", "pcie_replay", "power_cap", "memory_bound", "under_load", "busy_spin",
 )
 
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.detectors.app_signals import AppSignalsDetector
+from vigil.aggregator.detectors.collective_culprit import CollectiveCulpritDetector
 from vigil.aggregator.detectors.crash_loop import CrashLoopDetector
 from vigil.aggregator.detectors.gpu_peer import GpuPeerDetector
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerDetector
@@ -23,6 +24,8 @@ from vigil.aggregator.detectors.probe_verdict import ProbeVerdictDetector
 from vigil.aggregator.detectors.recovery import RecoveryDetector
 from vigil.aggregator.detectors.silence import SilenceDetector
 from vigil.aggregator.detectors.straggler import StragglerDetector
+from vigil.aggregator.detectors.telemetry_hang import TelemetryHangDetector
+from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerDetector
 from vigil.aggregator.detectors.thermal import ThermalDetector
 from vigil.aggregator.detectors.xid import XidDetector
 from vigil.aggregator.fleet import FleetView
@@ -50,4 +53,7 @@ REGISTRY: dict[str, Callable[[Any], Detector]] = {
     "probe_verdict": ProbeVerdictDetector,
     "crash_loop": CrashLoopDetector,
     "app_signals": AppSignalsDetector,
+    "telemetry_hang": TelemetryHangDetector,
+    "telemetry_straggler": TelemetryStragglerDetector,
+    "collective_culprit": CollectiveCulpritDetector,
 }

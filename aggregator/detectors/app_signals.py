@@ -4,21 +4,20 @@ a node only where the evidence names one, otherwise to the job.
 It reads each rank's summary windows (``loss_p50``, ``nonfinite_steps``, ``nonfinite_first_step``,
 each window judged once), the job's incarnations (aggregator/job_runs.py, the crash-loop
 detector's notion of a restart) and the training-log events the agents forward (``nccl_timeout``,
-``cuda_error``, ``nccl_warn``, with ``job``, ``rank`` and ``peer``). A NaN or infinite loss is a
+``cuda_error``, ``nccl_warn``, ``nccl_ras``, with ``job``, ``rank`` and ``peer``). A NaN or infinite loss is a
 job-level alert at once; the divergence again after a restart, before the job got past where it
 diverged, holds the job (``hold_job``: restarting it only loops). A gradient norm that is not
 finite while the loss is (AMP's GradScaler skips such steps by design) and a NaN window the job
 trains on past are not acted on. A loss spike against the job's own recent windows is a job
-alert. A log line naming a peer that is a node of the fleet is an alert about that node, an
-uncorrectable-ECC CUDA error one about the node that logged it, anything else an alert about the
-job: never a removal from a log line alone (the xid and memory detectors judge the hardware's own
-reports). Evidence windows, thresholds, persistence and designed false-positive rates:
-docs/detectors.md, "app_signals".
+alert. A log line naming a peer that is a node of the fleet (by name, or by an address its agent
+lists: aggregator/nccl_peers.py) is an alert about that node, an uncorrectable-ECC CUDA error one
+about the node that logged it, anything else an alert about the job: never a removal from a log
+line alone (the xid and memory detectors judge the hardware's own reports). Evidence windows,
+thresholds, persistence and designed false-positive rates: docs/detectors.md, "app_signals".
 """
 
 from __future__ import annotations
 
-import ipaddress
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
@@ -32,9 +31,10 @@ from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.hang import JOB_NODES_NAMED
 from vigil.aggregator.fleet import FleetView, JobState
 from vigil.aggregator.job_runs import MAX_INCARNATIONS, JobRun, JobRuns
+from vigil.aggregator.nccl_peers import PeerNames
 
 NAME = "app_signals"
-LOG_KINDS = ("nccl_timeout", "cuda_error", "nccl_warn")
+LOG_KINDS = ("nccl_timeout", "cuda_error", "nccl_warn", "nccl_ras")
 # 1.4826 * MAD estimates a Gaussian's sigma (Rousseeuw & Croux, JASA 1993), as the straggler's.
 _MAD_TO_SIGMA = 1.4826
 # Log episodes kept (subject, job, kind): far beyond the jobs and nodes that log at once; the
@@ -263,7 +263,7 @@ class AppSignalsDetector:
 
     def _judge_logs(self, view: FleetView, now: float) -> list[Finding]:
         cfg = self.config
-        names: dict[str, list[str]] | None = None  # short host name -> nodes, built when a peer is named
+        names: PeerNames | None = None  # built when a peer is named
         for node in view.nodes.values():
             marker = self._event_marker.get(node.name)
             fresh: list[tuple[float, Event]] = []
@@ -279,10 +279,8 @@ class AppSignalsDetector:
                 peer_node = None
                 if event.peer is not None:
                     if names is None:
-                        names = {}
-                        for n in view.nodes:
-                            names.setdefault(n.split(".")[0], []).append(n)
-                    peer_node = resolve_peer(view, names, event.peer)
+                        names = PeerNames(view)
+                    peer_node = names.resolve(event.peer)
                 self._note(node.name, peer_node, ts, event)
         for name in [n for n in self._event_marker if n not in view.nodes]:
             del self._event_marker[name]
@@ -335,22 +333,3 @@ class AppSignalsDetector:
             since=ts, latest=ts, count=event.count, node=node, job=job, kind=kind, action=action, reason=reason,
             evidence={"signal": "training_log", "kind": event.kind, "job": job, "rank": event.rank,
                       "peer": event.peer, "reported_by": [reporter], "message": event.message[:_MESSAGE_CHARS]})
-
-
-def resolve_peer(view: FleetView, short_names: dict[str, list[str]], peer: str) -> str | None:
-    """The node a log line's peer names: a node's name, or its first label where one node has it
-    (``gpu-17`` for ``gpu-17.cluster``), with a ``:port`` left off. An address (10.0.0.7) is not
-    resolved: the fleet holds no node addresses (a report carries none, and the address a report
-    comes from is a proxy's or a NAT's at many sites), so such a line goes to its job."""
-    host = peer.strip()
-    if host.count(":") == 1:
-        host = host.split(":", 1)[0]
-    if host in view.nodes:
-        return host
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-        return None
-    except ValueError:
-        pass
-    matches = short_names.get(host.split(".")[0], [])
-    return matches[0] if len(matches) == 1 else None

@@ -17,7 +17,10 @@ limit below, and ``skew_seconds`` between stop times for blame; persistence: non
 limit (a stop is one event); designed false-removal rate: 0 for a job that stops together (no
 node is drained without a stop time or an exit that sets it apart). Besides the findings it keeps
 only a bounded memory of each rank's recent progress gaps and when it was first seen exited,
-derived from the view.
+derived from the view. Every finding carries the NCCL log events of the job's nodes around the
+stop (``nccl_events``: aggregator/nccl_peers.py); a job stopped with no single culprit whose NCCL
+events from at least two witnesses name one peer gets that peer named (``nccl_suspect``) and, where
+it resolves to a node, an alert about that node: never a drain on log lines alone.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pydantic import Field
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.fleet import FleetView, JobState, RankHistory
+from vigil.aggregator.nccl_peers import PeerNames, Suspect, job_nccl_events, suspect
 
 NAME = "hang"
 LONG_PHASES = ("checkpointing", "evaluating")
@@ -37,6 +41,8 @@ _GAPS_KEPT = 8
 # Nodes named in a job-level finding's evidence (``job_nodes``): enough for an actuator to check the
 # job runs where it was reported, bounded for a 1,000-node job's decision body.
 JOB_NODES_NAMED = 16
+# NCCL log events carried in a finding's evidence (``nccl_events``), the latest first.
+NCCL_EVENTS_NAMED = 16
 
 
 class HangConfig(StrictModel):
@@ -73,6 +79,16 @@ class HangConfig(StrictModel):
     # their peers progress, time since its last report is not a stall (an agent restart or a
     # network blip on a healthy node is not a hang; a dead node is the silence detector's case).
     late_report_intervals: float = Field(default=2.0, gt=0)
+    # NCCL's own words (training-log events nccl_timeout, nccl_warn, nccl_ras of the job's nodes)
+    # from this long before the stop on are evidence: twice the ~30 s NCCL's IB transport retries
+    # before it logs a completion error (NCCL_IB_TIMEOUT 20: 4.096 us x 2^20 = 4.3 s a try,
+    # NCCL_IB_RETRY_CNT 7), so the error that stopped the job is in the window.
+    nccl_lead_seconds: float = Field(default=60.0, ge=0)
+    # In a job stopped with no single culprit, a peer that the NCCL events of this many distinct
+    # witnesses (ranks, or nodes where NCCL's line names no rank) name is the suspect: alerted, never
+    # drained on log lines alone. One rank's warning is not enough: a transient IB retry error is
+    # logged by the one rank that saw it.
+    nccl_min_witnesses: int = Field(default=2, ge=2)
 
 
 class HangDetector:
@@ -198,6 +214,8 @@ class HangDetector:
             # decision names no node, and an actuator acts on the job only where it runs on one.
             "job_nodes": sorted(all_nodes)[:JOB_NODES_NAMED],
         }
+        nccl = job_nccl_events(view, PeerNames(view), job.name, all_nodes, since - cfg.nccl_lead_seconds, now)
+        evidence_base["nccl_events"] = [e.evidence() for e in reversed(nccl[-NCCL_EVENTS_NAMED:])]
         out: list[Finding] = []
         if culprit_nodes and len(culprit_nodes) <= cfg.max_culprit_nodes and len(culprit_nodes) < len(all_nodes):
             # The rank whose step count stopped first: the longest stall, then the lowest step.
@@ -218,12 +236,24 @@ class HangDetector:
             return []  # many stopped ranks while others move: not one node's fault, not a hang
         whole = min(stall.values())
         action = Action.RESTART_JOB if whole >= max(cfg.stall_seconds, limit) else Action.ALERT
+        named = suspect(nccl, cfg.nccl_min_witnesses)
         out.append(Finding(
             detector=NAME, node=WHOLE_JOB, job=job.name, action=action, since=since, key="hang",
             reason=(f"job {job.name}: every rank stopped for {whole:.0f} s (limit {limit:.0f} s, {phase}), "
                     f"no single culprit" + ("" if action is Action.RESTART_JOB
-                                            else f"; restart after {cfg.stall_seconds:.0f} s")),
-            evidence={**evidence_base, "culprit_nodes": []}))
+                                            else f"; restart after {cfg.stall_seconds:.0f} s")
+                    + _suspect_text(named)),
+            evidence={**evidence_base, "culprit_nodes": [],
+                      "nccl_suspect": None if named is None else {"peer": named.peer, "node": named.node,
+                                                                  "witnesses": named.witnesses}}))
+        if named is not None and named.node is not None and named.node in view.nodes:
+            # NCCL's words name a node the step counts could not: an alert about it, never a drain.
+            out.append(Finding(
+                detector=NAME, node=named.node, job=job.name, action=Action.ALERT, since=since, key="hang",
+                reason=(f"job {job.name} stopped with no single culprit; NCCL log events of {named.witnesses} "
+                        f"ranks name this node ({named.peer}): suspected culprit (log evidence only: no removal)"),
+                evidence={**evidence_base, "signal": "nccl_logs", "peer": named.peer,
+                          "witnesses": named.witnesses}))
         return out
 
     @staticmethod
@@ -259,3 +289,10 @@ class HangDetector:
     def _offset(view: FleetView, node: str) -> float:
         state = view.nodes.get(node)
         return state.clock_offset_seconds if state is not None else 0.0
+
+
+def _suspect_text(named: Suspect | None) -> str:
+    if named is None:
+        return ""
+    where = f"node {named.node}" if named.node is not None else "no node vigil knows"
+    return f"; NCCL log events of {named.witnesses} ranks name peer {named.peer} ({where}) as the suspect"

@@ -77,7 +77,8 @@ def test_a_huge_rank_number_is_not_carried():
 
 
 def test_every_pattern_has_a_kind_the_collector_counts():
-    assert {p.kind for p in PATTERNS} == set(KINDS)
+    # nccl_ras comes from the RAS report reader (agent/nccl_ras.py), not a one-line pattern.
+    assert {p.kind for p in PATTERNS} | {"nccl_ras"} == set(KINDS)
 
 
 def test_a_spewing_line_is_counted_and_forwarded_collapsed_at_most_once_per_interval():
@@ -96,7 +97,7 @@ def test_a_spewing_line_is_counted_and_forwarded_collapsed_at_most_once_per_inte
     assert signals.drain(T0 + 1 + FORWARD_INTERVAL_SECONDS / 2) == []
     (ev,) = signals.drain(T0 + 1 + FORWARD_INTERVAL_SECONDS)
     assert (ev.count, ev.ts, ev.last_ts) == (2, T0 + 2, T0 + 3)
-    assert signals.matched == {"nccl_timeout": 0, "cuda_error": 0, "nccl_warn": 1002}
+    assert signals.matched == {"nccl_timeout": 0, "cuda_error": 0, "nccl_warn": 1002, "nccl_ras": 0}
 
 
 def test_distinct_ranks_and_peers_are_distinct_events_and_timeouts_are_urgent():

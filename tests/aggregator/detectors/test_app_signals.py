@@ -153,6 +153,25 @@ def test_log_lines_naming_a_known_peer_alert_that_node_and_the_rest_alert_the_jo
     assert timeout[0].evidence["reported_by"] == ["n0", "n1"]
 
 
+def test_a_peer_address_one_node_lists_is_that_node_and_one_two_nodes_claim_is_nobody():
+    # NCCL prints peers by address (RAS: "on node 10.4.109.13"); an agent's operator lists its
+    # node's addresses under topology "addresses" (aggregator/nccl_peers.py).
+    tr = Trainer()
+    tr.nodes[1].topology = {"addresses": "10.1.0.2, fe80::966d:ae03:8b:df54"}
+    tr.window(5)
+    events = [Event(kind="nccl_ras", ts=10.0, job="77", rank=1, peer="10.1.0.2", message="NCCL RAS: no data"),
+              Event(kind="nccl_warn", ts=10.0, job="77", peer="fe80::966d:ae03:8b:df54%ib0", message="peer closed")]
+    found = tr.window(10, events={"n0": events})
+    assert sorted((f.action, f.node, f.key) for f in found) == [(Action.ALERT, "n1", "log:nccl_ras:peer"),
+                                                                (Action.ALERT, "n1", "log:nccl_warn:peer")]
+    tr = Trainer()
+    for node in tr.nodes:
+        node.topology = {"addresses": "10.1.0.2"}  # a node lying about an address makes it no one's
+    tr.window(5)
+    found = tr.window(10, events={"n0": events[:1]})
+    assert [(f.action, f.node, f.key) for f in found] == [(Action.ALERT, WHOLE_JOB, "log:nccl_ras")]
+
+
 def test_an_uncorrectable_ecc_cuda_error_alerts_the_node_that_logged_it_and_never_removes_it():
     tr = Trainer()
     tr.window(5)

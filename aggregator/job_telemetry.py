@@ -1,0 +1,45 @@
+"""Per-job telemetry: the GPUs and RDMA ports of each job, grouped by node, as the fleet holds them.
+
+It reads a ``FleetView`` (each GPU's latest state and the agent's GPU-to-job attribution,
+``GpuState.job``: the scheduler's job key, agent/attribution.py) and returns, per job, each node's
+GPUs of that job and that node's ports. It judges nothing and keeps nothing; detectors that judge
+a job from its hardware telemetry (a hang, a slow rank) share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState, PortHistory
+
+
+@dataclass(slots=True)
+class JobNode:
+    """One node's share of a job: its GPUs the agent attributes to the job, and all its ports (a
+    port is not attributed to a job: a node's ports carry whatever its jobs send)."""
+
+    node: NodeState
+    gpus: list[GpuHistory] = field(default_factory=list)
+
+    @property
+    def ports(self) -> list[PortHistory]:
+        return list(self.node.ports.values())
+
+
+def job_nodes(view: FleetView) -> dict[str, dict[str, JobNode]]:
+    """Job key -> node name -> that node's GPUs of the job (nodes in name order, GPUs by index).
+    A GPU with no job attributed (idle, or its processes unknown) is in no job."""
+    out: dict[str, dict[str, JobNode]] = {}
+    for name in sorted(view.nodes):
+        node = view.nodes[name]
+        for index in sorted(node.gpus):
+            gpu = node.gpus[index]
+            job = gpu.last.job
+            if job is None:
+                continue
+            per_node = out.setdefault(job, {})
+            entry = per_node.get(name)
+            if entry is None:
+                entry = per_node[name] = JobNode(node)
+            entry.gpus.append(gpu)
+    return out
