@@ -21,7 +21,8 @@ agents' telemetry resolution, ``telemetry_seconds`` 30 s shipped, so they reach 
    noise: a second process group in step on every rank, dump times skewed by up to 10 s, and in a
    third of the drills one other node's dumps arrive a report late. The figure: culprit accuracy,
    drills whose first decision drains the culprit's node (and no other) over all drills (target
-   >= 95%).
+   >= 95%). Then the same drills with the culprit rank writing no dump (stopped whole), reported
+   without a budget.
 """
 
 from __future__ import annotations
@@ -182,8 +183,10 @@ def _collectives(node: int, culprit: int, seq: int, dump_ts: float) -> list[Coll
     return out
 
 
-def culprit_drills(rng: random.Random) -> tuple[int, int, list[float]]:
-    """(drills named right, drills with another node drained, seconds from the last dump to the decision)."""
+def culprit_drills(rng: random.Random, culprit_dumps: bool = True) -> tuple[int, int, list[float]]:
+    """(drills named right, drills with another node drained, seconds from the last dump to the decision).
+    ``culprit_dumps`` False: the culprit rank writes no dump (a process stopped whole: SIGSTOP, or
+    wedged in the kernel), its node's other ranks do."""
     right = wrong = 0
     delays: list[float] = []
     for drill in range(DRILLS):
@@ -195,7 +198,7 @@ def culprit_drills(rng: random.Random) -> tuple[int, int, list[float]]:
         late = rng.randrange(NODES) if drill % 3 == 0 else -1
         for node in range(NODES):
             at = stop + timeout + rng.uniform(0.0, 10.0) + (REPORT_SECONDS if node == late else 0.0)
-            dumps[node] = (at, _collectives(node, culprit, seq, at))
+            dumps[node] = (at, [c for c in _collectives(node, culprit, seq, at) if culprit_dumps or c.rank != culprit])
         written = max(at for at, _ in dumps.values())
         decisions = _drive(_Job([(0.0, "training"), (stop, "busy_spin")], rng), written + 60.0, dumps)
         drains = [(t, d) for t, d in decisions if d.detector == "collective_culprit" and d.action.value == "drain"]
@@ -215,6 +218,7 @@ def measure() -> list[Measurement]:
     checkpoint, evaluation = lookalike_decisions("idle", rng), lookalike_decisions("evaluating", rng)
     right, wrong, delays = culprit_drills(rng)
     delay = median(delays) if delays else float("nan")
+    silent_right, silent_wrong, _ = culprit_drills(rng, culprit_dumps=False)
     return [
         Measurement(f"uninstrumented hang -> alert from telemetry (max of {DRILLS} drills)", max(times), "s",
                     ALERT_BUDGET_SECONDS,
@@ -230,6 +234,10 @@ def measure() -> list[Measurement]:
                     note=(f"{wrong} drills drained another node; decision {delay:.1f} s "
                           f"(p50) after the last dump reached its agent; {NODES} nodes x {GPUS} ranks, random culprit, "
                           "second process group, skewed and late dumps")),
+        Measurement(f"flight recorder, the culprit rank writes no dump: named right ({DRILLS} drills)",
+                    silent_right / DRILLS * 100.0, "%", None,
+                    note=(f"{silent_wrong} drills drained another node; a rank stopped whole (SIGSTOP) dumps nothing "
+                          "and collective_culprit judges a group only with every rank's dump")),
     ]
 
 
