@@ -29,12 +29,6 @@ from tests.e2e.uninstrumented_cluster import NODES, SLURM_JOB, JobRun, run
 
 pytestmark = pytest.mark.external
 
-# Issue 43's other parts, merged separately: the telemetry detector with the fake's busy-spin seam
-# (TELEHANG), the agent's dump reader and the culprit detector (FLIGHTREC).
-for _part in ("vigil.aggregator.detectors.telemetry_hang", "vigil.agent.collectors.flight_recorder",
-              "vigil.aggregator.detectors.collective_culprit"):
-    pytest.importorskip(_part, reason=f"needs {_part} (issue 43, merged separately)")
-
 STOP_RANK, STOP_AT_STEP = 2, 8
 DUMP_AFTER_SECONDS = 10  # the job's stall watchdog
 ALERT_WITHIN_SECONDS = 60.0  # the issue's bound from the stop to the telemetry decision
