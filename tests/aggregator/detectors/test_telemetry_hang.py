@@ -91,7 +91,8 @@ def test_a_whole_job_busy_spinning_with_flat_rdma_is_alerted_then_restarted() ->
     alerts = [t for t, f in found if f.action is Action.ALERT]
     restarts = [(t, f) for t, f in found if f.action is Action.RESTART_JOB]
     # Seen flat from the first report after the stop; alerted once the window has passed.
-    assert alerts and 30.0 + 60.0 <= alerts[0] <= 30.0 + 60.0 + 2 * INTERVAL
+    window = TelemetryHangConfig().alert_seconds
+    assert alerts and 30.0 + window <= alerts[0] <= 30.0 + window + 2 * INTERVAL
     assert restarts and 30.0 + 300.0 <= restarts[0][0] <= 30.0 + 300.0 + 2 * INTERVAL
     f = restarts[0][1]
     assert (f.node, f.job, f.key, f.detector) == (WHOLE_JOB, JOB, "hang", "telemetry_hang")
@@ -123,9 +124,9 @@ def test_lookalikes_for_ten_minutes_get_no_decision(name: str, readings: Reading
 
 
 def test_the_pause_between_steps_is_shorter_than_the_window() -> None:
-    # Every 50 s the job sits 45 s in a collective with nothing moving, then a step moves data.
+    # Every 20 s the job sits 15 s in a collective with nothing moving, then a step moves data.
     def phase(t: float, _node: str) -> tuple[Readings, float]:
-        return (SPIN, 0.0) if t % 50.0 < 45.0 else (TRAINING, 5 * GB)
+        return (SPIN, 0.0) if t % 20.0 < 15.0 else (TRAINING, 5 * GB)
 
     found, _ = run(phase, 600.0)
     assert found == []
@@ -134,10 +135,12 @@ def test_the_pause_between_steps_is_shorter_than_the_window() -> None:
 def test_a_trickle_of_data_counts_as_flat_and_a_burst_does_not() -> None:
     found, _ = run(lambda t, _n: (SPIN, 0.5e6) if t >= 10.0 else (TRAINING, 5 * GB), 100.0)
     assert any(f.action is Action.ALERT for _, f in found)  # keep-alives: 0.5 MB/s
-    # One burst at 50 s restarts the window: alerted 60 s after it, not before.
-    found, _ = run(lambda t, _n: (SPIN, 50e6 if t == 50.0 else 0.0) if t >= 10.0 else (TRAINING, 5 * GB), 130.0)
+    # One burst at 25 s, inside the first window, restarts it: alerted a window after it, not before.
+    window = TelemetryHangConfig().alert_seconds
+    assert 10.0 + window > 25.0
+    found, _ = run(lambda t, _n: (SPIN, 50e6 if t == 25.0 else 0.0) if t >= 10.0 else (TRAINING, 5 * GB), 130.0)
     first = min(t for t, _ in found)
-    assert 50.0 + 60.0 <= first <= 50.0 + 60.0 + 2 * INTERVAL
+    assert 25.0 + window <= first <= 25.0 + window + 2 * INTERVAL
 
 
 def test_one_node_flat_while_its_peers_move_is_not_a_job_hang() -> None:
@@ -199,7 +202,11 @@ def test_a_late_node_restarts_the_window() -> None:
         if 72.5 <= t < 90.0:
             assert "report" in detector.unjudged.get(JOB, "")
         t += INTERVAL
-    assert found and min(t for t, _ in found) >= 90.0 + 60.0
+    # Alerted before the gap; after it the window starts again from the node's return.
+    window = TelemetryHangConfig().alert_seconds
+    assert found and min(t for t, _ in found) < 60.0
+    after = [t for t, _ in found if t >= 72.5]
+    assert after and min(after) >= 90.0 + window
 
 
 def test_restart_must_not_come_before_the_alert() -> None:
