@@ -65,8 +65,11 @@ from vigil.sim.scenario import (
     ScenarioError,
     Silence,
     SlowNode,
+    UninstrumentedHang,
+    UninstrumentedStraggler,
 )
 from vigil.sim.training import JobFault, JobModel, StepBatch
+from vigil.sim.uninstrumented import UninstrumentedJob
 
 log = logging.getLogger("vigil.sim")
 
@@ -302,6 +305,8 @@ class Simulation:
         # Per node, the heartbeats its ranks sent that its agent has not taken in yet: (ts, payload).
         self._inbox: dict[str, list[tuple[float, bytes]]] = {}
         self.jobs: list[JobModel] = []
+        # The uninstrumented jobs (``heartbeats: false``), by their model's place in ``jobs``.
+        self._uninstrumented: dict[int, UninstrumentedJob] = {}
         self._boots = 0
         self._nvml_setup: dict[str, tuple[int, str, list[dict[str, Any]]]] = {}
         self._healthy: dict[str, Any] = {}
@@ -347,6 +352,10 @@ class Simulation:
         # report carries only the latest result, so the aggregator sees the same thing).
         intervals: dict[str, float] = {}
         profiles = {n: g.profile for g in sc.fleet.profiles for n in sc.resolve_nodes(g.nodes)}
+        # Nodes of uninstrumented jobs: their own process table and HCA tree (the job's processes
+        # and RDMA traffic), their GPU and RDMA collectors every report.
+        quiet_jobs = {n for j in sc.jobs if not j.heartbeats for n in sc.resolve_nodes(j.nodes)}
+        proc_roots: dict[str, Path] = {}
         for i, name in enumerate(names):
             faults = self._faults_by_node.get(name, [])
             profile = profiles.get(name, sc.fleet.profile)
@@ -354,22 +363,27 @@ class Simulation:
             self._nvml_setup[name] = (i, profile, nvml_faults)
             ports_faulty = any(isinstance(f, PortDown | PortFlap | PortErrors | RoceCongestion | Reboot)
                                for f in faults)
+            own_tree = ports_faulty or name in quiet_jobs
             sysfs = fabric.build_tree(self.workdir / "sysfs" / name, sc.fleet.hcas_per_node, link_layer) \
-                if ports_faulty else shared_sysfs
-            node_fabric = fabric.NodeFabric(sysfs) if ports_faulty else None
+                if own_tree else shared_sysfs
+            node_fabric = fabric.NodeFabric(sysfs) if own_tree else None
             kern = quiet_log
             if any(isinstance(f, KernelXid) or (isinstance(f, NvmlFault) and f.kind in _LOGGED)
                    for f in faults):
                 kern = self._kern_path(name)
             config = base.model_copy(update={"node": name, "topology": sc.topology_of(i)})
             node_intervals = dict(intervals)
-            noisy = {"gpu": bool(nvml_faults), "rdma": ports_faulty, "xid": kern != quiet_log}
+            noisy = {"gpu": bool(nvml_faults) or name in quiet_jobs, "rdma": own_tree, "xid": kern != quiet_log}
             for collector, seconds in sc.quiet_collector_intervals.items():
                 if not noisy.get(collector, False):
                     node_intervals[collector] = seconds
             ethtool = fabric.Ethtool(node_fabric, sc.fleet.hcas_per_node) if node_fabric else shared_ethtool
+            if name in quiet_jobs:
+                proc_roots[name] = self.workdir / "proc" / name
+                proc_roots[name].mkdir(parents=True, exist_ok=True)
             seams = Seams(nvml=self._nvml(name, nvml_faults), sysfs_root=sysfs, kmsg=kern, clock=self.clock,
-                          run=ethtool, extra={"pid_alive": self._pid_alive})
+                          run=ethtool, extra={"pid_alive": self._pid_alive},
+                          proc_root=proc_roots.get(name, Seams.proc_root))
             node = SimNode(config, seams, build_collectors(config, seams), boot_id=self._boot_id(),
                            kernel_log=KernelLog(kern), fabric=node_fabric,
                            intervals=node_intervals, report_interval_seconds=sc.report_interval_seconds)
@@ -385,6 +399,9 @@ class Simulation:
                 if isinstance(f, SlowNode) or (isinstance(f, DataStall | Hang) and f.job == job.name):
                     fault_nodes[len(job_faults)] = sc.fault_nodes(f)
                     job_faults.append(f)
+                elif isinstance(f, UninstrumentedHang | UninstrumentedStraggler) and f.job == job.name:
+                    fault_nodes[len(job_faults)] = sc.fault_nodes(f)
+                    job_faults.append(uninstrumented_impact(f))
                 elif sc.hardware_disrupts_jobs:
                     felt = job_impact(f, job.name)
                     if felt is not None:
@@ -394,6 +411,14 @@ class Simulation:
             self.jobs.append(JobModel(job, job_nodes, job_faults, fault_nodes, seed=self.seed, start=self.clock.start,
                                       gpus_per_node=sc.fleet.gpus_per_node,
                                       profiles=[profiles.get(n, sc.fleet.profile) for n in job_nodes]))
+            if not job.heartbeats:
+                start = self.clock.start
+                hangs = [(start + f.at_seconds, start + f.until_seconds if f.until_seconds is not None else math.inf)
+                         for f in sc.faults if isinstance(f, UninstrumentedHang) and f.job == job.name]
+                index = len(self.jobs) - 1
+                self._uninstrumented[index] = UninstrumentedJob(
+                    self.jobs[index], pid_base=(index + 1) * _PID_STRIDE + 1, gpus_per_node=sc.fleet.gpus_per_node,
+                    hcas=sc.fleet.hcas_per_node, proc_roots=proc_roots, hangs=hangs, start=start)
 
     def _nvml(self, name: str, nvml_faults: list[dict[str, Any]]) -> Any:
         from vigil.agent.nvml.scenario import NodeScenario
@@ -450,7 +475,7 @@ class Simulation:
         node.boot_id = self._boot_id()
         kern = self._kern_path(node.name)
         seams = Seams(nvml=self._nvml(node.name, nvml_faults), sysfs_root=node.seams.sysfs_root, kmsg=kern,
-                      clock=self.clock, run=node.seams.run, extra=node.seams.extra)
+                      clock=self.clock, run=node.seams.run, extra=node.seams.extra, proc_root=node.seams.proc_root)
         node.restart(seams, build_collectors(node.config, seams), KernelLog(kern))
 
     def _boot_id(self) -> str:
@@ -762,6 +787,8 @@ class Simulation:
                 heartbeats += self._deliver(node, self.clock.now)
                 self._grow_port_counters(node.name, t_node)
                 now = self.clock.now
+                for quiet in self._uninstrumented.values():
+                    quiet.apply(node.name, node.seams.nvml, node.fabric, now)
                 report = node.tick(now)
                 if report is None:
                     continue
@@ -842,6 +869,10 @@ class Simulation:
         up to its own report time, ``_deliver``): every step when there are few, else an even
         sample that keeps the last step (the window summary's step count comes from step
         numbers, its quantiles from the sample)."""
+        quiet = self._uninstrumented.get(self.jobs.index(model))
+        if quiet is not None:
+            quiet.observe(batch)  # no heartbeats: its GPUs and fabric say what it does
+            return
         k = len(batch.step)
         if k == 0 and not batch.announcements:
             return
@@ -990,6 +1021,17 @@ def job_impact(fault: Any, job: str) -> JobFault | None:
         until = None if fault.duration_seconds is None else fault.at_seconds + fault.duration_seconds
         return Hang(kind="hang", job=job, others_continue_seconds=0, until_seconds=until, **target)
     return None
+
+
+def uninstrumented_impact(fault: UninstrumentedHang | UninstrumentedStraggler) -> JobFault:
+    """The job model's fault for an uninstrumented job's: every rank stopped in the collective at
+    once (a hang with no target), or the starved node's ranks waiting longer for data each step."""
+    if isinstance(fault, UninstrumentedHang):
+        return Hang(kind="hang", job=fault.job, at_seconds=fault.at_seconds, others_continue_seconds=0,
+                    until_seconds=fault.until_seconds)
+    return DataStall(kind="data_stall", job=fault.job, at_seconds=fault.at_seconds, node=fault.node,
+                     nodes=fault.nodes, component=fault.component, extra_seconds=fault.extra_seconds,
+                     until_seconds=fault.until_seconds)
 
 
 def _trace(trace: JobTrace, model: JobModel, batch: StepBatch, t: float) -> None:

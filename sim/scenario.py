@@ -127,12 +127,29 @@ class Pause(_Strict):
     # heartbeat repeating the last step with the phase), so the hang detector applies the phase's
     # own, longer limit. False: a job that does not announce it, so the pause looks like a stall.
     announced: bool = True
+    # An uninstrumented job's GPUs during the pause (mean utilization.gpu; None: the kind's own,
+    # PAUSE_GPU_UTILIZATION): a checkpoint save idles them while the host writes, an evaluation
+    # pass runs forward passes only, short kernels with gaps (assumed, stated in docs/simulator.md).
+    gpu_utilization: float | None = Field(default=None, ge=0, le=1)
+    # Bytes per second each node of an uninstrumented job sends over its RDMA ports during the
+    # pause (storage on the compute fabric: a checkpoint written to a parallel filesystem over
+    # InfiniBand); 0: the fabric is quiet.
+    rdma_bytes_per_second: float = Field(default=0.0, ge=0)
 
     @model_validator(mode="after")
     def _shorter_than_its_period(self) -> Pause:
         if self.seconds >= self.every_seconds:
             raise ValueError("seconds must be shorter than every_seconds (a job that never steps is a hang)")
         return self
+
+
+# An uninstrumented job's GPUs during a pause of each kind (Pause.gpu_utilization): a checkpoint
+# save leaves them idle while the host serialises and writes; an evaluation pass (forward only,
+# small batches, metrics gathered on the host) keeps them busy about 60% of the time (assumed).
+PAUSE_GPU_UTILIZATION = {"checkpoint": 0.0, "evaluation": 0.6}
+# An uninstrumented job's name is the Slurm job id the simulated agent reads from its processes'
+# cgroups (agent/attribution.py job_key): the key its GPUs carry (GpuState.job).
+SLURM_JOB_ID = re.compile(r"^[0-9]{1,12}$")
 
 
 class Job(_Strict):
@@ -153,6 +170,16 @@ class Job(_Strict):
     # The goodput ledger's cost of one restart of this job (requeue, rendezvous, checkpoint load,
     # warm-up), in seconds of the whole job; None: ``goodput.restart_seconds``.
     restart_seconds: float | None = Field(default=None, ge=0)
+    # False: an uninstrumented job. Its ranks send no heartbeats; its processes sit on its GPUs in
+    # Slurm job ``name``'s cgroup (the agent attributes the GPUs to it, so ``name`` must be a Slurm
+    # job id), its steps drive its GPUs' utilization (1 - the rank's data share of the step: a rank
+    # waiting in the collective keeps its kernel resident) and its nodes' RDMA data counters.
+    heartbeats: bool = True
+    # Bytes each node of the job sends, and receives, over its RDMA ports per step (an
+    # uninstrumented job's gradient all-reduce; spread evenly over the node's HCAs). The default,
+    # 4 GB, is a ring all-reduce of a ~2 GB bf16 gradient (a 1B-parameter model): 2 (N-1)/N of it
+    # each way, about 8% of one 400 Gb/s port over a 1 s step.
+    rdma_bytes_per_step: float = Field(default=4e9, ge=0)
 
     def checkpoint_every_seconds(self) -> float | None:
         """The cadence of the job's checkpoint pause, or None when it has none."""
@@ -162,6 +189,9 @@ class Job(_Strict):
     def _ends_after_it_starts(self) -> Job:
         if self.end_seconds is not None and self.end_seconds <= self.start_seconds:
             raise ValueError("end_seconds must be after start_seconds")
+        if not self.heartbeats and not SLURM_JOB_ID.match(self.name):
+            raise ValueError(f"an uninstrumented job (heartbeats: false) is named by its Slurm job id, as the "
+                             f"agent's attribution names it: {self.name!r} is not one")
         from vigil.agent.nvml.profiles import PROFILES
 
         for profile, factor in self.profile_compute_factor.items():
@@ -405,6 +435,33 @@ class Hang(_FaultBase, _RankScope):
         return True  # no target: every rank of the job stops at once (a software bug)
 
 
+class UninstrumentedHang(_FaultBase):
+    """Every rank of an uninstrumented job (``heartbeats: false``) stops inside a collective at
+    once (a peer that never posts its send): the job steps no more, every GPU of every node of the
+    job busy-spins in NCCL's polling kernel (FakeNvml.set_busy_spin) and its RDMA data counters go
+    flat, until ``until_seconds`` (the job restarted) or the end."""
+
+    kind: Literal["uninstrumented_hang"]
+    job: str
+    until_seconds: float | None = None
+
+    @classmethod
+    def _target_optional(cls) -> bool:
+        return True  # the whole job; a target is refused (Scenario validation)
+
+
+class UninstrumentedStraggler(_FaultBase):
+    """The target node of an uninstrumented job is starved by its host (a contended CPU, a slow
+    local data path): each step its ranks wait ``extra_seconds`` more for their next batch with no
+    kernel on the GPU, so its GPUs' utilization drops while its peers' stays pinned (they wait in
+    the collective, NCCL's kernel resident) and the whole job slows by as much."""
+
+    kind: Literal["uninstrumented_straggler"]
+    job: str
+    extra_seconds: float = Field(gt=0)
+    until_seconds: float | None = None
+
+
 class Reboot(_FaultBase):
     """The node reboots: silent for ``down_seconds``, then back with a new boot id and a fresh
     agent, InfiniBand counters at zero and an empty kernel log. ``clears``: the reboot fixed
@@ -462,7 +519,7 @@ PROBE_FAULTS = (UnderLoad, ProbeSlow)
 
 Fault = Annotated[
     NvmlFault | KernelXid | PortDown | PortFlap | PortErrors | RoceCongestion | SlowNode | DataStall | Hang
-    | Silence | Reboot | UnderLoad | ProbeSlow,
+    | Silence | Reboot | UnderLoad | ProbeSlow | UninstrumentedHang | UninstrumentedStraggler,
     Field(discriminator="kind"),
 ]
 
@@ -735,8 +792,20 @@ class Scenario(_Strict):
                 raise ValueError(f"{where}.component: unknown component {fault.component!r}")
             if isinstance(fault, NvmlFault):
                 _check_node_fault(fault, self.fleet, where)
-            if isinstance(fault, DataStall | Hang) and fault.job not in jobs:
+            if isinstance(fault, DataStall | Hang | UninstrumentedHang | UninstrumentedStraggler) \
+                    and fault.job not in jobs:
                 raise ValueError(f"{where}.job: unknown job {fault.job!r}")
+            if isinstance(fault, UninstrumentedHang | UninstrumentedStraggler):
+                job = next(j for j in self.jobs if j.name == fault.job)
+                if job.heartbeats:
+                    raise ValueError(f"{where}: {fault.kind} is a fault of an uninstrumented job "
+                                     f"(heartbeats: false); {fault.job!r} sends heartbeats")
+                if isinstance(fault, UninstrumentedHang) and (fault.node or fault.nodes or fault.component):
+                    raise ValueError(f"{where}: uninstrumented_hang stops the whole job: give no node, nodes "
+                                     "or component")
+                if isinstance(fault, UninstrumentedStraggler) and not set(self.fault_nodes(fault)) \
+                        <= set(self.resolve_nodes(job.nodes)):
+                    raise ValueError(f"{where}: the straggler must be a node of job {fault.job!r}")
             if isinstance(fault, UnderLoad) and fault.gpu >= self.fleet.gpus_per_node:
                 raise ValueError(f"{where}.gpu: {fault.gpu} >= gpus_per_node {self.fleet.gpus_per_node}")
             if isinstance(fault, UnderLoad) and fault.what == "rdma" and fault.hca >= self.fleet.hcas_per_node:

@@ -110,6 +110,11 @@ class JobModel:
                 return t - into + p.seconds, p
         return None
 
+    def pause_at(self, t: float) -> Pause | None:
+        """The checkpoint or evaluation pause the job is in at ``t`` (simulated Unix time), if any."""
+        paused = self._paused_until(t) if self.job.pauses else None
+        return paused[1] if paused is not None else None
+
     def rank_of(self, node: str, local: int) -> int:
         return self._node_index[node] * self.ranks_per_node + local
 

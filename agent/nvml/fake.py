@@ -205,6 +205,8 @@ class FakeGpuHandle:
         # Busy-spin windows (start, end), and the run-time switch FakeNvml.set_busy_spin sets.
         self.busy_spin: list[tuple[float, float]] = []
         self.spin_now = False
+        # The run-time mean utilization FakeNvml.set_utilization sets over the load's (None: the load's).
+        self.utilization_now: float | None = None
         # MIG mode now and after the next reset, and the MIG devices by slot (None: empty slot).
         self.mig_enabled = False
         self.mig_pending = False
@@ -288,9 +290,10 @@ class FakeGpuHandle:
         if self.probe_loads or self.spinning(t):
             return 1.0  # a burn, a copy loop or a polling kernel keeps the GPU busy every sample period
         load = self.load
-        if load.utilization == 0.0:
+        mean = load.utilization if self.utilization_now is None else self.utilization_now
+        if mean == 0.0:
             return 0.0
-        u = load.utilization + load.noise * self.noise[int(t) % _NOISE_TABLE_SIZE]
+        u = mean + load.noise * self.noise[int(t) % _NOISE_TABLE_SIZE]
         return 0.0 if u < 0.0 else 1.0 if u > 1.0 else u
 
     def window(self, t: float) -> _Window | None:
@@ -469,6 +472,16 @@ class FakeNvml:
         ``indexes`` busy-spin from now until switched off (as a busy_spin fault, without a time)."""
         for index in indexes:
             self.handles[index].spin_now = on
+
+    def set_utilization(self, indexes: Sequence[int], utilization: float | None) -> None:
+        """The seam for a run driven by a job's state (the simulator): GPUs ``indexes`` read this
+        mean utilization (0..1, the load's noise around it) from now on, and what follows from it
+        (clock, power, temperature, GPM activity); None: the load's again. The energy and NVLink
+        counters keep integrating the load's mean, so they never run backwards."""
+        if utilization is not None and not 0.0 <= utilization <= 1.0:
+            raise ValueError(f"utilization {utilization} is not in [0, 1]")
+        for index in indexes:
+            self.handles[index].utilization_now = utilization
 
     def load_effects(self, index: int) -> UnderLoadEffects:
         """What GPU ``index``'s under_load faults do to a probe's figures now."""

@@ -159,7 +159,13 @@ def test_every_fault_kind_in_the_docs_table_is_accepted() -> None:
     assert set(FAULT_KINDS) <= set(documented), sorted(set(FAULT_KINDS) - set(documented))
     for kind, fields in documented.items():
         # An Ethernet (RoCE) fabric: roce_congestion needs it, the other kinds do not mind.
-        data = {**BASE, "fleet": {"nodes": 64, "link_layer": "Ethernet"},
-                "jobs": [{"name": "train", "step_seconds": 1.0}], "faults": [_minimal_fault(kind, fields)]}
+        fault = _minimal_fault(kind, fields)
+        jobs: list[dict[str, Any]] = [{"name": "train", "step_seconds": 1.0}]
+        if kind.startswith("uninstrumented_"):  # a fault of a job with no heartbeats, named by its Slurm id
+            jobs = [{"name": "7001", "heartbeats": False, "step_seconds": 1.0}]
+            fault["job"] = "7001"
+            if kind == "uninstrumented_hang":
+                del fault["node"]  # the whole job
+        data = {**BASE, "fleet": {"nodes": 64, "link_layer": "Ethernet"}, "jobs": jobs, "faults": [fault]}
         sc = parse_scenario(data, f"docs-{kind}.yaml")
         assert sc.faults[0].kind == kind
