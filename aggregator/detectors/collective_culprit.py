@@ -49,6 +49,11 @@ class CollectiveCulpritConfig(StrictModel):
     persist_seconds: float = Field(default=5.0, ge=0)
     # A group of fewer ranks than this is not judged (one rank cannot wait for itself).
     min_ranks: int = Field(default=2, ge=2)
+    # A drain needs waiting ranks on at least this many nodes besides the culprit. Each node's
+    # dumps are its own word (root on a node can write any dump for its own ranks): one node that
+    # claims its ranks wait in collective N+1 would otherwise make its only peer the culprit. With
+    # two witnesses, a lying node can at most draw an alert; a 2-node job's culprit is alerted.
+    min_witness_nodes: int = Field(default=2, ge=2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +143,12 @@ class CollectiveCulpritDetector:
             "dump_ts": round(max(times), 3),
         }
         what = f"ranks {missing[:8]} never entered {op or 'collective'} #{seq} of process group {group}"
-        if len(nodes) == 1 and waiting_nodes - set(nodes):
+        if len(nodes) == 1 and len(waiting_nodes - set(nodes)) >= cfg.min_witness_nodes:
             return Finding(detector=NAME, node=nodes[0], job=job, action=Action.DRAIN, since=first, key="hang",
                            reason=f"job {job}: {what}, which {len(waiting)} ranks on other nodes wait in "
                                   f"(Flight Recorder)", evidence=evidence)
         return Finding(detector=NAME, node=WHOLE_JOB, job=job, action=Action.ALERT, since=first, key="hang",
                        reason=f"job {job}: {what}; the missing ranks are on {', '.join(nodes[:8])}: "
-                              "no single culprit node (Flight Recorder)", evidence=evidence)
+                              + ("no single culprit node" if len(nodes) != 1 else
+                                 f"waiting ranks on fewer than {cfg.min_witness_nodes} other nodes")
+                              + " (Flight Recorder)", evidence=evidence)

@@ -150,6 +150,17 @@ def test_one_rank_reported_by_two_nodes_is_trusted_from_neither() -> None:
     assert run(nodes) == [[]] * 4
 
 
+def test_one_node_claiming_its_ranks_are_ahead_cannot_drain_its_only_peer() -> None:
+    # A 2-node job: n0's dumps (its root may write anything for its own ranks) say they wait in #7;
+    # n1's ranks are at #6. n1 has a single witness against it: an alert, no drain.
+    (f,) = run({"n0": [state(0, 7, 6), state(1, 7, 6)], "n1": [state(2, 6, 6), state(3, 6, 6)]})[-1]
+    assert (f.node, f.action) == (WHOLE_JOB, Action.ALERT)
+    assert f.evidence["culprit_nodes"] == ["n1"]
+    # With waiting ranks on two other nodes the same cut drains n1.
+    (f,) = run({"n0": [state(0, 7, 6)], "n2": [state(1, 7, 6)], "n1": [state(2, 6, 6)]})[-1]
+    assert (f.node, f.action) == ("n1", Action.DRAIN)
+
+
 def test_a_single_node_job_is_an_alert_not_a_drain() -> None:
     (f,) = run({"n0": [state(0, 6, 5), state(1, 6, 5), state(2, 5, 5)]})[-1]
     assert (f.node, f.action) == (WHOLE_JOB, Action.ALERT)
