@@ -16,6 +16,11 @@ else 2); then each report carries only what changed since the last one accepted
 (agent/report_delta.py), its telemetry (wire.GPU_TELEMETRY_FIELDS, wire.PORT_TRAFFIC_COUNTERS) at
 most every ``telemetry_seconds``. A compact report refused for its base (409 delta_base) is resent
 whole, one refused otherwise (an older aggregator) is resent as version 1, events kept either way.
+A report whose answer was lost (a timeout) may have been taken: when the 409 delta_base names that
+report as the one the aggregator holds, it becomes the base and the report is resent compact. An
+aggregator behind on its work sheds reports (503 or 429 with ``Retry-After``; nothing taken, the
+base kept): the reporter waits that long at least, jittered, backing off exponentially over
+consecutive failures and never sending again sooner than its cadence (``Backoff``).
 The answer's ``standing`` (whether the aggregator trusts this node) is kept with when it came, for
 the launcher health check (agent/launcher_health.py). It judges nothing.
 """
@@ -73,6 +78,43 @@ REPORT_ERRORS = MetricSpec("vigil_agent_report_errors_total", MetricKind.COUNTER
                            "server_error (5xx), refused_transient (a refusal a later resend can pass: 409, "
                            "or the clock's 422 future_ts/stale_ts of an aggregator that checks it).",
                            labels=("reason",))
+# A shed report's Retry-After is honoured up to the reporter's max_backoff_seconds; each wait is
+# its base times a uniform draw in [1, 1 + BACKOFF_JITTER] (never sooner than asked): agents shed
+# together come back spread over a quarter of the wait, not in the same instant.
+BACKOFF_JITTER = 0.25
+
+
+class Backoff:
+    """How long to wait before the next attempt after ``failures`` consecutive failures: the
+    cadence doubled per failure (the first wait is one cadence: a failing aggregator never gets
+    reports faster than a healthy one), at least what the aggregator's Retry-After asked, at most
+    ``max_seconds`` before jitter. ``uniform`` is the jitter's source (a test passes its own)."""
+
+    def __init__(self, interval_seconds: float, max_seconds: float,
+                 uniform: Callable[[float, float], float] = random.uniform) -> None:
+        self.interval_seconds = interval_seconds
+        self.max_seconds = max_seconds
+        self._uniform = uniform
+        self.failures = 0
+
+    def failed(self, retry_after_seconds: float | None = None) -> float:
+        """One more failure: the seconds to wait before the next attempt."""
+        self.failures += 1
+        exponential = self.interval_seconds * 2.0 ** min(self.failures - 1, 32)
+        base = min(self.max_seconds, max(exponential, retry_after_seconds or 0.0))
+        return base * self._uniform(1.0, 1.0 + BACKOFF_JITTER)
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+
+def retry_after(value: str | None) -> float | None:
+    """An answer's Retry-After in seconds (RFC 9110 delay-seconds; an HTTP date or garbage: None)."""
+    if value is None or not value.strip().isdigit():
+        return None
+    return float(int(value.strip()))
+
+
 # Refusals that say nothing about the report's content: the same events pass once the clocks agree
 # again or the seq bound has grown with time (aggregator/fleet.py). Any 409 but delta_base (resent
 # whole at once) is one too: a conflict with the aggregator's state of this node, not the content.
@@ -235,6 +277,9 @@ class Reporter:
         self._interval = interval_seconds
         self._timeout = timeout_seconds
         self._max_backoff = max_backoff_seconds
+        self._backoff = Backoff(interval_seconds, max_backoff_seconds)
+        # The Retry-After of the last shed answer (None: none), for the next wait.
+        self._retry_after: float | None = None
         self._ssl = ssl_context
         self._backlog = Backlog(max_pending_event_bytes, state_dir)
         # Reports are built at or under this; a 413 lowers it to what the aggregator took.
@@ -259,6 +304,8 @@ class Reporter:
         self.report_version = WIRE_VERSION
         self._base: _Held | None = None
         self._built: _Held | None = None
+        # A compact-version report sent whose answer was lost (the aggregator may hold it).
+        self._unanswered: _Held | None = None
         # A compact report carries the telemetry that moved only when the base's is this old.
         self._telemetry_seconds = telemetry_seconds
         # Node actions: the runner (blocking: run in a thread), requests waiting for it, and
@@ -442,10 +489,13 @@ class Reporter:
                 backoff, more = 0.0, True
                 continue
             if outcome == "retry":
-                # Jittered exponential backoff; events stay pending and ride the next report.
-                backoff = min(self._max_backoff, max(1.0, backoff * 2)) * random.uniform(0.8, 1.2)
+                # Jittered exponential backoff, Retry-After honoured; events stay pending and ride
+                # the next report (compact against the same base: nothing was taken).
+                backoff = self._backoff.failed(self._retry_after)
+                self._retry_after = None
                 more = False
                 continue
+            self._backoff.succeeded()
             if outcome == "ok":
                 self._backlog.release_through(end_id)
                 self._release_results()
@@ -477,9 +527,14 @@ class Reporter:
         except aiohttp.ClientSSLError as exc:
             return self._error("tls", f"TLS to {self._url} failed (certificate not verified?): {exc}")
         except TimeoutError:
+            self._unanswered = self._built  # it may have been taken: a 409 delta_base will say
             return self._error("timeout", f"aggregator at {self._url} did not answer in {self._timeout}s")
         except (aiohttp.ClientError, OSError) as exc:
+            if not isinstance(exc, aiohttp.ClientConnectorError):  # connected: it may have been taken
+                self._unanswered = self._built
             return self._error("unreachable", f"cannot reach aggregator at {self._url}: {exc or type(exc).__name__}")
+        if status in (429, 503):
+            self._retry_after = retry_after(resp.headers.get("Retry-After"))
         if status == 413:
             return self._split(len(body), n_events)
         if status in (401, 403):
@@ -509,7 +564,17 @@ class Reporter:
         next answer says which it takes)."""
         parsed = _parse_answer(text.encode())
         self._base = None
+        unanswered, self._unanswered = self._unanswered, None
         if status == 409 and isinstance(parsed, dict) and parsed.get("error") == "delta_base":
+            held = parsed.get("held")
+            if (unanswered is not None and isinstance(held, dict) and held.get("boot_id") == self._boot_id
+                    and held.get("seq") == unanswered.seq):
+                # The report whose answer was lost was taken: it is the base, the resend compact.
+                self._base = unanswered
+                self.counts["rebased"] += 1
+                log.info("aggregator took report %d although its answer was lost: resending compact against it",
+                         unanswered.seq)
+                return "resend"
             self.counts["rebased"] += 1
             log.info("aggregator has no base for the compact report (restarted, or an answer was lost): resending "
                      "it whole")
@@ -552,6 +617,7 @@ class Reporter:
         send (the highest compact version it lists in ``report_versions`` that this agent knows,
         else version 1: an older aggregator, or one rolled back)."""
         self._base = self._built
+        self._unanswered = None
         versions = answer.get("report_versions") if isinstance(answer, dict) else None
         wanted = max((v for v in COMPACT_VERSIONS if v in versions), default=WIRE_VERSION) \
             if isinstance(versions, list) else WIRE_VERSION

@@ -40,6 +40,7 @@ from vigil.aggregator.actuators import Actuator, DeliveryError, build_actuators
 from vigil.aggregator.actuators.actuator import DeadlineExceeded
 from vigil.aggregator.actuators.kubernetes import KubernetesActuator
 from vigil.aggregator.actuators.slurm import SlurmActuator
+from vigil.aggregator.admission import Admission
 from vigil.aggregator.alertmanager_input import add_routes
 from vigil.aggregator.auth import NODE_KEY, Credentials, Refusals, auth_middleware, is_loopback
 from vigil.aggregator.clock import FLEET_CLOCK_HORIZON_SECONDS, FleetClockWatch, SteadyClock
@@ -173,9 +174,11 @@ def node_state(node: NodeState, findings: list[Finding], now: float, silent_afte
 
 async def measure_loop_lag(metrics: AggregatorMetrics, *, period_seconds: float = LAG_PERIOD_SECONDS,
                           monotonic: Callable[[], float] | None = None,
-                          sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+                          sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                          seen: Callable[[float], None] | None = None) -> None:
     """Forever: how late a ``period_seconds`` timer fires on this event loop, into the gauge (the
-    last measurement) and the histogram (every one). ``monotonic`` defaults to the loop's clock."""
+    last measurement), the histogram (every one) and ``seen`` (admission control reads it).
+    ``monotonic`` defaults to the loop's clock."""
     now = monotonic or asyncio.get_running_loop().time
     while True:
         due = now() + period_seconds
@@ -183,6 +186,8 @@ async def measure_loop_lag(metrics: AggregatorMetrics, *, period_seconds: float 
         lag = max(0.0, now() - due)
         metrics.loop_lag.set(lag)
         metrics.loop_lag_observed.observe(lag)
+        if seen is not None:
+            seen(lag)
 
 
 @contextlib.contextmanager
@@ -384,6 +389,9 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     # Each held node's latest (boot id, seq): the base a compact report arriving meanwhile must name.
     held_last: dict[str, tuple[str, int]] = {}
     judging: Future[list[Finding]] | None = None
+    # Whether to take one more report now (aggregator/admission.py), and the loop's last lag it reads.
+    admission = Admission(config.server.admission, clock)
+    loop_lag_seconds = [0.0]
     entries_refused_logged: dict[str, float] = {}  # node -> when its refused entries were last logged
     superseded = 0  # bumped when a synchronous evaluation takes over from an in-flight one
 
@@ -480,11 +488,13 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             view = engine.prepare(now)
         generation = superseded
         future = judging = executor.submit(engine.judge, view, now)
+        admission.judging(True)
         try:
             found = await asyncio.wrap_future(future)
         finally:
             if judging is future:
                 judging = None
+            admission.judging(False)
             metrics.judge_seconds.observe(time.perf_counter() - started)
         if generation != superseded:
             return
@@ -514,7 +524,10 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             if judge_executor is None:  # a judge in flight finishes first (about a second at most)
                 executor.shutdown(wait=True)
 
-    app.cleanup_ctx.append(background("vigil-aggregator-loop-lag", lambda: measure_loop_lag(metrics)))
+    def lag_seen(lag: float) -> None:
+        loop_lag_seconds[0] = lag
+
+    app.cleanup_ctx.append(background("vigil-aggregator-loop-lag", lambda: measure_loop_lag(metrics, seen=lag_seen)))
 
     async def gc_pauses(_: web.Application) -> AsyncIterator[None]:
         with timing_gc_pauses(metrics):
@@ -535,6 +548,16 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         return _error(status, reason, detail, **extra)
 
     async def post_report(request: web.Request) -> web.Response:
+        # Behind on its work, the aggregator sheds before parsing (the cost a shed saves): the
+        # sender takes nothing from the answer but when to come back, keeps its compact base
+        # (nothing was taken) and resends no sooner than Retry-After (docs/reports.md, "Overload").
+        shed = admission.check(len(held), loop_lag_seconds[0])
+        if shed is not None:
+            metrics.shed.labels(shed.reason).inc()
+            return web.Response(body=encode({"error": "overloaded", "detail": shed.detail, "reason": shed.reason,
+                                             "retry_after_seconds": shed.retry_after_seconds}),
+                                status=shed.status, content_type="application/json",
+                                headers={"Retry-After": str(shed.retry_after_seconds)})
         try:
             body = await read_body(request, config.max_body_bytes, config.server.body_timeout_seconds)
         except BodyRefused as exc:
@@ -558,9 +581,19 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         if synthetic is not None:
             return refuse_report(403, SYNTHETIC_REFUSAL, synthetic)
         now = clock()
-        refused = engine.fleet_of(report.node).refusal(report, now, held_last.get(report.node) if held_last else None)
+        fleet = engine.fleet_of(report.node)
+        pending = held_last.get(report.node) if held_last else None
+        refused = fleet.refusal(report, now, pending)
         if refused is not None:
-            return refuse_report(409 if refused[0] in ("seq_jump", "delta_base") else 422, *refused)
+            extra: dict[str, Any] = {}
+            if refused[0] == "delta_base":
+                # What it holds of this boot, so an agent whose answer was lost can resend compact
+                # against that report rather than whole (agent/reporter.py).
+                last = pending or next(((n.boot_id, n.seq) for n in (fleet.view().nodes.get(report.node),)
+                                        if n is not None), None)
+                if last is not None and last[0] == report.boot_id:
+                    extra["held"] = {"boot_id": last[0], "seq": last[1]}
+            return refuse_report(409 if refused[0] in ("seq_jump", "delta_base") else 422, *refused, **extra)
         if not intake(report, now):
             # Not accepted: the agent counts a server error and goes on (a compact report whose base
             # the fleet no longer matches is then refused with delta_base and resent whole).

@@ -25,6 +25,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import Field
 
 from vigil.agent.validation import StrictModel
+from vigil.aggregator.admission import AdmissionConfig
 
 log = logging.getLogger("vigil.aggregator.listener")
 
@@ -49,6 +50,8 @@ class ServerConfig(StrictModel):
     keepalive_timeout_seconds: float = Field(default=30.0, gt=0)
     # The kernel's queue of connections not yet accepted, and the most asyncio accepts at once.
     listen_backlog: int = Field(default=512, ge=16, le=65535)
+    # When reports are shed with 503/429 and Retry-After instead of queued (aggregator/admission.py).
+    admission: AdmissionConfig = AdmissionConfig()
 
 
 def connection_limit(configured: int, backlog: int) -> int:

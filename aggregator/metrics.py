@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
 
+from vigil.aggregator.admission import SHED_REASONS
 from vigil.aggregator.auth import Refusals
 from vigil.aggregator.clock import ClockReading
 from vigil.aggregator.fleet import EVICTION_KINDS
@@ -314,6 +315,12 @@ class AggregatorMetrics:
         self.held_reports = Counter("vigil_aggregator_reports_held",
                                     "Accepted reports held back while the detectors read the fleet, ingested "
                                     "right after.", registry=r)
+        self.shed = Counter("vigil_aggregator_reports_shed", "Reports not taken because the aggregator was behind on "
+                            "its work (answered 503, or 429 over server.admission.max_reports_per_second, with "
+                            "Retry-After), by reason: held_full, evaluation_overdue, loop_lag, rate. The agent keeps "
+                            "the report's events and resends later.", ["reason"], registry=r)
+        for reason in SHED_REASONS:
+            self.shed.labels(reason)
         self.ingest_failures = Counter("vigil_aggregator_ingest_failures",
                                        "Reports that passed every check and still failed to enter the fleet (a "
                                        "defect: the log has its traceback); the others are ingested regardless.",

@@ -1,0 +1,90 @@
+"""Admission control at report intake: whether the aggregator takes one more report now.
+
+It reads what app.py measures of its own backlog (reports held while the detectors read, how long
+the detectors have been reading the fleet, how late the event loop runs its timers) and, with
+``max_reports_per_second``, a token bucket on its own clock; it decides shed (a reason and the
+seconds the sender should wait: ``Retry-After``) or take. It does not answer, count or log
+(app.py does), and never refuses a report for its content: a shed report is not taken at all, so
+the sender keeps its compact base and resends later (docs/reports.md, "Overload").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+from pydantic import Field
+
+from vigil.agent.validation import StrictModel
+
+# Why a report was shed (vigil_aggregator_reports_shed_total{reason}); each series exists at 0.
+SHED_REASONS = ("held_full", "evaluation_overdue", "loop_lag", "rate")
+
+
+class AdmissionConfig(StrictModel):
+    # Reports held (accepted while the detectors read the fleet, ingested right after) at most:
+    # 5 s of a 12,500-node fleet at one report per 2.5 s (docs/architecture.md section 9). Past it
+    # the judging thread is far behind intake: new reports are shed, not queued without bound.
+    max_held_reports: int = Field(default=25_000, ge=1)
+    # Shed while the detectors have been reading the fleet for longer than this (one pass): a pass
+    # is budgeted at 0.25 s at 12,500 nodes, and the collapse of issue #47 had 13-21 s passes.
+    evaluation_overdue_seconds: float = Field(default=10.0, gt=0)
+    # Shed while the event loop ran its last 0.25 s timer this late: every request waits as long
+    # behind it, and an agent gives up on its request after 5 s (agent.timeout_seconds): 2 s is
+    # under half of that.
+    max_loop_lag_seconds: float = Field(default=2.0, gt=0)
+    # Reports taken per second at most, bursts of one second's worth (0: no bound). For an
+    # operator who sized the aggregator's core: 1 / its CPU per report (make bench).
+    max_reports_per_second: float = Field(default=0.0, ge=0)
+    # What a shed answer's Retry-After says (whole seconds, RFC 9110); the agent waits that long
+    # at least, jittered, and never less than its own cadence.
+    retry_after_seconds: int = Field(default=5, ge=1, le=300)
+
+
+class Shed(NamedTuple):
+    reason: str  # one of SHED_REASONS
+    status: int  # 429: over the configured rate; 503: the aggregator is behind on its work
+    retry_after_seconds: int
+    detail: str
+
+
+class Admission:
+    """One per aggregator. ``check`` is called for each report before its body is parsed."""
+
+    def __init__(self, config: AdmissionConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self._clock = clock
+        self._judging_since: float | None = None
+        self._tokens = max(1.0, config.max_reports_per_second)
+        self._filled_at = clock()
+
+    def judging(self, in_flight: bool) -> None:
+        """The detectors start (True) or stop (False) reading the fleet."""
+        self._judging_since = self._clock() if in_flight else None
+
+    def check(self, held: int, loop_lag_seconds: float) -> Shed | None:
+        """Shed this report (why, with what status and Retry-After) or None: take it."""
+        cfg = self.config
+        after = cfg.retry_after_seconds
+        if held >= cfg.max_held_reports:
+            return Shed("held_full", 503, after, f"{held} reports wait for the detectors to finish reading the "
+                        f"fleet (server.admission.max_held_reports {cfg.max_held_reports})")
+        now = self._clock()
+        if self._judging_since is not None and now - self._judging_since > cfg.evaluation_overdue_seconds:
+            return Shed("evaluation_overdue", 503, after, f"the detectors have been reading the fleet for "
+                        f"{now - self._judging_since:.0f}s (server.admission.evaluation_overdue_seconds "
+                        f"{cfg.evaluation_overdue_seconds:g})")
+        if loop_lag_seconds > cfg.max_loop_lag_seconds:
+            return Shed("loop_lag", 503, after, f"the aggregator's event loop runs {loop_lag_seconds:.2f}s late "
+                        f"(server.admission.max_loop_lag_seconds {cfg.max_loop_lag_seconds:g})")
+        rate = cfg.max_reports_per_second
+        if rate > 0:
+            self._tokens = min(max(1.0, rate), self._tokens + max(0.0, now - self._filled_at) * rate)
+            self._filled_at = now
+            if self._tokens < 1:
+                wait = max(after, math.ceil((1 - self._tokens) / rate))
+                return Shed("rate", 429, wait,
+                            f"more than {rate:g} reports/s (server.admission.max_reports_per_second)")
+            self._tokens -= 1
+        return None
