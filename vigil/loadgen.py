@@ -5,10 +5,17 @@ Each node posts every ``interval_seconds`` with the nodes' phases spread evenly;
 held back by a slow answer (a send that starts late is counted as late). Each node negotiates the
 report version as the agent does (agent/reporter.py): version 1 until an answer lists the
 newest compact version (3), then that version whole, then compact relative to its last accepted
-report; a 409 ``delta_base`` is resent whole at once (counted as rebased). It measures its own
+report; a 409 ``delta_base`` is resent whole at once (counted as rebased). Like the agent, a node
+sends one report at a time, and one whose report was shed (503 or 429) or not answered (a timeout,
+a dropped connection) waits as agent/reporter.py's ``Backoff`` says
+(Retry-After honoured, jittered, never sooner than its cadence), skipping its slots meanwhile
+(counted as deferred) and keeping its compact base; a node whose answer was lost sends its next
+report compact against the lost one (a 409 delta_base: whole). It measures its own
 lateness (each send's start against its due time, one monotonic clock) and says when it fell
 behind (the run is then invalid: it measured the generator), offered and accepted reports/s,
-intake latency percentiles, errors by status or exception, its own CPU, and, given the
+intake latency percentiles, errors by status or exception, sheds and deferred slots, what happened
+to the reports due in each TIMELINE_SECONDS of the run (accepted fraction over time), its own CPU,
+and, given the
 aggregator's pid, the aggregator's CPU and RSS from ``/proc/<pid>``. With ``spawn`` it
 makes the credentials and a dry-run config for N nodes in a scratch directory and runs
 ``vigil aggregator`` as a child, stopped by pid at the end; against a running aggregator its nodes
@@ -41,6 +48,7 @@ import aiohttp
 import yaml
 
 from vigil.agent.credential_file import create_private
+from vigil.agent.reporter import Backoff, retry_after
 from vigil.agent.wire import COMPACT_VERSIONS, SYNTHETIC_NODE_PREFIX, WIRE_VERSION
 from vigil.agent_reports import INTERVAL_SECONDS, RenderedReport, report_forms, topology_of
 from vigil.aggregator.auth import node_token
@@ -61,6 +69,11 @@ HEALTH_TIMEOUT_SECONDS = 10.0  # GET /healthz, before and after a run against a 
 STOP_TIMEOUT_SECONDS = 10.0
 # Workers start on a common clock this far ahead (a spawned Python imports aiohttp in ~1 s).
 WORKER_START_SECONDS = 3.0
+# The timeline's resolution: what became of the reports due in each such span of the run.
+TIMELINE_SECONDS = 5.0
+# An agent's own ceiling on its backoff (agent/reporter.py Reporter's max_backoff_seconds).
+MAX_BACKOFF_SECONDS = 60.0
+TIMELINE_KEYS = ("due", "accepted", "shed", "deferred", "errors")
 
 
 # The generator is behind schedule when more than this share of its sends started LATE_SECONDS or
@@ -176,6 +189,10 @@ class WorkerResult:
     aggregator_at_start: ProcSample | None = None
     warmup_errors: Counter[str] = field(default_factory=Counter)  # the warm-up's, kept apart
     pace: Pace = field(default_factory=Pace)  # the measured sends' lateness
+    shed: int = 0  # answered 503 or 429 (the aggregator behind): not taken, resent after Retry-After
+    deferred: int = 0  # slots a node skipped while backing off (as the agent waits)
+    # Per TIMELINE_SECONDS of the measured duration (by due time): TIMELINE_KEYS counts.
+    timeline: dict[int, Counter[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -225,6 +242,7 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
     slot_seconds = plan.interval_seconds / plan.nodes
     total_slots = int((plan.warmup_seconds + plan.duration_seconds) / slot_seconds)
     measured_from = int(plan.warmup_seconds / slot_seconds)  # the first slot counted
+    measure_start = start_monotonic + measured_from * slot_seconds
     url = target.url.rstrip("/") + "/v1/reports"
     pending: set[asyncio.Task[None]] = set()
     loop = asyncio.get_running_loop()
@@ -233,6 +251,22 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
     # seq of its last accepted compact-version report (the base of a compact one).
     version = dict.fromkeys(mine, WIRE_VERSION)
     base: dict[int, int | None] = dict.fromkeys(mine)
+    # As the agent: the seq of a report whose answer was lost, the backoff, and until when (monotonic).
+    unanswered: dict[int, int | None] = dict.fromkeys(mine)
+    backoff = {n: Backoff(plan.interval_seconds, MAX_BACKOFF_SECONDS) for n in mine}
+    hold_until = dict.fromkeys(mine, 0.0)
+    # The next report's seq (a shed report's round is sent again: nothing was taken), and the
+    # nodes with a send in flight (an agent sends one report at a time: such a node skips its slot).
+    next_seq = dict.fromkeys(mine, 1)
+    in_flight: set[int] = set()
+
+    def mark(due: float, key: str) -> None:
+        """Count ``key`` against the timeline span of a measured send due at ``due``."""
+        span = int((due - measure_start) // TIMELINE_SECONDS)
+        result.timeline.setdefault(span, Counter())[key] += 1
+
+    def failed(n: int, after: float | None) -> None:
+        hold_until[n] = time.monotonic() + backoff[n].failed(after)
 
     async def send(session: aiohttp.ClientSession, n: int, seq: int, due: float, counted: bool) -> None:
         """One report of node ``n``; ``counted``: in the measured duration (else the warm-up's)."""
@@ -240,12 +274,14 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
         rendered = templates[(seq - 1) % len(templates)]
         if version[n] != COMPACT_VERSION:
             form = FORMS[0]
-        elif base[n] == seq - 1 and rendered.compact is not None:
+        elif seq - 1 in (base[n], unanswered[n]) and rendered.compact is not None:
             form = FORMS[2]
         else:
             form = FORMS[1]
         started = tally.pace.started(due)
         tally.sent += 1
+        status = 0
+        in_flight.add(n)
         try:
             while True:
                 template = {FORMS[0]: rendered.whole_v1, FORMS[1]: rendered.whole}.get(form, rendered.compact)
@@ -255,12 +291,18 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
                                                                  "Content-Type": "application/json"}) as resp:
                     answer = await resp.read()
                     status = resp.status
+                    after = resp.headers.get("Retry-After")
                 if status == 409 and form == FORMS[2] and b'"delta_base"' in answer:
                     tally.rebased += 1  # the agent resends it whole at once
                     form = FORMS[1]
                     continue
                 break
             if status == 202:
+                backoff[n].succeeded()
+                unanswered[n] = None
+                next_seq[n] = seq + 1
+                if counted:
+                    mark(due, "accepted")
                 tally.accepted += 1
                 tally.by_form[form] += 1
                 tally.latencies_seconds.append(time.monotonic() - started)
@@ -270,10 +312,27 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
                     version[n] = COMPACT_VERSION
                 else:
                     version[n], base[n] = WIRE_VERSION, None
+            elif status in (429, 503):  # shed: nothing taken, the base kept
+                tally.shed += 1
+                if counted:
+                    mark(due, "shed")
+                failed(n, retry_after(after))
             else:
+                # Any other refusal (a 401 of a wrong secret) is counted at every slot: a
+                # misconfigured run shows as such, not as a slower one.
                 tally.errors[f"HTTP {status}"] += 1
+                if counted:
+                    mark(due, "errors")
         except Exception as exc:  # noqa: BLE001 - every failure is a counted error, by kind
             tally.errors[type(exc).__name__] += 1
+            if counted:
+                mark(due, "errors")
+            if status == 0 and not isinstance(exc, aiohttp.ClientConnectorError):
+                unanswered[n] = seq  # sent, answer lost: the aggregator may hold it
+                next_seq[n] = seq + 1
+            failed(n, None)
+        finally:
+            in_flight.discard(n)
 
     warmup = WorkerResult()  # what the warm-up's sends did: only its errors are reported
     cpu_start = time.process_time()
@@ -292,8 +351,16 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
                 cpu_start = time.process_time()
                 if worker == 0 and target.pid is not None:
                     result.aggregator_at_start = read_proc(target.pid)
-            n, k = slot % plan.nodes, slot // plan.nodes
-            task = loop.create_task(send(session, n, k + 1, due, measuring))
+            n = slot % plan.nodes
+            if measuring:
+                mark(due, "due")
+            if n in in_flight or hold_until[n] > due:  # as the agent: one at a time, backing off
+                if measuring:
+                    result.deferred += 1
+                    mark(due, "deferred")
+                slot += plan.workers
+                continue
+            task = loop.create_task(send(session, n, next_seq[n], due, measuring))
             pending.add(task)
             task.add_done_callback(pending.discard)
             slot += plan.workers
@@ -423,6 +490,8 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
         "loadgen_cpu_seconds": round(loadgen_cpu, 2),
         "loadgen_cores": round(loadgen_cpu / plan.duration_seconds, 2),
         "fleet_nodes": fleet_nodes(target, plan),
+        "shed": sum(r.shed for r in results), "deferred": sum(r.deferred for r in results),
+        "timeline": merged_timeline(results),
         "generator": generator,
         # False: the generator fell behind its schedule, so the figures measure it, not the aggregator.
         "valid": not generator["behind_schedule"],
@@ -439,6 +508,18 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
             "rss_bytes_per_node": round((after.rss_bytes - before.rss_bytes) / plan.nodes),
         }
     return summary
+
+
+def merged_timeline(results: list[WorkerResult]) -> list[dict[str, Any]]:
+    """The workers' timelines summed, one entry per TIMELINE_SECONDS span of the measured duration:
+    its start (seconds), TIMELINE_KEYS counts and the accepted fraction of the reports due in it."""
+    spans: dict[int, Counter[str]] = {}
+    for r in results:
+        for span, counts in r.timeline.items():
+            spans.setdefault(span, Counter()).update(counts)
+    return [{"start_seconds": span * TIMELINE_SECONDS, **{k: spans[span][k] for k in TIMELINE_KEYS},
+             "accepted_fraction": round(spans[span]["accepted"] / spans[span]["due"], 4) if spans[span]["due"] else 0.0}
+            for span in sorted(spans) if span >= 0]
 
 
 def free_port() -> int:
@@ -531,6 +612,8 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         + f"; compact {s['compact_report_bytes'] / 1024:.1f} KiB; rebased (409 delta_base, resent whole) "
           f"{s['rebased']}",
         f"intake latency p50 {ms(lat['p50'])}, p90 {ms(lat['p90'])}, p99 {ms(lat['p99'])}, max {ms(lat['max'])}",
+        f"shed (503/429, resent after Retry-After) {s.get('shed', 0)}, slots deferred while backing off "
+        f"{s.get('deferred', 0)}",
         "errors: " + (", ".join(f"{k} x{v}" for k, v in sorted(s["errors"].items())) or "none")
         + ("; in the warm-up: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["warmup_errors"].items()))
            if s.get("warmup_errors") else ""),
