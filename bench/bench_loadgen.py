@@ -11,16 +11,30 @@ largest first, skipping those
 far beyond the capacity the 2,000-node run's CPU per report implies.
 Prints p99 intake latency against issue #20's 250 ms, errors, the aggregator's CPU per report
 and the reports/s per core it extrapolates to, memory per node, and the generator's own CPU.
+
+Then issue #47's two rows: the aggregator's CPU per report all included at 5,000 nodes against
+150 us (12,500 nodes on one core), split into its main thread's (HTTP, validation, ingest, the
+loop's share of each evaluation) and its other threads' (the detectors' judging thread); and
+4,000 nodes on a machine made busy on purpose: CPU hog processes (HOG_PROCESSES, each bounded in
+time and stopped by pid) run beside the aggregator for HOG_SECONDS of the measured run, and the
+accepted fraction of the reports due in each 5 s, the reports shed and the time from the hog's
+end to a sustained recovery are printed: it must degrade and recover, not collapse.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
 
 from bench.bench_agent import FIXTURE_IB
 from bench.measure import Measurement
 from vigil.agent_reports import INTERVAL_SECONDS
-from vigil.loadgen import Plan, run_spawned, summary_lines
+from vigil.loadgen import WORKER_START_SECONDS, Plan, SpawnedAggregator, run_load, run_spawned, summary_lines
 
 RUN_SECONDS = 30.0
 # Sent first and not measured: 32 reports a node fill the fleet's sample rings and the detectors'
@@ -35,6 +49,25 @@ PER_CORE_BUDGET = 5_000  # reports/s: 12,500 nodes at one report per 2.5 s on on
 # The generator spends ~0.5 ms of CPU a send (aiohttp client): past ~1,500 reports/s one
 # process is the bottleneck, so larger runs split the nodes over two processes.
 WORKERS_ABOVE_NODES = 3_000
+
+
+# Issue #47: the aggregator's CPU per report, all included, at this many nodes, against a budget
+# that puts 12,500 nodes (5,000 reports/s) on one core.
+BUDGET_NODES = 5_000
+CPU_PER_REPORT_BUDGET_US = 150.0
+# The busy-machine run: nodes, a warm-up to the compact steady state, the measured span, and the
+# hog inside it (from HOG_AFTER_SECONDS for HOG_SECONDS): as many spinning processes as the
+# machine has cores, so the aggregator gets about a third of what it had.
+BUSY_NODES = 4_000
+BUSY_WARMUP_SECONDS = 30.0
+BUSY_RUN_SECONDS = 120.0
+HOG_AFTER_SECONDS = 20.0
+HOG_SECONDS = 40.0
+HOG_PROCESSES = 2
+# Recovered: from this 5 s span on, every span took at least this share of the reports due.
+RECOVERED_FRACTION = 0.95
+RECOVERY_BUDGET_SECONDS = 30.0  # a few backoff rounds (2.5, 5, 10 s) after the hog stops
+HOG_CODE = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
 
 
 def _run(nodes: int) -> dict:
@@ -76,7 +109,102 @@ def _rows(s: dict) -> list[Measurement]:
     ]
 
 
+def _budget_rows(s: dict) -> list[Measurement]:
+    agg = s["aggregator"]
+    return [Measurement(
+        f"aggregator CPU per report all included, {s['nodes']:,} nodes over HTTP",
+        round(agg["cpu_seconds_per_report"] * 1e6), "us", CPU_PER_REPORT_BUDGET_US,
+        note=f"main thread (HTTP, validation, ingest, the loop's share of evaluations) "
+             f"{agg['main_thread_cpu_seconds_per_report'] * 1e6:,.0f} us + other threads (judging) "
+             f"{agg['other_threads_cpu_seconds_per_report'] * 1e6:,.0f} us; accepted {s['accepted']:,} of "
+             f"{s['sent']:,}, shed {s['shed']:,}, errors {sum(s['errors'].values())}; "
+             + ("INVALID, generator behind schedule; " if not s["valid"] else "")
+             + "shared 2-core machine, generator beside it")]
+
+
+def _hog(seconds: float, started: list[subprocess.Popen[bytes]]) -> None:
+    started_wall.append(time.time())
+    for _ in range(HOG_PROCESSES):
+        started.append(subprocess.Popen([sys.executable, "-c", HOG_CODE.format(seconds=seconds)]))
+
+
+def recovery_seconds(timeline: list[dict[str, Any]], hog_end_seconds: float) -> float | None:
+    """From the hog's end to the start of the first span from which every span took at least
+    RECOVERED_FRACTION of its reports (0: it never fell below after the hog); None: never."""
+    spans = [t for t in timeline if t["due"]]
+    for i, t in enumerate(spans):
+        if t["start_seconds"] + 5.0 <= hog_end_seconds:
+            continue
+        if all(u["accepted_fraction"] >= RECOVERED_FRACTION for u in spans[i:]):
+            return max(0.0, t["start_seconds"] - hog_end_seconds)
+    return None
+
+
+started_wall: list[float] = []  # when each hog was started (Unix time)
+
+
+def busy_run() -> dict:
+    """BUSY_NODES against a spawned aggregator, HOG_PROCESSES spinning beside it for HOG_SECONDS."""
+    plan = Plan(nodes=BUSY_NODES, duration_seconds=BUSY_RUN_SECONDS, warmup_seconds=BUSY_WARMUP_SECONDS, workers=2)
+    hogs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="vigil-loadgen-busy-") as d:
+        aggregator = SpawnedAggregator(Path(d))
+        aggregator.start()
+        # The workers start WORKER_START_SECONDS after run_load is called; the measured span after the warm-up.
+        timer = threading.Timer(WORKER_START_SECONDS + BUSY_WARMUP_SECONDS + HOG_AFTER_SECONDS, _hog,
+                                (HOG_SECONDS, hogs))
+        timer.start()
+        try:
+            s = run_load(aggregator.target(), plan, FIXTURE_IB / "mlx5_0")
+            # Where the hog fell in the measured span, as it happened (the workers start after the
+            # templates are built: the timer's offset is not exact).
+            if started_wall and s.get("measured_from_wall") is not None:
+                s["hog_from_seconds"] = round(started_wall[-1] - s["measured_from_wall"], 1)
+            return s
+        finally:
+            timer.cancel()
+            for hog in hogs:  # each ends on its own after HOG_SECONDS; stopped by pid in any case
+                if hog.poll() is None:
+                    hog.kill()
+                hog.wait(timeout=10)
+            aggregator.stop()
+
+
+def _busy_rows(s: dict) -> list[Measurement]:
+    hog_from = s.get("hog_from_seconds", HOG_AFTER_SECONDS)
+    hog_end = hog_from + HOG_SECONDS
+    during = [t for t in s["timeline"] if hog_from <= t["start_seconds"] < hog_end and t["due"]]
+    worst = min((t["accepted_fraction"] for t in during), default=0.0)
+    recovered = recovery_seconds(s["timeline"], hog_end)
+    line = ", ".join(f"{t['start_seconds']:.0f}s {t['accepted_fraction']:.0%}" for t in s["timeline"])
+    what = f"loadgen {s['nodes']:,} nodes, {HOG_PROCESSES} CPU hogs for {HOG_SECONDS:.0f} s"
+    note = (f"hog from {hog_from:.0f} s to {hog_end:.0f} s of {s['duration_seconds']:.0f} s; accepted "
+            f"{s['accepted']:,} of {s['sent']:,} sent ({sum(t['due'] for t in s['timeline']):,} due), shed "
+            f"{s['shed']:,}, deferred {s['deferred']:,}, rebased {s['rebased']}, errors {s['errors'] or 0}; "
+            f"accepted fraction of the reports due per 5 s: {line}")
+    return [
+        Measurement(f"{what}: accepted fraction, worst 5 s while hogged", round(worst * 100, 1), "%", None,
+                    note=note),
+        Measurement(f"{what}: recovery after the hog stops", recovered if recovered is not None else float("inf"),
+                    "s", RECOVERY_BUDGET_SECONDS,
+                    note=f"from the hog's end to the first 5 s span after which every span took >= "
+                         f"{RECOVERED_FRACTION:.0%} of the reports due" + ("" if recovered is not None
+                                                                            else "; NOT RECOVERED")),
+        Measurement(f"{what}: reports shed", s["shed"], "reports", None,
+                    note="503/429 with Retry-After; each node resent compact after it (nothing lost)"),
+    ]
+
+
 def measure() -> list[Measurement]:
+    rows = _budget_rows(_run(BUDGET_NODES))
+    busy = busy_run()
+    for line in summary_lines(busy):
+        print(f"  {line}", file=sys.stderr, flush=True)
+    rows += _busy_rows(busy)
+    return rows + measure_capacity()
+
+
+def measure_capacity() -> list[Measurement]:
     base = _run(BASE_NODES)
     rows = _rows(base)
     # The aggregator judges and takes reports on one event loop: one core. A candidate offering

@@ -187,6 +187,7 @@ class WorkerResult:
     cpu_seconds: float = 0.0
     # The aggregator as the measured duration began (worker 0 reads it after a warm-up).
     aggregator_at_start: ProcSample | None = None
+    measured_from_wall: float | None = None  # when the measured duration began (Unix time; worker 0)
     warmup_errors: Counter[str] = field(default_factory=Counter)  # the warm-up's, kept apart
     pace: Pace = field(default_factory=Pace)  # the measured sends' lateness
     shed: int = 0  # answered 503 or 429 (the aggregator behind): not taken, resent after Retry-After
@@ -200,18 +201,29 @@ class ProcSample:
     cpu_seconds: float
     rss_bytes: int
     peak_rss_bytes: int
+    # Of cpu_seconds, its main thread's: the event loop (HTTP, validation, ingest, the loop's share
+    # of each evaluation); the rest is its other threads' (the detectors' judging thread).
+    main_thread_cpu_seconds: float = 0.0
 
 
 def read_proc(pid: int, proc_root: Path = Path("/proc")) -> ProcSample:
-    """utime + stime and VmRSS/VmHWM of ``pid`` (proc(5))."""
-    stat = (proc_root / str(pid) / "stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    """utime + stime (the process's, its main thread's) and VmRSS/VmHWM of ``pid`` (proc(5))."""
     ticks = os.sysconf("SC_CLK_TCK")
-    cpu = (int(fields[11]) + int(fields[12])) / ticks  # fields 14 and 15 of the whole line
+
+    def cpu_of(stat_path: Path) -> float:
+        stat = stat_path.read_text()
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        return (int(fields[11]) + int(fields[12])) / ticks  # fields 14 and 15 of the whole line
+
+    cpu = cpu_of(proc_root / str(pid) / "stat")
+    try:
+        main = cpu_of(proc_root / str(pid) / "task" / str(pid) / "stat")
+    except OSError:
+        main = cpu
     status = dict(line.split(":", 1) for line in (proc_root / str(pid) / "status").read_text().splitlines()
                   if ":" in line)
     kib = lambda key: int(status.get(key, "0 kB").split()[0]) * 1024  # noqa: E731
-    return ProcSample(cpu, kib("VmRSS"), kib("VmHWM"))
+    return ProcSample(cpu, kib("VmRSS"), kib("VmHWM"), main)
 
 
 def node_name(prefix: str, n: int) -> str:
@@ -349,6 +361,8 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
             if not measuring and slot >= measured_from:
                 measuring = True  # the warm-up is over: what is measured starts now
                 cpu_start = time.process_time()
+                if worker == 0:
+                    result.measured_from_wall = time.time()
                 if worker == 0 and target.pid is not None:
                     result.aggregator_at_start = read_proc(target.pid)
             n = slot % plan.nodes
@@ -492,6 +506,7 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
         "fleet_nodes": fleet_nodes(target, plan),
         "shed": sum(r.shed for r in results), "deferred": sum(r.deferred for r in results),
         "timeline": merged_timeline(results),
+        "measured_from_wall": results[0].measured_from_wall if plan.warmup_seconds else None,
         "generator": generator,
         # False: the generator fell behind its schedule, so the figures measure it, not the aggregator.
         "valid": not generator["behind_schedule"],
@@ -499,10 +514,13 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
     if before is not None and after is not None and measured_from is not None:
         cpu = after.cpu_seconds - measured_from.cpu_seconds
         per_report = cpu / accepted if accepted else 0.0
+        main_cpu = after.main_thread_cpu_seconds - measured_from.main_thread_cpu_seconds
         summary["aggregator"] = {
             "pid": target.pid, "cpu_seconds": round(cpu, 2),
             "cores": round(cpu / (elapsed - plan.warmup_seconds), 2),
             "cpu_seconds_per_report": per_report,
+            "main_thread_cpu_seconds_per_report": main_cpu / accepted if accepted else 0.0,
+            "other_threads_cpu_seconds_per_report": (cpu - main_cpu) / accepted if accepted else 0.0,
             "reports_per_second_per_core": round(1 / per_report, 0) if per_report else 0.0,
             "rss_bytes_before": before.rss_bytes, "rss_bytes": after.rss_bytes, "peak_rss_bytes": after.peak_rss_bytes,
             "rss_bytes_per_node": round((after.rss_bytes - before.rss_bytes) / plan.nodes),
@@ -628,7 +646,9 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         lines.append(
             f"aggregator pid {agg['pid']}: CPU {agg['cpu_seconds']:.1f} s ({agg['cores']:.2f} cores), "
             f"{agg['cpu_seconds_per_report'] * 1e6:,.0f} us/report (~{agg['reports_per_second_per_core']:,.0f} "
-            f"reports/s per core); RSS {agg['rss_bytes'] / 2**20:,.0f} MiB "
+            f"reports/s per core: main thread {agg.get('main_thread_cpu_seconds_per_report', 0) * 1e6:,.0f} us, "
+            f"other threads (judging) {agg.get('other_threads_cpu_seconds_per_report', 0) * 1e6:,.0f} us); "
+            f"RSS {agg['rss_bytes'] / 2**20:,.0f} MiB "
             f"(peak {agg['peak_rss_bytes'] / 2**20:,.0f}), "
             f"{agg['rss_bytes_per_node'] / 1024:,.0f} KiB per node")
     return lines
