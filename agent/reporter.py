@@ -19,8 +19,8 @@ whole, one refused otherwise (an older aggregator) is resent as version 1, event
 A report whose answer was lost (a timeout) may have been taken: when the 409 delta_base names that
 report as the one the aggregator holds, it becomes the base and the report is resent compact. An
 aggregator behind on its work sheds reports (503 or 429 with ``Retry-After``; nothing taken, the
-base kept): the reporter waits that long at least, jittered, backing off exponentially over
-consecutive failures and never sending again sooner than its cadence (``Backoff``).
+base kept): the reporter waits that long, jittered; other failures back off exponentially; it
+never sends again sooner than its cadence (``Backoff``).
 The answer's ``standing`` (whether the aggregator trusts this node) is kept with when it came, for
 the launcher health check (agent/launcher_health.py). It judges nothing.
 """
@@ -85,10 +85,12 @@ BACKOFF_JITTER = 0.25
 
 
 class Backoff:
-    """How long to wait before the next attempt after ``failures`` consecutive failures: the
-    cadence doubled per failure (the first wait is one cadence: a failing aggregator never gets
-    reports faster than a healthy one), at least what the aggregator's Retry-After asked, at most
-    ``max_seconds`` before jitter. ``uniform`` is the jitter's source (a test passes its own)."""
+    """How long to wait before the next attempt: after a shed answer, what its Retry-After asked
+    (the aggregator knows its load; it takes a node quiet for 10 s whatever the load, so waits
+    that grew would only make nodes look silent); after any other failure, the cadence doubled per
+    consecutive failure. Never less than one cadence (a failing aggregator never gets reports
+    faster than a healthy one), at most ``max_seconds``, before jitter. ``uniform`` is the
+    jitter's source (a test passes its own)."""
 
     def __init__(self, interval_seconds: float, max_seconds: float,
                  uniform: Callable[[float, float], float] = random.uniform) -> None:
@@ -100,8 +102,9 @@ class Backoff:
     def failed(self, retry_after_seconds: float | None = None) -> float:
         """One more failure: the seconds to wait before the next attempt."""
         self.failures += 1
-        exponential = self.interval_seconds * 2.0 ** min(self.failures - 1, 32)
-        base = min(self.max_seconds, max(exponential, retry_after_seconds or 0.0))
+        wanted = retry_after_seconds if retry_after_seconds is not None else \
+            self.interval_seconds * 2.0 ** min(self.failures - 1, 32)
+        base = min(self.max_seconds, max(self.interval_seconds, wanted))
         return base * self._uniform(1.0, 1.0 + BACKOFF_JITTER)
 
     def succeeded(self) -> None:

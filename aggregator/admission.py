@@ -3,9 +3,11 @@
 It reads what app.py measures of its own backlog (reports held while the detectors read, how long
 the detectors have been reading the fleet, how late the event loop runs its timers) and, with
 ``max_reports_per_second``, a token bucket on its own clock; it decides shed (a reason and the
-seconds the sender should wait: ``Retry-After``) or take. It does not answer, count or log
-(app.py does), and never refuses a report for its content: a shed report is not taken at all, so
-the sender keeps its compact base and resends later (docs/reports.md, "Overload").
+seconds the sender should wait: ``Retry-After``) or take. A node quiet for
+``always_admit_after_seconds`` is taken whatever the load (but past the held bound), so shedding
+never makes a node look silent to the silence detector. It does not answer, count or log (app.py
+does), and never refuses a report for its content: a shed report is not taken at all, so the
+sender keeps its compact base and resends later (docs/reports.md, "Overload").
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class AdmissionConfig(StrictModel):
     # Reports taken per second at most, bursts of one second's worth (0: no bound). For an
     # operator who sized the aggregator's core: 1 / its CPU per report (make bench).
     max_reports_per_second: float = Field(default=0.0, ge=0)
+    # A node whose last report taken is this old is taken whatever the load (not past
+    # max_held_reports): under the silence detector's 15 s alert (detectors.silence
+    # .alert_after_seconds_min), so a node shed, waiting Retry-After and shed again is taken at its
+    # next try. The aggregator then takes at least nodes / this many reports a second.
+    always_admit_after_seconds: float = Field(default=10.0, gt=0)
     # What a shed answer's Retry-After says (whole seconds, RFC 9110); the agent waits that long
     # at least, jittered, and never less than its own cadence.
     retry_after_seconds: int = Field(default=5, ge=1, le=300)
@@ -63,8 +70,20 @@ class Admission:
         """The detectors start (True) or stop (False) reading the fleet."""
         self._judging_since = self._clock() if in_flight else None
 
-    def check(self, held: int, loop_lag_seconds: float) -> Shed | None:
-        """Shed this report (why, with what status and Retry-After) or None: take it."""
+    def check(self, held: int, loop_lag_seconds: float,
+              quiet_seconds: Callable[[], float | None] = lambda: None) -> Shed | None:
+        """Shed this report (why, with what status and Retry-After) or None: take it.
+        ``quiet_seconds``: how long since the sender's last report was taken (None: unknown, or
+        never), asked only when the report would be shed for the load."""
+        shed = self._check(held, loop_lag_seconds)
+        if shed is None or shed.reason == "held_full":
+            return shed
+        quiet = quiet_seconds()
+        if quiet is not None and quiet >= self.config.always_admit_after_seconds:
+            return None
+        return shed
+
+    def _check(self, held: int, loop_lag_seconds: float) -> Shed | None:
         cfg = self.config
         after = cfg.retry_after_seconds
         if held >= cfg.max_held_reports:

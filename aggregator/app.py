@@ -547,11 +547,18 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         refusals.count("reports", reason)
         return _error(status, reason, detail, **extra)
 
+    def quiet_seconds(node: str | None) -> float | None:
+        """How long since ``node``'s last report was taken (None: no node credential, or not held)."""
+        if node is None:
+            return None
+        n = engine.fleet_of(node).view().nodes.get(node)
+        return None if n is None else clock() - n.last_seen
+
     async def post_report(request: web.Request) -> web.Response:
         # Behind on its work, the aggregator sheds before parsing (the cost a shed saves): the
         # sender takes nothing from the answer but when to come back, keeps its compact base
         # (nothing was taken) and resends no sooner than Retry-After (docs/reports.md, "Overload").
-        shed = admission.check(len(held), loop_lag_seconds[0])
+        shed = admission.check(len(held), loop_lag_seconds[0], lambda: quiet_seconds(request.get(NODE_KEY)))
         if shed is not None:
             metrics.shed.labels(shed.reason).inc()
             return web.Response(body=encode({"error": "overloaded", "detail": shed.detail, "reason": shed.reason,

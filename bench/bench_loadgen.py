@@ -23,11 +23,13 @@ end to a sustained recovery are printed: it must degrade and recover, not collap
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +158,7 @@ def busy_run() -> dict:
         timer.start()
         try:
             s = run_load(aggregator.target(), plan, FIXTURE_IB / "mlx5_0")
+            s["shed_by_reason"] = shed_by_reason(aggregator)
             # Where the hog fell in the measured span, as it happened (the workers start after the
             # templates are built: the timer's offset is not exact).
             if started_wall and s.get("measured_from_wall") is not None:
@@ -170,6 +173,16 @@ def busy_run() -> dict:
             aggregator.stop()
 
 
+def shed_by_reason(aggregator: SpawnedAggregator) -> dict[str, int]:
+    """vigil_aggregator_reports_shed_total by reason, from the aggregator's /metrics."""
+    req = urllib.request.Request(aggregator.url + "/metrics",
+                                 headers={"Authorization": f"Bearer {aggregator.read_token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        text = resp.read().decode()
+    return {m[1]: int(float(m[2])) for m in
+            re.finditer(r'^vigil_aggregator_reports_shed_total\{reason="([^"]+)"\} (\S+)$', text, re.M)}
+
+
 def _busy_rows(s: dict) -> list[Measurement]:
     hog_from = s.get("hog_from_seconds", HOG_AFTER_SECONDS)
     hog_end = hog_from + HOG_SECONDS
@@ -180,7 +193,8 @@ def _busy_rows(s: dict) -> list[Measurement]:
     what = f"loadgen {s['nodes']:,} nodes, {HOG_PROCESSES} CPU hogs for {HOG_SECONDS:.0f} s"
     note = (f"hog from {hog_from:.0f} s to {hog_end:.0f} s of {s['duration_seconds']:.0f} s; accepted "
             f"{s['accepted']:,} of {s['sent']:,} sent ({sum(t['due'] for t in s['timeline']):,} due), shed "
-            f"{s['shed']:,}, deferred {s['deferred']:,}, rebased {s['rebased']}, errors {s['errors'] or 0}; "
+            f"{s['shed']:,} {s.get('shed_by_reason', {})}, deferred {s['deferred']:,}, rebased {s['rebased']}, "
+            f"errors {s['errors'] or 0}; "
             f"accepted fraction of the reports due per 5 s: {line}")
     return [
         Measurement(f"{what}: accepted fraction, worst 5 s while hogged", round(worst * 100, 1), "%", None,

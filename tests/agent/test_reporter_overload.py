@@ -1,9 +1,10 @@
 """The agent's side of graceful overload (agent/reporter.py): its backoff on an injected jitter
-source (never sooner than its cadence or the aggregator's Retry-After, doubling per failure up to
-its ceiling, back to the cadence after a success); against the real aggregator application behind
-a loopback front, a shed report (503 with Retry-After) keeps the compact base, so the next report
-is compact and nothing is lost; a report whose answer was lost, but which the aggregator took, is
-followed by compact reports only (the 409 delta_base names it held), never a whole resend."""
+source (never sooner than its cadence; what the aggregator's Retry-After asks after a shed answer;
+doubling per failure otherwise, up to its ceiling; back to the cadence after a success); against
+the real aggregator application behind a loopback front, a shed report (503 with Retry-After)
+keeps the compact base, so the next report is compact and nothing is lost; a report whose answer
+was lost, but which the aggregator took, is followed by compact reports only (the 409 delta_base
+names it held), never a whole resend."""
 
 from __future__ import annotations
 
@@ -50,13 +51,16 @@ def test_backoff_starts_at_the_cadence_doubles_to_its_ceiling_and_resets_after_a
     assert b.failed() == 2.5
 
 
-def test_backoff_honours_retry_after_up_to_its_ceiling_and_jitters_above_it() -> None:
+def test_backoff_waits_what_retry_after_asks_without_growing_bounded_and_jittered_above_it() -> None:
     b = Backoff(interval_seconds=2.5, max_seconds=60.0, uniform=Draws(pick_high=True))
     assert b.failed(retry_after_seconds=30.0) == 30.0 * (1 + BACKOFF_JITTER)
-    assert b.failed(retry_after_seconds=1.0) == 5.0 * (1 + BACKOFF_JITTER)  # the doubling wins, never less
+    # Shed again and again: the aggregator's word, not a doubling (a node must not look silent).
+    assert [b.failed(retry_after_seconds=5.0) for _ in range(4)] == [5.0 * (1 + BACKOFF_JITTER)] * 4
     assert b.failed(retry_after_seconds=3600.0) == 60.0 * (1 + BACKOFF_JITTER)  # a hostile answer is bounded
+    assert b.failed() == 60.0 * (1 + BACKOFF_JITTER)  # a timeout, the 7th failure in a row: the ceiling
     low = Backoff(interval_seconds=2.5, max_seconds=60.0, uniform=Draws())
     assert low.failed(retry_after_seconds=0.5) == 2.5  # a short Retry-After never beats the cadence
+    assert low.failed() == 5.0  # an unguided failure after it doubles
 
 
 def test_retry_after_reads_delay_seconds_only() -> None:

@@ -75,3 +75,13 @@ def test_a_rate_under_one_a_second_still_takes_one_report_and_asks_for_the_wait_
     assert shed is not None and shed.retry_after_seconds == 10
     clock.now += 10.0
     assert a.check(held=0, loop_lag_seconds=0.0) is None
+
+
+def test_a_node_quiet_for_always_admit_after_seconds_is_taken_whatever_the_load_but_not_past_the_held_bound() -> None:
+    a, _ = admission(max_loop_lag_seconds=1.0, max_held_reports=10, always_admit_after_seconds=10)
+    assert a.check(held=0, loop_lag_seconds=5.0, quiet_seconds=lambda: 10.0) is None
+    shed = a.check(held=0, loop_lag_seconds=5.0, quiet_seconds=lambda: 9.9)  # the lookalike: heard from lately
+    assert shed is not None and shed.reason == "loop_lag"
+    assert a.check(held=0, loop_lag_seconds=5.0, quiet_seconds=lambda: None) is not None  # unknown: shed
+    full = a.check(held=10, loop_lag_seconds=0.0, quiet_seconds=lambda: 3600.0)
+    assert full is not None and full.reason == "held_full"  # memory's bound holds for everyone
