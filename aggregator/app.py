@@ -548,9 +548,12 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         return _error(status, reason, detail, **extra)
 
     def quiet_seconds(node: str | None) -> float | None:
-        """How long since ``node``'s last report was taken (None: no node credential, or not held)."""
+        """How long since ``node``'s last report was taken (None: no node credential, or none taken);
+        0 while one of its reports is held (ingested after the detectors' pass, as of its arrival)."""
         if node is None:
             return None
+        if node in held_last:
+            return 0.0
         n = engine.fleet_of(node).view().nodes.get(node)
         return None if n is None else clock() - n.last_seen
 

@@ -145,9 +145,10 @@ def recovery_seconds(timeline: list[dict[str, Any]], hog_end_seconds: float) -> 
 started_wall: list[float] = []  # when each hog was started (Unix time)
 
 
-def busy_run() -> dict:
-    """BUSY_NODES against a spawned aggregator, HOG_PROCESSES spinning beside it for HOG_SECONDS."""
-    plan = Plan(nodes=BUSY_NODES, duration_seconds=BUSY_RUN_SECONDS, warmup_seconds=BUSY_WARMUP_SECONDS, workers=2)
+def busy_run(nodes: int = BUSY_NODES) -> dict:
+    """``nodes`` against a spawned aggregator, HOG_PROCESSES spinning beside it for HOG_SECONDS."""
+    plan = Plan(nodes=nodes, duration_seconds=BUSY_RUN_SECONDS, warmup_seconds=BUSY_WARMUP_SECONDS,
+                workers=2 if nodes > WORKERS_ABOVE_NODES else 1)
     hogs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="vigil-loadgen-busy-") as d:
         aggregator = SpawnedAggregator(Path(d))
@@ -158,7 +159,7 @@ def busy_run() -> dict:
         timer.start()
         try:
             s = run_load(aggregator.target(), plan, FIXTURE_IB / "mlx5_0")
-            s["shed_by_reason"] = shed_by_reason(aggregator)
+            s.update(aggregator_readings(aggregator))
             # Where the hog fell in the measured span, as it happened (the workers start after the
             # templates are built: the timer's offset is not exact).
             if started_wall and s.get("measured_from_wall") is not None:
@@ -173,14 +174,20 @@ def busy_run() -> dict:
             aggregator.stop()
 
 
-def shed_by_reason(aggregator: SpawnedAggregator) -> dict[str, int]:
-    """vigil_aggregator_reports_shed_total by reason, from the aggregator's /metrics."""
+def aggregator_readings(aggregator: SpawnedAggregator) -> dict[str, Any]:
+    """From the aggregator's /metrics: vigil_aggregator_reports_shed_total by reason, and its
+    judging passes (count, mean and longest bucket reached, seconds)."""
     req = urllib.request.Request(aggregator.url + "/metrics",
                                  headers={"Authorization": f"Bearer {aggregator.read_token}"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         text = resp.read().decode()
-    return {m[1]: int(float(m[2])) for m in
+    shed = {m[1]: int(float(m[2])) for m in
             re.finditer(r'^vigil_aggregator_reports_shed_total\{reason="([^"]+)"\} (\S+)$', text, re.M)}
+    value = lambda name: float(m[1]) if (m := re.search(rf"^{name} (\S+)$", text, re.M)) else 0.0  # noqa: E731
+    passes = value("vigil_aggregator_judge_duration_seconds_count")
+    return {"shed_by_reason": shed, "judge_passes": int(passes),
+            "judge_mean_seconds": round(value("vigil_aggregator_judge_duration_seconds_sum") / passes, 2)
+            if passes else None}
 
 
 def _busy_rows(s: dict) -> list[Measurement]:
@@ -193,7 +200,8 @@ def _busy_rows(s: dict) -> list[Measurement]:
     what = f"loadgen {s['nodes']:,} nodes, {HOG_PROCESSES} CPU hogs for {HOG_SECONDS:.0f} s"
     note = (f"hog from {hog_from:.0f} s to {hog_end:.0f} s of {s['duration_seconds']:.0f} s; accepted "
             f"{s['accepted']:,} of {s['sent']:,} sent ({sum(t['due'] for t in s['timeline']):,} due), shed "
-            f"{s['shed']:,} {s.get('shed_by_reason', {})}, deferred {s['deferred']:,}, rebased {s['rebased']}, "
+            f"{s['shed']:,} {s.get('shed_by_reason', {})}, judging passes {s.get('judge_passes')} of "
+            f"{s.get('judge_mean_seconds')} s on average, deferred {s['deferred']:,}, rebased {s['rebased']}, "
             f"errors {s['errors'] or 0}; "
             f"accepted fraction of the reports due per 5 s: {line}")
     return [
