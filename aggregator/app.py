@@ -488,13 +488,11 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
             view = engine.prepare(now)
         generation = superseded
         future = judging = executor.submit(engine.judge, view, now)
-        admission.judging(True)
         try:
             found = await asyncio.wrap_future(future)
         finally:
             if judging is future:
                 judging = None
-            admission.judging(False)
             metrics.judge_seconds.observe(time.perf_counter() - started)
         if generation != superseded:
             return

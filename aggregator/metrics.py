@@ -317,7 +317,7 @@ class AggregatorMetrics:
                                     "right after.", registry=r)
         self.shed = Counter("vigil_aggregator_reports_shed", "Reports not taken because the aggregator was behind on "
                             "its work (answered 503, or 429 over server.admission.max_reports_per_second, with "
-                            "Retry-After), by reason: held_full, evaluation_overdue, loop_lag, rate. The agent keeps "
+                            "Retry-After), by reason: held_full, loop_lag, rate. The agent keeps "
                             "the report's events and resends later.", ["reason"], registry=r)
         for reason in SHED_REASONS:
             self.shed.labels(reason)

@@ -145,13 +145,14 @@ def recovery_seconds(timeline: list[dict[str, Any]], hog_end_seconds: float) -> 
 started_wall: list[float] = []  # when each hog was started (Unix time)
 
 
-def busy_run(nodes: int = BUSY_NODES) -> dict:
-    """``nodes`` against a spawned aggregator, HOG_PROCESSES spinning beside it for HOG_SECONDS."""
+def busy_run(nodes: int = BUSY_NODES, extra_config: dict[str, Any] | None = None) -> dict:
+    """``nodes`` against a spawned aggregator (``extra_config`` added to its configuration),
+    HOG_PROCESSES spinning beside it for HOG_SECONDS."""
     plan = Plan(nodes=nodes, duration_seconds=BUSY_RUN_SECONDS, warmup_seconds=BUSY_WARMUP_SECONDS,
                 workers=2 if nodes > WORKERS_ABOVE_NODES else 1)
     hogs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="vigil-loadgen-busy-") as d:
-        aggregator = SpawnedAggregator(Path(d))
+        aggregator = SpawnedAggregator(Path(d), extra_config)
         aggregator.start()
         # The workers start WORKER_START_SECONDS after run_load is called; the measured span after the warm-up.
         timer = threading.Timer(WORKER_START_SECONDS + BUSY_WARMUP_SECONDS + HOG_AFTER_SECONDS, _hog,

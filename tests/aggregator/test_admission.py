@@ -1,6 +1,6 @@
 """Admission control (aggregator/admission.py) on an injected clock: each reason sheds past its
-bound with its status and Retry-After, and the lookalikes under it (a short judging pass, a queue
-just under the bound, a lag at the bound, a rate within the bucket) take every report."""
+bound with its status and Retry-After, and the lookalikes under it (a queue just under the bound,
+a lag at the bound, a rate within the bucket, a node heard from lately) take every report."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ def admission(**config: float) -> tuple[Admission, FakeClock]:
 
 def test_defaults_take_a_report_of_an_aggregator_that_keeps_up() -> None:
     a, clock = admission()
-    a.judging(True)
-    clock.now += 9.9  # a long pass, still under evaluation_overdue_seconds
+    clock.now += 3600
     assert a.check(held=24_999, loop_lag_seconds=2.0) is None
 
 
@@ -33,20 +32,6 @@ def test_a_full_queue_of_held_reports_sheds_with_503_and_retry_after() -> None:
     shed = a.check(held=100, loop_lag_seconds=0.0)
     assert shed is not None and (shed.reason, shed.status, shed.retry_after_seconds) == ("held_full", 503, 7)
     assert "max_held_reports" in shed.detail
-
-
-def test_a_judging_pass_overdue_sheds_until_it_ends() -> None:
-    a, clock = admission(evaluation_overdue_seconds=10)
-    a.judging(True)
-    clock.now += 10.0
-    assert a.check(held=0, loop_lag_seconds=0.0) is None
-    clock.now += 0.5
-    shed = a.check(held=0, loop_lag_seconds=0.0)
-    assert shed is not None and (shed.reason, shed.status) == ("evaluation_overdue", 503)
-    a.judging(False)
-    assert a.check(held=0, loop_lag_seconds=0.0) is None
-    clock.now += 3600  # long after, no pass in flight: nothing is overdue
-    assert a.check(held=0, loop_lag_seconds=0.0) is None
 
 
 def test_a_late_event_loop_sheds_and_one_at_the_bound_does_not() -> None:
