@@ -303,7 +303,7 @@ class _HeartbeatDatagrams(asyncio.DatagramProtocol):
         self._intake = intake
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        if not is_loopback_peer(addr):
+        if addr[0] not in _LOOPBACK_LITERALS and not is_loopback_peer(addr):
             self._intake.refuse("not_local", addr)
             return
         if self._intake.sink is not None:

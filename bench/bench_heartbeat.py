@@ -31,6 +31,7 @@ from typing import Any
 
 from bench.bench_agent import REPO, AgentProcess, task_cpu_seconds
 from bench.measure import Measurement
+from vigil.agent.collectors.training import TrainingConfig
 from vigil.agent.heartbeat import Heartbeat
 
 CALLS_PER_RUN = 20_000
@@ -40,6 +41,7 @@ INTAKE_SECONDS = 10.0
 IDLE_SECONDS = 8.0
 INTAKE_BUDGET_RATIO = 1.5  # issue 47: the agent within 1.5x of a bare asyncio receiver
 COUNT_QUERY = b"count?"
+TRAINING_INTERVAL_SECONDS = TrainingConfig().interval_seconds  # how stale the agent's heartbeat counts may be
 
 
 def heartbeat_payload(rank: int, step: int) -> bytes:
@@ -92,8 +94,11 @@ def bare_receiver(port_file: str) -> None:
     asyncio.run(serve())
 
 
-def _intake_us(pid: int, address: tuple[str, int], received: Callable[[], int]) -> tuple[float, int, int]:
-    """CPU microseconds per heartbeat the process ``pid`` received, its idle rate taken out."""
+def _intake_us(pid: int, address: tuple[str, int], received: Callable[[], int],
+               count_delay_seconds: float = 0.0) -> tuple[float, int, int]:
+    """CPU microseconds per heartbeat the process ``pid`` received, its idle rate taken out;
+    ``received`` is read ``count_delay_seconds`` after the stream (the agent's /metrics show
+    the training collector's last cycle)."""
     cpu0, wall0 = task_cpu_seconds(pid), time.monotonic()
     time.sleep(IDLE_SECONDS)
     cpu1, wall1 = task_cpu_seconds(pid), time.monotonic()
@@ -103,6 +108,7 @@ def _intake_us(pid: int, address: tuple[str, int], received: Callable[[], int]) 
     sent = send_paced(address, INTAKE_RATE, INTAKE_SECONDS)
     time.sleep(0.2)  # the last datagrams' handling
     cpu2, wall2 = task_cpu_seconds(pid), time.monotonic()
+    time.sleep(count_delay_seconds)
     got = received() - before
     return 1e6 * ((cpu2 - cpu1) - idle_per_second * (wall2 - wall1)) / max(got, 1), got, sent
 
@@ -144,7 +150,8 @@ def measure_intake() -> list[Measurement]:
         agent = AgentProcess(Path(d) / "agent")
         try:
             agent_us, agent_got, agent_sent = _intake_us(agent.proc.pid, agent.heartbeat_address,
-                                                         lambda: _agent_received(agent.port))
+                                                         lambda: _agent_received(agent.port),
+                                                         TRAINING_INTERVAL_SECONDS + 1.0)
         finally:
             agent.stop()
     return [

@@ -345,6 +345,25 @@ def job_key_of(claim: str, sender: Sender) -> tuple[str, str] | str:
     return "job_mismatch"  # a verified sender without its identity: never keyed by its claim
 
 
+# job_key_of's answers for the (claim, sender) pairs seen lately: a rank sends the same pair every
+# step, and two regular expressions a heartbeat were a tenth of its Python path. Bounded: cleared
+# when full, so invented names cost a recomputation, never memory.
+_KEYED_MAX = 1024
+_keyed: dict[tuple[str, Sender], tuple[str, str] | str] = {}
+
+
+def _job_key_of_seen(claim: str, sender: Sender) -> tuple[str, str] | str:
+    """``job_key_of(claim, sender)``, remembered (it is a pure function of the two)."""
+    pair = (claim, sender)
+    keyed = _keyed.get(pair)
+    if keyed is None:
+        keyed = job_key_of(claim, sender)
+        if len(_keyed) >= _KEYED_MAX:
+            _keyed.clear()
+        _keyed[pair] = keyed
+    return keyed
+
+
 def decode_heartbeat(payload: bytes) -> Heartbeat | str:
     """``payload`` as a Heartbeat, or the reason it is refused (invalid_json, not_object,
     unknown_field, schema, bad_text). The common case is one strict msgspec decode in C (unknown
@@ -428,7 +447,7 @@ class TrainingCollector:
         hb = decode_heartbeat(payload)
         if isinstance(hb, str):
             return hb
-        keyed = job_key_of(hb.job, sender)
+        keyed = _job_key_of_seen(hb.job, sender)
         if isinstance(keyed, str):
             return keyed
         key, name = keyed
