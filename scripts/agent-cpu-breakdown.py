@@ -2,10 +2,12 @@
 """The agent process's CPU per second, whole and with one collector at a time switched off.
 
 Starts ``vigil agent`` on loopback once per variant (all collectors; without gpu, host, xid, rdma,
-training; none), lets it settle, and reads its user + system CPU from /proc over ``--seconds``:
-what each collector costs the node as the process really runs it (executor hand-offs, the Xid
-wait thread, the exporter), which the per-cycle benches do not see. Prints one JSON object. It
-changes nothing on the node; the real backend needs a GPU, ``--backend fake`` runs anywhere.
+training; none), lets it settle, and reads its CPU from /proc over ``--seconds``: what each
+collector costs the node as the process really runs it (hand-offs to worker threads, the Xid
+wait thread, the reporter), which the per-cycle benches do not see. Prints one JSON object. It
+changes nothing on the node; the real backend needs a GPU, ``--backend fake`` runs anywhere and
+uses bench_agent's node (8 H100s over FakeNvml, 8 HCAs copied from the recorded H100 sysfs tree),
+the node of ``make bench``'s idle-agent figure.
 
     PYTHONPATH=$PWD python3 scripts/agent-cpu-breakdown.py --backend nvml --seconds 25
 """
@@ -24,7 +26,8 @@ from typing import Any
 
 import yaml
 
-from vigil.loadgen import free_port, read_proc
+from bench.bench_agent import AgentProcess, task_cpu_seconds
+from vigil.loadgen import free_port
 
 COLLECTORS = ("gpu", "host", "xid", "rdma", "training")
 SETTLE_SECONDS = 8.0  # start-up: identities, the first GPM sample, the first report
@@ -32,6 +35,12 @@ SETTLE_SECONDS = 8.0  # start-up: identities, the first GPM sample, the first re
 
 def measure(backend: str, off: tuple[str, ...], seconds: float, work: Path) -> float:
     """The agent's CPU milliseconds per second with the collectors ``off`` disabled."""
+    if backend == "fake":
+        agent = AgentProcess(Path(tempfile.mkdtemp(dir=work)), disabled=off)
+        try:
+            return agent.cpu_ms_per_second(seconds)
+        finally:
+            agent.stop()
     collectors: dict[str, Any] = {name: {"enabled": False} for name in off}
     if "training" not in off:
         collectors["training"] = {"udp_listen": f"127.0.0.1:{free_port()}"}
@@ -40,20 +49,20 @@ def measure(backend: str, off: tuple[str, ...], seconds: float, work: Path) -> f
                                       "nvml": {"backend": backend}, "collectors": collectors}))
     kmsg = work / "kmsg"
     kmsg.touch()
-    agent = subprocess.Popen([sys.executable, "-m", "vigil", "agent", "--config", str(config), "--kmsg", str(kmsg)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "vigil", "agent", "--config", str(config), "--kmsg", str(kmsg)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(SETTLE_SECONDS)
-        cpu0, wall0 = read_proc(agent.pid).cpu_seconds, time.monotonic()
+        cpu0, wall0 = task_cpu_seconds(proc.pid), time.monotonic()
         time.sleep(seconds)
-        cpu1, wall1 = read_proc(agent.pid).cpu_seconds, time.monotonic()
+        cpu1, wall1 = task_cpu_seconds(proc.pid), time.monotonic()
     finally:
-        agent.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
         try:
-            agent.wait(15)
+            proc.wait(15)
         except subprocess.TimeoutExpired:
-            agent.kill()
-            agent.wait()
+            proc.kill()
+            proc.wait()
     return 1000.0 * (cpu1 - cpu0) / (wall1 - wall0)
 
 

@@ -34,7 +34,7 @@ from vigil.agent.collectors.collector import Collection, CollectorConfig, Strict
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.step_log import LineError, LogFollower, StepLine, StepParser, compile_step_regex, make_parser
 from vigil.agent.validation import HostPort, split_host_port
-from vigil.agent.wire import Event, Heartbeat, JobPhase, RankSummary, WireError, convert
+from vigil.agent.wire import Event, Heartbeat, JobPhase, RankSummary, WireError, convert, decode
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
@@ -345,6 +345,66 @@ def job_key_of(claim: str, sender: Sender) -> tuple[str, str] | str:
     return "job_mismatch"  # a verified sender without its identity: never keyed by its claim
 
 
+# job_key_of's answers for the (claim, sender) pairs seen lately: a rank sends the same pair every
+# step, and two regular expressions a heartbeat were a tenth of its Python path. Bounded: cleared
+# when full, so invented names cost a recomputation, never memory.
+_KEYED_MAX = 1024
+_keyed: dict[tuple[str, Sender], tuple[str, str] | str] = {}
+
+
+def _job_key_of_seen(claim: str, sender: Sender) -> tuple[str, str] | str:
+    """``job_key_of(claim, sender)``, remembered (it is a pure function of the two)."""
+    pair = (claim, sender)
+    keyed = _keyed.get(pair)
+    if keyed is None:
+        keyed = job_key_of(claim, sender)
+        if len(_keyed) >= _KEYED_MAX:
+            _keyed.clear()
+        _keyed[pair] = keyed
+    return keyed
+
+
+def decode_heartbeat(payload: bytes) -> Heartbeat | str:
+    """``payload`` as a Heartbeat, or the reason it is refused (invalid_json, not_object,
+    unknown_field, schema, bad_text). The common case is one strict msgspec decode in C (unknown
+    fields, types, bounds: 1e999 is out of every bound); anything it refuses is classified again
+    by ``decode_heartbeat_by_steps``, the reference, so every refusal keeps the reason the
+    step-by-step checks give (msgspec stops at the first problem it meets, which may not be the
+    one those checks name first) and what only json accepts (a UTF-8 byte-order mark, an escaped
+    lone surrogate, refused as bad_text) is judged as before. A datagram cost 2.5x a bare
+    receiver's with json.loads, a dict and a conversion on every one (bench/bench_heartbeat.py)."""
+    try:
+        hb = decode(payload, Heartbeat)
+    except (WireError, ValueError, RecursionError):  # ValueError: msgspec's UnicodeDecodeError
+        return decode_heartbeat_by_steps(payload)
+    return hb if hb.job.isprintable() else "bad_text"
+
+
+def decode_heartbeat_by_steps(payload: bytes) -> Heartbeat | str:
+    """The reference decoding, check by check in the order the reasons are named."""
+    try:
+        data = json.loads(payload, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return "invalid_json"
+    if not isinstance(data, dict):
+        return "not_object"
+    if not data.keys() <= _HEARTBEAT_FIELDS:
+        return "unknown_field"
+    try:
+        hb = convert(data, Heartbeat)
+    except WireError:
+        return "schema"
+    # json reads 1e999 as infinity, which passes a `ge=0` bound.
+    if not all(math.isfinite(v) for v in (hb.step_seconds, hb.compute_seconds, hb.comm_seconds,
+                                          hb.data_seconds) if v is not None):
+        return "schema"
+    # A newline, an ANSI escape or an unpaired surrogate (which no exposition can encode) in the
+    # one free-text field: refused here, so it never reaches a label, a log line or a cycle.
+    if not hb.job.isprintable():
+        return "bad_text"
+    return hb
+
+
 class TrainingCollector:
     name = "training"
     specs: Sequence[MetricSpec] = SPECS
@@ -384,27 +444,10 @@ class TrainingCollector:
     def _ingest(self, payload: bytes, now: float, sender: Sender) -> str | None:
         if len(payload) > self._config.max_payload_bytes:
             return "too_large"
-        try:
-            data = json.loads(payload, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            return "invalid_json"
-        if not isinstance(data, dict):
-            return "not_object"
-        if not data.keys() <= _HEARTBEAT_FIELDS:
-            return "unknown_field"
-        try:
-            hb = convert(data, Heartbeat)
-        except WireError:
-            return "schema"
-        # json reads 1e999 as infinity, which passes a `ge=0` bound.
-        if not all(math.isfinite(v) for v in (hb.step_seconds, hb.compute_seconds, hb.comm_seconds,
-                                              hb.data_seconds) if v is not None):
-            return "schema"
-        # A newline, an ANSI escape or an unpaired surrogate (which no exposition can encode) in the
-        # one free-text field: refused here, so it never reaches a label, a log line or a cycle.
-        if not hb.job.isprintable():
-            return "bad_text"
-        keyed = job_key_of(hb.job, sender)
+        hb = decode_heartbeat(payload)
+        if isinstance(hb, str):
+            return hb
+        keyed = _job_key_of_seen(hb.job, sender)
         if isinstance(keyed, str):
             return keyed
         key, name = keyed

@@ -1023,12 +1023,21 @@ class FakeNvml:
         polls = math.ceil(timeout_ms / 1000.0 / _EVENT_POLL_SECONDS) if timeout_ms > 0 else 0
         for attempt in range(polls + 1):
             t = self._live()
+            pending = False
             for index, handle in event_set.devices.items():
                 sent = event_set.delivered[index]
-                if sent < len(handle.xids) and handle.xids[sent][0] <= t:
-                    event_set.delivered[index] = sent + 1
-                    return FakeEventData(handle, pynvml.nvmlEventTypeXidCriticalError, handle.xids[sent][1])
+                if sent < len(handle.xids):
+                    if handle.xids[sent][0] <= t:
+                        event_set.delivered[index] = sent + 1
+                        return FakeEventData(handle, pynvml.nvmlEventTypeXidCriticalError, handle.xids[sent][1])
+                    pending = True
             if attempt == polls or event_set.freed.is_set():
+                break
+            if not pending and self._unavailable_at == math.inf:
+                # Nothing scripted is left to deliver and NVML never goes away: no re-check can
+                # change the answer, so sleep out the whole wait as NVML's own blocking call does
+                # (a 50 ms re-check was 20 wake-ups a second of an idle agent's Xid thread).
+                event_set.freed.wait((polls - attempt) * _EVENT_POLL_SECONDS)
                 break
             event_set.freed.wait(_EVENT_POLL_SECONDS)
         raise pynvml.NVMLError_Timeout()
