@@ -134,8 +134,10 @@ class JobRun:
         self.last_seen = now
         for r in ranks:
             self._observe_rank(r, now)
-        for gone in [k for k in self.ranks if k not in {r.rank for r in ranks}]:
-            del self.ranks[gone]
+        if len(self.ranks) != len(ranks):  # every rank observed is in self.ranks: equal sizes, nothing left
+            present = {r.rank for r in ranks}
+            for gone in [k for k in self.ranks if k not in present]:
+                del self.ranks[gone]
         latest = self.latest
         if latest.ended is None and ranks and all(r.last.state == "exited" for r in ranks):
             latest.ended = now
