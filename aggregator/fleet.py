@@ -1194,6 +1194,12 @@ class FleetView:
         # Group-testing isolations (the prober's): the probe verdict detector acts on finished ones.
         self.isolations: tuple[IsolationOutcome, ...] = tuple(isolations)
 
+    def without_markers(self) -> FleetView:
+        """The same fleet with no change markers: detectors judge it the long way, from scratch
+        (the reference the incremental paths are tested against)."""
+        return FleetView(dict(self.nodes), dict(self.jobs), self.removed, agent_resets=self.agent_resets,
+                         probes=self.probes, learned_probes=self.learned_probes, isolations=self.isolations)
+
     def members(self, label: str, value: str) -> list[str]:
         """Nodes whose topology label ``label`` (e.g. leaf_switch) equals ``value``."""
         return [n.name for n in self.nodes.values() if n.topology.get(label) == value]

@@ -133,7 +133,9 @@ class JobRun:
         self.incarnations.append(inc)
         return inc
 
-    def observe(self, ranks: Collection[RankHistory], now: float) -> None:
+    def observe(self, ranks: Collection[RankHistory], now: float, shortcut: bool = True) -> None:
+        """The ranks' latest summaries at ``now``. ``shortcut`` False: every rank the long way
+        (``_observe_rank``), the reference the inlined usual case is tested against."""
         self.last_seen = now
         seen_of = self.ranks
         latest = self.incarnations[-1]
@@ -142,7 +144,8 @@ class JobRun:
             seen = seen_of.get(r.rank)
             # The usual rank (the same process, still in the latest incarnation, not back from an
             # exit): ``_observe_rank``'s work inlined, with the same result.
-            if seen is not None and s.pid is not None and s.pid == seen.pid and seen.generation == latest.index:
+            if shortcut and seen is not None and s.pid is not None and s.pid == seen.pid \
+                    and seen.generation == latest.index:
                 exited = s.state == "exited"
                 if exited or not seen.exited:
                     if exited != seen.exited:
@@ -237,7 +240,8 @@ class JobRuns:
             run = self._runs.get(name)
             if run is None:
                 run = self._runs[name] = JobRun(name, now)
-            run.observe(job.ranks.values(), now)
+            # A view without change markers is judged the long way (FleetView.without_markers).
+            run.observe(job.ranks.values(), now, view.revision is not None)
         for name in [n for n, run in self._runs.items() if now - run.last_seen > self.forget_seconds]:
             del self._runs[name]
 

@@ -91,7 +91,7 @@ class CrashLoopDetector:
             hold = self._hold(job, run, now)
             if hold is not None:
                 out.append(hold)
-            self._crash(job, run, now)
+            self._crash(job, run, now, view.revision is not None)
         for name in [j for j in self._anchor if self.runs.get(j) is None]:
             del self._anchor[name]
         out.extend(self._lemons(view, now))
@@ -147,12 +147,12 @@ class CrashLoopDetector:
 
     # -- lemon node ------------------------------------------------------------------------------
 
-    def _crash(self, job: JobState, run: JobRun, now: float) -> None:
+    def _crash(self, job: JobState, run: JobRun, now: float, shortcut: bool = True) -> None:
         """Note when each rank of ``job``'s current incarnation was first seen exited; once its
         crash can be judged, the node whose ranks exited first, if one did by the skew, had it."""
         cfg = self.config
         exited = self._exited.get(job.name)
-        if not run.exited and not exited:
+        if shortcut and not run.exited and not exited:
             return  # no rank exited, none noted: nothing below would change or be judged
         if exited is None:
             exited = self._exited[job.name] = {}

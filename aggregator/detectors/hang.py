@@ -112,7 +112,7 @@ class HangDetector:
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
         for job in view.jobs.values():
-            out.extend(self._judge(view, job, now))
+            out.extend(self._judge(view, job, now, view.revision is not None))
         for name in [n for n in self._progress if n not in view.jobs]:
             del self._progress[name]
         if self._exited:
@@ -171,7 +171,7 @@ class HangDetector:
             return max(fast, cfg.stall_seconds), "training"
         return fast, "training"
 
-    def _judge(self, view: FleetView, job: JobState, now: float) -> list[Finding]:
+    def _judge(self, view: FleetView, job: JobState, now: float, shortcut: bool = True) -> list[Finding]:
         cfg = self.config
         live: list[RankHistory] = []
         silent_node_ranks: list[RankHistory] = []
@@ -199,7 +199,7 @@ class HangDetector:
                     maybe_stopped = s.state != "running" or \
                         (now - rank.last_seen) + max(0.0, rank.report_ts - s.last_progress_ts) >= min_stall
         progress = self._note_progress(job.name, live, now)
-        if not maybe_stopped:
+        if shortcut and not maybe_stopped:
             return []  # every live rank progressed within the least limit: none stopped
         gaps = self._gaps(live, progress)
         if not live or all(r.last.state == "exited" for r in live):
