@@ -122,6 +122,10 @@ class FleetConfig(StrictModel):
 # removal it follows): far above one request per GPU in flight; the oldest go first.
 MAX_NODE_ACTIONS_KEPT = 64
 
+# The GPU fields a node's hardware class is read from (detectors/peer_class.py): a change to one
+# moves NodeState.gpu_class_revision.
+_CLASS_FIELDS = frozenset({"name", "sm_clock_max_hertz", "power_limit_watts"})
+
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
 GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
                 "nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
@@ -657,8 +661,11 @@ class NodeState:
         self.nvml_down_since: float | None = None
         self.failed_collectors: list[str] = []
         self.reports = 0
-        # The fleet revision of the latest change to this node's state (INCREMENTAL.md).
+        # The fleet revision of the latest change to this node's state, and of the latest change
+        # to what names its hardware class (INCREMENTAL.md): a GPU's model, maximum SM clock or
+        # power limit (``_CLASS_FIELDS``), or its GPU histories.
         self.revision = 0
+        self.gpu_class_revision = 0
         self.seq_gaps = 0
         self.reboots = 0
         self.gpus: dict[int, GpuHistory] = {}
@@ -862,6 +869,11 @@ class Fleet:
                 continue
             seen.add(index)
             if hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
+                # A compact entry carries a field that changed (or lists it as cleared).
+                if state.name is not None or state.sm_clock_max_hertz is not None \
+                        or state.power_limit_watts is not None \
+                        or (cleared and not _CLASS_FIELDS.isdisjoint(cleared.get(("gpus", i), ()))):
+                    node.gpu_class_revision = revision
                 base = hist.last
                 if in_place and base is not hist.owned:  # the fleet's own copy, made once (``owned``)
                     base = hist.owned = _copy_struct(base)
@@ -869,6 +881,10 @@ class Fleet:
                     if cleared else complete.gpu(base, state)
             elif hist is None or hist.uuid != state.uuid:
                 hist = gpus[index] = GpuHistory(state, ts, maxlen, state_maxlen)
+                node.gpu_class_revision = revision
+            elif (state.name != hist.last.name or state.sm_clock_max_hertz != hist.last.sm_clock_max_hertz
+                  or state.power_limit_watts != hist.last.power_limit_watts):
+                node.gpu_class_revision = revision
             hist.observe(state, ts)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").

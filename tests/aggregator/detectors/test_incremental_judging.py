@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from vigil.agent.wire import RankSummary, Report
+from vigil.agent.wire import GpuState, RankSummary, Report
 from vigil.aggregator.detectors.app_signals import AppSignalsConfig, AppSignalsDetector
 from vigil.aggregator.detectors.crash_loop import CrashLoopConfig, CrashLoopDetector
 from vigil.aggregator.detectors.hang import HangConfig, HangDetector
@@ -56,6 +56,7 @@ class World:
         self.rng = rng
         self.seq = dict.fromkeys(range(NODES), 0)
         self.silent: dict[int, int] = {}  # node -> passes left silent
+        self.power_limit = dict.fromkeys(range(NODES), 700.0)  # a lowered one: another hardware class
         self.jobs: list[SimJob] = []
         self.count = 0
         for start in (0, 4, 8):
@@ -104,6 +105,9 @@ class World:
                 job.step += 1.0 / job.speed
         if rng.random() < 0.02:
             self.silent[rng.randrange(NODES)] = rng.choice((2, 8, 60))
+        if rng.random() < 0.02:
+            n = rng.randrange(NODES)
+            self.power_limit[n] = 400.0 if self.power_limit[n] == 700.0 else 700.0
 
     def _restart(self, job: SimJob) -> None:
         job.pid_base += 100
@@ -119,8 +123,10 @@ class World:
                 continue
             self.seq[n] += 1
             ranks = [r for job in self.jobs if n in job.nodes for r in self._ranks(job, n, t)]
+            gpus = [GpuState(index=k, uuid=f"GPU-{n}-{k}", name="NVIDIA H100 80GB HBM3", sm_clock_max_hertz=1.98e9,
+                             power_limit_watts=self.power_limit[n]) for k in range(RANKS_PER_NODE)]
             out.append(Report(node=f"n{n:02d}", boot_id=f"boot-{n}", seq=self.seq[n], ts=t,
-                              interval_seconds=INTERVAL, ranks=ranks))
+                              interval_seconds=INTERVAL, ranks=ranks, gpus=gpus))
         return out
 
     def _ranks(self, job: SimJob, n: int, t: float) -> list[RankSummary]:
