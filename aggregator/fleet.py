@@ -666,6 +666,8 @@ class NodeState:
         # power limit (``_CLASS_FIELDS``), or its GPU histories.
         self.revision = 0
         self.gpu_class_revision = 0
+        # The GPUs whose latest state's health is not "ok" (the silence detector reads only these).
+        self.unhealthy_gpus: set[int] = set()
         self.seq_gaps = 0
         self.reboots = 0
         self.gpus: dict[int, GpuHistory] = {}
@@ -886,6 +888,10 @@ class Fleet:
                   or state.power_limit_watts != hist.last.power_limit_watts):
                 node.gpu_class_revision = revision
             hist.observe(state, ts)
+            if state.health != "ok":
+                node.unhealthy_gpus.add(index)
+            elif node.unhealthy_gpus:
+                node.unhealthy_gpus.discard(index)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors

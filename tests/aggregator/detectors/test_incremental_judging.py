@@ -57,6 +57,7 @@ class World:
         self.seq = dict.fromkeys(range(NODES), 0)
         self.silent: dict[int, int] = {}  # node -> passes left silent
         self.power_limit = dict.fromkeys(range(NODES), 700.0)  # a lowered one: another hardware class
+        self.health: dict[tuple[int, int], str] = {}  # (node, GPU) -> health when not "ok"
         self.jobs: list[SimJob] = []
         self.count = 0
         for start in (0, 4, 8):
@@ -108,6 +109,9 @@ class World:
         if rng.random() < 0.02:
             n = rng.randrange(NODES)
             self.power_limit[n] = 400.0 if self.power_limit[n] == 700.0 else 700.0
+        if rng.random() < 0.03:
+            key = (rng.randrange(NODES), rng.randrange(RANKS_PER_NODE))
+            self.health[key] = rng.choice(("ok", "lost", "reset_required", "unavailable"))
 
     def _restart(self, job: SimJob) -> None:
         job.pid_base += 100
@@ -124,7 +128,8 @@ class World:
             self.seq[n] += 1
             ranks = [r for job in self.jobs if n in job.nodes for r in self._ranks(job, n, t)]
             gpus = [GpuState(index=k, uuid=f"GPU-{n}-{k}", name="NVIDIA H100 80GB HBM3", sm_clock_max_hertz=1.98e9,
-                             power_limit_watts=self.power_limit[n]) for k in range(RANKS_PER_NODE)]
+                             power_limit_watts=self.power_limit[n], health=self.health.get((n, k), "ok"))  # type: ignore[arg-type]
+                    for k in range(RANKS_PER_NODE)]
             out.append(Report(node=f"n{n:02d}", boot_id=f"boot-{n}", seq=self.seq[n], ts=t,
                               interval_seconds=INTERVAL, ranks=ranks, gpus=gpus))
         return out
@@ -193,7 +198,8 @@ def test_incremental_detectors_find_what_the_long_way_finds(seed: int) -> None:
             for f in got:
                 found[f"{fast.name}:{f['key']}"] = found.get(f"{fast.name}:{f['key']}", 0) + 1
     # The run exercised the detectors, not only their quiet paths.
-    assert {"hang", "crash_loop", "silence"} <= {k.split(":")[0] for k in found}, found
+    assert {"hang", "crash_loop", "silence", "app_signals", "straggler"} <= {k.split(":")[0] for k in found}, found
+    assert {"silence:gpu_lost", "silence:gpu_reset_required"} <= set(found), found
 
 
 def test_job_run_usual_rank_shortcut_is_the_long_way() -> None:
