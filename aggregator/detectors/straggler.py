@@ -186,15 +186,15 @@ def last_complete_window(ranks: list[RankHistory], interval: float, width: float
     deadline = math.floor((now - interval - width) / width + 1e-9)
     current = math.floor(now / width + 1e-9)
     live_after = now - 2 * width - interval
-    reached = current
-    for rank in ranks:
-        if rank.last_seen < live_after:
-            continue  # stopped reporting (silent or drained node, ended rank): waits for nobody
-        if not rank.windows:
-            return deadline
-        reached = min(reached, math.ceil(rank.windows[-1][0] / width - 1e-9))
-        if reached <= deadline:
-            return deadline
+    # A rank that stopped reporting (silent or drained node, ended rank) waits for nobody.
+    live = [rank.windows for rank in ranks if rank.last_seen >= live_after]
+    if not live:
+        return max(deadline, current)
+    if not all(live):
+        return deadline  # a live rank with no window yet
+    # The window of the live rank furthest behind: ceil is monotonic, so the window of the
+    # earliest end is the least of their windows.
+    reached = min(current, math.ceil(min([w[-1][0] for w in live]) / width - 1e-9))
     return max(deadline, reached)
 
 
@@ -207,7 +207,7 @@ class StragglerDetector:
         # Caches over the fleet ``_fleet`` (INCREMENTAL.md): each job's nodes as of its membership
         # revision, and each node's hardware class as of its class revision.
         self._fleet: object | None = None
-        self._job_nodes: dict[str, tuple[JobState, int, set[str]]] = {}
+        self._job_nodes: dict[str, tuple[JobState, int, set[str], dict[str, int]]] = {}
         self._classes: dict[str, tuple[NodeState, int, HardwareClass]] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
@@ -234,7 +234,7 @@ class StragglerDetector:
         if not ranks:
             return []
         width = max(cfg.window_seconds, max([r.last.window_seconds for r in ranks]))
-        nodes = self._nodes_of(job)
+        nodes = self._membership(job)[0]
         interval = max([0.0] + [view.nodes[n].interval_seconds for n in nodes if n in view.nodes])
         last = last_complete_window(ranks, interval, width, now)
         memo = self._memo.get(job.name)
@@ -270,17 +270,20 @@ class StragglerDetector:
         return out + self._findings(job, memo, last, now)
 
 
-    def _nodes_of(self, job: JobState) -> set[str]:
-        """The nodes ``job``'s ranks report from, cached while its membership stays (a rank's node
-        changes only as its membership does: fleet.JobState.members_revision)."""
-        if self._fleet is None:
-            return {r.node for r in job.ranks.values()}
-        cached = self._job_nodes.get(job.name)
+    def _membership(self, job: JobState) -> tuple[set[str], dict[str, int]]:
+        """The nodes ``job``'s ranks report from and how many of its ranks each holds, cached while
+        its membership stays (a rank's node changes only as its membership does:
+        fleet.JobState.members_revision)."""
+        cached = self._job_nodes.get(job.name) if self._fleet is not None else None
         if cached is not None and cached[0] is job and cached[1] == job.members_revision:
-            return cached[2]
-        nodes = {r.node for r in job.ranks.values()}
-        self._job_nodes[job.name] = (job, job.members_revision, nodes)
-        return nodes
+            return cached[2], cached[3]
+        ranks_of: dict[str, int] = {}
+        for rank in job.ranks.values():
+            ranks_of[rank.node] = ranks_of.get(rank.node, 0) + 1
+        nodes = set(ranks_of)
+        if self._fleet is not None:
+            self._job_nodes[job.name] = (job, job.members_revision, nodes, ranks_of)
+        return nodes, ranks_of
 
     def _classes_of(self, view: FleetView, nodes: set[str]) -> dict[str, HardwareClass]:
         """Each node's hardware class (UNKNOWN when classes are not compared or the node is not in
@@ -374,16 +377,19 @@ class StragglerDetector:
         """Per node: the median over its ranks of each rank's own time (compute p50 + data p50),
         compute p50, data p50 and collective wait p50 in window ``index``."""
         per_node: dict[str, list[tuple[float, float | None, float | None, int]]] = {}
-        ranks_of: dict[str, int] = {}
+        ranks_of = self._membership(job)[1]
+        ceil = math.ceil
         for rank in job.ranks.values():
-            ranks_of[rank.node] = ranks_of.get(rank.node, 0) + 1
             for entry in reversed(rank.windows):
                 # (end, compute p50, comm p50, steps, data p50, ...): indexed, the tuple may grow.
-                k = math.ceil(entry[0] / width - 1e-9)
+                k = ceil(entry[0] / width - 1e-9)
                 if k < index:
                     break
                 if k == index:
-                    per_node.setdefault(rank.node, []).append((entry[1], entry[4], entry[2], entry[3]))
+                    rows = per_node.get(rank.node)
+                    if rows is None:
+                        rows = per_node[rank.node] = []
+                    rows.append((entry[1], entry[4], entry[2], entry[3]))
                     break
         cfg = self.config
         out: dict[str, _NodeWindow] = {}

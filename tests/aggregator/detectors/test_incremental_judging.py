@@ -9,6 +9,7 @@ checkpoint phase. A run that found nothing would prove nothing: each seed must s
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +21,8 @@ from vigil.aggregator.detectors.app_signals import AppSignalsConfig, AppSignalsD
 from vigil.aggregator.detectors.crash_loop import CrashLoopConfig, CrashLoopDetector
 from vigil.aggregator.detectors.hang import HangConfig, HangDetector
 from vigil.aggregator.detectors.silence import SilenceConfig, SilenceDetector
-from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector
-from vigil.aggregator.fleet import Fleet
+from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector, last_complete_window
+from vigil.aggregator.fleet import Fleet, RankHistory
 from vigil.aggregator.job_runs import JobRun
 
 INTERVAL = 2.5
@@ -239,3 +240,34 @@ def test_job_run_usual_rank_shortcut_is_the_long_way() -> None:
             {k: (v.pid, v.exited, v.last_step, v.generation) for k, v in slow.ranks.items()}
         assert fast.exited == slow.exited == sum(v.exited for v in slow.ranks.values())
     assert fast.restarts > 3
+
+
+def _last_complete_window_rank_by_rank(ranks: list[RankHistory], interval: float, width: float, now: float) -> int:
+    """straggler.last_complete_window as it was, rank by rank (the reference)."""
+    deadline = math.floor((now - interval - width) / width + 1e-9)
+    reached = math.floor(now / width + 1e-9)
+    for rank in ranks:
+        if rank.last_seen < now - 2 * width - interval:
+            continue
+        if not rank.windows:
+            return deadline
+        reached = min(reached, math.ceil(rank.windows[-1][0] / width - 1e-9))
+        if reached <= deadline:
+            return deadline
+    return max(deadline, reached)
+
+
+def test_last_complete_window_is_the_rank_by_rank_minimum() -> None:
+    rng = random.Random(11)
+    for _ in range(3000):
+        now = 1000.0 + rng.uniform(0, 50)
+        width, interval = rng.choice((2.5, 5.0, 10.0)), rng.choice((0.0, 2.5, 10.0))
+        ranks = []
+        for r in range(rng.randrange(0, 6)):
+            h = RankHistory(RankSummary(job="j", rank=r, window_seconds=width, steps=1, last_step=1,
+                                        last_progress_ts=now), "n", now - rng.choice((0.0, 5.0, 40.0)), 8)
+            for _ in range(rng.randrange(0, 3) if rng.random() < 0.3 else 1):
+                h.windows.append((now - rng.uniform(0, 30), 1.0, None, 1, None))
+            ranks.append(h)
+        assert last_complete_window(ranks, interval, width, now) == \
+            _last_complete_window_rank_by_rank(ranks, interval, width, now)
