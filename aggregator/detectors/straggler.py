@@ -178,6 +178,15 @@ def mad_sigma(mad: float, n: int) -> float:
     return _MAD_TO_SIGMA * mad * _MAD_SMALL_N.get(n, n / (n - 0.8))
 
 
+def _median(values: list[float]) -> float:
+    """``statistics.median`` of a non-empty list, its arithmetic exactly, without its generality
+    (it runs for every node of every judged window)."""
+    data = sorted(values)
+    n = len(data)
+    i = n // 2
+    return data[i] if n % 2 else (data[i - 1] + data[i]) / 2
+
+
 def last_complete_window(ranks: list[RankHistory], interval: float, width: float, now: float) -> int:
     """The newest window that can be judged: as soon as every live rank has sent a summary of
     it or a later one, and at the latest one window plus one reporting interval after its end
@@ -394,15 +403,15 @@ class StragglerDetector:
         cfg = self.config
         out: dict[str, _NodeWindow] = {}
         for node, rows in per_node.items():
-            steps = sum(r[3] for r in rows)
+            steps = sum([r[3] for r in rows])
             if len(rows) < cfg.min_node_rank_share * ranks_of[node] or steps < cfg.min_node_steps:
                 continue
             datas = [r[1] for r in rows if r[1] is not None]
             comms = [r[2] for r in rows if r[2] is not None]
             out[node] = _NodeWindow(
-                own=median(r[0] + (r[1] or 0.0) for r in rows), compute=median(r[0] for r in rows),
-                data=median(datas) if datas else None,
-                comm=median(comms) if len(comms) == len(rows) else None, ranks=len(rows), steps=steps)
+                own=_median([r[0] + (r[1] or 0.0) for r in rows]), compute=_median([r[0] for r in rows]),
+                data=_median(datas) if datas else None,
+                comm=_median(comms) if len(comms) == len(rows) else None, ranks=len(rows), steps=steps)
         return out
 
     def _class_findings(self, job: JobState, memo: _JobMemo, verdict: _Verdict, index: int) -> list[Finding]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from vigil.aggregator.detectors.crash_loop import CrashLoopConfig, CrashLoopDete
 from vigil.aggregator.detectors.hang import HangConfig, HangDetector
 from vigil.aggregator.detectors.silence import SilenceConfig, SilenceDetector
 from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector, last_complete_window
+from vigil.aggregator.detectors.straggler import _median as straggler_median
 from vigil.aggregator.fleet import Fleet, RankHistory
 from vigil.aggregator.job_runs import JobRun
 
@@ -271,3 +273,10 @@ def test_last_complete_window_is_the_rank_by_rank_minimum() -> None:
             ranks.append(h)
         assert last_complete_window(ranks, interval, width, now) == \
             _last_complete_window_rank_by_rank(ranks, interval, width, now)
+
+
+def test_the_straggler_small_median_is_statistics_median() -> None:
+    rng = random.Random(5)
+    for _ in range(2000):
+        values = [rng.choice((0.5, 1.0, rng.uniform(0, 2))) for _ in range(rng.randrange(1, 10))]
+        assert straggler_median(values) == statistics.median(values)
