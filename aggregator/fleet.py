@@ -712,6 +712,9 @@ class Fleet:
         # one fleet from another (a detector's cache holds for the fleet it was built over).
         self.revision = 0
         self.identity = object()
+        # The revision of the latest change to which GPUs the fleet holds (a node joined or was
+        # forgotten, a GPU history began) or to any GPU's job attribution (GpuState.job).
+        self.gpu_jobs_revision = 0
         # Entries dropped to keep a node within its caps, by kind (ports, ranks, jobs): the oldest
         # of those its latest report no longer named (vigil_aggregator_fleet_evictions_total).
         self.evicted: dict[str, int] = dict.fromkeys(EVICTION_KINDS, 0)
@@ -776,6 +779,7 @@ class Fleet:
         gone = [n for n in self._nodes.values() if n.last_seen < now - after(n)]
         if gone:
             self.revision += 1
+            self.gpu_jobs_revision = self.revision
         for node in gone:
             del self._nodes[node.name]
             for job_name, rank in node.ranks:
@@ -810,6 +814,8 @@ class Fleet:
             return refused
         self.revision += 1
         revision = node.revision = self.revision
+        if fresh:
+            self.gpu_jobs_revision = revision
         self._measure_clock(node, report, now)
         if fresh:
             pass
@@ -876,6 +882,8 @@ class Fleet:
                         or state.power_limit_watts is not None \
                         or (cleared and not _CLASS_FIELDS.isdisjoint(cleared.get(("gpus", i), ()))):
                     node.gpu_class_revision = revision
+                if state.job is not None or (cleared and "job" in cleared.get(("gpus", i), ())):
+                    self.gpu_jobs_revision = revision
                 base = hist.last
                 if in_place and base is not hist.owned:  # the fleet's own copy, made once (``owned``)
                     base = hist.owned = _copy_struct(base)
@@ -883,10 +891,14 @@ class Fleet:
                     if cleared else complete.gpu(base, state)
             elif hist is None or hist.uuid != state.uuid:
                 hist = gpus[index] = GpuHistory(state, ts, maxlen, state_maxlen)
-                node.gpu_class_revision = revision
-            elif (state.name != hist.last.name or state.sm_clock_max_hertz != hist.last.sm_clock_max_hertz
-                  or state.power_limit_watts != hist.last.power_limit_watts):
-                node.gpu_class_revision = revision
+                node.gpu_class_revision = self.gpu_jobs_revision = revision
+            else:
+                last = hist.last
+                if (state.name != last.name or state.sm_clock_max_hertz != last.sm_clock_max_hertz
+                        or state.power_limit_watts != last.power_limit_watts):
+                    node.gpu_class_revision = revision
+                if state.job != last.job:
+                    self.gpu_jobs_revision = revision
             hist.observe(state, ts)
             if state.health != "ok":
                 node.unhealthy_gpus.add(index)
@@ -1095,7 +1107,7 @@ class Fleet:
     def view(self, removed: Mapping[str, Removal] | None = None) -> FleetView:
         return FleetView(self._nodes, self._jobs, removed, agent_resets=self.agent_resets, probes=self.probes,
                          learned_probes=self.learned_probes, isolations=self.isolations, revision=self.revision,
-                         fleet=self.identity)
+                         fleet=self.identity, gpu_jobs_revision=self.gpu_jobs_revision)
 
 
 EVICTION_KINDS = ("ports", "ranks", "jobs")
@@ -1189,21 +1201,22 @@ class FleetView:
     """What detectors see: read-only mappings over the fleet (detectors must not mutate state),
     and the nodes vigil removed (empty unless the engine was asked for them)."""
 
-    __slots__ = ("agent_resets", "fleet", "isolations", "jobs", "learned_probes", "nodes", "probes", "removed",
-                 "revision")
+    __slots__ = ("agent_resets", "fleet", "gpu_jobs_revision", "isolations", "jobs", "learned_probes", "nodes",
+                 "probes", "removed", "revision")
 
     def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
                  removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False,
                  probes: ProbesConfig | None = None,
                  learned_probes: Mapping[tuple[str, str], tuple[float, int]] | None = None,
                  isolations: Sequence[IsolationOutcome] = (), revision: int | None = None,
-                 fleet: object | None = None) -> None:
+                 fleet: object | None = None, gpu_jobs_revision: int = 0) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
         # Change markers (INCREMENTAL.md): the fleet's revision when the view was taken, and the
         # fleet's identity. A view built by hand (tests) has neither: ``revision`` None tells a
         # detector to trust no marker and judge from scratch.
         self.revision = revision
         self.fleet = fleet
+        self.gpu_jobs_revision = gpu_jobs_revision  # Fleet.gpu_jobs_revision
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
         self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
         # An admitted reset_gpu is carried out by the node's agent on a signed request, and its

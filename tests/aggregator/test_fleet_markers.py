@@ -2,12 +2,15 @@
 hardware-class revision whenever a GPU's model, maximum SM clock or power limit changed or a GPU
 history was replaced, in whole and compact reports alike (a compact entry carries only what changed,
 or lists it as cleared); a job's membership revision whenever a rank joined, left or moved; a rank's
-window count with each window appended. A marker that stayed while its state changed would leave an
+window count with each window appended; the fleet's GPU-job revision whenever a GPU's job
+attribution or the fleet's GPUs changed (a listing kept across evaluations is the listing made
+afresh). A marker that stayed while its state changed would leave an
 incremental detector judging a stale cache."""
 
 from __future__ import annotations
 
 import json
+import random
 from itertools import pairwise
 
 import pytest
@@ -16,6 +19,7 @@ from tests.aggregator.conftest import FakeNode, rank_summary
 from vigil.agent.report_delta import delta, whole
 from vigil.agent.wire import COMPACT_VERSIONS, Report, decode_report
 from vigil.aggregator.fleet import Fleet, FleetConfig
+from vigil.aggregator.job_telemetry import JobNode, JobNodes, job_nodes
 
 ROUNDS = 12
 
@@ -111,3 +115,47 @@ def test_membership_and_window_markers() -> None:
     view = fleet.view()
     assert view.revision == fleet.revision and view.fleet is fleet.identity
     assert view.without_markers().revision is None
+
+
+def _shape(listing: dict[str, dict[str, JobNode]]) -> dict[str, dict[str, tuple[int, list[int]]]]:
+    """A listing by object identity: which node state and which GPU histories, per job and node."""
+    return {job: {name: (id(entry.node), [id(g) for g in entry.gpus]) for name, entry in nodes.items()}
+            for job, nodes in listing.items()}
+
+
+def test_job_nodes_kept_across_evaluations_is_the_listing_made_afresh() -> None:
+    """JobNodes' listing against job_nodes' every step, over GPU job attribution changing (whole
+    and compact reports), a GPU replaced, nodes joining and forgotten."""
+    rng = random.Random(3)
+    fleet = Fleet()
+    nodes = [FakeNode(f"n{i}", gpus=4, ports=1) for i in range(6)]
+    last: dict[str, Report] = {}
+    kept = JobNodes()
+    listings = set()
+    t = 0.0
+    for _ in range(300):
+        t += 2.5
+        for node in nodes:
+            roll = rng.random()
+            if roll < 0.05:
+                node.gpus[rng.randrange(4)]["job"] = rng.choice(("a", "b", "c"))
+            elif roll < 0.07:
+                node.gpus[rng.randrange(4)].pop("job", None)
+            elif roll < 0.075:
+                node.gpus[rng.randrange(4)]["uuid"] = f"GPU-{rng.random()}"
+            if node.name == "n5" and 100 < t < 200:
+                continue  # silent, then forgotten, then back as new
+            report = node.report(t)
+            body = delta(whole(last[node.name], 3), whole(report, 3)) if node.name in last and rng.random() < 0.7 \
+                else None
+            sent = decode_report(json.dumps({**body, "base_seq": last[node.name].seq})) if body is not None \
+                else report
+            fleet.ingest(sent, t)
+            last[node.name] = report
+        if t == 180.0:
+            fleet.forget_departed(t, after_seconds=lambda n: 60.0)
+        view = fleet.view()
+        got = kept.of(view)
+        assert _shape(got) == _shape(job_nodes(view)), t
+        listings.add(id(got))
+    assert 10 < len(listings) < 300  # listed again when attribution changed, kept otherwise
