@@ -573,8 +573,7 @@ class PortHistory:
 
 
 class RankHistory:
-    __slots__ = ("gpu", "job", "last", "last_seen", "node", "owned", "rank", "report_ts", "revision", "window_count",
-                 "windows")
+    __slots__ = ("gpu", "job", "last", "last_seen", "node", "owned", "rank", "report_ts", "window_count", "windows")
 
     def __init__(self, summary: RankSummary, node: str, ts: float, maxlen: int) -> None:
         self.job = summary.job
@@ -590,10 +589,8 @@ class RankHistory:
         # (its summaries of one window repeat it and are stored once, so a window is one piece of
         # evidence however many reports carry it); an agent without one gives the arrival time.
         self.windows: deque[tuple[float, float, float | None, int, float | None]] = deque(maxlen=maxlen)
-        # Change markers (INCREMENTAL.md): the fleet revision of the latest summary observed (the
-        # fleet sets it), and how many windows were ever appended (the newest ``window_count -
-        # seen`` of ``windows`` are new to a reader that saw ``seen``).
-        self.revision = 0
+        # Change marker (INCREMENTAL.md): how many windows were ever appended (the newest
+        # ``window_count - seen`` of ``windows`` are new to a reader that saw ``seen``).
         self.window_count = 0
 
     def observe(self, s: RankSummary, node: str, ts: float, report_ts: float, offset: float = 0.0) -> None:
@@ -619,10 +616,8 @@ class JobState:
     name: str
     ranks: dict[int, RankHistory] = field(default_factory=dict)
     last_seen: float = 0.0
-    # Change markers (INCREMENTAL.md): the fleet revision of the latest change to any of its
-    # ranks' summaries or to its membership, and of the latest change to its membership alone (a
-    # rank joined, left, or moved to another node).
-    revision: int = 0
+    # Change marker (INCREMENTAL.md): the fleet revision of the latest change to its membership (a
+    # rank joined, left, or moved to another node). Its ranks' summaries change every report.
     members_revision: int = 0
 
     def nodes(self) -> set[str]:
@@ -786,7 +781,7 @@ class Fleet:
                 job = self._jobs.get(job_name)
                 if job is not None and job.ranks.get(rank) is not None and job.ranks[rank].node == node.name:
                     del job.ranks[rank]
-                    job.revision = job.members_revision = self.revision
+                    job.members_revision = self.revision
         return gone
 
     def ingest(self, report: Report, now: float) -> dict[str, int]:
@@ -991,7 +986,6 @@ class Fleet:
                 summary = _complete_cleared(complete.rank, rbase, summary, cleared.get(("ranks", i), ())) \
                     if cleared else complete.rank(rbase, summary)
             job.last_seen = ts  # type: ignore[union-attr]  # rhist is one of its ranks
-            job.revision = rhist.revision = revision  # type: ignore[union-attr]
             rhist.observe(summary, node.name, ts, report.ts, offset)
         self._ingest_events(node, report, now, refused)
         return refused
@@ -1033,7 +1027,7 @@ class Fleet:
         job = self._jobs.get(job_name)
         if job is not None and job.ranks.get(rank) is rhist:
             del job.ranks[rank]
-            job.revision = job.members_revision = self.revision
+            job.members_revision = self.revision
             if not job.ranks and job_name not in room.named_jobs:
                 del self._jobs[job_name]
 

@@ -94,10 +94,10 @@ def test_membership_and_window_markers() -> None:
     step(a, [0, 1])
     job = fleet.view().jobs["j"]
     joined = job.members_revision
-    assert joined > 0 and job.revision >= joined
+    assert joined > 0
     t += 2.5
     step(a, [0, 1])  # the same ranks again: membership stays, the summaries changed
-    assert job.members_revision == joined and job.revision > joined
+    assert job.members_revision == joined
     t += 2.5
     step(b, [2])  # a rank joins from another node
     assert job.members_revision > joined
