@@ -7,8 +7,9 @@ memory and NVLink faults, idle GPUs, a reboot, replayed reports, a node that lea
 lagging reports and passes at uneven times.
 
 The long way: a fresh GPU peer detector every pass (it reads every window whole); every GPU and
-port through ``_judge``; every node's hardware class read again; the thermal detector's samples counted one by one with its own tests, as
-before the short walk. A fifth of the passes are skipped, so the next finds two new samples a GPU."""
+port through ``_judge``; every node's hardware class read again; the thermal detector's samples
+counted one by one with its own tests, as before the short walk. A fifth of the passes are
+skipped, so the next finds two new samples a GPU."""
 
 from __future__ import annotations
 
