@@ -122,6 +122,10 @@ class FleetConfig(StrictModel):
 # removal it follows): far above one request per GPU in flight; the oldest go first.
 MAX_NODE_ACTIONS_KEPT = 64
 
+# The GPU fields a node's hardware class is read from (detectors/peer_class.py): a change to one
+# moves NodeState.gpu_class_revision.
+_CLASS_FIELDS = frozenset({"name", "sm_clock_max_hertz", "power_limit_watts"})
+
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
 GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
                 "nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
@@ -657,8 +661,13 @@ class NodeState:
         self.nvml_down_since: float | None = None
         self.failed_collectors: list[str] = []
         self.reports = 0
-        # The fleet revision of the latest change to this node's state (INCREMENTAL.md).
+        # The fleet revision of the latest change to this node's state, and of the latest change
+        # to what names its hardware class (INCREMENTAL.md): a GPU's model, maximum SM clock or
+        # power limit (``_CLASS_FIELDS``), or its GPU histories.
         self.revision = 0
+        self.gpu_class_revision = 0
+        # The GPUs whose latest state's health is not "ok" (the silence detector reads only these).
+        self.unhealthy_gpus: set[int] = set()
         self.seq_gaps = 0
         self.reboots = 0
         self.gpus: dict[int, GpuHistory] = {}
@@ -703,6 +712,9 @@ class Fleet:
         # one fleet from another (a detector's cache holds for the fleet it was built over).
         self.revision = 0
         self.identity = object()
+        # The revision of the latest change to which GPUs the fleet holds (a node joined or was
+        # forgotten, a GPU history began) or to any GPU's job attribution (GpuState.job).
+        self.gpu_jobs_revision = 0
         # Entries dropped to keep a node within its caps, by kind (ports, ranks, jobs): the oldest
         # of those its latest report no longer named (vigil_aggregator_fleet_evictions_total).
         self.evicted: dict[str, int] = dict.fromkeys(EVICTION_KINDS, 0)
@@ -767,6 +779,7 @@ class Fleet:
         gone = [n for n in self._nodes.values() if n.last_seen < now - after(n)]
         if gone:
             self.revision += 1
+            self.gpu_jobs_revision = self.revision
         for node in gone:
             del self._nodes[node.name]
             for job_name, rank in node.ranks:
@@ -801,6 +814,8 @@ class Fleet:
             return refused
         self.revision += 1
         revision = node.revision = self.revision
+        if fresh:
+            self.gpu_jobs_revision = revision
         self._measure_clock(node, report, now)
         if fresh:
             pass
@@ -862,6 +877,13 @@ class Fleet:
                 continue
             seen.add(index)
             if hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
+                # A compact entry carries a field that changed (or lists it as cleared).
+                if state.name is not None or state.sm_clock_max_hertz is not None \
+                        or state.power_limit_watts is not None \
+                        or (cleared and not _CLASS_FIELDS.isdisjoint(cleared.get(("gpus", i), ()))):
+                    node.gpu_class_revision = revision
+                if state.job is not None or (cleared and "job" in cleared.get(("gpus", i), ())):
+                    self.gpu_jobs_revision = revision
                 base = hist.last
                 if in_place and base is not hist.owned:  # the fleet's own copy, made once (``owned``)
                     base = hist.owned = _copy_struct(base)
@@ -869,7 +891,19 @@ class Fleet:
                     if cleared else complete.gpu(base, state)
             elif hist is None or hist.uuid != state.uuid:
                 hist = gpus[index] = GpuHistory(state, ts, maxlen, state_maxlen)
+                node.gpu_class_revision = self.gpu_jobs_revision = revision
+            else:
+                last = hist.last
+                if (state.name != last.name or state.sm_clock_max_hertz != last.sm_clock_max_hertz
+                        or state.power_limit_watts != last.power_limit_watts):
+                    node.gpu_class_revision = revision
+                if state.job != last.job:
+                    self.gpu_jobs_revision = revision
             hist.observe(state, ts)
+            if state.health != "ok":
+                node.unhealthy_gpus.add(index)
+            elif node.unhealthy_gpus:
+                node.unhealthy_gpus.discard(index)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors
@@ -1073,7 +1107,7 @@ class Fleet:
     def view(self, removed: Mapping[str, Removal] | None = None) -> FleetView:
         return FleetView(self._nodes, self._jobs, removed, agent_resets=self.agent_resets, probes=self.probes,
                          learned_probes=self.learned_probes, isolations=self.isolations, revision=self.revision,
-                         fleet=self.identity)
+                         fleet=self.identity, gpu_jobs_revision=self.gpu_jobs_revision)
 
 
 EVICTION_KINDS = ("ports", "ranks", "jobs")
@@ -1167,21 +1201,22 @@ class FleetView:
     """What detectors see: read-only mappings over the fleet (detectors must not mutate state),
     and the nodes vigil removed (empty unless the engine was asked for them)."""
 
-    __slots__ = ("agent_resets", "fleet", "isolations", "jobs", "learned_probes", "nodes", "probes", "removed",
-                 "revision")
+    __slots__ = ("agent_resets", "fleet", "gpu_jobs_revision", "isolations", "jobs", "learned_probes", "nodes",
+                 "probes", "removed", "revision")
 
     def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
                  removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False,
                  probes: ProbesConfig | None = None,
                  learned_probes: Mapping[tuple[str, str], tuple[float, int]] | None = None,
                  isolations: Sequence[IsolationOutcome] = (), revision: int | None = None,
-                 fleet: object | None = None) -> None:
+                 fleet: object | None = None, gpu_jobs_revision: int = 0) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
         # Change markers (INCREMENTAL.md): the fleet's revision when the view was taken, and the
         # fleet's identity. A view built by hand (tests) has neither: ``revision`` None tells a
         # detector to trust no marker and judge from scratch.
         self.revision = revision
         self.fleet = fleet
+        self.gpu_jobs_revision = gpu_jobs_revision  # Fleet.gpu_jobs_revision
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
         self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
         # An admitted reset_gpu is carried out by the node's agent on a signed request, and its

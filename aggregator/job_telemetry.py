@@ -2,8 +2,9 @@
 
 It reads a ``FleetView`` (each GPU's latest state and the agent's GPU-to-job attribution,
 ``GpuState.job``: the scheduler's job key, agent/attribution.py) and returns, per job, each node's
-GPUs of that job and that node's ports. It judges nothing and keeps nothing; detectors that judge
-a job from its hardware telemetry (a hang, a slow rank) share it.
+GPUs of that job and that node's ports. It judges nothing; detectors that judge a job from its
+hardware telemetry (a hang, a slow rank) share it, each keeping its last listing in a ``JobNodes``
+while the fleet's GPU attribution stays.
 """
 
 from __future__ import annotations
@@ -43,3 +44,23 @@ def job_nodes(view: FleetView) -> dict[str, dict[str, JobNode]]:
                 entry = per_node[name] = JobNode(node)
             entry.gpus.append(gpu)
     return out
+
+
+class JobNodes:
+    """``job_nodes(view)`` for one detector across evaluations: listed again only when the fleet's
+    GPUs or their job attribution changed (FleetView.gpu_jobs_revision), else the listing of the
+    last evaluation (its GPU and node objects are the fleet's own, read live). A view without
+    change markers is listed afresh. Callers must not change what it returns."""
+
+    def __init__(self) -> None:
+        self._key: tuple[object, int] | None = None
+        self._listing: dict[str, dict[str, JobNode]] = {}
+
+    def of(self, view: FleetView) -> dict[str, dict[str, JobNode]]:
+        if view.revision is None:
+            return job_nodes(view)
+        key = (view.fleet, view.gpu_jobs_revision)
+        if key != self._key:
+            self._listing = job_nodes(view)
+            self._key = key
+        return self._listing

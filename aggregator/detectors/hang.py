@@ -120,30 +120,6 @@ class HangDetector:
                 del self._exited[key]
         return out
 
-    def _note_progress(self, job: str, live: list[RankHistory], now: float) -> dict[int, _Progress]:
-        """Each live rank's progress into its record (a gap when it advanced; when it was first seen
-        exited), forgetting the ranks of ``job`` no longer live; the job's records."""
-        progress = self._progress.get(job)
-        if progress is None:
-            progress = self._progress[job] = {}
-        for r in live:
-            s = r.last
-            if s.state == "exited":
-                self._exited.setdefault((job, r.rank), now)
-            ts = s.last_progress_ts
-            entry = progress.get(r.rank)
-            if entry is None:
-                progress[r.rank] = _Progress(ts, deque(maxlen=_GAPS_KEPT))
-            elif ts > entry.ts:
-                if s.phase is None or s.phase == "training":
-                    entry.gaps.append(ts - entry.ts)  # a pause in an announced phase is not the rank's pace
-                entry.ts = ts
-        if len(progress) != len(live):  # every live rank has a record: equal sizes, nothing else
-            alive = {r.rank for r in live}
-            for rank in [k for k in progress if k not in alive]:
-                del progress[rank]
-        return progress
-
     @staticmethod
     def _gaps(live: list[RankHistory], progress: dict[int, _Progress]) -> dict[int, float]:
         """Each live rank's usual seconds between progress updates (0 until two were seen)."""
@@ -183,6 +159,11 @@ class HangDetector:
         # is (``limit``). None may: nothing below finds anything (the usual job, in O(ranks)).
         min_stall = min(cfg.min_stall_seconds, cfg.checkpoint_seconds, cfg.evaluation_seconds)
         maybe_stopped = False
+        # Each live rank's progress into its record: a gap when it advanced (not in an announced
+        # phase: a pause there is not the rank's pace), and when it was first seen exited.
+        progress = self._progress.get(job.name)
+        if progress is None:
+            progress = self._progress[job.name] = {}
         for rank in job.ranks.values():
             node = nodes.get(rank.node)
             if node is None:
@@ -194,11 +175,25 @@ class HangDetector:
                 live.append(rank)
                 if now - node_seen > late_intervals * node.interval_seconds:
                     late.add(rank.rank)
-                if not maybe_stopped:
-                    s = rank.last
-                    maybe_stopped = s.state != "running" or \
-                        (now - rank.last_seen) + max(0.0, rank.report_ts - s.last_progress_ts) >= min_stall
-        progress = self._note_progress(job.name, live, now)
+                s = rank.last
+                ts = s.last_progress_ts
+                if s.state != "running":
+                    maybe_stopped = True
+                    if s.state == "exited":
+                        self._exited.setdefault((job.name, rank.rank), now)
+                elif not maybe_stopped:
+                    maybe_stopped = (now - rank.last_seen) + max(0.0, rank.report_ts - ts) >= min_stall
+                entry = progress.get(rank.rank)
+                if entry is None:
+                    progress[rank.rank] = _Progress(ts, deque(maxlen=_GAPS_KEPT))
+                elif ts > entry.ts:
+                    if s.phase is None or s.phase == "training":
+                        entry.gaps.append(ts - entry.ts)
+                    entry.ts = ts
+        if len(progress) != len(live):  # every live rank has a record: equal sizes, no other
+            alive = {r.rank for r in live}
+            for gone in [k for k in progress if k not in alive]:
+                del progress[gone]
         if shortcut and not maybe_stopped:
             return []  # every live rank progressed within the least limit: none stopped
         gaps = self._gaps(live, progress)

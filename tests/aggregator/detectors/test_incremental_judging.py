@@ -9,19 +9,22 @@ checkpoint phase. A run that found nothing would prove nothing: each seed must s
 
 from __future__ import annotations
 
+import math
 import random
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from vigil.agent.wire import RankSummary, Report
+from vigil.agent.wire import GpuState, RankSummary, Report
 from vigil.aggregator.detectors.app_signals import AppSignalsConfig, AppSignalsDetector
 from vigil.aggregator.detectors.crash_loop import CrashLoopConfig, CrashLoopDetector
 from vigil.aggregator.detectors.hang import HangConfig, HangDetector
 from vigil.aggregator.detectors.silence import SilenceConfig, SilenceDetector
-from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector
-from vigil.aggregator.fleet import Fleet
+from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector, last_complete_window
+from vigil.aggregator.detectors.straggler import _median as straggler_median
+from vigil.aggregator.fleet import Fleet, RankHistory
 from vigil.aggregator.job_runs import JobRun
 
 INTERVAL = 2.5
@@ -56,6 +59,8 @@ class World:
         self.rng = rng
         self.seq = dict.fromkeys(range(NODES), 0)
         self.silent: dict[int, int] = {}  # node -> passes left silent
+        self.power_limit = dict.fromkeys(range(NODES), 700.0)  # a lowered one: another hardware class
+        self.health: dict[tuple[int, int], str] = {}  # (node, GPU) -> health when not "ok"
         self.jobs: list[SimJob] = []
         self.count = 0
         for start in (0, 4, 8):
@@ -104,6 +109,12 @@ class World:
                 job.step += 1.0 / job.speed
         if rng.random() < 0.02:
             self.silent[rng.randrange(NODES)] = rng.choice((2, 8, 60))
+        if rng.random() < 0.02:
+            n = rng.randrange(NODES)
+            self.power_limit[n] = 400.0 if self.power_limit[n] == 700.0 else 700.0
+        if rng.random() < 0.03:
+            key = (rng.randrange(NODES), rng.randrange(RANKS_PER_NODE))
+            self.health[key] = rng.choice(("ok", "lost", "reset_required", "unavailable"))
 
     def _restart(self, job: SimJob) -> None:
         job.pid_base += 100
@@ -119,8 +130,11 @@ class World:
                 continue
             self.seq[n] += 1
             ranks = [r for job in self.jobs if n in job.nodes for r in self._ranks(job, n, t)]
+            gpus = [GpuState(index=k, uuid=f"GPU-{n}-{k}", name="NVIDIA H100 80GB HBM3", sm_clock_max_hertz=1.98e9,
+                             power_limit_watts=self.power_limit[n], health=self.health.get((n, k), "ok"))  # type: ignore[arg-type]
+                    for k in range(RANKS_PER_NODE)]
             out.append(Report(node=f"n{n:02d}", boot_id=f"boot-{n}", seq=self.seq[n], ts=t,
-                              interval_seconds=INTERVAL, ranks=ranks))
+                              interval_seconds=INTERVAL, ranks=ranks, gpus=gpus))
         return out
 
     def _ranks(self, job: SimJob, n: int, t: float) -> list[RankSummary]:
@@ -187,7 +201,8 @@ def test_incremental_detectors_find_what_the_long_way_finds(seed: int) -> None:
             for f in got:
                 found[f"{fast.name}:{f['key']}"] = found.get(f"{fast.name}:{f['key']}", 0) + 1
     # The run exercised the detectors, not only their quiet paths.
-    assert {"hang", "crash_loop", "silence"} <= {k.split(":")[0] for k in found}, found
+    assert {"hang", "crash_loop", "silence", "app_signals", "straggler"} <= {k.split(":")[0] for k in found}, found
+    assert {"silence:gpu_lost", "silence:gpu_reset_required"} <= set(found), found
 
 
 def test_job_run_usual_rank_shortcut_is_the_long_way() -> None:
@@ -227,3 +242,41 @@ def test_job_run_usual_rank_shortcut_is_the_long_way() -> None:
             {k: (v.pid, v.exited, v.last_step, v.generation) for k, v in slow.ranks.items()}
         assert fast.exited == slow.exited == sum(v.exited for v in slow.ranks.values())
     assert fast.restarts > 3
+
+
+def _last_complete_window_rank_by_rank(ranks: list[RankHistory], interval: float, width: float, now: float) -> int:
+    """straggler.last_complete_window as it was, rank by rank (the reference)."""
+    deadline = math.floor((now - interval - width) / width + 1e-9)
+    reached = math.floor(now / width + 1e-9)
+    for rank in ranks:
+        if rank.last_seen < now - 2 * width - interval:
+            continue
+        if not rank.windows:
+            return deadline
+        reached = min(reached, math.ceil(rank.windows[-1][0] / width - 1e-9))
+        if reached <= deadline:
+            return deadline
+    return max(deadline, reached)
+
+
+def test_last_complete_window_is_the_rank_by_rank_minimum() -> None:
+    rng = random.Random(11)
+    for _ in range(3000):
+        now = 1000.0 + rng.uniform(0, 50)
+        width, interval = rng.choice((2.5, 5.0, 10.0)), rng.choice((0.0, 2.5, 10.0))
+        ranks = []
+        for r in range(rng.randrange(0, 6)):
+            h = RankHistory(RankSummary(job="j", rank=r, window_seconds=width, steps=1, last_step=1,
+                                        last_progress_ts=now), "n", now - rng.choice((0.0, 5.0, 40.0)), 8)
+            for _ in range(rng.randrange(0, 3) if rng.random() < 0.3 else 1):
+                h.windows.append((now - rng.uniform(0, 30), 1.0, None, 1, None))
+            ranks.append(h)
+        assert last_complete_window(ranks, interval, width, now) == \
+            _last_complete_window_rank_by_rank(ranks, interval, width, now)
+
+
+def test_the_straggler_small_median_is_statistics_median() -> None:
+    rng = random.Random(5)
+    for _ in range(2000):
+        values = [rng.choice((0.5, 1.0, rng.uniform(0, 2))) for _ in range(rng.randrange(1, 10))]
+        assert straggler_median(values) == statistics.median(values)
