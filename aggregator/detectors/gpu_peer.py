@@ -25,7 +25,7 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
-from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
+from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, HardwareClasses, describe
 from vigil.aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
 
 NAME = "gpu_peer"
@@ -220,8 +220,10 @@ class GpuPeerDetector:
         self.config = config
         # Each busy GPU's window as the last pass left it (GPUs not judged in a pass are let go).
         self._windows: dict[tuple[str, int], _ClockWindow] = {}
-        # Each node's judged GPUs as its state was at the last pass (nodes gone are let go).
+        # Each node's judged GPUs as its state was at the last pass (nodes gone are let go), and
+        # its class, read again only when what names it changed.
         self._nodes: dict[str, _NodeGpus] = {}
+        self._classes = HardwareClasses(power_limit=False)
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         # (job, hardware class) -> its busy GPUs: peers are GPUs of one job and one class.
@@ -234,8 +236,10 @@ class GpuPeerDetector:
         min_utilization, min_reports = cfg.min_utilization_ratio, cfg.min_reports
         slack = cfg.persistence_seconds / cfg.min_reports
         carried = self._windows
+        self._classes.start(view)
+        marked = view.revision is not None  # a view built by hand: no state is carried over
         for node in view.nodes.values():
-            entry = held.get(node.name)
+            entry = held.get(node.name) if marked else None
             if entry is None or entry.node is not node or entry.marker != (node.reports, node.last_seen,
                                                                              len(node.ranks)):
                 entry = self._node_gpus(node)
@@ -267,7 +271,7 @@ class GpuPeerDetector:
 
     def _node_gpus(self, node: NodeState) -> _NodeGpus:
         """The node's GPUs that are judged, each with the job it runs, as its state is now."""
-        cls = hardware_class(node, power_limit=False) if self.config.by_hardware_class else UNKNOWN
+        cls = self._classes.of(node) if self.config.by_hardware_class else UNKNOWN
         # Ranks this node's agent still reports (an ended job's ranks linger in the fleet for
         # a while; their GPUs may already run another job).
         fresh = node.last_seen - _RANK_FRESH_INTERVALS * node.interval_seconds

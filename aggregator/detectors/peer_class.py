@@ -4,15 +4,14 @@ It reads a node's latest GPU states (model name, maximum SM clock, enforced powe
 names its class; nodes of different classes run at different speeds by design (an H100 node in
 an H200 job is the scheduler's choice, not a fault), so peer-relative detectors compare a node
 only with nodes of its own class. It judges nothing; ``HardwareClasses`` is a detector's memo of
-each node's class, read again only when the node's state changed (a new report).
+each node's class, read again only when what names it changed (fleet change markers).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
 
-from vigil.aggregator.fleet import NodeState
+from vigil.aggregator.fleet import FleetView, NodeState
 
 # Rounding of the continuous parts of a class, so that reading noise does not split a class:
 # NVML reports the maximum SM clock in MHz steps of 15 (H100 SXM 1,980 MHz, H200 1,980 MHz, A100
@@ -56,26 +55,36 @@ def describe(cls: HardwareClass) -> str:
 
 
 class HardwareClasses:
-    """A detector's memo of ``hardware_class`` per node: a node's GPU states change only when a
-    report of it is ingested (``NodeState.reports`` counts them; a node that registers again is a
-    new ``NodeState``), so its class is read again only then, not once per node per evaluation
-    (a ``Counter.most_common`` per node was a tenth of a judging pass)."""
+    """A detector's memo of ``hardware_class`` per node: what names a node's class changes only
+    when a report of it changes a GPU's model, maximum SM clock or power limit, or replaces a GPU
+    (``NodeState.gpu_class_revision``; a node that registers again is a new ``NodeState``), so its
+    class is read again only then, not once per node per evaluation (``Counter.most_common`` over
+    its GPUs, ~5 us a node). ``start`` each evaluation: a view without change markers (built by
+    hand) or of another fleet is read afresh."""
 
-    __slots__ = ("_held", "power_limit")
+    __slots__ = ("_fleet", "_held", "power_limit")
 
     def __init__(self, *, power_limit: bool = True) -> None:
         self.power_limit = power_limit
+        self._fleet: object | None = None
         self._held: dict[str, tuple[NodeState, int, HardwareClass]] = {}
 
+    def start(self, view: FleetView) -> None:
+        """Before an evaluation of ``view``: forget what another fleet's (or no fleet's) nodes
+        and the nodes gone from the fleet named."""
+        fleet = view.fleet if view.revision is not None else None
+        if fleet is None or fleet is not self._fleet:
+            self._held.clear()
+        elif len(self._held) > len(view.nodes):
+            self._held = {n: h for n, h in self._held.items() if n in view.nodes}
+        self._fleet = fleet
+
     def of(self, node: NodeState) -> HardwareClass:
+        if self._fleet is None:
+            return hardware_class(node, power_limit=self.power_limit)
         held = self._held.get(node.name)
-        if held is not None and held[0] is node and held[1] == node.reports:
+        if held is not None and held[0] is node and held[1] == node.gpu_class_revision:
             return held[2]
         cls = hardware_class(node, power_limit=self.power_limit)
-        self._held[node.name] = (node, node.reports, cls)
+        self._held[node.name] = (node, node.gpu_class_revision, cls)
         return cls
-
-    def keep_only(self, nodes: Collection[str]) -> None:
-        """Forget the nodes not in ``nodes`` (those that left the fleet)."""
-        if len(self._held) > len(nodes):
-            self._held = {n: h for n, h in self._held.items() if n in nodes}

@@ -155,12 +155,12 @@ class TelemetryStragglerDetector:
         # (job, node) -> its figures in its latest distinct reports (``_smoothed``).
         self._recent: dict[tuple[str, str], deque[_NodeFigures]] = {}
         self._seen: set[tuple[str, str]] = set()
-        self._classes = HardwareClasses()  # each node's, read again after its next report
+        self._classes = HardwareClasses()  # each node's, read again when what names it changed
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         flagged: dict[tuple[str, str], _Flag] = {}
         self._seen = set()
-        self._classes.keep_only(view.nodes)
+        self._classes.start(view)
         for job, nodes in self._uninstrumented_jobs(view, now).items():
             for node, (figures, evidence) in self._judge(view, job, nodes).items():
                 flagged[(job, node)] = (figures, evidence)

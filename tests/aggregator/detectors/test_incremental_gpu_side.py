@@ -7,7 +7,8 @@ memory and NVLink faults, idle GPUs, a reboot, replayed reports, a node that lea
 lagging reports and passes at uneven times.
 
 The long way: a fresh GPU peer detector every pass (it reads every window whole); every GPU and
-port through ``_judge``; every node's hardware class read again; the thermal detector's samples
+port through ``_judge``; twins judging the view without change markers (every node's hardware
+class and the GPUs' jobs read afresh); the thermal detector's samples
 counted one by one with its own tests, as before the short walk. A fifth of the passes are
 skipped, so the next finds two new samples a GPU."""
 
@@ -26,6 +27,7 @@ from vigil.aggregator.detectors.memory import MemoryConfig, MemoryDetector
 from vigil.aggregator.detectors.network import NetworkConfig, NetworkDetector
 from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkConfig, PcieNvlinkDetector
 from vigil.aggregator.detectors.peer_class import HardwareClasses, hardware_class
+from vigil.aggregator.detectors.telemetry_hang import TelemetryHangConfig, TelemetryHangDetector
 from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerConfig, TelemetryStragglerDetector
 from vigil.aggregator.detectors.thermal import ThermalConfig, ThermalDetector
 from vigil.aggregator.fleet import Fleet, FleetView, GpuHistory, NodeState
@@ -148,6 +150,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
     memory, pcie = MemoryDetector(MemoryConfig()), PcieNvlinkDetector(PcieNvlinkConfig())
     telemetry, telemetry_twin = (TelemetryStragglerDetector(TelemetryStragglerConfig()),
                                  TelemetryStragglerDetector(TelemetryStragglerConfig()))
+    hang, hang_twin = TelemetryHangDetector(TelemetryHangConfig()), TelemetryHangDetector(TelemetryHangConfig())
     network = NetworkDetector(NetworkConfig(flap_slow_threshold=3, flap_daily_threshold=2))
     found: set[str] = set()
     sent: dict[str, list] = {}
@@ -173,15 +176,16 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
             continue  # no pass this time: the next one finds two reports of each node
         now = t - 2.5 + rng.choice([0.7, 1.0, 2.0])
         view = fleet.view()
+        long_view = view.without_markers()  # every node's class and the GPUs' jobs read afresh
         short = peer.evaluate(view, now)
-        assert short == GpuPeerDetector(peer_config).evaluate(view, now)
+        assert short == GpuPeerDetector(peer_config).evaluate(long_view, now)
         short_thermal = thermal.evaluate(view, now)
         assert short_thermal == long_thermal.evaluate(view, now)
         short_memory, short_pcie = memory.evaluate(view, now), pcie.evaluate(view, now)
         assert short_memory == every_gpu(memory, view, now)
         assert short_pcie == every_gpu(pcie, view, now)
-        telemetry_twin._classes = HardwareClasses()  # every node's class read again
-        assert telemetry.evaluate(view, now) == telemetry_twin.evaluate(view, now)
+        assert telemetry.evaluate(view, now) == telemetry_twin.evaluate(long_view, now)
+        assert hang.evaluate(view, now) == hang_twin.evaluate(long_view, now)
         short_network = network.evaluate(view, now)
         assert short_network == every_port(network, view, now)
         found |= {f"{f.detector}:{f.key.split(':')[0]}:{f.action.value}"
@@ -200,23 +204,34 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
             } <= found, sorted(found)
 
 
-def test_a_nodes_hardware_class_is_read_again_after_its_report() -> None:
+def test_a_nodes_hardware_class_is_read_again_when_what_names_it_changed() -> None:
     fleet, node = Fleet(), FakeNode("n1", ports=0)
     classes = HardwareClasses(power_limit=False)
+
+    def class_of_n1() -> tuple[str, int | None, int | None]:
+        view = fleet.view()
+        classes.start(view)
+        return classes.of(view.nodes["n1"])
+
     fleet.ingest(node.report(0.0), 0.0)
     state = fleet.view().nodes["n1"]
-    assert classes.of(state) == hardware_class(state, power_limit=False) == ("", 132, None)
+    assert class_of_n1() == hardware_class(state, power_limit=False) == ("", 132, None)
     for g in list(node.gpus.values())[:5]:
         g["name"] = "NVIDIA H200"
     fleet.ingest(node.report(2.5), 2.5)
-    assert classes.of(state) == ("NVIDIA H200", 132, None)
-    # Gone, then back as a new node of the same name with as many reports, of another model.
+    assert class_of_n1() == ("NVIDIA H200", 132, None)
+    # Gone, then back as a new node (a new NodeState) of the same name, of another model.
     assert fleet.forget_departed(100.0, lambda n: 10.0) == [state]
     for g in node.gpus.values():
         g["name"] = "NVIDIA A100"
-    for t in (100.0, 102.5):
-        fleet.ingest(node.report(t), t)
+    fleet.ingest(node.report(100.0), 100.0)
     again = fleet.view().nodes["n1"]
-    assert again.reports == state.reports and classes.of(again) == ("NVIDIA A100", 132, None)
-    classes.keep_only(())
+    assert again is not state and class_of_n1() == ("NVIDIA A100", 132, None)
+    # Another fleet's node of the same name, and a view built by hand, are read afresh.
+    other, other_node = Fleet(), FakeNode("n1", ports=0)
+    other.ingest(other_node.report(0.0), 0.0)
+    view = other.view()
+    classes.start(view)
+    assert classes.of(view.nodes["n1"]) == ("", 132, None)
+    classes.start(fleet.view().without_markers())
     assert classes.of(again) == ("NVIDIA A100", 132, None)
