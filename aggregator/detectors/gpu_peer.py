@@ -10,8 +10,8 @@ by policy). It also says, once per job, when a job's ranks send step counts but 
 then no detector can rank its ranks, and only this GPU-side comparison can find a straggler. It
 does not judge absolute thermal limits (the thermal detector) or ranks' timings (the straggler
 detector). Its only memory is each busy GPU's window as the last pass left it, so that a pass
-reads only the samples that arrived since, and each node's judged GPUs and hardware class, read
-again only when a report of the node changed them.
+reads only the samples that arrived since, and each node's GPUs that may be judged and its hardware
+class, read again only when what they come from changed (the fleet's change markers).
 """
 
 from __future__ import annotations
@@ -104,19 +104,34 @@ class _Group:
 
 
 class _NodeGpus:
-    """A node's judged GPUs (key, history, job, enforced power limit) and hardware class, read
-    from its state when ``marker`` was (accepted reports, last report, ranks held): they change
-    only when the node's report is ingested (a replayed one moves ``last_seen`` alone, which
-    leaves its GPUs out) or when its ranks leave it (a job forgotten, a rank moved)."""
+    """A node's GPUs that may be judged (key, history, job, enforced power limit: healthy, with a
+    job) and its hardware class, as its state was when they were read. They hold while what they
+    were read from stays: a GPU's health (``NodeState.unhealthy_gpus``), job attribution
+    (``FleetView.gpu_jobs_revision``) and power limit (``NodeState.gpu_class_revision``); where a
+    GPU's job came from its node's ranks (``by_ranks``), until the node's next report or a rank
+    leaving it (a replayed report moves ``last_seen``, the ranks' freshness). Whether a GPU was in
+    the node's latest report is read each pass."""
 
-    __slots__ = ("cls", "gpus", "marker", "node")
+    __slots__ = ("by_ranks", "class_revision", "cls", "gpus", "jobs_revision", "node", "unhealthy")
 
-    def __init__(self, node: NodeState, marker: tuple[int, float, int], cls: HardwareClass,
-                 gpus: list[tuple[tuple[str, int], GpuHistory, str, float | None]]) -> None:
+    def __init__(self, node: NodeState, jobs_revision: int, cls: HardwareClass,
+                 gpus: list[tuple[tuple[str, int], GpuHistory, str, float | None]],
+                 by_ranks: tuple[int, float, int] | None) -> None:
         self.node = node
-        self.marker = marker
+        self.jobs_revision = jobs_revision
+        self.class_revision = node.gpu_class_revision
+        self.unhealthy = frozenset(node.unhealthy_gpus)
         self.cls = cls
         self.gpus = gpus
+        self.by_ranks = by_ranks
+
+    def holds(self, node: NodeState, jobs_revision: int) -> bool:
+        if self.node is not node:
+            return False
+        if self.by_ranks is not None:
+            return self.by_ranks == (node.reports, node.last_seen, len(node.ranks))
+        return (self.jobs_revision == jobs_revision and self.class_revision == node.gpu_class_revision
+                and self.unhealthy == node.unhealthy_gpus)
 
 
 class _ClockWindow:
@@ -238,14 +253,17 @@ class GpuPeerDetector:
         carried = self._windows
         self._classes.start(view)
         marked = view.revision is not None  # a view built by hand: no state is carried over
+        jobs_revision = view.gpu_jobs_revision
         for node in view.nodes.values():
             entry = held.get(node.name) if marked else None
-            if entry is None or entry.node is not node or entry.marker != (node.reports, node.last_seen,
-                                                                             len(node.ranks)):
-                entry = self._node_gpus(node)
+            if entry is None or not entry.holds(node, jobs_revision):
+                entry = self._node_gpus(node, jobs_revision)
             nodes[node.name] = entry
             cls, group_job, group = entry.cls, None, None
+            node_seen = node.last_seen
             for key, hist, job, power_limit in entry.gpus:
+                if hist.last_seen < node_seen:
+                    continue  # not in the node's latest report
                 window = carried.get(key)
                 if window is not None and window.advance(hist, start, min_utilization):
                     windows[key] = window
@@ -269,8 +287,8 @@ class GpuPeerDetector:
             out.extend(self._untimed(view))
         return out
 
-    def _node_gpus(self, node: NodeState) -> _NodeGpus:
-        """The node's GPUs that are judged, each with the job it runs, as its state is now."""
+    def _node_gpus(self, node: NodeState, jobs_revision: int) -> _NodeGpus:
+        """The node's healthy GPUs that run a job, each with that job, as its state is now."""
         cls = self._classes.of(node) if self.config.by_hardware_class else UNKNOWN
         # Ranks this node's agent still reports (an ended job's ranks linger in the fleet for
         # a while; their GPUs may already run another job).
@@ -278,7 +296,7 @@ class GpuPeerDetector:
         rank_gpus: dict[int | None, str] | None = None  # read at the first GPU without a job of its own
         gpus = []
         for hist in node.gpus.values():
-            if hist.last_seen < node.last_seen or hist.last.health != "ok":
+            if hist.last.health != "ok":
                 continue
             job = hist.last.job
             if not job:
@@ -289,7 +307,8 @@ class GpuPeerDetector:
             if job is None:
                 continue
             gpus.append(((node.name, hist.index), hist, job, hist.last.power_limit_watts))
-        return _NodeGpus(node, (node.reports, node.last_seen, len(node.ranks)), cls, gpus)
+        by_ranks = None if rank_gpus is None else (node.reports, node.last_seen, len(node.ranks))
+        return _NodeGpus(node, jobs_revision, cls, gpus, by_ranks)
 
     def _carried_window_clock(self, windows: dict[tuple[str, int], _ClockWindow], key: tuple[str, int],
                               hist: GpuHistory, now: float) -> float | None:

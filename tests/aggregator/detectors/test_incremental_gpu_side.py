@@ -114,6 +114,9 @@ def faults(rng: random.Random, nodes: list[FakeNode], t: float, plan: dict[str, 
     if t >= plan["held"]:
         nodes[6].gpus[4].update(THROTTLED)
     nodes[5].gpus[1]["memory_temperature_celsius"] = 94.0 if t >= plan["hbm"] else 70.0
+    # A GPU unhealthy for a while, and one whose job attribution lapses for a while.
+    nodes[3].gpus[7]["health"] = "reset_required" if plan["health"] <= t < plan["health"] + 60 else "ok"
+    nodes[2].gpus[1]["job"] = None if plan["attribution"] <= t < plan["attribution"] + 40 else "a"
     # Idle now and then: an idle GPU drops its clocks by design.
     if rng.random() < 0.05:
         nodes[rng.randrange(NODES)].gpus[rng.randrange(8)]["utilization_gpu_ratio"] = 0.1
@@ -142,7 +145,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
     nodes = fleet_nodes()
     plan = {name: rng.uniform(60, 400) for name in
             ("rack", "cap", "limit", "bursts", "held", "hbm", "switch", "own", "errors", "degraded", "down",
-             "memory")}
+             "memory", "health", "attribution")}
     fleet = Fleet()
     peer_config = GpuPeerConfig()
     peer, thermal = GpuPeerDetector(peer_config), ThermalDetector(ThermalConfig())
