@@ -267,17 +267,24 @@ class GpuPeerDetector:
                 window = carried.get(key)
                 if window is not None and window.advance(hist, start, min_utilization):
                     windows[key] = window
-                    clock = window.median_clock(start, min_reports, slack)
+                    # ``window.median_clock``, written out: this runs for every busy GPU each pass.
+                    samples, count = window.samples, len(window.samples)
+                    if window.bad or count < min_reports or samples[0].ts - start > slack:
+                        continue
+                    clocks, middle = window.clocks, count // 2
+                    clock = clocks[middle] if count % 2 else (clocks[middle - 1] + clocks[middle]) / 2
                 else:
-                    clock = self._carried_window_clock(windows, key, hist, now)
-                if clock is not None:
-                    if job != group_job or group is None:  # a node's GPUs usually run one job
-                        group_job, group = job, by_job.get((job, cls))
-                        if group is None:
-                            group = by_job[(job, cls)] = _Group()
-                    group.clocks.append(clock)
-                    group.limits.append(power_limit)
-                    group.members.append((node, hist))
+                    carried_clock = self._carried_window_clock(windows, key, hist, now)
+                    if carried_clock is None:
+                        continue
+                    clock = carried_clock
+                if job != group_job or group is None:  # a node's GPUs usually run one job
+                    group_job, group = job, by_job.get((job, cls))
+                    if group is None:
+                        group = by_job[(job, cls)] = _Group()
+                group.clocks.append(clock)
+                group.limits.append(power_limit)
+                group.members.append((node, hist))
         self._windows = windows
         self._nodes = nodes
         out: list[Finding] = []
