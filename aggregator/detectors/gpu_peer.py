@@ -162,14 +162,7 @@ class _ClockWindow:
             newest = ring[-1]
             if newest is not last:
                 if last is not None and len(ring) > 1 and ring[-2] is last and newest.ts >= last.ts:
-                    # The usual pass: one report arrived since the last (``_take``, written out:
-                    # this runs for every busy GPU of the fleet each pass).
-                    self.samples.append(newest)
-                    clock, utilization = newest.sm_clock_hertz, newest.utilization_gpu_ratio
-                    if clock is not None:
-                        insort(self.clocks, clock)
-                    if clock is None or utilization is None or utilization < min_utilization:
-                        self.bad += 1
+                    self._take(newest, min_utilization)  # the usual pass: one report since the last
                     self.last = newest
                 elif not self._take_fresh(ring, min_utilization):
                     return False
@@ -180,7 +173,7 @@ class _ClockWindow:
         # What left: older than the window, or no longer in the ring (the window is its newest part).
         kept = len(ring)
         while samples and (samples[0].ts < start or len(samples) > kept):
-            gone = samples.popleft()  # ``_drop``, written out as ``_take`` above
+            gone = samples.popleft()  # this runs for every busy GPU each pass: no call
             clock, utilization = gone.sm_clock_hertz, gone.utilization_gpu_ratio
             if clock is not None:
                 del self.clocks[bisect_left(self.clocks, clock)]
