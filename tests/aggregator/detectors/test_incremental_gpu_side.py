@@ -23,6 +23,7 @@ import pytest
 from tests.aggregator.conftest import GBPS, FakeNode, rank_summary
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
+from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig, GpuStragglerDetector
 from vigil.aggregator.detectors.memory import MemoryConfig, MemoryDetector
 from vigil.aggregator.detectors.network import NetworkConfig, NetworkDetector
 from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkConfig, PcieNvlinkDetector
@@ -93,8 +94,11 @@ def faults(rng: random.Random, nodes: list[FakeNode], t: float, plan: dict[str, 
             g["clock_event_reasons"] = ["sw_power_cap"]
             g["utilization_gpu_ratio"] = 0.97
         if i >= 8:
-            node.ranks = [rank_summary("b", i * 8 + local, compute=1.0, comm=0.1, ts=t, gpu=local, step=int(t))
-                          for local in node.gpus]
+            # One rank 30% slow for a while (its peers wait for it in the collective).
+            node.ranks = [rank_summary("b", i * 8 + local, ts=t, gpu=local, step=int(t), comm=0.1 if slow else 0.4,
+                                       compute=(1.3 if slow else 1.0) * (1 + rng.uniform(-0.01, 0.01)))
+                          for local in node.gpus
+                          for slow in [(i, local) == (11, 3) and plan["slow_rank"] <= t < plan["slow_rank"] + 200]]
     # A whole rack throttled at once (a cooling failure): the job's, not its nodes'.
     if plan["rack"] <= t < plan["rack"] + 120:
         for node in nodes[8:]:
@@ -145,7 +149,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
     nodes = fleet_nodes()
     plan = {name: rng.uniform(60, 400) for name in
             ("rack", "cap", "limit", "bursts", "held", "hbm", "switch", "own", "errors", "degraded", "down",
-             "memory", "health", "attribution")}
+             "memory", "health", "attribution", "slow_rank")}
     fleet = Fleet()
     peer_config = GpuPeerConfig()
     peer, thermal = GpuPeerDetector(peer_config), ThermalDetector(ThermalConfig())
@@ -153,6 +157,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
     memory, pcie = MemoryDetector(MemoryConfig()), PcieNvlinkDetector(PcieNvlinkConfig())
     telemetry, telemetry_twin = (TelemetryStragglerDetector(TelemetryStragglerConfig()),
                                  TelemetryStragglerDetector(TelemetryStragglerConfig()))
+    straggler, straggler_twin = GpuStragglerDetector(GpuStragglerConfig()), GpuStragglerDetector(GpuStragglerConfig())
     hang, hang_twin = TelemetryHangDetector(TelemetryHangConfig()), TelemetryHangDetector(TelemetryHangConfig())
     network = NetworkDetector(NetworkConfig(flap_slow_threshold=3, flap_daily_threshold=2))
     found: set[str] = set()
@@ -189,6 +194,9 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
         assert short_pcie == every_gpu(pcie, view, now)
         assert telemetry.evaluate(view, now) == telemetry_twin.evaluate(long_view, now)
         assert hang.evaluate(view, now) == hang_twin.evaluate(long_view, now)
+        short_straggler = straggler.evaluate(view, now)
+        assert short_straggler == straggler_twin.evaluate(long_view, now)
+        found |= {f"gpu_straggler:{f.node}" for f in short_straggler}
         short_network = network.evaluate(view, now)
         assert short_network == every_port(network, view, now)
         found |= {f"{f.detector}:{f.key.split(':')[0]}:{f.action.value}"
@@ -203,7 +211,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
             "memory:remap_pending:reset_gpu", "memory:retired_pending:reset_gpu", "memory:uncorrectable:drain",
             "pcie_nvlink:nvlink_down:reboot_node", "pcie_nvlink:pcie_replay_total:drain",
             "network:bit_errors:drain", "network:degraded:drain", "network:port_down:drain", "network:flap:drain",
-            "network:flap_daily:alert",
+            "network:flap_daily:alert", "gpu_straggler:n11",
             } <= found, sorted(found)
 
 
