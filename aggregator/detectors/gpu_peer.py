@@ -10,7 +10,8 @@ by policy). It also says, once per job, when a job's ranks send step counts but 
 then no detector can rank its ranks, and only this GPU-side comparison can find a straggler. It
 does not judge absolute thermal limits (the thermal detector) or ranks' timings (the straggler
 detector). Its only memory is each busy GPU's window as the last pass left it, so that a pass
-reads only the samples that arrived since.
+reads only the samples that arrived since, and each node's GPUs that may be judged and its hardware
+class, read again only when what they come from changed (the fleet's change markers).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
-from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
+from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, HardwareClasses, describe
 from vigil.aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
 
 NAME = "gpu_peer"
@@ -82,6 +83,57 @@ class _Gpu:
         self.power_limit = power_limit
 
 
+def _sorted_median(values: list[float]) -> float:
+    """``statistics.median`` of ``values``, already sorted."""
+    n = len(values)
+    middle = n // 2
+    return values[middle] if n % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+class _Group:
+    """The busy GPUs of one job and one hardware class, as columns: their window clocks, their
+    enforced power limits and (node, history); a ``_Gpu`` is made only for a group that may
+    hold a straggler (``GpuPeerDetector._judge``)."""
+
+    __slots__ = ("clocks", "limits", "members")
+
+    def __init__(self) -> None:
+        self.clocks: list[float] = []
+        self.limits: list[float | None] = []
+        self.members: list[tuple[NodeState, GpuHistory]] = []
+
+
+class _NodeGpus:
+    """A node's GPUs that may be judged (key, history, job, enforced power limit: healthy, with a
+    job) and its hardware class, as its state was when they were read. They hold while what they
+    were read from stays: a GPU's health (``NodeState.unhealthy_gpus``), job attribution
+    (``FleetView.gpu_jobs_revision``) and power limit (``NodeState.gpu_class_revision``); where a
+    GPU's job came from its node's ranks (``by_ranks``), until the node's next report or a rank
+    leaving it (a replayed report moves ``last_seen``, the ranks' freshness). Whether a GPU was in
+    the node's latest report is read each pass."""
+
+    __slots__ = ("by_ranks", "class_revision", "cls", "gpus", "jobs_revision", "node", "unhealthy")
+
+    def __init__(self, node: NodeState, jobs_revision: int, cls: HardwareClass,
+                 gpus: list[tuple[tuple[str, int], GpuHistory, str, float | None]],
+                 by_ranks: tuple[int, float, int] | None) -> None:
+        self.node = node
+        self.jobs_revision = jobs_revision
+        self.class_revision = node.gpu_class_revision
+        self.unhealthy = frozenset(node.unhealthy_gpus)
+        self.cls = cls
+        self.gpus = gpus
+        self.by_ranks = by_ranks
+
+    def holds(self, node: NodeState, jobs_revision: int) -> bool:
+        if self.node is not node:
+            return False
+        if self.by_ranks is not None:
+            return self.by_ranks == (node.reports, node.last_seen, len(node.ranks))
+        return (self.jobs_revision == jobs_revision and self.class_revision == node.gpu_class_revision
+                and self.unhealthy == node.unhealthy_gpus)
+
+
 class _ClockWindow:
     """One GPU's samples inside the persistence window, carried from pass to pass: a pass takes
     in the samples that arrived since the last one and lets go of those that left the window,
@@ -105,6 +157,33 @@ class _ClockWindow:
         if hist is not self.hist or start < self.start:
             return False
         ring = hist.samples
+        last = self.last
+        if ring:
+            newest = ring[-1]
+            if newest is not last:
+                if last is not None and len(ring) > 1 and ring[-2] is last and newest.ts >= last.ts:
+                    self._take(newest, min_utilization)  # the usual pass: one report since the last
+                    self.last = newest
+                elif not self._take_fresh(ring, min_utilization):
+                    return False
+        elif last is not None:
+            return False  # the ring no longer holds the last one taken in
+        self.start = start
+        samples = self.samples
+        # What left: older than the window, or no longer in the ring (the window is its newest part).
+        kept = len(ring)
+        while samples and (samples[0].ts < start or len(samples) > kept):
+            gone = samples.popleft()  # this runs for every busy GPU each pass: no call
+            clock, utilization = gone.sm_clock_hertz, gone.utilization_gpu_ratio
+            if clock is not None:
+                del self.clocks[bisect_left(self.clocks, clock)]
+            if clock is None or utilization is None or utilization < min_utilization:
+                self.bad -= 1
+        return True
+
+    def _take_fresh(self, ring: deque[GpuSample], min_utilization: float) -> bool:
+        """Take in every sample of ``ring`` after the last one taken in; False when that cannot be
+        done (the ring no longer holds it, or timestamps go backwards)."""
         fresh: list[GpuSample] = []  # newest first
         if self.last is None:
             fresh.extend(reversed(ring))
@@ -123,11 +202,6 @@ class _ClockWindow:
             self._take(sample, min_utilization)  # those older than the window leave below
         if fresh:
             self.last = fresh[0]
-        self.start = start
-        samples = self.samples
-        # What left: older than the window, or no longer in the ring (the window is its newest part).
-        while samples and (samples[0].ts < start or len(samples) > len(ring)):
-            self._drop(samples.popleft(), min_utilization)
         return True
 
     def _take(self, sample: GpuSample, min_utilization: float) -> None:
@@ -137,13 +211,6 @@ class _ClockWindow:
             insort(self.clocks, clock)
         if clock is None or utilization is None or utilization < min_utilization:
             self.bad += 1
-
-    def _drop(self, sample: GpuSample, min_utilization: float) -> None:
-        clock, utilization = sample.sm_clock_hertz, sample.utilization_gpu_ratio
-        if clock is not None:
-            del self.clocks[bisect_left(self.clocks, clock)]
-        if clock is None or utilization is None or utilization < min_utilization:
-            self.bad -= 1
 
     def median_clock(self, start: float, min_reports: int, slack: float) -> float | None:
         """As ``GpuPeerDetector.window_clock`` reads the same window."""
@@ -161,33 +228,87 @@ class GpuPeerDetector:
         self.config = config
         # Each busy GPU's window as the last pass left it (GPUs not judged in a pass are let go).
         self._windows: dict[tuple[str, int], _ClockWindow] = {}
+        # Each node's judged GPUs as its state was at the last pass (nodes gone are let go), and
+        # its class, read again only when what names it changed.
+        self._nodes: dict[str, _NodeGpus] = {}
+        self._classes = HardwareClasses(power_limit=False)
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         # (job, hardware class) -> its busy GPUs: peers are GPUs of one job and one class.
-        by_job: dict[tuple[str, HardwareClass], list[_Gpu]] = {}
+        by_job: dict[tuple[str, HardwareClass], _Group] = {}
         windows: dict[tuple[str, int], _ClockWindow] = {}
+        held = self._nodes
+        nodes: dict[str, _NodeGpus] = {}
+        cfg = self.config
+        start = now - cfg.persistence_seconds
+        min_utilization, min_reports = cfg.min_utilization_ratio, cfg.min_reports
+        slack = cfg.persistence_seconds / cfg.min_reports
+        carried = self._windows
+        self._classes.start(view)
+        marked = view.revision is not None  # a view built by hand: no state is carried over
+        jobs_revision = view.gpu_jobs_revision
         for node in view.nodes.values():
-            cls = hardware_class(node, power_limit=False) if self.config.by_hardware_class else UNKNOWN
-            # Ranks this node's agent still reports (an ended job's ranks linger in the fleet for
-            # a while; their GPUs may already run another job).
-            fresh = node.last_seen - _RANK_FRESH_INTERVALS * node.interval_seconds
-            rank_gpus = {r.gpu: job for (job, _), r in node.ranks.items() if r.gpu is not None and r.last_seen >= fresh}
-            for hist in node.gpus.values():
-                if hist.last_seen < node.last_seen or hist.last.health != "ok":
-                    continue
-                job = hist.last.job or rank_gpus.get(hist.index)
-                if job is None:
-                    continue
-                clock = self._carried_window_clock(windows, (node.name, hist.index), hist, now)
-                if clock is not None:
-                    by_job.setdefault((job, cls), []).append(_Gpu(node, hist, clock, hist.last.power_limit_watts))
+            entry = held.get(node.name) if marked else None
+            if entry is None or not entry.holds(node, jobs_revision):
+                entry = self._node_gpus(node, jobs_revision)
+            nodes[node.name] = entry
+            cls, group_job, group = entry.cls, None, None
+            node_seen = node.last_seen
+            for key, hist, job, power_limit in entry.gpus:
+                if hist.last_seen < node_seen:
+                    continue  # not in the node's latest report
+                window = carried.get(key)
+                if window is not None and window.advance(hist, start, min_utilization):
+                    windows[key] = window
+                    # ``window.median_clock``, written out: this runs for every busy GPU each pass.
+                    samples, count = window.samples, len(window.samples)
+                    if window.bad or count < min_reports or samples[0].ts - start > slack:
+                        continue
+                    clocks, middle = window.clocks, count // 2
+                    clock = clocks[middle] if count % 2 else (clocks[middle - 1] + clocks[middle]) / 2
+                else:
+                    carried_clock = self._carried_window_clock(windows, key, hist, now)
+                    if carried_clock is None:
+                        continue
+                    clock = carried_clock
+                if job != group_job or group is None:  # a node's GPUs usually run one job
+                    group_job, group = job, by_job.get((job, cls))
+                    if group is None:
+                        group = by_job[(job, cls)] = _Group()
+                group.clocks.append(clock)
+                group.limits.append(power_limit)
+                group.members.append((node, hist))
         self._windows = windows
+        self._nodes = nodes
         out: list[Finding] = []
         for (job, cls), gpus in sorted(by_job.items(), key=lambda kv: (kv[0][0], describe(kv[0][1]))):
             out.extend(self._judge(job, cls, gpus))
         if self.config.report_untimed_jobs:
             out.extend(self._untimed(view))
         return out
+
+    def _node_gpus(self, node: NodeState, jobs_revision: int) -> _NodeGpus:
+        """The node's healthy GPUs that run a job, each with that job, as its state is now."""
+        cls = self._classes.of(node) if self.config.by_hardware_class else UNKNOWN
+        # Ranks this node's agent still reports (an ended job's ranks linger in the fleet for
+        # a while; their GPUs may already run another job).
+        fresh = node.last_seen - _RANK_FRESH_INTERVALS * node.interval_seconds
+        rank_gpus: dict[int | None, str] | None = None  # read at the first GPU without a job of its own
+        gpus = []
+        for hist in node.gpus.values():
+            if hist.last.health != "ok":
+                continue
+            job = hist.last.job
+            if not job:
+                if rank_gpus is None:
+                    rank_gpus = {r.gpu: job for (job, _), r in node.ranks.items()
+                                 if r.gpu is not None and r.last_seen >= fresh}
+                job = rank_gpus.get(hist.index)
+            if job is None:
+                continue
+            gpus.append(((node.name, hist.index), hist, job, hist.last.power_limit_watts))
+        by_ranks = None if rank_gpus is None else (node.reports, node.last_seen, len(node.ranks))
+        return _NodeGpus(node, jobs_revision, cls, gpus, by_ranks)
 
     def _carried_window_clock(self, windows: dict[tuple[str, int], _ClockWindow], key: tuple[str, int],
                               hist: GpuHistory, now: float) -> float | None:
@@ -226,14 +347,23 @@ class GpuPeerDetector:
             return None
         return median(clocks)
 
-    def _judge(self, job: str, cls: HardwareClass, gpus: list[_Gpu]) -> list[Finding]:
+    def _judge(self, job: str, cls: HardwareClass, group: _Group) -> list[Finding]:
         """Flag the GPUs of one hardware class of one job against that class's medians."""
         cfg = self.config
-        if len(gpus) < cfg.min_gpus:
+        if len(group.clocks) < cfg.min_gpus:
             return []
-        clock_med = median(g.clock for g in gpus)
-        limits = [g.power_limit for g in gpus if g.power_limit is not None]
-        limit_med = median(limits) if len(limits) >= cfg.min_gpus else None
+        clocks = sorted(group.clocks)
+        clock_med = _sorted_median(clocks)
+        limits = sorted([limit for limit in group.limits if limit is not None])
+        limit_med = _sorted_median(limits) if len(limits) >= cfg.min_gpus else None
+        # Division by one median keeps order (reverses it for a negative one), so the lowest and
+        # the highest clock and limit tell whether any GPU is flagged: most groups have none,
+        # judged without a loop over their GPUs.
+        if not ((clock_med > 0 and clocks[0] / clock_med <= cfg.clock_ratio)
+                or (limit_med and min(limits[0] / limit_med, limits[-1] / limit_med) <= cfg.power_limit_ratio)):
+            return []
+        gpus = [_Gpu(node, hist, clock, limit)
+                for (node, hist), clock, limit in zip(group.members, group.clocks, group.limits, strict=True)]
         flagged: list[tuple[_Gpu, float, float | None]] = []
         for g in gpus:
             clock_ratio = g.clock / clock_med if clock_med > 0 else 1.0

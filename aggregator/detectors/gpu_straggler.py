@@ -159,6 +159,8 @@ class GpuStragglerDetector:
         self._memo: dict[str, _JobMemo] = {}
         # node -> its hardware class and when it was read (_CLASS_REFRESH_SECONDS).
         self._classes: dict[str, tuple[HardwareClass, float]] = {}
+        # job -> the nodes its ranks report from, as of its membership revision (a fleet's view).
+        self._job_nodes: dict[str, tuple[JobState, int, set[str]]] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -168,7 +170,19 @@ class GpuStragglerDetector:
             out.extend(self._judge(view, job, now))
         for name in [n for n, m in self._memo.items() if view.jobs.get(n) is not m.job]:
             del self._memo[name]
+        if len(self._job_nodes) > len(view.jobs):
+            self._job_nodes = {n: held for n, held in self._job_nodes.items() if view.jobs.get(n) is held[0]}
         return out
+
+    def _nodes_of(self, view: FleetView, job: JobState) -> set[str]:
+        """The nodes ``job``'s ranks report from: a rank's node changes only as the job's
+        membership does (JobState.members_revision), so they are listed again only then."""
+        if view.revision is None:
+            return {r.node for r in job.ranks.values()}
+        held = self._job_nodes.get(job.name)
+        if held is None or held[0] is not job or held[1] != job.members_revision:
+            held = self._job_nodes[job.name] = (job, job.members_revision, {r.node for r in job.ranks.values()})
+        return held[2]
 
     def _class_of(self, view: FleetView, node: str, now: float) -> HardwareClass:
         held = self._classes.get(node)
@@ -186,7 +200,7 @@ class GpuStragglerDetector:
             return []
         width = max([cfg.window_seconds] + [r.last.window_seconds for r in ranks])
         # The node straggler's schedule: both detectors judge the same windows at the same time.
-        interval = max([0.0] + [view.nodes[n].interval_seconds for n in {r.node for r in ranks} if n in view.nodes])
+        interval = max([0.0] + [view.nodes[n].interval_seconds for n in self._nodes_of(view, job) if n in view.nodes])
         last = last_complete_window(ranks, interval, width, now)
         memo = self._memo.get(job.name)
         if memo is None or memo.job is not job or memo.width != width:

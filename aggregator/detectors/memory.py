@@ -51,10 +51,20 @@ class MemoryDetector:
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
+        cfg = self.config
+        # A GPU with no flag set and no counter moved within the longer window has no finding
+        # (``_judge``'s tests, in the order that skips the healthy GPU soonest: most of the fleet).
+        moved_after = now - max(cfg.uncorrectable_window_seconds, cfg.recent_seconds)
+        retired_limit = cfg.retired_pages_limit
         for node in view.nodes.values():
             for gpu in node.gpus.values():
                 if gpu.last_seen < node.last_seen:
                     continue  # absent from the latest report: the silence detector's case
+                state = gpu.last
+                if not (gpu.counters.last_increase_ts >= moved_after or state.remap_failure or state.remap_pending
+                        or state.retired_pages_pending or (state.retired_pages_sbe is not None and (
+                            state.retired_pages_sbe + (state.retired_pages_dbe or 0)) >= retired_limit)):
+                    continue
                 out.extend(self._judge(node, gpu, now))
         return out
 

@@ -151,10 +151,22 @@ class NetworkDetector:
         out: list[Finding] = []
         self._remember_drops(view, now)
         shared = self._shared_drops(view, now)
+        cfg = self.config
+        # A port whose counters did not move over the longest horizon, that is not down after
+        # being up in this boot and not below its expected rate has no finding (``_judge``'s
+        # tests, first the cheapest: most ports of the fleet).
+        moved_after = now - self._flap_horizon()
+        expected_rate, tolerance = cfg.expected_rate_bits_per_second, 1 - cfg.rate_tolerance_ratio
         for node in view.nodes.values():
             for port in node.ports.values():
                 if port.last_seen < node.last_seen:
                     continue
+                if port.counters.last_increase_ts < moved_after:
+                    rate = port.last.rate_bits_per_second
+                    expected = expected_rate or port.max_rate_bits_per_second
+                    if (not rate or not expected or rate >= expected * tolerance) and (
+                            not port.active_this_boot or port_is_active(port.last)):
+                        continue
                 out.extend(self._judge(node, port, now, shared))
         return out
 

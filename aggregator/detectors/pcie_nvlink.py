@@ -54,11 +54,14 @@ class PcieNvlinkDetector:
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
+        t0 = now - self.config.window_seconds
         for node in view.nodes.values():
             for gpu in node.gpus.values():
                 if gpu.last_seen < node.last_seen:
                     continue
-                out.extend(self._judge(node, gpu, now))
+                # No counter moved in the window and no link down: nothing to judge (most GPUs).
+                if gpu.counters.last_increase_ts >= t0 or gpu.last.nvlink_links_down:
+                    out.extend(self._judge(node, gpu, now))
         return out
 
     def _judge(self, node: NodeState, gpu: GpuHistory, now: float) -> list[Finding]:

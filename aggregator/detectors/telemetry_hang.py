@@ -38,7 +38,7 @@ from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.hang import JOB_NODES_NAMED
 from vigil.aggregator.fleet import FleetView, GpuHistory, port_is_active
-from vigil.aggregator.job_telemetry import JobNode, job_nodes
+from vigil.aggregator.job_telemetry import JobNode, JobNodes
 
 NAME = "telemetry_hang"
 # The IBTA PortCounters data counters (sysfs ports/N/counters; the agent reports them in bytes).
@@ -104,6 +104,8 @@ class TelemetryHangDetector:
     def __init__(self, config: TelemetryHangConfig) -> None:
         self.config = config
         self._flat: dict[str, _Flat] = {}
+        # The fleet's GPUs by job, listed again only when GPUs or their attribution changed.
+        self._job_nodes = JobNodes()
         # Job -> why it was not judged at the last evaluation (missing readings, a late node).
         self.unjudged: dict[str, str] = {}
 
@@ -111,7 +113,7 @@ class TelemetryHangDetector:
         out: list[Finding] = []
         self.unjudged = {}
         held: set[str] = set()
-        for job, nodes in job_nodes(view).items():
+        for job, nodes in self._job_nodes.of(view).items():
             ranks = view.jobs.get(job)
             if ranks is not None and ranks.ranks:
                 continue  # instrumented: the heartbeat hang detector judges it

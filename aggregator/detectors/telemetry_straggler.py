@@ -82,7 +82,7 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
-from vigil.aggregator.detectors.peer_class import HardwareClass, describe, hardware_class
+from vigil.aggregator.detectors.peer_class import HardwareClass, HardwareClasses, describe
 from vigil.aggregator.fleet import FleetView, NodeState
 
 NAME = "telemetry_straggler"
@@ -155,10 +155,12 @@ class TelemetryStragglerDetector:
         # (job, node) -> its figures in its latest distinct reports (``_smoothed``).
         self._recent: dict[tuple[str, str], deque[_NodeFigures]] = {}
         self._seen: set[tuple[str, str]] = set()
+        self._classes = HardwareClasses()  # each node's, read again when what names it changed
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         flagged: dict[tuple[str, str], _Flag] = {}
         self._seen = set()
+        self._classes.start(view)
         for job, nodes in self._uninstrumented_jobs(view, now).items():
             for node, (figures, evidence) in self._judge(view, job, nodes).items():
                 flagged[(job, node)] = (figures, evidence)
@@ -207,7 +209,7 @@ class TelemetryStragglerDetector:
         classes: dict[HardwareClass, list[str]] = {}
         for name in nodes:
             state: NodeState = view.nodes[name]
-            classes.setdefault(hardware_class(state), []).append(name)
+            classes.setdefault(self._classes.of(state), []).append(name)
         out: dict[str, _Flag] = {}
         for cls, members in classes.items():
             # Partial attribution: only nodes with the class's usual count of the job's GPUs.

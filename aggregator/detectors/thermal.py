@@ -76,21 +76,14 @@ class ThermalDetector:
         self.config = config
         self._reasons = frozenset(config.reasons)
         # (node, gpu) -> throttled samples (ts, seconds covered) over the long horizon; only GPUs
-        # throttled within the horizon are held. And the newest sample counted per GPU.
+        # throttled within the horizon are held. And the newest sample counted per GPU, by node.
         self._throttled_time: dict[tuple[str, int], deque[tuple[float, float]]] = {}
-        self._counted: dict[tuple[str, int], float] = {}
+        self._counted: dict[str, dict[int, float]] = {}  # node -> GPU index -> newest sample counted
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
-        is_throttled, is_hbm_hot = self._throttled, self._hbm_hot
-        for node in view.nodes.values():
-            for gpu in node.gpus.values():
-                if gpu.last_seen < node.last_seen or not gpu.samples:
-                    continue
-                newest = gpu.samples[-1]
-                if not (is_throttled(newest) or is_hbm_hot(newest)):
-                    continue  # a run of either kind ends at the newest sample: none here (most GPUs)
-                out.extend(self._judge(node, gpu, now))
+        for node, gpu in self._take_samples(view):
+            out.extend(self._judge(node, gpu, now))
         out.extend(self._long_horizon(view, out, now))
         throttled = {f.node for f in out if f.key in ("clock_throttle", "clock_throttle:intermittent")
                      and f.action is self.config.action}
@@ -98,24 +91,52 @@ class ThermalDetector:
             return out
         return self._job_relative(view, out, throttled)
 
-    def _long_horizon(self, view: FleetView, short: list[Finding], now: float) -> list[Finding]:
-        """Throttled time per GPU over the long horizon, from the samples not counted yet."""
+    def _take_samples(self, view: FleetView) -> list[tuple[NodeState, GpuHistory]]:
+        """One walk over the GPUs: the throttled samples not counted yet go into the long horizon's
+        memory, and the GPUs to judge on the short horizon are returned (those in the node's latest
+        report whose newest sample is throttled or hot: a run of either kind ends at the newest
+        sample; most GPUs have none). The tests of ``_throttled`` and ``_hbm_hot`` are written out
+        here: this runs for every GPU of the fleet each pass, most of them with one new sample."""
         cfg = self.config
         held = self._throttled_time
         seen = self._counted
+        reasons = self._reasons
+        min_utilization, max_ratio = cfg.min_utilization_ratio, cfg.max_clock_ratio
+        hbm_default, hbm_margin = cfg.memory_max_celsius_default, cfg.memory_margin_celsius
+        judge: list[tuple[NodeState, GpuHistory]] = []
         for node in view.nodes.values():
+            name, node_seen = node.name, node.last_seen
+            counted_of = seen.get(name)
+            if counted_of is None:
+                counted_of = seen[name] = {}
             for gpu in node.gpus.values():
-                if not gpu.samples:
+                samples = gpu.samples
+                if not samples:
                     continue
-                key = (node.name, gpu.index)
-                counted = seen.get(key, -math.inf)
-                latest = gpu.samples[-1].ts
+                newest = samples[-1]
+                u, c, m = newest.utilization_gpu_ratio, newest.sm_clock_hertz, newest.sm_clock_max_hertz
+                throttled = (u is not None and c is not None and m is not None and m != 0 and u >= min_utilization
+                             and c / m <= max_ratio and not reasons.isdisjoint(newest.clock_event_reasons))
+                if gpu.last_seen >= node_seen:
+                    t = newest.memory_temperature_celsius
+                    if throttled or (t is not None
+                                     and t >= (newest.memory_max_temperature_celsius or hbm_default) - hbm_margin):
+                        judge.append((node, gpu))
+                index = gpu.index
+                counted = counted_of.get(index, -math.inf)
+                latest = newest.ts
                 if latest <= counted:
                     continue
-                seen[key] = latest
-                # the samples since the last evaluation, newest first (usually one)
+                counted_of[index] = latest
+                if len(samples) == 1 or samples[-2].ts <= counted:
+                    # The usual pass: one sample since the last, tested above.
+                    if throttled:
+                        span = min(latest - counted, 4 * node.interval_seconds)
+                        held.setdefault((name, index), deque()).append((latest, span))
+                    continue
+                # the samples since the last evaluation, newest first
                 newer = []
-                for sample in reversed(gpu.samples):
+                for sample in reversed(samples):
                     if sample.ts <= counted:
                         break
                     newer.append(sample)
@@ -124,9 +145,16 @@ class ThermalDetector:
                         continue
                     before = newer[i + 1].ts if i + 1 < len(newer) else counted
                     span = min(sample.ts - before, 4 * node.interval_seconds)
-                    held.setdefault(key, deque()).append((sample.ts, span))
-        for key in [k for k in seen if k[0] not in view.nodes]:
-            del seen[key]
+                    held.setdefault((name, index), deque()).append((sample.ts, span))
+        return judge
+
+    def _long_horizon(self, view: FleetView, short: list[Finding], now: float) -> list[Finding]:
+        """Throttled time per GPU over the long horizon, from the samples counted (``_take_samples``)."""
+        cfg = self.config
+        held = self._throttled_time
+        seen = self._counted
+        for name in [n for n in seen if n not in view.nodes]:
+            del seen[name]
         out: list[Finding] = []
         already = {(f.node, f.gpu) for f in short if f.key == "clock_throttle"}
         horizon = now - cfg.long_horizon_seconds

@@ -1,0 +1,248 @@
+"""The GPU- and port-side detectors judged the short way (carried windows, nodes' GPUs read again
+only after a report, the usual one-new-sample pass, healthy GPUs and ports skipped before their
+full test) find exactly what the long way finds, every evaluation, over a randomized evolving
+fleet: a whole-rack thermal event (the job's, not a node's), a power-capped node, a GPU braking in
+bursts, hot HBM, a shared switch's link drops beside a node's own, bit errors, a degraded link,
+memory and NVLink faults, idle GPUs, a reboot, replayed reports, a node that leaves and comes back,
+lagging reports and passes at uneven times.
+
+The long way: a fresh GPU peer detector every pass (it reads every window whole); every GPU and
+port through ``_judge``; twins judging the view without change markers (every node's hardware
+class and the GPUs' jobs read afresh); the thermal detector's samples
+counted one by one with its own tests, as before the short walk. A fifth of the passes are
+skipped, so the next finds two new samples a GPU."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+
+import pytest
+
+from tests.aggregator.conftest import GBPS, FakeNode, rank_summary
+from vigil.aggregator.decision import Finding
+from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
+from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig, GpuStragglerDetector
+from vigil.aggregator.detectors.memory import MemoryConfig, MemoryDetector
+from vigil.aggregator.detectors.network import NetworkConfig, NetworkDetector
+from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkConfig, PcieNvlinkDetector
+from vigil.aggregator.detectors.peer_class import HardwareClasses, hardware_class
+from vigil.aggregator.detectors.telemetry_hang import TelemetryHangConfig, TelemetryHangDetector
+from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerConfig, TelemetryStragglerDetector
+from vigil.aggregator.detectors.thermal import ThermalConfig, ThermalDetector
+from vigil.aggregator.fleet import Fleet, FleetView, GpuHistory, NodeState
+
+NODES = 12
+THROTTLED = {"sm_clock_hertz": 1.1e9, "clock_event_reasons": ["hw_slowdown", "hw_thermal_slowdown"]}
+
+
+class LongWayThermal(ThermalDetector):
+    """The thermal detector counting every new sample with ``_throttled`` and choosing the GPUs
+    to judge with ``_throttled`` and ``_hbm_hot``: the walk before it was written out."""
+
+    def _take_samples(self, view: FleetView) -> list[tuple[NodeState, GpuHistory]]:
+        judge = []
+        for node in view.nodes.values():
+            counted_of = self._counted.setdefault(node.name, {})
+            for gpu in node.gpus.values():
+                if not gpu.samples:
+                    continue
+                if gpu.last_seen >= node.last_seen and (self._throttled(gpu.samples[-1])
+                                                        or self._hbm_hot(gpu.samples[-1])):
+                    judge.append((node, gpu))
+                counted = counted_of.get(gpu.index, -math.inf)
+                if gpu.samples[-1].ts <= counted:
+                    continue
+                counted_of[gpu.index] = gpu.samples[-1].ts
+                newer = [s for s in reversed(gpu.samples) if s.ts > counted]
+                newer = newer[:next((i for i, s in enumerate(newer) if s.ts <= counted), len(newer))]
+                for i, sample in enumerate(newer):
+                    if self._throttled(sample):
+                        before = newer[i + 1].ts if i + 1 < len(newer) else counted
+                        self._throttled_time.setdefault((node.name, gpu.index), deque()).append(
+                            (sample.ts, min(sample.ts - before, 4 * node.interval_seconds)))
+        return judge
+
+
+def every_gpu(detector: MemoryDetector | PcieNvlinkDetector, view: FleetView, now: float) -> list[Finding]:
+    return [f for node in view.nodes.values() for gpu in node.gpus.values() if gpu.last_seen >= node.last_seen
+            for f in detector._judge(node, gpu, now)]
+
+
+def every_port(detector: NetworkDetector, view: FleetView, now: float) -> list[Finding]:
+    shared = detector._shared_drops(view, now)
+    return [f for node in view.nodes.values() for port in node.ports.values() if port.last_seen >= node.last_seen
+            for f in detector._judge(node, port, now, shared)]
+
+
+def fleet_nodes() -> list[FakeNode]:
+    nodes = [FakeNode(f"n{i}", ports=2, topology={"rack": f"rack-{i // 4}", "leaf_switch": f"leaf-{i // 6}"})
+             for i in range(NODES)]
+    for i, node in enumerate(nodes):
+        for g in node.gpus.values():
+            g["job"] = "a" if i < 8 else None  # job b's GPUs are placed by its ranks' heartbeats
+            g["power_limit_watts"] = 700.0
+    return nodes
+
+
+def faults(rng: random.Random, nodes: list[FakeNode], t: float, plan: dict[str, float]) -> None:
+    """The fleet's state at ``t``: noise, and each fault from its planned start."""
+    for i, node in enumerate(nodes):
+        for g in node.gpus.values():
+            g["sm_clock_hertz"] = 1.98e9 * (1 + rng.uniform(-0.03, 0.0))
+            g["clock_event_reasons"] = ["sw_power_cap"]
+            g["utilization_gpu_ratio"] = 0.97
+        if i >= 8:
+            # One rank 30% slow for a while (its peers wait for it in the collective).
+            node.ranks = [rank_summary("b", i * 8 + local, ts=t, gpu=local, step=int(t), comm=0.1 if slow else 0.4,
+                                       compute=(1.3 if slow else 1.0) * (1 + rng.uniform(-0.01, 0.01)))
+                          for local in node.gpus
+                          for slow in [(i, local) == (11, 3) and plan["slow_rank"] <= t < plan["slow_rank"] + 200]]
+    # A whole rack throttled at once (a cooling failure): the job's, not its nodes'.
+    if plan["rack"] <= t < plan["rack"] + 120:
+        for node in nodes[8:]:
+            for g in node.gpus.values():
+                g.update(THROTTLED)
+    # One node power-capped by hand: its clocks and limit sit below its peers' (power cap alone is normal).
+    if t >= plan["cap"]:
+        for g in nodes[7].gpus.values():
+            g["power_limit_watts"], g["sm_clock_hertz"] = 400.0, 1.4e9
+    # A node whose limit alone was lowered (a power brake policy): its clocks look like its peers'.
+    if t >= plan["limit"]:
+        for g in nodes[10].gpus.values():
+            g["power_limit_watts"] = 550.0
+    # A GPU braking in bursts shorter than the persistence, and one held down for good.
+    if t >= plan["bursts"] and (t - plan["bursts"]) % 60 < 30:
+        nodes[5].gpus[2].update(THROTTLED)
+    if t >= plan["held"]:
+        nodes[6].gpus[4].update(THROTTLED)
+    nodes[5].gpus[1]["memory_temperature_celsius"] = 94.0 if t >= plan["hbm"] else 70.0
+    # A GPU unhealthy for a while, and one whose job attribution lapses for a while.
+    nodes[3].gpus[7]["health"] = "reset_required" if plan["health"] <= t < plan["health"] + 60 else "ok"
+    nodes[2].gpus[1]["job"] = None if plan["attribution"] <= t < plan["attribution"] + 40 else "a"
+    # Idle now and then: an idle GPU drops its clocks by design.
+    if rng.random() < 0.05:
+        nodes[rng.randrange(NODES)].gpus[rng.randrange(8)]["utilization_gpu_ratio"] = 0.1
+    # A switch's drops on every node under it, and a node's own.
+    if abs(t - plan["switch"]) < 1.0 or abs(t - plan["switch"] - 400) < 1.0:
+        for node in nodes[:6]:
+            node.ports[0]["counters"]["link_downed"] += 1
+    if plan["own"] <= t < plan["own"] + 100 and rng.random() < 0.1:
+        nodes[7].ports[1]["counters"]["link_downed"] += 1
+    if t >= plan["errors"]:
+        nodes[10].ports[0]["counters"]["symbol_error"] += rng.randrange(0, 40)
+    nodes[4].ports[1]["state"] = "1: DOWN" if t >= plan["down"] else "4: ACTIVE"
+    if t >= plan["degraded"]:
+        nodes[11].ports[0]["rate_bits_per_second"] = 200 * GBPS
+    if t >= plan["memory"]:
+        nodes[2].gpus[0]["remap_pending"] = True
+        nodes[2].gpus[6]["retired_pages_pending"] = True
+        nodes[4].gpus[3]["ecc_uncorrected_volatile"] = int((t - plan["memory"]) // 50)
+        nodes[8].gpus[3]["nvlink_links_down"] = [2]
+        nodes[3].gpus[5]["pcie_replay_total"] += rng.randrange(0, 200)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> None:
+    rng = random.Random(seed)
+    nodes = fleet_nodes()
+    plan = {name: rng.uniform(60, 400) for name in
+            ("rack", "cap", "limit", "bursts", "held", "hbm", "switch", "own", "errors", "degraded", "down",
+             "memory", "health", "attribution", "slow_rank")}
+    fleet = Fleet()
+    peer_config = GpuPeerConfig()
+    peer, thermal = GpuPeerDetector(peer_config), ThermalDetector(ThermalConfig())
+    long_thermal = LongWayThermal(ThermalConfig())
+    memory, pcie = MemoryDetector(MemoryConfig()), PcieNvlinkDetector(PcieNvlinkConfig())
+    telemetry, telemetry_twin = (TelemetryStragglerDetector(TelemetryStragglerConfig()),
+                                 TelemetryStragglerDetector(TelemetryStragglerConfig()))
+    straggler, straggler_twin = GpuStragglerDetector(GpuStragglerConfig()), GpuStragglerDetector(GpuStragglerConfig())
+    hang, hang_twin = TelemetryHangDetector(TelemetryHangConfig()), TelemetryHangDetector(TelemetryHangConfig())
+    network = NetworkDetector(NetworkConfig(flap_slow_threshold=3, flap_daily_threshold=2))
+    found: set[str] = set()
+    sent: dict[str, list] = {}
+    t = 0.0
+    gone_at = rng.uniform(200, 500)
+    while t < 900:
+        faults(rng, nodes, t, plan)
+        for node in nodes:
+            if node.name == "n0" and gone_at <= t < gone_at + 40:
+                continue  # silent: forgotten below, then a new node of the same name
+            if rng.random() < 0.04:
+                continue  # a lost report
+            if node.name == "n6" and abs(t - 450) < 1.0:
+                node.reboot()
+            report = node.report(t)
+            fleet.ingest(report, t + rng.uniform(0, 0.5))
+            sent.setdefault(node.name, []).append(report)
+            if rng.random() < 0.02 and len(sent[node.name]) > 3:
+                fleet.ingest(sent[node.name][-3], t + 0.6)  # replayed: moves last_seen alone
+        fleet.forget_departed(t + 1.0, lambda n: 20.0)
+        t += 2.5
+        if rng.random() < 0.2:
+            continue  # no pass this time: the next one finds two reports of each node
+        now = t - 2.5 + rng.choice([0.7, 1.0, 2.0])
+        view = fleet.view()
+        long_view = view.without_markers()  # every node's class and the GPUs' jobs read afresh
+        short = peer.evaluate(view, now)
+        assert short == GpuPeerDetector(peer_config).evaluate(long_view, now)
+        short_thermal = thermal.evaluate(view, now)
+        assert short_thermal == long_thermal.evaluate(view, now)
+        short_memory, short_pcie = memory.evaluate(view, now), pcie.evaluate(view, now)
+        assert short_memory == every_gpu(memory, view, now)
+        assert short_pcie == every_gpu(pcie, view, now)
+        assert telemetry.evaluate(view, now) == telemetry_twin.evaluate(long_view, now)
+        assert hang.evaluate(view, now) == hang_twin.evaluate(long_view, now)
+        short_straggler = straggler.evaluate(view, now)
+        assert short_straggler == straggler_twin.evaluate(long_view, now)
+        found |= {f"gpu_straggler:{f.node}" for f in short_straggler}
+        short_network = network.evaluate(view, now)
+        assert short_network == every_port(network, view, now)
+        found |= {f"{f.detector}:{f.key.split(':')[0]}:{f.action.value}"
+                  for f in short_memory + short_pcie + short_network}
+        found |= {f"thermal:{f.key}:{f.action.value}" for f in short_thermal}
+        found |= {f"gpu_peer:{f.node}:{f.evidence['signal']}" for f in short}
+    # The run holds what each detector acts on and what it must not act on.
+    assert {"gpu_peer:n7:power_limit_watts", "gpu_peer:n10:power_limit_watts", "gpu_peer:n6:sm_clock_hertz",
+            "thermal:clock_throttle:drain", "thermal:clock_throttle:onset:observe",
+            "thermal:clock_throttle:shared:observe", "thermal:clock_throttle:job:alert",
+            "thermal:clock_throttle:intermittent:alert", "thermal:hbm_temperature:alert",
+            "memory:remap_pending:reset_gpu", "memory:retired_pending:reset_gpu", "memory:uncorrectable:drain",
+            "pcie_nvlink:nvlink_down:reboot_node", "pcie_nvlink:pcie_replay_total:drain",
+            "network:bit_errors:drain", "network:degraded:drain", "network:port_down:drain", "network:flap:drain",
+            "network:flap_daily:alert", "gpu_straggler:n11",
+            } <= found, sorted(found)
+
+
+def test_a_nodes_hardware_class_is_read_again_when_what_names_it_changed() -> None:
+    fleet, node = Fleet(), FakeNode("n1", ports=0)
+    classes = HardwareClasses(power_limit=False)
+
+    def class_of_n1() -> tuple[str, int | None, int | None]:
+        view = fleet.view()
+        classes.start(view)
+        return classes.of(view.nodes["n1"])
+
+    fleet.ingest(node.report(0.0), 0.0)
+    state = fleet.view().nodes["n1"]
+    assert class_of_n1() == hardware_class(state, power_limit=False) == ("", 132, None)
+    for g in list(node.gpus.values())[:5]:
+        g["name"] = "NVIDIA H200"
+    fleet.ingest(node.report(2.5), 2.5)
+    assert class_of_n1() == ("NVIDIA H200", 132, None)
+    # Gone, then back as a new node (a new NodeState) of the same name, of another model.
+    assert fleet.forget_departed(100.0, lambda n: 10.0) == [state]
+    for g in node.gpus.values():
+        g["name"] = "NVIDIA A100"
+    fleet.ingest(node.report(100.0), 100.0)
+    again = fleet.view().nodes["n1"]
+    assert again is not state and class_of_n1() == ("NVIDIA A100", 132, None)
+    # Another fleet's node of the same name, and a view built by hand, are read afresh.
+    other, other_node = Fleet(), FakeNode("n1", ports=0)
+    other.ingest(other_node.report(0.0), 0.0)
+    view = other.view()
+    classes.start(view)
+    assert classes.of(view.nodes["n1"]) == ("", 132, None)
+    classes.start(fleet.view().without_markers())
+    assert classes.of(again) == ("NVIDIA A100", 132, None)
