@@ -122,6 +122,10 @@ class FleetConfig(StrictModel):
 # removal it follows): far above one request per GPU in flight; the oldest go first.
 MAX_NODE_ACTIONS_KEPT = 64
 
+# The GPU fields a node's hardware class is read from (detectors/peer_class.py): a change to one
+# moves NodeState.gpu_class_revision.
+_CLASS_FIELDS = frozenset({"name", "sm_clock_max_hertz", "power_limit_watts"})
+
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
 GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
                 "nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
@@ -569,7 +573,8 @@ class PortHistory:
 
 
 class RankHistory:
-    __slots__ = ("gpu", "job", "last", "last_seen", "node", "owned", "rank", "report_ts", "windows")
+    __slots__ = ("gpu", "job", "last", "last_seen", "node", "owned", "rank", "report_ts", "revision", "window_count",
+                 "windows")
 
     def __init__(self, summary: RankSummary, node: str, ts: float, maxlen: int) -> None:
         self.job = summary.job
@@ -585,6 +590,11 @@ class RankHistory:
         # (its summaries of one window repeat it and are stored once, so a window is one piece of
         # evidence however many reports carry it); an agent without one gives the arrival time.
         self.windows: deque[tuple[float, float, float | None, int, float | None]] = deque(maxlen=maxlen)
+        # Change markers (INCREMENTAL.md): the fleet revision of the latest summary observed (the
+        # fleet sets it), and how many windows were ever appended (the newest ``window_count -
+        # seen`` of ``windows`` are new to a reader that saw ``seen``).
+        self.revision = 0
+        self.window_count = 0
 
     def observe(self, s: RankSummary, node: str, ts: float, report_ts: float, offset: float = 0.0) -> None:
         """``offset``: the node's clock minus the aggregator's (NodeState.clock_offset_seconds): a
@@ -601,6 +611,7 @@ class RankHistory:
             end = s.window_end_ts - offset if s.window_end_ts is not None else ts
             if not self.windows or self.windows[-1][0] < end:
                 self.windows.append((end, compute, s.comm_seconds_p50, s.steps, s.data_seconds_p50))
+                self.window_count += 1
 
 
 @dataclass(slots=True)
@@ -608,6 +619,11 @@ class JobState:
     name: str
     ranks: dict[int, RankHistory] = field(default_factory=dict)
     last_seen: float = 0.0
+    # Change markers (INCREMENTAL.md): the fleet revision of the latest change to any of its
+    # ranks' summaries or to its membership, and of the latest change to its membership alone (a
+    # rank joined, left, or moved to another node).
+    revision: int = 0
+    members_revision: int = 0
 
     def nodes(self) -> set[str]:
         return {r.node for r in self.ranks.values()}
@@ -645,6 +661,13 @@ class NodeState:
         self.nvml_down_since: float | None = None
         self.failed_collectors: list[str] = []
         self.reports = 0
+        # The fleet revision of the latest change to this node's state, and of the latest change
+        # to what names its hardware class (INCREMENTAL.md): a GPU's model, maximum SM clock or
+        # power limit (``_CLASS_FIELDS``), or its GPU histories.
+        self.revision = 0
+        self.gpu_class_revision = 0
+        # The GPUs whose latest state's health is not "ok" (the silence detector reads only these).
+        self.unhealthy_gpus: set[int] = set()
         self.seq_gaps = 0
         self.reboots = 0
         self.gpus: dict[int, GpuHistory] = {}
@@ -684,6 +707,11 @@ class Fleet:
         self._port_counters = frozenset(port_counters) if port_counters is not None else None
         self._nodes: dict[str, NodeState] = {}
         self._jobs: dict[str, JobState] = {}
+        # Change markers (INCREMENTAL.md): counts every change to the state detectors read; each
+        # node, job and rank records the revision of its own latest change. ``identity`` tells
+        # one fleet from another (a detector's cache holds for the fleet it was built over).
+        self.revision = 0
+        self.identity = object()
         # Entries dropped to keep a node within its caps, by kind (ports, ranks, jobs): the oldest
         # of those its latest report no longer named (vigil_aggregator_fleet_evictions_total).
         self.evicted: dict[str, int] = dict.fromkeys(EVICTION_KINDS, 0)
@@ -746,12 +774,15 @@ class Fleet:
         and return them (for the archive); their ranks leave their jobs."""
         after = after_seconds or (lambda _: self.config.forget_after_seconds)
         gone = [n for n in self._nodes.values() if n.last_seen < now - after(n)]
+        if gone:
+            self.revision += 1
         for node in gone:
             del self._nodes[node.name]
             for job_name, rank in node.ranks:
                 job = self._jobs.get(job_name)
                 if job is not None and job.ranks.get(rank) is not None and job.ranks[rank].node == node.name:
                     del job.ranks[rank]
+                    job.revision = job.members_revision = self.revision
         return gone
 
     def ingest(self, report: Report, now: float) -> dict[str, int]:
@@ -774,7 +805,11 @@ class Fleet:
             # would fake a reset. Keep its events, which dedup absorbs; its clock says nothing new.
             self._ingest_events(node, report, now, refused)
             node.last_seen = max(node.last_seen, now)
+            self.revision += 1
+            node.revision = self.revision
             return refused
+        self.revision += 1
+        revision = node.revision = self.revision
         self._measure_clock(node, report, now)
         if fresh:
             pass
@@ -836,6 +871,11 @@ class Fleet:
                 continue
             seen.add(index)
             if hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
+                # A compact entry carries a field that changed (or lists it as cleared).
+                if state.name is not None or state.sm_clock_max_hertz is not None \
+                        or state.power_limit_watts is not None \
+                        or (cleared and not _CLASS_FIELDS.isdisjoint(cleared.get(("gpus", i), ()))):
+                    node.gpu_class_revision = revision
                 base = hist.last
                 if in_place and base is not hist.owned:  # the fleet's own copy, made once (``owned``)
                     base = hist.owned = _copy_struct(base)
@@ -843,7 +883,15 @@ class Fleet:
                     if cleared else complete.gpu(base, state)
             elif hist is None or hist.uuid != state.uuid:
                 hist = gpus[index] = GpuHistory(state, ts, maxlen, state_maxlen)
+                node.gpu_class_revision = revision
+            elif (state.name != hist.last.name or state.sm_clock_max_hertz != hist.last.sm_clock_max_hertz
+                  or state.power_limit_watts != hist.last.power_limit_watts):
+                node.gpu_class_revision = revision
             hist.observe(state, ts)
+            if state.health != "ok":
+                node.unhealthy_gpus.add(index)
+            elif node.unhealthy_gpus:
+                node.unhealthy_gpus.discard(index)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors
@@ -921,6 +969,7 @@ class Fleet:
                     old = self._nodes.get(rhist.node)
                     if old is not None:
                         old.ranks.pop((summary.job, summary.rank), None)
+                job.members_revision = revision
                 node.ranks[(summary.job, summary.rank)] = rhist
                 room.jobs[summary.job] = room.jobs.get(summary.job, 0) + 1
             elif rhist.last_seen == base_seen:
@@ -930,6 +979,7 @@ class Fleet:
                 summary = _complete_cleared(complete.rank, rbase, summary, cleared.get(("ranks", i), ())) \
                     if cleared else complete.rank(rbase, summary)
             job.last_seen = ts  # type: ignore[union-attr]  # rhist is one of its ranks
+            job.revision = rhist.revision = revision  # type: ignore[union-attr]
             rhist.observe(summary, node.name, ts, report.ts, offset)
         self._ingest_events(node, report, now, refused)
         return refused
@@ -971,6 +1021,7 @@ class Fleet:
         job = self._jobs.get(job_name)
         if job is not None and job.ranks.get(rank) is rhist:
             del job.ranks[rank]
+            job.revision = job.members_revision = self.revision
             if not job.ranks and job_name not in room.named_jobs:
                 del self._jobs[job_name]
 
@@ -1018,6 +1069,8 @@ class Fleet:
         node = self._nodes.get(request.node)
         if node is not None:
             _keep(node.action_expiry, request.id, request.expires_at)
+            self.revision += 1
+            node.revision = self.revision
 
     def record_action_results(self, name: str, results: list[NodeActionResult], now: float) -> None:
         """Results the outbox matched to its requests for node ``name``, received at ``now``."""
@@ -1025,19 +1078,24 @@ class Fleet:
         if node is not None:
             for result in results:
                 _keep(node.action_results, result.id, ActionOutcome(result, now))
+            self.revision += 1
+            node.revision = self.revision
 
     def forget_idle_jobs(self, now: float) -> None:
         horizon = now - self.config.job_forget_seconds
         for name in [n for n, j in self._jobs.items() if j.last_seen < horizon]:
+            self.revision += 1
             job = self._jobs.pop(name)
             for rank in job.ranks.values():
                 node = self._nodes.get(rank.node)
                 if node is not None:
                     node.ranks.pop((name, rank.rank), None)
+                    node.revision = self.revision
 
     def view(self, removed: Mapping[str, Removal] | None = None) -> FleetView:
         return FleetView(self._nodes, self._jobs, removed, agent_resets=self.agent_resets, probes=self.probes,
-                         learned_probes=self.learned_probes, isolations=self.isolations)
+                         learned_probes=self.learned_probes, isolations=self.isolations, revision=self.revision,
+                         fleet=self.identity)
 
 
 EVICTION_KINDS = ("ports", "ranks", "jobs")
@@ -1131,14 +1189,21 @@ class FleetView:
     """What detectors see: read-only mappings over the fleet (detectors must not mutate state),
     and the nodes vigil removed (empty unless the engine was asked for them)."""
 
-    __slots__ = ("agent_resets", "isolations", "jobs", "learned_probes", "nodes", "probes", "removed")
+    __slots__ = ("agent_resets", "fleet", "isolations", "jobs", "learned_probes", "nodes", "probes", "removed",
+                 "revision")
 
     def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
                  removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False,
                  probes: ProbesConfig | None = None,
                  learned_probes: Mapping[tuple[str, str], tuple[float, int]] | None = None,
-                 isolations: Sequence[IsolationOutcome] = ()) -> None:
+                 isolations: Sequence[IsolationOutcome] = (), revision: int | None = None,
+                 fleet: object | None = None) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
+        # Change markers (INCREMENTAL.md): the fleet's revision when the view was taken, and the
+        # fleet's identity. A view built by hand (tests) has neither: ``revision`` None tells a
+        # detector to trust no marker and judge from scratch.
+        self.revision = revision
+        self.fleet = fleet
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
         self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
         # An admitted reset_gpu is carried out by the node's agent on a signed request, and its
@@ -1150,6 +1215,12 @@ class FleetView:
         self.learned_probes: Mapping[tuple[str, str], tuple[float, int]] = learned_probes or MappingProxyType({})
         # Group-testing isolations (the prober's): the probe verdict detector acts on finished ones.
         self.isolations: tuple[IsolationOutcome, ...] = tuple(isolations)
+
+    def without_markers(self) -> FleetView:
+        """The same fleet with no change markers: detectors judge it the long way, from scratch
+        (the reference the incremental paths are tested against)."""
+        return FleetView(dict(self.nodes), dict(self.jobs), self.removed, agent_resets=self.agent_resets,
+                         probes=self.probes, learned_probes=self.learned_probes, isolations=self.isolations)
 
     def members(self, label: str, value: str) -> list[str]:
         """Nodes whose topology label ``label`` (e.g. leaf_switch) equals ``value``."""

@@ -14,7 +14,7 @@ nothing: the crash-loop and application-signal detectors each keep one of these 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from vigil.aggregator.fleet import FleetView, RankHistory
@@ -55,12 +55,15 @@ class _RankSeen:
 class JobRun:
     """One job's incarnations, oldest first (at most MAX_INCARNATIONS)."""
 
-    __slots__ = ("_folded_best", "_folded_checkpoint", "incarnations", "job", "last_seen", "ranks")
+    __slots__ = ("_folded_best", "_folded_checkpoint", "exited", "incarnations", "job", "last_seen", "ranks")
 
     def __init__(self, job: str, now: float) -> None:
         self.job = job
         self.incarnations: deque[Incarnation] = deque([Incarnation(0, now)])
         self.ranks: dict[int, _RankSeen] = {}
+        # How many of ``ranks`` were exited when last observed (a job none of whose ranks exited
+        # has no crash to judge: the crash-loop detector skips it in O(1)).
+        self.exited = 0
         self.last_seen = now
         # The best step and checkpoint of incarnations no longer kept.
         self._folded_best: int | None = None
@@ -130,12 +133,40 @@ class JobRun:
         self.incarnations.append(inc)
         return inc
 
-    def observe(self, ranks: list[RankHistory], now: float) -> None:
+    def observe(self, ranks: Collection[RankHistory], now: float, shortcut: bool = True) -> None:
+        """The ranks' latest summaries at ``now``. ``shortcut`` False: every rank the long way
+        (``_observe_rank``), the reference the inlined usual case is tested against."""
         self.last_seen = now
+        seen_of = self.ranks
+        latest = self.incarnations[-1]
         for r in ranks:
+            s = r.last
+            seen = seen_of.get(r.rank)
+            # The usual rank (the same process, still in the latest incarnation, not back from an
+            # exit): ``_observe_rank``'s work inlined, with the same result.
+            if shortcut and seen is not None and s.pid is not None and s.pid == seen.pid \
+                    and seen.generation == latest.index:
+                exited = s.state == "exited"
+                if exited or not seen.exited:
+                    if exited != seen.exited:
+                        self.exited += 1 if exited else -1
+                        seen.exited = exited
+                    step = seen.last_step = s.last_step
+                    if latest.start_step is None or step < latest.start_step:
+                        latest.start_step = step
+                    if latest.best_step is None or step > latest.best_step:
+                        latest.best_step = step
+                    checkpoint = s.checkpoint_step
+                    if checkpoint is not None and (latest.checkpoint_step is None
+                                                   or checkpoint > latest.checkpoint_step):
+                        latest.checkpoint_step = checkpoint
+                    continue
             self._observe_rank(r, now)
-        for gone in [k for k in self.ranks if k not in {r.rank for r in ranks}]:
-            del self.ranks[gone]
+            latest = self.incarnations[-1]
+        if len(seen_of) != len(ranks):  # every rank observed is in self.ranks: equal sizes, nothing left
+            present = {r.rank for r in ranks}
+            for gone in [k for k in seen_of if k not in present]:
+                self.exited -= seen_of.pop(gone).exited
         latest = self.latest
         if latest.ended is None and ranks and all(r.last.state == "exited" for r in ranks):
             latest.ended = now
@@ -145,14 +176,16 @@ class JobRun:
         exited = s.state == "exited"
         seen = self.ranks.get(r.rank)
         if seen is None:
-            seen = self.ranks[r.rank] = _RankSeen(s.pid, exited, s.last_step, self.latest.index)
+            seen = self.ranks[r.rank] = _RankSeen(s.pid, False, s.last_step, self.latest.index)
         elif _restarted(seen, r):
             latest = self.latest
             # Its peers restarted already (this rank joins their incarnation), or it is the first.
             seen.generation = latest.index if latest.index > seen.generation else self._begin(now).index
             seen.windows.clear()
         seen.pid = s.pid if s.pid is not None else seen.pid
-        seen.exited = exited
+        if exited != seen.exited:
+            self.exited += 1 if exited else -1
+            seen.exited = exited
         seen.last_step = s.last_step
         end = s.window_end_ts
         if s.pid is None and end is not None and (not seen.windows or seen.windows[-1][0] < end):
@@ -207,7 +240,8 @@ class JobRuns:
             run = self._runs.get(name)
             if run is None:
                 run = self._runs[name] = JobRun(name, now)
-            run.observe(list(job.ranks.values()), now)
+            # A view without change markers is judged the long way (FleetView.without_markers).
+            run.observe(job.ranks.values(), now, view.revision is not None)
         for name in [n for n, run in self._runs.items() if now - run.last_seen > self.forget_seconds]:
             del self._runs[name]
 

@@ -23,6 +23,7 @@ MODULES = [
     "bench.bench_uninstrumented_hang",
     "bench.bench_ingest",
     "bench.bench_ingest_instructions",
+    "bench.bench_evaluation",
     "bench.bench_latency",
     "bench.bench_alertmanager_batch",
     "bench.bench_rdma",

@@ -19,6 +19,7 @@ thresholds, persistence and designed false-positive rates: docs/detectors.md, "a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -113,10 +114,11 @@ class AppSignalsDetector:
         self.config = config
         self.runs = JobRuns(config.window_seconds)
         self._jobs: dict[str, _JobSignals] = {}
-        # (job, rank) -> the end of the last window judged, and whether its latest window with
-        # steps had a non-finite loss.
-        self._judged: dict[tuple[str, int], float] = {}
-        self._nan_now: dict[tuple[str, int], bool] = {}
+        # job -> rank -> the end of the last window judged (every rank of the job once judged:
+        # the same size as the job's ranks means the same ranks); job -> the ranks whose latest
+        # window with steps had a non-finite loss.
+        self._judged: dict[str, dict[int, float]] = {}
+        self._nan_now: dict[str, set[int]] = {}
         # node -> the last event seen in its ring (identity), so each event is read once.
         self._event_marker: dict[str, tuple[float, Event]] = {}
         self._logs: dict[tuple[str, str, str], _LogEpisode] = {}
@@ -130,10 +132,21 @@ class AppSignalsDetector:
                 out.extend(self._judge_job(job, run, now))
         for name in [j for j in self._jobs if self.runs.get(j) is None]:
             del self._jobs[name]
-        live = {(j, r) for j, job in view.jobs.items() for r in job.ranks}
-        for table in (self._judged, self._nan_now):
-            for key in [k for k in table if k not in live]:
-                del table[key]
+        # Forget the ranks (and jobs) no longer in the view. Every rank of a job in it was judged
+        # just now, so a job's table of the same size as its ranks holds exactly them.
+        for name, windows in list(self._judged.items()):
+            live = view.jobs.get(name)
+            if live is None:
+                del self._judged[name]
+            elif len(windows) != len(live.ranks):
+                for rank in [r for r in windows if r not in live.ranks]:
+                    del windows[rank]
+        for name, nan_ranks in list(self._nan_now.items()):
+            live = view.jobs.get(name)
+            if live is None:
+                del self._nan_now[name]
+            else:
+                nan_ranks.difference_update([r for r in nan_ranks if r not in live.ranks])
         out.extend(self._judge_logs(view, now))
         return out
 
@@ -142,13 +155,18 @@ class AppSignalsDetector:
     def _judge_job(self, job: JobState, run: JobRun, now: float) -> list[Finding]:
         state = self._jobs.setdefault(job.name, _JobSignals(losses=deque(maxlen=self.config.spike_history_windows)))
         new_losses: list[float] = []
+        judged = self._judged.get(job.name)
+        if judged is None:
+            judged = self._judged[job.name] = {}
+        nan_now = self._nan_now.get(job.name)
+        if nan_now is None:
+            nan_now = self._nan_now[job.name] = set()
         for r in job.ranks.values():
             s = r.last
-            key = (job.name, r.rank)
             window = s.window_end_ts if s.window_end_ts is not None else r.last_seen
-            if self._judged.get(key, -1.0) >= window:
+            if judged.get(r.rank, -1.0) >= window:
                 continue
-            self._judged[key] = window
+            judged[r.rank] = window
             if s.steps == 0:
                 continue
             if s.loss_p50 is not None:
@@ -160,9 +178,9 @@ class AppSignalsDetector:
                                                       and state.loss_seen)
             if not nan_loss:
                 if s.loss_p50 is not None and s.nonfinite_steps == 0:
-                    self._nan_now[key] = False  # a clean window: this rank trains on
+                    nan_now.discard(r.rank)  # a clean window: this rank trains on
             else:
-                self._nan_now[key] = True
+                nan_now.add(r.rank)
                 nan = _Nan(now, s.nonfinite_first_step if s.nonfinite_first_step is not None else s.last_step, r.rank)
                 if state.nan_since is None:
                     state.nan_since = nan
@@ -171,17 +189,24 @@ class AppSignalsDetector:
                                         or nan.step < state.nan_by_incarnation[inc].step):
                     state.nan_by_incarnation[inc] = nan
             state.loss_seen = state.loss_seen or s.loss_p50 is not None
-        if not any(self._nan_now.get((job.name, r), False) for r in job.ranks):
+        if nan_now.isdisjoint(job.ranks):
             state.nan_since = None
         out: list[Finding] = []
-        nodes = sorted(job.nodes())[:JOB_NODES_NAMED]
+        named: list[list[str]] = []
+
+        def nodes() -> list[str]:
+            """The job's first nodes by name (evidence), listed only when a finding needs them."""
+            if not named:
+                named.append(sorted(job.nodes())[:JOB_NODES_NAMED])
+            return named[0]
+
         if state.nan_since is not None:
             nan = state.nan_since
             out.append(Finding(
                 detector=NAME, node=WHOLE_JOB, job=job.name, action=Action.ALERT, since=nan.ts, key="nonfinite_loss",
                 reason=f"job {job.name}: loss is NaN/inf from step {nan.step} (rank {nan.rank})",
                 evidence={"signal": "nonfinite_loss", "first_step": nan.step, "rank": nan.rank,
-                          "incarnation": run.incarnation_of(nan.rank), "job_nodes": nodes}))
+                          "incarnation": run.incarnation_of(nan.rank), "job_nodes": nodes()}))
         hold = self._hold(job, run, state, now, nodes)
         if hold is not None:
             out.append(hold)
@@ -190,7 +215,8 @@ class AppSignalsDetector:
             out.append(spike)
         return out
 
-    def _hold(self, job: JobState, run: JobRun, state: _JobSignals, now: float, nodes: list[str]) -> Finding | None:
+    def _hold(self, job: JobState, run: JobRun, state: _JobSignals, now: float,
+              nodes: Callable[[], list[str]]) -> Finding | None:
         """The divergence again in a later incarnation, before the job got past where it diverged."""
         cfg = self.config
         nans = state.nan_by_incarnation
@@ -215,7 +241,7 @@ class AppSignalsDetector:
                         "signal": "nonfinite_loss", "restarts": again[-1] - i, "best_step": run.best_step(),
                         "nonfinite_first_steps": [[k, nans[k].step] for k in order[a:]],
                         "steps_per_incarnation": [[x.start_step, x.best_step] for x in list(run.incarnations)[-8:]],
-                        "job_nodes": nodes}
+                        "job_nodes": nodes()}
                     break
         if state.hold_since is None:
             return None
@@ -228,7 +254,7 @@ class AppSignalsDetector:
             evidence=state.hold_evidence)
 
     def _spike(self, job: JobState, state: _JobSignals, new_losses: list[float], now: float,
-               nodes: list[str]) -> Finding | None:
+               nodes: Callable[[], list[str]]) -> Finding | None:
         cfg = self.config
         if new_losses:
             value = median(new_losses)
@@ -246,7 +272,7 @@ class AppSignalsDetector:
                         state.spike_since = now
                     state.spike_evidence = {"signal": "loss_spike", "loss": value, "median": med,
                                             "robust_z": round(excess / spread, 1), "windows": state.spike_run,
-                                            "history_windows": len(history), "job_nodes": nodes}
+                                            "history_windows": len(history), "job_nodes": nodes()}
             if not spiking:
                 state.spike_run, state.spike_since = 0, None
             history.append(value)

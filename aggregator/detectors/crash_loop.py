@@ -72,8 +72,9 @@ class CrashLoopDetector:
         self.runs = JobRuns(max(config.window_seconds, config.lemon_window_seconds))
         # job -> index of the first failed incarnation of the hold episode found (held until progress)
         self._anchor: dict[str, int] = {}
-        # (job, rank) -> when it was first seen exited in its current exit
-        self._exited: dict[tuple[str, int], float] = {}
+        # job -> rank -> when it was first seen exited in its current exit (a job with none exited and
+        # no entry here has no crash to judge: skipped in O(1))
+        self._exited: dict[str, dict[int, float]] = {}
         # (job, incarnation) whose crash was attributed (or found unattributable) already
         self._judged: dict[tuple[str, int], float] = {}
         # node -> recent crashes it was first in: (aggregator time, job)
@@ -90,7 +91,7 @@ class CrashLoopDetector:
             hold = self._hold(job, run, now)
             if hold is not None:
                 out.append(hold)
-            self._crash(job, run, now)
+            self._crash(job, run, now, view.revision is not None)
         for name in [j for j in self._anchor if self.runs.get(j) is None]:
             del self._anchor[name]
         out.extend(self._lemons(view, now))
@@ -146,21 +147,25 @@ class CrashLoopDetector:
 
     # -- lemon node ------------------------------------------------------------------------------
 
-    def _crash(self, job: JobState, run: JobRun, now: float) -> None:
+    def _crash(self, job: JobState, run: JobRun, now: float, shortcut: bool = True) -> None:
         """Note when each rank of ``job``'s current incarnation was first seen exited; once its
         crash can be judged, the node whose ranks exited first, if one did by the skew, had it."""
         cfg = self.config
+        exited = self._exited.get(job.name)
+        if shortcut and not run.exited and not exited:
+            return  # no rank exited, none noted: nothing below would change or be judged
+        if exited is None:
+            exited = self._exited[job.name] = {}
         first_exit: dict[str, float | None] = {}  # node -> when its first rank exited (None: none has)
         current = run.latest.index
         for r in job.ranks.values():
             if run.incarnation_of(r.rank) != current:
                 continue  # a rank of an earlier run not restarted yet: that run's crash was judged
-            key = (job.name, r.rank)
             ts: float | None = None
             if r.last.state == "exited":
-                ts = self._exited.setdefault(key, now)
+                ts = exited.setdefault(r.rank, now)
             else:
-                self._exited.pop(key, None)
+                exited.pop(r.rank, None)
             held = first_exit.get(r.node)
             first_exit[r.node] = ts if held is None else held if ts is None else min(held, ts)
         exits = [ts for ts in first_exit.values() if ts is not None]
@@ -188,9 +193,13 @@ class CrashLoopDetector:
         out: list[Finding] = []
         for key in [k for k, ts in self._judged.items() if ts < horizon]:
             del self._judged[key]
-        live = {(j, r) for j, job in view.jobs.items() for r in job.ranks}
-        for key in [k for k in self._exited if k not in live]:
-            del self._exited[key]
+        for name, exited in list(self._exited.items()):
+            state = view.jobs.get(name)
+            if state is None or not exited:
+                del self._exited[name]
+                continue
+            for rank in [r for r in exited if r not in state.ranks]:
+                del exited[rank]
         for node, ring in list(self._crashes.items()):
             while ring and ring[0][0] < horizon:
                 ring.popleft()

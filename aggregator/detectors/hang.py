@@ -26,6 +26,7 @@ it resolves to a node, an alert about that node: never a drain on log lines alon
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from statistics import median
 
 from pydantic import Field
@@ -91,45 +92,66 @@ class HangConfig(StrictModel):
     nccl_min_witnesses: int = Field(default=2, ge=2)
 
 
+@dataclass(slots=True)
+class _Progress:
+    ts: float  # the rank's last progress time seen
+    gaps: deque[float]  # its recent gaps between progress updates
+
+
 class HangDetector:
     name = NAME
 
     def __init__(self, config: HangConfig) -> None:
         self.config = config
-        # (job, rank) -> (last progress ts seen, recent gaps between progress updates)
-        self._progress: dict[tuple[str, int], tuple[float, deque[float]]] = {}
-        # (job, rank) -> when it was first seen exited (the evaluation's ``now``).
+        # job -> rank -> [last progress ts seen, recent gaps between progress updates], for the
+        # job's live ranks (those judged in the last evaluation).
+        self._progress: dict[str, dict[int, _Progress]] = {}
+        # (job, rank) -> when it was first seen exited (the evaluation's ``now``), live ranks only.
         self._exited: dict[tuple[str, int], float] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
-        seen: set[tuple[str, int]] = set()
         for job in view.jobs.values():
-            out.extend(self._judge(view, job, now, seen))
-        for key in [k for k in self._progress if k not in seen]:
-            del self._progress[key]
-        for key in [k for k in self._exited if k not in seen]:
-            del self._exited[key]
+            out.extend(self._judge(view, job, now, view.revision is not None))
+        for name in [n for n in self._progress if n not in view.jobs]:
+            del self._progress[name]
+        if self._exited:
+            for key in [k for k in self._exited if k[1] not in self._progress.get(k[0], ())]:
+                del self._exited[key]
         return out
 
-    def _gap(self, job: str, r: RankHistory, seen: set[tuple[str, int]], now: float) -> float:
-        """The rank's usual seconds between progress updates (0 until two were seen); notes when
-        it was first seen exited."""
-        key = (job, r.rank)
-        seen.add(key)
-        if r.last.state == "exited":
-            self._exited.setdefault(key, now)
-        ts = r.last.last_progress_ts
-        entry = self._progress.get(key)
-        if entry is None:
-            self._progress[key] = (ts, deque(maxlen=_GAPS_KEPT))
-            return 0.0
-        last, gaps = entry
-        if ts > last:
-            if r.last.phase is None or r.last.phase == "training":
-                gaps.append(ts - last)  # a pause in an announced phase is not the rank's pace
-            self._progress[key] = (ts, gaps)
-        return median(gaps) if gaps else 0.0
+    def _note_progress(self, job: str, live: list[RankHistory], now: float) -> dict[int, _Progress]:
+        """Each live rank's progress into its record (a gap when it advanced; when it was first seen
+        exited), forgetting the ranks of ``job`` no longer live; the job's records."""
+        progress = self._progress.get(job)
+        if progress is None:
+            progress = self._progress[job] = {}
+        for r in live:
+            s = r.last
+            if s.state == "exited":
+                self._exited.setdefault((job, r.rank), now)
+            ts = s.last_progress_ts
+            entry = progress.get(r.rank)
+            if entry is None:
+                progress[r.rank] = _Progress(ts, deque(maxlen=_GAPS_KEPT))
+            elif ts > entry.ts:
+                if s.phase is None or s.phase == "training":
+                    entry.gaps.append(ts - entry.ts)  # a pause in an announced phase is not the rank's pace
+                entry.ts = ts
+        if len(progress) != len(live):  # every live rank has a record: equal sizes, nothing else
+            alive = {r.rank for r in live}
+            for rank in [k for k in progress if k not in alive]:
+                del progress[rank]
+        return progress
+
+    @staticmethod
+    def _gaps(live: list[RankHistory], progress: dict[int, _Progress]) -> dict[int, float]:
+        """Each live rank's usual seconds between progress updates (0 until two were seen)."""
+        out: dict[int, float] = {}
+        for r in live:
+            gaps = progress[r.rank].gaps
+            out[r.rank] = median(gaps) if gaps else 0.0
+        return out
 
     def limit(self, job: JobState, live: list[RankHistory], gaps: dict[int, float]) -> tuple[float, str]:
         """The job's stall limit now, and the phase it follows."""
@@ -149,22 +171,37 @@ class HangDetector:
             return max(fast, cfg.stall_seconds), "training"
         return fast, "training"
 
-    def _judge(self, view: FleetView, job: JobState, now: float, seen: set[tuple[str, int]]) -> list[Finding]:
+    def _judge(self, view: FleetView, job: JobState, now: float, shortcut: bool = True) -> list[Finding]:
         cfg = self.config
         live: list[RankHistory] = []
         silent_node_ranks: list[RankHistory] = []
         late: set[int] = set()  # ranks on nodes whose report is overdue (not yet silent)
+        nodes = view.nodes
+        silent_seconds, gone_intervals, late_intervals = \
+            cfg.node_silent_seconds, cfg.rank_gone_intervals, cfg.late_report_intervals
+        # Whether any live rank may be stopped: not running, or stalled for the least any limit
+        # is (``limit``). None may: nothing below finds anything (the usual job, in O(ranks)).
+        min_stall = min(cfg.min_stall_seconds, cfg.checkpoint_seconds, cfg.evaluation_seconds)
+        maybe_stopped = False
         for rank in job.ranks.values():
-            node = view.nodes.get(rank.node)
+            node = nodes.get(rank.node)
             if node is None:
                 continue
-            if now - node.last_seen >= cfg.node_silent_seconds:
+            node_seen = node.last_seen
+            if now - node_seen >= silent_seconds:
                 silent_node_ranks.append(rank)
-            elif node.last_seen - rank.last_seen <= cfg.rank_gone_intervals * node.interval_seconds:
+            elif node_seen - rank.last_seen <= gone_intervals * node.interval_seconds:
                 live.append(rank)
-                if now - node.last_seen > cfg.late_report_intervals * node.interval_seconds:
+                if now - node_seen > late_intervals * node.interval_seconds:
                     late.add(rank.rank)
-        gaps = {r.rank: self._gap(job.name, r, seen, now) for r in live}
+                if not maybe_stopped:
+                    s = rank.last
+                    maybe_stopped = s.state != "running" or \
+                        (now - rank.last_seen) + max(0.0, rank.report_ts - s.last_progress_ts) >= min_stall
+        progress = self._note_progress(job.name, live, now)
+        if shortcut and not maybe_stopped:
+            return []  # every live rank progressed within the least limit: none stopped
+        gaps = self._gaps(live, progress)
         if not live or all(r.last.state == "exited" for r in live):
             return []  # finished, or nothing left to judge
         limit, phase = self.limit(job, live, gaps)

@@ -67,7 +67,10 @@ class SilenceDetector:
                     key="gpu_missing",
                     reason=f"GPU {index} disappeared from the node's reports (fell off the bus?)",
                     evidence={"signal": "gpu_missing", "uuid": uuid, "missing_since": since}))
-            for index, gpu in sorted(node.gpus.items()):
+            # The fleet keeps the GPUs whose health is not "ok" (a view without markers: all of them).
+            unhealthy = node.gpus if view.revision is None else node.unhealthy_gpus
+            for index in sorted(unhealthy):
+                gpu = node.gpus[index]
                 if index in node.missing_gpus or gpu.last_seen < node.last_seen:
                     continue
                 health = gpu.last.health

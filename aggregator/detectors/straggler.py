@@ -37,7 +37,7 @@ from pydantic import Field
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
-from vigil.aggregator.fleet import FleetView, JobState, RankHistory
+from vigil.aggregator.fleet import FleetView, JobState, NodeState, RankHistory
 
 NAME = "straggler"
 
@@ -186,15 +186,15 @@ def last_complete_window(ranks: list[RankHistory], interval: float, width: float
     deadline = math.floor((now - interval - width) / width + 1e-9)
     current = math.floor(now / width + 1e-9)
     live_after = now - 2 * width - interval
-    reached = current
-    for rank in ranks:
-        if rank.last_seen < live_after:
-            continue  # stopped reporting (silent or drained node, ended rank): waits for nobody
-        if not rank.windows:
-            return deadline
-        reached = min(reached, math.ceil(rank.windows[-1][0] / width - 1e-9))
-        if reached <= deadline:
-            return deadline
+    # A rank that stopped reporting (silent or drained node, ended rank) waits for nobody.
+    live = [rank.windows for rank in ranks if rank.last_seen >= live_after]
+    if not live:
+        return max(deadline, current)
+    if not all(live):
+        return deadline  # a live rank with no window yet
+    # The window of the live rank furthest behind: ceil is monotonic, so the window of the
+    # earliest end is the least of their windows.
+    reached = min(current, math.ceil(min([w[-1][0] for w in live]) / width - 1e-9))
     return max(deadline, reached)
 
 
@@ -204,11 +204,26 @@ class StragglerDetector:
     def __init__(self, config: StragglerConfig) -> None:
         self.config = config
         self._memo: dict[str, _JobMemo] = {}
+        # Caches over the fleet ``_fleet`` (INCREMENTAL.md): each job's nodes as of its membership
+        # revision, and each node's hardware class as of its class revision.
+        self._fleet: object | None = None
+        self._job_nodes: dict[str, tuple[JobState, int, set[str], dict[str, int]]] = {}
+        self._classes: dict[str, tuple[NodeState, int, HardwareClass]] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
+        if view.revision is None or view.fleet is not self._fleet:
+            self._fleet = view.fleet if view.revision is not None else None
+            self._job_nodes.clear()
+            self._classes.clear()
         for job in view.jobs.values():
             out.extend(self._judge(view, job, now))
+        if self._fleet is not None:
+            for name in [n for n in self._job_nodes if n not in view.jobs]:
+                del self._job_nodes[name]
+            if len(self._classes) > len(view.nodes):
+                for name in [n for n in self._classes if n not in view.nodes]:
+                    del self._classes[name]
         for name in [n for n, m in self._memo.items() if view.jobs.get(n) is not m.job]:
             del self._memo[name]
         return out
@@ -218,15 +233,13 @@ class StragglerDetector:
         ranks = list(job.ranks.values())
         if not ranks:
             return []
-        width = max([cfg.window_seconds] + [r.last.window_seconds for r in ranks])
-        nodes = {r.node for r in ranks}
+        width = max(cfg.window_seconds, max([r.last.window_seconds for r in ranks]))
+        nodes = self._membership(job)[0]
         interval = max([0.0] + [view.nodes[n].interval_seconds for n in nodes if n in view.nodes])
         last = last_complete_window(ranks, interval, width, now)
         memo = self._memo.get(job.name)
         if memo is None or memo.job is not job or memo.width != width:
             memo = self._memo[job.name] = _JobMemo(job, width)
-        classes = {n: hardware_class(view.nodes[n]) if cfg.by_hardware_class and n in view.nodes else UNKNOWN
-                   for n in nodes}
         horizon = max(cfg.long_horizon_seconds, cfg.persistence_windows * width)
         keep_from = last - math.ceil(horizon / width)
         # Judge each complete window once, oldest first (at most what the ranks still hold).
@@ -235,6 +248,7 @@ class StragglerDetector:
         if memo.last_judged is not None:
             first = max(first, memo.last_judged + 1, last - RANK_WINDOWS_MAX)
         out: list[Finding] = []
+        classes = self._classes_of(view, nodes) if first <= last else {}
         for index in range(first, last + 1):
             verdict = memo.windows[index] = self._verdict(job, memo, index, classes)
             memo.last_judged = index
@@ -255,6 +269,42 @@ class StragglerDetector:
             memo.episode_since.pop(node, None)
         return out + self._findings(job, memo, last, now)
 
+
+    def _membership(self, job: JobState) -> tuple[set[str], dict[str, int]]:
+        """The nodes ``job``'s ranks report from and how many of its ranks each holds, cached while
+        its membership stays (a rank's node changes only as its membership does:
+        fleet.JobState.members_revision)."""
+        cached = self._job_nodes.get(job.name) if self._fleet is not None else None
+        if cached is not None and cached[0] is job and cached[1] == job.members_revision:
+            return cached[2], cached[3]
+        ranks_of: dict[str, int] = {}
+        for rank in job.ranks.values():
+            ranks_of[rank.node] = ranks_of.get(rank.node, 0) + 1
+        nodes = set(ranks_of)
+        if self._fleet is not None:
+            self._job_nodes[job.name] = (job, job.members_revision, nodes, ranks_of)
+        return nodes, ranks_of
+
+    def _classes_of(self, view: FleetView, nodes: set[str]) -> dict[str, HardwareClass]:
+        """Each node's hardware class (UNKNOWN when classes are not compared or the node is not in
+        the fleet), cached while the node's class revision stays (NodeState.gpu_class_revision)."""
+        if not self.config.by_hardware_class:
+            return dict.fromkeys(nodes, UNKNOWN)
+        out: dict[str, HardwareClass] = {}
+        cache = self._classes if self._fleet is not None else None
+        for n in nodes:
+            node = view.nodes.get(n)
+            if node is None:
+                out[n] = UNKNOWN
+                continue
+            cached = cache.get(n) if cache is not None else None
+            if cached is not None and cached[0] is node and cached[1] == node.gpu_class_revision:
+                out[n] = cached[2]
+                continue
+            cls = out[n] = hardware_class(node)
+            if cache is not None:
+                cache[n] = (node, node.gpu_class_revision, cls)
+        return out
 
     def _verdict(self, job: JobState, memo: _JobMemo, index: int, classes: dict[str, HardwareClass]) -> _Verdict:
         cfg = self.config
@@ -327,16 +377,19 @@ class StragglerDetector:
         """Per node: the median over its ranks of each rank's own time (compute p50 + data p50),
         compute p50, data p50 and collective wait p50 in window ``index``."""
         per_node: dict[str, list[tuple[float, float | None, float | None, int]]] = {}
-        ranks_of: dict[str, int] = {}
+        ranks_of = self._membership(job)[1]
+        ceil = math.ceil
         for rank in job.ranks.values():
-            ranks_of[rank.node] = ranks_of.get(rank.node, 0) + 1
             for entry in reversed(rank.windows):
                 # (end, compute p50, comm p50, steps, data p50, ...): indexed, the tuple may grow.
-                k = math.ceil(entry[0] / width - 1e-9)
+                k = ceil(entry[0] / width - 1e-9)
                 if k < index:
                     break
                 if k == index:
-                    per_node.setdefault(rank.node, []).append((entry[1], entry[4], entry[2], entry[3]))
+                    rows = per_node.get(rank.node)
+                    if rows is None:
+                        rows = per_node[rank.node] = []
+                    rows.append((entry[1], entry[4], entry[2], entry[3]))
                     break
         cfg = self.config
         out: dict[str, _NodeWindow] = {}
