@@ -5,8 +5,8 @@ clocks, every report at the agent's real 2.5 s cadence, with no agent or aggrega
 false removals of a healthy noisy fleet per 1,000 node-days (over >= 100 node-days), straggler
 precision and recall over several seeds for 5-30% slowdowns, the time to drain a 10%-slow node
 in a 1,024-node job, and the removals of a job-wide application Xid. Independent simulations
-run in parallel processes (one per core); the healthy fleet is split by job, whose statistics
-are independent. It asserts nothing: it prints figures beside their budgets.
+run in parallel processes (one per core); the healthy fleet is split by job (sim/shards.py), whose
+statistics are independent. It asserts nothing: it prints figures beside their budgets.
 """
 
 from __future__ import annotations
@@ -21,42 +21,12 @@ from bench.measure import Measurement
 from vigil.sim.run import run_scenario
 from vigil.sim.scenario import REMOVAL_ACTIONS, Scenario, load_scenario, parse_scenario, shortened
 from vigil.sim.score import removal_key, score
+from vigil.sim.shards import job_shards
 
 HEALTHY = "healthy-2s5-100-node-days"
 SEEDS = (1, 2, 3)
 FACTORS = (1.05, 1.10, 1.20, 1.30)
 PR_NODES = 128
-
-
-def job_shards(sc: Scenario) -> list[Scenario]:
-    """The fleet cut into independent pieces: the jobs that share nodes, on those nodes (renamed
-    from 0), with their own seed; GPU profiles and every other setting kept."""
-    groups: list[tuple[set[str], list[Any]]] = []
-    for job in sc.jobs:
-        nodes = set(sc.resolve_nodes(job.nodes))
-        group = next((g for g in groups if g[0] & nodes), None)
-        if group is None:
-            groups.append((nodes, [job]))
-        else:
-            group[0].update(nodes)
-            group[1].append(job)
-    order = {n: i for i, n in enumerate(sc.node_names())}
-    out = []
-    for k, (nodes, jobs) in enumerate(groups):
-        names = sorted(nodes, key=order.__getitem__)
-        rename = {n: sc.fleet.name_format.format(i) for i, n in enumerate(names)}
-        data = sc.model_dump(exclude_none=True)
-        data["name"] = f"{sc.name}-shard{k}"
-        data["seed"] = sc.seed * 1000 + k
-        data["fleet"]["nodes"] = len(names)
-        data["fleet"]["profiles"] = [
-            {"nodes": [rename[n] for n in sc.resolve_nodes(g.nodes) if n in rename], "profile": g.profile}
-            for g in sc.fleet.profiles if any(n in rename for n in sc.resolve_nodes(g.nodes))]
-        data["jobs"] = [{**j.model_dump(exclude_none=True), "nodes": [rename[n] for n in sc.resolve_nodes(j.nodes)]}
-                        for j in jobs]
-        data["faults"], data["expect"], data["allow"] = [], [], []
-        out.append(parse_scenario(data, data["name"]))
-    return out
 
 
 def _run(sc: Scenario) -> dict[str, Any]:

@@ -17,7 +17,9 @@ nothing (sim.score does) and never sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import heapq
 import json
@@ -26,7 +28,7 @@ import math
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -743,7 +745,8 @@ class Simulation:
         wall0 = time.perf_counter()
         try:
             self._build()
-            result = self._loop(wall0)
+            with service_gc():
+                result = self._loop(wall0)
         finally:
             for node in self.nodes.values():
                 node.close()
@@ -978,6 +981,28 @@ class Simulation:
 
 # NVML faults that lower a GPU's SM clock, by the node-level model that defines their fields.
 _THROTTLES: dict[str, Any] = {"thermal_throttle": ThermalThrottle, "power_brake": PowerBrake, "power_cap": PowerCap}
+
+
+@contextlib.contextmanager
+def service_gc() -> Iterator[None]:
+    """The aggregator service's garbage-collector policy (aggregator/app.py ``tune_gc``: what
+    exists at start-up frozen out of the collector's way, collections every ``GC_THRESHOLDS``
+    allocations) while the simulation runs, the caller's restored after it. The simulated fleet's
+    agents, FakeNvml and detectors are millions of long-lived objects; at CPython's default
+    thresholds the collector re-walks them every 700 allocations and costs more than the
+    simulation itself (bench/bench_sim.py). Cycles are still collected: less often."""
+    from vigil.aggregator.app import GC_THRESHOLDS
+
+    thresholds = gc.get_threshold()
+    frozen_before = gc.get_freeze_count()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        if frozen_before == 0:  # what the caller froze stays frozen
+            gc.unfreeze()
 
 
 def report_offsets(scenario: Scenario, seed: int) -> dict[str, float]:

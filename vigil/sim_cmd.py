@@ -34,6 +34,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, help="override the scenario's seed")
     p.add_argument("--duration", type=float, metavar="SECONDS",
                    help="simulate only the first SECONDS (faults and expectations after it are dropped)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="healthy-fleet statistics: split the fleet into independent shards (the jobs that "
+                        "share nodes) and run them in N processes (0: one per core), merging their verdicts; "
+                        "refused for a scenario with faults, expectations, remediation or probes, since shards "
+                        "share no aggregator (fleet-wide detectors and the breaker judge each shard alone)")
     p.add_argument("--log-level", default="ERROR", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument("--progress-every", type=float, default=PROGRESS_EVERY_SECONDS, metavar="SECONDS",
                    help="when stderr is not a terminal: a progress line at most every SECONDS of wall time "
@@ -103,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"vigil sim: {exc}", file=sys.stderr)
         return 2
+    if args.workers is not None:
+        return _run_sharded(scenario, args)
     progress: Callable[[float, float, int], None] | None = None
     if sys.stderr.isatty():
         progress = ProgressBar(sys.stderr)
@@ -125,6 +132,51 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_text(data)
     return 0 if s.passed else 1
+
+
+def _run_sharded(scenario: Any, args: argparse.Namespace) -> int:
+    """``--workers``: the scenario as independent shards in parallel processes (sim/shards.py)."""
+    from vigil.sim.scenario import ScenarioError
+    from vigil.sim.shards import default_workers, run_sharded
+
+    if args.report:
+        print("vigil sim: --report draws one simulation's plots; it cannot be used with --workers", file=sys.stderr)
+        return 2
+    if args.workers < 0:
+        print("vigil sim: --workers must be >= 0", file=sys.stderr)
+        return 2
+    workers = args.workers or default_workers()
+
+    def done(r: Any) -> None:
+        if args.progress_every >= 0:
+            print(f"vigil sim: shard {r.name} (seed {r.seed}, {r.nodes} nodes): {'PASS' if r.passed else 'FAIL'}, "
+                  f"{r.removals} removals, {r.wall_seconds:,.0f} s wall", file=sys.stderr, flush=True)
+
+    try:
+        result = run_sharded(scenario, workers=workers, seed=args.seed, on_shard=done)
+    except ScenarioError as exc:
+        print(f"vigil sim: {exc}", file=sys.stderr)
+        return 2
+    data = result.to_json()
+    if args.json:
+        print(json.dumps(data, indent=None, default=str))
+    else:
+        print(f"scenario {data['scenario']} in {len(data['shards'])} shards ({workers} workers): "
+              f"{'PASS' if data['pass'] else 'FAIL'}")
+        print(f"  {data['node_days']:,.2f} node-days ({data['reports']:,} reports) in {data['wall_seconds']:,.0f} s "
+              f"wall, {data['cpu_seconds']:,.0f} s CPU")
+        cap = data["max_removals"]
+        print(f"  removals {data['removals']}{'' if cap is None else f' (cap {cap})'}, proposed "
+              f"{data['proposed_removals']}, false drains {data['false_drains']} "
+              f"({data['false_removals_per_1000_node_days']} per 1,000 node-days)")
+        for d in data["decisions"]:
+            print(f"  {d['action']} {d.get('node') or d.get('job')} by {d['detector']} at {d['t']:g} s "
+                  f"({d['shard']}): {d['reason']}")
+        for sh in data["shards"]:
+            print(f"  shard {sh['name']}: seed {sh['seed']}, {sh['nodes']} nodes, {sh['node_days']:g} node-days, "
+                  f"{'PASS' if sh['pass'] else 'FAIL'}")
+        print(f"  note: {data['caveat']}")
+    return 0 if result.passed else 1
 
 
 def _print_text(data: dict[str, Any]) -> None:

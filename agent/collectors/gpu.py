@@ -27,6 +27,7 @@ from vigil.agent.nvml.backend import (
     CLOCK_EVENT_REASONS,
     GpuIdentity,
     GpuReading,
+    NvLinkReading,
     NVMLError,
     PynvmlBackend,
     error_reason,
@@ -267,6 +268,10 @@ class _Gpu:
         self.energy_joules: float | None = None  # the last slow-cadence read of the energy counter
         # link -> (state labels, (crc, replay, recovery) error labels); cleared when labels change
         self.link_label_cache: dict[int, tuple[_Labels, tuple[_Labels, ...]]] = {}
+        # The last links read and what they made: (labels, links, their samples without the
+        # traffic counters, nvlink_state); reused while the links read the same.
+        self.link_memo: tuple[_Labels, tuple[NvLinkReading, ...], list[Sample],
+                              dict[str, int | tuple[int, ...] | None]] | None = None
 
     def identify(self, ident: GpuIdentity) -> None:
         self.identity = ident
@@ -427,6 +432,16 @@ class GpuCollector:
 
     @staticmethod
     def _remember_nvlinks(gpu: _Gpu, r: GpuReading) -> None:
+        data = [Sample(NVLINK_DATA.name, float(value), (*gpu.labels, ("direction", direction)))
+                for direction, value in (("tx", r.nvlink_data_tx_bytes), ("rx", r.nvlink_data_rx_bytes))
+                if value is not None]  # read with the links: held, with them, until the next slow cycle
+        memo = gpu.link_memo
+        if memo is not None and memo[0] is gpu.labels and memo[1] == r.nvlinks:
+            # Links as they were (a healthy GPU's states and error counters rarely move): the same
+            # samples and state; only the traffic counters are new.
+            gpu.nvlink_samples = memo[2] + data
+            gpu.nvlink_state = dict(memo[3])
+            return
         samples: list[Sample] = []
         sums = {"crc": 0, "replay": 0, "recovery": 0}
         seen = {"crc": False, "replay": False, "recovery": False}
@@ -453,17 +468,16 @@ class GpuCollector:
                     samples.append(Sample(NVLINK_ERRORS.name, float(value), error_labels))
                     sums[kind] += value
                     seen[kind] = True
-        for direction, value in (("tx", r.nvlink_data_tx_bytes), ("rx", r.nvlink_data_rx_bytes)):
-            if value is not None:  # read with the links: held, with them, until the next slow cycle
-                samples.append(Sample(NVLINK_DATA.name, float(value), (*gpu.labels, ("direction", direction))))
-        gpu.nvlink_samples = samples
-        gpu.nvlink_state = {
+        state: dict[str, int | tuple[int, ...] | None] = {
             "nvlink_crc_errors_total": sums["crc"] if seen["crc"] else None,
             "nvlink_replay_errors_total": sums["replay"] if seen["replay"] else None,
             "nvlink_recovery_errors_total": sums["recovery"] if seen["recovery"] else None,
             "nvlink_links_active": active if r.nvlinks else None,
             "nvlink_links_down": tuple(down),
         }
+        gpu.link_memo = (gpu.labels, r.nvlinks, samples, state)
+        gpu.nvlink_samples = samples + data
+        gpu.nvlink_state = dict(state)
 
     def _gpu_state(self, gpu: _Gpu, r: GpuReading) -> GpuState:
         ident = gpu.identity

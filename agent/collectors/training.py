@@ -153,6 +153,8 @@ _KEY_SHAPED = re.compile(r"^(?:\d+|(?:pod|uid|unverified)/.*)$")
 # no list separators, patterns, whitespace or '/' (a key's namespace separator).
 _KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
 PHASES = ("compute", "comm", "data")
+# RankSummary's quantile fields, step then the phases: (p50, p90).
+_QUANTILE_KEYS = tuple((f"{name}_seconds_p50", f"{name}_seconds_p90") for name in ("step", *PHASES))
 LOG_ERROR_REASONS = ("unreadable", "parse")
 
 _JR = ("job", "rank")
@@ -303,6 +305,39 @@ class _Rank:
     last_grad_norm: float | None = None
     nonfinite: int = 0
     signals: bool = False
+    # Records that left history from its old end (trimmed, or pushed out of the ring): with the
+    # window's end, what decides whether ``window`` still holds (``TrainingCollector._summary``).
+    dropped: int = 0
+    # The latest complete window's summary fields, as computed: (window end, ``dropped`` then,
+    # whether a record at or after the end was in history then, history's length then, fields).
+    window: tuple[float, int, bool, int, dict[str, Any]] | None = None
+    # This rank's sample label tuples, built once (``TrainingCollector._samples``).
+    labels: _RankLabels | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _RankLabels:
+    """A rank's label tuples in the specs' label order (job, rank, then the extra label)."""
+
+    jr: tuple[tuple[str, str], ...]
+    phases: tuple[tuple[tuple[str, str], ...], ...]  # compute, comm, data
+    p50: tuple[tuple[str, str], ...]
+    p90: tuple[tuple[str, str], ...]
+    # Per state, the rank's three state samples (1 for its state, 0 for the others): they change
+    # only when the state does.
+    states: dict[str, tuple[Sample, ...]]
+
+    @staticmethod
+    def of(job: str, rank: int) -> _RankLabels:
+        jr = (("job", job), ("rank", str(rank)))
+        states = ("running", "hung", "exited")
+        return _RankLabels(jr, tuple((*jr, ("phase", p)) for p in PHASES), (*jr, ("percentile", "50")),
+                           (*jr, ("percentile", "90")),
+                           {now: tuple(Sample(RANK_STATE.name, 1.0 if st == now else 0.0, (*jr, ("state", st)))
+                                       for st in states) for now in states})
+
+    def state_samples(self, state: str) -> tuple[Sample, ...]:
+        return self.states[state]
 
 
 @dataclass(slots=True)
@@ -416,6 +451,8 @@ class TrainingCollector:
         self._ranks: dict[tuple[str, int], _Rank] = {}
         self._names: dict[str, str] = {}  # job key -> the free name its heartbeats claim (a label)
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
+        # The samples of ``_rejected`` as of the counts they were built from (``_samples``).
+        self._rejected_samples: tuple[dict[str, int], list[Sample]] | None = None
         self._evicted = 0
         self._tails = [
             _Tail(lf, LogFollower(lf.path), make_parser(lf.format, lf.regex), AppLogSignals(lf.job_name))
@@ -504,6 +541,7 @@ class TrainingCollector:
             state.received += 1
         if len(state.history) == state.history.maxlen:
             state.baseline_step = state.history[0].step
+            state.dropped += 1
         state.history.append(record)
         return None
 
@@ -620,6 +658,7 @@ class TrainingCollector:
         start, _ = self._window(now)
         while r.history and r.history[0].ts < start:
             r.baseline_step = r.history.popleft().step
+            r.dropped += 1
 
     def _watch(self, r: _Rank, now: float) -> list[Event]:
         events: list[Event] = []
@@ -655,36 +694,65 @@ class TrainingCollector:
         return max(self._config.hang_seconds, HANG_GAP_FACTOR * r.progress_gap)
 
     def _summary(self, r: _Rank, now: float) -> RankSummary:
-        # One pass over the window into one list per phase: this runs for every rank every cycle.
-        # History holds the complete window then the one in progress (``_trim``); only the
-        # complete window is summarised, so consecutive summaries share no step.
         _, end = self._window(now)
+        fields = self._window_fields(r, end)
+        ckpt = r.checkpoint
+        if ckpt is not None:
+            fields = {**fields, "checkpoint_step": ckpt.step, "checkpoint_ts": ckpt.ts,
+                      "checkpoint_seconds": ckpt.seconds}
+        return RankSummary(job=r.job, rank=r.rank, gpu=r.gpu, pid=r.pid, state=r.state,
+                           window_seconds=self._config.window_seconds, window_end_ts=end,
+                           last_step=r.last.step, last_progress_ts=r.last_progress_ts,
+                           phase=cast("JobPhase | None", r.last.phase), **fields)
+
+    @staticmethod
+    def _window_fields(r: _Rank, end: float) -> dict[str, Any]:
+        """The complete window's steps and quantiles: what the records before ``end`` say. History
+        holds the complete window then the one in progress (``_trim``); only the complete window
+        is summarised, so consecutive summaries share no step. Records only join history at its
+        new end, so while none has left its old end (``dropped``) the window's records are the
+        same as when last computed if one at or after ``end`` was already there (the scan stops
+        at it), or if the first to join since is at or after ``end``, or if none has joined:
+        then the fields computed then stand (a report interval shorter than the window
+        summarises each window more than once)."""
+        hist = r.history
+        cached = r.window
+        if cached is not None and cached[0] == end and cached[1] == r.dropped:
+            closed, n = cached[2], cached[3]
+            if closed or n == len(hist) or hist[n].ts >= end:
+                return cached[4]
+        # One pass over the window into one list per phase: this runs for every rank every cycle.
         steps = 0
         prev = r.baseline_step
         first_step: int | None = None
-        columns: tuple[list[float], list[float], list[float], list[float]] = ([], [], [], [])
-        step_v, compute_v, comm_v, data_v = columns
+        step_v: list[float] = []
+        compute_v: list[float] = []
+        comm_v: list[float] = []
+        data_v: list[float] = []
         losses: list[float] = []
         norms: list[float] = []
         nonfinite = nonfinite_loss = 0
         nonfinite_first: int | None = None
-        for rec in r.history:
+        closed = False
+        for rec in hist:
             if rec.ts >= end:
+                closed = True
                 break
+            step = rec.step
             if prev is None:
                 steps += 1  # the first step ever seen
-            elif rec.step > prev:
-                steps += rec.step - prev
-            prev = rec.step
-            if first_step is None or rec.step < first_step:
-                first_step = rec.step  # below an earlier window's last step: the job restarted
+            elif step > prev:
+                steps += step - prev
+            prev = step
+            if first_step is None or step < first_step:
+                first_step = step  # below an earlier window's last step: the job restarted
             if rec.loss is not None or rec.grad_norm is not None:
                 loss, norm = rec.loss, rec.grad_norm
                 if isinstance(loss, str) or isinstance(norm, str):
                     nonfinite += 1
                     nonfinite_loss += isinstance(loss, str)
                     if nonfinite_first is None:
-                        nonfinite_first = rec.step
+                        nonfinite_first = step
                 if isinstance(loss, float):
                     losses.append(loss)
                 if isinstance(norm, float):
@@ -697,25 +765,21 @@ class TrainingCollector:
                 comm_v.append(rec.comm_seconds)
             if rec.data_seconds is not None:
                 data_v.append(rec.data_seconds)
-        quantiles: dict[str, Any] = {}
-        for name, values in zip(("step", *PHASES), columns, strict=True):
-            values.sort()
-            quantiles[f"{name}_seconds_p50"] = percentile(values, 0.5) if values else None
-            quantiles[f"{name}_seconds_p90"] = percentile(values, 0.9) if values else None
+        fields: dict[str, Any] = {"steps": steps, "first_step": first_step}
+        for (k50, k90), values in zip(_QUANTILE_KEYS, (step_v, compute_v, comm_v, data_v), strict=True):
+            if values:
+                values.sort()
+                fields[k50] = percentile(values, 0.5)
+                fields[k90] = percentile(values, 0.9)
         if losses or norms or nonfinite:
             loss_last = losses[-1] if losses else None
             losses.sort()
-            quantiles.update(loss_p50=percentile(losses, 0.5) if losses else None, loss_last=loss_last,
-                             grad_norm_p50=percentile(sorted(norms), 0.5) if norms else None,
-                             grad_norm_max=max(norms) if norms else None, nonfinite_steps=nonfinite,
-                             nonfinite_first_step=nonfinite_first, nonfinite_loss_steps=nonfinite_loss)
-        ckpt = r.checkpoint
-        if ckpt is not None:
-            quantiles.update(checkpoint_step=ckpt.step, checkpoint_ts=ckpt.ts, checkpoint_seconds=ckpt.seconds)
-        return RankSummary(job=r.job, rank=r.rank, gpu=r.gpu, pid=r.pid, state=r.state,
-                           window_seconds=self._config.window_seconds, window_end_ts=end, steps=steps,
-                           last_step=r.last.step, first_step=first_step,
-                           last_progress_ts=r.last_progress_ts, phase=cast(JobPhase | None, r.last.phase), **quantiles)
+            fields.update(loss_p50=percentile(losses, 0.5) if losses else None, loss_last=loss_last,
+                          grad_norm_p50=percentile(sorted(norms), 0.5) if norms else None,
+                          grad_norm_max=max(norms) if norms else None, nonfinite_steps=nonfinite,
+                          nonfinite_first_step=nonfinite_first, nonfinite_loss_steps=nonfinite_loss)
+        r.window = (end, r.dropped, closed, len(hist), fields)
+        return fields
 
     def _samples(self, ranks: list[_Rank], summaries: list[RankSummary]) -> list[Sample]:
         # Built directly in the specs' label order (job, rank, then the extra label): this runs
@@ -723,21 +787,23 @@ class TrainingCollector:
         out: list[Sample] = []
         append = out.append
         for r, s in zip(ranks, summaries, strict=True):
-            jr = (("job", r.job), ("rank", str(r.rank)))
+            labels = r.labels
+            if labels is None:
+                labels = r.labels = _RankLabels.of(r.job, r.rank)
+            jr = labels.jr
             last = r.last
             append(Sample(LAST_STEP.name, float(last.step), jr))
             if last.step_seconds is not None:
                 append(Sample(STEP_SECONDS.name, last.step_seconds, jr))
-            for phase, value in (("compute", last.compute_seconds), ("comm", last.comm_seconds),
-                                 ("data", last.data_seconds)):
+            for phase_labels, value in zip(labels.phases, (last.compute_seconds, last.comm_seconds,
+                                                           last.data_seconds), strict=True):
                 if value is not None:
-                    append(Sample(PHASE_SECONDS.name, value, (*jr, ("phase", phase))))
+                    append(Sample(PHASE_SECONDS.name, value, phase_labels))
             if s.step_seconds_p50 is not None and s.step_seconds_p90 is not None:
-                append(Sample(WINDOW_STEP_SECONDS.name, s.step_seconds_p50, (*jr, ("percentile", "50"))))
-                append(Sample(WINDOW_STEP_SECONDS.name, s.step_seconds_p90, (*jr, ("percentile", "90"))))
+                append(Sample(WINDOW_STEP_SECONDS.name, s.step_seconds_p50, labels.p50))
+                append(Sample(WINDOW_STEP_SECONDS.name, s.step_seconds_p90, labels.p90))
             append(Sample(LAST_PROGRESS.name, r.last_progress_ts, jr))
-            for state in ("running", "hung", "exited"):
-                append(Sample(RANK_STATE.name, 1.0 if r.state == state else 0.0, (*jr, ("state", state))))
+            out.extend(labels.state_samples(r.state))
             if r.received:
                 append(Sample(HEARTBEATS.name, float(r.received), jr))
             if r.signals:
@@ -751,7 +817,11 @@ class TrainingCollector:
                 append(Sample(CHECKPOINT_STEP.name, float(ckpt.step), jr))
                 append(Sample(CHECKPOINT_TS.name, ckpt.ts, jr))
                 append(Sample(CHECKPOINT_SECONDS.name, ckpt.seconds, jr))
-        out.extend(Sample.of(REJECTED, n, reason=reason) for reason, n in self._rejected.items())
+        cached = self._rejected_samples
+        if cached is None or cached[0] != self._rejected:  # refusals are rare: the same samples most cycles
+            cached = self._rejected_samples = (dict(self._rejected), [
+                Sample.of(REJECTED, n, reason=reason) for reason, n in self._rejected.items()])
+        out.extend(cached[1])
         trusts = {r.job: r.trust for r in ranks}
         out.extend(Sample.of(JOB_INFO, 1.0, job=job, trust=trust, name=self._names.get(job, ""))
                    for job, trust in trusts.items())

@@ -353,3 +353,21 @@ def test_mig_devices_are_their_own_series_beside_their_parent(clock, tmp_path):
 def test_no_mig_series_on_a_board_without_mig(make):
     samples = make("healthy-v100").collect(0.0).samples
     assert not [s for s in samples if s.name.startswith("vigil_gpu_mig_")]
+
+
+@pytest.mark.parametrize("scenario", ["nvlink-down", "nvlink-errors", "healthy-h100"])
+def test_links_read_as_before_reuse_their_samples_and_equal_a_fresh_build(make, clock, scenario) -> None:
+    # Every cycle reads the links (nvlink_interval_seconds 1): unchanged links reuse what they made
+    # last time, changed ones (a link down at 60 s, growing error counters) are built anew; the
+    # reference forgets every GPU's remembered links before each cycle.
+    inc, ref = make(scenario, nvlink_interval_seconds=1), make(scenario, nvlink_interval_seconds=1)
+    reused = 0
+    for t in range(0, 130, 2):
+        clock.t = float(t)
+        for gpu in ref._gpus or []:
+            gpu.link_memo = None
+        before = [g.link_memo for g in inc._gpus or []]
+        got, want = inc.collect(clock.t), ref.collect(clock.t)
+        assert got.samples == want.samples and got.report == want.report
+        reused += sum(1 for g, m in zip(inc._gpus or [], before, strict=False) if m is not None and g.link_memo is m)
+    assert reused > 0
