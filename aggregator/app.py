@@ -96,6 +96,8 @@ BUSY_RETRY_SECONDS = 0.05
 # of the event loop (~0.1 ms each: a batch holds the loop ~25 ms, a quarter of the 100 ms intake
 # budget of issue #20).
 HELD_INGEST_BATCH = 250
+# The 202 answer's header, whole: aiohttp copies it into each response (no content-type parse).
+JSON_HEADERS = {"Content-Type": "application/json"}
 # A node whose reports keep naming more than its caps is logged at most this often (each entry is
 # counted in vigil_aggregator_refusals_total): an attack must not flood the log.
 REFUSED_ENTRIES_LOG_SECONDS = 60.0
@@ -392,6 +394,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     # Whether to take one more report now (aggregator/admission.py), and the loop's last lag it reads.
     admission = Admission(config.server.admission, clock)
     loop_lag_seconds = [0.0]
+    metrics.held_now.set_function(lambda: len(held))
     entries_refused_logged: dict[str, float] = {}  # node -> when its refused entries were last logged
     superseded = 0  # bumped when a synchronous evaluation takes over from an in-flight one
 
@@ -433,9 +436,23 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         if not held:
             held_last.clear()
 
-    async def ingest_all_held() -> None:
-        """The held reports, in batches between other work (new ones queue behind them)."""
-        while held:
+    async def ingest_held_now() -> None:
+        """The reports held now, in batches between other work; those arriving meanwhile queue
+        behind them and wait for the next drain. Bounded: draining until ``held`` was empty never
+        ended on a busy machine (each turn of the loop took more reports than a batch, so the
+        next judging pass never began; bench_loadgen's busy run, issue 47)."""
+        left = len(held)
+        while left > 0 and held:
+            batch = min(left, HELD_INGEST_BATCH)
+            ingest_held(batch)
+            left -= batch
+            await asyncio.sleep(0)
+
+    async def ingest_held_until(due: float) -> None:
+        """Between passes: held reports in batches until none is left, or the next pass is due
+        (``due`` on the loop's clock) or woken."""
+        loop = asyncio.get_running_loop()
+        while held and not wake.is_set() and loop.time() < due:
             ingest_held(HELD_INGEST_BATCH)
             await asyncio.sleep(0)
 
@@ -476,7 +493,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         """One evaluation: prepare on the loop, the detectors on ``executor``, the decisions back
         on the loop (through the gate, as ``evaluate_now``)."""
         nonlocal judging
-        await ingest_all_held()  # everything accepted so far is judged
+        await ingest_held_now()  # everything accepted before this pass is judged by it
         started = time.perf_counter()
         with turn() as free:
             if not free:  # a batch (Alertmanager's, an operator's) is being written: never wait on the loop
@@ -507,17 +524,21 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
 
     async def evaluate_forever() -> None:
         executor = judge_executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vigil-judge")
+        loop = asyncio.get_running_loop()
         try:
             while True:
+                # The next pass is due an interval after the last one ended (or at once when
+                # woken), whatever is still held: judging is never starved by intake.
+                due = loop.time() + config.evaluate_interval_seconds
+                await ingest_held_until(due)
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(config.evaluate_interval_seconds):
+                    async with asyncio.timeout_at(due):
                         await wake.wait()
                 wake.clear()
                 try:
                     await evaluate_off_loop(executor)
                 except Exception:  # one bad cycle must not stop judging the fleet
                     log.exception("evaluation failed; the next cycle will try again")
-                await ingest_all_held()
         finally:
             if judge_executor is None:  # a judge in flight finishes first (about a second at most)
                 executor.shutdown(wait=True)
@@ -627,8 +648,8 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         if leads():  # a standby's gate state is read back only when it takes over
             answer["standing"] = standing.of(report.node)
         # The wire's own encoder (Structs as they are): 2.9 us against json_response's 8.1 us, on the
-        # path every report takes.
-        return web.Response(body=encode(answer), status=202, content_type="application/json")
+        # path every report takes; its header given whole (1.7 us a response against content_type's 2.5).
+        return web.Response(body=encode(answer), status=202, headers=JSON_HEADERS)
 
     async def list_nodes(_: web.Request) -> web.Response:
         now = clock()

@@ -315,6 +315,9 @@ class AggregatorMetrics:
         self.held_reports = Counter("vigil_aggregator_reports_held",
                                     "Accepted reports held back while the detectors read the fleet, ingested "
                                     "right after.", registry=r)
+        self.held_now = Gauge("vigil_aggregator_reports_held_now",
+                              "Accepted reports waiting to enter the fleet now (held while the detectors "
+                              "read it, then ingested in batches; server.admission.max_held_reports).", registry=r)
         self.shed = Counter("vigil_aggregator_reports_shed", "Reports not taken because the aggregator was behind on "
                             "its work (answered 503, or 429 over server.admission.max_reports_per_second, with "
                             "Retry-After), by reason: held_full, loop_lag, rate. The agent keeps "

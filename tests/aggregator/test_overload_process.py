@@ -82,3 +82,41 @@ def test_past_its_capacity_it_sheds_with_retry_after_and_takes_every_node_again_
     assert counter(metrics, "vigil_aggregator_reports_shed_total") == hot["shed"] + 1 + calm["shed"]
     assert 'vigil_aggregator_reports_shed_total{reason="rate"}' in metrics
     assert "Traceback" not in agg.log()
+
+
+def test_judging_back_to_back_fills_the_held_bound_sheds_and_every_node_is_taken_again_after(tmp_path: Path) -> None:
+    """Made slow by configuration: passes back to back (``evaluate_interval_seconds`` 0.02) and a
+    held bound of 2, so reports arriving while the detectors read are held, the bound is reached
+    and the excess shed (503 held_full, Retry-After). Judging never starves intake nor intake
+    judging: passes go on while a calm load follows, every one of its reports is taken, and
+    nothing is left held."""
+    agg = AggregatorProcess(tmp_path, {"dry_run": True, "evaluate_interval_seconds": 0.02, "server": {"admission": {
+        "max_held_reports": 2, "retry_after_seconds": 1}}})
+    agg.start()
+
+    def scrape() -> str:
+        req = urllib.request.Request(agg.url + "/metrics", headers={"Authorization": f"Bearer {ROLE_TOKENS['read']}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return str(resp.read().decode())
+
+    try:
+        assert agg.proc is not None
+        target = Target(agg.url, SITE_SECRET.encode(), ROLE_TOKENS["read"], agg.proc.pid)
+        hot = run_load(target, Plan(nodes=60, duration_seconds=3, interval_seconds=0.25, node_prefix="hot"))
+        before_calm = scrape()
+        calm = run_load(target, Plan(nodes=10, duration_seconds=3, interval_seconds=1.0, node_prefix="calm"))
+        after_calm = scrape()
+    finally:
+        agg.stop()
+    # Behind on its work: reports held to the bound, the excess shed with 503, never an error.
+    held_full = re.search(r'^vigil_aggregator_reports_shed_total\{reason="held_full"\} (\S+)$', before_calm, re.M)
+    assert held_full is not None and float(held_full[1]) > 0
+    assert counter(before_calm, "vigil_aggregator_reports_held_total") > 0
+    assert hot["errors"] == {} and hot["shed"] > 0 and hot["rebased"] == 0
+    # Taken again: every node of the calm load is taken while passes go on, and nothing is left held.
+    assert calm["errors"] == {} and calm["accepted"] > 0 and calm["fleet_nodes"] == 10
+    passes = "vigil_aggregator_judge_duration_seconds_count"
+    assert counter(after_calm, passes) > counter(before_calm, passes)
+    assert counter(after_calm, "vigil_aggregator_reports_held_now") == 0
+    assert counter(after_calm, "vigil_aggregator_reports_total") == hot["accepted"] + calm["accepted"]
+    assert "Traceback" not in agg.log()
