@@ -35,9 +35,9 @@ class AdmissionConfig(StrictModel):
     # 5 s of a 12,500-node fleet at one report per 2.5 s (docs/architecture.md section 9). Past it
     # the judging thread is far behind intake: new reports are shed, not queued without bound.
     max_held_reports: int = Field(default=25_000, ge=1)
-    # Shed while the event loop ran its last 0.25 s timer this late: every request waits as long
-    # behind it, and an agent gives up on its request after 5 s (agent.timeout_seconds): 2 s is
-    # under half of that.
+    # Shed while the event loop ran its last two 0.25 s timers this late: every request waits as
+    # long behind it, and an agent gives up on its request after 5 s (agent.timeout_seconds): 2 s
+    # is under half of that. Two in a row: one stall (a busy host's hiccup) sheds nothing.
     max_loop_lag_seconds: float = Field(default=2.0, gt=0)
     # Reports taken per second at most, bursts of one second's worth (0: no bound). For an
     # operator who sized the aggregator's core: 1 / its CPU per report (make bench).
@@ -67,6 +67,15 @@ class Admission:
         self._clock = clock
         self._tokens = max(1.0, config.max_reports_per_second)
         self._filled_at = clock()
+        # The event loop's lag as admission judges it: the smaller of the last two measurements
+        # (note_loop_lag), so a lag that lasts sheds and one stall of a busy host does not.
+        self.loop_lag_seconds = 0.0
+        self._last_lag_seconds = 0.0
+
+    def note_loop_lag(self, lag_seconds: float) -> None:
+        """One measurement of the event loop's lag (aggregator/app.py measure_loop_lag)."""
+        self.loop_lag_seconds = min(lag_seconds, self._last_lag_seconds)
+        self._last_lag_seconds = lag_seconds
 
     def check(self, held: int, loop_lag_seconds: float,
               quiet_seconds: Callable[[], float | None] = lambda: None) -> Shed | None:

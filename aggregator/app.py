@@ -391,9 +391,8 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
     # Each held node's latest (boot id, seq): the base a compact report arriving meanwhile must name.
     held_last: dict[str, tuple[str, int]] = {}
     judging: Future[list[Finding]] | None = None
-    # Whether to take one more report now (aggregator/admission.py), and the loop's last lag it reads.
+    # Whether to take one more report now (aggregator/admission.py; it keeps the loop lag it judges).
     admission = Admission(config.server.admission, clock)
-    loop_lag_seconds = [0.0]
     metrics.held_now.set_function(lambda: len(held))
     entries_refused_logged: dict[str, float] = {}  # node -> when its refused entries were last logged
     superseded = 0  # bumped when a synchronous evaluation takes over from an in-flight one
@@ -544,7 +543,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
                 executor.shutdown(wait=True)
 
     def lag_seen(lag: float) -> None:
-        loop_lag_seconds[0] = lag
+        admission.note_loop_lag(lag)
 
     app.cleanup_ctx.append(background("vigil-aggregator-loop-lag", lambda: measure_loop_lag(metrics, seen=lag_seen)))
 
@@ -580,7 +579,7 @@ def make_app(config: AggregatorConfig, engine: Engine, sink: DecisionSink, *,
         # Behind on its work, the aggregator sheds before parsing (the cost a shed saves): the
         # sender takes nothing from the answer but when to come back, keeps its compact base
         # (nothing was taken) and resends no sooner than Retry-After (docs/reports.md, "Overload").
-        shed = admission.check(len(held), loop_lag_seconds[0], lambda: quiet_seconds(request.get(NODE_KEY)))
+        shed = admission.check(len(held), admission.loop_lag_seconds, lambda: quiet_seconds(request.get(NODE_KEY)))
         if shed is not None:
             metrics.shed.labels(shed.reason).inc()
             return web.Response(body=encode({"error": "overloaded", "detail": shed.detail, "reason": shed.reason,

@@ -70,3 +70,19 @@ def test_a_node_quiet_for_always_admit_after_seconds_is_taken_whatever_the_load_
     assert a.check(held=0, loop_lag_seconds=5.0, quiet_seconds=lambda: None) is not None  # unknown: shed
     full = a.check(held=10, loop_lag_seconds=0.0, quiet_seconds=lambda: 3600.0)
     assert full is not None and full.reason == "held_full"  # memory's bound holds for everyone
+
+
+def test_one_stall_of_the_event_loop_sheds_nothing_and_a_lag_that_lasts_does() -> None:
+    # A busy host's single 3.5 s hiccup (seen in a clock-step test on a loaded machine) must not
+    # shed the reports queued behind it; two late timers in a row are a lag that lasts.
+    a, _ = admission()
+    a.note_loop_lag(3.5)
+    assert a.check(held=0, loop_lag_seconds=a.loop_lag_seconds) is None
+    a.note_loop_lag(0.01)
+    assert a.check(held=0, loop_lag_seconds=a.loop_lag_seconds) is None
+    a.note_loop_lag(2.5)
+    a.note_loop_lag(3.0)
+    shed = a.check(held=0, loop_lag_seconds=a.loop_lag_seconds)
+    assert shed is not None and shed.reason == "loop_lag" and "2.50s late" in shed.detail
+    a.note_loop_lag(0.0)
+    assert a.check(held=0, loop_lag_seconds=a.loop_lag_seconds) is None
