@@ -304,6 +304,9 @@ class GpuCollector:
         self._nvlink_due = float("-inf")
         self._xid_counts: dict[tuple[int, int], int] = {}
         self._xid_queue: deque[tuple[float, int, int]] = deque()
+        # (counts, each GPU's labels, the samples they made): _node_samples' Xid counters, rebuilt
+        # only when a count or a GPU's labels changed.
+        self._xid_memo: tuple[dict[tuple[int, int], int], tuple[_Labels, ...], list[Sample]] | None = None
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self._reason_labels = tuple((name, ("reason", name)) for name, _ in CLOCK_EVENT_REASONS)
@@ -526,10 +529,18 @@ class GpuCollector:
         out = [Sample(NVML_AVAILABLE.name, 1.0 if available else 0.0)]
         for reason, count in sorted(self._nvml_errors.items()):
             out.append(Sample(NVML_ERRORS.name, float(count), (("reason", reason),)))
-        for (index, code), count in sorted(self._xid_counts.items()):
-            labels = self._gpus[index].labels if self._gpus and index < len(self._gpus) else (
-                ("gpu", str(index)), ("uuid", ""))
-            out.append(Sample(NVML_XID.name, float(count), (*labels, ("code", str(code)))))
+        # One counter a GPU and paged code (~200 on 8 GPUs), none of which moves on a healthy node:
+        # the samples built last time stand while the counts and the GPUs' labels are the same.
+        gpus = self._gpus or []
+        labels_now = tuple(g.labels for g in gpus)
+        memo = self._xid_memo
+        if memo is None or memo[0] != self._xid_counts or memo[1] != labels_now:
+            xid_samples = []
+            for (index, code), count in sorted(self._xid_counts.items()):
+                labels = labels_now[index] if index < len(labels_now) else (("gpu", str(index)), ("uuid", ""))
+                xid_samples.append(Sample(NVML_XID.name, float(count), (*labels, ("code", str(code)))))
+            memo = self._xid_memo = (dict(self._xid_counts), labels_now, xid_samples)
+        out.extend(memo[2])
         return out
 
     # --- Xid events ----------------------------------------------------------------------------

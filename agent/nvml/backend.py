@@ -334,19 +334,23 @@ class PynvmlBackend:
 
     def _query(self, index: int, errors: list[tuple[str, str]], name: str, *args: Any) -> Any:
         """One NVML call: NotSupported -> None (remembered), health errors raise, others -> None."""
-        unsupported = self._unsupported[index]
-        if name in unsupported:
+        if name in self._unsupported[index]:
             return None
         try:
             return getattr(self._nvml, name)(*args)
-        except self._not_supported:
-            unsupported.add(name)
-            return None
-        except self._health_errors as exc:
-            raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
         except self._error as exc:
-            errors.append((name, error_reason(exc)))
+            return self._failed(index, errors, name, exc)
+
+    def _failed(self, index: int, errors: list[tuple[str, str]], name: str, exc: BaseException) -> None:
+        """What a failed call means (_query's rules): NotSupported is remembered (never asked
+        again), a health error raises _HealthError, any other is counted in ``errors``."""
+        if isinstance(exc, self._not_supported):
+            self._unsupported[index].add(name)
             return None
+        if isinstance(exc, self._health_errors):
+            raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
+        errors.append((name, error_reason(exc)))
+        return None
 
     def _handle(self, index: int) -> Any:
         handle = self._handles.get(index)
@@ -529,9 +533,12 @@ class PynvmlBackend:
             request = self._gpm_request = nvml.c_nvmlGpmMetricsGet_t()
             request.version = self._c["NVML_GPM_METRICS_GET_VERSION"]
             request.numMetrics = len(self._gpm_ids)
+            # The ids are the call's input and nvmlGpmMetricsGet writes only each metric's value,
+            # nvmlReturn and metricInfo: set once with the buffer (pynvml's __setattr__ is slow).
+            ids = request.metrics
+            for i, (_, metric_id, _) in enumerate(self._gpm_ids):
+                ids[i].metricId = metric_id
         slots = request.metrics  # one attribute lookup: pynvml structs wrap __getattribute__
-        for i, (_, metric_id, _) in enumerate(self._gpm_ids):
-            slots[i].metricId = metric_id
         try:
             request.sample1 = previous
             request.sample2 = sample
@@ -731,19 +738,34 @@ class PynvmlBackend:
 
     def _read_nvlinks(self, index: int, e: list[tuple[str, str]], h: Any,
                       links: tuple[int, ...]) -> tuple[NvLinkReading, ...]:
-        q = self._query
+        # _query's rules, inlined: 4 calls a link and 18 links on Hopper are most of a slow read's
+        # calls, so each is one bound call in a try (free unless it raises); a failure goes
+        # through _failed as in _query, and a query answered NotSupported is not asked again.
+        unsupported = self._unsupported[index]
+        nvml, error, failed = self._nvml, self._error, self._failed
+        state_name, counter_name = "nvmlDeviceGetNvLinkState", "nvmlDeviceGetNvLinkErrorCounter"
+        get_state, get_counter = getattr(nvml, state_name), getattr(nvml, counter_name)
         enabled = self._c["NVML_FEATURE_ENABLED"]
-        crc, replay, recovery = self._nvlink_counters
+        counters = self._nvlink_counters
         out = []
         for link in links:
-            state = q(index, e, "nvmlDeviceGetNvLinkState", h, link)
-            out.append(NvLinkReading(
-                link=link,
-                active=None if state is None else state == enabled,
-                crc_errors=q(index, e, "nvmlDeviceGetNvLinkErrorCounter", h, link, crc),
-                replay_errors=q(index, e, "nvmlDeviceGetNvLinkErrorCounter", h, link, replay),
-                recovery_errors=q(index, e, "nvmlDeviceGetNvLinkErrorCounter", h, link, recovery),
-            ))
+            if state_name in unsupported:
+                active = None
+            else:
+                try:
+                    active = get_state(h, link) == enabled
+                except error as exc:
+                    active = failed(index, e, state_name, exc)
+            values: list[int | None] = []
+            for counter in counters:
+                if counter_name in unsupported:
+                    values.append(None)
+                    continue
+                try:
+                    values.append(get_counter(h, link, counter))
+                except error as exc:
+                    values.append(failed(index, e, counter_name, exc))
+            out.append(NvLinkReading(link, active, values[0], values[1], values[2]))
         return tuple(out)
 
     # --- reset --------------------------------------------------------------------------------
