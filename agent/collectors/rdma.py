@@ -606,8 +606,13 @@ class RdmaCollector:
             samples.append(c.sample)
             if c.saturated_sample is not None:
                 samples.append(c.saturated_sample)
-            counters[c.name] = raw * c.scale
-            account(c.name, raw, read_at, c.scale, c.max_raw)
+            name = c.name
+            counters[name] = raw * c.scale
+            previous = readings.get(name)
+            if previous is not None and previous[0] == raw and (c.max_raw is None or raw < c.max_raw):
+                readings[name] = (raw, read_at)  # account()'s answer for a counter that did not move
+            else:
+                account(name, raw, read_at, c.scale, c.max_raw)
 
         pfc, pfc_fresh = self._pfc(port, history, now)
         for name, raw in pfc.items():

@@ -272,6 +272,7 @@ class PynvmlBackend:
         self._nvlink_counters = tuple(int(getattr(nvml, const)) for _, const in NVLINK_ERROR_COUNTERS)
         # Constants looked up once: FakeNvml serves them through __getattr__, which is slow.
         self._c: dict[str, Any] = {name: getattr(nvml, name) for name in _CONSTANTS}
+        self._value_members = _value_members(nvml)
         self._handles: dict[int, Any] = {}
         self._identities: dict[int, GpuIdentity] = {}
         # Queries a device answered NotSupported: a device capability, so never asked again.
@@ -549,8 +550,8 @@ class PynvmlBackend:
         success = self._c["NVML_SUCCESS"]
         for i, (attr, _, scale) in enumerate(self._gpm_ids):
             metric = slots[i]
-            if metric.nvmlReturn == success:
-                value = max(float(metric.value), 0.0) * scale
+            if _numeric_field(metric, "nvmlReturn") == success:
+                value = max(float(_numeric_field(metric, "value")), 0.0) * scale
                 # A percentage may overshoot 100 by rounding in the driver; a ratio stays in 0..1.
                 setattr(r, attr, min(value, 1.0) if scale < 1.0 else value)
 
@@ -727,13 +728,15 @@ class PynvmlBackend:
         asked = [f for f in fields if f"nvmlDeviceGetFieldValues{f}" not in unsupported]
         out: dict[int | tuple[int, int], float | None] = dict.fromkeys(fields)
         values = self._query(index, errors, "nvmlDeviceGetFieldValues", h, asked) if asked else None
+        success, not_supported = self._c["NVML_SUCCESS"], self._c["NVML_ERROR_NOT_SUPPORTED"]
         for f, v in zip(asked, values or (), strict=False):
-            if v.nvmlReturn == self._c["NVML_SUCCESS"]:
-                out[f] = float(_field_value(self._nvml, v))
-            elif v.nvmlReturn == self._c["NVML_ERROR_NOT_SUPPORTED"]:
+            returned = v.nvmlReturn
+            if returned == success:
+                out[f] = _field_value(self._value_members, v)
+            elif returned == not_supported:
                 unsupported.add(f"nvmlDeviceGetFieldValues{f}")
             else:
-                errors.append(("nvmlDeviceGetFieldValues", f"field_return_{int(v.nvmlReturn)}"))
+                errors.append(("nvmlDeviceGetFieldValues", f"field_return_{int(returned)}"))
         return [out[f] for f in fields]
 
     def _read_nvlinks(self, index: int, e: list[tuple[str, str]], h: Any,
@@ -838,21 +841,31 @@ def _address(handle: Any) -> int | None:
         return None
 
 
-def _field_value(nvml: Any, v: Any) -> float:
-    kind = v.valueType
-    if kind == nvml.NVML_VALUE_TYPE_DOUBLE:
-        return float(v.value.dVal)
-    if kind == nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:
-        return float(v.value.ullVal)
-    if kind == nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
-        return float(v.value.sllVal)
-    if kind == nvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
-        return float(v.value.ulVal)
-    if kind == nvml.NVML_VALUE_TYPE_SIGNED_INT:
-        return float(v.value.siVal)
-    if kind == nvml.NVML_VALUE_TYPE_UNSIGNED_SHORT:
-        return float(v.value.usVal)
-    return float(v.value.uiVal)
+# A numeric field of a pynvml struct read as ctypes reads it: pynvml's structs wrap every attribute
+# read in a __getattribute__ that only turns bytes into str, a cost per read that numbers never need.
+_numeric_field = object.__getattribute__
+
+# nvmlValueType_t -> the member of nvmlValue_t that holds it; any other type reads uiVal.
+_VALUE_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("NVML_VALUE_TYPE_DOUBLE", "dVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", "ullVal"),
+    ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", "sllVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_LONG", "ulVal"),
+    ("NVML_VALUE_TYPE_SIGNED_INT", "siVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_SHORT", "usVal"),
+)
+
+
+def _value_members(nvml: Any) -> dict[int, str]:
+    """valueType -> member, looked up once per backend (the first listed wins a shared value)."""
+    members: dict[int, str] = {}
+    for const, member in _VALUE_MEMBERS:
+        members.setdefault(int(getattr(nvml, const)), member)
+    return members
+
+
+def _field_value(members: dict[int, str], v: Any) -> float:
+    return float(getattr(v.value, members.get(v.valueType, "uiVal")))
 
 
 def open_backend(config: NvmlConfig, clock: Callable[[], float]) -> PynvmlBackend | None:

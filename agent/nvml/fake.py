@@ -963,14 +963,17 @@ class FakeNvml:
             raise pynvml.NVMLError_NotSupported()
         values = handle.gpm(min(second.t, t))
         slots = metrics_get.metrics
+        # The numeric fields set and read as ctypes does, past pynvml's str/bytes wrappers.
+        get, put = object.__getattribute__, ctypes.Structure.__setattr__
+        not_supported, success = pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_SUCCESS
         for i in range(metrics_get.numMetrics):
             metric = slots[i]
-            value = values.get(metric.metricId)
+            value = values.get(get(metric, "metricId"))
             if value is None:
-                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                put(metric, "nvmlReturn", not_supported)
             else:
-                metric.value = value
-                metric.nvmlReturn = pynvml.NVML_SUCCESS
+                put(metric, "value", value)
+                put(metric, "nvmlReturn", success)
         return metrics_get
 
     # --- NVLink --------------------------------------------------------------------------------
