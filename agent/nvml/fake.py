@@ -994,12 +994,19 @@ class FakeNvml:
         return t
 
     def nvmlDeviceGetNvLinkState(self, handle: FakeGpuHandle, link: int) -> int:
-        t = self._link(handle, link)
+        # _link's checks in one expression; when one fails, _link raises what NVML would.
+        t = self._clock() - self._start
+        if not (t < self._unavailable_at and self._initialized and t < handle.lost_at
+                and t < handle.reset_required_at and 0 <= link < handle.nvlink_count):
+            t = self._link(handle, link)
         down = t >= handle.nvlink_down_at.get(link, math.inf)
         return pynvml.NVML_FEATURE_DISABLED if down else pynvml.NVML_FEATURE_ENABLED
 
     def nvmlDeviceGetNvLinkErrorCounter(self, handle: FakeGpuHandle, link: int, counter: int) -> int:
-        t = self._link(handle, link)
+        t = self._clock() - self._start
+        if not (t < self._unavailable_at and self._initialized and t < handle.lost_at
+                and t < handle.reset_required_at and 0 <= link < handle.nvlink_count):
+            t = self._link(handle, link)
         kind = _NVLINK_COUNTER_KIND.get(counter)
         if kind is None:
             raise pynvml.NVMLError_NotSupported()
