@@ -372,8 +372,10 @@ class XidCollector:
         # One counter a GPU and code (~250 on 8 GPUs), none of which moves on a healthy node: the
         # samples built last time stand while the counts are the same.
         if self._xid_samples is None or self._xid_samples[0] != self._xid:
-            self._xid_samples = (dict(self._xid), [Sample.of(XID_ERRORS, n, gpu=lbl(g), uuid=lbl(u), code=c)
-                                                   for (g, u, c), n in self._xid.items()])
+            # Sample.of's pairs, written out (~250 a node, all rebuilt when one count moves).
+            self._xid_samples = (dict(self._xid), [
+                Sample(XID_ERRORS.name, float(n), (("gpu", lbl(g)), ("uuid", lbl(u)), ("code", str(c))))
+                for (g, u, c), n in self._xid.items()])
         samples += self._xid_samples[1]
         samples += [Sample.of(XID_LAST, t, gpu=lbl(g), uuid=lbl(u)) for (g, u), t in self._xid_last.items()]
         samples += [Sample.of(FALLEN_OFF_BUS, n, gpu=lbl(g), uuid=lbl(u)) for (g, u), n in self._fallen.items()]

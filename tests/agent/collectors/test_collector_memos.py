@@ -7,6 +7,7 @@ and rotation."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from pathlib import Path
@@ -42,10 +43,8 @@ def _gpu_pair(scenario: str, clock: Clock, **config: object) -> list[tuple[FakeN
 
 def _reset(fake: FakeNvml, bus_id: str) -> None:
     """nvidia-smi --gpu-reset; a GPU in use (or NVML gone) refuses, as the real one does."""
-    try:
+    with contextlib.suppress(subprocess.CalledProcessError):
         fake.nvidia_smi(["nvidia-smi", "--gpu-reset", "-i", bus_id], 60.0)
-    except subprocess.CalledProcessError:
-        pass
 
 
 def _forget(collector: GpuCollector) -> None:
