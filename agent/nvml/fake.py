@@ -524,7 +524,11 @@ class FakeNvml:
         return t
 
     def _device(self, handle: FakeGpuHandle, function: str) -> float:
-        t = self._live()
+        t = self._clock() - self._start  # _live's checks, inlined: every device query passes here
+        if t >= self._unavailable_at:
+            raise pynvml.NVMLError_DriverNotLoaded()
+        if not self._initialized:
+            raise pynvml.NVMLError_Uninitialized()
         if t >= handle.lost_at:
             raise pynvml.NVMLError_GpuIsLost()
         if t >= handle.reset_required_at:
