@@ -524,6 +524,13 @@ class FileFollower:
             self._start = "beginning"
             raise FileNotFoundError(f"cannot open kernel log file {self.path}")
         lines: list[str] = []
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            pass  # rotated away: the old file is drained below
+        else:
+            if st.st_ino == self._inode and st.st_size == self._offset + len(self._partial):
+                return lines  # the file we hold, no longer than what we read: nothing new, no read
         self._drain(lines, max_lines)
         if len(lines) >= max_lines:
             return lines

@@ -74,8 +74,10 @@ def recorded(board: str, folder: Path) -> list[Measurement]:
     ]
 
 
-def cycle_ms(scenario: NodeScenario, cycles: int = CYCLES) -> float:
-    """CPU per GpuCollector.collect of ``scenario``'s node, steady state (identities read before)."""
+def cycle_ms(scenario: NodeScenario, cycles: int = CYCLES, step_seconds: float = 1.0) -> float:
+    """CPU per GpuCollector.collect of ``scenario``'s node, steady state (identities read before),
+    one cycle every ``step_seconds`` of the fake clock (past nvlink_interval_seconds, 10 s: every
+    read also reads NVLink and energy, as the simulator's 5-minute quiet reads do)."""
     now = [0.0]
     backend = PynvmlBackend(FakeNvml(scenario, lambda: now[0], start=0.0))
     backend.init()
@@ -83,7 +85,7 @@ def cycle_ms(scenario: NodeScenario, cycles: int = CYCLES) -> float:
     collector.collect(0.0)
     start = time.process_time()
     for i in range(1, cycles + 1):
-        now[0] = float(i)
+        now[0] = i * step_seconds
         collector.collect(now[0])
     collector.close()
     return (time.process_time() - start) / cycles * 1000.0
@@ -117,8 +119,11 @@ def measure() -> list[Measurement]:
         now[0] = CYCLES + 1.0 + i
         backend.read(i % 8)
     per_read_ms = (time.process_time() - start) / CYCLES * 1000.0
+    slow_ms = cycle_ms(DEFAULT_SCENARIO, CYCLES // 4, step_seconds=300.0)
     return [Measurement("GPU collector CPU per cycle (8 fake H100s)", per_cycle_ms, "ms", None,
                         note="part of the 2 ms agent budget"),
+            Measurement("GPU collector CPU per cycle reading NVLink and energy too (8 fake H100s)", slow_ms, "ms",
+                        None, note="every 10 s in the daemon; every read of the simulator's quiet nodes (5 min)"),
             Measurement("backend read, fake H100: CPU per GPU", per_read_ms, "ms", None,
                         note="the fake answers at once; the real driver's calls cost what the next rows say"),
             *mig(), *(m for board, folder in real_boards() for m in recorded(board, folder))]

@@ -890,30 +890,36 @@ class Simulation:
         pid_base = (self.jobs.index(model) + 1) * _PID_STRIDE + 1
         r_per = model.ranks_per_node
         gpus = self.scenario.fleet.gpus_per_node
-        steps = batch.step[rows]
-        ends = batch.end_ts[rows]
-        step_s = batch.step_seconds[rows]
-        comp = batch.compute_seconds[rows]
-        comm = batch.comm_seconds[rows]
-        data = batch.data_seconds[rows]
-        alive = batch.alive[rows]
+        # As Python lists, by rank: an element of a list costs a fraction of a numpy scalar's, and
+        # formats the same.
+        steps = [int(s) for s in batch.step[rows].tolist()]
+        ends = [float(e) for e in batch.end_ts[rows].tolist()]
+        step_s = batch.step_seconds[rows].T.tolist()
+        comp = batch.compute_seconds[rows].T.tolist()
+        comm = batch.comm_seconds[rows].T.tolist()
+        data = batch.data_seconds[rows].T.tolist()
+        alive = batch.alive[rows].T.tolist()
+        n_rows = len(rows)
         for i, name in enumerate(model.nodes):
             # Rank by rank, each rank's in time order (an agent takes them in in this order).
             box = self._inbox.setdefault(name, [])
             for local in range(r_per):
                 rank = i * r_per + local
                 pending = [nt for nt in notes if nt[3][rank]]
-                for j in range(len(rows)):
-                    end = float(ends[j])
+                rank_step, rank_comp, rank_comm = step_s[rank], comp[rank], comm[rank]
+                rank_data, rank_alive = data[rank], alive[rank]
+                head = f'{{"job":"{job}","rank":{rank},"step":'
+                tail = f',"gpu":{local % gpus},"pid":{pid_base + rank}}}'
+                for j in range(n_rows):
+                    end = ends[j]
                     while pending and pending[0][0] < end:
                         box.append(self._note(job, rank, local % gpus, pid_base + rank, pending.pop(0)))
-                    if not alive[j, rank]:
+                    if not rank_alive[j]:
                         continue
                     payload = (
-                        f'{{"job":"{job}","rank":{rank},"step":{int(steps[j])},'
-                        f'"step_seconds":{step_s[j, rank]:.6f},"compute_seconds":{comp[j, rank]:.6f},'
-                        f'"comm_seconds":{comm[j, rank]:.6f},"data_seconds":{data[j, rank]:.6f},'
-                        f'"gpu":{local % gpus},"pid":{pid_base + rank}}}'
+                        f'{head}{steps[j]},'
+                        f'"step_seconds":{rank_step[j]:.6f},"compute_seconds":{rank_comp[j]:.6f},'
+                        f'"comm_seconds":{rank_comm[j]:.6f},"data_seconds":{rank_data[j]:.6f}{tail}'
                     ).encode()
                     box.append((end, payload))
                 for note in pending:

@@ -254,6 +254,11 @@ _LABELED: tuple[tuple[str, MetricSpec, tuple[tuple[str, str], ...]], ...] = (
 )
 
 
+# Reason masks whose clock-event samples a GPU keeps built; a GPU shows a handful (idle, a power
+# cap, a slowdown), so past this the cache starts again rather than grow.
+_CLOCK_EVENT_MASKS_KEPT = 64
+
+
 class _Gpu:
     """What the collector remembers about one GPU between cycles."""
 
@@ -272,11 +277,19 @@ class _Gpu:
         # traffic counters, nvlink_state); reused while the links read the same.
         self.link_memo: tuple[_Labels, tuple[NvLinkReading, ...], list[Sample],
                               dict[str, int | tuple[int, ...] | None]] | None = None
+        # Built once per identity (labels): the health samples of each health state, the
+        # clock-event samples of each reason mask, and _LABELED's label sets in its order.
+        self.health_samples: dict[str, list[Sample]] = {}
+        self.clock_event_samples: dict[int, list[Sample]] = {}
+        self.labeled: tuple[_Labels, ...] = tuple(self.labels + extra for _, _, extra in _LABELED)
 
     def identify(self, ident: GpuIdentity) -> None:
         self.identity = ident
         self.labels = (("gpu", str(self.index)), ("uuid", ident.uuid))
         self.link_label_cache = {}
+        self.health_samples = {}
+        self.clock_event_samples = {}
+        self.labeled = tuple(self.labels + extra for _, _, extra in _LABELED)
         info = Sample.of(INFO, 1, gpu=self.index, uuid=ident.uuid, name=ident.name, pci_bus_id=ident.pci_bus_id,
                          serial=ident.serial or "", vbios_version=ident.vbios_version or "",
                          driver_version=ident.driver_version or "",
@@ -304,6 +317,9 @@ class GpuCollector:
         self._nvlink_due = float("-inf")
         self._xid_counts: dict[tuple[int, int], int] = {}
         self._xid_queue: deque[tuple[float, int, int]] = deque()
+        # (counts, each GPU's labels, the samples they made): _node_samples' Xid counters, rebuilt
+        # only when a count or a GPU's labels changed.
+        self._xid_memo: tuple[dict[tuple[int, int], int], tuple[_Labels, ...], list[Sample]] | None = None
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self._reason_labels = tuple((name, ("reason", name)) for name, _ in CLOCK_EVENT_REASONS)
@@ -392,8 +408,12 @@ class GpuCollector:
 
     def _gpu_samples(self, gpu: _Gpu, r: GpuReading, nvlinks_read: bool) -> list[Sample]:
         labels = gpu.labels
-        out = [Sample(HEALTH.name, 1.0 if state == r.health else 0.0, (*labels, ("state", state)))
-               for state in HEALTH_STATES]
+        health = gpu.health_samples.get(r.health)
+        if health is None:
+            health = gpu.health_samples[r.health] = [
+                Sample(HEALTH.name, 1.0 if state == r.health else 0.0, (*labels, ("state", state)))
+                for state in HEALTH_STATES]
+        out = list(health)
         if r.health != "ok":
             gpu.nvlink_samples = []
             gpu.nvlink_state = {}
@@ -404,14 +424,21 @@ class GpuCollector:
             value = getattr(r, attr)
             if value is not None:
                 out.append(Sample(spec.name, float(value), labels))
-        for attr, spec, extra in _LABELED:
+        for (attr, spec, _), labeled in zip(_LABELED, gpu.labeled, strict=True):
             value = getattr(r, attr)
             if value is not None:
-                out.append(Sample(spec.name, float(value), labels + extra))
-        if r.clock_event_reasons is not None:
-            names = set(self._backend.reason_names(r.clock_event_reasons)) if self._backend else set()
-            for name, pair in self._reason_labels:
-                out.append(Sample(CLOCK_EVENT.name, 1.0 if name in names else 0.0, (*labels, pair)))
+                out.append(Sample(spec.name, float(value), labeled))
+        mask = r.clock_event_reasons
+        if mask is not None:
+            reasons = gpu.clock_event_samples.get(mask)
+            if reasons is None:
+                if len(gpu.clock_event_samples) >= _CLOCK_EVENT_MASKS_KEPT:
+                    gpu.clock_event_samples.clear()
+                names = set(self._backend.reason_names(mask)) if self._backend else set()
+                reasons = gpu.clock_event_samples[mask] = [
+                    Sample(CLOCK_EVENT.name, 1.0 if name in names else 0.0, (*labels, pair))
+                    for name, pair in self._reason_labels]
+            out.extend(reasons)
         if nvlinks_read:
             self._remember_nvlinks(gpu, r)
         out.extend(gpu.nvlink_samples)
@@ -526,10 +553,18 @@ class GpuCollector:
         out = [Sample(NVML_AVAILABLE.name, 1.0 if available else 0.0)]
         for reason, count in sorted(self._nvml_errors.items()):
             out.append(Sample(NVML_ERRORS.name, float(count), (("reason", reason),)))
-        for (index, code), count in sorted(self._xid_counts.items()):
-            labels = self._gpus[index].labels if self._gpus and index < len(self._gpus) else (
-                ("gpu", str(index)), ("uuid", ""))
-            out.append(Sample(NVML_XID.name, float(count), (*labels, ("code", str(code)))))
+        # One counter a GPU and paged code (~200 on 8 GPUs), none of which moves on a healthy node:
+        # the samples built last time stand while the counts and the GPUs' labels are the same.
+        gpus = self._gpus or []
+        labels_now = tuple(g.labels for g in gpus)
+        memo = self._xid_memo
+        if memo is None or memo[0] != self._xid_counts or memo[1] != labels_now:
+            xid_samples = []
+            for (index, code), count in sorted(self._xid_counts.items()):
+                labels = labels_now[index] if index < len(labels_now) else (("gpu", str(index)), ("uuid", ""))
+                xid_samples.append(Sample(NVML_XID.name, float(count), (*labels, ("code", str(code)))))
+            memo = self._xid_memo = (dict(self._xid_counts), labels_now, xid_samples)
+        out.extend(memo[2])
         return out
 
     # --- Xid events ----------------------------------------------------------------------------

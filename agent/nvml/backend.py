@@ -272,6 +272,7 @@ class PynvmlBackend:
         self._nvlink_counters = tuple(int(getattr(nvml, const)) for _, const in NVLINK_ERROR_COUNTERS)
         # Constants looked up once: FakeNvml serves them through __getattr__, which is slow.
         self._c: dict[str, Any] = {name: getattr(nvml, name) for name in _CONSTANTS}
+        self._value_members = _value_members(nvml)
         self._handles: dict[int, Any] = {}
         self._identities: dict[int, GpuIdentity] = {}
         # Queries a device answered NotSupported: a device capability, so never asked again.
@@ -334,19 +335,23 @@ class PynvmlBackend:
 
     def _query(self, index: int, errors: list[tuple[str, str]], name: str, *args: Any) -> Any:
         """One NVML call: NotSupported -> None (remembered), health errors raise, others -> None."""
-        unsupported = self._unsupported[index]
-        if name in unsupported:
+        if name in self._unsupported[index]:
             return None
         try:
             return getattr(self._nvml, name)(*args)
-        except self._not_supported:
-            unsupported.add(name)
-            return None
-        except self._health_errors as exc:
-            raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
         except self._error as exc:
-            errors.append((name, error_reason(exc)))
+            return self._failed(index, errors, name, exc)
+
+    def _failed(self, index: int, errors: list[tuple[str, str]], name: str, exc: BaseException) -> None:
+        """What a failed call means (_query's rules): NotSupported is remembered (never asked
+        again), a health error raises _HealthError, any other is counted in ``errors``."""
+        if isinstance(exc, self._not_supported):
+            self._unsupported[index].add(name)
             return None
+        if isinstance(exc, self._health_errors):
+            raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
+        errors.append((name, error_reason(exc)))
+        return None
 
     def _handle(self, index: int) -> Any:
         handle = self._handles.get(index)
@@ -529,9 +534,12 @@ class PynvmlBackend:
             request = self._gpm_request = nvml.c_nvmlGpmMetricsGet_t()
             request.version = self._c["NVML_GPM_METRICS_GET_VERSION"]
             request.numMetrics = len(self._gpm_ids)
+            # The ids are the call's input and nvmlGpmMetricsGet writes only each metric's value,
+            # nvmlReturn and metricInfo: set once with the buffer (pynvml's __setattr__ is slow).
+            ids = request.metrics
+            for i, (_, metric_id, _) in enumerate(self._gpm_ids):
+                ids[i].metricId = metric_id
         slots = request.metrics  # one attribute lookup: pynvml structs wrap __getattribute__
-        for i, (_, metric_id, _) in enumerate(self._gpm_ids):
-            slots[i].metricId = metric_id
         try:
             request.sample1 = previous
             request.sample2 = sample
@@ -542,8 +550,8 @@ class PynvmlBackend:
         success = self._c["NVML_SUCCESS"]
         for i, (attr, _, scale) in enumerate(self._gpm_ids):
             metric = slots[i]
-            if metric.nvmlReturn == success:
-                value = max(float(metric.value), 0.0) * scale
+            if _numeric_field(metric, "nvmlReturn") == success:
+                value = max(float(_numeric_field(metric, "value")), 0.0) * scale
                 # A percentage may overshoot 100 by rounding in the driver; a ratio stays in 0..1.
                 setattr(r, attr, min(value, 1.0) if scale < 1.0 else value)
 
@@ -720,30 +728,47 @@ class PynvmlBackend:
         asked = [f for f in fields if f"nvmlDeviceGetFieldValues{f}" not in unsupported]
         out: dict[int | tuple[int, int], float | None] = dict.fromkeys(fields)
         values = self._query(index, errors, "nvmlDeviceGetFieldValues", h, asked) if asked else None
+        success, not_supported = self._c["NVML_SUCCESS"], self._c["NVML_ERROR_NOT_SUPPORTED"]
         for f, v in zip(asked, values or (), strict=False):
-            if v.nvmlReturn == self._c["NVML_SUCCESS"]:
-                out[f] = float(_field_value(self._nvml, v))
-            elif v.nvmlReturn == self._c["NVML_ERROR_NOT_SUPPORTED"]:
+            returned = v.nvmlReturn
+            if returned == success:
+                out[f] = _field_value(self._value_members, v)
+            elif returned == not_supported:
                 unsupported.add(f"nvmlDeviceGetFieldValues{f}")
             else:
-                errors.append(("nvmlDeviceGetFieldValues", f"field_return_{int(v.nvmlReturn)}"))
+                errors.append(("nvmlDeviceGetFieldValues", f"field_return_{int(returned)}"))
         return [out[f] for f in fields]
 
     def _read_nvlinks(self, index: int, e: list[tuple[str, str]], h: Any,
                       links: tuple[int, ...]) -> tuple[NvLinkReading, ...]:
-        q = self._query
+        # _query's rules, inlined: 4 calls a link and 18 links on Hopper are most of a slow read's
+        # calls, so each is one bound call in a try (free unless it raises); a failure goes
+        # through _failed as in _query, and a query answered NotSupported is not asked again.
+        unsupported = self._unsupported[index]
+        nvml, error, failed = self._nvml, self._error, self._failed
+        state_name, counter_name = "nvmlDeviceGetNvLinkState", "nvmlDeviceGetNvLinkErrorCounter"
+        get_state, get_counter = getattr(nvml, state_name), getattr(nvml, counter_name)
         enabled = self._c["NVML_FEATURE_ENABLED"]
-        crc, replay, recovery = self._nvlink_counters
+        counters = self._nvlink_counters
         out = []
         for link in links:
-            state = q(index, e, "nvmlDeviceGetNvLinkState", h, link)
-            out.append(NvLinkReading(
-                link=link,
-                active=None if state is None else state == enabled,
-                crc_errors=q(index, e, "nvmlDeviceGetNvLinkErrorCounter", h, link, crc),
-                replay_errors=q(index, e, "nvmlDeviceGetNvLinkErrorCounter", h, link, replay),
-                recovery_errors=q(index, e, "nvmlDeviceGetNvLinkErrorCounter", h, link, recovery),
-            ))
+            if state_name in unsupported:
+                active = None
+            else:
+                try:
+                    active = get_state(h, link) == enabled
+                except error as exc:
+                    active = failed(index, e, state_name, exc)
+            values: list[int | None] = []
+            for counter in counters:
+                if counter_name in unsupported:
+                    values.append(None)
+                    continue
+                try:
+                    values.append(get_counter(h, link, counter))
+                except error as exc:
+                    values.append(failed(index, e, counter_name, exc))
+            out.append(NvLinkReading(link, active, values[0], values[1], values[2]))
         return tuple(out)
 
     # --- reset --------------------------------------------------------------------------------
@@ -816,21 +841,31 @@ def _address(handle: Any) -> int | None:
         return None
 
 
-def _field_value(nvml: Any, v: Any) -> float:
-    kind = v.valueType
-    if kind == nvml.NVML_VALUE_TYPE_DOUBLE:
-        return float(v.value.dVal)
-    if kind == nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:
-        return float(v.value.ullVal)
-    if kind == nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
-        return float(v.value.sllVal)
-    if kind == nvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
-        return float(v.value.ulVal)
-    if kind == nvml.NVML_VALUE_TYPE_SIGNED_INT:
-        return float(v.value.siVal)
-    if kind == nvml.NVML_VALUE_TYPE_UNSIGNED_SHORT:
-        return float(v.value.usVal)
-    return float(v.value.uiVal)
+# A numeric field of a pynvml struct read as ctypes reads it: pynvml's structs wrap every attribute
+# read in a __getattribute__ that only turns bytes into str, a cost per read that numbers never need.
+_numeric_field = object.__getattribute__
+
+# nvmlValueType_t -> the member of nvmlValue_t that holds it; any other type reads uiVal.
+_VALUE_MEMBERS: tuple[tuple[str, str], ...] = (
+    ("NVML_VALUE_TYPE_DOUBLE", "dVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", "ullVal"),
+    ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", "sllVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_LONG", "ulVal"),
+    ("NVML_VALUE_TYPE_SIGNED_INT", "siVal"),
+    ("NVML_VALUE_TYPE_UNSIGNED_SHORT", "usVal"),
+)
+
+
+def _value_members(nvml: Any) -> dict[int, str]:
+    """valueType -> member, looked up once per backend (the first listed wins a shared value)."""
+    members: dict[int, str] = {}
+    for const, member in _VALUE_MEMBERS:
+        members.setdefault(int(getattr(nvml, const)), member)
+    return members
+
+
+def _field_value(members: dict[int, str], v: Any) -> float:
+    return float(getattr(v.value, members.get(v.valueType, "uiVal")))
 
 
 def open_backend(config: NvmlConfig, clock: Callable[[], float]) -> PynvmlBackend | None:

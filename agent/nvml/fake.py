@@ -524,7 +524,11 @@ class FakeNvml:
         return t
 
     def _device(self, handle: FakeGpuHandle, function: str) -> float:
-        t = self._live()
+        t = self._clock() - self._start  # _live's checks, inlined: every device query passes here
+        if t >= self._unavailable_at:
+            raise pynvml.NVMLError_DriverNotLoaded()
+        if not self._initialized:
+            raise pynvml.NVMLError_Uninitialized()
         if t >= handle.lost_at:
             raise pynvml.NVMLError_GpuIsLost()
         if t >= handle.reset_required_at:
@@ -963,14 +967,17 @@ class FakeNvml:
             raise pynvml.NVMLError_NotSupported()
         values = handle.gpm(min(second.t, t))
         slots = metrics_get.metrics
+        # The numeric fields set and read as ctypes does, past pynvml's str/bytes wrappers.
+        get, put = object.__getattribute__, ctypes.Structure.__setattr__
+        not_supported, success = pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_SUCCESS
         for i in range(metrics_get.numMetrics):
             metric = slots[i]
-            value = values.get(metric.metricId)
+            value = values.get(get(metric, "metricId"))
             if value is None:
-                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                put(metric, "nvmlReturn", not_supported)
             else:
-                metric.value = value
-                metric.nvmlReturn = pynvml.NVML_SUCCESS
+                put(metric, "value", value)
+                put(metric, "nvmlReturn", success)
         return metrics_get
 
     # --- NVLink --------------------------------------------------------------------------------
@@ -991,12 +998,19 @@ class FakeNvml:
         return t
 
     def nvmlDeviceGetNvLinkState(self, handle: FakeGpuHandle, link: int) -> int:
-        t = self._link(handle, link)
+        # _link's checks in one expression; when one fails, _link raises what NVML would.
+        t = self._clock() - self._start
+        if not (t < self._unavailable_at and self._initialized and t < handle.lost_at
+                and t < handle.reset_required_at and 0 <= link < handle.nvlink_count):
+            t = self._link(handle, link)
         down = t >= handle.nvlink_down_at.get(link, math.inf)
         return pynvml.NVML_FEATURE_DISABLED if down else pynvml.NVML_FEATURE_ENABLED
 
     def nvmlDeviceGetNvLinkErrorCounter(self, handle: FakeGpuHandle, link: int, counter: int) -> int:
-        t = self._link(handle, link)
+        t = self._clock() - self._start
+        if not (t < self._unavailable_at and self._initialized and t < handle.lost_at
+                and t < handle.reset_required_at and 0 <= link < handle.nvlink_count):
+            t = self._link(handle, link)
         kind = _NVLINK_COUNTER_KIND.get(counter)
         if kind is None:
             raise pynvml.NVMLError_NotSupported()
