@@ -526,11 +526,12 @@ class PortHistory:
     def name(self) -> str:
         return f"{self.device}/{self.port}"
 
-    def observe(self, state: PortState, ts: float, sent: PortState | None = None) -> None:
+    def observe(self, state: PortState, ts: float, sent: PortState | None = None) -> bool:
         """``state``: the port's whole state; ``sent``: the compact entry it was completed from
         (None: the report was whole), whose counters are only those that moved (its flags are
         whole). A compact entry that moved only counters leaves ``last`` itself, its counters
-        updated in place: its link state, rate and flags are the last sample's."""
+        updated in place: its link state, rate and flags are the last sample's. Returns whether
+        its link state, rate or flags may have changed (False: only counters moved)."""
         counters, flags = state.counters, state.flags
         if sent is not None and state is self.last:
             # Only counters moved (the usual compact entry): the link state and rate are the last
@@ -541,7 +542,7 @@ class PortHistory:
             if not (len(counters) == self._names_for and self._judged.isdisjoint(sent.counters)
                     and self.counters.still(ts)):  # else: none of the judged counters moved
                 self._observe_counters(ts, counters, flags)
-            return
+            return False
         self.last = state
         active = port_is_active(state)
         rate = state.rate_bits_per_second
@@ -555,6 +556,7 @@ class PortHistory:
             self.ever_active = True
         if rate is not None and (self.max_rate_bits_per_second is None or rate > self.max_rate_bits_per_second):
             self.max_rate_bits_per_second = rate
+        return True
 
     def _observe_counters(self, ts: float, counters: dict[str, int], flags: dict[str, str]) -> None:
         if len(counters) != self._names_for or flags != self._flags:
@@ -661,6 +663,16 @@ class NodeState:
         # power limit (``_CLASS_FIELDS``), or its GPU histories.
         self.revision = 0
         self.gpu_class_revision = 0
+        # What the GPU and port detectors read of it, kept on ingest so that they pass over a quiet
+        # node in O(1) (INCREMENTAL.md): the newest time a judged counter of one of its GPUs or
+        # ports increased (CounterBaseline.last_increase_ts, the largest of its GPUs' or ports'),
+        # and the revision of the latest report that changed a GPU's memory or NVLink fault state
+        # (``_GPU_FAULT_FIELDS``) or a port's link state, rate or flags, or took one of them whole
+        # (a new GPU or port, one back in the reports, a whole report, a reboot).
+        self.gpu_counters_moved_ts = -math.inf
+        self.port_counters_moved_ts = -math.inf
+        self.gpu_faults_revision = 0
+        self.ports_revision = 0
         # The GPUs whose latest state's health is not "ok" (the silence detector reads only these).
         self.unhealthy_gpus: set[int] = set()
         self.seq_gaps = 0
@@ -832,6 +844,7 @@ class Fleet:
                 port.counters.forget_baseline()
                 port.max_rate_bits_per_second = None
                 port.active_this_boot = False
+            node.ports_revision = revision
         elif report.seq != node.seq + 1:
             node.seq_gaps += 1
         node.seq = report.seq
@@ -873,6 +886,11 @@ class Fleet:
             seen.add(index)
             if hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
                 # A compact entry carries a field that changed (or lists it as cleared).
+                if (state.remap_pending is not None or state.remap_failure is not None
+                        or state.retired_pages_pending is not None or state.retired_pages_sbe is not None
+                        or state.retired_pages_dbe is not None or state.nvlink_links_down != hist.last.nvlink_links_down
+                        or (cleared and ("gpus", i) in cleared)):
+                    node.gpu_faults_revision = revision
                 if state.name is not None or state.sm_clock_max_hertz is not None \
                         or state.power_limit_watts is not None \
                         or (cleared and not _CLASS_FIELDS.isdisjoint(cleared.get(("gpus", i), ()))):
@@ -886,8 +904,9 @@ class Fleet:
                     if cleared else complete.gpu(base, state)
             elif hist is None or hist.uuid != state.uuid:
                 hist = gpus[index] = GpuHistory(state, ts, maxlen, state_maxlen)
-                node.gpu_class_revision = self.gpu_jobs_revision = revision
+                node.gpu_class_revision = node.gpu_faults_revision = self.gpu_jobs_revision = revision
             else:
+                node.gpu_faults_revision = revision  # taken whole
                 last = hist.last
                 if (state.name != last.name or state.sm_clock_max_hertz != last.sm_clock_max_hertz
                         or state.power_limit_watts != last.power_limit_watts):
@@ -895,6 +914,8 @@ class Fleet:
                 if state.job != last.job:
                     self.gpu_jobs_revision = revision
             hist.observe(state, ts)
+            if hist.counters.last_increase_ts == ts:
+                node.gpu_counters_moved_ts = ts
             if state.health != "ok":
                 node.unhealthy_gpus.add(index)
             elif node.unhealthy_gpus:
@@ -931,6 +952,7 @@ class Fleet:
                     oldest = idle_ports.pop()
                     del ports[(oldest.device, oldest.port)]
                     self.evicted["ports"] += 1
+                    node.ports_revision = revision
                 if len(pstate.counters) > max_counters:
                     pstate = _within(pstate, {}, max_counters, refused)
                 phist = ports[key] = PortHistory(pstate, ts, maxlen, state_maxlen, self._port_counters)
@@ -944,7 +966,10 @@ class Fleet:
                     pstate = psent = _within(pstate, pbase.counters, max_counters, refused)
                 pstate = _complete_cleared(complete.port, pbase, pstate, cleared.get(("ports", i), ())) \
                     if cleared else complete.port(pbase, pstate)
-            phist.observe(pstate, ts, psent)
+            if phist.observe(pstate, ts, psent):
+                node.ports_revision = revision
+            if phist.counters.last_increase_ts == ts:
+                node.port_counters_moved_ts = ts
         jobs = self._jobs
         job: JobState | None = None
         room: _RankRoom | None = None  # built at the first rank new to this node
@@ -974,8 +999,8 @@ class Fleet:
                     rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
                 else:
                     old = self._nodes.get(rhist.node)
-                    if old is not None:
-                        old.ranks.pop((summary.job, summary.rank), None)
+                    if old is not None and old.ranks.pop((summary.job, summary.rank), None) is not None:
+                        old.revision = revision  # a rank forgotten off it is a change to it
                 job.members_revision = revision
                 node.ranks[(summary.job, summary.rank)] = rhist
                 room.jobs[summary.job] = room.jobs.get(summary.job, 0) + 1

@@ -48,6 +48,10 @@ class MemoryDetector:
 
     def __init__(self, config: MemoryConfig) -> None:
         self.config = config
+        # Nodes none of whose GPUs had a flag set or a counter moved when last walked, by name:
+        # (the node, its gpu_faults_revision then). Valid for one fleet (``_fleet``).
+        self._quiet: dict[str, tuple[NodeState, int]] = {}
+        self._fleet: object | None = None
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -56,16 +60,39 @@ class MemoryDetector:
         # (``_judge``'s tests, in the order that skips the healthy GPU soonest: most of the fleet).
         moved_after = now - max(cfg.uncorrectable_window_seconds, cfg.recent_seconds)
         retired_limit = cfg.retired_pages_limit
+        # A node is passed over in O(1) while what made it quiet holds (change markers,
+        # INCREMENTAL.md): none of its GPUs' fault flags changed since (gpu_faults_revision) and
+        # no GPU counter moved within the window. A view without markers is walked whole.
+        marked = view.revision is not None
+        if not marked or view.fleet is not self._fleet:
+            self._quiet.clear()
+            self._fleet = view.fleet
+        quiet = self._quiet
+        if len(quiet) > len(view.nodes):
+            for name in [n for n in quiet if n not in view.nodes]:
+                del quiet[name]
         for node in view.nodes.values():
+            if marked:
+                held = quiet.get(node.name)
+                if (held is not None and held[0] is node and held[1] == node.gpu_faults_revision
+                        and node.gpu_counters_moved_ts < moved_after):
+                    continue
+            flagged = False
             for gpu in node.gpus.values():
-                if gpu.last_seen < node.last_seen:
-                    continue  # absent from the latest report: the silence detector's case
                 state = gpu.last
                 if not (gpu.counters.last_increase_ts >= moved_after or state.remap_failure or state.remap_pending
                         or state.retired_pages_pending or (state.retired_pages_sbe is not None and (
                             state.retired_pages_sbe + (state.retired_pages_dbe or 0)) >= retired_limit)):
                     continue
+                flagged = True
+                if gpu.last_seen < node.last_seen:
+                    continue  # absent from the latest report: the silence detector's case
                 out.extend(self._judge(node, gpu, now))
+            if marked:
+                if flagged:
+                    quiet.pop(node.name, None)
+                else:
+                    quiet[node.name] = (node, node.gpu_faults_revision)
         return out
 
     def _since(self, gpu: GpuHistory, flag: str) -> float:

@@ -51,17 +51,43 @@ class PcieNvlinkDetector:
             ("nvlink_recovery_errors_total", cfg.nvlink_recoveries_per_minute / 60.0, cfg.nvlink_action,
              "NVLink recoveries", 60.0, "min"),
         )
+        # Nodes none of whose GPUs had a counter moved or a link down when last walked, by name:
+        # (the node, its gpu_faults_revision then). Valid for one fleet (``_fleet``).
+        self._quiet: dict[str, tuple[NodeState, int]] = {}
+        self._fleet: object | None = None
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
         t0 = now - self.config.window_seconds
+        # A node is passed over in O(1) while what made it quiet holds (change markers,
+        # INCREMENTAL.md): no GPU's NVLinks down changed since (gpu_faults_revision) and no GPU
+        # counter moved within the window. A view without markers is walked whole.
+        marked = view.revision is not None
+        if not marked or view.fleet is not self._fleet:
+            self._quiet.clear()
+            self._fleet = view.fleet
+        quiet = self._quiet
+        if len(quiet) > len(view.nodes):
+            for name in [n for n in quiet if n not in view.nodes]:
+                del quiet[name]
         for node in view.nodes.values():
-            for gpu in node.gpus.values():
-                if gpu.last_seen < node.last_seen:
+            if marked:
+                held = quiet.get(node.name)
+                if (held is not None and held[0] is node and held[1] == node.gpu_faults_revision
+                        and node.gpu_counters_moved_ts < t0):
                     continue
+            flagged = False
+            for gpu in node.gpus.values():
                 # No counter moved in the window and no link down: nothing to judge (most GPUs).
                 if gpu.counters.last_increase_ts >= t0 or gpu.last.nvlink_links_down:
-                    out.extend(self._judge(node, gpu, now))
+                    flagged = True
+                    if gpu.last_seen >= node.last_seen:
+                        out.extend(self._judge(node, gpu, now))
+            if marked:
+                if flagged:
+                    quiet.pop(node.name, None)
+                else:
+                    quiet[node.name] = (node, node.gpu_faults_revision)
         return out
 
     def _judge(self, node: NodeState, gpu: GpuHistory, now: float) -> list[Finding]:

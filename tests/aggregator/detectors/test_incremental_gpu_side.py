@@ -4,7 +4,10 @@ full test) find exactly what the long way finds, every evaluation, over a random
 fleet: a whole-rack thermal event (the job's, not a node's), a power-capped node, a GPU braking in
 bursts, hot HBM, a shared switch's link drops beside a node's own, bit errors, a degraded link,
 memory and NVLink faults, idle GPUs, a reboot, replayed reports, a node that leaves and comes back,
-lagging reports and passes at uneven times.
+lagging reports and passes at uneven times. Most reports are compact (version 3, as the agent sends
+them), so a node is passed over on its markers (NodeState.gpu_faults_revision, ports_revision and
+the counters' moved times) between the faults: among them a GPU that leaves the reports and comes
+back with a remap failure, an NVLink and a port that come back up, a link back at full rate.
 
 The long way: a fresh GPU peer detector every pass (it reads every window whole); every GPU and
 port through ``_judge``; twins judging the view without change markers (every node's hardware
@@ -14,6 +17,7 @@ skipped, so the next finds two new samples a GPU."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import deque
@@ -21,6 +25,8 @@ from collections import deque
 import pytest
 
 from tests.aggregator.conftest import GBPS, FakeNode, rank_summary
+from vigil.agent.report_delta import delta, whole
+from vigil.agent.wire import SPARSE_VERSION, Report, decode_report
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig, GpuStragglerDetector
@@ -74,6 +80,18 @@ def every_port(detector: NetworkDetector, view: FleetView, now: float) -> list[F
     shared = detector._shared_drops(view, now)
     return [f for node in view.nodes.values() for port in node.ports.values() if port.last_seen >= node.last_seen
             for f in detector._judge(node, port, now, shared)]
+
+
+def compact(fleet: Fleet, base: Report | None, report: Report, now: float) -> Report:
+    """``report`` relative to ``base`` as the agent sends it (version 3), where the fleet holds that
+    base and the two have the same structure; else ``report`` whole."""
+    if base is None:
+        return report
+    body = delta(whole(base, SPARSE_VERSION), whole(report, SPARSE_VERSION))
+    if body is None:
+        return report
+    sent = decode_report(json.dumps({**body, "base_seq": base.seq}))
+    return sent if fleet.refusal(sent, now) is None else report
 
 
 def fleet_nodes() -> list[FakeNode]:
@@ -139,8 +157,15 @@ def faults(rng: random.Random, nodes: list[FakeNode], t: float, plan: dict[str, 
         nodes[2].gpus[0]["remap_pending"] = True
         nodes[2].gpus[6]["retired_pages_pending"] = True
         nodes[4].gpus[3]["ecc_uncorrected_volatile"] = int((t - plan["memory"]) // 50)
-        nodes[8].gpus[3]["nvlink_links_down"] = [2]
+        nodes[8].gpus[3]["nvlink_links_down"] = [2] if t < plan["memory"] + 150 else []
         nodes[3].gpus[5]["pcie_replay_total"] += rng.randrange(0, 200)
+    # Back to health in a compact entry (a field cleared, a port up again, a link at full rate).
+    if t >= plan["down"] + 200:
+        nodes[4].ports[1]["state"] = "4: ACTIVE"
+    if t >= plan["degraded"] + 250:
+        nodes[11].ports[0]["rate_bits_per_second"] = 400 * GBPS
+    # A GPU whose remap fails while it is out of the reports: it comes back with the flag.
+    nodes[9].gpus[2]["remap_failure"] = t >= plan["absent"] + 20
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -150,6 +175,8 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
     plan = {name: rng.uniform(60, 400) for name in
             ("rack", "cap", "limit", "bursts", "held", "hbm", "switch", "own", "errors", "degraded", "down",
              "memory", "health", "attribution", "slow_rank")}
+    wire = random.Random(-seed)  # how each report goes (its own stream: the faults' draws stay as they were)
+    plan["absent"] = wire.uniform(60, 400)
     fleet = Fleet()
     peer_config = GpuPeerConfig()
     peer, thermal = GpuPeerDetector(peer_config), ThermalDetector(ThermalConfig())
@@ -162,6 +189,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
     network = NetworkDetector(NetworkConfig(flap_slow_threshold=3, flap_daily_threshold=2))
     found: set[str] = set()
     sent: dict[str, list] = {}
+    held: dict[str, Report] = {}  # per node: its latest report ingested (the next compact one's base)
     t = 0.0
     gone_at = rng.uniform(200, 500)
     while t < 900:
@@ -173,8 +201,12 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
                 continue  # a lost report
             if node.name == "n6" and abs(t - 450) < 1.0:
                 node.reboot()
-            report = node.report(t)
-            fleet.ingest(report, t + rng.uniform(0, 0.5))
+            absent = (2,) if node.name == "n9" and plan["absent"] <= t < plan["absent"] + 40 else ()
+            report = node.report(t, drop_gpus=absent)
+            arrival = t + rng.uniform(0, 0.5)
+            fleet.ingest(compact(fleet, held.get(node.name), report, arrival) if wire.random() < 0.8 else report,
+                         arrival)
+            held[node.name] = report
             sent.setdefault(node.name, []).append(report)
             if rng.random() < 0.02 and len(sent[node.name]) > 3:
                 fleet.ingest(sent[node.name][-3], t + 0.6)  # replayed: moves last_seen alone
@@ -209,6 +241,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
             "thermal:clock_throttle:shared:observe", "thermal:clock_throttle:job:alert",
             "thermal:clock_throttle:intermittent:alert", "thermal:hbm_temperature:alert",
             "memory:remap_pending:reset_gpu", "memory:retired_pending:reset_gpu", "memory:uncorrectable:drain",
+            "memory:remap_failure:inspect_hardware",
             "pcie_nvlink:nvlink_down:reboot_node", "pcie_nvlink:pcie_replay_total:drain",
             "network:bit_errors:drain", "network:degraded:drain", "network:port_down:drain", "network:flap:drain",
             "network:flap_daily:alert", "gpu_straggler:n11",
