@@ -126,6 +126,19 @@ MAX_NODE_ACTIONS_KEPT = 64
 # moves NodeState.gpu_class_revision.
 _CLASS_FIELDS = frozenset({"name", "sm_clock_max_hertz", "power_limit_watts"})
 
+# A GPU sample the thermal detector may act on is marked on ingest (NodeState.gpu_watch_revision),
+# so that it passes over a node none of whose samples it could act on in O(1). Watched: a clock-event
+# reason other than those a working GPU holds routinely (NVML nvmlClocksEventReasons: SwPowerCap is
+# the usual state of a GPU at full load, GpuIdle, application or display clock settings and sync boost
+# are settings, not faults: agent/nvml/backend.py names them), or HBM within
+# HBM_WATCH_BELOW_LIMIT_CELSIUS of its limit (memory_max_temperature, else the 95 C of an H100 SXM's
+# "Memory Max Operating Temp"). The thermal detector trusts the marker only where its configuration
+# watches within these (ThermalDetector._watched).
+ROUTINE_CLOCK_EVENTS = frozenset({"gpu_idle", "applications_clocks_setting", "sw_power_cap", "sync_boost",
+                                  "display_clock_setting"})
+HBM_DEFAULT_LIMIT_CELSIUS = 95.0
+HBM_WATCH_BELOW_LIMIT_CELSIUS = 10.0
+
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
 GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
                 "nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
@@ -673,6 +686,10 @@ class NodeState:
         self.port_counters_moved_ts = -math.inf
         self.gpu_faults_revision = 0
         self.ports_revision = 0
+        # The revision of the latest report with a GPU sample the thermal detector may act on
+        # (ROUTINE_CLOCK_EVENTS), and how many GPUs that report had (of len(gpus)).
+        self.gpu_watch_revision = 0
+        self.gpus_reported = 0
         # The GPUs whose latest state's health is not "ok" (the silence detector reads only these).
         self.unhealthy_gpus: set[int] = set()
         self.seq_gaps = 0
@@ -916,10 +933,15 @@ class Fleet:
             hist.observe(state, ts)
             if hist.counters.last_increase_ts == ts:
                 node.gpu_counters_moved_ts = ts
+            reasons, hbm = state.clock_event_reasons, state.memory_temperature_celsius
+            if (reasons and not ROUTINE_CLOCK_EVENTS.issuperset(reasons)) or (hbm is not None and hbm >= (
+                    state.memory_max_temperature_celsius or HBM_DEFAULT_LIMIT_CELSIUS) - HBM_WATCH_BELOW_LIMIT_CELSIUS):
+                node.gpu_watch_revision = revision
             if state.health != "ok":
                 node.unhealthy_gpus.add(index)
             elif node.unhealthy_gpus:
                 node.unhealthy_gpus.discard(index)
+        node.gpus_reported = len(seen)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors

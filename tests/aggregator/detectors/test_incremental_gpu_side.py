@@ -164,8 +164,11 @@ def faults(rng: random.Random, nodes: list[FakeNode], t: float, plan: dict[str, 
         nodes[4].ports[1]["state"] = "4: ACTIVE"
     if t >= plan["degraded"] + 250:
         nodes[11].ports[0]["rate_bits_per_second"] = 400 * GBPS
-    # A GPU whose remap fails while it is out of the reports: it comes back with the flag.
-    nodes[9].gpus[2]["remap_failure"] = t >= plan["absent"] + 20
+    # A GPU whose remap fails while it is out of the reports: it comes back with the flag; out
+    # again for two reports, it comes back braking.
+    nodes[1].gpus[2]["remap_failure"] = t >= plan["absent"] + 20
+    if plan["absent"] + 65 <= t < plan["absent"] + 85:
+        nodes[1].gpus[2].update(THROTTLED)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -176,7 +179,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
             ("rack", "cap", "limit", "bursts", "held", "hbm", "switch", "own", "errors", "degraded", "down",
              "memory", "health", "attribution", "slow_rank")}
     wire = random.Random(-seed)  # how each report goes (its own stream: the faults' draws stay as they were)
-    plan["absent"] = wire.uniform(60, 400)
+    plan["absent"], plan["pause"] = wire.uniform(60, 400), wire.uniform(100, 700)
     fleet = Fleet()
     peer_config = GpuPeerConfig()
     peer, thermal = GpuPeerDetector(peer_config), ThermalDetector(ThermalConfig())
@@ -201,7 +204,8 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
                 continue  # a lost report
             if node.name == "n6" and abs(t - 450) < 1.0:
                 node.reboot()
-            absent = (2,) if node.name == "n9" and plan["absent"] <= t < plan["absent"] + 40 else ()
+            absent = (2,) if node.name == "n1" and (plan["absent"] <= t < plan["absent"] + 40
+                                                   or plan["absent"] + 60 <= t < plan["absent"] + 65) else ()
             report = node.report(t, drop_gpus=absent)
             arrival = t + rng.uniform(0, 0.5)
             fleet.ingest(compact(fleet, held.get(node.name), report, arrival) if wire.random() < 0.8 else report,
@@ -214,6 +218,8 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
         t += 2.5
         if rng.random() < 0.2:
             continue  # no pass this time: the next one finds two reports of each node
+        if plan["pause"] <= t < plan["pause"] + 100:
+            continue  # no pass for 40 reports: the next one finds more than a GPU's samples hold
         now = t - 2.5 + rng.choice([0.7, 1.0, 2.0])
         view = fleet.view()
         long_view = view.without_markers()  # every node's class and the GPUs' jobs read afresh
@@ -221,6 +227,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
         assert short == GpuPeerDetector(peer_config).evaluate(long_view, now)
         short_thermal = thermal.evaluate(view, now)
         assert short_thermal == long_thermal.evaluate(view, now)
+        assert thermal._throttled_time == long_thermal._throttled_time  # the long horizon's memory too
         short_memory, short_pcie = memory.evaluate(view, now), pcie.evaluate(view, now)
         assert short_memory == every_gpu(memory, view, now)
         assert short_pcie == every_gpu(pcie, view, now)
@@ -246,6 +253,47 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
             "network:bit_errors:drain", "network:degraded:drain", "network:port_down:drain", "network:flap:drain",
             "network:flap_daily:alert", "gpu_straggler:n11",
             } <= found, sorted(found)
+
+
+def test_thermal_counts_what_it_passed_over_as_the_walk_counts_it() -> None:
+    """A node passed over while quiet, then: a GPU braking from the third of 34 reports with no
+    pass between (its samples hold 32: the first counted is the oldest held), and a GPU out of two
+    reports that comes back braking. The long horizon's memory is the long way's after every pass."""
+    fleet, node = Fleet(), FakeNode("n1", gpus=2, ports=0)
+    short, long = ThermalDetector(ThermalConfig()), LongWayThermal(ThermalConfig())
+    t = 0.0
+
+    def report(passes: bool = True, drop: tuple[int, ...] = ()) -> None:
+        nonlocal t
+        t += 2.5
+        fleet.ingest(node.report(t, drop_gpus=drop), t)
+        if passes:
+            view = fleet.view()
+            assert short.evaluate(view, t + 1.0) == long.evaluate(view, t + 1.0)
+            assert short._throttled_time == long._throttled_time
+
+    for _ in range(8):
+        report()
+    assert "n1" in short._passed  # quiet: passed over
+    for k in range(34):
+        if k == 2:
+            node.gpus[0].update(THROTTLED)
+        report(passes=k == 33)
+    assert min(short._throttled_time[("n1", 0)])[1] == 7.5  # from the last pass's count (a pass over)
+    node.gpus[0].update(sm_clock_hertz=1.98e9, clock_event_reasons=["sw_power_cap"])
+    for _ in range(6):
+        report()
+    assert "n1" in short._passed
+    report(drop=(1,))
+    report(drop=(1,))
+    assert "n1" not in short._passed  # a GPU out of the latest report: walked
+    node.gpus[1].update(THROTTLED)
+    for _ in range(3):
+        report()
+    assert min(short._throttled_time[("n1", 1)])[1] == 7.5  # since its last sample before it left
+    # A configuration acting on what the fleet does not mark walks every node, every pass.
+    assert short._watched and not ThermalDetector(ThermalConfig(reasons=["sw_power_cap"]))._watched
+    assert not ThermalDetector(ThermalConfig(memory_margin_celsius=12.0))._watched
 
 
 def test_a_nodes_hardware_class_is_read_again_when_what_names_it_changed() -> None:
