@@ -604,7 +604,7 @@ class RankHistory:
         # (its summaries of one window repeat it and are stored once, so a window is one piece of
         # evidence however many reports carry it); an agent without one gives the arrival time.
         self.windows: deque[tuple[float, float, float | None, int, float | None]] = deque(maxlen=maxlen)
-        # Change marker (INCREMENTAL.md): how many windows were ever appended (the newest
+        # Change marker (docs/detectors.md, "change markers"): how many windows were ever appended (the newest
         # ``window_count - seen`` of ``windows`` are new to a reader that saw ``seen``).
         self.window_count = 0
 
@@ -631,7 +631,7 @@ class JobState:
     name: str
     ranks: dict[int, RankHistory] = field(default_factory=dict)
     last_seen: float = 0.0
-    # Change marker (INCREMENTAL.md): the fleet revision of the latest change to its membership (a
+    # Change marker (docs/detectors.md, "change markers"): the fleet revision of the latest change to its membership (a
     # rank joined, left, or moved to another node). Its ranks' summaries change every report.
     members_revision: int = 0
 
@@ -672,12 +672,12 @@ class NodeState:
         self.failed_collectors: list[str] = []
         self.reports = 0
         # The fleet revision of the latest change to this node's state, and of the latest change
-        # to what names its hardware class (INCREMENTAL.md): a GPU's model, maximum SM clock or
+        # to what names its hardware class (docs/detectors.md, "change markers"): a GPU's model, maximum SM clock or
         # power limit (``_CLASS_FIELDS``), or its GPU histories.
         self.revision = 0
         self.gpu_class_revision = 0
         # What the GPU and port detectors read of it, kept on ingest so that they pass over a quiet
-        # node in O(1) (INCREMENTAL.md): the newest time a judged counter of one of its GPUs or
+        # node in O(1) (docs/detectors.md, "change markers"): the newest time a judged counter of one of its GPUs or
         # ports increased (CounterBaseline.last_increase_ts, the largest of its GPUs' or ports'),
         # and the revision of the latest report that changed a GPU's memory or NVLink fault state
         # (``_GPU_FAULT_FIELDS``) or a port's link state, rate or flags, or took one of them whole
@@ -731,7 +731,7 @@ class Fleet:
         self._port_counters = frozenset(port_counters) if port_counters is not None else None
         self._nodes: dict[str, NodeState] = {}
         self._jobs: dict[str, JobState] = {}
-        # Change markers (INCREMENTAL.md): counts every change to the state detectors read; each
+        # Change markers (docs/detectors.md, "change markers"): counts every change to the state detectors read; each
         # node, job and rank records the revision of its own latest change. ``identity`` tells
         # one fleet from another (a detector's cache holds for the fleet it was built over).
         self.revision = 0
@@ -1252,7 +1252,7 @@ class FleetView:
                  isolations: Sequence[IsolationOutcome] = (), revision: int | None = None,
                  fleet: object | None = None, gpu_jobs_revision: int = 0) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
-        # Change markers (INCREMENTAL.md): the fleet's revision when the view was taken, and the
+        # Change markers (docs/detectors.md, "change markers"): the fleet's revision when the view was taken, and the
         # fleet's identity. A view built by hand (tests) has neither: ``revision`` None tells a
         # detector to trust no marker and judge from scratch.
         self.revision = revision

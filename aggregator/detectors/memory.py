@@ -61,7 +61,7 @@ class MemoryDetector:
         moved_after = now - max(cfg.uncorrectable_window_seconds, cfg.recent_seconds)
         retired_limit = cfg.retired_pages_limit
         # A node is passed over in O(1) while what made it quiet holds (change markers,
-        # INCREMENTAL.md): none of its GPUs' fault flags changed since (gpu_faults_revision) and
+        # docs/detectors.md, "change markers"): none of its GPUs' fault flags changed since (gpu_faults_revision) and
         # no GPU counter moved within the window. A view without markers is walked whole.
         marked = view.revision is not None
         if not marked or view.fleet is not self._fleet:

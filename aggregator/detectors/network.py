@@ -154,7 +154,7 @@ class NetworkDetector:
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
         # A node is passed over in O(1) while what made it quiet holds (change markers,
-        # INCREMENTAL.md): none of its ports' link state, rate or flags changed since
+        # docs/detectors.md, "change markers"): none of its ports' link state, rate or flags changed since
         # (ports_revision) and no port counter moved within the horizon. A view without markers
         # is walked whole.
         marked = view.revision is not None

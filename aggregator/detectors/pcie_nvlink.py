@@ -60,7 +60,7 @@ class PcieNvlinkDetector:
         out: list[Finding] = []
         t0 = now - self.config.window_seconds
         # A node is passed over in O(1) while what made it quiet holds (change markers,
-        # INCREMENTAL.md): no GPU's NVLinks down changed since (gpu_faults_revision) and no GPU
+        # docs/detectors.md, "change markers"): no GPU's NVLinks down changed since (gpu_faults_revision) and no GPU
         # counter moved within the window. A view without markers is walked whole.
         marked = view.revision is not None
         if not marked or view.fleet is not self._fleet:

@@ -88,7 +88,7 @@ class ThermalDetector:
         # throttled within the horizon are held. And the newest sample counted per GPU, by node.
         self._throttled_time: dict[tuple[str, int], deque[tuple[float, float]]] = {}
         self._counted: dict[str, dict[int, float]] = {}  # node -> GPU index -> newest sample counted
-        # Passing over a node in O(1) (change markers, INCREMENTAL.md): where the fleet marks every
+        # Passing over a node in O(1) (docs/detectors.md, "change markers"): where the fleet marks every
         # sample this configuration may act on (NodeState.gpu_watch_revision), a node whose GPUs'
         # newest samples were neither throttled nor hot when it was last walked, (the node, its
         # revision then), is passed over while no watched sample came since and every GPU is in its

@@ -1,4 +1,4 @@
-"""The fleet's change markers (INCREMENTAL.md) move whenever what they stand for changed: a node's
+"""The fleet's change markers (docs/detectors.md, "change markers") move whenever what they stand for changed: a node's
 hardware-class revision whenever a GPU's model, maximum SM clock or power limit changed or a GPU
 history was replaced, in whole and compact reports alike (a compact entry carries only what changed,
 or lists it as cleared); a job's membership revision whenever a rank joined, left or moved; a rank's
