@@ -370,12 +370,14 @@ class CounterBaseline:
     def observe(self, name: str, ts: float, value: int | None) -> None:
         self.observe_values(ts, (name,), (value,))
 
-    def observe_values(self, ts: float, names: tuple[str, ...], values: tuple[int | None, ...]) -> None:
-        """Counters ``names`` read together at ``ts`` (None: not read this time). The ingest hot
-        path: most reports change none of the judged counters, which costs one comparison."""
+    def observe_values(self, ts: float, names: tuple[str, ...], values: tuple[int | None, ...]) -> bool:
+        """Counters ``names`` read together at ``ts`` (None: not read this time); whether one
+        increased. The ingest hot path: most reports change none of the judged counters, which
+        costs one comparison."""
         self.last_ts = ts
         if values == self._last_values and names is self._last_names:
-            return
+            return False
+        increased = False
         self._last_names, self._last_values = names, values
         prev_values = self._prev
         for name, value in zip(names, values, strict=True):
@@ -395,6 +397,8 @@ class CounterBaseline:
                 series = self._deltas[name] = Series(self._maxlen)
             series._ring.append((ts, float(value - prev)))
             self.last_increase_ts = ts
+            increased = True
+        return increased
 
     def still(self, ts: float) -> bool:
         """A read at ``ts`` known to leave every counter as the last read had it (a compact
@@ -487,9 +491,10 @@ class GpuHistory:
         self.samples: deque[GpuSample] = deque(maxlen=state_maxlen)
         self.counters = CounterBaseline(maxlen)
 
-    def observe(self, s: GpuState, ts: float) -> None:
+    def observe(self, s: GpuState, ts: float) -> bool:
         """``s``: the GPU's whole state (of this GPU: the fleet starts a new history for a new
-        uuid at this index). Most reports move none of the judged counters: one comparison."""
+        uuid at this index); whether a judged counter increased. Most reports move none of the
+        judged counters: one comparison."""
         self.last = s
         self.last_seen = ts
         # The state's sequences are tuples already (wire.GpuState; most the empty one), shared with
@@ -500,9 +505,14 @@ class GpuHistory:
                                       s.clock_event_reasons, s.memory_temperature_celsius,
                                       s.memory_max_temperature_celsius, s.remap_pending, s.remap_failure,
                                       s.retired_pages_pending, s.nvlink_links_down))
-        self.counters.observe_values(ts, GPU_COUNTERS, (
+        return self.counters.observe_values(ts, GPU_COUNTERS, (
             s.ecc_corrected_volatile, s.ecc_uncorrected_volatile, s.pcie_replay_total, s.nvlink_crc_errors_total,
             s.nvlink_replay_errors_total, s.nvlink_recovery_errors_total))
+
+
+# What PortHistory.observe says changed (flags; 0: only counters nobody judges, or none, moved).
+PORT_LINK_CHANGED = 1
+PORT_COUNTERS_ROSE = 2
 
 
 class PortHistory:
@@ -539,12 +549,13 @@ class PortHistory:
     def name(self) -> str:
         return f"{self.device}/{self.port}"
 
-    def observe(self, state: PortState, ts: float, sent: PortState | None = None) -> bool:
+    def observe(self, state: PortState, ts: float, sent: PortState | None = None) -> int:
         """``state``: the port's whole state; ``sent``: the compact entry it was completed from
         (None: the report was whole), whose counters are only those that moved (its flags are
         whole). A compact entry that moved only counters leaves ``last`` itself, its counters
-        updated in place: its link state, rate and flags are the last sample's. Returns whether
-        its link state, rate or flags may have changed (False: only counters moved)."""
+        updated in place: its link state, rate and flags are the last sample's. Returns what
+        changed: ``PORT_LINK_CHANGED`` (its link state, rate or flags may have), ``PORT_COUNTERS_ROSE``
+        (a judged counter increased), or 0 (the usual entry)."""
         counters, flags = state.counters, state.flags
         if sent is not None and state is self.last:
             # Only counters moved (the usual compact entry): the link state and rate are the last
@@ -554,24 +565,25 @@ class PortHistory:
             self.samples.append(PortSample(ts, last_sample.active, last_sample.rate_bits_per_second))
             if not (len(counters) == self._names_for and self._judged.isdisjoint(sent.counters)
                     and self.counters.still(ts)):  # else: none of the judged counters moved
-                self._observe_counters(ts, counters, flags)
-            return False
+                return self._observe_counters(ts, counters, flags)
+            return 0
         self.last = state
         active = port_is_active(state)
         rate = state.rate_bits_per_second
         self.last_seen = ts
         self.samples.append(PortSample(ts, active, rate))
+        changed = PORT_LINK_CHANGED
         if not (sent is not None and len(counters) == self._names_for and flags == self._flags
                 and self._judged.isdisjoint(sent.counters) and self.counters.still(ts)):
-            self._observe_counters(ts, counters, flags)
+            changed |= self._observe_counters(ts, counters, flags)
         if active:
             self.active_this_boot = True
             self.ever_active = True
         if rate is not None and (self.max_rate_bits_per_second is None or rate > self.max_rate_bits_per_second):
             self.max_rate_bits_per_second = rate
-        return True
+        return changed
 
-    def _observe_counters(self, ts: float, counters: dict[str, int], flags: dict[str, str]) -> None:
+    def _observe_counters(self, ts: float, counters: dict[str, int], flags: dict[str, str]) -> int:
         if len(counters) != self._names_for or flags != self._flags:
             # The judged counters this port has, less the saturated ones (a saturated counter no
             # longer moves: its delta would read as "no errors"). A port's counter set does not
@@ -584,7 +596,8 @@ class PortHistory:
             self._judged = frozenset(self._names)
             self._names_for = len(counters)
             self._flags = dict(flags)
-        self.counters.observe_values(ts, self._names, tuple(map(counters.get, self._names)))
+        return PORT_COUNTERS_ROSE if self.counters.observe_values(
+            ts, self._names, tuple(map(counters.get, self._names))) else 0
 
 
 class RankHistory:
@@ -894,6 +907,7 @@ class Fleet:
         # was observed when the base report was ingested, base_seen; never when base_seen is None).
         gpus = node.gpus
         seen: set[int] = set()
+        routine, hbm_limit, hbm_watch = ROUTINE_CLOCK_EVENTS, HBM_DEFAULT_LIMIT_CELSIUS, HBM_WATCH_BELOW_LIMIT_CELSIUS
         for i, state in enumerate(report.gpus):
             index = state.index
             hist = gpus.get(index)
@@ -930,12 +944,11 @@ class Fleet:
                     node.gpu_class_revision = revision
                 if state.job != last.job:
                     self.gpu_jobs_revision = revision
-            hist.observe(state, ts)
-            if hist.counters.last_increase_ts == ts:
+            if hist.observe(state, ts):
                 node.gpu_counters_moved_ts = ts
             reasons, hbm = state.clock_event_reasons, state.memory_temperature_celsius
-            if (reasons and not ROUTINE_CLOCK_EVENTS.issuperset(reasons)) or (hbm is not None and hbm >= (
-                    state.memory_max_temperature_celsius or HBM_DEFAULT_LIMIT_CELSIUS) - HBM_WATCH_BELOW_LIMIT_CELSIUS):
+            if (reasons and not routine.issuperset(reasons)) or (hbm is not None and hbm >= (
+                    state.memory_max_temperature_celsius or hbm_limit) - hbm_watch):
                 node.gpu_watch_revision = revision
             if state.health != "ok":
                 node.unhealthy_gpus.add(index)
@@ -988,10 +1001,12 @@ class Fleet:
                     pstate = psent = _within(pstate, pbase.counters, max_counters, refused)
                 pstate = _complete_cleared(complete.port, pbase, pstate, cleared.get(("ports", i), ())) \
                     if cleared else complete.port(pbase, pstate)
-            if phist.observe(pstate, ts, psent):
-                node.ports_revision = revision
-            if phist.counters.last_increase_ts == ts:
-                node.port_counters_moved_ts = ts
+            changed = phist.observe(pstate, ts, psent)
+            if changed:
+                if changed & PORT_LINK_CHANGED:
+                    node.ports_revision = revision
+                if changed & PORT_COUNTERS_ROSE:
+                    node.port_counters_moved_ts = ts
         jobs = self._jobs
         job: JobState | None = None
         room: _RankRoom | None = None  # built at the first rank new to this node

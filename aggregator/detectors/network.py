@@ -34,6 +34,7 @@ from pydantic import Field, model_validator
 from vigil.agent.validation import StrictModel
 from vigil.agent.wire import PORT_TRAFFIC_COUNTERS
 from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.detectors.quiet_nodes import QuietNodes
 from vigil.aggregator.fleet import FleetView, NodeState, PortHistory, port_is_active
 
 NAME = "network"
@@ -142,9 +143,8 @@ class NetworkDetector:
         # when older than the window or when the port's node has left the view.
         self._drops: dict[PortKey, deque[tuple[float, float]]] = {}
         # Nodes none of whose ports had a counter moved, a link down or a rate below its expected
-        # one when last walked, by name: (the node, its ports_revision then). Valid for one fleet.
-        self._quiet: dict[str, tuple[NodeState, int]] = {}
-        self._fleet: object | None = None
+        # one when last walked, with their ports_revision then.
+        self._quiet = QuietNodes()
 
     @property
     def drops_remembered(self) -> int:
@@ -157,14 +157,8 @@ class NetworkDetector:
         # docs/detectors.md, "change markers"): none of its ports' link state, rate or flags changed since
         # (ports_revision) and no port counter moved within the horizon. A view without markers
         # is walked whole.
-        marked = view.revision is not None
-        if not marked or view.fleet is not self._fleet:
-            self._quiet.clear()
-            self._fleet = view.fleet
         quiet = self._quiet
-        if len(quiet) > len(view.nodes):
-            for name in [n for n in quiet if n not in view.nodes]:
-                del quiet[name]
+        marked = quiet.start(view)
         self._remember_drops(view, now, marked)
         shared = self._shared_drops(view, now)
         cfg = self.config
@@ -174,11 +168,8 @@ class NetworkDetector:
         moved_after = now - self._flap_horizon()
         expected_rate, tolerance = cfg.expected_rate_bits_per_second, 1 - cfg.rate_tolerance_ratio
         for node in view.nodes.values():
-            if marked:
-                held = quiet.get(node.name)
-                if (held is not None and held[0] is node and held[1] == node.ports_revision
-                        and node.port_counters_moved_ts < moved_after):
-                    continue
+            if marked and node.port_counters_moved_ts < moved_after and quiet.holds(node, node.ports_revision):
+                continue
             flagged = False
             for port in node.ports.values():
                 if port.counters.last_increase_ts < moved_after:
@@ -192,10 +183,7 @@ class NetworkDetector:
                     continue
                 out.extend(self._judge(node, port, now, shared))
             if marked:
-                if flagged:
-                    quiet.pop(node.name, None)
-                else:
-                    quiet[node.name] = (node, node.ports_revision)
+                quiet.walked(node, node.ports_revision, not flagged)
         return out
 
     def _drop_window(self) -> float:

@@ -12,6 +12,7 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.detectors.quiet_nodes import QuietNodes
 from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState
 
 NAME = "pcie_nvlink"
@@ -51,10 +52,9 @@ class PcieNvlinkDetector:
             ("nvlink_recovery_errors_total", cfg.nvlink_recoveries_per_minute / 60.0, cfg.nvlink_action,
              "NVLink recoveries", 60.0, "min"),
         )
-        # Nodes none of whose GPUs had a counter moved or a link down when last walked, by name:
-        # (the node, its gpu_faults_revision then). Valid for one fleet (``_fleet``).
-        self._quiet: dict[str, tuple[NodeState, int]] = {}
-        self._fleet: object | None = None
+        # Nodes none of whose GPUs had a counter moved or a link down when last walked, with their
+        # gpu_faults_revision then.
+        self._quiet = QuietNodes()
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -62,20 +62,11 @@ class PcieNvlinkDetector:
         # A node is passed over in O(1) while what made it quiet holds (change markers,
         # docs/detectors.md, "change markers"): no GPU's NVLinks down changed since (gpu_faults_revision) and no GPU
         # counter moved within the window. A view without markers is walked whole.
-        marked = view.revision is not None
-        if not marked or view.fleet is not self._fleet:
-            self._quiet.clear()
-            self._fleet = view.fleet
         quiet = self._quiet
-        if len(quiet) > len(view.nodes):
-            for name in [n for n in quiet if n not in view.nodes]:
-                del quiet[name]
+        marked = quiet.start(view)
         for node in view.nodes.values():
-            if marked:
-                held = quiet.get(node.name)
-                if (held is not None and held[0] is node and held[1] == node.gpu_faults_revision
-                        and node.gpu_counters_moved_ts < t0):
-                    continue
+            if marked and node.gpu_counters_moved_ts < t0 and quiet.holds(node, node.gpu_faults_revision):
+                continue
             flagged = False
             for gpu in node.gpus.values():
                 # No counter moved in the window and no link down: nothing to judge (most GPUs).
@@ -84,10 +75,7 @@ class PcieNvlinkDetector:
                     if gpu.last_seen >= node.last_seen:
                         out.extend(self._judge(node, gpu, now))
             if marked:
-                if flagged:
-                    quiet.pop(node.name, None)
-                else:
-                    quiet[node.name] = (node, node.gpu_faults_revision)
+                quiet.walked(node, node.gpu_faults_revision, not flagged)
         return out
 
     def _judge(self, node: NodeState, gpu: GpuHistory, now: float) -> list[Finding]:
