@@ -128,14 +128,14 @@ _CLASS_FIELDS = frozenset({"name", "sm_clock_max_hertz", "power_limit_watts"})
 
 # A GPU sample the thermal detector may act on is marked on ingest (NodeState.gpu_watch_revision),
 # so that it passes over a node none of whose samples it could act on in O(1). Watched: a clock-event
-# reason other than those a working GPU holds routinely (NVML nvmlClocksEventReasons: SwPowerCap is
-# the usual state of a GPU at full load, GpuIdle, application or display clock settings and sync boost
-# are settings, not faults: agent/nvml/backend.py names them), or HBM within
-# HBM_WATCH_BELOW_LIMIT_CELSIUS of its limit (memory_max_temperature, else the 95 C of an H100 SXM's
-# "Memory Max Operating Temp"). The thermal detector trusts the marker only where its configuration
-# watches within these (ThermalDetector._watched).
-ROUTINE_CLOCK_EVENTS = frozenset({"gpu_idle", "applications_clocks_setting", "sw_power_cap", "sync_boost",
-                                  "display_clock_setting"})
+# reason by which the hardware protects itself (NVML nvmlClocksEventReasons, agent/nvml/backend.py:
+# HW slowdown, SW and HW thermal slowdown, HW power brake; not SwPowerCap, the usual state of a GPU at
+# full load, nor idle, clock settings or sync boost), or HBM within HBM_WATCH_BELOW_LIMIT_CELSIUS of
+# its limit (memory_max_temperature, else the 95 C of an H100 SXM's "Memory Max Operating Temp"). The
+# thermal detector trusts the marker only where its configuration acts within these
+# (ThermalDetector._watched).
+WATCHED_CLOCK_EVENTS = frozenset({"hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
+                                  "hw_power_brake_slowdown"})
 HBM_DEFAULT_LIMIT_CELSIUS = 95.0
 HBM_WATCH_BELOW_LIMIT_CELSIUS = 10.0
 
@@ -700,7 +700,7 @@ class NodeState:
         self.gpu_faults_revision = 0
         self.ports_revision = 0
         # The revision of the latest report with a GPU sample the thermal detector may act on
-        # (ROUTINE_CLOCK_EVENTS), and how many GPUs that report had (of len(gpus)).
+        # (WATCHED_CLOCK_EVENTS), and how many GPUs its latest report had (of len(gpus)).
         self.gpu_watch_revision = 0
         self.gpus_reported = 0
         # The GPUs whose latest state's health is not "ok" (the silence detector reads only these).
@@ -907,7 +907,7 @@ class Fleet:
         # was observed when the base report was ingested, base_seen; never when base_seen is None).
         gpus = node.gpus
         seen: set[int] = set()
-        routine, hbm_limit, hbm_watch = ROUTINE_CLOCK_EVENTS, HBM_DEFAULT_LIMIT_CELSIUS, HBM_WATCH_BELOW_LIMIT_CELSIUS
+        braking, hbm_limit, hbm_watch = WATCHED_CLOCK_EVENTS, HBM_DEFAULT_LIMIT_CELSIUS, HBM_WATCH_BELOW_LIMIT_CELSIUS
         for i, state in enumerate(report.gpus):
             index = state.index
             hist = gpus.get(index)
@@ -947,7 +947,7 @@ class Fleet:
             if hist.observe(state, ts):
                 node.gpu_counters_moved_ts = ts
             reasons, hbm = state.clock_event_reasons, state.memory_temperature_celsius
-            if (reasons and not routine.issuperset(reasons)) or (hbm is not None and hbm >= (
+            if (reasons and not braking.isdisjoint(reasons)) or (hbm is not None and hbm >= (
                     state.memory_max_temperature_celsius or hbm_limit) - hbm_watch):
                 node.gpu_watch_revision = revision
             if state.health != "ok":

@@ -29,7 +29,7 @@ from vigil.aggregator.detectors.topology import ONSET
 from vigil.aggregator.fleet import (
     HBM_DEFAULT_LIMIT_CELSIUS,
     HBM_WATCH_BELOW_LIMIT_CELSIUS,
-    ROUTINE_CLOCK_EVENTS,
+    WATCHED_CLOCK_EVENTS,
     FleetView,
     GpuHistory,
     GpuSample,
@@ -94,7 +94,7 @@ class ThermalDetector:
         # revision then), is passed over while no watched sample came since and every GPU is in its
         # latest report; what that pass would have counted (each GPU's newest sample, the node's
         # state_seen) is written when it is next walked: (the node, state_seen, its GPUs then).
-        self._watched = (self._reasons.isdisjoint(ROUTINE_CLOCK_EVENTS)
+        self._watched = (self._reasons <= WATCHED_CLOCK_EVENTS
                          and config.memory_margin_celsius <= HBM_WATCH_BELOW_LIMIT_CELSIUS
                          and config.memory_max_celsius_default - config.memory_margin_celsius
                          >= HBM_DEFAULT_LIMIT_CELSIUS - HBM_WATCH_BELOW_LIMIT_CELSIUS)
