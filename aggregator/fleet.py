@@ -126,6 +126,19 @@ MAX_NODE_ACTIONS_KEPT = 64
 # moves NodeState.gpu_class_revision.
 _CLASS_FIELDS = frozenset({"name", "sm_clock_max_hertz", "power_limit_watts"})
 
+# A GPU sample the thermal detector may act on is marked on ingest (NodeState.gpu_watch_revision),
+# so that it passes over a node none of whose samples it could act on in O(1). Watched: a clock-event
+# reason by which the hardware protects itself (NVML nvmlClocksEventReasons, agent/nvml/backend.py:
+# HW slowdown, SW and HW thermal slowdown, HW power brake; not SwPowerCap, the usual state of a GPU at
+# full load, nor idle, clock settings or sync boost), or HBM within HBM_WATCH_BELOW_LIMIT_CELSIUS of
+# its limit (memory_max_temperature, else the 95 C of an H100 SXM's "Memory Max Operating Temp"). The
+# thermal detector trusts the marker only where its configuration acts within these
+# (ThermalDetector._watched).
+WATCHED_CLOCK_EVENTS = frozenset({"hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
+                                  "hw_power_brake_slowdown"})
+HBM_DEFAULT_LIMIT_CELSIUS = 95.0
+HBM_WATCH_BELOW_LIMIT_CELSIUS = 10.0
+
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
 GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
                 "nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
@@ -357,12 +370,14 @@ class CounterBaseline:
     def observe(self, name: str, ts: float, value: int | None) -> None:
         self.observe_values(ts, (name,), (value,))
 
-    def observe_values(self, ts: float, names: tuple[str, ...], values: tuple[int | None, ...]) -> None:
-        """Counters ``names`` read together at ``ts`` (None: not read this time). The ingest hot
-        path: most reports change none of the judged counters, which costs one comparison."""
+    def observe_values(self, ts: float, names: tuple[str, ...], values: tuple[int | None, ...]) -> bool:
+        """Counters ``names`` read together at ``ts`` (None: not read this time); whether one
+        increased. The ingest hot path: most reports change none of the judged counters, which
+        costs one comparison."""
         self.last_ts = ts
         if values == self._last_values and names is self._last_names:
-            return
+            return False
+        increased = False
         self._last_names, self._last_values = names, values
         prev_values = self._prev
         for name, value in zip(names, values, strict=True):
@@ -382,6 +397,8 @@ class CounterBaseline:
                 series = self._deltas[name] = Series(self._maxlen)
             series._ring.append((ts, float(value - prev)))
             self.last_increase_ts = ts
+            increased = True
+        return increased
 
     def still(self, ts: float) -> bool:
         """A read at ``ts`` known to leave every counter as the last read had it (a compact
@@ -474,9 +491,10 @@ class GpuHistory:
         self.samples: deque[GpuSample] = deque(maxlen=state_maxlen)
         self.counters = CounterBaseline(maxlen)
 
-    def observe(self, s: GpuState, ts: float) -> None:
+    def observe(self, s: GpuState, ts: float) -> bool:
         """``s``: the GPU's whole state (of this GPU: the fleet starts a new history for a new
-        uuid at this index). Most reports move none of the judged counters: one comparison."""
+        uuid at this index); whether a judged counter increased. Most reports move none of the
+        judged counters: one comparison."""
         self.last = s
         self.last_seen = ts
         # The state's sequences are tuples already (wire.GpuState; most the empty one), shared with
@@ -487,9 +505,14 @@ class GpuHistory:
                                       s.clock_event_reasons, s.memory_temperature_celsius,
                                       s.memory_max_temperature_celsius, s.remap_pending, s.remap_failure,
                                       s.retired_pages_pending, s.nvlink_links_down))
-        self.counters.observe_values(ts, GPU_COUNTERS, (
+        return self.counters.observe_values(ts, GPU_COUNTERS, (
             s.ecc_corrected_volatile, s.ecc_uncorrected_volatile, s.pcie_replay_total, s.nvlink_crc_errors_total,
             s.nvlink_replay_errors_total, s.nvlink_recovery_errors_total))
+
+
+# What PortHistory.observe says changed (flags; 0: only counters nobody judges, or none, moved).
+PORT_LINK_CHANGED = 1
+PORT_COUNTERS_ROSE = 2
 
 
 class PortHistory:
@@ -526,11 +549,13 @@ class PortHistory:
     def name(self) -> str:
         return f"{self.device}/{self.port}"
 
-    def observe(self, state: PortState, ts: float, sent: PortState | None = None) -> None:
+    def observe(self, state: PortState, ts: float, sent: PortState | None = None) -> int:
         """``state``: the port's whole state; ``sent``: the compact entry it was completed from
         (None: the report was whole), whose counters are only those that moved (its flags are
         whole). A compact entry that moved only counters leaves ``last`` itself, its counters
-        updated in place: its link state, rate and flags are the last sample's."""
+        updated in place: its link state, rate and flags are the last sample's. Returns what
+        changed: ``PORT_LINK_CHANGED`` (its link state, rate or flags may have), ``PORT_COUNTERS_ROSE``
+        (a judged counter increased), or 0 (the usual entry)."""
         counters, flags = state.counters, state.flags
         if sent is not None and state is self.last:
             # Only counters moved (the usual compact entry): the link state and rate are the last
@@ -540,23 +565,25 @@ class PortHistory:
             self.samples.append(PortSample(ts, last_sample.active, last_sample.rate_bits_per_second))
             if not (len(counters) == self._names_for and self._judged.isdisjoint(sent.counters)
                     and self.counters.still(ts)):  # else: none of the judged counters moved
-                self._observe_counters(ts, counters, flags)
-            return
+                return self._observe_counters(ts, counters, flags)
+            return 0
         self.last = state
         active = port_is_active(state)
         rate = state.rate_bits_per_second
         self.last_seen = ts
         self.samples.append(PortSample(ts, active, rate))
+        changed = PORT_LINK_CHANGED
         if not (sent is not None and len(counters) == self._names_for and flags == self._flags
                 and self._judged.isdisjoint(sent.counters) and self.counters.still(ts)):
-            self._observe_counters(ts, counters, flags)
+            changed |= self._observe_counters(ts, counters, flags)
         if active:
             self.active_this_boot = True
             self.ever_active = True
         if rate is not None and (self.max_rate_bits_per_second is None or rate > self.max_rate_bits_per_second):
             self.max_rate_bits_per_second = rate
+        return changed
 
-    def _observe_counters(self, ts: float, counters: dict[str, int], flags: dict[str, str]) -> None:
+    def _observe_counters(self, ts: float, counters: dict[str, int], flags: dict[str, str]) -> int:
         if len(counters) != self._names_for or flags != self._flags:
             # The judged counters this port has, less the saturated ones (a saturated counter no
             # longer moves: its delta would read as "no errors"). A port's counter set does not
@@ -569,7 +596,8 @@ class PortHistory:
             self._judged = frozenset(self._names)
             self._names_for = len(counters)
             self._flags = dict(flags)
-        self.counters.observe_values(ts, self._names, tuple(map(counters.get, self._names)))
+        return PORT_COUNTERS_ROSE if self.counters.observe_values(
+            ts, self._names, tuple(map(counters.get, self._names))) else 0
 
 
 class RankHistory:
@@ -589,7 +617,7 @@ class RankHistory:
         # (its summaries of one window repeat it and are stored once, so a window is one piece of
         # evidence however many reports carry it); an agent without one gives the arrival time.
         self.windows: deque[tuple[float, float, float | None, int, float | None]] = deque(maxlen=maxlen)
-        # Change marker (INCREMENTAL.md): how many windows were ever appended (the newest
+        # Change marker (docs/detectors.md, "change markers"): how many windows were ever appended (the newest
         # ``window_count - seen`` of ``windows`` are new to a reader that saw ``seen``).
         self.window_count = 0
 
@@ -616,7 +644,7 @@ class JobState:
     name: str
     ranks: dict[int, RankHistory] = field(default_factory=dict)
     last_seen: float = 0.0
-    # Change marker (INCREMENTAL.md): the fleet revision of the latest change to its membership (a
+    # Change marker (docs/detectors.md, "change markers"): the fleet revision of the latest change to its membership (a
     # rank joined, left, or moved to another node). Its ranks' summaries change every report.
     members_revision: int = 0
 
@@ -657,10 +685,24 @@ class NodeState:
         self.failed_collectors: list[str] = []
         self.reports = 0
         # The fleet revision of the latest change to this node's state, and of the latest change
-        # to what names its hardware class (INCREMENTAL.md): a GPU's model, maximum SM clock or
+        # to what names its hardware class (docs/detectors.md, "change markers"): a GPU's model, maximum SM clock or
         # power limit (``_CLASS_FIELDS``), or its GPU histories.
         self.revision = 0
         self.gpu_class_revision = 0
+        # What the GPU and port detectors read of it, kept on ingest so that they pass over a quiet
+        # node in O(1) (docs/detectors.md, "change markers"): the newest time a judged counter of one of its GPUs or
+        # ports increased (CounterBaseline.last_increase_ts, the largest of its GPUs' or ports'),
+        # and the revision of the latest report that changed a GPU's memory or NVLink fault state
+        # (``_GPU_FAULT_FIELDS``) or a port's link state, rate or flags, or took one of them whole
+        # (a new GPU or port, one back in the reports, a whole report, a reboot).
+        self.gpu_counters_moved_ts = -math.inf
+        self.port_counters_moved_ts = -math.inf
+        self.gpu_faults_revision = 0
+        self.ports_revision = 0
+        # The revision of the latest report with a GPU sample the thermal detector may act on
+        # (WATCHED_CLOCK_EVENTS), and how many GPUs its latest report had (of len(gpus)).
+        self.gpu_watch_revision = 0
+        self.gpus_reported = 0
         # The GPUs whose latest state's health is not "ok" (the silence detector reads only these).
         self.unhealthy_gpus: set[int] = set()
         self.seq_gaps = 0
@@ -702,7 +744,7 @@ class Fleet:
         self._port_counters = frozenset(port_counters) if port_counters is not None else None
         self._nodes: dict[str, NodeState] = {}
         self._jobs: dict[str, JobState] = {}
-        # Change markers (INCREMENTAL.md): counts every change to the state detectors read; each
+        # Change markers (docs/detectors.md, "change markers"): counts every change to the state detectors read; each
         # node, job and rank records the revision of its own latest change. ``identity`` tells
         # one fleet from another (a detector's cache holds for the fleet it was built over).
         self.revision = 0
@@ -832,6 +874,7 @@ class Fleet:
                 port.counters.forget_baseline()
                 port.max_rate_bits_per_second = None
                 port.active_this_boot = False
+            node.ports_revision = revision
         elif report.seq != node.seq + 1:
             node.seq_gaps += 1
         node.seq = report.seq
@@ -864,6 +907,7 @@ class Fleet:
         # was observed when the base report was ingested, base_seen; never when base_seen is None).
         gpus = node.gpus
         seen: set[int] = set()
+        braking, hbm_limit, hbm_watch = WATCHED_CLOCK_EVENTS, HBM_DEFAULT_LIMIT_CELSIUS, HBM_WATCH_BELOW_LIMIT_CELSIUS
         for i, state in enumerate(report.gpus):
             index = state.index
             hist = gpus.get(index)
@@ -873,6 +917,11 @@ class Fleet:
             seen.add(index)
             if hist is not None and hist.last_seen == base_seen and hist.uuid == state.uuid:
                 # A compact entry carries a field that changed (or lists it as cleared).
+                if (state.remap_pending is not None or state.remap_failure is not None
+                        or state.retired_pages_pending is not None or state.retired_pages_sbe is not None
+                        or state.retired_pages_dbe is not None or state.nvlink_links_down != hist.last.nvlink_links_down
+                        or (cleared and ("gpus", i) in cleared)):
+                    node.gpu_faults_revision = revision
                 if state.name is not None or state.sm_clock_max_hertz is not None \
                         or state.power_limit_watts is not None \
                         or (cleared and not _CLASS_FIELDS.isdisjoint(cleared.get(("gpus", i), ()))):
@@ -886,19 +935,26 @@ class Fleet:
                     if cleared else complete.gpu(base, state)
             elif hist is None or hist.uuid != state.uuid:
                 hist = gpus[index] = GpuHistory(state, ts, maxlen, state_maxlen)
-                node.gpu_class_revision = self.gpu_jobs_revision = revision
+                node.gpu_class_revision = node.gpu_faults_revision = self.gpu_jobs_revision = revision
             else:
+                node.gpu_faults_revision = revision  # taken whole
                 last = hist.last
                 if (state.name != last.name or state.sm_clock_max_hertz != last.sm_clock_max_hertz
                         or state.power_limit_watts != last.power_limit_watts):
                     node.gpu_class_revision = revision
                 if state.job != last.job:
                     self.gpu_jobs_revision = revision
-            hist.observe(state, ts)
+            if hist.observe(state, ts):
+                node.gpu_counters_moved_ts = ts
+            reasons, hbm = state.clock_event_reasons, state.memory_temperature_celsius
+            if (reasons and not braking.isdisjoint(reasons)) or (hbm is not None and hbm >= (
+                    state.memory_max_temperature_celsius or hbm_limit) - hbm_watch):
+                node.gpu_watch_revision = revision
             if state.health != "ok":
                 node.unhealthy_gpus.add(index)
             elif node.unhealthy_gpus:
                 node.unhealthy_gpus.discard(index)
+        node.gpus_reported = len(seen)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors
@@ -931,6 +987,7 @@ class Fleet:
                     oldest = idle_ports.pop()
                     del ports[(oldest.device, oldest.port)]
                     self.evicted["ports"] += 1
+                    node.ports_revision = revision
                 if len(pstate.counters) > max_counters:
                     pstate = _within(pstate, {}, max_counters, refused)
                 phist = ports[key] = PortHistory(pstate, ts, maxlen, state_maxlen, self._port_counters)
@@ -944,7 +1001,12 @@ class Fleet:
                     pstate = psent = _within(pstate, pbase.counters, max_counters, refused)
                 pstate = _complete_cleared(complete.port, pbase, pstate, cleared.get(("ports", i), ())) \
                     if cleared else complete.port(pbase, pstate)
-            phist.observe(pstate, ts, psent)
+            changed = phist.observe(pstate, ts, psent)
+            if changed:
+                if changed & PORT_LINK_CHANGED:
+                    node.ports_revision = revision
+                if changed & PORT_COUNTERS_ROSE:
+                    node.port_counters_moved_ts = ts
         jobs = self._jobs
         job: JobState | None = None
         room: _RankRoom | None = None  # built at the first rank new to this node
@@ -974,8 +1036,8 @@ class Fleet:
                     rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
                 else:
                     old = self._nodes.get(rhist.node)
-                    if old is not None:
-                        old.ranks.pop((summary.job, summary.rank), None)
+                    if old is not None and old.ranks.pop((summary.job, summary.rank), None) is not None:
+                        old.revision = revision  # a rank forgotten off it is a change to it
                 job.members_revision = revision
                 node.ranks[(summary.job, summary.rank)] = rhist
                 room.jobs[summary.job] = room.jobs.get(summary.job, 0) + 1
@@ -1205,7 +1267,7 @@ class FleetView:
                  isolations: Sequence[IsolationOutcome] = (), revision: int | None = None,
                  fleet: object | None = None, gpu_jobs_revision: int = 0) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
-        # Change markers (INCREMENTAL.md): the fleet's revision when the view was taken, and the
+        # Change markers (docs/detectors.md, "change markers"): the fleet's revision when the view was taken, and the
         # fleet's identity. A view built by hand (tests) has neither: ``revision`` None tells a
         # detector to trust no marker and judge from scratch.
         self.revision = revision

@@ -12,6 +12,7 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.detectors.quiet_nodes import QuietNodes
 from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState
 
 NAME = "memory"
@@ -48,6 +49,9 @@ class MemoryDetector:
 
     def __init__(self, config: MemoryConfig) -> None:
         self.config = config
+        # Nodes none of whose GPUs had a flag set or a counter moved when last walked, with their
+        # gpu_faults_revision then.
+        self._quiet = QuietNodes()
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -56,16 +60,27 @@ class MemoryDetector:
         # (``_judge``'s tests, in the order that skips the healthy GPU soonest: most of the fleet).
         moved_after = now - max(cfg.uncorrectable_window_seconds, cfg.recent_seconds)
         retired_limit = cfg.retired_pages_limit
+        # A node is passed over in O(1) while what made it quiet holds (change markers,
+        # docs/detectors.md, "change markers"): none of its GPUs' fault flags changed since (gpu_faults_revision) and
+        # no GPU counter moved within the window. A view without markers is walked whole.
+        quiet = self._quiet
+        marked = quiet.start(view)
         for node in view.nodes.values():
+            if marked and node.gpu_counters_moved_ts < moved_after and quiet.holds(node, node.gpu_faults_revision):
+                continue
+            flagged = False
             for gpu in node.gpus.values():
-                if gpu.last_seen < node.last_seen:
-                    continue  # absent from the latest report: the silence detector's case
                 state = gpu.last
                 if not (gpu.counters.last_increase_ts >= moved_after or state.remap_failure or state.remap_pending
                         or state.retired_pages_pending or (state.retired_pages_sbe is not None and (
                             state.retired_pages_sbe + (state.retired_pages_dbe or 0)) >= retired_limit)):
                     continue
+                flagged = True
+                if gpu.last_seen < node.last_seen:
+                    continue  # absent from the latest report: the silence detector's case
                 out.extend(self._judge(node, gpu, now))
+            if marked:
+                quiet.walked(node, node.gpu_faults_revision, not flagged)
         return out
 
     def _since(self, gpu: GpuHistory, flag: str) -> float:

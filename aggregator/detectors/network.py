@@ -34,6 +34,7 @@ from pydantic import Field, model_validator
 from vigil.agent.validation import StrictModel
 from vigil.agent.wire import PORT_TRAFFIC_COUNTERS
 from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.detectors.quiet_nodes import QuietNodes
 from vigil.aggregator.fleet import FleetView, NodeState, PortHistory, port_is_active
 
 NAME = "network"
@@ -141,6 +142,9 @@ class NetworkDetector:
         # site may set below a day's drops. Bounded: _DROPS_KEPT per port and counter, forgotten
         # when older than the window or when the port's node has left the view.
         self._drops: dict[PortKey, deque[tuple[float, float]]] = {}
+        # Nodes none of whose ports had a counter moved, a link down or a rate below its expected
+        # one when last walked, with their ports_revision then.
+        self._quiet = QuietNodes()
 
     @property
     def drops_remembered(self) -> int:
@@ -149,7 +153,13 @@ class NetworkDetector:
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
-        self._remember_drops(view, now)
+        # A node is passed over in O(1) while what made it quiet holds (change markers,
+        # docs/detectors.md, "change markers"): none of its ports' link state, rate or flags changed since
+        # (ports_revision) and no port counter moved within the horizon. A view without markers
+        # is walked whole.
+        quiet = self._quiet
+        marked = quiet.start(view)
+        self._remember_drops(view, now, marked)
         shared = self._shared_drops(view, now)
         cfg = self.config
         # A port whose counters did not move over the longest horizon, that is not down after
@@ -158,27 +168,37 @@ class NetworkDetector:
         moved_after = now - self._flap_horizon()
         expected_rate, tolerance = cfg.expected_rate_bits_per_second, 1 - cfg.rate_tolerance_ratio
         for node in view.nodes.values():
+            if marked and node.port_counters_moved_ts < moved_after and quiet.holds(node, node.ports_revision):
+                continue
+            flagged = False
             for port in node.ports.values():
-                if port.last_seen < node.last_seen:
-                    continue
                 if port.counters.last_increase_ts < moved_after:
                     rate = port.last.rate_bits_per_second
                     expected = expected_rate or port.max_rate_bits_per_second
                     if (not rate or not expected or rate >= expected * tolerance) and (
                             not port.active_this_boot or port_is_active(port.last)):
                         continue
+                flagged = True
+                if port.last_seen < node.last_seen:
+                    continue
                 out.extend(self._judge(node, port, now, shared))
+            if marked:
+                quiet.walked(node, node.ports_revision, not flagged)
         return out
 
     def _drop_window(self) -> float:
         return max(self.config.flap_slow_window_seconds, self.config.flap_daily_window_seconds)
 
-    def _remember_drops(self, view: FleetView, now: float) -> None:
-        """Take the ports' new link drops into the memory; forget what is older than the window."""
+    def _remember_drops(self, view: FleetView, now: float, marked: bool = False) -> None:
+        """Take the ports' new link drops into the memory; forget what is older than the window.
+        ``marked``: the view has change markers (a node none of whose port counters moved after
+        the window's start is passed over in O(1))."""
         t0 = now - self._drop_window()
         for key in [k for k, drops in self._drops.items() if drops[-1][0] <= t0 or k[0] not in view.nodes]:
             del self._drops[key]
         for node in view.nodes.values():
+            if marked and node.port_counters_moved_ts <= t0:
+                continue
             for port in node.ports.values():
                 if port.counters.last_increase_ts <= t0:
                     continue

@@ -12,6 +12,7 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.detectors.quiet_nodes import QuietNodes
 from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState
 
 NAME = "pcie_nvlink"
@@ -51,17 +52,30 @@ class PcieNvlinkDetector:
             ("nvlink_recovery_errors_total", cfg.nvlink_recoveries_per_minute / 60.0, cfg.nvlink_action,
              "NVLink recoveries", 60.0, "min"),
         )
+        # Nodes none of whose GPUs had a counter moved or a link down when last walked, with their
+        # gpu_faults_revision then.
+        self._quiet = QuietNodes()
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
         t0 = now - self.config.window_seconds
+        # A node is passed over in O(1) while what made it quiet holds (change markers,
+        # docs/detectors.md, "change markers"): no GPU's NVLinks down changed since (gpu_faults_revision) and no GPU
+        # counter moved within the window. A view without markers is walked whole.
+        quiet = self._quiet
+        marked = quiet.start(view)
         for node in view.nodes.values():
+            if marked and node.gpu_counters_moved_ts < t0 and quiet.holds(node, node.gpu_faults_revision):
+                continue
+            flagged = False
             for gpu in node.gpus.values():
-                if gpu.last_seen < node.last_seen:
-                    continue
                 # No counter moved in the window and no link down: nothing to judge (most GPUs).
                 if gpu.counters.last_increase_ts >= t0 or gpu.last.nvlink_links_down:
-                    out.extend(self._judge(node, gpu, now))
+                    flagged = True
+                    if gpu.last_seen >= node.last_seen:
+                        out.extend(self._judge(node, gpu, now))
+            if marked:
+                quiet.walked(node, node.gpu_faults_revision, not flagged)
         return out
 
     def _judge(self, node: NodeState, gpu: GpuHistory, now: float) -> list[Finding]:

@@ -213,7 +213,7 @@ class StragglerDetector:
     def __init__(self, config: StragglerConfig) -> None:
         self.config = config
         self._memo: dict[str, _JobMemo] = {}
-        # Caches over the fleet ``_fleet`` (INCREMENTAL.md): each job's nodes as of its membership
+        # Caches over the fleet ``_fleet`` (docs/detectors.md, "change markers"): each job's nodes as of its membership
         # revision, and each node's hardware class as of its class revision.
         self._fleet: object | None = None
         self._job_nodes: dict[str, tuple[JobState, int, set[str], dict[str, int]]] = {}

@@ -19,13 +19,22 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import islice
 
 from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding, JobAction
 from vigil.aggregator.detectors.topology import ONSET
-from vigil.aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
+from vigil.aggregator.fleet import (
+    HBM_DEFAULT_LIMIT_CELSIUS,
+    HBM_WATCH_BELOW_LIMIT_CELSIUS,
+    WATCHED_CLOCK_EVENTS,
+    FleetView,
+    GpuHistory,
+    GpuSample,
+    NodeState,
+)
 
 NAME = "thermal"
 
@@ -79,6 +88,19 @@ class ThermalDetector:
         # throttled within the horizon are held. And the newest sample counted per GPU, by node.
         self._throttled_time: dict[tuple[str, int], deque[tuple[float, float]]] = {}
         self._counted: dict[str, dict[int, float]] = {}  # node -> GPU index -> newest sample counted
+        # Passing over a node in O(1) (docs/detectors.md, "change markers"): where the fleet marks every
+        # sample this configuration may act on (NodeState.gpu_watch_revision), a node whose GPUs'
+        # newest samples were neither throttled nor hot when it was last walked, (the node, its
+        # revision then), is passed over while no watched sample came since and every GPU is in its
+        # latest report; what that pass would have counted (each GPU's newest sample, the node's
+        # state_seen) is written when it is next walked: (the node, state_seen, its GPUs then).
+        self._watched = (self._reasons <= WATCHED_CLOCK_EVENTS
+                         and config.memory_margin_celsius <= HBM_WATCH_BELOW_LIMIT_CELSIUS
+                         and config.memory_max_celsius_default - config.memory_margin_celsius
+                         >= HBM_DEFAULT_LIMIT_CELSIUS - HBM_WATCH_BELOW_LIMIT_CELSIUS)
+        self._clean: dict[str, tuple[NodeState, int]] = {}
+        self._passed: dict[str, tuple[NodeState, float, int]] = {}
+        self._fleet: object | None = None
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -104,11 +126,26 @@ class ThermalDetector:
         min_utilization, max_ratio = cfg.min_utilization_ratio, cfg.max_clock_ratio
         hbm_default, hbm_margin = cfg.memory_max_celsius_default, cfg.memory_margin_celsius
         judge: list[tuple[NodeState, GpuHistory]] = []
+        marked = view.revision is not None and self._watched
+        if not marked or view.fleet is not self._fleet:
+            self._settle_passed()
+            self._clean.clear()
+            self._fleet = view.fleet
+        clean_nodes, passed = self._clean, self._passed
         for node in view.nodes.values():
             name, node_seen = node.name, node.last_seen
+            if marked:
+                walked = clean_nodes.get(name)
+                if (walked is not None and walked[0] is node and node.gpu_watch_revision <= walked[1]
+                        and node.gpus_reported == len(node.gpus)):
+                    passed[name] = (node, node.state_seen, len(node.gpus))
+                    continue
             counted_of = seen.get(name)
             if counted_of is None:
                 counted_of = seen[name] = {}
+            if name in passed:
+                self._settle(name)
+            clean = marked
             for gpu in node.gpus.values():
                 samples = gpu.samples
                 if not samples:
@@ -117,11 +154,13 @@ class ThermalDetector:
                 u, c, m = newest.utilization_gpu_ratio, newest.sm_clock_hertz, newest.sm_clock_max_hertz
                 throttled = (u is not None and c is not None and m is not None and m != 0 and u >= min_utilization
                              and c / m <= max_ratio and not reasons.isdisjoint(newest.clock_event_reasons))
-                if gpu.last_seen >= node_seen:
+                if gpu.last_seen >= node_seen or clean:
                     t = newest.memory_temperature_celsius
                     if throttled or (t is not None
                                      and t >= (newest.memory_max_temperature_celsius or hbm_default) - hbm_margin):
-                        judge.append((node, gpu))
+                        clean = False
+                        if gpu.last_seen >= node_seen:
+                            judge.append((node, gpu))
                 index = gpu.index
                 counted = counted_of.get(index, -math.inf)
                 latest = newest.ts
@@ -146,7 +185,25 @@ class ThermalDetector:
                     before = newer[i + 1].ts if i + 1 < len(newer) else counted
                     span = min(sample.ts - before, 4 * node.interval_seconds)
                     held.setdefault((name, index), deque()).append((sample.ts, span))
+            if clean:
+                clean_nodes[name] = (node, node.revision)
+            elif marked:
+                clean_nodes.pop(name, None)
         return judge
+
+    def _settle(self, name: str) -> None:
+        """What the passes over node ``name`` since it was last walked would have counted: each
+        GPU it had then, in its latest report, up to the node's state then (GPUs are never
+        forgotten, so they are the first ones of its GPUs in order; a GPU replaced since keeps its
+        index's count, as the walk keeps it)."""
+        node, state_seen, gpus = self._passed.pop(name)
+        counted_of = self._counted.setdefault(name, {})
+        for index in islice(node.gpus, gpus):
+            counted_of[index] = state_seen
+
+    def _settle_passed(self) -> None:
+        for name in list(self._passed):
+            self._settle(name)
 
     def _long_horizon(self, view: FleetView, short: list[Finding], now: float) -> list[Finding]:
         """Throttled time per GPU over the long horizon, from the samples counted (``_take_samples``)."""
@@ -155,6 +212,8 @@ class ThermalDetector:
         seen = self._counted
         for name in [n for n in seen if n not in view.nodes]:
             del seen[name]
+            self._passed.pop(name, None)
+            self._clean.pop(name, None)
         out: list[Finding] = []
         already = {(f.node, f.gpu) for f in short if f.key == "clock_throttle"}
         horizon = now - cfg.long_horizon_seconds

@@ -1,4 +1,4 @@
-"""The fleet's change markers (INCREMENTAL.md) move whenever what they stand for changed: a node's
+"""The fleet's change markers (docs/detectors.md, "change markers") move whenever what they stand for changed: a node's
 hardware-class revision whenever a GPU's model, maximum SM clock or power limit changed or a GPU
 history was replaced, in whole and compact reports alike (a compact entry carries only what changed,
 or lists it as cleared); a job's membership revision whenever a rank joined, left or moved; a rank's
@@ -10,6 +10,7 @@ incremental detector judging a stale cache."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from itertools import pairwise
 
@@ -77,6 +78,65 @@ def test_class_revision_moves_exactly_when_a_class_field_changed(version: int | 
         before = fields
     # Only the rounds that changed a class field (none of the temperature's): no needless recompute.
     assert moved == [3, 5, 6, 8, 10]
+
+
+def _fault_reports() -> list[Report]:
+    node = FakeNode("n1", gpus=2, ports=2)
+    out = []
+    for k in range(ROUNDS):
+        node.gpus[0]["temperature_celsius"] = 60.0 + k  # moves every report: judged by no fault test
+        if k == 3:
+            node.gpus[1]["remap_pending"] = True
+        if k == 5:
+            node.gpus[0]["nvlink_links_down"] = [1]
+        if k == 6:
+            node.gpus[0]["nvlink_links_down"] = []  # back to the default: cleared in a compact report
+        if k == 7:
+            node.ports[1]["state"] = "1: DOWN"
+        if k == 8:
+            node.gpus[1]["ecc_corrected_volatile"] += 3
+        if k == 9:
+            node.ports[0]["counters"]["symbol_error"] += 2
+        out.append(node.report(k * 2.5))
+    return out
+
+
+@pytest.mark.parametrize("version", [None, *COMPACT_VERSIONS], ids=lambda v: f"v{v or 1}")
+def test_fault_and_port_markers_move_when_what_the_gpu_and_port_detectors_read_changed(version: int | None) -> None:
+    fleet = Fleet(port_counters=["symbol_error", "link_downed"])
+    faults, ports = [], []
+    for k, report in enumerate(_forms(_fault_reports(), version)):
+        fleet.ingest(report, report.ts)
+        node = fleet.view().nodes["n1"]
+        if node.gpu_faults_revision == node.revision:
+            faults.append(k)
+        if node.ports_revision == node.revision:
+            ports.append(k)
+        assert node.gpu_counters_moved_ts == (-math.inf if k < 8 else 8 * 2.5)
+        assert node.port_counters_moved_ts == (-math.inf if k < 9 else 9 * 2.5)
+    if version is None:  # whole reports: every GPU and port taken whole
+        assert faults == ports == list(range(ROUNDS))
+    else:  # the first whole; then only the rounds that changed a fault field or a port's link
+        assert faults[:1] == ports[:1] == [0]
+        assert {3, 5, 6} <= set(faults) <= {0, 3, 5, 6}
+        # And the report after each (the fleet makes its own copy of the port's state then): never
+        # the rounds that moved only a GPU's temperature or a counter.
+        assert {0, 7} <= set(ports) <= {0, 1, 7, 8}, ports
+
+
+def test_a_rank_moving_to_another_node_is_a_change_to_the_node_it_left() -> None:
+    fleet = Fleet()
+    a, b = FakeNode("a"), FakeNode("b")
+    a.ranks = [rank_summary("j", 0, compute=0.4, comm=0.1, ts=0.0)]
+    fleet.ingest(a.report(0.0), 0.0)
+    a.ranks = [rank_summary("j", 0, compute=0.4, comm=0.1, ts=2.5, state="exited")]
+    fleet.ingest(a.report(2.5), 2.5)
+    left = fleet.view().nodes["a"].revision
+    b.ranks = [rank_summary("j", 0, compute=0.4, comm=0.1, ts=5.0)]
+    fleet.ingest(b.report(5.0), 5.0)
+    view = fleet.view()
+    assert view.jobs["j"].ranks[0].node == "b" and ("j", 0) not in view.nodes["a"].ranks
+    assert view.nodes["a"].revision == view.nodes["b"].revision > left
 
 
 def test_membership_and_window_markers() -> None:

@@ -4,7 +4,10 @@ full test) find exactly what the long way finds, every evaluation, over a random
 fleet: a whole-rack thermal event (the job's, not a node's), a power-capped node, a GPU braking in
 bursts, hot HBM, a shared switch's link drops beside a node's own, bit errors, a degraded link,
 memory and NVLink faults, idle GPUs, a reboot, replayed reports, a node that leaves and comes back,
-lagging reports and passes at uneven times.
+lagging reports and passes at uneven times. Most reports are compact (version 3, as the agent sends
+them), so a node is passed over on its markers (NodeState.gpu_faults_revision, ports_revision and
+the counters' moved times) between the faults: among them a GPU that leaves the reports and comes
+back with a remap failure, an NVLink and a port that come back up, a link back at full rate.
 
 The long way: a fresh GPU peer detector every pass (it reads every window whole); every GPU and
 port through ``_judge``; twins judging the view without change markers (every node's hardware
@@ -14,6 +17,7 @@ skipped, so the next finds two new samples a GPU."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import deque
@@ -21,6 +25,8 @@ from collections import deque
 import pytest
 
 from tests.aggregator.conftest import GBPS, FakeNode, rank_summary
+from vigil.agent.report_delta import delta, whole
+from vigil.agent.wire import SPARSE_VERSION, Report, decode_report
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig, GpuStragglerDetector
@@ -74,6 +80,18 @@ def every_port(detector: NetworkDetector, view: FleetView, now: float) -> list[F
     shared = detector._shared_drops(view, now)
     return [f for node in view.nodes.values() for port in node.ports.values() if port.last_seen >= node.last_seen
             for f in detector._judge(node, port, now, shared)]
+
+
+def compact(fleet: Fleet, base: Report | None, report: Report, now: float) -> Report:
+    """``report`` relative to ``base`` as the agent sends it (version 3), where the fleet holds that
+    base and the two have the same structure; else ``report`` whole."""
+    if base is None:
+        return report
+    body = delta(whole(base, SPARSE_VERSION), whole(report, SPARSE_VERSION))
+    if body is None:
+        return report
+    sent = decode_report(json.dumps({**body, "base_seq": base.seq}))
+    return sent if fleet.refusal(sent, now) is None else report
 
 
 def fleet_nodes() -> list[FakeNode]:
@@ -139,8 +157,18 @@ def faults(rng: random.Random, nodes: list[FakeNode], t: float, plan: dict[str, 
         nodes[2].gpus[0]["remap_pending"] = True
         nodes[2].gpus[6]["retired_pages_pending"] = True
         nodes[4].gpus[3]["ecc_uncorrected_volatile"] = int((t - plan["memory"]) // 50)
-        nodes[8].gpus[3]["nvlink_links_down"] = [2]
+        nodes[8].gpus[3]["nvlink_links_down"] = [2] if t < plan["memory"] + 150 else []
         nodes[3].gpus[5]["pcie_replay_total"] += rng.randrange(0, 200)
+    # Back to health in a compact entry (a field cleared, a port up again, a link at full rate).
+    if t >= plan["down"] + 200:
+        nodes[4].ports[1]["state"] = "4: ACTIVE"
+    if t >= plan["degraded"] + 250:
+        nodes[11].ports[0]["rate_bits_per_second"] = 400 * GBPS
+    # A GPU whose remap fails while it is out of the reports: it comes back with the flag; out
+    # again for two reports, it comes back braking.
+    nodes[1].gpus[2]["remap_failure"] = t >= plan["absent"] + 20
+    if plan["absent"] + 65 <= t < plan["absent"] + 85:
+        nodes[1].gpus[2].update(THROTTLED)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -150,6 +178,8 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
     plan = {name: rng.uniform(60, 400) for name in
             ("rack", "cap", "limit", "bursts", "held", "hbm", "switch", "own", "errors", "degraded", "down",
              "memory", "health", "attribution", "slow_rank")}
+    wire = random.Random(-seed)  # how each report goes (its own stream: the faults' draws stay as they were)
+    plan["absent"], plan["pause"] = wire.uniform(60, 400), wire.uniform(100, 700)
     fleet = Fleet()
     peer_config = GpuPeerConfig()
     peer, thermal = GpuPeerDetector(peer_config), ThermalDetector(ThermalConfig())
@@ -162,6 +192,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
     network = NetworkDetector(NetworkConfig(flap_slow_threshold=3, flap_daily_threshold=2))
     found: set[str] = set()
     sent: dict[str, list] = {}
+    held: dict[str, Report] = {}  # per node: its latest report ingested (the next compact one's base)
     t = 0.0
     gone_at = rng.uniform(200, 500)
     while t < 900:
@@ -173,8 +204,13 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
                 continue  # a lost report
             if node.name == "n6" and abs(t - 450) < 1.0:
                 node.reboot()
-            report = node.report(t)
-            fleet.ingest(report, t + rng.uniform(0, 0.5))
+            absent = (2,) if node.name == "n1" and (plan["absent"] <= t < plan["absent"] + 40
+                                                   or plan["absent"] + 60 <= t < plan["absent"] + 65) else ()
+            report = node.report(t, drop_gpus=absent)
+            arrival = t + rng.uniform(0, 0.5)
+            fleet.ingest(compact(fleet, held.get(node.name), report, arrival) if wire.random() < 0.8 else report,
+                         arrival)
+            held[node.name] = report
             sent.setdefault(node.name, []).append(report)
             if rng.random() < 0.02 and len(sent[node.name]) > 3:
                 fleet.ingest(sent[node.name][-3], t + 0.6)  # replayed: moves last_seen alone
@@ -182,6 +218,8 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
         t += 2.5
         if rng.random() < 0.2:
             continue  # no pass this time: the next one finds two reports of each node
+        if plan["pause"] <= t < plan["pause"] + 100:
+            continue  # no pass for 40 reports: the next one finds more than a GPU's samples hold
         now = t - 2.5 + rng.choice([0.7, 1.0, 2.0])
         view = fleet.view()
         long_view = view.without_markers()  # every node's class and the GPUs' jobs read afresh
@@ -189,6 +227,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
         assert short == GpuPeerDetector(peer_config).evaluate(long_view, now)
         short_thermal = thermal.evaluate(view, now)
         assert short_thermal == long_thermal.evaluate(view, now)
+        assert thermal._throttled_time == long_thermal._throttled_time  # the long horizon's memory too
         short_memory, short_pcie = memory.evaluate(view, now), pcie.evaluate(view, now)
         assert short_memory == every_gpu(memory, view, now)
         assert short_pcie == every_gpu(pcie, view, now)
@@ -209,10 +248,52 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
             "thermal:clock_throttle:shared:observe", "thermal:clock_throttle:job:alert",
             "thermal:clock_throttle:intermittent:alert", "thermal:hbm_temperature:alert",
             "memory:remap_pending:reset_gpu", "memory:retired_pending:reset_gpu", "memory:uncorrectable:drain",
+            "memory:remap_failure:inspect_hardware",
             "pcie_nvlink:nvlink_down:reboot_node", "pcie_nvlink:pcie_replay_total:drain",
             "network:bit_errors:drain", "network:degraded:drain", "network:port_down:drain", "network:flap:drain",
             "network:flap_daily:alert", "gpu_straggler:n11",
             } <= found, sorted(found)
+
+
+def test_thermal_counts_what_it_passed_over_as_the_walk_counts_it() -> None:
+    """A node passed over while quiet, then: a GPU braking from the third of 34 reports with no
+    pass between (its samples hold 32: the first counted is the oldest held), and a GPU out of two
+    reports that comes back braking. The long horizon's memory is the long way's after every pass."""
+    fleet, node = Fleet(), FakeNode("n1", gpus=2, ports=0)
+    short, long = ThermalDetector(ThermalConfig()), LongWayThermal(ThermalConfig())
+    t = 0.0
+
+    def report(passes: bool = True, drop: tuple[int, ...] = ()) -> None:
+        nonlocal t
+        t += 2.5
+        fleet.ingest(node.report(t, drop_gpus=drop), t)
+        if passes:
+            view = fleet.view()
+            assert short.evaluate(view, t + 1.0) == long.evaluate(view, t + 1.0)
+            assert short._throttled_time == long._throttled_time
+
+    for _ in range(8):
+        report()
+    assert "n1" in short._passed  # quiet: passed over
+    for k in range(34):
+        if k == 2:
+            node.gpus[0].update(THROTTLED)
+        report(passes=k == 33)
+    assert min(short._throttled_time[("n1", 0)])[1] == 7.5  # from the last pass's count (a pass over)
+    node.gpus[0].update(sm_clock_hertz=1.98e9, clock_event_reasons=["sw_power_cap"])
+    for _ in range(6):
+        report()
+    assert "n1" in short._passed
+    report(drop=(1,))
+    report(drop=(1,))
+    assert "n1" not in short._passed  # a GPU out of the latest report: walked
+    node.gpus[1].update(THROTTLED)
+    for _ in range(3):
+        report()
+    assert min(short._throttled_time[("n1", 1)])[1] == 7.5  # since its last sample before it left
+    # A configuration acting on what the fleet does not mark walks every node, every pass.
+    assert short._watched and not ThermalDetector(ThermalConfig(reasons=["sw_power_cap"]))._watched
+    assert not ThermalDetector(ThermalConfig(memory_margin_celsius=12.0))._watched
 
 
 def test_a_nodes_hardware_class_is_read_again_when_what_names_it_changed() -> None:
