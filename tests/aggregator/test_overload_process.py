@@ -85,13 +85,16 @@ def test_past_its_capacity_it_sheds_with_retry_after_and_takes_every_node_again_
 
 
 def test_judging_back_to_back_fills_the_held_bound_sheds_and_every_node_is_taken_again_after(tmp_path: Path) -> None:
-    """Made slow by configuration: passes back to back (``evaluate_interval_seconds`` 0.02) and a
-    held bound of 2, so reports arriving while the detectors read are held, the bound is reached
-    and the excess shed (503 held_full, Retry-After). Judging never starves intake nor intake
-    judging: passes go on while a calm load follows, every one of its reports is taken, and
-    nothing is left held."""
+    """Made busy by configuration: passes back to back (``evaluate_interval_seconds`` 0.02) and a
+    held bound of 1, so reports arriving while the detectors read are held and, where two arrive in
+    one pass, the excess is shed (503 held_full, Retry-After). How many arrive in one pass depends
+    on how fast this machine judges (on a quiet one a pass of this fleet takes about a
+    millisecond): that a full queue sheds with held_full is held by tests/aggregator/test_admission.py;
+    here, that reports are held, only held_full is ever shed, nothing is lost, and judging never
+    starves intake nor intake judging: passes go on while a calm load follows, every one of its
+    reports is taken, and nothing is left held."""
     agg = AggregatorProcess(tmp_path, {"dry_run": True, "evaluate_interval_seconds": 0.02, "server": {"admission": {
-        "max_held_reports": 2, "retry_after_seconds": 1}}})
+        "max_held_reports": 1, "retry_after_seconds": 1}}})
     agg.start()
 
     def scrape() -> str:
@@ -102,17 +105,19 @@ def test_judging_back_to_back_fills_the_held_bound_sheds_and_every_node_is_taken
     try:
         assert agg.proc is not None
         target = Target(agg.url, SITE_SECRET.encode(), ROLE_TOKENS["read"], agg.proc.pid)
-        hot = run_load(target, Plan(nodes=60, duration_seconds=3, interval_seconds=0.25, node_prefix="hot"))
+        hot = run_load(target, Plan(nodes=120, duration_seconds=3, interval_seconds=0.25, node_prefix="hot"))
         before_calm = scrape()
         calm = run_load(target, Plan(nodes=10, duration_seconds=3, interval_seconds=1.0, node_prefix="calm"))
         after_calm = scrape()
     finally:
         agg.stop()
-    # Behind on its work: reports held to the bound, the excess shed with 503, never an error.
+    # Behind on its work: reports held while passes ran; whatever was shed was shed for the held
+    # bound (503), never an error, and every shed answer is counted.
     held_full = re.search(r'^vigil_aggregator_reports_shed_total\{reason="held_full"\} (\S+)$', before_calm, re.M)
-    assert held_full is not None and float(held_full[1]) > 0
+    assert held_full is not None and float(held_full[1]) == hot["shed"]
+    assert counter(before_calm, "vigil_aggregator_reports_shed_total") == hot["shed"]
     assert counter(before_calm, "vigil_aggregator_reports_held_total") > 0
-    assert hot["errors"] == {} and hot["shed"] > 0 and hot["rebased"] == 0
+    assert hot["errors"] == {} and hot["rebased"] == 0
     # Taken again: every node of the calm load is taken while passes go on, and nothing is left held.
     assert calm["errors"] == {} and calm["accepted"] > 0 and calm["fleet_nodes"] == 10
     passes = "vigil_aggregator_judge_duration_seconds_count"
