@@ -38,7 +38,7 @@ CARRIED = {version: {section: frozenset(f.name for f in msgspec.structs.fields(m
            for version, clearable in CLEARABLE.items()}
 
 # Report fields that say "unchanged" by being left out (the aggregator keeps the last it had).
-_KEPT_WHEN_ABSENT = ("topology", "host")
+_KEPT_WHEN_ABSENT = ("topology", "host", "config", "pcie")
 # Port fields for a reader of one report, never sent in versions 2 and 3: the aggregator derives its
 # own increases from the raw counters over its window.
 V2_PORT_EXCLUDE = frozenset({"deltas", "rates_per_second"})

@@ -133,6 +133,13 @@ JobPhase = Literal["training", "checkpointing", "evaluating"]
 # A training value that is not a finite number, as the heartbeat client spells it (JSON has no
 # NaN or Infinity, and the decoder refuses them as numbers): a NaN loss is the signal itself.
 NonFinite = Literal["nan", "inf", "-inf"]
+# A GPU's NVLink fabric registration with Fabric Manager on NVSwitch systems (NVML's
+# nvmlDeviceGetGpuFabricInfoV state, NVML_GPU_FABRIC_STATE_*). None: no NVSwitch fabric
+# (NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, or a driver without the call).
+FabricState = Literal["not_started", "in_progress", "completed"]
+# The driver's own verdict on what recovers a GPU after an error (NVML field
+# NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, values NVML_GPU_RECOVERY_ACTION_*, R550 and later).
+RecoveryAction = Literal["none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset"]
 
 
 class _Wire(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True, gc=False):
@@ -251,6 +258,24 @@ class GpuState(_Wire, kw_only=True):
     nvlink_recovery_errors_total: Count | None = None
     nvlink_links_active: Count | None = None
     nvlink_links_down: Annotated[tuple[Index, ...], Meta(max_length=64)] = ()
+    # NVLink fabric (nvmlDeviceGetGpuFabricInfoV; NVSwitch systems only, else all None/empty):
+    # Fabric Manager's registration state; the registration's error as NVML names its return
+    # code (``fabric_status``, None when it succeeded or is not done); the NVLink clique and
+    # cluster (GB200-class multi-node NVLink); and the unhealthy conditions of the fabric health
+    # mask, in words: degraded_bandwidth, route_recovery, route_unhealthy, access_timeout_recovery.
+    fabric_state: FabricState | None = None
+    fabric_status: Short | None = None
+    fabric_clique_id: Count | None = None
+    fabric_cluster_uuid: Short | None = None
+    fabric_health: Annotated[tuple[Short, ...], Meta(max_length=16)] = ()
+    # The GPU's PCIe link as trained now and the most the GPU and its slot allow together
+    # (nvmlDeviceGetCurrPcieLinkGeneration/Width, nvmlDeviceGetMaxPcieLinkGeneration/Width).
+    pcie_link_generation: Count | None = None
+    pcie_link_generation_max: Count | None = None
+    pcie_link_width: Count | None = None
+    pcie_link_width_max: Count | None = None
+    # What the driver says recovers this GPU now (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION).
+    recovery_action: RecoveryAction | None = None
     # NVML GPM profiling (Hopper and later), averaged over the agent's collector interval; absent
     # on older GPUs and before the agent has a pair of samples.
     graphics_active_ratio: Ratio | None = None
@@ -374,14 +399,60 @@ class CollectiveState(_Wire, kw_only=True):
     reason: Short = ""
 
 
+class PcieDevice(_Wire, kw_only=True):
+    """One PCIe device's link and AER error counters, from sysfs (/sys/bus/pci/devices/<bdf>):
+    every HCA, and every GPU for its AER counters (a GPU's link comes from NVML, in GpuState).
+    ``pci_bus_id`` is sysfs's form, ``0000:18:00.0`` (NVML writes the domain with 8 digits)."""
+
+    pci_bus_id: Short
+    kind: Literal["gpu", "hca"]
+    name: Short | None = None  # an HCA's RDMA device name (mlx5_0)
+    link_generation: Count | None = None  # from current_link_speed (2.5 GT/s = 1 ... 64 GT/s = 6)
+    link_generation_max: Count | None = None  # from max_link_speed
+    link_width: Count | None = None  # current_link_width
+    link_width_max: Count | None = None  # max_link_width
+    aer_correctable_total: Count | None = None  # aer_dev_correctable TOTAL_ERR_COR
+    aer_nonfatal_total: Count | None = None  # aer_dev_nonfatal TOTAL_ERR_NONFATAL
+    aer_fatal_total: Count | None = None  # aer_dev_fatal TOTAL_ERR_FATAL
+
+
+class NodeConfig(_Wire, kw_only=True):
+    """A node's configuration facts: what every node of a job should have alike. Sent whole in
+    a report when any fact changed, left out otherwise (the aggregator keeps the last). A fact
+    the node cannot read is None. Per-GPU and per-HCA facts carry the first device's value;
+    those on which the node's own devices disagree are named in ``mixed``."""
+
+    driver_version: Short | None = None  # nvmlSystemGetDriverVersion: 535.161.08
+    cuda_driver_version: Short | None = None  # nvmlSystemGetCudaDriverVersion_v2: 12.2
+    kernel: Short | None = None  # /proc/sys/kernel/osrelease
+    gpu_model: Short | None = None  # nvmlDeviceGetName
+    gpu_count: Count | None = None
+    vbios_version: Short | None = None
+    gpu_inforom_version: Short | None = None  # nvmlDeviceGetInforomImageVersion: the GPU firmware image
+    ecc_mode: Literal["enabled", "disabled"] | None = None  # current ECC mode
+    persistence_mode: Literal["enabled", "disabled"] | None = None
+    mig_mode: Literal["enabled", "disabled"] | None = None  # current MIG mode
+    power_limit_watts: NonNeg | None = None  # enforced power limit
+    application_sm_clock_hertz: NonNeg | None = None
+    application_memory_clock_hertz: NonNeg | None = None
+    hca_count: Count | None = None
+    hca_board_id: Short | None = None  # /sys/class/infiniband/<hca>/board_id
+    hca_firmware: Short | None = None  # /sys/class/infiniband/<hca>/fw_ver
+    hca_link_rate_bits_per_second: NonNeg | None = None  # the first active port's rate
+    ofed_version: Short | None = None  # MLNX_OFED / DOCA-OFED release, where installed
+    rdma_core_version: Short | None = None
+    mixed: Annotated[tuple[Short, ...], Meta(max_length=32)] = ()
+
+
 class HostFacts(_Wire, kw_only=True):
     cpu_utilization_ratio: Ratio | None = None
     load1: NonNeg | None = None
     memory_used_bytes: NonNeg | None = None
     memory_total_bytes: NonNeg | None = None
     uptime_seconds: NonNeg | None = None
-    kernel: Short | None = None
-    driver_version: Short | None = None
+    # The NVIDIA Fabric Manager service on an NVSwitch system, as systemd names its state
+    # (active, activating, deactivating, inactive, failed); None where it is not expected to run.
+    fabric_manager_state: Short | None = None
 
 
 # Node actions (agent/node_actions.py holds their table and the signing): the signed request the
@@ -539,6 +610,9 @@ class Report(_Wire, kw_only=True):
     # a compact report never leaves it out or completes it from a base.
     collectives: Annotated[list[CollectiveState], Meta(max_length=COLLECTIVES_MAX)] = []
     host: HostFacts | None = None
+    # Like ``host``: whole when any of it changed, absent when unchanged (kept by the aggregator).
+    config: NodeConfig | None = None
+    pcie: Annotated[list[PcieDevice], Meta(max_length=256)] | None = None
     events: Annotated[list[Event], Meta(max_length=REPORT_MAX_EVENTS)] = []
     # Collectors whose last cycle failed, so the aggregator can tell "no data" from "healthy".
     failed_collectors: Annotated[list[Short], Meta(max_length=64)] = []

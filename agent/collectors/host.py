@@ -89,7 +89,6 @@ class HostCollector:
             memory_used_bytes=float(mem.total - mem.available),
             memory_total_bytes=float(mem.total),
             uptime_seconds=uptime,
-            kernel=self._kernel,
         )
         return Collection(samples=samples, report={"host": facts})
 

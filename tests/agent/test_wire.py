@@ -196,6 +196,6 @@ def test_a_collector_whose_output_breaks_the_contract_fails_its_cycle() -> None:
 def test_a_state_for_a_person_shows_its_defaults_and_leaves_out_only_absent_fields() -> None:
     gpu = GpuState(index=0, uuid="GPU-1", processes=(GpuProcess(pid=7),))
     assert to_readable(gpu) == {"index": 0, "uuid": "GPU-1", "health": "ok", "clock_event_reasons": [],
-                                "nvlink_links_down": [], "processes": [{"pid": 7}]}
+                                "nvlink_links_down": [], "fabric_health": [], "processes": [{"pid": 7}]}
     assert to_readable([gpu])[0]["health"] == "ok"
     assert "health" not in to_builtins(gpu)  # the wire form leaves defaults out

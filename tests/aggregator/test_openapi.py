@@ -22,6 +22,8 @@ from vigil.agent.wire import (
     Event,
     GpuState,
     HostFacts,
+    NodeConfig,
+    PcieDevice,
     PortState,
     RankSummary,
     Report,
@@ -61,7 +63,8 @@ def test_spec_is_valid_openapi():
     validate_spec(SPEC)
 
 
-@pytest.mark.parametrize("model", [Report, GpuState, PortState, RankSummary, CollectiveState, HostFacts, Event,
+@pytest.mark.parametrize("model", [Report, GpuState, PortState, RankSummary, CollectiveState, HostFacts, PcieDevice,
+                                   NodeConfig, Event,
                                    Decision, Finding])
 def test_documented_schema_has_the_models_fields(model: type[BaseModel] | type[msgspec.Struct]):
     schema = SCHEMAS[model.__name__]
