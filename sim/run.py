@@ -311,7 +311,8 @@ class Simulation:
         self._uninstrumented: dict[int, UninstrumentedJob] = {}
         self._boots = 0
         self._nvml_setup: dict[str, tuple[int, str, list[dict[str, Any]]]] = {}
-        self._healthy: dict[str, Any] = {}
+        self._healthy: dict[tuple[str, bool], Any] = {}  # (profile, idle) -> the healthy node scenario
+        self._idle = set(scenario.resolve_nodes(scenario.fleet.idle)) if scenario.fleet.idle is not None else set()
         self._store_seq = 0
         self._down: dict[str, list[tuple[float, float]]] = {}  # node -> its reboots' [down, back)
         self._remediated: list[Remediated] = []
@@ -427,13 +428,15 @@ class Simulation:
 
         sc = self.scenario
         index, profile, _ = self._nvml_setup[name]
-        load = {"utilization": sc.fleet.load, "noise": 0.05, "memory_used_ratio": 0.8}
-        node_sc = self._healthy.get(profile)
+        idle = name in self._idle
+        load = {"utilization": 0.0, "noise": 0.0, "memory_used_ratio": 0.0} if idle \
+            else {"utilization": sc.fleet.load, "noise": 0.05, "memory_used_ratio": 0.8}
+        node_sc = self._healthy.get((profile, idle))
         if node_sc is None or nvml_faults:
             node_sc = NodeScenario.model_validate({"profile": profile, "gpus": sc.fleet.gpus_per_node, "load": load,
                                                    "faults": nvml_faults})
             if not nvml_faults:
-                self._healthy[profile] = node_sc
+                self._healthy[(profile, idle)] = node_sc
         reset = functools.partial(self._nvidia_smi, name) if self._resets else None
         return open_fake_backend(node_sc, self.clock, seed=self.seed * 100_003 + index, reset=reset)
 

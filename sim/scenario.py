@@ -63,6 +63,10 @@ class Fleet(_Strict):
     profile: str = "h100-sxm-80gb"
     # Later groups win where they overlap; nodes in none have ``profile``.
     profiles: list[ProfileGroup] = Field(default_factory=list)
+    # Nodes between jobs: their GPUs idle (utilization 0, memory free), as FakeNvml answers for
+    # an idle GPU (power-saving clocks, a PCIe link trained down to save power); None: every
+    # node at ``load``. A job may not run on them.
+    idle: NodeSet | None = None
     # The compute fabric: InfiniBand, or RoCE ("Ethernet" link layer, as the kernel names it).
     link_layer: Literal["InfiniBand", "Ethernet"] = "InfiniBand"
     load: float = Field(default=0.9, ge=0, le=1)  # GPU utilization of the healthy fleet
@@ -268,9 +272,22 @@ class NvmlFault(_FaultBase):
         """The fault as the node scenario declares it (times relative to the node's start)."""
         out: dict[str, Any] = {"kind": self.kind, "at_seconds": self.at_seconds if at_seconds is None
                                else at_seconds, **(self.model_extra or {})}
-        if self.kind != "nvml_unavailable":
+        if _node_kind_has_gpu(self.kind):
             out["gpu"] = self.gpu if self.gpu is not None else 0
         return out
+
+
+def _node_kind_has_gpu(kind: str) -> bool:
+    """Whether the node-level model of ``kind`` names a GPU (``nvml_unavailable`` and the other
+    node-wide kinds, e.g. Fabric Manager down or a node's configuration, do not)."""
+    from typing import get_args
+
+    from vigil.agent.nvml.scenario import Fault as NodeFault
+
+    for model in get_args(get_args(NodeFault)[0]):
+        if kind in get_args(model.model_fields["kind"].annotation):
+            return "gpu" in model.model_fields
+    return True
 
 
 class KernelXid(_FaultBase):
@@ -777,6 +794,13 @@ class Scenario(_Strict):
             _check_nodeset(job.nodes, names, self.fleet.name_format, f"jobs.{i}.nodes")
         for i, group in enumerate(self.fleet.profiles):
             _check_nodeset(group.nodes, names, self.fleet.name_format, f"fleet.profiles.{i}.nodes")
+        if self.fleet.idle is not None:
+            _check_nodeset(self.fleet.idle, names, self.fleet.name_format, "fleet.idle")
+            idle = set(self.resolve_nodes(self.fleet.idle))
+            for i, job in enumerate(self.jobs):
+                busy = sorted(idle & set(self.resolve_nodes(job.nodes)))
+                if busy:
+                    raise ValueError(f"jobs.{i}.nodes: {busy[:3]} are idle (fleet.idle): a job keeps its GPUs busy")
         for i, iso in enumerate(self.isolations):
             _check_nodeset(iso.nodes, names, self.fleet.name_format, f"isolations.{i}.nodes")
             probes = self.aggregator.get("probes")
