@@ -229,6 +229,18 @@ def test_a_driver_before_the_field_leaves_it_absent_and_unasked(clock):
         assert r.recovery_action is None and r.errors == [] and r.memory_temperature_celsius is not None
 
 
+def test_a_scripted_fault_brings_the_driver_that_shows_it(clock):
+    """On the H100 profile (driver 535: no recovery field, no V call) a recovery_action or
+    fabric_degraded fault says the node runs a driver that has them: answered on every GPU."""
+    _, backend = _backend(clock, {"profile": "h100-sxm-80gb", "faults": [
+        {"kind": "recovery_action", "at_seconds": 5, "gpu": 1, "action": "drain_and_reset"},
+        {"kind": "fabric_degraded", "at_seconds": 5, "gpu": 2, "conditions": ["route_unhealthy"]}]})
+    assert {backend.read(i).recovery_action for i in range(8)} == {"none"}
+    clock.t = 5.0
+    assert backend.read(1).recovery_action == "drain_and_reset"
+    assert backend.read(2).fabric_health == ("route_unhealthy",) and backend.read(3).fabric_health == ()
+
+
 def test_a_recovery_action_the_wire_has_no_word_for_is_counted(clock):
     class Newer(FakeNvml):
         def nvmlDeviceGetFieldValues(self, handle, field_ids):
@@ -248,8 +260,6 @@ def test_a_recovery_action_the_wire_has_no_word_for_is_counted(clock):
 
 @pytest.mark.parametrize("profile, fault, message", [
     ("a100-sxm-80gb", {"kind": "fabric_manager_down"}, "needs an NVSwitch fabric"),
-    ("h100-sxm-80gb", {"kind": "fabric_degraded", "at_seconds": 0, "gpu": 0}, "lacks"),
-    ("h100-sxm-80gb", {"kind": "recovery_action", "at_seconds": 0, "gpu": 0, "action": "gpu_reset"}, "predates"),
     ("h100-sxm-80gb", {"kind": "pcie_link_degraded", "at_seconds": 0, "gpu": 0, "width": 32}, "at most x16"),
     ("a100-sxm-80gb", {"kind": "pcie_link_degraded", "at_seconds": 0, "gpu": 0, "generation": 5},
      "at most generation 4"),
