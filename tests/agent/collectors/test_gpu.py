@@ -376,6 +376,17 @@ def test_links_read_as_before_reuse_their_samples_and_equal_a_fresh_build(make, 
 # --- issue 44: NVLink fabric, PCIe link, the driver's recovery action --------------------------
 
 
+def _collector_of(yaml_text: str, clock, tmp_path, **config) -> tuple[FakeNvml, GpuCollector]:
+    """A collector (no Xid worker, NVLink/slow cadence 10 s unless given) over this node scenario."""
+    scenario = tmp_path / "node.yaml"
+    scenario.write_text(yaml_text)
+    fake = FakeNvml(load_node_scenario(scenario), clock, start=0.0)
+    backend = PynvmlBackend(fake)
+    backend.init()
+    config = {"xid_events": False, "nvlink_interval_seconds": 10.0, **config}
+    return fake, GpuCollector(GpuConfig(**config), backend, clock)
+
+
 def test_fabric_pcie_and_recovery_series_of_a_healthy_node(make, clock):
     collection = make("healthy-h200").collect(0.0)
     s = collection.samples
@@ -405,13 +416,8 @@ def test_no_fabric_no_recovery_action_series_where_nvml_has_no_answer(make):
 
 
 def test_fabric_manager_down_and_back(clock, tmp_path):
-    scenario = tmp_path / "fm.yaml"
-    scenario.write_text("faults: [{kind: fabric_manager_down, at_seconds: 30, duration_seconds: 60, "
-                        "state: in_progress}]\n")
-    fake = FakeNvml(load_node_scenario(scenario), clock, start=0.0)
-    backend = PynvmlBackend(fake)
-    backend.init()
-    collector = GpuCollector(GpuConfig(xid_events=False, nvlink_interval_seconds=10.0), backend, clock)
+    _, collector = _collector_of("faults: [{kind: fabric_manager_down, at_seconds: 30, duration_seconds: 60, "
+                                 "state: in_progress}]\n", clock, tmp_path)
     states = {}
     for t in (0.0, 31.0, 45.0, 95.0):  # each past the 10 s cadence: a slow read
         clock.t = t
@@ -438,13 +444,9 @@ def test_slow_reads_are_held_between_their_cadence(make, clock):
 
 
 def test_idle_downclock_is_seen_as_such_and_load_brings_the_link_back(clock, tmp_path):
-    scenario = tmp_path / "idle.yaml"
-    scenario.write_text("load: {utilization: 0.0, pcie_idle_link_generation: 1}\n"
-                        "faults: [{kind: pcie_link_degraded, at_seconds: 0, gpu: 5, width: 8}]\n")
-    fake = FakeNvml(load_node_scenario(scenario), clock, start=0.0)
-    backend = PynvmlBackend(fake)
-    backend.init()
-    collector = GpuCollector(GpuConfig(xid_events=False, nvlink_interval_seconds=10.0), backend, clock)
+    fake, collector = _collector_of("load: {utilization: 0.0, pcie_idle_link_generation: 1}\n"
+                                    "faults: [{kind: pcie_link_degraded, at_seconds: 0, gpu: 5, width: 8}]\n",
+                                    clock, tmp_path)
     idle = collector.collect(0.0).report["gpus"]
     assert [(g.pcie_link_generation, g.pcie_link_width) for g in idle] == [(1, 16)] * 5 + [(1, 8)] + [(1, 16)] * 2
     fake.set_utilization(range(8), 0.9)
@@ -474,12 +476,8 @@ def test_recovery_action_from_its_time_and_cleared_by_a_reset(make, clock):
 
 
 def test_a_lost_gpu_keeps_no_fabric_or_link_state(clock, tmp_path):
-    scenario = tmp_path / "lost.yaml"
-    scenario.write_text("faults: [{kind: gpu_lost, at_seconds: 5, gpu: 1}]\n")
-    fake = FakeNvml(load_node_scenario(scenario), clock, start=0.0)
-    backend = PynvmlBackend(fake)
-    backend.init()
-    collector = GpuCollector(GpuConfig(xid_events=False, nvlink_interval_seconds=100.0), backend, clock)
+    _, collector = _collector_of("faults: [{kind: gpu_lost, at_seconds: 5, gpu: 1}]\n", clock, tmp_path,
+                                 nvlink_interval_seconds=100.0)
     collector.collect(0.0)
     clock.t = 6.0
     lost = collector.collect(6.0)
