@@ -212,5 +212,7 @@ class HostCollector:
 
 
 def build(config: AgentConfig, seams: Seams) -> HostCollector:
-    # psutil reads /proc itself; tests pass a fake `ps` to HostCollector directly.
-    return HostCollector(config.collectors.host, run=seams.run, sysfs_root=seams.sysfs_root)
+    # psutil reads /proc itself; a test or the simulator that wants another machine's figures passes
+    # its own as seams.extra["psutil"] (or a fake `ps` to HostCollector directly).
+    return HostCollector(config.collectors.host, ps=seams.extra.get("psutil", psutil), run=seams.run,
+                         sysfs_root=seams.sysfs_root)
