@@ -82,7 +82,7 @@ def _label(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
-        return f"{value:g}"
+        return str(int(value)) if value.is_integer() else repr(value)  # 400000000000, not 4e+11
     return str(value)
 
 

@@ -65,8 +65,8 @@ def test_host_side_facts_of_a_healthy_node(node: dict[str, Path]) -> None:
     assert len(info) == 1 and info[0].value == 1
     labels = dict(info[0].labels)
     assert set(labels) == {*FACTS, "mixed"}
-    assert (labels["kernel"], labels["hca_firmware"], labels["hca_link_rate_bits_per_second"], labels["driver_version"]) \
-        == (KERNEL, "28.41.1000", "4e+11", "")
+    assert (labels["kernel"], labels["hca_firmware"], labels["hca_link_rate_bits_per_second"],
+            labels["driver_version"]) == (KERNEL, "28.41.1000", "400000000000", "")
     assert _errors(samples) == {}
 
 
@@ -149,3 +149,64 @@ def test_built_from_the_registry(node: dict[str, Path]) -> None:
     config = parse_config({"collectors": {"node_config": {"library_dirs": [str(node["lib"])]}}})
     collector = REGISTRY["node_config"](config, Seams(sysfs_root=node["sys"], proc_root=node["proc"]))
     assert collector.collect(0.0).report["config"].rdma_core_version == "50.0"
+
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+START = 1_700_000_000.0
+
+
+def _fake_backend(scenario: str, clock: Clock) -> Any:
+    from vigil.agent.nvml.backend import PynvmlBackend
+    from vigil.agent.nvml.fake import FakeNvml
+    from vigil.agent.nvml.scenario import load_node_scenario
+
+    backend = PynvmlBackend(FakeNvml(load_node_scenario(scenario), clock, start=START))
+    backend.init()
+    return backend
+
+
+def test_gpu_facts_from_fake_nvml_healthy_h100(node: dict[str, Path]) -> None:
+    from vigil.agent.nvml.profiles import PROFILES
+
+    profile = PROFILES["h100-sxm-80gb"]
+    config, samples = _collect(_collector(node, _fake_backend("healthy-h100", Clock(START))))
+    assert (config.driver_version, config.cuda_driver_version) == (profile.driver_version, "12.2")
+    assert (config.gpu_model, config.gpu_count) == (profile.name, 8)
+    assert (config.ecc_mode, config.persistence_mode) == ("enabled", "enabled")
+    assert config.power_limit_watts == 700.0
+    assert config.mixed == ()
+    labels = dict(next(s for s in samples if s.name == "vigil_node_config_info").labels)
+    assert (labels["driver_version"], labels["gpu_count"], labels["power_limit_watts"]) == \
+        (profile.driver_version, "8", "700")
+    assert _errors(samples) == {}
+
+
+def test_drifted_driver_and_one_gpu_capped_by_hand(node: dict[str, Path]) -> None:
+    # FakeNvml's config_drift fault (scenarios/node/config-drift-driver.yaml): another driver from
+    # boot, every GPU alike (drift from the peers, not mixed); at 120 s GPU 3 capped with ECC off.
+    clock = Clock(START + 10)
+    collector = _collector(node, _fake_backend("config-drift-driver", clock))
+    early, _ = _collect(collector)
+    assert (early.driver_version, early.cuda_driver_version, early.mixed) == ("550.90.07", "12.4", ())
+    clock.t = START + 130
+    late, samples = _collect(collector)
+    assert late.driver_version == "550.90.07"
+    assert (late.power_limit_watts, late.ecc_mode) == (700.0, "enabled")  # GPU 0's
+    assert late.mixed == ("ecc_mode", "power_limit_watts")
+    assert dict(next(s for s in samples if s.name == "vigil_node_config_info").labels)["mixed"] == \
+        "ecc_mode,power_limit_watts"
+
+
+def test_a_lost_gpu_leaves_its_facts_unknown_not_mixed(node: dict[str, Path]) -> None:
+    clock = Clock(START + 200)
+    config, samples = _collect(_collector(node, _fake_backend("gpu-lost", clock)))
+    assert config.gpu_count == 8 and config.mixed == ()
+    assert config.driver_version is not None
+    assert any(source == "nvml" for source, _ in _errors(samples))
