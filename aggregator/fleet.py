@@ -167,14 +167,6 @@ def link_below_max(generation: int | None, generation_max: int | None, width: in
             or (width is not None and width_max is not None and width < width_max))
 
 
-def fabric_suspect(state: GpuState) -> bool:
-    """Whether a GPU's NVLink fabric is other than registered and healthy: a state other than
-    completed, a registration error, or an unhealthy condition (None: no NVSwitch fabric, never)."""
-    fabric = state.fabric_state
-    return (fabric is not None and fabric != "completed") or state.fabric_status is not None \
-        or bool(state.fabric_health)
-
-
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
 GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
                 "nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
@@ -833,7 +825,8 @@ class NodeState:
         # Since when its Fabric Manager has been in a state other than active (None: active, or
         # not expected here), as its host facts said.
         self.fabric_manager_down_since: float | None = None
-        # GPUs whose fabric is suspect (``fabric_suspect``) -> since when (this run of reports).
+        # GPUs whose NVLink fabric is not registered and healthy (a state other than completed, a
+        # registration error, an unhealthy condition) -> since when (this run of reports).
         self.fabric_suspect_gpus: dict[int, float] = {}
         # GPUs whose PCIe link is below its maximum now (GpuHistory.link_below holds the run).
         self.gpu_links_below: set[int] = set()
@@ -1051,6 +1044,7 @@ class Fleet:
         gpus = node.gpus
         seen: set[int] = set()
         braking, hbm_limit, hbm_watch = WATCHED_CLOCK_EVENTS, HBM_DEFAULT_LIMIT_CELSIUS, HBM_WATCH_BELOW_LIMIT_CELSIUS
+        suspect, links_below = node.fabric_suspect_gpus, node.gpu_links_below
         for i, state in enumerate(report.gpus):
             index = state.index
             hist = gpus.get(index)
@@ -1097,15 +1091,20 @@ class Fleet:
                 node.unhealthy_gpus.add(index)
             elif node.unhealthy_gpus:
                 node.unhealthy_gpus.discard(index)
-            # The fabric and PCIe link markers: a few reads per GPU; the slow path only for a GPU
-            # whose fabric is not registered and healthy or whose link is below its maximum.
-            if state.fabric_state is not None or index in node.fabric_suspect_gpus:
-                if fabric_suspect(state):
-                    node.fabric_suspect_gpus.setdefault(index, ts)
-                else:
-                    node.fabric_suspect_gpus.pop(index, None)
+            # The fabric and PCIe link markers: a few reads per GPU (none without an NVSwitch
+            # fabric or a link reading). The slow path only for a GPU whose fabric is not registered
+            # and healthy (a state other than completed, a registration error, an unhealthy
+            # condition) or whose link is below its maximum, or while the node has any such GPU (an
+            # empty dict or set is false: one test).
+            fabric = state.fabric_state
+            if fabric is not None or suspect:
+                if (fabric is not None and fabric != "completed") or state.fabric_status is not None \
+                        or state.fabric_health:
+                    suspect.setdefault(index, ts)
+                elif suspect:
+                    suspect.pop(index, None)
             if state.pcie_link_generation != state.pcie_link_generation_max \
-                    or state.pcie_link_width != state.pcie_link_width_max or index in node.gpu_links_below:
+                    or state.pcie_link_width != state.pcie_link_width_max or links_below:
                 self._observe_gpu_link(node, hist, state, ts)
         node.gpus_reported = len(seen)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the

@@ -122,12 +122,14 @@ class ConfigDriftDetector:
         self._first: dict[tuple[str, str], float] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
-        marked = view.revision is not None and view.fleet is self._fleet
-        if not marked:
+        # Caches hold for one fleet and views with change markers (docs/detectors.md, "change
+        # markers"); a view without them is judged from scratch and leaves nothing behind.
+        marked = view.revision is not None
+        if not marked or view.fleet is not self._fleet:
             self._jobs.clear()
             self._manifest.clear()
             self._fleet_counts = None
-            self._fleet = view.fleet if view.revision is not None else None
+            self._fleet = view.fleet if marked else None
         candidates: dict[tuple[str, str], tuple[Finding, float]] = {}
         drift: dict[str, list[dict[str, Any]]] = {}
         cfg = self.config
