@@ -92,7 +92,8 @@ class FleetConfig(StrictModel):
     # State one node's credential can make the aggregator keep, over time and not only per report
     # (the wire bounds a report: 256 GPUs, 256 ports, 1,024 ranks). What is over a cap is refused
     # and counted (vigil_aggregator_refusals_total{door="reports"}, reason too_many_gpus,
-    # too_many_ports, too_many_counters, too_many_ranks, too_many_jobs); ports, ranks and jobs
+    # too_many_ports, too_many_counters, too_many_ranks, too_many_jobs; too_many_pcie_devices
+    # below); ports, ranks and jobs
     # not in the node's latest report are evicted first, oldest first, so only a report listing
     # more than a cap at once is refused. GPUs are never evicted: one that left the reports is
     # the evidence of a GPU fallen off the bus. The largest nodes have 8 to 16 GPUs and as many

@@ -2,14 +2,18 @@
 per node naming them and Fabric Manager as the cause; the lookalikes (a booting node, a node
 without NVSwitch, a registration that completes within the grace) do not act."""
 
+import json
 from collections.abc import Callable
 
 import pytest
 
-from tests.aggregator.conftest import FakeNode
+from tests.aggregator.conftest import FakeNode, drive
+from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import Action
 from vigil.aggregator.detectors.fabric import FabricConfig, FabricDetector
+from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import Fleet
+from vigil.aggregator.sink import RecordingSink
 
 DETECTOR = FabricDetector(FabricConfig())
 
@@ -128,3 +132,19 @@ def test_decision_is_stable_across_passes():
 def test_reset_gpu_is_refused_as_its_action():
     with pytest.raises(ValueError, match="not a node action"):
         FabricConfig(action="reset_gpu")
+
+
+def test_engine_decides_one_drain_for_the_node_whose_fabric_manager_failed_and_nothing_else():
+    engine = Engine(parse_config({}), RecordingSink())
+    nodes = [nvswitch_node(f"n{i}") for i in range(4)]
+    nodes[2].host = {"uptime_seconds": 30.0, "fabric_manager_state": "failed"}
+    for g in nodes[2].gpus.values():
+        g["fabric_state"] = "in_progress"
+
+    def uptime(t):
+        for node in nodes:
+            node.host = {**node.host, "uptime_seconds": node.host["uptime_seconds"] + 2.5}
+    decisions = drive(engine, nodes, 0.0, 600.0, before=uptime)
+    assert [(d.node, d.detector, d.action, d.gpu) for d in decisions] == [("n2", "fabric", Action.DRAIN, None)]
+    assert "cause: Fabric Manager failed" in decisions[0].reason
+    json.loads(decisions[0].model_dump_json())

@@ -1,12 +1,16 @@
 """The PCIe link detector: a GPU link trained down under load, an HCA link below its maximum, AER
 errors; the lookalikes (an idle GPU at Gen1, a single flicker, a healthy link) do not act."""
 
+import json
 from collections.abc import Callable
 
-from tests.aggregator.conftest import FakeNode
+from tests.aggregator.conftest import FakeNode, drive
+from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import Action
 from vigil.aggregator.detectors.pcie_link import PcieLinkConfig, PcieLinkDetector, describe_link
+from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import Fleet, LoadedRun, normal_bus_id
+from vigil.aggregator.sink import RecordingSink
 
 DETECTOR = PcieLinkDetector(PcieLinkConfig())
 
@@ -140,3 +144,16 @@ def test_describe_link():
     assert describe_link(5, 5, 8, 16) == "PCIe Gen5 x8 of x16"
     assert describe_link(3, 5, 16, 16) == "PCIe Gen3 of Gen5 x16"
     assert describe_link(3, 5, 8, 16) == "PCIe Gen3 x8 of Gen5 x16"
+
+
+def test_engine_decides_one_drain_for_the_x8_gpu_and_nothing_else():
+    engine = Engine(parse_config({}), RecordingSink())
+    nodes = [linked_node(f"n{i}") for i in range(4)]
+    for node in nodes[1:]:  # idle peers: Gen1 at idle is power saving
+        for g in node.gpus.values():
+            g.update(utilization_gpu_ratio=0.0, pcie_link_generation=1)
+    nodes[0].gpus[3]["pcie_link_width"] = 8
+    decisions = drive(engine, nodes, 0.0, 400.0)
+    assert [(d.node, d.detector, d.action, d.gpu) for d in decisions] == [("n0", "pcie_link", Action.DRAIN, 3)]
+    assert decisions[0].reason.startswith("GPU 3 PCIe Gen5 x8 of x16")
+    json.loads(decisions[0].model_dump_json())
