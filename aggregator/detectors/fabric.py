@@ -1,0 +1,125 @@
+"""Fabric detector: GPUs a multi-GPU job cannot use because their NVLink fabric is not registered.
+
+It reads what the fleet marks on ingest: each GPU whose NVML fabric state is not ``completed``,
+whose registration failed, or whose fabric health names an unhealthy condition
+(``NodeState.fabric_suspect_gpus``; a GPU without an NVSwitch fabric, state None, is never judged),
+and how long the node's Fabric Manager service has been other than active. Past the boot grace, a
+GPU not registered makes one decision per node (default drain) naming the GPUs, with "Fabric
+Manager <state>" as the cause where the service is not active; unhealthy conditions alone, or
+Fabric Manager down while the GPUs still hold their registration, are one alert per node. It does
+not judge NVLink error counters or links down (pcie_nvlink) nor NVSwitch SXids (xid).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from vigil.agent.validation import StrictModel
+from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.fleet import FleetView, NodeState
+
+NAME = "fabric"
+
+
+class FabricConfig(StrictModel):
+    enabled: bool = True
+    # A booting node's GPUs are not_started/in_progress until Fabric Manager has trained the
+    # NVLinks and registered them (NVIDIA Fabric Manager User Guide: CUDA work waits for the
+    # registration; nvmlDeviceGetGpuFabricInfo). FM starts as a systemd unit after the driver loads
+    # and registers an HGX baseboard within a minute or two of boot; 300 s since the node booted
+    # (its uptime, else its first report of this boot) is beyond that, so a healthy boot is not judged.
+    boot_grace_seconds: float = Field(default=300.0, ge=0)
+    # A GPU's fabric must be not registered (or in error) for this long in a row (24 reports at
+    # 2.5 s): past the boot grace, a Fabric Manager restart re-registers GPUs within seconds.
+    persistence_seconds: float = Field(default=60.0, ge=0)
+    # A GPU not registered with the fabric cannot take part in a multi-GPU job (CUDA refuses
+    # peer access over NVLink): the node is drained; the gate's ladder escalates repeats.
+    action: Action = Action.DRAIN
+    # Unhealthy fabric conditions (degraded bandwidth, route recovery...) on a registered GPU, and
+    # Fabric Manager down on a node whose GPUs keep their registration (they lose it at the next
+    # reset or reboot): a person should look; nothing is removed by default.
+    degraded_action: Action = Action.ALERT
+    # Fabric Manager not active this long before the alert (the rule VigilFabricManagerDown waits 5m).
+    fabric_manager_down_seconds: float = Field(default=300.0, ge=0)
+
+    @field_validator("action", "degraded_action")
+    @classmethod
+    def _node_action(cls, action: Action) -> Action:
+        if action in (Action.RESET_GPU, Action.RESUME, Action.RESTART_JOB, Action.HOLD_JOB):
+            raise ValueError(f"{action.value} is not a node action for the fabric detector (one decision per node, "
+                             "naming its GPUs): use observe, alert, drain, reboot_node or inspect_hardware")
+        return action
+
+
+class FabricDetector:
+    name = NAME
+
+    def __init__(self, config: FabricConfig) -> None:
+        self.config = config
+
+    def evaluate(self, view: FleetView, now: float) -> list[Finding]:
+        out: list[Finding] = []
+        # Nodes with nothing suspect are passed over in O(1): the fleet keeps both marks on ingest.
+        for node in view.nodes.values():
+            if not node.fabric_suspect_gpus and node.fabric_manager_down_since is None:
+                continue
+            finding = self._judge(node, now)
+            if finding is not None:
+                out.append(finding)
+        return out
+
+    def _judge(self, node: NodeState, now: float) -> Finding | None:
+        cfg = self.config
+        if not node.nvml_available or now - node.booted_at < cfg.boot_grace_seconds:
+            return None
+        fm = node.host.fabric_manager_state if node.host is not None else None
+        fm_down = node.fabric_manager_down_since
+        unusable: list[dict[str, Any]] = []
+        degraded: list[dict[str, Any]] = []
+        for index in sorted(node.fabric_suspect_gpus):
+            since = node.fabric_suspect_gpus[index]
+            gpu = node.gpus.get(index)
+            if gpu is None or gpu.last_seen < node.last_seen or now - since < cfg.persistence_seconds:
+                continue  # gone from the latest report (the silence detector's), or not yet persistent
+            s = gpu.last
+            entry: dict[str, Any] = {"gpu": index, "uuid": gpu.uuid, "state": s.fabric_state, "since": since}
+            if s.fabric_status is not None:
+                entry["status"] = s.fabric_status
+            if s.fabric_health:
+                entry["health"] = list(s.fabric_health)
+            if s.fabric_state != "completed" or s.fabric_status is not None:
+                unusable.append(entry)
+            else:
+                degraded.append(entry)
+        cause = f"Fabric Manager {fm}" if fm_down is not None and fm is not None else None
+        evidence: dict[str, Any] = {"signal": "fabric_state", "fabric_manager_state": fm,
+                                    "booted_seconds_ago": round(now - node.booted_at, 1)}
+        if unusable:
+            gpus = ", ".join(_describe(e) for e in unusable)
+            reason = f"NVLink fabric not usable on GPU {gpus}" + (f"; cause: {cause}" if cause else "")
+            return Finding(detector=NAME, node=node.name, action=cfg.action, key="fabric_unusable",
+                           since=min(e["since"] for e in unusable), reason=reason,
+                           evidence={**evidence, "gpus": unusable, "degraded": degraded})
+        fm_alert = fm_down is not None and cause is not None and now - fm_down >= cfg.fabric_manager_down_seconds \
+            and any(g.last.fabric_state is not None for g in node.gpus.values())
+        if not degraded and not fm_alert:
+            return None
+        parts = [f"NVLink fabric unhealthy on GPU {', '.join(_describe(e) for e in degraded)}"] if degraded else []
+        if fm_alert:
+            parts.append(f"{cause} for {now - fm_down:.0f} s (the GPUs lose their fabric registration "  # type: ignore[operator]
+                         "at their next reset)")
+        since = min([e["since"] for e in degraded] + ([fm_down] if fm_alert and fm_down is not None else []))
+        return Finding(detector=NAME, node=node.name, action=cfg.degraded_action, key="fabric_degraded", since=since,
+                       reason="; ".join(parts), evidence={**evidence, "signal": "fabric_health", "gpus": degraded})
+
+
+def _describe(entry: dict[str, Any]) -> str:
+    """``3 (in_progress)``, ``5 (completed, status NVML_ERROR_...)``, ``2 (route_unhealthy)``."""
+    words = [entry["state"] or "no state"] if "health" not in entry or entry["state"] != "completed" else []
+    if "status" in entry:
+        words.append(f"status {entry['status']}")
+    if "health" in entry:
+        words.extend(entry["health"])
+    return f"{entry['gpu']} ({', '.join(words)})"
