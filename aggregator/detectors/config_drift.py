@@ -21,7 +21,7 @@ from pydantic import Field, field_validator
 
 from vigil.agent.validation import StrictModel
 from vigil.agent.wire import NodeConfig
-from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
+from vigil.aggregator.decision import WHOLE_JOB, Action, Finding, NodeAction
 from vigil.aggregator.fleet import FleetView, JobState, NodeState
 
 NAME = "config_drift"
@@ -67,16 +67,16 @@ class ConfigDriftConfig(StrictModel):
     # Per-node drift: alert by default. ``drain`` keeps the node out of new multi-node jobs
     # (a Slurm drain lets the running job finish; Kubernetes cordons): the gate's breaker still
     # bounds how many nodes go at once.
-    action: Action = Action.ALERT
+    action: NodeAction = Action.ALERT
     # The per-job mix (a roll-out in progress): a job-level decision, never a removal nor a restart.
     mix_action: Literal[Action.OBSERVE, Action.ALERT] = Action.ALERT
     # Facts the node's own GPUs or HCAs disagree on (NodeConfig.mixed).
-    mixed_action: Action = Action.ALERT
+    mixed_action: NodeAction = Action.ALERT
     # The site manifest, per GPU model (NodeConfig.gpu_model, e.g. "NVIDIA H100 80GB HBM3").
     manifest: dict[str, ManifestClass] = {}
     # A node short of its manifest (a GPU or HCA missing, a slow link, a driver not allowed):
     # hardware or set-up the node cannot run a job right with; drained by default.
-    manifest_action: Action = Action.DRAIN
+    manifest_action: NodeAction = Action.DRAIN
     manifest_persistence_seconds: float = Field(default=60.0, ge=0)
 
     @field_validator("facts")
@@ -86,14 +86,6 @@ class ConfigDriftConfig(StrictModel):
         if unknown:
             raise ValueError(f"unknown fact(s) {unknown}: the facts are {list(NODE_CONFIG_FACTS)}")
         return facts
-
-    @field_validator("action", "mixed_action", "manifest_action")
-    @classmethod
-    def _node_action(cls, action: Action) -> Action:
-        if action in (Action.RESET_GPU, Action.RESUME, Action.RESTART_JOB, Action.HOLD_JOB):
-            raise ValueError(f"{action.value} is not an action on a node's configuration: use observe, alert, "
-                             "drain, reboot_node or inspect_hardware")
-        return action
 
 
 class _JobVerdict(msgspec.Struct, frozen=True):

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from vigil.agent.validation import StrictModel
-from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.decision import Action, Finding, NodeAction
 from vigil.aggregator.fleet import FleetView, NodeState
 
 NAME = "fabric"
@@ -36,21 +36,13 @@ class FabricConfig(StrictModel):
     persistence_seconds: float = Field(default=60.0, ge=0)
     # A GPU not registered with the fabric cannot take part in a multi-GPU job (CUDA refuses
     # peer access over NVLink): the node is drained; the gate's ladder escalates repeats.
-    action: Action = Action.DRAIN
+    action: NodeAction = Action.DRAIN
     # Unhealthy fabric conditions (degraded bandwidth, route recovery...) on a registered GPU, and
     # Fabric Manager down on a node whose GPUs keep their registration (they lose it at the next
     # reset or reboot): a person should look; nothing is removed by default.
-    degraded_action: Action = Action.ALERT
+    degraded_action: NodeAction = Action.ALERT
     # Fabric Manager not active this long before the alert (the rule VigilFabricManagerDown waits 5m).
     fabric_manager_down_seconds: float = Field(default=300.0, ge=0)
-
-    @field_validator("action", "degraded_action")
-    @classmethod
-    def _node_action(cls, action: Action) -> Action:
-        if action in (Action.RESET_GPU, Action.RESUME, Action.RESTART_JOB, Action.HOLD_JOB):
-            raise ValueError(f"{action.value} is not a node action for the fabric detector (one decision per node, "
-                             "naming its GPUs): use observe, alert, drain, reboot_node or inspect_hardware")
-        return action
 
 
 class FabricDetector:
