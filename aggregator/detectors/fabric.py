@@ -94,15 +94,21 @@ class FabricDetector:
             return Finding(detector=NAME, node=node.name, action=cfg.action, key="fabric_unusable",
                            since=min(e["since"] for e in unusable), reason=reason,
                            evidence={**evidence, "gpus": unusable, "degraded": degraded})
-        fm_alert = fm_down is not None and cause is not None and now - fm_down >= cfg.fabric_manager_down_seconds \
-            and any(g.last.fabric_state is not None for g in node.gpus.values())
-        if not degraded and not fm_alert:
+        # Fabric Manager down long enough while the GPUs keep their registration (an NVSwitch node:
+        # a GPU has a fabric state).
+        fm_since = fm_down if cause is not None else None
+        if fm_since is not None and (now - fm_since < cfg.fabric_manager_down_seconds
+                                     or all(g.last.fabric_state is None for g in node.gpus.values())):
+            fm_since = None
+        if not degraded and fm_since is None:
             return None
         parts = [f"NVLink fabric unhealthy on GPU {', '.join(_describe(e) for e in degraded)}"] if degraded else []
-        if fm_alert:
-            parts.append(f"{cause} for {now - fm_down:.0f} s (the GPUs lose their fabric registration "  # type: ignore[operator]
-                         "at their next reset)")
-        since = min([e["since"] for e in degraded] + ([fm_down] if fm_alert and fm_down is not None else []))
+        starts = [e["since"] for e in degraded]
+        if fm_since is not None:
+            parts.append(f"{cause} for {now - fm_since:.0f} s (the GPUs lose their fabric registration at their "
+                         "next reset)")
+            starts.append(fm_since)
+        since = min(starts)
         return Finding(detector=NAME, node=node.name, action=cfg.degraded_action, key="fabric_degraded", since=since,
                        reason="; ".join(parts), evidence={**evidence, "signal": "fabric_health", "gpus": degraded})
 
