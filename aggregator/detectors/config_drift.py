@@ -48,10 +48,10 @@ class ConfigDriftConfig(StrictModel):
     enabled: bool = True
     # The facts compared across a job's nodes (NodeConfig's fields).
     facts: list[str] = list(NODE_CONFIG_FACTS)
-    # A job's nodes off its majority value for a fact are those nodes' drift when they are one
-    # node or at most this share of the job's nodes that report the fact; more is a roll-out in
-    # progress (the cluster guide's "no configuration drift" is about the odd node; a staged
-    # upgrade splits a job in two large parts), alerted once per job with the mix.
+    # A value off a job's majority for a fact is its nodes' drift when it is on one node or on at
+    # most this share of the job's nodes that report the fact; more is a roll-out in progress (the
+    # cluster guide's "no configuration drift" is about the odd node; a staged upgrade splits a job
+    # in two large parts), alerted once per job with the mix.
     minority_max_share: float = Field(default=0.2, gt=0, lt=0.5)
     # Fewer nodes than this in a job: no majority to judge a node against (2 nodes that differ
     # are a mix, not one node's drift).
@@ -129,8 +129,6 @@ class ConfigDriftDetector:
             if now - job.last_seen > cfg.job_idle_seconds:
                 continue  # ended (its ranks no longer report): its nodes are no longer each other's peers
             verdict = self._verdict(view, job, marked)
-            if verdict is None:
-                continue
             for node_name, odd in verdict.drift.items():
                 drift.setdefault(node_name, []).extend(
                     {"fact": fact, "value": value, "peers": peers, "job": job.name, "job_nodes": verdict.nodes}
@@ -184,7 +182,7 @@ class ConfigDriftDetector:
                       "mix": {fact: [[value, count] for value, count in counts]
                               for fact, counts in sorted(verdict.mix.items())}}), self.config.persistence_seconds)
 
-    def _verdict(self, view: FleetView, job: JobState, marked: bool) -> _JobVerdict | None:
+    def _verdict(self, view: FleetView, job: JobState, marked: bool) -> _JobVerdict:
         """The job's comparison, read again only when its membership or any node's configuration changed."""
         held = self._jobs.get(job.name)
         if marked and held is not None and held[0] is job and held[1] == job.members_revision \
@@ -192,10 +190,9 @@ class ConfigDriftDetector:
             return held[3]
         members = [view.nodes[n] for n in sorted(job.nodes()) if n in view.nodes]
         configs = [(n.name, n.config) for n in members if n.config is not None]
-        verdict = self._compare(view, configs, marked) if len(configs) >= 2 else None
-        if verdict is not None and not verdict.drift and not verdict.mix:
-            verdict = _JobVerdict({}, {}, len(configs))
-        if marked and verdict is not None:
+        # A job on one node (or one with a configuration) has no peers: held too, as nothing to say.
+        verdict = self._compare(view, configs, marked) if len(configs) >= 2 else _JobVerdict({}, {}, len(configs))
+        if marked:
             self._jobs[job.name] = (job, job.members_revision, view.config_revision, verdict)
         return verdict
 
@@ -210,20 +207,23 @@ class ConfigDriftDetector:
             if len(counts) <= 1:
                 continue
             ranked = counts.most_common()
-            (majority, top), second = ranked[0], ranked[1][1]
-            minority = len(known) - top
-            blamable = top > second and len(known) >= cfg.min_job_nodes and (
-                minority == 1 or minority / len(known) <= cfg.minority_max_share)
-            odd = [(name, v, model) for name, v, model in known if v != majority]
+            majority, top = ranked[0]
+            # Each value off the majority is its nodes' drift when it is on one node or a small
+            # share of the job and rare in the fleet; any other (a tie, a large group, a roll-out's
+            # value) makes the fact the job's mix, and then no node is blamed for it here.
+            blamable = top > ranked[1][1] and len(known) >= cfg.min_job_nodes
             if blamable:
                 fleet = self._fleet_values(view, marked)
-                rollout = [(name, v) for name, v, model in odd if _rollout(fleet.get((model, fact)), v,
-                                                                            cfg.fleet_rollout_min_share)]
-                if not rollout:
-                    for name, v, _ in odd:
+                models = {v: model for _, v, model in known}
+                blamable = all((count == 1 or count / len(known) <= cfg.minority_max_share)
+                               and not _rollout(fleet.get((models[value], fact)), value, cfg.fleet_rollout_min_share)
+                               for value, count in ranked[1:])
+            if blamable:
+                for name, v, _ in known:
+                    if v != majority:
                         drift.setdefault(name, []).append((fact, v, majority))
-                    continue
-            mix[fact] = sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))
+            else:
+                mix[fact] = sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))
         return _JobVerdict(drift, mix, len(configs))
 
     def _fleet_values(self, view: FleetView, marked: bool) -> dict[tuple[str | None, str], Counter[Any]]:
