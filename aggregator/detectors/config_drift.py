@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 from pydantic import Field, field_validator
@@ -97,6 +97,23 @@ class _JobVerdict(msgspec.Struct, frozen=True):
     nodes: int
 
 
+class _HeldJob(NamedTuple):
+    """A job's verdict and what it was read from: the JobState, its membership, its member nodes,
+    the newest configuration change among them, and the fleet's configuration revision then."""
+
+    job: JobState
+    members_revision: int
+    members: tuple[str, ...]
+    members_config_revision: int
+    config_revision: int
+    verdict: _JobVerdict
+
+
+def _members_config_revision(view: FleetView, members: tuple[str, ...]) -> int:
+    nodes = view.nodes
+    return max((nodes[n].config_revision for n in members if n in nodes), default=0)
+
+
 class ConfigDriftDetector:
     name = NAME
 
@@ -104,10 +121,14 @@ class ConfigDriftDetector:
         self.config = config
         self._facts = tuple(config.facts)
         self._fleet: object | None = None
-        # Per job: (the JobState, its members_revision, the fleet's config_revision) -> verdict.
-        self._jobs: dict[str, tuple[JobState, int, int, _JobVerdict]] = {}
-        # The fleet's value counts per (GPU model, fact), at the config_revision they were read at.
-        self._fleet_counts: tuple[int, dict[tuple[str | None, str], Counter[Any]]] | None = None
+        # Per job: its verdict and what it was read from.
+        self._jobs: dict[str, _HeldJob] = {}
+        # The fleet's value counts per (GPU model, fact), kept up to date from each node's
+        # configuration as counted (node name -> NodeConfig: a change replaces the object), as of
+        # the fleet's config_revision ``_counted_revision``.
+        self._counts: dict[tuple[str | None, str], Counter[Any]] = {}
+        self._counted: dict[str, NodeConfig] = {}
+        self._counted_revision: int | None = None
         # Per node: (the NodeState, its config_revision, gpu_faults_revision) -> its manifest shortfalls.
         self._manifest: dict[str, tuple[NodeState, int, int, list[str]]] = {}
         # When each episode was first found (the persistence clock and a stable ``since``).
@@ -120,7 +141,7 @@ class ConfigDriftDetector:
         if not marked or view.fleet is not self._fleet:
             self._jobs.clear()
             self._manifest.clear()
-            self._fleet_counts = None
+            self._counts, self._counted, self._counted_revision = {}, {}, None
             self._fleet = view.fleet if marked else None
         candidates: dict[tuple[str, str], tuple[Finding, float]] = {}
         drift: dict[str, list[dict[str, Any]]] = {}
@@ -183,17 +204,24 @@ class ConfigDriftDetector:
                               for fact, counts in sorted(verdict.mix.items())}}), self.config.persistence_seconds)
 
     def _verdict(self, view: FleetView, job: JobState, marked: bool) -> _JobVerdict:
-        """The job's comparison, read again only when its membership or any node's configuration changed."""
+        """The job's comparison, read again only when its membership or a member's configuration
+        changed, or, for a job whose nodes differ at all, when any node's did (the fleet's value
+        counts decide between a node's drift and a roll-out)."""
         held = self._jobs.get(job.name)
-        if marked and held is not None and held[0] is job and held[1] == job.members_revision \
-                and held[2] == view.config_revision:
-            return held[3]
-        members = [view.nodes[n] for n in sorted(job.nodes()) if n in view.nodes]
-        configs = [(n.name, n.config) for n in members if n.config is not None]
+        if marked and held is not None and held.job is job and held.members_revision == job.members_revision:
+            if held.config_revision == view.config_revision:
+                return held.verdict
+            if not held.verdict.drift and not held.verdict.mix \
+                    and _members_config_revision(view, held.members) == held.members_config_revision:
+                self._jobs[job.name] = held._replace(config_revision=view.config_revision)
+                return held.verdict
+        members = tuple(n for n in sorted(job.nodes()) if n in view.nodes)
+        configs = [(n, c) for n in members if (c := view.nodes[n].config) is not None]
         # A job on one node (or one with a configuration) has no peers: held too, as nothing to say.
         verdict = self._compare(view, configs, marked) if len(configs) >= 2 else _JobVerdict({}, {}, len(configs))
         if marked:
-            self._jobs[job.name] = (job, job.members_revision, view.config_revision, verdict)
+            self._jobs[job.name] = _HeldJob(job, job.members_revision, members,
+                                            _members_config_revision(view, members), view.config_revision, verdict)
         return verdict
 
     def _compare(self, view: FleetView, configs: list[tuple[str, NodeConfig]], marked: bool) -> _JobVerdict:
@@ -227,20 +255,38 @@ class ConfigDriftDetector:
         return _JobVerdict(drift, mix, len(configs))
 
     def _fleet_values(self, view: FleetView, marked: bool) -> dict[tuple[str | None, str], Counter[Any]]:
-        """Each (GPU model, fact)'s values across the fleet, read again only when a configuration changed."""
-        if marked and self._fleet_counts is not None and self._fleet_counts[0] == view.config_revision:
-            return self._fleet_counts[1]
-        counts: dict[tuple[str | None, str], Counter[Any]] = {}
-        for node in view.nodes.values():
-            c = node.config
-            if c is None:
-                continue
-            for fact in self._facts:
-                value = getattr(c, fact)
-                if value is not None:
-                    counts.setdefault((c.gpu_model, fact), Counter())[value] += 1
-        self._fleet_counts = (view.config_revision, counts)
-        return counts
+        """Each (GPU model, fact)'s values across the fleet: brought up to date when a configuration
+        changed, by the nodes whose configuration object is not the one counted (and those gone)."""
+        if not marked:
+            self._counts, self._counted, self._counted_revision = {}, {}, None
+        elif self._counted_revision == view.config_revision:
+            return self._counts
+        counted, nodes = self._counted, view.nodes
+        for node in nodes.values():
+            config, was = node.config, counted.get(node.name)
+            if config is not was:
+                self._count(was, -1)
+                self._count(config, 1)
+                if config is None:
+                    counted.pop(node.name, None)
+                else:
+                    counted[node.name] = config
+        for name in [n for n in counted if n not in nodes]:  # forgotten
+            self._count(counted.pop(name), -1)
+        self._counted_revision = view.config_revision
+        return self._counts
+
+    def _count(self, config: NodeConfig | None, by: int) -> None:
+        if config is None:
+            return
+        counts = self._counts
+        for fact in self._facts:
+            value = getattr(config, fact)
+            if value is not None:
+                tally = counts.setdefault((config.gpu_model, fact), Counter())
+                tally[value] += by
+                if not tally[value]:
+                    del tally[value]
 
     def _shortfalls(self, node: NodeState, config: NodeConfig, marked: bool) -> list[str]:
         """How the node falls short of its class's manifest (none where its model has no entry)."""

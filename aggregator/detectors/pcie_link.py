@@ -86,24 +86,28 @@ class PcieLinkDetector:
                 finding = self._gpu_link(node, gpu, now)
                 if finding is not None:
                     out.append(finding)
-        if not node.pcie:
-            return out
+        for bus_id in sorted(node.pcie_links_below):
+            device = node.pcie.get(bus_id)
+            if device is None or device.link_below_since is None or device.last.kind != "hca" \
+                    or now - device.link_below_since < cfg.hca_persistence_seconds:
+                continue
+            d = device.last
+            link = describe_link(d.link_generation, d.link_generation_max, d.link_width, d.link_width_max)
+            out.append(Finding(
+                detector=NAME, node=node.name, action=cfg.hca_action, since=device.link_below_since,
+                key=f"link:{bus_id}", reason=f"HCA {_name(device)}: {link}",
+                evidence={"signal": "pcie_link", "pci_bus_id": bus_id, "kind": d.kind, "device": d.name,
+                          "generation": d.link_generation, "generation_max": d.link_generation_max,
+                          "width": d.link_width, "width_max": d.link_width_max,
+                          "below_seconds": round(now - device.link_below_since, 1)}))
+        t0 = now - cfg.window_seconds
+        if node.pcie_aer_moved_ts < t0:
+            return out  # the usual node: no AER counter rose within the window
         gpus_by_bus = {normal_bus_id(g.last.pci_bus_id): g for g in node.gpus.values() if g.last.pci_bus_id}
         for bus_id in sorted(node.pcie):
             device = node.pcie[bus_id]
-            gpu = gpus_by_bus.get(bus_id) if device.last.kind == "gpu" else None
-            if device.link_below_since is not None and device.last.kind == "hca" \
-                    and now - device.link_below_since >= cfg.hca_persistence_seconds:
-                d = device.last
-                link = describe_link(d.link_generation, d.link_generation_max, d.link_width, d.link_width_max)
-                out.append(Finding(
-                    detector=NAME, node=node.name, action=cfg.hca_action, since=device.link_below_since,
-                    key=f"link:{bus_id}", reason=f"HCA {_name(device)}: {link}",
-                    evidence={"signal": "pcie_link", "pci_bus_id": bus_id, "kind": d.kind, "device": d.name,
-                              "generation": d.link_generation, "generation_max": d.link_generation_max,
-                              "width": d.link_width, "width_max": d.link_width_max,
-                              "below_seconds": round(now - device.link_below_since, 1)}))
-            if device.counters.last_increase_ts >= now - cfg.window_seconds:
+            if device.counters.last_increase_ts >= t0:
+                gpu = gpus_by_bus.get(bus_id) if device.last.kind == "gpu" else None
                 out.extend(self._aer(node, device, gpu, now))
         return out
 
