@@ -89,8 +89,8 @@ class FabricDetector:
         evidence: dict[str, Any] = {"signal": "fabric_state", "fabric_manager_state": fm,
                                     "booted_seconds_ago": round(now - node.booted_at, 1)}
         if unusable:
-            gpus = ", ".join(_describe(e) for e in unusable)
-            reason = f"NVLink fabric not usable on GPU {gpus}" + (f"; cause: {cause}" if cause else "")
+            # The cause first: a scheduler's reason field is short (Slurm's is cut at 200 characters).
+            reason = (f"{cause}: " if cause else "") + f"NVLink fabric not usable on {_describe(unusable)}"
             return Finding(detector=NAME, node=node.name, action=cfg.action, key="fabric_unusable",
                            since=min(e["since"] for e in unusable), reason=reason,
                            evidence={**evidence, "gpus": unusable, "degraded": degraded})
@@ -102,7 +102,7 @@ class FabricDetector:
             fm_since = None
         if not degraded and fm_since is None:
             return None
-        parts = [f"NVLink fabric unhealthy on GPU {', '.join(_describe(e) for e in degraded)}"] if degraded else []
+        parts = [f"NVLink fabric unhealthy on {_describe(degraded)}"] if degraded else []
         starts = [e["since"] for e in degraded]
         if fm_since is not None:
             parts.append(f"{cause} for {now - fm_since:.0f} s (the GPUs lose their fabric registration at their "
@@ -113,11 +113,15 @@ class FabricDetector:
                        reason="; ".join(parts), evidence={**evidence, "signal": "fabric_health", "gpus": degraded})
 
 
-def _describe(entry: dict[str, Any]) -> str:
-    """``3 (in_progress)``, ``5 (completed, status NVML_ERROR_...)``, ``2 (route_unhealthy)``."""
-    words = [entry["state"] or "no state"] if "health" not in entry or entry["state"] != "completed" else []
-    if "status" in entry:
-        words.append(f"status {entry['status']}")
-    if "health" in entry:
-        words.extend(entry["health"])
-    return f"{entry['gpu']} ({', '.join(words)})"
+def _describe(entries: list[dict[str, Any]]) -> str:
+    """The GPUs grouped by what is wrong: ``GPU 0,1,2 in_progress; GPU 5 completed, status
+    NVML_ERROR_...; GPU 2 route_unhealthy``."""
+    groups: dict[str, list[str]] = {}
+    for entry in entries:
+        words = [entry["state"] or "no state"] if "health" not in entry or entry["state"] != "completed" else []
+        if "status" in entry:
+            words.append(f"status {entry['status']}")
+        if "health" in entry:
+            words.extend(entry["health"])
+        groups.setdefault(", ".join(words), []).append(str(entry["gpu"]))
+    return "; ".join(f"GPU {','.join(gpus)} {what}" for what, gpus in groups.items())
