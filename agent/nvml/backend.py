@@ -836,7 +836,8 @@ class PynvmlBackend:
         if index not in self._fabric_v1:
             info = nvml.c_nvmlGpuFabricInfo_v2_t()  # its constructor sets version = nvmlGpuFabricInfo_v2
             try:
-                nvml.nvmlDeviceGetGpuFabricInfoV(h, info)
+                # By reference: pynvml hands the argument to C as given (callers pass ctypes.byref).
+                nvml.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info))
             except self._fabric_v2_refused:
                 self._fabric_v1.add(index)
                 info = None
@@ -849,7 +850,7 @@ class PynvmlBackend:
         if info is None:
             info = nvml.c_nvmlGpuFabricInfo_t()
             try:
-                nvml.nvmlDeviceGetGpuFabricInfo(h, info)
+                nvml.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
             except self._error as exc:
                 if isinstance(exc, (self._not_supported, *self._fabric_v2_refused)):
                     unsupported.add("fabric")  # a driver with neither call, or no fabric here
