@@ -438,9 +438,11 @@ class PynvmlBackend:
             return self._failed(index, errors, name, exc)
 
     def _failed(self, index: int, errors: list[tuple[str, str]], name: str, exc: BaseException) -> None:
-        """What a failed call means (_query's rules): NotSupported is remembered (never asked
-        again), a health error raises _HealthError, any other is counted in ``errors``."""
-        if isinstance(exc, self._not_supported):
+        """What a failed call means (_query's rules): NotSupported, or FunctionNotFound (a driver
+        without the function: nvmlDeviceGetApplicationsClock is to go with CUDA 14, pynvml says), is
+        remembered (never asked again), a health error raises _HealthError, any other is counted in
+        ``errors``."""
+        if isinstance(exc, (self._not_supported, *self._gpm_function_missing)):
             self._unsupported[index].add(name)
             return None
         if isinstance(exc, self._health_errors):
