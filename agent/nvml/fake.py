@@ -234,7 +234,7 @@ class FakeGpuHandle:
         self.under_load: list[_UnderLoadFault] = []
         # Issue 44: configuration drifts on this GPU (node-wide ones included), in time order; the
         # fabric registration stalls (start, end, NVML state) and health conditions (start, end,
-        # mask); the degraded PCIe link (start, end, generation, width); the recovery verdicts
+        # conditions); the degraded PCIe link (start, end, generation, width); the recovery verdicts
         # (start, end, action).
         self.config_drifts: list[ConfigDrift] = []
         self.fabric_down: list[tuple[float, float, int]] = []
