@@ -81,6 +81,7 @@ NVIDIA_VENDOR = "0x10de"
 GPU_CLASSES = ("0x0300", "0x0302")
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 _READ_BYTES = 4096  # every attribute read here is one sysfs page at most
+MAX_DEVICES = 256  # Report.pcie's bound (agent/wire.py): far above a node's 8-16 HCAs and GPUs
 
 
 class Unusable(Exception):
@@ -224,7 +225,14 @@ class PcieCollector:
                 continue  # not ours to count: most of these devices are neither GPUs nor HCAs
             if vendor == NVIDIA_VENDOR and pci_class is not None and pci_class.startswith(GPU_CLASSES):
                 devices[bdf] = _Device(bdf, "gpu", nvml_bus_id(bdf))
-        return sorted(devices.values(), key=lambda d: d.bdf)
+        # An SR-IOV virtual function (a `physfn` link to its parent) has no link of its own (its Link
+        # Status reads 0: "Unknown", x0) and shares the parent's errors: only physical functions count.
+        found = sorted((d for d in devices.values() if not (self._pci / d.bdf / "physfn").exists()),
+                       key=lambda d: d.bdf)
+        if len(found) > MAX_DEVICES:
+            log.warning("%d PCIe devices to report; the report holds %d: those past %s are left out", len(found),
+                        MAX_DEVICES, found[MAX_DEVICES - 1].bdf)
+        return found[:MAX_DEVICES]
 
     # -- one cycle -----------------------------------------------------------------------------
 

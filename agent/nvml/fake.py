@@ -234,7 +234,7 @@ class FakeGpuHandle:
         self.under_load: list[_UnderLoadFault] = []
         # Issue 44: configuration drifts on this GPU (node-wide ones included), in time order; the
         # fabric registration stalls (start, end, NVML state) and health conditions (start, end,
-        # mask); the degraded PCIe link (start, end, generation, width); the recovery verdicts
+        # conditions); the degraded PCIe link (start, end, generation, width); the recovery verdicts
         # (start, end, action).
         self.config_drifts: list[ConfigDrift] = []
         self.fabric_down: list[tuple[float, float, int]] = []
@@ -498,6 +498,14 @@ class FakeGpuHandle:
     @staticmethod
     def stepped(steps: Sequence[_Step], t: float) -> int:
         return sum(s.count for s in steps if t >= s.at)
+
+
+def _by_reference(ref: Any) -> Any:
+    """The struct a ``ctypes.byref`` points to. pynvml's struct-filling calls hand their argument to
+    C as given, so a bare struct would be passed by value to the real library: refused here, loudly."""
+    if isinstance(ref, ctypes.Structure):
+        raise TypeError("pass ctypes.byref(struct): pynvml hands this argument to libnvidia-ml as given")
+    return ref._obj
 
 
 def _configured(drifts: Sequence[ConfigDrift], fact: str, default: Any, t: float) -> Any:
@@ -767,8 +775,9 @@ class FakeNvml:
         if function == "nvmlDeviceGetGpuFabricInfoV":
             put(info, "healthMask", mask)
 
-    def nvmlDeviceGetGpuFabricInfoV(self, handle: FakeGpuHandle, info: Any) -> int:
-        """Fills a c_nvmlGpuFabricInfo_v2_t (version checked, as the real call does)."""
+    def nvmlDeviceGetGpuFabricInfoV(self, handle: FakeGpuHandle, info_ref: Any) -> int:
+        """Fills the c_nvmlGpuFabricInfo_v2_t ``info_ref`` points to (version checked, as the real call does)."""
+        info = _by_reference(info_ref)
         if getattr(info, "version", None) != pynvml.nvmlGpuFabricInfo_v2:
             self._device(handle, "nvmlDeviceGetGpuFabricInfoV")
             if "nvmlDeviceGetGpuFabricInfoV" in handle.functions_missing:
@@ -777,9 +786,9 @@ class FakeNvml:
         self._fabric(handle, "nvmlDeviceGetGpuFabricInfoV", info)
         return pynvml.NVML_SUCCESS
 
-    def nvmlDeviceGetGpuFabricInfo(self, handle: FakeGpuHandle, info: Any) -> int:
-        """Fills a c_nvmlGpuFabricInfo_t (no version, no health mask)."""
-        self._fabric(handle, "nvmlDeviceGetGpuFabricInfo", info)
+    def nvmlDeviceGetGpuFabricInfo(self, handle: FakeGpuHandle, info_ref: Any) -> int:
+        """Fills the c_nvmlGpuFabricInfo_t ``info_ref`` points to (no version, no health mask)."""
+        self._fabric(handle, "nvmlDeviceGetGpuFabricInfo", _by_reference(info_ref))
         return pynvml.NVML_SUCCESS
 
     def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: FakeGpuHandle) -> int:

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 from pydantic import Field, field_validator
 
 from vigil.agent.validation import StrictModel
 from vigil.agent.wire import NodeConfig
-from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
+from vigil.aggregator.decision import WHOLE_JOB, Action, Finding, NodeAction
 from vigil.aggregator.fleet import FleetView, JobState, NodeState
 
 NAME = "config_drift"
@@ -48,10 +48,10 @@ class ConfigDriftConfig(StrictModel):
     enabled: bool = True
     # The facts compared across a job's nodes (NodeConfig's fields).
     facts: list[str] = list(NODE_CONFIG_FACTS)
-    # A job's nodes off its majority value for a fact are those nodes' drift when they are one
-    # node or at most this share of the job's nodes that report the fact; more is a roll-out in
-    # progress (the cluster guide's "no configuration drift" is about the odd node; a staged
-    # upgrade splits a job in two large parts), alerted once per job with the mix.
+    # A value off a job's majority for a fact is its nodes' drift when it is on one node or on at
+    # most this share of the job's nodes that report the fact; more is a roll-out in progress (the
+    # cluster guide's "no configuration drift" is about the odd node; a staged upgrade splits a job
+    # in two large parts), alerted once per job with the mix.
     minority_max_share: float = Field(default=0.2, gt=0, lt=0.5)
     # Fewer nodes than this in a job: no majority to judge a node against (2 nodes that differ
     # are a mix, not one node's drift).
@@ -67,16 +67,16 @@ class ConfigDriftConfig(StrictModel):
     # Per-node drift: alert by default. ``drain`` keeps the node out of new multi-node jobs
     # (a Slurm drain lets the running job finish; Kubernetes cordons): the gate's breaker still
     # bounds how many nodes go at once.
-    action: Action = Action.ALERT
+    action: NodeAction = Action.ALERT
     # The per-job mix (a roll-out in progress): a job-level decision, never a removal nor a restart.
     mix_action: Literal[Action.OBSERVE, Action.ALERT] = Action.ALERT
     # Facts the node's own GPUs or HCAs disagree on (NodeConfig.mixed).
-    mixed_action: Action = Action.ALERT
+    mixed_action: NodeAction = Action.ALERT
     # The site manifest, per GPU model (NodeConfig.gpu_model, e.g. "NVIDIA H100 80GB HBM3").
     manifest: dict[str, ManifestClass] = {}
     # A node short of its manifest (a GPU or HCA missing, a slow link, a driver not allowed):
     # hardware or set-up the node cannot run a job right with; drained by default.
-    manifest_action: Action = Action.DRAIN
+    manifest_action: NodeAction = Action.DRAIN
     manifest_persistence_seconds: float = Field(default=60.0, ge=0)
 
     @field_validator("facts")
@@ -86,14 +86,6 @@ class ConfigDriftConfig(StrictModel):
         if unknown:
             raise ValueError(f"unknown fact(s) {unknown}: the facts are {list(NODE_CONFIG_FACTS)}")
         return facts
-
-    @field_validator("action", "mixed_action", "manifest_action")
-    @classmethod
-    def _node_action(cls, action: Action) -> Action:
-        if action in (Action.RESET_GPU, Action.RESUME, Action.RESTART_JOB, Action.HOLD_JOB):
-            raise ValueError(f"{action.value} is not an action on a node's configuration: use observe, alert, "
-                             "drain, reboot_node or inspect_hardware")
-        return action
 
 
 class _JobVerdict(msgspec.Struct, frozen=True):
@@ -105,6 +97,23 @@ class _JobVerdict(msgspec.Struct, frozen=True):
     nodes: int
 
 
+class _HeldJob(NamedTuple):
+    """A job's verdict and what it was read from: the JobState, its membership, its member nodes,
+    the newest configuration change among them, and the fleet's configuration revision then."""
+
+    job: JobState
+    members_revision: int
+    members: tuple[str, ...]
+    members_config_revision: int
+    config_revision: int
+    verdict: _JobVerdict
+
+
+def _members_config_revision(view: FleetView, members: tuple[str, ...]) -> int:
+    nodes = view.nodes
+    return max((nodes[n].config_revision for n in members if n in nodes), default=0)
+
+
 class ConfigDriftDetector:
     name = NAME
 
@@ -112,10 +121,14 @@ class ConfigDriftDetector:
         self.config = config
         self._facts = tuple(config.facts)
         self._fleet: object | None = None
-        # Per job: (the JobState, its members_revision, the fleet's config_revision) -> verdict.
-        self._jobs: dict[str, tuple[JobState, int, int, _JobVerdict]] = {}
-        # The fleet's value counts per (GPU model, fact), at the config_revision they were read at.
-        self._fleet_counts: tuple[int, dict[tuple[str | None, str], Counter[Any]]] | None = None
+        # Per job: its verdict and what it was read from.
+        self._jobs: dict[str, _HeldJob] = {}
+        # The fleet's value counts per (GPU model, fact), kept up to date from each node's
+        # configuration as counted (node name -> NodeConfig: a change replaces the object), as of
+        # the fleet's config_revision ``_counted_revision``.
+        self._counts: dict[tuple[str | None, str], Counter[Any]] = {}
+        self._counted: dict[str, NodeConfig] = {}
+        self._counted_revision: int | None = None
         # Per node: (the NodeState, its config_revision, gpu_faults_revision) -> its manifest shortfalls.
         self._manifest: dict[str, tuple[NodeState, int, int, list[str]]] = {}
         # When each episode was first found (the persistence clock and a stable ``since``).
@@ -128,7 +141,7 @@ class ConfigDriftDetector:
         if not marked or view.fleet is not self._fleet:
             self._jobs.clear()
             self._manifest.clear()
-            self._fleet_counts = None
+            self._counts, self._counted, self._counted_revision = {}, {}, None
             self._fleet = view.fleet if marked else None
         candidates: dict[tuple[str, str], tuple[Finding, float]] = {}
         drift: dict[str, list[dict[str, Any]]] = {}
@@ -137,8 +150,6 @@ class ConfigDriftDetector:
             if now - job.last_seen > cfg.job_idle_seconds:
                 continue  # ended (its ranks no longer report): its nodes are no longer each other's peers
             verdict = self._verdict(view, job, marked)
-            if verdict is None:
-                continue
             for node_name, odd in verdict.drift.items():
                 drift.setdefault(node_name, []).extend(
                     {"fact": fact, "value": value, "peers": peers, "job": job.name, "job_nodes": verdict.nodes}
@@ -192,19 +203,25 @@ class ConfigDriftDetector:
                       "mix": {fact: [[value, count] for value, count in counts]
                               for fact, counts in sorted(verdict.mix.items())}}), self.config.persistence_seconds)
 
-    def _verdict(self, view: FleetView, job: JobState, marked: bool) -> _JobVerdict | None:
-        """The job's comparison, read again only when its membership or any node's configuration changed."""
+    def _verdict(self, view: FleetView, job: JobState, marked: bool) -> _JobVerdict:
+        """The job's comparison, read again only when its membership or a member's configuration
+        changed, or, for a job whose nodes differ at all, when any node's did (the fleet's value
+        counts decide between a node's drift and a roll-out)."""
         held = self._jobs.get(job.name)
-        if marked and held is not None and held[0] is job and held[1] == job.members_revision \
-                and held[2] == view.config_revision:
-            return held[3]
-        members = [view.nodes[n] for n in sorted(job.nodes()) if n in view.nodes]
-        configs = [(n.name, n.config) for n in members if n.config is not None]
-        verdict = self._compare(view, configs, marked) if len(configs) >= 2 else None
-        if verdict is not None and not verdict.drift and not verdict.mix:
-            verdict = _JobVerdict({}, {}, len(configs))
-        if marked and verdict is not None:
-            self._jobs[job.name] = (job, job.members_revision, view.config_revision, verdict)
+        if marked and held is not None and held.job is job and held.members_revision == job.members_revision:
+            if held.config_revision == view.config_revision:
+                return held.verdict
+            if not held.verdict.drift and not held.verdict.mix \
+                    and _members_config_revision(view, held.members) == held.members_config_revision:
+                self._jobs[job.name] = held._replace(config_revision=view.config_revision)
+                return held.verdict
+        members = tuple(n for n in sorted(job.nodes()) if n in view.nodes)
+        configs = [(n, c) for n in members if (c := view.nodes[n].config) is not None]
+        # A job on one node (or one with a configuration) has no peers: held too, as nothing to say.
+        verdict = self._compare(view, configs, marked) if len(configs) >= 2 else _JobVerdict({}, {}, len(configs))
+        if marked:
+            self._jobs[job.name] = _HeldJob(job, job.members_revision, members,
+                                            _members_config_revision(view, members), view.config_revision, verdict)
         return verdict
 
     def _compare(self, view: FleetView, configs: list[tuple[str, NodeConfig]], marked: bool) -> _JobVerdict:
@@ -218,37 +235,58 @@ class ConfigDriftDetector:
             if len(counts) <= 1:
                 continue
             ranked = counts.most_common()
-            (majority, top), second = ranked[0], ranked[1][1]
-            minority = len(known) - top
-            blamable = top > second and len(known) >= cfg.min_job_nodes and (
-                minority == 1 or minority / len(known) <= cfg.minority_max_share)
-            odd = [(name, v, model) for name, v, model in known if v != majority]
+            majority, top = ranked[0]
+            # Each value off the majority is its nodes' drift when it is on one node or a small
+            # share of the job and rare in the fleet; any other (a tie, a large group, a roll-out's
+            # value) makes the fact the job's mix, and then no node is blamed for it here.
+            blamable = top > ranked[1][1] and len(known) >= cfg.min_job_nodes
             if blamable:
                 fleet = self._fleet_values(view, marked)
-                rollout = [(name, v) for name, v, model in odd if _rollout(fleet.get((model, fact)), v,
-                                                                            cfg.fleet_rollout_min_share)]
-                if not rollout:
-                    for name, v, _ in odd:
+                models = {v: model for _, v, model in known}
+                blamable = all((count == 1 or count / len(known) <= cfg.minority_max_share)
+                               and not _rollout(fleet.get((models[value], fact)), value, cfg.fleet_rollout_min_share)
+                               for value, count in ranked[1:])
+            if blamable:
+                for name, v, _ in known:
+                    if v != majority:
                         drift.setdefault(name, []).append((fact, v, majority))
-                    continue
-            mix[fact] = sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))
+            else:
+                mix[fact] = sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))
         return _JobVerdict(drift, mix, len(configs))
 
     def _fleet_values(self, view: FleetView, marked: bool) -> dict[tuple[str | None, str], Counter[Any]]:
-        """Each (GPU model, fact)'s values across the fleet, read again only when a configuration changed."""
-        if marked and self._fleet_counts is not None and self._fleet_counts[0] == view.config_revision:
-            return self._fleet_counts[1]
-        counts: dict[tuple[str | None, str], Counter[Any]] = {}
-        for node in view.nodes.values():
-            c = node.config
-            if c is None:
-                continue
-            for fact in self._facts:
-                value = getattr(c, fact)
-                if value is not None:
-                    counts.setdefault((c.gpu_model, fact), Counter())[value] += 1
-        self._fleet_counts = (view.config_revision, counts)
-        return counts
+        """Each (GPU model, fact)'s values across the fleet: brought up to date when a configuration
+        changed, by the nodes whose configuration object is not the one counted (and those gone)."""
+        if not marked:
+            self._counts, self._counted, self._counted_revision = {}, {}, None
+        elif self._counted_revision == view.config_revision:
+            return self._counts
+        counted, nodes = self._counted, view.nodes
+        for node in nodes.values():
+            config, was = node.config, counted.get(node.name)
+            if config is not was:
+                self._count(was, -1)
+                self._count(config, 1)
+                if config is None:
+                    counted.pop(node.name, None)
+                else:
+                    counted[node.name] = config
+        for name in [n for n in counted if n not in nodes]:  # forgotten
+            self._count(counted.pop(name), -1)
+        self._counted_revision = view.config_revision
+        return self._counts
+
+    def _count(self, config: NodeConfig | None, by: int) -> None:
+        if config is None:
+            return
+        counts = self._counts
+        for fact in self._facts:
+            value = getattr(config, fact)
+            if value is not None:
+                tally = counts.setdefault((config.gpu_model, fact), Counter())
+                tally[value] += by
+                if not tally[value]:
+                    del tally[value]
 
     def _shortfalls(self, node: NodeState, config: NodeConfig, marked: bool) -> list[str]:
         """How the node falls short of its class's manifest (none where its model has no entry)."""

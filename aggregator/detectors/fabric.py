@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from vigil.agent.validation import StrictModel
-from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.decision import Action, Finding, NodeAction
 from vigil.aggregator.fleet import FleetView, NodeState
 
 NAME = "fabric"
@@ -36,21 +36,13 @@ class FabricConfig(StrictModel):
     persistence_seconds: float = Field(default=60.0, ge=0)
     # A GPU not registered with the fabric cannot take part in a multi-GPU job (CUDA refuses
     # peer access over NVLink): the node is drained; the gate's ladder escalates repeats.
-    action: Action = Action.DRAIN
+    action: NodeAction = Action.DRAIN
     # Unhealthy fabric conditions (degraded bandwidth, route recovery...) on a registered GPU, and
     # Fabric Manager down on a node whose GPUs keep their registration (they lose it at the next
     # reset or reboot): a person should look; nothing is removed by default.
-    degraded_action: Action = Action.ALERT
+    degraded_action: NodeAction = Action.ALERT
     # Fabric Manager not active this long before the alert (the rule VigilFabricManagerDown waits 5m).
     fabric_manager_down_seconds: float = Field(default=300.0, ge=0)
-
-    @field_validator("action", "degraded_action")
-    @classmethod
-    def _node_action(cls, action: Action) -> Action:
-        if action in (Action.RESET_GPU, Action.RESUME, Action.RESTART_JOB, Action.HOLD_JOB):
-            raise ValueError(f"{action.value} is not a node action for the fabric detector (one decision per node, "
-                             "naming its GPUs): use observe, alert, drain, reboot_node or inspect_hardware")
-        return action
 
 
 class FabricDetector:
@@ -97,29 +89,39 @@ class FabricDetector:
         evidence: dict[str, Any] = {"signal": "fabric_state", "fabric_manager_state": fm,
                                     "booted_seconds_ago": round(now - node.booted_at, 1)}
         if unusable:
-            gpus = ", ".join(_describe(e) for e in unusable)
-            reason = f"NVLink fabric not usable on GPU {gpus}" + (f"; cause: {cause}" if cause else "")
+            # The cause first: a scheduler's reason field is short (Slurm's is cut at 200 characters).
+            reason = (f"{cause}: " if cause else "") + f"NVLink fabric not usable on {_describe(unusable)}"
             return Finding(detector=NAME, node=node.name, action=cfg.action, key="fabric_unusable",
                            since=min(e["since"] for e in unusable), reason=reason,
                            evidence={**evidence, "gpus": unusable, "degraded": degraded})
-        fm_alert = fm_down is not None and cause is not None and now - fm_down >= cfg.fabric_manager_down_seconds \
-            and any(g.last.fabric_state is not None for g in node.gpus.values())
-        if not degraded and not fm_alert:
+        # Fabric Manager down long enough while the GPUs keep their registration (an NVSwitch node:
+        # a GPU has a fabric state).
+        fm_since = fm_down if cause is not None else None
+        if fm_since is not None and (now - fm_since < cfg.fabric_manager_down_seconds
+                                     or all(g.last.fabric_state is None for g in node.gpus.values())):
+            fm_since = None
+        if not degraded and fm_since is None:
             return None
-        parts = [f"NVLink fabric unhealthy on GPU {', '.join(_describe(e) for e in degraded)}"] if degraded else []
-        if fm_alert:
-            parts.append(f"{cause} for {now - fm_down:.0f} s (the GPUs lose their fabric registration "  # type: ignore[operator]
-                         "at their next reset)")
-        since = min([e["since"] for e in degraded] + ([fm_down] if fm_alert and fm_down is not None else []))
+        parts = [f"NVLink fabric unhealthy on {_describe(degraded)}"] if degraded else []
+        starts = [e["since"] for e in degraded]
+        if fm_since is not None:
+            parts.append(f"{cause} for {now - fm_since:.0f} s (the GPUs lose their fabric registration at their "
+                         "next reset)")
+            starts.append(fm_since)
+        since = min(starts)
         return Finding(detector=NAME, node=node.name, action=cfg.degraded_action, key="fabric_degraded", since=since,
                        reason="; ".join(parts), evidence={**evidence, "signal": "fabric_health", "gpus": degraded})
 
 
-def _describe(entry: dict[str, Any]) -> str:
-    """``3 (in_progress)``, ``5 (completed, status NVML_ERROR_...)``, ``2 (route_unhealthy)``."""
-    words = [entry["state"] or "no state"] if "health" not in entry or entry["state"] != "completed" else []
-    if "status" in entry:
-        words.append(f"status {entry['status']}")
-    if "health" in entry:
-        words.extend(entry["health"])
-    return f"{entry['gpu']} ({', '.join(words)})"
+def _describe(entries: list[dict[str, Any]]) -> str:
+    """The GPUs grouped by what is wrong: ``GPU 0,1,2 in_progress; GPU 5 completed, status
+    NVML_ERROR_...; GPU 2 route_unhealthy``."""
+    groups: dict[str, list[str]] = {}
+    for entry in entries:
+        words = [entry["state"] or "no state"] if "health" not in entry or entry["state"] != "completed" else []
+        if "status" in entry:
+            words.append(f"status {entry['status']}")
+        if "health" in entry:
+            words.extend(entry["health"])
+        groups.setdefault(", ".join(words), []).append(str(entry["gpu"]))
+    return "; ".join(f"GPU {','.join(gpus)} {what}" for what, gpus in groups.items())

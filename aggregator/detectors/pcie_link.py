@@ -11,10 +11,10 @@ DCGM's replay threshold alerts. It does not judge PCIe replays (pcie_nvlink) or 
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from vigil.agent.validation import StrictModel
-from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.decision import Action, Finding, NodeAction
 from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState, PcieHistory, normal_bus_id
 
 NAME = "pcie_link"
@@ -32,30 +32,23 @@ class PcieLinkConfig(StrictModel):
     gpu_persistence_seconds: float = Field(default=120.0, gt=0)
     # Gen5 x8 halves the GPU's host bandwidth (checkpoint and data loading, NCCL's PCIe paths):
     # the node is drained (a link that trained down stays down until the slot is reseated).
-    gpu_action: Action = Action.DRAIN
+    gpu_action: NodeAction = Action.DRAIN
     # An HCA's link below its maximum: no load signal to tell power saving from a fault, but
     # ConnectX links stay trained at idle (no link-speed power saving in mlx5), so only a longer
     # persistence guards against a retrain in progress.
     hca_persistence_seconds: float = Field(default=300.0, gt=0)
-    hca_action: Action = Action.DRAIN
+    hca_action: NodeAction = Action.DRAIN
     # Uncorrectable (nonfatal or fatal) AER errors on a GPU or HCA within this window: the link
     # lost a transaction (data may be lost; Linux's AER recovery resets the device).
     window_seconds: float = Field(default=600.0, gt=0)
-    uncorrectable_action: Action = Action.DRAIN
+    uncorrectable_action: NodeAction = Action.DRAIN
     # Correctable AER errors above this rate: DCGM's PCIe replay threshold (DCGM_FR_PCI_REPLAY_RATE,
     # 8 per minute), the same physical event seen from the OS (each replay follows a correctable
     # LCRC error). Alert: the link still delivers everything.
     correctable_per_minute: float = Field(default=8.0, gt=0)
-    correctable_action: Action = Action.ALERT
+    correctable_action: NodeAction = Action.ALERT
     # The correctable rate must hold over at least this much baseline before it counts.
     min_coverage_seconds: float = Field(default=60.0, gt=0)
-
-    @field_validator("gpu_action", "hca_action", "uncorrectable_action", "correctable_action")
-    @classmethod
-    def _node_action(cls, action: Action) -> Action:
-        if action in (Action.RESUME, Action.RESTART_JOB, Action.HOLD_JOB):
-            raise ValueError(f"{action.value} is not an action on a node's PCIe link")
-        return action
 
 
 def describe_link(generation: int | None, generation_max: int | None, width: int | None,
@@ -93,24 +86,28 @@ class PcieLinkDetector:
                 finding = self._gpu_link(node, gpu, now)
                 if finding is not None:
                     out.append(finding)
-        if not node.pcie:
-            return out
+        for bus_id in sorted(node.pcie_links_below):
+            device = node.pcie.get(bus_id)
+            if device is None or device.link_below_since is None or device.last.kind != "hca" \
+                    or now - device.link_below_since < cfg.hca_persistence_seconds:
+                continue
+            d = device.last
+            link = describe_link(d.link_generation, d.link_generation_max, d.link_width, d.link_width_max)
+            out.append(Finding(
+                detector=NAME, node=node.name, action=cfg.hca_action, since=device.link_below_since,
+                key=f"link:{bus_id}", reason=f"HCA {_name(device)}: {link}",
+                evidence={"signal": "pcie_link", "pci_bus_id": bus_id, "kind": d.kind, "device": d.name,
+                          "generation": d.link_generation, "generation_max": d.link_generation_max,
+                          "width": d.link_width, "width_max": d.link_width_max,
+                          "below_seconds": round(now - device.link_below_since, 1)}))
+        t0 = now - cfg.window_seconds
+        if node.pcie_aer_moved_ts < t0:
+            return out  # the usual node: no AER counter rose within the window
         gpus_by_bus = {normal_bus_id(g.last.pci_bus_id): g for g in node.gpus.values() if g.last.pci_bus_id}
         for bus_id in sorted(node.pcie):
             device = node.pcie[bus_id]
-            gpu = gpus_by_bus.get(bus_id) if device.last.kind == "gpu" else None
-            if device.link_below_since is not None and device.last.kind == "hca" \
-                    and now - device.link_below_since >= cfg.hca_persistence_seconds:
-                d = device.last
-                link = describe_link(d.link_generation, d.link_generation_max, d.link_width, d.link_width_max)
-                out.append(Finding(
-                    detector=NAME, node=node.name, action=cfg.hca_action, since=device.link_below_since,
-                    key=f"link:{bus_id}", reason=f"HCA {_name(device)}: {link}",
-                    evidence={"signal": "pcie_link", "pci_bus_id": bus_id, "kind": d.kind, "device": d.name,
-                              "generation": d.link_generation, "generation_max": d.link_generation_max,
-                              "width": d.link_width, "width_max": d.link_width_max,
-                              "below_seconds": round(now - device.link_below_since, 1)}))
-            if device.counters.last_increase_ts >= now - cfg.window_seconds:
+            if device.counters.last_increase_ts >= t0:
+                gpu = gpus_by_bus.get(bus_id) if device.last.kind == "gpu" else None
                 out.extend(self._aer(node, device, gpu, now))
         return out
 

@@ -4,14 +4,11 @@ same whether the agent sends reports whole or compact (agent/report_delta.py).""
 
 from __future__ import annotations
 
-import json
-from itertools import pairwise
-
 import pytest
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.report_delta import delta, whole
-from vigil.agent.wire import COMPACT_VERSIONS, Report, decode_report
+from tests.aggregator.test_fleet_compact import _compact
+from vigil.agent.wire import COMPACT_VERSIONS, Report
 from vigil.aggregator.fleet import Fleet, FleetConfig, NodeState
 
 
@@ -48,15 +45,6 @@ def _reports() -> list[Report]:
             node.host = {**node.host, "fabric_manager_state": "failed"}
         out.append(node.report(k * 2.5))
     return out
-
-
-def _compact(reports: list[Report], version: int) -> list[Report]:
-    bodies = [whole(reports[0], version)]
-    for before, now in pairwise(reports):
-        body = delta(whole(before, version), whole(now, version))
-        assert body is not None
-        bodies.append({**body, "base_seq": before.seq})
-    return [decode_report(json.dumps(b)) for b in bodies]
 
 
 def _ingest(reports: list[Report], stop: int | None = None) -> NodeState:

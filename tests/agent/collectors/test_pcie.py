@@ -193,3 +193,17 @@ def test_the_simulators_tree_drives_a_degraded_link_and_aer_counts(tmp_path: Pat
     node.reset(2, "InfiniBand")  # a reboot retrains the link and clears the counts
     assert [(d.link_width, d.aer_fatal_total, d.aer_correctable_total)
             for d in collector.collect(20.0).report["pcie"]] == [(16, 0, 0), (16, 0, 0), (None, 0, 0), (None, 0, 0)]
+
+
+def test_sriov_virtual_functions_are_not_reported(tree: Path) -> None:
+    # A VF of HCA 0 with its own RDMA device: no link of its own (Unknown, x0): reporting it would
+    # read as an HCA trained down to x0.
+    vf = tree / "bus/pci/devices/0000:18:00.2"
+    shutil.copytree(tree / "bus/pci/devices" / HCA0, vf)
+    (vf / "current_link_speed").write_text("Unknown\n")
+    (vf / "current_link_width").write_text("0\n")
+    (vf / "physfn").symlink_to(Path("..", HCA0))
+    (tree / "class/infiniband/mlx5_2").mkdir()
+    (tree / "class/infiniband/mlx5_2/device").symlink_to(Path("..", "..", "..", "bus/pci/devices/0000:18:00.2"))
+    devices, _ = _collect(tree)
+    assert list(devices) == [HCA0, GPU0, GPU1, HCA1]

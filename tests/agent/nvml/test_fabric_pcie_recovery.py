@@ -70,7 +70,7 @@ def test_no_fabric_is_absent_and_not_asked_again(clock, profile):
 
 def test_v_struct_refused_falls_back_to_v1(clock):
     class OldV(FakeNvml):
-        def nvmlDeviceGetGpuFabricInfoV(self, handle, info):
+        def nvmlDeviceGetGpuFabricInfoV(self, handle, info_ref):
             raise pynvml.NVMLError_ArgumentVersionMismatch()
 
     _, backend = _backend(clock, {"profile": "h200-sxm-141gb"}, OldV)
@@ -108,8 +108,9 @@ def test_a_registration_that_failed_names_its_error_and_a_cluster_is_a_uuid(cloc
     cluster = uuid.UUID("6b8f0e3c-0f7e-4d8a-9a47-3c1f2b4e5d6a")
 
     class Gb200(FakeNvml):
-        def nvmlDeviceGetGpuFabricInfoV(self, handle, info):
-            super().nvmlDeviceGetGpuFabricInfoV(handle, info)
+        def nvmlDeviceGetGpuFabricInfoV(self, handle, info_ref):
+            super().nvmlDeviceGetGpuFabricInfoV(handle, info_ref)
+            info = info_ref._obj
             info.clusterUuid[:] = list(cluster.bytes)
             info.cliqueId = 32766
             if handle.index == 1:
@@ -124,10 +125,10 @@ def test_a_registration_that_failed_names_its_error_and_a_cluster_is_a_uuid(cloc
 
 def test_an_unknown_fabric_state_or_a_failing_call_is_counted_and_asked_again(clock):
     class Odd(FakeNvml):
-        def nvmlDeviceGetGpuFabricInfoV(self, handle, info):
+        def nvmlDeviceGetGpuFabricInfoV(self, handle, info_ref):
             if handle.index == 0:
                 raise pynvml.NVMLError_Unknown()
-            info.state = 7
+            info_ref._obj.state = 7
             return pynvml.NVML_SUCCESS
 
     _, backend = _backend(clock, {"profile": "h200-sxm-141gb"}, Odd)
@@ -271,6 +272,14 @@ def test_a_recovery_action_the_wire_has_no_word_for_is_counted(clock):
 def test_faults_the_board_cannot_show_are_refused(profile, fault, message):
     with pytest.raises(ScenarioError, match=message):
         parse_node_scenario({"profile": profile, "faults": [fault]})
+
+
+def test_a_fabric_struct_passed_by_value_is_refused(clock):
+    """pynvml hands the struct to libnvidia-ml as given: a bare struct would go by value (garbage on
+    a real driver), so the fake refuses it; the backend passes ctypes.byref."""
+    fake, _ = _backend(clock, {"profile": "h200-sxm-141gb"})
+    with pytest.raises(TypeError, match="byref"):
+        fake.nvmlDeviceGetGpuFabricInfoV(fake.nvmlDeviceGetHandleByIndex(0), pynvml.c_nvmlGpuFabricInfo_v2_t())
 
 
 def test_a_fabric_call_the_fake_was_not_taught_fails_loudly(clock):

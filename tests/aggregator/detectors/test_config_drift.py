@@ -65,6 +65,19 @@ def test_one_node_with_another_driver_is_its_drift():
     assert NEW in f.reason and OLD in f.reason
 
 
+def test_two_odd_values_each_on_one_node_are_each_its_nodes_drift():
+    nodes = fleet_of({"j1": 8, "j2": 8}, odd={"j1-n3": {"driver_version": NEW}, "j1-n5": {"driver_version": "999.1"}})
+    found = judge(nodes)
+    assert sorted((f.node, f.evidence["facts"][0]["value"]) for f in found) == [("j1-n3", NEW), ("j1-n5", "999.1")]
+
+
+def test_the_usual_value_is_never_a_small_jobs_drift():
+    # 2 of 3 nodes have an odd kernel: the third has the fleet's usual one, and is not blamed.
+    odd = {"j1-n0": {"kernel": "6.8.0"}, "j1-n1": {"kernel": "6.8.0"}}
+    found = judge(fleet_of({"j1": 3, "j2": 8}, odd=odd))
+    assert [(f.node, f.job, f.key) for f in found] == [(WHOLE_JOB, "j1", "config_mix")]
+
+
 def test_drift_waits_for_its_persistence():
     nodes = fleet_of({"j1": 8}, odd={"j1-n3": {"kernel": "6.8.0"}})
     assert judge(nodes, end=590.0) == []
@@ -152,12 +165,22 @@ def test_marked_and_unmarked_views_agree():
     nodes = fleet_of({"j1": 8, "j2": 4}, odd=odd)
     fleet = Fleet()
     marked, plain = ConfigDriftDetector(ConfigDriftConfig()), ConfigDriftDetector(ConfigDriftConfig())
+    keys: set[tuple[str, str]] = set()
     t = 0.0
     while t <= 700.0:
         if t == 300.0:
             nodes[5].config = config(driver_version="999.1")  # a change mid-way moves the markers
+        if t == 400.0:  # a node leaves j2 for j1 (membership), another leaves the fleet's reports
+            nodes[9].ranks = [rank_summary("j1", 8, compute=0.8, comm=0.1, ts=t)]
+        if t == 500.0:
+            fleet.forget_departed(t, lambda n: 0.0 if n.name == "j2-n3" else 1e9)
+            nodes.pop()
         for node in nodes:
             fleet.ingest(node.report(t), t)
         view = fleet.view()
-        assert marked.evaluate(view, t) == plain.evaluate(view.without_markers(), t)
+        found = marked.evaluate(view, t)
+        assert found == plain.evaluate(view.without_markers(), t)
+        keys.update((f.node, f.key) for f in found)
         t += 10.0
+    # The twins agree on something: j1's odd driver, j2's 2-2 kernel split (a mix, no node blamed).
+    assert keys == {("j1-n3", "config_drift"), (WHOLE_JOB, "config_mix")}, keys
