@@ -1,8 +1,9 @@
 """Simulated nodes: the real agent pipeline per node, with the world replaced through its seams.
 
 Each ``SimNode`` has a FakeNvml driven by its part of the fleet scenario, a kernel log (a text
-stream the real xid collector follows), an InfiniBand sysfs tree (shared read-only until the
-node's ports get a fault), and the registry's real collectors; ``tick`` runs the due collectors
+stream the real xid collector follows), a sysfs tree of its HCAs and PCI devices (shared read-only
+until the node's ports, links or Fabric Manager get a fault), a host that answers the host
+collector's psutil calls (``SimHost``), and the registry's real collectors; ``tick`` runs the due collectors
 through the runner's ``collect_once`` and builds the Report with the reporter's ``build_report``.
 It judges nothing and never reads the wall clock.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from vigil.agent.attribution import IN_PROCESS, Sender
@@ -55,6 +57,66 @@ class KernelLog:
     def write_lines(self, uptime_seconds: float, messages: list[str]) -> None:
         with self.path.open("a") as fh:
             fh.writelines(f"[{uptime_seconds:12.6f}] {m}\n" for m in messages)
+
+
+# A simulated node's host as the host collector's psutil calls see it (``SimHost``): a training
+# server busy feeding its GPUs (stated assumptions: 224 CPUs, 2 TiB of memory, a third of the CPUs
+# busy, a 3.5 TB root filesystem half full). No detector judges these; only the uptime counts (the
+# aggregator's boot time: the fabric detector's boot grace).
+SIM_HOST_CPUS = 224
+SIM_HOST_CPU_PERCENT = 33.0
+SIM_HOST_MEMORY_BYTES = 2 * 1024**4
+SIM_HOST_DISK_BYTES = 3_500_000_000_000
+
+
+@dataclass(frozen=True)
+class _Memory:
+    total: int
+    available: int
+
+
+@dataclass(frozen=True)
+class _Swap:
+    used: int
+
+
+@dataclass(frozen=True)
+class _Disk:
+    free: int
+    total: int
+
+
+class SimHost:
+    """The psutil functions the host collector calls (``Seams.extra["psutil"]``), answered for one
+    simulated node: steady figures, and the boot time the simulator sets (``booted_at``, on the
+    simulated clock) when the node boots. It reads nothing of the machine it runs on."""
+
+    def __init__(self, booted_at: float) -> None:
+        self.booted_at = booted_at
+
+    def cpu_percent(self, interval: float | None = None) -> float:
+        del interval
+        return SIM_HOST_CPU_PERCENT
+
+    def getloadavg(self) -> tuple[float, float, float]:
+        load = SIM_HOST_CPUS * SIM_HOST_CPU_PERCENT / 100.0
+        return (load, load, load)
+
+    def virtual_memory(self) -> _Memory:
+        return _Memory(total=SIM_HOST_MEMORY_BYTES, available=SIM_HOST_MEMORY_BYTES // 2)
+
+    def swap_memory(self) -> _Swap:
+        return _Swap(used=0)
+
+    def boot_time(self) -> float:
+        return self.booted_at
+
+    def cpu_count(self) -> int:
+        return SIM_HOST_CPUS
+
+    def disk_usage(self, path: str) -> _Disk:
+        del path
+        return _Disk(free=SIM_HOST_DISK_BYTES // 2, total=SIM_HOST_DISK_BYTES)
 
 
 class SimNode:

@@ -50,7 +50,7 @@ from vigil.agent.wire import (
 )
 from vigil.sim import fabric
 from vigil.sim.clock import SimClock
-from vigil.sim.fleet import KernelLog, SimNode, kernel_xid_line
+from vigil.sim.fleet import KernelLog, SimHost, SimNode, kernel_xid_line
 from vigil.sim.probes import SimHardware, SimProbeAgent, node_rng, probe_seconds
 from vigil.sim.scenario import (
     PROBE_FAULTS,
@@ -180,13 +180,38 @@ class SimResult:
     isolations_refused: list[tuple[float, str, str]] = field(default_factory=list)
 
 
-# What an agent does not do in the simulator: psutil would read this machine, not a simulated
-# node; and NVML's Xid event API needs a worker thread per node that waits in real time, which
-# would make runs depend on the machine's speed. Every Xid the driver reports also goes to the
-# kernel log, so the simulator writes NVML Xid faults there and the xid collector reads them.
+# What an agent does not do in the simulator: NVML's Xid event API needs a worker thread per node
+# that waits in real time, which would make runs depend on the machine's speed. Every Xid the
+# driver reports also goes to the kernel log, so the simulator writes NVML Xid faults there and the
+# xid collector reads them. (The host collector runs: its psutil is each node's SimHost, its
+# ``systemctl`` the node's simulated Fabric Manager.)
 _SIM_AGENT_DEFAULTS: dict[str, Any] = {
-    "collectors": {"host": {"enabled": False}, "gpu": {"xid_events": False}},
+    "collectors": {"gpu": {"xid_events": False}},
 }
+# Collectors a real agent runs on a slower cadence than it reports (their config's
+# ``interval_seconds``: host 5 s, pcie 10 s, node_config 60 s); the simulator runs them so too on
+# every node, the report carrying their last result meanwhile (``quiet_collector_intervals``
+# overrides): what they read changes over minutes, and each costs file reads or NVML calls per node.
+_SLOW_COLLECTORS = ("host", "pcie", "node_config")
+# On a node that shares the read-only sysfs tree and has no NVML fault, nothing the slow
+# collectors read can change during the run (no fault writes to that tree, whose Fabric Manager is
+# always active; the configuration facts change only by an NVML fault; the host's figures are
+# steady): they run this often there (their last result rides every
+# report; the reporter leaves unchanged sections out anyway), which keeps a 1,000-node run's cost
+# where it was. A node with its own tree or an NVML fault runs them at their configured cadence.
+_UNCHANGING_SECONDS = 300.0
+# A simulated node was booted this long before the run starts (a fleet in its steady state, past
+# every boot grace); a node the simulator reboots boots again when it comes back.
+_UPTIME_AT_START_SECONDS = 86400.0
+# NVSwitches on the PCI bus of a baseboard whose GPUs join an NVSwitch fabric (profile
+# ``nvswitch_fabric``): an HGX H100/H200 baseboard has four (NVIDIA Fabric Manager user guide,
+# "eight GPUs and four NVSwitches on the PCIe tree"); they make the host collector expect Fabric
+# Manager.
+_NVSWITCHES_PER_BASEBOARD = 4
+# The kernel release every simulated node runs (/proc/sys/kernel/osrelease; node_config reads it).
+SIM_KERNEL = "5.15.0-119-generic"
+# The Fabric Manager's systemd state while a ``fabric_manager_down`` fault lasts (it crashed).
+_FABRIC_MANAGER_DOWN_STATE = "failed"
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -347,8 +372,19 @@ class Simulation:
         from vigil.agent.nvml.profiles import PROFILES
 
         link_layer = sc.fleet.link_layer
-        shared_sysfs = fabric.build_tree(self.workdir / "sysfs-shared", sc.fleet.hcas_per_node, link_layer)
-        shared_ethtool = fabric.Ethtool(None, sc.fleet.hcas_per_node)
+        hcas = sc.fleet.hcas_per_node
+
+        def pci(profile: str) -> dict[str, Any]:
+            """The PCI devices besides the HCAs on a node of ``profile``: its GPUs and NVSwitches."""
+            board = PROFILES[profile]
+            return {"gpu_bus_ids": board.pcie_bus_ids[:sc.fleet.gpus_per_node],
+                    "nvswitches": _NVSWITCHES_PER_BASEBOARD if board.nvswitch_fabric else 0}
+
+        # Nodes without faults of their fabric share one read-only tree per GPU model (the GPUs'
+        # PCI bus ids are the board's).
+        shared_sysfs: dict[str, Path] = {}
+        shared_ethtool = fabric.Ethtool(None, hcas)
+        shared_proc = fabric.build_proc(self.workdir / "proc-shared", SIM_KERNEL)
         quiet_log = self.workdir / "kern-quiet.log"
         quiet_log.touch()
         # Collectors run once per report (a real agent collects more often than it reports; the
@@ -365,28 +401,39 @@ class Simulation:
             nvml_faults = [f.node_fault() for f in faults if isinstance(f, NvmlFault)]
             self._nvml_setup[name] = (i, profile, nvml_faults)
             ports_faulty = any(isinstance(f, PortDown | PortFlap | PortErrors | RoceCongestion | Reboot)
-                               for f in faults)
+                               or (isinstance(f, NvmlFault) and f.kind in _FABRIC_MANAGER_FAULTS) for f in faults)
             own_tree = ports_faulty or name in quiet_jobs
-            sysfs = fabric.build_tree(self.workdir / "sysfs" / name, sc.fleet.hcas_per_node, link_layer) \
-                if own_tree else shared_sysfs
-            node_fabric = fabric.NodeFabric(sysfs) if own_tree else None
+            if own_tree:
+                sysfs = fabric.build_tree(self.workdir / "sysfs" / name, hcas, link_layer, **pci(profile))
+            else:
+                if profile not in shared_sysfs:
+                    shared_sysfs[profile] = fabric.build_tree(self.workdir / "sysfs-shared" / profile, hcas,
+                                                              link_layer, **pci(profile))
+                sysfs = shared_sysfs[profile]
+            node_fabric = fabric.NodeFabric(sysfs, **pci(profile)) if own_tree else None
             kern = quiet_log
             if any(isinstance(f, KernelXid) or (isinstance(f, NvmlFault) and f.kind in _LOGGED)
                    for f in faults):
                 kern = self._kern_path(name)
             config = base.model_copy(update={"node": name, "topology": sc.topology_of(i)})
             node_intervals = dict(intervals)
+            for collector in _SLOW_COLLECTORS:
+                seconds = getattr(config.collectors, collector).interval_seconds
+                if seconds > sc.report_interval_seconds:
+                    node_intervals[collector] = seconds
+            if not own_tree and not nvml_faults:
+                node_intervals.update(dict.fromkeys(_SLOW_COLLECTORS, _UNCHANGING_SECONDS))
             noisy = {"gpu": bool(nvml_faults) or name in quiet_jobs, "rdma": own_tree, "xid": kern != quiet_log}
             for collector, seconds in sc.quiet_collector_intervals.items():
                 if not noisy.get(collector, False):
                     node_intervals[collector] = seconds
             ethtool = fabric.Ethtool(node_fabric, sc.fleet.hcas_per_node) if node_fabric else shared_ethtool
             if name in quiet_jobs:
-                proc_roots[name] = self.workdir / "proc" / name
-                proc_roots[name].mkdir(parents=True, exist_ok=True)
+                proc_roots[name] = fabric.build_proc(self.workdir / "proc" / name, SIM_KERNEL)
+            host = SimHost(booted_at=self.clock.start - _UPTIME_AT_START_SECONDS)
             seams = Seams(nvml=self._nvml(name, nvml_faults), sysfs_root=sysfs, kmsg=kern, clock=self.clock,
-                          run=ethtool, extra={"pid_alive": self._pid_alive},
-                          proc_root=proc_roots.get(name, Seams.proc_root))
+                          run=ethtool, extra={"pid_alive": self._pid_alive, "psutil": host},
+                          proc_root=proc_roots.get(name, shared_proc))
             node = SimNode(config, seams, build_collectors(config, seams), boot_id=self._boot_id(),
                            kernel_log=KernelLog(kern), fabric=node_fabric,
                            intervals=node_intervals, report_interval_seconds=sc.report_interval_seconds)
@@ -429,16 +476,30 @@ class Simulation:
         sc = self.scenario
         index, profile, _ = self._nvml_setup[name]
         idle = name in self._idle
-        load = {"utilization": 0.0, "noise": 0.0, "memory_used_ratio": 0.0} if idle \
+        load: dict[str, Any] = {"utilization": 0.0, "noise": 0.0, "memory_used_ratio": 0.0} if idle \
             else {"utilization": sc.fleet.load, "noise": 0.05, "memory_used_ratio": 0.8}
+        load["pcie_idle_link_generation"] = sc.fleet.pcie_idle_link_generation
         node_sc = self._healthy.get((profile, idle))
         if node_sc is None or nvml_faults:
             node_sc = NodeScenario.model_validate({"profile": profile, "gpus": sc.fleet.gpus_per_node, "load": load,
-                                                   "faults": nvml_faults})
+                                                   "faults": [*self._fleet_driver(profile), *nvml_faults]})
             if not nvml_faults:
                 self._healthy[(profile, idle)] = node_sc
         reset = functools.partial(self._nvidia_smi, name) if self._resets else None
         return open_fake_backend(node_sc, self.clock, seed=self.seed * 100_003 + index, reset=reset)
+
+    def _fleet_driver(self, profile: str) -> list[dict[str, Any]]:
+        """A node of another GPU model than the fleet's runs the fleet's driver (a site installs one
+        driver image on every node): the node-level drift to it from the start, where the model's
+        profile was recorded with another driver (the H200 profile's 580 beside the H100's 535)."""
+        from vigil.agent.nvml.profiles import PROFILES
+
+        fleet, board = PROFILES[self.scenario.fleet.profile], PROFILES[profile]
+        if (board.driver_version, board.cuda_driver_version) == (fleet.driver_version, fleet.cuda_driver_version):
+            return []
+        cuda = fleet.cuda_driver_version
+        return [{"kind": "config_drift", "at_seconds": 0.0, "driver_version": fleet.driver_version,
+                 "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}"}]
 
     def _nvidia_smi(self, name: str, fake: Any, argv: Sequence[str], timeout_seconds: float) -> str:
         """``nvidia-smi --gpu-reset`` on node ``name``: FakeNvml's imitation (it refuses a GPU that
@@ -474,13 +535,18 @@ class Simulation:
         node.close()
         if node.fabric is not None:
             node.fabric.reset(self.scenario.fleet.hcas_per_node, self.scenario.fleet.link_layer)
+            if any(f["kind"] in _FABRIC_MANAGER_FAULTS and f["at_seconds"] <= now
+                   and (f.get("duration_seconds") is None or now < f["at_seconds"] + f["duration_seconds"])
+                   for f in nvml_faults):
+                node.fabric.set_fabric_manager(_FABRIC_MANAGER_DOWN_STATE)  # the reboot did not fix it
             # The counters start again from zero.
             self._port_since[node.name] = now
             self._port_added = {k: v for k, v in self._port_added.items() if k[0] != node.name}
         node.boot_id = self._boot_id()
         kern = self._kern_path(node.name)
+        extra = {**node.seams.extra, "psutil": SimHost(booted_at=self.clock.now)}
         seams = Seams(nvml=self._nvml(node.name, nvml_faults), sysfs_root=node.seams.sysfs_root, kmsg=kern,
-                      clock=self.clock, run=node.seams.run, extra=node.seams.extra, proc_root=node.seams.proc_root)
+                      clock=self.clock, run=node.seams.run, extra=extra, proc_root=node.seams.proc_root)
         node.restart(seams, build_collectors(node.config, seams), KernelLog(kern))
 
     def _boot_id(self) -> str:
@@ -733,9 +799,18 @@ class Simulation:
                 def back() -> None:
                     node.silent = False
                     node.reboot(self._boot_id())
+                    node.seams.extra["psutil"].booted_at = self.clock.now
                 self._at(fault.until_seconds, back)
         elif isinstance(fault, Reboot):
             self._schedule_reboot(node, t0, fault.down_seconds, fault.clears)
+        elif isinstance(fault, NvmlFault) and fault.kind in _FABRIC_MANAGER_FAULTS:
+            # FakeNvml takes the GPUs' fabric registration away; the service is down on the host.
+            assert node.fabric is not None
+            fab = node.fabric
+            self._at(t0, lambda: fab.set_fabric_manager(_FABRIC_MANAGER_DOWN_STATE))
+            duration = (fault.model_extra or {}).get("duration_seconds")
+            if duration is not None:
+                self._at(t0 + float(duration), lambda: fab.set_fabric_manager(fabric.FABRIC_MANAGER_ACTIVE))
         elif isinstance(fault, NvmlFault) and fault.kind in _LOGGED:
             code = int((fault.model_extra or {}).get("code", 0)) if fault.kind == "xid" else _LOGGED[fault.kind]
             line = kernel_xid_line(node.pci_bus_ids[fault.gpu or 0], code, "")
@@ -1093,6 +1168,8 @@ def _rows_after(store: Any, seq: int) -> list[Any]:
         limit *= 4
 
 
+# NVML faults of the node's Fabric Manager: the simulator stops its service too (NodeFabric).
+_FABRIC_MANAGER_FAULTS = ("fabric_manager_down",)
 # NVML faults the driver also writes to the kernel log, with the Xid it logs for them (NVIDIA
 # Xid catalog: 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus).
 _LOGGED = {"xid": 0, "ecc_uncorrectable": 48, "row_remap_pending": 63, "row_remap_failure": 64,

@@ -67,6 +67,10 @@ class Fleet(_Strict):
     # an idle GPU (power-saving clocks, a PCIe link trained down to save power); None: every
     # node at ``load``. A job may not run on them.
     idle: NodeSet | None = None
+    # The PCIe generation idle GPUs' links retrain to (FakeNvml's load.pcie_idle_link_generation):
+    # boards that drop to a low performance state at idle; None: they hold their maximum, as every
+    # recorded HGX board does in persistence mode (agent/nvml/scenario.py Load).
+    pcie_idle_link_generation: int | None = Field(default=None, ge=1, le=6)
     # The compute fabric: InfiniBand, or RoCE ("Ethernet" link layer, as the kernel names it).
     link_layer: Literal["InfiniBand", "Ethernet"] = "InfiniBand"
     load: float = Field(default=0.9, ge=0, le=1)  # GPU utilization of the healthy fleet
