@@ -210,3 +210,19 @@ def test_a_lost_gpu_leaves_its_facts_unknown_not_mixed(node: dict[str, Path]) ->
     assert config.gpu_count == 8 and config.mixed == ()
     assert config.driver_version is not None
     assert any(source == "nvml" for source, _ in _errors(samples))
+
+
+def test_config_and_pcie_ride_the_report(node: dict[str, Path]) -> None:
+    from vigil.agent.collectors.pcie import PcieCollector, PcieConfig
+    from vigil.agent.reporter import build_report
+    from vigil.agent.runner import collect_once
+    from vigil.agent.snapshot import Snapshot
+    from vigil.agent.wire import decode_report, encode
+
+    snapshot = Snapshot()
+    for collector in (_collector(node), PcieCollector(PcieConfig(), node["sys"])):
+        snapshot.put(collector.name, collect_once(collector, START))
+    report = build_report(snapshot, [], node="n1", boot_id="b", seq=1, ts=START, interval_seconds=2.5, topology={})
+    back = decode_report(encode(report))
+    assert back.config is not None and back.config.kernel == KERNEL
+    assert back.pcie is not None and [d.kind for d in back.pcie] == ["hca", "gpu", "gpu", "hca"]
