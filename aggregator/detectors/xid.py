@@ -71,7 +71,9 @@ class XidConfig(StrictModel):
     # crash takes minutes (requeue, model load), so the next crash is a burst of its own.
     app_peer_burst_seconds: float = Field(default=60.0, ge=0)
     job_action: JobAction = Action.ALERT
-    # Act on NVML's recovery action (GpuState.recovery_action): the driver's own verdict.
+    # Act on NVML's recovery action (GpuState.recovery_action, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION):
+    # the driver's own verdict, acted on from one report (gpu_reset -> reset_gpu, node_reboot ->
+    # reboot_node, drain_p2p -> drain, drain_and_reset -> reset_gpu; none never acts).
     recovery_action: bool = True
 
 
@@ -240,7 +242,7 @@ class XidDetector:
                     now=now, window_seconds=cfg.window_seconds, app_repeat_threshold=cfg.app_repeat_threshold)
                 uuid = node.gpus[gpu].uuid if gpu is not None and gpu in node.gpus else None
                 for v in verdicts:
-                    evidence = {"signal": "xid", "codes": list(v.codes), "uuid": uuid,
+                    evidence: dict[str, object] = {"signal": "xid", "codes": list(v.codes), "uuid": uuid,
                                 "sources": sorted({s for r in records if r.code in v.codes for s in r.sources})}
                     if v.nvlink is not None:
                         evidence["nvlink"] = v.nvlink.evidence()
