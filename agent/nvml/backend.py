@@ -3,7 +3,9 @@
 It reads each GPU's identity once and its dynamic state on demand, converts NVML's units (mW, mJ,
 MHz, percent, KB/s, KiB) to base units, turns NotSupported into an absent field (None), maps GPU-level
 errors to a health state (lost, reset_required, unavailable) and waits on NVML's Xid event API.
-On a GPU in MIG mode it also reads the MIG devices (layout on the slow cadence, memory each read).
+On a GPU in MIG mode it also reads the MIG devices (layout on the slow cadence, memory each read);
+on the slow cadence the NVLink fabric registration and the PCIe link, every read the driver's
+recovery action; on demand the GPU's configuration facts (config_facts).
 It does not emit metrics, keep history or decide anything; the GPU collector does the former.
 """
 
@@ -12,11 +14,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import pynvml
 from pynvml import NVMLError
 
 from vigil.agent.nvml.fake import FakeNvml
@@ -88,6 +92,41 @@ NVLINK_ERROR_COUNTERS: tuple[tuple[str, str], ...] = (
 )
 
 
+# NVLink fabric (NVSwitch systems, Hopper and later): Fabric Manager's registration state,
+# nvmlGpuFabricState_t (nvml.h: NVML_GPU_FABRIC_STATE_NOT_SUPPORTED 0, _NOT_STARTED 1, _IN_PROGRESS 2,
+# _COMPLETED 3) -> the wire's FabricState; NOT_SUPPORTED is no fabric (None).
+FABRIC_STATES: tuple[tuple[str, str], ...] = (
+    ("not_started", "NVML_GPU_FABRIC_STATE_NOT_STARTED"),
+    ("in_progress", "NVML_GPU_FABRIC_STATE_IN_PROGRESS"),
+    ("completed", "NVML_GPU_FABRIC_STATE_COMPLETED"),
+)
+# The health mask of nvmlGpuFabricInfo_v2_t (nvmlDeviceGetGpuFabricInfoV only): 2-bit fields, each
+# NOT_SUPPORTED 0, TRUE 1, FALSE 2, at the shifts nvml.h gives (NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_*
+# 0/2/4/6 and _WIDTH_* 0x3, as pynvml 13.615 carries them): our word <- the field's name in those
+# constants. A condition is reported only when its field says TRUE.
+FABRIC_HEALTH_CONDITIONS: tuple[tuple[str, str], ...] = (
+    ("degraded_bandwidth", "DEGRADED_BW"),
+    ("route_recovery", "ROUTE_RECOVERY"),
+    ("route_unhealthy", "ROUTE_UNHEALTHY"),
+    ("access_timeout_recovery", "ACCESS_TIMEOUT_RECOVERY"),
+)
+# The driver's recovery action after an error: field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (230 in
+# nvml.h and pynvml 13.615), values nvmlDeviceGpuRecoveryAction_t -> the wire's RecoveryAction. nvml.h
+# of newer drivers adds RECOVER_IMEX_DOMAIN (5), BUS_RESET (6) and SYSTEM_REBOOT (7), which the wire
+# has no word for: such a value is counted as an error (recovery_action_<n>) and the field left absent.
+RECOVERY_ACTIONS: tuple[tuple[str, str], ...] = (
+    ("none", "NVML_GPU_RECOVERY_ACTION_NONE"),
+    ("gpu_reset", "NVML_GPU_RECOVERY_ACTION_GPU_RESET"),
+    ("node_reboot", "NVML_GPU_RECOVERY_ACTION_NODE_REBOOT"),
+    ("drain_p2p", "NVML_GPU_RECOVERY_ACTION_DRAIN_P2P"),
+    ("drain_and_reset", "NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET"),
+)
+RECOVERY_ACTION_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, for a pynvml too old to name it
+
+# NVML return codes by value -> their names in nvml.h ("NVML_ERROR_TIMEOUT"): a fabric registration's
+# error status is reported by name.
+_RETURN_NAMES: dict[int, str] = {int(getattr(pynvml, n)): n for n in dir(pynvml) if n.startswith("NVML_ERROR_")}
+
 _CONSTANTS = (
     "NVML_CLOCK_SM", "NVML_CLOCK_MEM", "NVML_TEMPERATURE_GPU", "NVML_MEMORY_ERROR_TYPE_CORRECTED",
     "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC", "NVML_AGGREGATE_ECC",
@@ -95,6 +134,7 @@ _CONSTANTS = (
     "NVML_PCIE_UTIL_TX_BYTES", "NVML_PCIE_UTIL_RX_BYTES", "NVML_FI_DEV_MEMORY_TEMP", "NVML_SUCCESS",
     "NVML_ERROR_NOT_SUPPORTED", "NVML_FEATURE_ENABLED", "NVML_GPM_METRICS_GET_VERSION", "nvmlMemory_v2",
     "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
+    "NVML_GPU_FABRIC_STATE_NOT_SUPPORTED",
 )
 
 
@@ -124,6 +164,29 @@ class GpuIdentity:
     gpu_max_temperature_celsius: float | None
     memory_max_temperature_celsius: float | None
     nvlinks: tuple[int, ...]  # link numbers NVML answers for
+
+
+@dataclass(frozen=True, slots=True)
+class GpuConfigFacts:
+    """How one GPU is configured: what every GPU of a job should have alike (the node_config
+    collector turns them into NodeConfig). Read on demand, never cached: an administrator may change
+    persistence, ECC (pending a reset), the power limit or application clocks at any time. A fact is
+    None when NVML says NotSupported or the call failed (then ``errors`` names why); on a GPU that
+    is lost or needs a reset every fact is None and ``health`` says so."""
+
+    index: int
+    health: str = "ok"  # ok | lost | reset_required | unavailable
+    driver_version: str | None = None  # nvmlSystemGetDriverVersion: "535.161.08"
+    cuda_driver_version: str | None = None  # nvmlSystemGetCudaDriverVersion: "12.2"
+    vbios_version: str | None = None  # nvmlDeviceGetVbiosVersion: "96.00.74.00.0D"
+    inforom_image_version: str | None = None  # nvmlDeviceGetInforomImageVersion: "G520.0200.00.05"
+    ecc_mode_current: bool | None = None  # nvmlDeviceGetEccMode, current (a change waits for a reset)
+    persistence_mode: bool | None = None  # nvmlDeviceGetPersistenceMode
+    mig_mode_current: bool | None = None  # nvmlDeviceGetMigMode, current
+    power_limit_watts: float | None = None  # nvmlDeviceGetEnforcedPowerLimit (mW)
+    application_sm_clock_hertz: float | None = None  # nvmlDeviceGetApplicationsClock(NVML_CLOCK_SM), MHz
+    application_memory_clock_hertz: float | None = None  # nvmlDeviceGetApplicationsClock(NVML_CLOCK_MEM)
+    errors: tuple[tuple[str, str], ...] = ()  # (query, reason) of each call that failed
 
 
 # A MIG device's name carries its GPU instance profile: "NVIDIA A100-SXM4-40GB MIG 1g.5gb" (nvidia-smi -L
@@ -232,6 +295,23 @@ class GpuReading:
     mig_mode_pending: bool | None = None
     # With MIG on: each MIG device, the layout as of the last slow read, its memory read now.
     mig_devices: tuple[MigDeviceReading, ...] = ()
+    # NVLink fabric (nvmlDeviceGetGpuFabricInfoV, else nvmlDeviceGetGpuFabricInfo), read with the links
+    # (slow=True): the registration state (None: no NVSwitch fabric), its error status by name when
+    # it completed with one, the clique and cluster (set on multi-node NVLink systems only: None while
+    # the cluster UUID is all zero) and the health mask's TRUE conditions (FABRIC_HEALTH_CONDITIONS).
+    fabric_state: str | None = None
+    fabric_status: str | None = None
+    fabric_clique_id: int | None = None
+    fabric_cluster_uuid: str | None = None
+    fabric_health: tuple[str, ...] = ()
+    # The PCIe link as trained now and the most GPU and slot allow (slow=True only).
+    pcie_link_generation: int | None = None
+    pcie_link_generation_max: int | None = None
+    pcie_link_width: int | None = None
+    pcie_link_width_max: int | None = None
+    # The driver's recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION), read every cycle in the same
+    # nvmlDeviceGetFieldValues call as the HBM temperature; None where the driver predates it.
+    recovery_action: str | None = None
     # NVML errors other than NotSupported met during this read: (query, reason).
     errors: list[tuple[str, str]] = field(default_factory=list)
 
@@ -296,6 +376,20 @@ class PynvmlBackend:
         self._mig_mode: dict[int, tuple[bool, bool]] = {}
         self._mig_devices: dict[int, tuple[tuple[Any, MigDevice], ...]] = {}
         self._not_found = nvml.NVMLError_NotFound
+        # Fabric, PCIe link and recovery action (issue 44): NVML's values -> our words, looked up once.
+        self._fabric_states = {int(getattr(nvml, const)): word for word, const in FABRIC_STATES}
+        self._fabric_health = tuple(
+            (word, int(getattr(nvml, f"NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_{name}")),
+             int(getattr(nvml, f"NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_{name}")),
+             int(getattr(nvml, f"NVML_GPU_FABRIC_HEALTH_MASK_{name}_TRUE")))
+            for word, name in FABRIC_HEALTH_CONDITIONS)
+        self._recovery_actions = {int(getattr(nvml, const)): word for word, const in RECOVERY_ACTIONS}
+        self._recovery_field = int(getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", RECOVERY_ACTION_FIELD))
+        # GPUs whose driver has no nvmlDeviceGetGpuFabricInfoV (FunctionNotFound: older drivers) or refuses
+        # its v2 struct: asked with nvmlDeviceGetGpuFabricInfo (no health mask) from then on.
+        self._fabric_v1: set[int] = set()
+        self._fabric_v2_refused: tuple[type[BaseException], ...] = (
+            *self._gpm_function_missing, nvml.NVMLError_ArgumentVersionMismatch)
         self._memory_v2_refused: tuple[type[BaseException], ...] = (
             *self._gpm_function_missing, nvml.NVMLError_ArgumentVersionMismatch, self._not_supported)
 
@@ -343,9 +437,11 @@ class PynvmlBackend:
             return self._failed(index, errors, name, exc)
 
     def _failed(self, index: int, errors: list[tuple[str, str]], name: str, exc: BaseException) -> None:
-        """What a failed call means (_query's rules): NotSupported is remembered (never asked
-        again), a health error raises _HealthError, any other is counted in ``errors``."""
-        if isinstance(exc, self._not_supported):
+        """What a failed call means (_query's rules): NotSupported, or FunctionNotFound (a driver
+        without the function: nvmlDeviceGetApplicationsClock is to go with CUDA 14, pynvml says), is
+        remembered (never asked again), a health error raises _HealthError, any other is counted in
+        ``errors``."""
+        if isinstance(exc, (self._not_supported, *self._gpm_function_missing)):
             self._unsupported[index].add(name)
             return None
         if isinstance(exc, self._health_errors):
@@ -575,7 +671,9 @@ class PynvmlBackend:
         r.memory_clock_hertz = None if mem_clock is None else mem_clock * _MHZ
         temp = q(index, e, "nvmlDeviceGetTemperature", h, c["NVML_TEMPERATURE_GPU"])
         r.temperature_celsius = None if temp is None else float(temp)
-        r.memory_temperature_celsius = self._memory_temperature(index, e, h)
+        temp_memory, action = self._field_values(index, e, h, (c["NVML_FI_DEV_MEMORY_TEMP"], self._recovery_field))
+        r.memory_temperature_celsius = temp_memory
+        r.recovery_action = None if action is None else self._recovery_action(e, int(action))
         power = q(index, e, "nvmlDeviceGetPowerUsage", h)
         r.power_watts = None if power is None else power / 1000.0
         limit = q(index, e, "nvmlDeviceGetEnforcedPowerLimit", h)
@@ -619,6 +717,8 @@ class PynvmlBackend:
             r.nvlink_data_rx_bytes = None if rx is None else int(rx) * _KIB
         if slow:
             self._read_mig_layout(index, e, h)
+            self._read_fabric(index, e, h, r)
+            self._read_pcie_link(index, e, h, r)
         self._read_mig(index, e, r)
 
     # --- MIG -----------------------------------------------------------------------------------
@@ -713,11 +813,112 @@ class PynvmlBackend:
             r.memory_used_bytes = int(memory.used)
             r.memory_total_bytes = int(memory.total)
 
-    def _memory_temperature(self, index: int, errors: list[tuple[str, str]], h: Any) -> float | None:
-        # HBM temperature has no getter of its own; it is field NVML_FI_DEV_MEMORY_TEMP, whose own
-        # nvmlReturn says NotSupported on boards without an HBM sensor.
-        (value,) = self._field_values(index, errors, h, (self._c["NVML_FI_DEV_MEMORY_TEMP"],))
-        return value
+    # HBM temperature has no getter of its own: it is field NVML_FI_DEV_MEMORY_TEMP, whose own
+    # nvmlReturn says NotSupported on boards without an HBM sensor; the recovery action rides in the
+    # same call (no call of its own), NotSupported where the driver predates it.
+
+    def _recovery_action(self, errors: list[tuple[str, str]], value: int) -> str | None:
+        word = self._recovery_actions.get(value)
+        if word is None:
+            errors.append(("nvmlDeviceGetFieldValues", f"recovery_action_{value}"))
+        return word
+
+    # --- fabric and PCIe link (slow cadence) ---------------------------------------------------
+
+    def _read_fabric(self, index: int, errors: list[tuple[str, str]], h: Any, r: GpuReading) -> None:
+        """The GPU's NVLink fabric registration: nvmlDeviceGetGpuFabricInfoV with the v2 struct
+        (health mask), or nvmlDeviceGetGpuFabricInfo where the driver has no V call. A GPU without a
+        fabric answers NotSupported or state NOT_SUPPORTED: never asked again."""
+        unsupported = self._unsupported[index]
+        if "fabric" in unsupported:
+            return
+        nvml = self._nvml
+        info: Any = None
+        if index not in self._fabric_v1:
+            info = nvml.c_nvmlGpuFabricInfo_v2_t()  # its constructor sets version = nvmlGpuFabricInfo_v2
+            try:
+                # By reference: pynvml hands the argument to C as given (callers pass ctypes.byref).
+                nvml.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info))
+            except self._fabric_v2_refused:
+                self._fabric_v1.add(index)
+                info = None
+            except self._error as exc:
+                if isinstance(exc, self._not_supported):
+                    unsupported.add("fabric")
+                    return
+                self._failed(index, errors, "nvmlDeviceGetGpuFabricInfoV", exc)
+                return
+        if info is None:
+            info = nvml.c_nvmlGpuFabricInfo_t()
+            try:
+                nvml.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
+            except self._error as exc:
+                if isinstance(exc, (self._not_supported, *self._fabric_v2_refused)):
+                    unsupported.add("fabric")  # a driver with neither call, or no fabric here
+                    return
+                self._failed(index, errors, "nvmlDeviceGetGpuFabricInfo", exc)
+                return
+        get = _numeric_field
+        state = int(get(info, "state"))
+        if state == self._c["NVML_GPU_FABRIC_STATE_NOT_SUPPORTED"]:
+            unsupported.add("fabric")
+            return
+        word = self._fabric_states.get(state)
+        if word is None:
+            errors.append(("nvmlDeviceGetGpuFabricInfo", f"fabric_state_{state}"))
+            return
+        r.fabric_state = word
+        status = int(get(info, "status"))
+        if word == "completed" and status != self._c["NVML_SUCCESS"]:
+            r.fabric_status = _RETURN_NAMES.get(status, f"NVML_ERROR_{status}")
+        cluster = bytes(get(info, "clusterUuid"))
+        if any(cluster):
+            r.fabric_cluster_uuid = str(uuid.UUID(bytes=cluster))
+            r.fabric_clique_id = int(get(info, "cliqueId"))
+        if index not in self._fabric_v1:
+            mask = int(get(info, "healthMask"))
+            r.fabric_health = tuple(w for w, shift, width, true in self._fabric_health
+                                    if (mask >> shift) & width == true)
+
+    def _read_pcie_link(self, index: int, errors: list[tuple[str, str]], h: Any, r: GpuReading) -> None:
+        q = self._query
+        r.pcie_link_generation = q(index, errors, "nvmlDeviceGetCurrPcieLinkGeneration", h)
+        r.pcie_link_generation_max = q(index, errors, "nvmlDeviceGetMaxPcieLinkGeneration", h)
+        r.pcie_link_width = q(index, errors, "nvmlDeviceGetCurrPcieLinkWidth", h)
+        r.pcie_link_width_max = q(index, errors, "nvmlDeviceGetMaxPcieLinkWidth", h)
+
+    # --- configuration ---------------------------------------------------------------------------
+
+    def config_facts(self, index: int) -> GpuConfigFacts:
+        """How GPU ``index`` is configured now (GpuConfigFacts): 11 NVML calls, for a slow cadence.
+        Never raises for an NVML error: a lost GPU is facts with that health and no values."""
+        errors: list[tuple[str, str]] = []
+        try:
+            h = self._handle(index)
+            q = self._query
+            cuda = q(index, errors, "nvmlSystemGetCudaDriverVersion")
+            ecc = q(index, errors, "nvmlDeviceGetEccMode", h)  # [current, pending]
+            persistence = q(index, errors, "nvmlDeviceGetPersistenceMode", h)
+            mig = q(index, errors, "nvmlDeviceGetMigMode", h)  # [current, pending]
+            limit = q(index, errors, "nvmlDeviceGetEnforcedPowerLimit", h)
+            sm = q(index, errors, "nvmlDeviceGetApplicationsClock", h, self._c["NVML_CLOCK_SM"])
+            memory = q(index, errors, "nvmlDeviceGetApplicationsClock", h, self._c["NVML_CLOCK_MEM"])
+            enabled = self._c["NVML_FEATURE_ENABLED"]
+            return GpuConfigFacts(
+                index=index,
+                driver_version=q(index, errors, "nvmlSystemGetDriverVersion"),
+                cuda_driver_version=None if cuda is None else f"{cuda // 1000}.{cuda % 1000 // 10}",
+                vbios_version=q(index, errors, "nvmlDeviceGetVbiosVersion", h),
+                inforom_image_version=q(index, errors, "nvmlDeviceGetInforomImageVersion", h),
+                ecc_mode_current=None if ecc is None else int(ecc[0]) == enabled,
+                persistence_mode=None if persistence is None else int(persistence) == enabled,
+                mig_mode_current=None if mig is None else int(mig[0]) == enabled,
+                power_limit_watts=None if limit is None else limit / 1000.0,
+                application_sm_clock_hertz=None if sm is None else sm * _MHZ,
+                application_memory_clock_hertz=None if memory is None else memory * _MHZ,
+                errors=tuple(errors))
+        except _HealthError as exc:
+            return GpuConfigFacts(index=index, health=exc.health, errors=(*errors, ("device", exc.reason)))
 
     def _field_values(self, index: int, errors: list[tuple[str, str]], h: Any,
                       fields: tuple[int | tuple[int, int], ...]) -> list[float | None]:

@@ -23,7 +23,7 @@ from typing import Any
 import pynvml
 
 from vigil.agent.nvml.profiles import PROFILES, DeviceProfile
-from vigil.agent.nvml.scenario import NodeScenario
+from vigil.agent.nvml.scenario import ConfigDrift, NodeScenario
 
 Clock = Callable[[], float]
 
@@ -74,6 +74,23 @@ _IDLE = pynvml.nvmlClocksEventReasonGpuIdle
 # noise by this much per unit of utilization (real: +-4 W between reads).
 _CAPPED_DRAW_RATIO = 0.985
 _CAPPED_DRAW_PER_UTILIZATION = 0.2
+# Fabric (nvmlGpuFabricInfo_v2_t): a healthy registered GPU's health mask reads FALSE (2) in each of
+# the four 2-bit condition fields (pynvml/nvml.h NVML_GPU_FABRIC_HEALTH_MASK_*; the other fields left
+# NOT_SUPPORTED, 0); a fabric_degraded fault sets its conditions TRUE (1). Not recorded on a real
+# NVSwitch board here. Our condition word -> the field's shift.
+_FABRIC_HEALTH_SHIFTS = {
+    "degraded_bandwidth": pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW,
+    "route_recovery": pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_RECOVERY,
+    "route_unhealthy": pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_UNHEALTHY,
+    "access_timeout_recovery": pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ACCESS_TIMEOUT_RECOVERY,
+}
+_FABRIC_HEALTHY_MASK = sum(2 << shift for shift in _FABRIC_HEALTH_SHIFTS.values())
+_FABRIC_STATES = {"not_started": pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED,
+                  "in_progress": pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS}
+_RECOVERY_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvml.h; pynvml 13.615 names it)
+_RECOVERY_ACTIONS = {"none": 0, "gpu_reset": 1, "node_reboot": 2, "drain_p2p": 3, "drain_and_reset": 4}
+# Verdicts a GPU reset answers (the driver names the reset as the cure): cleared by the fake's reset.
+_CLEARED_BY_RESET = frozenset({"gpu_reset", "drain_and_reset"})
 _NVLINK_COUNTER_KIND = {
     pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc",
     pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay",
@@ -215,7 +232,30 @@ class FakeGpuHandle:
         # and the faults that show only under it.
         self.probe_loads = 0
         self.under_load: list[_UnderLoadFault] = []
+        # Issue 44: configuration drifts on this GPU (node-wide ones included), in time order; the
+        # fabric registration stalls (start, end, NVML state) and health conditions (start, end,
+        # conditions); the degraded PCIe link (start, end, generation, width); the recovery verdicts
+        # (start, end, action).
+        self.config_drifts: list[ConfigDrift] = []
+        self.fabric_down: list[tuple[float, float, int]] = []
+        self.fabric_degraded: list[tuple[float, float, frozenset[str]]] = []
+        self.pcie_degraded: list[tuple[float, float, int | None, int | None]] = []
+        self.recovery: list[tuple[float, float, str]] = []
+        # What the node's driver answers: the profile's, or newer where a fault needs it (a
+        # scenario scripting a recovery action or fabric health says the driver has them).
+        self.recovery_action_supported = profile.recovery_action_supported or any(
+            f.kind == "recovery_action" for f in scenario.faults)
+        self.functions_missing = profile.functions_missing - (
+            {"nvmlDeviceGetGpuFabricInfoV"} if any(f.kind == "fabric_degraded" for f in scenario.faults) else set())
         for fault in scenario.faults:
+            if fault.kind == "config_drift":
+                if fault.gpu is None or fault.gpu == index:
+                    self.config_drifts.append(fault)
+                continue
+            if fault.kind == "fabric_manager_down":
+                end = fault.at_seconds + fault.duration_seconds if fault.duration_seconds else math.inf
+                self.fabric_down.append((fault.at_seconds, end, _FABRIC_STATES[fault.state]))
+                continue
             if getattr(fault, "gpu", None) != index:
                 continue
             at = fault.at_seconds
@@ -264,6 +304,15 @@ class FakeGpuHandle:
                 case "busy_spin":
                     end = at + fault.duration_seconds if fault.duration_seconds else math.inf
                     self.busy_spin.append((at, end))
+                case "fabric_degraded":
+                    end = at + fault.duration_seconds if fault.duration_seconds else math.inf
+                    self.fabric_degraded.append((at, end, frozenset(fault.conditions)))
+                case "pcie_link_degraded":
+                    end = at + fault.duration_seconds if fault.duration_seconds else math.inf
+                    self.pcie_degraded.append((at, end, fault.generation, fault.width))
+                case "recovery_action":
+                    end = at + fault.duration_seconds if fault.duration_seconds else math.inf
+                    self.recovery.append((at, end, fault.action))
                 case "under_load":
                     end = at + fault.duration_seconds if fault.duration_seconds else math.inf
                     window = None
@@ -277,6 +326,55 @@ class FakeGpuHandle:
                         compute_jitter=fault.compute_jitter, memory_factor=fault.memory_factor,
                         pattern_errors=fault.pattern_errors)))
         self.xids.sort()
+        self.config_drifts.sort(key=lambda d: d.at_seconds)
+
+    # --- configuration, fabric, PCIe link and recovery verdict at scenario time t ----------------
+
+    def configured(self, fact: str, default: Any, t: float) -> Any:
+        """A configuration fact at ``t``: the latest drift that set it, else the profile's."""
+        return _configured(self.config_drifts, fact, default, t)
+
+    def power_limit_mw(self, t: float) -> int:
+        if not self.config_drifts:
+            return self.profile.power_limit_mw
+        watts = self.configured("power_limit_watts", None, t)
+        return self.profile.power_limit_mw if watts is None else int(watts * 1000)
+
+    def fabric(self, t: float) -> tuple[int, int]:
+        """(NVML fabric state, health mask): registered and healthy unless a fault says otherwise."""
+        for start, end, state in self.fabric_down:
+            if start <= t < end:
+                return state, 0
+        mask = _FABRIC_HEALTHY_MASK
+        for start, end, conditions in self.fabric_degraded:
+            if start <= t < end:
+                for condition in conditions:  # the condition's field FALSE (2) -> TRUE (1)
+                    shift = _FABRIC_HEALTH_SHIFTS[condition]
+                    mask = mask & ~(3 << shift) | 1 << shift
+        return pynvml.NVML_GPU_FABRIC_STATE_COMPLETED, mask
+
+    def pcie_link(self, t: float) -> tuple[int, int]:
+        """(generation, width) the link is trained at now."""
+        p = self.profile
+        generation, width = p.pcie_link_generation_max, p.pcie_link_width_max
+        idle = self.load.pcie_idle_link_generation
+        if idle is not None and self.utilization(t) == 0.0:
+            generation = min(generation, idle)  # retrained down at idle; back to max under load
+        for start, end, degraded_generation, degraded_width in self.pcie_degraded:
+            if start <= t < end:
+                if degraded_generation is not None:
+                    generation = min(generation, degraded_generation)
+                if degraded_width is not None:
+                    width = min(width, degraded_width)
+        return generation, width
+
+    def recovery_action(self, t: float) -> int:
+        """The driver's verdict now: the latest active fault's, else none."""
+        action = "none"
+        for start, end, verdict in self.recovery:
+            if start <= t < end and not (verdict in _CLEARED_BY_RESET and self.reset_at >= start):
+                action = verdict
+        return _RECOVERY_ACTIONS[action]
 
     # --- the state at scenario time t -------------------------------------------------------
 
@@ -402,6 +500,26 @@ class FakeGpuHandle:
         return sum(s.count for s in steps if t >= s.at)
 
 
+def _by_reference(ref: Any) -> Any:
+    """The struct a ``ctypes.byref`` points to. pynvml's struct-filling calls hand their argument to
+    C as given, so a bare struct would be passed by value to the real library: refused here, loudly."""
+    if isinstance(ref, ctypes.Structure):
+        raise TypeError("pass ctypes.byref(struct): pynvml hands this argument to libnvidia-ml as given")
+    return ref._obj
+
+
+def _configured(drifts: Sequence[ConfigDrift], fact: str, default: Any, t: float) -> Any:
+    """A configuration fact at ``t`` under ``drifts`` (in time order): the latest that set it."""
+    value = default
+    for drift in drifts:
+        if drift.at_seconds > t:
+            break
+        set_to = getattr(drift, fact)
+        if set_to is not None:
+            value = set_to
+    return value
+
+
 class _FakeGpmSample:
     """What one GPM sample buffer holds: which GPU it was taken on and when (None: not yet)."""
 
@@ -438,6 +556,9 @@ class FakeNvml:
         # a test checks the backend frees every sample it allocates.
         self.gpm_samples: dict[int, _FakeGpmSample] = {}
         self._load_lock = threading.Lock()
+        # The node's own facts (driver, CUDA): the node-wide drifts, in time order.
+        self._node_drifts = sorted((f for f in scenario.faults if f.kind == "config_drift" and f.gpu is None),
+                                   key=lambda d: d.at_seconds)
         for layout in scenario.mig:
             self.configure_mig(layout.gpu, layout.instances, enabled=layout.enabled,
                                pending=layout.enabled if layout.pending is None else layout.pending)
@@ -548,12 +669,17 @@ class FakeNvml:
         self._initialized -= 1
 
     def nvmlSystemGetDriverVersion(self) -> str:
-        self._live()
-        return self.profile.driver_version
+        t = self._live()
+        return str(_configured(self._node_drifts, "driver_version", self.profile.driver_version, t))
 
     def nvmlSystemGetCudaDriverVersion(self) -> int:
-        self._live()
-        return self.profile.cuda_driver_version
+        """1000 * major + 10 * minor, as NVML: a drift's "12.4" answers 12040."""
+        t = self._live()
+        drifted = _configured(self._node_drifts, "cuda_driver_version", None, t)
+        if drifted is None:
+            return self.profile.cuda_driver_version
+        major, minor = str(drifted).split(".")
+        return int(major) * 1000 + int(minor) * 10
 
     def nvmlDeviceGetCount(self) -> int:
         self._live()
@@ -593,8 +719,93 @@ class FakeNvml:
         return handle.serial
 
     def nvmlDeviceGetVbiosVersion(self, handle: FakeGpuHandle) -> str:
-        self._device(handle, "nvmlDeviceGetVbiosVersion")
-        return handle.profile.vbios_version
+        t = self._device(handle, "nvmlDeviceGetVbiosVersion")
+        return str(handle.configured("vbios_version", handle.profile.vbios_version, t))
+
+    # --- configuration (issue 44) ----------------------------------------------------------------
+
+    def nvmlDeviceGetInforomImageVersion(self, handle: FakeGpuHandle) -> str:
+        t = self._device(handle, "nvmlDeviceGetInforomImageVersion")
+        return str(handle.configured("inforom_image_version", handle.profile.inforom_image_version, t))
+
+    def _enabled(self, handle: FakeGpuHandle, fact: str, t: float) -> int:
+        """An on/off fact (on by default) as NVML's nvmlEnableState_t."""
+        on = handle.configured(fact, "enabled", t) == "enabled"
+        return pynvml.NVML_FEATURE_ENABLED if on else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetEccMode(self, handle: FakeGpuHandle) -> list[int]:
+        """[current, pending]: "ECC Mode Current: Enabled, Pending: Enabled" in every recording here
+        (nvidia-smi-q-8xH100-535.161.08.txt:123-125); a drift sets both (no change waiting)."""
+        t = self._device(handle, "nvmlDeviceGetEccMode")
+        mode = self._enabled(handle, "ecc_mode", t)
+        return [mode, mode]
+
+    def nvmlDeviceGetPersistenceMode(self, handle: FakeGpuHandle) -> int:
+        """"Persistence Mode: Enabled" in every recording here (nvidia-smi-q-8xH100-535.161.08.txt:15)."""
+        t = self._device(handle, "nvmlDeviceGetPersistenceMode")
+        return self._enabled(handle, "persistence_mode", t)
+
+    def nvmlDeviceGetApplicationsClock(self, handle: FakeGpuHandle, clock_type: int) -> int:
+        """MHz; the board's default, its maximum clocks ("Applications Clocks: Graphics 1980 MHz, Memory
+        2619 MHz" = "Max Clocks", nvidia-smi-q-8xH100-535.161.08.txt:189-191 and 200-203)."""
+        t = self._device(handle, "nvmlDeviceGetApplicationsClock")
+        p = handle.profile
+        if clock_type == pynvml.NVML_CLOCK_SM or clock_type == pynvml.NVML_CLOCK_GRAPHICS:
+            return int(handle.configured("application_sm_clock_mhz", p.sm_clock_max_mhz, t))
+        if clock_type == pynvml.NVML_CLOCK_MEM:
+            return int(handle.configured("application_memory_clock_mhz", p.memory_clock_max_mhz, t))
+        raise pynvml.NVMLError_InvalidArgument()
+
+    # --- NVLink fabric and PCIe link (issue 44) ---------------------------------------------------
+
+    def _fabric(self, handle: FakeGpuHandle, function: str, info: Any) -> None:
+        t = self._device(handle, function)
+        if function in handle.functions_missing:
+            raise pynvml.NVMLError_FunctionNotFound()
+        p = handle.profile
+        put = ctypes.Structure.__setattr__  # past pynvml's str/bytes wrappers, as ctypes sets them
+        if not p.nvswitch_fabric:
+            put(info, "state", pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED)
+            put(info, "status", pynvml.NVML_ERROR_NOT_SUPPORTED)
+            return
+        state, mask = handle.fabric(t)
+        put(info, "state", state)
+        put(info, "status", pynvml.NVML_SUCCESS)
+        put(info, "cliqueId", 0)  # single-node NVSwitch: no clique, an all-zero cluster UUID
+        if function == "nvmlDeviceGetGpuFabricInfoV":
+            put(info, "healthMask", mask)
+
+    def nvmlDeviceGetGpuFabricInfoV(self, handle: FakeGpuHandle, info_ref: Any) -> int:
+        """Fills the c_nvmlGpuFabricInfo_v2_t ``info_ref`` points to (version checked, as the real call does)."""
+        info = _by_reference(info_ref)
+        if getattr(info, "version", None) != pynvml.nvmlGpuFabricInfo_v2:
+            self._device(handle, "nvmlDeviceGetGpuFabricInfoV")
+            if "nvmlDeviceGetGpuFabricInfoV" in handle.functions_missing:
+                raise pynvml.NVMLError_FunctionNotFound()
+            raise pynvml.NVMLError_ArgumentVersionMismatch()
+        self._fabric(handle, "nvmlDeviceGetGpuFabricInfoV", info)
+        return pynvml.NVML_SUCCESS
+
+    def nvmlDeviceGetGpuFabricInfo(self, handle: FakeGpuHandle, info_ref: Any) -> int:
+        """Fills the c_nvmlGpuFabricInfo_t ``info_ref`` points to (no version, no health mask)."""
+        self._fabric(handle, "nvmlDeviceGetGpuFabricInfo", _by_reference(info_ref))
+        return pynvml.NVML_SUCCESS
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: FakeGpuHandle) -> int:
+        t = self._device(handle, "nvmlDeviceGetCurrPcieLinkGeneration")
+        return handle.pcie_link(t)[0]
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: FakeGpuHandle) -> int:
+        t = self._device(handle, "nvmlDeviceGetCurrPcieLinkWidth")
+        return handle.pcie_link(t)[1]
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: FakeGpuHandle) -> int:
+        self._device(handle, "nvmlDeviceGetMaxPcieLinkGeneration")
+        return handle.profile.pcie_link_generation_max
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: FakeGpuHandle) -> int:
+        self._device(handle, "nvmlDeviceGetMaxPcieLinkWidth")
+        return handle.profile.pcie_link_width_max
 
     def nvmlDeviceGetPciInfo(self, handle: FakeGpuHandle) -> pynvml.nvmlPciInfo_t:
         self._device(handle, "nvmlDeviceGetPciInfo")
@@ -721,6 +932,13 @@ class FakeNvml:
                     v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
                     v.value.ullVal = kib if scope == _ALL_LINKS else kib // links
                     v.nvmlReturn = pynvml.NVML_SUCCESS
+            elif field_id == _RECOVERY_FIELD:
+                if not handle.recovery_action_supported:  # a driver that predates the field
+                    v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                else:
+                    v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                    v.value.uiVal = handle.recovery_action(t)
+                    v.nvmlReturn = pynvml.NVML_SUCCESS
             elif field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
                 p = handle.profile
                 u = handle.utilization(t)
@@ -740,20 +958,22 @@ class FakeNvml:
         if w is not None and w.reasons & _SW_POWER_CAP and u > 0.0:
             # Capped: at the limit whatever the clock (a slowdown below cuts the draw with it).
             ratio = _CAPPED_DRAW_RATIO + _CAPPED_DRAW_PER_UTILIZATION * (u - handle.load.utilization)
-            return int(p.power_limit_mw * min(ratio, 1.0))
+            return int(handle.power_limit_mw(t) * min(ratio, 1.0))
         if w is not None:
             u *= w.clock_ratio
         if handle.spinning(t):
             u = _SPIN_POWER_SHARE
-        return int(p.power_idle_mw + (p.power_busy_mw - p.power_idle_mw) * u)
+        draw = int(p.power_idle_mw + (p.power_busy_mw - p.power_idle_mw) * u)
+        # A drifted (lowered) limit holds the draw under it, as the board's power controller does.
+        return min(draw, handle.power_limit_mw(t)) if handle.config_drifts else draw
 
     def nvmlDeviceGetPowerUsage(self, handle: FakeGpuHandle) -> int:
         t = self._device(handle, "nvmlDeviceGetPowerUsage")
         return self._power_mw(handle, t)
 
     def nvmlDeviceGetEnforcedPowerLimit(self, handle: FakeGpuHandle) -> int:
-        self._device(handle, "nvmlDeviceGetEnforcedPowerLimit")
-        return handle.profile.power_limit_mw
+        t = self._device(handle, "nvmlDeviceGetEnforcedPowerLimit")
+        return handle.power_limit_mw(t)
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeGpuHandle) -> int:
         t = self._device(handle, "nvmlDeviceGetTotalEnergyConsumption")

@@ -62,6 +62,27 @@ class DeviceProfile:
     # NVML reports it). Empty: no MIG layout can be scripted (the board answers MIG mode only if its
     # queries are not in not_supported).
     mig_profiles: tuple[tuple[str, int], ...] = ()
+    # Configuration facts (issue 44) as an untouched node of this board reports them; a scenario's
+    # config_drift fault changes them. nvmlDeviceGetInforomImageVersion; ECC and persistence mode
+    # on (data-centre defaults, and what every recording here shows); the application clocks at the
+    # board's default, its maximum clocks (every recording here: "Applications Clocks" = "Max Clocks").
+    inforom_image_version: str = ""
+    # The PCIe link the GPU and its slot allow (nvmlDeviceGetMaxPcieLinkGeneration/Width).
+    pcie_link_generation_max: int = 5
+    pcie_link_width_max: int = 16
+    # NVLink fabric (nvmlDeviceGetGpuFabricInfo[V]): True on NVSwitch baseboards of Hopper and later,
+    # where Fabric Manager registers each GPU ("Fabric State: Completed, Status: Success" in the
+    # recorded HGX H100); False: the call answers state NOT_SUPPORTED (or NotSupported where the
+    # profile lists the call in not_supported).
+    nvswitch_fabric: bool = False
+    # NVML functions this profile's driver predates: the fake raises NVMLError_FunctionNotFound, as
+    # pynvml does when libnvidia-ml lacks the symbol.
+    functions_missing: frozenset[str] = frozenset()
+    # Whether the driver knows field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (else its nvmlReturn is
+    # NotSupported). Driver 580 prints "GPU Recovery Action: None" (tests/fixtures/nvml-real/
+    # nvidia-smi-q.txt:62, nvml-real-h200 likewise); 535.161.08 prints only the older "GPU Reset Status"
+    # pair (tests/fixtures/nvidia-smi/nvidia-smi-q-8xH100-535.161.08.txt:50-52).
+    recovery_action_supported: bool = False
 
     def mig_memory_bytes(self, profile: str) -> int | None:
         return next((size for name, size in self.mig_profiles if name == profile), None)
@@ -113,6 +134,15 @@ H100_SXM_80GB = DeviceProfile(
     pcie_max_bytes_per_second=64_000_000_000,  # PCIe Gen5 x16, per direction
     gpm_supported=True,
     mig_profiles=H100_80GB_MIG,
+    # Same recording: "Image Version: G520.0200.00.05" (line 36; the 580 recording of another H100,
+    # tests/fixtures/nvml-real/nvidia-smi-q.txt:47, the same); "PCIe Generation Max 5 / Link Width Max
+    # 16x" (lines 64, 70); "Fabric State: Completed, Status: Success" (lines 209-211). That driver
+    # prints only State and Status, where driver 580 also prints CliqueId, ClusterUUID and the health
+    # conditions (nvml-real/nvidia-smi-q.txt:243-253): the fake's 535 answers the v1 call (no health
+    # mask) and lacks nvmlDeviceGetGpuFabricInfoV (which came with a later driver, R550: recalled).
+    inforom_image_version="G520.0200.00.05",
+    nvswitch_fabric=True,
+    functions_missing=frozenset({"nvmlDeviceGetGpuFabricInfoV"}),
 )
 
 # HGX H200 8-GPU. Measured on a real H200 SXM (board 692-2G520-0282-001, vbios 96.00.A5.00.1A) under
@@ -151,6 +181,13 @@ H200_SXM_141GB = DeviceProfile(
                   "00000000:9A:00.0", "00000000:AB:00.0", "00000000:BA:00.0", "00000000:DB:00.0"),
     pcie_max_bytes_per_second=64_000_000_000,
     gpm_supported=True,
+    # The recording: "Image Version: G520.0282.02.02" (nvml-real-h200/nvidia-smi-q.txt:47), PCIe Gen5
+    # x16 (lines 76-84), "GPU Recovery Action: None" (line 62). Its VM had no NVSwitch ("Fabric State:
+    # N/A", line 244); an HGX H200 baseboard has four NVSwitches (NVIDIA HGX H200 datasheet), so
+    # Fabric Manager registers each GPU as on the HGX H100.
+    inforom_image_version="G520.0282.02.02",
+    nvswitch_fabric=True,
+    recovery_action_supported=True,
 )
 
 # HGX A100 8-GPU: NVIDIA A100 Tensor Core GPU datasheet (80 GB HBM2e, 400 W TDP, 1410 MHz boost,
@@ -184,6 +221,12 @@ A100_SXM_80GB = DeviceProfile(
                   "00000000:87:00.0", "00000000:90:00.0", "00000000:B7:00.0", "00000000:BD:00.0"),
     pcie_max_bytes_per_second=32_000_000_000,  # PCIe Gen4 x16, per direction
     mig_profiles=A100_80GB_MIG,
+    # Not recorded here: an A100 image version as nvidia-smi prints them (G506...). Ampere's NVSwitch
+    # fabric predates NVML's fabric info (nvml.h: "For Hopper or newer fully supported devices"):
+    # state NOT_SUPPORTED; driver 535 as the H100 profile's (no V call, no recovery action field).
+    inforom_image_version="G506.0200.00.04",
+    pcie_link_generation_max=4,
+    functions_missing=frozenset({"nvmlDeviceGetGpuFabricInfoV"}),
 )
 
 # DGX-1 / HGX-1 V100: NVIDIA Tesla V100 datasheet (32 GB HBM2, 300 W, 1530 MHz boost, 6 NVLink 2
@@ -219,7 +262,12 @@ V100_SXM2_32GB = DeviceProfile(
     # MIG came with Ampere (NVIDIA MIG User Guide, "Supported GPUs"): Volta answers NotSupported.
     # (nvmlDeviceGetMaxMigDeviceCount answers 0 there instead: "zero if MIG is not supported or enabled").
     not_supported=frozenset({"nvmlDeviceGetFanSpeed", "nvmlDeviceGetRemappedRows", "nvmlDeviceGetMigMode",
-                             "nvmlDeviceGetMigDeviceHandleByIndex"}),
+                             "nvmlDeviceGetMigDeviceHandleByIndex", "nvmlDeviceGetGpuFabricInfo"}),
+    # Not recorded: an image version of the G503 family Volta boards print. PCIe Gen3 x16; the fabric
+    # call answers NotSupported (the other pre-Hopper form; A100 answers state NOT_SUPPORTED).
+    inforom_image_version="G503.0203.00.04",
+    pcie_link_generation_max=3,
+    functions_missing=frozenset({"nvmlDeviceGetGpuFabricInfoV"}),
 )
 
 PROFILES: dict[str, DeviceProfile] = {

@@ -40,6 +40,9 @@ _FIELD_MEMBER = {
 # not by address, so a replay in the same order matches whatever addresses it allocates.
 _SAMPLE = {"$sample": True}
 _EVENT_SET = {"$event_set": True}
+# Calls that fill a struct the caller passes (the fabric info): the argument is recorded by its type,
+# the struct as the call left it as the result; a replay writes those fields into the caller's struct.
+_FILLS_STRUCT = frozenset({"nvmlDeviceGetGpuFabricInfoV", "nvmlDeviceGetGpuFabricInfo"})
 
 
 def _address(value: Any) -> int | None:
@@ -117,6 +120,8 @@ class RecordingNvml:
 
     def _call(self, name: str, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         encoded_args = self.encode(list(args))
+        if name in _FILLS_STRUCT:  # args[1] is ctypes.byref(struct)
+            encoded_args = [encoded_args[0], {"$struct": type(getattr(args[1], "_obj", args[1])).__name__}]
         started = self._clock()
         entry: dict[str, Any] = {"call": name, "args": encoded_args}
         try:
@@ -142,6 +147,8 @@ class RecordingNvml:
             entry["result"] = {"metrics": [
                 {"metricId": int(request.metrics[i].metricId), "nvmlReturn": int(request.metrics[i].nvmlReturn),
                  "value": self.encode(float(request.metrics[i].value))} for i in range(request.numMetrics)]}
+        elif name in _FILLS_STRUCT:
+            entry["result"] = {"$filled": self.encode(getattr(args[1], "_obj", args[1]))}
         else:
             entry["result"] = self.encode(result)
         self.calls.append(entry)
@@ -218,6 +225,8 @@ class ReplayNvml:
             return _EVENT_SET
         if isinstance(value, pynvml.c_nvmlGpmMetricsGet_t):
             return {"$gpm_request": [int(value.metrics[i].metricId) for i in range(value.numMetrics)]}
+        if isinstance(getattr(value, "_obj", value), ctypes.Structure):  # a struct, or ctypes.byref of one
+            return {"$struct": type(getattr(value, "_obj", value)).__name__}
         if isinstance(value, list | tuple):
             return [self._encode_arg(v) for v in value]
         return value
@@ -241,6 +250,14 @@ class ReplayNvml:
             self._samples.pop(_address(args[0]) or 0, None)
         if name == "nvmlEventSetCreate":
             return _ReplayEventSet()
+        if name in _FILLS_STRUCT:
+            struct = getattr(args[1], "_obj", args[1])
+            for field, value in result["$filled"].items():
+                if isinstance(value, list):  # an array field (the fabric's cluster UUID bytes)
+                    getattr(struct, field)[:] = value
+                else:
+                    ctypes.Structure.__setattr__(struct, field, value)
+            return pynvml.NVML_SUCCESS
         if name == "nvmlGpmMetricsGet":
             request = args[0]
             for i, metric in enumerate(result["metrics"]):

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vigil.agent.nvml.profiles import PROFILES
+from vigil.agent.nvml.profiles import PROFILES, DeviceProfile
 from vigil.agent.validation import format_validation_error
 
 # Shipped scenarios live in the repository's scenarios/node/, installed as package data of `vigil`
@@ -38,6 +38,15 @@ class Load(_Strict):
     # `training` keeps the tensor cores busy and DRAM moderate; `memory_bound` saturates DRAM
     # bandwidth with the tensor cores mostly idle (an attention/optimizer-heavy or badly fused job).
     workload: Literal["training", "memory_bound"] = "training"
+    # The PCIe generation the GPUs' links retrain to while idle (utilization 0), back to their
+    # maximum as soon as work arrives: what a board does that drops to a low performance state at idle
+    # (nvidia-smi's documentation of "PCIe Generation Current": "These may be reduced when the GPU is
+    # not in use"). None: the link holds its maximum at idle, as every recorded HGX board here does
+    # in persistence mode at P0 (idle, 0 % utilization, 86 MHz SM clock, yet "PCIe Generation Current:
+    # 5" = Max: tests/fixtures/nvidia-smi/nvidia-smi-q-8xH100-535.161.08.txt:63-71 for each of its 8
+    # GPUs, tests/fixtures/nvml-real/nvidia-smi-q.txt:76-84, nvml-real-h200/nvidia-smi-q.txt:76-84).
+    # The lookalike a PCIe link detector must not act on.
+    pcie_idle_link_generation: int | None = Field(default=None, ge=1, le=6)
 
 
 class _Fault(_Strict):
@@ -185,6 +194,101 @@ class UnderLoad(_Fault):
         return self
 
 
+OnOff = Literal["enabled", "disabled"]
+
+
+class ConfigDrift(_Strict):
+    """From ``at_seconds`` the node (or only GPU ``gpu``) is configured otherwise than its board's
+    profile: another driver and CUDA version (node-wide only), VBIOS or GPU firmware image, ECC or
+    persistence mode, enforced power limit, application clocks. Each field left out keeps its value;
+    later drifts override earlier ones. A node installed with another driver is ``at_seconds: 0``; a
+    staged roll-out is one drift per node at its turn. What NVML answers for these facts and the
+    enforced power limit (the draw of a capped GPU follows it); it does not change what the driver
+    supports (a profile's NotSupported answers stay)."""
+
+    kind: Literal["config_drift"]
+    at_seconds: float = Field(default=0.0, ge=0)
+    gpu: int | None = Field(default=None, ge=0)  # None: every GPU of the node
+    driver_version: str | None = Field(default=None, pattern=r"^\d{2,4}(\.\d{1,4}){1,3}$")  # "550.90.07"
+    cuda_driver_version: str | None = Field(default=None, pattern=r"^\d{1,3}\.\d$")  # "12.4"
+    vbios_version: str | None = Field(default=None, min_length=1, max_length=32)
+    inforom_image_version: str | None = Field(default=None, min_length=1, max_length=32)
+    ecc_mode: OnOff | None = None
+    persistence_mode: OnOff | None = None
+    power_limit_watts: float | None = Field(default=None, gt=0, le=2000)
+    application_sm_clock_mhz: int | None = Field(default=None, gt=0, le=5000)
+    application_memory_clock_mhz: int | None = Field(default=None, gt=0, le=10000)
+
+    @model_validator(mode="after")
+    def _changes_something(self) -> ConfigDrift:
+        facts = CONFIG_DRIFT_FACTS
+        if all(getattr(self, name) is None for name in facts):
+            raise ValueError(f"config_drift changes nothing: set one of {', '.join(facts)}")
+        if self.gpu is not None and (self.driver_version or self.cuda_driver_version):
+            raise ValueError("driver_version and cuda_driver_version are the node's: leave gpu out")
+        return self
+
+
+CONFIG_DRIFT_FACTS = ("driver_version", "cuda_driver_version", "vbios_version", "inforom_image_version", "ecc_mode",
+                      "persistence_mode", "power_limit_watts", "application_sm_clock_mhz",
+                      "application_memory_clock_mhz")
+
+
+class FabricManagerDown(_Strict):
+    """From ``at_seconds`` (for ``duration_seconds``, or for ever) the node's Fabric Manager does not
+    run: every GPU of an NVSwitch board reads fabric state ``state`` (not_started: FM never
+    registered it, as after a boot with FM failed; in_progress: registration stuck). NVML itself
+    still answers. The board's profile needs an NVSwitch fabric."""
+
+    kind: Literal["fabric_manager_down"]
+    at_seconds: float = Field(default=0.0, ge=0)
+    state: Literal["not_started", "in_progress"] = "not_started"
+    duration_seconds: float | None = Field(default=None, gt=0)
+
+
+FabricCondition = Literal["degraded_bandwidth", "route_recovery", "route_unhealthy", "access_timeout_recovery"]
+
+
+class FabricDegraded(_Fault):
+    """From ``at_seconds`` GPU ``gpu``'s fabric health mask reads these conditions TRUE (its state
+    stays completed). The health mask needs nvmlDeviceGetGpuFabricInfoV: scripting this fault says the
+    node's driver has it, so the fake answers the V call on this node even where the profile's
+    driver (535) lacks it."""
+
+    kind: Literal["fabric_degraded"]
+    conditions: tuple[FabricCondition, ...] = Field(default=("degraded_bandwidth",), min_length=1)
+    duration_seconds: float | None = Field(default=None, gt=0)
+
+
+class PcieLinkDegraded(_Fault):
+    """From ``at_seconds`` GPU ``gpu``'s PCIe link is trained at ``width`` lanes and/or generation
+    ``generation``, below the board's maximum, whatever the load (a bad riser, retimer or slot, as
+    after a link retrain): the maximum NVML reports stays the board's."""
+
+    kind: Literal["pcie_link_degraded"]
+    width: int | None = Field(default=None, ge=1, le=32)
+    generation: int | None = Field(default=None, ge=1, le=6)
+    duration_seconds: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _degrades(self) -> PcieLinkDegraded:
+        if self.width is None and self.generation is None:
+            raise ValueError("pcie_link_degraded changes nothing: set width and/or generation")
+        return self
+
+
+class RecoveryActionFault(_Fault):
+    """From ``at_seconds`` the driver names ``action`` as what recovers GPU ``gpu``
+    (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION), for ``duration_seconds`` or until a GPU reset clears a
+    gpu_reset or drain_and_reset verdict; "none" otherwise. Scripting it says the node's driver has
+    the field: the fake answers it on every GPU of this node from the start, even where the profile's
+    driver (535) predates it."""
+
+    kind: Literal["recovery_action"]
+    action: Literal["none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset"] = "gpu_reset"
+    duration_seconds: float | None = Field(default=None, gt=0)
+
+
 class NvmlUnavailable(_Strict):
     """The driver goes away for the whole node: nvmlInit and every call fail from then on."""
 
@@ -195,7 +299,8 @@ class NvmlUnavailable(_Strict):
 Fault = Annotated[
     EccCorrectedGrowth | EccUncorrectable | RowRemapPending | RowRemapFailure | ThermalThrottle | PowerBrake
     | Xid | GpuLost | ResetRequired | NvlinkErrors | NvlinkDown | NvmlUnavailable | TemperatureDrift | HotHbm
-    | PcieReplay | PowerCap | MemoryBound | UnderLoad | BusySpin,
+    | PcieReplay | PowerCap | MemoryBound | UnderLoad | BusySpin | ConfigDrift | FabricManagerDown | FabricDegraded
+    | PcieLinkDegraded | RecoveryActionFault,
     Field(discriminator="kind"),
 ]
 
@@ -203,7 +308,13 @@ FAULT_KINDS: tuple[str, ...] = (
     "ecc_corrected_growth", "ecc_uncorrectable", "row_remap_pending", "row_remap_failure", "thermal_throttle",
     "power_brake", "xid", "gpu_lost", "reset_required", "nvlink_errors", "nvlink_down", "nvml_unavailable",
     "temperature_drift", "hot_hbm", "pcie_replay", "power_cap", "memory_bound", "under_load", "busy_spin",
+    "config_drift", "fabric_manager_down", "fabric_degraded", "pcie_link_degraded", "recovery_action",
 )
+
+
+# Kinds that act on the whole node: they take no ``gpu`` (nvml_unavailable, fabric_manager_down) or
+# an optional one, absent meaning every GPU (config_drift).
+NODE_WIDE_FAULT_KINDS: tuple[str, ...] = ("nvml_unavailable", "fabric_manager_down", "config_drift")
 
 
 class Process(_Strict):
@@ -282,10 +393,25 @@ class NodeScenario(_Strict):
             link = getattr(fault, "link", None)
             if link is not None and link >= links:
                 raise ValueError(f"faults.{i}.link: {link} but {self.profile} has {links} NVLinks")
+            self._check_board(i, fault, board)
         for i, process in enumerate(self.processes):
             if process.gpu >= self.gpus:
                 raise ValueError(f"processes.{i}.gpu: {process.gpu} but the node has {self.gpus} GPUs")
         return self
+
+
+    def _check_board(self, i: int, fault: Any, board: DeviceProfile) -> None:
+        """A fault the board (its driver) could not show is a scenario error, not a silent no-op."""
+        kind = fault.kind
+        if kind in ("fabric_manager_down", "fabric_degraded") and not board.nvswitch_fabric:
+            raise ValueError(f"faults.{i}: {kind} needs an NVSwitch fabric, which {self.profile} has not")
+        if kind == "pcie_link_degraded":
+            if fault.generation is not None and fault.generation > board.pcie_link_generation_max:
+                raise ValueError(f"faults.{i}.generation: {fault.generation} but {self.profile}'s link is at "
+                                 f"most generation {board.pcie_link_generation_max}")
+            if fault.width is not None and fault.width > board.pcie_link_width_max:
+                raise ValueError(f"faults.{i}.width: {fault.width} but {self.profile}'s link is at most "
+                                 f"x{board.pcie_link_width_max}")
 
 
 def parse_node_scenario(data: Any, source: str = "<data>") -> NodeScenario:
