@@ -8,7 +8,7 @@ no collector and touches no hardware.
 
 from __future__ import annotations
 
-from vigil.agent.collectors import flight_recorder, gpu, host, rdma, training, xid
+from vigil.agent.collectors import flight_recorder, gpu, host, node_config, pcie, rdma, training, xid
 from vigil.agent.credential_file import ExposedFiles
 from vigil.agent.metric import MetricSpec
 from vigil.agent.reporter import REPORTER_SPECS
@@ -23,6 +23,8 @@ COLLECTOR_SPECS: dict[str, tuple[MetricSpec, ...]] = {
     "training": tuple(training.SPECS),
     "xid": tuple(xid.SPECS),
     "flight_recorder": tuple(flight_recorder.SPECS),
+    "pcie": tuple(pcie.SPECS),
+    "node_config": tuple(node_config.SPECS),
 }
 
 

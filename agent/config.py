@@ -16,6 +16,8 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from vigil.agent.collectors.flight_recorder import FlightRecorderConfig
 from vigil.agent.collectors.gpu import GpuConfig
 from vigil.agent.collectors.host import HostConfig
+from vigil.agent.collectors.node_config import NodeConfigConfig
+from vigil.agent.collectors.pcie import PcieConfig
 from vigil.agent.collectors.rdma import RdmaConfig
 from vigil.agent.collectors.training import TrainingConfig
 from vigil.agent.collectors.xid import XidConfig
@@ -106,6 +108,10 @@ class CollectorsConfig(StrictModel):
     xid: XidConfig = XidConfig()
     # PyTorch Flight Recorder dumps of the jobs on this node (off by default; docs/training.md).
     flight_recorder: FlightRecorderConfig = FlightRecorderConfig()
+    # Every HCA's PCIe link and every HCA's and GPU's AER counters, from sysfs.
+    pcie: PcieConfig = PcieConfig()
+    # The node's configuration facts (driver, firmware, OFED, kernel, modes, counts) on a slow cadence.
+    node_config: NodeConfigConfig = NodeConfigConfig()
 
 
 class AgentConfig(StrictModel):

@@ -159,7 +159,7 @@ _EVENTS_KEY = b',"events":['
 _CLOSE = b"]}"
 
 # Sections a collector may contribute; anything else in a Collection.report is a programming error.
-_REPORT_SECTIONS = frozenset({"gpus", "ports", "ranks", "collectives", "host", "nvml_available"})
+_REPORT_SECTIONS = frozenset({"gpus", "ports", "ranks", "collectives", "host", "nvml_available", "config", "pcie"})
 
 
 def build_report(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from vigil.agent.collectors import flight_recorder, gpu, host, rdma, training, xid
+from vigil.agent.collectors import flight_recorder, gpu, host, node_config, pcie, rdma, training, xid
 from vigil.agent.collectors.collector import Collector
 
 if TYPE_CHECKING:
@@ -25,4 +25,6 @@ REGISTRY: dict[str, Builder] = {
     "training": training.build,
     "xid": xid.build,
     "flight_recorder": flight_recorder.build,
+    "pcie": pcie.build,
+    "node_config": node_config.build,
 }

@@ -1,22 +1,30 @@
-"""Host collector: the basics an operator checks first on a GPU node, read through psutil.
+"""Host collector: the basics an operator checks first on a GPU node, read through psutil, and
+whether the NVIDIA Fabric Manager runs where it must.
 
-Emits CPU, memory, load, uptime, swap and root-filesystem usage, and the kernel release, and
-contributes ``HostFacts`` to the report. It does not judge any of them; the aggregator does.
+Emits CPU, memory, load, uptime, swap and root-filesystem usage and, on a node whose PCI bus shows
+NVSwitches, the Fabric Manager service's systemd state (``systemctl show`` through ``Seams.run``),
+and contributes ``HostFacts`` to the report. It does not judge any of them; the aggregator does.
+The kernel release is the node_config collector's (``vigil_node_config_info``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import platform
+import subprocess
+from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import psutil
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from vigil.agent.collectors.collector import Collection, CollectorConfig
+from vigil.agent.collectors.pcie import NVIDIA_VENDOR, Unusable, read_attribute
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
+from vigil.agent.seams import CommandRunner, run_command
 from vigil.agent.wire import HostFacts
 
 if TYPE_CHECKING:
@@ -24,9 +32,28 @@ if TYPE_CHECKING:
     from vigil.agent.seams import Seams
 
 
+log = logging.getLogger("vigil.agent.collectors.host")
+
+
 class HostConfig(CollectorConfig):
     interval_seconds: float = Field(default=5.0, gt=0)
     filesystem: str = "/"
+    # Whether the NVIDIA Fabric Manager must run here. auto: where the node's PCI bus shows an
+    # NVSwitch (HGX baseboards: NVIDIA's Fabric Manager user guide, "eight GPUs and four NVSwitches on
+    # the PCIe tree"), the nodes whose GPUs cannot join the NVLink fabric without it; true/false
+    # overrides (e.g. false where the switches are managed elsewhere).
+    fabric_manager: bool | Literal["auto"] = "auto"
+    # Its state is asked of systemd this often (a subprocess; a stopped Fabric Manager is a fault
+    # of hours, NVSentinel #883's of 20 days) ...
+    fabric_manager_interval_seconds: float = Field(default=30.0, gt=0)
+    # ... within this total deadline (`systemctl show` answers in milliseconds; a hung D-Bus does not).
+    fabric_manager_timeout_seconds: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _deadline_inside_cycle(self) -> HostConfig:
+        if self.fabric_manager_timeout_seconds >= self.timeout_seconds:
+            raise ValueError("fabric_manager_timeout_seconds must be shorter than the collector's timeout_seconds")
+        return self
 
 
 CPU_UTILIZATION = MetricSpec("vigil_host_cpu_utilization_ratio", MetricKind.GAUGE,
@@ -42,22 +69,104 @@ FS_FREE = MetricSpec("vigil_host_filesystem_free_bytes", MetricKind.GAUGE,
                      "Free bytes on the watched filesystem.", labels=("mountpoint",), unit="bytes")
 FS_SIZE = MetricSpec("vigil_host_filesystem_size_bytes", MetricKind.GAUGE,
                      "Size of the watched filesystem.", labels=("mountpoint",), unit="bytes")
-HOST_INFO = MetricSpec("vigil_host_info", MetricKind.INFO, "The host's kernel.", labels=("kernel",))
+FABRIC_MANAGER_STATE = MetricSpec(
+    "vigil_fabric_manager_state", MetricKind.GAUGE,
+    "The NVIDIA Fabric Manager service's systemd state: 1 for the current one, 0 for the others (all 0 while it "
+    "cannot be read, or in a state outside these); absent where Fabric Manager is not expected.", labels=("state",))
+FABRIC_MANAGER_READ_ERRORS = MetricSpec(
+    "vigil_fabric_manager_read_errors_total", MetricKind.COUNTER,
+    "Times the Fabric Manager's state could not be read, by reason (timeout, exit_status, not_found, unreadable, "
+    "malformed): its state is then unknown, not failed.", labels=("reason",))
 
 SPECS = (CPU_UTILIZATION, LOAD1, CPUS, MEMORY_TOTAL, MEMORY_AVAILABLE, SWAP_USED, UPTIME, FS_FREE, FS_SIZE,
-         HOST_INFO)
+         FABRIC_MANAGER_STATE, FABRIC_MANAGER_READ_ERRORS)
+
+FABRIC_MANAGER_UNIT = "nvidia-fabricmanager.service"  # the unit NVIDIA's fabricmanager packages install
+FABRIC_MANAGER_COMMAND = ("systemctl", "show", FABRIC_MANAGER_UNIT, "-p", "ActiveState", "--value")
+# The states of vigil_fabric_manager_state, and every ActiveState systemd may answer (systemd's
+# org.freedesktop.systemd1 D-Bus API, Unit.ActiveState; maintenance since v245, refreshing v254).
+FABRIC_MANAGER_STATES = ("active", "activating", "deactivating", "inactive", "failed")
+SYSTEMD_ACTIVE_STATES = frozenset({*FABRIC_MANAGER_STATES, "reloading", "maintenance", "refreshing"})
+UNKNOWN = "unknown"  # HostFacts.fabric_manager_state when it is expected and could not be read
+# PCI class of a bridge (PCI Code and ID Assignment spec: 0x0680 "other bridge"): what an NVSwitch is.
+NVSWITCH_CLASS = "0x0680"
 
 
 class HostCollector:
     name = "host"
     specs: Sequence[MetricSpec] = SPECS
 
-    def __init__(self, config: HostConfig, *, ps: ModuleType | Any = psutil, kernel: str | None = None) -> None:
+    def __init__(self, config: HostConfig, *, ps: ModuleType | Any = psutil, run: CommandRunner = run_command,
+                 sysfs_root: Path = Path("/sys")) -> None:
         self._config = config
         self._ps = ps
-        self._kernel = kernel if kernel is not None else platform.release()
+        self._run = run
+        self._sysfs = Path(sysfs_root)
+        # Fabric Manager: expected (with auto, once NVSwitches were found), its last state
+        # read, when it was read, and the reads that failed by reason.
+        self._fm_expected = config.fabric_manager is True
+        self._fm_state: str | None = None
+        self._fm_checked_at: float | None = None
+        self._fm_errors: Counter[str] = Counter()
         # The first cpu_percent(None) call primes psutil's counters and returns 0.0: discard it.
         self._ps.cpu_percent(None)
+
+    # -- Fabric Manager ------------------------------------------------------------------------
+
+    def _nvswitch_present(self) -> bool:
+        devices = self._sysfs / "bus" / "pci" / "devices"
+        try:
+            names = os.listdir(devices)
+        except OSError:
+            return False
+        for bdf in names:
+            try:
+                if (read_attribute(devices / bdf / "vendor") == NVIDIA_VENDOR
+                        and (read_attribute(devices / bdf / "class") or "").startswith(NVSWITCH_CLASS)):
+                    return True
+            except Unusable:
+                continue
+        return False
+
+    def _fabric_manager(self, now: float) -> str | None:
+        """The Fabric Manager's state as of its last check (every fabric_manager_interval_seconds);
+        None where it is not expected."""
+        if self._fm_checked_at is not None and now - self._fm_checked_at < self._config.fabric_manager_interval_seconds:
+            return self._fm_state
+        self._fm_checked_at = now
+        if self._config.fabric_manager == "auto" and not self._fm_expected:
+            # auto: looked for again until found (sysfs may be incomplete early in boot); once found it stays.
+            self._fm_expected = self._nvswitch_present()
+        if not self._fm_expected:
+            self._fm_state = None
+            return None
+        self._fm_state = self._read_fabric_manager()
+        return self._fm_state
+
+    def _read_fabric_manager(self) -> str:
+        try:
+            text = self._run(FABRIC_MANAGER_COMMAND, self._config.fabric_manager_timeout_seconds)
+        except subprocess.TimeoutExpired:
+            return self._fm_failed("timeout")
+        except subprocess.CalledProcessError:
+            return self._fm_failed("exit_status")  # e.g. no systemd or D-Bus in this container
+        except FileNotFoundError:
+            return self._fm_failed("not_found")  # no systemctl
+        except (OSError, subprocess.SubprocessError, UnicodeError):
+            return self._fm_failed("unreadable")
+        state = text.strip()
+        if state not in SYSTEMD_ACTIVE_STATES:
+            return self._fm_failed("malformed")
+        return state
+
+    def _fm_failed(self, reason: str) -> str:
+        if not self._fm_errors[reason]:
+            log.warning("the Fabric Manager's state could not be read (%s): reported as unknown (logged once per "
+                        "reason, counted in vigil_fabric_manager_read_errors_total)", reason)
+        self._fm_errors[reason] += 1
+        return UNKNOWN
+
+    # -- one cycle -----------------------------------------------------------------------------
 
     def collect(self, now: float) -> Collection:
         ps = self._ps
@@ -74,7 +183,6 @@ class HostCollector:
             Sample.of(MEMORY_AVAILABLE, mem.available),
             Sample.of(SWAP_USED, swap.used),
             Sample.of(UPTIME, uptime),
-            Sample.of(HOST_INFO, 1, kernel=self._kernel),
         ]
         try:
             du = ps.disk_usage(self._config.filesystem)
@@ -83,12 +191,19 @@ class HostCollector:
         else:
             samples.append(Sample.of(FS_FREE, du.free, mountpoint=self._config.filesystem))
             samples.append(Sample.of(FS_SIZE, du.total, mountpoint=self._config.filesystem))
+        fabric_manager = self._fabric_manager(now)
+        if fabric_manager is not None:
+            samples.extend(Sample.of(FABRIC_MANAGER_STATE, int(state == fabric_manager), state=state)
+                           for state in FABRIC_MANAGER_STATES)
+        samples.extend(Sample.of(FABRIC_MANAGER_READ_ERRORS, n, reason=reason)
+                       for reason, n in sorted(self._fm_errors.items()))
         facts = HostFacts(
             cpu_utilization_ratio=cpu_ratio,
             load1=load1,
             memory_used_bytes=float(mem.total - mem.available),
             memory_total_bytes=float(mem.total),
             uptime_seconds=uptime,
+            fabric_manager_state=fabric_manager,
         )
         return Collection(samples=samples, report={"host": facts})
 
@@ -97,5 +212,7 @@ class HostCollector:
 
 
 def build(config: AgentConfig, seams: Seams) -> HostCollector:
-    del seams  # psutil reads /proc itself; tests pass a fake `ps` to HostCollector directly
-    return HostCollector(config.collectors.host, kernel=os.uname().release)
+    # psutil reads /proc itself; a test or the simulator that wants another machine's figures passes
+    # its own as seams.extra["psutil"] (or a fake `ps` to HostCollector directly).
+    return HostCollector(config.collectors.host, ps=seams.extra.get("psutil", psutil), run=seams.run,
+                         sysfs_root=seams.sysfs_root)

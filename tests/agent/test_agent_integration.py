@@ -135,7 +135,8 @@ def _render_normalised(agent: Agent, now: float) -> str:
         agent.snapshot.put(c.name, collect_once(c, now))
     keep = []
     for line in agent.render_metrics().decode().splitlines():
-        if re.search(r"vigil_host_|vigil_collector_duration_seconds|vigil_build_info", line):  # build: per release
+        # build_info: per release; node_config_info: the machine's kernel and rdma-core.
+        if re.search(r"vigil_host_|vigil_collector_duration_seconds|vigil_build_info|vigil_node_config_info", line):
             continue
         keep.append(line)
     return "\n".join(keep) + "\n"

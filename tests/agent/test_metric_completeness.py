@@ -93,7 +93,7 @@ def emitted_and_declared(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[
     declared: set[str] = set()
     scenarios = sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
     sysfs_trees = [FIXTURES / "sysfs" / "h100", FIXTURES / "sysfs" / "roce",
-                   FIXTURES / "sysfs" / "node-exporter-infiniband"]
+                   FIXTURES / "sysfs" / "node-exporter-infiniband", FIXTURES / "sysfs" / "hgx"]
     ethtool = (FIXTURES / "sysfs" / "ethtool-S-mlx5-ens1f0np0.txt").read_text()
     for i, scenario in enumerate(scenarios):
         tmp = tmp_path_factory.mktemp(scenario)
@@ -127,6 +127,9 @@ def emitted_and_declared(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[
             (3.0, lambda t=training: t.ingest(b"not json", START + 3, IN_PROCESS)),  # counted as rejected
             # A truncated sysfs counter and a mangled NVRM line: counted under a reason, never fatal.
             (4.0, lambda root=sysfs: _truncate(next(root.glob("class/infiniband/*/ports/1/counters/symbol_error")))),
+            # A truncated AER file and OFED version (hgx): counted by the pcie and node_config collectors.
+            (4.0, lambda root=sysfs: [_truncate(p) for p in (*root.glob("bus/pci/devices/*/aer_dev_fatal"),
+                                                              *root.glob("module/mlx5_core/version"))]),
             (4.0, lambda k=kmsg: _append(k, "NVRM: Xid (PCI:0000:zz:00): banana\n")),
         ]
         for step in range(5):
