@@ -26,12 +26,15 @@ from vigil.aggregator.actuators import ActuatorsConfig
 from vigil.aggregator.auth import AuthConfig, TlsConfig
 from vigil.aggregator.detectors.app_signals import AppSignalsConfig
 from vigil.aggregator.detectors.collective_culprit import CollectiveCulpritConfig
+from vigil.aggregator.detectors.config_drift import ConfigDriftConfig
 from vigil.aggregator.detectors.crash_loop import CrashLoopConfig
+from vigil.aggregator.detectors.fabric import FabricConfig
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig
 from vigil.aggregator.detectors.hang import HangConfig
 from vigil.aggregator.detectors.memory import MemoryConfig
 from vigil.aggregator.detectors.network import NetworkConfig
+from vigil.aggregator.detectors.pcie_link import PcieLinkConfig
 from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkConfig
 from vigil.aggregator.detectors.probe_verdict import ProbeVerdictConfig
 from vigil.aggregator.detectors.recovery import RecoveryConfig
@@ -83,6 +86,15 @@ class DetectorsConfig(StrictModel):
     # The rank that never entered the collective its group waits in, from Flight Recorder dumps
     # (the agent's collectors.flight_recorder; docs/detectors.md).
     collective_culprit: CollectiveCulpritConfig = CollectiveCulpritConfig()
+    # GPUs whose NVLink fabric is not registered with Fabric Manager past the boot grace (NVSwitch
+    # systems), and Fabric Manager down (docs/detectors.md).
+    fabric: FabricConfig = FabricConfig()
+    # PCIe links trained below their maximum (a GPU's judged only under load) and AER errors on
+    # GPUs and HCAs (docs/detectors.md).
+    pcie_link: PcieLinkConfig = PcieLinkConfig()
+    # A node configured unlike its job's peers (drift), a job split by a roll-out (one alert with
+    # the mix), and a node short of the site manifest (``manifest``, per GPU model; docs/detectors.md).
+    config_drift: ConfigDriftConfig = ConfigDriftConfig()
 
 
 class AggregatorConfig(StrictModel):

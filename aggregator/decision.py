@@ -39,6 +39,9 @@ JOB_LEVEL_ACTIONS = frozenset({Action.OBSERVE, Action.ALERT, Action.RESTART_JOB,
 JOB_RUN_ACTIONS = frozenset({Action.RESTART_JOB, Action.HOLD_JOB})
 # The type of a detector's configurable action for a job-level finding (one of JOB_LEVEL_ACTIONS).
 JobAction = Literal[Action.OBSERVE, Action.ALERT, Action.RESTART_JOB]
+# The type of a detector's configurable action for a finding about a whole node (one decision per
+# node, naming no single GPU to reset).
+NodeAction = Literal[Action.OBSERVE, Action.ALERT, Action.DRAIN, Action.REBOOT_NODE, Action.INSPECT_HARDWARE]
 # A job-level decision's subject as the store keys it (its rows' node column, the delivery order):
 # ':' never appears in a node name (a DNS name, wire.NODE_NAME_PATTERN), so it cannot collide.
 JOB_SUBJECT_PREFIX = "job:"

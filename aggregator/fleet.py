@@ -32,8 +32,11 @@ from vigil.agent.wire import (
     CollectiveState,
     Event,
     GpuState,
+    HostFacts,
     NodeActionRequest,
     NodeActionResult,
+    NodeConfig,
+    PcieDevice,
     PortState,
     RankSummary,
     Report,
@@ -89,7 +92,8 @@ class FleetConfig(StrictModel):
     # State one node's credential can make the aggregator keep, over time and not only per report
     # (the wire bounds a report: 256 GPUs, 256 ports, 1,024 ranks). What is over a cap is refused
     # and counted (vigil_aggregator_refusals_total{door="reports"}, reason too_many_gpus,
-    # too_many_ports, too_many_counters, too_many_ranks, too_many_jobs); ports, ranks and jobs
+    # too_many_ports, too_many_counters, too_many_ranks, too_many_jobs; too_many_pcie_devices
+    # below); ports, ranks and jobs
     # not in the node's latest report are evicted first, oldest first, so only a report listing
     # more than a cap at once is refused. GPUs are never evicted: one that left the reports is
     # the evidence of a GPU fallen off the bus. The largest nodes have 8 to 16 GPUs and as many
@@ -116,6 +120,10 @@ class FleetConfig(StrictModel):
     # periodic ones, never the 2**62 jump that would make every real report look replayed.
     max_reports_per_second: float = Field(default=20.0, gt=0)
     max_seq_jump: int = Field(default=1000, ge=1)
+    # PCIe devices kept per node from a report's ``pcie`` section (GPUs and HCAs: 16 + 16 on the
+    # largest nodes; the wire allows 256). Over it, the rest of a section is refused and counted
+    # (reason too_many_pcie_devices).
+    max_pcie_devices_per_node: int = Field(default=64, ge=1, le=1 << 20)
 
 
 # Node-action requests and results kept per node (the recovery detector reads the one for the
@@ -138,6 +146,27 @@ WATCHED_CLOCK_EVENTS = frozenset({"hw_slowdown", "sw_thermal_slowdown", "hw_ther
                                   "hw_power_brake_slowdown"})
 HBM_DEFAULT_LIMIT_CELSIUS = 95.0
 HBM_WATCH_BELOW_LIMIT_CELSIUS = 10.0
+
+# A PCIe device's AER counters (wire.PcieDevice), in the order PcieHistory reads them.
+AER_COUNTERS = ("aer_correctable_total", "aer_nonfatal_total", "aer_fatal_total")
+
+
+def normal_bus_id(bus_id: str) -> str:
+    """A PCI bus id in sysfs's form, lower case, 4-digit domain (``0000:18:00.0``): NVML writes
+    the domain with 8 digits (``00000000:18:00.0``), sysfs with 4, so the two name one device."""
+    bus_id = bus_id.strip().lower()
+    domain, sep, rest = bus_id.partition(":")
+    if sep and len(domain) > 4 and domain[:-4].strip("0") == "":
+        return domain[-4:] + ":" + rest
+    return bus_id
+
+
+def link_below_max(generation: int | None, generation_max: int | None, width: int | None,
+                   width_max: int | None) -> bool:
+    """Whether a PCIe link trained below what it and its slot allow (unknown parts are not)."""
+    return ((generation is not None and generation_max is not None and generation < generation_max)
+            or (width is not None and width_max is not None and width < width_max))
+
 
 # GPU counters whose increases detectors judge, in the order GpuHistory reads them.
 GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
@@ -466,6 +495,7 @@ class GpuSample(msgspec.Struct, frozen=True, gc=False):
     remap_failure: bool | None
     retired_pages_pending: bool | None
     nvlink_links_down: tuple[int, ...]
+    recovery_action: str | None
 
 
 class PortSample(msgspec.Struct, frozen=True, gc=False):
@@ -476,8 +506,48 @@ class PortSample(msgspec.Struct, frozen=True, gc=False):
     rate_bits_per_second: float | None
 
 
+class LoadedRun:
+    """A run of consecutive reports in which a GPU's PCIe link stayed below its maximum, with the
+    GPU's utilization in each, kept as a monotonic stack: each entry is a report whose utilization
+    is below every later one's (with the time of the report after it). The latest report below any
+    threshold is then the last entry below it, so "loaded (at or above a threshold) since when" is
+    answered for any threshold, at O(1) amortised per report and a handful of entries (one for an
+    idle GPU, whose utilization stays 0)."""
+
+    __slots__ = ("lows", "since")
+
+    # Entries kept at most; beyond, the oldest (lowest) goes and the run is taken to start after
+    # it: the loaded time is then under-, never over-stated.
+    MAX_ENTRIES = 64
+
+    def __init__(self, ts: float) -> None:
+        self.since = ts
+        self.lows: list[tuple[float, float, float | None]] = []  # (ts, utilization, ts of the next report)
+
+    def observe(self, ts: float, utilization: float | None) -> None:
+        lows = self.lows
+        u = -1.0 if utilization is None else utilization  # unknown: not loaded
+        if lows:
+            top = lows[-1]
+            lows[-1] = (top[0], top[1], ts)
+            while lows and lows[-1][1] >= u:
+                lows.pop()
+        lows.append((ts, u, None))
+        if len(lows) > self.MAX_ENTRIES:
+            dropped = lows.pop(0)
+            self.since = dropped[2] if dropped[2] is not None else ts
+
+    def loaded_since(self, threshold: float) -> float | None:
+        """Since when every report of the run had utilization at or above ``threshold`` (the link
+        below its maximum all along); None: the latest report did not."""
+        for _, utilization, after in reversed(self.lows):
+            if utilization < threshold:
+                return after
+        return self.since
+
+
 class GpuHistory:
-    __slots__ = ("counters", "first_seen", "index", "last", "last_seen", "owned", "samples", "uuid")
+    __slots__ = ("counters", "first_seen", "index", "last", "last_seen", "link_below", "owned", "samples", "uuid")
 
     def __init__(self, state: GpuState, ts: float, maxlen: int, state_maxlen: int) -> None:
         self.index = state.index
@@ -490,6 +560,8 @@ class GpuHistory:
         self.owned: GpuState | None = None
         self.samples: deque[GpuSample] = deque(maxlen=state_maxlen)
         self.counters = CounterBaseline(maxlen)
+        # The run of reports in which its PCIe link was below its maximum (None: at it, or unknown).
+        self.link_below: LoadedRun | None = None
 
     def observe(self, s: GpuState, ts: float) -> bool:
         """``s``: the GPU's whole state (of this GPU: the fleet starts a new history for a new
@@ -504,7 +576,7 @@ class GpuHistory:
         self.samples.append(GpuSample(ts, s.health, s.utilization_gpu_ratio, s.sm_clock_hertz, s.sm_clock_max_hertz,
                                       s.clock_event_reasons, s.memory_temperature_celsius,
                                       s.memory_max_temperature_celsius, s.remap_pending, s.remap_failure,
-                                      s.retired_pages_pending, s.nvlink_links_down))
+                                      s.retired_pages_pending, s.nvlink_links_down, s.recovery_action))
         return self.counters.observe_values(ts, GPU_COUNTERS, (
             s.ecc_corrected_volatile, s.ecc_uncorrected_volatile, s.pcie_replay_total, s.nvlink_crc_errors_total,
             s.nvlink_replay_errors_total, s.nvlink_recovery_errors_total))
@@ -598,6 +670,38 @@ class PortHistory:
             self._flags = dict(flags)
         return PORT_COUNTERS_ROSE if self.counters.observe_values(
             ts, self._names, tuple(map(counters.get, self._names))) else 0
+
+
+class PcieHistory:
+    """One PCIe device of a node's ``pcie`` section (a GPU or an HCA, by sysfs bus id): its latest
+    entry, its AER counters' increases, and since when its link has been below its maximum (the
+    aggregator's clock; None: at it, or unknown). The section comes only when it changed, so an
+    unchanged link is held, and its time below counts on while the node keeps reporting."""
+
+    __slots__ = ("bus_id", "counters", "last", "link_below_since")
+
+    def __init__(self, device: PcieDevice, bus_id: str, maxlen: int) -> None:
+        self.bus_id = bus_id
+        self.last = device
+        self.counters = CounterBaseline(maxlen)
+        self.link_below_since: float | None = None
+
+    def observe(self, device: PcieDevice, ts: float) -> tuple[bool, bool]:
+        """Take ``device``'s entry at ``ts``: (whether its link changed, whether an AER counter rose)."""
+        last, self.last = self.last, device
+        changed = (device.link_generation, device.link_generation_max, device.link_width, device.link_width_max) != (
+            last.link_generation, last.link_generation_max, last.link_width, last.link_width_max)
+        if link_below_max(device.link_generation, device.link_generation_max, device.link_width,
+                          device.link_width_max):
+            if self.link_below_since is None:
+                self.link_below_since = ts
+                changed = True
+        elif self.link_below_since is not None:
+            self.link_below_since = None
+            changed = True
+        rose = self.counters.observe_values(ts, AER_COUNTERS, (
+            device.aer_correctable_total, device.aer_nonfatal_total, device.aer_fatal_total))
+        return changed, rose
 
 
 class RankHistory:
@@ -717,6 +821,29 @@ class NodeState:
         self.xids: dict[int | None, deque[XidRecord]] = {}
         self.ranks: dict[tuple[str, int], RankHistory] = {}
         self.host = report.host
+        # When the machine booted, on the aggregator's clock: its report time less the uptime its
+        # host facts gave, else when its first report of this kernel boot arrived.
+        self.booted_at = now
+        # Since when its Fabric Manager has been in a state other than active (None: active, or
+        # not expected here), as its host facts said.
+        self.fabric_manager_down_since: float | None = None
+        # GPUs whose NVLink fabric is not registered and healthy (a state other than completed, a
+        # registration error, an unhealthy condition) -> since when (this run of reports).
+        self.fabric_suspect_gpus: dict[int, float] = {}
+        # GPUs whose PCIe link is below its maximum now (GpuHistory.link_below holds the run).
+        self.gpu_links_below: set[int] = set()
+        # Its configuration facts (wire.NodeConfig; kept when a report leaves them out), since when
+        # they are as held, and the fleet revision of their latest change (a change marker).
+        self.config: NodeConfig | None = None
+        self.config_since = now
+        self.config_revision = 0
+        # Its PCIe devices by sysfs bus id (the latest ``pcie`` section; kept when left out), the
+        # revision of the latest change to a device's link or to which devices it has, and the
+        # newest time an AER counter of one of them rose.
+        self.pcie: dict[str, PcieHistory] = {}
+        self.pcie_revision = 0
+        self.pcie_aer_moved_ts = -math.inf
+        self.pcie_links_below: set[str] = set()  # bus ids of those whose link is below its maximum
         # The Flight Recorder progress of its ranks (wire.CollectiveState), as its latest report
         # carried it; dump_ts is on the node's clock (clock_offset_seconds places it on ours).
         self.collectives: tuple[CollectiveState, ...] = tuple(report.collectives)
@@ -752,6 +879,9 @@ class Fleet:
         # The revision of the latest change to which GPUs the fleet holds (a node joined or was
         # forgotten, a GPU history began) or to any GPU's job attribution (GpuState.job).
         self.gpu_jobs_revision = 0
+        # The revision of the latest change to any node's configuration facts, or to which nodes
+        # the fleet holds (config_drift's fleet-wide value counts).
+        self.config_revision = 0
         # Entries dropped to keep a node within its caps, by kind (ports, ranks, jobs): the oldest
         # of those its latest report no longer named (vigil_aggregator_fleet_evictions_total).
         self.evicted: dict[str, int] = dict.fromkeys(EVICTION_KINDS, 0)
@@ -816,7 +946,7 @@ class Fleet:
         gone = [n for n in self._nodes.values() if n.last_seen < now - after(n)]
         if gone:
             self.revision += 1
-            self.gpu_jobs_revision = self.revision
+            self.gpu_jobs_revision = self.config_revision = self.revision
         for node in gone:
             del self._nodes[node.name]
             for job_name, rank in node.ranks:
@@ -852,7 +982,7 @@ class Fleet:
         self.revision += 1
         revision = node.revision = self.revision
         if fresh:
-            self.gpu_jobs_revision = revision
+            self.gpu_jobs_revision = self.config_revision = revision
         self._measure_clock(node, report, now)
         if fresh:
             pass
@@ -862,7 +992,7 @@ class Fleet:
             node.boot_started = now
             if kernel_boot_id(report.boot_id) != node.kernel_boot_id:
                 node.kernel_boot_id = kernel_boot_id(report.boot_id)
-                node.kernel_boot_started = now
+                node.kernel_boot_started = node.booted_at = now
                 node.kernel_reboots += 1
             # The GPUs of the last boot are still expected: one that does not come back after
             # a reboot is missing (a new episode, counted from this boot), not forgotten.
@@ -875,6 +1005,8 @@ class Fleet:
                 port.max_rate_bits_per_second = None
                 port.active_this_boot = False
             node.ports_revision = revision
+            for device in node.pcie.values():
+                device.counters.forget_baseline()
         elif report.seq != node.seq + 1:
             node.seq_gaps += 1
         node.seq = report.seq
@@ -891,7 +1023,13 @@ class Fleet:
         node.nvml_available = report.nvml_available
         node.failed_collectors = list(report.failed_collectors)
         if report.host is not None:
-            node.host = report.host
+            self._ingest_host(node, report.host, now)
+        if report.config is not None and report.config != node.config:
+            node.config = report.config
+            node.config_since = now
+            node.config_revision = self.config_revision = revision
+        if report.pcie is not None:
+            self._ingest_pcie(node, report.pcie, now, revision, refused)
         # Whole in every report while the dumps are fresh (not a section): each report replaces it.
         node.collectives = tuple(report.collectives)
         ts = now
@@ -908,6 +1046,7 @@ class Fleet:
         gpus = node.gpus
         seen: set[int] = set()
         braking, hbm_limit, hbm_watch = WATCHED_CLOCK_EVENTS, HBM_DEFAULT_LIMIT_CELSIUS, HBM_WATCH_BELOW_LIMIT_CELSIUS
+        suspect, links_below = node.fabric_suspect_gpus, node.gpu_links_below
         for i, state in enumerate(report.gpus):
             index = state.index
             hist = gpus.get(index)
@@ -954,6 +1093,21 @@ class Fleet:
                 node.unhealthy_gpus.add(index)
             elif node.unhealthy_gpus:
                 node.unhealthy_gpus.discard(index)
+            # The fabric and PCIe link markers: a few reads per GPU (none without an NVSwitch
+            # fabric or a link reading). The slow path only for a GPU whose fabric is not registered
+            # and healthy (a state other than completed, a registration error, an unhealthy
+            # condition) or whose link is below its maximum, or while the node has any such GPU (an
+            # empty dict or set is false: one test).
+            fabric = state.fabric_state
+            if fabric is not None or suspect:
+                if (fabric is not None and fabric != "completed") or state.fabric_status is not None \
+                        or state.fabric_health:
+                    suspect.setdefault(index, ts)
+                elif suspect:
+                    suspect.pop(index, None)
+            if state.pcie_link_generation != state.pcie_link_generation_max \
+                    or state.pcie_link_width != state.pcie_link_width_max or links_below:
+                self._observe_gpu_link(node, hist, state, ts)
         node.gpus_reported = len(seen)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
@@ -1051,6 +1205,59 @@ class Fleet:
             rhist.observe(summary, node.name, ts, report.ts, offset)
         self._ingest_events(node, report, now, refused)
         return refused
+
+    @staticmethod
+    def _ingest_host(node: NodeState, host: HostFacts, now: float) -> None:
+        node.host = host
+        if host.uptime_seconds is not None:  # the earliest reading: a held (stale) uptime cannot move it later
+            node.booted_at = min(node.booted_at, now - host.uptime_seconds)
+        fm = host.fabric_manager_state
+        if fm is None or fm == "active":
+            node.fabric_manager_down_since = None
+        elif node.fabric_manager_down_since is None:
+            node.fabric_manager_down_since = now
+
+    @staticmethod
+    def _observe_gpu_link(node: NodeState, hist: GpuHistory, state: GpuState, ts: float) -> None:
+        """A GPU whose link may be below its maximum: extend its run, or end it."""
+        if link_below_max(state.pcie_link_generation, state.pcie_link_generation_max, state.pcie_link_width,
+                          state.pcie_link_width_max):
+            if hist.link_below is None:
+                hist.link_below = LoadedRun(ts)
+                node.gpu_links_below.add(hist.index)
+            hist.link_below.observe(ts, state.utilization_gpu_ratio)
+        else:
+            hist.link_below = None
+            node.gpu_links_below.discard(hist.index)
+
+    def _ingest_pcie(self, node: NodeState, section: list[PcieDevice], now: float, revision: int,
+                     refused: dict[str, int]) -> None:
+        """A node's whole ``pcie`` section: devices it no longer lists are let go."""
+        held = node.pcie
+        taken: dict[str, PcieHistory] = {}
+        limit, maxlen = self.config.max_pcie_devices_per_node, self.config.history_reports
+        for device in section:
+            bus_id = normal_bus_id(device.pci_bus_id)
+            if bus_id in taken:
+                _count(refused, "duplicate_pcie_device")
+                continue
+            if len(taken) >= limit:
+                _count(refused, "too_many_pcie_devices")
+                continue
+            hist = held.get(bus_id)
+            if hist is None or hist.last.kind != device.kind:
+                hist = PcieHistory(device, bus_id, maxlen)
+                node.pcie_revision = revision
+            changed, rose = hist.observe(device, now)
+            if changed:
+                node.pcie_revision = revision
+            if rose:
+                node.pcie_aer_moved_ts = now
+            taken[bus_id] = hist
+        if taken.keys() != held.keys():
+            node.pcie_revision = revision
+        node.pcie = taken
+        node.pcie_links_below = {bus_id for bus_id, hist in taken.items() if hist.link_below_since is not None}
 
     def _measure_clock(self, node: NodeState, report: Report, now: float) -> None:
         """The node's clock against the aggregator's, from a report newer than any before it."""
@@ -1163,7 +1370,8 @@ class Fleet:
     def view(self, removed: Mapping[str, Removal] | None = None) -> FleetView:
         return FleetView(self._nodes, self._jobs, removed, agent_resets=self.agent_resets, probes=self.probes,
                          learned_probes=self.learned_probes, isolations=self.isolations, revision=self.revision,
-                         fleet=self.identity, gpu_jobs_revision=self.gpu_jobs_revision)
+                         fleet=self.identity, gpu_jobs_revision=self.gpu_jobs_revision,
+                         config_revision=self.config_revision)
 
 
 EVICTION_KINDS = ("ports", "ranks", "jobs")
@@ -1257,15 +1465,15 @@ class FleetView:
     """What detectors see: read-only mappings over the fleet (detectors must not mutate state),
     and the nodes vigil removed (empty unless the engine was asked for them)."""
 
-    __slots__ = ("agent_resets", "fleet", "gpu_jobs_revision", "isolations", "jobs", "learned_probes", "nodes",
-                 "probes", "removed", "revision")
+    __slots__ = ("agent_resets", "config_revision", "fleet", "gpu_jobs_revision", "isolations", "jobs",
+                 "learned_probes", "nodes", "probes", "removed", "revision")
 
     def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
                  removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False,
                  probes: ProbesConfig | None = None,
                  learned_probes: Mapping[tuple[str, str], tuple[float, int]] | None = None,
                  isolations: Sequence[IsolationOutcome] = (), revision: int | None = None,
-                 fleet: object | None = None, gpu_jobs_revision: int = 0) -> None:
+                 fleet: object | None = None, gpu_jobs_revision: int = 0, config_revision: int = 0) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
         # Change markers (docs/detectors.md, "change markers"): the fleet's revision when the view was taken, and the
         # fleet's identity. A view built by hand (tests) has neither: ``revision`` None tells a
@@ -1273,6 +1481,7 @@ class FleetView:
         self.revision = revision
         self.fleet = fleet
         self.gpu_jobs_revision = gpu_jobs_revision  # Fleet.gpu_jobs_revision
+        self.config_revision = config_revision  # Fleet.config_revision
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
         self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
         # An admitted reset_gpu is carried out by the node's agent on a signed request, and its

@@ -131,6 +131,13 @@ def _xids_per_gpu(sel: str, window: str) -> str:
     return f"max by (node, gpu, uuid) (sum by (node, gpu, uuid, source) ({_xids_by_source(sel, window)}))"
 
 
+# A link trained below its maximum generation or width: a GPU's (NVML) and an HCA's (sysfs).
+GPU_LINK_BELOW = ("(vigil_gpu_pcie_link_width < vigil_gpu_pcie_link_width_max) or "
+                  "(vigil_gpu_pcie_link_generation < vigil_gpu_pcie_link_generation_max)")
+HCA_LINK_BELOW = ('(vigil_pcie_link_width{kind="hca"} < vigil_pcie_link_width_max{kind="hca"}) or '
+                  '(vigil_pcie_link_generation{kind="hca"} < vigil_pcie_link_generation_max{kind="hca"})')
+
+
 def fleet() -> dict[str, Any]:
     items: list[Panel | Row] = [
         Row("Fleet"),
@@ -214,6 +221,31 @@ def fleet() -> dict[str, Any]:
         Panel("Symbol errors per second (worst ports)",
               [Target("topk(10, node_device_port:vigil_rdma_port_symbol_errors:rate5m) > 0",
                       "{{node}} {{device}}/{{port}}")], unit="ops", width=12),
+        Row("NVLink fabric, PCIe links and configuration"),
+        Panel("Nodes with Fabric Manager not active",
+              [Target('count(vigil_fabric_manager_state{state="active"} == 0) or vector(0)', instant=True)],
+              kind="stat", width=6, height=5,
+              description="NVSwitch nodes only (the series is absent where Fabric Manager is not expected).",
+              defaults={"thresholds": {"mode": "absolute", "steps": [
+                  {"color": "green", "value": None}, {"color": "red", "value": 1}]}}),
+        Panel("Nodes by driver version", [Target("count by (driver_version) (vigil_node_config_info)",
+                                                 "{{driver_version}}")],
+              width=18, height=5, options={"stacking": {"mode": "normal"}},
+              description="More than one version is a roll-out in progress or a node left behind "
+                          "(the config_drift detector names the node, or the job's mix)."),
+        _table("GPUs not registered with the NVLink fabric", 'vigil_gpu_fabric_state{state!="completed"} == 1',
+               description="A booting node's GPUs are in_progress for a minute or two; the fabric detector waits "
+                           "out a 300 s boot grace."),
+        _table("PCIe links below their maximum under load (GPUs)",
+               f"({GPU_LINK_BELOW}) and on (node, gpu, uuid) (vigil_gpu_utilization_ratio >= 0.5)",
+               description="Idle GPUs lower their link generation to save power: only busy GPUs are listed."),
+        _table("PCIe links below their maximum (HCAs)", HCA_LINK_BELOW),
+        _table("PCIe AER errors in the range",
+               "sum by (node, pci_bus_id, kind, device, severity) (increase(vigil_pcie_aer_errors_total[$__range]))"
+               " > 0"),
+        _table("Configurations in the fleet (nodes per combination)",
+               "count by (gpu_model, driver_version, cuda_driver_version, kernel, vbios_version, hca_firmware, "
+               "ofed_version) (vigil_node_config_info)", width=24),
     ]
     return dashboard("vigil-fleet", "vigil / Fleet overview",
                      "Every node's agent, the aggregator's verdicts and decisions, and the worst GPUs and ports.",
@@ -272,6 +304,28 @@ def node() -> dict[str, Any]:
             f"rate(vigil_gpu_pcie_replay_total{{{sel}}}[$__rate_interval])", gpu_legend)], unit="ops", width=12),
         Panel("PCIe throughput", [Target(f"vigil_gpu_pcie_throughput_bytes_per_second{{{sel}}}",
                                          gpu_legend + " {{direction}}")], unit="Bps", width=12),
+        Row("NVLink fabric, PCIe links and configuration"),
+        Panel("GPU fabric state", [Target(f"vigil_gpu_fabric_state{{{sel}}} == 1", gpu_legend + " {{state}}")],
+              kind="state-timeline", width=12,
+              description="Fabric Manager's registration of each GPU (NVSwitch systems): completed is usable."),
+        Panel("Fabric Manager", [Target('vigil_fabric_manager_state{node="$node"} == 1', "{{state}}")],
+              kind="state-timeline", width=12),
+        Panel("GPU PCIe link generation", [
+            Target(f"vigil_gpu_pcie_link_generation{{{sel}}}", gpu_legend),
+            Target(f"max(vigil_gpu_pcie_link_generation_max{{{sel}}})", "max")], width=8,
+            description="Idle GPUs lower the generation to save power; under load it must be at its maximum."),
+        Panel("GPU PCIe link width", [
+            Target(f"vigil_gpu_pcie_link_width{{{sel}}}", gpu_legend),
+            Target(f"max(vigil_gpu_pcie_link_width_max{{{sel}}})", "max")], width=8),
+        Panel("GPU recovery action (NVML)",
+              [Target(f'vigil_gpu_recovery_action{{{sel}, action!="none"}} == 1', gpu_legend + " {{action}}")],
+              kind="state-timeline", width=8,
+              description="What the driver says recovers the GPU after an error (none when healthy)."),
+        _table("HCA and GPU PCIe devices (sysfs)", 'vigil_pcie_link_width{node="$node"}', width=12),
+        Panel("PCIe AER errors per second", [Target(
+            'rate(vigil_pcie_aer_errors_total{node="$node"}[$__rate_interval]) > 0',
+            "{{kind}} {{device}} {{pci_bus_id}} {{severity}}")], unit="ops", width=12),
+        _table("Configuration", 'vigil_node_config_info{node="$node"}', width=24),
         Row("RDMA ports"),
         Panel("Port state", [Target('vigil_rdma_port_state{node="$node"}', "{{device}}/{{port}} {{state}}")],
               kind="state-timeline", width=12,

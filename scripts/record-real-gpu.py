@@ -394,6 +394,7 @@ def probe(rehearse: bool) -> dict[str, Any]:
     count = s.op("init", "device_count") or 0
     for i in range(count):
         s.op("identity", "identity", i)
+        s.op("identity", "config_facts", i)
     for _ in range(2):
         for i in range(count):
             s.op("idle", "read", i)
@@ -510,6 +511,10 @@ def main() -> int:
     count = s.op("init", "device_count")
     for i in range(count):
         s.op("identity", "identity", i)
+        # Issue 44: the configuration facts (VBIOS, image, ECC, persistence, MIG, power limit,
+        # application clocks). Each read below also records the fabric, the PCIe link (idle and
+        # loaded: does the link downclock at idle on this board?) and the recovery action.
+        s.op("identity", "config_facts", i)
     for i in range(count):
         s.op("idle", "read", i)  # the first GPM sample of each GPU: no GPM values yet
     record_phase(s, "idle", count, 2)

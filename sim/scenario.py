@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vigil.agent.nvml.scenario import FAULT_KINDS
+from vigil.agent.nvml.scenario import FAULT_KINDS, NODE_WIDE_FAULT_KINDS
 from vigil.agent.validation import format_validation_error, read_yaml_file
 
 # The repository's scenarios/, installed as package data of `vigil` (vigil/scenarios links to it).
@@ -268,7 +268,7 @@ class NvmlFault(_FaultBase):
         """The fault as the node scenario declares it (times relative to the node's start)."""
         out: dict[str, Any] = {"kind": self.kind, "at_seconds": self.at_seconds if at_seconds is None
                                else at_seconds, **(self.model_extra or {})}
-        if self.kind != "nvml_unavailable":
+        if self.kind not in NODE_WIDE_FAULT_KINDS or (self.kind == "config_drift" and self.gpu is not None):
             out["gpu"] = self.gpu if self.gpu is not None else 0
         return out
 

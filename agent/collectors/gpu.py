@@ -1,5 +1,6 @@
 """GPU collector: every GPU's identity, load, clocks, temperatures, power, memory errors, PCIe and
-NVLink counters and health, read through PynvmlBackend, plus Xid events from NVML's event API.
+NVLink counters and health, NVLink fabric registration, PCIe link and the driver's recovery action,
+read through PynvmlBackend, plus Xid events from NVML's event API.
 
 It emits one series per GPU (labels ``gpu``, ``uuid``), a ``GpuState`` per GPU for the Report, and
 urgent events (gpu_lost, xid) once per occurrence. A GPU in MIG mode also gets one info series per
@@ -33,7 +34,7 @@ from vigil.agent.nvml.backend import (
     error_reason,
 )
 from vigil.agent.pod_names import BUNDLE_TEMPLATES, BundlePodNames
-from vigil.agent.wire import Event, GpuHealth, GpuState
+from vigil.agent.wire import Event, GpuHealth, GpuState, RecoveryAction
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
@@ -177,6 +178,26 @@ MIG_MEMORY_USED = MetricSpec("vigil_gpu_mig_memory_used_bytes", G,
                              "Device memory in use in the MIG device (NVML v1 `used` on its handle).", _MIG, "bytes")
 MIG_MEMORY_TOTAL = MetricSpec("vigil_gpu_mig_memory_total_bytes", G, "Device memory of the MIG device.", _MIG,
                               "bytes")
+# Issue 44: the NVLink fabric registration (NVSwitch systems), the PCIe link as trained, and the
+# driver's recovery action. The fabric and the link are read on the slow (nvlink_interval) cadence
+# and held in between; StateSets have a series per state, absent where NVML has no answer.
+FABRIC_STATES = ("not_started", "in_progress", "completed")
+RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
+FABRIC_STATE = MetricSpec("vigil_gpu_fabric_state", G,
+                          "1 for the GPU's NVLink fabric registration state with Fabric Manager, 0 for the others; "
+                          "absent without an NVSwitch fabric. Read every nvlink_interval_seconds.", (*_G, "state"))
+PCIE_LINK_GENERATION = MetricSpec("vigil_gpu_pcie_link_generation", G,
+                                  "PCIe generation the GPU's link is trained at now (may be lower at idle on boards "
+                                  "that save power so). Read every nvlink_interval_seconds.", _G)
+PCIE_LINK_GENERATION_MAX = MetricSpec("vigil_gpu_pcie_link_generation_max", G,
+                                      "Highest PCIe generation the GPU and its slot allow together.", _G)
+PCIE_LINK_WIDTH = MetricSpec("vigil_gpu_pcie_link_width", G, "PCIe lanes the GPU's link is trained at now.", _G)
+PCIE_LINK_WIDTH_MAX = MetricSpec("vigil_gpu_pcie_link_width_max", G,
+                                 "Most PCIe lanes the GPU and its slot allow together.", _G)
+RECOVERY_ACTION = MetricSpec("vigil_gpu_recovery_action", G,
+                             "1 for the recovery the driver names for this GPU now "
+                             "(NVML_FI_DEV_GET_GPU_RECOVERY_ACTION), 0 for the others; absent where the driver "
+                             "predates the field.", (*_G, "action"))
 NVML_XID = MetricSpec("vigil_gpu_nvml_xid_events_total", C,
                       "Xid critical errors delivered by NVML's event API, by Xid code.", (*_G, "code"))
 
@@ -189,7 +210,20 @@ SPECS: tuple[MetricSpec, ...] = (
     MEMORY_RESERVED, ENCODER_UTILIZATION, DECODER_UTILIZATION, NVLINK_DATA, GRAPHICS_ACTIVE, SM_ACTIVE,
     SM_OCCUPANCY, TENSOR_ACTIVE, DRAM_ACTIVE, FP16_ACTIVE, FP32_ACTIVE, FP64_ACTIVE,
     NVLINK_TX, NVLINK_RX, PROCESS_INFO, MIG_MODE, MIG_MODE_PENDING, MIG_DEVICE_INFO, MIG_MEMORY_USED,
-    MIG_MEMORY_TOTAL,
+    MIG_MEMORY_TOTAL, FABRIC_STATE, PCIE_LINK_GENERATION, PCIE_LINK_GENERATION_MAX, PCIE_LINK_WIDTH,
+    PCIE_LINK_WIDTH_MAX, RECOVERY_ACTION,
+)
+# GpuReading fields read on the slow cadence and held in between (GpuState's names), and the
+# gauges of the PCIe link among them.
+_SLOW_FIELDS: tuple[str, ...] = (
+    "fabric_state", "fabric_status", "fabric_clique_id", "fabric_cluster_uuid", "fabric_health",
+    "pcie_link_generation", "pcie_link_generation_max", "pcie_link_width", "pcie_link_width_max",
+)
+_PCIE_LINK: tuple[tuple[str, MetricSpec], ...] = (
+    ("pcie_link_generation", PCIE_LINK_GENERATION),
+    ("pcie_link_generation_max", PCIE_LINK_GENERATION_MAX),
+    ("pcie_link_width", PCIE_LINK_WIDTH),
+    ("pcie_link_width_max", PCIE_LINK_WIDTH_MAX),
 )
 
 # Reading field -> spec, for the plain per-GPU gauges and counters.
@@ -282,6 +316,11 @@ class _Gpu:
         self.health_samples: dict[str, list[Sample]] = {}
         self.clock_event_samples: dict[int, list[Sample]] = {}
         self.labeled: tuple[_Labels, ...] = tuple(self.labels + extra for _, _, extra in _LABELED)
+        # The fabric and PCIe link of the last slow read (GpuState field -> value) and their samples,
+        # held until the next; the recovery action's StateSet samples by action, built once.
+        self.slow_state: dict[str, object] = {}
+        self.slow_samples: list[Sample] = []
+        self.recovery_samples: dict[str, list[Sample]] = {}
 
     def identify(self, ident: GpuIdentity) -> None:
         self.identity = ident
@@ -289,6 +328,7 @@ class _Gpu:
         self.link_label_cache = {}
         self.health_samples = {}
         self.clock_event_samples = {}
+        self.recovery_samples = {}
         self.labeled = tuple(self.labels + extra for _, _, extra in _LABELED)
         info = Sample.of(INFO, 1, gpu=self.index, uuid=ident.uuid, name=ident.name, pci_bus_id=ident.pci_bus_id,
                          serial=ident.serial or "", vbios_version=ident.vbios_version or "",
@@ -417,6 +457,8 @@ class GpuCollector:
         if r.health != "ok":
             gpu.nvlink_samples = []
             gpu.nvlink_state = {}
+            gpu.slow_samples = []
+            gpu.slow_state = {}
             out.extend(gpu.static_samples[:1])  # keep the identity of a lost GPU visible
             return out
         out.extend(gpu.static_samples)
@@ -441,7 +483,17 @@ class GpuCollector:
             out.extend(reasons)
         if nvlinks_read:
             self._remember_nvlinks(gpu, r)
+            self._remember_slow(gpu, r)
         out.extend(gpu.nvlink_samples)
+        out.extend(gpu.slow_samples)
+        action = r.recovery_action
+        if action is not None:
+            recovery = gpu.recovery_samples.get(action)
+            if recovery is None:
+                recovery = gpu.recovery_samples[action] = [
+                    Sample(RECOVERY_ACTION.name, 1.0 if word == action else 0.0, (*labels, ("action", word)))
+                    for word in RECOVERY_ACTIONS]
+            out.extend(recovery)
         if r.mig_mode_current is not None:
             out.append(Sample(MIG_MODE.name, 1.0 if r.mig_mode_current else 0.0, labels))
         if r.mig_mode_pending is not None:
@@ -456,6 +508,24 @@ class GpuCollector:
             if mig.memory_total_bytes is not None:
                 out.append(Sample(MIG_MEMORY_TOTAL.name, float(mig.memory_total_bytes), mig_labels))
         return out
+
+    @staticmethod
+    def _remember_slow(gpu: _Gpu, r: GpuReading) -> None:
+        """The fabric and PCIe link of this slow read: their state and samples until the next."""
+        state = {name: getattr(r, name) for name in _SLOW_FIELDS}
+        if state == gpu.slow_state and gpu.slow_samples:
+            return  # as they were (a healthy GPU's never move): the same samples
+        labels = gpu.labels
+        samples: list[Sample] = []
+        if r.fabric_state is not None:
+            samples.extend(Sample(FABRIC_STATE.name, 1.0 if word == r.fabric_state else 0.0,
+                                  (*labels, ("state", word))) for word in FABRIC_STATES)
+        for attr, spec in _PCIE_LINK:
+            value = state[attr]
+            if value is not None:
+                samples.append(Sample(spec.name, float(cast(int, value)), labels))
+        gpu.slow_state = state
+        gpu.slow_samples = samples
 
     @staticmethod
     def _remember_nvlinks(gpu: _Gpu, r: GpuReading) -> None:
@@ -547,6 +617,9 @@ class GpuCollector:
             setattr(state, name, getattr(r, name))
         for key, value in gpu.nvlink_state.items():
             setattr(state, key, value)
+        for key, slow_value in gpu.slow_state.items():
+            setattr(state, key, slow_value)
+        state.recovery_action = cast(RecoveryAction | None, r.recovery_action)
         return state
 
     def _node_samples(self, available: bool) -> list[Sample]:

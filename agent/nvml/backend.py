@@ -102,8 +102,8 @@ FABRIC_STATES: tuple[tuple[str, str], ...] = (
 )
 # The health mask of nvmlGpuFabricInfo_v2_t (nvmlDeviceGetGpuFabricInfoV only): 2-bit fields, each
 # NOT_SUPPORTED 0, TRUE 1, FALSE 2, at the shifts nvml.h gives (NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_*
-# and _WIDTH_* 0x3, NVML 12.4 and later; pynvml 13.615 carries the same): our word <- the field's
-# name in those constants. A condition is reported only when its field says TRUE.
+# 0/2/4/6 and _WIDTH_* 0x3, as pynvml 13.615 carries them): our word <- the field's name in those
+# constants. A condition is reported only when its field says TRUE.
 FABRIC_HEALTH_CONDITIONS: tuple[tuple[str, str], ...] = (
     ("degraded_bandwidth", "DEGRADED_BW"),
     ("route_recovery", "ROUTE_RECOVERY"),
@@ -113,7 +113,7 @@ FABRIC_HEALTH_CONDITIONS: tuple[tuple[str, str], ...] = (
 # The driver's recovery action after an error: field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (230 in
 # nvml.h and pynvml 13.615), values nvmlDeviceGpuRecoveryAction_t -> the wire's RecoveryAction. nvml.h
 # of newer drivers adds RECOVER_IMEX_DOMAIN (5), BUS_RESET (6) and SYSTEM_REBOOT (7), which the wire
-# has no word for: such a value is counted as an error (field_value_<n>) and the field left absent.
+# has no word for: such a value is counted as an error (recovery_action_<n>) and the field left absent.
 RECOVERY_ACTIONS: tuple[tuple[str, str], ...] = (
     ("none", "NVML_GPU_RECOVERY_ACTION_NONE"),
     ("gpu_reset", "NVML_GPU_RECOVERY_ACTION_GPU_RESET"),
@@ -121,7 +121,7 @@ RECOVERY_ACTIONS: tuple[tuple[str, str], ...] = (
     ("drain_p2p", "NVML_GPU_RECOVERY_ACTION_DRAIN_P2P"),
     ("drain_and_reset", "NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET"),
 )
-RECOVERY_ACTION_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION; pynvml before 12.570 lacks the name
+RECOVERY_ACTION_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, for a pynvml too old to name it
 
 # NVML return codes by value -> their names in nvml.h ("NVML_ERROR_TIMEOUT"): a fabric registration's
 # error status is reported by name.
@@ -134,8 +134,7 @@ _CONSTANTS = (
     "NVML_PCIE_UTIL_TX_BYTES", "NVML_PCIE_UTIL_RX_BYTES", "NVML_FI_DEV_MEMORY_TEMP", "NVML_SUCCESS",
     "NVML_ERROR_NOT_SUPPORTED", "NVML_FEATURE_ENABLED", "NVML_GPM_METRICS_GET_VERSION", "nvmlMemory_v2",
     "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
-    "NVML_GPU_FABRIC_STATE_NOT_SUPPORTED", "NVML_GPU_FABRIC_STATE_COMPLETED", "NVML_FEATURE_DISABLED",
-    "nvmlGpuFabricInfo_v2",
+    "NVML_GPU_FABRIC_STATE_NOT_SUPPORTED",
 )
 
 
@@ -386,7 +385,7 @@ class PynvmlBackend:
             for word, name in FABRIC_HEALTH_CONDITIONS)
         self._recovery_actions = {int(getattr(nvml, const)): word for word, const in RECOVERY_ACTIONS}
         self._recovery_field = int(getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", RECOVERY_ACTION_FIELD))
-        # GPUs whose driver has no nvmlDeviceGetGpuFabricInfoV (before R550: FunctionNotFound) or refuses
+        # GPUs whose driver has no nvmlDeviceGetGpuFabricInfoV (FunctionNotFound: older drivers) or refuses
         # its v2 struct: asked with nvmlDeviceGetGpuFabricInfo (no health mask) from then on.
         self._fabric_v1: set[int] = set()
         self._fabric_v2_refused: tuple[type[BaseException], ...] = (
@@ -438,9 +437,11 @@ class PynvmlBackend:
             return self._failed(index, errors, name, exc)
 
     def _failed(self, index: int, errors: list[tuple[str, str]], name: str, exc: BaseException) -> None:
-        """What a failed call means (_query's rules): NotSupported is remembered (never asked
-        again), a health error raises _HealthError, any other is counted in ``errors``."""
-        if isinstance(exc, self._not_supported):
+        """What a failed call means (_query's rules): NotSupported, or FunctionNotFound (a driver
+        without the function: nvmlDeviceGetApplicationsClock is to go with CUDA 14, pynvml says), is
+        remembered (never asked again), a health error raises _HealthError, any other is counted in
+        ``errors``."""
+        if isinstance(exc, (self._not_supported, *self._gpm_function_missing)):
             self._unsupported[index].add(name)
             return None
         if isinstance(exc, self._health_errors):
@@ -836,7 +837,8 @@ class PynvmlBackend:
         if index not in self._fabric_v1:
             info = nvml.c_nvmlGpuFabricInfo_v2_t()  # its constructor sets version = nvmlGpuFabricInfo_v2
             try:
-                nvml.nvmlDeviceGetGpuFabricInfoV(h, info)
+                # By reference: pynvml hands the argument to C as given (callers pass ctypes.byref).
+                nvml.nvmlDeviceGetGpuFabricInfoV(h, ctypes.byref(info))
             except self._fabric_v2_refused:
                 self._fabric_v1.add(index)
                 info = None
@@ -849,7 +851,7 @@ class PynvmlBackend:
         if info is None:
             info = nvml.c_nvmlGpuFabricInfo_t()
             try:
-                nvml.nvmlDeviceGetGpuFabricInfo(h, info)
+                nvml.nvmlDeviceGetGpuFabricInfo(h, ctypes.byref(info))
             except self._error as exc:
                 if isinstance(exc, (self._not_supported, *self._fabric_v2_refused)):
                     unsupported.add("fabric")  # a driver with neither call, or no fabric here

@@ -234,13 +234,19 @@ class FakeGpuHandle:
         self.under_load: list[_UnderLoadFault] = []
         # Issue 44: configuration drifts on this GPU (node-wide ones included), in time order; the
         # fabric registration stalls (start, end, NVML state) and health conditions (start, end,
-        # mask); the degraded PCIe link (start, end, generation, width); the recovery verdicts
+        # conditions); the degraded PCIe link (start, end, generation, width); the recovery verdicts
         # (start, end, action).
         self.config_drifts: list[ConfigDrift] = []
         self.fabric_down: list[tuple[float, float, int]] = []
         self.fabric_degraded: list[tuple[float, float, frozenset[str]]] = []
         self.pcie_degraded: list[tuple[float, float, int | None, int | None]] = []
         self.recovery: list[tuple[float, float, str]] = []
+        # What the node's driver answers: the profile's, or newer where a fault needs it (a
+        # scenario scripting a recovery action or fabric health says the driver has them).
+        self.recovery_action_supported = profile.recovery_action_supported or any(
+            f.kind == "recovery_action" for f in scenario.faults)
+        self.functions_missing = profile.functions_missing - (
+            {"nvmlDeviceGetGpuFabricInfoV"} if any(f.kind == "fabric_degraded" for f in scenario.faults) else set())
         for fault in scenario.faults:
             if fault.kind == "config_drift":
                 if fault.gpu is None or fault.gpu == index:
@@ -326,14 +332,7 @@ class FakeGpuHandle:
 
     def configured(self, fact: str, default: Any, t: float) -> Any:
         """A configuration fact at ``t``: the latest drift that set it, else the profile's."""
-        value = default
-        for drift in self.config_drifts:
-            if drift.at_seconds > t:
-                break
-            set_to = getattr(drift, fact)
-            if set_to is not None:
-                value = set_to
-        return value
+        return _configured(self.config_drifts, fact, default, t)
 
     def power_limit_mw(self, t: float) -> int:
         if not self.config_drifts:
@@ -501,6 +500,26 @@ class FakeGpuHandle:
         return sum(s.count for s in steps if t >= s.at)
 
 
+def _by_reference(ref: Any) -> Any:
+    """The struct a ``ctypes.byref`` points to. pynvml's struct-filling calls hand their argument to
+    C as given, so a bare struct would be passed by value to the real library: refused here, loudly."""
+    if isinstance(ref, ctypes.Structure):
+        raise TypeError("pass ctypes.byref(struct): pynvml hands this argument to libnvidia-ml as given")
+    return ref._obj
+
+
+def _configured(drifts: Sequence[ConfigDrift], fact: str, default: Any, t: float) -> Any:
+    """A configuration fact at ``t`` under ``drifts`` (in time order): the latest that set it."""
+    value = default
+    for drift in drifts:
+        if drift.at_seconds > t:
+            break
+        set_to = getattr(drift, fact)
+        if set_to is not None:
+            value = set_to
+    return value
+
+
 class _FakeGpmSample:
     """What one GPM sample buffer holds: which GPU it was taken on and when (None: not yet)."""
 
@@ -537,9 +556,9 @@ class FakeNvml:
         # a test checks the backend frees every sample it allocates.
         self.gpm_samples: dict[int, _FakeGpmSample] = {}
         self._load_lock = threading.Lock()
-        # The node's own facts (driver, CUDA): the node-wide drifts, as a GPU-less handle sees them.
-        self._node = FakeGpuHandle(0, self.profile, scenario.model_copy(update={"faults": tuple(
-            f for f in scenario.faults if f.kind == "config_drift" and f.gpu is None)}), seed)
+        # The node's own facts (driver, CUDA): the node-wide drifts, in time order.
+        self._node_drifts = sorted((f for f in scenario.faults if f.kind == "config_drift" and f.gpu is None),
+                                   key=lambda d: d.at_seconds)
         for layout in scenario.mig:
             self.configure_mig(layout.gpu, layout.instances, enabled=layout.enabled,
                                pending=layout.enabled if layout.pending is None else layout.pending)
@@ -651,12 +670,12 @@ class FakeNvml:
 
     def nvmlSystemGetDriverVersion(self) -> str:
         t = self._live()
-        return str(self._node.configured("driver_version", self.profile.driver_version, t))
+        return str(_configured(self._node_drifts, "driver_version", self.profile.driver_version, t))
 
     def nvmlSystemGetCudaDriverVersion(self) -> int:
         """1000 * major + 10 * minor, as NVML: a drift's "12.4" answers 12040."""
         t = self._live()
-        drifted = self._node.configured("cuda_driver_version", None, t)
+        drifted = _configured(self._node_drifts, "cuda_driver_version", None, t)
         if drifted is None:
             return self.profile.cuda_driver_version
         major, minor = str(drifted).split(".")
@@ -741,7 +760,7 @@ class FakeNvml:
 
     def _fabric(self, handle: FakeGpuHandle, function: str, info: Any) -> None:
         t = self._device(handle, function)
-        if function in handle.profile.functions_missing:
+        if function in handle.functions_missing:
             raise pynvml.NVMLError_FunctionNotFound()
         p = handle.profile
         put = ctypes.Structure.__setattr__  # past pynvml's str/bytes wrappers, as ctypes sets them
@@ -756,19 +775,20 @@ class FakeNvml:
         if function == "nvmlDeviceGetGpuFabricInfoV":
             put(info, "healthMask", mask)
 
-    def nvmlDeviceGetGpuFabricInfoV(self, handle: FakeGpuHandle, info: Any) -> int:
-        """Fills a c_nvmlGpuFabricInfo_v2_t (version checked, as the real call does)."""
+    def nvmlDeviceGetGpuFabricInfoV(self, handle: FakeGpuHandle, info_ref: Any) -> int:
+        """Fills the c_nvmlGpuFabricInfo_v2_t ``info_ref`` points to (version checked, as the real call does)."""
+        info = _by_reference(info_ref)
         if getattr(info, "version", None) != pynvml.nvmlGpuFabricInfo_v2:
             self._device(handle, "nvmlDeviceGetGpuFabricInfoV")
-            if "nvmlDeviceGetGpuFabricInfoV" in handle.profile.functions_missing:
+            if "nvmlDeviceGetGpuFabricInfoV" in handle.functions_missing:
                 raise pynvml.NVMLError_FunctionNotFound()
             raise pynvml.NVMLError_ArgumentVersionMismatch()
         self._fabric(handle, "nvmlDeviceGetGpuFabricInfoV", info)
         return pynvml.NVML_SUCCESS
 
-    def nvmlDeviceGetGpuFabricInfo(self, handle: FakeGpuHandle, info: Any) -> int:
-        """Fills a c_nvmlGpuFabricInfo_t (no version, no health mask)."""
-        self._fabric(handle, "nvmlDeviceGetGpuFabricInfo", info)
+    def nvmlDeviceGetGpuFabricInfo(self, handle: FakeGpuHandle, info_ref: Any) -> int:
+        """Fills the c_nvmlGpuFabricInfo_t ``info_ref`` points to (no version, no health mask)."""
+        self._fabric(handle, "nvmlDeviceGetGpuFabricInfo", _by_reference(info_ref))
         return pynvml.NVML_SUCCESS
 
     def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: FakeGpuHandle) -> int:
@@ -913,7 +933,7 @@ class FakeNvml:
                     v.value.ullVal = kib if scope == _ALL_LINKS else kib // links
                     v.nvmlReturn = pynvml.NVML_SUCCESS
             elif field_id == _RECOVERY_FIELD:
-                if not handle.profile.recovery_action_supported:  # a driver that predates the field
+                if not handle.recovery_action_supported:  # a driver that predates the field
                     v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
                 else:
                     v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT

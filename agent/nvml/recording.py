@@ -120,8 +120,8 @@ class RecordingNvml:
 
     def _call(self, name: str, function: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         encoded_args = self.encode(list(args))
-        if name in _FILLS_STRUCT:
-            encoded_args = [encoded_args[0], {"$struct": type(args[1]).__name__}]
+        if name in _FILLS_STRUCT:  # args[1] is ctypes.byref(struct)
+            encoded_args = [encoded_args[0], {"$struct": type(getattr(args[1], "_obj", args[1])).__name__}]
         started = self._clock()
         entry: dict[str, Any] = {"call": name, "args": encoded_args}
         try:
@@ -148,7 +148,7 @@ class RecordingNvml:
                 {"metricId": int(request.metrics[i].metricId), "nvmlReturn": int(request.metrics[i].nvmlReturn),
                  "value": self.encode(float(request.metrics[i].value))} for i in range(request.numMetrics)]}
         elif name in _FILLS_STRUCT:
-            entry["result"] = {"$filled": self.encode(args[1])}
+            entry["result"] = {"$filled": self.encode(getattr(args[1], "_obj", args[1]))}
         else:
             entry["result"] = self.encode(result)
         self.calls.append(entry)
@@ -225,8 +225,8 @@ class ReplayNvml:
             return _EVENT_SET
         if isinstance(value, pynvml.c_nvmlGpmMetricsGet_t):
             return {"$gpm_request": [int(value.metrics[i].metricId) for i in range(value.numMetrics)]}
-        if isinstance(value, ctypes.Structure):
-            return {"$struct": type(value).__name__}
+        if isinstance(getattr(value, "_obj", value), ctypes.Structure):  # a struct, or ctypes.byref of one
+            return {"$struct": type(getattr(value, "_obj", value)).__name__}
         if isinstance(value, list | tuple):
             return [self._encode_arg(v) for v in value]
         return value
@@ -251,7 +251,7 @@ class ReplayNvml:
         if name == "nvmlEventSetCreate":
             return _ReplayEventSet()
         if name in _FILLS_STRUCT:
-            struct = args[1]
+            struct = getattr(args[1], "_obj", args[1])
             for field, value in result["$filled"].items():
                 if isinstance(value, list):  # an array field (the fabric's cluster UUID bytes)
                     getattr(struct, field)[:] = value

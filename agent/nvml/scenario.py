@@ -251,8 +251,9 @@ FabricCondition = Literal["degraded_bandwidth", "route_recovery", "route_unhealt
 
 class FabricDegraded(_Fault):
     """From ``at_seconds`` GPU ``gpu``'s fabric health mask reads these conditions TRUE (its state
-    stays completed). Needs a profile whose driver has nvmlDeviceGetGpuFabricInfoV (the v1 call has
-    no health mask)."""
+    stays completed). The health mask needs nvmlDeviceGetGpuFabricInfoV: scripting this fault says the
+    node's driver has it, so the fake answers the V call on this node even where the profile's
+    driver (535) lacks it."""
 
     kind: Literal["fabric_degraded"]
     conditions: tuple[FabricCondition, ...] = Field(default=("degraded_bandwidth",), min_length=1)
@@ -279,10 +280,12 @@ class PcieLinkDegraded(_Fault):
 class RecoveryActionFault(_Fault):
     """From ``at_seconds`` the driver names ``action`` as what recovers GPU ``gpu``
     (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION), for ``duration_seconds`` or until a GPU reset clears a
-    gpu_reset or drain_and_reset verdict; "none" otherwise. Needs a profile whose driver has the field."""
+    gpu_reset or drain_and_reset verdict; "none" otherwise. Scripting it says the node's driver has
+    the field: the fake answers it on every GPU of this node from the start, even where the profile's
+    driver (535) predates it."""
 
     kind: Literal["recovery_action"]
-    action: Literal["none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset"]
+    action: Literal["none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset"] = "gpu_reset"
     duration_seconds: float | None = Field(default=None, gt=0)
 
 
@@ -307,6 +310,11 @@ FAULT_KINDS: tuple[str, ...] = (
     "temperature_drift", "hot_hbm", "pcie_replay", "power_cap", "memory_bound", "under_load", "busy_spin",
     "config_drift", "fabric_manager_down", "fabric_degraded", "pcie_link_degraded", "recovery_action",
 )
+
+
+# Kinds that act on the whole node: they take no ``gpu`` (nvml_unavailable, fabric_manager_down) or
+# an optional one, absent meaning every GPU (config_drift).
+NODE_WIDE_FAULT_KINDS: tuple[str, ...] = ("nvml_unavailable", "fabric_manager_down", "config_drift")
 
 
 class Process(_Strict):
@@ -397,12 +405,6 @@ class NodeScenario(_Strict):
         kind = fault.kind
         if kind in ("fabric_manager_down", "fabric_degraded") and not board.nvswitch_fabric:
             raise ValueError(f"faults.{i}: {kind} needs an NVSwitch fabric, which {self.profile} has not")
-        if kind == "fabric_degraded" and "nvmlDeviceGetGpuFabricInfoV" in board.functions_missing:
-            raise ValueError(f"faults.{i}: fabric_degraded needs nvmlDeviceGetGpuFabricInfoV (the health mask), "
-                             f"which {self.profile}'s driver {board.driver_version} lacks")
-        if kind == "recovery_action" and not board.recovery_action_supported:
-            raise ValueError(f"faults.{i}: recovery_action needs a driver with NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, "
-                             f"which {self.profile}'s driver {board.driver_version} predates")
         if kind == "pcie_link_degraded":
             if fault.generation is not None and fault.generation > board.pcie_link_generation_max:
                 raise ValueError(f"faults.{i}.generation: {fault.generation} but {self.profile}'s link is at "

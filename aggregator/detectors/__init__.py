@@ -13,12 +13,15 @@ from typing import Any, Protocol
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.detectors.app_signals import AppSignalsDetector
 from vigil.aggregator.detectors.collective_culprit import CollectiveCulpritDetector
+from vigil.aggregator.detectors.config_drift import ConfigDriftDetector
 from vigil.aggregator.detectors.crash_loop import CrashLoopDetector
+from vigil.aggregator.detectors.fabric import FabricDetector
 from vigil.aggregator.detectors.gpu_peer import GpuPeerDetector
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerDetector
 from vigil.aggregator.detectors.hang import HangDetector
 from vigil.aggregator.detectors.memory import MemoryDetector
 from vigil.aggregator.detectors.network import NetworkDetector
+from vigil.aggregator.detectors.pcie_link import PcieLinkDetector
 from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkDetector
 from vigil.aggregator.detectors.probe_verdict import ProbeVerdictDetector
 from vigil.aggregator.detectors.recovery import RecoveryDetector
@@ -56,4 +59,7 @@ REGISTRY: dict[str, Callable[[Any], Detector]] = {
     "telemetry_hang": TelemetryHangDetector,
     "telemetry_straggler": TelemetryStragglerDetector,
     "collective_culprit": CollectiveCulpritDetector,
+    "fabric": FabricDetector,
+    "pcie_link": PcieLinkDetector,
+    "config_drift": ConfigDriftDetector,
 }

@@ -10,7 +10,7 @@ import pytest
 
 from tests.aggregator.aggregator_process import WebhookReceiver
 from tests.postgres import PostgresServer, skip_reason
-from vigil.agent.wire import Event, GpuState, PortState, RankSummary, Report, convert
+from vigil.agent.wire import Event, GpuState, HostFacts, NodeConfig, PcieDevice, PortState, RankSummary, Report, convert
 from vigil.aggregator.fleet import GPU_COUNTERS, NodeState
 from vigil.aggregator.store import Store
 
@@ -47,6 +47,11 @@ class FakeNode:
                              "np_ecn_marked_roce_packets": 0}}
             for p in range(ports)}
         self.ranks: list[RankSummary] = []
+        # Sections sent whole in every report while set (the agent sends them when they change;
+        # the aggregator keeps what it was last sent): wire.HostFacts, NodeConfig, [PcieDevice].
+        self.host: dict[str, Any] | None = None
+        self.config: dict[str, Any] | None = None
+        self.pcie: list[dict[str, Any]] | None = None
 
     def reboot(self) -> None:
         self.boot_id = self.boot_id.rsplit("-", 1)[0] + f"-{int(self.boot_id.rsplit('-', 1)[1]) + 1}"
@@ -68,7 +73,10 @@ class FakeNode:
             # entries are converted as the service decodes them (their sequences become tuples).
             gpus=[convert(g, GpuState) for i, g in self.gpus.items() if i not in drop_gpus],
             ports=[PortState(**copy.deepcopy(p)) for p in self.ports.values()],
-            ranks=list(self.ranks), events=list(events or []))
+            ranks=list(self.ranks), events=list(events or []),
+            host=convert(self.host, HostFacts) if self.host is not None else None,
+            config=convert(self.config, NodeConfig) if self.config is not None else None,
+            pcie=[convert(d, PcieDevice) for d in self.pcie] if self.pcie is not None else None)
 
 
 def rank_summary(job: str, rank: int, *, compute: float, comm: float, ts: float, gpu: int | None = None,

@@ -371,3 +371,117 @@ def test_links_read_as_before_reuse_their_samples_and_equal_a_fresh_build(make, 
         assert got.samples == want.samples and got.report == want.report
         reused += sum(1 for g, m in zip(inc._gpus or [], before, strict=False) if m is not None and g.link_memo is m)
     assert reused > 0
+
+
+# --- issue 44: NVLink fabric, PCIe link, the driver's recovery action --------------------------
+
+
+def _collector_of(yaml_text: str, clock, tmp_path, **config) -> tuple[FakeNvml, GpuCollector]:
+    """A collector (no Xid worker, NVLink/slow cadence 10 s unless given) over this node scenario."""
+    scenario = tmp_path / "node.yaml"
+    scenario.write_text(yaml_text)
+    fake = FakeNvml(load_node_scenario(scenario), clock, start=0.0)
+    backend = PynvmlBackend(fake)
+    backend.init()
+    config = {"xid_events": False, "nvlink_interval_seconds": 10.0, **config}
+    return fake, GpuCollector(GpuConfig(**config), backend, clock)
+
+
+def test_fabric_pcie_and_recovery_series_of_a_healthy_node(make, clock):
+    collection = make("healthy-h200").collect(0.0)
+    s = collection.samples
+    assert value(s, "vigil_gpu_fabric_state", gpu="0", state="completed") == 1
+    assert value(s, "vigil_gpu_fabric_state", gpu="0", state="not_started") == 0
+    assert len(series(s, "vigil_gpu_fabric_state")) == 8 * 3
+    assert value(s, "vigil_gpu_pcie_link_generation", gpu="7") == 5
+    assert value(s, "vigil_gpu_pcie_link_generation_max", gpu="7") == 5
+    assert value(s, "vigil_gpu_pcie_link_width", gpu="7") == 16
+    assert value(s, "vigil_gpu_pcie_link_width_max", gpu="7") == 16
+    assert value(s, "vigil_gpu_recovery_action", gpu="3", action="none") == 1
+    assert len(series(s, "vigil_gpu_recovery_action", gpu="3")) == 5
+    gpu = collection.report["gpus"][0]
+    assert (gpu.fabric_state, gpu.fabric_status, gpu.fabric_health) == ("completed", None, ())
+    assert gpu.fabric_clique_id is None and gpu.fabric_cluster_uuid is None  # single-node NVSwitch
+    assert (gpu.pcie_link_generation, gpu.pcie_link_width, gpu.recovery_action) == (5, 16, "none")
+
+
+def test_no_fabric_no_recovery_action_series_where_nvml_has_no_answer(make):
+    # A100: fabric state NOT_SUPPORTED; driver 535 predates the recovery action field.
+    collection = make("healthy-a100").collect(0.0)
+    s = collection.samples
+    assert series(s, "vigil_gpu_fabric_state") == [] and series(s, "vigil_gpu_recovery_action") == []
+    assert value(s, "vigil_gpu_pcie_link_generation_max", gpu="0") == 4
+    gpu = collection.report["gpus"][0]
+    assert gpu.fabric_state is None and gpu.recovery_action is None
+
+
+def test_fabric_manager_down_and_back(clock, tmp_path):
+    _, collector = _collector_of("faults: [{kind: fabric_manager_down, at_seconds: 30, duration_seconds: 60, "
+                                 "state: in_progress}]\n", clock, tmp_path)
+    states = {}
+    for t in (0.0, 31.0, 45.0, 95.0):  # each past the 10 s cadence: a slow read
+        clock.t = t
+        c = collector.collect(t)
+        states[t] = ({g.fabric_state for g in c.report["gpus"]},
+                     value(c.samples, "vigil_gpu_fabric_state", gpu="4", state="in_progress"))
+    assert states[0.0] == ({"completed"}, 0)
+    assert states[31.0] == ({"in_progress"}, 1)  # every GPU of the node
+    assert states[45.0] == ({"in_progress"}, 1)
+    assert states[95.0] == ({"completed"}, 0)  # Fabric Manager back: registered again
+
+
+def test_slow_reads_are_held_between_their_cadence(make, clock):
+    """The fabric and link are read every nvlink_interval_seconds; a fast cycle reports the last."""
+    collector = make("pcie-link-x8", nvlink_interval_seconds=10.0)
+    first = collector.collect(0.0)
+    clock.t = 5.0
+    fast = collector.collect(5.0)
+    assert value(fast.samples, "vigil_gpu_pcie_link_width", gpu="5") == 8
+    assert fast.report["gpus"][5].pcie_link_width == 8
+    assert fast.report["gpus"][5].pcie_link_width_max == 16
+    keep = series(first.samples, "vigil_gpu_pcie_link_width", gpu="5")
+    assert series(fast.samples, "vigil_gpu_pcie_link_width", gpu="5") == keep
+
+
+def test_idle_downclock_is_seen_as_such_and_load_brings_the_link_back(clock, tmp_path):
+    fake, collector = _collector_of("load: {utilization: 0.0, pcie_idle_link_generation: 1}\n"
+                                    "faults: [{kind: pcie_link_degraded, at_seconds: 0, gpu: 5, width: 8}]\n",
+                                    clock, tmp_path)
+    idle = collector.collect(0.0).report["gpus"]
+    assert [(g.pcie_link_generation, g.pcie_link_width) for g in idle] == [(1, 16)] * 5 + [(1, 8)] + [(1, 16)] * 2
+    fake.set_utilization(range(8), 0.9)
+    clock.t = 10.0
+    busy = collector.collect(10.0).report["gpus"]
+    # Under load the links train back to their maximum; the degraded width stays whatever the load.
+    assert [(g.pcie_link_generation, g.pcie_link_width) for g in busy] == [(5, 16)] * 5 + [(5, 8)] + [(5, 16)] * 2
+    assert {g.pcie_link_generation_max for g in busy} == {5}
+
+
+def test_recovery_action_from_its_time_and_cleared_by_a_reset(make, clock):
+    collector = make("recovery-action-h200")
+    clock.t = 59.0
+    before = collector.collect(59.0)
+    assert before.report["gpus"][4].recovery_action == "none"
+    clock.t = 61.0
+    after = collector.collect(61.0)
+    assert after.report["gpus"][4].recovery_action == "gpu_reset"
+    assert {g.recovery_action for g in after.report["gpus"] if g.index != 4} == {"none"}
+    assert value(after.samples, "vigil_gpu_recovery_action", gpu="4", action="gpu_reset") == 1
+    assert value(after.samples, "vigil_gpu_recovery_action", gpu="4", action="none") == 0
+    backend = collector._backend
+    assert backend is not None
+    backend.reset_gpu(4)
+    clock.t = 62.0
+    assert collector.collect(62.0).report["gpus"][4].recovery_action == "none"
+
+
+def test_a_lost_gpu_keeps_no_fabric_or_link_state(clock, tmp_path):
+    _, collector = _collector_of("faults: [{kind: gpu_lost, at_seconds: 5, gpu: 1}]\n", clock, tmp_path,
+                                 nvlink_interval_seconds=100.0)
+    collector.collect(0.0)
+    clock.t = 6.0
+    lost = collector.collect(6.0)
+    gpu = lost.report["gpus"][1]
+    assert gpu.health == "lost" and gpu.fabric_state is None and gpu.pcie_link_width is None
+    assert series(lost.samples, "vigil_gpu_pcie_link_width", gpu="1") == []
+    assert series(lost.samples, "vigil_gpu_fabric_state", gpu="1") == []

@@ -130,6 +130,23 @@ def test_not_supported_is_absent_and_not_asked_again(clock):
     assert calls == [pynvml.NVML_CLOCK_SM]
 
 
+def test_a_driver_without_the_function_is_not_supported_not_an_error(clock):
+    # pynvml: nvmlDeviceGetApplicationsClock is deprecated, "will be removed in CUDA 14.0"; a driver
+    # without the symbol makes pynvml raise FunctionNotFound.
+    calls = []
+
+    class Cuda14(FakeNvml):
+        def nvmlDeviceGetApplicationsClock(self, handle, clock_type):
+            calls.append(clock_type)
+            raise pynvml.NVMLError_FunctionNotFound()
+
+    _, backend = _backend(clock, {}, Cuda14)
+    for _ in range(2):
+        facts = backend.config_facts(0)
+        assert facts.application_sm_clock_hertz is None and facts.errors == ()
+    assert len(calls) == 1
+
+
 def test_a_lost_gpu_has_health_and_no_facts(clock):
     _, backend = _backend(clock, {"faults": [{"kind": "gpu_lost", "gpu": 2, "at_seconds": 10}]})
     clock.t = 11.0

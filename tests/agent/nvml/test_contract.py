@@ -133,3 +133,34 @@ def test_video_engines_are_ratios_or_absent(backend):
     for name in ("encoder_utilization_ratio", "decoder_utilization_ratio"):
         value = getattr(r, name)
         assert value is None or 0.0 <= value <= 1.0, (name, value)
+
+
+def test_config_facts_as_nvml_says(backend):
+    """Issue 44: each configuration fact in our units, or absent (NotSupported), never an error on a
+    healthy GPU. Over FakeNvml: tests/agent/nvml/test_config_facts.py."""
+    facts = backend.config_facts(0)
+    assert facts.health == "ok" and facts.errors == (), facts.errors
+    assert facts.driver_version == backend.identity(0).driver_version
+    assert facts.vbios_version == backend.identity(0).vbios_version
+    assert facts.inforom_image_version is None or re.fullmatch(r"[A-Z0-9.]+", facts.inforom_image_version)
+    for flag in (facts.ecc_mode_current, facts.persistence_mode, facts.mig_mode_current):
+        assert flag in (True, False, None)
+    if facts.power_limit_watts is not None:
+        assert 10 < facts.power_limit_watts < 2000  # W, not mW
+    for hertz in (facts.application_sm_clock_hertz, facts.application_memory_clock_hertz):
+        assert hertz is None or 1e8 < hertz < 1e10  # Hz, not MHz
+
+
+def test_fabric_pcie_link_and_recovery_action_as_nvml_says(backend):
+    """Issue 44: the fabric state is one of ours or absent (no NVSwitch), the PCIe link current at
+    most its maximum, the recovery action one of the wire's words or absent (a driver before it)."""
+    backend.identity(0)
+    r = backend.read(0)
+    assert r.health == "ok" and r.errors == [], r.errors
+    assert r.fabric_state in (None, "not_started", "in_progress", "completed")
+    assert set(r.fabric_health) <= {"degraded_bandwidth", "route_recovery", "route_unhealthy",
+                                    "access_timeout_recovery"}
+    assert r.pcie_link_generation_max in (1, 2, 3, 4, 5, 6) and r.pcie_link_width_max in (1, 2, 4, 8, 16, 32)
+    assert r.pcie_link_generation is not None and 1 <= r.pcie_link_generation <= r.pcie_link_generation_max
+    assert r.pcie_link_width is not None and 1 <= r.pcie_link_width <= r.pcie_link_width_max
+    assert r.recovery_action in (None, "none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")

@@ -71,3 +71,24 @@ def test_profiles_are_consistent():
         assert p.temperature_busy_celsius < p.gpu_max_temperature_celsius <= p.slowdown_temperature_celsius
         assert p.slowdown_temperature_celsius < p.shutdown_temperature_celsius
         assert p.sm_clock_idle_mhz < p.sm_clock_max_mhz
+
+
+def test_h100_configuration_fabric_and_link_match_the_recording():
+    """Issue 44's facts as the recorded 535.161.08 node printed them on each of its 8 GPUs: what
+    FakeNvml's config_facts, fabric and PCIe link answers come from (at idle: 0 % utilization, SM clock
+    86 MHz, yet PCIe Gen5 current = max: the link does not downclock here)."""
+    gpus = _gpus(RECORDING.read_text())
+    for g in gpus:
+        assert g["Persistence Mode"] == ["Enabled"]
+        assert g["Image Version"] == [H100_SXM_80GB.inforom_image_version]
+        # "Current" in file order: MIG mode, two N/A (virtualization), PCIe generation, link width, ECC.
+        assert g["Max"][:2] == [str(H100_SXM_80GB.pcie_link_generation_max), f"{H100_SXM_80GB.pcie_link_width_max}x"]
+        assert g["Current"] == ["Disabled", "N/A", "N/A", "5", "16x", "Enabled"] and g["Device Current"] == ["5"]
+        assert g["Gpu"] == ["0 %"] and g["SM"][0] == f"{H100_SXM_80GB.sm_clock_idle_mhz} MHz"
+        assert g["State"] == ["Completed"] and g["Status"] == ["Success"]  # Fabric, the v1 call's two fields
+        assert "CliqueId" not in g and "Health" not in g  # driver 535 prints no V-call fields
+        assert "GPU Recovery Action" not in g and g["Reset Required"] == ["No"]  # the field came later
+        # Current, then Applications, Default Applications and Max clocks: the application clocks are the maxima.
+        assert g["Graphics"][1:4] == [f"{H100_SXM_80GB.sm_clock_max_mhz} MHz"] * 3
+    assert H100_SXM_80GB.nvswitch_fabric and not H100_SXM_80GB.recovery_action_supported
+    assert "nvmlDeviceGetGpuFabricInfoV" in H100_SXM_80GB.functions_missing

@@ -131,6 +131,7 @@ def test_recording_over_the_fake_replays_too(clock) -> None:
     live = PynvmlBackend(recorder)  # type: ignore[arg-type]  # duck-typed pynvml module
     live.init()
     want = [_as_json(live.identity(i)) for i in range(live.device_count())]
+    want += [_as_json(live.config_facts(i)) for i in range(8)]
     for _ in range(3):
         clock.t += 2.0
         want += [_as_json(live.read(i)) for i in range(8)]
@@ -139,6 +140,7 @@ def test_recording_over_the_fake_replays_too(clock) -> None:
     again = PynvmlBackend(replayed)  # type: ignore[arg-type]  # duck-typed pynvml module
     again.init()
     got = [_as_json(again.identity(i)) for i in range(again.device_count())]
+    got += [_as_json(again.config_facts(i)) for i in range(8)]
     for _ in range(3):
         got += [_as_json(again.read(i)) for i in range(8)]
     again.shutdown()

@@ -1,0 +1,332 @@
+"""Configuration drift detector: a node configured unlike its job's peers, or unlike its site manifest.
+
+It reads each node's configuration facts (wire.NodeConfig: driver, CUDA, VBIOS, firmware, OFED,
+kernel, ECC/persistence/MIG modes, power limit, clocks, GPU and HCA counts and rate), the fleet's
+job membership (the nodes of each job's ranks) and the site manifest (per GPU model: the GPUs,
+HCAs and rates a node must have). Per multi-node job and fact: the few nodes off the job's
+majority value are each that node's drift (one finding per node, default alert); a large split (a
+roll-out in progress) is no node's fault: one job-level alert naming the mix, nothing removed, no
+per-node drift for that fact there. A fact the node's own devices disagree on (NodeConfig.mixed)
+and a node short of its manifest are per-node findings. It judges no GPU or link health.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Literal, NamedTuple
+
+import msgspec
+from pydantic import Field, field_validator
+
+from vigil.agent.validation import StrictModel
+from vigil.agent.wire import NodeConfig
+from vigil.aggregator.decision import WHOLE_JOB, Action, Finding, NodeAction
+from vigil.aggregator.fleet import FleetView, JobState, NodeState
+
+NAME = "config_drift"
+
+# Every fact of NodeConfig but ``mixed`` (which names facts, judged on its own).
+NODE_CONFIG_FACTS = tuple(f.name for f in msgspec.structs.fields(NodeConfig) if f.name != "mixed")
+
+
+class ManifestClass(StrictModel):
+    """What every node of one hardware class (GPU model) must have; None: not checked."""
+
+    gpu_count: int | None = Field(default=None, ge=0)
+    hca_count: int | None = Field(default=None, ge=0)
+    # The first active HCA port's rate (NodeConfig.hca_link_rate_bits_per_second): NDR is 400e9.
+    hca_link_rate_bits_per_second: float | None = Field(default=None, gt=0)
+    # Each GPU's maximum PCIe link (NVML's, the GPU and its slot together): H100/H200 SXM Gen5 x16.
+    gpu_pcie_generation: int | None = Field(default=None, ge=1, le=8)
+    gpu_pcie_width: int | None = Field(default=None, ge=1, le=32)
+    # The driver versions allowed on this class; empty: any.
+    driver_versions: list[str] = []
+
+
+class ConfigDriftConfig(StrictModel):
+    enabled: bool = True
+    # The facts compared across a job's nodes (NodeConfig's fields).
+    facts: list[str] = list(NODE_CONFIG_FACTS)
+    # A value off a job's majority for a fact is its nodes' drift when it is on one node or on at
+    # most this share of the job's nodes that report the fact; more is a roll-out in progress (the
+    # cluster guide's "no configuration drift" is about the odd node; a staged upgrade splits a job
+    # in two large parts), alerted once per job with the mix.
+    minority_max_share: float = Field(default=0.2, gt=0, lt=0.5)
+    # Fewer nodes than this in a job: no majority to judge a node against (2 nodes that differ
+    # are a mix, not one node's drift).
+    min_job_nodes: int = Field(default=3, ge=3)
+    # A value held by at least two nodes and this share of the fleet's nodes of the same GPU model
+    # that report the fact is a roll-out's, not one node's drift, wherever it sits in a job.
+    fleet_rollout_min_share: float = Field(default=0.1, gt=0, le=1)
+    # A job none of whose ranks reported for this long is over: its nodes are not compared.
+    job_idle_seconds: float = Field(default=60.0, gt=0)
+    # A difference must hold this long before it is a finding: a rolling upgrade passes through a
+    # node in minutes (reboot, new driver, report); a node left behind stays.
+    persistence_seconds: float = Field(default=600.0, ge=0)
+    # Per-node drift: alert by default. ``drain`` keeps the node out of new multi-node jobs
+    # (a Slurm drain lets the running job finish; Kubernetes cordons): the gate's breaker still
+    # bounds how many nodes go at once.
+    action: NodeAction = Action.ALERT
+    # The per-job mix (a roll-out in progress): a job-level decision, never a removal nor a restart.
+    mix_action: Literal[Action.OBSERVE, Action.ALERT] = Action.ALERT
+    # Facts the node's own GPUs or HCAs disagree on (NodeConfig.mixed).
+    mixed_action: NodeAction = Action.ALERT
+    # The site manifest, per GPU model (NodeConfig.gpu_model, e.g. "NVIDIA H100 80GB HBM3").
+    manifest: dict[str, ManifestClass] = {}
+    # A node short of its manifest (a GPU or HCA missing, a slow link, a driver not allowed):
+    # hardware or set-up the node cannot run a job right with; drained by default.
+    manifest_action: NodeAction = Action.DRAIN
+    manifest_persistence_seconds: float = Field(default=60.0, ge=0)
+
+    @field_validator("facts")
+    @classmethod
+    def _known_facts(cls, facts: list[str]) -> list[str]:
+        unknown = sorted(set(facts) - set(NODE_CONFIG_FACTS))
+        if unknown:
+            raise ValueError(f"unknown fact(s) {unknown}: the facts are {list(NODE_CONFIG_FACTS)}")
+        return facts
+
+
+class _JobVerdict(msgspec.Struct, frozen=True):
+    """One job's comparison: per drifted node, its (fact, value, peers' value) list; the facts split
+    too widely to blame a node, with their value counts."""
+
+    drift: dict[str, list[tuple[str, Any, Any]]]
+    mix: dict[str, list[tuple[Any, int]]]
+    nodes: int
+
+
+class _HeldJob(NamedTuple):
+    """A job's verdict and what it was read from: the JobState, its membership, its member nodes,
+    the newest configuration change among them, and the fleet's configuration revision then."""
+
+    job: JobState
+    members_revision: int
+    members: tuple[str, ...]
+    members_config_revision: int
+    config_revision: int
+    verdict: _JobVerdict
+
+
+def _members_config_revision(view: FleetView, members: tuple[str, ...]) -> int:
+    nodes = view.nodes
+    return max((nodes[n].config_revision for n in members if n in nodes), default=0)
+
+
+class ConfigDriftDetector:
+    name = NAME
+
+    def __init__(self, config: ConfigDriftConfig) -> None:
+        self.config = config
+        self._facts = tuple(config.facts)
+        self._fleet: object | None = None
+        # Per job: its verdict and what it was read from.
+        self._jobs: dict[str, _HeldJob] = {}
+        # The fleet's value counts per (GPU model, fact), kept up to date from each node's
+        # configuration as counted (node name -> NodeConfig: a change replaces the object), as of
+        # the fleet's config_revision ``_counted_revision``.
+        self._counts: dict[tuple[str | None, str], Counter[Any]] = {}
+        self._counted: dict[str, NodeConfig] = {}
+        self._counted_revision: int | None = None
+        # Per node: (the NodeState, its config_revision, gpu_faults_revision) -> its manifest shortfalls.
+        self._manifest: dict[str, tuple[NodeState, int, int, list[str]]] = {}
+        # When each episode was first found (the persistence clock and a stable ``since``).
+        self._first: dict[tuple[str, str], float] = {}
+
+    def evaluate(self, view: FleetView, now: float) -> list[Finding]:
+        # Caches hold for one fleet and views with change markers (docs/detectors.md, "change
+        # markers"); a view without them is judged from scratch and leaves nothing behind.
+        marked = view.revision is not None
+        if not marked or view.fleet is not self._fleet:
+            self._jobs.clear()
+            self._manifest.clear()
+            self._counts, self._counted, self._counted_revision = {}, {}, None
+            self._fleet = view.fleet if marked else None
+        candidates: dict[tuple[str, str], tuple[Finding, float]] = {}
+        drift: dict[str, list[dict[str, Any]]] = {}
+        cfg = self.config
+        for job in view.jobs.values():
+            if now - job.last_seen > cfg.job_idle_seconds:
+                continue  # ended (its ranks no longer report): its nodes are no longer each other's peers
+            verdict = self._verdict(view, job, marked)
+            for node_name, odd in verdict.drift.items():
+                drift.setdefault(node_name, []).extend(
+                    {"fact": fact, "value": value, "peers": peers, "job": job.name, "job_nodes": verdict.nodes}
+                    for fact, value, peers in odd)
+            if verdict.mix:
+                self._mix(job, verdict, candidates)
+        for node_name, facts in drift.items():
+            text = "; ".join(f"{f['fact']} {f['value']} where its job {f['job']}'s other nodes have {f['peers']}"
+                             for f in facts)
+            candidates[(node_name, "config_drift")] = (Finding(
+                detector=NAME, node=node_name, action=cfg.action, key="config_drift", since=0.0,
+                reason=f"configuration drift: {text}", evidence={"signal": "config_drift", "facts": facts}),
+                cfg.persistence_seconds)
+        for node in view.nodes.values():
+            config = node.config
+            if config is None:
+                continue
+            if config.mixed:
+                candidates[(node.name, "config_mixed")] = (Finding(
+                    detector=NAME, node=node.name, action=cfg.mixed_action, key="config_mixed", since=0.0,
+                    reason=f"the node's own devices differ in {', '.join(config.mixed)}",
+                    evidence={"signal": "config_mixed", "facts": list(config.mixed)}), cfg.persistence_seconds)
+            if cfg.manifest:
+                short = self._shortfalls(node, config, marked)
+                if short:
+                    candidates[(node.name, "manifest")] = (Finding(
+                        detector=NAME, node=node.name, action=cfg.manifest_action, key="manifest", since=0.0,
+                        reason=f"not as the site manifest for {config.gpu_model}: {'; '.join(short)}",
+                        evidence={"signal": "manifest", "gpu_model": config.gpu_model, "shortfalls": short}),
+                        cfg.manifest_persistence_seconds)
+        first = {key: self._first.get(key, now) for key in candidates}
+        self._first = first
+        out = [f.model_copy(update={"since": first[key]}) for key, (f, hold) in candidates.items()
+               if now - first[key] >= hold]
+        if len(self._jobs) > len(view.jobs):
+            self._jobs = {n: v for n, v in self._jobs.items() if n in view.jobs}
+        if len(self._manifest) > len(view.nodes):
+            self._manifest = {n: v for n, v in self._manifest.items() if n in view.nodes}
+        return out
+
+    def _mix(self, job: JobState, verdict: _JobVerdict,
+             candidates: dict[tuple[str, str], tuple[Finding, float]]) -> None:
+        """The one job-level finding naming a split too wide to blame a node (a roll-out)."""
+        parts = [f"{fact} " + ", ".join(f"{value} on {count} node{'s' if count != 1 else ''}"
+                                        for value, count in counts)
+                 for fact, counts in sorted(verdict.mix.items())]
+        candidates[("job:" + job.name, "config_mix")] = (Finding(
+            detector=NAME, node=WHOLE_JOB, job=job.name, action=self.config.mix_action, key="config_mix", since=0.0,
+            reason=f"job {job.name} runs on mixed configurations (a roll-out in progress?): {'; '.join(parts)}",
+            evidence={"signal": "config_mix", "job_nodes": verdict.nodes,
+                      "mix": {fact: [[value, count] for value, count in counts]
+                              for fact, counts in sorted(verdict.mix.items())}}), self.config.persistence_seconds)
+
+    def _verdict(self, view: FleetView, job: JobState, marked: bool) -> _JobVerdict:
+        """The job's comparison, read again only when its membership or a member's configuration
+        changed, or, for a job whose nodes differ at all, when any node's did (the fleet's value
+        counts decide between a node's drift and a roll-out)."""
+        held = self._jobs.get(job.name)
+        if marked and held is not None and held.job is job and held.members_revision == job.members_revision:
+            if held.config_revision == view.config_revision:
+                return held.verdict
+            if not held.verdict.drift and not held.verdict.mix \
+                    and _members_config_revision(view, held.members) == held.members_config_revision:
+                self._jobs[job.name] = held._replace(config_revision=view.config_revision)
+                return held.verdict
+        members = tuple(n for n in sorted(job.nodes()) if n in view.nodes)
+        configs = [(n, c) for n in members if (c := view.nodes[n].config) is not None]
+        # A job on one node (or one with a configuration) has no peers: held too, as nothing to say.
+        verdict = self._compare(view, configs, marked) if len(configs) >= 2 else _JobVerdict({}, {}, len(configs))
+        if marked:
+            self._jobs[job.name] = _HeldJob(job, job.members_revision, members,
+                                            _members_config_revision(view, members), view.config_revision, verdict)
+        return verdict
+
+    def _compare(self, view: FleetView, configs: list[tuple[str, NodeConfig]], marked: bool) -> _JobVerdict:
+        cfg = self.config
+        drift: dict[str, list[tuple[str, Any, Any]]] = {}
+        mix: dict[str, list[tuple[Any, int]]] = {}
+        for fact in self._facts:
+            values = [(name, getattr(c, fact), c.gpu_model) for name, c in configs]
+            known = [(name, v, model) for name, v, model in values if v is not None]
+            counts = Counter(v for _, v, _ in known)
+            if len(counts) <= 1:
+                continue
+            ranked = counts.most_common()
+            majority, top = ranked[0]
+            # Each value off the majority is its nodes' drift when it is on one node or a small
+            # share of the job and rare in the fleet; any other (a tie, a large group, a roll-out's
+            # value) makes the fact the job's mix, and then no node is blamed for it here.
+            blamable = top > ranked[1][1] and len(known) >= cfg.min_job_nodes
+            if blamable:
+                fleet = self._fleet_values(view, marked)
+                models = {v: model for _, v, model in known}
+                blamable = all((count == 1 or count / len(known) <= cfg.minority_max_share)
+                               and not _rollout(fleet.get((models[value], fact)), value, cfg.fleet_rollout_min_share)
+                               for value, count in ranked[1:])
+            if blamable:
+                for name, v, _ in known:
+                    if v != majority:
+                        drift.setdefault(name, []).append((fact, v, majority))
+            else:
+                mix[fact] = sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))
+        return _JobVerdict(drift, mix, len(configs))
+
+    def _fleet_values(self, view: FleetView, marked: bool) -> dict[tuple[str | None, str], Counter[Any]]:
+        """Each (GPU model, fact)'s values across the fleet: brought up to date when a configuration
+        changed, by the nodes whose configuration object is not the one counted (and those gone)."""
+        if not marked:
+            self._counts, self._counted, self._counted_revision = {}, {}, None
+        elif self._counted_revision == view.config_revision:
+            return self._counts
+        counted, nodes = self._counted, view.nodes
+        for node in nodes.values():
+            config, was = node.config, counted.get(node.name)
+            if config is not was:
+                self._count(was, -1)
+                self._count(config, 1)
+                if config is None:
+                    counted.pop(node.name, None)
+                else:
+                    counted[node.name] = config
+        for name in [n for n in counted if n not in nodes]:  # forgotten
+            self._count(counted.pop(name), -1)
+        self._counted_revision = view.config_revision
+        return self._counts
+
+    def _count(self, config: NodeConfig | None, by: int) -> None:
+        if config is None:
+            return
+        counts = self._counts
+        for fact in self._facts:
+            value = getattr(config, fact)
+            if value is not None:
+                tally = counts.setdefault((config.gpu_model, fact), Counter())
+                tally[value] += by
+                if not tally[value]:
+                    del tally[value]
+
+    def _shortfalls(self, node: NodeState, config: NodeConfig, marked: bool) -> list[str]:
+        """How the node falls short of its class's manifest (none where its model has no entry)."""
+        expected = self.config.manifest.get(config.gpu_model or "")
+        if expected is None:
+            return []
+        held = self._manifest.get(node.name)
+        if marked and held is not None and held[0] is node and held[1] == node.config_revision \
+                and held[2] == node.gpu_faults_revision:
+            return held[3]
+        short: list[str] = []
+        for fact, want in (("gpu_count", expected.gpu_count), ("hca_count", expected.hca_count),
+                           ("hca_link_rate_bits_per_second", expected.hca_link_rate_bits_per_second)):
+            have = getattr(config, fact)
+            if want is not None and have is not None and have != want:
+                short.append(f"{fact} {have:g} (expected {want:g})")
+        if expected.driver_versions and config.driver_version is not None \
+                and config.driver_version not in expected.driver_versions:
+            short.append(f"driver {config.driver_version} (allowed: {', '.join(expected.driver_versions)})")
+        short.extend(_gpu_links(node.gpus.values(), expected))
+        if marked:
+            self._manifest[node.name] = (node, node.config_revision, node.gpu_faults_revision, short)
+        return short
+
+
+def _gpu_links(gpus: Iterable[Any], expected: ManifestClass) -> list[str]:
+    out = []
+    for gpu in sorted(gpus, key=lambda g: g.index):
+        s = gpu.last
+        gen, width = s.pcie_link_generation_max, s.pcie_link_width_max
+        if (expected.gpu_pcie_generation is not None and gen is not None and gen < expected.gpu_pcie_generation) \
+                or (expected.gpu_pcie_width is not None and width is not None and width < expected.gpu_pcie_width):
+            out.append(f"GPU {gpu.index} PCIe max Gen{gen} x{width} (expected Gen{expected.gpu_pcie_generation} "
+                       f"x{expected.gpu_pcie_width})")
+    return out
+
+
+def _rollout(counts: Counter[Any] | None, value: Any, min_share: float) -> bool:
+    """Whether ``value`` is held by enough of the fleet to be a roll-out's, not one node's drift."""
+    if counts is None:
+        return False
+    held = counts.get(value, 0)
+    return held >= 2 and held / sum(counts.values()) >= min_share
