@@ -1212,7 +1212,8 @@ class Fleet:
         if host.uptime_seconds is not None:  # the earliest reading: a held (stale) uptime cannot move it later
             node.booted_at = min(node.booted_at, now - host.uptime_seconds)
         fm = host.fabric_manager_state
-        if fm is None or fm == "active":
+        # "unknown": the agent could not ask systemd (no D-Bus in its container, a timeout): not down.
+        if fm is None or fm in ("active", "unknown"):
             node.fabric_manager_down_since = None
         elif node.fabric_manager_down_since is None:
             node.fabric_manager_down_since = now
