@@ -351,9 +351,8 @@ class Simulation:
         quiet_log = self.workdir / "kern-quiet.log"
         quiet_log.touch()
         # Collectors run once per report (a real agent collects more often than it reports; the
-        # report carries only the latest result, so the aggregator sees the same thing), except those
-        # slower than a report in a real agent too: PCIe links and AER, the node's configuration.
-        intervals = {name: getattr(base.collectors, name).interval_seconds for name in ("pcie", "node_config")}
+        # report carries only the latest result, so the aggregator sees the same thing).
+        intervals: dict[str, float] = {}
         profiles = {n: g.profile for g in sc.fleet.profiles for n in sc.resolve_nodes(g.nodes)}
         # Nodes of uninstrumented jobs: their own process table and HCA tree (the job's processes
         # and RDMA traffic), their GPU and RDMA collectors every report.
