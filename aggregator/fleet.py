@@ -495,6 +495,7 @@ class GpuSample(msgspec.Struct, frozen=True, gc=False):
     remap_failure: bool | None
     retired_pages_pending: bool | None
     nvlink_links_down: tuple[int, ...]
+    recovery_action: str | None
 
 
 class PortSample(msgspec.Struct, frozen=True, gc=False):
@@ -575,7 +576,7 @@ class GpuHistory:
         self.samples.append(GpuSample(ts, s.health, s.utilization_gpu_ratio, s.sm_clock_hertz, s.sm_clock_max_hertz,
                                       s.clock_event_reasons, s.memory_temperature_celsius,
                                       s.memory_max_temperature_celsius, s.remap_pending, s.remap_failure,
-                                      s.retired_pages_pending, s.nvlink_links_down))
+                                      s.retired_pages_pending, s.nvlink_links_down, s.recovery_action))
         return self.counters.observe_values(ts, GPU_COUNTERS, (
             s.ecc_corrected_volatile, s.ecc_uncorrected_volatile, s.pcie_replay_total, s.nvlink_crc_errors_total,
             s.nvlink_replay_errors_total, s.nvlink_recovery_errors_total))
@@ -1211,7 +1212,8 @@ class Fleet:
         if host.uptime_seconds is not None:  # the earliest reading: a held (stale) uptime cannot move it later
             node.booted_at = min(node.booted_at, now - host.uptime_seconds)
         fm = host.fabric_manager_state
-        if fm is None or fm == "active":
+        # "unknown": the agent could not ask systemd (no D-Bus in its container, a timeout): not down.
+        if fm is None or fm in ("active", "unknown"):
             node.fabric_manager_down_since = None
         elif node.fabric_manager_down_since is None:
             node.fabric_manager_down_since = now

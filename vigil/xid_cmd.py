@@ -4,7 +4,9 @@
 syslog, raw /dev/kmsg, each also as collected from many hosts by pdsh/clush with a "<host>: "
 prefix) and prints each fault (Xid, SXid, fallen off the bus, mlx5 error; companion and detail
 lines folded into their fault) with the catalogs' action for it; ``explain`` prints one Xid
-catalog entry. Neither follows a live log.
+catalog entry. Neither follows a live log. An Xid 74 or NVLink5 (144-150) line also prints its
+decode (``xid_catalog.decode_nvlink``, the one the xid detector uses): link, fatal or not, unit,
+NVIDIA's resolution and investigatory action.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections import Counter
 from typing import Any
 
 from vigil.agent.kernel_log import KernelEvent, KernelLogParser
-from vigil.aggregator.xid_catalog import SxidCatalog, XidCatalog, event_action
+from vigil.aggregator.xid_catalog import NvlinkDecode, SxidCatalog, XidCatalog, decode_nvlink, event_action
 
 
 def add_parser(sub: Any) -> None:
@@ -81,25 +83,28 @@ def _print_events(data: bytes, catalogs: tuple[XidCatalog, SxidCatalog], parser:
         events += 1
         ev = parsed.event
         action = event_action(catalogs[0], ev.kind, ev.code, ev.text, ev.severity, catalogs[1])
+        decoded = decode_nvlink(catalogs[0], ev.code, ev.text) if ev.kind == "xid" and ev.code is not None else None
         if as_json:
-            out.write(json.dumps(_record(ev, action.value)) + "\n")
+            out.write(json.dumps(_record(ev, action.value, decoded)) + "\n")
         else:
-            out.write(_text(ev, action.value) + "\n")
+            out.write(_text(ev, action.value, decoded) + "\n")
     out.flush()
     return events
 
 
-def _record(ev: KernelEvent, action: str) -> dict[str, Any]:
+def _record(ev: KernelEvent, action: str, decoded: NvlinkDecode | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {"ts": ev.ts_text or None, "kind": ev.kind, "pci_bus_id": ev.pci_bus_id,
                               "code": ev.code, "action": action, "text": ev.text}
     for key in ("host", "device", "severity", "error", "pid", "process"):
         value = getattr(ev, key)
         if value is not None:
             record[key] = value
+    if decoded is not None:
+        record["nvlink"] = decoded.evidence()
     return record
 
 
-def _text(ev: KernelEvent, action: str) -> str:
+def _text(ev: KernelEvent, action: str, decoded: NvlinkDecode | None = None) -> str:
     what = {"xid": f"Xid {ev.code}", "sxid": f"SXid {ev.code}", "gpu_lost": "fallen off the bus",
             "mlx5_error": f"mlx5 {ev.error}"}[ev.kind]
     where = ev.pci_bus_id or "-"
@@ -109,6 +114,8 @@ def _text(ev: KernelEvent, action: str) -> str:
         where = ev.device
     text = f"{ev.severity}, {ev.text}" if ev.severity else ev.text
     line = f"{ev.ts_text or '-'}\t{where}\t{what}\t{action}\t{text}"
+    if decoded is not None:
+        line = f"{line}\t[{decoded.summary()}]"
     return f"{ev.host}\t{line}" if ev.host else line
 
 

@@ -3,7 +3,8 @@
 Reads the driver, CUDA version and each GPU's configuration through the NVML backend
 (``config_facts``), the kernel release from ``<proc>/sys/kernel/osrelease``, each HCA's board id,
 firmware and first active port's rate from ``<sysfs>/class/infiniband``, the MLNX_OFED release from
-``<sysfs>/module/mlx5_core/version`` and the rdma-core release from libibverbs' file name. Emits
+``<sysfs>/module/mlx5_core/version`` and the rdma-core release from libibverbs' file name. The HCA
+facts are those of the node's main HCA model (its most common board id), not of a front-end NIC. Emits
 ``vigil_node_config_info`` (one series, the facts as labels) and the report's ``config`` section
 (``NodeConfig``) every cycle; the reporter leaves it out while unchanged. It compares the node with
 nobody: the aggregator judges drift against the job's peers and the site manifest.
@@ -164,9 +165,19 @@ class NodeConfigCollector:
             self._count("hca", "unreadable")
             return
         facts["hca_count"] = len(hcas)
-        per_hca: dict[str, list[Any]] = {"hca_board_id": [], "hca_firmware": [], "hca_link_rate_bits_per_second": []}
+        boards: dict[str, str | None] = {hca: self._text("hca", ib / hca / "board_id") for hca in hcas}
+        # The node's main HCA model is its most common board id (ties: the first HCA's): GPU nodes
+        # carry a front-end or storage NIC of another model beside the compute HCAs (the recorded
+        # H100 node: two ConnectX-7 NDR HCAs and a 200G RoCE bond of another board and firmware).
+        # The per-HCA facts are those HCAs' own, and only their disagreement is `mixed`; every node
+        # of the SKU has the same extra NIC, and hca_count still counts it.
+        known = [b for b in boards.values() if b is not None]
+        main = max(known, key=known.count) if known else None
+        per_hca: dict[str, list[Any]] = {"hca_board_id": [main], "hca_firmware": [],
+                                         "hca_link_rate_bits_per_second": []}
         for hca in hcas:
-            per_hca["hca_board_id"].append(self._text("hca", ib / hca / "board_id"))
+            if boards[hca] not in (main, None):  # another model; one whose board id is unreadable stays
+                continue
             per_hca["hca_firmware"].append(self._text("hca", ib / hca / "fw_ver"))
             try:
                 ports = sorted(os.listdir(ib / hca / "ports"), key=lambda p: (len(p), p))

@@ -16,6 +16,13 @@ hour (``window_seconds``); persistence: 3 separate bursts; designed false-drain 
 application fault never drains (0 by construction: every GPU of it shares the burst); a GPU
 repeating a user's bug alone three times in an hour while no peer does is the GPU's
 (NVIDIA: "if the error persists" on the same GPU, run diagnostics).
+
+NVLink Xids (74, 144-150) act as their registers decode (``xid_catalog.decode_nvlink``: NVIDIA's
+"Xid 144-150 Decode" sheet and WORKFLOW_NVLINK_ERR guide), the evidence naming the link, unit and
+fatality: a non-fatal NVLink5 event whose resolution is IGNORE only observes. NVML's recovery
+action (GpuState.recovery_action, the driver's own verdict) acts on one report: gpu_reset ->
+reset_gpu, node_reboot -> reboot_node, drain_p2p -> drain, drain_and_reset -> reset_gpu; "none"
+never acts.
 """
 
 from __future__ import annotations
@@ -27,8 +34,15 @@ from pydantic import Field
 
 from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding, JobAction
-from vigil.aggregator.fleet import FleetView, NodeState
-from vigil.aggregator.xid_catalog import APP_BURST_SECONDS, XidCatalog, XidOccurrence, burst_spans, judge_xids
+from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState
+from vigil.aggregator.xid_catalog import (
+    APP_BURST_SECONDS,
+    NVML_RECOVERY_ACTIONS,
+    XidCatalog,
+    XidOccurrence,
+    burst_spans,
+    judge_xids,
+)
 
 NAME = "xid"
 Gpu = tuple[str, int | None]  # (node, GPU index; None: the node's Xids not tied to a GPU)
@@ -57,6 +71,10 @@ class XidConfig(StrictModel):
     # crash takes minutes (requeue, model load), so the next crash is a burst of its own.
     app_peer_burst_seconds: float = Field(default=60.0, ge=0)
     job_action: JobAction = Action.ALERT
+    # Act on NVML's recovery action (GpuState.recovery_action, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION):
+    # the driver's own verdict, acted on from one report (gpu_reset -> reset_gpu, node_reboot ->
+    # reboot_node, drain_p2p -> drain, drain_and_reset -> reset_gpu; none never acts).
+    recovery_action: bool = True
 
 
 class XidDetector:
@@ -69,6 +87,8 @@ class XidDetector:
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out = self._judge(view, now)
+        if self.config.recovery_action:
+            out.extend(self._recovery_actions(view))
         repeats = [f for f in out if f.key.endswith(":repeat")]
         if not repeats:
             return out
@@ -183,6 +203,26 @@ class XidDetector:
             peers_of[scope] = ({(node.name, g) for g in node.gpus}, set())
         return (scope, *peers_of[scope])
 
+    @staticmethod
+    def _recovery_actions(view: FleetView) -> list[Finding]:
+        """The driver's recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) of each GPU in its
+        node's latest report: one report is enough, it is the driver's verdict on the GPU's state
+        (held until the action is done), not a sample of a noisy signal; "none" is no finding."""
+        out: list[Finding] = []
+        for node in view.nodes.values():
+            for gpu in node.gpus.values():
+                wanted = gpu.last.recovery_action
+                if wanted is None or wanted == "none" or gpu.last_seen < node.last_seen:
+                    continue
+                action = NVML_RECOVERY_ACTIONS[wanted]
+                out.append(Finding(
+                    detector=NAME, node=node.name, gpu=gpu.index, action=action, since=_recovery_since(gpu, wanted),
+                    key=f"recovery:{wanted}",
+                    reason=f"GPU {gpu.index}: the driver's recovery action is {wanted} "
+                           f"(NVML_FI_DEV_GET_GPU_RECOVERY_ACTION): {action.value}",
+                    evidence={"signal": "recovery_action", "recovery_action": wanted, "uuid": gpu.uuid}))
+        return out
+
     def _judge(self, view: FleetView, now: float) -> list[Finding]:
         cfg = self.config
         out: list[Finding] = []
@@ -202,9 +242,22 @@ class XidDetector:
                     now=now, window_seconds=cfg.window_seconds, app_repeat_threshold=cfg.app_repeat_threshold)
                 uuid = node.gpus[gpu].uuid if gpu is not None and gpu in node.gpus else None
                 for v in verdicts:
+                    evidence: dict[str, object] = {"signal": "xid", "codes": list(v.codes), "uuid": uuid,
+                                "sources": sorted({s for r in records if r.code in v.codes for s in r.sources})}
+                    if v.nvlink is not None:
+                        evidence["nvlink"] = v.nvlink.evidence()
                     out.append(Finding(
                         detector=NAME, node=node.name, gpu=gpu, action=v.action, since=v.since, key=v.key,
                         reason=v.reason, latest=max(o.ts for o in occurrences if o.code in v.codes),
-                        evidence={"signal": "xid", "codes": list(v.codes), "uuid": uuid,
-                                  "sources": sorted({s for r in records if r.code in v.codes for s in r.sources})}))
+                        evidence=evidence))
         return out
+
+
+def _recovery_since(gpu: GpuHistory, wanted: str) -> float:
+    """When the GPU's reports began to carry this recovery action (its recent history's run)."""
+    since = gpu.last_seen
+    for sample in reversed(gpu.samples):
+        if sample.recovery_action != wanted:
+            break
+        since = sample.ts
+    return since

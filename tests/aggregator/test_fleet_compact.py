@@ -229,6 +229,7 @@ def test_a_gpu_sample_and_counters_read_every_field_from_the_state() -> None:
     counters: dict[str, Any] = {name: 10 * (k + 1) for k, name in enumerate(GPU_COUNTERS)}
     state = GpuState(index=0, uuid="GPU-0", health="reset_required", clock_event_reasons=("hw_slowdown",),
                      remap_pending=True, remap_failure=False, retired_pages_pending=None, nvlink_links_down=(2, 5),
+                     recovery_action="drain_p2p",
                      **floats, **counters)
     history = GpuHistory(state, 0.0, 8, 8)
     history.observe(state, 1.0)

@@ -169,3 +169,41 @@ def test_scan_more_real_dmesg_T_logs(capsys: pytest.CaptureFixture[str]) -> None
     assert [(r["kind"], r["pci_bus_id"], r["code"]) for r in records] == [
         ("xid", "0000:00:05", 43), ("xid", "0000:00:05", 43), ("xid", "0000:00:07", 31), ("xid", "0000:00:08", 94)]
     assert records[2]["ts"] == "Mon Aug  5 03:54:13 2024"
+
+
+# The decode of the recorded real Xid 74 / NVLink5 lines (register patterns hand-decoded in
+# tests/aggregator/test_xid_catalog_nvlink.py; provenance in tests/fixtures/kernel-log/PROVENANCE.md).
+NVLINK_LINES = {
+    "nvsentinel-kernel-log-samples.txt": [
+        (149, 9, True, "NETIR_LINK_EVT/NETIR_LINK_DOWN", "RESET_GPU", "reset_gpu"),
+        (74, 14, True, None, "WORKFLOW_NVLINK_ERR", "reset_gpu"),
+        (145, 10, True, "RLW_REMAP", "RESET_GPU", "reset_gpu")],
+    "gpud-pr1160-pr1174-nvlink5.log": [
+        (144, 0, False, "SAW_MVB", "IGNORE", "observe"),
+        (149, 0, True, "NETIR_LINK_EVT/NETIR_LINK_DOWN", "IGNORE", "observe"),
+        (149, 0, True, "NETIR_LINK_EVT/NETIR_LINK_DOWN", "RESET_GPU", "reset_gpu"),
+        (149, None, True, "NETIR/NETIR_INT", "RESET_GPU", "reset_gpu"),
+        (145, 13, False, "RLW_RXPIPE", "IGNORE", "observe")],
+    "gpud-xid-test-gb200-netir-154.log": [
+        (149, link, True, "NETIR_LINK_EVT/NETIR_LINK_DOWN", "RESET_GPU", "reset_gpu") for link in (1, 1, 0, 15, 14)],
+    "nvsentinel-doc022-xid74.log": [(74, 14, True, None, "WORKFLOW_NVLINK_ERR", "reset_gpu")],
+    "hyperpod-doc-xid74-injected.log": [(74, 6, True, None, "WORKFLOW_NVLINK_ERR", "reset_gpu")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(NVLINK_LINES))
+def test_scan_decodes_the_recorded_nvlink_lines(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    records = scan_json(FIXTURES / name, capsys)
+    decoded = [(r["code"], r["nvlink"]["link"], r["nvlink"]["fatal"], r["nvlink"]["unit"],  # type: ignore[index]
+                r["nvlink"]["resolution"], r["action"]) for r in records if "nvlink" in r]  # type: ignore[index]
+    assert decoded == NVLINK_LINES[name]
+    # Every other Xid line carries no decode.
+    assert all("nvlink" not in r for r in records if r["code"] not in (74, *range(144, 151)))
+
+
+def test_scan_text_appends_the_decode(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["xid", "scan", str(FIXTURES / "gpud-pr1160-pr1174-nvlink5.log")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split("\t")[-1] == ("[link 0, non-fatal, unit SAW_MVB, resolution IGNORE, "
+                                      "investigate: CONTACT_SUPPORT]")
+    assert out[0].split("\t")[3] == "observe"

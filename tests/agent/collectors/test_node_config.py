@@ -78,16 +78,20 @@ def test_one_hca_with_other_firmware_is_named_mixed(node: dict[str, Path]) -> No
     assert dict(next(s for s in samples if s.name == "vigil_node_config_info").labels)["mixed"] == "hca_firmware"
 
 
-def test_real_h100_node_with_a_front_end_nic_reports_its_mix(tmp_path: Path) -> None:
-    # The recorded gpud H100 node: two ConnectX-7 NDR ports and a 200G RoCE bond with another board
-    # and firmware. Every node of that SKU has the same mix, so peers compare equal; `mixed` says so.
+def test_real_h100_node_with_a_front_end_nic_is_not_mixed(tmp_path: Path) -> None:
+    # The recorded gpud H100 node: two ConnectX-7 NDR ports and a 200G RoCE bond of another board
+    # and firmware. That NIC is a second model by design, not drift: the facts are the main model's.
     sysfs = tmp_path / "sys"
     shutil.copytree(FIXTURES / "h100", sysfs)
-    config, _ = _collect(_collector({"sys": sysfs, "proc": fabric.build_proc(tmp_path / "proc", KERNEL),
-                                     "lib": tmp_path}))
-    assert (config.hca_count, config.hca_firmware, config.hca_link_rate_bits_per_second) == (3, "28.41.1000", 400e9)
-    assert config.mixed == ("hca_board_id", "hca_firmware", "hca_link_rate_bits_per_second")
+    paths = {"sys": sysfs, "proc": fabric.build_proc(tmp_path / "proc", KERNEL), "lib": tmp_path}
+    config, _ = _collect(_collector(paths))
+    assert (config.hca_count, config.hca_board_id, config.hca_firmware, config.hca_link_rate_bits_per_second) == \
+        (3, "MT_0000000838", "28.41.1000", 400e9)
+    assert config.mixed == ()
     assert config.rdma_core_version is None  # no libibverbs in that directory
+    # One of the two compute HCAs on other firmware is mixed; the front-end NIC still is not.
+    (sysfs / "class/infiniband/mlx5_1/fw_ver").write_text("28.39.1002")
+    assert _collect(_collector(paths))[0].mixed == ("hca_firmware",)
 
 
 def test_inbox_driver_is_no_ofed(node: dict[str, Path]) -> None:
@@ -210,3 +214,19 @@ def test_a_lost_gpu_leaves_its_facts_unknown_not_mixed(node: dict[str, Path]) ->
     assert config.gpu_count == 8 and config.mixed == ()
     assert config.driver_version is not None
     assert any(source == "nvml" for source, _ in _errors(samples))
+
+
+def test_config_and_pcie_ride_the_report(node: dict[str, Path]) -> None:
+    from vigil.agent.collectors.pcie import PcieCollector, PcieConfig
+    from vigil.agent.reporter import build_report
+    from vigil.agent.runner import collect_once
+    from vigil.agent.snapshot import Snapshot
+    from vigil.agent.wire import decode_report, encode
+
+    snapshot = Snapshot()
+    for collector in (_collector(node), PcieCollector(PcieConfig(), node["sys"])):
+        snapshot.put(collector.name, collect_once(collector, START))
+    report = build_report(snapshot, [], node="n1", boot_id="b", seq=1, ts=START, interval_seconds=2.5, topology={})
+    back = decode_report(encode(report))
+    assert back.config is not None and back.config.kernel == KERNEL
+    assert back.pcie is not None and [d.kind for d in back.pcie] == ["hca", "gpu", "gpu", "hca"]

@@ -116,6 +116,13 @@ def test_fabric_manager_down_while_gpus_keep_registration_alerts_after_its_wait(
     assert (f.action, f.key) == (Action.ALERT, "fabric_degraded") and "Fabric Manager inactive" in f.reason
 
 
+def test_fabric_manager_state_unknown_is_not_down():
+    # The agent could not read the unit's state (agent/collectors/host.py: counted, reported "unknown").
+    def unreadable(n, t):
+        n.host = {**n.host, "fabric_manager_state": "unknown"}
+    assert judge(nvswitch_node(), unreadable, end=900.0) == []
+
+
 def test_decision_is_stable_across_passes():
     node = nvswitch_node()
     node.host = {"uptime_seconds": 20.0, "fabric_manager_state": "failed"}
