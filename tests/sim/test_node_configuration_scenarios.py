@@ -147,3 +147,19 @@ def test_a_mixed_fleet_runs_one_driver_and_each_model_keeps_its_class_facts() ->
     assert h200.gpu_model != h100.gpu_model and h200.vbios_version != h100.vbios_version
     assert h100.kernel == h200.kernel == SIM_KERNEL
     assert {view.nodes[n].host.fabric_manager_state for n in ("node-0000", "node-0001")} == {"active"}
+
+
+@pytest.mark.parametrize(("clears", "state"), [(False, "failed"), (True, "active")])
+def test_a_reboot_restarts_fabric_manager_only_where_it_clears_the_fault(clears: bool, state: str) -> None:
+    data = {"duration_seconds": 300, "report_interval_seconds": 10, "fleet": {"nodes": 2},
+            "faults": [{"kind": "fabric_manager_down", "node": "node-0001", "at_seconds": 20},
+                       {"kind": "reboot", "node": "node-0001", "at_seconds": 100, "down_seconds": 60,
+                        "clears": clears}],
+            "description": "no drain judged here: the test reads the node's Fabric Manager after its reboot"}
+    sim = Simulation(parse_scenario(data))
+    sim.run()
+    view = sim.engine.view()
+    assert view.nodes["node-0001"].host.fabric_manager_state == state
+    assert {g.last.fabric_state for g in view.nodes["node-0001"].gpus.values()} == \
+        ({"not_started"} if not clears else {"completed"})
+    assert view.nodes["node-0000"].host.fabric_manager_state == "active"
