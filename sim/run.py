@@ -58,6 +58,7 @@ from vigil.sim.scenario import (
     Hang,
     KernelXid,
     NvmlFault,
+    PcieDevice,
     PortDown,
     PortErrors,
     PortFlap,
@@ -400,7 +401,7 @@ class Simulation:
             profile = profiles.get(name, sc.fleet.profile)
             nvml_faults = [f.node_fault() for f in faults if isinstance(f, NvmlFault)]
             self._nvml_setup[name] = (i, profile, nvml_faults)
-            ports_faulty = any(isinstance(f, PortDown | PortFlap | PortErrors | RoceCongestion | Reboot)
+            ports_faulty = any(isinstance(f, PortDown | PortFlap | PortErrors | RoceCongestion | Reboot | PcieDevice)
                                or (isinstance(f, NvmlFault) and f.kind in _FABRIC_MANAGER_FAULTS) for f in faults)
             own_tree = ports_faulty or name in quiet_jobs
             if own_tree:
@@ -786,6 +787,19 @@ class Simulation:
                     break
                 self._at(down, lambda: fab.set_link(fault.hca, False, polling=True))
                 self._at(down + down_for, lambda: fab.set_link(fault.hca, True))
+        elif isinstance(fault, PcieDevice):
+            assert node.fabric is not None
+            fab, pcie = node.fabric, fault
+            if pcie.width is not None or pcie.generation is not None:
+                self._at(t0, lambda: fab.set_pcie_link(pcie.device, pcie.index, width=pcie.width,
+                                                       generation=pcie.generation))
+            if pcie.aer_severity is not None:
+                severity = pcie.aer_severity
+                every = pcie.aer_every_seconds or math.inf
+                t = t0
+                while t <= self.scenario.duration_seconds:
+                    self._at(t, lambda: fab.add_aer(pcie.device, pcie.index, severity, pcie.aer_count))
+                    t += every
         elif isinstance(fault, PortErrors):
             end = fault.until_seconds if fault.until_seconds is not None else math.inf
             self._port_rates.setdefault(node.name, []).append((t0, end, fault.hca, fault.counter, fault.per_second))

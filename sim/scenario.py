@@ -311,6 +311,30 @@ class PortDown(_FaultBase):
     duration_seconds: float | None = Field(default=None, gt=0)
 
 
+class PcieDevice(_FaultBase):
+    """A PCIe function as sysfs shows it (sim/fabric.py): an HCA's link trained down to ``width``
+    and/or ``generation`` (a GPU's link is NVML's: FakeNvml's ``pcie_link_degraded``), and/or
+    ``aer_count`` AER errors of ``aer_severity`` on an HCA or a GPU, once or every
+    ``aer_every_seconds``."""
+
+    kind: Literal["pcie_device"]
+    device: Literal["hca", "gpu"] = "hca"
+    index: int = Field(default=0, ge=0)
+    width: int | None = Field(default=None, ge=1, le=32)
+    generation: int | None = Field(default=None, ge=1, le=6)
+    aer_severity: Literal["correctable", "nonfatal", "fatal"] | None = None
+    aer_count: int = Field(default=1, ge=1, le=1_000_000)
+    aer_every_seconds: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _something_and_links_of_hcas(self) -> PcieDevice:
+        if self.width is None and self.generation is None and self.aer_severity is None:
+            raise ValueError("a pcie_device fault sets width, generation or aer_severity")
+        if self.device == "gpu" and (self.width is not None or self.generation is not None):
+            raise ValueError("a GPU's link comes from NVML: use the NVML fault pcie_link_degraded")
+        return self
+
+
 class PortFlap(_FaultBase):
     """The link goes down and comes back ``count`` times, ``period_seconds`` apart."""
 
@@ -526,7 +550,7 @@ PROBE_FAULTS = (UnderLoad, ProbeSlow)
 
 
 Fault = Annotated[
-    NvmlFault | KernelXid | PortDown | PortFlap | PortErrors | RoceCongestion | SlowNode | DataStall | Hang
+    NvmlFault | KernelXid | PortDown | PcieDevice | PortFlap | PortErrors | RoceCongestion | SlowNode | DataStall | Hang
     | Silence | Reboot | UnderLoad | ProbeSlow | UninstrumentedHang | UninstrumentedStraggler,
     Field(discriminator="kind"),
 ]

@@ -6,8 +6,10 @@ job membership (the nodes of each job's ranks) and the site manifest (per GPU mo
 HCAs and rates a node must have). Per multi-node job and fact: the few nodes off the job's
 majority value are each that node's drift (one finding per node, default alert); a large split (a
 roll-out in progress) is no node's fault: one job-level alert naming the mix, nothing removed, no
-per-node drift for that fact there. A fact the node's own devices disagree on (NodeConfig.mixed)
-and a node short of its manifest are per-node findings. It judges no GPU or link health.
+per-node drift for that fact there. Facts of the hardware class (VBIOS, clocks, counts) are
+compared only among a job's nodes of one GPU model. A fact the node's own devices disagree on
+(NodeConfig.mixed) and a node short of its manifest are per-node findings. It judges no GPU or
+link health.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ NAME = "config_drift"
 
 # Every fact of NodeConfig but ``mixed`` (which names facts, judged on its own).
 NODE_CONFIG_FACTS = tuple(f.name for f in msgspec.structs.fields(NodeConfig) if f.name != "mixed")
+# The facts a job's nodes share whatever their hardware: the software stack and the GPU modes a
+# site sets (the cluster guide: one driver for every GPU of a job). The other facts belong to the
+# hardware class (VBIOS, firmware, clocks, power limit, GPU and HCA counts and models differ
+# between an H100 and an H200 node by design): they are compared only among the job's nodes of
+# one GPU model, and the GPU model itself never is (a mixed job is a class difference, not drift).
+JOB_WIDE_FACTS = frozenset({"driver_version", "cuda_driver_version", "kernel", "ecc_mode", "persistence_mode",
+                            "mig_mode", "ofed_version", "rdma_core_version"})
 
 
 class ManifestClass(StrictModel):
@@ -225,34 +234,49 @@ class ConfigDriftDetector:
         return verdict
 
     def _compare(self, view: FleetView, configs: list[tuple[str, NodeConfig]], marked: bool) -> _JobVerdict:
-        cfg = self.config
         drift: dict[str, list[tuple[str, Any, Any]]] = {}
         mix: dict[str, list[tuple[Any, int]]] = {}
+        by_model: dict[str | None, list[tuple[str, NodeConfig]]] = {}
+        for name, c in configs:
+            by_model.setdefault(c.gpu_model, []).append((name, c))
         for fact in self._facts:
-            values = [(name, getattr(c, fact), c.gpu_model) for name, c in configs]
-            known = [(name, v, model) for name, v, model in values if v is not None]
-            counts = Counter(v for _, v, _ in known)
-            if len(counts) <= 1:
+            if fact == "gpu_model":
                 continue
-            ranked = counts.most_common()
-            majority, top = ranked[0]
-            # Each value off the majority is its nodes' drift when it is on one node or a small
-            # share of the job and rare in the fleet; any other (a tie, a large group, a roll-out's
-            # value) makes the fact the job's mix, and then no node is blamed for it here.
-            blamable = top > ranked[1][1] and len(known) >= cfg.min_job_nodes
-            if blamable:
-                fleet = self._fleet_values(view, marked)
-                models = {v: model for _, v, model in known}
-                blamable = all((count == 1 or count / len(known) <= cfg.minority_max_share)
-                               and not _rollout(fleet.get((models[value], fact)), value, cfg.fleet_rollout_min_share)
-                               for value, count in ranked[1:])
-            if blamable:
-                for name, v, _ in known:
-                    if v != majority:
-                        drift.setdefault(name, []).append((fact, v, majority))
+            if fact in JOB_WIDE_FACTS or len(by_model) == 1:
+                self._compare_fact(view, fact, fact, configs, marked, drift, mix)
             else:
-                mix[fact] = sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))
+                for model, group in sorted(by_model.items(), key=lambda kv: str(kv[0])):
+                    self._compare_fact(view, fact, f"{fact} ({model})", group, marked, drift, mix)
         return _JobVerdict(drift, mix, len(configs))
+
+    def _compare_fact(self, view: FleetView, fact: str, label: str, configs: list[tuple[str, NodeConfig]],
+                      marked: bool, drift: dict[str, list[tuple[str, Any, Any]]],
+                      mix: dict[str, list[tuple[Any, int]]]) -> None:
+        """One fact over one set of a job's nodes: each node's drift, or the set's mix (as ``label``)."""
+        cfg = self.config
+        values = [(name, getattr(c, fact), c.gpu_model) for name, c in configs]
+        known = [(name, v, model) for name, v, model in values if v is not None]
+        counts = Counter(v for _, v, _ in known)
+        if len(counts) <= 1:
+            return
+        ranked = counts.most_common()
+        majority, top = ranked[0]
+        # Each value off the majority is its nodes' drift when it is on one node or a small
+        # share of the job and rare in the fleet; any other (a tie, a large group, a roll-out's
+        # value) makes the fact the job's mix, and then no node is blamed for it here.
+        blamable = top > ranked[1][1] and len(known) >= cfg.min_job_nodes
+        if blamable:
+            fleet = self._fleet_values(view, marked)
+            models = {v: model for _, v, model in known}
+            blamable = all((count == 1 or count / len(known) <= cfg.minority_max_share)
+                           and not _rollout(fleet.get((models[value], fact)), value, cfg.fleet_rollout_min_share)
+                           for value, count in ranked[1:])
+        if blamable:
+            for name, v, _ in known:
+                if v != majority:
+                    drift.setdefault(name, []).append((fact, v, majority))
+        else:
+            mix[label] = sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))
 
     def _fleet_values(self, view: FleetView, marked: bool) -> dict[tuple[str | None, str], Counter[Any]]:
         """Each (GPU model, fact)'s values across the fleet: brought up to date when a configuration

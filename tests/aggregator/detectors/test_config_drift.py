@@ -83,6 +83,20 @@ def test_drift_waits_for_its_persistence():
     assert judge(nodes, end=590.0) == []
 
 
+def test_a_job_on_two_gpu_models_compares_class_facts_only_within_each_model():
+    # A job on 6 H100 and 3 H200 nodes: the GPU model, VBIOS, power limit and clocks differ between
+    # the classes by design and are never drift nor a mix; within the H200s, the one node with
+    # another VBIOS is that node's drift; the driver is compared across the whole job.
+    h200 = {"gpu_model": "NVIDIA H200", "vbios_version": "96.00.A5.00.01", "power_limit_watts": 700.0}
+    odd = {f"j1-n{i}": dict(h200) for i in range(6, 9)}
+    assert judge(fleet_of({"j1": 9}, odd=odd)) == []
+    odd["j1-n8"] = {**h200, "vbios_version": "96.00.A5.00.07"}
+    odd["j1-n1"] = {"driver_version": NEW}
+    found = judge(fleet_of({"j1": 9}, odd=odd))
+    assert sorted((f.node, [e["fact"] for e in f.evidence["facts"]]) for f in found) == [
+        ("j1-n1", ["driver_version"]), ("j1-n8", ["vbios_version"])]
+
+
 def test_consistent_job_has_no_finding():
     assert judge(fleet_of({"j1": 8, "j2": 4})) == []
 
