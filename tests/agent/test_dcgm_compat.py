@@ -208,7 +208,7 @@ def test_agent_serves_dcgm_series_only_when_configured(enabled: bool) -> None:
     off = {"enabled": False}
     config = parse_config({"node": "node-17", "nvml": {"backend": "fake"}, "exporter": {"dcgm_compat": enabled},
                            "collectors": {"gpu": {"xid_events": False}, "host": off, "rdma": off, "training": off,
-                                          "xid": off}})
+                                          "xid": off, "pcie": off, "node_config": off}})
     agent = Agent(config, make_seams(config))
     try:
         (gpu,) = agent.collectors

@@ -147,6 +147,8 @@ def _minimal_fault(kind: str, fields: list[str]) -> dict[str, Any]:
     values: dict[str, Any] = {"job": "train", "what": "hbm", "gpus": [1], "hca": 0}
     for name in (*required, *fields):
         fault.setdefault(name, values.get(name, 1))
+    # Kinds whose fields are each optional though one of them must be given.
+    fault.update({"pcie_device": {"aer_severity": "nonfatal"}}.get(kind, {}))
     return fault
 
 
