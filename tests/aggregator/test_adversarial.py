@@ -269,6 +269,46 @@ def test_non_finite_unbounded_or_wrongly_typed_numbers_are_refused_and_change_no
     target.healthz()
 
 
+# Issue 44's sections of a report: each bound of the wire (agent/wire.py PcieDevice, NodeConfig).
+@pytest.mark.parametrize("section, value", [
+    ("pcie", [{"pci_bus_id": "0000:18:00.0", "kind": "nvswitch"}]),
+    ("pcie", [{"pci_bus_id": "0000:18:00.0", "kind": "gpu", "aer_fatal_total": -1}]),
+    ("pcie", [{"pci_bus_id": f"0000:{i // 256:02x}:{i % 256:02x}.0", "kind": "hca"} for i in range(257)]),
+    ("config", {"driver_version": "5" * 300}),
+    ("config", {"ecc_mode": "maybe"}),
+    ("config", {"driver": "535.161.08"}),
+    ("host", {"fabric_manager_state": "x" * 300}),
+])
+def test_hostile_configuration_and_pcie_sections_are_refused_and_change_nothing(
+        target: Target, section: str, value: Any) -> None:
+    node = target.nodes["vnode3"]
+    before = target.node("vnode3")
+    report = json.loads(encode(node.report(time.time())))
+    node.seq -= 1
+    report[section] = value
+    out = target.post("/v1/reports", report, token("vnode3"), expect=400)
+    assert out["error"] == "schema", out
+    after = target.node("vnode3")
+    assert (after["seq"], after["reports"]) == (before["seq"], before["reports"])
+    target.healthz()
+
+
+def test_a_pcie_section_over_the_fleets_cap_is_taken_in_part_and_counted(target: Target) -> None:
+    # Within the wire's 256 devices, over the fleet's 64 a node: the first 64 are kept, the rest
+    # (and a device listed twice) refused by reason; the report itself is accepted.
+    before = {r: target.refusals("reports", r) for r in ("too_many_pcie_devices", "duplicate_pcie_device")}
+    name = sorted(target.nodes)[-1]
+    node = target.nodes[name]
+    report = json.loads(encode(node.report(time.time())))
+    devices = [{"pci_bus_id": f"0000:{i:02x}:00.0", "kind": "hca", "name": f"mlx5_{i}"} for i in range(70)]
+    report["pcie"] = [devices[0], *devices]
+    target.post("/v1/reports", report, token(name), expect=202)
+    assert target.refusals("reports", "duplicate_pcie_device") == before["duplicate_pcie_device"] + 1
+    assert target.refusals("reports", "too_many_pcie_devices") == before["too_many_pcie_devices"] + 6
+    target.healthz()
+    target.assert_nothing_drained()
+
+
 def test_one_bad_alert_in_a_batch_is_refused_alone_and_the_batch_is_not_500(target: Target) -> None:
     good = alert("vnode3", action="alert")
     body = alertmanager_payload(good, alert("never-reported-node"), {"labels": "not a mapping"},
