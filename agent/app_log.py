@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, replace
 
 from vigil.agent.nccl_ras import RasReportReader
-from vigil.agent.wire import Event
+from vigil.contract.wire import Event
 
 # The event kinds, and whether each makes the reporter push at once: a collective timeout or a
 # CUDA error ends the job (PyTorch's watchdog tears the process group down; a sticky CUDA error

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.wire import GPU_PROCESSES_MAX, GpuProcess, replace
+from vigil.contract.wire import GPU_PROCESSES_MAX, GpuProcess, replace
 from vigil_heartbeat.client import FALLBACK_JOB, resolve_identity
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ no collector and touches no hardware.
 from __future__ import annotations
 
 from vigil.agent.collectors import flight_recorder, gpu, host, node_config, pcie, rdma, training, xid
-from vigil.agent.credential_file import ExposedFiles
+from vigil.agent.credential_exposure import ExposedFiles
 from vigil.agent.metric import MetricSpec
 from vigil.agent.reporter import REPORTER_SPECS
 from vigil.agent.runner import RUNNER_SPECS

@@ -23,12 +23,12 @@ from vigil.agent.collectors.training import TrainingConfig
 from vigil.agent.collectors.xid import XidConfig
 from vigil.agent.dcgm_compat import ExporterConfig
 from vigil.agent.launcher_health import LauncherHealthConfig
-from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
 from vigil.agent.node_action_runner import NodeActionsConfig
 from vigil.agent.probes import PROBES
 from vigil.agent.probes.context import ProbesConfig
-from vigil.agent.validation import HostPort, StrictModel, read_config_file, validate_config
-from vigil.agent.wire import check_real_node_name
+from vigil.contract.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
+from vigil.contract.validation import HostPort, StrictModel, read_config_file, validate_config
+from vigil.contract.wire import check_real_node_name
 
 
 class NvmlConfig(StrictModel):
@@ -59,7 +59,7 @@ class AggregatorTarget(StrictModel):
     telemetry_seconds: float = Field(default=30.0, ge=0, le=3600)
     timeout_seconds: float = Field(default=5.0, gt=0)
     max_backoff_seconds: float = Field(default=60.0, gt=0)
-    # Every report is built at or under this (agent/limits.py: the aggregator's max_body_bytes
+    # Every report is built at or under this (contract/limits.py: the aggregator's max_body_bytes
     # default); a 413 from an aggregator configured lower makes the agent split further.
     max_report_bytes: int = Field(default=REPORT_MAX_BYTES, ge=16 * 1024)
     # Events kept (serialized) while the aggregator cannot take them; past it the oldest are
@@ -115,7 +115,7 @@ class CollectorsConfig(StrictModel):
 
 
 class AgentConfig(StrictModel):
-    # What the aggregator knows this node as: a hostname (agent/wire.py's one rule), so that a
+    # What the aggregator knows this node as: a hostname (contract/wire.py's one rule), so that a
     # typo'd name fails here, at start-up, instead of in every report; never loadgen-* (reserved
     # for vigil loadgen's synthetic nodes, which the aggregator does not judge).
     node: Annotated[str, AfterValidator(check_real_node_name)] = Field(default_factory=socket.gethostname,

@@ -21,12 +21,11 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from vigil import __version__
 from vigil.agent.attribution import ProcessIdentities
 from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.collector import Collection, Collector
 from vigil.agent.config import AgentConfig
-from vigil.agent.credential_file import ExposedFiles, TokenFile
+from vigil.agent.credential_exposure import ExposedFiles
 from vigil.agent.dcgm_compat import DcgmCompatCollector
 from vigil.agent.exporter import SnapshotExporter, render
 from vigil.agent.launcher_health import LauncherHealth
@@ -36,7 +35,6 @@ from vigil.agent.probes.engine import build_engine
 from vigil.agent.reporter import LAST_SUCCESS, REPORTER_SPECS, Reporter, client_ssl_context
 from vigil.agent.runner import RUNNER_SPECS, Runner
 from vigil.agent.sd_notify import SdNotifier
-from vigil.agent.seams import Seams
 from vigil.agent.server import (
     IDLE_TIMEOUT_SECONDS,
     ConnectionLimit,
@@ -52,8 +50,11 @@ from vigil.agent.server import (
     start_unix,
 )
 from vigil.agent.snapshot import Snapshot
-from vigil.agent.wire import to_readable
-from vigil.build_info import register_build_info
+from vigil.contract.build_info import register_build_info
+from vigil.contract.credential_file import TokenFile
+from vigil.contract.seams import Seams
+from vigil.contract.version import __version__
+from vigil.contract.wire import to_readable
 
 log = logging.getLogger("vigil.agent")
 

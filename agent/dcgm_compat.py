@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector as PromCollector
 
 from vigil.agent.attribution import PROCESS_INFO, kubernetes_labels
 from vigil.agent.metric import Sample
-from vigil.agent.validation import StrictModel
+from vigil.contract.validation import StrictModel
 
 # dcgm-exporter's label names and order (internal/pkg/rendermetrics/render_metrics.go at commit
 # d5e5f510, see tests/fixtures/dcgm-exporter). Current dcgm-exporter spells the host label

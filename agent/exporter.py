@@ -6,13 +6,11 @@ guessed at. ``SnapshotExporter`` is a prometheus-client custom collector (the re
 a registry can embed) with a direct text encoder beside it that produces the same bytes: the
 library's per-label validation costs ~20 us a series, 30 ms for an 8-GPU node, against a 2 ms
 budget, and our label names are already validated once by ``MetricSpec``. It serves nothing itself;
-``encode_for_scraper`` gzips an exposition for a scraper that asks (the agent's and the aggregator's
-/metrics handlers both use it).
+contract/scrape_encoding.py gzips an exposition for a scraper that asks.
 """
 
 from __future__ import annotations
 
-import gzip
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -26,12 +24,6 @@ from vigil.agent.metric import MetricKind, MetricSpec, Sample
 
 log = logging.getLogger("vigil.agent.exporter")
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# Prometheus sends `Accept-Encoding: gzip` on every scrape (scrape/scrape.go, acceptEncodingHeader), as
-# node_exporter answers it. Measured on the 8-GPU golden exposition (156 KB, bench/bench_agent.py):
-# level 1 gives 15.8 KB in ~0.8 ms, level 6 13.6 KB in ~2.3 ms: the last 2 KB are not worth
-# tripling the time of a scrape whose render budget is 2 ms.
-GZIP_LEVEL = 1
 # Label sets seen in a long-running agent are bounded by hardware; the cap only guards a leak.
 _PREFIX_CACHE_MAX = 200_000
 
@@ -50,43 +42,6 @@ def _format_value(v: float) -> str:
 
 def _escape_help(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def accepts_gzip(accept_encoding: str | None) -> bool:
-    """Whether an ``Accept-Encoding`` header (RFC 9110 12.5.3) accepts gzip: listed (or ``*``) with
-    a q-value other than 0. An explicit ``gzip`` entry outranks ``*``; a malformed q is no."""
-    if not accept_encoding:
-        return False
-    star: bool | None = None
-    for entry in accept_encoding.split(","):
-        coding, _, params = entry.strip().partition(";")
-        coding = coding.strip().lower()
-        if coding not in ("gzip", "x-gzip", "*"):
-            continue
-        q = 1.0
-        for param in params.split(";"):
-            key, _, value = param.strip().partition("=")
-            if key.strip().lower() == "q":
-                try:
-                    q = float(value)
-                except ValueError:
-                    q = 0.0
-        if coding == "*":
-            star = q > 0
-        else:
-            return q > 0
-    return bool(star)
-
-
-def encode_for_scraper(body: bytes, accept_encoding: str | None,
-                       content_type: str = CONTENT_TYPE) -> tuple[bytes, dict[str, str]]:
-    """The /metrics response body and headers: gzip (``GZIP_LEVEL``) where the request accepts it,
-    identity otherwise. ``Vary`` tells a cache between them that the body depends on the header."""
-    headers = {"Content-Type": content_type, "Vary": "Accept-Encoding"}
-    if not accepts_gzip(accept_encoding):
-        return body, headers
-    headers["Content-Encoding"] = "gzip"
-    return gzip.compress(body, GZIP_LEVEL, mtime=0), headers
 
 
 class SnapshotExporter(PromCollector):

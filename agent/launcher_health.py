@@ -36,7 +36,7 @@ from pydantic import Field
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.reporter import Standing
 from vigil.agent.server import _gid
-from vigil.agent.validation import StrictModel
+from vigil.contract.validation import StrictModel
 
 log = logging.getLogger("vigil.agent.launcher_health")
 

@@ -1,6 +1,6 @@
 """The node-action runner: carries out what the aggregator asks of this node, if every check passes.
 
-It reads one signed ``NodeActionRequest`` (agent/node_actions.py: the table, the key, the
+It reads one signed ``NodeActionRequest`` (contract/node_actions.py: the table, the key, the
 signature), checks it in a fixed order (allowed by ``node_actions.allow``, this node, this boot,
 not expired, signed under this node's key, for ``reset_gpu`` the named GPU and that no compute
 process holds it) right before it runs it, so a request that waited in the queue past its offer's
@@ -33,13 +33,13 @@ from typing import Any, Protocol
 from pydantic import Field, field_validator, model_validator
 
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.node_actions import NODE_ACTIONS, sign_result, signature_ok
 from vigil.agent.probes import PROBES, ProbeSpec
 from vigil.agent.probes.context import ProbeContext, ProbesConfig
 from vigil.agent.probes.engine import ComputeEngine
-from vigil.agent.seams import Clock, CommandRunner, run_command
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import (
+from vigil.contract.node_actions import NODE_ACTIONS, sign_result, signature_ok
+from vigil.contract.seams import Clock, CommandRunner, run_command
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import (
     MAX_PROBE_RESULTS,
     NodeActionName,
     NodeActionOutcome,
@@ -50,9 +50,9 @@ from vigil.agent.wire import (
     SchemaError,
     check,
 )
-from vigil.agent.wire import replace as wire_replace
+from vigil.contract.wire import replace as wire_replace
 
-log = logging.getLogger("vigil.agent.node_actions")
+log = logging.getLogger("vigil.contract.node_actions")
 
 # kured's default sentinel (https://kured.dev/docs/configuration/, --reboot-sentinel): its
 # presence makes kured drain and reboot the node under its own cluster-wide lock.

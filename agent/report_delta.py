@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from vigil.agent.wire import (
+from vigil.contract.wire import (
     CLEARABLE,
     DELTA_VERSION,
     GPU_TELEMETRY_FIELDS,

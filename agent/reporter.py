@@ -1,7 +1,7 @@
 """The reporter: builds compact Reports from the snapshot and pushes them to the aggregator.
 
 A report carries the collectors' report contributions (GPU, port, rank and host state) and the
-oldest pending events that fit under the aggregator's body limit (agent/limits.py). Events are
+oldest pending events that fit under the aggregator's body limit (contract/limits.py). Events are
 kept, serialized, until the aggregator accepts them: a backlog goes out over as many reports as it
 takes, oldest first, and a 413 splits the report instead of dropping it. A refusal a later resend
 can pass (the clock: an older aggregator's 422 future_ts or stale_ts; a 409 such as seq_jump) keeps
@@ -40,14 +40,14 @@ from typing import Any, NamedTuple
 
 import aiohttp
 
-from vigil import __version__
 from vigil.agent.backlog import Backlog
-from vigil.agent.credential_file import TokenFile
-from vigil.agent.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES, REPORT_MAX_EVENTS
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.report_delta import delta, whole
 from vigil.agent.snapshot import Snapshot
-from vigil.agent.wire import (
+from vigil.contract.credential_file import TokenFile
+from vigil.contract.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES, REPORT_MAX_EVENTS
+from vigil.contract.version import __version__
+from vigil.contract.wire import (
     COMPACT_VERSIONS,
     MAX_REQUESTS_PER_RESPONSE,
     MAX_RESULTS_PER_REPORT,
@@ -599,7 +599,7 @@ class Reporter:
         self.counts["split"] += 1
         if n_events == 0:
             log.error("aggregator refused a report of %d bytes with no events (413): the node's state alone "
-                      "is over its max_body_bytes; raise it (agent/limits.py)", body_bytes)
+                      "is over its max_body_bytes; raise it (contract/limits.py)", body_bytes)
             return "state_too_large"
         if n_events == 1:
             log.error("aggregator refused one event alone (413, report of %d bytes): dropped and counted",

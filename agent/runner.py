@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from vigil.agent.collectors.collector import Collection, Collector
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.snapshot import CollectorResult, Snapshot
-from vigil.agent.wire import check
+from vigil.contract.wire import check
 
 log = logging.getLogger("vigil.agent.runner")
 

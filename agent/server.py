@@ -33,10 +33,10 @@ from typing import Any, Literal, Protocol
 from aiohttp import web
 
 from vigil.agent.attribution import UNVERIFIED, ProcessIdentities, Sender, job_key
-from vigil.agent.exporter import encode_for_scraper
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.snapshot import Snapshot
-from vigil.agent.validation import split_host_port
+from vigil.contract.scrape_encoding import encode_for_scraper
+from vigil.contract.validation import split_host_port
 
 log = logging.getLogger("vigil.agent.server")
 

@@ -14,7 +14,7 @@ import msgspec
 
 from vigil.agent.collectors.collector import Collection
 from vigil.agent.metric import Sample
-from vigil.agent.wire import to_readable
+from vigil.contract.wire import to_readable
 
 
 @dataclass(frozen=True, slots=True)

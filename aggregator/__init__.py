@@ -1,4 +1,4 @@
 """vigil's cluster service: ingests every node's reports, judges them, and emits decisions.
 
-It may import the agent's wire types; the agent never imports this package.
+It imports only ``vigil.contract`` beside its own modules, never the agent or the CLI; the agent never imports it.
 """

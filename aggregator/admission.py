@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
+from vigil.contract.validation import StrictModel
 
 # Why a report was shed (vigil_aggregator_reports_shed_total{reason}); each series exists at 0.
 #

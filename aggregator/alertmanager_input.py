@@ -21,12 +21,12 @@ from typing import Any, Protocol
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vigil.agent.wire import check_node_name
 from vigil.aggregator.auth import Refusals
 from vigil.aggregator.decision import Action, Decision, Finding
 from vigil.aggregator.listener import BodyRefused, read_body
 from vigil.aggregator.sink import DecisionSink
 from vigil.aggregator.store import WRITE_ERRORS
+from vigil.contract.wire import check_node_name
 
 MAX_BODY_BYTES = 1 << 20
 ACTION_LABEL = "vigil_action"

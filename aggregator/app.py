@@ -33,9 +33,6 @@ from typing import Any
 
 from aiohttp import web
 
-from vigil.agent.exporter import encode_for_scraper
-from vigil.agent.validation import ConfigError
-from vigil.agent.wire import REPORT_VERSIONS, Report, SchemaError, WireError, decode_report, encode, to_readable
 from vigil.aggregator.actuators import Actuator, DeliveryError, build_actuators
 from vigil.aggregator.actuators.actuator import DeadlineExceeded
 from vigil.aggregator.actuators.kubernetes import KubernetesActuator
@@ -73,6 +70,9 @@ from vigil.aggregator.store import WRITE_ERRORS, Store, read_dsn
 from vigil.aggregator.synthetic_nodes import REFUSAL_REASON as SYNTHETIC_REFUSAL
 from vigil.aggregator.synthetic_nodes import forget_after_seconds as synthetic_forget_after
 from vigil.aggregator.synthetic_nodes import refusal as synthetic_refusal
+from vigil.contract.scrape_encoding import encode_for_scraper
+from vigil.contract.validation import ConfigError
+from vigil.contract.wire import REPORT_VERSIONS, Report, SchemaError, WireError, decode_report, encode, to_readable
 
 log = logging.getLogger("vigil.aggregator")
 

@@ -26,10 +26,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import Field, model_validator
 
-from vigil.agent.credential_file import exposure
-from vigil.agent.validation import ConfigError, StrictModel
-from vigil.agent.wire import check_node_name
 from vigil.aggregator.tokenreview import REVIEW_REASONS, KubernetesAuthConfig, TokenReviewer
+from vigil.contract.credential_file import exposure
+from vigil.contract.validation import ConfigError, StrictModel
+from vigil.contract.wire import check_node_name
 
 
 class Role(Enum):

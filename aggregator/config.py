@@ -13,15 +13,6 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from vigil.agent.limits import REPORT_MAX_BYTES
-from vigil.agent.validation import (
-    ConfigError,
-    HostPort,
-    StrictModel,
-    read_config_file,
-    split_host_port,
-    validate_config,
-)
 from vigil.aggregator.actuators import ActuatorsConfig
 from vigil.aggregator.auth import AuthConfig, TlsConfig
 from vigil.aggregator.detectors.app_signals import AppSignalsConfig
@@ -54,6 +45,15 @@ from vigil.aggregator.outbox import NodeActionsConfig, switched_on
 from vigil.aggregator.prober import ProbesConfig
 from vigil.aggregator.spares import SparesConfig
 from vigil.aggregator.store import StoreConfig
+from vigil.contract.limits import REPORT_MAX_BYTES
+from vigil.contract.validation import (
+    ConfigError,
+    HostPort,
+    StrictModel,
+    read_config_file,
+    split_host_port,
+    validate_config,
+)
 
 __all__ = ["AggregatorConfig", "ConfigError", "DetectorsConfig", "load_config", "parse_config"]
 
@@ -107,7 +107,7 @@ class AggregatorConfig(StrictModel):
     store_path: str = "vigil-aggregator.sqlite"
     # Decisions are recorded and served but no actuator changes anything until this is false.
     dry_run: bool = True
-    # The one size number both services derive from (agent/limits.py): the agent builds every
+    # The one size number both services derive from (contract/limits.py): the agent builds every
     # report at or under it, splitting a backlog of events over several reports.
     max_body_bytes: int = Field(default=REPORT_MAX_BYTES, ge=1024)
     evaluate_interval_seconds: float = Field(default=2.5, gt=0)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vigil.agent.wire import Report
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Decision, Finding
 from vigil.aggregator.detectors import REGISTRY, Detector
@@ -31,6 +30,7 @@ from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.outbox import agent_resets_enabled
 from vigil.aggregator.sink import DecisionSink
 from vigil.aggregator.synthetic_nodes import is_synthetic
+from vigil.contract.wire import Report
 
 
 def removals(state: GateState) -> dict[str, Removal]:

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import msgspec
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import (
+from vigil.aggregator.decision import Action
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import (
     DELTA_VERSION,
     SPARSE_VERSION,
     CollectiveState,
@@ -44,7 +45,6 @@ from vigil.agent.wire import (
     kernel_boot_id,
     optional_fields,
 )
-from vigil.aggregator.decision import Action
 
 if TYPE_CHECKING:
     from vigil.aggregator.detectors.probe_verdict import IsolationOutcome

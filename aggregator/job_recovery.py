@@ -22,9 +22,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector as PromCollector
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import REMOVING_ACTIONS, WHOLE_JOB, Action, Finding
 from vigil.aggregator.fleet import FleetView, JobState
+from vigil.contract.validation import StrictModel
 
 NAME = "job_recovery"
 Option = Literal["now", "checkpoint", "job_end"]

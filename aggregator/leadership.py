@@ -25,8 +25,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.store import PG_ERRORS, PG_MIGRATION_LOCK, pg_connect
+from vigil.contract.validation import StrictModel
 
 log = logging.getLogger("vigil.aggregator.leadership")
 

@@ -24,8 +24,8 @@ from aiohttp import ClientPayloadError, web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.admission import AdmissionConfig
+from vigil.contract.validation import StrictModel
 
 log = logging.getLogger("vigil.aggregator.listener")
 

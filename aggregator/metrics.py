@@ -25,7 +25,7 @@ from vigil.aggregator.admission import SHED_REASONS
 from vigil.aggregator.auth import Refusals
 from vigil.aggregator.clock import ClockReading
 from vigil.aggregator.fleet import EVICTION_KINDS
-from vigil.build_info import register_build_info
+from vigil.contract.build_info import register_build_info
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -37,7 +37,7 @@ DELIVERY_OUTCOMES = ("delivered", "failed", "dead")
 # Where an actuator's total deadline was passed: a delivery, or the start-up reach check.
 DEADLINE_PHASES = ("delivery", "check")
 STORE_ERROR_KINDS = ("write", "file", "delivery_update", "dropped")
-# Event kinds the agent sends (agent/wire.py's Event); any other kind is counted as "other", so a
+# Event kinds the agent sends (contract/wire.py's Event); any other kind is counted as "other", so a
 # node cannot create series at will.
 EVENT_KINDS = ("xid", "sxid", "gpu_lost", "mlx5_error", "link_down", "link_up", "link_flap", "counter_reset",
                "hang", "rank_exit", "nvml_unavailable")

@@ -13,8 +13,8 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vigil.agent.wire import Event
 from vigil.aggregator.fleet import FleetView
+from vigil.contract.wire import Event
 
 # The topology key under which an agent's operator lists the node's own addresses (the RAS and
 # bootstrap interfaces NCCL prints peers by), e.g. "10.0.0.7,10.1.0.7". A node can only claim

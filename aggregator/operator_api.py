@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from vigil.agent.wire import check_node_name
 from vigil.aggregator.auth import Refusals
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.fleet import FleetView
@@ -33,6 +32,7 @@ from vigil.aggregator.history import DEFAULT_LIMIT, MAX_LIMIT, node_history
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.prober import IsolationRefused, Prober
 from vigil.aggregator.store import WRITE_ERRORS
+from vigil.contract.wire import check_node_name
 
 MAX_NOTE_CHARS = 500
 GATE_ROUTES = (("GET", "/v1/breaker"), ("GET", "/v1/gate"), ("POST", "/v1/nodes/{node}/hold"),

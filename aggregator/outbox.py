@@ -33,9 +33,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector as PromCollector
 from pydantic import Field
 
-from vigil.agent.node_actions import NODE_ACTIONS, node_key, result_signature_ok, sign
-from vigil.agent.validation import ConfigError, StrictModel
-from vigil.agent.wire import (
+from vigil.aggregator.decision import Action, Decision
+from vigil.contract.node_actions import NODE_ACTIONS, node_key, result_signature_ok, sign
+from vigil.contract.validation import ConfigError, StrictModel
+from vigil.contract.wire import (
     MAX_REQUESTS_PER_RESPONSE,
     NodeActionName,
     NodeActionRequest,
@@ -44,7 +45,6 @@ from vigil.agent.wire import (
     ProbeName,
     replace,
 )
-from vigil.aggregator.decision import Action, Decision
 
 if TYPE_CHECKING:
     from vigil.aggregator.config import AggregatorConfig

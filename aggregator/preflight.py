@@ -18,13 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vigil.agent.validation import ConfigError
 from vigil.aggregator.actuators import build_actuators
 from vigil.aggregator.auth import Credentials
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.listener import tls_context
 from vigil.aggregator.outbox import followed, read_key_file
 from vigil.aggregator.store import PG_ERRORS, StoreError, pg_connect, read_dsn
+from vigil.contract.validation import ConfigError
 
 ImportModule = Callable[[str], Any]
 Connect = Callable[[str], Any]

@@ -31,9 +31,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector as PromCollector
 from pydantic import Field, field_validator, model_validator
 
-from vigil.agent.probe_baselines import ProbeBaselines
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import NodeActionRequest, ProbeGroup, ProbeName
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors import REGISTRY
 from vigil.aggregator.detectors.probe_verdict import (
@@ -49,6 +46,9 @@ from vigil.aggregator.detectors.recovery import PROBING
 from vigil.aggregator.fleet import Fleet, FleetView, NodeState
 from vigil.aggregator.group_testing import GroupIsolation, GroupTest, information_bound
 from vigil.aggregator.outbox import Outbox, transient
+from vigil.contract.probe_baselines import ProbeBaselines
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import NodeActionRequest, ProbeGroup, ProbeName
 
 log = logging.getLogger("vigil.aggregator.prober")
 

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector as PromCollector
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
+from vigil.contract.validation import StrictModel
 
 # Why a read of the pool failed (vigil_aggregator_spares_read_errors_total).
 READ_ERRORS = ("timeout", "error")

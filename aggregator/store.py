@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import JOB_SUBJECT_PREFIX, REMOVING_ACTIONS, Action, Decision
 from vigil.aggregator.gate import BreakerRecord, GateConfig, GateState, NodeRecord, Verdict, dedup_key
+from vigil.contract.validation import StrictModel
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ detector, breaker count, silence check or node listing reads (aggregator/engine.
 
 from __future__ import annotations
 
-from vigil.agent.wire import SYNTHETIC_NODE_PREFIX as SYNTHETIC_PREFIX
+from vigil.contract.wire import SYNTHETIC_NODE_PREFIX as SYNTHETIC_PREFIX
 
 # A synthetic node that missed REPORTS_MISSED of its own reports (FORGET_AFTER_SECONDS_MIN at
 # least) is forgotten at the next evaluation (a real node is kept fleet.forget_after_seconds, a

@@ -33,9 +33,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import Field
 
-from vigil.agent.credential_file import TokenFile
-from vigil.agent.validation import ConfigError, StrictModel
-from vigil.agent.wire import check_node_name
+from vigil.contract.credential_file import TokenFile
+from vigil.contract.validation import ConfigError, StrictModel
+from vigil.contract.wire import check_node_name
 
 log = logging.getLogger("vigil.aggregator.tokenreview")
 

@@ -35,11 +35,11 @@ import yaml
 
 from bench.measure import Measurement
 from vigil.agent.attribution import IN_PROCESS
-from vigil.agent.exporter import GZIP_LEVEL, encode_for_scraper
 from vigil.agent.runner import collect_once
-from vigil.agent.wire import COMPACT_VERSIONS, SPARSE_VERSION, WIRE_VERSION
-from vigil.agent_reports import HCAS, INTERVAL_SECONDS, SCENARIO, Clock, agent_reports, build_agent
-from vigil.loadgen import free_port
+from vigil.cli.agent_reports import HCAS, INTERVAL_SECONDS, SCENARIO, Clock, agent_reports, build_agent
+from vigil.cli.loadgen import free_port
+from vigil.contract.scrape_encoding import GZIP_LEVEL, encode_for_scraper
+from vigil.contract.wire import COMPACT_VERSIONS, SPARSE_VERSION, WIRE_VERSION
 
 FIXTURE_IB = Path(__file__).parent.parent / "tests" / "fixtures" / "sysfs" / "h100" / "class" / "infiniband"
 SECONDS = 300.0

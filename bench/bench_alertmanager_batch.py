@@ -23,8 +23,8 @@ from pathlib import Path
 import yaml
 
 from bench.measure import Measurement
-from vigil.agent.wire import Report, encode
 from vigil.aggregator.auth import new_secret, node_token
+from vigil.contract.wire import Report, encode
 
 ALERTS = 1000
 

@@ -3,7 +3,7 @@ detector, the topology pass, the decisions) over a warmed-up fleet of 1,000 and 
 
 The fleet is what production holds: each node (8 GPUs, 8 ConnectX-7 ports, 8 training ranks of
 one job of 128-256 nodes) sends one report every 2.5 s, and every node reports once between two
-passes. Its reports come from one agent's (vigil/agent_reports.py: the real agent pipeline over
+passes. Its reports come from one agent's (vigil/cli/agent_reports.py: the real agent pipeline over
 FakeNvml): the first whole, then the compact ones (version 3) cycling through that agent's
 rounds, decoded once and given, per node and round, the node's name, seq and time, its job and
 rank numbers, monotonic steps, and a per-node and per-round wander of its step times, clocks,
@@ -27,14 +27,14 @@ import msgspec
 
 from bench.bench_agent import FIXTURE_IB
 from bench.measure import Measurement
-from vigil.agent.wire import GpuState, RankSummary, Report, convert
-from vigil.agent_reports import INTERVAL_SECONDS, RANKS, report_forms, topology_of
 from vigil.aggregator.app import tune_gc
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import FleetView
 from vigil.aggregator.sink import RecordingSink
+from vigil.cli.agent_reports import INTERVAL_SECONDS, RANKS, report_forms, topology_of
+from vigil.contract.wire import GpuState, RankSummary, Report, convert
 
 SMALL_NODES = 1_000
 LARGE_NODES = 12_500

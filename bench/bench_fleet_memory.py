@@ -1,7 +1,7 @@
 """The aggregator's memory per node and its intake while a large fleet is judged.
 
 Memory: tracemalloc over ``Fleet.ingest`` (the service's fleet, as the engine builds it) of
-MEMORY_NODES nodes x MEMORY_ROUNDS of the real agent-built reports (vigil/agent_reports.py: 8
+MEMORY_NODES nodes x MEMORY_ROUNDS of the real agent-built reports (vigil/cli/agent_reports.py: 8
 GPUs, 8 ConnectX-7 ports, 8 ranks; the first whole, then compact in the version the agent sends:
 a compact entry's unchanged values are the base's objects, shared), what the fleet keeps per
 node, and how many of its objects the cyclic garbage collector walks; then the same nodes silent past
@@ -36,14 +36,14 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from bench.bench_agent import FIXTURE_IB
 from bench.measure import Measurement
-from vigil.agent.wire import SPARSE_VERSION, Report, convert
-from vigil.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
 from vigil.aggregator.app import METRICS_KEY, make_app, tune_gc
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.metrics import GC_GENERATIONS
 from vigil.aggregator.sink import RecordingSink
+from vigil.cli.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
+from vigil.contract.wire import SPARSE_VERSION, Report, convert
 
 MEMORY_NODES = 300
 MEMORY_ROUNDS = 12  # 30 s of reports: the rings fill with what a steady node keeps

@@ -26,10 +26,10 @@ from statistics import median
 
 from bench.measure import Measurement
 from tests.e2e.ddp_hang import run
-from vigil.agent.wire import RankSummary, Report
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.wire import RankSummary, Report
 
 DDP_CLOCK_SECONDS = 60.0  # the agents' hang_seconds and the aggregator's stall_seconds (300 s shipped)
 

@@ -68,8 +68,8 @@ def send_paced(address: tuple[str, int], rate: float, seconds: float) -> int:
 def bare_receiver(port_file: str) -> None:
     """The bare receiver (a child process): asyncio UDP, each datagram decoded into a Heartbeat by
     msgspec and counted; answers COUNT_QUERY with the count."""
-    from vigil.agent.wire import Heartbeat as WireHeartbeat
-    from vigil.agent.wire import decode
+    from vigil.contract.wire import Heartbeat as WireHeartbeat
+    from vigil.contract.wire import decode
 
     class Receiver(asyncio.DatagramProtocol):
         def __init__(self) -> None:

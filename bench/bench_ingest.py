@@ -7,7 +7,7 @@ ones (version 1): JSON bytes -> the node token check ->
 The reports are what the real agent sends: consecutive reports of one agent built by the agent's
 own pipeline (FakeNvml 8x H100 SXM, 8 ConnectX-7 ports from the recorded sysfs tree with their
 traffic counters moving, 8 training ranks), given each of NODES node names, boot ids and rank
-numbers, so counter deltas, ring buffers and job membership all do their work (vigil/agent_reports.py
+numbers, so counter deltas, ring buffers and job membership all do their work (vigil/cli/agent_reports.py
 builds them; ``vigil loadgen`` sends the same). One thread, one core.
 """
 
@@ -19,13 +19,13 @@ import time
 
 from bench.bench_agent import FIXTURE_IB
 from bench.measure import Measurement
-from vigil.agent.wire import DELTA_VERSION, SPARSE_VERSION, WIRE_VERSION, decode_report
-from vigil.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
 from vigil.aggregator.app import tune_gc
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+from vigil.cli.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
+from vigil.contract.wire import DELTA_VERSION, SPARSE_VERSION, WIRE_VERSION, decode_report
 
 NODES = 500
 # docs/architecture.md section 9 (issue #20): 100,000 GPUs at one report per 2.5 s take

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench import bench_ingest
 from bench.measure import Measurement
-from vigil.agent.wire import SPARSE_VERSION, decode_report
+from vigil.contract.wire import SPARSE_VERSION, decode_report
 
 # 100 nodes x 12 steady rounds: 1,200 reports, enough for a stable mean (callgrind runs the
 # interpreter ~50 times slower; the two counts run side by side, ~2 minutes).

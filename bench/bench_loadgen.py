@@ -1,5 +1,5 @@
 """The aggregator over HTTP under the fleet's real cadence: ``vigil loadgen``'s open-loop schedule
-(vigil/loadgen.py) against a real ``vigil aggregator`` process it starts (dry run), with the same
+(vigil/cli/loadgen.py) against a real ``vigil aggregator`` process it starts (dry run), with the same
 agent-built reports as bench_ingest (the recorded ConnectX-7 HCA, 8 times): each node sends its
 first report whole as version 1, its second whole in the newest compact version (3) once the
 answer lists it, then compact reports (version 3, what changed), as the agent does.
@@ -35,8 +35,8 @@ from typing import Any
 
 from bench.bench_agent import FIXTURE_IB
 from bench.measure import Measurement
-from vigil.agent_reports import INTERVAL_SECONDS
-from vigil.loadgen import WORKER_START_SECONDS, Plan, SpawnedAggregator, run_load, run_spawned, summary_lines
+from vigil.cli.agent_reports import INTERVAL_SECONDS
+from vigil.cli.loadgen import WORKER_START_SECONDS, Plan, SpawnedAggregator, run_load, run_spawned, summary_lines
 
 RUN_SECONDS = 30.0
 # Sent first and not measured: 32 reports a node fill the fleet's sample rings and the detectors'

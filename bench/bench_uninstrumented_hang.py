@@ -33,11 +33,11 @@ from statistics import median
 from msgspec.structs import replace
 
 from bench.measure import Measurement
-from vigil.agent.wire import CollectiveState, GpuState, PortState, Report
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import Decision
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.wire import CollectiveState, GpuState, PortState, Report
 
 NODES = 16
 GPUS = 8  # and 8 ports, 8 ranks per node

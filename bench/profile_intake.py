@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from bench.bench_agent import FIXTURE_IB
-from vigil.loadgen import Plan, SpawnedAggregator, run_load, summary_lines
+from vigil.cli.loadgen import Plan, SpawnedAggregator, run_load, summary_lines
 
 SITECUSTOMIZE = '''\
 import atexit, cProfile, os, signal, time

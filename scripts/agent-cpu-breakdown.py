@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from bench.bench_agent import AgentProcess, task_cpu_seconds
-from vigil.loadgen import free_port
+from vigil.cli.loadgen import free_port
 
 COLLECTORS = ("gpu", "host", "xid", "rdma", "training")
 SETTLE_SECONDS = 8.0  # start-up: identities, the first GPM sample, the first report

@@ -52,7 +52,7 @@ from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.recording import RECORDING_FORMAT, RecordingNvml
 from vigil.agent.nvml.scenario import load_node_scenario
-from vigil.loadgen import free_port
+from vigil.cli.loadgen import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # The uid/gid an unprivileged agent runs as for the probe (nobody on Debian and Ubuntu).
@@ -229,8 +229,8 @@ def exercise_reset(nvml: Any, out: Path, do_reset: bool) -> dict[str, Any]:
     then let through on the idle GPU, where ``nvidia-smi --gpu-reset`` runs only with --reset (else
     the command line is recorded and not run)."""
     from vigil.agent.node_action_runner import NodeActionRunner, NodeActionsConfig
-    from vigil.agent.node_actions import node_key, sign
-    from vigil.agent.wire import NodeActionRequest, to_builtins
+    from vigil.contract.node_actions import node_key, sign
+    from vigil.contract.wire import NodeActionRequest, to_builtins
 
     master = os.urandom(32)
     node = "gpu-recorded"
@@ -308,7 +308,7 @@ def _wait_http(url: str, proc: subprocess.Popen[str], seconds: float) -> None:
 def _process_cost(pid: int, warmup_seconds: float, seconds: float) -> dict[str, Any]:
     """A process's CPU (user + system, from /proc) and resident memory over ``seconds``, after
     ``warmup_seconds``."""
-    from vigil.loadgen import read_proc
+    from vigil.cli.loadgen import read_proc
 
     time.sleep(warmup_seconds)
     before, wall0 = read_proc(pid), time.monotonic()

@@ -20,9 +20,9 @@ from vigil.agent.collectors.collector import Collector
 from vigil.agent.config import AgentConfig
 from vigil.agent.reporter import build_report
 from vigil.agent.runner import collect_once
-from vigil.agent.seams import Seams
 from vigil.agent.snapshot import Snapshot
-from vigil.agent.wire import Event, Report
+from vigil.contract.seams import Seams
+from vigil.contract.wire import Event, Report
 from vigil.sim.fabric import NodeFabric
 
 log = logging.getLogger("vigil.sim.fleet")

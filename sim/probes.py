@@ -1,12 +1,12 @@
 """The simulated agent's side of active validation: run_probes answered from a hardware model.
 
-It reads a signed ``run_probes`` request (agent/wire.py), the node's GPU model and its probe
+It reads a signed ``run_probes`` request (contract/wire.py), the node's GPU model and its probe
 faults (sim.scenario ``probe_only``, ``probe_slow``), and whether a job holds the node; it returns
-the agent's ``NodeActionResult``, signed under the node key (agent/node_actions.py sign_result),
+the agent's ``NodeActionResult``, signed under the node key (contract/node_actions.py sign_result),
 with one ``ProbeResult`` per probe (per GPU for the GPU probes) whose figures come from NVIDIA's
 public specifications times an achieved fraction, with a little noise, degraded or failing where a
 fault says so. It schedules nothing (sim/run.py delivers the result after the probes' simulated
-duration), judges nothing against a baseline (agent/probe_baselines.py's ``judge`` does, in the
+duration), judges nothing against a baseline (contract/probe_baselines.py's ``judge`` does, in the
 aggregator) and stands in for agent/probes/ and the runner's run_probes path: it does not run them.
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from vigil.agent.node_actions import node_key, sign_result, signature_ok
 from vigil.agent.probes import PROBES
 from vigil.agent.probes.context import ProbesConfig
-from vigil.agent.wire import NodeActionRequest, NodeActionResult, ProbeResult
+from vigil.contract.node_actions import node_key, sign_result, signature_ok
+from vigil.contract.wire import NodeActionRequest, NodeActionResult, ProbeResult
 from vigil.sim.scenario import ProbeSlow, SimProbes, UnderLoad
 
 # The random stream of the probes' noise (apart from the jobs', the GPUs' and the phases').

@@ -37,9 +37,9 @@ import numpy as np
 
 from vigil.agent.config import AgentConfig, parse_config
 from vigil.agent.nvml.scenario import PowerBrake, PowerCap, ThermalThrottle
-from vigil.agent.seams import Seams
-from vigil.agent.validation import ConfigError, format_validation_error
-from vigil.agent.wire import (
+from vigil.contract.seams import Seams
+from vigil.contract.validation import ConfigError, format_validation_error
+from vigil.contract.wire import (
     MAX_RESULTS_PER_REPORT,
     NodeActionRequest,
     NodeActionResult,
@@ -725,7 +725,7 @@ class Simulation:
         """The node's NodeActionRunner for its current boot (a reboot starts a new agent): reset_gpu
         allowed, its node key (derived from the simulated aggregator's master key) in a file."""
         from vigil.agent.node_action_runner import NodeActionRunner, NodeActionsConfig
-        from vigil.agent.node_actions import node_key
+        from vigil.contract.node_actions import node_key
 
         held = self._runners.get(node.name)
         if held is not None and held[0] == node.boot_id:

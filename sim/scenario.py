@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vigil.agent.nvml.scenario import FAULT_KINDS, NODE_WIDE_FAULT_KINDS
-from vigil.agent.validation import format_validation_error, read_yaml_file
+from vigil.contract.validation import format_validation_error, read_yaml_file
 
 # The repository's scenarios/, installed as package data of `vigil` (vigil/scenarios links to it).
 SCENARIO_DIR = Path(str(resources.files("vigil") / "scenarios"))

@@ -1,5 +1,5 @@
 """Test-wide hygiene: each test leaves the root logger as it found it. The commands' in-process
-``main()`` installs a handler on sys.stderr (vigil/log_format.py, ``force=True``); under pytest
+``main()`` installs a handler on sys.stderr (vigil/cli/log_format.py, ``force=True``); under pytest
 that is the test's capture stream, closed when the test ends, and a later test's log line would
 then fail with "I/O operation on closed file" in its own stderr."""
 

@@ -61,7 +61,7 @@ class SlurmCluster:
         return self.root / "restarted"
 
     def run(self, argv: Sequence[str], timeout_seconds: float = 10.0) -> str:
-        """A ``CommandRunner`` (agent/seams.py) pointed at this cluster."""
+        """A ``CommandRunner`` (contract/seams.py) pointed at this cluster."""
         done = subprocess.run(
             list(argv), capture_output=True, text=True, timeout=timeout_seconds, check=True, env=self.env
         )

@@ -1,7 +1,4 @@
-"""The ``vigil`` command line: one entry point for the agent, the aggregator and the simulator.
+"""The ``vigil`` distribution: the agent, the aggregator, the simulator, their shared contract
+(``vigil.contract``) and the command line (``vigil.cli``). ``vigil.__version__`` is the contract's."""
 
-``__version__`` is the single source of the release number: pyproject reads it, ``vigil --version``
-prints it, both services export it as ``vigil_build_info`` and every agent report carries it.
-"""
-
-__version__ = "0.1.0"
+from vigil.contract.version import __version__ as __version__

@@ -14,7 +14,7 @@ from vigil.agent.collectors.collector import Collector
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
-    from vigil.agent.seams import Seams
+    from vigil.contract.seams import Seams
 
 Builder = Callable[["AgentConfig", "Seams"], Collector]
 

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 from pydantic import Field
 
 from vigil.agent.metric import MetricSpec, Sample
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import Event
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import Event
 
 
 @dataclass(slots=True)

@@ -27,11 +27,11 @@ from pydantic import Field, field_validator
 from vigil.agent.attribution import MAX_PROC_FILE_BYTES, job_of_pid, uid_of_status
 from vigil.agent.collectors.collector import Collection, CollectorConfig
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.wire import COLLECTIVES_MAX, CollectiveState
+from vigil.contract.wire import COLLECTIVES_MAX, CollectiveState
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
-    from vigil.agent.seams import Seams
+    from vigil.contract.seams import Seams
 
 log = logging.getLogger(__name__)
 

@@ -34,11 +34,11 @@ from vigil.agent.nvml.backend import (
     error_reason,
 )
 from vigil.agent.pod_names import BUNDLE_TEMPLATES, BundlePodNames
-from vigil.agent.wire import Event, GpuHealth, GpuState, RecoveryAction
+from vigil.contract.wire import Event, GpuHealth, GpuState, RecoveryAction
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
-    from vigil.agent.seams import Seams
+    from vigil.contract.seams import Seams
 
 log = logging.getLogger(__name__)
 

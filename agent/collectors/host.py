@@ -24,12 +24,12 @@ from pydantic import Field, model_validator
 from vigil.agent.collectors.collector import Collection, CollectorConfig
 from vigil.agent.collectors.pcie import NVIDIA_VENDOR, Unusable, read_attribute
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.seams import CommandRunner, run_command
-from vigil.agent.wire import HostFacts
+from vigil.contract.seams import CommandRunner, run_command
+from vigil.contract.wire import HostFacts
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
-    from vigil.agent.seams import Seams
+    from vigil.contract.seams import Seams
 
 
 log = logging.getLogger("vigil.agent.collectors.host")

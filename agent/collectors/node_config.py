@@ -26,11 +26,11 @@ from vigil.agent.collectors.collector import Collection, CollectorConfig
 from vigil.agent.collectors.pcie import Unusable, read_attribute
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.nvml.backend import error_reason
-from vigil.agent.wire import NodeConfig
+from vigil.contract.wire import NodeConfig
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
-    from vigil.agent.seams import Seams
+    from vigil.contract.seams import Seams
 
 log = logging.getLogger("vigil.agent.collectors.node_config")
 

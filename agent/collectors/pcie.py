@@ -24,11 +24,11 @@ from pydantic import Field
 
 from vigil.agent.collectors.collector import Collection, CollectorConfig
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.wire import PcieDevice
+from vigil.contract.wire import PcieDevice
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
-    from vigil.agent.seams import Seams
+    from vigil.contract.seams import Seams
 
 log = logging.getLogger("vigil.agent.collectors.pcie")
 
@@ -81,7 +81,7 @@ NVIDIA_VENDOR = "0x10de"
 GPU_CLASSES = ("0x0300", "0x0302")
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 _READ_BYTES = 4096  # every attribute read here is one sysfs page at most
-MAX_DEVICES = 256  # Report.pcie's bound (agent/wire.py): far above a node's 8-16 HCAs and GPUs
+MAX_DEVICES = 256  # Report.pcie's bound (contract/wire.py): far above a node's 8-16 HCAs and GPUs
 
 
 class Unusable(Exception):

@@ -27,12 +27,12 @@ from pydantic import Field
 
 from vigil.agent.collectors.collector import Collection, CollectorConfig
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.seams import Clock, CommandRunner, run_command
-from vigil.agent.wire import Event, PortState
+from vigil.contract.seams import Clock, CommandRunner, run_command
+from vigil.contract.wire import Event, PortState
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
-    from vigil.agent.seams import Seams
+    from vigil.contract.seams import Seams
 
 log = logging.getLogger("vigil.agent.collectors.rdma")
 

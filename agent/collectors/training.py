@@ -33,12 +33,12 @@ from vigil.agent.attribution import Sender, Trust, uid_key
 from vigil.agent.collectors.collector import Collection, CollectorConfig, StrictModel
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.step_log import LineError, LogFollower, StepLine, StepParser, compile_step_regex, make_parser
-from vigil.agent.validation import HostPort, split_host_port
-from vigil.agent.wire import Event, Heartbeat, JobPhase, RankSummary, WireError, convert, decode
+from vigil.contract.validation import HostPort, split_host_port
+from vigil.contract.wire import Event, Heartbeat, JobPhase, RankSummary, WireError, convert, decode
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
-    from vigil.agent.seams import Seams
+    from vigil.contract.seams import Seams
 
 log = logging.getLogger(__name__)
 

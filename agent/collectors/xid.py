@@ -35,11 +35,11 @@ from vigil.agent.kernel_log import (
     spawn_process,
 )
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.wire import Event
+from vigil.contract.wire import Event
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
-    from vigil.agent.seams import Seams
+    from vigil.contract.seams import Seams
 
 log = logging.getLogger(__name__)
 

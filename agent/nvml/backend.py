@@ -24,7 +24,7 @@ import pynvml
 from pynvml import NVMLError
 
 from vigil.agent.nvml.fake import FakeNvml
-from vigil.agent.seams import CommandRunner, run_command
+from vigil.contract.seams import CommandRunner, run_command
 
 if TYPE_CHECKING:
     from vigil.agent.config import NvmlConfig

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vigil.agent.nvml.profiles import PROFILES, DeviceProfile
-from vigil.agent.validation import format_validation_error
+from vigil.contract.validation import format_validation_error
 
 # Shipped scenarios live in the repository's scenarios/node/, installed as package data of `vigil`
 # (vigil/scenarios links to scenarios/), so the lookup works from a checkout and from a wheel.

@@ -3,7 +3,7 @@
 
 A probe measures and makes the absolute checks it can make alone (errors, throttling under load, a
 failed diagnostic); judging a measured figure against its hardware class's baseline is
-agent/probe_baselines.py's, shared with the aggregator. Nothing here decides what to run or when.
+contract/probe_baselines.py's, shared with the aggregator. Nothing here decides what to run or when.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from vigil.agent.probes import collective, compute, dcgm, memory, p2p, rdma
 from vigil.agent.probes.context import ProbeFunction
-from vigil.agent.wire import ProbeName
+from vigil.contract.wire import ProbeName
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ It reads the request's ``ProbeGroup`` (rendezvous, rank, world size, backend) an
 torch.distributed (the ``comm`` seam: a test wraps it to slow one member's sends). It emits one
 ``ProbeResult``: ``value`` the all-reduce's bus bandwidth in GB/s, ``metrics`` this member's rank,
 the algorithm bandwidth and ``peer_<rank>`` GB/s per measured peer. It judges nothing across
-members: naming the slow one is agent/probe_baselines.py's ``slow_members``, on every member's result.
+members: naming the slow one is contract/probe_baselines.py's ``slow_members``, on every member's result.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from vigil.agent.probes.context import ProbeContext
-from vigil.agent.wire import MAX_PROBE_METRICS, ProbeGroup, ProbeResult
+from vigil.contract.wire import MAX_PROBE_METRICS, ProbeGroup, ProbeResult
 
 # Two metrics besides the peers (``rank`` and ``algbw_gb_per_s``): the rest of the wire's bound
 # (wire.MAX_PROBE_METRICS, 16) holds peers. A larger group measures this many of its rounds, the

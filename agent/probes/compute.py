@@ -5,7 +5,7 @@ clock-event (throttle) reasons read through NVML while it works.
 One result per GPU: the median TFLOP/s of the passes, their coefficient of variation, the lowest
 and median SM clock, the highest power and the share of samples each throttle reason was set in.
 It fails on its own only on what needs no baseline: hardware slowdown under load, or passes that
-disagree beyond a sanity bound; judging the TFLOP/s is agent/probe_baselines.py's.
+disagree beyond a sanity bound; judging the TFLOP/s is contract/probe_baselines.py's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from vigil.agent.probes.context import ProbeContext
 from vigil.agent.probes.engine import AllocationError, per_gpu, usable_engine
-from vigil.agent.wire import ProbeResult, ProbeStatus
+from vigil.contract.wire import ProbeResult, ProbeStatus
 
 # Clock-event reasons that fail the burn (PynvmlBackend.reason_names' names). NVML API reference,
 # nvmlClocksEventReasons: HW Slowdown (0x8) "is engaged ... an indicator of: temperature being too

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from vigil.agent.seams import Clock, CommandRunner
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import ProbeGroup, ProbeName, ProbeResult
+from vigil.contract.seams import Clock, CommandRunner
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import ProbeGroup, ProbeName, ProbeResult
 
 if TYPE_CHECKING:
     from vigil.agent.probes.engine import ComputeEngine

@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 from vigil.agent.probes.context import ProbeContext
-from vigil.agent.wire import ProbeResult, ProbeStatus
+from vigil.contract.wire import ProbeResult, ProbeStatus
 
 # Rows that carry text about the test above them rather than a test of their own.
 _MESSAGE_ROWS = ("Warning", "Info", "Error")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from vigil.agent.wire import ProbeName, ProbeResult
+from vigil.contract.wire import ProbeName, ProbeResult
 
 if TYPE_CHECKING:
     from vigil.agent.probes.context import ProbeContext

@@ -3,7 +3,7 @@ test over the same buffer (all zeros, all ones, 0x55.., 0xAA.., each word's own 
 complement, written and read back), all GPUs at once where the engine drives them concurrently.
 
 One result per GPU: ``value`` the copy bandwidth in GB/s (judged against the class baseline by
-agent/probe_baselines.py); it fails on its own when a word reads back wrong (``pattern_errors``) or
+contract/probe_baselines.py); it fails on its own when a word reads back wrong (``pattern_errors``) or
 the buffer cannot be allocated (``alloc_failed``). It does not read ECC counters (the GPU collector
 does) and repairs nothing.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from vigil.agent.probes.context import ProbeContext
 from vigil.agent.probes.engine import AllocationError, per_gpu, usable_engine
-from vigil.agent.wire import ProbeResult
+from vigil.contract.wire import ProbeResult
 
 # ``--quick``: at most this much per GPU (a 256 MiB copy takes ~0.2 ms on an H100's 3 TB/s HBM).
 QUICK_BYTES = 256 << 20

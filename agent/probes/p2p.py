@@ -4,7 +4,7 @@ do not share links.
 
 One result per source GPU: ``value`` its slowest pair in GB/s, ``metrics`` each pair as
 ``p2p_<src>_<dst>`` (a result holds at most 16 figures: one per peer fits a 16-GPU node, where
-every pair in one result would not). Judging the figures is agent/probe_baselines.py's; with one
+every pair in one result would not). Judging the figures is contract/probe_baselines.py's; with one
 GPU there is nothing to measure (``skipped``).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from vigil.agent.probes.context import ProbeContext
 from vigil.agent.probes.engine import AllocationError, usable_engine
-from vigil.agent.wire import ProbeResult
+from vigil.contract.wire import ProbeResult
 
 # Bytes per pair: 256 MiB moves in ~0.7 ms over an H100's NVLink (~370 GB/s one way), repeated for
 # the engine's copy time; ``probes.memory_bytes`` if smaller.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vigil.agent.probes.context import ProbeContext
-from vigil.agent.wire import ProbeResult
+from vigil.contract.wire import ProbeResult
 
 IB_WRITE_BW = "ib_write_bw"
 # perftest's default TCP port for the out-of-band exchange is 18515; HCA number i uses 18515 + i

@@ -13,8 +13,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vigil.agent.wire import check_node_name
 from vigil.aggregator.decision import Decision
+from vigil.contract.wire import check_node_name
 
 
 class DeliveryError(Exception):

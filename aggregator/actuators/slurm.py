@@ -62,9 +62,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vigil.agent.seams import CommandRunner, run_command
 from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError, job_nodes, one_node
 from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
+from vigil.contract.seams import CommandRunner, run_command
 
 log = logging.getLogger(__name__)
 

@@ -26,13 +26,13 @@ from typing import Any
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import Event
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.hang import JOB_NODES_NAMED
 from vigil.aggregator.fleet import FleetView, JobState
 from vigil.aggregator.job_runs import MAX_INCARNATIONS, JobRun, JobRuns
 from vigil.aggregator.nccl_peers import PeerNames
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import Event
 
 NAME = "app_signals"
 LOG_KINDS = ("nccl_timeout", "cuda_error", "nccl_warn", "nccl_ras")

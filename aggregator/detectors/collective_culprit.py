@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import CollectiveState
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.fleet import FleetView
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import CollectiveState
 
 NAME = "collective_culprit"
 # Ranks named in a finding's evidence (a decision body stays small for a 1,000-node job).

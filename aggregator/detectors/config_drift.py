@@ -21,10 +21,10 @@ from typing import Any, Literal, NamedTuple
 import msgspec
 from pydantic import Field, field_validator
 
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import NodeConfig
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding, NodeAction
 from vigil.aggregator.fleet import FleetView, JobState, NodeState
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import NodeConfig
 
 NAME = "config_drift"
 

@@ -20,11 +20,11 @@ from collections import deque
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.hang import JOB_NODES_NAMED
 from vigil.aggregator.fleet import FleetView, JobState
 from vigil.aggregator.job_runs import Incarnation, JobRun, JobRuns
+from vigil.contract.validation import StrictModel
 
 NAME = "crash_loop"
 # Incarnations named in a hold's evidence (``incarnations``): the latest few.

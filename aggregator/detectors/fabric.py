@@ -16,9 +16,9 @@ from typing import Any
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding, NodeAction
 from vigil.aggregator.fleet import FleetView, NodeState
+from vigil.contract.validation import StrictModel
 
 NAME = "fabric"
 

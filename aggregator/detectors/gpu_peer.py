@@ -23,10 +23,10 @@ from statistics import median
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, HardwareClasses, describe
 from vigil.aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
+from vigil.contract.validation import StrictModel
 
 NAME = "gpu_peer"
 # A rank last reported this many of its node's intervals ago no longer places its GPU in its job

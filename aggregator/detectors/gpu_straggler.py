@@ -32,7 +32,6 @@ from statistics import median
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
 from vigil.aggregator.detectors.straggler import (
@@ -42,6 +41,7 @@ from vigil.aggregator.detectors.straggler import (
     mad_sigma,
 )
 from vigil.aggregator.fleet import FleetView, JobState, NodeState, RankHistory
+from vigil.contract.validation import StrictModel
 
 NAME = "gpu_straggler"
 

@@ -31,10 +31,10 @@ from statistics import median
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.fleet import FleetView, JobState, RankHistory
 from vigil.aggregator.nccl_peers import PeerNames, Suspect, job_nccl_events, suspect
+from vigil.contract.validation import StrictModel
 
 NAME = "hang"
 LONG_PHASES = ("checkpointing", "evaluating")

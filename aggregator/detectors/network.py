@@ -31,11 +31,11 @@ from collections import Counter, deque
 
 from pydantic import Field, model_validator
 
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import PORT_TRAFFIC_COUNTERS
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.quiet_nodes import QuietNodes
 from vigil.aggregator.fleet import FleetView, NodeState, PortHistory, port_is_active
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import PORT_TRAFFIC_COUNTERS
 
 NAME = "network"
 

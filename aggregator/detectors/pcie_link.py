@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding, NodeAction
 from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState, PcieHistory, normal_bus_id
+from vigil.contract.validation import StrictModel
 
 NAME = "pcie_link"
 

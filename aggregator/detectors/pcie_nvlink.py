@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.quiet_nodes import QuietNodes
 from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState
+from vigil.contract.validation import StrictModel
 
 NAME = "pcie_nvlink"
 

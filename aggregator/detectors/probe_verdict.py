@@ -54,12 +54,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from vigil.agent.probe_baselines import ProbeBaselines, judge
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import NodeActionResult, ProbeName
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.peer_class import describe, hardware_class
 from vigil.aggregator.fleet import ActionOutcome, FleetView, NodeState
+from vigil.contract.probe_baselines import ProbeBaselines, judge
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import NodeActionResult, ProbeName
 
 NAME = "probe_verdict"
 

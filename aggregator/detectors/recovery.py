@@ -63,13 +63,13 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator
 
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import ProbeName
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.probe_verdict import Learned, judge_run, probe_request_id
 from vigil.aggregator.fleet import ActionOutcome, FleetView, NodeState, Removal, port_is_active
 from vigil.aggregator.outbox import BUSY, transient
 from vigil.aggregator.xid_catalog import XidCatalog, occurrence_action
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import ProbeName
 
 if TYPE_CHECKING:
     from vigil.aggregator.prober import ProbesConfig

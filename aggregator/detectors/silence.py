@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.fleet import FleetView
+from vigil.contract.validation import StrictModel
 
 NAME = "silence"
 

@@ -34,10 +34,10 @@ from statistics import median
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
 from vigil.aggregator.fleet import FleetView, JobState, NodeState, RankHistory
+from vigil.contract.validation import StrictModel
 
 NAME = "straggler"
 

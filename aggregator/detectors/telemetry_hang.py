@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 
 from pydantic import Field, model_validator
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.hang import JOB_NODES_NAMED
 from vigil.aggregator.fleet import FleetView, GpuHistory, port_is_active
 from vigil.aggregator.job_telemetry import JobNode, JobNodes
+from vigil.contract.validation import StrictModel
 
 NAME = "telemetry_hang"
 # The IBTA PortCounters data counters (sysfs ports/N/counters; the agent reports them in bytes).

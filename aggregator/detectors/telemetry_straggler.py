@@ -80,10 +80,10 @@ from statistics import median
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.peer_class import HardwareClass, HardwareClasses, describe
 from vigil.aggregator.fleet import FleetView, NodeState
+from vigil.contract.validation import StrictModel
 
 NAME = "telemetry_straggler"
 # Median absolute deviation to a normal sigma (1 / Phi^-1(3/4)).

@@ -23,7 +23,6 @@ from itertools import islice
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding, JobAction
 from vigil.aggregator.detectors.topology import ONSET
 from vigil.aggregator.fleet import (
@@ -35,6 +34,7 @@ from vigil.aggregator.fleet import (
     GpuSample,
     NodeState,
 )
+from vigil.contract.validation import StrictModel
 
 NAME = "thermal"
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 from pydantic import Field, model_validator
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.fleet import FleetView
+from vigil.contract.validation import StrictModel
 
 NAME = "topology"
 # Evidence flag of a precursor: an ``observe`` finding of a fault under way that has not met its

@@ -32,7 +32,6 @@ from collections.abc import Mapping
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding, JobAction
 from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState
 from vigil.aggregator.xid_catalog import (
@@ -43,6 +42,7 @@ from vigil.aggregator.xid_catalog import (
     burst_spans,
     judge_xids,
 )
+from vigil.contract.validation import StrictModel
 
 NAME = "xid"
 Gpu = tuple[str, int | None]  # (node, GPU index; None: the node's Xids not tied to a GPU)

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from tests.agent.proc_table import in_slurm_job
 from tests.loopback import free_port
-from vigil.agent.wire import Report, decode_report
+from vigil.contract.wire import Report, decode_report
 
 XID_79 = ("[ 2071.315227] NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, "
           "GPU has fallen off the bus.\n")

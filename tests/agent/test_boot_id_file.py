@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.loopback import free_port
 from vigil.agent.config import parse_config
 from vigil.agent.daemon import Agent
-from vigil.agent.seams import Seams
+from vigil.contract.seams import Seams
 
 REPO = Path(__file__).resolve().parents[2]
 BOOT_A = "0b6f1c2e-9d4a-4f3b-8e21-5a7c9d0e1f23"

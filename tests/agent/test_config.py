@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from vigil.agent.config import load_config, parse_config
-from vigil.agent.validation import ConfigError
+from vigil.contract.validation import ConfigError
 
 
 def test_defaults_are_safe() -> None:

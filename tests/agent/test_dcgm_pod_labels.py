@@ -21,7 +21,7 @@ from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario
 from vigil.agent.pod_names import BundlePodNames
 from vigil.agent.runner import collect_once
-from vigil.agent.seams import Seams
+from vigil.contract.seams import Seams
 
 POD_UID = "3f1b2c4d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"
 OTHER_UID = "aaaaaaaa-bbbb-4ccc-8ddd-eeeeeeeeeeee"

@@ -12,8 +12,8 @@ import pytest
 
 from tests.loopback import free_port
 from vigil.agent.heartbeat import Heartbeat, resolve_addr, resolve_identity
-from vigil.agent.wire import Heartbeat as WireHeartbeat
-from vigil.agent.wire import convert, decode
+from vigil.contract.wire import Heartbeat as WireHeartbeat
+from vigil.contract.wire import convert, decode
 
 
 class FakeClock:

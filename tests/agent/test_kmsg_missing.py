@@ -18,8 +18,8 @@ from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario
 from vigil.agent.runner import Runner
-from vigil.agent.seams import Seams
 from vigil.agent.snapshot import Snapshot
+from vigil.contract.seams import Seams
 
 XID_CYCLE_SECONDS = 0.5  # collectors.xid.interval_seconds' default
 XID_LINE = ("[ 1234.567890] NVRM: Xid (PCI:0000:19:00): 79, pid='<unknown>', name=<unknown>, "

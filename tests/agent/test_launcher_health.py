@@ -191,7 +191,7 @@ async def test_the_agent_serves_it_from_its_reporters_and_removes_the_socket(tmp
     from vigil.agent.nvml.backend import PynvmlBackend
     from vigil.agent.nvml.fake import FakeNvml
     from vigil.agent.nvml.scenario import load_node_scenario
-    from vigil.agent.seams import Seams
+    from vigil.contract.seams import Seams
 
     clock = Clock(1_700_000_000.0)
     path = tmp_path / "nvhcd.sock"

@@ -19,7 +19,7 @@ from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import SCENARIO_DIR, load_node_scenario
 from vigil.agent.runner import collect_once
-from vigil.agent.seams import Seams
+from vigil.contract.seams import Seams
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 START = 1_700_000_000.0

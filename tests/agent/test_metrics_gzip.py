@@ -15,7 +15,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.agent.test_agent_integration import START, FakeClock, make_agent
-from vigil.agent.exporter import accepts_gzip
 from vigil.agent.runner import collect_once
 from vigil.agent.server import make_app
 from vigil.aggregator.app import make_app as make_aggregator_app
@@ -23,6 +22,7 @@ from vigil.aggregator.auth import Credentials
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.scrape_encoding import accepts_gzip
 
 # What Prometheus 2.x/3.x sends on a scrape (scrape/scrape.go: acceptHeader, acceptEncodingHeader).
 PROMETHEUS_HEADERS = {

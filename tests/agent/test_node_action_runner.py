@@ -12,12 +12,12 @@ import pytest
 
 from vigil.agent.config import parse_config
 from vigil.agent.node_action_runner import CLOCK_SKEW_SECONDS, NodeActionRunner, NodeActionsConfig, read_node_key
-from vigil.agent.node_actions import node_key, sign
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import NodeScenario
-from vigil.agent.validation import ConfigError
-from vigil.agent.wire import NodeActionRequest, convert
+from vigil.contract.node_actions import node_key, sign
+from vigil.contract.validation import ConfigError
+from vigil.contract.wire import NodeActionRequest, convert
 
 START = 1_700_000_000.0
 NODE = "gpu-node-7"

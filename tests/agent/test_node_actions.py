@@ -1,4 +1,4 @@
-"""agent/node_actions.py: the one table of node actions, and the signature that binds a request to
+"""contract/node_actions.py: the one table of node actions, and the signature that binds a request to
 one node's key."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import typing
 
 import pytest
 
-from vigil.agent.node_actions import NODE_ACTIONS, node_key, sign, signature_ok
-from vigil.agent.wire import NodeActionName, NodeActionRequest, SchemaError, convert, replace
+from vigil.contract.node_actions import NODE_ACTIONS, node_key, sign, signature_ok
+from vigil.contract.wire import NodeActionName, NodeActionRequest, SchemaError, convert, replace
 
 MASTER = b"m" * 32
 

@@ -17,12 +17,12 @@ from aiohttp import web
 from tests.loopback import free_port
 from vigil.agent.config import parse_config
 from vigil.agent.daemon import Agent
-from vigil.agent.node_actions import node_key, sign
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import NodeScenario
-from vigil.agent.seams import Seams
-from vigil.agent.wire import MAX_REQUESTS_PER_RESPONSE, NodeActionRequest, Report, decode_report, to_builtins
+from vigil.contract.node_actions import node_key, sign
+from vigil.contract.seams import Seams
+from vigil.contract.wire import MAX_REQUESTS_PER_RESPONSE, NodeActionRequest, Report, decode_report, to_builtins
 
 START = 1_700_000_000.0
 NODE = "gpu-node-3"

@@ -18,7 +18,7 @@ from vigil.agent.collectors.collector import Collection
 from vigil.agent.collectors.training import TrainingCollector, TrainingConfig
 from vigil.agent.server import HeartbeatIntake, make_app, make_heartbeat_app
 from vigil.agent.snapshot import CollectorResult, Snapshot
-from vigil.agent.wire import Heartbeat
+from vigil.contract.wire import Heartbeat
 
 SPEC: dict[str, Any] = yaml.safe_load((Path(__file__).resolve().parents[2] / "docs" / "openapi-agent.yaml").read_text())
 

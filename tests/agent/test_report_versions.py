@@ -24,12 +24,12 @@ from tests.loopback import free_port
 from vigil.agent.collectors.collector import Collection
 from vigil.agent.reporter import Reporter
 from vigil.agent.snapshot import CollectorResult, Snapshot
-from vigil.agent.wire import Event, GpuState, PortState, decode_report
 from vigil.aggregator.app import ENGINE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.wire import Event, GpuState, PortState, decode_report
 
 SECRET = b"site-secret-for-tests-0123456789abcdef"
 NODE = "n1"

@@ -7,7 +7,7 @@ from tests.loopback import free_port
 from vigil.agent.collectors.collector import Collection
 from vigil.agent.reporter import Reporter, build_report
 from vigil.agent.snapshot import CollectorResult, Snapshot
-from vigil.agent.wire import Event, GpuState, Report, decode_report, encode
+from vigil.contract.wire import Event, GpuState, Report, decode_report, encode
 
 _free_port = free_port
 

@@ -2,7 +2,7 @@
 
 A fake aggregator on loopback is down for a simulated minute (503 to every attempt) while an Xid
 flood of 9,216 events arrives in collector-sized batches; then it comes back with a body limit a
-quarter of the agent's (an aggregator configured lower than agent/limits.py), so the first
+quarter of the agent's (an aggregator configured lower than contract/limits.py), so the first
 backlog report gets a 413 and must be split. Every event must arrive exactly once, in order; the
 ones a bounded backlog cannot hold are counted and logged, never lost silently.
 """
@@ -20,10 +20,10 @@ from aiohttp import web
 from tests.loopback import free_port
 from vigil.agent.backlog import JOURNAL_FILE
 from vigil.agent.collectors.collector import Collection
-from vigil.agent.limits import REPORT_MAX_BYTES, REPORT_MAX_EVENTS
 from vigil.agent.reporter import Reporter
 from vigil.agent.snapshot import CollectorResult, Snapshot
-from vigil.agent.wire import MAX_TEXT_CHARS, Event, GpuState, decode_report
+from vigil.contract.limits import REPORT_MAX_BYTES, REPORT_MAX_EVENTS
+from vigil.contract.wire import MAX_TEXT_CHARS, Event, GpuState, decode_report
 
 T0 = 1_700_000_000.0
 CYCLE_SECONDS = 2.5

@@ -19,7 +19,7 @@ from tests.loopback import free_port
 from vigil.agent.collectors.collector import Collection
 from vigil.agent.reporter import Reporter
 from vigil.agent.snapshot import CollectorResult, Snapshot
-from vigil.agent.wire import Event, GpuState, decode_report
+from vigil.contract.wire import Event, GpuState, decode_report
 
 T0 = 1_700_000_000.0
 FATAL_XID = Event(kind="xid", ts=T0, urgent=True, code=79, gpu=3, source="kmsg",

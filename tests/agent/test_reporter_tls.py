@@ -19,8 +19,8 @@ from tests.loopback import free_port
 from vigil.agent.config import parse_config
 from vigil.agent.reporter import Reporter, client_ssl_context
 from vigil.agent.snapshot import Snapshot
-from vigil.agent.validation import ConfigError
-from vigil.agent.wire import Event, Report, decode_report
+from vigil.contract.validation import ConfigError
+from vigil.contract.wire import Event, Report, decode_report
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command is not installed")
 

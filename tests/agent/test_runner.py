@@ -6,7 +6,7 @@ from vigil.agent.collectors.collector import Collection
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.runner import Runner, collect_once
 from vigil.agent.snapshot import Snapshot
-from vigil.agent.wire import Event
+from vigil.contract.wire import Event
 
 VALUE = MetricSpec("vigil_test_value", MetricKind.GAUGE, "test")
 

@@ -1,4 +1,4 @@
-"""The wire contract itself (agent/wire.py): what the strict decoder refuses and keeps, and that a
+"""The wire contract itself (contract/wire.py): what the strict decoder refuses and keeps, and that a
 Struct built in Python is checked before it can reach a report."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from vigil.agent.collectors.collector import Collection
 from vigil.agent.metric import MetricSpec
 from vigil.agent.runner import collect_once
-from vigil.agent.wire import (
+from vigil.contract.wire import (
     MAX_COUNT,
     MAX_COUNTER,
     MAX_TEXT_CHARS,

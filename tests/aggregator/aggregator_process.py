@@ -30,8 +30,8 @@ import yaml
 
 from tests.documented_webhook import WebhookRefused, verify_webhook
 from tests.loopback import free_port
-from vigil.agent.wire import Report, encode
 from vigil.aggregator.auth import node_token
+from vigil.contract.wire import Report, encode
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 20.0

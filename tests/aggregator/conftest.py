@@ -10,9 +10,19 @@ import pytest
 
 from tests.aggregator.aggregator_process import WebhookReceiver
 from tests.postgres import PostgresServer, skip_reason
-from vigil.agent.wire import Event, GpuState, HostFacts, NodeConfig, PcieDevice, PortState, RankSummary, Report, convert
 from vigil.aggregator.fleet import GPU_COUNTERS, NodeState
 from vigil.aggregator.store import Store
+from vigil.contract.wire import (
+    Event,
+    GpuState,
+    HostFacts,
+    NodeConfig,
+    PcieDevice,
+    PortState,
+    RankSummary,
+    Report,
+    convert,
+)
 
 GBPS = 1e9
 

@@ -16,7 +16,7 @@ from tests.aggregator.aggregator_process import AggregatorProcess, WebhookReceiv
 from tests.aggregator.conftest import FakeNode
 from tests.aggregator.test_acting_faults import config as acting_config
 from tests.postgres import PostgresServer
-from vigil.agent.wire import Event, Report
+from vigil.contract.wire import Event, Report
 
 NODES = ("gpu-h1", "gpu-h2", "gpu-h3")
 # The budget (docs/architecture.md section 9): the standby acting within 15 s of the leader's death.

@@ -20,7 +20,6 @@ from tests.aggregator.ha_pair import Fleet
 from tests.aggregator.stuck_receivers import TRICKLED_ANSWER, RecordingAlertmanager, SilentReceiver, TricklingReceiver
 from tests.aggregator.test_acting_faults import metric
 from tests.aggregator.test_dispatch import RecordingActuator
-from vigil.agent.wire import Event
 from vigil.aggregator.actuators.actuator import DeadlineExceeded, DeliveryError
 from vigil.aggregator.actuators.alertmanager import AlertmanagerActuator, AlertmanagerConfig
 from vigil.aggregator.actuators.webhook import WebhookActuator, WebhookConfig
@@ -29,6 +28,7 @@ from vigil.aggregator.dispatch import DispatchConfig, Dispatcher
 from vigil.aggregator.gate import Gate, GateConfig
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.store import Store
+from vigil.contract.wire import Event
 
 T0 = 1_700_000_000.0
 WAIT_SECONDS = 30.0  # every wait below is bounded by this (polling a condition, never a sleep)

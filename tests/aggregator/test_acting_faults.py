@@ -17,8 +17,8 @@ import pytest
 
 from tests.aggregator.aggregator_process import REPO, SECRET, AggregatorProcess, WebhookReceiver, wait_for
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event
 from vigil.aggregator.store import Store
+from vigil.contract.wire import Event
 
 NODES = ("gpu-a1", "gpu-a2", "gpu-a3")
 

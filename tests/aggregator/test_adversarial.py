@@ -29,8 +29,8 @@ from tests.aggregator.aggregator_process import (
 from tests.aggregator.conftest import FakeNode
 from tests.loopback import free_port
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
-from vigil.agent.wire import encode
 from vigil.aggregator.auth import node_token
+from vigil.contract.wire import encode
 
 pytestmark = pytest.mark.external
 
@@ -269,7 +269,7 @@ def test_non_finite_unbounded_or_wrongly_typed_numbers_are_refused_and_change_no
     target.healthz()
 
 
-# Issue 44's sections of a report: each bound of the wire (agent/wire.py PcieDevice, NodeConfig).
+# Issue 44's sections of a report: each bound of the wire (contract/wire.py PcieDevice, NodeConfig).
 @pytest.mark.parametrize("section, value", [
     ("pcie", [{"pci_bus_id": "0000:18:00.0", "kind": "nvswitch"}]),
     ("pcie", [{"pci_bus_id": "0000:18:00.0", "kind": "gpu", "aer_fatal_total": -1}]),

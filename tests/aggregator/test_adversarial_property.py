@@ -19,13 +19,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import encode as wire_encode
-from vigil.agent.wire import to_readable
 from vigil.aggregator.app import EVALUATE_KEY, METRICS_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.wire import encode as wire_encode
+from vigil.contract.wire import to_readable
 
 NOW = 1_800_000_000.0
 SECRET = b"site-secret-of-the-property-test-0123456789"

@@ -10,13 +10,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode, set_training
-from vigil.agent.wire import Event, encode
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import AggregatorConfig, ConfigError, parse_config
 from vigil.aggregator.decision import Action
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.wire import Event, encode
 
 SECRET = b"site-secret-for-tests-0123456789abcdef"
 # Node "a"'s credential; Service.post uses each node's own.

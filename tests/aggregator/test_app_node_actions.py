@@ -14,8 +14,6 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.node_actions import node_key, signature_ok
-from vigil.agent.wire import Event, NodeActionRequest, NodeActionResult, convert, encode, to_builtins
 from vigil.aggregator.actuators.actuator import DispatchConfig
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
@@ -26,6 +24,8 @@ from vigil.aggregator.engine import Engine
 from vigil.aggregator.gate import Gate
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.store import Store
+from vigil.contract.node_actions import node_key, signature_ok
+from vigil.contract.wire import Event, NodeActionRequest, NodeActionResult, convert, encode, to_builtins
 
 SECRET = b"site-secret-for-tests-0123456789abcdef"
 MASTER = bytes(range(32, 64))

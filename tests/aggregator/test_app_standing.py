@@ -14,7 +14,6 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event, encode
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -24,6 +23,7 @@ from vigil.aggregator.gate import BreakerRecord, Gate, GateState, HistoryEntry, 
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.node_standing import NodeStanding
 from vigil.aggregator.store import Store
+from vigil.contract.wire import Event, encode
 
 SECRET = b"site-secret-for-tests-0123456789abcdef"
 T0 = 1_700_000_000.0

@@ -20,7 +20,6 @@ from tests.aggregator.aggregator_process import (
 )
 from tests.aggregator.conftest import FakeNode
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
-from vigil.agent.wire import Event, encode
 from vigil.aggregator.actuators.webhook import WebhookActuator, WebhookConfig
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
@@ -30,6 +29,7 @@ from vigil.aggregator.engine import Engine
 from vigil.aggregator.gate import Gate
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.store import Store
+from vigil.contract.wire import Event, encode
 
 FLEET = 50
 STORM = 20  # 40% of the fleet

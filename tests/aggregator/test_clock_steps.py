@@ -19,7 +19,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event, encode
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.clock import FleetClockWatch, SteadyClock
@@ -27,6 +26,7 @@ from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import REMOVING_ACTIONS, Decision
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.wire import Event, encode
 
 SECRET = b"site-secret-of-the-clock-step-tests-0123456789"
 T0 = 1_800_000_000.0

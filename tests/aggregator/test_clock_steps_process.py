@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.aggregator.aggregator_process import ROLE_TOKENS, AggregatorProcess
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event
+from vigil.contract.wire import Event
 
 LIBFAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
 pytestmark = [

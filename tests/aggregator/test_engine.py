@@ -1,9 +1,9 @@
 from tests.aggregator.conftest import FakeNode, drive
-from vigil.agent.wire import Event
 from vigil.aggregator.config import AggregatorConfig, parse_config
 from vigil.aggregator.decision import Action
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.wire import Event
 
 
 class CountingSink(RecordingSink):

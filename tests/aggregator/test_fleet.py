@@ -1,6 +1,6 @@
 from tests.aggregator.conftest import FakeNode, rank_summary
-from vigil.agent.wire import Event
 from vigil.aggregator.fleet import Fleet, FleetConfig
+from vigil.contract.wire import Event
 
 
 def test_counter_deltas_between_reports_of_one_boot():

@@ -17,8 +17,8 @@ import msgspec
 import pytest
 
 from tests.aggregator.conftest import FakeNode, rank_summary
-from vigil.agent.wire import SPARSE_VERSION, Event, GpuState, PortState, Report
 from vigil.aggregator.fleet import Fleet, FleetConfig
+from vigil.contract.wire import SPARSE_VERSION, Event, GpuState, PortState, Report
 
 T0 = 1_800_000_000.0
 INTERVAL = 2.5

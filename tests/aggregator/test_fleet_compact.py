@@ -14,7 +14,8 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode, assert_same_node, rank_summary
 from vigil.agent.report_delta import delta, whole
-from vigil.agent.wire import (
+from vigil.aggregator.fleet import _COMPLETERS, GPU_COUNTERS, Fleet, GpuHistory, GpuSample
+from vigil.contract.wire import (
     COMPACT_VERSIONS,
     SPARSE_VERSION,
     GpuProcess,
@@ -24,7 +25,6 @@ from vigil.agent.wire import (
     Report,
     decode_report,
 )
-from vigil.aggregator.fleet import _COMPLETERS, GPU_COUNTERS, Fleet, GpuHistory, GpuSample
 
 ROUNDS = 12
 JUDGED_PORT_COUNTERS = ["symbol_error", "link_downed", "link_error_recovery"]

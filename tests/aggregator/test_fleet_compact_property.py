@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode, assert_same_node, rank_summary
 from vigil.agent.report_delta import IDENTITY, V2_PORT_EXCLUDE, delta, whole
-from vigil.agent.wire import (
+from vigil.aggregator.fleet import Fleet
+from vigil.contract.wire import (
     COMPACT_VERSIONS,
     GpuState,
     HostFacts,
@@ -36,7 +37,6 @@ from vigil.agent.wire import (
     decode_report,
     to_builtins,
 )
-from vigil.aggregator.fleet import Fleet
 
 MODELS: dict[str, type[msgspec.Struct]] = {"gpus": GpuState, "ports": PortState, "ranks": RankSummary}
 # What the fields hold at most here: a few items are enough to go absent, change and come back.

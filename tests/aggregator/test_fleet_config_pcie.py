@@ -8,8 +8,8 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode
 from tests.aggregator.test_fleet_compact import _compact
-from vigil.agent.wire import COMPACT_VERSIONS, Report
 from vigil.aggregator.fleet import Fleet, FleetConfig, NodeState
+from vigil.contract.wire import COMPACT_VERSIONS, Report
 
 
 def _node() -> FakeNode:

@@ -18,9 +18,9 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode, rank_summary
 from vigil.agent.report_delta import delta, whole
-from vigil.agent.wire import COMPACT_VERSIONS, Report, decode_report
 from vigil.aggregator.fleet import Fleet, FleetConfig
 from vigil.aggregator.job_telemetry import JobNode, JobNodes, job_nodes
+from vigil.contract.wire import COMPACT_VERSIONS, Report, decode_report
 
 ROUNDS = 12
 

@@ -17,8 +17,6 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode
 from tests.aggregator.test_app_node_actions import MASTER, SECRET, T0, Clock, FakeSlurm
-from vigil.agent.node_actions import node_key, sign_result
-from vigil.agent.wire import NodeActionRequest, NodeActionResult, ProbeResult, convert, encode, to_builtins
 from vigil.aggregator.actuators.actuator import DispatchConfig
 from vigil.aggregator.app import EVALUATE_KEY, PROBER_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
@@ -38,6 +36,8 @@ from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.prober import ProbesConfig
 from vigil.aggregator.store import Store
 from vigil.cli import main
+from vigil.contract.node_actions import node_key, sign_result
+from vigil.contract.wire import NodeActionRequest, NodeActionResult, ProbeResult, convert, encode, to_builtins
 
 OPERATOR = b"operator-token-for-tests-0123456789"
 NODES = [f"gpu-{i}" for i in range(6)]  # gpu-0..gpu-3 the repaired set, gpu-4 and gpu-5 partners

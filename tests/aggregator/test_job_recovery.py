@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from vigil.agent.wire import RankSummary
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import FleetView, JobState, RankHistory
 from vigil.aggregator.job_recovery import JobRecoveryConfig, JobRecoveryPlanner
+from vigil.contract.wire import RankSummary
 
 T0 = 1_000.0
 JOB = "4242"

@@ -16,7 +16,6 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode, set_training
-from vigil.agent.wire import Report, encode
 from vigil.aggregator.app import EVALUATE_KEY, METRICS_KEY, make_app, measure_loop_lag, timing_gc_pauses
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -25,6 +24,7 @@ from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import Fleet, FleetConfig, FleetView
 from vigil.aggregator.metrics import AggregatorMetrics
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.wire import Report, encode
 
 SECRET = b"site-secret-of-the-judging-test-0123456789"
 T0 = 1_800_000_000.0

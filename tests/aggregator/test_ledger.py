@@ -11,13 +11,13 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode
 from tests.aggregator.test_store import Takes
-from vigil.agent.wire import Event
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.gate import OPERATOR, Gate, GateConfig, GateState
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.store import SCHEMA_VERSION, Store, StoreConfig, StoreError
+from vigil.contract.wire import Event
 
 T0 = 1_700_000_000.0
 

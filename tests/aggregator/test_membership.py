@@ -10,7 +10,6 @@ from pathlib import Path
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event, encode, replace
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -21,6 +20,7 @@ from vigil.aggregator.gate import Gate
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.sink import RecordingSink
 from vigil.aggregator.store import Store
+from vigil.contract.wire import Event, encode, replace
 
 T0 = 1_800_000_000.0
 SECRET = b"site-secret-of-the-membership-test-0123456789"

@@ -16,13 +16,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event, encode
 from vigil.aggregator.app import make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.metrics import EVENT_KINDS, ActingReadings, AggregatorMetrics
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.wire import Event, encode
 
 SECRET = b"site-secret-for-metrics-tests-0123456789"
 NOW = 1_000_000.0

@@ -25,8 +25,6 @@ from tests.aggregator.test_app_node_actions import (
     _reset_requested,
     _result,
 )
-from vigil.agent.node_actions import node_key, signature_ok
-from vigil.agent.wire import NodeActionResult
 from vigil.aggregator.actuators.actuator import DispatchConfig
 from vigil.aggregator.app import make_app
 from vigil.aggregator.auth import Credentials
@@ -39,6 +37,8 @@ from vigil.aggregator.gate import Gate
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.outbox import NodeActionsConfig, Outbox
 from vigil.aggregator.store import Store
+from vigil.contract.node_actions import node_key, signature_ok
+from vigil.contract.wire import NodeActionResult
 
 OPERATOR = {"Authorization": "Bearer operator-token-of-void-tests-01"}
 CANCELLED = 'vigil_aggregator_node_action_results_total{{action="reset_gpu",outcome="cancelled",reason="{}"}} 1.0'

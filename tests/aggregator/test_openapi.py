@@ -17,7 +17,16 @@ from openapi_spec_validator import validate as validate_spec
 from pydantic import BaseModel
 
 from tests.aggregator.conftest import FakeNode, set_training
-from vigil.agent.wire import (
+from vigil.aggregator.app import EVALUATE_KEY, make_app
+from vigil.aggregator.auth import Credentials, node_token
+from vigil.aggregator.config import parse_config
+from vigil.aggregator.decision import Decision, Finding
+from vigil.aggregator.engine import Engine
+from vigil.aggregator.gate import Gate
+from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.sink import RecordingSink
+from vigil.aggregator.store import Store
+from vigil.contract.wire import (
     CollectiveState,
     Event,
     GpuState,
@@ -30,15 +39,6 @@ from vigil.agent.wire import (
     encode,
     replace,
 )
-from vigil.aggregator.app import EVALUATE_KEY, make_app
-from vigil.aggregator.auth import Credentials, node_token
-from vigil.aggregator.config import parse_config
-from vigil.aggregator.decision import Decision, Finding
-from vigil.aggregator.engine import Engine
-from vigil.aggregator.gate import Gate
-from vigil.aggregator.ledger import Ledger
-from vigil.aggregator.sink import RecordingSink
-from vigil.aggregator.store import Store
 
 SPEC_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 SPEC: dict[str, Any] = yaml.safe_load(SPEC_PATH.read_text())

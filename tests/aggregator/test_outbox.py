@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.node_actions import node_key, signature_ok
-from vigil.agent.wire import MAX_REQUESTS_PER_RESPONSE, NodeActionResult
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.fleet import Fleet
 from vigil.aggregator.outbox import NodeActionsConfig, Outbox
+from vigil.contract.node_actions import node_key, signature_ok
+from vigil.contract.wire import MAX_REQUESTS_PER_RESPONSE, NodeActionResult
 
 MASTER = bytes(range(32))
 T0 = 10_000.0

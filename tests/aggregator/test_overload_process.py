@@ -17,9 +17,9 @@ from pathlib import Path
 
 from tests.aggregator.aggregator_process import ROLE_TOKENS, SITE_SECRET, AggregatorProcess
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import encode
 from vigil.aggregator.auth import node_token
-from vigil.loadgen import Plan, Target, run_load
+from vigil.cli.loadgen import Plan, Target, run_load
+from vigil.contract.wire import encode
 
 ADMITTED_PER_SECOND = 20
 # A burst of reports from one node, sent back to back until one is shed: the bucket holds one

@@ -16,15 +16,12 @@ from tests.aggregator.conftest import FakeNode, rank_summary, set_training
 from tests.aggregator.test_app_node_actions import MASTER, SECRET, _cluster
 from vigil.agent.node_action_runner import NodeActionRunner, ProbeWorld
 from vigil.agent.node_action_runner import NodeActionsConfig as AgentNodeActionsConfig
-from vigil.agent.node_actions import node_key, sign_result, signature_ok
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import NodeScenario
-from vigil.agent.probe_baselines import Baseline, ProbeBaselines
 from vigil.agent.probes import PROBES as PROBE_TABLE
 from vigil.agent.probes import ProbeSpec
 from vigil.agent.probes.context import ProbeContext
-from vigil.agent.wire import Event, NodeActionRequest, NodeActionResult, ProbeResult, convert, encode, to_builtins
 from vigil.aggregator.app import EVALUATE_KEY, PROBER_KEY
 from vigil.aggregator.auth import node_token
 from vigil.aggregator.config import ConfigError, parse_config
@@ -41,6 +38,9 @@ from vigil.aggregator.fleet import Fleet, Removal
 from vigil.aggregator.group_testing import GroupIsolation
 from vigil.aggregator.outbox import NodeActionsConfig, Outbox
 from vigil.aggregator.prober import IsolationRefused, Prober, ProbesConfig, SuspectTrigger
+from vigil.contract.node_actions import node_key, sign_result, signature_ok
+from vigil.contract.probe_baselines import Baseline, ProbeBaselines
+from vigil.contract.wire import Event, NodeActionRequest, NodeActionResult, ProbeResult, convert, encode, to_builtins
 
 H100 = "NVIDIA H100 80GB HBM3"
 BASELINES = ProbeBaselines(default={"gpu_compute": Baseline(min_value=600.0),

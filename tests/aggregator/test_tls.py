@@ -16,8 +16,8 @@ import pytest
 
 from tests.aggregator.aggregator_process import SITE_SECRET, AggregatorProcess
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import encode
 from vigil.aggregator.auth import node_token
+from vigil.contract.wire import encode
 
 OPENSSL = shutil.which("openssl")
 

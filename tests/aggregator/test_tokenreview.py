@@ -13,13 +13,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.aggregator.fake_kubernetes import FakeKubernetes
-from vigil.agent.wire import Report, encode
 from vigil.aggregator.app import make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
 from vigil.aggregator.tokenreview import KubernetesAuthConfig, TokenReviewer
+from vigil.contract.wire import Report, encode
 
 SECRET = b"site-secret-of-the-tokenreview-test-0123456789"
 CACHE_SECONDS = 300.0
@@ -270,7 +270,7 @@ async def test_node_tokens_of_the_site_secret_still_work_beside_it(kube: FakeKub
 
 
 def test_the_aggregator_needs_its_own_token_and_an_api_address(tmp_path: Path) -> None:
-    from vigil.agent.validation import ConfigError
+    from vigil.contract.validation import ConfigError
 
     config = KubernetesAuthConfig(enabled=True, token_file=str(tmp_path / "missing"), ca_file=None)
     with pytest.raises(ConfigError, match="KUBERNETES_SERVICE_HOST"):

@@ -16,7 +16,7 @@ import yaml
 from tests.aggregator.aggregator_process import REPO, AggregatorProcess, wait_for
 from tests.aggregator.fake_kubernetes import FakeKubernetes
 from tests.loopback import free_port
-from vigil.agent.wire import Report, encode
+from vigil.contract.wire import Report, encode
 
 NODE = "k8s-gpu-1"
 

@@ -40,8 +40,8 @@ from tests.aggregator.fake_kubernetes import FakeKubernetes
 from tests.aggregator.test_tls import self_signed
 from tests.deploy.test_kubernetes_overlays import KUBECTL, objects
 from tests.loopback import free_port
-from vigil import __version__
-from vigil.agent.wire import Report, encode
+from vigil.contract.version import __version__
+from vigil.contract.wire import Report, encode
 
 REPO = Path(__file__).resolve().parents[2]
 BUILDAH = shutil.which("buildah")

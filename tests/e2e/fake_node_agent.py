@@ -25,8 +25,8 @@ from vigil.agent.daemon import Agent
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario
-from vigil.agent.seams import Seams
-from vigil.log_format import configure_logging
+from vigil.cli.log_format import configure_logging
+from vigil.contract.seams import Seams
 
 POLL_SECONDS = 0.2
 

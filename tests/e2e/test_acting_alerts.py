@@ -17,7 +17,7 @@ from tests.aggregator.aggregator_process import AggregatorProcess
 from tests.aggregator.conftest import FakeNode
 from tests.e2e.conftest import Processes, http_json, wait_for, which
 from tests.loopback import free_port
-from vigil.agent.wire import Event
+from vigil.contract.wire import Event
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = which("prometheus")

@@ -30,8 +30,8 @@ from tests.aggregator.aggregator_process import (
 from tests.loopback import free_port
 from tests.pidfile import stop_children
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
-from vigil.agent.node_actions import node_key
 from vigil.aggregator.auth import node_token
+from vigil.contract.node_actions import node_key
 
 MASTER_KEY = bytes(range(32))
 # GPU 2 of the fake H100 profile sits at PCI 0000:4c:00 (agent/nvml/profiles.py).

@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.aggregator.aggregator_process import REPO, SITE_SECRET, AggregatorProcess
 from tests.e2e.conftest import Processes, wait_for
 from tests.loopback import free_port
-from vigil.agent.limits import REPORT_MAX_BYTES
 from vigil.aggregator.auth import node_token
+from vigil.contract.limits import REPORT_MAX_BYTES
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def by_kind(metrics: dict[str, dict[tuple[tuple[str, str], ...], float]], name: 
 
 @pytest.fixture(params=["quarter-limit", "shipped-limits"])
 def aggregator(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[AggregatorProcess]:
-    # "quarter-limit": an aggregator configured below the agent's limit (agent/limits.py): the
+    # "quarter-limit": an aggregator configured below the agent's limit (contract/limits.py): the
     # backlog's first report is refused with 413 and the agent must split it. "shipped-limits":
     # both sides as shipped, where the per-report event count (REPORT_MAX_EVENTS), not the size,
     # is what the agent must respect (the aggregator's schema refuses more with 400).

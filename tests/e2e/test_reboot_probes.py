@@ -24,7 +24,7 @@ import pytest
 from tests.aggregator.aggregator_process import AggregatorProcess, slurm_aggregator_config
 from tests.e2e.test_reboot_loop import HEALTHY, XID_79, FakeNodes, reboot_cluster, scontrol_states
 from tests.slurm_cluster import SlurmCluster
-from vigil.agent.node_actions import node_key
+from vigil.contract.node_actions import node_key
 
 pytestmark = pytest.mark.external
 torch = pytest.importorskip("torch")  # the agent's compute engine (the probes run on the CPU)

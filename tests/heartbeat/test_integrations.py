@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from vigil.agent.wire import Heartbeat as WireHeartbeat
-from vigil.agent.wire import convert
+from vigil.contract.wire import Heartbeat as WireHeartbeat
+from vigil.contract.wire import convert
 from vigil_heartbeat import Heartbeat
 from vigil_heartbeat.integrations import hf_callback, watch_deepspeed
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tests.heartbeat.fakes import RecordingHeartbeat
-from vigil.agent.wire import Heartbeat as WireHeartbeat
-from vigil.agent.wire import convert
+from vigil.contract.wire import Heartbeat as WireHeartbeat
+from vigil.contract.wire import convert
 from vigil_heartbeat.client import VALUE_BOUND, Heartbeat
 from vigil_heartbeat.pytorch import StepTimer
 

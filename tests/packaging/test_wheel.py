@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.loopback import free_port
-from vigil import __version__
+from vigil.contract.version import __version__
 
 REPO = Path(__file__).resolve().parents[2]
 PIP_SECONDS = 300

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from vigil.agent.wire import Report
+from vigil.contract.wire import Report
 from vigil.sim.clock import SimClock
 from vigil.sim.run import Simulation
 from vigil.sim.scenario import Scenario, parse_scenario

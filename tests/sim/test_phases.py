@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vigil.agent.wire import Report
+from vigil.contract.wire import Report
 from vigil.sim.run import Simulation, report_offsets, run_scenario
 from vigil.sim.scenario import Scenario, parse_scenario
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from vigil.agent.node_actions import node_key, result_signature_ok, sign
-from vigil.agent.probe_baselines import ProbeBaselines, judge
-from vigil.agent.wire import NodeActionRequest, ProbeGroup
+from vigil.contract.node_actions import node_key, result_signature_ok, sign
+from vigil.contract.probe_baselines import ProbeBaselines, judge
+from vigil.contract.wire import NodeActionRequest, ProbeGroup
 from vigil.sim.probes import SimHardware, SimProbeAgent, figures, node_rng, probe_seconds
 from vigil.sim.run import sim_master_key
 from vigil.sim.scenario import ProbeSlow, ScenarioError, SimProbes, UnderLoad, parse_scenario

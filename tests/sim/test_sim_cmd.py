@@ -11,8 +11,8 @@ import yaml
 
 from tests.sim.conftest import next_report, raw
 from vigil.cli import main
+from vigil.cli.sim_cmd import ProgressBar, ProgressLines
 from vigil.sim.scenario import parse_scenario
-from vigil.sim_cmd import ProgressBar, ProgressLines
 
 
 def _write(tmp_path: Path, data: dict, name: str = "s.yaml") -> Path:

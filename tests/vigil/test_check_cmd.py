@@ -25,11 +25,10 @@ import yaml
 
 from vigil.agent.config import NvmlConfig
 from vigil.agent.nvml.backend import open_backend
-from vigil.agent.probe_baselines import Baseline, ProbeBaselines
 from vigil.agent.probes import PROBES, ProbeSpec
 from vigil.agent.probes.context import ProbeContext, ProbesConfig
-from vigil.agent.wire import ProbeName, ProbeResult
-from vigil.check_cmd import (
+from vigil.cli import main
+from vigil.cli.check_cmd import (
     DRAIN_REASON_PREFIX,
     EXIT_CANNOT_JUDGE,
     EXIT_HEALTHY,
@@ -43,7 +42,8 @@ from vigil.check_cmd import (
     local_probes,
     run_check,
 )
-from vigil.cli import main
+from vigil.contract.probe_baselines import Baseline, ProbeBaselines
+from vigil.contract.wire import ProbeName, ProbeResult
 
 H100 = "NVIDIA H100 80GB HBM3"  # what the fake's default h100-sxm-80gb board reports as its name
 

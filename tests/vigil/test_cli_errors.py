@@ -16,8 +16,8 @@ import pytest
 
 from tests.loopback import free_port
 from vigil.agent.config import parse_config as parse_agent
-from vigil.agent.validation import ConfigError
 from vigil.aggregator.config import parse_config as parse_aggregator
+from vigil.contract.validation import ConfigError
 
 
 def _vigil(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -1,6 +1,6 @@
 """Credential files: ``vigil token ... --out`` creates them 0600 (never over a file, never through a
 link, whatever the umask); the aggregator refuses at start one that other users may read, the
-agent warns and exports it; a token file is re-read when replaced (agent/credential_file.py)."""
+agent warns and exports it; a token file is re-read when replaced (contract/credential_file.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from vigil.agent.credential_file import ExposedFiles, TokenFile, exposure
-from vigil.agent.validation import ConfigError
+from vigil.agent.credential_exposure import ExposedFiles
 from vigil.aggregator.auth import AuthConfig, Credentials, node_token
 from vigil.cli import main
+from vigil.contract.credential_file import TokenFile, exposure
+from vigil.contract.validation import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

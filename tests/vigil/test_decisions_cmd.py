@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from vigil import decisions_cmd
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.gate import Gate, GateConfig
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.store import Store
+from vigil.cli import decisions_cmd
 
 T0 = 1_700_000_000.0
 

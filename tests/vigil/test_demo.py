@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vigil.demo_cmd import DRY_RUN_BANNER, WRAP_COLUMNS, decision_lines
+from vigil.cli.demo_cmd import DRY_RUN_BANNER, WRAP_COLUMNS, decision_lines
 
 LONG_REASON = ("GPU 2 on gpu-node-03: uncorrectable ECC errors (volatile 3) and a row-remap failure "
                "(remapping resources exhausted); the GPU cannot retire more rows, so it needs hardware "

@@ -16,11 +16,11 @@ import pytest
 
 from tests.aggregator.aggregator_process import ROLE_TOKENS, SITE_SECRET, AggregatorProcess, wait_for
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import encode
 from vigil.aggregator.auth import node_token
 from vigil.cli import main
-from vigil.loadgen import LATE_SECONDS, Pace, pace_line, pace_summary
-from vigil.loadgen_cmd import EXIT_BEHIND_SCHEDULE
+from vigil.cli.loadgen import LATE_SECONDS, Pace, pace_line, pace_summary
+from vigil.cli.loadgen_cmd import EXIT_BEHIND_SCHEDULE
+from vigil.contract.wire import encode
 
 NODES = 20
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vigil.log_format import TRACEBACK_INDENT, configure_logging, escape_controls
+from vigil.cli.log_format import TRACEBACK_INDENT, configure_logging, escape_controls
 
 # Raw characters no log line may hold (the test's own list: C0 but the line ends, DEL, C1,
 # U+2028/2029, bidi overrides and isolates, surrogates).
@@ -52,7 +52,7 @@ def test_json_log_lines_parse(tmp_path: Path, command: str) -> None:
 # cursor, title), a C1 CSI, a Unicode line separator, a bidi override, an unpaired surrogate.
 HOSTILE = ("job\n2026-01-01 00:00:00,000 ERROR vigil.aggregator: FORGED\r\x1b[31mred\x1b]0;title\x07"
            "\x9b2J\u2028sep\u202eevil\ud800\x00end")
-LOGGERS = ("vigil.agent.node_actions", "vigil.aggregator.outbox")
+LOGGERS = ("vigil.contract.node_actions", "vigil.aggregator.outbox")
 
 
 def _log_through_configure(fmt: str, capsys: pytest.CaptureFixture[str], with_exception: bool = False) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import stat
 
-from vigil.agent.node_actions import node_key, sign, signature_ok
-from vigil.agent.wire import NodeActionRequest
 from vigil.aggregator.outbox import read_key_file
 from vigil.cli import main
+from vigil.contract.node_actions import node_key, sign, signature_ok
+from vigil.contract.wire import NodeActionRequest
 
 
 def test_master_and_node_key_files(tmp_path, capsys) -> None:

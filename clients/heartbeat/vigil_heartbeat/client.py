@@ -44,7 +44,7 @@ _PHASE_ALIASES = {
 PHASES = ("training", "checkpointing", "evaluating")
 # How the phase times were measured: on the GPU's own timeline, or on the host around the calls.
 TIMINGS = ("cuda_events", "cpu")
-# The agent's bound on a training value (agent/wire.py ``Num``: |x| <= 1e18, which refuses NaN and
+# The agent's bound on a training value (contract/wire.py ``Num``: |x| <= 1e18, which refuses NaN and
 # infinity as numbers); a finite value beyond it is sent as the bound, so the datagram stays valid.
 VALUE_BOUND = 1e18
 _INF = float("inf")

@@ -22,8 +22,8 @@ from vigil.agent.config import parse_config
 from vigil.agent.report_delta import delta, whole
 from vigil.agent.reporter import build_report
 from vigil.agent.snapshot import CollectorResult, Snapshot
-from vigil.agent.validation import ConfigError
-from vigil.agent.wire import COMPACT_VERSIONS, CollectiveState
+from vigil.contract.validation import ConfigError
+from vigil.contract.wire import COMPACT_VERSIONS, CollectiveState
 
 FIXTURES = Path(__file__).parent.parent.parent / "fixtures" / "flight_recorder"
 NOW = 1_800_000_000.0

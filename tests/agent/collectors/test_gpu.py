@@ -16,8 +16,8 @@ from vigil.agent.metric import Sample
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario, shipped_scenarios
-from vigil.agent.seams import Seams
-from vigil.agent.wire import Event, Report
+from vigil.contract.seams import Seams
+from vigil.contract.wire import Event, Report
 
 
 class Clock:
@@ -270,7 +270,7 @@ def test_xid_events_from_the_worker_thread(make, clock):
 
 
 def test_config_rejects_typos_with_key_path():
-    from vigil.agent.validation import ConfigError
+    from vigil.contract.validation import ConfigError
 
     with pytest.raises(ConfigError, match=r"collectors\.gpu\.nvlink_interval_secnds: unknown key"):
         parse_config({"collectors": {"gpu": {"nvlink_interval_secnds": 5}}})

@@ -17,8 +17,8 @@ from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.host import FABRIC_MANAGER_COMMAND, HostCollector, HostConfig
 from vigil.agent.config import parse_config
 from vigil.agent.metric import Sample
-from vigil.agent.seams import Seams
-from vigil.agent.validation import ConfigError
+from vigil.contract.seams import Seams
+from vigil.contract.validation import ConfigError
 from vigil.sim import fabric
 
 HGX = Path(__file__).parent.parent.parent / "fixtures" / "sysfs" / "hgx"

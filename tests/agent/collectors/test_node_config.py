@@ -14,8 +14,8 @@ from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.node_config import FACTS, NodeConfigCollector, NodeConfigConfig
 from vigil.agent.config import parse_config
 from vigil.agent.metric import Sample
-from vigil.agent.seams import Seams
-from vigil.agent.wire import NodeConfig, check
+from vigil.contract.seams import Seams
+from vigil.contract.wire import NodeConfig, check
 from vigil.sim import fabric
 
 FIXTURES = Path(__file__).parent.parent.parent / "fixtures" / "sysfs"
@@ -221,7 +221,7 @@ def test_config_and_pcie_ride_the_report(node: dict[str, Path]) -> None:
     from vigil.agent.reporter import build_report
     from vigil.agent.runner import collect_once
     from vigil.agent.snapshot import Snapshot
-    from vigil.agent.wire import decode_report, encode
+    from vigil.contract.wire import decode_report, encode
 
     snapshot = Snapshot()
     for collector in (_collector(node), PcieCollector(PcieConfig(), node["sys"])):

@@ -13,8 +13,8 @@ from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.pcie import PcieCollector, PcieConfig, Unusable, aer_total, link_generation
 from vigil.agent.config import parse_config
 from vigil.agent.metric import Sample
-from vigil.agent.seams import Seams
-from vigil.agent.wire import PcieDevice, check
+from vigil.contract.seams import Seams
+from vigil.contract.wire import PcieDevice, check
 from vigil.sim import fabric
 
 FIXTURES = Path(__file__).parent.parent.parent / "fixtures" / "sysfs"

@@ -22,9 +22,9 @@ from vigil.agent.collectors.rdma import (
 from vigil.agent.config import parse_config
 from vigil.agent.exporter import SnapshotExporter, render
 from vigil.agent.metric import Sample
-from vigil.agent.seams import Seams
-from vigil.agent.validation import ConfigError
-from vigil.agent.wire import PortState, Report, decode_report, encode
+from vigil.contract.seams import Seams
+from vigil.contract.validation import ConfigError
+from vigil.contract.wire import PortState, Report, decode_report, encode
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sysfs"
 H100 = FIXTURES / "h100"

@@ -17,10 +17,10 @@ from vigil.agent.config import parse_config
 from vigil.agent.heartbeat import Heartbeat
 from vigil.agent.metric import Sample
 from vigil.agent.runner import collect_once
-from vigil.agent.seams import Seams
 from vigil.agent.snapshot import Snapshot
-from vigil.agent.validation import ConfigError
-from vigil.agent.wire import RankSummary
+from vigil.contract.seams import Seams
+from vigil.contract.validation import ConfigError
+from vigil.contract.wire import RankSummary
 
 FIXTURES = Path(__file__).parent.parent.parent / "fixtures" / "training-logs"
 T0 = 1_700_000_000.0

@@ -9,7 +9,7 @@ import pytest
 
 from tests.agent.collectors.test_training import T0, FakeProcesses, make, summary_of, value
 from vigil.agent.attribution import IN_PROCESS, Sender
-from vigil.agent.wire import Report, check, decode_report, encode
+from vigil.contract.wire import Report, check, decode_report, encode
 
 JR = {"job": "j1", "rank": "0"}
 

@@ -15,7 +15,7 @@ from vigil.agent.collectors.xid import PAGED_XID_CODES, XidCollector, XidConfig,
 from vigil.agent.config import parse_config
 from vigil.agent.kernel_log import FileFollower, KmsgReader, LineSource, StreamReader
 from vigil.agent.metric import Sample
-from vigil.agent.seams import Seams
+from vigil.contract.seams import Seams
 
 FIXTURES = Path(__file__).parent.parent.parent / "fixtures" / "kernel-log"
 XID79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus."
@@ -338,7 +338,7 @@ def test_registry_builds_from_agent_config_with_an_injected_file(tmp_path: Path)
 
 
 def test_config_rejects_unknown_keys() -> None:
-    from vigil.agent.validation import ConfigError
+    from vigil.contract.validation import ConfigError
 
     with pytest.raises(ConfigError, match=r"collectors\.xid\.sourc"):
         parse_config({"collectors": {"xid": {"sourc": "file"}}})

@@ -23,11 +23,11 @@ import pytest
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario
-from vigil.agent.wire import Report, convert
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.wire import Report, convert
 
 from .conftest import REAL_GPUS, RealGpu
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from vigil.agent.node_action_runner import NodeActionRunner, NodeActionsConfig, ProbeWorld
 from vigil.agent.probes import PROBES, ProbeSpec, collective
 from vigil.agent.probes.context import ProbeContext, ProbesConfig
-from vigil.agent.wire import NodeActionRequest, ProbeResult, convert, to_builtins
+from vigil.contract.wire import NodeActionRequest, ProbeResult, convert, to_builtins
 
 
 class DelayedSends:

@@ -10,10 +10,10 @@ from itertools import combinations
 import pytest
 
 from tests.loopback import free_port
-from vigil.agent.probe_baselines import slow_members
 from vigil.agent.probes import collective
 from vigil.agent.probes.context import ProbeContext, ProbesConfig
-from vigil.agent.wire import MAX_PROBE_METRICS, ProbeGroup, ProbeResult
+from vigil.contract.probe_baselines import slow_members
+from vigil.contract.wire import MAX_PROBE_METRICS, ProbeGroup, ProbeResult
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7, 8, 9, 16, 17])

@@ -22,9 +22,9 @@ import pytest
 
 from tests.loopback import free_port
 from tests.pidfile import stop_children
-from vigil.agent.node_actions import node_key, result_signature_ok, sign
-from vigil.agent.probe_baselines import slow_members
-from vigil.agent.wire import NodeActionRequest, NodeActionResult, ProbeGroup, convert, to_builtins
+from vigil.contract.node_actions import node_key, result_signature_ok, sign
+from vigil.contract.probe_baselines import slow_members
+from vigil.contract.wire import NodeActionRequest, NodeActionResult, ProbeGroup, convert, to_builtins
 
 pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[torch]' (torch==2.13.0)")
 

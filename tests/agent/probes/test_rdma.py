@@ -12,7 +12,7 @@ import pytest
 
 from vigil.agent.probes import rdma
 from vigil.agent.probes.context import ProbeContext, ProbesConfig
-from vigil.agent.wire import ProbeGroup, check
+from vigil.contract.wire import ProbeGroup, check
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 PERFTEST = FIXTURES / "perftest"

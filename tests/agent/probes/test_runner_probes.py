@@ -16,14 +16,14 @@ import pytest
 
 from vigil.agent.config import parse_config
 from vigil.agent.node_action_runner import NodeActionRunner, NodeActionsConfig, ProbeWorld
-from vigil.agent.node_actions import node_key, result_signature_ok, sign
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import NodeScenario
 from vigil.agent.probes import PROBES, ProbeSpec
 from vigil.agent.probes.context import ProbeContext, ProbesConfig
-from vigil.agent.validation import ConfigError
-from vigil.agent.wire import NodeActionRequest, ProbeResult, convert, replace
+from vigil.contract.node_actions import node_key, result_signature_ok, sign
+from vigil.contract.validation import ConfigError
+from vigil.contract.wire import NodeActionRequest, ProbeResult, convert, replace
 
 START = 1_700_000_000.0
 NODE = "gpu-node-7"

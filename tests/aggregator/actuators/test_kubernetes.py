@@ -720,7 +720,7 @@ def _removal(action: Action, gpu: int | None = None, id: str = "d-remove") -> De
     (Action.RESET_GPU, "reset_gpu", 3, "reset_gpu")])
 async def test_on_cordon_and_evict_then_a_signed_request_for_the_nodes_agent(
         api, tmp_path, action: Action, switch: str, gpu: int | None, node_action: str) -> None:
-    from vigil.agent.node_actions import node_key, signature_ok
+    from vigil.contract.node_actions import node_key, signature_ok
 
     fake, url = api
     config = _k8s_config(tmp_path, url, **{switch: True})
@@ -792,9 +792,9 @@ async def test_after_the_reboot_is_verified_resume_uncordons(api, tmp_path) -> N
     """The agent's `done` for request_reboot is not the reboot: no resume until the new boot has
     been clean for the persistence period; then the resume uncordons the node."""
     from tests.aggregator.conftest import FakeNode
-    from vigil.agent.wire import NodeActionResult
     from vigil.aggregator.detectors.recovery import RecoveryConfig, RecoveryDetector
     from vigil.aggregator.fleet import Fleet, Removal
+    from vigil.contract.wire import NodeActionResult
 
     fake, url = api
     config = _k8s_config(tmp_path, url, reboot=True)
@@ -838,9 +838,9 @@ async def test_after_the_reboot_is_verified_resume_uncordons(api, tmp_path) -> N
 
 def test_a_failed_reboot_request_alerts_at_once() -> None:
     from tests.aggregator.conftest import FakeNode
-    from vigil.agent.wire import NodeActionRequest, NodeActionResult
     from vigil.aggregator.detectors.recovery import RecoveryConfig, RecoveryDetector
     from vigil.aggregator.fleet import Fleet, Removal
+    from vigil.contract.wire import NodeActionRequest, NodeActionResult
 
     fleet, node = Fleet(), FakeNode(NODE)
     fleet.ingest(node.report(T0), T0)

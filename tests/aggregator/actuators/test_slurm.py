@@ -14,7 +14,6 @@ import pytest
 from prometheus_client import generate_latest
 
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401
-from vigil.agent.seams import CommandRunner
 from vigil.aggregator.actuators.actuator import DeliveryError
 from vigil.aggregator.actuators.slurm import (
     NodeState,
@@ -25,6 +24,7 @@ from vigil.aggregator.actuators.slurm import (
 )
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.metrics import ActingReadings, AggregatorMetrics
+from vigil.contract.seams import CommandRunner
 
 T0 = 1_700_000_000.0
 

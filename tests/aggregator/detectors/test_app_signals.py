@@ -5,10 +5,10 @@ acted on; a loss spike is a job alert; log lines naming a peer go to that node, 
 from __future__ import annotations
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event, RankSummary
 from vigil.aggregator.decision import WHOLE_JOB, Action
 from vigil.aggregator.detectors.app_signals import AppSignalsConfig, AppSignalsDetector
 from vigil.aggregator.fleet import Fleet
+from vigil.contract.wire import Event, RankSummary
 
 INTERVAL = 5.0  # one report per agent window, so each report carries a new window
 

@@ -12,10 +12,10 @@ import msgspec
 
 from tests.aggregator.conftest import FakeNode
 from vigil.agent.collectors.flight_recorder import FlightRecorderCollector, FlightRecorderConfig
-from vigil.agent.wire import CollectiveState
 from vigil.aggregator.decision import WHOLE_JOB, Action
 from vigil.aggregator.detectors.collective_culprit import CollectiveCulpritConfig, CollectiveCulpritDetector
 from vigil.aggregator.fleet import Fleet
+from vigil.contract.wire import CollectiveState
 
 FIXTURES = Path(__file__).parent.parent.parent / "fixtures" / "flight_recorder"
 T0 = 1_800_000_000.0

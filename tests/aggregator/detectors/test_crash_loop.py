@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import RankSummary
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import WHOLE_JOB, Action
 from vigil.aggregator.detectors.crash_loop import CrashLoopConfig, CrashLoopDetector
@@ -17,6 +16,7 @@ from vigil.aggregator.fleet import Fleet
 from vigil.aggregator.gate import Gate, GateConfig
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.store import Store
+from vigil.contract.wire import RankSummary
 
 INTERVAL = 2.5
 

@@ -8,10 +8,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode, rank_summary
-from vigil.agent.wire import GpuState
 from vigil.aggregator.decision import WHOLE_JOB, Action
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector, _ClockWindow
 from vigil.aggregator.fleet import Fleet, GpuHistory
+from vigil.contract.wire import GpuState
 
 DETECTOR = GpuPeerDetector(GpuPeerConfig())
 

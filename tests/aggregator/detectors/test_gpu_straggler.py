@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import RankSummary
 from vigil.aggregator.config import ConfigError, DetectorsConfig, parse_config
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors import REGISTRY
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig, GpuStragglerDetector
 from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector
 from vigil.aggregator.fleet import Fleet
+from vigil.contract.wire import RankSummary
 
 WINDOW = 5.0  # the agent's summary window
 COMPUTE, COLLECTIVE = 1.5, 0.4

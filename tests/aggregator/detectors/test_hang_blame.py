@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from vigil.agent.wire import RankSummary, Report
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
+from vigil.contract.wire import RankSummary, Report
 
 REPORT_SECONDS = 2.5
 EVALUATE_SECONDS = 2.5

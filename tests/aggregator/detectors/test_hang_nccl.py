@@ -9,10 +9,10 @@ from pathlib import Path
 
 from tests.aggregator.conftest import FakeNode, set_training
 from vigil.agent.app_log import AppLogSignals
-from vigil.agent.wire import Event
 from vigil.aggregator.decision import WHOLE_JOB, Action
 from vigil.aggregator.detectors.hang import HangConfig, HangDetector
 from vigil.aggregator.fleet import Fleet
+from vigil.contract.wire import Event
 
 INTERVAL = 2.5
 ROOT = Path(__file__).parent.parent.parent / "fixtures"

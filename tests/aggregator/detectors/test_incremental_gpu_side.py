@@ -26,7 +26,6 @@ import pytest
 
 from tests.aggregator.conftest import GBPS, FakeNode, rank_summary
 from vigil.agent.report_delta import delta, whole
-from vigil.agent.wire import SPARSE_VERSION, Report, decode_report
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig, GpuStragglerDetector
@@ -38,6 +37,7 @@ from vigil.aggregator.detectors.telemetry_hang import TelemetryHangConfig, Telem
 from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerConfig, TelemetryStragglerDetector
 from vigil.aggregator.detectors.thermal import ThermalConfig, ThermalDetector
 from vigil.aggregator.fleet import Fleet, FleetView, GpuHistory, NodeState
+from vigil.contract.wire import SPARSE_VERSION, Report, decode_report
 
 NODES = 12
 THROTTLED = {"sm_clock_hertz": 1.1e9, "clock_event_reasons": ["hw_slowdown", "hw_thermal_slowdown"]}

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from vigil.agent.wire import GpuState, RankSummary, Report
 from vigil.aggregator.detectors.app_signals import AppSignalsConfig, AppSignalsDetector
 from vigil.aggregator.detectors.crash_loop import CrashLoopConfig, CrashLoopDetector
 from vigil.aggregator.detectors.hang import HangConfig, HangDetector
@@ -26,6 +25,7 @@ from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetec
 from vigil.aggregator.detectors.straggler import _median as straggler_median
 from vigil.aggregator.fleet import Fleet, RankHistory
 from vigil.aggregator.job_runs import JobRun
+from vigil.contract.wire import GpuState, RankSummary, Report
 
 INTERVAL = 2.5
 NODES = 12

@@ -8,7 +8,6 @@ the node reboots -> resume admitted after the persistence and the gate's hystere
 from __future__ import annotations
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.detectors.recovery import RecoveryConfig, RecoveryDetector
@@ -17,6 +16,7 @@ from vigil.aggregator.fleet import Fleet, Removal
 from vigil.aggregator.gate import Gate, GateConfig
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.store import Store
+from vigil.contract.wire import Event
 
 DETECTOR = RecoveryDetector(RecoveryConfig(enabled=True))
 REMOVED_AT = 100.0

@@ -5,11 +5,11 @@ reboot_node, a busy GPU keeps the node waiting; then the gate's treatment of tha
 from __future__ import annotations
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import NodeActionRequest, NodeActionResult
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.detectors.recovery import RecoveryConfig, RecoveryDetector
 from vigil.aggregator.fleet import Fleet, Removal
 from vigil.aggregator.gate import Gate, GateConfig, GateState
+from vigil.contract.wire import NodeActionRequest, NodeActionResult
 
 REMOVED_AT = 1_000.0
 TTL = 3600.0

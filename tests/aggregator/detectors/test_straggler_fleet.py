@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vigil.agent.wire import RankSummary, Report
 from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
 from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector
 from vigil.aggregator.fleet import Fleet
 from vigil.aggregator.gate import Gate, GateConfig, GateState
+from vigil.contract.wire import RankSummary, Report
 
 WINDOW = 5.0
 INTERVAL = 2.5

@@ -11,10 +11,10 @@ from collections.abc import Callable
 import numpy as np
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import RankSummary
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector
 from vigil.aggregator.fleet import Fleet
+from vigil.contract.wire import RankSummary
 
 WINDOW = 5.0
 H100 = "NVIDIA H100 80GB HBM3"

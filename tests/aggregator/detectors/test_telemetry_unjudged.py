@@ -13,11 +13,11 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from vigil.agent.wire import GPU_TELEMETRY_FIELDS, PORT_TRAFFIC_COUNTERS
 from vigil.aggregator.detectors import REGISTRY
 from vigil.aggregator.detectors.network import NetworkConfig
 from vigil.aggregator.detectors.topology import TopologyAttributor
 from vigil.aggregator.fleet import GpuSample
+from vigil.contract.wire import GPU_TELEMETRY_FIELDS, PORT_TRAFFIC_COUNTERS
 
 # Detectors whose windows are minutes (telemetry_hang: 60 s alert, 300 s restart, its docstring on
 # the resolution): a reading up to 30 s old is inside them.

@@ -2,10 +2,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event
 from vigil.aggregator.decision import Action
 from vigil.aggregator.detectors.xid import XidConfig, XidDetector
 from vigil.aggregator.fleet import Fleet
+from vigil.contract.wire import Event
 
 DETECTOR = XidDetector(XidConfig())
 

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from tests.aggregator.conftest import FakeNode
-from vigil.agent.wire import Event
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.xid import XidConfig, XidDetector
 from vigil.aggregator.fleet import Fleet
+from vigil.contract.wire import Event
 
 DETECTOR = XidDetector(XidConfig())
 REMOVALS = {Action.DRAIN, Action.RESET_GPU, Action.REBOOT_NODE, Action.INSPECT_HARDWARE, Action.RESTART_JOB}

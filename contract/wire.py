@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from vigil.agent.limits import REPORT_MAX_EVENTS
+from vigil.contract.limits import REPORT_MAX_EVENTS
 
 # Report versions (docs/reports.md). 1: every report whole. 2: ``base_seq`` names the report of
 # this boot the aggregator accepted last, and each GPU, port and rank carries its required fields
@@ -455,7 +455,7 @@ class HostFacts(_Wire, kw_only=True):
     fabric_manager_state: Short | None = None
 
 
-# Node actions (agent/node_actions.py holds their table and the signing): the signed request the
+# Node actions (contract/node_actions.py holds their table and the signing): the signed request the
 # aggregator sends in its answer to a report, and the agent's result in a following report.
 NodeActionName = Literal["reset_gpu", "request_reboot", "run_probes"]  # keys of NODE_ACTIONS (a test keeps them equal)
 
@@ -561,7 +561,7 @@ class NodeActionResult(_Wire, kw_only=True):
     detail: Text = ""
     ts: Timestamp
     # run_probes only: each probe's measurement, and the result's HMAC-SHA256 under the node key
-    # (agent/node_actions.py sign_result): bound to the request id, node and boot, so a result
+    # (contract/node_actions.py sign_result): bound to the request id, node and boot, so a result
     # cannot be replayed for another request or made up by anything without the node's key.
     probes: Annotated[list[ProbeResult], Meta(max_length=MAX_PROBE_RESULTS)] = []
     node: NodeName | None = None
@@ -616,10 +616,10 @@ class Report(_Wire, kw_only=True):
     events: Annotated[list[Event], Meta(max_length=REPORT_MAX_EVENTS)] = []
     # Collectors whose last cycle failed, so the aggregator can tell "no data" from "healthy".
     failed_collectors: Annotated[list[Short], Meta(max_length=64)] = []
-    # The sender's release (vigil.__version__), so the aggregator can see version skew; absent
+    # The sender's release (vigil.contract.version), so the aggregator can see version skew; absent
     # from agents older than 0.1.0's packaging change.
     agent_version: Annotated[str, Meta(max_length=64)] | None = None
-    # Outcomes of node actions the aggregator asked for (agent/node_actions.py), each reported until
+    # Outcomes of node actions the aggregator asked for (contract/node_actions.py), each reported until
     # a report carrying it is accepted.
     action_results: Annotated[list[NodeActionResult], Meta(max_length=MAX_RESULTS_PER_REPORT)] = []
     # Version 2 only: the seq of this boot's report that the fields left out are unchanged since

@@ -1,7 +1,7 @@
 """``vigil loadgen``: a load test of an aggregator over HTTP (README "Load test").
 
 It reads its flags (and the site secret, read token files for a running aggregator), runs
-vigil/loadgen.py's open-loop schedule of N nodes, and prints throughput, intake latency, errors,
+vigil/cli/loadgen.py's open-loop schedule of N nodes, and prints throughput, intake latency, errors,
 its own CPU and the aggregator's CPU and memory, as lines or ``--json``, and exits 3 when its own
 generator fell behind schedule (the figures then measure it). With ``--spawn`` it starts a dry-run
 aggregator of its own and stops it at the end; with ``--url`` it sends only synthetic nodes
@@ -50,9 +50,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vigil.agent.validation import ConfigError
     from vigil.aggregator.auth import read_secret
-    from vigil.loadgen import Plan, Target, refusal, run_load, run_spawned, summary_lines
+    from vigil.cli.loadgen import Plan, Target, refusal, run_load, run_spawned, summary_lines
+    from vigil.contract.validation import ConfigError
 
     if args.nodes < 1 or args.workers < 1 or args.duration <= 0 or args.interval <= 0 or args.warmup < 0:
         print("vigil loadgen: --nodes, --workers, --duration and --interval must be positive, --warmup not negative",

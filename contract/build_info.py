@@ -1,7 +1,7 @@
 """The ``vigil_build_info`` series: which release (and Python) a process runs, for version-skew alerts.
 
 The agent and the aggregator each register it in their own prometheus-client registry; its value
-is always 1 and the labels carry the facts. It reads ``vigil.__version__`` and emits nothing else.
+is always 1 and the labels carry the facts. It reads ``vigil.contract.version`` and emits nothing else.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import platform
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from vigil import __version__
+from vigil.contract.version import __version__
 
 
 def register_build_info(registry: CollectorRegistry, component: str) -> None:

@@ -1,5 +1,5 @@
 """The load generator behind ``vigil loadgen``: N simulated nodes post agent-built reports
-(vigil/agent_reports.py) to a running aggregator over HTTP, open-loop at the real cadence.
+(vigil/cli/agent_reports.py) to a running aggregator over HTTP, open-loop at the real cadence.
 
 Each node posts every ``interval_seconds`` with the nodes' phases spread evenly; a send is never
 held back by a slow answer (a send that starts late is counted as late). Each node negotiates the
@@ -47,11 +47,11 @@ from typing import Any
 import aiohttp
 import yaml
 
-from vigil.agent.credential_file import create_private
 from vigil.agent.reporter import Backoff, retry_after
-from vigil.agent.wire import COMPACT_VERSIONS, SYNTHETIC_NODE_PREFIX, WIRE_VERSION
-from vigil.agent_reports import INTERVAL_SECONDS, RenderedReport, report_forms, topology_of
 from vigil.aggregator.auth import node_token
+from vigil.cli.agent_reports import INTERVAL_SECONDS, RenderedReport, report_forms, topology_of
+from vigil.contract.credential_file import create_private
+from vigil.contract.wire import COMPACT_VERSIONS, SYNTHETIC_NODE_PREFIX, WIRE_VERSION
 
 # A send that starts this long after its due time is late: the generator, not the aggregator,
 # was behind (a tenth of the 250 ms intake budget of issue #20).
@@ -169,7 +169,7 @@ FORMS = ("whole v1", f"whole v{COMPACT_VERSION}", f"compact v{COMPACT_VERSION}")
 
 @dataclass(frozen=True)
 class RenderedRound:
-    """One round's report in each form (vigil/agent_reports.py RoundForms), ready to render."""
+    """One round's report in each form (vigil/cli/agent_reports.py RoundForms), ready to render."""
 
     whole_v1: RenderedReport
     whole: RenderedReport

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from vigil.agent.wire import NodeActionRequest, NodeActionResult, replace
+from vigil.contract.wire import NodeActionRequest, NodeActionResult, replace
 
 
 @dataclass(frozen=True)

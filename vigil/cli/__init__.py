@@ -12,18 +12,18 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from vigil import __version__
+from vigil.contract.version import __version__
 
 # subcommand -> module implementing it
 COMMANDS: dict[str, str] = {
-    "agent": "vigil.agent_cmd",
-    "aggregator": "vigil.aggregator_cmd",
-    "demo": "vigil.demo_cmd",
-    "xid": "vigil.xid_cmd",
-    "sim": "vigil.sim_cmd",
-    "token": "vigil.token_cmd",
-    "loadgen": "vigil.loadgen_cmd",
-    "check": "vigil.check_cmd",
+    "agent": "vigil.cli.agent_cmd",
+    "aggregator": "vigil.cli.aggregator_cmd",
+    "demo": "vigil.cli.demo_cmd",
+    "xid": "vigil.cli.xid_cmd",
+    "sim": "vigil.cli.sim_cmd",
+    "token": "vigil.cli.token_cmd",
+    "loadgen": "vigil.cli.loadgen_cmd",
+    "check": "vigil.cli.check_cmd",
 }
 
 

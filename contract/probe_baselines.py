@@ -2,7 +2,7 @@
 (recovery, suspects, group tests) and ``vigil check`` judge with the same code against the same
 baselines.
 
-It reads a ``ProbeResult`` (agent/wire.py), the baselines of the node's hardware class (from
+It reads a ``ProbeResult`` (contract/wire.py), the baselines of the node's hardware class (from
 configuration: ``probes.baselines``) and, where the aggregator has learned one, the fleet's own
 figure for that class (the median of its passing probes). It returns pass or fail with the reason;
 it runs nothing and learns nothing itself. ``slow_members`` reads every member's ``collective``
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from vigil.agent.validation import StrictModel
-from vigil.agent.wire import ProbeName, ProbeResult
+from vigil.contract.validation import StrictModel
+from vigil.contract.wire import ProbeName, ProbeResult
 
 
 class Baseline(StrictModel):

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vigil.log_format import add_log_args, configure_logging, console_line
+from vigil.cli.log_format import add_log_args, configure_logging, console_line
 
 _LOGGER = "vigil.agent"
 
@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> None:
 
 def _merged_config(args: argparse.Namespace) -> Any:
     from vigil.agent.config import parse_config
-    from vigil.agent.validation import read_config_file
+    from vigil.contract.validation import read_config_file
 
     data: dict[str, Any] = read_config_file(args.config) if args.config else {}
     if args.backend:
@@ -77,7 +77,7 @@ def _check(config: Any, source: str) -> int:
 
     from vigil.agent.nvml.scenario import ScenarioError, load_node_scenario
     from vigil.agent.reporter import client_ssl_context
-    from vigil.config_check import report, state_dir_problems, token_file_problems
+    from vigil.cli.config_check import report, state_dir_problems, token_file_problems
 
     target = config.aggregator
     problems = [*(problem for key, path in (("aggregator.token_file", target.token_file),
@@ -102,7 +102,7 @@ def _check(config: Any, source: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from vigil.agent.daemon import BOOT_ID_PATH, Agent, make_seams
-    from vigil.agent.validation import ConfigError
+    from vigil.contract.validation import ConfigError
 
     configure_logging(args.log_level, args.log_format)
     try:

@@ -3,7 +3,7 @@
 ``create_private`` writes a new file with mode 0600 (never over an existing file or through a
 link) for ``vigil token ... --out``; ``exposure`` says whether users other than the file's owner
 and group may read it, or its group may change it (the aggregator refuses such a file at start,
-the agent warns and exports ``vigil_agent_credential_file_exposed``); ``TokenFile`` re-reads a
+the agent warns and exports it: agent/credential_exposure.py); ``TokenFile`` re-reads a
 bearer token whenever its file is replaced (kubelet rotates a projected service-account token
 before it expires). It decides nothing about what a credential is worth.
 """
@@ -13,10 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Mapping
 from pathlib import Path
-
-from vigil.agent.metric import MetricKind, MetricSpec, Sample
 
 log = logging.getLogger("vigil.credentials")
 
@@ -26,12 +23,6 @@ log = logging.getLogger("vigil.credentials")
 # fsGroup on Kubernetes, whose Secret volumes are 0440 at least), so it is allowed, as OpenSSH
 # allows a root-owned group-readable host key.
 EXPOSING_BITS = stat.S_IRWXO | stat.S_IWGRP
-
-CREDENTIAL_FILE_EXPOSED = MetricSpec(
-    "vigil_agent_credential_file_exposed", MetricKind.GAUGE,
-    "1 when a credential file this agent reads (by its config key) may be read by users other than its owner "
-    "and group, or changed by its group: chmod 600 it. 0 otherwise.", labels=("key",))
-
 
 def exposure(path: str | Path) -> str | None:
     """Why ``path`` (followed through links, as it is read) is exposed, or None. A file that cannot
@@ -59,24 +50,6 @@ def create_private(path: str | Path, text: str) -> str | None:
         os.fchmod(out.fileno(), 0o600)  # whatever the umask left
         out.write(text)
     return None
-
-
-class ExposedFiles:
-    """The agent's credential files by config key: warned about once at start, exported as
-    ``vigil_agent_credential_file_exposed`` on every scrape (a chmod shows at once)."""
-
-    specs = (CREDENTIAL_FILE_EXPOSED,)
-
-    def __init__(self, files: Mapping[str, str | None]) -> None:
-        self._files = {key: path for key, path in files.items() if path}
-        for key, path in self._files.items():
-            problem = exposure(path)
-            if problem is not None:
-                log.warning("%s: %s: anyone on this node who reads it can report as this node", key, problem)
-
-    def samples(self) -> list[Sample]:
-        return [Sample.of(CREDENTIAL_FILE_EXPOSED, 1.0 if exposure(path) else 0.0, key=key)
-                for key, path in self._files.items()]
 
 
 class TokenFile:

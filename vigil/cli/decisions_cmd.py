@@ -4,7 +4,7 @@ It opens the aggregator's SQLite store directly (WAL allows it while the service
 PostgreSQL store with ``--dsn-file`` (an HA pair's, docs/ha.md), and lists
 each decision with its gate verdict and its delivery state per actuator. It changes nothing:
 the operator's actions (breaker reset, hold, resume) go through the service's API
-(``vigil.operator_cmd``), which owns the gate's state.
+(``vigil.cli.operator_cmd``), which owns the gate's state.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 baselines the aggregator uses, with the exit codes a scheduler's health check expects.
 
 It reads the agent's configuration (the NVML backend, real or ``nvml: fake``, and its ``probes``
-section) and a baselines file (agent/probe_baselines.py ``ProbeBaselines``), runs the probes of
+section) and a baselines file (contract/probe_baselines.py ``ProbeBaselines``), runs the probes of
 agent/probes/PROBES that need no other node through the ``ProbeContext`` a ``run_probes`` request
 gets, and prints one line per result, a summary and (``--json``) a report. It exits 0 healthy, 1
 unhealthy, 2 cannot judge (usage, configuration, GPUs held by a job). With ``--drain`` it drains its
@@ -31,12 +31,12 @@ import msgspec
 import yaml
 from pynvml import NVMLError
 
-from vigil.agent.probe_baselines import ProbeBaselines, Verdict, judge
 from vigil.agent.probes import PROBES, ProbeSpec
 from vigil.agent.probes.context import ProbeContext, ProbesConfig
 from vigil.agent.probes.engine import ComputeEngine
-from vigil.agent.seams import Clock, CommandRunner, run_command
-from vigil.agent.wire import ProbeName, ProbeResult
+from vigil.contract.probe_baselines import ProbeBaselines, Verdict, judge
+from vigil.contract.seams import Clock, CommandRunner, run_command
+from vigil.contract.wire import ProbeName, ProbeResult
 
 # Exit codes. LBNL NHC and Slurm read any non-zero as "unhealthy" (a non-zero Prolog drains the
 # node and requeues the job; slurm.conf(5), "PROLOG AND EPILOG SCRIPTS"); 2 is kept apart for a
@@ -360,7 +360,7 @@ def load_baselines(path: str | None) -> tuple[ProbeBaselines, str | None]:
     """The baselines in ``path`` (ProbeBaselines alone, or an aggregator config's probes.baselines)
     and the SHA-256 of the bytes they were read from, which the report names: which version of a
     shared file judged this node."""
-    from vigil.agent.validation import ConfigError, validate_config
+    from vigil.contract.validation import ConfigError, validate_config
 
     if path is None:
         return ProbeBaselines(), None
@@ -382,8 +382,8 @@ def load_baselines(path: str | None) -> tuple[ProbeBaselines, str | None]:
 
 def run(args: argparse.Namespace) -> int:
     from vigil.agent.config import load_config
-    from vigil.agent.validation import ConfigError
-    from vigil.agent.wire import check_node_name
+    from vigil.contract.validation import ConfigError
+    from vigil.contract.wire import check_node_name
 
     def refuse(why: str) -> int:
         print(f"vigil check: cannot judge: {why}", file=sys.stderr)

@@ -29,8 +29,8 @@ from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario
 from vigil.agent.report_delta import delta, whole
 from vigil.agent.runner import collect_once
-from vigil.agent.seams import Seams
-from vigil.agent.wire import COMPACT_VERSIONS, REPORT_VERSIONS, WIRE_VERSION, Report, convert
+from vigil.contract.seams import Seams
+from vigil.contract.wire import COMPACT_VERSIONS, REPORT_VERSIONS, WIRE_VERSION, Report, convert
 from vigil.sim import fabric
 
 HCAS = 8

@@ -17,9 +17,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from vigil import __version__, operator_cmd
-from vigil.decisions_cmd import add_decisions_args, decisions
-from vigil.log_format import add_log_args, configure_logging, console_line
+from vigil.cli import operator_cmd
+from vigil.cli.decisions_cmd import add_decisions_args, decisions
+from vigil.cli.log_format import add_log_args, configure_logging, console_line
+from vigil.contract.version import __version__
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -34,8 +35,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _merged_config(args: argparse.Namespace) -> Any:
-    from vigil.agent.validation import read_config_file
     from vigil.aggregator.config import parse_config
+    from vigil.contract.validation import read_config_file
 
     data: dict[str, Any] = read_config_file(args.config) if args.config else {}
     if args.listen:
@@ -65,7 +66,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if args.check:
         from vigil.aggregator.preflight import startup_problems
-        from vigil.config_check import report
+        from vigil.cli.config_check import report
 
         # The service's own start-up checks (it refuses to start on any of them), as this user.
         return report("aggregator", args.config or "flags", startup_problems(config))

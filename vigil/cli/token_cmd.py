@@ -42,7 +42,7 @@ def add_parser(sub: Any) -> None:
 
 def _emit(out: str | None, text: str) -> int:
     """Create ``out`` (mode 0600) holding ``text``, or print ``text`` when there is no ``out``."""
-    from vigil.agent.credential_file import create_private
+    from vigil.contract.credential_file import create_private
 
     if out is None:
         print(text)
@@ -56,10 +56,10 @@ def _emit(out: str | None, text: str) -> int:
 
 
 def _key_files(args: argparse.Namespace) -> int:
-    from vigil.agent.node_actions import node_key
-    from vigil.agent.validation import ConfigError
-    from vigil.agent.wire import check_node_name
     from vigil.aggregator.outbox import MIN_KEY_BYTES, read_key_file
+    from vigil.contract.node_actions import node_key
+    from vigil.contract.validation import ConfigError
+    from vigil.contract.wire import check_node_name
 
     if args.token_action == "master-key":
         key = secrets.token_bytes(MIN_KEY_BYTES)
@@ -88,13 +88,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"vigil token: {exc}", file=sys.stderr)
         return 2
-    from vigil.agent.credential_file import exposure
+    from vigil.contract.credential_file import exposure
 
     problem = exposure(args.secret_file)
     if problem is not None:  # the aggregator refuses it at start; here it is only read
         print(f"vigil token: warning: {problem}", file=sys.stderr)
     tokens = []
-    from vigil.agent.wire import check_real_node_name
+    from vigil.contract.wire import check_real_node_name
 
     for node in args.node:
         try:
