@@ -418,7 +418,7 @@ def probe_unprivileged(out: Path, rehearse: bool) -> bool:
     code = Path(tempfile.mkdtemp(prefix="vigil-code-"))
     os.chmod(code, 0o755)
     # Everything `vigil` imports from the checkout: its linked packages and the heartbeat client.
-    for name in ("agent", "aggregator", "sim", "scenarios", "vigil", "scripts", "clients"):
+    for name in ("agent", "aggregator", "sim", "contract", "scenarios", "vigil", "scripts", "clients"):
         shutil.copytree(REPO / name, code / name, symlinks=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for path in [code, *code.rglob("*")]:
