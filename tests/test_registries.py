@@ -56,8 +56,8 @@ def test_every_detector_has_its_section_and_nothing_else_does() -> None:
 
 
 def test_an_unknown_detector_key_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"detectors\.example_quiet: unknown key"):
-        aggregator_config.parse_config({"detectors": {"example_quiet": {"enabled": True}}})
+    with pytest.raises(ConfigError, match=r"detectors\.no_such_detector: unknown key"):
+        aggregator_config.parse_config({"detectors": {"no_such_detector": {"enabled": True}}})
     with pytest.raises(ConfigError, match=r"detectors\.gpu_pear: unknown key \(did you mean 'gpu_peer'\?\)"):
         aggregator_config.parse_config({"detectors": {"gpu_pear": {}}})
     # A known section keeps strict validation of its own keys and values.
@@ -82,8 +82,8 @@ def test_every_collector_has_its_section_builder_and_metrics() -> None:
 
 
 def test_an_unknown_collector_key_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"collectors\.example_quiet: unknown key"):
-        agent_config.parse_config({"node": "n1", "collectors": {"example_quiet": {}}})
+    with pytest.raises(ConfigError, match=r"collectors\.no_such_collector: unknown key"):
+        agent_config.parse_config({"node": "n1", "collectors": {"no_such_collector": {}}})
     with pytest.raises(ConfigError, match=r"collectors\.pcie\.interval_seconds"):
         agent_config.parse_config({"node": "n1", "collectors": {"pcie": {"interval_seconds": 0}}})
 
