@@ -8,24 +8,15 @@ no collector and touches no hardware.
 
 from __future__ import annotations
 
-from vigil.agent.collectors import flight_recorder, gpu, host, node_config, pcie, rdma, training, xid
+from vigil.agent.collectors import COLLECTORS
 from vigil.agent.credential_exposure import ExposedFiles
 from vigil.agent.metric import MetricSpec
 from vigil.agent.reporter import REPORTER_SPECS
 from vigil.agent.runner import RUNNER_SPECS
 from vigil.agent.server import SERVER_SPECS
 
-# One entry per collector module in agent.collectors.REGISTRY; a test keeps the two in step.
-COLLECTOR_SPECS: dict[str, tuple[MetricSpec, ...]] = {
-    "gpu": tuple(gpu.SPECS),
-    "host": tuple(host.SPECS),
-    "rdma": tuple(rdma.SPECS),
-    "training": tuple(training.SPECS),
-    "xid": tuple(xid.SPECS),
-    "flight_recorder": tuple(flight_recorder.SPECS),
-    "pcie": tuple(pcie.SPECS),
-    "node_config": tuple(node_config.SPECS),
-}
+# Each registered collector's declared metrics, derived from agent.collectors.COLLECTORS.
+COLLECTOR_SPECS: dict[str, tuple[MetricSpec, ...]] = {name: tuple(module.SPECS) for name, module in COLLECTORS.items()}
 
 
 def agent_specs() -> list[MetricSpec]:

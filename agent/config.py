@@ -2,33 +2,39 @@
 
 Unknown keys and wrong types stop start-up with a message naming the key path
 (``collectors.gpu.interval_secnds: unknown key``). Each collector's section is defined beside the
-collector; this module only assembles them. It reads no environment variables.
+collector, and ``collectors:`` is derived from the collector registry; this module only assembles
+the sections. It reads no environment variables.
 """
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from vigil.agent.collectors.flight_recorder import FlightRecorderConfig
-from vigil.agent.collectors.gpu import GpuConfig
-from vigil.agent.collectors.host import HostConfig
-from vigil.agent.collectors.node_config import NodeConfigConfig
-from vigil.agent.collectors.pcie import PcieConfig
-from vigil.agent.collectors.rdma import RdmaConfig
-from vigil.agent.collectors.training import TrainingConfig
-from vigil.agent.collectors.xid import XidConfig
+from vigil.agent.collectors import config_sections
+from vigil.agent.collectors.collector import CollectorConfig
 from vigil.agent.dcgm_compat import ExporterConfig
 from vigil.agent.launcher_health import LauncherHealthConfig
 from vigil.agent.node_action_runner import NodeActionsConfig
 from vigil.agent.probes import PROBES
 from vigil.agent.probes.context import ProbesConfig
 from vigil.contract.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES
-from vigil.contract.validation import HostPort, StrictModel, read_config_file, validate_config
+from vigil.contract.validation import (
+    HostPort,
+    Sections,
+    StrictModel,
+    read_config_file,
+    sections_model,
+    validate_config,
+)
 from vigil.contract.wire import check_real_node_name
+
+if TYPE_CHECKING:
+    from vigil.agent.collectors.gpu import GpuConfig
+    from vigil.agent.collectors.training import TrainingConfig
 
 
 class NvmlConfig(StrictModel):
@@ -100,18 +106,19 @@ class AggregatorTarget(StrictModel):
         return self
 
 
-class CollectorsConfig(StrictModel):
-    gpu: GpuConfig = GpuConfig()
-    host: HostConfig = HostConfig()
-    rdma: RdmaConfig = RdmaConfig()
-    training: TrainingConfig = TrainingConfig()
-    xid: XidConfig = XidConfig()
-    # PyTorch Flight Recorder dumps of the jobs on this node (off by default; docs/training.md).
-    flight_recorder: FlightRecorderConfig = FlightRecorderConfig()
-    # Every HCA's PCIe link and every HCA's and GPU's AER counters, from sysfs.
-    pcie: PcieConfig = PcieConfig()
-    # The node's configuration facts (driver, firmware, OFED, kernel, modes, counts) on a slow cadence.
-    node_config: NodeConfigConfig = NodeConfigConfig()
+# `collectors:` has one section per entry of agent.collectors.COLLECTORS, each the model its module
+# declares (CONFIG) with its DESCRIPTION. mypy sees the typed view below: the sections read by
+# attribute (the GPU collector's build, the daemon's heartbeat intake) with their models, any other
+# as its CollectorConfig base (a module reads its own with ``section``); a test holds the view to
+# the derived model.
+if TYPE_CHECKING:
+    class CollectorsConfig(Sections):
+        gpu: GpuConfig = GpuConfig()
+        training: TrainingConfig = TrainingConfig()
+
+        def __getattr__(self, name: str) -> CollectorConfig: ...
+else:
+    CollectorsConfig = sections_model("CollectorsConfig", __name__, config_sections())
 
 
 class AgentConfig(StrictModel):

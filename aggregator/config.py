@@ -3,39 +3,20 @@
 Safe defaults run it with no file at all: loopback only, the decision store under the working
 directory, dry run. Unknown keys and wrong types stop start-up with the key path named
 (``detectors.straggler.z_treshold: unknown key``). Each detector's section is defined beside
-the detector; this module only assembles them. It reads no environment variables.
+the detector, and ``detectors:`` is derived from the detector registry; this module only assembles
+the sections. It reads no environment variables.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, model_validator
 
 from vigil.aggregator.actuators import ActuatorsConfig
 from vigil.aggregator.auth import AuthConfig, TlsConfig
-from vigil.aggregator.detectors.app_signals import AppSignalsConfig
-from vigil.aggregator.detectors.collective_culprit import CollectiveCulpritConfig
-from vigil.aggregator.detectors.config_drift import ConfigDriftConfig
-from vigil.aggregator.detectors.crash_loop import CrashLoopConfig
-from vigil.aggregator.detectors.fabric import FabricConfig
-from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig
-from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig
-from vigil.aggregator.detectors.hang import HangConfig
-from vigil.aggregator.detectors.memory import MemoryConfig
-from vigil.aggregator.detectors.network import NetworkConfig
-from vigil.aggregator.detectors.pcie_link import PcieLinkConfig
-from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkConfig
-from vigil.aggregator.detectors.probe_verdict import ProbeVerdictConfig
-from vigil.aggregator.detectors.recovery import RecoveryConfig
-from vigil.aggregator.detectors.silence import SilenceConfig
-from vigil.aggregator.detectors.straggler import StragglerConfig
-from vigil.aggregator.detectors.telemetry_hang import TelemetryHangConfig
-from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerConfig
-from vigil.aggregator.detectors.thermal import ThermalConfig
-from vigil.aggregator.detectors.topology import TopologyConfig
-from vigil.aggregator.detectors.xid import XidConfig
+from vigil.aggregator.detectors import DetectorSection, config_sections
 from vigil.aggregator.fleet import FleetConfig
 from vigil.aggregator.gate import GateConfig
 from vigil.aggregator.job_recovery import JobRecoveryConfig
@@ -49,52 +30,39 @@ from vigil.contract.limits import REPORT_MAX_BYTES
 from vigil.contract.validation import (
     ConfigError,
     HostPort,
+    Sections,
     StrictModel,
     read_config_file,
+    sections_model,
     split_host_port,
     validate_config,
 )
 
+if TYPE_CHECKING:
+    from vigil.aggregator.detectors.network import NetworkConfig
+    from vigil.aggregator.detectors.probe_verdict import ProbeVerdictConfig
+    from vigil.aggregator.detectors.recovery import RecoveryConfig
+    from vigil.aggregator.detectors.silence import SilenceConfig
+    from vigil.aggregator.detectors.topology import TopologyConfig
+
 __all__ = ["AggregatorConfig", "ConfigError", "DetectorsConfig", "load_config", "parse_config"]
 
 
-class DetectorsConfig(StrictModel):
-    xid: XidConfig = XidConfig()
-    memory: MemoryConfig = MemoryConfig()
-    thermal: ThermalConfig = ThermalConfig()
-    pcie_nvlink: PcieNvlinkConfig = PcieNvlinkConfig()
-    network: NetworkConfig = NetworkConfig()
-    straggler: StragglerConfig = StragglerConfig()
-    # One slow GPU (rank) that its node's median hides (docs/detectors.md).
-    gpu_straggler: GpuStragglerConfig = GpuStragglerConfig()
-    hang: HangConfig = HangConfig()
-    silence: SilenceConfig = SilenceConfig()
-    gpu_peer: GpuPeerConfig = GpuPeerConfig()
-    # Off by default: gives back nodes vigil rebooted once they verify (docs/detectors.md).
-    recovery: RecoveryConfig = RecoveryConfig()
-    # Off by default: drains a suspect whose probe run failed (needs probes.enabled; docs/probes.md).
-    probe_verdict: ProbeVerdictConfig = ProbeVerdictConfig()
-    topology: TopologyConfig = TopologyConfig()
-    # Jobs that restart without progress (hold_job) and nodes many jobs crash on (docs/detectors.md).
-    crash_loop: CrashLoopConfig = CrashLoopConfig()
-    # The job's own loss and training logs: NaN loss, spikes, NCCL/CUDA lines (docs/detectors.md).
-    app_signals: AppSignalsConfig = AppSignalsConfig()
-    # Hangs of jobs that send no heartbeats, from GPU busy-spin and flat RDMA (docs/detectors.md).
-    telemetry_hang: TelemetryHangConfig = TelemetryHangConfig()
-    # A slow node of a job with no heartbeats, from its GPUs' activity; alert only (docs/detectors.md).
-    telemetry_straggler: TelemetryStragglerConfig = TelemetryStragglerConfig()
-    # The rank that never entered the collective its group waits in, from Flight Recorder dumps
-    # (the agent's collectors.flight_recorder; docs/detectors.md).
-    collective_culprit: CollectiveCulpritConfig = CollectiveCulpritConfig()
-    # GPUs whose NVLink fabric is not registered with Fabric Manager past the boot grace (NVSwitch
-    # systems), and Fabric Manager down (docs/detectors.md).
-    fabric: FabricConfig = FabricConfig()
-    # PCIe links trained below their maximum (a GPU's judged only under load) and AER errors on
-    # GPUs and HCAs (docs/detectors.md).
-    pcie_link: PcieLinkConfig = PcieLinkConfig()
-    # A node configured unlike its job's peers (drift), a job split by a roll-out (one alert with
-    # the mix), and a node short of the site manifest (``manifest``, per GPU model; docs/detectors.md).
-    config_drift: ConfigDriftConfig = ConfigDriftConfig()
+# `detectors:` has one section per entry of aggregator.detectors.REGISTRY, then the topology
+# attributor's, each the model its class declares (config_model) with its description. mypy sees
+# the typed view below: the sections read outside their own detector with their models, any other
+# as a DetectorSection (``enabled``); a test holds the view to the derived model.
+if TYPE_CHECKING:
+    class DetectorsConfig(Sections):
+        network: NetworkConfig = NetworkConfig()
+        probe_verdict: ProbeVerdictConfig = ProbeVerdictConfig()
+        recovery: RecoveryConfig = RecoveryConfig()
+        silence: SilenceConfig = SilenceConfig()
+        topology: TopologyConfig = TopologyConfig()
+
+        def __getattr__(self, name: str) -> DetectorSection: ...
+else:
+    DetectorsConfig = sections_model("DetectorsConfig", __name__, config_sections())
 
 
 class AggregatorConfig(StrictModel):

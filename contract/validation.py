@@ -1,19 +1,21 @@
 """How a configuration or scenario that fails validation is reported: one line per error, each
 naming its key path and, for a typo, the closest known key (``collectors.gpu.interval_secnds:
 unknown key (did you mean 'interval_seconds'?)``); the one parser of listen addresses (``HOST:PORT``,
-``[V6]:PORT``, ``:PORT``); the strict base of every config model and the one reader of YAML config
-files. It imports nothing of ours, so anything (agent, aggregator, simulator) may use it.
+``[V6]:PORT``, ``:PORT``); the strict base of every config model, the model of sections derived
+from a registry, and the one reader of YAML config files. It imports nothing of ours, so anything
+(agent, aggregator, simulator) may use it.
 """
 
 from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
 
 
 class StrictModel(BaseModel):
@@ -21,6 +23,30 @@ class StrictModel(BaseModel):
     typo names its key path; frozen, so a loaded config is not changed behind its owner's back."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_S = TypeVar("_S", bound=StrictModel)
+
+
+class Sections(StrictModel):
+    """Base of a model derived from a registry (``sections_model``): one section per entry."""
+
+    def section(self, name: str, model: type[_S]) -> _S:
+        """Section ``name`` as ``model``: how a module reads its own section with its type."""
+        value = getattr(self, name)
+        if not isinstance(value, model):
+            raise TypeError(f"section {name} is a {type(value).__name__}, not a {model.__name__}")
+        return value
+
+
+def sections_model(name: str, module: str,
+                   sections: Mapping[str, tuple[type[StrictModel], str | None]]) -> type[Sections]:
+    """A strict model with one field per registry entry, in registry order: key -> (the entry's
+    config model, its one-line description, shown as the configuration reference's Notes). Each
+    section defaults to its model's defaults, as a hand-written ``key: Model = Model()`` would."""
+    fields: dict[str, Any] = {key: (model, Field(default=model(), description=description))
+                              for key, (model, description) in sections.items()}
+    return create_model(name, __base__=Sections, __module__=module, **fields)
 
 
 # `:PORT` listens on every IPv4 interface, as in Go's and Prometheus's flags.

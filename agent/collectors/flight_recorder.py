@@ -379,8 +379,13 @@ def _states(job: str, r: _Read, now: float) -> Iterable[CollectiveState]:
                               dump_ts=min(max(0.0, r.mtime), now), reason="")
 
 
+# This collector's section under `collectors:` (agent.collectors.COLLECTORS derives it).
+CONFIG = FlightRecorderConfig
+DESCRIPTION = "PyTorch Flight Recorder dumps of the jobs on this node (off by default; docs/training.md)."
+
+
 def build(config: AgentConfig, seams: Seams) -> FlightRecorderCollector:
     proc_root = seams.proc_root
     return FlightRecorderCollector(
-        config.collectors.flight_recorder,
+        config.collectors.section("flight_recorder", FlightRecorderConfig),
         jobs_of_uid=lambda: jobs_by_uid(proc_root, lambda pid: job_of_pid(pid, proc_root)))

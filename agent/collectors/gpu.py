@@ -684,6 +684,10 @@ class GpuCollector:
                 self._backend.close_events()
 
 
+# This collector's section under `collectors:` (agent.collectors.COLLECTORS derives it).
+CONFIG = GpuConfig
+
+
 def build(config: AgentConfig, seams: Seams, resolver: PodResolver | None = None) -> GpuCollector:
     proc_root = Path(config.collectors.gpu.proc_root) if config.collectors.gpu.proc_root else seams.proc_root
     if resolver is None and config.collectors.gpu.pod_name_bundles:

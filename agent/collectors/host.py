@@ -211,8 +211,12 @@ class HostCollector:
         pass
 
 
+# This collector's section under `collectors:` (agent.collectors.COLLECTORS derives it).
+CONFIG = HostConfig
+
+
 def build(config: AgentConfig, seams: Seams) -> HostCollector:
     # psutil reads /proc itself; a test or the simulator that wants another machine's figures passes
     # its own as seams.extra["psutil"] (or a fake `ps` to HostCollector directly).
-    return HostCollector(config.collectors.host, ps=seams.extra.get("psutil", psutil), run=seams.run,
-                         sysfs_root=seams.sysfs_root)
+    return HostCollector(config.collectors.section("host", HostConfig), ps=seams.extra.get("psutil", psutil),
+                         run=seams.run, sysfs_root=seams.sysfs_root)

@@ -240,6 +240,11 @@ def _first_and_mixed(values: dict[str, list[Any]], facts: dict[str, Any], mixed:
             mixed.append(key)
 
 
+# This collector's section under `collectors:` (agent.collectors.COLLECTORS derives it).
+CONFIG = NodeConfigConfig
+DESCRIPTION = "The node's configuration facts (driver, firmware, OFED, kernel, modes, counts) on a slow cadence."
+
+
 def build(config: AgentConfig, seams: Seams) -> NodeConfigCollector:
-    return NodeConfigCollector(config.collectors.node_config, nvml=seams.nvml, sysfs_root=seams.sysfs_root,
-                               proc_root=seams.proc_root)
+    return NodeConfigCollector(config.collectors.section("node_config", NodeConfigConfig), nvml=seams.nvml,
+                               sysfs_root=seams.sysfs_root, proc_root=seams.proc_root)

@@ -285,5 +285,10 @@ class PcieCollector:
         pass
 
 
+# This collector's section under `collectors:` (agent.collectors.COLLECTORS derives it).
+CONFIG = PcieConfig
+DESCRIPTION = "Every HCA's PCIe link and every HCA's and GPU's AER counters, from sysfs."
+
+
 def build(config: AgentConfig, seams: Seams) -> PcieCollector:
-    return PcieCollector(config.collectors.pcie, sysfs_root=seams.sysfs_root)
+    return PcieCollector(config.collectors.section("pcie", PcieConfig), sysfs_root=seams.sysfs_root)

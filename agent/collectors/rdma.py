@@ -746,5 +746,10 @@ class RdmaCollector:
         self._rescan = True
 
 
+# This collector's section under `collectors:` (agent.collectors.COLLECTORS derives it).
+CONFIG = RdmaConfig
+
+
 def build(config: AgentConfig, seams: Seams) -> RdmaCollector:
-    return RdmaCollector(config.collectors.rdma, sysfs_root=seams.sysfs_root, run=seams.run, clock=seams.clock)
+    return RdmaCollector(config.collectors.section("rdma", RdmaConfig), sysfs_root=seams.sysfs_root, run=seams.run,
+                         clock=seams.clock)

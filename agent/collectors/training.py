@@ -842,6 +842,10 @@ class TrainingCollector:
             tail.follower.close()
 
 
+# This collector's section under `collectors:` (agent.collectors.COLLECTORS derives it).
+CONFIG = TrainingConfig
+
+
 def build(config: AgentConfig, seams: Seams) -> TrainingCollector:
     # The simulator may replace the process table; a real agent asks psutil.
     pid_alive = seams.extra.get("pid_alive", psutil.pid_exists)

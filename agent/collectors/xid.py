@@ -431,8 +431,12 @@ def open_kernel_log(config: XidConfig, kmsg: str | Path | IO[str] | None, *, spa
     return FileFollower(path, start=config.file_start, cursor=cursor)
 
 
+# This collector's section under `collectors:` (agent.collectors.COLLECTORS derives it).
+CONFIG = XidConfig
+
+
 def build(config: AgentConfig, seams: Seams) -> XidCollector:
-    xid_config = config.collectors.xid
+    xid_config = config.collectors.section("xid", XidConfig)
     spawn = seams.extra.get("spawn", spawn_process)
     collector: XidCollector
 

@@ -1,13 +1,14 @@
 """Detectors: one module per judgement, listed in an explicit table.
 
-Each detector is built from its own config section and exposes ``name`` and a pure
-``evaluate(view, now) -> list[Finding]``. The topology attributor runs after them over their
-findings (it is not in ``REGISTRY``: it judges findings, not the fleet).
+Each detector class declares its config section's model (``config_model``, optionally a one-line
+``description``) and exposes ``name`` and a pure ``evaluate(view, now) -> list[Finding]``; the
+``detectors:`` config section is derived from this table, so a detector is its module, one line
+here and its test. The topology attributor runs after them over their findings (not in
+``REGISTRY``: it judges findings, not the fleet; its section follows theirs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from vigil.aggregator.decision import Finding
@@ -30,8 +31,10 @@ from vigil.aggregator.detectors.straggler import StragglerDetector
 from vigil.aggregator.detectors.telemetry_hang import TelemetryHangDetector
 from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerDetector
 from vigil.aggregator.detectors.thermal import ThermalDetector
+from vigil.aggregator.detectors.topology import TopologyAttributor
 from vigil.aggregator.detectors.xid import XidDetector
 from vigil.aggregator.fleet import FleetView
+from vigil.contract.validation import StrictModel
 
 
 class Detector(Protocol):
@@ -40,8 +43,26 @@ class Detector(Protocol):
     def evaluate(self, view: FleetView, now: float) -> list[Finding]: ...
 
 
+class DetectorSection(Protocol):
+    """What every section under ``detectors:`` has."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+
+class Configured(Protocol):
+    """A class built from one config section: ``config_model`` is that section's model."""
+
+    @property
+    def config_model(self) -> type[StrictModel]: ...
+
+
+class DetectorClass(Configured, Protocol):
+    def __call__(self, config: Any) -> Detector: ...
+
+
 # config section name (under `detectors:`) -> detector class taking that section
-REGISTRY: dict[str, Callable[[Any], Detector]] = {
+REGISTRY: dict[str, DetectorClass] = {
     "xid": XidDetector,
     "memory": MemoryDetector,
     "thermal": ThermalDetector,
@@ -63,3 +84,13 @@ REGISTRY: dict[str, Callable[[Any], Detector]] = {
     "pcie_link": PcieLinkDetector,
     "config_drift": ConfigDriftDetector,
 }
+
+
+# Sections that configure what runs after the detectors, under `detectors:` after theirs.
+AFTER_DETECTORS: dict[str, Configured] = {"topology": TopologyAttributor}
+
+
+def config_sections() -> dict[str, tuple[type[StrictModel], str | None]]:
+    """Every section under ``detectors:``, in order: key -> (model, one-line description or None)."""
+    return {name: (cls.config_model, getattr(cls, "description", None))
+            for name, cls in {**REGISTRY, **AFTER_DETECTORS}.items()}

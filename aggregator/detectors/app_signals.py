@@ -109,6 +109,8 @@ class _LogEpisode:
 
 class AppSignalsDetector:
     name = NAME
+    config_model = AppSignalsConfig
+    description = "The job's own loss and training logs: NaN loss, spikes, NCCL/CUDA lines (docs/detectors.md)."
 
     def __init__(self, config: AppSignalsConfig) -> None:
         self.config = config

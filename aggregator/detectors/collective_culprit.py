@@ -65,6 +65,9 @@ class _Rank:
 
 class CollectiveCulpritDetector:
     name = NAME
+    config_model = CollectiveCulpritConfig
+    description = ("The rank that never entered the collective its group waits in, from Flight Recorder dumps (the "
+                   "agent's collectors.flight_recorder; docs/detectors.md).")
 
     def __init__(self, config: CollectiveCulpritConfig) -> None:
         self.config = config

@@ -125,6 +125,9 @@ def _members_config_revision(view: FleetView, members: tuple[str, ...]) -> int:
 
 class ConfigDriftDetector:
     name = NAME
+    config_model = ConfigDriftConfig
+    description = ("A node configured unlike its job's peers (drift), a job split by a roll-out (one alert with the "
+                   "mix), and a node short of the site manifest (``manifest``, per GPU model; docs/detectors.md).")
 
     def __init__(self, config: ConfigDriftConfig) -> None:
         self.config = config

@@ -66,6 +66,8 @@ class CrashLoopConfig(StrictModel):
 
 class CrashLoopDetector:
     name = NAME
+    config_model = CrashLoopConfig
+    description = "Jobs that restart without progress (hold_job) and nodes many jobs crash on (docs/detectors.md)."
 
     def __init__(self, config: CrashLoopConfig) -> None:
         self.config = config

@@ -47,6 +47,9 @@ class FabricConfig(StrictModel):
 
 class FabricDetector:
     name = NAME
+    config_model = FabricConfig
+    description = ("GPUs whose NVLink fabric is not registered with Fabric Manager past the boot grace (NVSwitch "
+                   "systems), and Fabric Manager down (docs/detectors.md).")
 
     def __init__(self, config: FabricConfig) -> None:
         self.config = config

@@ -223,6 +223,7 @@ class _ClockWindow:
 
 class GpuPeerDetector:
     name = NAME
+    config_model = GpuPeerConfig
 
     def __init__(self, config: GpuPeerConfig) -> None:
         self.config = config

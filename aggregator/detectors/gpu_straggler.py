@@ -153,6 +153,8 @@ class _JobMemo:
 
 class GpuStragglerDetector:
     name = NAME
+    config_model = GpuStragglerConfig
+    description = "One slow GPU (rank) that its node's median hides (docs/detectors.md)."
 
     def __init__(self, config: GpuStragglerConfig) -> None:
         self.config = config

@@ -46,6 +46,7 @@ class MemoryConfig(StrictModel):
 
 class MemoryDetector:
     name = NAME
+    config_model = MemoryConfig
 
     def __init__(self, config: MemoryConfig) -> None:
         self.config = config

@@ -63,6 +63,9 @@ def describe_link(generation: int | None, generation_max: int | None, width: int
 
 class PcieLinkDetector:
     name = NAME
+    config_model = PcieLinkConfig
+    description = ("PCIe links trained below their maximum (a GPU's judged only under load) and AER errors on GPUs "
+                   "and HCAs (docs/detectors.md).")
 
     def __init__(self, config: PcieLinkConfig) -> None:
         self.config = config

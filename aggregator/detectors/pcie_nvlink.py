@@ -39,6 +39,7 @@ class PcieNvlinkConfig(StrictModel):
 
 class PcieNvlinkDetector:
     name = NAME
+    config_model = PcieNvlinkConfig
 
     def __init__(self, config: PcieNvlinkConfig) -> None:
         self.config = config

@@ -231,6 +231,8 @@ class ProbeVerdictConfig(StrictModel):
 
 class ProbeVerdictDetector:
     name = NAME
+    config_model = ProbeVerdictConfig
+    description = "Off by default: drains a suspect whose probe run failed (needs probes.enabled; docs/probes.md)."
 
     def __init__(self, config: ProbeVerdictConfig) -> None:
         self.config = config

@@ -114,6 +114,8 @@ class RecoveryConfig(StrictModel):
 
 class RecoveryDetector:
     name = NAME
+    config_model = RecoveryConfig
+    description = "Off by default: gives back nodes vigil rebooted once they verify (docs/detectors.md)."
 
     def __init__(self, config: RecoveryConfig, catalog: XidCatalog | None = None) -> None:
         self.config = config

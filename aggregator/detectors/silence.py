@@ -36,6 +36,7 @@ class SilenceConfig(StrictModel):
 
 class SilenceDetector:
     name = NAME
+    config_model = SilenceConfig
 
     def __init__(self, config: SilenceConfig) -> None:
         self.config = config

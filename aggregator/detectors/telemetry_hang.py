@@ -100,6 +100,8 @@ class _Flat:
 
 class TelemetryHangDetector:
     name = NAME
+    config_model = TelemetryHangConfig
+    description = "Hangs of jobs that send no heartbeats, from GPU busy-spin and flat RDMA (docs/detectors.md)."
 
     def __init__(self, config: TelemetryHangConfig) -> None:
         self.config = config

@@ -147,6 +147,9 @@ class _Run:
 
 class TelemetryStragglerDetector:
     name = NAME
+    config_model = TelemetryStragglerConfig
+    description = ("A slow node of a job with no heartbeats, from its GPUs' activity; alert only "
+                   "(docs/detectors.md).")
 
     def __init__(self, config: TelemetryStragglerConfig) -> None:
         self.config = config
