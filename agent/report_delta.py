@@ -1,15 +1,11 @@
-"""The compact reports (wire.COMPACT_VERSIONS): what changed since the report the aggregator accepted last.
+"""Compact reports (wire.REPORT_VERSION): what changed since the report the aggregator accepted last.
 
-It reads two reports as JSON-ready dicts (the one the aggregator accepted and the one to send
-now, both without events) and emits the version-2 or -3 body: every GPU, port and rank with its
-required fields (its identity), in version 2 the fields whose default is not None as they are,
-and the fields that changed to a value (in version 2 of those whose default is None; a port's
-counters: only those that moved; a field that became absent, or in version 3 went back to its
-default, is named in ``cleared``), the report's own fields whole. Told to hold telemetry
-back (wire.GPU_TELEMETRY_FIELDS and wire.PORT_TRAFFIC_COUNTERS), it leaves out what of it
-moved and puts the base's values back into the current state, which is then what the aggregator
-holds once it accepts the body. It decides nothing about when to send it (agent/reporter.py
-negotiates the version, keeps the base and says when telemetry goes out) and sends nothing.
+It reads two reports as JSON-ready states (``whole``: the one the aggregator accepted and the one
+to send now, both without events) and emits the compact body: every GPU, port and rank with its
+identity and the fields that changed (a port's counters: only those that moved; one back at its
+default named in ``cleared``), telemetry that moved held back when asked (the current state then
+gets the base's values back, so it stays what the aggregator holds). It decides nothing about
+when to send (agent/reporter.py keeps the base and says when telemetry goes out) and sends nothing.
 """
 
 from __future__ import annotations
@@ -20,9 +16,9 @@ import msgspec
 
 from vigil.contract.wire import (
     CLEARABLE,
-    DELTA_VERSION,
     GPU_TELEMETRY_FIELDS,
     PORT_TRAFFIC_COUNTERS,
+    REPORT_VERSION,
     SECTIONS,
     Report,
     to_builtins,
@@ -31,43 +27,41 @@ from vigil.contract.wire import (
 # What names an entry of each section: the same names in the same order, or the report goes whole.
 IDENTITY = {"gpus": ("index", "uuid"), "ports": ("device", "port"), "ranks": ("job", "rank")}
 
-# Per compact version and section, the fields every entry carries whether or not they changed:
-# its required ones, and in version 2 those with a default other than None (absent reads "default").
-CARRIED = {version: {section: frozenset(f.name for f in msgspec.structs.fields(model)) - clearable[section]
-                     for section, model in SECTIONS.items()}
-           for version, clearable in CLEARABLE.items()}
+# Per section, the fields every entry carries whether or not they changed: its required ones (and a
+# port's counters, which list those that moved).
+CARRIED = {section: frozenset(f.name for f in msgspec.structs.fields(model)) - CLEARABLE[section]
+           for section, model in SECTIONS.items()}
 
 # Report fields that say "unchanged" by being left out (the aggregator keeps the last it had).
 _KEPT_WHEN_ABSENT = ("topology", "host", "config", "pcie")
-# Port fields for a reader of one report, never sent in versions 2 and 3: the aggregator derives its
-# own increases from the raw counters over its window.
-V2_PORT_EXCLUDE = frozenset({"deltas", "rates_per_second"})
+# Port fields for a reader of one report, never sent: the aggregator derives its own increases from
+# the raw counters over its window.
+PORT_EXCLUDE = frozenset({"deltas", "rates_per_second"})
 # A held-back field the base did not have (taken out of the current state again).
 _ABSENT = object()
 
 
-def whole(report: Report, version: int = DELTA_VERSION) -> dict[str, Any]:
-    """``report`` as a whole state of compact ``version`` (JSON-ready, without events): the base of
-    the next compact report, and what is sent when there is no base."""
+def whole(report: Report) -> dict[str, Any]:
+    """``report`` as a whole state (JSON-ready, without events): the base of the next compact
+    report, and what is sent when there is no base."""
     state: dict[str, Any] = to_builtins(report)
     state.pop("events", None)
     for port in state.get("ports", ()):
-        for name in V2_PORT_EXCLUDE:
+        for name in PORT_EXCLUDE:
             port.pop(name, None)
-    state["version"] = version
+    state["version"] = REPORT_VERSION
     return state
 
 
 def delta(base: dict[str, Any], current: dict[str, Any], *, telemetry: bool = True) -> dict[str, Any] | None:
-    """``current`` relative to ``base``, both states of one compact version (``whole``); None
-    when their structure differs (other GPUs, ports or ranks, in another order, a port's counter
-    names, a host that went away) or their versions do: send it whole.
+    """``current`` relative to ``base``, both states (``whole``); None when their structure
+    differs (other GPUs, ports or ranks, in another order, a port's counter names, a host that
+    went away) or either is not of wire.REPORT_VERSION: send it whole.
     ``telemetry`` False: the telemetry that moved is left out, and ``current`` gets the base's
     values of it back (only when a body is returned), so it stays what the aggregator holds."""
     # (entry dict, field, the base's value or _ABSENT): what to put back once the body is sure.
     held: list[tuple[dict[str, Any], str, Any]] = []
-    version = current.get("version")
-    if version not in CLEARABLE or base.get("version") != version:
+    if current.get("version") != REPORT_VERSION or base.get("version") != REPORT_VERSION:
         return None
     out = {k: v for k, v in current.items() if k not in IDENTITY and k not in _KEPT_WHEN_ABSENT}
     for key in _KEPT_WHEN_ABSENT:
@@ -82,10 +76,10 @@ def delta(base: dict[str, Any], current: dict[str, Any], *, telemetry: bool = Tr
             return None
         entries = []
         first, second = keys
-        # Only the fields of wire.CLEARABLE may be left out as unchanged (version 2: those whose
-        # default is None; version 3: all with a default); the others are carried as they are, so
-        # each entry of a compact report is a valid instance of its model.
-        carried, clearable = CARRIED[version][section], CLEARABLE[version][section]
+        # Only the fields of wire.CLEARABLE (all with a default) may be left out as unchanged; the
+        # others are carried as they are, so each entry of a compact report is a valid instance
+        # of its model.
+        carried, clearable = CARRIED[section], CLEARABLE[section]
         for i, (b, c) in enumerate(zip(before, now, strict=True)):
             if b[first] != c[first] or b[second] != c[second]:
                 return None
@@ -98,8 +92,8 @@ def delta(base: dict[str, Any], current: dict[str, Any], *, telemetry: bool = Tr
                     del entry[name]
                     held.append((c, name, get(name, _ABSENT)))
             if b.keys() != c.keys():
-                # Absent now: a field became None or its default. Named in ``cleared`` when its
-                # absence would read "unchanged" (version 2: an optional field; version 3: any).
+                # Absent now: a field went back to its default. Named in ``cleared``: its absence
+                # would read "unchanged".
                 cleared.extend([section, i, k] for k in sorted(b.keys() - c.keys()) if k in clearable)
             if section == "ports":
                 counters, was = c.get("counters", {}), b.get("counters", {})

@@ -10,12 +10,11 @@ carry, or a report the aggregator refuses for its content drops events, each cou
 logged; pending events are journaled (agent/backlog.py), so a
 restart or a crash keeps them. An urgent event makes the reporter push at once. Node action requests
 in the aggregator's 202 answer go to the node-action runner (off the event loop, one at a time), and
-their results ride the following reports until one carrying them is accepted. Reports are
-version 1 (whole) until an aggregator's answer lists a compact version in ``report_versions`` (3,
-else 2); then each report carries only what changed since the last one accepted
-(agent/report_delta.py), its telemetry (wire.GPU_TELEMETRY_FIELDS, wire.PORT_TRAFFIC_COUNTERS) at
-most every ``telemetry_seconds``. A compact report refused for its base (409 delta_base) is resent
-whole, one refused otherwise (an older aggregator) is resent as version 1, events kept either way.
+their results ride the following reports until one carrying them is accepted. Reports are of
+wire.REPORT_VERSION: whole until one is accepted, then each carries only what changed since the
+last one accepted (agent/report_delta.py), its telemetry (wire.GPU_TELEMETRY_FIELDS,
+wire.PORT_TRAFFIC_COUNTERS) at most every ``telemetry_seconds``. A compact report refused for its
+base (409 delta_base) or its content is resent whole at once, events kept.
 A report whose answer was lost (a timeout) may have been taken: when the 409 delta_base names that
 report as the one the aggregator holds, it becomes the base and the report is resent compact. An
 aggregator behind on its work sheds reports (503 or 429 with ``Retry-After``; nothing taken, the
@@ -48,10 +47,8 @@ from vigil.contract.credential_file import TokenFile
 from vigil.contract.limits import PENDING_EVENTS_MAX_BYTES, REPORT_MAX_BYTES, REPORT_MAX_EVENTS
 from vigil.contract.version import __version__
 from vigil.contract.wire import (
-    COMPACT_VERSIONS,
     MAX_REQUESTS_PER_RESPONSE,
     MAX_RESULTS_PER_REPORT,
-    WIRE_VERSION,
     Event,
     NodeActionRequest,
     NodeActionResult,
@@ -70,7 +67,7 @@ REPORTS = MetricSpec("vigil_agent_reports_total", MetricKind.COUNTER,
                      "Reports pushed to the aggregator, by result: ok, error (not delivered, retried), split "
                      "(413: resent in smaller parts), rejected (refused for its content), rebased (a compact "
                      "report the aggregator had no base for: resent whole), downgraded (a compact report "
-                     "refused: resent as version 1).", labels=("result",))
+                     "refused for its content: resent whole).", labels=("result",))
 ERROR_REASONS = ("unreachable", "timeout", "tls", "unauthorized", "throttled", "server_error", "refused_transient")
 REPORT_ERRORS = MetricSpec("vigil_agent_report_errors_total", MetricKind.COUNTER,
                            "Reports not delivered (kept and retried), by reason: unreachable, timeout, tls "
@@ -301,12 +298,12 @@ class Reporter:
         # into JSON only when asked.
         self.last_report_body: bytes | None = None
         self._last_built: tuple[Report, list[bytes]] | None = None
-        # The report version the aggregator's last answer said it takes, the last compact
-        # report it accepted (seq, state without events: what a compact report is relative to),
-        # and the state of the body just built (the base once it is accepted).
-        self.report_version = WIRE_VERSION
+        # The last report the aggregator accepted (seq, state without events: what a compact
+        # report is relative to), the state of the body just built (the base once it is
+        # accepted), and whether that body was compact (relative to the base).
         self._base: _Held | None = None
         self._built: _Held | None = None
+        self._built_compact = False
         # A compact-version report sent whose answer was lost (the aggregator may hold it).
         self._unanswered: _Held | None = None
         # A compact report carries the telemetry that moved only when the base's is this old.
@@ -411,15 +408,12 @@ class Reporter:
         return body, self._backlog.first_id + len(taken), len(taken)
 
     def _head(self, report: Report) -> bytes:
-        """The report without events as JSON: version 1 whole, or compact (version 2 or 3)
-        relative to the last report of that version accepted (whole when there is none or the
-        structure changed)."""
-        if self.report_version not in COMPACT_VERSIONS:
-            self._built = None
-            return encode(replace(report, events=[]))
-        state = whole(report, self.report_version)
+        """The report without events as JSON: compact relative to the last report accepted, or
+        whole when there is none or the structure changed."""
+        state = whole(report)
         now = self._clock()
         body, telemetry_ts = state, now
+        self._built_compact = False
         if self._base is not None:
             # (A clock stepped back refreshes at once rather than holding telemetry until it catches up.)
             since = now - self._base.telemetry_ts
@@ -430,6 +424,7 @@ class Reporter:
             if compact is not None:
                 body = {**compact, "base_seq": self._base.seq}
                 telemetry_ts = now if refresh else self._base.telemetry_ts
+                self._built_compact = True
         self._built = _Held(report.seq, state, telemetry_ts)
         # msgspec's encoder: the same JSON as json.dumps (compact, shortest float repr), a fraction
         # of its CPU on the ~9 KiB compact body (bench_agent).
@@ -553,7 +548,7 @@ class Reporter:
             # bound still holds, drops counted backlog_full).
             return self._error("refused_transient", f"aggregator refused a report for now ({status} {reason}; "
                                f"{n_events} event(s) kept and resent): {text[:300]}")
-        if self._built is not None:
+        if self._built_compact:
             return self._refused_compact(status, text)
         # Any other 4xx: the aggregator refused this report's content and would refuse it again.
         self.counts["rejected"] += 1
@@ -562,9 +557,9 @@ class Reporter:
         return "rejected"
 
     def _refused_compact(self, status: int, text: str) -> str:
-        """A compact report refused: resend at once (events kept), whole when the aggregator had
-        no base for it, as version 1 otherwise (an aggregator that does not take its version; its
-        next answer says which it takes)."""
+        """A compact report refused: resend at once (events kept), whole, unless the aggregator's
+        409 delta_base names the report whose answer was lost as the one it holds (then compact
+        against that one). A whole report refused for its content is dropped (``_post``)."""
         parsed = _parse_answer(text.encode())
         self._base = None
         unanswered, self._unanswered = self._unanswered, None
@@ -583,10 +578,7 @@ class Reporter:
                      "it whole")
             return "resend"
         self.counts["downgraded"] += 1
-        refused = self.report_version
-        self.report_version = WIRE_VERSION
-        log.warning("aggregator refused a version %d report (%d %s): resending as version %d", refused,
-                    status, text[:300], WIRE_VERSION)
+        log.warning("aggregator refused a compact report (%d %s): resending it whole", status, text[:300])
         return "resend"
 
     def _error(self, reason: str, message: str) -> str:
@@ -616,18 +608,9 @@ class Reporter:
 
     def accepted(self, answer: object) -> None:
         """The aggregator accepted the body built last and answered ``answer`` (its parsed JSON):
-        that report is the base of the next compact one, and the answer says which version to
-        send (the highest compact version it lists in ``report_versions`` that this agent knows,
-        else version 1: an older aggregator, or one rolled back)."""
+        that report is the base of the next compact one."""
         self._base = self._built
         self._unanswered = None
-        versions = answer.get("report_versions") if isinstance(answer, dict) else None
-        wanted = max((v for v in COMPACT_VERSIONS if v in versions), default=WIRE_VERSION) \
-            if isinstance(versions, list) else WIRE_VERSION
-        if wanted != self.report_version:
-            log.info("aggregator takes report version %d: sending it from now on", wanted)
-            self.report_version = wanted
-            self._base = None
         raw = answer.get("standing") if isinstance(answer, dict) else None
         if raw is not None:
             standing = parse_standing(raw, self._clock())

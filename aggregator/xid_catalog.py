@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import TypeVar
 
@@ -145,12 +145,17 @@ def _load_rows(data_file: str, text: str | None, build: Callable[[dict[str, str]
     return entries
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class XidOccurrence:
+    """One de-duplicated Xid on one GPU, on the aggregator's clock: the fleet keeps these per GPU
+    (NodeState.xids; an Xid seen by the kernel log and by NVML within the dedup window is one, its
+    ``sources`` both readers and its ``count`` the larger) and judge_xids reads them."""
+
     code: int
     ts: float
     count: int = 1
     message: str = ""
+    sources: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,9 @@
 The node is the real agent over FakeNvml (8x H100 SXM), an 8-HCA sysfs tree built from the
 recorded H100 InfiniBand snapshot, a kernel log file, and 8 training ranks sending one heartbeat
 per step. CPU is process time (all threads), so the NVML event worker counts too. Building a
-report (the Reporter's build_body: the Report model, its JSON, and in a compact version the
-whole state as a dict and its delta against the last accepted one) is measured per report for
-version 1 and the compact version the agent sends (3)
-and per second at the agent's 2.5 s report interval, added to the collection cycle's CPU.
+report (the Reporter's build_body: the Report model, its whole state as a dict, and for a
+compact report its delta against the last accepted one, and its JSON) is measured per report,
+whole and compact, and per second at the agent's 2.5 s report interval, added to the collection cycle's CPU.
 
 The in-process figures leave out what only the running daemon pays (the event loop's timers,
 hand-offs to worker threads, the Xid event thread, the reporter), so ``AgentProcess`` starts the
@@ -39,7 +38,6 @@ from vigil.agent.runner import collect_once
 from vigil.cli.agent_reports import HCAS, INTERVAL_SECONDS, SCENARIO, Clock, agent_reports, build_agent
 from vigil.cli.loadgen import free_port
 from vigil.contract.scrape_encoding import GZIP_LEVEL, encode_for_scraper
-from vigil.contract.wire import COMPACT_VERSIONS, SPARSE_VERSION, WIRE_VERSION
 
 FIXTURE_IB = Path(__file__).parent.parent / "tests" / "fixtures" / "sysfs" / "h100" / "class" / "infiniband"
 SECONDS = 300.0
@@ -187,12 +185,12 @@ def measure_process() -> tuple[float, list[Measurement]]:
     return idle, rows
 
 
-def report_build_seconds(version: int) -> list[float]:
-    """CPU per report the Reporter builds in ``version``, steady state: in a compact version the first
-    report after the move is whole and left out, each later one is compact."""
+def report_build_seconds(compact: bool) -> list[float]:
+    """CPU per report the Reporter builds, steady state: every report whole (none accepted), or
+    with ``compact`` each accepted, the first (whole) left out and each later one compact."""
     cpu: list[float] = []
-    agent_reports(REPORT_ROUNDS, FIXTURE_IB / "mlx5_0", version=version, build_cpu_seconds=cpu)
-    return cpu[1:] if version in COMPACT_VERSIONS else cpu
+    agent_reports(REPORT_ROUNDS, FIXTURE_IB / "mlx5_0", compact=compact, build_cpu_seconds=cpu)
+    return cpu[1:] if compact else cpu
 
 
 def measure() -> list[Measurement]:
@@ -249,10 +247,10 @@ def measure() -> list[Measurement]:
     renders.sort()
     gzips.sort()
     p99_ms = renders[int(len(renders) * 0.99) - 1] * 1000
-    build = {v: sorted(report_build_seconds(v)) for v in (WIRE_VERSION, SPARSE_VERSION)}
+    build = {v: sorted(report_build_seconds(v)) for v in (False, True)}
     mean_us = {v: sum(xs) / len(xs) * 1e6 for v, xs in build.items()}
     p50_us = {v: xs[len(xs) // 2] * 1e6 for v, xs in build.items()}
-    compact_ms_per_s = mean_us[SPARSE_VERSION] / 1000 / INTERVAL_SECONDS
+    compact_ms_per_s = mean_us[True] / 1000 / INTERVAL_SECONDS
     idle, process = measure_process()
     return [*process,
         Measurement("vigil agent process, idle: the daemon's own CPU per second", idle - cpu_ms, "ms",
@@ -262,14 +260,14 @@ def measure() -> list[Measurement]:
         Measurement("agent CPU per collection cycle (8 GPUs + 8 HCAs + 8 ranks, fake NVML)", cpu_ms, "ms", 2.0,
                     note=f"CPU per second over {SECONDS:.0f} simulated seconds at configured cadences; "
                          f"ms/s by collector: {breakdown}"),
-        Measurement("agent report building, version 3 (compact), per report", round(mean_us[SPARSE_VERSION]), "us",
+        Measurement("agent report building, compact, per report", round(mean_us[True]), "us",
                     None, note=f"Reporter.build_body + taking the answer, mean over {REPORT_ROUNDS - 1} reports "
-                               f"(p50 {p50_us[SPARSE_VERSION]:.0f} us); version 1 (whole) "
-                               f"{mean_us[WIRE_VERSION]:.0f} us (p50 {p50_us[WIRE_VERSION]:.0f} us)"),
-        Measurement("agent CPU per second with report building (version 3, one report per 2.5 s)",
+                               f"(p50 {p50_us[True]:.0f} us); whole "
+                               f"{mean_us[False]:.0f} us (p50 {p50_us[False]:.0f} us)"),
+        Measurement("agent CPU per second with report building (compact, one report per 2.5 s)",
                     round(cpu_ms + compact_ms_per_s, 3), "ms", AGENT_BUDGET_MS_PER_SECOND,
                     note=f"collection {cpu_ms:.3f} ms/s + report building {compact_ms_per_s:.3f} ms/s "
-                         f"(version 1: {mean_us[WIRE_VERSION] / 1000 / INTERVAL_SECONDS:.3f} ms/s); "
+                         f"(whole: {mean_us[False] / 1000 / INTERVAL_SECONDS:.3f} ms/s); "
                          "docs/architecture.md section 9"),
         Measurement("/metrics render, 8-GPU node (p99)", p99_ms, "ms", 2.0,
                     note=f"{series} series, {len(body) / 1024:.0f} KiB, {RENDERS} renders"),

@@ -43,7 +43,7 @@ from vigil.aggregator.engine import Engine
 from vigil.aggregator.metrics import GC_GENERATIONS
 from vigil.aggregator.sink import RecordingSink
 from vigil.cli.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
-from vigil.contract.wire import SPARSE_VERSION, Report, convert
+from vigil.contract.wire import Report, convert
 
 MEMORY_NODES = 300
 MEMORY_ROUNDS = 12  # 30 s of reports: the rings fill with what a steady node keeps
@@ -129,7 +129,7 @@ def _report(template: dict[str, Any], n: int, seq: int, ts: float) -> Report:
 
 
 def memory() -> list[Measurement]:
-    templates = agent_reports(MEMORY_ROUNDS, FIXTURE_IB / "mlx5_0", version=SPARSE_VERSION)
+    templates = agent_reports(MEMORY_ROUNDS, FIXTURE_IB / "mlx5_0", compact=True)
     # The service's fleet: the port counters its detectors judge are the ones it keeps deltas of.
     fleet = Engine(parse_config({"fleet": {"forget_after_seconds": 3600}}), RecordingSink()).fleet
     t0 = 1.7e9

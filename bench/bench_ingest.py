@@ -1,6 +1,5 @@
-"""Aggregator ingest rate, for the compact reports (version 3, what the agent sends to an
-aggregator that takes it; version 2, what an agent of the release before sends) and the whole
-ones (version 1): JSON bytes -> the node token check ->
+"""Aggregator ingest rate, for the compact reports (what the agent sends once a report was
+accepted) and the whole ones (its first, or after a 409 delta_base): JSON bytes -> the node token check ->
 ``wire.decode_report`` (strict, as the service validates) -> the intake checks ->
 ``Engine.ingest``.
 
@@ -25,7 +24,7 @@ from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
 from vigil.cli.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
-from vigil.contract.wire import DELTA_VERSION, SPARSE_VERSION, WIRE_VERSION, decode_report
+from vigil.contract.wire import decode_report
 
 NODES = 500
 # docs/architecture.md section 9 (issue #20): 100,000 GPUs at one report per 2.5 s take
@@ -41,10 +40,10 @@ ROUNDS = 13
 PASSES = 5
 
 
-def payloads(version: int = WIRE_VERSION, nodes: int = NODES) -> list[tuple[float, bytes]]:
+def payloads(compact: bool = False, nodes: int = NODES) -> list[tuple[float, bytes]]:
     """``nodes`` nodes' reports, round by round: the first round whole, then what the agent
-    sends in ``version``."""
-    templates = agent_reports(ROUNDS, FIXTURE_IB / "mlx5_0", version=version)
+    sends, whole, or with ``compact`` relative to the round before."""
+    templates = agent_reports(ROUNDS, FIXTURE_IB / "mlx5_0", compact=compact)
     out: list[tuple[float, bytes]] = []
     for seq, template in enumerate(templates, start=1):
         ts = 1.7e9 + seq * INTERVAL_SECONDS
@@ -55,11 +54,11 @@ def payloads(version: int = WIRE_VERSION, nodes: int = NODES) -> list[tuple[floa
 
 
 def measure() -> list[Measurement]:
-    return [_measure(SPARSE_VERSION), _measure(DELTA_VERSION), _measure(WIRE_VERSION)]
+    return [_measure(compact=True), _measure(compact=False)]
 
 
-def _measure(version: int) -> Measurement:
-    bodies = payloads(version)
+def _measure(compact: bool) -> Measurement:
+    bodies = payloads(compact)
     # The service's own collector settings (aggregator.app.serve applies the same).
     thresholds = gc.get_threshold()
     tune_gc()
@@ -69,10 +68,9 @@ def _measure(version: int) -> Measurement:
     decode_us, update_us = _split(bodies)
     gc.set_threshold(*thresholds)
     gc.unfreeze()
-    what = {SPARSE_VERSION: "compact (version 3, what changed: what the agent sends)",
-            DELTA_VERSION: "compact (version 2, an older agent's)", WIRE_VERSION: "whole (version 1)"}[version]
+    what = "compact (version 3, what changed: what the agent sends)" if compact else "whole (version 3)"
     return Measurement(f"aggregator ingest, 8-GPU reports, {what}, one core", round(rates[0]), "reports/s",
-                       BUDGET_REPORTS_PER_SECOND if version == SPARSE_VERSION else None, higher_is_better=True,
+                       BUDGET_REPORTS_PER_SECOND if compact else None, higher_is_better=True,
                        note=f"{size / 1024:.1f} KiB JSON each, built by the agent pipeline; token check + strict "
                             f"validation + intake checks + ingest, {NODES} nodes x {ROUNDS - 1} rounds, CPU time; "
                             f"the best of {PASSES} passes on fresh engines (all: "

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench import bench_ingest
 from bench.measure import Measurement
-from vigil.contract.wire import SPARSE_VERSION, decode_report
+from vigil.contract.wire import decode_report
 
 # 100 nodes x 12 steady rounds: 1,200 reports, enough for a stable mean (callgrind runs the
 # interpreter ~50 times slower; the two counts run side by side, ~2 minutes).
@@ -37,7 +37,7 @@ def measure() -> list[Measurement]:
         print("bench_ingest_instructions: valgrind is not installed (apt-get install valgrind): nothing measured",
               file=sys.stderr)
         return []
-    bodies = bench_ingest.payloads(SPARSE_VERSION, nodes=NODES)
+    bodies = bench_ingest.payloads(compact=True, nodes=NODES)
     steady = len(bodies) - NODES
     with tempfile.TemporaryDirectory(prefix="vigil-bench-") as tmp:
         path = Path(tmp) / "bodies.json"

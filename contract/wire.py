@@ -18,32 +18,27 @@ from msgspec import Meta
 
 from vigil.contract.limits import REPORT_MAX_EVENTS
 
-# Report versions (docs/reports.md). 1: every report whole. 2: ``base_seq`` names the report of
-# this boot the aggregator accepted last, and each GPU, port and rank carries its required fields
-# (its identity), every field whose default is not None as it is now (a list, a dict, a state
-# word: absent means its default), and of the fields whose default is None only those that
-# changed to a value (port counters: only those that moved); one that became absent is named in
-# the report's ``cleared``, except telemetry (below), which may wait up to 30 s. The rest is as in
-# the base. 3: as 2, but a field whose default is not None is left out too when it is unchanged
-# (a training GPU's throttle reasons and processes, a port's flags: the same every report), and
-# named in ``cleared`` when it went back to its default; so in version 3 an absent field always
-# means "as in the base". Ports never carry ``deltas``/``rates_per_second`` in versions 2 and 3
-# (the aggregator computes its own from the raw counters). An agent sends the highest version
-# both know that the aggregator's answer to a report lists in ``report_versions``.
-WIRE_VERSION = 1
-DELTA_VERSION = 2
-SPARSE_VERSION = 3
-# The versions whose reports may be relative to a base (base_seq, cleared).
-COMPACT_VERSIONS = (DELTA_VERSION, SPARSE_VERSION)
-REPORT_VERSIONS = (WIRE_VERSION, DELTA_VERSION, SPARSE_VERSION)
+# The report version (docs/reports.md, "Compact reports"): one, before the first release. A report
+# is whole when it has no ``base_seq`` (an agent's first report, or one after a 409 delta_base);
+# otherwise ``base_seq`` names the report of this boot the aggregator accepted last, and each GPU,
+# port and rank carries its required fields (its identity) and only the fields that changed
+# (port counters: only those that moved); a field that went back to its default (None, an empty
+# list, a state word) is named in the report's ``cleared``. So an absent field always means "as in
+# the base". Telemetry (below) may wait up to 30 s. A compact port never carries
+# ``deltas``/``rates_per_second`` (the aggregator computes its own from the raw counters). An
+# absent ``version`` reads as this one (a whole report of an agent from before versions is a
+# whole report of this one); any other number is refused (422 unsupported_report_version,
+# aggregator/fleet_intake.py). The aggregator's answer lists it in ``report_versions``.
+REPORT_VERSION = 3
+REPORT_VERSIONS = (REPORT_VERSION,)
 
 # Telemetry: what describes how busy a GPU or a link is and no detector judges. On a busy node
 # it moves every report (~13 floats a GPU, ~10 counters a port: over half a compact report's
 # bytes and a quarter of the aggregator's CPU per report, bench_ingest), while dashboards read it
-# from the agent's own /metrics at scrape resolution. A version-2 report carries what of it moved
+# from the agent's own /metrics at scrape resolution. A compact report carries what of it moved
 # at most every ``report_telemetry_seconds`` (agent config, 30 s by default); in between the
-# aggregator keeps the value it was last sent (docs/reports.md, "Telemetry resolution"). Version
-# 1 and every whole report carry all of it. A detector must never read these (a test keeps the
+# aggregator keeps the value it was last sent (docs/reports.md, "Telemetry resolution"). Every
+# whole report carries all of it. A detector must never read these (a test keeps the
 # detectors' sources free of the GPU names; the network detector's config refuses the counters).
 GPU_TELEMETRY_FIELDS = frozenset({
     # NVML utilization and memory use: utilization_gpu_ratio is judged (thermal, gpu_peer), these not.
@@ -590,7 +585,8 @@ class Report(_Wire, kw_only=True):
     """The agent's periodic push (``POST /v1/reports``). ``seq`` increases by one per report
     within a ``boot_id``; a new boot id means counters restarted from zero."""
 
-    version: Literal[1, 2, 3] = 1  # REPORT_VERSIONS
+    # REPORT_VERSION; another number decodes, and the intake refuses it by name (unsupported_report_version).
+    version: Annotated[int, Meta(ge=0, le=1 << 16)] = REPORT_VERSION
     node: NodeName
     boot_id: Id
     seq: Count
@@ -622,28 +618,24 @@ class Report(_Wire, kw_only=True):
     # Outcomes of node actions the aggregator asked for (contract/node_actions.py), each reported until
     # a report carrying it is accepted.
     action_results: Annotated[list[NodeActionResult], Meta(max_length=MAX_RESULTS_PER_REPORT)] = []
-    # Version 2 only: the seq of this boot's report that the fields left out are unchanged since
-    # (the last one the aggregator accepted); None: this report is whole.
+    # The seq of this boot's report that the fields left out are unchanged since (the last one the
+    # aggregator accepted); None: this report is whole.
     base_seq: Count | None = None
-    # Version 2 only: the fields (whose default is None) of the section's i-th entry that became
-    # absent since the base, as [section, i, field]: left out, they would read "unchanged".
+    # The fields of the section's i-th entry that went back to their defaults since the base, as
+    # [section, i, field]: left out, they would read "unchanged".
     cleared: Annotated[list[tuple[Section, Index, Short]], Meta(max_length=4096)] = []
 
     def __post_init__(self) -> None:
         if self.ports:
             check_port_counters(self.ports)
-        if self.base_seq is not None and self.version not in COMPACT_VERSIONS:
-            raise ValueError(f"base_seq is only valid in a report of version {' or '.join(map(str, COMPACT_VERSIONS))}")
         if self.cleared:
             if self.base_seq is None:
                 raise ValueError("cleared is only valid in a report relative to a base (base_seq)")
-            clearable = CLEARABLE[self.version]
             for section, i, name in self.cleared:
                 if i >= len(getattr(self, section)):
                     raise ValueError(f"cleared names {section}[{i}], but the report has {len(getattr(self, section))}")
-                if name not in clearable[section]:
-                    kind = "an optional field" if self.version == DELTA_VERSION else "a field that may be left out"
-                    raise ValueError(f"cleared names {name!r}, not {kind} of {section} in version {self.version}")
+                if name not in CLEARABLE[section]:
+                    raise ValueError(f"cleared names {name!r}, not a field of {section} that may be left out")
 
     @property
     def is_delta(self) -> bool:
@@ -661,15 +653,10 @@ def check_port_counters(ports: list[PortState]) -> None:
             raise ValueError(f"a port counter is at most {MAX_COUNTER} (64 bits)")
 
 
-# A report's sections of entries, each a list of one model (version 2 completes them by identity).
+# A report's sections of entries, each a list of one model (a compact report completes them by identity).
 Section = Literal["gpus", "ports", "ranks"]
 SECTIONS: dict[str, type[GpuState] | type[PortState] | type[RankSummary]] = {
     "gpus": GpuState, "ports": PortState, "ranks": RankSummary}
-
-
-def optional_fields(model: type[msgspec.Struct]) -> tuple[str, ...]:
-    """The fields of ``model`` whose default is None: version 2 sends them only when they changed."""
-    return tuple(f.name for f in msgspec.structs.fields(model) if f.default is None)
 
 
 def field_defaults(model: type[msgspec.Struct]) -> dict[str, Any]:
@@ -679,18 +666,13 @@ def field_defaults(model: type[msgspec.Struct]) -> dict[str, Any]:
             for f in msgspec.structs.fields(model) if not f.required}
 
 
-# Fields a compact report never leaves out or clears: a port's counters (a version-2 or -3 port
-# lists those that moved, and a port whose counter names changed goes whole) and the port fields
-# for a reader of one report, never sent relative to a base.
+# Fields a compact report never leaves out or clears: a port's counters (a compact port lists
+# those that moved, and a port whose counter names changed goes whole) and the port fields for a
+# reader of one report, never sent relative to a base.
 NOT_CLEARABLE = {"gpus": frozenset(), "ports": frozenset({"counters", "deltas", "rates_per_second"}),
                  "ranks": frozenset()}
-# Per compact version, the fields of each section a report may name in ``cleared``: in version 2
-# the optional ones (default None), in version 3 every field with a default.
-CLEARABLE = {
-    DELTA_VERSION: {section: frozenset(optional_fields(model)) for section, model in SECTIONS.items()},
-    SPARSE_VERSION: {section: frozenset(field_defaults(model)) - NOT_CLEARABLE[section]
-                     for section, model in SECTIONS.items()},
-}
+# The fields of each section a compact report may name in ``cleared``: every field with a default.
+CLEARABLE = {section: frozenset(field_defaults(model)) - NOT_CLEARABLE[section] for section, model in SECTIONS.items()}
 
 
 class Heartbeat(_Wire, kw_only=True):

@@ -38,7 +38,6 @@ from vigil.aggregator.xid_catalog import (
     APP_BURST_SECONDS,
     NVML_RECOVERY_ACTIONS,
     XidCatalog,
-    XidOccurrence,
     burst_spans,
     judge_xids,
 )
@@ -231,8 +230,7 @@ class XidDetector:
             for gpu, records in node.xids.items():
                 if not records:
                     continue
-                occurrences = [XidOccurrence(code=r.code, ts=r.ts, count=r.count, message=r.message)
-                               for r in records if now - r.ts <= cfg.window_seconds]
+                occurrences = [r for r in records if now - r.ts <= cfg.window_seconds]
                 if not occurrences:
                     continue
                 state = node.gpus[gpu].last if gpu is not None and gpu in node.gpus else None

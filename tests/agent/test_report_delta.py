@@ -15,7 +15,7 @@ def _state(sm_active: float | None, xmit: int, temperature: float, symbol_errors
     gpu: dict[str, Any] = {"index": 0, "uuid": "GPU-0", "temperature_celsius": temperature, "power_watts": 400.0}
     if sm_active is not None:
         gpu["sm_active_ratio"] = sm_active
-    return {"node": "n1", "boot_id": "b", "seq": 1, "ts": 1.0, "interval_seconds": 2.5, "version": 2,
+    return {"node": "n1", "boot_id": "b", "seq": 1, "ts": 1.0, "interval_seconds": 2.5, "version": 3,
             "gpus": [gpu],
             "ports": [{"device": "mlx5_0", "port": 1, "state": "4: ACTIVE",
                        "counters": {"port_xmit_data": xmit, "symbol_error": symbol_errors}}],
@@ -78,32 +78,25 @@ def _v(version: int, gpu: dict[str, Any], flags: dict[str, str]) -> dict[str, An
             "gpus": [gpu], "ports": [port], "ranks": []}
 
 
-def test_version_3_leaves_unchanged_fields_with_a_default_out_and_clears_them_back_to_it() -> None:
+def test_a_compact_report_leaves_unchanged_fields_with_a_default_out_and_clears_them_back_to_it() -> None:
     flags = {"excessive_buffer_overrun_errors": "saturated"}
     base = _v(3, _training_gpu(["sw_power_cap"]), flags)
     same = _v(3, _training_gpu(["sw_power_cap"]), flags)
     assert delta(base, same) == {**same, "gpus": [{"index": 0, "uuid": "GPU-0"}],
                                  "ports": [{"device": "mlx5_0", "port": 1}]}
-    # Version 2 carries them as they are in every report (absent there means the default).
-    v2 = delta(_v(2, _training_gpu(["sw_power_cap"]), flags), _v(2, _training_gpu(["sw_power_cap"]), flags))
-    assert v2 is not None and v2["gpus"][0]["clock_event_reasons"] == ["sw_power_cap"] and v2["ports"][0]["flags"]
-    # Back to the default (no throttle reason, healthy again, no flag): named in cleared in
-    # version 3; in version 2 only an optional field is.
+    # Back to the default (no throttle reason, healthy again, no flag): named in cleared.
     sick = _v(3, _training_gpu(["sw_power_cap", "hw_slowdown"], "reset_required"), flags)
     well = _v(3, _training_gpu([]), {})
     body = delta(sick, well)
     assert body is not None and body["gpus"] == [{"index": 0, "uuid": "GPU-0"}]
     assert body["cleared"] == [["gpus", 0, "clock_event_reasons"], ["gpus", 0, "health"], ["ports", 0, "flags"]]
-    sick2, well2 = (_v(2, s["gpus"][0], s["ports"][0].get("flags", {})) for s in (sick, well))
-    body2 = delta(sick2, well2)
-    assert body2 is not None and "cleared" not in body2 and "clock_event_reasons" not in body2["gpus"][0]
-    # A change is sent whole (the list, the dict), as in version 2.
+    # A change is sent whole (the list, the dict).
     body = delta(well, sick)
     assert body is not None and body["gpus"][0]["clock_event_reasons"] == ["sw_power_cap", "hw_slowdown"]
     assert body["ports"][0]["flags"] == flags and "cleared" not in body
 
 
-def test_states_of_two_versions_are_never_relative_to_each_other() -> None:
+def test_a_state_of_another_version_is_never_a_base() -> None:
     flags: dict[str, str] = {}
     assert delta(_v(2, _training_gpu([]), flags), _v(3, _training_gpu([]), flags)) is None
     assert delta(_v(3, _training_gpu([]), flags), _v(1, _training_gpu([]), flags)) is None

@@ -1,11 +1,10 @@
-"""Report version negotiation, both ways, with the real Reporter: against the real aggregator
-application it moves from version 1 to the compact version 3 once an answer lists it, and the
-fleet holds the same state as from whole reports (with telemetry in every report; by default the
-compact ones carry it every 30 s, and the fleet has it as of the last refresh); against an
-aggregator of the release before (it lists 1 and 2) it sends version 2, which the aggregator still
-takes; against one that lists no compact version it keeps sending version 1; a restarted
-aggregator (no base) gets the report whole again, and one rolled back (refusing the version sent)
-gets version 1 and then the highest its answers list, with no event lost."""
+"""The one report version (wire.REPORT_VERSION), both ways, with the real Reporter: against the
+real aggregator application the first report is whole and each later one compact, and the fleet
+holds the same state as from whole reports (with telemetry in every report; by default the compact
+ones carry it every 30 s, and the fleet has it as of the last refresh); an older agent's whole
+report without a version is taken, its version-1 or -2 report refused by name (422
+unsupported_report_version, counted); a restarted aggregator (no base) gets the report whole
+again, and one refusing a compact report for its content gets it whole, with no event lost."""
 
 from __future__ import annotations
 
@@ -24,12 +23,12 @@ from tests.loopback import free_port
 from vigil.agent.collectors.collector import Collection
 from vigil.agent.reporter import Reporter
 from vigil.agent.snapshot import CollectorResult, Snapshot
-from vigil.aggregator.app import ENGINE_KEY, make_app
+from vigil.aggregator.app import ENGINE_KEY, METRICS_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.sink import RecordingSink
-from vigil.contract.wire import Event, GpuState, PortState, decode_report
+from vigil.contract.wire import Event, GpuState, PortState
 
 SECRET = b"site-secret-for-tests-0123456789abcdef"
 NODE = "n1"
@@ -47,7 +46,7 @@ class Seen:
     async def add(self, status: int, body: bytes) -> None:
         raw = json.loads(body)
         async with self.changed:
-            self.bodies.append((status, raw.get("version", 1), raw.get("base_seq"),
+            self.bodies.append((status, raw.get("version", 3), raw.get("base_seq"),
                                 [e["code"] for e in raw.get("events", [])]))
             self.raw.append(raw)
             self.changed.notify_all()
@@ -146,16 +145,13 @@ def xid(code: int) -> Event:
     return Event(kind="xid", ts=time.time(), code=code)
 
 
-@pytest.mark.parametrize("listed", [[1, 2, 3], [1, 2]], ids=["this-release", "release-before"])
-async def test_the_agent_sends_compact_reports_once_the_aggregator_lists_them_and_the_fleet_state_is_whole(
-        listed: list[int]):
+async def test_the_agent_sends_compact_reports_once_one_was_accepted_and_the_fleet_state_is_whole():
     seen, port, backend = Seen(), free_port(), free_port()
     app = aggregator_app()
     snap = node_snapshot(40.0, 1000, 2000)
     rep = reporter(f"http://127.0.0.1:{port}", snap, telemetry_seconds=0)
-    compact = max(listed)
-    async with serving(app, backend), serving(front(seen, f"http://127.0.0.1:{backend}", listed), port), \
-            reporting(rep):
+    compact = 3
+    async with serving(app, backend), serving(front(seen, f"http://127.0.0.1:{backend}"), port), reporting(rep):
         await seen.until(lambda: len(seen.accepted()) >= 3)
         # Values move: one GPU field and one counter; the rest must stay as the base had them.
         node_snapshot(55.0, 5000, 2000, snap)
@@ -163,9 +159,8 @@ async def test_the_agent_sends_compact_reports_once_the_aggregator_lists_them_an
         await seen.until(lambda: any(48 in codes for _, _, codes in seen.accepted()))
         await seen.until(lambda: len(seen.accepted()) >= 6)
     accepted = seen.accepted()
-    assert accepted[0][:2] == (1, None)  # version 1 until an answer lists a compact one
-    assert accepted[1][:2] == (compact, None)  # then the highest listed, whole: no base yet
-    assert all(v == compact and base is not None for v, base, _ in accepted[2:])
+    assert accepted[0][:2] == (compact, None)  # whole: no base yet
+    assert all(v == compact and base is not None for v, base, _ in accepted[1:])
     node = app[ENGINE_KEY].fleet.view().nodes[NODE]
     gpu = node.gpus[1].last
     assert gpu.temperature_celsius == 56.0 and gpu.power_limit_watts == 700.0 and gpu.ecc_corrected_volatile == 3
@@ -219,36 +214,34 @@ async def test_compact_reports_carry_telemetry_every_telemetry_seconds_and_fault
     node = app[ENGINE_KEY].fleet.view().nodes[NODE]
     assert node.gpus[1].last.sm_active_ratio == 0.9 and node.ports[("mlx5_0", 1)].last.counters == {
         "port_xmit_data": 5000, "port_rcv_data": 2000, "symbol_error": 2}
-    assert seen.raw[1].get("base_seq") is None and seen.raw[1]["gpus"][0]["sm_active_ratio"] == 0.1  # whole
+    assert seen.raw[0].get("base_seq") is None and seen.raw[0]["gpus"][0]["sm_active_ratio"] == 0.1  # whole
 
 
-async def test_an_aggregator_that_does_not_list_version_2_keeps_getting_version_1():
-    seen, port = Seen(), free_port()
-
-    async def older(request: web.Request) -> web.Response:  # an aggregator before version 2
-        report = decode_report(await request.read())
-        return web.json_response({"status": "accepted", "node": report.node, "seq": report.seq}, status=202)
-
-    app = web.Application(middlewares=[recording(seen)])
-    app.router.add_post("/v1/reports", older)
-    rep = reporter(f"http://127.0.0.1:{port}", node_snapshot(40.0, 1000, 2000))
-    async with serving(app, port), reporting(rep):
-        await seen.until(lambda: len(seen.accepted()) >= 4)
-    assert {v for v, _, _ in seen.accepted()} == {1} and rep.report_version == 1
-
-
-async def test_an_old_agents_version_1_report_is_taken_and_the_answer_lists_both_versions():
+@pytest.mark.parametrize("version, status", [(None, 202), (1, 422), (2, 422)])
+async def test_an_old_agents_whole_report_is_taken_and_a_removed_version_is_refused_by_name(
+        version: int | None, status: int):
+    """Versions 1 (whole) and 2 (compact) were removed before the first release: an agent that
+    names one is told which version this aggregator takes (422 unsupported_report_version,
+    counted); a whole report without a version (what a version-1 agent sent) is a whole report."""
     port = free_port()
     app = aggregator_app()
     rep = reporter(f"http://127.0.0.1:{port}", node_snapshot(40.0, 1000, 2000))
-    body = rep.build_body()[0]
-    assert json.loads(body).get("version", 1) == 1
+    raw = json.loads(rep.build_body()[0])
+    raw.pop("version")
+    if version is not None:
+        raw["version"] = version
     async with serving(app, port), aiohttp.ClientSession() as session, session.post(
-            f"http://127.0.0.1:{port}/v1/reports", data=body,
+            f"http://127.0.0.1:{port}/v1/reports", data=json.dumps(raw),
             headers={"Authorization": f"Bearer {node_token(SECRET, NODE)}"}) as resp:
-        assert resp.status == 202
-        assert (await resp.json())["report_versions"] == [1, 2, 3]
-    assert NODE in app[ENGINE_KEY].fleet.view().nodes
+        assert resp.status == status
+        answer = await resp.json()
+    if status == 202:
+        assert answer["report_versions"] == [3] and NODE in app[ENGINE_KEY].fleet.view().nodes
+        return
+    assert answer["error"] == "unsupported_report_version" and "takes version 3 only" in answer["detail"]
+    assert NODE not in app[ENGINE_KEY].fleet.view().nodes
+    metrics = app[METRICS_KEY].render().decode()
+    assert 'vigil_aggregator_refusals_total{door="reports",reason="unsupported_report_version"} 1.0' in metrics
 
 
 async def test_a_restarted_aggregator_gets_the_report_whole_again_and_no_event_is_lost():
@@ -271,55 +264,48 @@ async def test_a_restarted_aggregator_gets_the_report_whole_again_and_no_event_i
     assert restarted[ENGINE_KEY].fleet.view().nodes[NODE].gpus[0].last.power_limit_watts == 700.0
 
 
-@pytest.mark.parametrize("older", [[1], [1, 2]], ids=["to-version-1-only", "to-the-release-before"])
-async def test_an_aggregator_rolled_back_gets_version_1_then_what_it_lists_and_no_event_is_lost(older: list[int]):
+async def test_a_compact_report_refused_for_its_content_is_resent_whole_and_no_event_is_lost():
     seen, port = Seen(), free_port()
-    takes = [[1, 2, 3]]
+    refuse = [False]
 
-    async def rolled_back(request: web.Request) -> web.Response:
+    async def picky(request: web.Request) -> web.Response:
         raw = json.loads(await request.read())
-        if raw.get("version", 1) not in takes[0]:  # what an older aggregator answers
-            return web.json_response({"error": "schema", "detail": "Invalid enum value - at `$.version`"},
-                                     status=400)
-        report = decode_report(json.dumps(raw)) if raw.get("base_seq") is None else None
-        answer: dict[str, object] = {"status": "accepted", "node": NODE, "seq": raw["seq"]}
-        if takes[0] != [1]:  # an aggregator before version 2 says nothing of versions
-            answer["report_versions"] = takes[0]
-        assert report is None or report.node == NODE
-        return web.json_response(answer, status=202)
+        if refuse[0] and raw.get("base_seq") is not None:  # once: an aggregator that cannot take it
+            refuse[0] = False
+            return web.json_response({"error": "schema", "detail": "refused at `$.cleared`"}, status=400)
+        return web.json_response({"status": "accepted", "node": NODE, "seq": raw["seq"], "report_versions": [3]},
+                                 status=202)
 
     app = web.Application(middlewares=[recording(seen)])
-    app.router.add_post("/v1/reports", rolled_back)
+    app.router.add_post("/v1/reports", picky)
     rep = reporter(f"http://127.0.0.1:{port}", node_snapshot(40.0, 1000, 2000))
     async with serving(app, port), reporting(rep):
-        await seen.until(lambda: any(v == 3 and base is not None for v, base, _ in seen.accepted()))
-        takes[0] = older
+        await seen.until(lambda: any(base is not None for _, base, _ in seen.accepted()))
+        refuse[0] = True
         rep.add_events([xid(31)])
         await seen.until(lambda: any(31 in codes for _, _, codes in seen.accepted()))
-        rolled = len(seen.bodies)
-        await seen.until(lambda: len(seen.bodies) >= rolled + 3)
-    carried = [(v, codes) for v, _, codes in seen.accepted() if 31 in codes]
-    assert carried == [(1, [31])]  # resent as version 1, once
-    assert rep.counts["downgraded"] == 1 and rep.dropped_events == 0 and rep.report_version == max(older)
-    # Then what the older aggregator's answers list: version 2 (whole, then compact) or 1.
-    after = [(status, v, base is not None) for status, v, base, _ in seen.bodies[rolled:]]
-    assert {(status, v) for status, v, _ in after} == {(202, max(older))}
-    assert any(compact for _, _, compact in after) == (max(older) == 2)
+        resent = len(seen.bodies)
+        await seen.until(lambda: len(seen.bodies) >= resent + 3)
+    carried = [(base, codes) for _, base, codes in seen.accepted() if 31 in codes]
+    assert carried == [(None, [31])]  # resent whole, once
+    assert rep.counts["downgraded"] == 1 and rep.dropped_events == 0
+    # Then compact again against the whole one.
+    after = [(status, base is not None) for status, _, base, _ in seen.bodies[resent:]]
+    assert {status for status, _ in after} == {202} and any(compact for _, compact in after)
 
 
 def test_telemetry_waits_for_its_interval_and_a_clock_stepped_back_refreshes_it_at_once():
     now = [time.time()]
     snap = node_snapshot(40.0, 1000, 2000, sm_active=0.1)
     rep = reporter("http://127.0.0.1:1", snap, clock=lambda: now[0])
-    versions = {"report_versions": [1, 2, 3]}
+    versions = {"report_versions": [3]}
 
     def sent() -> dict:
         body = json.loads(rep.build_body()[0])
         rep.accepted(versions)
         return body
 
-    assert sent().get("version", 1) == 1  # until an answer lists a compact version
-    assert sent()["gpus"][0]["sm_active_ratio"] == 0.1  # whole version 3
+    assert sent()["gpus"][0]["sm_active_ratio"] == 0.1  # whole: no report accepted yet
     node_snapshot(40.0, 1000, 2000, snap, sm_active=0.9)
     now[0] += 29.0
     assert "sm_active_ratio" not in sent()["gpus"][0]  # 29 s: held back

@@ -202,10 +202,10 @@ CURRENT_BASE = 10**9
 
 
 def compact(harness: Harness, name: str) -> dict[str, Any]:
-    """A version-2 report of ``name``: one GPU field and one counter moved since its last report."""
+    """A compact report of ``name``: one GPU field and one counter moved since its last report."""
     node = harness.engine.fleet.view().nodes[name]
     gpu, port = node.gpus[0].last, next(iter(node.ports.values())).last
-    return {"version": 2, "node": name, "boot_id": node.boot_id, "seq": node.seq + 1, "ts": NOW,
+    return {"version": 3, "node": name, "boot_id": node.boot_id, "seq": node.seq + 1, "ts": NOW,
             "interval_seconds": 2.5, "base_seq": CURRENT_BASE,
             "gpus": [{"index": 0, "uuid": gpu.uuid, "temperature_celsius": 63.5},
                      {"index": 1, "uuid": node.gpus[1].uuid}],
@@ -223,10 +223,9 @@ def post_compact(harness: Harness, name: str, body: Any) -> tuple[int, Any]:
                         node_token(SECRET, name))
 
 
-@pytest.mark.parametrize("version", [2, 3])
-def test_a_compact_report_completes_the_nodes_state(harness: Harness, version: int) -> None:
-    status, answer = post_compact(harness, "p2", {**compact(harness, "p2"), "version": version})
-    assert status == 202 and answer["report_versions"] == [1, 2, 3]
+def test_a_compact_report_completes_the_nodes_state(harness: Harness) -> None:
+    status, answer = post_compact(harness, "p2", compact(harness, "p2"))
+    assert status == 202 and answer["report_versions"] == [3]
     node = harness.engine.fleet.view().nodes["p2"]
     assert node.gpus[0].last.temperature_celsius == 63.5 and node.gpus[0].last.power_watts == 650.0
     assert node.gpus[1].last.temperature_celsius == 62.0
@@ -255,9 +254,10 @@ def test_a_version_3_report_keeps_what_it_leaves_out_and_clears_what_it_names(ha
     ({"base_seq": 3}, 409, "delta_base"),  # not the node's last accepted report
     ({"boot_id": "another-boot"}, 409, "delta_base"),  # a new boot has no base
     ({"node": "p9"}, 403, "node_mismatch"),
-    ({"version": 1}, 400, "schema"),  # base_seq is only valid in a compact version
-    ({"version": 4}, 400, "schema"),  # no such version
-    ({"cleared": [["gpus", 0, "health"]]}, 400, "schema"),  # version 2 clears only fields whose default is None
+    # Versions removed before the first release (1 whole, 2 compact), and one not known yet: named.
+    ({"version": 1}, 422, "unsupported_report_version"),
+    ({"version": 2}, 422, "unsupported_report_version"),
+    ({"version": 4}, 422, "unsupported_report_version"),
     ({"version": 3, "cleared": [["ports", 0, "counters"]]}, 400, "schema"),  # a port's counters are never cleared
     ({"version": 3, "cleared": [["gpus", 2, "health"]]}, 400, "schema"),  # no such entry
     ({"base_seq": -1}, 400, "schema"),
@@ -282,12 +282,11 @@ def test_a_malformed_or_baseless_compact_report_is_refused_counted_and_changes_n
     assert f'vigil_aggregator_refusals_total{{door="reports",reason="{reason}"}} 1.0' in metrics
 
 
-@pytest.mark.parametrize("version", [2, 3])
-def test_no_compact_report_yields_a_5xx_and_a_refused_one_changes_nothing(harness: Harness, version: int) -> None:
-    # Version 3 with a cleared field of each kind it allows (a state word, a list, an optional one).
+def test_no_compact_report_yields_a_5xx_and_a_refused_one_changes_nothing(harness: Harness) -> None:
+    # With a cleared field of each kind it allows (a state word, a list, an optional one).
     extra = {"cleared": [["gpus", 0, "health"], ["gpus", 1, "clock_event_reasons"], ["gpus", 0, "power_watts"],
-                         ["ports", 0, "flags"]]} if version == 3 else {}
-    base = {**compact(harness, "p2"), "version": version, **extra}
+                         ["ports", 0, "flags"]]}
+    base = {**compact(harness, "p2"), **extra}
 
     @PROPERTY
     @given(st.one_of(mutated(base), plausible(base), st.binary(max_size=200)))

@@ -18,7 +18,7 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode, rank_summary
 from vigil.aggregator.fleet import Fleet, FleetConfig
-from vigil.contract.wire import SPARSE_VERSION, Event, GpuState, PortState, Report
+from vigil.contract.wire import REPORT_VERSION, Event, GpuState, PortState, Report
 
 T0 = 1_800_000_000.0
 INTERVAL = 2.5
@@ -89,7 +89,7 @@ def test_a_compact_report_cannot_grow_a_ports_counters_one_name_at_a_time() -> N
         ts = T0 + n * INTERVAL
         whole = node.report(ts)
         port = msgspec.structs.replace(whole.ports[0], counters={f"new_{n}_{k}": 1 for k in range(8)})
-        compact = msgspec.structs.replace(whole, version=SPARSE_VERSION, base_seq=node.seq - 1, ports=[port])
+        compact = msgspec.structs.replace(whole, version=REPORT_VERSION, base_seq=node.seq - 1, ports=[port])
         refused += fleet.ingest(compact, ts).get("too_many_counters", 0)
     counters = fleet.view().nodes["mallory"].ports[("mlx5_0", 1)].last.counters
     assert len(counters) == 32 and refused == 39 * 8 - (32 - 6)

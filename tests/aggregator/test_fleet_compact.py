@@ -14,10 +14,11 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode, assert_same_node, rank_summary
 from vigil.agent.report_delta import delta, whole
-from vigil.aggregator.fleet import _COMPLETERS, GPU_COUNTERS, Fleet, GpuHistory, GpuSample
+from vigil.aggregator.fleet import GPU_COUNTERS, Fleet, GpuHistory, GpuSample
+from vigil.aggregator.fleet.completion import complete_gpu, complete_port, complete_rank
 from vigil.contract.wire import (
-    COMPACT_VERSIONS,
-    SPARSE_VERSION,
+    REPORT_VERSION,
+    REPORT_VERSIONS,
     GpuProcess,
     GpuState,
     PortState,
@@ -75,9 +76,9 @@ def _reports() -> list[Report]:
 
 def _bodies(reports: list[Report], version: int) -> list[dict]:
     """The first whole in ``version``, each later one relative to the one before (agent/reporter.py)."""
-    out = [whole(reports[0], version)]
+    out = [whole(reports[0])]
     for before, now in pairwise(reports):
-        body = delta(whole(before, version), whole(now, version))
+        body = delta(whole(before), whole(now))
         assert body is not None
         out.append({**body, "base_seq": before.seq})
     return out
@@ -95,7 +96,7 @@ def _ingested(reports: list[Report], port_counters: list[str] | None) -> Fleet:
     return fleet
 
 
-@pytest.mark.parametrize("version", COMPACT_VERSIONS, ids=lambda v: f"v{v}")
+@pytest.mark.parametrize("version", REPORT_VERSIONS, ids=lambda v: f"v{v}")
 @pytest.mark.parametrize("port_counters", [None, JUDGED_PORT_COUNTERS], ids=["all-judged", "some-judged"])
 def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list[str] | None, version: int) -> None:
     reports = _reports()
@@ -118,7 +119,7 @@ def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list
     assert [s.health for s in b.gpus[3].samples][3:7] == ["ok", "reset_required", "reset_required", "ok"]
     assert b.gpus[2].last.temperature_celsius == 64.0 and b.ports[("mlx5_3", 1)].last.flags == {}
     assert b.gpus[5].last.clock_event_reasons == ("hw_slowdown",)
-    if version == SPARSE_VERSION:
+    if version == REPORT_VERSION:
         # Fields with a default are cleared too when they go back to it, and left out while unchanged.
         assert compact[4].cleared == [("gpus", 2, "temperature_celsius"), ("gpus", 5, "clock_event_reasons"),
                                       ("ports", 1, "rate_bits_per_second")]
@@ -127,12 +128,9 @@ def test_compact_reports_leave_the_fleet_as_whole_reports_do(port_counters: list
         sent = _bodies(reports, version)
         assert "clock_event_reasons" in sent[6]["gpus"][5] and "flags" in sent[4]["ports"][3]
         assert all("clock_event_reasons" not in b["gpus"][5] and "flags" not in b["ports"][3] for b in sent[7:])
-    else:
-        assert compact[4].cleared == [("gpus", 2, "temperature_celsius"), ("ports", 1, "rate_bits_per_second")]
-        assert all(r.gpus[5].clock_event_reasons == ("hw_slowdown",) for r in compact[6:])
 
 
-@pytest.mark.parametrize("version", COMPACT_VERSIONS, ids=lambda v: f"v{v}")
+@pytest.mark.parametrize("version", REPORT_VERSIONS, ids=lambda v: f"v{v}")
 def test_the_fleet_completes_only_states_it_made_and_never_a_reports(version: int) -> None:
     """Version 3 completes a GPU's and a rank's state in place: only a copy the fleet made of it
     (once), never the state a report brought whole, which its sender may keep (the simulator hands
@@ -142,7 +140,7 @@ def test_the_fleet_completes_only_states_it_made_and_never_a_reports(version: in
     reports = _reports()
     compact = _compact(reports, version)
     # A whole report in the middle of the chain (the agent rebased): its states are the report's too.
-    compact[6] = _wire(whole(reports[6], version))
+    compact[6] = _wire(whole(reports[6]))
     fed = [msgspec.json.encode(r) for r in compact]
     fleet = Fleet()
     owned: list[tuple[int, int]] = []
@@ -155,13 +153,13 @@ def test_the_fleet_completes_only_states_it_made_and_never_a_reports(version: in
     held = fleet.view().nodes["n1"]
     assert all(gpu.last is not r.gpus[gpu.index] for r in compact for gpu in held.gpus.values()
                if gpu.index < len(r.gpus))
-    if version == SPARSE_VERSION:
+    if version == REPORT_VERSION:
         # The first compact report after each whole one copies; the ones after it update that copy.
         assert owned[1] == owned[2] == owned[5] and owned[7] == owned[8] == owned[-1] != owned[5]
     assert_same_node(_ingested(reports, None).view().nodes["n1"], held)
 
 
-@pytest.mark.parametrize("version", COMPACT_VERSIONS, ids=lambda v: f"v{v}")
+@pytest.mark.parametrize("version", REPORT_VERSIONS, ids=lambda v: f"v{v}")
 @pytest.mark.parametrize("port_counters", [None, JUDGED_PORT_COUNTERS], ids=["all-judged", "some-judged"])
 def test_telemetry_held_back_leaves_the_fleet_as_the_agents_held_state_says(port_counters: list[str] | None,
                                                                             version: int) -> None:
@@ -173,10 +171,10 @@ def test_telemetry_held_back_leaves_the_fleet_as_the_agents_held_state_says(port
     for k, r in enumerate(reports):
         for gpu in r.gpus:
             gpu.sm_active_ratio = 0.5 + k / 100  # telemetry: moves every report
-    compact, held = [_wire(whole(reports[0], version))], [_wire(whole(reports[0], version))]
-    base = whole(reports[0], version)
+    compact, held = [_wire(whole(reports[0]))], [_wire(whole(reports[0]))]
+    base = whole(reports[0])
     for k, now in enumerate(reports[1:], start=1):
-        state = whole(now, version)
+        state = whole(now)
         body = delta(base, state, telemetry=k % 3 == 0)
         assert body is not None
         compact.append(_wire({**body, "base_seq": base["seq"]}))
@@ -201,14 +199,14 @@ PORT_FIELD_CHANGES: dict[str, Any] = {
 
 
 def test_a_version_3_port_entry_that_moved_only_counters_is_its_base_and_any_other_field_completes_it() -> None:
-    """The port fast path (``_complete_sparse_port``) reads PortState's fields by name: an entry
+    """The port fast path (completion.complete_port) reads PortState's fields by name: an entry
     with only its identity and counters leaves the base itself with the counters merged; an entry
     with any other field set completes a new state with it (a field added to PortState and not
     to the fast path would be lost, so the table must name every one)."""
     others = {f.name for f in msgspec.structs.fields(PortState)
               if not f.required and f.name != "counters"}
     assert set(PORT_FIELD_CHANGES) == others
-    complete = _COMPLETERS[SPARSE_VERSION].port
+    complete = complete_port
     base = PortState(device="mlx5_0", port=1, state="ACTIVE", phys_state="LinkUp", rate_bits_per_second=4e11,
                      counters={"symbol_error": 3, "port_xmit_wait": 10})
     same = complete(base, PortState(device="mlx5_0", port=1, counters={"port_xmit_wait": 12}))
@@ -251,22 +249,20 @@ def test_a_version_3_entry_that_moved_a_defaulted_field_keeps_its_decoded_types(
     ``p.pid``); a field left at its default keeps the base's. The same for a rank's state. (The
     version-3 GPU and rank completers update their base in place: each call gets its own copy, as
     the fleet completes only a copy it made.)"""
-    complete = _COMPLETERS[SPARSE_VERSION]
-    assert complete.in_place
     base = GpuState(index=0, uuid="GPU-0", health="ok", power_watts=600.0, clock_event_reasons=("sw_power_cap",),
                     processes=(GpuProcess(pid=10, job="a"),))
     sent = GpuState(index=0, uuid="GPU-0", power_watts=650.0, clock_event_reasons=("sw_power_cap", "hw_slowdown"),
                     nvlink_links_down=(3,), processes=(GpuProcess(pid=11, job="b"),))
     own = msgspec.structs.replace(base)
-    done = complete.gpu(own, sent)
+    done = complete_gpu(own, sent)
     assert done is own
     assert done.power_watts == 650.0 and done.health == "ok"
     assert done.clock_event_reasons == ("sw_power_cap", "hw_slowdown") and done.nvlink_links_down == (3,)
     assert done.processes == (GpuProcess(pid=11, job="b"),) and isinstance(done.processes, tuple)
     assert type(done.processes[0]) is GpuProcess and done.processes[0].pid == 11
-    kept = complete.gpu(msgspec.structs.replace(base), GpuState(index=0, uuid="GPU-0", power_watts=640.0))
+    kept = complete_gpu(msgspec.structs.replace(base), GpuState(index=0, uuid="GPU-0", power_watts=640.0))
     assert kept.clock_event_reasons == ("sw_power_cap",) and kept.processes == base.processes
     rank = rank_summary("j", 0, compute=0.1, comm=0.02, ts=1.0, step=5)
-    hung = complete.rank(rank, RankSummary(job="j", rank=0, state="hung", window_seconds=2.5, steps=0, last_step=5,
+    hung = complete_rank(rank, RankSummary(job="j", rank=0, state="hung", window_seconds=2.5, steps=0, last_step=5,
                                            last_progress_ts=1.0))
     assert hung.state == "hung" and hung.compute_seconds_p50 == 0.1 and hung.steps == 0

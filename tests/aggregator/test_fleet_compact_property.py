@@ -25,10 +25,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode, assert_same_node, rank_summary
-from vigil.agent.report_delta import IDENTITY, V2_PORT_EXCLUDE, delta, whole
+from vigil.agent.report_delta import IDENTITY, PORT_EXCLUDE, delta, whole
 from vigil.aggregator.fleet import Fleet
 from vigil.contract.wire import (
-    COMPACT_VERSIONS,
+    REPORT_VERSIONS,
     GpuState,
     HostFacts,
     PortState,
@@ -88,7 +88,7 @@ def _fields(model: type[msgspec.Struct]) -> dict[str, mi.Field]:
 # which the structural changes below cover) and the version-1-only port fields (a reader of one
 # report; version 2 never sends them and the aggregator derives its own).
 MUTABLE = {section: {name: f for name, f in _fields(model).items()
-                     if name not in IDENTITY[section] and name not in V2_PORT_EXCLUDE}
+                     if name not in IDENTITY[section] and name not in PORT_EXCLUDE}
            for section, model in MODELS.items()}
 HOST_FIELDS = _fields(HostFacts)
 
@@ -149,10 +149,10 @@ def _wire(body: dict[str, Any]) -> Report:
 
 def _compact(reports: list[Report], version: int) -> list[Report]:
     """What the agent sends: each report relative to the one before, whole where delta says so."""
-    out = [_wire(whole(reports[0], version))]
+    out = [_wire(whole(reports[0]))]
     for before, now in pairwise(reports):
-        body = delta(whole(before, version), whole(now, version))
-        out.append(_wire(whole(now, version) if body is None else {**body, "base_seq": before.seq}))
+        body = delta(whole(before), whole(now))
+        out.append(_wire(whole(now) if body is None else {**body, "base_seq": before.seq}))
     return out
 
 
@@ -164,7 +164,7 @@ def _ingested(reports: list[Report]) -> Fleet:
     return fleet
 
 
-@pytest.mark.parametrize("version", COMPACT_VERSIONS, ids=lambda v: f"v{v}")
+@pytest.mark.parametrize("version", REPORT_VERSIONS, ids=lambda v: f"v{v}")
 @settings(max_examples=150, deadline=None)
 @given(bodies=report_bodies())
 def test_any_compact_chain_leaves_the_fleet_as_whole_reports_do(version: int, bodies: list[dict[str, Any]]) -> None:

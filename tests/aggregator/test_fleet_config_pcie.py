@@ -9,7 +9,7 @@ import pytest
 from tests.aggregator.conftest import FakeNode
 from tests.aggregator.test_fleet_compact import _compact
 from vigil.aggregator.fleet import Fleet, FleetConfig, NodeState
-from vigil.contract.wire import COMPACT_VERSIONS, Report
+from vigil.contract.wire import REPORT_VERSIONS, Report
 
 
 def _node() -> FakeNode:
@@ -61,7 +61,7 @@ def _marks(node: NodeState) -> tuple:
                    for b, h in node.pcie.items()}, set(node.pcie_links_below), node.booted_at)
 
 
-@pytest.mark.parametrize("version", COMPACT_VERSIONS, ids=lambda v: f"v{v}")
+@pytest.mark.parametrize("version", REPORT_VERSIONS, ids=lambda v: f"v{v}")
 def test_compact_reports_leave_the_marks_as_whole_reports_do(version: int) -> None:
     reports = _reports()
     compact = _compact(reports, version)

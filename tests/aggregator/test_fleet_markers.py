@@ -20,7 +20,7 @@ from tests.aggregator.conftest import FakeNode, rank_summary
 from vigil.agent.report_delta import delta, whole
 from vigil.aggregator.fleet import Fleet, FleetConfig
 from vigil.aggregator.job_telemetry import JobNode, JobNodes, job_nodes
-from vigil.contract.wire import COMPACT_VERSIONS, Report, decode_report
+from vigil.contract.wire import REPORT_VERSIONS, Report, decode_report
 
 ROUNDS = 12
 
@@ -47,11 +47,11 @@ def _reports() -> list[Report]:
 def _forms(reports: list[Report], version: int | None) -> list[Report]:
     if version is None:
         return reports
-    bodies = [whole(reports[0], version)]
+    bodies = [whole(reports[0])]
     for before, now in pairwise(reports):
-        body = delta(whole(before, version), whole(now, version))
+        body = delta(whole(before), whole(now))
         # A new GPU at an index changes the report's structure: the agent sends it whole.
-        bodies.append(whole(now, version) if body is None else {**body, "base_seq": before.seq})
+        bodies.append(whole(now) if body is None else {**body, "base_seq": before.seq})
     return [decode_report(json.dumps(b)) for b in bodies]
 
 
@@ -61,7 +61,7 @@ def _class_fields(fleet: Fleet) -> tuple[tuple[str | None, float | None, float |
                  for _, h in sorted(node.gpus.items()))
 
 
-@pytest.mark.parametrize("version", [None, *COMPACT_VERSIONS], ids=lambda v: f"v{v or 1}")
+@pytest.mark.parametrize("version", [None, *REPORT_VERSIONS], ids=lambda v: "whole" if v is None else f"v{v}")
 def test_class_revision_moves_exactly_when_a_class_field_changed(version: int | None) -> None:
     fleet = Fleet()
     before = None
@@ -101,7 +101,7 @@ def _fault_reports() -> list[Report]:
     return out
 
 
-@pytest.mark.parametrize("version", [None, *COMPACT_VERSIONS], ids=lambda v: f"v{v or 1}")
+@pytest.mark.parametrize("version", [None, *REPORT_VERSIONS], ids=lambda v: "whole" if v is None else f"v{v}")
 def test_fault_and_port_markers_move_when_what_the_gpu_and_port_detectors_read_changed(version: int | None) -> None:
     fleet = Fleet(port_counters=["symbol_error", "link_downed"])
     faults, ports = [], []
@@ -206,7 +206,7 @@ def test_job_nodes_kept_across_evaluations_is_the_listing_made_afresh() -> None:
             if node.name == "n5" and 100 < t < 200:
                 continue  # silent, then forgotten, then back as new
             report = node.report(t)
-            body = delta(whole(last[node.name], 3), whole(report, 3)) if node.name in last and rng.random() < 0.7 \
+            body = delta(whole(last[node.name]), whole(report)) if node.name in last and rng.random() < 0.7 \
                 else None
             sent = decode_report(json.dumps({**body, "base_seq": last[node.name].seq})) if body is not None \
                 else report

@@ -42,11 +42,11 @@ def test_spawned_aggregator_accepts_every_report_and_lists_every_node(capsys: py
     assert s["errors"] == {}
     assert s["fleet_nodes"] == NODES  # GET /v1/nodes with the read token
     assert s["report_bytes"] > 15_000  # a real 8-GPU, 8-HCA report, not a stub
-    # Version 1 first (no answer yet), version 3 whole after the answer lists it, then compact
-    # relative to the last accepted report; the aggregator had every base.
+    # Whole first (no report accepted yet), then compact relative to the last accepted report; the
+    # aggregator had every base.
     forms = s["accepted_by_form"]
     assert sum(forms.values()) == s["accepted"]
-    assert forms["whole v1"] >= NODES and forms["whole v3"] >= NODES and forms["compact v3"] >= NODES
+    assert forms["whole v3"] >= NODES and forms["compact v3"] >= NODES
     assert s["rebased"] == 0
     assert 0 < s["compact_report_bytes"] < s["report_bytes"] / 2
     assert s["latency_seconds"]["p50"] > 0
@@ -79,8 +79,8 @@ def test_a_warm_up_is_sent_but_not_counted(capsys: pytest.CaptureFixture[str]) -
     assert s["warmup_seconds"] == 2
     assert s["sent"] == NODES * 2  # the measured 2 s only
     assert s["accepted"] == s["sent"] and s["errors"] == {} and s["warmup_errors"] == {}
-    # Every node had its answers in the warm-up: none starts the measured part as version 1.
-    assert s["accepted_by_form"]["whole v1"] == 0
+    # Every node had its answers in the warm-up: none starts the measured part whole.
+    assert s["accepted_by_form"]["whole v3"] == 0
     assert s["accepted_by_form"]["compact v3"] >= NODES
     assert s["aggregator"]["cpu_seconds_per_report"] > 0
 

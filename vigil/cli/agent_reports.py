@@ -5,8 +5,8 @@ HCAs with their traffic counters moving, and 8 training ranks sending heartbeats
 node's name, boot id, seq, time and rank numbers.
 
 It reads a scratch directory of its own (the HCA sysfs tree, the kernel log) and emits report
-dicts (each round in the forms the agent can send it: whole version 1, and whole and compact in
-a compact version, the newest by default) and pre-rendered JSON templates; it sends nothing and talks to no service.
+dicts (each round in the forms the agent can send it: whole, and compact relative to the round
+before) and pre-rendered JSON templates; it sends nothing and talks to no service.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from vigil.agent.nvml.scenario import load_node_scenario
 from vigil.agent.report_delta import delta, whole
 from vigil.agent.runner import collect_once
 from vigil.contract.seams import Seams
-from vigil.contract.wire import COMPACT_VERSIONS, REPORT_VERSIONS, WIRE_VERSION, Report, convert
+from vigil.contract.wire import Report, convert
 from vigil.sim import fabric
 
 HCAS = 8
@@ -80,15 +80,15 @@ def build_agent(tmp: Path, clock: Clock, hca_template: Path | None = None) -> Ag
 
 
 def agent_reports(rounds: int, hca_template: Path | None = None, interval_seconds: float = INTERVAL_SECONDS,
-                  version: int = WIRE_VERSION, build_cpu_seconds: list[float] | None = None) -> list[dict[str, Any]]:
+                  compact: bool = False, build_cpu_seconds: list[float] | None = None) -> list[dict[str, Any]]:
     """``rounds`` consecutive reports of one agent (JSON-ready dicts, as the agent serialises
     them), one every ``interval_seconds`` of its fake clock; the first cycle (no deltas yet) is
-    not among them. ``version`` 2 or 3 (wire.COMPACT_VERSIONS): the agent was told the aggregator
-    takes it and each report was accepted, so the first is whole and each later one lists what
-    changed since the one before (its ``base_seq`` is renumbered by ``for_node``), the telemetry that moved only every
+    not among them. Each is whole (no report was accepted), or with ``compact`` each report was
+    accepted, so the first is whole and each later one lists what changed since the one before
+    (its ``base_seq`` is renumbered by ``for_node``), the telemetry that moved only every
     ``TELEMETRY_SECONDS`` of the fake clock (in the 13th of 13 rounds at 2.5 s).
     ``build_cpu_seconds``, when given, gets the CPU time of each of those reports' building by
-    the Reporter (build_body, and taking the answer in a compact version), for bench_agent."""
+    the Reporter (build_body, and taking the answer when ``compact``), for bench_agent."""
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="vigil-reports-") as d:
         agent = build_agent(Path(d), clock, hca_template)
@@ -114,8 +114,8 @@ def agent_reports(rounds: int, hca_template: Path | None = None, interval_second
                     agent.snapshot.put(c.name, collect_once(c, clock.t))
                 started = time.process_time()
                 body = agent.reporter.build_body()[0]
-                if version in COMPACT_VERSIONS:  # an aggregator that takes ``version`` at most
-                    agent.reporter.accepted({"report_versions": [v for v in REPORT_VERSIONS if v <= version]})
+                if compact and seq > 0:  # accepted: the base of the next (the first kept is whole)
+                    agent.reporter.accepted({"status": "accepted"})
                 if seq > 0:  # the first cycle has no deltas yet
                     if build_cpu_seconds is not None:
                         build_cpu_seconds.append(time.process_time() - started)
@@ -129,30 +129,28 @@ def agent_reports(rounds: int, hca_template: Path | None = None, interval_second
 @dataclass(frozen=True)
 class RoundForms:
     """One round of an agent's reports in each form the agent sends it (agent/reporter.py): whole
-    as version 1, whole in the compact version (the first after the move to it, or after a 409
-    ``delta_base``), and compact relative to the round before (``base_seq`` renumbered by
-    ``for_node``); None when the structure changed and the agent would send it whole."""
+    (the first, or after a 409 ``delta_base``), and compact relative to the round before
+    (``base_seq`` renumbered by ``for_node``); None when the structure changed and the agent
+    would send it whole."""
 
-    whole_v1: dict[str, Any]
     whole: dict[str, Any]
     compact: dict[str, Any] | None
 
 
-def report_forms(rounds: int, hca_template: Path | None = None, interval_seconds: float = INTERVAL_SECONDS,
-                 version: int = max(COMPACT_VERSIONS)) -> list[RoundForms]:
-    """``agent_reports``' rounds in all three forms, the compact ones in ``version`` (2 or 3),
-    built with the agent's own functions (report_delta.whole and report_delta.delta). The first
+def report_forms(rounds: int, hca_template: Path | None = None,
+                 interval_seconds: float = INTERVAL_SECONDS) -> list[RoundForms]:
+    """``agent_reports``' rounds in both forms, built with the agent's own functions
+    (report_delta.whole and report_delta.delta). The first
     round's compact form is relative to the last round, so a sender may cycle through them. As
     the agent does by default, a compact form carries the telemetry that moved once every
     ``TELEMETRY_SECONDS`` of rounds (every 12th at 2.5 s) and holds it back in the others."""
-    v1 = agent_reports(rounds, hca_template, interval_seconds)
-    states = [whole(convert(r, Report), version) for r in v1]
+    states = [whole(convert(r, Report)) for r in agent_reports(rounds, hca_template, interval_seconds)]
     every = max(1, round(TELEMETRY_SECONDS / interval_seconds))
     out = []
-    for k, (r1, state) in enumerate(zip(v1, states, strict=True)):
+    for k, state in enumerate(states):
         # delta puts held-back telemetry back into the state it is given: give it a copy.
         compact = delta(states[k - 1], copy.deepcopy(state), telemetry=k % every == 0)
-        out.append(RoundForms(r1, state, None if compact is None else {**compact, "base_seq": state["seq"] - 1}))
+        out.append(RoundForms(state, None if compact is None else {**compact, "base_seq": state["seq"] - 1}))
     return out
 
 

@@ -51,7 +51,7 @@ from vigil.agent.reporter import Backoff, retry_after
 from vigil.aggregator.auth import node_token
 from vigil.cli.agent_reports import INTERVAL_SECONDS, RenderedReport, report_forms, topology_of
 from vigil.contract.credential_file import create_private
-from vigil.contract.wire import COMPACT_VERSIONS, SYNTHETIC_NODE_PREFIX, WIRE_VERSION
+from vigil.contract.wire import REPORT_VERSION, SYNTHETIC_NODE_PREFIX
 
 # A send that starts this long after its due time is late: the generator, not the aggregator,
 # was behind (a tenth of the 250 ms intake budget of issue #20).
@@ -160,18 +160,15 @@ class Plan:
     warmup_seconds: float = 0.0
 
 
-# The compact version the generator sends, as an agent of this release does to an aggregator
-# that takes it (an older aggregator gets version 1), and the forms a node sends a round in, by
-# the version the aggregator's last answer allowed.
-COMPACT_VERSION = max(COMPACT_VERSIONS)
-FORMS = ("whole v1", f"whole v{COMPACT_VERSION}", f"compact v{COMPACT_VERSION}")
+# The forms a node sends a round in, as an agent of this release does: whole (no base), or compact
+# against its last accepted report.
+FORMS = (f"whole v{REPORT_VERSION}", f"compact v{REPORT_VERSION}")
 
 
 @dataclass(frozen=True)
 class RenderedRound:
     """One round's report in each form (vigil/cli/agent_reports.py RoundForms), ready to render."""
 
-    whole_v1: RenderedReport
     whole: RenderedReport
     compact: RenderedReport | None
 
@@ -259,9 +256,8 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
     pending: set[asyncio.Task[None]] = set()
     loop = asyncio.get_running_loop()
     wall_offset = time.time() - time.monotonic()
-    # Per node, as the agent's Reporter keeps them: the version its last answer allowed, and the
-    # seq of its last accepted compact-version report (the base of a compact one).
-    version = dict.fromkeys(mine, WIRE_VERSION)
+    # Per node, as the agent's Reporter keeps it: the seq of its last accepted report (the base of
+    # a compact one).
     base: dict[int, int | None] = dict.fromkeys(mine)
     # As the agent: the seq of a report whose answer was lost, the backoff, and until when (monotonic).
     unanswered: dict[int, int | None] = dict.fromkeys(mine)
@@ -284,19 +280,14 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
         """One report of node ``n``; ``counted``: in the measured duration (else the warm-up's)."""
         tally = result if counted else warmup
         rendered = templates[(seq - 1) % len(templates)]
-        if version[n] != COMPACT_VERSION:
-            form = FORMS[0]
-        elif seq - 1 in (base[n], unanswered[n]) and rendered.compact is not None:
-            form = FORMS[2]
-        else:
-            form = FORMS[1]
+        form = FORMS[1] if seq - 1 in (base[n], unanswered[n]) and rendered.compact is not None else FORMS[0]
         started = tally.pace.started(due)
         tally.sent += 1
         status = 0
         in_flight.add(n)
         try:
             while True:
-                template = {FORMS[0]: rendered.whole_v1, FORMS[1]: rendered.whole}.get(form, rendered.compact)
+                template = rendered.whole if form == FORMS[0] else rendered.compact
                 assert template is not None
                 body = template.render(n, node_json[n], boot_json[n], topo_json[n], seq, due + wall_offset)
                 async with session.post(url, data=body, headers={"Authorization": tokens[n],
@@ -304,9 +295,9 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
                     answer = await resp.read()
                     status = resp.status
                     after = resp.headers.get("Retry-After")
-                if status == 409 and form == FORMS[2] and b'"delta_base"' in answer:
+                if status == 409 and form == FORMS[1] and b'"delta_base"' in answer:
                     tally.rebased += 1  # the agent resends it whole at once
-                    form = FORMS[1]
+                    form = FORMS[0]
                     continue
                 break
             if status == 202:
@@ -318,12 +309,7 @@ async def _drive(templates: list[RenderedRound], target: Target, plan: Plan, wor
                 tally.accepted += 1
                 tally.by_form[form] += 1
                 tally.latencies_seconds.append(time.monotonic() - started)
-                versions = json.loads(answer).get("report_versions")
-                if isinstance(versions, list) and COMPACT_VERSION in versions:
-                    base[n] = seq if version[n] == COMPACT_VERSION else None
-                    version[n] = COMPACT_VERSION
-                else:
-                    version[n], base[n] = WIRE_VERSION, None
+                base[n] = seq
             elif status in (429, 503):  # shed: nothing taken, the base kept
                 tally.shed += 1
                 if counted:
@@ -399,9 +385,8 @@ def _worker_main(templates: list[RenderedRound], target: Target, plan: Plan, wor
 def build_templates(plan: Plan, hca_template: Path | None) -> list[RenderedRound]:
     seconds = plan.warmup_seconds + plan.duration_seconds
     rounds = max(2, min(MAX_ROUNDS, int(seconds / plan.interval_seconds) + 2))
-    return [RenderedRound(RenderedReport.of(r.whole_v1), RenderedReport.of(r.whole),
-                          None if r.compact is None else RenderedReport.of(r.compact))
-            for r in report_forms(rounds, hca_template, plan.interval_seconds, COMPACT_VERSION)]
+    return [RenderedRound(RenderedReport.of(r.whole), None if r.compact is None else RenderedReport.of(r.compact))
+            for r in report_forms(rounds, hca_template, plan.interval_seconds)]
 
 
 def health(target: Target) -> dict[str, Any]:
@@ -489,7 +474,7 @@ def run_load(target: Target, plan: Plan, hca_template: Path | None = None,
     summary: dict[str, Any] = {
         "nodes": plan.nodes, "interval_seconds": plan.interval_seconds, "duration_seconds": plan.duration_seconds,
         "warmup_seconds": plan.warmup_seconds,
-        "workers": plan.workers, "report_bytes": sample(templates[-1].whole_v1),
+        "workers": plan.workers, "report_bytes": sample(templates[-1].whole),
         "compact_report_bytes": sample(templates[-1].compact),
         "target_reports_per_second": round(plan.nodes / plan.interval_seconds, 1),
         "sent": sent, "accepted": accepted, "late_sends": generator["late_sends"],

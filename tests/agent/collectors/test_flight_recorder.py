@@ -23,7 +23,7 @@ from vigil.agent.report_delta import delta, whole
 from vigil.agent.reporter import build_report
 from vigil.agent.snapshot import CollectorResult, Snapshot
 from vigil.contract.validation import ConfigError
-from vigil.contract.wire import COMPACT_VERSIONS, CollectiveState
+from vigil.contract.wire import CollectiveState
 
 FIXTURES = Path(__file__).parent.parent.parent / "fixtures" / "flight_recorder"
 NOW = 1_800_000_000.0
@@ -170,7 +170,7 @@ def test_collectives_go_whole_into_full_and_compact_reports(tmp_path: Path) -> N
         report = build_report(snap, [], node="n1", boot_id="b", seq=seq, ts=now, interval_seconds=2.5,
                               topology={})
         assert [(s.rank, s.group, s.last_entered_seq) for s in report.collectives] == [(0, "0", 6), (0, "1", 3)]
-        state = whole(report, COMPACT_VERSIONS[-1])
+        state = whole(report)
         if base is not None:
             body = delta(base, state)
             assert body is not None and body["collectives"] == state["collectives"]

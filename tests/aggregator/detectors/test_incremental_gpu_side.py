@@ -37,7 +37,7 @@ from vigil.aggregator.detectors.telemetry_hang import TelemetryHangConfig, Telem
 from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerConfig, TelemetryStragglerDetector
 from vigil.aggregator.detectors.thermal import ThermalConfig, ThermalDetector
 from vigil.aggregator.fleet import Fleet, FleetView, GpuHistory, NodeState
-from vigil.contract.wire import SPARSE_VERSION, Report, decode_report
+from vigil.contract.wire import Report, decode_report
 
 NODES = 12
 THROTTLED = {"sm_clock_hertz": 1.1e9, "clock_event_reasons": ["hw_slowdown", "hw_thermal_slowdown"]}
@@ -87,7 +87,7 @@ def compact(fleet: Fleet, base: Report | None, report: Report, now: float) -> Re
     base and the two have the same structure; else ``report`` whole."""
     if base is None:
         return report
-    body = delta(whole(base, SPARSE_VERSION), whole(report, SPARSE_VERSION))
+    body = delta(whole(base), whole(report))
     if body is None:
         return report
     sent = decode_report(json.dumps({**body, "base_seq": base.seq}))

@@ -1,0 +1,452 @@
+"""Per-node histories: what the fleet keeps of each GPU, port, PCIe device and rank between reports.
+
+Each history reads the whole (completed) state of its entry at every report and keeps the latest
+state, a ring of compact samples for persistence checks and the non-zero increases of its judged
+counters (a counter going backwards is a reset, not an error). It judges nothing and never reads
+a report itself: Fleet.ingest hands it each entry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator
+
+import msgspec
+
+from vigil.contract.wire import GpuState, PcieDevice, PortState, RankSummary
+
+# A PCIe device's AER counters (wire.PcieDevice), in the order PcieHistory reads them.
+AER_COUNTERS = ("aer_correctable_total", "aer_nonfatal_total", "aer_fatal_total")
+
+
+def normal_bus_id(bus_id: str) -> str:
+    """A PCI bus id in sysfs's form, lower case, 4-digit domain (``0000:18:00.0``): NVML writes
+    the domain with 8 digits (``00000000:18:00.0``), sysfs with 4, so the two name one device."""
+    bus_id = bus_id.strip().lower()
+    domain, sep, rest = bus_id.partition(":")
+    if sep and len(domain) > 4 and domain[:-4].strip("0") == "":
+        return domain[-4:] + ":" + rest
+    return bus_id
+
+
+def link_below_max(generation: int | None, generation_max: int | None, width: int | None,
+                   width_max: int | None) -> bool:
+    """Whether a PCIe link trained below what it and its slot allow (unknown parts are not)."""
+    return ((generation is not None and generation_max is not None and generation < generation_max)
+            or (width is not None and width_max is not None and width < width_max))
+
+
+# GPU counters whose increases detectors judge, in the order GpuHistory reads them.
+GPU_COUNTERS = ("ecc_corrected_volatile", "ecc_uncorrected_volatile", "pcie_replay_total",
+                "nvlink_crc_errors_total", "nvlink_replay_errors_total", "nvlink_recovery_errors_total")
+
+
+def port_is_active(state: PortState) -> bool:
+    """sysfs writes "4: ACTIVE"; agents may send just "ACTIVE"."""
+    return state.state is not None and state.state.upper().endswith("ACTIVE")
+
+
+class Series:
+    """A ring of (ts, value) pairs, oldest first."""
+
+    __slots__ = ("_ring",)
+
+    def __init__(self, maxlen: int) -> None:
+        self._ring: deque[tuple[float, float]] = deque(maxlen=maxlen)
+
+    def append(self, ts: float, value: float) -> None:
+        self._ring.append((ts, value))
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def __iter__(self) -> Iterator[tuple[float, float]]:
+        return iter(self._ring)
+
+    def since(self, t0: float) -> list[tuple[float, float]]:
+        out = []
+        for item in reversed(self._ring):
+            if item[0] < t0:
+                break
+            out.append(item)
+        out.reverse()
+        return out
+
+    def sum_since(self, t0: float) -> float:
+        total = 0.0
+        for ts, value in reversed(self._ring):
+            if ts < t0:
+                break
+            total += value
+        return total
+
+    def first_ts(self) -> float | None:
+        return self._ring[0][0] if self._ring else None
+
+
+class CounterBaseline:
+    """Turns cumulative counters into increases; a counter going backwards is a reset, not an
+    error. Only non-zero increases are stored, with when each counter's baseline began and when
+    the counters were last read, so a rate over a window is exact without a point per report."""
+
+    __slots__ = ("_deltas", "_last_names", "_last_values", "_maxlen", "_prev", "_start", "last_increase_ts",
+                 "last_ts", "resets")
+
+    def __init__(self, maxlen: int) -> None:
+        self._maxlen = maxlen
+        self._prev: dict[str, int] = {}
+        self._deltas: dict[str, Series] = {}
+        self._start: dict[str, float] = {}
+        self._last_names: tuple[str, ...] | None = None
+        self._last_values: tuple[int | None, ...] | None = None
+        self.last_ts = 0.0
+        # When any counter last increased: detectors skip a quiet GPU or port in O(1).
+        self.last_increase_ts = -math.inf
+        self.resets = 0
+
+    def observe(self, name: str, ts: float, value: int | None) -> None:
+        self.observe_values(ts, (name,), (value,))
+
+    def observe_values(self, ts: float, names: tuple[str, ...], values: tuple[int | None, ...]) -> bool:
+        """Counters ``names`` read together at ``ts`` (None: not read this time); whether one
+        increased. The ingest hot path: most reports change none of the judged counters, which
+        costs one comparison."""
+        self.last_ts = ts
+        if values == self._last_values and names is self._last_names:
+            return False
+        increased = False
+        self._last_names, self._last_values = names, values
+        prev_values = self._prev
+        for name, value in zip(names, values, strict=True):
+            if value is None:
+                continue
+            prev = prev_values.get(name)
+            if prev == value:
+                continue
+            prev_values[name] = value
+            if prev is None or value < prev:
+                if prev is not None:
+                    self.resets += 1
+                self._start[name] = ts
+                continue
+            series = self._deltas.get(name)
+            if series is None:
+                series = self._deltas[name] = Series(self._maxlen)
+            series._ring.append((ts, float(value - prev)))
+            self.last_increase_ts = ts
+            increased = True
+        return increased
+
+    def still(self, ts: float) -> bool:
+        """A read at ``ts`` known to leave every counter as the last read had it (a compact
+        report moved none): recorded without comparing values. False when there is no last read
+        to stand for it (the values must go through ``observe_values``)."""
+        if self._last_values is None:
+            return False
+        self.last_ts = ts
+        return True
+
+    def forget_baseline(self) -> None:
+        self._prev.clear()
+        self._start.clear()
+        self._last_values = None
+
+    def increases_since(self, name: str, t0: float) -> list[tuple[float, float]]:
+        """Non-zero increases reported at or after ``t0``."""
+        series = self._deltas.get(name)
+        return series.since(t0) if series is not None else []
+
+    def sum_since(self, name: str, t0: float) -> float:
+        series = self._deltas.get(name)
+        return series.sum_since(t0) if series is not None else 0.0
+
+    def covered_seconds(self, name: str, t0: float) -> float:
+        """Seconds since ``t0`` over which ``name``'s increases are known (0: no baseline)."""
+        start = self._start.get(name)
+        if start is None:
+            return 0.0
+        return max(0.0, self.last_ts - max(t0, start))
+
+    def baseline_since(self, name: str) -> float | None:
+        """From when increases of ``name`` are completely known: the baseline start, or the
+        oldest increase still held once the ring has dropped older ones."""
+        start = self._start.get(name)
+        if start is None:
+            return None
+        series = self._deltas.get(name)
+        if series is not None and len(series) == self._maxlen:
+            oldest = series.first_ts()
+            if oldest is not None:
+                return max(start, oldest)
+        return start
+
+
+class GpuSample(msgspec.Struct, frozen=True, gc=False):
+    """What persistence checks need from one report of one GPU (the full state is ``last``); the
+    state's lists become tuples.
+
+    Samples are most of what the fleet keeps (32 per GPU and per port: ~500 per node), so they
+    stay out of the cyclic garbage collector (``gc=False``; they hold only scalars and tuples of
+    scalars, no cycle): a collection's pause grows with the objects it walks, and as NamedTuples
+    holding the states' lists they made a full one ~0.6 s at 2,000 nodes, every intake stalled
+    meanwhile (docs/reports.md, "Garbage collection")."""
+
+    ts: float
+    health: str
+    utilization_gpu_ratio: float | None
+    sm_clock_hertz: float | None
+    sm_clock_max_hertz: float | None
+    clock_event_reasons: tuple[str, ...]
+    memory_temperature_celsius: float | None
+    memory_max_temperature_celsius: float | None
+    remap_pending: bool | None
+    remap_failure: bool | None
+    retired_pages_pending: bool | None
+    nvlink_links_down: tuple[int, ...]
+    recovery_action: str | None
+
+
+class PortSample(msgspec.Struct, frozen=True, gc=False):
+    """A port's link state in one report; out of the garbage collector's walks, as GpuSample."""
+
+    ts: float
+    active: bool
+    rate_bits_per_second: float | None
+
+
+class LoadedRun:
+    """A run of consecutive reports in which a GPU's PCIe link stayed below its maximum, with the
+    GPU's utilization in each, kept as a monotonic stack: each entry is a report whose utilization
+    is below every later one's (with the time of the report after it). The latest report below any
+    threshold is then the last entry below it, so "loaded (at or above a threshold) since when" is
+    answered for any threshold, at O(1) amortised per report and a handful of entries (one for an
+    idle GPU, whose utilization stays 0)."""
+
+    __slots__ = ("lows", "since")
+
+    # Entries kept at most; beyond, the oldest (lowest) goes and the run is taken to start after
+    # it: the loaded time is then under-, never over-stated.
+    MAX_ENTRIES = 64
+
+    def __init__(self, ts: float) -> None:
+        self.since = ts
+        self.lows: list[tuple[float, float, float | None]] = []  # (ts, utilization, ts of the next report)
+
+    def observe(self, ts: float, utilization: float | None) -> None:
+        lows = self.lows
+        u = -1.0 if utilization is None else utilization  # unknown: not loaded
+        if lows:
+            top = lows[-1]
+            lows[-1] = (top[0], top[1], ts)
+            while lows and lows[-1][1] >= u:
+                lows.pop()
+        lows.append((ts, u, None))
+        if len(lows) > self.MAX_ENTRIES:
+            dropped = lows.pop(0)
+            self.since = dropped[2] if dropped[2] is not None else ts
+
+    def loaded_since(self, threshold: float) -> float | None:
+        """Since when every report of the run had utilization at or above ``threshold`` (the link
+        below its maximum all along); None: the latest report did not."""
+        for _, utilization, after in reversed(self.lows):
+            if utilization < threshold:
+                return after
+        return self.since
+
+
+class GpuHistory:
+    __slots__ = ("counters", "first_seen", "index", "last", "last_seen", "link_below", "owned", "samples", "uuid")
+
+    def __init__(self, state: GpuState, ts: float, maxlen: int, state_maxlen: int) -> None:
+        self.index = state.index
+        self.uuid = state.uuid
+        self.first_seen = ts
+        self.last_seen = ts
+        self.last = state
+        # The copy of a state the fleet made to complete in place (completion.copy_struct): ``last`` while compact
+        # reports complete it, else stale (``last`` then came whole from a report).
+        self.owned: GpuState | None = None
+        self.samples: deque[GpuSample] = deque(maxlen=state_maxlen)
+        self.counters = CounterBaseline(maxlen)
+        # The run of reports in which its PCIe link was below its maximum (None: at it, or unknown).
+        self.link_below: LoadedRun | None = None
+
+    def observe(self, s: GpuState, ts: float) -> bool:
+        """``s``: the GPU's whole state (of this GPU: the fleet starts a new history for a new
+        uuid at this index); whether a judged counter increased. Most reports move none of the
+        judged counters: one comparison."""
+        self.last = s
+        self.last_seen = ts
+        # The state's sequences are tuples already (wire.GpuState; most the empty one), shared with
+        # the sample: a list would be tracked by the collector, a tuple of scalars is not. Fields
+        # are read by name: an attribute read in the interpreter costs a tenth of one through
+        # attrgetter (a test keeps these to GpuSample's fields and GPU_COUNTERS, in order).
+        self.samples.append(GpuSample(ts, s.health, s.utilization_gpu_ratio, s.sm_clock_hertz, s.sm_clock_max_hertz,
+                                      s.clock_event_reasons, s.memory_temperature_celsius,
+                                      s.memory_max_temperature_celsius, s.remap_pending, s.remap_failure,
+                                      s.retired_pages_pending, s.nvlink_links_down, s.recovery_action))
+        return self.counters.observe_values(ts, GPU_COUNTERS, (
+            s.ecc_corrected_volatile, s.ecc_uncorrected_volatile, s.pcie_replay_total, s.nvlink_crc_errors_total,
+            s.nvlink_replay_errors_total, s.nvlink_recovery_errors_total))
+
+
+# What PortHistory.observe says changed (flags; 0: only counters nobody judges, or none, moved).
+PORT_LINK_CHANGED = 1
+PORT_COUNTERS_ROSE = 2
+
+
+class PortHistory:
+    __slots__ = ("_flags", "_judged", "_names", "_names_for", "active_this_boot", "counters", "device", "ever_active",
+                 "first_seen", "last", "last_seen", "max_rate_bits_per_second", "owned", "port", "samples", "tracked")
+
+    def __init__(self, state: PortState, ts: float, maxlen: int, state_maxlen: int,
+                 tracked: frozenset[str] | None) -> None:
+        self.device = state.device
+        self.port = state.port
+        self.first_seen = ts
+        self.last_seen = ts
+        self.last = state
+        # As GpuHistory.owned: the copy (its counters too) into which compact entries merge.
+        self.owned: PortState | None = None
+        self.samples: deque[PortSample] = deque(maxlen=state_maxlen)
+        self.counters = CounterBaseline(maxlen)
+        # Counters some detector judges (None: all). A port carries ~30 counters, most of them
+        # traffic volumes nobody judges here; skipping them is most of the ingest cost saved.
+        self.tracked = tracked
+        self._names: tuple[str, ...] = ()
+        self._judged: frozenset[str] = frozenset()
+        self._names_for = -1
+        self._flags: dict[str, str] = {}
+        # The best rate this link trained at in this boot: a later, lower rate is a degraded link.
+        self.max_rate_bits_per_second: float | None = None
+        # Only a port that was up in this boot can go down (a cabled-off second port never was).
+        self.active_this_boot = False
+        # Whether it was ever up, across boots: a port that was up before a reboot must come up
+        # again before the node is given back (the recovery detector); one never cabled is not.
+        self.ever_active = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.device}/{self.port}"
+
+    def observe(self, state: PortState, ts: float, sent: PortState | None = None) -> int:
+        """``state``: the port's whole state; ``sent``: the compact entry it was completed from
+        (None: the report was whole), whose counters are only those that moved (its flags are
+        whole). A compact entry that moved only counters leaves ``last`` itself, its counters
+        updated in place: its link state, rate and flags are the last sample's. Returns what
+        changed: ``PORT_LINK_CHANGED`` (its link state, rate or flags may have), ``PORT_COUNTERS_ROSE``
+        (a judged counter increased), or 0 (the usual entry)."""
+        counters, flags = state.counters, state.flags
+        if sent is not None and state is self.last:
+            # Only counters moved (the usual compact entry): the link state and rate are the last
+            # sample's, already counted in active_this_boot, ever_active and the best rate.
+            last_sample = self.samples[-1]
+            self.last_seen = ts
+            self.samples.append(PortSample(ts, last_sample.active, last_sample.rate_bits_per_second))
+            if not (len(counters) == self._names_for and self._judged.isdisjoint(sent.counters)
+                    and self.counters.still(ts)):  # else: none of the judged counters moved
+                return self._observe_counters(ts, counters, flags)
+            return 0
+        self.last = state
+        active = port_is_active(state)
+        rate = state.rate_bits_per_second
+        self.last_seen = ts
+        self.samples.append(PortSample(ts, active, rate))
+        changed = PORT_LINK_CHANGED
+        if not (sent is not None and len(counters) == self._names_for and flags == self._flags
+                and self._judged.isdisjoint(sent.counters) and self.counters.still(ts)):
+            changed |= self._observe_counters(ts, counters, flags)
+        if active:
+            self.active_this_boot = True
+            self.ever_active = True
+        if rate is not None and (self.max_rate_bits_per_second is None or rate > self.max_rate_bits_per_second):
+            self.max_rate_bits_per_second = rate
+        return changed
+
+    def _observe_counters(self, ts: float, counters: dict[str, int], flags: dict[str, str]) -> int:
+        if len(counters) != self._names_for or flags != self._flags:
+            # The judged counters this port has, less the saturated ones (a saturated counter no
+            # longer moves: its delta would read as "no errors"). A port's counter set does not
+            # change between reports, so this is recomputed only when its size or the flags do
+            # (a missing one reads None).
+            names = counters if self.tracked is None else self.tracked.intersection(counters)
+            self._names = tuple(name for name in names if flags.get(name) != "saturated")
+            # The same names as a set: whether a compact entry moved any of them is then one C
+            # call walking the entry's few counters (a dict view's isdisjoint walks the names).
+            self._judged = frozenset(self._names)
+            self._names_for = len(counters)
+            self._flags = dict(flags)
+        return PORT_COUNTERS_ROSE if self.counters.observe_values(
+            ts, self._names, tuple(map(counters.get, self._names))) else 0
+
+
+class PcieHistory:
+    """One PCIe device of a node's ``pcie`` section (a GPU or an HCA, by sysfs bus id): its latest
+    entry, its AER counters' increases, and since when its link has been below its maximum (the
+    aggregator's clock; None: at it, or unknown). The section comes only when it changed, so an
+    unchanged link is held, and its time below counts on while the node keeps reporting."""
+
+    __slots__ = ("bus_id", "counters", "last", "link_below_since")
+
+    def __init__(self, device: PcieDevice, bus_id: str, maxlen: int) -> None:
+        self.bus_id = bus_id
+        self.last = device
+        self.counters = CounterBaseline(maxlen)
+        self.link_below_since: float | None = None
+
+    def observe(self, device: PcieDevice, ts: float) -> tuple[bool, bool]:
+        """Take ``device``'s entry at ``ts``: (whether its link changed, whether an AER counter rose)."""
+        last, self.last = self.last, device
+        changed = (device.link_generation, device.link_generation_max, device.link_width, device.link_width_max) != (
+            last.link_generation, last.link_generation_max, last.link_width, last.link_width_max)
+        if link_below_max(device.link_generation, device.link_generation_max, device.link_width,
+                          device.link_width_max):
+            if self.link_below_since is None:
+                self.link_below_since = ts
+                changed = True
+        elif self.link_below_since is not None:
+            self.link_below_since = None
+            changed = True
+        rose = self.counters.observe_values(ts, AER_COUNTERS, (
+            device.aer_correctable_total, device.aer_nonfatal_total, device.aer_fatal_total))
+        return changed, rose
+
+
+class RankHistory:
+    __slots__ = ("gpu", "job", "last", "last_seen", "node", "owned", "rank", "report_ts", "window_count", "windows")
+
+    def __init__(self, summary: RankSummary, node: str, ts: float, maxlen: int) -> None:
+        self.job = summary.job
+        self.rank = summary.rank
+        self.node = node
+        self.gpu = summary.gpu
+        self.last = summary
+        self.owned: RankSummary | None = None  # as GpuHistory.owned
+        self.last_seen = ts
+        self.report_ts = ts
+        # (window end, compute p50 (step p50 when phases are not reported), comm p50, steps,
+        # data p50), one entry per summary window in which the rank made steps. The window end is the agent's
+        # (its summaries of one window repeat it and are stored once, so a window is one piece of
+        # evidence however many reports carry it); an agent without one gives the arrival time.
+        self.windows: deque[tuple[float, float, float | None, int, float | None]] = deque(maxlen=maxlen)
+        # Change marker (docs/detectors.md, "change markers"): how many windows were ever appended (the newest
+        # ``window_count - seen`` of ``windows`` are new to a reader that saw ``seen``).
+        self.window_count = 0
+
+    def observe(self, s: RankSummary, node: str, ts: float, report_ts: float, offset: float = 0.0) -> None:
+        """``offset``: the node's clock minus the aggregator's (NodeState.clock_offset_seconds): a
+        window's end is placed on the aggregator's clock, so a skewed node's windows line up with
+        its peers'."""
+        self.node = node
+        self.gpu = s.gpu
+        self.last = s
+        self.last_seen = ts
+        # The agent's clock: compare with the summary's last_progress_ts, never with ours.
+        self.report_ts = report_ts
+        compute = s.compute_seconds_p50 if s.compute_seconds_p50 is not None else s.step_seconds_p50
+        if s.steps > 0 and compute is not None:
+            end = s.window_end_ts - offset if s.window_end_ts is not None else ts
+            if not self.windows or self.windows[-1][0] < end:
+                self.windows.append((end, compute, s.comm_seconds_p50, s.steps, s.data_seconds_p50))
+                self.window_count += 1
