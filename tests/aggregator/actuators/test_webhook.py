@@ -17,7 +17,7 @@ from aiohttp import web
 from tests.documented_webhook import WebhookRefused, verify_webhook
 from vigil.aggregator.actuators.actuator import DeliveryError, DispatchConfig
 from vigil.aggregator.actuators.alertmanager import AlertmanagerActuator, AlertmanagerConfig
-from vigil.aggregator.actuators.redact import REDACTED, redact_text, redact_url
+from vigil.aggregator.redact import REDACTED, redact_text, redact_url
 from vigil.aggregator.actuators.webhook import WebhookActuator, WebhookConfig
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.dispatch import Dispatcher
