@@ -12,7 +12,9 @@ import hashlib
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from vigil.contract.validation import MutableStrictModel, StrictModel
 
 
 class Action(StrEnum):
@@ -62,12 +64,10 @@ def subject(node: str | None, job: str | None) -> str:
     return node if node is not None else JOB_SUBJECT_PREFIX + (job or "")
 
 
-class Finding(BaseModel):
+class Finding(StrictModel):
     """A detector's conclusion about one subject. ``key`` distinguishes independent episodes of
     the same detector on the same subject (e.g. the Xid code); ``since`` is when the episode
     began, so re-evaluating the same episode yields the same decision id."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     detector: str
     node: str  # WHOLE_JOB (""): about the whole job (``job`` set), no node blamed
@@ -89,10 +89,8 @@ class Finding(BaseModel):
         return self
 
 
-class Decision(BaseModel):
+class Decision(MutableStrictModel):
     """The wire form (DESIGN.md section 6) handed to the gate, the store and the actuators."""
-
-    model_config = ConfigDict(extra="forbid")
 
     id: str
     ts: float

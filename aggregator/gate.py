@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from vigil.aggregator.decision import JOB_RUN_ACTIONS, REMOVING_ACTIONS, Action, Decision
+from vigil.contract.validation import StrictModel
 
 NodeCondition = Literal["in_service", "removed", "awaiting_inspection"]
 
@@ -38,9 +39,7 @@ INFORMING = frozenset({Action.OBSERVE, Action.ALERT})
 SEVERITY = {action: rank for rank, action in enumerate(Action)}
 
 
-class MaintenanceWindow(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class MaintenanceWindow(StrictModel):
     nodes: list[str] = Field(min_length=1)  # fnmatch patterns, e.g. "gpu-0[0-3]*"
     start: datetime
     end: datetime
@@ -60,7 +59,7 @@ class MaintenanceWindow(BaseModel):
         )
 
 
-class GateConfig(BaseModel):
+class GateConfig(StrictModel):
     """Defaults are conservative: a breaker that stops after 5% of the fleet, or 3 nodes.
 
     The 5% share follows the common practice of fleet operators (e.g. Meta's and Google's
@@ -68,8 +67,6 @@ class GateConfig(BaseModel):
     more than that in an hour is a switch, a driver roll-out or a bad rule, not bad GPUs. The
     fleet is the nodes that reported within the breaker window (forged or departed nodes do not
     raise the budget), and a floor lets a small pilot act at all (5% of 10 nodes is 0)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # The global switch is the aggregator's top-level ``dry_run``, carried on every Decision; this
     # forces dry run at the gate as well (a decision is dry if either says so).

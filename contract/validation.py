@@ -25,6 +25,13 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class MutableStrictModel(BaseModel):
+    """StrictModel for a value its one owner updates in place (a Decision as the gate and the
+    ledger fill it in): unknown keys are errors, fields may be assigned."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 _S = TypeVar("_S", bound=StrictModel)
 
 

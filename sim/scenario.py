@@ -14,10 +14,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from vigil.agent.nvml.scenario import FAULT_KINDS, NODE_WIDE_FAULT_KINDS
-from vigil.contract.validation import format_validation_error, read_yaml_file
+# A fleet scenario that cannot be used raises the node scenario's error: one ScenarioError.
+from vigil.agent.nvml.scenario import FAULT_KINDS, NODE_WIDE_FAULT_KINDS, ScenarioError
+from vigil.contract.validation import StrictModel, format_validation_error, read_yaml_file
 
 # The repository's scenarios/, installed as package data of `vigil` (vigil/scenarios links to it).
 SCENARIO_DIR = Path(str(resources.files("vigil") / "scenarios"))
@@ -28,15 +29,7 @@ NVML_FAULT_KINDS = FAULT_KINDS
 NvmlKind = Literal[FAULT_KINDS]  # type: ignore[valid-type]
 
 
-class ScenarioError(Exception):
-    """A scenario that cannot be used; the message names every offending key path."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Topology(_Strict):
+class Topology(StrictModel):
     """Consecutive nodes share a rack, consecutive racks a row; leaf switches span consecutive
     nodes (a leaf of 32 nodes is a common size). ``rails`` > 1 is a rail-optimised fabric: each
     group of ``nodes_per_leaf`` nodes has one leaf per rail, and HCA r of every node in the group
@@ -49,14 +42,14 @@ class Topology(_Strict):
     rails: int = Field(default=1, ge=1, le=16)
 
 
-class ProfileGroup(_Strict):
+class ProfileGroup(StrictModel):
     """Nodes of another GPU model in a mixed fleet (an H200 row beside the H100s)."""
 
     nodes: NodeSet
     profile: str
 
 
-class Fleet(_Strict):
+class Fleet(StrictModel):
     nodes: int = Field(ge=1, le=100_000)
     gpus_per_node: int = Field(default=8, ge=1, le=16)
     hcas_per_node: int = Field(default=1, ge=0, le=16)
@@ -97,7 +90,7 @@ class Fleet(_Strict):
         return self
 
 
-class Phases(_Strict):
+class Phases(StrictModel):
     """Share of a healthy step spent in each phase (they must sum to 1)."""
 
     compute: float = Field(default=0.75, ge=0, le=1)
@@ -112,7 +105,7 @@ class Phases(_Strict):
         return self
 
 
-class Noise(_Strict):
+class Noise(StrictModel):
     """Per-step jitter of each rank's compute time: multiplicative lognormal (heavy right tail,
     what step-time histograms of real jobs look like) or additive gaussian (relative sigma)."""
 
@@ -123,7 +116,7 @@ class Noise(_Strict):
 NodeSet = str | list[str]  # "all", "node-0000..node-0099", or a list of names
 
 
-class Pause(_Strict):
+class Pause(StrictModel):
     """A phase in which every rank stops stepping with its process alive: a checkpoint save or an
     evaluation pass, ``seconds`` long, every ``every_seconds`` from ``first_at_seconds``."""
 
@@ -160,7 +153,7 @@ PAUSE_GPU_UTILIZATION = {"checkpoint": 0.0, "evaluation": 0.6}
 SLURM_JOB_ID = re.compile(r"^[0-9]{1,12}$")
 
 
-class Job(_Strict):
+class Job(StrictModel):
     name: str = Field(min_length=1, max_length=128)
     nodes: NodeSet = "all"
     ranks_per_node: int = Field(default=8, ge=1, le=16)
@@ -210,7 +203,7 @@ class Job(_Strict):
         return self
 
 
-class Goodput(_Strict):
+class Goodput(StrictModel):
     """What the goodput ledger (sim/goodput.py) assumes about the jobs' recovery, and what real
     time the scenario's faults stand for. Every default is cited or stated as an assumption in
     docs/simulator.md ("Goodput")."""
@@ -243,7 +236,7 @@ class Goodput(_Strict):
     rates_per_1000_node_days: list[float] = Field(default_factory=lambda: [1.0, 2.0])
 
 
-class _FaultBase(_Strict):
+class _FaultBase(StrictModel):
     at_seconds: float = Field(ge=0)
     # Target: one node, several (names or a "a..b" range), or every node under a component
     # (a topology label value, e.g. a leaf switch name).
@@ -363,7 +356,7 @@ class PortErrors(_FaultBase):
     until_seconds: float | None = None
 
 
-class _RankScope(_Strict):
+class _RankScope(StrictModel):
     """Which ranks of each target node a fault hits: all (default), the node-local ``ranks``, or
     the ranks driving the node's ``gpus`` (a rank's GPU is its local rank modulo the GPU count)."""
 
@@ -574,7 +567,7 @@ DEFAULT_PROBE_SECONDS: dict[str, float] = {
 }
 
 
-class SimIsolation(_Strict):
+class SimIsolation(StrictModel):
     """``isolations``: a group-testing isolation the simulator starts at ``at_seconds`` through the
     real prober's ``start_isolation``, as ``POST /v1/probes/isolations`` does (a freshly repaired
     set): ``nodes`` (names or a range), about ``d_hint`` of them expected faulty."""
@@ -585,7 +578,7 @@ class SimIsolation(_Strict):
     note: str = Field(default="", max_length=500)
 
 
-class SimProbes(_Strict):
+class SimProbes(StrictModel):
     """``probes``: how the simulated agents answer ``run_probes`` (sim/probes.py): each probe's
     duration on the simulated clock, and the relative noise of every measured figure (healthy
     hardware of one class repeats a matmul burn or a copy within about 1%)."""
@@ -614,7 +607,7 @@ class SimProbes(_Strict):
         return self.seconds.get(probe, DEFAULT_PROBE_SECONDS[probe])
 
 
-class Remediation(_Strict):
+class Remediation(StrictModel):
     """The simulator as the actuator: an ADMITTED ``reboot_node`` decision makes the simulator
     reboot that node itself, as a scripted ``kind: reboot`` fault does: silent for
     ``reboot_seconds`` from the decision, then back with a new boot id and a fresh agent.
@@ -659,7 +652,7 @@ ActionName = Literal["observe", "alert", "drain", "reset_gpu", "reboot_node", "i
                      "hold_job", "resume"]
 
 
-class Expectation(_Strict):
+class Expectation(StrictModel):
     """A decision the aggregator must take: on ``node`` (or ``component``, or ``job``), one of
     ``action``, within ``within_seconds`` of ``after_seconds`` (default: the first fault on that
     subject). The same expectation justifies later decisions of those classes on that subject
@@ -700,7 +693,7 @@ class Expectation(_Strict):
         return next(str(x) for x in (self.node, self.component, self.job) if x is not None)
 
 
-class Allow(_Strict):
+class Allow(StrictModel):
     """Removals that may happen but need not (the breaker trips before every faulty node is
     drained): on ``nodes``, of ``action`` classes, each only after that node's own injected
     fault began; or a ``job``'s restart once one of its nodes has a fault of its own (a lost GPU
@@ -723,7 +716,7 @@ class Allow(_Strict):
         return (self.action,) if isinstance(self.action, str) else tuple(self.action)
 
 
-class Forbid(_Strict):
+class Forbid(StrictModel):
     """What must not happen: an admitted decision of ``action`` (default: every removal class) on
     ``nodes``, on the nodes under ``component``, or on the nodes of (or naming) ``job``; with no
     subject, anywhere. A forbidden decision fails the run even where an expectation would have
@@ -748,7 +741,7 @@ class Forbid(_Strict):
         return (self.action,) if isinstance(self.action, str) else tuple(self.action)
 
 
-class Scenario(_Strict):
+class Scenario(StrictModel):
     name: str = ""
     description: str = ""
     seed: int = 0
@@ -1014,13 +1007,12 @@ def _check_scope(fault: SlowNode | Hang, gpus: int, ranks: int, where: str) -> N
 
 def _check_node_fault(fault: NvmlFault, fleet: Fleet, where: str) -> None:
     # The node-level model is the one definition of each kind's fields: validate against it.
-    from vigil.agent.nvml.scenario import ScenarioError as NodeScenarioError
     from vigil.agent.nvml.scenario import parse_node_scenario
 
     try:
         parse_node_scenario({"profile": fleet.profile, "gpus": fleet.gpus_per_node,
                              "faults": [fault.node_fault()]})
-    except NodeScenarioError as exc:
+    except ScenarioError as exc:
         detail = str(exc).split("\n", 1)[-1].strip().replace("faults.0.", f"{where}.")
         raise ValueError(detail) from None
 

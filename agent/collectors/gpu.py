@@ -11,6 +11,7 @@ not parse the kernel log (the xid collector owns ``vigil_gpu_xid_errors_total``)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -34,7 +35,7 @@ from vigil.agent.nvml.backend import (
     error_reason,
 )
 from vigil.agent.pod_names import BUNDLE_TEMPLATES, BundlePodNames
-from vigil.contract.wire import Event, GpuHealth, GpuState, RecoveryAction
+from vigil.contract.wire import Event, GpuHealth, GpuState
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
@@ -259,13 +260,6 @@ _SIMPLE: tuple[tuple[str, MetricSpec], ...] = (
     ("nvlink_tx_bytes_per_second", NVLINK_TX),
     ("nvlink_rx_bytes_per_second", NVLINK_RX),
 )
-# GpuReading fields the report's GpuState carries under the same names: the GPM profiling values
-# and the PCIe throughput (GPM's over the interval on Hopper and later, else NVML's 20 ms sample).
-_STATE_AS_READ: tuple[str, ...] = (
-    "graphics_active_ratio", "sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio", "dram_active_ratio",
-    "fp16_active_ratio", "fp32_active_ratio", "fp64_active_ratio", "pcie_tx_bytes_per_second",
-    "pcie_rx_bytes_per_second", "nvlink_tx_bytes_per_second", "nvlink_rx_bytes_per_second",
-)
 _IDENTITY_SIMPLE: tuple[tuple[str, MetricSpec], ...] = (
     ("sm_clock_max_hertz", SM_CLOCK_MAX),
     ("memory_clock_max_hertz", MEMORY_CLOCK_MAX),
@@ -286,6 +280,32 @@ _LABELED: tuple[tuple[str, MetricSpec, tuple[tuple[str, str], ...]], ...] = (
     ("pcie_tx_bytes_per_second", PCIE_THROUGHPUT, (("direction", "tx"),)),
     ("pcie_rx_bytes_per_second", PCIE_THROUGHPUT, (("direction", "rx"),)),
 )
+# The report's GpuState of a healthy GPU, derived from the field names it shares with the backend's
+# types rather than copied by hand: every GpuReading field it has goes over as read, except those
+# built here (held slow fields, the clock-event mask in words, memory in float bytes); every
+# GpuIdentity field it has and the reading lacks (the maxima and thresholds) from the identity.
+_STATE_BUILT = frozenset({"index", "health", "memory_used_bytes", "memory_total_bytes", "clock_event_reasons",
+                          *_SLOW_FIELDS})
+_READING_FIELDS = frozenset(f.name for f in dataclasses.fields(GpuReading))
+_STATE_FROM_READING: tuple[str, ...] = tuple(
+    name for name in GpuState.__struct_fields__ if name in _READING_FIELDS and name not in _STATE_BUILT)
+_STATE_FROM_IDENTITY: tuple[str, ...] = tuple(
+    name for name in GpuState.__struct_fields__
+    if name in {f.name for f in dataclasses.fields(GpuIdentity)} and name not in _READING_FIELDS | _STATE_BUILT)
+
+
+def _state_copier() -> Callable[[GpuState, GpuReading, GpuIdentity], None]:
+    """``copy(state, reading, identity)``: the assignments those two lists name, compiled once as
+    dataclasses compiles ``__init__`` (a setattr loop costs twice as much per GPU per cycle)."""
+    lines = ["def copy(s, r, i):"]
+    lines += [f"    s.{name} = r.{name}" for name in _STATE_FROM_READING]
+    lines += [f"    s.{name} = i.{name}" for name in _STATE_FROM_IDENTITY]
+    namespace: dict[str, Callable[[GpuState, GpuReading, GpuIdentity], None]] = {}
+    exec("\n".join(lines), namespace)  # the source is built above from the types' field names only
+    return namespace["copy"]
+
+
+_copy_state = _state_copier()
 
 
 # Reason masks whose clock-event samples a GPU keeps built; a GPU shows a handful (idle, a power
@@ -583,43 +603,15 @@ class GpuCollector:
                          name=ident.name if ident else None, pci_bus_id=ident.pci_bus_id if ident else None)
         if r.health != "ok" or ident is None:
             return state
-        state.utilization_gpu_ratio = r.utilization_gpu_ratio
-        state.utilization_memory_ratio = r.utilization_memory_ratio
+        _copy_state(state, r, ident)
         state.memory_used_bytes = None if r.memory_used_bytes is None else float(r.memory_used_bytes)
         state.memory_total_bytes = None if r.memory_total_bytes is None else float(r.memory_total_bytes)
-        state.sm_clock_hertz = r.sm_clock_hertz
-        state.sm_clock_max_hertz = ident.sm_clock_max_hertz
-        state.memory_clock_hertz = r.memory_clock_hertz
-        state.temperature_celsius = r.temperature_celsius
-        state.memory_temperature_celsius = r.memory_temperature_celsius
-        state.slowdown_temperature_celsius = ident.slowdown_temperature_celsius
-        state.shutdown_temperature_celsius = ident.shutdown_temperature_celsius
-        state.memory_max_temperature_celsius = ident.memory_max_temperature_celsius
-        state.power_watts = r.power_watts
-        state.power_limit_watts = r.power_limit_watts
-        state.energy_joules = r.energy_joules
-        state.performance_state = r.performance_state
         if r.clock_event_reasons is not None and self._backend is not None:
             state.clock_event_reasons = tuple(self._backend.reason_names(r.clock_event_reasons))
-        state.ecc_corrected_volatile = r.ecc_corrected_volatile
-        state.ecc_uncorrected_volatile = r.ecc_uncorrected_volatile
-        state.ecc_corrected_aggregate = r.ecc_corrected_aggregate
-        state.ecc_uncorrected_aggregate = r.ecc_uncorrected_aggregate
-        state.retired_pages_sbe = r.retired_pages_sbe
-        state.retired_pages_dbe = r.retired_pages_dbe
-        state.retired_pages_pending = r.retired_pages_pending
-        state.remapped_rows_correctable = r.remapped_rows_correctable
-        state.remapped_rows_uncorrectable = r.remapped_rows_uncorrectable
-        state.remap_pending = r.remap_pending
-        state.remap_failure = r.remap_failure
-        state.pcie_replay_total = r.pcie_replay_total
-        for name in _STATE_AS_READ:
-            setattr(state, name, getattr(r, name))
         for key, value in gpu.nvlink_state.items():
             setattr(state, key, value)
         for key, slow_value in gpu.slow_state.items():
             setattr(state, key, slow_value)
-        state.recovery_action = cast(RecoveryAction | None, r.recovery_action)
         return state
 
     def _node_samples(self, available: bool) -> list[Sample]:

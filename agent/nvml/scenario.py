@@ -11,11 +11,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from vigil.agent.nvml.profiles import PROFILES, DeviceProfile
-from vigil.contract.validation import format_validation_error
+from vigil.contract.validation import StrictModel, format_validation_error, read_yaml_file
 
 # Shipped scenarios live in the repository's scenarios/node/, installed as package data of `vigil`
 # (vigil/scenarios links to scenarios/), so the lookup works from a checkout and from a wheel.
@@ -26,11 +25,7 @@ class ScenarioError(ValueError):
     """A scenario that cannot be used; the message names every offending key path."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Load(_Strict):
+class Load(StrictModel):
     utilization: float = Field(default=0.0, ge=0, le=1)  # mean GPU utilization, 0..1
     noise: float = Field(default=0.0, ge=0, le=1)  # +- amplitude around the mean, 0..1
     memory_used_ratio: float = Field(default=0.0, ge=0, le=1)  # of total memory, when busy
@@ -49,7 +44,7 @@ class Load(_Strict):
     pcie_idle_link_generation: int | None = Field(default=None, ge=1, le=6)
 
 
-class _Fault(_Strict):
+class _Fault(StrictModel):
     at_seconds: float = Field(ge=0)  # scenario time at which the fault starts
     gpu: int = Field(ge=0)
 
@@ -197,7 +192,7 @@ class UnderLoad(_Fault):
 OnOff = Literal["enabled", "disabled"]
 
 
-class ConfigDrift(_Strict):
+class ConfigDrift(StrictModel):
     """From ``at_seconds`` the node (or only GPU ``gpu``) is configured otherwise than its board's
     profile: another driver and CUDA version (node-wide only), VBIOS or GPU firmware image, ECC or
     persistence mode, enforced power limit, application clocks. Each field left out keeps its value;
@@ -234,7 +229,7 @@ CONFIG_DRIFT_FACTS = ("driver_version", "cuda_driver_version", "vbios_version", 
                       "application_memory_clock_mhz")
 
 
-class FabricManagerDown(_Strict):
+class FabricManagerDown(StrictModel):
     """From ``at_seconds`` (for ``duration_seconds``, or for ever) the node's Fabric Manager does not
     run: every GPU of an NVSwitch board reads fabric state ``state`` (not_started: FM never
     registered it, as after a boot with FM failed; in_progress: registration stuck). NVML itself
@@ -289,7 +284,7 @@ class RecoveryActionFault(_Fault):
     duration_seconds: float | None = Field(default=None, gt=0)
 
 
-class NvmlUnavailable(_Strict):
+class NvmlUnavailable(StrictModel):
     """The driver goes away for the whole node: nvmlInit and every call fail from then on."""
 
     kind: Literal["nvml_unavailable"]
@@ -317,7 +312,7 @@ FAULT_KINDS: tuple[str, ...] = (
 NODE_WIDE_FAULT_KINDS: tuple[str, ...] = ("nvml_unavailable", "fabric_manager_down", "config_drift")
 
 
-class Process(_Strict):
+class Process(StrictModel):
     """A compute process holding one GPU from ``from_seconds`` until ``until_seconds`` (None: for
     ever): what NVML lists for the GPU, and what makes nvidia-smi refuse to reset it."""
 
@@ -332,7 +327,7 @@ class Process(_Strict):
 MIG_COMPUTE_SLICES = 7
 
 
-class MigLayout(_Strict):
+class MigLayout(StrictModel):
     """GPU ``gpu`` in MIG mode with these GPU instances (one compute instance filling each), as an
     administrator's ``nvidia-smi mig -cgi ... -C`` leaves it; ``pending`` differs from ``enabled``
     when a mode change waits for the GPU's reset."""
@@ -358,7 +353,7 @@ def mig_compute_slices(profile: str) -> int:
     return int(head) if head.isdigit() else 0
 
 
-class NodeScenario(_Strict):
+class NodeScenario(StrictModel):
     description: str = ""
     profile: str = "h100-sxm-80gb"
     gpus: int = Field(default=8, ge=1, le=8)
@@ -440,13 +435,7 @@ def resolve_scenario_path(path_or_name: str | Path) -> Path:
 
 def load_node_scenario(path_or_name: str | Path) -> NodeScenario:
     path = resolve_scenario_path(path_or_name)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ScenarioError(f"cannot read node scenario {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"node scenario {path} is not valid YAML: {exc}") from None
-    return parse_node_scenario(data, str(path))
+    return parse_node_scenario(read_yaml_file(path, "node scenario", ScenarioError), str(path))
 
 
 def shipped_scenarios() -> list[str]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from vigil.aggregator.decision import Decision
+from vigil.contract.validation import StrictModel
 from vigil.contract.wire import check_node_name
 
 
@@ -85,10 +86,8 @@ class Actuator(Protocol):
     def close(self) -> None: ...
 
 
-class ActuatorConfig(BaseModel):
+class ActuatorConfig(StrictModel):
     """Settings every actuator has; an actuator's own config subclasses this."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = False
     # The total deadline of one delivery and of the start-up check: connect, headers and body
@@ -96,10 +95,8 @@ class ActuatorConfig(BaseModel):
     timeout_seconds: float = Field(default=10.0, gt=0)
 
 
-class DispatchConfig(BaseModel):
+class DispatchConfig(StrictModel):
     """Delivery retries (``actuators.delivery``): jittered exponential backoff, then dead letter."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = True
     max_attempts: int = Field(default=8, ge=1)

@@ -21,8 +21,8 @@ from pydantic import Field
 
 from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError
 from vigil.aggregator.actuators.deadline import exchange
-from vigil.aggregator.actuators.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
 from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
+from vigil.aggregator.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
 
 ALERTNAME = "VigilDecision"
 

@@ -21,7 +21,7 @@ import urllib.request
 from typing import Any
 
 from vigil.aggregator.actuators.actuator import DeadlineExceeded, DeliveryError
-from vigil.aggregator.actuators.redact import redact_text
+from vigil.aggregator.redact import redact_text
 
 # An answer's body is read whole (Alertmanager's alert list, a receiver's error text); more than
 # this from one receiver is refused rather than buffered (a receiver cannot grow our memory).

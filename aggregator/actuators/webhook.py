@@ -24,8 +24,8 @@ from pydantic import Field, field_validator
 
 from vigil.aggregator.actuators.actuator import ActuatorConfig, DeliveryError
 from vigil.aggregator.actuators.deadline import exchange
-from vigil.aggregator.actuators.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
 from vigil.aggregator.decision import Action, Decision
+from vigil.aggregator.redact import RedactedUrlRepr, redact_text, redact_url, split_userinfo
 
 ID_HEADER = "webhook-id"
 TIMESTAMP_HEADER = "webhook-timestamp"

@@ -50,7 +50,7 @@ def _open(path: str, dsn_file: str | None = None) -> Store | int:
 
 
 def decisions(args: argparse.Namespace) -> int:
-    from vigil.aggregator.redact import redact, redact_json
+    from vigil.aggregator.redact import redact_json, redact_text
     from vigil.aggregator.store import decisions_as_dicts
 
     store = _open(args.store, getattr(args, "dsn_file", None))
@@ -78,7 +78,8 @@ def decisions(args: argparse.Namespace) -> int:
                 print(f"    gate: {r.detail}")
             for x in r.deliveries:
                 err = f" last error: {x.last_error}" if x.last_error else ""
-                print(redact(f"    {x.actuator}: {x.state} after {x.attempts} attempt(s){err} {x.detail}".rstrip()))
+                line = f"    {x.actuator}: {x.state} after {x.attempts} attempt(s){err} {x.detail}"
+                print(redact_text(line.rstrip()))
         return 0
     finally:
         store.close()

@@ -103,6 +103,27 @@ def test_report_section_validates_as_wire_report(make):
     assert len(report.gpus) == 8
 
 
+def test_every_report_field_has_one_source_and_a_healthy_gpu_fills_them(make, clock):
+    # The report's GpuState is derived from the field names it shares with GpuReading and GpuIdentity
+    # (no hand copy): a field the reading or identity renames or drops leaves the report with a
+    # field nothing fills, which this names.
+    from vigil.agent.collectors import gpu as gpu_module
+    from vigil.contract.wire import GpuState
+
+    filled_elsewhere = {"job", "processes", "nvlink_crc_errors_total", "nvlink_replay_errors_total",
+                        "nvlink_recovery_errors_total", "nvlink_links_active", "nvlink_links_down"}
+    sources = (set(gpu_module._STATE_FROM_READING) | set(gpu_module._STATE_FROM_IDENTITY)
+               | gpu_module._STATE_BUILT | filled_elsewhere)
+    assert set(GpuState.__struct_fields__) - sources == set()
+    collector = make("healthy-h100")
+    collector.collect(0.0)
+    clock.t = 20.0  # GPM's ratios need a pair of samples
+    state = collector.collect(20.0).report["gpus"][0]
+    assert all(getattr(state, name) is not None for name in gpu_module._STATE_FROM_IDENTITY)
+    assert state.temperature_celsius is not None and state.memory_used_bytes is not None
+    assert state.sm_active_ratio is not None and state.pcie_link_width_max is not None
+
+
 def test_every_sample_is_declared_and_every_spec_is_emitted_on_some_scenario(clock, tmp_path):
     declared = {s.name: s for s in SPECS}
     emitted: set[str] = set()

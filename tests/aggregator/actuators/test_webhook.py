@@ -17,12 +17,12 @@ from aiohttp import web
 from tests.documented_webhook import WebhookRefused, verify_webhook
 from vigil.aggregator.actuators.actuator import DeliveryError, DispatchConfig
 from vigil.aggregator.actuators.alertmanager import AlertmanagerActuator, AlertmanagerConfig
-from vigil.aggregator.actuators.redact import REDACTED, redact_text, redact_url
 from vigil.aggregator.actuators.webhook import WebhookActuator, WebhookConfig
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.dispatch import Dispatcher
 from vigil.aggregator.gate import Gate, GateConfig
 from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.redact import REDACTED, redact_text, redact_url
 from vigil.aggregator.store import Store
 
 T0 = 1_700_000_000.0
