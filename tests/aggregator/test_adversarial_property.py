@@ -23,7 +23,7 @@ from vigil.aggregator.app import EVALUATE_KEY, METRICS_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
+from vigil.aggregator.ledger import Ledger
 from vigil.contract.wire import encode as wire_encode
 from vigil.contract.wire import to_readable
 
@@ -128,7 +128,7 @@ def encode(body: Any) -> bytes:
 class Harness:
     def __init__(self) -> None:
         config = parse_config({"evaluate_interval_seconds": 3600, "dry_run": False})
-        self.sink = RecordingSink()
+        self.sink = Ledger.in_memory()
         self.engine = Engine(config, self.sink)
         credentials = Credentials(site_secret=SECRET, alertmanager=AM_TOKEN)
         self.app = make_app(config, self.engine, self.sink, clock=lambda: NOW, credentials=credentials)

@@ -20,8 +20,8 @@ from vigil.aggregator.app import make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
+from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.metrics import EVENT_KINDS, ActingReadings, AggregatorMetrics
-from vigil.aggregator.sink import RecordingSink
 from vigil.contract.wire import Event, encode
 
 SECRET = b"site-secret-for-metrics-tests-0123456789"
@@ -60,7 +60,7 @@ class Service:
 @pytest.fixture
 async def service() -> AsyncIterator[Service]:
     config = parse_config({"evaluate_interval_seconds": 3600, "max_body_bytes": MAX_BODY_BYTES})
-    sink = RecordingSink()
+    sink = Ledger.in_memory()
     app = make_app(config, Engine(config, sink), sink, clock=lambda: NOW, credentials=Credentials(site_secret=SECRET))
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Service(client)

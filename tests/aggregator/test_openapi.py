@@ -24,7 +24,6 @@ from vigil.aggregator.decision import Decision, Finding
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.gate import Gate
 from vigil.aggregator.ledger import Ledger
-from vigil.aggregator.sink import RecordingSink
 from vigil.aggregator.store import Store
 from vigil.contract.wire import (
     CollectiveState,
@@ -98,7 +97,7 @@ def documented(path: str, method: str, status: int) -> str | None:
 @pytest.fixture
 async def client():
     config = parse_config({"evaluate_interval_seconds": 3600})
-    sink = RecordingSink()
+    sink = Ledger.in_memory()
     credentials = Credentials(site_secret=SITE_SECRET, alertmanager=ALERTMANAGER["Authorization"][7:].encode(),
                               operator=OPERATOR["Authorization"][7:].encode())
     app = make_app(config, Engine(config, sink), sink, clock=lambda: 5000.0, credentials=credentials)
