@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from tests.aggregator.conftest import FakeNode
+from tests.aggregator.conftest import FakeNode, proposals_ledger
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -100,7 +100,7 @@ class Budgets(Ledger):
     budget is computed from."""
 
     def __init__(self) -> None:
-        memory = Ledger.in_memory()
+        memory = proposals_ledger()
         super().__init__(memory.gate, memory.store, memory.actuators)
         self.fleet_nodes: list[int] = []
 

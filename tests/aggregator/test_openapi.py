@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from openapi_spec_validator import validate as validate_spec
 from pydantic import BaseModel
 
-from tests.aggregator.conftest import FakeNode, set_training
+from tests.aggregator.conftest import FakeNode, proposals_ledger, set_training
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -97,7 +97,7 @@ def documented(path: str, method: str, status: int) -> str | None:
 @pytest.fixture
 async def client():
     config = parse_config({"evaluate_interval_seconds": 3600})
-    sink = Ledger.in_memory()
+    sink = proposals_ledger()
     credentials = Credentials(site_secret=SITE_SECRET, alertmanager=ALERTMANAGER["Authorization"][7:].encode(),
                               operator=OPERATOR["Authorization"][7:].encode())
     app = make_app(config, Engine(config, sink), sink, clock=lambda: 5000.0, credentials=credentials)
