@@ -30,6 +30,7 @@ from vigil.aggregator.decision import REMOVING_ACTIONS, WHOLE_JOB, Action, Decis
 from vigil.aggregator.dispatch import Dispatcher
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import NodeState
+from vigil.aggregator.gate import GateConfig
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.metrics import ActingReadings, AggregatorMetrics, FleetReadings, WorkersReading
 from vigil.aggregator.node_standing import NodeStanding
@@ -156,6 +157,15 @@ class AggregatorService:
         self._entries_refused_logged: dict[str, float] = {}  # node -> when its refused entries were last logged
         self._superseded = 0  # bumped when a synchronous evaluation takes over from an in-flight one
         self.reports_taken = 0  # reports that passed intake (ingested or held)
+
+    @classmethod
+    def in_memory(cls, config: AggregatorConfig, gate: GateConfig, *, clock: Callable[[], float],
+                  started: float | None = None) -> AggregatorService:
+        """The service over the real engine and a ledger whose store is in memory, with no
+        actuator (the simulator's). ``started``: when the aggregator started, as ``serve`` gives
+        its gate (the breaker's start-up grace counts from it; None: no grace)."""
+        ledger = Ledger.in_memory(gate, started=started)
+        return cls(config, Engine(config, ledger), ledger, clock=clock)
 
     # -- what the fleet and the acting path look like -------------------------------------------
 
