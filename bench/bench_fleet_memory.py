@@ -40,8 +40,8 @@ from vigil.aggregator.app import METRICS_KEY, make_app, tune_gc
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.metrics import GC_GENERATIONS
 from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.metrics import GC_GENERATIONS
 from vigil.cli.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
 from vigil.contract.wire import Report, convert
 

@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ConfigDict
 
 from vigil.agent.config import AgentConfig, parse_config
 from vigil.agent.nvml.scenario import PowerBrake, PowerCap, ThermalThrottle
+from vigil.aggregator.decision import Decision
 from vigil.aggregator.service import Accepted, AggregatorService
 from vigil.contract.seams import Seams
 from vigil.contract.validation import ConfigError, format_validation_error
@@ -84,25 +86,25 @@ _PID_STRIDE = 1_000_000
 # The random stream of the agents' report phases (apart from the jobs' and the GPUs' streams).
 _PHASE_STREAM = 0x5048_4153
 
-@dataclass(frozen=True)
-class SimDecision:
-    """One decision the engine proposed, with what the gate made of it."""
+class SimDecision(Decision):
+    """A decision the service's gate judged, as its store recorded it, with when (``t``: simulated
+    seconds since the start) and what the gate made of it (``admitted``, its ``verdict``)."""
 
-    t: float  # simulated seconds since the start
-    node: str | None  # None: a job-level decision (it names the job)
-    action: str
-    detector: str
-    reason: str
+    model_config = ConfigDict(frozen=True)
+
+    t: float
     admitted: bool
     verdict: str
-    gpu: int | None = None
-    job: str | None = None
-    component: str | None = None
-    id: str = ""
-    evidence: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, d: Decision, t: float, admitted: bool, verdict: str) -> SimDecision:
+        """``d`` as judged at ``t``, its evidence as JSON reads it back (a result is written as JSON)."""
+        return cls(**{**dict(d), "evidence": json.loads(json.dumps(d.evidence, default=str))}, t=round(t, 3),
+                   admitted=admitted, verdict=verdict)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        """The result file's form: the simulated time, not the aggregator's clock or the store's fields."""
+        return self.model_dump(mode="json", exclude_none=True, exclude={"ts", "dry_run", "since"})
 
 
 @dataclass(frozen=True)
@@ -1058,7 +1060,7 @@ class Simulation:
         if self._resets:
             self._reset_decisions.update((r.decision.id, r.decision) for r in rows
                                          if r.admitted and str(r.decision.action) == "reset_gpu")
-        return [_sim_decision(r.decision, t, r.admitted, r.verdict) for r in sorted(rows, key=lambda r: r.seq)]
+        return [SimDecision.of(r.decision, t, r.admitted, r.verdict) for r in sorted(rows, key=lambda r: r.seq)]
 
     def _breaker_tripped(self, decisions: list[SimDecision]) -> bool:
         return bool(self.ledger.store.breaker().tripped)
@@ -1151,12 +1153,6 @@ def _trace(trace: JobTrace, model: JobModel, batch: StepBatch, t: float) -> None
     trace.step_seconds.append(float(batch.step_seconds[:, 0].mean()))
     per_node = batch.compute_seconds.mean(axis=0).reshape(len(model.nodes), model.ranks_per_node).mean(axis=1)
     trace.node_compute_seconds.append(per_node.astype(np.float32))
-
-
-def _sim_decision(d: Any, t: float, admitted: bool, verdict: str) -> SimDecision:
-    return SimDecision(t=round(t, 3), node=d.node, action=str(d.action), detector=d.detector, reason=d.reason,
-                       admitted=admitted, verdict=verdict, gpu=d.gpu, job=d.job, component=d.component,
-                       id=d.id, evidence=json.loads(json.dumps(d.evidence, default=str)))
 
 
 def _rows_after(store: Any, seq: int) -> list[Any]:
