@@ -3,7 +3,7 @@
 ``ingest`` folds a validated report into the fleet; ``evaluate`` runs every enabled detector on
 the fleet view, lets the topology pass merge shared faults, turns each episode into one
 ``Decision`` (a new one when the fault repeats well after it was decided), and proposes every
-current episode to the sink each cycle: the sink knows what is already admitted, and a refused
+current episode to the ledger each cycle: the ledger knows what is already admitted, and a refused
 one is judged again. Time is always given (``now``), so the simulator drives it on a simulated
 clock and the app on its step-free clock (aggregator/clock.py): every duration the detectors and
 the gate judge (silence, windows, cooldowns, the breaker's window) is a difference of two readings
@@ -28,7 +28,6 @@ from vigil.aggregator.gate import GateState
 from vigil.aggregator.job_recovery import JobRecoveryPlanner
 from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.outbox import agent_resets_enabled
-from vigil.aggregator.sink import DecisionSink
 from vigil.aggregator.synthetic_nodes import is_synthetic
 from vigil.contract.wire import Report
 
@@ -48,10 +47,10 @@ def removals(state: GateState) -> dict[str, Removal]:
 
 
 class Engine:
-    def __init__(self, config: AggregatorConfig, sink: DecisionSink,
+    def __init__(self, config: AggregatorConfig, ledger: Ledger,
                  detectors: list[Detector] | None = None) -> None:
         self.config = config
-        self.sink = sink
+        self.ledger = ledger
         net = config.detectors.network
         judged = [*net.flap_counters, *net.error_counters, *net.congestion_counters] if net.enabled else []
         self.fleet = Fleet(config.fleet, port_counters=judged, agent_resets=agent_resets_enabled(config))
@@ -92,9 +91,8 @@ class Engine:
     def view(self) -> FleetView:
         """The fleet as detectors see it, with the gate's removals copied now (read the gate on
         the thread that owns it; the view then reads only the fleet)."""
-        # Only the recovery detector reads what vigil removed; a sink without a gate has no record.
-        removed = (removals(self.sink.store.state)
-                   if self.config.detectors.recovery.enabled and isinstance(self.sink, Ledger) else None)
+        # Only the recovery detector reads what vigil removed (the gate's state, held by the ledger).
+        removed = removals(self.ledger.store.state) if self.config.detectors.recovery.enabled else None
         return self.fleet.view(removed)
 
     def prepare(self, now: float) -> FleetView:
@@ -121,13 +119,13 @@ class Engine:
         return acted
 
     def evaluate(self, now: float) -> list[Decision]:
-        """Propose every current episode; returns what the sink admitted now. The three steps in
+        """Propose every current episode; returns what the ledger admitted now. The three steps in
         one call (the simulator's and the tests' way); the service judges off its event loop."""
         return self.decide(self.judge(self.prepare(now), now), now)
 
     def decide(self, found: list[Finding], now: float) -> list[Decision]:
-        """The last step, on the thread that owns the fleet and the sink: one decision per
-        episode, proposed to the sink."""
+        """The last step, on the thread that owns the fleet and the ledger: one decision per
+        episode, proposed to the ledger."""
         self.last_findings = found
         repeat_after = self.config.gate.repeat_after_seconds
         proposals: list[Decision] = []
@@ -152,6 +150,6 @@ class Engine:
         # The breaker's budget counts the nodes that reported within its window (not every name
         # ever seen: forged or departed nodes must not inflate it).
         window = self.config.gate.breaker_window_seconds
-        admitted = self.sink.submit(proposals, now, self.fleet.reporting_since(now - window))
+        admitted = self.ledger.submit(proposals, now, self.fleet.reporting_since(now - window))
         self.admitted_total += len(admitted)
         return admitted

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from vigil.aggregator.actuators.actuator import Actuator
 from vigil.aggregator.decision import Decision
-from vigil.aggregator.gate import Gate, GateState, Verdict
+from vigil.aggregator.gate import Gate, GateConfig, GateState, Verdict
 from vigil.aggregator.leadership import Leadership, SoleLeader
 from vigil.aggregator.store import WRITE_ERRORS, Store, StoreConfig
 
@@ -80,6 +80,13 @@ class Ledger:
         self._failures = 0
         self._retry_at = 0.0
         self._retention_at = 0.0
+
+    @classmethod
+    def in_memory(cls, gate: GateConfig | None = None, *, started: float | None = None) -> Ledger:
+        """The gate over a store in memory, no actuator: what the simulator, tests and benchmarks
+        propose to (the same admission as the service's, nothing kept on disk). ``started``: when
+        the aggregator started (the breaker's start-up grace counts from it; None: no grace)."""
+        return cls(Gate(gate or GateConfig(), started=started), Store(":memory:"), actuators={})
 
     # -- health -------------------------------------------------------------------------------
 

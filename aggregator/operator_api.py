@@ -174,16 +174,6 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
         app.router.add_route(method, path, handlers[path])
 
 
-def add_no_gate_routes(app: web.Application) -> None:
-    """The same routes on a service without a gate (a ``RecordingSink``): 404 ``no_gate``."""
-
-    async def no_gate(_: web.Request) -> web.Response:
-        return _error(404, "no_gate", "this aggregator runs without a gate (no decision store)")
-
-    for method, path in GATE_ROUTES:
-        app.router.add_route(method, path, no_gate)
-
-
 ISOLATION_ROUTE = "/v1/probes/isolations"
 ISOLATION_KEYS = frozenset({"nodes", "d_hint", "note"})
 # 4xx per refusal: a request that cannot be right (400) against one that cannot start now (409).

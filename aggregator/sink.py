@@ -1,14 +1,13 @@
-"""Where the engine hands its decisions: the ``DecisionSink`` seam, and an in-memory recorder.
+"""What a door that proposes decisions needs of the ledger: the ``DecisionSink`` protocol.
 
-The gate over the store (``aggregator.ledger.Ledger``) implements the same protocol with the
-circuit breaker and durability. The engine proposes every current episode each cycle, so a sink
-admits each decision id once. ``RecordingSink`` admits every new id and only remembers, for
-tests, benchmarks and a service run without a gate. Neither judges nor delivers.
+The gate over the store (``aggregator.ledger.Ledger``, also over a store in memory:
+``Ledger.in_memory``) is its one implementation; the Alertmanager input proposes through it. A
+sink admits each decision id once; it neither judges detectors' evidence nor delivers.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -31,36 +30,3 @@ class DecisionSink(Protocol):
     def recent(self, limit: int = 100) -> list[Decision]:
         """The latest admitted decisions, newest first."""
         ...
-
-
-class RecordingSink:
-    """Admits every new decision id and keeps the latest ``capacity`` of them in memory."""
-
-    def __init__(self, capacity: int = 10_000, ids_remembered: int = 100_000) -> None:
-        self._decisions: deque[Decision] = deque(maxlen=capacity)
-        self._ids: OrderedDict[str, None] = OrderedDict()
-        self._ids_remembered = ids_remembered
-        self.recorded: Counter[tuple[str, str, str]] = Counter()
-
-    def submit(self, decisions: Sequence[Decision], now: float, fleet_nodes: int) -> list[Decision]:
-        admitted = [d for d in decisions if d.id not in self._ids]
-        for d in admitted:
-            self._ids[d.id] = None
-            self.recorded[(d.action.value, d.detector, "admitted")] += 1
-        while len(self._ids) > self._ids_remembered:
-            self._ids.popitem(last=False)
-        self._decisions.extend(admitted)
-        return admitted
-
-    def problem(self) -> str | None:
-        return None
-
-    def recent(self, limit: int = 100) -> list[Decision]:
-        if limit <= 0:
-            return []
-        out = []
-        for d in reversed(self._decisions):
-            out.append(d)
-            if len(out) >= limit:
-                break
-        return out

@@ -32,7 +32,7 @@ from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import FleetView
-from vigil.aggregator.sink import RecordingSink
+from vigil.aggregator.ledger import Ledger
 from vigil.cli.agent_reports import INTERVAL_SECONDS, RANKS, report_forms, topology_of
 from vigil.contract.wire import GpuState, RankSummary, Report, convert
 
@@ -148,7 +148,7 @@ def run(nodes: int, passes: int) -> tuple[list[float], dict[str, float], int]:
     returns each pass's CPU seconds, each detector's CPU summed over the passes, and the
     findings of the last pass."""
     fleet = Fleet(nodes)
-    engine = Engine(AggregatorConfig(), RecordingSink())
+    engine = Engine(AggregatorConfig(), Ledger.in_memory())
     timed = [_Timed(d) for d in engine.detectors]
     engine.detectors = timed  # type: ignore[assignment]  # the same protocol
     ingest = engine.ingest

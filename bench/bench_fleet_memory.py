@@ -40,8 +40,8 @@ from vigil.aggregator.app import METRICS_KEY, make_app, tune_gc
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
+from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.metrics import GC_GENERATIONS
-from vigil.aggregator.sink import RecordingSink
 from vigil.cli.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
 from vigil.contract.wire import Report, convert
 
@@ -96,7 +96,7 @@ def _attack_report(n: int, ts: float, new_jobs: bool) -> Report:
 def cardinality() -> list[Measurement]:
     rows = []
     for new_jobs, what in ((True, "a new job per rank per report"), (False, "1,024 new ranks per report")):
-        fleet = Engine(parse_config({}), RecordingSink()).fleet
+        fleet = Engine(parse_config({}), Ledger.in_memory()).fleet
         t0 = 1.7e9
         fleet.ingest(_attack_report(0, t0, new_jobs), t0)  # one-offs (interned names, code paths)
         gc.collect()
@@ -131,7 +131,7 @@ def _report(template: dict[str, Any], n: int, seq: int, ts: float) -> Report:
 def memory() -> list[Measurement]:
     templates = agent_reports(MEMORY_ROUNDS, FIXTURE_IB / "mlx5_0", compact=True)
     # The service's fleet: the port counters its detectors judge are the ones it keeps deltas of.
-    fleet = Engine(parse_config({"fleet": {"forget_after_seconds": 3600}}), RecordingSink()).fleet
+    fleet = Engine(parse_config({"fleet": {"forget_after_seconds": 3600}}), Ledger.in_memory()).fleet
     t0 = 1.7e9
     fleet.ingest(_report(templates[0], 99_999, 1, t0), t0)  # first-node one-offs (interned names)
     gc.collect()
@@ -170,7 +170,7 @@ def memory() -> list[Measurement]:
 
 async def _probe(executor: Executor | None, templates: list[dict[str, Any]]) -> dict[str, float]:
     config = parse_config({"evaluate_interval_seconds": EVALUATE_SECONDS, "dry_run": True})
-    sink = RecordingSink()
+    sink = Ledger.in_memory()
     engine = Engine(config, sink)
     now = time.time()
     for seq, template in enumerate(templates[:2], start=1):

@@ -28,7 +28,7 @@ from bench.measure import Measurement
 from tests.e2e.ddp_hang import run
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
+from vigil.aggregator.ledger import Ledger
 from vigil.contract.wire import RankSummary, Report
 
 DDP_CLOCK_SECONDS = 60.0  # the agents' hang_seconds and the aggregator's stall_seconds (300 s shipped)
@@ -57,7 +57,7 @@ def _run(stop_at: float, until: float, *, phase: str | None = None, phase_until:
          offset: float = 0.0) -> tuple[float | None, int]:
     """(seconds from the stop to the first hang decision or None, hang decisions in all)."""
     config = parse_config({"dry_run": True})
-    engine = Engine(config, RecordingSink())
+    engine = Engine(config, Ledger.in_memory())
     t = 0.0
     seq = 0
     first: float | None = None

@@ -22,7 +22,7 @@ from vigil.aggregator.app import tune_gc
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
+from vigil.aggregator.ledger import Ledger
 from vigil.cli.agent_reports import INTERVAL_SECONDS, agent_reports, for_node
 from vigil.contract.wire import decode_report
 
@@ -82,7 +82,7 @@ def _measure(compact: bool) -> Measurement:
 def _pass(bodies: list[tuple[float, bytes]]) -> float:
     """Reports a CPU second, on a fresh engine: the first round (whole) creates every node's
     state untimed; the steady rounds after it are what the budget is about."""
-    engine = Engine(AggregatorConfig(), RecordingSink())
+    engine = Engine(AggregatorConfig(), Ledger.in_memory())
     secret = b"bench-site-secret-0123456789abcdef"
     credentials = Credentials(site_secret=secret)
     node_of = {name: node_token(secret, name).encode() for name in {json.loads(b)["node"] for _, b in bodies}}
@@ -112,7 +112,7 @@ def _split(bodies: list[tuple[float, bytes]]) -> tuple[float, float]:
     """CPU per steady-state report (after the warm-up round) of decoding with strict validation
     and of the fleet update, timed report by report on a fresh engine (the clock reads cost
     ~1 us a report on top)."""
-    engine = Engine(AggregatorConfig(), RecordingSink())
+    engine = Engine(AggregatorConfig(), Ledger.in_memory())
     for ts, body in bodies[:NODES]:
         engine.ingest(decode_report(body), ts)
     clock = time.process_time

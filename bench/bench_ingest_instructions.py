@@ -70,11 +70,11 @@ def _child(phase: str, path: str) -> None:
     from vigil.aggregator.app import tune_gc
     from vigil.aggregator.config import AggregatorConfig
     from vigil.aggregator.engine import Engine
-    from vigil.aggregator.sink import RecordingSink
+    from vigil.aggregator.ledger import Ledger
 
     bodies = [(ts, body.encode()) for ts, body in json.loads(Path(path).read_text())]
     tune_gc()
-    engine = Engine(AggregatorConfig(), RecordingSink())
+    engine = Engine(AggregatorConfig(), Ledger.in_memory())
     for ts, body in bodies[:NODES]:
         engine.ingest(decode_report(body), ts)
     steady = bodies[NODES:]

@@ -36,7 +36,7 @@ from bench.measure import Measurement
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import Decision
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
+from vigil.aggregator.ledger import Ledger
 from vigil.contract.wire import CollectiveState, GpuState, PortState, Report
 
 NODES = 16
@@ -131,7 +131,7 @@ class _Job:
 def _drive(job: _Job, until: float, collectives: dict[int, tuple[float, list[CollectiveState]]] | None = None,
            ) -> list[tuple[float, Decision]]:
     """Every report and evaluation up to ``until``; the decisions with their time."""
-    engine = Engine(parse_config({"dry_run": True}), RecordingSink())
+    engine = Engine(parse_config({"dry_run": True}), Ledger.in_memory())
     events = sorted([(job.report_phase[n] + k * REPORT_SECONDS, 0, n)
                      for n in range(NODES) for k in range(int(until / REPORT_SECONDS) + 1)]
                     + [(k * EVALUATE_SECONDS, 1, -1) for k in range(int(until / EVALUATE_SECONDS) + 1)])

@@ -34,9 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ConfigDict
 
 from vigil.agent.config import AgentConfig, parse_config
 from vigil.agent.nvml.scenario import PowerBrake, PowerCap, ThermalThrottle
+from vigil.aggregator.decision import Decision
+from vigil.aggregator.service import Accepted, AggregatorService
 from vigil.contract.seams import Seams
 from vigil.contract.validation import ConfigError, format_validation_error
 from vigil.contract.wire import (
@@ -44,7 +47,6 @@ from vigil.contract.wire import (
     NodeActionRequest,
     NodeActionResult,
     Report,
-    decode_report,
     encode,
     replace,
 )
@@ -84,25 +86,25 @@ _PID_STRIDE = 1_000_000
 # The random stream of the agents' report phases (apart from the jobs' and the GPUs' streams).
 _PHASE_STREAM = 0x5048_4153
 
-@dataclass(frozen=True)
-class SimDecision:
-    """One decision the engine proposed, with what the gate made of it."""
+class SimDecision(Decision):
+    """A decision the service's gate judged, as its store recorded it, with when (``t``: simulated
+    seconds since the start) and what the gate made of it (``admitted``, its ``verdict``)."""
 
-    t: float  # simulated seconds since the start
-    node: str | None  # None: a job-level decision (it names the job)
-    action: str
-    detector: str
-    reason: str
+    model_config = ConfigDict(frozen=True)
+
+    t: float
     admitted: bool
     verdict: str
-    gpu: int | None = None
-    job: str | None = None
-    component: str | None = None
-    id: str = ""
-    evidence: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, d: Decision, t: float, admitted: bool, verdict: str) -> SimDecision:
+        """``d`` as judged at ``t``, its evidence as JSON reads it back (a result is written as JSON)."""
+        return cls(**{**dict(d), "evidence": json.loads(json.dumps(d.evidence, default=str))}, t=round(t, 3),
+                   admitted=admitted, verdict=verdict)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        """The result file's form: the simulated time, not the aggregator's clock or the store's fields."""
+        return self.model_dump(mode="json", exclude_none=True, exclude={"ts", "dry_run", "since"})
 
 
 @dataclass(frozen=True)
@@ -275,10 +277,13 @@ def sim_master_key(seed: int) -> bytes:
 
 
 class Simulation:
-    """One run of a scenario; ``run()`` returns the result. Construct with ``engine=`` to judge
-    with something other than the aggregator configured by the scenario (tests do)."""
+    """One run of a scenario; ``run()`` returns the result. The aggregator is the service
+    operators run (aggregator/service.py), driven on the simulated clock: every report goes
+    through its intake, every evaluation through its ``evaluate_now``. ``observe`` sees each
+    report an agent sends, with the time it is sent (tests record them)."""
 
-    def __init__(self, scenario: Scenario, *, seed: int | None = None, engine: Any = None,
+    def __init__(self, scenario: Scenario, *, seed: int | None = None,
+                 observe: Callable[[Report, float], None] | None = None,
                  json_round_trip: bool = False, progress: Progress | None = None,
                  workdir: Path | None = None) -> None:
         self.scenario = scenario
@@ -286,40 +291,32 @@ class Simulation:
         self.clock = SimClock()
         self._json = json_round_trip
         self._progress = progress
-        self._engine_given = engine is not None
-        self.sink: Any = None
+        self._observe = observe
         # Configuration errors surface here, before anything is created on disk.
         self.agent_config = agent_config(scenario)
         remediation = scenario.remediation
-        self._resets = remediation is not None and remediation.reset_seconds is not None and engine is None
-        self._probing = engine is None and probing_enabled(scenario)
-        self.outbox: Any = None  # the aggregator's node-action outbox (GPU resets, probes; None: neither)
-        self.prober: Any = None  # the aggregator's prober (aggregator/prober.py; None: probing off)
+        self._resets = remediation is not None and remediation.reset_seconds is not None
+        self._probing = probing_enabled(scenario)
         self._master_key = sim_master_key(self.seed)
-        if engine is not None:
-            self.engine = engine
-        elif not (self._resets or self._probing):
-            self.engine, self.sink = build_engine(scenario, started=self.clock.start)
         self._tmp = tempfile.TemporaryDirectory(prefix="vigil-sim-") if workdir is None else None
         self.workdir = workdir if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
-        if self._resets or self._probing:
-            from vigil.aggregator.outbox import Outbox
-
-            master = self.workdir / "node-action-master.key"
-            master.write_text(self._master_key.hex() + "\n")
-            try:
-                self.engine, self.sink = build_engine(scenario, started=self.clock.start,
-                                                      node_action_key_file=master, agent_resets=self._resets)
-                # As the app builds them (aggregator/app.py): enabled by the same config, over the engine's fleet.
-                self.outbox = Outbox.from_config(self.engine.config, self.engine.fleet)
-                if self._probing:
-                    from vigil.aggregator.prober import Prober
-
-                    self.prober = Prober(self.engine.config.probes, self.outbox, self.engine.fleet)
-            except BaseException:
-                if self._tmp is not None:
-                    self._tmp.cleanup()
-                raise
+        master = None
+        try:
+            if self._resets or self._probing:
+                master = self.workdir / "node-action-master.key"
+                master.write_text(self._master_key.hex() + "\n")
+            self.service = build_service(scenario, self.clock, node_action_key_file=master,
+                                         agent_resets=self._resets)
+        except BaseException:
+            if self._tmp is not None:
+                self._tmp.cleanup()
+            raise
+        self.engine = self.service.engine
+        self.ledger = self.service.ledger
+        # The service's node-action outbox (GPU resets, probes; None: the scenario uses neither) and
+        # prober (aggregator/prober.py; None: probing off).
+        self.outbox = self.service.node_actions if self._resets or self._probing else None
+        self.prober = self.service.prober if self._probing else None
         self.nodes: dict[str, SimNode] = {}
         self._faults_by_node: dict[str, list[Any]] = {}
         self._schedule: list[tuple[float, int, Callable[[], None]]] = []  # a heap: (t, order, action)
@@ -596,17 +593,14 @@ class Simulation:
 
     # -- node actions (GPU resets), as the app and the agent's reporter carry them --------------
 
-    def _exchange(self, node: SimNode, report: Report, now: float) -> None:
-        """What the aggregator's ``POST /v1/reports`` does after ingesting a report (aggregator/app.py):
-        the node's action results to the outbox (which hands them to the fleet), then the requests
-        due for the node, given to its agent in the answer."""
-        assert self.outbox is not None
+    def _answered(self, node: SimNode, taken: Accepted) -> None:
+        """The agent's side of the service's answer (agent/reporter.py): the results its report
+        carried are forgotten, the requests due for the node are taken."""
+        report = taken.report
         if report.action_results:
-            self.outbox.record(report.node, report.action_results, now)
-            # Answered: the agent forgets the results this report carried.
             carried = {r.id for r in report.action_results}
             self._results[node.name] = [r for r in self._results.get(node.name, []) if r.id not in carried]
-        for request in self.outbox.due(report.node, now, report.boot_id):
+        for request in taken.answer.get("requests", ()):
             self._offer(node, request)
 
     def _with_results(self, node: SimNode, report: Report) -> Report:
@@ -889,13 +883,13 @@ class Simulation:
                     continue
                 if self.outbox is not None:
                     report = self._with_results(node, report)
-                if self._json:
-                    report = decode_report(encode(report))
-                self.engine.ingest(report, now)
-                if self.outbox is not None:
-                    self._exchange(node, report, now)
+                if self._observe is not None:
+                    self._observe(report, now)
+                taken = self.service.receive(encode(report)) if self._json else self.service.take(report)
+                if isinstance(taken, Accepted) and self.outbox is not None:
+                    self._answered(node, taken)
                 n_reporting += 1
-                if t_node < t and (report.urgent or any(e.urgent for e in report.events)):
+                if t_node < t and self.service.wake.is_set():  # an urgent report: judged at once
                     decisions.extend(self._judge(now, fleet_nodes))
             reports += n_reporting
             self._advance(t)
@@ -935,6 +929,7 @@ class Simulation:
 
     def _judge(self, now: float, fleet_nodes: int) -> list[SimDecision]:
         """One evaluation of the aggregator, and what the simulator carries out of it."""
+        self.service.wake.clear()
         out = self._evaluate(now, fleet_nodes)
         for d in out:
             self._actuate(d)
@@ -1053,28 +1048,22 @@ class Simulation:
         return not (model.finished and end is not None and self.clock.elapsed >= end)
 
     def _evaluate(self, now: float, fleet_nodes: int) -> list[SimDecision]:
+        """The service's evaluation (forgetting departed nodes, the detectors, the gate, the
+        prober's round), and every verdict the gate recorded in it."""
         t = now - self.clock.start
-        if self.sink is None:  # an engine given by a test: it returns what it decided
-            return [_sim_decision(d, t, True, "admitted") for d in self.engine.evaluate(now)]
-        store = self.sink.store
+        store = self.ledger.store
         before = self._store_seq
-        self.engine.evaluate(now)
-        if self.prober is not None:
-            # As the app does after each evaluation: the prober plans probe runs from what the
-            # engine found, and queues them in the outbox.
-            self.prober.plan(self.engine.view(), self.engine.last_findings, now)
+        self.service.evaluate_now()
         rows = _rows_after(store, before)
         if rows:
             self._store_seq = max(r.seq for r in rows)
         if self._resets:
             self._reset_decisions.update((r.decision.id, r.decision) for r in rows
                                          if r.admitted and str(r.decision.action) == "reset_gpu")
-        return [_sim_decision(r.decision, t, r.admitted, r.verdict) for r in sorted(rows, key=lambda r: r.seq)]
+        return [SimDecision.of(r.decision, t, r.admitted, r.verdict) for r in sorted(rows, key=lambda r: r.seq)]
 
     def _breaker_tripped(self, decisions: list[SimDecision]) -> bool:
-        if self.sink is None:
-            return False
-        return bool(self.sink.store.breaker().tripped)
+        return bool(self.ledger.store.breaker().tripped)
 
 
 # NVML faults that lower a GPU's SM clock, by the node-level model that defines their fields.
@@ -1166,12 +1155,6 @@ def _trace(trace: JobTrace, model: JobModel, batch: StepBatch, t: float) -> None
     trace.node_compute_seconds.append(per_node.astype(np.float32))
 
 
-def _sim_decision(d: Any, t: float, admitted: bool, verdict: str) -> SimDecision:
-    return SimDecision(t=round(t, 3), node=d.node, action=str(d.action), detector=d.detector, reason=d.reason,
-                       admitted=admitted, verdict=verdict, gpu=d.gpu, job=d.job, component=d.component,
-                       id=d.id, evidence=json.loads(json.dumps(d.evidence, default=str)))
-
-
 def _rows_after(store: Any, seq: int) -> list[Any]:
     """Store rows written after ``seq`` (newest first from the store; fetched in growing pages)."""
     limit = 64
@@ -1204,23 +1187,19 @@ def probing_enabled(scenario: Scenario) -> bool:
     return isinstance(probes, dict) and probes.get("enabled") is True
 
 
-def build_engine(scenario: Scenario, *, started: float | None = None,
-                 node_action_key_file: Path | None = None, agent_resets: bool = True) -> tuple[Any, Any]:
-    """The real aggregator: engine and detectors configured by the scenario, then the gate in dry
-    run over an in-memory store. Configuration errors name their key path under ``aggregator.``
-    or ``gate.``. ``node_action_key_file``: the master key file of agent resets (the simulator
-    carries out GPU resets, ``remediation.reset_seconds``): the aggregator then runs with
-    ``actuators.slurm.reset_gpu`` on (no actuator is built here; the simulator delivers the drain);
-    with ``agent_resets`` false the key only signs the prober's run_probes requests.
-    ``started``: when the aggregator started, as the app gives its gate (aggregator/app.py
-    ``build_sink``): the breaker's start-up grace counts from it; None: no grace."""
+def build_service(scenario: Scenario, clock: SimClock, *, node_action_key_file: Path | None = None,
+                  agent_resets: bool = True) -> AggregatorService:
+    """The real aggregator service, configured by the scenario, the gate in dry run over an
+    in-memory store, on the simulated clock (its start-up grace counted from the simulation's
+    start, as ``serve`` counts it from its own). Configuration errors name their key path under
+    ``aggregator.`` or ``gate.``. ``node_action_key_file``: the master key file of agent resets
+    (the simulator carries out GPU resets, ``remediation.reset_seconds``): the aggregator then runs
+    with ``actuators.slurm.reset_gpu`` on (no actuator is built here; the simulator delivers the
+    drain); with ``agent_resets`` false the key only signs the prober's run_probes requests."""
     from pydantic import ValidationError
 
     from vigil.aggregator.config import parse_config as parse_aggregator_config
-    from vigil.aggregator.engine import Engine
-    from vigil.aggregator.gate import Gate, GateConfig
-    from vigil.aggregator.ledger import Ledger
-    from vigil.aggregator.store import Store
+    from vigil.aggregator.gate import GateConfig
 
     data: dict[str, Any] = {**scenario.aggregator, "dry_run": True}
     if node_action_key_file is not None:
@@ -1235,12 +1214,9 @@ def build_engine(scenario: Scenario, *, started: float | None = None,
         gate_config = GateConfig.model_validate({**scenario.gate, "dry_run": True})
     except ValidationError as exc:
         raise ScenarioError(format_validation_error(exc, f"invalid scenario {scenario.name} (gate)")) from None
-    store = Store(":memory:")
-    sink = Ledger(Gate(gate_config, started=started), store, actuators={})
-    return Engine(config, sink), sink
+    return AggregatorService.in_memory(config, gate_config, clock=clock, started=clock.start)
 
 
-def run_scenario(scenario: Scenario, *, seed: int | None = None, engine: Any = None,
-                 json_round_trip: bool = False, progress: Progress | None = None) -> SimResult:
-    return Simulation(scenario, seed=seed, engine=engine, json_round_trip=json_round_trip,
-                      progress=progress).run()
+def run_scenario(scenario: Scenario, *, seed: int | None = None, json_round_trip: bool = False,
+                 progress: Progress | None = None) -> SimResult:
+    return Simulation(scenario, seed=seed, json_round_trip=json_round_trip, progress=progress).run()

@@ -15,13 +15,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.agent.test_agent_integration import START, FakeClock, make_agent
+from tests.aggregator.conftest import proposals_ledger
 from vigil.agent.runner import collect_once
 from vigil.agent.server import make_app
 from vigil.aggregator.app import make_app as make_aggregator_app
 from vigil.aggregator.auth import Credentials
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
 from vigil.contract.scrape_encoding import accepts_gzip
 
 # What Prometheus 2.x/3.x sends on a scrape (scrape/scrape.go: acceptHeader, acceptEncodingHeader).
@@ -106,7 +106,7 @@ async def test_the_agents_metrics_are_gzipped_for_prometheus_and_identical_decod
 @pytest.fixture
 async def aggregator() -> AsyncIterator[TestClient]:
     config = parse_config({"evaluate_interval_seconds": 3600})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     credentials = Credentials(site_secret=b"site-secret-for-tests-0123456789abcdef")
     app = make_aggregator_app(config, Engine(config, sink), sink, credentials=credentials)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:

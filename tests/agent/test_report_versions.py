@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.aggregator.conftest import proposals_ledger
 from tests.loopback import free_port
 from vigil.agent.collectors.collector import Collection
 from vigil.agent.reporter import Reporter
@@ -27,7 +28,6 @@ from vigil.aggregator.app import ENGINE_KEY, METRICS_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
 from vigil.contract.wire import Event, GpuState, PortState
 
 SECRET = b"site-secret-for-tests-0123456789abcdef"
@@ -73,7 +73,7 @@ def recording(seen: Seen) -> Callable[..., Awaitable[web.StreamResponse]]:
 
 def aggregator_app() -> web.Application:
     config = parse_config({"evaluate_interval_seconds": 3600})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     return make_app(config, Engine(config, sink), sink, credentials=Credentials(site_secret=SECRET))
 
 

@@ -11,6 +11,8 @@ import pytest
 from tests.aggregator.aggregator_process import WebhookReceiver
 from tests.postgres import PostgresServer, skip_reason
 from vigil.aggregator.fleet import GPU_COUNTERS, NodeState
+from vigil.aggregator.gate import GateConfig
+from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.store import Store
 from vigil.contract.wire import (
     Event,
@@ -121,6 +123,20 @@ def set_training(nodes: list[FakeNode], job: str, ts: float, *, noise: Callable[
     for node, rank, c in computes:
         node.ranks.append(rank_summary(job, rank, compute=c, comm=slowest - c + collective * scale, ts=ts,
                                        gpu=rank % ranks_per_node, step=step, progress_ts=progress_ts))
+
+
+# A gate that refuses no distinct proposal on its own account (no dedup window, cooldown, ladder,
+# breaker or restart budget): tests of what the detectors decide read every proposal the engine
+# made as admitted, through the real ledger over a store in memory. (It still settles a drain of a
+# node already out, as every gate does.)
+EVERY_PROPOSAL = GateConfig(dedup_seconds=0, cooldown_seconds=0, max_remediation_attempts=1_000_000,
+                            history_horizon_seconds=1e-9, breaker_floor_nodes=1_000_000,
+                            breaker_startup_grace_seconds=0, restart_job_budget=1_000_000)
+
+
+def proposals_ledger() -> Ledger:
+    """The real ledger over a store in memory, behind ``EVERY_PROPOSAL``."""
+    return Ledger.in_memory(EVERY_PROPOSAL)
 
 
 def drive(engine: Any, nodes: list[FakeNode], start: float, end: float, *,

@@ -18,12 +18,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.aggregator.conftest import FakeNode
+from tests.aggregator.conftest import FakeNode, proposals_ledger
 from vigil.aggregator.app import EVALUATE_KEY, METRICS_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
 from vigil.contract.wire import encode as wire_encode
 from vigil.contract.wire import to_readable
 
@@ -128,7 +127,7 @@ def encode(body: Any) -> bytes:
 class Harness:
     def __init__(self) -> None:
         config = parse_config({"evaluate_interval_seconds": 3600, "dry_run": False})
-        self.sink = RecordingSink()
+        self.sink = proposals_ledger()
         self.engine = Engine(config, self.sink)
         credentials = Credentials(site_secret=SECRET, alertmanager=AM_TOKEN)
         self.app = make_app(config, self.engine, self.sink, clock=lambda: NOW, credentials=credentials)

@@ -9,13 +9,12 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from tests.aggregator.conftest import FakeNode, set_training
+from tests.aggregator.conftest import FakeNode, proposals_ledger, set_training
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import AggregatorConfig, ConfigError, parse_config
 from vigil.aggregator.decision import Action
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
 from vigil.contract.wire import Event, encode
 
 SECRET = b"site-secret-for-tests-0123456789abcdef"
@@ -53,7 +52,7 @@ class Service:
 async def service():
     clock = Clock()
     config = parse_config({"evaluate_interval_seconds": 3600})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     app = make_app(config, Engine(config, sink), sink, clock=clock, credentials=Credentials(site_secret=SECRET))
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Service(client, clock, app)
@@ -275,7 +274,7 @@ def test_secret_files_are_read_and_checked(tmp_path):
     path.write_text(SECRET.decode() + "\n")
     path.chmod(0o600)  # the aggregator refuses a credential others may read
     config = parse_config({"auth": {"site_secret_file": str(path)}})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     assert make_app(config, Engine(config, sink), sink) is not None
     (tmp_path / "short").write_text("abc")
     (tmp_path / "short").chmod(0o600)
@@ -289,7 +288,7 @@ def test_secret_files_are_read_and_checked(tmp_path):
 
 def test_acting_without_credentials_refuses_to_start():
     config = AggregatorConfig(dry_run=False)
-    sink = RecordingSink()
+    sink = proposals_ledger()
     with pytest.raises(ConfigError, match="dry_run is false but no credentials are configured"):
         make_app(config, Engine(config, sink), sink)
     assert Action.DRAIN.value == "drain"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from tests.aggregator.conftest import proposals_ledger
 from vigil.aggregator.app import make_app
 from vigil.aggregator.auth import ROUTE_ROLES, Credentials, Role, node_token, role_for
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
 
 SECRET = b"site-secret-of-the-auth-test-0123456789abcdef"
 OPERATOR, READ, AM = b"operator-token-0123456789", b"read-token-0123456789ab", b"alertmanager-token-01234"
@@ -28,7 +28,7 @@ def test_unlisted_posts_need_the_operator_and_unlisted_gets_the_reader() -> None
 
 def test_every_route_of_the_service_has_a_role_and_only_health_and_metrics_are_public() -> None:
     config = parse_config({})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     app = make_app(config, Engine(config, sink), sink, credentials=Credentials())
     for route in app.router.routes():
         path = route.resource.canonical if route.resource is not None else ""
@@ -40,7 +40,7 @@ def test_every_route_of_the_service_has_a_role_and_only_health_and_metrics_are_p
 
 async def client_for(listen: str, credentials: Credentials, dry_run: bool = True) -> TestClient:
     config = parse_config({"listen": listen, "dry_run": dry_run})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     client = TestClient(TestServer(make_app(config, Engine(config, sink), sink, credentials=credentials),
                                    host="127.0.0.1"))
     await client.start_server()

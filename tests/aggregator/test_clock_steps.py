@@ -18,14 +18,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.aggregator.conftest import FakeNode
+from tests.aggregator.conftest import FakeNode, proposals_ledger
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.clock import FleetClockWatch, SteadyClock
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import REMOVING_ACTIONS, Decision
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
 from vigil.contract.wire import Event, encode
 
 SECRET = b"site-secret-of-the-clock-step-tests-0123456789"
@@ -62,7 +61,7 @@ async def _run(step_of: str, step: float, clock: Callable[[], float] | None = No
     """The run; returns (decisions, /metrics samples, /v1/nodes by name, the Xid's true time)."""
     clocks = clocks or Clocks()
     config = parse_config({"evaluate_interval_seconds": 3600, "dry_run": True})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     steady = clock or SteadyClock(wall=clocks.wall, monotonic=clocks.monotonic)
     app = make_app(config, Engine(config, sink), sink, clock=steady, credentials=Credentials(site_secret=SECRET))
     nodes = [FakeNode(f"n{i}") for i in range(1, 5)]

@@ -1,14 +1,18 @@
-from tests.aggregator.conftest import FakeNode, drive
+from tests.aggregator.conftest import FakeNode, drive, proposals_ledger
 from vigil.aggregator.config import AggregatorConfig, parse_config
 from vigil.aggregator.decision import Action
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
+from vigil.aggregator.ledger import Ledger
 from vigil.contract.wire import Event
 
 
-class CountingSink(RecordingSink):
+class CountingSink(Ledger):
+    """The real ledger over a store in memory, recording each proposal (and admitting none with
+    ``admit=False``)."""
+
     def __init__(self, admit=True):
-        super().__init__()
+        memory = proposals_ledger()
+        super().__init__(memory.gate, memory.store, memory.actuators)
         self.calls = []
         self.admit = admit
 
@@ -48,7 +52,7 @@ def test_a_refused_decision_is_proposed_again_with_the_same_id_while_its_fault_p
 
 
 def test_dry_run_false_is_carried_into_decisions():
-    engine = Engine(parse_config({"dry_run": False}), RecordingSink())
+    engine = Engine(parse_config({"dry_run": False}), proposals_ledger())
     node = FakeNode("n0")
     engine.ingest(node.report(0.0), 0.0)
     engine.ingest(node.report(2.5, events=[Event(kind="xid", ts=2.0, code=79, gpu=4, urgent=True)]), 2.5)
@@ -57,10 +61,10 @@ def test_dry_run_false_is_carried_into_decisions():
 
 
 def test_healthy_fleet_produces_no_decisions():
-    engine = Engine(AggregatorConfig(), RecordingSink())
+    engine = Engine(AggregatorConfig(), proposals_ledger())
     assert drive(engine, [FakeNode(f"n{i}") for i in range(4)], 0.0, 300.0) == []
 
 
 def test_disabled_detector_does_not_run():
-    engine = Engine(parse_config({"detectors": {"xid": {"enabled": False}}}), RecordingSink())
+    engine = Engine(parse_config({"detectors": {"xid": {"enabled": False}}}), proposals_ledger())
     assert "xid" not in [d.name for d in engine.detectors]

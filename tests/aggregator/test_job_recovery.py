@@ -11,6 +11,7 @@ from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import FleetView, JobState, RankHistory
 from vigil.aggregator.job_recovery import JobRecoveryConfig, JobRecoveryPlanner
+from vigil.aggregator.ledger import Ledger
 from vigil.contract.wire import RankSummary
 
 T0 = 1_000.0
@@ -150,7 +151,7 @@ def test_the_engine_runs_the_planner_over_the_detectors_findings() -> None:
 
     config = parse_config({"job_recovery": {"enabled": True, "default_checkpoint_interval_seconds": 30},
                            "detectors": {"topology": {"enabled": False}}})
-    engine = Engine(config, sink=None, detectors=[Straggler()])  # type: ignore[arg-type]
+    engine = Engine(config, Ledger.in_memory(), detectors=[Straggler()])
     engine.spares_available = lambda: 1
     job = Job()
     job.place(("n1", "n2", "n3", "n4"), 1.15, T0, (100, T0 - 5))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from tests.aggregator.conftest import FakeNode, set_training
+from tests.aggregator.conftest import FakeNode, proposals_ledger, set_training
 from vigil.aggregator.app import EVALUATE_KEY, METRICS_KEY, make_app, measure_loop_lag, timing_gc_pauses
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -23,7 +23,6 @@ from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import Fleet, FleetConfig, FleetView
 from vigil.aggregator.metrics import AggregatorMetrics
-from vigil.aggregator.sink import RecordingSink
 from vigil.contract.wire import Report, encode
 
 SECRET = b"site-secret-of-the-judging-test-0123456789"
@@ -68,7 +67,7 @@ def auth(node: str) -> dict[str, str]:
 async def test_a_slow_detector_never_holds_intake_and_its_findings_go_through_the_sink() -> None:
     now = [T0]
     config = parse_config({"evaluate_interval_seconds": 3600})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     detector = BlockingDetector()
     engine = Engine(config, sink, detectors=[detector])
     app = make_app(config, engine, sink, clock=lambda: now[0], credentials=Credentials(site_secret=SECRET))
@@ -123,7 +122,7 @@ async def test_the_lag_probe_records_how_late_its_timer_fires() -> None:
 
 async def test_the_service_exposes_its_loop_lag_and_keeps_measuring_it() -> None:
     config = parse_config({"evaluate_interval_seconds": 3600})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     app = make_app(config, Engine(config, sink), sink, credentials=Credentials(site_secret=SECRET))
     histogram = app[METRICS_KEY].loop_lag_observed
 
@@ -162,7 +161,7 @@ def test_each_garbage_collection_pause_is_timed_by_generation_while_open() -> No
 
 async def test_the_service_times_its_garbage_collections() -> None:
     config = parse_config({"evaluate_interval_seconds": 3600})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     app = make_app(config, Engine(config, sink), sink, credentials=Credentials(site_secret=SECRET))
 
     def full_collections(text: str) -> float:
@@ -241,7 +240,7 @@ async def test_a_report_failing_to_enter_the_fleet_is_counted_and_stops_nothing(
     reports held after it still enter the fleet, and judging goes on; taken at once, it is
     answered 500 (not accepted) with the same count."""
     config = parse_config({"evaluate_interval_seconds": 3600})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     detector = BlockingDetector()
     engine = BrokenIngestEngine(config, sink, detectors=[detector], broken="bad")
     app = make_app(config, engine, sink, clock=lambda: T0, credentials=Credentials(site_secret=SECRET))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from tests.aggregator.conftest import FakeNode
+from tests.aggregator.conftest import FakeNode, proposals_ledger
 from vigil.aggregator.app import EVALUATE_KEY, make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
@@ -18,7 +18,6 @@ from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import Fleet, FleetConfig
 from vigil.aggregator.gate import Gate
 from vigil.aggregator.ledger import Ledger
-from vigil.aggregator.sink import RecordingSink
 from vigil.aggregator.store import Store
 from vigil.contract.wire import Event, encode, replace
 
@@ -96,11 +95,13 @@ async def test_a_departed_node_is_archived_and_can_no_longer_be_named(tmp_path: 
         store.close()
 
 
-class Budgets(RecordingSink):
-    """Records the fleet size each submission's breaker budget is computed from."""
+class Budgets(Ledger):
+    """The real ledger over a store in memory, recording the fleet size each submission's breaker
+    budget is computed from."""
 
     def __init__(self) -> None:
-        super().__init__()
+        memory = proposals_ledger()
+        super().__init__(memory.gate, memory.store, memory.actuators)
         self.fleet_nodes: list[int] = []
 
     def submit(self, decisions: Sequence[Decision], now: float, fleet_nodes: int) -> list[Decision]:

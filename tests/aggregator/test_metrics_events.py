@@ -15,13 +15,12 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.aggregator.conftest import FakeNode
+from tests.aggregator.conftest import FakeNode, proposals_ledger
 from vigil.aggregator.app import make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.metrics import EVENT_KINDS, ActingReadings, AggregatorMetrics
-from vigil.aggregator.sink import RecordingSink
 from vigil.contract.wire import Event, encode
 
 SECRET = b"site-secret-for-metrics-tests-0123456789"
@@ -60,7 +59,7 @@ class Service:
 @pytest.fixture
 async def service() -> AsyncIterator[Service]:
     config = parse_config({"evaluate_interval_seconds": 3600, "max_body_bytes": MAX_BODY_BYTES})
-    sink = RecordingSink()
+    sink = proposals_ledger()
     app = make_app(config, Engine(config, sink), sink, clock=lambda: NOW, credentials=Credentials(site_secret=SECRET))
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Service(client)

@@ -15,6 +15,7 @@ from vigil.aggregator.actuators.slurm import SlurmActuator, SlurmConfig
 from vigil.aggregator.app import wire_spares
 from vigil.aggregator.config import ConfigError, parse_config
 from vigil.aggregator.engine import Engine
+from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.metrics import AggregatorMetrics
 from vigil.aggregator.spares import SparePool, SparesConfig, failure_rate, recommended_spares
 
@@ -76,12 +77,12 @@ def test_the_app_reads_the_pool_through_the_slurm_actuator_and_feeds_the_planner
                                       "active_features": "vigil_spare"}]})
 
     config = parse_config({"spares": {"enabled": True}, "job_recovery": {"enabled": True}})
-    engine = Engine(config, sink=None, detectors=[])  # type: ignore[arg-type]
+    engine = Engine(config, Ledger.in_memory(), detectors=[])
     metrics = AggregatorMetrics(dict)
     slurm = SlurmActuator(SlurmConfig(), run=sinfo)
 
     async def main() -> None:
-        task = asyncio.create_task(wire_spares(config, engine, None, metrics, {"slurm": slurm}, lambda: 0.0)())
+        task = asyncio.create_task(wire_spares(config, engine, engine.ledger, metrics, {"slurm": slurm}, lambda: 0.0)())
         async with asyncio.timeout(10):
             while engine.spares_available() is None:
                 await asyncio.sleep(0.01)

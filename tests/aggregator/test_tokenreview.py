@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from tests.aggregator.conftest import proposals_ledger
 from tests.aggregator.fake_kubernetes import FakeKubernetes
 from vigil.aggregator.app import make_app
 from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
 from vigil.aggregator.tokenreview import KubernetesAuthConfig, TokenReviewer
 from vigil.contract.wire import Report, encode
 
@@ -56,7 +56,7 @@ def reviewer_for(kube: FakeKubernetes, tmp_path: Path, *, clock: Clock | None = 
 
 async def client_for(reviewer: TokenReviewer) -> TestClient:
     config = parse_config({"listen": "0.0.0.0:9500", "dry_run": True})  # beyond loopback: nothing is open
-    sink = RecordingSink()
+    sink = proposals_ledger()
     credentials = Credentials(site_secret=SECRET, operator=b"operator-token-0123456789", kubernetes=reviewer)
     client = TestClient(TestServer(make_app(config, Engine(config, sink), sink, credentials=credentials),
                                    host="127.0.0.1"))

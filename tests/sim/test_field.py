@@ -15,16 +15,13 @@ from vigil.sim.scenario import Scenario, parse_scenario
 
 
 class Recorder:
-    """An engine that judges nothing and keeps every report (the simulator's ``engine=`` seam)."""
+    """Keeps every report the agents send (the simulator's ``observe`` seam)."""
 
     def __init__(self) -> None:
         self.reports: list[Report] = []
 
     def ingest(self, report: Report, now: float) -> None:
         self.reports.append(report)
-
-    def evaluate(self, now: float) -> list[Any]:
-        return []
 
     def of(self, node: str) -> list[Report]:
         return [r for r in self.reports if r.node == node]
@@ -34,7 +31,7 @@ def _run(data: dict[str, Any]) -> Recorder:
     base = {"duration_seconds": 60, "report_interval_seconds": 5, "fleet": {"nodes": 4, "gpus_per_node": 4}}
     sc: Scenario = parse_scenario({**base, **data})
     rec = Recorder()
-    Simulation(sc, engine=rec).run()
+    Simulation(sc, observe=rec.ingest).run()
     return rec
 
 

@@ -29,7 +29,7 @@ def _scenario(faults: list[dict[str, Any]], *, goodput: dict[str, Any] | None = 
 
 def _d(t: float, action: str, node: str | None = "node-0003", *, admitted: bool = True,
        **evidence: Any) -> SimDecision:
-    return SimDecision(t=t, node=node, action=action, detector="test", reason="", admitted=admitted,
+    return SimDecision(t=t, ts=t, id="", node=node, action=action, detector="test", reason="", admitted=admitted,
                        verdict="admitted" if admitted else "refused", job="llm", evidence=dict(evidence))
 
 

@@ -14,16 +14,13 @@ DT = 2.5
 
 
 class Recorder:
-    """An engine that judges nothing and keeps every report with the time it was ingested."""
+    """Keeps every report the agents send with the time it was sent (the simulator's ``observe``)."""
 
     def __init__(self) -> None:
         self.reports: list[tuple[float, Report]] = []
 
     def ingest(self, report: Report, now: float) -> None:
         self.reports.append((now, report))
-
-    def evaluate(self, now: float) -> list[Any]:
-        return []
 
 
 def _fleet(**extra: Any) -> Scenario:
@@ -36,7 +33,7 @@ def _fleet(**extra: Any) -> Scenario:
 
 def _recorded(sc: Scenario, seed: int | None = None) -> Recorder:
     rec = Recorder()
-    Simulation(sc, seed=seed, engine=rec).run()
+    Simulation(sc, seed=seed, observe=rec.ingest).run()
     return rec
 
 

@@ -113,7 +113,7 @@ def test_a_refused_reboot_reboots_nothing() -> None:
 
 
 def _decision(t: float, action: str, node: str = "node-0001", admitted: bool = True) -> SimDecision:
-    return SimDecision(t=t, node=node, action=action, detector="test", reason="", admitted=admitted,
+    return SimDecision(t=t, ts=t, id="", node=node, action=action, detector="test", reason="", admitted=admitted,
                        verdict="admitted" if admitted else "refused")
 
 

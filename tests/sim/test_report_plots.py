@@ -94,7 +94,7 @@ def test_marks_at_one_moment_share_a_label_and_every_label_is_whole_in_the_png(
     from matplotlib.text import Text
 
     last = result.jobs[0].t[-1]
-    late = SimDecision(t=last, node="node-0007", action="inspect_hardware", detector="gpu_health",
+    late = SimDecision(t=last, ts=last, id="", node="node-0007", action="inspect_hardware", detector="gpu_health",
                        reason="x", admitted=True, verdict="admitted")  # a long label at the right edge
     fig = job_figure(dataclasses.replace(result, decisions=[*result.decisions, late]), 0)
     close.append(fig)

@@ -31,7 +31,7 @@ SCENARIO = parse_scenario({
 
 def _d(t: float, node: str, action: str, *, admitted: bool = True, component: str | None = None,
        gpu: int | None = None, job: str | None = None) -> SimDecision:
-    return SimDecision(t=t, node=node, action=action, detector="x", reason="r", admitted=admitted,
+    return SimDecision(t=t, ts=t, id="", node=node, action=action, detector="x", reason="r", admitted=admitted,
                        verdict="admitted" if admitted else "breaker_open", component=component, gpu=gpu, job=job)
 
 

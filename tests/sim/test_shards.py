@@ -93,10 +93,10 @@ def test_merged_verdict_sums_node_days_and_unions_the_shards_decisions() -> None
 
 def test_a_shards_node_decision_is_named_as_in_the_fleet_and_a_row_keeps_its_shard_name() -> None:
     back = {"node-0000": "node-0012", "node-0001": "node-0013"}
-    drain = SimDecision(t=5.0, node="node-0001", action="drain", detector="straggler", reason="slow",
+    drain = SimDecision(t=5.0, ts=5.0, id="", node="node-0001", action="drain", detector="straggler", reason="slow",
                         admitted=True, verdict="admitted")
-    row = SimDecision(t=5.0, node="row-00", action="alert", detector="topology", reason="r", admitted=True,
-                      verdict="admitted")
+    row = SimDecision(t=5.0, ts=5.0, id="", node="row-00", action="alert", detector="topology", reason="r",
+                      admitted=True, verdict="admitted")
     assert fleet_decision(drain, "s1", back) == {**drain.to_json(), "node": "node-0013", "shard": "s1"}
     assert fleet_decision(row, "s1", back) == {**row.to_json(), "shard": "s1"}
 

@@ -20,13 +20,13 @@ from typing import Any
 import pynvml
 import pytest
 
+from tests.aggregator.conftest import proposals_ledger
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
 from vigil.agent.nvml.scenario import load_node_scenario
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
 from vigil.contract.wire import Report, convert
 
 from .conftest import REAL_GPUS, RealGpu
@@ -204,7 +204,7 @@ def _replay(gpu: RealGpu, nodes: int, minutes: float, edit: Any = None,
     """The real agent's report from `nodes` nodes every 2.5 s for `minutes`, judged by the
     default engine after each round as the service does; every decision it made."""
     base = _real_report(gpu)
-    engine = Engine(config or AggregatorConfig(), RecordingSink())
+    engine = Engine(config or AggregatorConfig(), proposals_ledger())
     decisions: list[Decision] = []
     t, seq = 1000.0, 0
     while t <= 1000.0 + minutes * 60:
@@ -263,7 +263,7 @@ def _replay_training(gpu: RealGpu, nodes: int, minutes: float, slow_node: int | 
     base = _training_report(gpu)
     [rank] = base["ranks"]
     window = rank["window_seconds"]
-    engine = Engine(AggregatorConfig(), RecordingSink())
+    engine = Engine(AggregatorConfig(), proposals_ledger())
     decisions: list[Decision] = []
     t0 = t = base["ts"]
     seq = 0

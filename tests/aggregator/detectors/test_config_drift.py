@@ -6,13 +6,12 @@ from typing import Any
 
 import pytest
 
-from tests.aggregator.conftest import FakeNode, rank_summary
+from tests.aggregator.conftest import FakeNode, proposals_ledger, rank_summary
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import WHOLE_JOB, Action
 from vigil.aggregator.detectors.config_drift import ConfigDriftConfig, ConfigDriftDetector
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import Fleet
-from vigil.aggregator.sink import RecordingSink
 
 H100 = "NVIDIA H100 80GB HBM3"
 OLD, NEW = "535.161.08", "550.54.15"
@@ -159,7 +158,7 @@ def test_drift_can_drain_and_the_mix_never_removes():
 
 
 def test_engine_decides_the_mix_once_with_a_stable_id():
-    engine = Engine(parse_config({}), RecordingSink())
+    engine = Engine(parse_config({}), proposals_ledger())
     odd = {f"j1-n{i}": {"driver_version": NEW} for i in range(16)}
     nodes = fleet_of({"j1": 32}, odd=odd)
     admitted = []

@@ -7,13 +7,12 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.aggregator.conftest import FakeNode, drive
+from tests.aggregator.conftest import FakeNode, drive, proposals_ledger
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import Action
 from vigil.aggregator.detectors.fabric import FabricConfig, FabricDetector
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import Fleet
-from vigil.aggregator.sink import RecordingSink
 
 DETECTOR = FabricDetector(FabricConfig())
 
@@ -143,7 +142,7 @@ def test_reset_gpu_is_refused_as_its_action():
 
 
 def test_engine_decides_one_drain_for_the_node_whose_fabric_manager_failed_and_nothing_else():
-    engine = Engine(parse_config({}), RecordingSink())
+    engine = Engine(parse_config({}), proposals_ledger())
     nodes = [nvswitch_node(f"n{i}") for i in range(4)]
     nodes[2].host = {"uptime_seconds": 30.0, "fabric_manager_state": "failed"}
     for g in nodes[2].gpus.values():

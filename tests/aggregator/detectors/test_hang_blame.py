@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.aggregator.conftest import proposals_ledger
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import Action, Decision
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
 from vigil.contract.wire import RankSummary, Report
 
 REPORT_SECONDS = 2.5
@@ -58,7 +58,7 @@ class PhasedAgent:
 
 def run(agents: list[PhasedAgent], until: float, config: dict | None = None) -> list[tuple[float, Decision]]:
     """Every (time, hang decision) the engine admitted, reports and evaluations interleaved by time."""
-    engine = Engine(parse_config({"dry_run": True, **(config or {})}), RecordingSink())
+    engine = Engine(parse_config({"dry_run": True, **(config or {})}), proposals_ledger())
     ticks = sorted([(a.phase + k * REPORT_SECONDS, 0, i) for i, a in enumerate(agents)
                     for k in range(int(until / REPORT_SECONDS))]
                    + [(0.9 + k * EVALUATE_SECONDS, 1, -1) for k in range(int(until / EVALUATE_SECONDS))])

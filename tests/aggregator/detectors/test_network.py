@@ -1,13 +1,12 @@
 import pytest
 from pydantic import ValidationError
 
-from tests.aggregator.conftest import FakeNode, drive
+from tests.aggregator.conftest import FakeNode, drive, proposals_ledger
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Action
 from vigil.aggregator.detectors.network import NetworkConfig, NetworkDetector
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import Fleet, FleetConfig
-from vigil.aggregator.sink import RecordingSink
 
 
 def judge(change=None, end=300.0):
@@ -267,6 +266,6 @@ def test_a_leaf_switch_flapping_every_six_minutes_is_one_ticket_for_the_switch_n
         if t and t % 360 == 0:
             for node in nodes[4:]:
                 node.ports[0]["counters"]["link_downed"] += 1
-    decisions = drive(Engine(AggregatorConfig(), RecordingSink()), nodes, 0.0, 2400.0, before=switch_flaps)
+    decisions = drive(Engine(AggregatorConfig(), proposals_ledger()), nodes, 0.0, 2400.0, before=switch_flaps)
     assert decisions and all(d.node == "leaf-1" for d in decisions)
     assert {d.action for d in decisions} <= {Action.ALERT, Action.INSPECT_HARDWARE}

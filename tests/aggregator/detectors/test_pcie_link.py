@@ -4,13 +4,12 @@ errors; the lookalikes (an idle GPU at Gen1, a single flicker, a healthy link) d
 import json
 from collections.abc import Callable
 
-from tests.aggregator.conftest import FakeNode, drive
+from tests.aggregator.conftest import FakeNode, drive, proposals_ledger
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.decision import Action
 from vigil.aggregator.detectors.pcie_link import PcieLinkConfig, PcieLinkDetector, describe_link
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.fleet import Fleet, LoadedRun, normal_bus_id
-from vigil.aggregator.sink import RecordingSink
 
 DETECTOR = PcieLinkDetector(PcieLinkConfig())
 
@@ -147,7 +146,7 @@ def test_describe_link():
 
 
 def test_engine_decides_one_drain_for_the_x8_gpu_and_nothing_else():
-    engine = Engine(parse_config({}), RecordingSink())
+    engine = Engine(parse_config({}), proposals_ledger())
     nodes = [linked_node(f"n{i}") for i in range(4)]
     for node in nodes[1:]:  # idle peers: Gen1 at idle is power saving
         for g in node.gpus.values():

@@ -5,7 +5,7 @@ an instrumented job are not."""
 
 import random
 
-from tests.aggregator.conftest import FakeNode, rank_summary
+from tests.aggregator.conftest import FakeNode, proposals_ledger, rank_summary
 from vigil.aggregator.config import DetectorsConfig
 from vigil.aggregator.decision import Action
 from vigil.aggregator.detectors import REGISTRY
@@ -174,10 +174,9 @@ def test_default_engine_alerts_on_the_starved_node_and_decides_nothing_else():
     """The shipped defaults end to end (every detector, the topology pass): one alert, on n3."""
     from vigil.aggregator.config import AggregatorConfig
     from vigil.aggregator.engine import Engine
-    from vigil.aggregator.sink import RecordingSink
 
     config = AggregatorConfig()
-    sink = RecordingSink()
+    sink = proposals_ledger()
     engine = Engine(config, sink)
     nodes = nodes_()
     rng = random.Random(7)

@@ -3,12 +3,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from tests.aggregator.conftest import FakeNode, drive
+from tests.aggregator.conftest import FakeNode, drive, proposals_ledger
 from vigil.aggregator.config import AggregatorConfig
 from vigil.aggregator.decision import Action
 from vigil.aggregator.detectors.topology import TopologyAttributor, TopologyConfig
 from vigil.aggregator.engine import Engine
-from vigil.aggregator.sink import RecordingSink
 
 
 def leaf_fleet(n=8, per_leaf=4):
@@ -27,7 +26,7 @@ def port_errors(nodes, names, start):
 
 def test_errors_on_every_node_of_one_leaf_indict_the_switch_not_the_nodes():
     nodes = leaf_fleet()
-    engine = Engine(AggregatorConfig(), RecordingSink())
+    engine = Engine(AggregatorConfig(), proposals_ledger())
     decisions = drive(engine, nodes, 0.0, 200.0, before=port_errors(nodes, {"n4", "n5", "n6", "n7"}, 100.0))
     assert sorted((d.action, d.node, d.component) for d in decisions) == [
         (Action.ALERT, "leaf-1", "leaf-1"), (Action.INSPECT_HARDWARE, "leaf-1", "leaf-1")]
@@ -38,14 +37,14 @@ def test_errors_on_every_node_of_one_leaf_indict_the_switch_not_the_nodes():
 
 def test_one_bad_cable_under_a_leaf_drains_only_that_node():
     nodes = leaf_fleet()
-    engine = Engine(AggregatorConfig(), RecordingSink())
+    engine = Engine(AggregatorConfig(), proposals_ledger())
     decisions = drive(engine, nodes, 0.0, 200.0, before=port_errors(nodes, {"n5"}, 100.0))
     assert [(d.action, d.node) for d in decisions] == [(Action.DRAIN, "n5")]
 
 
 def test_rack_power_loss_is_one_ticket_not_a_drain_per_node():
     nodes = leaf_fleet(8, per_leaf=4)
-    engine = Engine(AggregatorConfig(), RecordingSink())
+    engine = Engine(AggregatorConfig(), proposals_ledger())
     decisions = drive(engine, nodes, 0.0, 250.0, skip=lambda node, t: t >= 100.0)
     assert sorted((d.action, d.component) for d in decisions) == [
         (Action.ALERT, "rack-0"), (Action.INSPECT_HARDWARE, "rack-0")]
@@ -55,7 +54,7 @@ def test_rack_going_dark_over_several_seconds_is_still_one_ticket():
     # The nodes' last reports land over 5 s (staggered agents): the first node's silence must
     # wait for its neighbours instead of being alerted alone.
     nodes = leaf_fleet(8, per_leaf=4)
-    engine = Engine(AggregatorConfig(), RecordingSink())
+    engine = Engine(AggregatorConfig(), proposals_ledger())
     decisions = drive(engine, nodes, 0.0, 250.0, skip=lambda node, t: t >= 100.0 + 2.5 * (int(node.name[1:]) % 3))
     assert sorted((d.action, d.component) for d in decisions) == [
         (Action.ALERT, "rack-0"), (Action.INSPECT_HARDWARE, "rack-0")]
@@ -85,7 +84,7 @@ def test_a_shared_switch_never_drains_its_nodes(per_leaf, port, fault, stagger):
             elif t in (100.0 + stagger * (i % 2), 130.0, 160.0):
                 p["counters"]["link_downed"] += 1
 
-    engine = Engine(AggregatorConfig(), RecordingSink())
+    engine = Engine(AggregatorConfig(), proposals_ledger())
     decisions = drive(engine, nodes, 0.0, 220.0, before=before)
     assert not [d for d in decisions if d.action in REMOVING and d.component is None]
     assert any(d.action is Action.INSPECT_HARDWARE and d.component == "leaf-1" for d in decisions)
@@ -126,7 +125,7 @@ def test_a_failing_rail_leaf_is_indicted_not_the_other_rails_leaves(rail):
     # Every node of group 1 counts errors on its rail-`rail` HCA only: that rail's leaf, and no
     # other leaf of the group (each covers the same 8 nodes), nor their racks, nor the nodes.
     nodes = rail_fleet()
-    engine = Engine(rail_config(), RecordingSink())
+    engine = Engine(rail_config(), proposals_ledger())
     decisions = drive(engine, nodes, 0.0, 200.0, before=errors_on(nodes, dict.fromkeys(GROUP_1, (rail,)), 100.0))
     leaf = f"leaf-1-rail{rail}"
     assert sorted((d.action, d.node, d.component) for d in decisions) == [
@@ -143,7 +142,7 @@ def test_errors_on_several_rails_of_the_same_nodes_are_not_a_rail_leafs(rails):
     # or row either (their power and cooling make no symbol errors): the nodes stand on their own
     # findings (the gate's breaker is what stops a fleet-wide push).
     nodes = rail_fleet()
-    engine = Engine(rail_config(), RecordingSink())
+    engine = Engine(rail_config(), proposals_ledger())
     decisions = drive(engine, nodes, 0.0, 200.0, before=errors_on(nodes, dict.fromkeys(GROUP_1, tuple(rails)), 100.0))
     assert not [d for d in decisions if d.component is not None]
     assert {d.node for d in decisions if d.action is Action.DRAIN} == set(GROUP_1)
@@ -153,7 +152,7 @@ def test_one_node_erroring_on_every_rail_drains_that_node_alone():
     # Lookalike: one node's four HCAs all count errors (its own PCIe switch or HCA firmware): one
     # node on each rail leaf is a bad node, not four bad switches.
     nodes = rail_fleet()
-    engine = Engine(rail_config(), RecordingSink())
+    engine = Engine(rail_config(), proposals_ledger())
     decisions = drive(engine, nodes, 0.0, 200.0, before=errors_on(nodes, {"n9": range(RAILS)}, 100.0))
     assert {(d.action, d.node) for d in decisions} == {(Action.DRAIN, "n9")}
 
@@ -163,7 +162,7 @@ def test_a_bad_cable_during_a_rail_leaf_fault_drains_only_its_node():
     # 8 nodes' rail-2 errors (not n9's rack), and n9's rail-0 errors drain n9 on their own.
     nodes = rail_fleet()
     ports = {**dict.fromkeys(GROUP_1, (2,)), "n9": (0, 2)}
-    engine = Engine(rail_config(), RecordingSink())
+    engine = Engine(rail_config(), proposals_ledger())
     decisions = drive(engine, nodes, 0.0, 200.0, before=errors_on(nodes, ports, 100.0))
     assert sorted((d.action, d.node) for d in decisions) == [
         (Action.ALERT, "leaf-1-rail2"), (Action.DRAIN, "n9"), (Action.INSPECT_HARDWARE, "leaf-1-rail2")]
@@ -176,7 +175,7 @@ def test_silent_nodes_are_not_their_rail_leafs_fault():
     # of the only row dark at once is the row's (two whole racks of 4 against a rest-of-fleet rate
     # of 4 in 12 are p = 0.012 each, the row's 8 of 16 against the floor is ~1e-12): one ticket.
     nodes = rail_fleet()
-    engine = Engine(rail_config(), RecordingSink())
+    engine = Engine(rail_config(), proposals_ledger())
     decisions = drive(engine, nodes, 0.0, 250.0, skip=lambda node, t: t >= 100.0 and node.name in GROUP_1)
     assert sorted((d.action, d.component) for d in decisions) == [
         (Action.ALERT, "row-0"), (Action.INSPECT_HARDWARE, "row-0")]
@@ -188,7 +187,7 @@ def test_a_site_maps_its_rails_to_its_own_hca_names():
     # the default mapping (rail 1 on mlx5_1) they would indict no rail leaf at all.
     nodes = rail_fleet()
     mapping = {"rail0_leaf": "mlx5_0", "rail1_leaf": "mlx5_3", "rail2_leaf": "mlx5_1", "rail3_leaf": "mlx5_2"}
-    engine = Engine(rail_config(port_labels=mapping), RecordingSink())
+    engine = Engine(rail_config(port_labels=mapping), proposals_ledger())
     decisions = drive(engine, nodes, 0.0, 200.0, before=errors_on(nodes, dict.fromkeys(GROUP_1, (3,)), 100.0))
     assert sorted((d.action, d.component) for d in decisions) == [
         (Action.ALERT, "leaf-1-rail1"), (Action.INSPECT_HARDWARE, "leaf-1-rail1")]
