@@ -257,7 +257,7 @@ async def test_a_report_failing_to_enter_the_fleet_is_counted_and_stops_nothing(
         await until(lambda: "c" in engine.fleet.view().nodes)
         assert set(engine.fleet.view().nodes) == {"a", "c"}
         assert metrics.ingest_failures._value.get() == 1
-        assert "report 1 of node bad (boot boot-bad-1, version 1) failed to enter the fleet" in caplog.text
+        assert "report 1 of node bad (boot boot-bad-1, version 3) failed to enter the fleet" in caplog.text
         # Judging goes on: the next urgent report wakes another evaluation.
         detector.entered.clear()
         resp = await client.post("/v1/reports", data=encode(a.report(T0, urgent=True)), headers=auth("a"))
