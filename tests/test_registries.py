@@ -48,7 +48,10 @@ def test_every_detector_has_its_section_and_nothing_else_does() -> None:
         assert sections[name] is cls.config_model, name
         field = aggregator_config.DetectorsConfig.model_fields[name]
         assert field.default == cls.config_model(), name  # the section's own defaults
-        assert field.description == getattr(cls, "description", None), name
+        own_doc = cls.config_model.__dict__.get("__doc__")  # the model's own docstring, not a base's
+        assert field.description == (" ".join(own_doc.split()) if own_doc else None), name
+    assert aggregator_config.DetectorsConfig.model_fields["fabric"].description.startswith("GPUs whose NVLink fabric")
+    assert aggregator_config.DetectorsConfig.model_fields["xid"].description is None  # no docstring, no note
     # Built from its section: the engine passes each detector the section of its own name.
     config = aggregator_config.parse_config({})
     for name, cls in DETECTOR_REGISTRY.items():

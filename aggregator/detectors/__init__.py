@@ -90,7 +90,13 @@ REGISTRY: dict[str, DetectorClass] = {
 AFTER_DETECTORS: dict[str, Configured] = {"topology": TopologyAttributor}
 
 
+def section_description(model: type[StrictModel]) -> str | None:
+    """A section's one-line description: its config model's own docstring, on one line (None without one)."""
+    doc = model.__dict__.get("__doc__")
+    return " ".join(doc.split()) if doc else None
+
+
 def config_sections() -> dict[str, tuple[type[StrictModel], str | None]]:
-    """Every section under ``detectors:``, in order: key -> (model, one-line description or None)."""
-    return {name: (cls.config_model, getattr(cls, "description", None))
+    """Every section under ``detectors:``, in order: key -> (model, its description or None)."""
+    return {name: (cls.config_model, section_description(cls.config_model))
             for name, cls in {**REGISTRY, **AFTER_DETECTORS}.items()}

@@ -45,6 +45,7 @@ _MESSAGE_CHARS = 200
 
 
 class AppSignalsConfig(StrictModel):
+    """The job's own loss and training logs: NaN loss, spikes, NCCL/CUDA lines (docs/detectors.md)."""
     enabled: bool = True
     # A NaN/inf loss reproduced after a restart holds the job when both were seen within this long
     # (the crash-loop detector's window: four runs of a large job).
@@ -110,7 +111,6 @@ class _LogEpisode:
 class AppSignalsDetector:
     name = NAME
     config_model = AppSignalsConfig
-    description = "The job's own loss and training logs: NaN loss, spikes, NCCL/CUDA lines (docs/detectors.md)."
 
     def __init__(self, config: AppSignalsConfig) -> None:
         self.config = config

@@ -32,6 +32,8 @@ RANKS_NAMED = 64
 
 
 class CollectiveCulpritConfig(StrictModel):
+    """The rank that never entered the collective its group waits in, from Flight Recorder dumps (the agent's
+    collectors.flight_recorder; docs/detectors.md)."""
     enabled: bool = True
     # Dumps of one group are compared only when taken within this of each other (dump_ts placed on
     # the aggregator's clock): a job's ranks dump on the same collective timeout (NCCL's watchdog,
@@ -66,8 +68,6 @@ class _Rank:
 class CollectiveCulpritDetector:
     name = NAME
     config_model = CollectiveCulpritConfig
-    description = ("The rank that never entered the collective its group waits in, from Flight Recorder dumps (the "
-                   "agent's collectors.flight_recorder; docs/detectors.md).")
 
     def __init__(self, config: CollectiveCulpritConfig) -> None:
         self.config = config

@@ -54,6 +54,8 @@ class ManifestClass(StrictModel):
 
 
 class ConfigDriftConfig(StrictModel):
+    """A node configured unlike its job's peers (drift), a job split by a roll-out (one alert with the mix), and
+    a node short of the site manifest (``manifest``, per GPU model; docs/detectors.md)."""
     enabled: bool = True
     # The facts compared across a job's nodes (NodeConfig's fields).
     facts: list[str] = list(NODE_CONFIG_FACTS)
@@ -126,8 +128,6 @@ def _members_config_revision(view: FleetView, members: tuple[str, ...]) -> int:
 class ConfigDriftDetector:
     name = NAME
     config_model = ConfigDriftConfig
-    description = ("A node configured unlike its job's peers (drift), a job split by a roll-out (one alert with the "
-                   "mix), and a node short of the site manifest (``manifest``, per GPU model; docs/detectors.md).")
 
     def __init__(self, config: ConfigDriftConfig) -> None:
         self.config = config

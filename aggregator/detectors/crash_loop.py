@@ -34,6 +34,7 @@ _CRASHES_KEPT = 32
 
 
 class CrashLoopConfig(StrictModel):
+    """Jobs that restart without progress (hold_job) and nodes many jobs crash on (docs/detectors.md)."""
     enabled: bool = True
     # Restarts whose incarnation ended without progress before the job is held. NVIDIA's
     # resiliency extension stops a job that makes no progress across restarts (its ft_launcher's
@@ -67,7 +68,6 @@ class CrashLoopConfig(StrictModel):
 class CrashLoopDetector:
     name = NAME
     config_model = CrashLoopConfig
-    description = "Jobs that restart without progress (hold_job) and nodes many jobs crash on (docs/detectors.md)."
 
     def __init__(self, config: CrashLoopConfig) -> None:
         self.config = config

@@ -24,6 +24,8 @@ NAME = "fabric"
 
 
 class FabricConfig(StrictModel):
+    """GPUs whose NVLink fabric is not registered with Fabric Manager past the boot grace (NVSwitch systems), and
+    Fabric Manager down (docs/detectors.md)."""
     enabled: bool = True
     # A booting node's GPUs are not_started/in_progress until Fabric Manager has trained the
     # NVLinks and registered them (NVIDIA Fabric Manager User Guide: CUDA work waits for the
@@ -48,8 +50,6 @@ class FabricConfig(StrictModel):
 class FabricDetector:
     name = NAME
     config_model = FabricConfig
-    description = ("GPUs whose NVLink fabric is not registered with Fabric Manager past the boot grace (NVSwitch "
-                   "systems), and Fabric Manager down (docs/detectors.md).")
 
     def __init__(self, config: FabricConfig) -> None:
         self.config = config

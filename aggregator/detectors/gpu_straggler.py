@@ -63,6 +63,7 @@ _RESET_CLEARS = ("remap_pending", "retired_pages_pending")
 
 
 class GpuStragglerConfig(StrictModel):
+    """One slow GPU (rank) that its node's median hides (docs/detectors.md)."""
     enabled: bool = True
     # The shortest judged window; the agents' summary window (collectors.training.window_seconds,
     # 5 s) when longer. Each agent window is one piece of independent evidence, judged once.
@@ -154,7 +155,6 @@ class _JobMemo:
 class GpuStragglerDetector:
     name = NAME
     config_model = GpuStragglerConfig
-    description = "One slow GPU (rank) that its node's median hides (docs/detectors.md)."
 
     def __init__(self, config: GpuStragglerConfig) -> None:
         self.config = config

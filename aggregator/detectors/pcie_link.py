@@ -21,6 +21,8 @@ NAME = "pcie_link"
 
 
 class PcieLinkConfig(StrictModel):
+    """PCIe links trained below their maximum (a GPU's judged only under load) and AER errors on GPUs and HCAs
+    (docs/detectors.md)."""
     enabled: bool = True
     # A GPU's link is judged only while every report of the persistence window has the GPU at or
     # above this utilization: at idle the driver drops the link to Gen1 to save power and raises
@@ -64,8 +66,6 @@ def describe_link(generation: int | None, generation_max: int | None, width: int
 class PcieLinkDetector:
     name = NAME
     config_model = PcieLinkConfig
-    description = ("PCIe links trained below their maximum (a GPU's judged only under load) and AER errors on GPUs "
-                   "and HCAs (docs/detectors.md).")
 
     def __init__(self, config: PcieLinkConfig) -> None:
         self.config = config

@@ -207,7 +207,7 @@ def latest_run(node: NodeState, trigger: Trigger) -> tuple[str, ActionOutcome] |
 
 
 class ProbeVerdictConfig(StrictModel):
-    """``detectors.probe_verdict``: what a suspect's failed probe run proposes (needs ``probes.enabled``)."""
+    """Off by default: drains a suspect whose probe run failed (needs probes.enabled; docs/probes.md)."""
 
     enabled: bool = False
     # drain takes the node out (the operator or the recovery path brings it back); alert only tells.
@@ -232,7 +232,6 @@ class ProbeVerdictConfig(StrictModel):
 class ProbeVerdictDetector:
     name = NAME
     config_model = ProbeVerdictConfig
-    description = "Off by default: drains a suspect whose probe run failed (needs probes.enabled; docs/probes.md)."
 
     def __init__(self, config: ProbeVerdictConfig) -> None:
         self.config = config

@@ -88,6 +88,7 @@ BAD_HEALTH = ("lost", "reset_required")
 
 
 class RecoveryConfig(StrictModel):
+    """Off by default: gives back nodes vigil rebooted once they verify (docs/detectors.md)."""
     enabled: bool = False
     # Which remediations it follows. reset_gpu is opt-in: a GPU reset leaves no trace in the
     # reports (no new boot), so only the fault signals' absence after the removal vouches for it.
@@ -115,7 +116,6 @@ class RecoveryConfig(StrictModel):
 class RecoveryDetector:
     name = NAME
     config_model = RecoveryConfig
-    description = "Off by default: gives back nodes vigil rebooted once they verify (docs/detectors.md)."
 
     def __init__(self, config: RecoveryConfig, catalog: XidCatalog | None = None) -> None:
         self.config = config

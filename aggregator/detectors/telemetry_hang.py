@@ -46,6 +46,7 @@ DATA_COUNTERS = ("port_xmit_data", "port_rcv_data")
 
 
 class TelemetryHangConfig(StrictModel):
+    """Hangs of jobs that send no heartbeats, from GPU busy-spin and flat RDMA (docs/detectors.md)."""
     enabled: bool = True
     # scitix/sichek's GPU hang check (components/hang/config/default_spec.yaml) flags a GPU whose
     # readings hold the busy-spin signature for 60 s (duration_threshold), sampled every 10 s. vigil
@@ -101,7 +102,6 @@ class _Flat:
 class TelemetryHangDetector:
     name = NAME
     config_model = TelemetryHangConfig
-    description = "Hangs of jobs that send no heartbeats, from GPU busy-spin and flat RDMA (docs/detectors.md)."
 
     def __init__(self, config: TelemetryHangConfig) -> None:
         self.config = config

@@ -93,6 +93,7 @@ _Gpu = tuple[float, float]
 
 
 class TelemetryStragglerConfig(StrictModel):
+    """A slow node of a job with no heartbeats, from its GPUs' activity; alert only (docs/detectors.md)."""
     enabled: bool = True
     # Nodes of one hardware class in the job, each with fresh telemetry and the job's full GPU
     # count, for the class to be judged (module docstring: with three, two peers set no median).
@@ -148,8 +149,6 @@ class _Run:
 class TelemetryStragglerDetector:
     name = NAME
     config_model = TelemetryStragglerConfig
-    description = ("A slow node of a job with no heartbeats, from its GPUs' activity; alert only "
-                   "(docs/detectors.md).")
 
     def __init__(self, config: TelemetryStragglerConfig) -> None:
         self.config = config
