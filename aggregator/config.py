@@ -49,7 +49,7 @@ __all__ = ["AggregatorConfig", "ConfigError", "DetectorsConfig", "load_config", 
 
 
 # `detectors:` has one section per entry of aggregator.detectors.REGISTRY, then the topology
-# attributor's, each the model its class declares (config_model) with its description. mypy sees
+# attributor's, each the model its class's constructor takes, with that model's docstring as its description. mypy sees
 # the typed view below: the sections read outside their own detector with their models, any other
 # as a DetectorSection (``enabled``); a test holds the view to the derived model.
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from vigil.agent.collectors import REGISTRY as COLLECTOR_REGISTRY
 from vigil.agent.collectors.pcie import PcieConfig
 from vigil.agent.collectors.xid import XidConfig as AgentXidConfig
 from vigil.aggregator import config as aggregator_config
-from vigil.aggregator.detectors import AFTER_DETECTORS
+from vigil.aggregator.detectors import AFTER_DETECTORS, config_model
 from vigil.aggregator.detectors import REGISTRY as DETECTOR_REGISTRY
 from vigil.contract.validation import ConfigError
 
@@ -45,17 +45,17 @@ def test_every_detector_has_its_section_and_nothing_else_does() -> None:
     classes = {**DETECTOR_REGISTRY, **AFTER_DETECTORS}
     assert list(sections) == list(classes)
     for name, cls in classes.items():
-        assert sections[name] is cls.config_model, name
+        assert sections[name] is config_model(cls), name
         field = aggregator_config.DetectorsConfig.model_fields[name]
-        assert field.default == cls.config_model(), name  # the section's own defaults
-        own_doc = cls.config_model.__dict__.get("__doc__")  # the model's own docstring, not a base's
+        assert field.default == config_model(cls)(), name  # the section's own defaults
+        own_doc = config_model(cls).__dict__.get("__doc__")  # the model's own docstring, not a base's
         assert field.description == (" ".join(own_doc.split()) if own_doc else None), name
     assert aggregator_config.DetectorsConfig.model_fields["fabric"].description.startswith("GPUs whose NVLink fabric")
     assert aggregator_config.DetectorsConfig.model_fields["xid"].description is None  # no docstring, no note
     # Built from its section: the engine passes each detector the section of its own name.
     config = aggregator_config.parse_config({})
     for name, cls in DETECTOR_REGISTRY.items():
-        assert isinstance(getattr(config.detectors, name), cls.config_model), name
+        assert isinstance(getattr(config.detectors, name), config_model(cls)), name
 
 
 def test_an_unknown_detector_key_is_refused() -> None:
@@ -108,3 +108,19 @@ def test_the_typed_view_matches_the_derived_model(source: Path, name: str, model
     sections = _section_models(model)
     for field, annotation in view.items():
         assert field in sections and sections[field].__name__ == annotation, (name, field)
+
+
+def test_a_class_built_from_no_config_section_is_no_registry_entry() -> None:
+    """A detector's section is the model its constructor's ``config`` takes: a class whose
+    constructor takes none, or takes something that is not a strict model, is refused by name."""
+
+    class NoConfig:
+        def __init__(self) -> None: ...
+
+    class NotAModel:
+        def __init__(self, config: dict[str, int]) -> None: ...
+
+    for cls in (NoConfig, NotAModel):
+        with pytest.raises(TypeError, match="cannot be a registry entry"):
+            config_model(cls)
+    assert config_model(DETECTOR_REGISTRY["xid"]).__name__ == "XidConfig"

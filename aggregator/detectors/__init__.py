@@ -1,15 +1,16 @@
 """Detectors: one module per judgement, listed in an explicit table.
 
-Each detector class declares its config section's model (``config_model``, optionally a one-line
-``description``) and exposes ``name`` and a pure ``evaluate(view, now) -> list[Finding]``; the
-``detectors:`` config section is derived from this table, so a detector is its module, one line
-here and its test. The topology attributor runs after them over their findings (not in
-``REGISTRY``: it judges findings, not the fleet; its section follows theirs).
+Each detector class is built from its config section (the model its constructor's ``config``
+takes; that model's docstring is the section's description) and exposes ``name`` and a pure
+``evaluate(view, now) -> list[Finding]``; the ``detectors:`` config section is derived from this
+table, so a detector is its module, one line here and its test. The topology attributor runs
+after them over their findings (not in ``REGISTRY``: it judges findings, not the fleet; its
+section follows theirs).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, get_type_hints
 
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.detectors.app_signals import AppSignalsDetector
@@ -50,14 +51,7 @@ class DetectorSection(Protocol):
     def enabled(self) -> bool: ...
 
 
-class Configured(Protocol):
-    """A class built from one config section: ``config_model`` is that section's model."""
-
-    @property
-    def config_model(self) -> type[StrictModel]: ...
-
-
-class DetectorClass(Configured, Protocol):
+class DetectorClass(Protocol):
     def __call__(self, config: Any) -> Detector: ...
 
 
@@ -87,7 +81,17 @@ REGISTRY: dict[str, DetectorClass] = {
 
 
 # Sections that configure what runs after the detectors, under `detectors:` after theirs.
-AFTER_DETECTORS: dict[str, Configured] = {"topology": TopologyAttributor}
+AFTER_DETECTORS: dict[str, object] = {"topology": TopologyAttributor}
+
+
+def config_model(cls: object) -> type[StrictModel]:
+    """The model of the section the class ``cls`` is built from: the type of its constructor's
+    ``config`` (a class without one, or with another type there, is no registry entry: TypeError)."""
+    init = getattr(cls, "__init__", None) if isinstance(cls, type) else None
+    model = get_type_hints(init).get("config") if init is not None else None
+    if not (isinstance(model, type) and issubclass(model, StrictModel)):
+        raise TypeError(f"{cls!r} takes no `config: <StrictModel>` argument: it cannot be a registry entry")
+    return model
 
 
 def section_description(model: type[StrictModel]) -> str | None:
@@ -98,5 +102,5 @@ def section_description(model: type[StrictModel]) -> str | None:
 
 def config_sections() -> dict[str, tuple[type[StrictModel], str | None]]:
     """Every section under ``detectors:``, in order: key -> (model, its description or None)."""
-    return {name: (cls.config_model, section_description(cls.config_model))
-            for name, cls in {**REGISTRY, **AFTER_DETECTORS}.items()}
+    return {name: (model, section_description(model))
+            for name, model in ((name, config_model(cls)) for name, cls in {**REGISTRY, **AFTER_DETECTORS}.items())}

@@ -110,7 +110,6 @@ class _LogEpisode:
 
 class AppSignalsDetector:
     name = NAME
-    config_model = AppSignalsConfig
 
     def __init__(self, config: AppSignalsConfig) -> None:
         self.config = config

@@ -67,7 +67,6 @@ class _Rank:
 
 class CollectiveCulpritDetector:
     name = NAME
-    config_model = CollectiveCulpritConfig
 
     def __init__(self, config: CollectiveCulpritConfig) -> None:
         self.config = config

@@ -127,7 +127,6 @@ def _members_config_revision(view: FleetView, members: tuple[str, ...]) -> int:
 
 class ConfigDriftDetector:
     name = NAME
-    config_model = ConfigDriftConfig
 
     def __init__(self, config: ConfigDriftConfig) -> None:
         self.config = config

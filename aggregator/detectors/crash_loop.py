@@ -67,7 +67,6 @@ class CrashLoopConfig(StrictModel):
 
 class CrashLoopDetector:
     name = NAME
-    config_model = CrashLoopConfig
 
     def __init__(self, config: CrashLoopConfig) -> None:
         self.config = config

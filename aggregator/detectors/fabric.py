@@ -49,7 +49,6 @@ class FabricConfig(StrictModel):
 
 class FabricDetector:
     name = NAME
-    config_model = FabricConfig
 
     def __init__(self, config: FabricConfig) -> None:
         self.config = config

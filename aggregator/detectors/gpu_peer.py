@@ -223,7 +223,6 @@ class _ClockWindow:
 
 class GpuPeerDetector:
     name = NAME
-    config_model = GpuPeerConfig
 
     def __init__(self, config: GpuPeerConfig) -> None:
         self.config = config

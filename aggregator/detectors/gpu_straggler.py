@@ -154,7 +154,6 @@ class _JobMemo:
 
 class GpuStragglerDetector:
     name = NAME
-    config_model = GpuStragglerConfig
 
     def __init__(self, config: GpuStragglerConfig) -> None:
         self.config = config

@@ -100,7 +100,6 @@ class _Progress:
 
 class HangDetector:
     name = NAME
-    config_model = HangConfig
 
     def __init__(self, config: HangConfig) -> None:
         self.config = config

@@ -46,7 +46,6 @@ class MemoryConfig(StrictModel):
 
 class MemoryDetector:
     name = NAME
-    config_model = MemoryConfig
 
     def __init__(self, config: MemoryConfig) -> None:
         self.config = config

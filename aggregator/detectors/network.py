@@ -134,7 +134,6 @@ PortKey = tuple[str, str, str]  # (node, port, counter)
 
 class NetworkDetector:
     name = NAME
-    config_model = NetworkConfig
 
     def __init__(self, config: NetworkConfig) -> None:
         self.config = config

@@ -65,7 +65,6 @@ def describe_link(generation: int | None, generation_max: int | None, width: int
 
 class PcieLinkDetector:
     name = NAME
-    config_model = PcieLinkConfig
 
     def __init__(self, config: PcieLinkConfig) -> None:
         self.config = config

@@ -39,7 +39,6 @@ class PcieNvlinkConfig(StrictModel):
 
 class PcieNvlinkDetector:
     name = NAME
-    config_model = PcieNvlinkConfig
 
     def __init__(self, config: PcieNvlinkConfig) -> None:
         self.config = config

@@ -231,7 +231,6 @@ class ProbeVerdictConfig(StrictModel):
 
 class ProbeVerdictDetector:
     name = NAME
-    config_model = ProbeVerdictConfig
 
     def __init__(self, config: ProbeVerdictConfig) -> None:
         self.config = config

@@ -115,7 +115,6 @@ class RecoveryConfig(StrictModel):
 
 class RecoveryDetector:
     name = NAME
-    config_model = RecoveryConfig
 
     def __init__(self, config: RecoveryConfig, catalog: XidCatalog | None = None) -> None:
         self.config = config

@@ -36,7 +36,6 @@ class SilenceConfig(StrictModel):
 
 class SilenceDetector:
     name = NAME
-    config_model = SilenceConfig
 
     def __init__(self, config: SilenceConfig) -> None:
         self.config = config

@@ -209,7 +209,6 @@ def last_complete_window(ranks: list[RankHistory], interval: float, width: float
 
 class StragglerDetector:
     name = NAME
-    config_model = StragglerConfig
 
     def __init__(self, config: StragglerConfig) -> None:
         self.config = config

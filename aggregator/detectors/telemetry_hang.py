@@ -101,7 +101,6 @@ class _Flat:
 
 class TelemetryHangDetector:
     name = NAME
-    config_model = TelemetryHangConfig
 
     def __init__(self, config: TelemetryHangConfig) -> None:
         self.config = config

@@ -148,7 +148,6 @@ class _Run:
 
 class TelemetryStragglerDetector:
     name = NAME
-    config_model = TelemetryStragglerConfig
 
     def __init__(self, config: TelemetryStragglerConfig) -> None:
         self.config = config

@@ -80,7 +80,6 @@ class ThermalConfig(StrictModel):
 
 class ThermalDetector:
     name = NAME
-    config_model = ThermalConfig
 
     def __init__(self, config: ThermalConfig) -> None:
         self.config = config

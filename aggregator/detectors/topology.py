@@ -179,7 +179,6 @@ class _Indictment:
 
 class TopologyAttributor:
     name = NAME
-    config_model = TopologyConfig
 
     def __init__(self, config: TopologyConfig) -> None:
         self.config = config

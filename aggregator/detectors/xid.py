@@ -78,7 +78,6 @@ class XidConfig(StrictModel):
 
 class XidDetector:
     name = NAME
-    config_model = XidConfig
 
     def __init__(self, config: XidConfig, catalog: XidCatalog | None = None) -> None:
         self.config = config
