@@ -1,61 +1,21 @@
-"""Kernel-log line parsing: NVRM Xid, NVSwitch SXid, "fallen off the bus" and mlx5 driver errors.
+"""Kernel-log faults: NVRM Xid, NVSwitch SXid, "fallen off the bus" and mlx5 driver errors.
 
-Reads text lines in any of the prefixes the kernel log reaches us with (raw /dev/kmsg records,
-``dmesg``, ``dmesg -T``, ``dmesg --time-format=iso``, ISO 8601, journald/syslog, and any of these
-behind a pdsh/clush "<host>: " prefix) and turns the lines we care about into ``KernelEvent``s,
-one per fault: companion and detail lines fold into the fault they belong to. It does not open
-files, follow logs, map bus ids to GPUs or judge severity: the collector follows the source, the
-aggregator's catalogs judge.
+Reads kernel-log lines (their transport prefixes stripped by ``agent.kernel_log_prefix``) and
+turns the ones we care about into ``KernelEvent``s, one per fault: companion and detail lines
+fold into the fault they belong to. It does not read sources, map bus ids to GPUs or judge
+severity: ``agent.kernel_log_readers`` reads, the ``xid`` collector maps, the aggregator's catalogs judge.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-import queue
 import re
-import subprocess
-import threading
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import IO, Any, BinaryIO, Literal, NamedTuple, Protocol
+from typing import Literal
+
+from vigil.agent.kernel_log_prefix import KMSG_RE, split_line, timestamp_seconds
 
 EventKind = Literal["xid", "sxid", "gpu_lost", "mlx5_error"]
-
-# /dev/kmsg record: "<prio>,<seq>,<usec since boot>,<flags>[,...];<message>" (Documentation/ABI/
-# testing/dev-kmsg). Continuation lines of a record start with a space and carry KEY=value pairs.
-_KMSG_RE = re.compile(r"^(?P<prio>\d+),(?P<seq>\d+),(?P<usec>\d+),[^;]*;(?P<msg>.*)$")
-# Timestamp prefixes, tried in order; each strips what it matches and keeps the text as written.
-_PREFIXES = (
-    # dmesg --decode --time-format=iso: "kern  :warn  : 2025-01-21T04:41:44,283302+00:00 "
-    re.compile(r"^(?P<fac>[a-z]+)\s*:(?P<lvl>[a-z]+)\s*:\s+(?P<ts>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[,.]?\d*"
-               r"(?:[+-]\d\d:?\d\d|Z)?)\s+"),
-    # ISO 8601 (journalctl -o short-iso[-precise], rsyslog RFC 3339): "2025-01-21T04:41:44+0000 "
-    re.compile(r"^(?P<ts>\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:[+-]\d\d:?\d\d|Z)?)\s+"),
-    # classic syslog / journalctl -o short: "Aug 17 06:18:01 "
-    re.compile(r"^(?P<ts>[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d)\s+"),
-    # dmesg -T: "[Sun Feb 23 16:24:18 2025] "
-    re.compile(r"^\[(?P<ts>[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]?\d \d\d:\d\d:\d\d \d{4})\]\s?"),
-    # dmesg: "[ 1234.567890] "
-    re.compile(r"^\[\s*(?P<ts>\d+(?:\.\d+)?)\]\s?"),
-)
-# After an ISO/syslog timestamp comes "<host> <ident>[pid]: " (e.g. "node7 kernel: ").
-_HOST_IDENT_RE = re.compile(r"^(?P<host>\S+)\s+(?P<ident>[\w.\-/]+)(?:\[\d+\])?:\s")
-# A bare "kernel: " ident (journald exports without host) and a following uptime bracket.
-_IDENT_RE = re.compile(r"^kernel:\s")
-_UPTIME_RE = re.compile(r"^\[\s*(?P<ts>\d+(?:\.\d+)?)\]\s?")
-# A log collected from many hosts by pdsh/clush ("pdsh -w gpu[001-512] dmesg") has "<host>: " in front
-# of each host's line as that host wrote it. Accepted only when what follows is itself a kernel-log
-# line (a timestamp or a driver's tag), so "NVRM: ..." or "nvidia-nvswitch0: SXid ..." is never
-# mistaken for a host.
-_COLLECTED_HOST_RE = re.compile(
-    r"^(?P<host>[A-Za-z0-9][\w.\-]*):[ \t]+"
-    r"(?=\[|\d|[A-Z][a-z]{2} [ \d]\d |[a-z]+\s*:\s*[a-z]+\s*:|<\d+>|NVRM:|nvidia-nvswitch\d+:|mlx5_core|kernel:)"
-)
-_NOT_A_HOST_RE = re.compile(r"^(?:NVRM|kernel|mlx5_core|nvidia-nvswitch\d+)$")
 
 # NVRM Xid, every driver generation: "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=x, text"
 # (R470+ adds name=; R535+ writes pid='<unknown>'); old drivers may omit pid/name or "PCI:", and
@@ -155,30 +115,6 @@ def normalize_bus_id(bus: str) -> str:
     return f"{domain}:{int(bus_no, 16):02x}:{int(device, 16):02x}"
 
 
-@functools.lru_cache(maxsize=4096)
-def timestamp_seconds(ts_text: str) -> float | None:
-    """A line's timestamp as seconds on its own clock (uptime for dmesg and kmsg, wall time for the
-    others; syslog has no year), for measuring the distance between lines of one log; None when
-    the text is no timestamp we know."""
-    if not ts_text:
-        return None
-    try:
-        if ts_text[0].isdigit() and ("-" not in ts_text[:5]):
-            return float(ts_text)
-        if ts_text[0].isdigit():
-            text = ts_text.replace(",", ".")
-            if text.endswith(("Z", "z")):
-                text = text[:-1] + "+00:00"
-            return datetime.fromisoformat(text).timestamp()
-        for fmt in ("%a %b %d %H:%M:%S %Y", "%b %d %H:%M:%S"):
-            try:
-                return datetime.strptime(" ".join(ts_text.split()), fmt).replace(tzinfo=UTC).timestamp()
-            except ValueError:
-                continue
-    except ValueError:
-        return None
-    return None
-
 
 @dataclass(frozen=True, slots=True)
 class KernelEvent:
@@ -214,55 +150,6 @@ class ParsedLine:
     continuation: bool = False
     folded: EventKind | None = None
 
-
-class SplitLine(NamedTuple):
-    ts_text: str
-    msg: str
-    seq: int | None
-    host: str | None
-
-
-def split_line(line: str) -> SplitLine:
-    """Strip the transport's prefixes: a collecting tool's "<host>: ", then the timestamp, the
-    syslog host and ident, the uptime bracket; returns what they said and the message."""
-    host: str | None = None
-    cm = _COLLECTED_HOST_RE.match(line)
-    if cm and not _NOT_A_HOST_RE.match(cm.group("host")):
-        host = cm.group("host")
-        line = line[cm.end():]
-    m = _KMSG_RE.match(line)
-    if m:
-        usec = int(m.group("usec"))
-        return SplitLine(f"{usec // 1_000_000}.{usec % 1_000_000:06d}", m.group("msg"), int(m.group("seq")), host)
-    ts_text = ""
-    rest = line
-    for prefix in _PREFIXES:
-        pm = prefix.match(rest)
-        if pm:
-            ts_text = pm.group("ts")
-            rest = rest[pm.end():]
-            break
-    hm = _HOST_IDENT_RE.match(rest)
-    if hm and ts_text:
-        rest = rest[hm.end():]
-        if host is None:
-            host = hm.group("host")
-    else:
-        im = _IDENT_RE.match(rest)
-        if im:
-            rest = rest[im.end():]
-    um = _UPTIME_RE.match(rest)
-    if um:
-        if not ts_text:
-            ts_text = um.group("ts")
-        rest = rest[um.end():]
-    return SplitLine(ts_text, rest, None, host)
-
-
-def split_prefix(line: str) -> tuple[str, str, int | None]:
-    """Strip the transport's prefix: returns (timestamp as written, message, kmsg sequence)."""
-    ts_text, msg, seq, _host = split_line(line)
-    return ts_text, msg, seq
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,7 +188,7 @@ class KernelLogParser:
         if "\ufffd" in line:
             # Bytes that were not UTF-8: a corrupt record; the rest of the log is still read.
             return ParsedLine(unparsed=REASON_UNDECODABLE)
-        if self._raw_kmsg and not _KMSG_RE.match(line):
+        if self._raw_kmsg and not KMSG_RE.match(line):
             return ParsedLine(unparsed=REASON_KMSG_RECORD)
         ts_text, msg, seq, host = split_line(line)
         state = self._state(host)
@@ -457,283 +344,3 @@ def _parse_mlx5(msg: str, ts_text: str, seq: int | None, line: str) -> KernelEve
             return KernelEvent("mlx5_error", normalize_bus_id(bus), None, rest, ts_text, seq, device=bus,
                                error=error, line=line)
     return None
-
-
-# --------------------------------------------------------------------------------------------
-# Following a source. Every reader's ``read_lines`` returns what is available now and never
-# blocks beyond a short poll, so a collector cycle stays bounded whatever the source does.
-
-_READ_CHUNK_BYTES = 1 << 16
-# /dev/kmsg returns one record per read(2); a record is at most 8 KiB (CONSOLE_EXT_LOG_MAX).
-_KMSG_READ_BYTES = 8192
-
-
-class LineSource(Protocol):
-    """A followed kernel log: ``read_lines`` drains up to ``max_lines`` complete lines without
-    blocking; ``cursor`` says where the next read starts, for resuming after a restart."""
-
-    raw_kmsg: bool
-
-    def read_lines(self, max_lines: int) -> list[str]: ...
-
-    def cursor(self) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
-
-
-class FileFollower:
-    """Follows a regular file like ``tail -F``: survives rotation (the path names a new inode:
-    the old file is read to its end first) and truncation (size below our offset: start over).
-    A partial last line waits for its newline."""
-
-    raw_kmsg = False
-
-    def __init__(self, path: str | Path, *, start: Literal["beginning", "end"] = "end",
-                 cursor: Mapping[str, Any] | None = None) -> None:
-        self.path = Path(path)
-        self._fh: BinaryIO | None = None
-        self._inode: int | None = None
-        self._offset = 0
-        self._partial = b""
-        self._start = start
-        self._resume = dict(cursor) if cursor else None
-        self.rotations = 0
-        self.truncations = 0
-
-    def _open(self, initial: bool) -> bool:
-        try:
-            fh = self.path.open("rb")
-        except OSError:
-            return False
-        st = os.fstat(fh.fileno())
-        self._fh, self._inode, self._partial = fh, st.st_ino, b""
-        self._offset = 0
-        if initial:
-            resume = self._resume
-            offset = int(resume.get("offset", -1)) if resume else -1
-            if resume and resume.get("inode") == st.st_ino and 0 <= offset <= st.st_size:
-                self._offset = offset
-            elif resume is None and self._start == "end":
-                self._offset = st.st_size
-        fh.seek(self._offset)
-        return True
-
-    def read_lines(self, max_lines: int) -> list[str]:
-        if self._fh is None and not self._open(initial=self._inode is None):
-            # Whatever the file holds once it appears was written after we started: read it all.
-            self._start = "beginning"
-            raise FileNotFoundError(f"cannot open kernel log file {self.path}")
-        lines: list[str] = []
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            pass  # rotated away: the old file is drained below
-        else:
-            if st.st_ino == self._inode and st.st_size == self._offset + len(self._partial):
-                return lines  # the file we hold, no longer than what we read: nothing new, no read
-        self._drain(lines, max_lines)
-        if len(lines) >= max_lines:
-            return lines
-        try:
-            st = self.path.stat()
-        except OSError:
-            return lines  # rotated away and not yet recreated: keep the old file open
-        if st.st_ino != self._inode:
-            if self._partial:
-                lines.append(self._partial.decode("utf-8", "replace"))
-            self._close_fh()
-            self.rotations += 1
-            if self._open(initial=False):
-                self._drain(lines, max_lines)
-        elif st.st_size < self._offset:
-            self.truncations += 1
-            assert self._fh is not None
-            self._fh.seek(0)
-            self._offset, self._partial = 0, b""
-            self._drain(lines, max_lines)
-        return lines
-
-    def _drain(self, lines: list[str], max_lines: int) -> None:
-        fh = self._fh
-        assert fh is not None
-        while len(lines) < max_lines:
-            chunk = fh.read(_READ_CHUNK_BYTES)
-            if not chunk:
-                return
-            data = self._partial + chunk
-            parts = data.split(b"\n")
-            self._partial = parts.pop()
-            room = max_lines - len(lines)
-            if len(parts) > room:
-                # Give back what does not fit this cycle: it is read again next cycle.
-                unread = b"\n".join(parts[room:]) + b"\n" + self._partial
-                parts = parts[:room]
-                fh.seek(-len(unread), os.SEEK_CUR)
-                self._partial = b""
-                self._offset = fh.tell()
-                lines.extend(p.decode("utf-8", "replace") for p in parts)
-                return
-            self._offset = fh.tell() - len(self._partial)
-            lines.extend(p.decode("utf-8", "replace") for p in parts)
-
-    def cursor(self) -> dict[str, Any]:
-        return {"path": str(self.path), "inode": self._inode, "offset": self._offset}
-
-    def _close_fh(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-    def close(self) -> None:
-        self._close_fh()
-
-
-class KmsgReader:
-    """Reads /dev/kmsg without blocking (O_NONBLOCK: EAGAIN means "nothing new"). Opening it
-    replays the ring buffer from its oldest record; the collector skips what it already counted
-    by sequence number. EPIPE means records were overwritten before we read them: counted in
-    ``overruns``, and the next read continues with the oldest record still there."""
-
-    raw_kmsg = True
-
-    def __init__(self, path: str | Path = "/dev/kmsg") -> None:
-        self.path = Path(path)
-        self._fd: int | None = None
-        self._partial = b""
-        self.overruns = 0
-
-    def read_lines(self, max_lines: int) -> list[str]:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-        lines: list[str] = []
-        while len(lines) < max_lines:
-            try:
-                chunk = os.read(self._fd, _KMSG_READ_BYTES)
-            except BlockingIOError:
-                break
-            except BrokenPipeError:
-                self.overruns += 1
-                continue
-            if not chunk:
-                break  # a regular file standing in for the device: end of file
-            data = self._partial + chunk
-            parts = data.split(b"\n")
-            self._partial = parts.pop()
-            lines.extend(p.decode("utf-8", "replace") for p in parts)
-        return lines
-
-    def cursor(self) -> dict[str, Any]:
-        return {}  # kmsg resumes by sequence number, which the collector tracks
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-class StreamReader:
-    """Follows an already-open text stream (a pipe, a socket file, a test's StringIO) through a
-    reader thread feeding a bounded queue: a blocking ``readline`` never holds up a cycle. When
-    the queue is full the thread waits, so nothing read is dropped."""
-
-    raw_kmsg = False
-
-    def __init__(self, stream: IO[str], *, queue_max_lines: int = 100_000, raw_kmsg: bool = False) -> None:
-        self.raw_kmsg = raw_kmsg
-        self._queue: queue.Queue[str | None] = queue.Queue(maxsize=queue_max_lines)
-        self._stream = stream
-        self.ended = False
-        self._thread = threading.Thread(target=self._pump, name="kernel-log-reader", daemon=True)
-        self._thread.start()
-
-    def _pump(self) -> None:
-        try:
-            for line in self._stream:
-                self._queue.put(line)
-        except (OSError, ValueError):
-            pass  # the stream was closed under us (close()): the reader ends
-        finally:
-            self._queue.put(None)
-
-    def read_lines(self, max_lines: int) -> list[str]:
-        lines: list[str] = []
-        while len(lines) < max_lines:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                self.ended = True
-                break
-            lines.append(item)
-        return lines
-
-    def cursor(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self._stream.close()
-
-
-class Process(Protocol):
-    """What JournalReader needs of a started command (subprocess.Popen in text mode)."""
-
-    @property
-    def stdout(self) -> IO[str] | None: ...
-
-    @property
-    def pid(self) -> int: ...
-
-    def terminate(self) -> None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-    def kill(self) -> None: ...
-
-
-# Starts a long-running command and returns it with its stdout as a text pipe.
-Spawner = Callable[[Sequence[str]], Process]
-
-
-def spawn_process(argv: Sequence[str]) -> Process:
-    """The real spawner: no shell, stdout piped as text, stderr discarded."""
-    return subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            errors="replace")
-
-
-# journalctl -k: the kernel ring buffer as journald stored it; -n 0: only records from now on
-# (journald has no per-reader cursor here, so a restart does not replay and re-count history).
-JOURNAL_ARGV = ("journalctl", "-k", "-f", "-n", "0", "-o", "short-iso", "--no-pager")
-
-
-class JournalReader:
-    """Follows ``journalctl -k -f`` (where /dev/kmsg is not readable) through a StreamReader;
-    ``close`` stops the process by its pid."""
-
-    raw_kmsg = False
-
-    def __init__(self, argv: Sequence[str] = JOURNAL_ARGV, *, spawn: Spawner = spawn_process,
-                 queue_max_lines: int = 100_000) -> None:
-        self._proc = spawn(argv)
-        if self._proc.stdout is None:
-            raise OSError(f"{argv[0]}: no stdout pipe")
-        self._reader = StreamReader(self._proc.stdout, queue_max_lines=queue_max_lines)
-
-    def read_lines(self, max_lines: int) -> list[str]:
-        lines = self._reader.read_lines(max_lines)
-        if not lines and self._reader.ended:
-            raise OSError("journalctl exited")
-        return lines
-
-    def cursor(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(timeout=2.0)
-        self._reader.close()

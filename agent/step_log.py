@@ -1,15 +1,14 @@
-"""Training progress from log files: follow a file across rotation and truncation, parse step lines.
+"""Training progress from log lines: Megatron-LM, DeepSpeed or a user's regex -> ``StepLine``s.
 
 Parsers turn Megatron-LM iteration lines, DeepSpeed progress lines (every release's format,
 timed from one consistent clock per log), or lines matching a user's regex with named groups
-into ``StepLine``s, and report a long gap as a pause rather than a step; ``LogFollower`` hands
-back the complete lines appended since the last read, without blocking. Neither keeps per-rank
-state nor decides anything: the ``training`` collector does.
+into ``StepLine``s, and report a long gap as a pause rather than a step. They neither read files
+(``agent.file_follower`` does) nor keep per-rank state or decide anything (the ``training``
+collector does).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import statistics
 from collections import deque
@@ -265,88 +264,3 @@ def make_parser(fmt: str, regex: str | None = None) -> StepParser:
             raise ValueError("format 'regex' needs a regex")
         return RegexParser(regex)
     raise ValueError(f"unknown log format {fmt!r}")
-
-
-class LogFollower:
-    """Follows one file the way ``tail -F`` does: across rotation (a new inode at the path) and
-    truncation (the file shrank below our offset). A file present at start is followed from its
-    end (history is not progress); a file that appears later is read from its beginning.
-
-    ``read_lines`` returns the complete lines appended since the last call, reading at most
-    ``max_bytes`` so one call stays short; the rest waits for the next call. An unfinished last
-    line is kept until its newline arrives.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int = 1 << 20,
-                 max_line_bytes: int = 64 << 10) -> None:
-        self.path = os.fspath(path)
-        self._max_bytes = max_bytes
-        self._max_line_bytes = max_line_bytes
-        self._file: int | None = None  # an fd: os.read on a regular file never blocks on a pipe
-        self._inode: tuple[int, int] | None = None
-        self._offset = 0
-        self._partial = b""
-        self.rotations = 0
-        self.truncations = 0
-        self.overlong_lines = 0
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return
-        self._open(st, at_end=True)
-
-    def _open(self, st: os.stat_result, *, at_end: bool) -> None:
-        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-        self._file = fd
-        self._inode = (st.st_dev, st.st_ino)
-        self._offset = st.st_size if at_end else 0
-        self._partial = b""
-
-    def read_lines(self) -> list[str]:
-        """New complete lines. Raises OSError when the file exists but cannot be read."""
-        lines: list[str] = []
-        budget = self._max_bytes
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            st = None  # rotated away and not yet recreated: drain the old file below
-        if self._file is not None and st is not None and (st.st_dev, st.st_ino) != self._inode:
-            # Rotated: what the writer appended to the old file before the rename comes first.
-            budget -= self._drain(lines, budget)
-            self._close()
-            self.rotations += 1
-            self._open(st, at_end=False)
-        elif self._file is None and st is not None:
-            self._open(st, at_end=False)
-        elif self._file is not None and st is not None and st.st_size < self._offset:
-            self.truncations += 1
-            self._offset = 0
-            self._partial = b""
-        if self._file is not None:
-            self._drain(lines, budget)
-        return lines
-
-    def _drain(self, lines: list[str], budget: int) -> int:
-        assert self._file is not None
-        used = 0
-        while used < budget:
-            chunk = os.pread(self._file, min(256 << 10, budget - used), self._offset)
-            if not chunk:
-                break
-            used += len(chunk)
-            self._offset += len(chunk)
-            data = self._partial + chunk
-            *complete, self._partial = data.split(b"\n")
-            lines.extend(c.decode("utf-8", "replace") for c in complete)
-            if len(self._partial) > self._max_line_bytes:
-                self.overlong_lines += 1  # a line this long is not a progress line; skip it
-                self._partial = b""
-        return used
-
-    def _close(self) -> None:
-        if self._file is not None:
-            os.close(self._file)
-            self._file = None
-
-    def close(self) -> None:
-        self._close()

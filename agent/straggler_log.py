@@ -5,7 +5,7 @@ interval and prints, on rank 0, the minimum and maximum of each metric with the 
 ``MnRtt/Rnk: 3453.08ms/8 | MxRtt/Rnk: 3468.20ms/0 | ... | MnEtpt/Rnk: 296.02TF/0 | ...``, and with
 ``--straggler-minmax-count N`` the N lowest and highest throughput ranks. This module parses those
 lines into ``StragglerReport``s (which rank is slowest, by how much); it keeps no state, reads no
-file (``agent.step_log.LogFollower`` does) and decides nothing.
+file (``agent.file_follower.FileFollower`` does) and decides nothing.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.measure import Measurement
 from vigil.agent.collectors.xid import XidCollector, XidConfig
-from vigil.agent.kernel_log import FileFollower
+from vigil.agent.file_follower import FileFollower
 
 GPUS = 8
 CYCLES = 500

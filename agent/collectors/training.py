@@ -31,8 +31,9 @@ from vigil.agent.app_log import KINDS as APP_SIGNAL_KINDS
 from vigil.agent.app_log import AppLogSignals
 from vigil.agent.attribution import Sender, Trust, uid_key
 from vigil.agent.collectors.collector import Collection, CollectorConfig, StrictModel
+from vigil.agent.file_follower import FileFollower
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.step_log import LineError, LogFollower, StepLine, StepParser, compile_step_regex, make_parser
+from vigil.agent.step_log import LineError, StepLine, StepParser, compile_step_regex, make_parser
 from vigil.contract.validation import HostPort, split_host_port
 from vigil.contract.wire import Event, Heartbeat, JobPhase, RankSummary, WireError, convert, decode
 
@@ -156,6 +157,9 @@ PHASES = ("compute", "comm", "data")
 # RankSummary's quantile fields, step then the phases: (p50, p90).
 _QUANTILE_KEYS = tuple((f"{name}_seconds_p50", f"{name}_seconds_p90") for name in ("step", *PHASES))
 LOG_ERROR_REASONS = ("unreadable", "parse")
+# Bytes of one training log read per cycle: a backlog (a log appended while the agent was down)
+# is taken in 1 MiB steps, so one cycle stays short; the rest is read next cycle.
+LOG_READ_BYTES = 1 << 20
 
 _JR = ("job", "rank")
 LAST_STEP = MetricSpec("vigil_training_last_step", MetricKind.GAUGE,
@@ -343,7 +347,7 @@ class _RankLabels:
 @dataclass(slots=True)
 class _Tail:
     config: LogFileConfig
-    follower: LogFollower
+    follower: FileFollower
     parser: StepParser
     signals: AppLogSignals
     steps: int = 0
@@ -455,7 +459,8 @@ class TrainingCollector:
         self._rejected_samples: tuple[dict[str, int], list[Sample]] | None = None
         self._evicted = 0
         self._tails = [
-            _Tail(lf, LogFollower(lf.path), make_parser(lf.format, lf.regex), AppLogSignals(lf.job_name))
+            _Tail(lf, FileFollower(lf.path, max_bytes=LOG_READ_BYTES), make_parser(lf.format, lf.regex),
+                  AppLogSignals(lf.job_name))
             for lf in config.log_files
         ]
 
@@ -610,6 +615,8 @@ class TrainingCollector:
         for tail in self._tails:
             try:
                 lines = tail.follower.read_lines()
+            except FileNotFoundError:
+                continue  # not there yet (or rotated away and not recreated): nothing new, no error
             except OSError as exc:
                 tail.errors["unreadable"] += 1
                 log.warning("training log %s: %s", tail.config.path, exc)

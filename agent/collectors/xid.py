@@ -21,17 +21,15 @@ from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 from pydantic import Field
 
 from vigil.agent.collectors.collector import Collection, CollectorConfig
-from vigil.agent.kernel_log import (
+from vigil.agent.file_follower import FileFollower
+from vigil.agent.kernel_log import KernelEvent, KernelLogParser, normalize_bus_id
+from vigil.agent.kernel_log_readers import (
     JOURNAL_ARGV,
-    FileFollower,
     JournalReader,
-    KernelEvent,
-    KernelLogParser,
     KmsgReader,
     LineSource,
     Spawner,
     StreamReader,
-    normalize_bus_id,
     spawn_process,
 )
 from vigil.agent.metric import MetricKind, MetricSpec, Sample

@@ -16,18 +16,13 @@ from vigil.agent.kernel_log import (
     REASON_KMSG_RECORD,
     REASON_UNDECODABLE,
     REASON_XID,
-    FileFollower,
-    JournalReader,
     KernelEvent,
     KernelLogParser,
-    KmsgReader,
     ParsedLine,
-    StreamReader,
     normalize_bus_id,
-    split_line,
-    split_prefix,
-    timestamp_seconds,
 )
+from vigil.agent.kernel_log_prefix import split_line, split_prefix, timestamp_seconds
+from vigil.agent.kernel_log_readers import JournalReader, KmsgReader, StreamReader
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "kernel-log"
 
@@ -198,78 +193,6 @@ def test_a_real_h200_boot_has_no_gpu_events() -> None:
 
 
 # -- readers ---------------------------------------------------------------------------------
-
-
-def test_file_follower_reads_appends_and_waits_for_whole_lines(tmp_path: Path) -> None:
-    log = tmp_path / "kern.log"
-    log.write_text("old line\n")
-    follower = FileFollower(log, start="end")
-    assert follower.read_lines(100) == []
-    with log.open("a") as fh:
-        fh.write("first\nsecond, half")
-    assert follower.read_lines(100) == ["first"]
-    with log.open("a") as fh:
-        fh.write(" done\n")
-    assert follower.read_lines(100) == ["second, half done"]
-    follower.close()
-
-
-def test_file_follower_survives_rotation_and_truncation(tmp_path: Path) -> None:
-    log = tmp_path / "kern.log"
-    log.write_text("a\n")
-    follower = FileFollower(log, start="beginning")
-    assert follower.read_lines(100) == ["a"]
-    with log.open("a") as fh:
-        fh.write("b\n")
-    log.rename(tmp_path / "kern.log.1")
-    log.write_text("c\n")
-    assert follower.read_lines(100) == ["b", "c"]
-    assert follower.rotations == 1
-    log.write_text("")  # logrotate's copytruncate
-    assert follower.read_lines(100) == []
-    assert follower.truncations == 1
-    with log.open("a") as fh:
-        fh.write("d\n")
-    assert follower.read_lines(100) == ["d"]
-    with log.open("a") as fh:
-        fh.write("a much longer line\n")
-    assert follower.read_lines(100) == ["a much longer line"]
-    log.write_text("e\n")  # truncated and rewritten shorter between two cycles
-    assert follower.read_lines(100) == ["e"]
-    assert follower.truncations == 2
-    follower.close()
-
-
-def test_file_follower_limits_a_cycle_and_keeps_the_rest(tmp_path: Path) -> None:
-    log = tmp_path / "kern.log"
-    log.write_text("".join(f"line {i}\n" for i in range(10)))
-    follower = FileFollower(log, start="beginning")
-    assert follower.read_lines(4) == [f"line {i}" for i in range(4)]
-    assert follower.read_lines(4) == [f"line {i}" for i in range(4, 8)]
-    assert follower.read_lines(4) == ["line 8", "line 9"]
-    follower.close()
-
-
-def test_file_follower_resumes_from_cursor_and_ignores_a_stale_one(tmp_path: Path) -> None:
-    log = tmp_path / "kern.log"
-    log.write_text("a\nb\n")
-    first = FileFollower(log, start="beginning")
-    assert first.read_lines(1) == ["a"]
-    cursor = first.cursor()
-    first.close()
-    with log.open("a") as fh:
-        fh.write("c\n")
-    resumed = FileFollower(log, start="end", cursor=cursor)
-    assert resumed.read_lines(100) == ["b", "c"]
-    resumed.close()
-    stale = FileFollower(log, start="end", cursor={**cursor, "inode": -1})
-    assert stale.read_lines(100) == ["a", "b", "c"]
-    stale.close()
-
-
-def test_file_follower_missing_file_raises_oserror(tmp_path: Path) -> None:
-    with pytest.raises(OSError, match="cannot open"):
-        FileFollower(tmp_path / "nope").read_lines(10)
 
 
 def test_kmsg_reader_on_a_fifo_returns_without_blocking(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.collector import Collection
 from vigil.agent.collectors.xid import PAGED_XID_CODES, XidCollector, XidConfig, open_kernel_log
 from vigil.agent.config import parse_config
-from vigil.agent.kernel_log import FileFollower, KmsgReader, LineSource, StreamReader
+from vigil.agent.file_follower import FileFollower
+from vigil.agent.kernel_log_readers import KmsgReader, LineSource, StreamReader
 from vigil.agent.metric import Sample
 from vigil.contract.seams import Seams
 
