@@ -309,6 +309,23 @@ def test_a_pcie_section_over_the_fleets_cap_is_taken_in_part_and_counted(target:
     target.assert_nothing_drained()
 
 
+@pytest.mark.parametrize("version", [1, 2, 4, 99])
+def test_a_report_of_a_version_this_aggregator_does_not_take_is_refused_by_name(target: Target, version: int) -> None:
+    # One report version (3) before the first release: a pre-release agent naming 1 or 2, or a
+    # future one, is told by name (422, never a 5xx) and counted; the node's state does not move.
+    node = target.nodes["vnode2"]
+    before, refused = target.node("vnode2"), target.refusals("reports", "unsupported_report_version")
+    report = json.loads(encode(node.report(time.time())))
+    node.seq -= 1
+    report["version"] = version
+    out = target.post("/v1/reports", report, token("vnode2"), expect=422)
+    assert out["error"] == "unsupported_report_version" and "version 3" in out["detail"], out
+    assert target.refusals("reports", "unsupported_report_version") == refused + 1
+    after = target.node("vnode2")
+    assert (after["seq"], after["reports"]) == (before["seq"], before["reports"])
+    target.healthz()
+
+
 def test_one_bad_alert_in_a_batch_is_refused_alone_and_the_batch_is_not_500(target: Target) -> None:
     good = alert("vnode3", action="alert")
     body = alertmanager_payload(good, alert("never-reported-node"), {"labels": "not a mapping"},
