@@ -11,14 +11,8 @@ import pytest
 
 from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.collector import Collection
-from vigil.agent.collectors.rdma import (
-    SPECS,
-    RdmaCollector,
-    RdmaConfig,
-    parse_ethtool_stats,
-    parse_rate_bits_per_second,
-    parse_state,
-)
+from vigil.agent.collectors.rdma import RdmaCollector, RdmaConfig
+from vigil.agent.collectors.rdma_counters import SPECS, parse_ethtool_stats, parse_rate_bits_per_second, parse_state
 from vigil.agent.config import parse_config
 from vigil.agent.exporter import SnapshotExporter, render
 from vigil.agent.metric import Sample
@@ -70,8 +64,7 @@ class Rig:
         self.root = root
         self.clock = FakeClock()
         self.runner = runner or FakeRunner({})
-        self.collector = RdmaCollector(RdmaConfig.model_validate(config), sysfs_root=root, run=self.runner,
-                                       clock=self.clock)
+        self.collector = RdmaCollector(RdmaConfig.model_validate(config), sysfs_root=root, run=self.runner)
         OPEN_RIGS.append(self)
 
     def cycle(self, advance: float = 1.0) -> Collection:
@@ -176,10 +169,10 @@ def test_real_tree_saturated_counters_are_flagged_not_rated(h100: Rig) -> None:
     c2 = h100.cycle(advance=2.0)
     ps1 = port_state(c2, "mlx5_1")
     assert ps1.flags["link_downed"] == "saturated"
-    assert "link_downed" not in ps1.deltas and "link_downed" not in ps1.rates_per_second
+    assert "link_downed" not in ps1.deltas
     ps0 = port_state(c2, "mlx5_0")
-    # Unchanged and healthy: no delta, no rate (only counters that moved are listed), no flag.
-    assert "link_downed" not in ps0.deltas and "link_downed" not in ps0.rates_per_second
+    # Unchanged and healthy: no delta (only counters that moved are listed), no flag.
+    assert "link_downed" not in ps0.deltas
     assert "link_downed" not in ps0.flags
     assert c2.events == []
 
@@ -198,7 +191,6 @@ def test_flap_written_between_cycles_gives_flap_event_and_delta(h100: Rig) -> No
     ps = port_state(c, "mlx5_0")
     assert ps.deltas["link_downed"] == 1
     assert ps.deltas["symbol_error"] == 37
-    assert ps.rates_per_second["symbol_error"] == pytest.approx(18.5)
     assert value(c.samples, "vigil_rdma_port_link_downed_total", device="mlx5_0", port="1") == 1
 
 
@@ -226,7 +218,7 @@ def test_counter_going_backwards_is_flagged_reset_never_negative(h100: Rig) -> N
     c = h100.cycle()
     ps = port_state(c, "mlx5_0")
     assert ps.flags["port_rcv_data"] == "reset"
-    assert "port_rcv_data" not in ps.deltas and "port_rcv_data" not in ps.rates_per_second
+    assert "port_rcv_data" not in ps.deltas
     assert all(d >= 0 for d in ps.deltas.values())
     assert ps.counters["port_rcv_data"] == 4000
     assert value(c.samples, "vigil_rdma_port_stat_resets_total", device="mlx5_0", port="1") == 1
@@ -235,7 +227,7 @@ def test_counter_going_backwards_is_flagged_reset_never_negative(h100: Rig) -> N
     # Next cycle counts from the new base again
     h100.port_file("mlx5_0", "counters/port_rcv_data").write_text("1500\n")
     ps = port_state(h100.cycle(advance=0.5), "mlx5_0")
-    assert ps.deltas["port_rcv_data"] == 2000 and ps.rates_per_second["port_rcv_data"] == 4000.0
+    assert ps.deltas["port_rcv_data"] == 2000
     assert "port_rcv_data" not in ps.flags
 
 
@@ -377,7 +369,7 @@ def test_carrier_changes_moving_on_an_up_roce_port_is_a_flap(roce: Rig) -> None:
     assert port_state(c, "mlx5_2").deltas["carrier_changes"] == 2
 
 
-def test_ethtool_runs_on_its_own_cadence_and_pfc_deltas_use_its_timestamps(tmp_path: Path) -> None:
+def test_ethtool_runs_on_its_own_cadence_and_pfc_deltas_are_between_its_readings(tmp_path: Path) -> None:
     runner = FakeRunner({"ens1f0np0": ETHTOOL_TEXT, "ens1f1np1": ETHTOOL_TEXT})
     rig = Rig(copy_root(ROCE, tmp_path), runner, ethtool_interval_seconds=10)
     rig.cycle()
@@ -390,8 +382,7 @@ def test_ethtool_runs_on_its_own_cadence_and_pfc_deltas_use_its_timestamps(tmp_p
     c = rig.cycle(advance=9)
     assert len(runner.calls) == 4
     ps = port_state(c, "mlx5_2")
-    assert ps.deltas["rx_prio3_pause"] == 100
-    assert ps.rates_per_second["rx_prio3_pause"] == pytest.approx(10.0)  # 100 frames over 10 s
+    assert ps.deltas["rx_prio3_pause"] == 100  # between the two ethtool readings, 10 s apart
 
 
 @pytest.mark.parametrize("failure, reason", [
@@ -482,5 +473,5 @@ def test_port_states_survive_the_report_wire_round_trip(h100: Rig) -> None:
                     ports=c.report["ports"], events=c.events)
     back = decode_report(encode(report))
     ps = next(p for p in back.ports if p.device == "mlx5_0")
-    assert ps.deltas["port_xmit_data"] == 1000 and ps.rates_per_second["port_xmit_data"] == 2000.0
+    assert ps.deltas["port_xmit_data"] == 1000
     assert next(p for p in back.ports if p.device == "mlx5_1").flags["link_downed"] == "saturated"
