@@ -5,7 +5,7 @@ time, phase) and the NCCL log events of the job's nodes. A job stopped by one or
 stopped, crashed or went silent apart from the rest) gets those nodes drained and the job restarted,
 while a job stopped everywhere with no culprit is a job alert and a restart naming no node, NCCL lines
 naming one peer add at most an alert about it; it does not judge slow-but-moving ranks (straggler).
-Stall limits, blame by stop time, NCCL witnesses and the designed false-removal rate:
+Stall limits, blame, NCCL witnesses, false-removal rate:
 docs/detectors.md, "hang, silence, memory, pcie_nvlink".
 """
 
