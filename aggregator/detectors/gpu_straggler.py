@@ -6,8 +6,7 @@ the same hardware class. A rank far slower than them, waiting least in its colle
 consecutive windows and a minority of its node's ranks, names its node and GPU with that GPU's
 telemetry as evidence (``reset_gpu`` where a reset clears the cause, else ``drain``); a node mostly
 slow is the node straggler's, a whole-job slowdown flags nobody, and it judges neither the data phase
-nor hangs. Thresholds, guards, persistence and the designed false-removal rate: docs/detectors.md,
-"gpu_straggler".
+nor hangs. Thresholds, guards, persistence, false-removal rate: docs/detectors.md, "gpu_straggler".
 """
 
 from __future__ import annotations
