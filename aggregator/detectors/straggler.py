@@ -1,13 +1,12 @@
 """Straggler detector: the node that slows a synchronous training job down.
 
-It reads every rank's summaries of complete, non-overlapping windows (each judged exactly once),
-reduces each node to the median of its ranks' own time per step (compute plus data loading) and
-compares it by median and MAD with the other nodes of its job of its own hardware class
-(``peer_class.hardware_class``). A node flagged in consecutive judged windows, or in many windows of
-the last half hour, is drained, while a slowdown of
-the whole job or class drains nobody and a slower or too small class is only observed; it never takes
-one rank's step times as a node's evidence and does not judge hangs. Thresholds, persistence and the
-designed false-drain rate: docs/detectors.md, "straggler".
+It reads every rank's summaries of complete, non-overlapping windows (each judged once), reduces each
+node to the median of its ranks' own time per step (compute plus data loading) and compares it by
+median and MAD with its job's nodes of its hardware class (``peer_class.hardware_class``). A node
+flagged in consecutive judged windows, or in many windows of the last half hour, is drained, while a
+slowdown of the whole job or class drains nobody and a slower or too small class is only observed; it
+never takes one rank's step times as a node's evidence and does not judge hangs. Thresholds,
+persistence and the designed false-drain rate: docs/detectors.md, "straggler".
 """
 
 from __future__ import annotations
