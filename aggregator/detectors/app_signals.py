@@ -1,19 +1,13 @@
 """Application-signal detector: what the training job itself says (its loss, its logs), attributed to
 a node only where the evidence names one, otherwise to the job.
 
-It reads each rank's summary windows (``loss_p50``, ``nonfinite_steps``, ``nonfinite_first_step``,
-each window judged once), the job's incarnations (aggregator/job_runs.py, the crash-loop
-detector's notion of a restart) and the training-log events the agents forward (``nccl_timeout``,
-``cuda_error``, ``nccl_warn``, ``nccl_ras``, with ``job``, ``rank`` and ``peer``). A NaN or infinite loss is a
-job-level alert at once; the divergence again after a restart, before the job got past where it
-diverged, holds the job (``hold_job``: restarting it only loops). A gradient norm that is not
-finite while the loss is (AMP's GradScaler skips such steps by design) and a NaN window the job
-trains on past are not acted on. A loss spike against the job's own recent windows is a job
-alert. A log line naming a peer that is a node of the fleet (by name, or by an address its agent
-lists: aggregator/nccl_peers.py) is an alert about that node, an uncorrectable-ECC CUDA error one
-about the node that logged it, anything else an alert about the job: never a removal from a log
-line alone (the xid and memory detectors judge the hardware's own reports). Evidence windows,
-thresholds, persistence and designed false-positive rates: docs/detectors.md, "app_signals".
+It reads each rank's summary windows (loss and non-finite steps), the job's incarnations
+(``aggregator/job_runs.py``) and the training-log events the agents forward (``nccl_timeout``,
+``cuda_error``, ``nccl_warn``, ``nccl_ras``). A NaN loss or a loss spike is a job alert, a divergence
+reproduced after a restart holds the job (``hold_job``), and a log line naming a node is an alert on
+that node; it never removes a node on a log line alone (the xid and memory detectors judge the
+hardware's own reports). Evidence windows, thresholds, persistence, designed false-positive rates and
+lookalikes: docs/detectors.md, "crash_loop, app_signals".
 """
 
 from __future__ import annotations

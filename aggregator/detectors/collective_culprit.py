@@ -1,18 +1,12 @@
 """Collective culprit detector: the rank(s) that never entered the collective the rest of its process
 group waits in, named from PyTorch Flight Recorder dumps, and the node that holds them.
 
-It reads each node's latest ``collectives`` (wire.CollectiveState: per rank and process group the
-newest collective entered and completed, bound to the scheduler's job by the agent) and, per job
-and group, across nodes: when some ranks have entered collective N and not completed it while the
-others' newest entered collective is below N, the others are missing. One node holding every
-missing rank is drained (job set, key "hang": the same episode as the heartbeat hang detector's);
-missing ranks on several nodes are an alert naming them. It judges nothing without enough dumps:
-one from every rank of the group (the size the dump states; a gloo dump states none, then every
-rank the job's dumps name) and from every node the fleet places the job on, all taken within
-``dump_skew_seconds`` of each other. Evidence window: the latest fresh dumps; threshold: one
-collective of difference; persistence: ``persist_seconds``; designed false-removal rate: 0 for a
-job whose dumps are a consistent cut (a rank cannot be past a collective its peers wait in).
-Besides findings it keeps only when each (job, group, seq, missing ranks) was first seen.
+It reads each node's latest ``collectives`` (``wire.CollectiveState``: per rank and process group the
+newest collective entered and completed, bound to the scheduler's job by the agent). Per job and group,
+one node holding every missing rank is drained (key "hang", the heartbeat hang detector's episode) and
+missing ranks on several nodes are an alert naming them; it judges nothing without a consistent set of
+fresh dumps from every rank and node of the group. What counts as enough dumps, persistence, witness
+nodes, the designed false-removal rate and lookalikes: docs/detectors.md, "collective_culprit".
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Configuration drift detector: a node configured unlike its job's peers, or unlike its site manifest.
 
-It reads each node's configuration facts (wire.NodeConfig: driver, CUDA, VBIOS, firmware, OFED,
-kernel, ECC/persistence/MIG modes, power limit, clocks, GPU and HCA counts and rate), the fleet's
-job membership (the nodes of each job's ranks) and the site manifest (per GPU model: the GPUs,
-HCAs and rates a node must have). Per multi-node job and fact: the few nodes off the job's
-majority value are each that node's drift (one finding per node, default alert); a large split (a
-roll-out in progress) is no node's fault: one job-level alert naming the mix, nothing removed, no
-per-node drift for that fact there. Facts of the hardware class (VBIOS, clocks, counts) are
-compared only among a job's nodes of one GPU model. A fact the node's own devices disagree on
-(NodeConfig.mixed) and a node short of its manifest are per-node findings. It judges no GPU or
-link health.
+It reads each node's configuration facts (``wire.NodeConfig``), the fleet's job membership and the
+site manifest per GPU model. The few nodes off a job's majority value are each that node's drift (per
+node, default alert), a large split or fleet-wide roll-out is one job-level alert naming the mix, and a
+node short of its manifest is a per-node finding; it judges no GPU or link health. Which facts are
+compared where, thresholds, persistence and lookalikes: docs/detectors.md, "fabric, pcie_link,
+config_drift".
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Crash-loop detector: jobs that restart without progressing, and nodes on which many jobs crash.
 
-It reads each job's incarnations (aggregator/job_runs.py: restarts seen as new processes taking
-ranks over, ranks running again after they exited, or a pid-less rank's step going back) and each
-rank's state. A job whose last ``max_restarts_without_progress`` restarted incarnations (begun
-within ``window_seconds``) each ended without a step ``min_progress_steps`` past every earlier one
-or a new checkpoint of their own is held (``hold_job``, job-level: no node is named or removed)
-and a person paged; a restart that then progresses (a requeue after a node failure, vigil's own
-restart_job) ends the streak. A node whose ranks were the first of their job to exit, by
-``lemon_exit_skew_seconds``, in ``lemon_jobs`` different multi-node jobs within
-``lemon_window_seconds`` is sent to inspection (a "lemon"); one job crashing there again and again is
-that job's crash loop, and a crash where every node's ranks exit together names no node. It does
-not judge hangs or slow ranks (the hang and straggler detectors). Evidence windows, thresholds,
-persistence and designed false-positive rates: docs/detectors.md, "crash_loop".
+It reads each job's incarnations (``aggregator/job_runs.py``) and each rank's state. A job whose last
+restarts each ended without progress is held (``hold_job``, job-level: no node named or removed), and
+a node whose ranks exited first in several different multi-node jobs is sent to inspection (a
+"lemon"); it does not judge hangs or slow ranks (hang, straggler). Evidence windows, thresholds,
+persistence, designed false-positive rates and lookalikes: docs/detectors.md, "crash_loop, app_signals".
 """
 
 from __future__ import annotations

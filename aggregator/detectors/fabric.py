@@ -1,13 +1,12 @@
 """Fabric detector: GPUs a multi-GPU job cannot use because their NVLink fabric is not registered.
 
-It reads what the fleet marks on ingest: each GPU whose NVML fabric state is not ``completed``,
-whose registration failed, or whose fabric health names an unhealthy condition
-(``NodeState.fabric_suspect_gpus``; a GPU without an NVSwitch fabric, state None, is never judged),
-and how long the node's Fabric Manager service has been other than active. Past the boot grace, a
-GPU not registered makes one decision per node (default drain) naming the GPUs, with "Fabric
-Manager <state>" as the cause where the service is not active; unhealthy conditions alone, or
-Fabric Manager down while the GPUs still hold their registration, are one alert per node. It does
-not judge NVLink error counters or links down (pcie_nvlink) nor NVSwitch SXids (xid).
+It reads what the fleet marks on ingest: GPUs whose NVML fabric state is not ``completed``, whose
+registration failed or whose fabric health is unhealthy (``NodeState.fabric_suspect_gpus``; a GPU
+without NVSwitch fabric is never judged), and how long Fabric Manager has been other than active. Past
+the boot grace it makes one decision per node (default drain) naming the GPUs not registered, and one
+alert per node for unhealthy conditions or Fabric Manager down alone; it does not judge NVLink error
+counters or links down (pcie_nvlink) nor NVSwitch SXids (xid). Thresholds, persistence and lookalikes:
+docs/detectors.md, "fabric, pcie_link, config_drift".
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """GPU peer detector: the likely straggler of a job that sends no per-rank timing, from its GPUs.
 
-It groups busy GPUs by the job that uses them (the agent's process attribution, else the rank
-heartbeats' local GPU index) and by their node's hardware class (GPU model and max SM clock,
-peer_class.hardware_class without the power limit, which it judges itself), and compares, within
-each group, every GPU's SM clock (median over the persistence window) and enforced power limit
-with its peers' medians; a GPU clocked or capped well below its peers while busy is flagged, with
-its throttle reasons as evidence, and its node gets one finding per job (alert by default, drain
-by policy). It also says, once per job, when a job's ranks send step counts but no phase times:
-then no detector can rank its ranks, and only this GPU-side comparison can find a straggler. It
-does not judge absolute thermal limits (the thermal detector) or ranks' timings (the straggler
-detector). Its only memory is each busy GPU's window as the last pass left it, so that a pass
-reads only the samples that arrived since, and each node's GPUs that may be judged and its hardware
-class, read again only when what they come from changed (the fleet's change markers).
+It reads busy GPUs grouped by the job that uses them and by hardware class, and compares each GPU's
+median SM clock and enforced power limit with its group's. A GPU clocked or capped well below its peers
+gives its node one finding per job (alert by default, drain by policy), and a job that sends step
+counts but no phase times is named once; it does not judge absolute thermal limits (thermal) or ranks'
+timings (straggler). Grouping, thresholds, the designed rate and what it carries between passes:
+docs/detectors.md, "gpu_peer".
 """
 
 from __future__ import annotations

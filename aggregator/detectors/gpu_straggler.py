@@ -1,26 +1,12 @@
 """GPU straggler detector: the one slow GPU (rank) that a node's median hides.
 
-It reads every rank's summaries of complete, non-overlapping windows (judged once each, on the
-node straggler's schedule) and compares each rank's compute time with the other ranks of its job
-on nodes of the same hardware class (peer_class.hardware_class) by median and MAD; a rank far
-slower than them, with a collective wait among the job's shortest, in consecutive windows, while
-it is a minority of its node's ranks, is its job's straggler. Its finding names the node and the
-GPU, with that GPU's telemetry over the run as evidence (throttle reasons, SM clock against its
-node's other GPUs, pending remap or retirement, NVLink links down, PCIe replays): ``reset_gpu``
-where the agents reset GPUs and the evidence is a state a reset clears, else ``drain``. A node
-most of whose ranks are slow is the node straggler's (straggler.py), a slowdown of the whole job
-moves the median and flags nobody; it judges neither the data phase nor hangs.
-
-Designed false-removal rate (8 ranks a node: 8x the node statistic's tests): a healthy rank's
-compute p50 (of 1-5 steps) crosses z_threshold = 6 robust sigma in one window with p = 9.9e-10
-(Gaussian, one-sided); a removal needs 4 consecutive independent windows. At 17,280 windows a day,
-8 x 17,280 = 138,240 rank-windows per node-day: 138,240 x p^4 = 1.3e-31 removals per node-day.
-One rank's p50 of a few steps carries each step's tail (a GC pause, a page fault), so take tails
-far heavier than Gaussian: p = 3.4e-4 (the node detector's heavy-tail figure, here at 6 sigma
-where a Gaussian gives 3e5 times less) gives 138,240 x p^4 = 1.8e-9 per node-day (1.8e-6 per
-1,000 node-days); even p = 1e-3 (one rank-window in a thousand beyond 6 sigma) gives 1.4e-7 per
-node-day, 1.4e-4 per 1,000 node-days, within the budget of < 0.001. Three windows would not hold
-at p = 3.4e-4 (138,240 x p^3 = 5.4e-6 per node-day, 0.0054 per 1,000 node-days): hence four.
+It reads every rank's summaries of complete, non-overlapping windows (on the node straggler's
+schedule) and compares each rank's compute time by median and MAD with the job's ranks on nodes of
+the same hardware class. A rank far slower than them, waiting least in its collectives, in
+consecutive windows and a minority of its node's ranks, names its node and GPU with that GPU's
+telemetry as evidence (``reset_gpu`` where a reset clears the cause, else ``drain``); a node mostly
+slow is the node straggler's, a whole-job slowdown flags nobody, and it judges neither the data phase
+nor hangs. Thresholds, guards, persistence, false-removal rate: docs/detectors.md, "gpu_straggler".
 """
 
 from __future__ import annotations

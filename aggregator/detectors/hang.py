@@ -1,26 +1,12 @@
 """Hang detector: training jobs whose ranks stopped making progress, caught in seconds.
 
-It reads each rank's latest step summary (last progress time on the agent's own clock, state,
-last step, step time, phase). A rank is stopped after max(min_stall_seconds, step_multiple x its
-job's median step time, gap_multiple x the rank's usual gap between progress updates); a job any
-of whose ranks says it is checkpointing or evaluating gets that phase's own, longer limit instead.
-A job stopped by one or two nodes (their ranks stopped while the rest moved, crashed while the rest
-still ran, went silent, or stopped well before the rest: when each rank last progressed, on its
-agent's clock placed on the aggregator's, and the step it reached) gets those nodes drained and
-the job restarted; a job stopped everywhere with no culprit (a plain DDP hang: every rank at the
-same step at the same moment) is an alert at once and a restart after ``stall_seconds``, naming
-the job and no node. An agent's own "hung" state is not culprit evidence in a job stopped
-together: each agent says it when its own clock crosses ``hang_seconds``, at its own phase, so
-whichever said it first would be blamed by chance. It does not judge slow-but-moving ranks (that
-is the straggler detector). Evidence window: the ranks' latest summaries; threshold: the stall
-limit below, and ``skew_seconds`` between stop times for blame; persistence: none beyond the
-limit (a stop is one event); designed false-removal rate: 0 for a job that stops together (no
-node is drained without a stop time or an exit that sets it apart). Besides the findings it keeps
-only a bounded memory of each rank's recent progress gaps and when it was first seen exited,
-derived from the view. Every finding carries the NCCL log events of the job's nodes around the
-stop (``nccl_events``: aggregator/nccl_peers.py); a job stopped with no single culprit whose NCCL
-events from at least two witnesses name one peer gets that peer named (``nccl_suspect``) and, where
-it resolves to a node, an alert about that node: never a drain on log lines alone.
+It reads each rank's latest step summary (last progress time on its agent's clock, state, step, step
+time, phase) and the NCCL log events of the job's nodes. A job stopped by one or two nodes (their ranks
+stopped, crashed or went silent apart from the rest) gets those nodes drained and the job restarted,
+while a job stopped everywhere with no culprit is a job alert and a restart naming no node, NCCL lines
+naming one peer add at most an alert about it; it does not judge slow-but-moving ranks (straggler).
+Stall limits, blame, NCCL witnesses, false-removal rate:
+docs/detectors.md, "hang, silence, memory, pcie_nvlink".
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Network detector: RDMA ports that are down, flapping, erroring or trained below their rate.
 
-It reads each port's state, rate and counters (deltas between reports of one boot). A port down,
-a flapping link, a symbol/link-integrity error rate above the IBTA bit-error ratio, or a link that
-retrained below the rate it had earlier in this boot drains the node: every collective through
-that rail slows the whole job. Congestion counters (ECN marks, CNPs, PFC pauses) describe the
-fabric, not the node: they only ever produce an ``observe`` finding.
-
-Flaps are judged on five horizons: ``flap_threshold`` link-down/recovery events in
-``window_seconds`` drains (a link retraining every few minutes); ``flap_slow_threshold`` times the
-link went down (``link_downed``) within ``flap_slow_window_seconds`` drains (a port dropping every
-6 minutes never fits 3 drops in 10 minutes, but its fifth drop is 24 minutes after its first);
-``flap_threshold`` events within one hour alerts; that many in each of ``flap_persist_hours`` of
-the last ``flap_persist_horizon_hours`` hours drains (a link that keeps retraining without going
-down); ``flap_daily_threshold`` drops within ``flap_daily_window_seconds`` (3 in 24 h) alerts (a
-link dropping once an hour, at its third drop; designed false-alert rate ~2.4e-4 a port-year).
-Drops are counted from the detector's own bounded memory of each port's link_downed increases
-(derived from the view each evaluation), so a day's count survives the fleet's counter ring
-(``history_reports``). Designed false-drain rate: a healthy IB link goes down a handful of times a year
-(link_downed stays 0 on healthy HDR/NDR links between maintenance, and one maintenance costs a
-port one or two drops: a leaf reboot, a reseated cable); 5 drops in 6 hours is ~0 false drains
-by the counters. A drop that several nodes' ports took at the same moment (a switch reboot, a
-fabric-wide event) is the fabric's: it does not count toward a node's slow flaps, and a shared
-switch's flaps and downs across its nodes are attributed to the switch by the topology pass.
+It reads each port's state, rate and counters (deltas between reports of one boot), keeping its own
+bounded memory of each port's ``link_downed`` increases. A port down, a flapping link, a bit-error rate
+above the IBTA ratio or a link retrained below its earlier rate drains the node, while congestion
+counters (ECN, CNP, PFC) describe the fabric and only observe; drops shared by several nodes at once
+are the fabric's, and a shared switch is the topology pass's. The five flap horizons, thresholds and
+designed false-alert and false-drain rates: docs/detectors.md, "network".
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """PCIe link detector: links trained below their maximum, and AER errors, on GPUs and HCAs.
 
-It reads what the fleet keeps on ingest: each GPU's run of reports with its NVML link below its
-maximum generation or width, with the GPU's utilization in each (``GpuHistory.link_below``), and
-each PCIe device of the node's ``pcie`` section (sysfs: an HCA's link, a GPU's or an HCA's AER
-counters). A GPU's link is judged only while the GPU is loaded all along (NVIDIA GPUs lower the
-link generation at idle to save power), an HCA's (no load signal; ConnectX links do not downtrain
-at idle) over a longer persistence; an uncorrectable AER increase drains, a correctable rate over
-DCGM's replay threshold alerts. It does not judge PCIe replays (pcie_nvlink) or Xids (xid).
+It reads each GPU's NVML link against its maximum with the GPU's utilization (``GpuHistory.link_below``)
+and each PCIe device of the node's ``pcie`` section (an HCA's sysfs link, GPU and HCA AER counters). A
+link held below its maximum (a GPU's only while it is loaded, since NVIDIA GPUs downtrain at idle) or an
+uncorrectable AER increase drains, a correctable AER rate over DCGM's replay threshold alerts; it does
+not judge PCIe replays (pcie_nvlink) or Xids (xid). Thresholds, persistence and lookalikes:
+docs/detectors.md, "fabric, pcie_link, config_drift".
 """
 
 from __future__ import annotations

@@ -1,48 +1,13 @@
 """Probe verdict detector: a suspect node whose probe failed is removed; the verdict on a probe run.
 
-It reads the signed probe results the fleet holds (``NodeState.action_results``, verified by the
-outbox before the fleet took them), the baselines of the node's hardware class
-(``probes.baselines``) and the fleet's learned figures (``FleetView.learned_probes``, which the
-prober owns), and judges a whole run with the one per-probe verdict both services share
-(agent/probe_baselines.judge). ``judge_run`` is also the recovery detector's; the detector here
-drains a suspect (a node found slow below the removal threshold, probed by the prober when idle)
-whose latest probe run failed, and each node a finished group-testing isolation named faulty
-(``FleetView.isolations``, which the prober publishes). It runs nothing, requests nothing and
-learns nothing.
-
-Evidence window: the node's latest suspect run (``probes.suspect_probes``: one request, every GPU),
-counted for ``window_seconds`` after its result arrived. Threshold: a probe the agent judged
-``fail`` itself (errors, throttling under load, a failed diagnostic), or a value below its
-class's configured ``min_value``, or, with none configured, more than ``learned_tolerance`` (10%)
-below the class's learned median of at least ``learned_min_samples`` passing probes, or a figure
-above its ``max_metrics`` bound. A probe that errored or was skipped is no evidence either way.
-Persistence: one failed run; it is the second, independent signal (the suspicion that started it
-is the first: an intermittent straggler or a GPU-peer alert), and the run itself is a sustained
-burn of every GPU, not a sample.
-
-Designed false-removal rate: a healthy GPU's matmul or copy figure repeats within ~2% across runs
-on one hardware class (nccl-tests and burn tools report run-to-run spreads of 1-3%), so the 10%
-learned floor is ~5 sigma below the median: p <= 3e-7 per figure (Gaussian, one-sided); a run
-of 8 GPUs x 2 probes is 16 figures, p_run <= 5e-6. The prober probes a suspect at most once per
-``probes.suspect_cooldown_seconds`` (1 h): even a node suspected all day long (24 runs) is
-falsely drained at most 1.2e-4 times per node-day, and a healthy node is a suspect only when the
-straggler detector alerts on it (its own budget: < 1e-6 per node-day), which gives < 1e-10 per
-node-day. The lookalike that must not act: a slowdown of the whole job (every rank slower, the
-straggler's class-level ``observe`` with no node) makes no suspect, and a probe that merely
-errors (a peer that never joined) drains nobody.
-
-Isolations (aggregator/group_testing.py driven by the prober): a node is named faulty only after
-it failed a collective alone with a known-healthy partner (a failed group only starts a halving),
-so a group failure caused by another member never drains it. Evidence: the isolation's tests the
-node was in that failed, the partner of its test alone, tests used against the information bound.
-Persistence: the isolation's one test alone (the partner's health is what makes it the node's
-own). The lookalike that must not drain: a shared switch. A leaf that fails under every node
-fails each test alone too (the partner is taken from the node's own leaf first), so an isolation
-naming at least ``leaf_suspicion_min_nodes`` (3) nodes of one leaf that are more than
-``leaf_suspicion_share`` (half) of that leaf's nodes it tested is reported as one alert on the
-leaf, and none of them is drained: independent node faults are rare (3 of 64 freshly repaired
-nodes is already a bad day), and more than half of one leaf at once is the switch, as the
-topology detector argues for passive signals (docs/detectors.md).
+It reads the signed probe results the fleet holds (``NodeState.action_results``), the baselines of
+the node's hardware class (``probes.baselines``), the fleet's learned figures
+(``FleetView.learned_probes``) and the prober's finished isolations (``FleetView.isolations``), and
+judges a run with the per-probe verdict both services share (``agent/probe_baselines.judge``;
+``judge_run`` is also the recovery detector's). It drains a suspect whose latest suspect run failed
+and each node an isolation named faulty (one alert on the leaf where they crowd one leaf); it runs
+nothing, requests nothing and learns nothing. Window, threshold, persistence, the designed
+false-removal rate and lookalikes: docs/detectors.md, "probe_verdict".
 """
 
 from __future__ import annotations

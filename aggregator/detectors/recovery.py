@@ -1,60 +1,13 @@
 """Recovery detector: gives a node back only once it has proved healthy after its remediation.
 
-It reads the nodes vigil removed and has not given back (``FleetView.removed``: the gate's
-record, copied by the engine from the ledger) for a remediating action it follows (reboot_node by
-default; reset_gpu where configured, and always when the agents reset GPUs), each such node's
-reports since the remediation, and the node-action results its agent reported
-(``NodeState.action_results``, by decision id).
-
-Evidence of the remediation: for reboot_node a NEW boot, i.e. the fleet saw the node's boot id
-change after the removal was admitted (``kernel_reboots > 0 and kernel_boot_started > removal
-ts``: the kernel part of the agent's boot id, so an agent restarted without a reboot is no
-evidence; a node whose first report after an aggregator restart is already from the new boot is
-never verified: it stays out for a person). For reset_gpu with agent resets on (``FleetView.agent_resets``:
-``actuators.slurm.reset_gpu`` or ``actuators.kubernetes.reset_gpu``), the agent's ``done`` result
-for the removal's decision id: the
-window starts when the report carrying it arrived (the aggregator's clock, like every sample the
-window judges; the agent's own ts is in the evidence). Until then the node waits: a ``refused
-busy`` keeps it waiting (the GPU may free up once the drain lets the job end); a ``failed`` result,
-any other (final) refusal, or the request's expiry with no ``done`` proposes ``reboot_node``, the
-ladder's next rung (reset -> reboot -> inspect_hardware; the gate's cooldown and escalation history
-apply as to any removal). For reboot_node carried out through the agent (Kubernetes: kured's sentinel,
-``request_reboot``), the agent's ``done`` only says the sentinel is written: the evidence stays the
-new boot; a failed or refused request alerts at once (nothing will reboot the node). With agent
-resets off, vigil cannot see the reset in the reports, so the evidence window starts at the
-removal itself. Either way a new boot meanwhile starts it at the boot.
-
-Window and threshold: from that moment (``t_fix``) on, any of these is the fault again and the
-node goes to hardware inspection (``inspect_hardware``: a ticket, the alert/webhook actuators carry
-the evidence) instead of back to service: an expected GPU absent from the latest report (expected:
-every GPU index the fleet has seen on the node, kept across boots, so a GPU that does not come
-back after the reboot blocks), a GPU whose health read lost or reset_required, an Xid the catalog
-answers with a removing action, an uncorrectable ECC increase, a row remap pending or failed.
-
-Persistence: resume is proposed only once ``persistence_seconds`` (60 s) have passed since
-``t_fix`` with none of the faults above, and over the last ``persistence_seconds`` every expected
-GPU was present with health ok in every report, every RDMA port that was ever up (in any boot)
-was active in every report, and at least ``min_reports`` reports arrived; a node that has not
-verified ``unverified_alert_seconds`` after ``t_fix`` gets one alert (a person looks). The gate
-still applies its hysteresis (``gate.min_removed_seconds``) and never resumes a held node.
-
-With probes on (``probes.enabled``, aggregator/prober.py), passing the checks above no longer
-resumes by itself: from the remediation's first clean report (in parallel with the passive window,
-so that the probes cost no time beyond it when they are shorter) the node gets an ``observe``
-finding (signal ``probing``: "clean so far, probing", in the decision log, acted on by no
-actuator) on which the prober requests the ``probes.recovery_probes`` run (id:
-probe_verdict.probe_request_id of the removal's decision and the attempt). Resume comes only
-from that run, reported after ``t_fix``, judged pass
-(probe_verdict.judge_run: every requested probe passes or is skipped, at least one passes, each
-value against its class's configured or learned baseline). A failed probe climbs the ladder
-(after reset_gpu: reboot_node; after reboot_node: inspect_hardware), the failed probes with their
-values and floors as evidence; a run that errors or has no result within
-``probes.run_timeout_seconds`` is requested once more (``probing:retry``), then alerted.
-
-Designed false-resume rate: 0 by construction for a node that shows any of the fault signals above
-after its remediation; what the reports cannot show (a fault that needs load to appear) is the
-residual (with probes on, what the probes cannot show under their load), and the gate's escalation
-history sends a repeat after the resume to inspection.
+It reads the nodes vigil removed for a remediation it follows (``FleetView.removed``: reboot_node by
+default, reset_gpu where configured or when the agents reset GPUs), their reports since, the
+node-action results their agents reported (``NodeState.action_results``) and, with probes on, the
+recovery probe run. A node with evidence of the remediation (a new boot, the agent's reset ``done``)
+and a clean window proposes ``resume``, a fault again after it ``inspect_hardware``, a reset not done
+or a failed probe the ladder's next rung, and a node not verified in time an alert; it never follows
+``drain`` or ``inspect_hardware``. Evidence, window, persistence, probes and the false-resume
+reasoning: docs/detectors.md, "recovery".
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Straggler detector: the node that slows a synchronous training job down.
 
-It reads every rank's summaries of complete, non-overlapping windows (the agent's training
-window, each judged exactly once, as soon as every live rank has sent it), reduces each node to
-the median of its ranks' own time per step (compute p50 plus data-loading p50: the time a rank
-spends before it can join the collective) and compares it with the other nodes of its job *of
-its own hardware class* (peer_class.hardware_class: GPU model, max SM clock, power limit) by
-median and MAD. A node flagged in several consecutive judged windows is drained (short horizon);
-a node flagged in many windows of the last half hour is alerted on, then drained (long horizon:
-an intermittent straggler). A window in which the node was not judged (no data from it, or too
-few peers with data) neither breaks nor extends its run. A drained node that keeps running its
-job and is flagged again is the same episode (its findings keep that episode's start), not a
-repeat for the gate to escalate. A slowdown shared by the whole job (or by a whole class, or a
-job-wide data stall) moves the median, not the outliers, and drains nobody; a class slower as a
-group, or too small to be judged, is recorded once (``observe``). It never takes one rank's step
-times as a node's evidence and does not judge hangs.
-
-Designed false-drain rate (docs/detectors.md has the derivation): a healthy node's statistic
-crosses the threshold in one judged window with probability p <= 3.4e-6 (4.5 robust sigma,
-one-sided, Gaussian); a drain needs three independent judged windows in a row (windows without
-the node's data are skipped, so each of the three is still one independent trial), and a node is
-judged in at most 17,280 windows a day (5 s windows; 8,640 when agents report every 10 s, since
-a report carries only its latest complete window): <= 17,280 * p^3 = 7e-13 false drains per
-node-day. Tails 100x heavier than Gaussian (p = 3.4e-4, e.g. a MAD estimated from 16 nodes)
-still give 7e-7 per node-day, i.e. < 0.001 per 1,000 node-days.
+It reads every rank's summaries of complete, non-overlapping windows (each judged once), reduces each
+node to the median of its ranks' own time per step (compute plus data loading) and compares it by
+median and MAD with its job's nodes of its hardware class (``peer_class.hardware_class``). A node
+flagged in consecutive judged windows, or in many windows of the last half hour, is drained, while a
+slowdown of the whole job or class drains nobody and a slower or too small class is only observed; it
+never takes one rank's step times as a node's evidence and does not judge hangs. Thresholds,
+persistence and the designed false-drain rate: docs/detectors.md, "straggler".
 """
 
 from __future__ import annotations

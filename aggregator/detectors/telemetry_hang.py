@@ -1,31 +1,11 @@
 """Telemetry hang detector: a job hung with no heartbeat to say so, seen in its GPUs and its fabric.
 
-It reads, per job (the agents' GPU-to-job attribution, ``GpuState.job``; aggregator/job_telemetry.py),
-each GPU's latest NVML and GPM readings and each of the job's nodes' RDMA data counters
-(``port_xmit_data``/``port_rcv_data``, raw, in bytes). A job every one of whose GPUs on every node
-busy-spins (a kernel resident all the time, SM clock high, power low, DRAM, PCIe and NVLink idle:
-NCCL's kernels polling for a peer that never sends) while no port of any of its nodes moves data is
-hung: alerted after ``alert_seconds``, restarted (``restart_job``, node WHOLE_JOB, key "hang", as
-the heartbeat hang detector decides a job stopped with no culprit) after ``restart_seconds``. It
-names no node (telemetry does not say which rank stopped first: the flight recorder does), judges
-no job that sends heartbeats (those are hang.py's, which sees more), no single-node job (no RDMA
-to go flat), and no job of which any GPU lacks the readings (no GPM: pre-Hopper GPUs, or an agent
-before its second GPM sample): those are left unjudged and said so in ``unjudged``.
-
-Evidence window: from the first evaluation at which the whole job showed the signature; threshold:
-every GPU within the limits below and every active port's data counters moving less than
-``max_port_bytes_per_second`` since then; persistence: the signature unbroken for the window (any
-port moving data, any GPU off the signature, any node's report late restarts it). Designed
-false-removal rate: 0 for the lookalikes (checkpoint writes, evaluation, data stalls, the pause
-between steps, one node flat while its peers move; tests/aggregator/detectors/test_telemetry_hang.py):
-each breaks a conjunct that a hang keeps for minutes. A healthy multi-node synchronous job moves
-RDMA data every step (seconds), so a restart needs every GPU of the job to spin with zero traffic
-for 300 s, which a job does only while it waits in a collective that will not complete before
-PyTorch's NCCL watchdog (600 s) tears it down; a job that deliberately holds every rank in a
-collective for five minutes with no rank working is the residual false positive, not seen here.
-Agents send these readings at telemetry resolution (agent telemetry_seconds, 30 s; docs/reports.md),
-so the signature is seen up to 30 s late and a pause of up to 30 s reads longer: both are inside
-the windows.
+It reads, per job (the agents' GPU-to-job attribution, ``aggregator/job_telemetry.py``), each GPU's
+latest NVML and GPM readings and the RDMA data counters of the job's nodes. A multi-node job whose
+every GPU busy-spins while no port moves data is alerted, then restarted (``restart_job``, key "hang",
+naming no node); it judges no job that sends heartbeats (hang.py's), no single-node job and no job
+lacking the readings, and says so in ``unjudged``. The signature's limits, windows, lookalikes and the
+designed false-removal rate: docs/detectors.md, "telemetry_hang".
 """
 
 from __future__ import annotations

@@ -1,75 +1,12 @@
 """Telemetry straggler detector: the slow node of a job that sends no heartbeats, from its GPUs alone.
 
-It reads, for every job that has no rank summaries (the heartbeat straggler detectors judge those),
-the latest utilization of each GPU the agents attribute to the job (``GpuState.job``), groups the
-job's nodes by hardware class (peer_class.py), and flags a node whose GPUs' utilization is a robust
-outlier below its peers' while those peers busy-wait, in every evaluation over a stated window. It emits
-an ``alert`` naming the node (never a drain: see "Corroboration"), and judges no hang, no whole-job
-slowdown, no throttled GPU (thermal.py and gpu_peer.py read clocks and throttle reasons).
-
-The physics. In a synchronous data-parallel job every step ends in a collective (all-reduce of the
-gradients) that no rank leaves before the slowest has entered it, so the whole job runs at the
-pace of its slowest node; what the nodes differ in is how they spend the step. Each waiting rank
-has launched the NCCL kernel, which occupies a few SMs (one block per channel) polling flags in
-device memory: NVML's ``utilization.gpu``, the share of time at least one kernel runs, stays near
-100% while the wait lasts, whereas GPM's SM activity (``NVML_GPM_METRIC_SM_UTIL``,
-``DCGM_FI_PROF_SM_ACTIVE``: the share of cycles with a warp resident, averaged over all SMs) falls
-to the few SMs the NCCL channels hold, and DRAM activity to nearly nothing: the peers busy-spin.
-The slow node's GPUs differ by the slowdown's cause:
-- starved from the host (a contended or throttled CPU, a slow data loader or local cache, page
-  cache thrash, a noisy neighbour): the GPU sits with no kernel while the host prepares the next
-  batch, so both its utilization and its SM activity are the job's lowest, while its peers wait
-  in the collective with utilization pinned high. This is what this detector finds.
-- slow at compute (a throttled or degraded GPU): its kernels run longer, so its SM activity is the
-  job's HIGHEST (the others spend part of each step spinning on a few SMs) and its SM clock or
-  throttle reasons show why; the thermal and GPU peer detectors judge those signals, not this one.
-Falcon/Greyhound (Wu et al., USENIX ATC '25, arXiv:2410.12588) find fail-slows in a 10,000-GPU
-cluster caused by CPU contention, GPU degradation and network congestion, lasting from tens of
-seconds to hours; ByteDance's what-if study (Lin et al., OSDI '25, arXiv:2505.05713) finds that
-stragglers often come from the host and the job, not failed hardware (CPU contention, GC pauses,
-data imbalance): hence an alert for a person, not a removal. Mycroft (Deng et al., SOSP '25,
-arXiv:2509.03018) localises from the collective layer's own state, which needs the job's NCCL
-instrumented; this detector is the fallback for jobs that carry none.
-
-Signal: utilization.gpu, not GPM's SM activity, for two reasons. The project's rule: SM activity
-is telemetry (wire.GPU_TELEMETRY_FIELDS) that compact reports carry at most every 30 s and that no
-detector may read (tests/aggregator/detectors/test_telemetry_unjudged.py); utilization is in every
-report and already judged (thermal, gpu_peer). And the physics: for a host-starved node it is the
-stronger contrast. Take a step of 1 s compute (SM activity ~0.8), a 0.2 s all-reduce and a 1 s host
-stall on one node, the NCCL spin holding ~0.2 of the SMs: the waiting peers read utilization 1.0
-and SM activity (0.8 + 0.2 x 1.2) / 2.2 = 0.47, the starved node utilization 1.2 / 2.2 = 0.55 and
-SM activity (0.8 + 0.2 x 0.2) / 2.2 = 0.38: a 45% gap against a 19% one. Its blind spot: a job
-that keeps a kernel resident through the host stall (a persistent kernel, an overlapping comm
-stream) reads ~1 everywhere and is not found.
-
-Decision rule (each evaluation, per job and hardware class): at least ``min_nodes`` nodes with
-fresh telemetry and the job's full GPU count each (a node with fewer of the job's GPUs is partial
-attribution and is not judged); the peers busy (their median utilization at or above
-``peers_busy_utilization``: an eval, checkpoint or data phase idles every node and is not judged);
-a node whose median utilization (over its GPUs, then over its last ``smoothing_reports`` reports)
-is at least ``min_drop_ratio`` below the class median and more than
-``z_threshold`` robust sigma below it (MAD x 1.4826, floored at ``min_spread_ratio`` of the
-median), with at most ``max_outlier_share`` of the nodes so flagged (else the job is bimodal: a
-pipeline's stages, not a straggler). Persistence: flagged in every evaluation for
-``persistence_seconds`` spanning at least ``min_samples`` distinct reports; an evaluation that does
-not flag it (or does not judge the job) ends the run. Four nodes at least: with three, a median of
-two peers is no baseline and one node is a third of the job; with four, the outlier is a quarter at
-most and three peers set the median.
-
-Designed false-alert rate. Sampling noise: a node's figure is a median of its 8 GPUs' readings;
-per-GPU sampling noise of +-10% (uniform) moves it at most 10%, never the 15% floor: zero alerts
-from that noise model. Gaussian noise at the floor's spread (2% of the median): 15% is 7.5 sigma,
-p = 3e-14 per smoothed figure; ten independent minutes in a row: p^10, nil. The designed rate is thus governed by
-persistent, non-fault differences between nodes of one class (a pipeline stage, a node hosting an
-evaluation or logging rank): those are why the action is an alert and not a drain.
-
-Corroboration. The detector ships alert-only: escalating to drain when another detector's finding
-on the same node corroborates needs a pass over all detectors' findings (the engine's, after the
-detectors), and those detectors (thermal, gpu_peer, xid, pcie_nvlink) already act on such a node
-on their own evidence. The alert carries the node's and the class's figures for a person to judge.
-RDMA send rates are not judged: in a synchronous collective every node sends the same bytes per
-step, so over a report interval their send rates are equal whoever is slow; a node off its RDMA
-path (fallback to sockets, a port down) is the network detector's.
+It reads, for every job with no rank summaries (the heartbeat straggler detectors judge those), the
+utilization of each GPU the agents attribute to the job (``GpuState.job``), grouped by the job's nodes'
+hardware class (``peer_class.py``). A node whose GPUs idle well below its busy-waiting peers' in every
+evaluation over a stated window (a node starved from the host) gets an ``alert``, never a drain; it
+judges no hang, no whole-job slowdown, no throttled GPU (thermal and gpu_peer read clocks and throttle
+reasons) and no RDMA rate. The physics, the choice of signal, thresholds, persistence, the designed
+false-alert rate and lookalikes: docs/detectors.md, "telemetry_straggler".
 """
 
 from __future__ import annotations

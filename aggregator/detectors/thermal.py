@@ -1,18 +1,11 @@
 """Thermal detector: GPUs held slow by heat or a power brake while they have work, and hot HBM.
 
-It reads each GPU's recent states: utilization, SM clock against its maximum, the active
-clock-event reasons and the HBM temperature against its limit. A busy GPU clocked down for a
-thermal or power-brake reason over the whole persistence window is drained (one such GPU slows
-every rank of its job); HBM near its limit is an alert. Power capping alone is normal under load
-and is ignored.
-
-Peer-relative: a throttled GPU is compared with its job. When more than ``max_job_node_share``
-of a job's nodes are held down at once (a workload that trips power brakes everywhere, a
-facility event across the job's racks), no node is to blame: one alert for the job, no drain
-(racks and switches shared by the throttled nodes are the topology pass's). Designed false-drain
-rate: a healthy busy GPU holds a thermal or power-brake reason AND a clock <= 75% of max for 60 s
-(>= 3 reports) essentially never (NVIDIA: HW slowdown engages only beyond the GPU's thermal or
-power-brake limits); transients of seconds are filtered by the persistence.
+It reads each GPU's recent utilization, SM clock against its maximum, clock-event reasons and HBM
+temperature against its limit. A busy GPU clocked down for a thermal or power-brake reason throughout
+its persistence is drained and HBM near its limit alerts, while a job whose nodes are throttled at once
+is one job alert with no drain; power capping alone is normal under load and ignored, and racks or
+switches shared by throttled nodes are the topology pass's. Thresholds, horizons and the designed
+false-drain rate: docs/detectors.md, "thermal".
 """
 
 from __future__ import annotations

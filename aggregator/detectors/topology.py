@@ -1,29 +1,11 @@
 """Topology attribution: one fault shared by many nodes under one switch, rack, PDU or row.
 
-It reads the other detectors' findings (network, silence, thermal and its onsets, straggler,
-gpu_straggler, gpu_peer) and the nodes' topology labels. Each finding has a fault class (network,
-silence, thermal, slow); each label explains some classes (a leaf: network and silence; a rack, a
-PDU or a row: thermal, slow and silence). A component is indicted when at least ``min_nodes`` of
-the nodes erring in a class it explains sit under it and a binomial test says so: k erring nodes
-of the n under it, against the rate at which the rest of the fleet errs (floored at
-``base_rate_floor``), have a tail probability below ``alpha``. Then its nodes' findings are
-replaced by one ``inspect_hardware`` for the component and one alert. While a component is
-plausible (two of its nodes erring, tail below ``plausible_alpha``) its nodes' removals wait, at
-most ``max_hold_seconds``; a lone node's finding waits ``hold_seconds`` only. It decides no node's
-fault itself and reads no history but the findings of this evaluation and its own indictments.
-
-On a rail-optimised fabric a rail leaf is cabled to one HCA port of each node, not to the node:
-its label is a *port label* (``port_labels`` maps it to the port it covers, ``rail2_leaf`` ->
-``mlx5_2``). Only port findings (those whose evidence names a ``device``) on that port count
-toward it, and only the nodes whose fault is on that port alone: errors on several rails of the
-same nodes are a node- or group-wide cause, not one rail's leaf. A rail leaf that is indicted
-takes every finding on its port; a node's findings on other ports stand on their own.
-
-Designed false-indictment rate: at most ``alpha`` (1e-3) per component whose nodes err together
-by chance, computed against a base rate never below 1% of nodes per window: the field's rate of
-node faults is ~1e-3 per node-day (a 2-minute window holds ~1e-6 of it), so the floor makes
-chance clusters far rarer than alpha says. A whole-fleet event (every rack erring) raises the
-base rate and indicts nobody.
+It reads the other detectors' findings of this evaluation (network, silence, thermal and its onsets,
+straggler, gpu_straggler, gpu_peer), the nodes' topology labels and its own indictments. A component
+under which a binomial test finds too many erring nodes takes their findings as one
+``inspect_hardware`` and an alert, and while one is plausible its nodes' removals wait a bounded hold;
+it decides no node's fault itself. Fault classes, thresholds, hold times, rail leaves and the designed
+false-indictment rate: docs/detectors.md, "topology".
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Xid detector: NVIDIA Xid errors judged per GPU by the catalog's rules.
 
-It reads each GPU's de-duplicated Xid occurrences (an Xid seen by both the kernel log and NVML
-is one) and its row-remap flags, and hands them to ``judge_xids`` with NVIDIA's Xid catalog: the
-catalog decides the action per code, repetition rules turn repeated application Xids into a node
-problem. It does not parse log lines (the agent does) nor hold the catalog (xid_catalog does).
-
-Peer-relative, per burst: an application-class Xid (the catalog's category "app": 13, 31, 43, 45,
-68, ...) points at its GPU only in the bursts its peers (the other GPUs of its jobs, or of its node
-when no job is known) did not share. A burst (one fault's lines, ``APP_BURST_SECONDS`` apart at
-most) is the job's when at least ``app_peer_share`` of the peers logged the same code within
-``app_peer_burst_seconds`` of it: a user's bug on every rank of a job is one alert for the job and
-no removal. A GPU is drained on ``app_repeat_threshold`` (3) bursts of its own within the hour, so
-a job-wide crash excuses that burst only, not the GPU's later solo repeats. Evidence window: one
-hour (``window_seconds``); persistence: 3 separate bursts; designed false-drain rate: a job-wide
-application fault never drains (0 by construction: every GPU of it shares the burst); a GPU
-repeating a user's bug alone three times in an hour while no peer does is the GPU's
-(NVIDIA: "if the error persists" on the same GPU, run diagnostics).
-
-NVLink Xids (74, 144-150) act as their registers decode (``xid_catalog.decode_nvlink``: NVIDIA's
-"Xid 144-150 Decode" sheet and WORKFLOW_NVLINK_ERR guide), the evidence naming the link, unit and
-fatality: a non-fatal NVLink5 event whose resolution is IGNORE only observes. NVML's recovery
-action (GpuState.recovery_action, the driver's own verdict) acts on one report: gpu_reset ->
-reset_gpu, node_reboot -> reboot_node, drain_p2p -> drain, drain_and_reset -> reset_gpu; "none"
-never acts.
+It reads each GPU's de-duplicated Xid occurrences, its row-remap flags and NVML's recovery action,
+and hands them to ``judge_xids`` with NVIDIA's Xid catalog, which decides the action per code (NVLink
+Xids 74 and 144-150 as their registers decode). An application-class Xid is the job's (one alert, no
+removal) in the bursts its peer GPUs share, and drains its GPU only on repeated solo bursts; it does
+not parse log lines (the agent does) nor hold the catalog (``xid_catalog`` does). Peer bursts, the
+NVLink decode, the recovery action and the designed false-drain rate: docs/detectors.md, "xid".
 """
 
 from __future__ import annotations
