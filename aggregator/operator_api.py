@@ -4,8 +4,8 @@ It serves ``GET /v1/breaker``, ``/v1/gate``, ``/v1/nodes/{node}/history`` and ``
 role) and ``POST`` hold, resume and isolations (operator role), each taking one node by its exact name (a
 hostlist or glob is refused 400 ``bad_node``) and writing in a worker thread. It judges nothing: a resume is a
 decision through the ledger and its gate, and a hold or resume voids the node's pending node-action requests
-at once (docs/gate.md, "Giving a node back"; docs/probes.md, "Isolations in the service"; docs/security-
-agent.md, "Node actions").
+at once (docs/gate.md, "Giving a node back"; docs/probes.md, "Isolations in the service";
+docs/security-agent.md, "Node actions").
 """
 
 from __future__ import annotations
