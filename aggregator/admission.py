@@ -1,13 +1,9 @@
 """Admission control at report intake: whether the aggregator takes one more report now.
 
-It reads what app.py measures of its own backlog (reports held while the detectors read, how late
-the event loop runs its timers) and, with
-``max_reports_per_second``, a token bucket on its own clock; it decides shed (a reason and the
-seconds the sender should wait: ``Retry-After``) or take. A node quiet for
-``always_admit_after_seconds`` is taken whatever the load (but past the held bound), so shedding
-never makes a node look silent to the silence detector. It does not answer, count or log (app.py
-does), and never refuses a report for its content: a shed report is not taken at all, so the
-sender keeps its compact base and resends later (docs/reports.md, "Overload").
+It reads what app.py measures of its own backlog (reports held, event-loop lag) and a
+``max_reports_per_second`` token bucket, and decides shed (a reason and a ``Retry-After``) or take, always
+taking a node quiet for ``always_admit_after_seconds`` so shedding never makes it look silent. It does not
+answer, count or log (app.py does), and never refuses a report for its content (docs/reports.md, "Overload").
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Inputs from Alertmanager, and the breaker's manual reset, as aiohttp routes.
 
-``POST /v1/alertmanager`` takes Alertmanager's webhook payload (version "4"): each firing alert
-with a ``vigil_action`` label (and a ``node`` or ``instance`` label) becomes a Decision of
-detector "alertmanager" passed through the same sink (the gate) as the detectors' own, so a
-site's PromQL rules can propose actions but never bypass the breaker. Each alert is checked on
-its own: a bad one (malformed, a node name that is not a hostname, a node that is not a fleet
-member) is refused and counted by reason while the rest of the batch goes on; the answer is 200
-listing the refused ones, so Alertmanager does not re-send the batch forever. ``POST
-/v1/breaker/reset`` is the manual reset. Nothing here acts on a node.
+``POST /v1/alertmanager`` reads Alertmanager's webhook payload (version "4") and turns each firing alert with
+a ``vigil_action`` label into a Decision of detector "alertmanager" through the same gate as the detectors'; a
+bad alert is refused and counted by reason while the batch goes on, answered 200 with the refused listed (so
+Alertmanager does not resend forever). ``POST /v1/breaker/reset`` is the manual reset; nothing here acts on a
+node (docs/gate.md, "Alertmanager's proposals").
 """
 from __future__ import annotations
 

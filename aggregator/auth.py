@@ -1,14 +1,10 @@
 """Who may call which aggregator route: credentials, roles, and the middleware that enforces them.
 
-One explicit table maps (method, route) to a role: ``node`` (report for its own node only),
-``alertmanager`` (Alertmanager's webhook), ``operator`` (every other POST, present or future) and
-``read`` (fleet and decision queries); ``/healthz`` and ``/metrics`` are public. Node tokens are
-derived from a site secret (``<node>~HMAC-SHA256(secret, node)``), so the aggregator holds one
-secret file; on Kubernetes a node may instead send its agent pod's projected service-account
-token, which aggregator/tokenreview.py verifies and binds to the pod's node. The other roles have
-a token file each; a credential file other users may read is refused at start. Every refusal is
-a 401/403 with a JSON reason, counted by door and reason. It validates no request body and
-decides nothing else.
+It reads bearer credentials (node tokens derived from the site secret, Kubernetes projected tokens through
+aggregator/tokenreview.py, one token file per other role) and checks them against one explicit table of
+(method, route) to role; every refusal is a 401/403 with a JSON reason, counted by door and reason. It
+validates no request body and decides nothing else (README.md, "Roles"; docs/kubernetes.md, "Node
+credentials").
 """
 
 from __future__ import annotations

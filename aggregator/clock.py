@@ -1,13 +1,10 @@
-"""The aggregator's step-free clock (wall time read once at start, then advanced by the monotonic
-clock) and the watch over the fleet's clocks against it.
+"""The aggregator's step-free clock (wall time read once at start, then advanced by the monotonic clock) and the
+watch over the fleet's clocks against it.
 
-It reads the system's wall and monotonic clocks and gives the engine, the fleet and the gate a time
-that an NTP step (or an operator's ``date -s``) cannot move: silence, cooldowns and windows are
-differences of its readings, so a step of the wall clock can never make a node look silent or a
-removal look old. It tells how far the wall clock has moved from it (``offset_seconds``) and counts
-each step it sees (``check``); ``FleetClockWatch`` reads the nodes' measured offsets and tells the
-skewed nodes from a step of most of the fleet at once. It decides nothing and never re-anchors (that
-would be the very jump it exists to hide: a restart anchors anew).
+It reads the system's wall and monotonic clocks and gives the engine, the fleet and the gate a time an NTP
+step or ``date -s`` cannot move, reporting the wall clock's offset and each step it sees; ``FleetClockWatch``
+reads the nodes' measured offsets and tells skewed nodes from a step of most of the fleet. It decides nothing
+and never re-anchors (a restart anchors anew) (docs/reports.md, "Time").
 """
 
 from __future__ import annotations

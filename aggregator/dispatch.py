@@ -1,19 +1,10 @@
 """Delivery: from the store to the actuators, at least once, each actuator on workers of its own.
 
-The ``Dispatcher`` is an async worker that takes due deliveries from the store (written there
-by ``aggregator.ledger.Ledger``) and runs each (blocking) actuator on that actuator's own bounded
-thread pool (``ActuatorWorkers``), held to the actuator's total deadline, with jittered
-exponential backoff and a dead-letter state; every failed attempt is a WARNING and a counted
-outcome, every dead letter an ERROR, every deadline passed a count by actuator and phase. A round
-never waits on a delivery: one stuck receiver holds its own workers only, and while they are all
-busy its due deliveries wait in the store (postponed, not attempted) while other actuators, the
-store (a thread of its own), intake and leadership go on. Each delivery is claimed in the store
-(a fenced write) just before it starts, and its worker checks ``acting`` again before sending,
-so a replica that lost the leadership (fenced, or frozen past its lease) sends nothing. A
-delivered decision is handed to ``on_delivered`` (the node-action outbox follows a delivered
-drain with its request to the agent). ``last_round`` is the acting loop's progress, which HA
-leadership follows (aggregator/leadership.py). It judges nothing and keeps no delivery state
-outside the store.
+The ``Dispatcher`` reads due deliveries from the store, claims each with a fenced write, and runs its actuator
+on that actuator's own bounded thread pool under a total deadline, with jittered backoff into a dead-letter
+state; a delivered decision goes to ``on_delivered`` and each round to ``last_round``, which HA leadership
+follows. It judges nothing and keeps no delivery state outside the store (README.md, "Delivery guarantee";
+docs/ha.md, "How it works"; docs/architecture.md, "11. The acting path").
 """
 
 from __future__ import annotations

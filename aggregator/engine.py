@@ -1,18 +1,10 @@
 """The engine: fleet state plus detectors, turning reports into decisions. Synchronous, no I/O.
 
-``ingest`` folds a validated report into the fleet; ``evaluate`` runs every enabled detector on
-the fleet view, lets the topology pass merge shared faults, turns each episode into one
-``Decision`` (a new one when the fault repeats well after it was decided), and proposes every
-current episode to the ledger each cycle: the ledger knows what is already admitted, and a refused
-one is judged again. Time is always given (``now``), so the simulator drives it on a simulated
-clock and the app on its step-free clock (aggregator/clock.py): every duration the detectors and
-the gate judge (silence, windows, cooldowns, the breaker's window) is a difference of two readings
-of that one clock, never of two wall clocks, so a step of the system clock or of a node's drains
-nobody. It keeps no record of what was admitted: when the recovery
-detector is enabled it reads, each evaluation, the ledger's gate state (in memory, no I/O) for
-the nodes vigil removed and hands them to the detectors as ``FleetView.removed``. ``evaluate``
-is three steps (``prepare``, ``judge``, ``decide``) so that the service can run the detectors,
-the costly one, on a worker thread while its event loop keeps taking reports.
+``ingest`` folds a validated report into the fleet; ``evaluate`` (``prepare``, ``judge``, ``decide``, so the
+service can judge off its event loop) runs the enabled detectors and the topology pass on the fleet view and
+proposes every current episode, as one ``Decision``, to the ledger each cycle. Time is always given (``now``,
+one step-free clock); it keeps no record of what was admitted, reading the ledger's gate state only to hand
+detectors ``FleetView.removed`` (docs/architecture.md, "11. The acting path").
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The job-recovery planner: when to restart a running job without a node that slows or threatens it.
 
-It reads the findings of an evaluation (after the detectors and the topology pass) and the jobs in
-the fleet view (ranks, step times, announced checkpoints), and decides per (job, node) by expected
-GPU-seconds lost: restart now without the node, at the job's next announced checkpoint, or leave it
-to the job's end. It emits a ``restart_job`` finding (node: the node to exclude, job: the job key)
-only at the moment it chose, and records each plan's outcome against its estimate (the job's step
-time before and after). It does no I/O and never reads the clock (``now`` is given); it removes no
-node (the node's own finding does) and judges no job-level finding.
+It reads an evaluation's findings and the view's jobs (ranks, step times, announced checkpoints) and decides
+per (job, node), by expected GPU-seconds lost, to restart now, at the next checkpoint or never, emitting a
+``restart_job`` finding only at the moment it chose and recording each plan's outcome. It does no I/O, never
+reads the clock, removes no node and judges no job-level finding (docs/goodput.md, "The planner").
 """
 
 from __future__ import annotations

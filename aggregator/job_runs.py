@@ -1,14 +1,10 @@
 """Job runs: each training job's incarnations (its runs between restarts), as its ranks show them.
 
-It reads the view's jobs each evaluation (each rank's latest summary: pid, state, steps, checkpoint
-step) and keeps, per job key (the scheduler's identity the agent bound), its recent incarnations:
-when each began on the aggregator's clock, the lowest and highest step and the latest checkpoint
-step its ranks reported, and when it ended (every rank exited, or a later incarnation began). A
-rank restarted when another process took it over (a new pid), when it runs again after it exited,
-or, for a rank with no process identity (a tailed log), when its step went back (``last_step``
-below its last, or ``first_step`` below what it had reached before that window began). One
-process whose step counter goes back (a counter kept per epoch) did not restart. It decides
-nothing: the crash-loop and application-signal detectors each keep one of these and judge from it.
+It reads the view's jobs each evaluation (each rank's pid, state, steps and checkpoint step) and keeps, per
+job key, its recent incarnations: when each began and ended on the aggregator's clock, its lowest and highest
+step and latest checkpoint step, a restart being a new pid, a run after an exit, or (no pid) a step gone back.
+It decides nothing: the crash-loop and application-signal detectors each keep one and judge from it
+(docs/detectors.md, "crash_loop, app_signals").
 """
 
 from __future__ import annotations

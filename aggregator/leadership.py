@@ -1,18 +1,10 @@
 """Which replica of an HA pair acts: a PostgreSQL advisory lock, kept only while the acting loop progresses.
 
-It reads PostgreSQL's answer to ``pg_try_advisory_lock`` on a dedicated connection, checked every
-``check_interval_seconds``, and says whether this replica leads (``leader``) and which database
-session holds the lock for it (``holder_pid``: the store fences every acting write on it, in the
-write's own transaction). Leadership follows progress, not the TCP session: at each check the
-leader writes when its acting loop (the dispatcher) last completed a round into
-``vigil_leader_progress``, in the database's time; a leader whose loop completed no round within
-``progress_timeout_seconds`` gives the lock up itself, its lease (``leader``) lapses on its own
-clock a little before anyone may fence it, and a warm standby that finds the leader's progress
-older than that terminates the holder's lock session (``pg_terminate_backend``: the store's fence
-then refuses every write of the old leader) and takes the lock. A replica asks for the lock only
-once its fleet view is warm and its own loop progresses; one that loses the connection stops
-leading at once. It is no consensus protocol of its own (PostgreSQL's lock manager is the one
-arbiter) and it judges and delivers nothing. A lone aggregator on SQLite uses ``SoleLeader``.
+It reads ``pg_try_advisory_lock`` on a dedicated connection and the leader's recorded progress, and says
+whether this replica leads and which session holds the lock (the store fences on it); a leader whose acting
+loop stalls gives the lock up, and a warm standby fences it with ``pg_terminate_backend``. It is no consensus
+protocol of its own and judges and delivers nothing; a lone aggregator on SQLite uses ``SoleLeader``
+(docs/ha.md, "How it works").
 """
 
 from __future__ import annotations

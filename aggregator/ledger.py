@@ -1,15 +1,10 @@
 """Admission: proposed decisions judged by the gate and made durable in the store, or kept until they can be.
 
-``Ledger`` is the engine's ``DecisionSink``. For each proposal not already admitted it asks the
-``Gate`` for a verdict against the store's gate state, and writes every new verdict of a batch
-(with one pending delivery per actuator for each admitted decision) in one transaction: a
-decision is made only once that commit returns. When the store cannot be written (disk full,
-read-only, lock timeout, file deleted) the batch stays in memory, the write is retried with
-backoff, ``problem()`` says why (so /healthz answers 503), and each failure is counted and
-logged at ERROR. A proposal refused for a reason that can pass (breaker, maintenance, opt-out,
-hold, cooldown) is judged again whenever it is proposed again; one refused because it is
-already done (a duplicate, a node already out) is settled. It holds
-no gate state of its own and delivers nothing.
+``Ledger``, the engine's ``DecisionSink``, reads each proposal not already admitted, asks the ``Gate`` for a
+verdict against the store's gate state, and commits a batch's verdicts with their pending deliveries in one
+transaction, keeping the batch in memory and retrying while the store cannot be written (``problem()`` makes
+/healthz 503). It holds no gate state of its own and delivers nothing (README.md, "Delivery guarantee";
+docs/architecture.md, "11. The acting path").
 """
 
 from __future__ import annotations

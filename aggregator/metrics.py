@@ -1,14 +1,9 @@
 """The aggregator's own Prometheus metrics: intake, judgement and the fleet's state at a glance.
 
-Counts reports ingested and rejected (by reason) and the events they carried (by kind), times
-ingest and evaluation, reports how many nodes are in each state, and shows the acting side:
-decisions by action, detector and verdict, deliveries by actuator and outcome, pending and
-dead-lettered deliveries, the circuit breaker, store errors, leadership (and the progress it
-follows, fencing), actuator reachability, each actuator's own workers and deadlines passed, the
-event loop's lag and the garbage collector's pauses, and the clocks (the aggregator's steps, the
-skewed nodes) and the entries the fleet evicted to stay within its caps. It uses its own registry
-(no process-global state), so tests and the simulator can build as many as they like. It neither
-judges nor serves; app.py mounts ``render`` and supplies the readings.
+It holds the counters, histograms and gauges of intake, judging, decisions and deliveries, the breaker, the
+store, leadership, the actuators' workers, the event loop, the garbage collector, the clocks and the fleet's
+caps, in a registry of its own (no process-global state, so tests and the simulator build as many as they
+like). It neither judges nor serves: app.py mounts ``render`` and supplies the readings.
 """
 
 from __future__ import annotations

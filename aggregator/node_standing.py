@@ -1,12 +1,9 @@
 """A node's standing with vigil, answered to its agent with each report: trusted or not, and why.
 
-It reads the gate's state (the store's, in memory: which nodes vigil has out) and the engine's
-last findings (which nodes a current finding proposes to take out), indexed once per evaluation so
-that each report costs two dictionary lookups. It decides nothing and acts on nothing: the agent
-passes the standing on to a launcher that asks (agent/launcher_health.py), which may then leave the
-node out of its next rendezvous. Only the acting replica answers one (a standby's gate state is read
-back only when it takes over), and where nothing acts (dry_run), or the breaker holds automation
-back, or an operator holds the node, a finding alone leaves the node trusted.
+It reads the gate's in-memory state and the engine's last findings, indexed once per evaluation, and answers
+untrusted while vigil has the node out or a current finding proposes to; only the acting replica answers, and
+in dry run, with the breaker tripped or the node held, a finding alone leaves it trusted. It decides and acts
+on nothing: the agent passes the standing to a launcher that asks (docs/reports.md, "Standing").
 """
 
 from __future__ import annotations

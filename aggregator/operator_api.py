@@ -1,19 +1,11 @@
-"""The gate's routes for people: read the breaker and the gate's state, hold and resume a node.
+"""The gate's routes for people: read the breaker and the gate's state, hold and resume a node, isolate.
 
-``GET /v1/breaker`` and ``GET /v1/gate`` show what the ledger decides from; ``POST
-/v1/nodes/{node}/hold`` and ``/resume`` are the operator's actions (the auth middleware gives
-them the operator role); ``GET /v1/nodes/{node}/history`` (read role) is the node's remediation
-history, assembled by ``aggregator.history``. Each takes one node by its exact name: a Slurm
-hostlist or a glob (``vnode[1-5]``) is refused 400 ``bad_node``, counted in
-vigil_aggregator_refusals_total{door, reason="bad_node"}, never expanded. Writes run in a worker
-thread, so a large batch being written never stalls the event loop. It judges nothing: a resume is
-a decision like any other, through the ledger and its gate. A hold or a resume ends the node's
-removal as far as vigil is concerned: its pending node-action requests (a GPU reset, a reboot
-request) are voided at once (``void_node_actions``, the outbox's ``void``), before the resume
-decision is even delivered.
-``POST /v1/probes/isolations`` (operator role) starts a group-testing isolation of a set of
-nodes (a freshly repaired set) through the prober, which validates it against the fleet;
-``GET /v1/probes/isolations`` (read role) lists the running and the finished ones.
+It serves ``GET /v1/breaker``, ``/v1/gate``, ``/v1/nodes/{node}/history`` and ``/v1/probes/isolations`` (read
+role) and ``POST`` hold, resume and isolations (operator role), each taking one node by its exact name (a
+hostlist or glob is refused 400 ``bad_node``) and writing in a worker thread. It judges nothing: a resume is a
+decision through the ledger and its gate, and a hold or resume voids the node's pending node-action requests
+at once (docs/gate.md, "Giving a node back"; docs/probes.md, "Isolations in the service";
+docs/security-agent.md, "Node actions").
 """
 
 from __future__ import annotations

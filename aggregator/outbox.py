@@ -1,22 +1,12 @@
 """The node-action outbox: the one owner of the requests the aggregator has for nodes' agents.
 
-It takes an admitted decision once an actuator delivered its removal (``on_delivered``: a Slurm
-drain or a Kubernetes cordon and eviction) and, where ``FOLLOW_UPS`` pairs that actuator and action
-with a node action the site switched on, turns it into a ``NodeActionRequest`` (reset_gpu, or
-request_reboot: kured's sentinel) for that node's current boot (and GPU), signed under the
-node's key (``node_key(master key, node)``); ``due`` says which requests to offer in the answer
-to a node's report (again every ``retry_seconds`` until a final result or expiry), each offer
-signed anew to expire ``offer_ttl_seconds`` later, and ``record`` takes the node's
-``action_results``, handing the ones it knows to the fleet for the recovery detector (a run_probes
-result only when signed under the node's key and bound to the request's node and boot: what it
-measured is judged). ``enqueue_request`` takes a request no decision carries (the prober's
-run_probes, aggregator/prober.py) through the same bounds and signing. ``void``
-cancels a node's pending requests when its removal ends (an operator's resume or hold, a delivered
-resume decision): they are never offered again, and a copy the agent still holds expires within
-``offer_ttl_seconds`` (docs/security-agent.md). It judges nothing (the recovery detector verifies
-the reset), runs nothing on any node, and keeps its state in memory only (an aggregator restart
-forgets pending requests: the recovery detector then alerts on the unverified node). Every
-refused or unknown result, and every cancellation, is logged and counted.
+It reads delivered removals (``on_delivered``) and, where ``FOLLOW_UPS`` pairs the actuator and action with a
+node action the site switched on, keeps a signed ``NodeActionRequest`` (reset_gpu, request_reboot, or the
+prober's run_probes) for the node's current boot, offers it in answers to the node's reports until a final
+result or expiry, takes the agent's ``action_results`` for the fleet, and ``void``s a node's requests when its
+removal ends. It judges nothing, runs nothing on a node, and keeps its state in memory only
+(docs/security-agent.md, "Node actions"; docs/kubernetes.md, "Reboots and GPU resets"; docs/probes.md,
+"Running probes on request").
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The prober: the one owner of probe runs the aggregator asks nodes' agents for (``run_probes``).
 
-After each evaluation (``plan(view, findings, now)``: the app calls it right after the engine's
-decisions, the simulator the same) it reads the detectors' findings and the fleet, and queues
-signed run_probes requests in the outbox: the recovery probe set for a removed node the recovery
-detector found clean on passive evidence ("probing" findings, retried once there), the suspect
-probe set for a node a trigger finding names once it is idle (no job, unless ``allow_with_job``),
-and the collective runs of one group-testing isolation at a time (started by an operator, by the
-simulator, or by itself when ``group_min_suspects`` idle suspects wait: ``start_isolation``);
-never two runs on one node, never more than ``max_fleet_share`` of the reporting fleet at once.
-It collects each run's signed result from the fleet (the outbox verified it), counts it, and
-learns the fleet's own probe figures per (hardware class, probe) from passing runs, which it
-publishes to the fleet for the detectors
-(``Fleet.learned_probes``; it owns that, ``Fleet.probes`` and ``Fleet.isolations``, the running and
-finished isolations). It decides nothing about a node: the recovery detector resumes or escalates,
-the probe verdict detector drains a failed suspect and each node a finished isolation names faulty.
+After each evaluation (``plan``) it reads the findings and the fleet and queues signed run_probes requests in
+the outbox (recovery runs, suspect runs, one group-testing isolation at a time) within its bounds, then
+collects the verified results and publishes learned figures, probe runs and isolations to the fleet. It
+decides nothing about a node: the recovery and probe-verdict detectors judge the results (docs/probes.md,
+"Orchestration in the aggregator").
 """
 
 from __future__ import annotations

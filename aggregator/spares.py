@@ -1,12 +1,9 @@
 """The spare pool: healthy idle nodes a job restarted without a bad node can land on, so it keeps its size.
 
-It reads the pool's members from the scheduler through a reader the app supplies (Slurm: idle nodes
-with a feature, ``SlurmActuator.spare_nodes``; Kubernetes: Ready, schedulable nodes with a label,
-``KubernetesActuator.spare_nodes``), and sizes the pool by a stated rule: the smallest S with
-P(more than S of the N nodes fail within the refill time) <= risk, each node failing independently
-at the fleet's observed removal rate (the gate's history, with a prior until there is enough of
-it). It exports the count, the recommendation and the draws, and answers whether a verified node
-should be added (``wants_spare``); it removes no node and decides no restart (the planner does).
+It reads the pool's members from the scheduler through a reader the app supplies (the Slurm or Kubernetes
+actuator's ``spare_nodes``) and sizes the pool by a stated binomial rule on the fleet's observed removal rate,
+exporting the count, the recommendation and the draws and answering ``wants_spare`` for a verified node. It
+removes no node and decides no restart (docs/goodput.md, "The spare pool").
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The durable decision log and the one owner of the gate's state: SQLite in WAL mode on disk, or PostgreSQL.
 
-Every proposed decision is written with its gate verdict, and every admitted one with a
-delivery row per actuator, in one transaction before anything acts on it; node state, holds,
-the fault history, recent removals and the circuit breaker live here too and only this module
-changes them, so a restart neither loses an accepted decision nor repeats a completed delivery.
-It migrates older schemas in order, applies retention, and notices its file being deleted while
-it runs. Both engines run the same methods over the same SQL (``Dialect`` names the few
-differences); with PostgreSQL the acting writes are fenced: they fail with ``NotLeader`` unless
-this replica holds the leadership lock (aggregator/leadership.py). The ``node`` column of the
-decisions and deliveries is the decision's subject: its node, or ``job:<job>`` for a job-level
-decision (Decision.subject; never a node name), so a job's deliveries queue in order like a
-node's and no node's history holds them. It judges nothing and delivers nothing.
+It writes every proposed decision with its verdict, and every admitted one with a delivery row per actuator,
+in one transaction before anything acts, and is the only writer of node state, holds, the fault history,
+recent removals and the breaker; on PostgreSQL the acting writes are fenced (``NotLeader`` unless this replica
+holds the leadership lock). It judges nothing and delivers nothing (docs/gate.md, "store:"; docs/ha.md, "How
+it works"; docs/architecture.md, "11. The acting path").
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Kubernetes node credentials: a projected service-account token, verified by the API server.
 
-An agent pod sends the audience-bound token kubelet projects into it; ``TokenReviewer`` asks the
-API server (``authentication.k8s.io/v1`` TokenReview, with ``spec.audiences``) whether it is
-valid, and accepts it only as the agent's service account in the configured namespace, bound to
-a pod, and only for the node that pod runs on (the token's ``node-name`` claim on Kubernetes
->= 1.30, else the pod's ``spec.nodeName`` when its uid matches). Successful reviews are cached
-for a bounded time and number; every call to the API has a total deadline; while the API server
-cannot answer, a token it verified before is still accepted until the token's own expiry. It
-returns a verdict (the node, or a refusal with its status and reason); the auth middleware
-counts and answers it (docs/kubernetes.md has the threat model).
+``TokenReviewer`` reads an agent pod's audience-bound token and asks the API server (TokenReview) whether it
+is valid, caching successes for a bounded time and number and keeping a verified token through an API outage
+until its own expiry. It returns a verdict (the node the pod runs on, or a refusal with its status and
+reason); the auth middleware counts and answers it (docs/kubernetes.md, "Node credentials").
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Kubernetes actuator: cordons, taints and marks a node, and evicts its pods, through the API server.
 
-A removing action sets ``spec.unschedulable``, the taint ``vigil.io/unhealthy=<action>:NoSchedule``
-and a ``VigilUnhealthy`` node condition, then asks for a policy/v1 Eviction of each pod on the
-node (DaemonSet and mirror pods stay): a PodDisruptionBudget's 429 is retried later, not fatal.
-``resume`` undoes the three marks; ``hold_job`` is refused (``hold_not_supported``: a pod's controller
-restarts it, and suspending that controller is left to a person); ``spare_nodes`` lists the spare
-pool (Ready, schedulable nodes with the pool's label); ``restart_job`` evicts the one pod its job key names
-(``pod/<uid>``, the identity the agent read from the process's cgroup), found among the pods the
-API server lists on the decision's node and matched by ``metadata.uid``, never by a name or label
-pattern; the eviction carries that uid as a precondition, so a pod of the same name created since
-is not touched. A job key of any other form, or a pod not on that node, is refused (permanent,
-counted in ``refusals`` by reason, logged). It uses the official ``kubernetes`` client and decides
-nothing itself.
-
-Reboots and GPU resets (``reboot: true``, ``reset_gpu: true``, off by default): the node is
-cordoned and emptied as above; once that is delivered, the aggregator's outbox asks the node's
-agent, in a signed request, to write kured's sentinel file (``request_reboot``: kured drains and
-reboots under its own lock and window) or to reset the GPU (aggregator/outbox.py, FOLLOW_UPS).
-This actuator never reboots or resets anything itself, and needs no right to.
-
-Every action it carries out, or fails to, is also recorded as a core/v1 Event on the Node
-(namespace ``default``, as the kubelet records node events; source ``vigil-aggregator``): reason
-``Vigil<Action>`` (``VigilDrain``, ``VigilResume``...) and type Normal when done,
-``VigilActionFailed`` and Warning when not, the message naming the decision id and its reason,
-so ``kubectl describe node`` and ``kubectl get events`` show who cordoned a node and why. An
-Event that cannot be recorded never fails or delays the action beyond a short timeout: it is
-logged, counted (``events_not_recorded``) and noted in the delivery's account.
+It reads the node's pods from the API server and acts with the official ``kubernetes`` client: a removing
+action cordons, taints (``vigil.io/unhealthy``), sets the ``VigilUnhealthy`` condition and evicts; ``resume``
+undoes it; ``restart_job`` evicts only the pod whose ``metadata.uid`` the job key names; each action is also
+recorded as a Node Event. It decides nothing, refuses ``hold_job``, and never reboots or resets anything
+itself (the outbox asks the agent) (docs/kubernetes.md, "Reboots and GPU resets" and "The actuator's other
+actions"; docs/gate.md, "What the actuators verify before they act").
 """
 
 from __future__ import annotations

@@ -1,52 +1,11 @@
-"""Slurm actuator: drains, reboots, resumes and requeues through ``scontrol``.
+"""Slurm actuator: drains, reboots, resumes, requeues and holds jobs through ``scontrol``.
 
-Removing actions drain the node (``State=DRAIN Reason="vigil: <reason> <decision id>"``); the
-reset or inspection itself is left to the site's tooling, which reads the reason. ``resume``
-undrains only a node that vigil took out (its reason starts with ``vigil:``), and ``restart_job``
-requeues the job held, excludes the bad node and releases it; a job-level ``restart_job`` (no
-node: a job stopped everywhere, nobody to blame) requeues it and excludes nobody. Commands go through an injectable
-runner; it decides nothing beyond refusing what it cannot verify.
-
-What it reads is structured, never free text a user can shape: a node's state and reason come
-from ``sinfo --json`` (Slurm 21.08 and later; 22.05's ``scontrol`` has no ``--json``), and where
-sinfo has no ``--json``, from ``scontrol show node -o`` cut at ``Reason=`` (the reason is free
-text: ``Reason=x State=IDLE`` must not read as IDLE). A job is named only by its numeric Slurm id
-(never ``squeue -n <name>``: a name with a comma is a list to squeue), read with ``squeue -j <id>
--o`` fields that hold no free text (state, node lists), and requeued only when it runs on the
-decision's node (its node list expanded by ``scontrol show hostnames``), or for a job-level
-decision, on one of the nodes that reported it (``actuator.job_nodes``). Each refusal is a
-permanent DeliveryError, logged and counted in ``refusals`` by reason.
-
-GPU resets (``reset_gpu: true``, off by default): the node is drained as above; the aggregator's
-outbox then asks the node's agent to reset the GPU (aggregator/outbox.py), not this actuator.
-
-Reboots (``reboot: true``, off by default): ``reboot_node`` runs ``scontrol reboot ASAP
-nextstate=DOWN reason="vigil: reboot_node: <reason> <decision id>" <node>``. ASAP drains the node
-at once (no new jobs; running ones finish or are requeued by ``restart_job``) and reboots it when
-idle. ``nextstate=DOWN``, not RESUME: Slurm would otherwise put the node back in service as soon
-as slurmd registers after the boot, before anyone checked that the reboot fixed it. DOWN keeps it
-out until vigil's recovery detector has verified it (new boot id, every GPU back, no fault for the
-persistence period) and the gate admitted ``resume``, which runs ``State=RESUME``; a node that
-fails verification stays DOWN and goes to inspection. That hold needs slurm.conf's ReturnToService
-0 or 1: with 2, slurmctld (22.05, checked) returns the DOWN node to IDLE at its next registration
-(an `scontrol reconfigure` suffices), unverified, so with 2 the actuator drains instead of
-rebooting (``scontrol show config`` read at each reboot; logged). Slurm keeps vigil's reason (appending
-" : reboot issued" and the like), so ``resume`` still knows it as a node vigil took out. A node
-someone else drained or downed is not rebooted (their reason would be overwritten).
-
-``hold_job`` (a job that cannot progress: crash loop, NaN loss) stops the job's restart loop: a
-running job is requeued held (``scontrol requeuehold``), so it starts again only when a person
-releases it; the same identity checks as ``restart_job`` (a numeric id, running on a node that
-reported it). A job found pending and already held (priority 0) is a redelivery: done. A pending
-job that is not held runs on no node, so no report can vouch for it: the delivery is retried, and
-holds the job once it runs again (a crash loop starts it again soon).
-
-Spares (docs/goodput.md): ``spare_nodes`` lists the idle nodes with the pool's feature (``sinfo
---json``, or ``sinfo -h -N -o %N|%T|%b`` where it has none: name, state and active features, no
-free text). After a ``resume`` that verification admitted (detector recovery or probe_verdict),
-while the pool is short (``spare_wanted``, the app's pool), the feature is added to the node with
-``scontrol update NodeName=<node> AvailableFeatures=<its own>,<feature> ActiveFeatures=...`` (Slurm
-22.05 takes both in one call; ActiveFeatures alone must stay a subset of AvailableFeatures).
+It reads node and job state only from structured, non-free-text output (``sinfo --json``, ``scontrol show node
+-o`` cut at ``Reason=``, ``squeue -j <numeric id> -o``) and acts only on a node or job it verified (a vigil
+drain to resume, a job running on the decision's node); each refusal is a permanent DeliveryError counted in
+``refusals`` by reason. It decides nothing, and never resets a GPU itself (the outbox asks the agent) nor
+reboots a node unless ``reboot: true`` (docs/slurm.md, "The actuator"; docs/gate.md, "What the actuators
+verify before they act").
 """
 
 from __future__ import annotations
