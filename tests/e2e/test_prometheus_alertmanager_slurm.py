@@ -217,7 +217,10 @@ def test_hardware_fault_drains_the_node_in_slurm(tmp_path: Path, processes: Proc
         reason = slurm_cluster.reason("vnode1")
         assert reason.startswith("vigil: inspect_hardware:"), reason
         assert slurm_cluster.sinfo_state("vnode2") == "idle"
-        assert [a["labels"]["node"] for a in p.alerts()] == ["vnode1"]
+        # The hardware alert, and only vnode1 alerted. An agent-health alert of vnode1's own (events
+        # dropped while a loaded machine slowed its agent) is not what this test is about.
+        alerted = {(a["labels"]["alertname"], a["labels"]["node"]) for a in p.alerts()}
+        assert ("VigilGpuRowRemapFailure", "vnode1") in alerted and {n for _, n in alerted} == {"vnode1"}, alerted
         decisions, _ = aggregator.decisions()
         assert [d["node"] for d in decisions] == ["vnode1"] and decisions[0]["detector"] == "alertmanager"
         assert decisions[0]["id"] in reason
