@@ -123,7 +123,7 @@ class ShadowRule(StrictModel):
     # shadow instance runs whether or not the acting one is enabled.
     config: dict[str, Any] = Field(default_factory=dict)
 
-    def section(self, acting: StrictModel) -> StrictModel:
+    def section(self, acting: Any) -> StrictModel:
         """The shadow instance's section: ``acting`` (the detector's own) with this rule's overrides;
         ValueError naming the key when the detector or a key or value is not one the section takes."""
         cls = REGISTRY.get(self.detector)
@@ -137,7 +137,7 @@ class ShadowRule(StrictModel):
             raise ValueError(f"shadow rule {self.name!r} ({self.detector}): "
                              f"{format_validation_error(exc, model=model)}") from None
 
-    def build(self, acting: StrictModel) -> Detector:
+    def build(self, acting: Any) -> Detector:
         return REGISTRY[self.detector](self.section(acting))
 
 

@@ -317,12 +317,12 @@ def test_an_alert_group_takes_no_action_while_its_neighbours_identical_faults_ar
     # no group: the gate's default, act
     assert by_node["gpu-e1"].decision.action is Action.DRAIN and routed("gpu-e1")["slurm"] == "pending"
     # alert (selected by the aggregator's own label map, and by the node's GPU model): an alert, nothing for Slurm
-    for node, grp in (("gpu-b1", "watch"), ("gpu-d1", "h200")):
-        d = by_node[node].decision
+    for name, grp in (("gpu-b1", "watch"), ("gpu-d1", "h200")):
+        d = by_node[name].decision
         assert d.action is Action.ALERT and d.evidence["would_action"] == "drain"
         assert d.evidence["policy"] == {"group": grp, "mode": "alert"}
-        assert routed(node) == {"alertmanager": "pending"}
-        assert store.state.node(node).condition == "in_service"
+        assert routed(name) == {"alertmanager": "pending"}
+        assert store.state.node(name).condition == "in_service"
     # dry_run: the drain recorded, Slurm's delivery never made
     c1 = by_node["gpu-c1"].decision
     assert c1.action is Action.DRAIN and c1.dry_run
