@@ -168,12 +168,9 @@ class _Acting(PromCollector):
 
     def collect(self) -> Iterator[Metric]:
         r = self._readings()
-        decisions = CounterMetricFamily("vigil_aggregator_decisions", "Verdicts recorded, by action (as admitted), "
-                                        "detector (alertmanager for proposals from Alertmanager) and verdict.",
-                                        labels=["action", "detector", "verdict"])
-        for (action, detector, verdict), n in sorted(r.decisions.items()):
-            decisions.add_metric([action, detector, verdict], n)
-        yield decisions
+        yield _counted("vigil_aggregator_decisions", "Verdicts recorded, by action (as admitted), detector "
+                       "(alertmanager for proposals from Alertmanager) and verdict.", ["action", "detector", "verdict"],
+                       r.decisions)
         deliveries = CounterMetricFamily("vigil_aggregator_deliveries", "Delivery attempts, by actuator and "
                                          "outcome (delivered, failed: will retry, dead: dead-lettered).",
                                          labels=["actuator", "outcome"])
@@ -272,6 +269,14 @@ class _Acting(PromCollector):
                                       value=r.kubernetes_events_not_recorded)
 
 
+def _counted(name: str, doc: str, labels: list[str], counts: Mapping[tuple[str, str, str], int]) -> Metric:
+    """A counter family with one series per key of ``counts`` (its label values, in ``labels``' order)."""
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for values, n in sorted(counts.items()):
+        family.add_metric(list(values), n)
+    return family
+
+
 def _policy(r: ActingReadings) -> Iterator[Metric]:
     """Policy groups and shadow rules (docs/gate.md): both config-defined, so their labels stay bounded."""
     nodes = GaugeMetricFamily("vigil_gate_group_nodes", "A policy group's nodes that reported within the breaker "
@@ -289,12 +294,9 @@ def _policy(r: ActingReadings) -> Iterator[Metric]:
         if breaker["budget"] is not None:
             budget.add_metric([name], float(breaker["budget"]))
     yield from (nodes, removed, budget)
-    decisions = CounterMetricFamily("vigil_gate_decisions", "Verdicts recorded, by the policy group of the node, "
-                                    "its mode (act, alert, dry_run) and the verdict (group_alert, group_dry_run, "
-                                    "group_budget, shadow, admitted...).", labels=["group", "mode", "verdict"])
-    for (group, mode, verdict), n in sorted(r.group_decisions.items()):
-        decisions.add_metric([group, mode, verdict], n)
-    yield decisions
+    yield _counted("vigil_gate_decisions", "Verdicts recorded, by the policy group of the node, its mode (act, "
+                   "alert, dry_run) and the verdict (group_alert, group_dry_run, group_budget, shadow, admitted...).",
+                   ["group", "mode", "verdict"], r.group_decisions)
     shadow = GaugeMetricFamily("vigil_gate_shadow_subjects", "A shadow rule's current subjects (node, or node and "
                                "GPU) against its acting detector's, by agreement (both, shadow_only, acting_only).",
                                labels=["rule", "agreement"])
