@@ -16,7 +16,13 @@ from pydantic import Field, model_validator
 
 from vigil.aggregator.actuators import ActuatorsConfig
 from vigil.aggregator.auth import AuthConfig, TlsConfig
-from vigil.aggregator.detectors import DetectorSection, config_sections
+from vigil.aggregator.detectors import (
+    MAX_SHADOW_RULES,
+    DetectorSection,
+    ShadowRule,
+    check_shadow_rules,
+    config_sections,
+)
 from vigil.aggregator.fleet import FleetConfig
 from vigil.aggregator.gate import GateConfig
 from vigil.aggregator.job_recovery import JobRecoveryConfig
@@ -97,6 +103,14 @@ class AggregatorConfig(StrictModel):
     job_recovery: JobRecoveryConfig = JobRecoveryConfig()
     # Off by default: the pool of healthy idle nodes a restart draws on (aggregator/spares.py).
     spares: SparesConfig = SparesConfig()
+    # Detectors run in shadow beside the acting ones (a new rule, another threshold): their findings
+    # are recorded and compared, never acted on (docs/gate.md, "Shadow rules").
+    shadow: list[ShadowRule] = Field(default_factory=list, max_length=MAX_SHADOW_RULES)
+
+    @model_validator(mode="after")
+    def _shadow(self) -> AggregatorConfig:
+        check_shadow_rules(self.shadow, self.detectors)
+        return self
 
     @model_validator(mode="after")
     def _node_action_key(self) -> AggregatorConfig:

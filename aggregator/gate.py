@@ -1,10 +1,11 @@
 """The gate: decides which proposed decisions may act, given what has already been done.
 
 It reads a ``GateState`` (node states, holds, the fault history, recent removals, the circuit
-breaker; the store owns it and keeps it durable) and a proposed ``Decision`` and returns a
-``Verdict``: admitted (possibly escalated along the ladder because the same GPU or node failed
-before) or refused with a reason code. It is pure: no I/O, no clock (``now`` is given), and it
-never delivers anything; ``GateState.apply`` says what a verdict changes.
+breaker; the store owns it and keeps it durable), the node's policy group (``Membership``) and a
+proposed ``Decision`` and returns a ``Verdict``: admitted (possibly escalated along the ladder,
+turned into an alert or a dry run by its group's mode) or refused with a reason code (a shadow
+rule's always). It is pure: no I/O, no clock (``now`` is given), and it never delivers anything;
+``GateState.apply`` says what a verdict changes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from vigil.aggregator.decision import JOB_RUN_ACTIONS, REMOVING_ACTIONS, Action, Decision
+from vigil.aggregator.policy_groups import (
+    DEFAULT_GROUP,
+    MAX_GROUPS,
+    GroupMode,
+    Membership,
+    PolicyGroup,
+    check_groups,
+    resolve,
+    static_labels,
+)
 from vigil.contract.validation import StrictModel
 
 NodeCondition = Literal["in_service", "removed", "awaiting_inspection"]
@@ -37,6 +48,12 @@ OPERATOR = "operator"
 INFORMING = frozenset({Action.OBSERVE, Action.ALERT})
 # Severity for the cooldown: the Action enum is declared in rising order of cost to the job.
 SEVERITY = {action: rank for rank, action in enumerate(Action)}
+# The detector name of a shadow rule's decisions (``shadow:<rule>``): recorded, never admitted.
+SHADOW_PREFIX = "shadow:"
+
+
+def is_shadow(decision: Decision) -> bool:
+    return decision.detector.startswith(SHADOW_PREFIX)
 
 
 class MaintenanceWindow(StrictModel):
@@ -104,6 +121,25 @@ class GateConfig(StrictModel):
     repeat_after_seconds: float = Field(default=300.0, gt=0)
     opt_out_nodes: list[str] = Field(default_factory=list)  # fnmatch patterns
     maintenance: list[MaintenanceWindow] = Field(default_factory=list)
+    # Policy groups (aggregator/policy_groups.py, docs/gate.md "Policy groups"): the first group whose
+    # selector matches a node sets the gate's mode for its decisions and adds a budget of its own;
+    # a node in no group gets ``default_mode``. act: delivered; alert: an alert instead, nothing
+    # drained, reset or rebooted; dry_run: recorded, not delivered (as the global dry_run).
+    default_mode: GroupMode = "act"
+    groups: list[PolicyGroup] = Field(default_factory=list, max_length=MAX_GROUPS)
+    # Aggregator-side labels a node cannot forge, for ``select.labels``: label -> value -> fnmatch
+    # patterns of node names (e.g. partition: {h200: ["h200-*"]}; the first value that matches).
+    node_labels: dict[str, dict[str, list[str]]] = Field(default_factory=dict, max_length=32)
+
+    @model_validator(mode="after")
+    def _groups(self) -> GateConfig:
+        check_groups(self.groups)
+        return self
+
+    @property
+    def policy_groups(self) -> bool:
+        """Whether any node's mode may differ from act: decisions then carry ``evidence.policy``."""
+        return bool(self.groups) or self.default_mode != "act"
 
     def breaker_budget(self, fleet_nodes: int, in_grace: bool = False) -> int:
         """Most distinct nodes the gate may remove within one breaker window, given how many
@@ -205,6 +241,8 @@ class GateState:
             return
         d = verdict.decision
         self.recent[_dedup_key(d)] = now
+        if verdict.mode != "act":
+            return  # an alert or a dry run of its group: nothing removed, no budget spent
         if d.action in JOB_RUN_ACTIONS:
             self.restarts.append((now, d.job or d.subject))
             return
@@ -252,6 +290,10 @@ class Verdict:
     proposed_action: Action
     trip: bool = False
     alerts: Sequence[Decision] = ()
+    # The policy group that applied (DEFAULT_GROUP: none) and its mode: only an ``act`` verdict
+    # changes the gate's state beyond its dedup entry (GateState.apply).
+    group: str = DEFAULT_GROUP
+    mode: GroupMode = "act"
 
 
 def _dedup_key(d: Decision) -> tuple[str, str, str]:
@@ -269,18 +311,40 @@ class Gate:
     def __init__(self, config: GateConfig, started: float | None = None) -> None:
         self.config = config
         self.started = started
+        self.groups = {g.name: g for g in config.groups}
 
     def in_grace(self, now: float) -> bool:
         return self.started is not None and now - self.started < self.config.breaker_startup_grace_seconds
 
-    def judge(self, decision: Decision, now: float, fleet_nodes: int, state: GateState) -> Verdict:
-        """``fleet_nodes``: the nodes that reported within the breaker window."""
+    def group_of(self, node: str | None, membership: Membership | None) -> PolicyGroup | None:
+        """The policy group of ``node`` (None: the default): as the membership resolved it from the
+        fleet, else (a node the fleet does not know, proposed by Alertmanager) by its name and the
+        static labels alone. A job-level decision (``node`` None) is the default's."""
+        if node is None or not self.groups:
+            return None
+        name = membership.group_of.get(node) if membership is not None else None
+        if name is None:
+            cfg = self.config
+            return resolve(cfg.groups, node, static_labels(node, cfg.node_labels), {})
+        return self.groups.get(name)
+
+    def judge(self, decision: Decision, now: float, fleet_nodes: int, state: GateState,
+              membership: Membership | None = None) -> Verdict:
+        """``fleet_nodes``: the nodes that reported within the breaker window; ``membership``: the
+        policy group of each node the fleet knows (None: resolved from names and static labels)."""
         cfg = self.config
         proposed = decision.action
         dry_run = cfg.dry_run or decision.dry_run
+        group = self.group_of(decision.node, membership)
+        group_name = group.name if group is not None else DEFAULT_GROUP
+        mode: GroupMode = group.mode if group is not None else cfg.default_mode
+        if cfg.policy_groups:
+            decision = decision.model_copy(update={"evidence": {**decision.evidence,
+                                                                "policy": {"group": group_name, "mode": mode}}})
 
         def refuse(reason: str, detail: str, trip: bool = False, alerts: Sequence[Decision] = ()) -> Verdict:
-            return Verdict(False, reason, detail, decision, proposed, trip=trip, alerts=alerts)
+            return Verdict(False, reason, detail, decision, proposed, trip=trip, alerts=alerts, group=group_name,
+                           mode=mode)
 
         def admit(action: Action, reason: str = "admitted", detail: str = "",
                   earlier: Sequence[HistoryEntry] = ()) -> Verdict:
@@ -290,12 +354,29 @@ class Gate:
             if action in RUNG:  # every removing decision says which earlier episodes it counted
                 evidence["earlier_episodes"] = [e.as_evidence() for e in earlier]
             out = decision.model_copy(update={"action": action, "dry_run": dry_run, "evidence": evidence})
-            return Verdict(True, reason, detail or f"{action.value} admitted", out, proposed)
+            return Verdict(True, reason, detail or f"{action.value} admitted", out, proposed, group=group_name)
 
-        def alert(kind: str, why: str, evidence: dict[str, object]) -> Decision:
+        def relaxed(action: Action) -> Verdict:
+            """What a group in alert or dry_run mode admits instead of ``action``: an alert saying what
+            vigil would have done, or the decision as a dry run; neither changes the gate's state."""
+            evidence = {**decision.evidence, "would_action": action.value}
+            if action is not proposed:
+                evidence["escalated_from"] = proposed.value
+            if mode == "alert":
+                out = decision.model_copy(update={
+                    "action": Action.ALERT, "dry_run": dry_run, "evidence": evidence,
+                    "reason": f"vigil would {action.value} {decision.subject} (group {group_name} in alert mode): "
+                              f"{decision.reason}"})
+                return Verdict(True, "group_alert", f"{action.value} turned into an alert: group {group_name} is "
+                               "in alert mode", out, proposed, group=group_name, mode=mode)
+            out = decision.model_copy(update={"action": action, "dry_run": True, "evidence": evidence})
+            return Verdict(True, "group_dry_run", f"{action.value} recorded, not delivered: group {group_name} is "
+                           "in dry_run mode", out, proposed, group=group_name, mode=mode)
+
+        def alert(kind: str, why: str, evidence: dict[str, object], key: str | None = None) -> Decision:
             # Deterministic id: the same alert about the same thing is one alert, however often
             # its cause is proposed again. A component's (a switch, a rack) is named as such.
-            key = f"{kind}\x1f{decision.node}\x1f{state.breaker.tripped_ts or now:.6f}"
+            key = key or f"{kind}\x1f{decision.node}\x1f{state.breaker.tripped_ts or now:.6f}"
             return Decision(id=f"{kind}-" + hashlib.sha256(key.encode()).hexdigest()[:14], ts=now,
                             node=decision.node, gpu=decision.gpu, component=decision.component,
                             action=Action.ALERT, reason=why, detector="gate", evidence=evidence, dry_run=dry_run)
@@ -308,16 +389,20 @@ class Gate:
                                                        "proposed_action": action.value,
                                                        "component": decision.component})
 
+        if is_shadow(decision):  # a shadow rule's finding: recorded to compare, never delivered
+            return refuse("shadow", f"shadow rule {decision.detector.removeprefix(SHADOW_PREFIX)}: recorded, "
+                          f"not acted on (its group {group_name} is in {mode} mode)")
         last = state.recent.get(_dedup_key(decision))
         if last is not None and now - last < cfg.dedup_seconds:
             return refuse("duplicate", f"{proposed.value} on {decision.subject} already admitted {now - last:.0f}s ago")
         if proposed in INFORMING:
             return admit(proposed)
+        by_hand = decision.detector == OPERATOR
+        acting = by_hand or mode == "act"  # an operator's own decision is never relaxed by a group
         if decision.node is None:
             # About a whole job (Decision allows only restart_job and hold_job here): no node's hold, opt-out,
             # maintenance window, cooldown or breaker budget applies; the restart budget does.
-            return self._restart(decision, now, state, refuse, admit)
-        by_hand = decision.detector == OPERATOR
+            return self._restart(decision, now, state, refuse, admit) if acting else relaxed(proposed)
         if decision.node in state.holds and not by_hand:
             ts, note = state.holds[decision.node]
             return refuse("held", f"{decision.node} is held by an operator since {ts:.0f} {note}".strip())
@@ -338,9 +423,9 @@ class Gate:
                     f"{decision.node} was removed {now - rec.last_removal_ts:.0f}s ago "
                     f"(< {cfg.min_removed_seconds:.0f}s)",
                 )
-            return admit(proposed)
+            return admit(proposed) if acting else relaxed(proposed)
         if proposed in JOB_RUN_ACTIONS:
-            return self._restart(decision, now, state, refuse, admit)
+            return self._restart(decision, now, state, refuse, admit) if acting else relaxed(proposed)
 
         # Only what was done before this fault began counts as "failed again": a second reading of
         # the same event (another detector, a proposal judged again later) climbs nothing.
@@ -361,11 +446,28 @@ class Gate:
                 f"{decision.node}: {rec.last_removal} {now - rec.last_removal_ts:.0f}s ago "
                 f"(cooldown {cfg.cooldown_seconds:.0f}s)",
             )
+        if not acting:  # before the breakers: a group that does not act spends no budget
+            return relaxed(action)
 
         if state.breaker.tripped:
             why = f"circuit breaker open since {state.breaker.tripped_ts}: {state.breaker.reason}"
             return refuse("breaker_open", why, alerts=(refused_alert(action),))
         removed = state.removed_nodes_since(now - cfg.breaker_window_seconds)
+        group_budget = group.budget(membership.members.get(group.name, 0) if membership else 0) if group else None
+        if group is not None and group_budget is not None and membership is not None:
+            # The group's own budget, before the global one: a canary group that exhausts it waits
+            # (proposed again as its window frees) without stopping the other groups.
+            ours = {n for n in removed if membership.group_of.get(n) == group.name}
+            if decision.node not in ours and len(ours) + 1 > group_budget:
+                why = (f"{len(ours) + 1} of group {group.name}'s {membership.members.get(group.name, 0)} reporting "
+                       f"nodes would be removed within {cfg.breaker_window_seconds:.0f}s, group budget "
+                       f"{group_budget}: waits until the window frees one")
+                return refuse("group_budget", why, alerts=(alert(
+                    "group-budget-refused", f"vigil did not {action.value} {decision.node} (group {group.name}'s "
+                    f"breaker budget spent): {decision.reason}",
+                    {"refused_decision": decision.id, "proposed_action": action.value, "group": group.name,
+                     "removed_nodes": sorted(ours), "budget": group_budget},
+                    key=f"group-budget\x1f{decision.id}"),))
         grace = self.in_grace(now)
         budget = cfg.breaker_budget(fleet_nodes, in_grace=grace)
         if decision.node not in removed and len(removed) + 1 > budget:

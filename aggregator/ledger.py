@@ -19,6 +19,7 @@ from vigil.aggregator.actuators.actuator import Actuator
 from vigil.aggregator.decision import Decision
 from vigil.aggregator.gate import Gate, GateConfig, GateState, Verdict
 from vigil.aggregator.leadership import Leadership, SoleLeader
+from vigil.aggregator.policy_groups import DEFAULT_GROUP, Membership
 from vigil.aggregator.store import WRITE_ERRORS, Store, StoreConfig
 
 log = logging.getLogger("vigil.aggregator.ledger")
@@ -67,6 +68,12 @@ class Ledger:
         self.verdicts: Counter[str] = Counter()
         # (action, detector, verdict) -> verdicts recorded in the store (each change once)
         self.recorded: Counter[tuple[str, str, str]] = Counter()
+        # (group, mode, verdict) -> verdicts recorded in the store, by policy group (vigil_gate_decisions_total)
+        self.recorded_groups: Counter[tuple[str, str, str]] = Counter()
+        # Published by the engine each evaluation: each node's policy group (what the gate judges every
+        # proposal by, Alertmanager's and operators' too) and its shadow rules' comparison (GET /v1/gate).
+        self.membership = Membership()
+        self.shadow: list[dict[str, object]] = []
         # kind -> store failures (write, file, dropped: a proposal the memory queue could not keep)
         self.store_errors: Counter[str] = Counter()
         self._unstored: OrderedDict[str, Decision] = OrderedDict()
@@ -208,7 +215,7 @@ class Ledger:
                 self.verdicts["duplicate" if prior[0] else prior[1]] += 1
                 self._remember(decision.id)
                 continue
-            verdict = self.gate.judge(decision, now, fleet_nodes, shadow or state)
+            verdict = self.gate.judge(decision, now, fleet_nodes, shadow or state, self.membership)
             self.verdicts[verdict.reason] += 1
             alerts = [a for a in verdict.alerts if a.id not in written and a.id not in self._settled
                       and self.store.verdict_of(a.id) is None]
@@ -236,6 +243,7 @@ class Ledger:
                 if logged[verdict.reason] <= LOG_PER_REASON:
                     self._log(verdict)
                 self.recorded[(d.action.value, d.detector, verdict.reason)] += 1
+                self.recorded_groups[(verdict.group, verdict.mode, verdict.reason)] += 1
                 if verdict.admitted:
                     self._remember(d.id)
             for reason, n in logged.items():
@@ -323,4 +331,26 @@ class Ledger:
             "history": {n: [e.as_evidence() for e in entries] for n, entries in sorted(state.history.items())},
             "store": {"path": str(self.store.path), "schema_version": self.store.schema_version,
                       "problem": self._problem, "unstored": len(self._unstored)},
+            "policy": {"default_mode": self.gate.config.default_mode, "groups": self.groups(now)},
+            "shadow": self.shadow,
         }
+
+    def groups(self, now: float) -> list[dict[str, object]]:
+        """Each policy group (config order, the default last): its mode, selector, reporting members
+        and its own breaker budget (the removals within the window of nodes now in the group)."""
+        cfg, members, group_of = self.gate.config, self.membership.members, self.membership.group_of
+        removed = self.store.state.removed_nodes_since(now - cfg.breaker_window_seconds)
+        out: list[dict[str, object]] = []
+        for g in cfg.groups:
+            ours = sorted(n for n in removed if group_of.get(n) == g.name)
+            budget = g.budget(members.get(g.name, 0))
+            out.append({"name": g.name, "mode": g.mode, "select": g.select.model_dump(exclude_defaults=True),
+                        "trust_reported_labels": g.trust_reported_labels, "members": members.get(g.name, 0),
+                        "breaker": {"budget": budget, "removed_nodes": ours, "removals_in_window": len(ours),
+                                    "exhausted": budget is not None and len(ours) >= budget}})
+        ours = sorted(n for n in removed if not group_of.get(n))
+        out.append({"name": DEFAULT_GROUP, "mode": cfg.default_mode, "select": None, "trust_reported_labels": False,
+                    "members": members.get(DEFAULT_GROUP, 0),
+                    "breaker": {"budget": None, "removed_nodes": ours, "removals_in_window": len(ours),
+                                "exhausted": False}})
+        return out

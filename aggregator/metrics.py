@@ -9,7 +9,7 @@ like). It neither judges nor serves: app.py mounts ``render`` and supplies the r
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -77,6 +77,12 @@ class ActingReadings:
     # Kubernetes Events the API server did not take (the actions themselves were unaffected);
     # None without the Kubernetes actuator.
     kubernetes_events_not_recorded: int | None = None
+    # Policy groups (config-defined, so bounded; "default": nodes in no group), as GET /v1/gate shows
+    # them: (group, mode, verdict) -> verdicts recorded, and each group's rows of Ledger.groups.
+    group_decisions: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    groups: Sequence[Mapping[str, object]] = ()
+    # Each shadow rule's comparison with its acting detector (Engine.shadow_comparison).
+    shadow: Sequence[Mapping[str, object]] = ()
     # (actuator, reason) -> deliveries an actuator refused as unverified before changing anything
     # (a job that is not the scheduler's id, or does not run on the decision's node, ...).
     actuator_refusals: Mapping[tuple[str, str], int] = field(default_factory=dict)
@@ -162,12 +168,9 @@ class _Acting(PromCollector):
 
     def collect(self) -> Iterator[Metric]:
         r = self._readings()
-        decisions = CounterMetricFamily("vigil_aggregator_decisions", "Verdicts recorded, by action (as admitted), "
-                                        "detector (alertmanager for proposals from Alertmanager) and verdict.",
-                                        labels=["action", "detector", "verdict"])
-        for (action, detector, verdict), n in sorted(r.decisions.items()):
-            decisions.add_metric([action, detector, verdict], n)
-        yield decisions
+        yield _counted("vigil_aggregator_decisions", "Verdicts recorded, by action (as admitted), detector "
+                       "(alertmanager for proposals from Alertmanager) and verdict.", ["action", "detector", "verdict"],
+                       r.decisions)
         deliveries = CounterMetricFamily("vigil_aggregator_deliveries", "Delivery attempts, by actuator and "
                                          "outcome (delivered, failed: will retry, dead: dead-lettered).",
                                          labels=["actuator", "outcome"])
@@ -258,11 +261,50 @@ class _Acting(PromCollector):
             for phase in DEADLINE_PHASES:
                 exceeded.add_metric([actuator, phase], r.deadline_exceeded.get((actuator, phase), 0))
         yield from (size, busy, oldest, stalled, exceeded)
+        yield from _policy(r)
         if r.kubernetes_events_not_recorded is not None:
             yield CounterMetricFamily("vigil_aggregator_kubernetes_events_not_recorded",
                                       "Kubernetes Events on Nodes the API server refused or did not answer "
                                       "(the node actions themselves went on).",
                                       value=r.kubernetes_events_not_recorded)
+
+
+def _counted(name: str, doc: str, labels: list[str], counts: Mapping[tuple[str, str, str], int]) -> Metric:
+    """A counter family with one series per key of ``counts`` (its label values, in ``labels``' order)."""
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for values, n in sorted(counts.items()):
+        family.add_metric(list(values), n)
+    return family
+
+
+def _policy(r: ActingReadings) -> Iterator[Metric]:
+    """Policy groups and shadow rules (docs/gate.md): both config-defined, so their labels stay bounded."""
+    nodes = GaugeMetricFamily("vigil_gate_group_nodes", "A policy group's nodes that reported within the breaker "
+                              "window (group default: nodes in no group).", labels=["group", "mode"])
+    removed = GaugeMetricFamily("vigil_gate_group_removals", "Distinct nodes of the group removed within the "
+                                "breaker window.", labels=["group"])
+    budget = GaugeMetricFamily("vigil_gate_group_budget_nodes", "The group's own breaker budget (absent: only the "
+                               "global breaker counts).", labels=["group"])
+    for g in r.groups:
+        name = str(g["name"])
+        breaker = g["breaker"]
+        assert isinstance(breaker, Mapping)
+        nodes.add_metric([name, str(g["mode"])], float(g["members"]))  # type: ignore[arg-type]
+        removed.add_metric([name], float(breaker["removals_in_window"]))
+        if breaker["budget"] is not None:
+            budget.add_metric([name], float(breaker["budget"]))
+    yield from (nodes, removed, budget)
+    yield _counted("vigil_gate_decisions", "Verdicts recorded, by the policy group of the node, its mode (act, "
+                   "alert, dry_run) and the verdict (group_alert, group_dry_run, group_budget, shadow, admitted...).",
+                   ["group", "mode", "verdict"], r.group_decisions)
+    shadow = GaugeMetricFamily("vigil_gate_shadow_subjects", "A shadow rule's current subjects (node, or node and "
+                               "GPU) against its acting detector's, by agreement (both, shadow_only, acting_only).",
+                               labels=["rule", "agreement"])
+    for c in r.shadow:
+        for agreement, key in (("both", "both"), ("shadow_only", "shadow_only_count"),
+                               ("acting_only", "acting_only_count")):
+            shadow.add_metric([str(c["rule"]), agreement], float(c[key]))  # type: ignore[arg-type]
+    yield shadow
 
 
 class AggregatorMetrics:

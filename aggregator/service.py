@@ -215,6 +215,8 @@ class AggregatorService:
         readings.store_errors = {**ledger.store_errors,
                                  "delivery_update": dispatcher.store_errors if dispatcher else 0}
         readings.unstored = ledger.unstored
+        readings.group_decisions, readings.shadow = dict(ledger.recorded_groups), list(ledger.shadow)
+        readings.groups = ledger.groups(self.clock())
         readings.leader = ledger.leads()
         readings.leader_transitions = leadership.transitions
         readings.leadership_errors = getattr(leadership, "errors", 0)
