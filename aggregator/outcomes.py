@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
 
-CONFIRMED = "confirmed"
-NOT_CONFIRMED = "not_confirmed"
+CONFIRMED: Final = "confirmed"
+NOT_CONFIRMED: Final = "not_confirmed"
 Label = Literal["confirmed", "not_confirmed"]
 LABELS: tuple[Label, ...] = (CONFIRMED, NOT_CONFIRMED)
 # The kinds of evidence that label a removal (the ``evidence.kind`` of each label).

@@ -195,7 +195,7 @@ def test_a_reboot_that_cures_its_node_is_never_counted_against_its_rule() -> Non
     f, outcome = after_decision(reboot, verified, 100.0, 3600.0)
     assert outcome is None and f.resumed == 100.0
     assert after_clean_pass(f, 10_000.0, True, 600.0)[1] is None
-    g, outcome = after_decision(drain, verified, 100.0, 3600.0)
+    _, outcome = after_decision(drain, verified, 100.0, 3600.0)
     assert outcome is not None and (outcome.label, outcome.kind) == (NOT_CONFIRMED, "probes_passed")
     failed = verified.model_copy(update={"action": Action.REBOOT_NODE, "evidence": {"signal": "probe_failed"}})
     assert after_decision(reboot, failed, 100.0, 3600.0)[1].label == CONFIRMED  # type: ignore[union-attr]
