@@ -199,3 +199,13 @@ def test_a_reboot_that_cures_its_node_is_never_counted_against_its_rule() -> Non
     assert outcome is not None and (outcome.label, outcome.kind) == (NOT_CONFIRMED, "probes_passed")
     failed = verified.model_copy(update={"action": Action.REBOOT_NODE, "evidence": {"signal": "probe_failed"}})
     assert after_decision(reboot, failed, 100.0, 3600.0)[1].label == CONFIRMED  # type: ignore[union-attr]
+
+
+def test_the_fleet_dashboard_shows_every_rule_precision_interval_and_demotion() -> None:
+    from dashboards.build import fleet
+
+    exprs = " ".join(t["expr"] for p in fleet()["panels"] for t in p.get("targets", []))
+    for name in ("vigil_detector_precision", "vigil_detector_precision_lower", "vigil_detector_precision_upper",
+                 "vigil_detector_outcomes_total", "vigil_detector_demoted"):
+        assert name in exprs
+    assert "by (detector, rule)" in exprs  # one series per rule: the noisy and the precise one both
