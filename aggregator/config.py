@@ -29,6 +29,7 @@ from vigil.aggregator.job_recovery import JobRecoveryConfig
 from vigil.aggregator.leadership import HaConfig
 from vigil.aggregator.listener import ServerConfig
 from vigil.aggregator.outbox import NodeActionsConfig, switched_on
+from vigil.aggregator.precision import PrecisionConfig
 from vigil.aggregator.prober import ProbesConfig
 from vigil.aggregator.spares import SparesConfig
 from vigil.aggregator.store import StoreConfig
@@ -103,6 +104,9 @@ class AggregatorConfig(StrictModel):
     job_recovery: JobRecoveryConfig = JobRecoveryConfig()
     # Off by default: the pool of healthy idle nodes a restart draws on (aggregator/spares.py).
     spares: SparesConfig = SparesConfig()
+    # Off by default: each rule's precision from what happened after its removals, and a rule below
+    # its target demoted from act to alert (aggregator/precision.py, docs/precision.md).
+    precision: PrecisionConfig = PrecisionConfig()
     # Detectors run in shadow beside the acting ones (a new rule, another threshold): their findings
     # are recorded and compared, never acted on (docs/gate.md, "Shadow rules").
     shadow: list[ShadowRule] = Field(default_factory=list, max_length=MAX_SHADOW_RULES)

@@ -20,6 +20,7 @@ from vigil.aggregator.decision import Decision
 from vigil.aggregator.gate import Gate, GateConfig, GateState, Verdict
 from vigil.aggregator.leadership import Leadership, SoleLeader
 from vigil.aggregator.policy_groups import DEFAULT_GROUP, Membership
+from vigil.aggregator.precision import Precision
 from vigil.aggregator.store import WRITE_ERRORS, Store, StoreConfig
 
 log = logging.getLogger("vigil.aggregator.ledger")
@@ -82,6 +83,9 @@ class Ledger:
         self._failures = 0
         self._retry_at = 0.0
         self._retention_at = 0.0
+        # Precision from outcomes (aggregator/precision.py; None: off): demotes a proposal before the
+        # gate judges it, and follows what the gate admitted.
+        self.precision: Precision | None = None
 
     @classmethod
     def in_memory(cls, gate: GateConfig | None = None, *, started: float | None = None) -> Ledger:
@@ -215,6 +219,8 @@ class Ledger:
                 self.verdicts["duplicate" if prior[0] else prior[1]] += 1
                 self._remember(decision.id)
                 continue
+            if self.precision is not None:
+                decision = self.precision.demote(decision)
             verdict = self.gate.judge(decision, now, fleet_nodes, shadow or state, self.membership)
             self.verdicts[verdict.reason] += 1
             alerts = [a for a in verdict.alerts if a.id not in written and a.id not in self._settled
@@ -236,6 +242,8 @@ class Ledger:
                 admitted.append(alert)
         if shadow is not None:
             self.store.commit(writes, now, shadow)  # the decisions are made here, or not at all
+            if self.precision is not None:
+                self.precision.observe([v.decision for v, _ in writes if v.admitted], now)
             logged: Counter[str] = Counter()
             for verdict, _ in writes:
                 d = verdict.decision

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -22,6 +24,7 @@ from vigil.aggregator.fleet import FleetView
 from vigil.aggregator.gate import OPERATOR
 from vigil.aggregator.history import DEFAULT_LIMIT, MAX_LIMIT, node_history
 from vigil.aggregator.ledger import Ledger
+from vigil.aggregator.precision import TicketRefused
 from vigil.aggregator.prober import IsolationRefused, Prober
 from vigil.aggregator.store import WRITE_ERRORS
 from vigil.contract.wire import check_node_name
@@ -160,10 +163,82 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
         except WRITE_ERRORS as exc:  # a store that cannot be read right now
             return _error(503, "store_unavailable", str(exc))
 
+    async def close_ticket(request: web.Request) -> web.Response:
+        """An operator closes a removal's hardware ticket: a fault found (confirmed) or none."""
+        precision = ledger.precision
+        decision_id = request.match_info["decision"]
+        body = await _ticket_body(request)
+        refused: tuple[int, str, str] | None = body if isinstance(body, tuple) and len(body) == 3 else None
+        if precision is None:
+            refused = (409, "precision_disabled", "precision.enabled is false: no removal is followed")
+        elif not _DECISION_ID.fullmatch(decision_id):
+            refused = (400, "bad_decision", "a decision id is 1..64 characters of [A-Za-z0-9._-]")
+        if refused is None and precision is not None and isinstance(body, dict):
+            try:
+                outcome = await asyncio.to_thread(precision.close_ticket, decision_id, body["fault"], body["note"],
+                                                  clock())
+            except TicketRefused as exc:
+                refused = (exc.status, exc.reason, exc.detail)
+            else:
+                return web.json_response({"decision": decision_id, **outcome.as_evidence()})
+        assert refused is not None
+        if refusals is not None:
+            refusals.count("operator", refused[1])
+        return _error(*refused)
+
+    async def promote_rule(request: web.Request) -> web.Response:
+        """An operator gives a demoted rule its action back."""
+        precision = ledger.precision
+        detector, rule = request.match_info["detector"], request.match_info["rule"]
+        note = await _note(request)
+        if isinstance(note, web.Response):
+            return note
+        try:
+            if precision is None:
+                raise TicketRefused(409, "precision_disabled", "precision.enabled is false: no rule is demoted")
+            return web.json_response(await asyncio.to_thread(precision.promote, detector, rule, clock(), note))
+        except TicketRefused as exc:
+            if refusals is not None:
+                refusals.count("operator", exc.reason)
+            return _error(exc.status, exc.reason, exc.detail)
+
+    async def get_precision(_: web.Request) -> web.Response:
+        precision = ledger.precision
+        return web.json_response({"enabled": precision is not None,
+                                  "rules": await asyncio.to_thread(precision.rules) if precision else []})
+
+    for method, path, handler in (("POST", TICKET_ROUTE, close_ticket), ("POST", PROMOTE_ROUTE, promote_rule),
+                                  ("GET", PRECISION_ROUTE, get_precision)):
+        app.router.add_route(method, path, handler)
+
     handlers = {"/v1/breaker": get_breaker, "/v1/gate": get_gate, "/v1/nodes/{node}/hold": hold_node,
                 "/v1/nodes/{node}/resume": resume_node, "/v1/nodes/{node}/history": get_history}
     for method, path in GATE_ROUTES:
         app.router.add_route(method, path, handlers[path])
+
+
+# Precision from outcomes (aggregator/precision.py): an operator closes a removal's hardware ticket
+# (POST {"fault": true|false, "note": "..."}) or promotes a demoted rule; GET lists every rule.
+TICKET_ROUTE = "/v1/decisions/{decision}/outcome"
+PROMOTE_ROUTE = "/v1/precision/{detector}/{rule}/promote"
+PRECISION_ROUTE = "/v1/precision"
+_DECISION_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+async def _ticket_body(request: web.Request) -> dict[str, Any] | tuple[int, str, str]:
+    """``{"fault": bool, "note": str}`` (note optional, one line, bounded), or the 400 refusal."""
+    try:
+        body = await request.json()
+    except ValueError:
+        return 400, "invalid_json", 'body must be a JSON object like {"fault": true, "note": "..."}'
+    if not isinstance(body, dict) or set(body) - {"fault", "note"}:
+        return 400, "unknown_field", 'body takes only "fault" and "note"'
+    fault, note = body.get("fault"), body.get("note", "")
+    if not isinstance(fault, bool):
+        return 400, "bad_fault", '"fault" must be true (a fault was found) or false (none)'
+    if not isinstance(note, str) or len(note) > MAX_NOTE_CHARS:
+        return 400, "bad_note", f"note must be a string of at most {MAX_NOTE_CHARS} characters"
+    return {"fault": fault, "note": " ".join(note.split())}
 
 
 ISOLATION_ROUTE = "/v1/probes/isolations"

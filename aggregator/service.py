@@ -35,6 +35,7 @@ from vigil.aggregator.ledger import Ledger
 from vigil.aggregator.metrics import ActingReadings, AggregatorMetrics, FleetReadings, WorkersReading
 from vigil.aggregator.node_standing import NodeStanding
 from vigil.aggregator.outbox import Outbox
+from vigil.aggregator.precision import Precision
 from vigil.aggregator.prober import Prober
 from vigil.aggregator.store import WRITE_ERRORS
 from vigil.aggregator.synthetic_nodes import REFUSAL_REASON as SYNTHETIC_REFUSAL
@@ -138,6 +139,9 @@ class AggregatorService:
         self.metrics.registry.register(self.prober.collector())
         if engine.job_recovery is not None:
             self.metrics.registry.register(engine.job_recovery.collector())
+        if config.precision.enabled:  # each rule's precision from outcomes (aggregator/precision.py)
+            ledger.precision = Precision(config.precision, ledger.store)
+            self.metrics.registry.register(ledger.precision.collector())
         self.refusals = self.metrics.refusals
         self.refusals.count("reports", SYNTHETIC_REFUSAL, 0)  # the series exists at 0 from the start
         # Set to judge at once (an urgent report, a take-over); the periodic task waits on it.
@@ -425,9 +429,13 @@ class AggregatorService:
     # -- judging --------------------------------------------------------------------------------
 
     def plan_probes(self, now: float) -> None:
-        """The prober's round after the decisions (the leader only: only it offers requests)."""
+        """The prober's round after the decisions (the leader only: only it offers requests); then
+        how the nodes given back ran, for precision from outcomes."""
         if self.prober.enabled and self.leads():
             self.prober.plan(self.engine.view(), self.engine.last_findings, now)
+        precision = self.ledger.precision
+        if precision is not None and self.leads() and precision.watching():
+            precision.observe_fleet(self.engine.fleet.view(), self.engine.last_findings, now)
 
     def forget_departed(self, now: float) -> None:
         store = self.ledger.store

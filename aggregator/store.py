@@ -149,6 +149,29 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX node_history_node ON node_history(node, seq);
     CREATE INDEX node_history_ts ON node_history(ts);
     """,
+    # 4: precision from outcomes (aggregator/outcomes.py, aggregator/precision.py): each removal
+    # followed, its label once known (final), and each rule's standing (demoted or not) with its changes.
+    """
+    CREATE TABLE outcomes (
+        decision_id TEXT PRIMARY KEY,
+        ts REAL NOT NULL,
+        node TEXT NOT NULL,
+        detector TEXT NOT NULL,
+        rule TEXT NOT NULL,
+        label TEXT NOT NULL,
+        body TEXT NOT NULL
+    );
+    CREATE TABLE rule_standing (
+        detector TEXT NOT NULL,
+        rule TEXT NOT NULL,
+        demoted INTEGER NOT NULL,
+        ts REAL NOT NULL,
+        body TEXT NOT NULL,
+        PRIMARY KEY (detector, rule)
+    );
+    CREATE TABLE rule_changes (ts REAL NOT NULL, detector TEXT NOT NULL, rule TEXT NOT NULL,
+                               demoted INTEGER NOT NULL, actor TEXT NOT NULL, body TEXT NOT NULL);
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 # Open deliveries due now, oldest first, at most one per (actuator, node).
@@ -612,6 +635,47 @@ class Store:
                 _rollback(cur)
                 raise
         return gone
+
+    # -- outcomes of removals and each rule's standing (aggregator/precision.py owns them) ---------
+
+    def write_outcome(self, decision_id: str, ts: float, node: str, detector: str, rule: str, label: str,
+                      body: Mapping[str, object]) -> None:
+        """A removal followed (``label`` empty) or labelled; a label once written is never replaced."""
+        with self._lock:
+            self._q("INSERT INTO outcomes VALUES (?,?,?,?,?,?,?) ON CONFLICT (decision_id) DO UPDATE SET"
+                    " label = excluded.label, body = excluded.body WHERE outcomes.label = ''",
+                    (decision_id, ts, node, detector, rule, label, json.dumps(body, default=str)))
+
+    def outcomes(self) -> list[tuple[str, float, str, str, str, str, dict[str, Any]]]:
+        """Every removal followed: (decision id, ts, node, detector, rule, label, body), oldest first."""
+        with self._lock:
+            rows = self._q("SELECT decision_id, ts, node, detector, rule, label, body FROM outcomes"
+                           " ORDER BY ts").fetchall()
+        return [(i, ts, n, d, r, label, json.loads(body)) for i, ts, n, d, r, label, body in rows]
+
+    def write_rule_standing(self, detector: str, rule: str, demoted: bool, now: float, actor: str,
+                            body: Mapping[str, object]) -> None:
+        """A rule demoted or promoted (by ``actor``: auto or operator), its change kept as a row."""
+        text = json.dumps(body, default=str)
+        with self._lock:
+            cur = self._begin()
+            try:
+                self._fenced(cur)
+                self._x(cur, "INSERT INTO rule_standing VALUES (?,?,?,?,?) ON CONFLICT (detector, rule) DO UPDATE"
+                        " SET demoted = excluded.demoted, ts = excluded.ts, body = excluded.body",
+                        (detector, rule, int(demoted), now, text))
+                self._x(cur, "INSERT INTO rule_changes VALUES (?,?,?,?,?,?)",
+                        (now, detector, rule, int(demoted), actor, text))
+                cur.execute("COMMIT")
+            except BaseException:
+                _rollback(cur)
+                raise
+
+    def rule_standings(self) -> dict[tuple[str, str], tuple[bool, float, dict[str, Any]]]:
+        """(detector, rule) -> (demoted, since, the evidence of its last change)."""
+        with self._lock:
+            rows = self._q("SELECT detector, rule, demoted, ts, body FROM rule_standing").fetchall()
+        return {(d, r): (bool(x), ts, json.loads(body)) for d, r, x, ts, body in rows}
 
     def archive_node(self, node: str, now: float, body: Mapping[str, object]) -> None:
         """Keep a forgotten node's last known state (the fleet forgets it; post-mortems do not)."""

@@ -138,6 +138,33 @@ HCA_LINK_BELOW = ('(vigil_pcie_link_width{kind="hca"} < vigil_pcie_link_width_ma
                   '(vigil_pcie_link_generation{kind="hca"} < vigil_pcie_link_generation_max{kind="hca"})')
 
 
+def _precision_panels() -> list[Panel | Row]:
+    """Precision from outcomes (docs/precision.md): each rule's posterior with its interval and target,
+    its labelled removals, and which rules are demoted to alert."""
+    return [
+        Row("Detector precision from outcomes"),
+        Panel("Precision per rule (posterior mean, credible interval, target)",
+              [Target("vigil_detector_precision", "{{detector}}/{{rule}}"),
+               Target("vigil_detector_precision_lower", "{{detector}}/{{rule}} lower"),
+               Target("vigil_detector_precision_upper", "{{detector}}/{{rule}} upper"),
+               Target("vigil_detector_precision_target", "{{detector}}/{{rule}} target")],
+              unit="percentunit", width=12,
+              description="From each rule's removals labelled by what happened next (a probe failed, a repair, "
+                          "the fault came back: confirmed; probes passed, clean under load, a no-fault ticket: not)."),
+        _table("Rules: precision, interval, removals labelled, demoted",
+               'max by (detector, rule) (vigil_detector_precision) or max by (detector, rule) '
+               '(vigil_detector_precision_lower) or max by (detector, rule) (vigil_detector_precision_upper) or '
+               'sum by (detector, rule, label) (vigil_detector_outcomes_total) or max by (detector, rule) '
+               '(vigil_detector_demoted)',
+               description="A demoted rule (vigil_detector_demoted 1) proposes alerts where it would remove a "
+                           "node, until its posterior recovers or an operator promotes it."),
+        Panel("Rules demoted to alert", [Target("sum(vigil_detector_demoted) or vector(0)", instant=True)],
+              kind="stat", width=6, height=5,
+              defaults={"thresholds": {"mode": "absolute", "steps": [
+                  {"color": "green", "value": None}, {"color": "red", "value": 1}]}}),
+    ]
+
+
 def fleet() -> dict[str, Any]:
     items: list[Panel | Row] = [
         Row("Fleet"),
@@ -246,6 +273,7 @@ def fleet() -> dict[str, Any]:
         _table("Configurations in the fleet (nodes per combination)",
                "count by (gpu_model, driver_version, cuda_driver_version, kernel, vbios_version, hca_firmware, "
                "ofed_version) (vigil_node_config_info)", width=24),
+        *_precision_panels(),
     ]
     return dashboard("vigil-fleet", "vigil / Fleet overview",
                      "Every node's agent, the aggregator's verdicts and decisions, and the worst GPUs and ports.",

@@ -222,7 +222,7 @@ def test_an_old_store_migrates_in_order_and_keeps_its_decisions(tmp_path: Path) 
     db.commit()
     db.close()
     store = Store(path)
-    assert store.schema_version == SCHEMA_VERSION == 3
+    assert store.schema_version == SCHEMA_VERSION == 4
     assert store.state.removals == [(T0, "n1")] and store.verdict_of("old") == (True, "admitted")
     assert [e.id for e in store.state.history["n1"]] == ["old"]
     store.close()

@@ -160,6 +160,14 @@ async def test_every_documented_path_answers_as_documented(client):
         ("post", "/v1/probes/isolations", "/v1/probes/isolations", {"json": {"nodes": ["n1"]},
                                                                     "headers": ALERTMANAGER}),
         ("get", "/v1/probes/isolations", "/v1/probes/isolations", {"headers": OPERATOR}),
+        # precision off here: 409 precision_disabled; a bad body 400; no token 401; the listing empty
+        ("post", "/v1/decisions/{decision}/outcome", "/v1/decisions/d1/outcome", {"json": {"fault": True},
+                                                                                  "headers": OPERATOR}),
+        ("post", "/v1/decisions/{decision}/outcome", "/v1/decisions/d1/outcome", {"json": {"fault": 1},
+                                                                                  "headers": OPERATOR}),
+        ("post", "/v1/decisions/{decision}/outcome", "/v1/decisions/d1/outcome", {"json": {"fault": True}}),
+        ("post", "/v1/precision/{detector}/{rule}/promote", "/v1/precision/thermal/x/promote", {"headers": OPERATOR}),
+        ("get", "/v1/precision", "/v1/precision", {"headers": OPERATOR}),
         ("post", "/v1/reports", "/v1/reports", {"data": io.BytesIO(b"{" + b" " * (2 << 20) + b"}"), "headers": AUTH}),
     ]
     for method, path, url, kw in requests:

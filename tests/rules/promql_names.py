@@ -48,8 +48,10 @@ def aggregator_names() -> set[str]:
         from vigil.aggregator.fleet import Fleet
         from vigil.aggregator.metrics import AggregatorMetrics
         from vigil.aggregator.outbox import Outbox
+        from vigil.aggregator.precision import Precision, PrecisionConfig
         from vigil.aggregator.prober import Prober, ProbesConfig
         from vigil.aggregator.spares import SparePool, SparesConfig
+        from vigil.aggregator.store import Store
         from vigil.aggregator.tokenreview import review_families
     except ImportError:  # not landed yet: no aggregator metric can be used
         return set()
@@ -62,7 +64,7 @@ def aggregator_names() -> set[str]:
     pool.observe([])
     for family in [*AggregatorMetrics(lambda: {}).registry.collect(), *review_families({}, 0, 0),
                    *outbox.collector().collect(), *Prober(ProbesConfig(), outbox, Fleet()).collector().collect(),
-                   *pool.collector().collect()]:
+                   *pool.collector().collect(), *Precision(PrecisionConfig(), Store(":memory:")).collector().collect()]:
         # A labelled metric with no children yet has no samples, so names come from the type.
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
                     "summary": ("_sum", "_count", "")}.get(family.type, ("",))
