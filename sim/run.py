@@ -52,12 +52,13 @@ from vigil.contract.wire import (
 )
 from vigil.sim import fabric
 from vigil.sim.clock import SimClock
-from vigil.sim.fleet import KernelLog, SimHost, SimNode, kernel_xid_line
+from vigil.sim.fleet import KernelLog, SimHost, SimNode, amdgpu_lines, kernel_xid_line
 from vigil.sim.probes import SimHardware, SimProbeAgent, node_rng, probe_seconds
 from vigil.sim.scenario import (
     PROBE_FAULTS,
     DataStall,
     Hang,
+    KernelAmdgpu,
     KernelXid,
     NvmlFault,
     PcieDevice,
@@ -410,7 +411,7 @@ class Simulation:
                 sysfs = shared_sysfs[profile]
             node_fabric = fabric.NodeFabric(sysfs, **pci(profile)) if own_tree else None
             kern = quiet_log
-            if any(isinstance(f, KernelXid) or (isinstance(f, NvmlFault) and f.kind in _LOGGED)
+            if any(isinstance(f, KernelXid | KernelAmdgpu) or (isinstance(f, NvmlFault) and f.kind in _LOGGED)
                    for f in faults):
                 kern = self._kern_path(name)
             config = base.model_copy(update={"node": name, "topology": sc.topology_of(i)})
@@ -765,6 +766,11 @@ class Simulation:
             for k in range(fault.repeat + 1):
                 self._at(t0 + k * fault.every_seconds, lambda: node.kernel_log.write_lines(
                     self.clock.elapsed + 60.0, lines))
+        elif isinstance(fault, KernelAmdgpu):
+            amd = amdgpu_lines(node.pci_bus_ids[fault.gpu], fault.event, fault.block, fault.count)
+            for k in range(fault.repeat + 1):
+                self._at(t0 + k * fault.every_seconds, lambda: node.kernel_log.write_lines(
+                    self.clock.elapsed + 60.0, amd))
         elif isinstance(fault, PortDown):
             assert node.fabric is not None
             fab = node.fabric
