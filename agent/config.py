@@ -38,11 +38,16 @@ if TYPE_CHECKING:
 
 
 class NvmlConfig(StrictModel):
-    # `nvml` is the real library; `fake` the embedded FakeNvml driven by `scenario`. Never
-    # chosen implicitly: a node without NVML reports no GPU samples, it does not fall back.
-    backend: Literal["nvml", "fake"] = "nvml"
+    # The GPU library (agent/gpu_backend.py): `nvml` (NVIDIA), `amdsmi` (AMD's, from ROCm), `auto`
+    # (NVML if it initialises, else amdsmi: docs/amd.md) or `fake`, the embedded FakeNvml (or
+    # FakeAmdSmi with vendor: amd) driven by `scenario`. Never chosen implicitly: a node where the
+    # library does not initialise reports no GPU samples, it never falls back to a fake.
+    backend: Literal["nvml", "amdsmi", "auto", "fake"] = "nvml"
     scenario: str | None = None  # fake only: a scenario YAML path or a shipped scenario name
     seed: int = 0
+    # fake only: whose library the fake imitates (amd: FakeAmdSmi, 8x MI300X by default); a scenario
+    # names its board, whose vendor must be this one.
+    vendor: Literal["nvidia", "amd"] = "nvidia"
 
 
 class AggregatorTarget(StrictModel):

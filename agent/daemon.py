@@ -91,9 +91,9 @@ def read_boot_id(path: Path = BOOT_ID_PATH) -> str:
 
 
 def open_nvml(config: AgentConfig, clock: Callable[[], float]) -> Any:
-    from vigil.agent.nvml.backend import open_backend  # pulls in pynvml only when needed
+    from vigil.agent.gpu_backend import open_gpu_backend  # pulls in pynvml or amdsmi only when needed
 
-    return open_backend(config.nvml, clock)
+    return open_gpu_backend(config.nvml, clock)
 
 
 def probe_world(config: AgentConfig, seams: Seams) -> ProbeWorld:

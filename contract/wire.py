@@ -135,6 +135,7 @@ FabricState = Literal["not_started", "in_progress", "completed"]
 # The driver's own verdict on what recovers a GPU after an error (NVML field
 # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, values NVML_GPU_RECOVERY_ACTION_*, R550 and later).
 RecoveryAction = Literal["none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset"]
+GpuVendor = Literal["nvidia", "amd"]
 
 
 class _Wire(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True, gc=False):
@@ -215,6 +216,9 @@ class GpuState(_Wire, kw_only=True):
     health: GpuHealth = "ok"
     name: Short | None = None
     pci_bus_id: Short | None = None
+    # Whose GPU (issue 46): "nvidia" (NVML) or "amd" (amdsmi); None from an agent before it. With
+    # ``name`` (the model) it is the GPU's hardware class (docs/amd.md).
+    vendor: GpuVendor | None = None
     utilization_gpu_ratio: Ratio | None = None
     utilization_memory_ratio: Ratio | None = None
     memory_used_bytes: NonNeg | None = None

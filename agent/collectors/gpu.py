@@ -1,6 +1,7 @@
 """GPU collector: every GPU's identity, load, clocks, temperatures, power, memory errors, PCIe and
 NVLink counters and health, NVLink fabric registration, PCIe link and the driver's recovery action,
-read through PynvmlBackend, plus Xid events from NVML's event API.
+read through a GpuBackend (PynvmlBackend on NVIDIA, AmdSmiBackend on AMD: agent/gpu_backend.py), plus
+Xid events from NVML's event API (amdsmi's event notifications on AMD, counted by kind).
 
 It emits one series per GPU (labels ``gpu``, ``uuid``), a ``GpuState`` per GPU for the Report, and
 urgent events (gpu_lost, xid) once per occurrence. A GPU in MIG mode also gets one info series per
@@ -24,18 +25,11 @@ from pydantic import Field
 from vigil.agent.attribution import PROCESS_INFO, PodResolver, ProcessAttribution, process_samples
 from vigil.agent.collectors.collector import Collection, CollectorConfig
 from vigil.agent.collectors.xid import PAGED_XID_CODES
+from vigil.agent.gpu_backend import GpuBackend, GpuNotification
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
-from vigil.agent.nvml.backend import (
-    CLOCK_EVENT_REASONS,
-    GpuIdentity,
-    GpuReading,
-    NvLinkReading,
-    NVMLError,
-    PynvmlBackend,
-    error_reason,
-)
+from vigil.agent.nvml.backend import GpuIdentity, GpuReading, NvLinkReading
 from vigil.agent.pod_names import BUNDLE_TEMPLATES, BundlePodNames
-from vigil.contract.wire import Event, GpuHealth, GpuState
+from vigil.contract.wire import Event, GpuHealth, GpuState, GpuVendor
 
 if TYPE_CHECKING:
     from vigil.agent.config import AgentConfig
@@ -70,14 +64,18 @@ _Labels = tuple[tuple[str, str], ...]
 G = MetricKind.GAUGE
 C = MetricKind.COUNTER
 
-INFO = MetricSpec("vigil_gpu_info", MetricKind.INFO, "GPU identity: model, PCI bus id, serial, VBIOS, driver.",
+INFO = MetricSpec("vigil_gpu_info", MetricKind.INFO,
+                  "GPU identity: vendor (nvidia, amd), model, PCI bus id, serial, VBIOS, driver.",
                   ("gpu", "uuid", "name", "pci_bus_id", "serial", "vbios_version", "driver_version",
-                   "cuda_driver_version"))
-HEALTH = MetricSpec("vigil_gpu_health", G, "1 for the GPU's current NVML health state, 0 for the others.",
-                    (*_G, "state"))
-NVML_AVAILABLE = MetricSpec("vigil_gpu_nvml_available", G, "1 when NVML answers on this node, else 0.")
+                   "cuda_driver_version", "vendor"))
+HEALTH = MetricSpec("vigil_gpu_health", G, "1 for the GPU's current health state (NVML's or amdsmi's), 0 for the "
+                    "others.", (*_G, "state"))
+# Named for NVML, they stand for the node's GPU library, whichever it is (amdsmi on AMD: docs/amd.md).
+NVML_AVAILABLE = MetricSpec("vigil_gpu_nvml_available", G,
+                            "1 when the GPU library (NVML, or amdsmi on AMD) answers on this node, else 0.")
 NVML_ERRORS = MetricSpec("vigil_gpu_nvml_errors_total", C,
-                         "NVML calls that failed other than with NotSupported, by NVML error.", ("reason",))
+                         "GPU library (NVML or amdsmi) calls that failed other than with NotSupported, by error.",
+                         ("reason",))
 UTILIZATION = MetricSpec("vigil_gpu_utilization_ratio", G, "Share of the last sample period a kernel ran, 0..1.",
                          _G, "ratio")
 MEMORY_UTILIZATION = MetricSpec("vigil_gpu_memory_utilization_ratio", G,
@@ -201,6 +199,17 @@ RECOVERY_ACTION = MetricSpec("vigil_gpu_recovery_action", G,
                              "predates the field.", (*_G, "action"))
 NVML_XID = MetricSpec("vigil_gpu_nvml_xid_events_total", C,
                       "Xid critical errors delivered by NVML's event API, by Xid code.", (*_G, "code"))
+# Vendor-specific (issue 46, docs/amd.md): absent on NVIDIA.
+EDGE_TEMPERATURE = MetricSpec("vigil_gpu_edge_temperature_celsius", G,
+                              "AMD: the die's edge sensor (vigil_gpu_temperature_celsius is the junction there); "
+                              "absent where the board has none (MI300X).", _G, "celsius")
+ECC_BLOCK_ERRORS = MetricSpec("vigil_gpu_ecc_block_errors_total", C,
+                              "AMD: ECC errors since the driver loaded, by RAS block (umc: HBM, xgmi_wafl: the XGMI "
+                              "links, gfx, sdma, mmhub, pcie_bif, ...); read every nvlink_interval_seconds.",
+                              (*_G, "block", "error_type"))
+DEVICE_EVENTS = MetricSpec("vigil_gpu_device_events_total", C,
+                           "AMD: amdsmi event notifications, by kind (vmfault, thermal_throttle, gpu_pre_reset, "
+                           "gpu_post_reset, ring_hang).", (*_G, "event"))
 
 SPECS: tuple[MetricSpec, ...] = (
     INFO, HEALTH, NVML_AVAILABLE, NVML_ERRORS, UTILIZATION, MEMORY_UTILIZATION, MEMORY_USED, MEMORY_TOTAL,
@@ -212,7 +221,7 @@ SPECS: tuple[MetricSpec, ...] = (
     SM_OCCUPANCY, TENSOR_ACTIVE, DRAM_ACTIVE, FP16_ACTIVE, FP32_ACTIVE, FP64_ACTIVE,
     NVLINK_TX, NVLINK_RX, PROCESS_INFO, MIG_MODE, MIG_MODE_PENDING, MIG_DEVICE_INFO, MIG_MEMORY_USED,
     MIG_MEMORY_TOTAL, FABRIC_STATE, PCIE_LINK_GENERATION, PCIE_LINK_GENERATION_MAX, PCIE_LINK_WIDTH,
-    PCIE_LINK_WIDTH_MAX, RECOVERY_ACTION,
+    PCIE_LINK_WIDTH_MAX, RECOVERY_ACTION, EDGE_TEMPERATURE, ECC_BLOCK_ERRORS, DEVICE_EVENTS,
 )
 # GpuReading fields read on the slow cadence and held in between (GpuState's names), and the
 # gauges of the PCIe link among them.
@@ -259,6 +268,7 @@ _SIMPLE: tuple[tuple[str, MetricSpec], ...] = (
     ("fp64_active_ratio", FP64_ACTIVE),
     ("nvlink_tx_bytes_per_second", NVLINK_TX),
     ("nvlink_rx_bytes_per_second", NVLINK_RX),
+    ("edge_temperature_celsius", EDGE_TEMPERATURE),
 )
 _IDENTITY_SIMPLE: tuple[tuple[str, MetricSpec], ...] = (
     ("sm_clock_max_hertz", SM_CLOCK_MAX),
@@ -273,6 +283,7 @@ _LABELED: tuple[tuple[str, MetricSpec, tuple[tuple[str, str], ...]], ...] = (
     ("ecc_uncorrected_volatile", ECC_ERRORS, (("error_type", "uncorrected"), ("counter", "volatile"))),
     ("ecc_corrected_aggregate", ECC_ERRORS, (("error_type", "corrected"), ("counter", "aggregate"))),
     ("ecc_uncorrected_aggregate", ECC_ERRORS, (("error_type", "uncorrected"), ("counter", "aggregate"))),
+    ("ecc_deferred_volatile", ECC_ERRORS, (("error_type", "deferred"), ("counter", "volatile"))),
     ("retired_pages_sbe", RETIRED_PAGES, (("cause", "sbe"),)),
     ("retired_pages_dbe", RETIRED_PAGES, (("cause", "dbe"),)),
     ("remapped_rows_correctable", REMAPPED_ROWS, (("error_type", "correctable"),)),
@@ -308,6 +319,9 @@ def _state_copier() -> Callable[[GpuState, GpuReading, GpuIdentity], None]:
 _copy_state = _state_copier()
 
 
+# What each library answers for a lost GPU (agent/amdsmi/backend.py STATUS_HEALTH).
+_LOST_ERROR = {"nvml": "NVML_ERROR_GPU_IS_LOST", "amdsmi": "AMDSMI_STATUS_NOT_FOUND"}
+
 # Reason masks whose clock-event samples a GPU keeps built; a GPU shows a handful (idle, a power
 # cap, a slowdown), so past this the cache starts again rather than grow.
 _CLOCK_EVENT_MASKS_KEPT = 64
@@ -341,6 +355,7 @@ class _Gpu:
         self.slow_state: dict[str, object] = {}
         self.slow_samples: list[Sample] = []
         self.recovery_samples: dict[str, list[Sample]] = {}
+        self.block_samples: list[Sample] = []  # AMD's ECC counts per RAS block, held between slow reads
 
     def identify(self, ident: GpuIdentity) -> None:
         self.identity = ident
@@ -353,7 +368,7 @@ class _Gpu:
         info = Sample.of(INFO, 1, gpu=self.index, uuid=ident.uuid, name=ident.name, pci_bus_id=ident.pci_bus_id,
                          serial=ident.serial or "", vbios_version=ident.vbios_version or "",
                          driver_version=ident.driver_version or "",
-                         cuda_driver_version=ident.cuda_driver_version or "")
+                         cuda_driver_version=ident.cuda_driver_version or "", vendor=ident.vendor)
         self.static_samples = [info]
         for attr, spec in _IDENTITY_SIMPLE:
             value = getattr(ident, attr)
@@ -365,7 +380,7 @@ class GpuCollector:
     name = "gpu"
     specs: Sequence[MetricSpec] = SPECS
 
-    def __init__(self, config: GpuConfig, backend: PynvmlBackend | None, clock: Callable[[], float],
+    def __init__(self, config: GpuConfig, backend: GpuBackend | None, clock: Callable[[], float],
                  attribution: ProcessAttribution | None = None) -> None:
         self._config = config
         self._attribution = attribution
@@ -382,7 +397,12 @@ class GpuCollector:
         self._xid_memo: tuple[dict[tuple[int, int], int], tuple[_Labels, ...], list[Sample]] | None = None
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
-        self._reason_labels = tuple((name, ("reason", name)) for name, _ in CLOCK_EVENT_REASONS)
+        words = backend.reason_words if backend is not None else ()
+        self._reason_labels = tuple((name, ("reason", name)) for name in words)
+        # AMD event notifications: (gpu index, kind) -> count, and those not yet counted.
+        self._notification_counts: dict[tuple[int, str], int] = {}
+        self._notification_queue: deque[GpuNotification] = deque()
+        self._source = "nvml" if backend is None or backend.vendor == "nvidia" else "amdsmi"
 
     # --- the cycle -----------------------------------------------------------------------------
 
@@ -395,8 +415,8 @@ class GpuCollector:
         if self._gpus is None:
             try:
                 count = backend.device_count()
-            except NVMLError as exc:  # NVML gone: count it and report unavailable, never crash
-                self._count_error(error_reason(exc))
+            except backend.library_errors as exc:  # the library gone: count it, report unavailable, never crash
+                self._count_error(backend.error_reason(exc))
                 self._set_available(False, now, events, f"nvmlDeviceGetCount failed: {exc}")
                 return Collection(self._node_samples(False), events, {"gpus": [], "nvml_available": False})
             self._gpus = [_Gpu(i) for i in range(count)]
@@ -423,12 +443,12 @@ class GpuCollector:
         samples.extend(self._node_samples(available))
         return Collection(samples, events, {"gpus": states, "nvml_available": available})
 
-    def _read(self, backend: PynvmlBackend, gpu: _Gpu, slow: bool) -> GpuReading:
+    def _read(self, backend: GpuBackend, gpu: _Gpu, slow: bool) -> GpuReading:
         if gpu.identity is None:
             try:
                 gpu.identify(backend.identity(gpu.index))
-            except NVMLError as exc:  # a GPU that cannot be named yet: health says why
-                self._count_error(error_reason(exc))
+            except backend.library_errors as exc:  # a GPU that cannot be named yet: health says why
+                self._count_error(backend.error_reason(exc))
                 return GpuReading(index=gpu.index, health=backend.health_of(exc) or "unavailable")
         reading = backend.read(gpu.index, slow=slow)
         for _, reason in reading.errors:
@@ -449,16 +469,16 @@ class GpuCollector:
         log.warning("GPU %d (%s): health %s -> %s", gpu.index, ident.uuid if ident else "?", previous, health)
         if health == "lost":
             events.append(Event(
-                kind="gpu_lost", ts=now, urgent=True, gpu=gpu.index, source="nvml",
+                kind="gpu_lost", ts=now, urgent=True, gpu=gpu.index, source=self._source,
                 uuid=ident.uuid if ident else None, pci_bus_id=ident.pci_bus_id if ident else None,
-                message=f"GPU {gpu.index} is lost (NVML_ERROR_GPU_IS_LOST): fell off the bus or hung"))
+                message=f"GPU {gpu.index} is lost ({_LOST_ERROR[self._source]}): fell off the bus or hung"))
 
     def _set_available(self, available: bool, now: float, events: list[Event], why: str) -> None:
         if available == self._nvml_available:
             return
         if not available:
             log.error("NVML unavailable: %s; no GPU samples until it answers again", why)
-            events.append(Event(kind="nvml_unavailable", ts=now, source="nvml", message=why))
+            events.append(Event(kind="nvml_unavailable", ts=now, source=self._source, message=why))
         self._nvml_available = available
 
     def _count_error(self, reason: str) -> None:
@@ -479,6 +499,7 @@ class GpuCollector:
             gpu.nvlink_state = {}
             gpu.slow_samples = []
             gpu.slow_state = {}
+            gpu.block_samples = []
             out.extend(gpu.static_samples[:1])  # keep the identity of a lost GPU visible
             return out
         out.extend(gpu.static_samples)
@@ -503,9 +524,20 @@ class GpuCollector:
             out.extend(reasons)
         if nvlinks_read:
             self._remember_nvlinks(gpu, r)
+            if r.xgmi_corrected_errors is not None or r.xgmi_uncorrected_errors is not None:
+                # AMD keeps XGMI errors per GPU (RAS block XGMI_WAFL), not per link: they are the
+                # link totals (corrected: retried on the link, as NVLink replays; uncorrected: lost,
+                # as NVLink recoveries), so the NVLink detector judges XGMI unchanged (docs/amd.md).
+                gpu.nvlink_state["nvlink_replay_errors_total"] = r.xgmi_corrected_errors
+                gpu.nvlink_state["nvlink_recovery_errors_total"] = r.xgmi_uncorrected_errors
+            gpu.block_samples = [
+                Sample(ECC_BLOCK_ERRORS.name, float(count), (*gpu.labels, ("block", block), ("error_type", kind)))
+                for block, corrected, uncorrected in r.ecc_blocks
+                for kind, count in (("corrected", corrected), ("uncorrected", uncorrected))]
             self._remember_slow(gpu, r)
         out.extend(gpu.nvlink_samples)
         out.extend(gpu.slow_samples)
+        out.extend(gpu.block_samples)
         action = r.recovery_action
         if action is not None:
             recovery = gpu.recovery_samples.get(action)
@@ -600,7 +632,8 @@ class GpuCollector:
         ident = gpu.identity
         # The backend's health words are GpuHealth's (the runner checks every state it builds).
         state = GpuState(index=gpu.index, uuid=ident.uuid if ident else "", health=cast(GpuHealth, r.health),
-                         name=ident.name if ident else None, pci_bus_id=ident.pci_bus_id if ident else None)
+                         name=ident.name if ident else None, pci_bus_id=ident.pci_bus_id if ident else None,
+                         vendor=cast(GpuVendor, ident.vendor) if ident else None)
         if r.health != "ok" or ident is None:
             return state
         _copy_state(state, r, ident)
@@ -630,11 +663,19 @@ class GpuCollector:
                 xid_samples.append(Sample(NVML_XID.name, float(count), (*labels, ("code", str(code)))))
             memo = self._xid_memo = (dict(self._xid_counts), labels_now, xid_samples)
         out.extend(memo[2])
+        while self._notification_queue:
+            note = self._notification_queue.popleft()
+            key = (note.index, note.kind)
+            self._notification_counts[key] = self._notification_counts.get(key, 0) + 1
+            log.warning("GPU %d: amdsmi event %s: %s", note.index, note.kind, note.message)
+        for (index, kind), count in sorted(self._notification_counts.items()):
+            labels = labels_now[index] if 0 <= index < len(labels_now) else (("gpu", str(index)), ("uuid", ""))
+            out.append(Sample(DEVICE_EVENTS.name, float(count), (*labels, ("event", kind))))
         return out
 
     # --- Xid events ----------------------------------------------------------------------------
 
-    def _start_worker(self, backend: PynvmlBackend) -> None:
+    def _start_worker(self, backend: GpuBackend) -> None:
         indices = [g.index for g in self._gpus or () if g.identity is not None]
         if not indices or not backend.open_events(indices):
             return
@@ -644,15 +685,17 @@ class GpuCollector:
         self._worker = threading.Thread(target=self._listen, args=(backend,), name="vigil-nvml-xid", daemon=True)
         self._worker.start()
 
-    def _listen(self, backend: PynvmlBackend) -> None:
+    def _listen(self, backend: GpuBackend) -> None:
         while not self._stop.is_set():
             try:
                 event = backend.wait_xid(self._config.event_wait_ms)
-            except NVMLError as exc:  # NVML went away mid-wait: count it, back off, keep listening
-                self._count_error(error_reason(exc))
+            except backend.library_errors as exc:  # the library went away mid-wait: count, back off, listen on
+                self._count_error(backend.error_reason(exc))
                 self._stop.wait(1.0)
                 continue
-            if event is not None:
+            if isinstance(event, GpuNotification):
+                self._notification_queue.append(event)
+            elif event is not None:
                 self._xid_queue.append((self._clock(), event.index, event.code))
 
     def _drain_xids(self) -> list[Event]:

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pynvml
 from pynvml import NVMLError
@@ -163,7 +163,8 @@ class GpuIdentity:
     shutdown_temperature_celsius: float | None
     gpu_max_temperature_celsius: float | None
     memory_max_temperature_celsius: float | None
-    nvlinks: tuple[int, ...]  # link numbers NVML answers for
+    nvlinks: tuple[int, ...]  # link numbers NVML answers for (XGMI links on AMD)
+    vendor: str = "nvidia"  # "amd" from AmdSmiBackend (agent/gpu_backend.py Vendor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +313,15 @@ class GpuReading:
     # The driver's recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION), read every cycle in the same
     # nvmlDeviceGetFieldValues call as the HBM temperature; None where the driver predates it.
     recovery_action: str | None = None
+    # AMD only (AmdSmiBackend; None from NVML): deferred (poisoned, not yet consumed) ECC errors; the
+    # XGMI links' RAS counts (block XGMI_WAFL), which amdsmi keeps per GPU, not per link (the link
+    # totals of the report come from them); the junction's edge sensor; ECC counts per RAS block
+    # ((block, corrected, uncorrected), slow cadence).
+    ecc_deferred_volatile: int | None = None
+    xgmi_corrected_errors: int | None = None
+    xgmi_uncorrected_errors: int | None = None
+    edge_temperature_celsius: float | None = None
+    ecc_blocks: tuple[tuple[str, int, int], ...] = ()
     # NVML errors other than NotSupported met during this read: (query, reason).
     errors: list[tuple[str, str]] = field(default_factory=list)
 
@@ -331,6 +341,9 @@ class _HealthError(Exception):
 
 class PynvmlBackend:
     """NVML for the agent. ``nvml`` is the pynvml module or a FakeNvml (same names, same units)."""
+
+    vendor: Literal["nvidia"] = "nvidia"  # agent.gpu_backend.GpuBackend
+    reason_words: tuple[str, ...] = tuple(name for name, _ in CLOCK_EVENT_REASONS)
 
     def __init__(self, nvml: ModuleType | FakeNvml, run: CommandRunner | None = None) -> None:
         self._nvml: Any = nvml
@@ -401,6 +414,15 @@ class PynvmlBackend:
         """The module this backend calls: pynvml, or the FakeNvml a test or scenario gave it (the
         probes' fake engine couples its load to that fake)."""
         return self._nvml
+
+    @property
+    def library_errors(self) -> tuple[type[BaseException], ...]:
+        return (self._error,)
+
+    @staticmethod
+    def error_reason(exc: BaseException) -> str:
+        return error_reason(exc)
+
     def init(self) -> None:
         self._nvml.nvmlInit()
 

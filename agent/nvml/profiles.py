@@ -83,6 +83,9 @@ class DeviceProfile:
     # nvidia-smi-q.txt:62, nvml-real-h200 likewise); 535.161.08 prints only the older "GPU Reset Status"
     # pair (tests/fixtures/nvidia-smi/nvidia-smi-q-8xH100-535.161.08.txt:50-52).
     recovery_action_supported: bool = False
+    # Whose GPU it is: "nvidia" (NVML answers for it, FakeNvml imitates it) or "amd" (amdsmi,
+    # FakeAmdSmi: agent/amdsmi/profiles.py), the vendor GpuState.vendor reports.
+    vendor: str = "nvidia"
 
     def mig_memory_bytes(self, profile: str) -> int | None:
         return next((size for name, size in self.mig_profiles if name == profile), None)

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from vigil.agent.amdsmi.profiles import AMD_DEVICE_PROFILES
 from vigil.agent.nvml.profiles import PROFILES, DeviceProfile
 from vigil.contract.validation import StrictModel, format_validation_error, read_yaml_file
 
@@ -284,6 +285,18 @@ class RecoveryActionFault(_Fault):
     duration_seconds: float | None = Field(default=None, gt=0)
 
 
+class BadPages(_Fault):
+    """AMD RAS (amdsmi_get_gpu_bad_page_info): from ``at_seconds`` ``count`` more device-memory pages
+    of GPU ``gpu`` are retired with ``status``: reserved (retired now), pending (retired at the
+    next driver reload or GPU reset) or unreservable (the driver could not retire it). An
+    ecc_uncorrectable fault on an AMD board also retires one page per error (amdgpu retires the page
+    of every uncorrectable UMC error); this is the page retirement alone. AMD boards only."""
+
+    kind: Literal["bad_pages"]
+    count: int = Field(default=1, ge=1, le=4096)
+    status: Literal["reserved", "pending", "unreservable"] = "reserved"
+
+
 class NvmlUnavailable(StrictModel):
     """The driver goes away for the whole node: nvmlInit and every call fail from then on."""
 
@@ -295,7 +308,7 @@ Fault = Annotated[
     EccCorrectedGrowth | EccUncorrectable | RowRemapPending | RowRemapFailure | ThermalThrottle | PowerBrake
     | Xid | GpuLost | ResetRequired | NvlinkErrors | NvlinkDown | NvmlUnavailable | TemperatureDrift | HotHbm
     | PcieReplay | PowerCap | MemoryBound | UnderLoad | BusySpin | ConfigDrift | FabricManagerDown | FabricDegraded
-    | PcieLinkDegraded | RecoveryActionFault,
+    | PcieLinkDegraded | RecoveryActionFault | BadPages,
     Field(discriminator="kind"),
 ]
 
@@ -304,7 +317,20 @@ FAULT_KINDS: tuple[str, ...] = (
     "power_brake", "xid", "gpu_lost", "reset_required", "nvlink_errors", "nvlink_down", "nvml_unavailable",
     "temperature_drift", "hot_hbm", "pcie_replay", "power_cap", "memory_bound", "under_load", "busy_spin",
     "config_drift", "fabric_manager_down", "fabric_degraded", "pcie_link_degraded", "recovery_action",
+    "bad_pages",
 )
+
+# Every board a scenario may name: NVIDIA's (FakeNvml) and AMD's (FakeAmdSmi, vendor "amd").
+ALL_PROFILES: dict[str, DeviceProfile] = {**PROFILES, **AMD_DEVICE_PROFILES}
+# Fault kinds only one vendor's boards can show. On an AMD board the NVLink kinds stand for its XGMI
+# links (nvlink_errors: crc and replay grow the XGMI_WAFL block's correctable count, recovery its
+# uncorrectable one; nvlink_down: the link reads down), nvml_unavailable for amdsmi's driver going
+# away, and thermal_throttle, power_brake and power_cap for its violation status (socket thermal,
+# PROCHOT, PPT).
+NVIDIA_ONLY_FAULT_KINDS: tuple[str, ...] = (
+    "xid", "row_remap_pending", "row_remap_failure", "fabric_manager_down", "fabric_degraded", "recovery_action",
+    "config_drift", "memory_bound", "under_load", "busy_spin")
+AMD_ONLY_FAULT_KINDS: tuple[str, ...] = ("bad_pages",)
 
 
 # Kinds that act on the whole node: they take no ``gpu`` (nvml_unavailable, fabric_manager_down) or
@@ -364,9 +390,9 @@ class NodeScenario(StrictModel):
 
     @model_validator(mode="after")
     def _check_references(self) -> NodeScenario:
-        if self.profile not in PROFILES:
-            raise ValueError(f"profile {self.profile!r} is not one of {sorted(PROFILES)}")
-        board = PROFILES[self.profile]
+        if self.profile not in ALL_PROFILES:
+            raise ValueError(f"profile {self.profile!r} is not one of {sorted(ALL_PROFILES)}")
+        board = ALL_PROFILES[self.profile]
         seen: set[int] = set()
         for i, layout in enumerate(self.mig):
             if layout.gpu >= self.gpus:
@@ -380,7 +406,7 @@ class NodeScenario(StrictModel):
                 if board.mig_memory_bytes(name) is None:
                     raise ValueError(f"mig.{i}.instances: {name!r} is not one of "
                                      f"{[n for n, _ in board.mig_profiles]} on {self.profile}")
-        links = PROFILES[self.profile].nvlink_count
+        links = board.nvlink_count
         for i, fault in enumerate(self.faults):
             gpu = getattr(fault, "gpu", None)
             if gpu is not None and gpu >= self.gpus:
@@ -398,6 +424,10 @@ class NodeScenario(StrictModel):
     def _check_board(self, i: int, fault: Any, board: DeviceProfile) -> None:
         """A fault the board (its driver) could not show is a scenario error, not a silent no-op."""
         kind = fault.kind
+        if board.vendor == "amd" and kind in NVIDIA_ONLY_FAULT_KINDS:
+            raise ValueError(f"faults.{i}: {kind} is an NVIDIA fault; {self.profile} is an AMD board")
+        if board.vendor != "amd" and kind in AMD_ONLY_FAULT_KINDS:
+            raise ValueError(f"faults.{i}: {kind} is an AMD fault; {self.profile} is an NVIDIA board")
         if kind in ("fabric_manager_down", "fabric_degraded") and not board.nvswitch_fabric:
             raise ValueError(f"faults.{i}: {kind} needs an NVSwitch fabric, which {self.profile} has not")
         if kind == "pcie_link_degraded":

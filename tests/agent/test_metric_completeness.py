@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from vigil.agent.amdsmi.backend import AmdSmiBackend
+from vigil.agent.amdsmi.fake import FakeAmdSmi
 from vigil.agent.attribution import IN_PROCESS
 from vigil.agent.config import parse_config
 from vigil.agent.daemon import Agent
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
-from vigil.agent.nvml.scenario import SCENARIO_DIR, load_node_scenario
+from vigil.agent.nvml.scenario import ALL_PROFILES, SCENARIO_DIR, load_node_scenario
 from vigil.agent.runner import collect_once
 from vigil.contract.seams import Seams
 
@@ -28,6 +30,8 @@ NOT_ON_ANY_SCENARIO = {
     # Every profiled board (H100/H200/A100 SXM, V100 SXM2) is passively cooled: NVML raises
     # NotSupported for the fan, as nvidia-smi's "Fan Speed: N/A". tests/agent/collectors/test_gpu.py.
     "vigil_gpu_fan_speed_ratio",
+    # MI300X, the one AMD board profiled, has no edge sensor (amd-smi "EDGE: N/A"). tests/agent/amdsmi/.
+    "vigil_gpu_edge_temperature_celsius",
     # An OS read error of the kernel log itself. tests/agent/collectors/test_xid.py.
     "vigil_kernel_log_read_errors_total",
     # Needs an aggregator that accepts a report. tests/agent/test_reporter.py.
@@ -111,8 +115,12 @@ def emitted_and_declared(tmp_path_factory: pytest.TempPathFactory) -> tuple[set[
                                                        "job": "llm", "rank": 0}]}},
         })
         clock = Clock()
-        backend: PynvmlBackend | None
-        backend = PynvmlBackend(FakeNvml(load_node_scenario(scenario), clock, start=START))
+        backend: PynvmlBackend | AmdSmiBackend | None
+        node = load_node_scenario(scenario)
+        if ALL_PROFILES[node.profile].vendor == "amd":  # issue 46: an AMD board's scenario runs FakeAmdSmi
+            backend = AmdSmiBackend(FakeAmdSmi(node, clock, start=START))
+        else:
+            backend = PynvmlBackend(FakeNvml(node, clock, start=START))
         try:
             backend.init()
         except Exception:  # noqa: BLE001 - the nvml-unavailable scenario: the agent runs without NVML

@@ -23,7 +23,12 @@ _LOGGER = "vigil.agent"
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("agent", help="run the node agent", description="Run the vigil node agent.")
     p.add_argument("--config", metavar="FILE", help="agent configuration (YAML)")
-    p.add_argument("--backend", choices=("nvml", "fake"), help="NVML backend (overrides nvml.backend)")
+    p.add_argument("--backend", choices=("nvml", "amdsmi", "auto", "fake"),
+                   help="GPU library: nvml, amdsmi (AMD), auto (whichever initialises) or fake "
+                        "(overrides nvml.backend)")
+    p.add_argument("--vendor", choices=("nvidia", "amd"),
+                   help="whose library the fake backend imitates: nvidia (FakeNvml) or amd (FakeAmdSmi, 8x MI300X) "
+                        "(overrides nvml.vendor)")
     p.add_argument("--scenario", metavar="FILE|NAME", help="fake backend scenario (overrides nvml.scenario)")
     p.add_argument("--listen", metavar="HOST:PORT", help="HTTP address for /metrics (overrides listen)")
     p.add_argument("--heartbeat-listen", metavar="HOST:PORT",
@@ -53,6 +58,8 @@ def _merged_config(args: argparse.Namespace) -> Any:
         data.setdefault("nvml", {})["backend"] = args.backend
     if args.scenario:
         data.setdefault("nvml", {})["scenario"] = args.scenario
+    if args.vendor:
+        data.setdefault("nvml", {})["vendor"] = args.vendor
     if args.listen:
         data["listen"] = args.listen
     if args.heartbeat_listen:

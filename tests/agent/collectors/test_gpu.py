@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from vigil.agent.amdsmi.backend import AmdSmiBackend
+from vigil.agent.amdsmi.fake import FakeAmdSmi
 from vigil.agent.attribution import ProcessAttribution
 from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.gpu import SPECS, GpuCollector, GpuConfig
@@ -15,7 +17,7 @@ from vigil.agent.config import parse_config
 from vigil.agent.metric import Sample
 from vigil.agent.nvml.backend import PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
-from vigil.agent.nvml.scenario import load_node_scenario, shipped_scenarios
+from vigil.agent.nvml.scenario import ALL_PROFILES, load_node_scenario, shipped_scenarios
 from vigil.contract.seams import Seams
 from vigil.contract.wire import Event, Report
 
@@ -129,8 +131,15 @@ def test_every_sample_is_declared_and_every_spec_is_emitted_on_some_scenario(clo
     emitted: set[str] = set()
     for name in shipped_scenarios():
         clock.t = 0.0
-        fake = FakeNvml(load_node_scenario(name), clock, start=0.0)
-        backend = PynvmlBackend(fake)
+        scenario = load_node_scenario(name)
+        fake: FakeNvml | FakeAmdSmi
+        backend: PynvmlBackend | AmdSmiBackend
+        if ALL_PROFILES[scenario.profile].vendor == "amd":  # issue 46: an AMD board's scenario
+            fake = FakeAmdSmi(scenario, clock, start=0.0)
+            backend = AmdSmiBackend(fake)
+        else:
+            fake = FakeNvml(scenario, clock, start=0.0)
+            backend = PynvmlBackend(fake)
         backend.init()
         # An empty process table: NVML's pids are attributed to no job, and still listed.
         attribution = ProcessAttribution(backend, proc_root=tmp_path)
@@ -143,16 +152,19 @@ def test_every_sample_is_declared_and_every_spec_is_emitted_on_some_scenario(clo
                     assert spec is not None, f"{name}: {sample.name} is not declared"
                     assert tuple(k for k, _ in sample.labels) == spec.labels, sample
                     emitted.add(sample.name)
-            if any(f.kind == "xid" for f in fake.scenario.faults):
+            amd = isinstance(fake, FakeAmdSmi)  # amdsmi notifies a hung GPU's ring timeout, NVML an Xid
+            worker_metric = "vigil_gpu_device_events_total" if amd else "vigil_gpu_nvml_xid_events_total"
+            if any(f.kind == ("gpu_lost" if amd else "xid") for f in fake.scenario.faults):
                 deadline = time.monotonic() + 5.0  # the worker thread delivers within its wait
-                while "vigil_gpu_nvml_xid_events_total" not in emitted and time.monotonic() < deadline:
+                while worker_metric not in emitted and time.monotonic() < deadline:
                     time.sleep(0.01)
                     emitted |= {s.name for s in collector.collect(100.0).samples}
         finally:
             collector.close()
     # Every shipped profile is a passively cooled data-centre board (nvidia-smi: "Fan Speed: N/A");
     # the fan series is covered by test_fan_speed_where_the_board_has_a_fan.
-    assert set(declared) - emitted == {"vigil_gpu_fan_speed_ratio"}
+    # The AMD edge sensor: MI300X has none (amd-smi "EDGE: N/A"); tests/agent/amdsmi/test_backend.py.
+    assert set(declared) - emitted == {"vigil_gpu_fan_speed_ratio", "vigil_gpu_edge_temperature_celsius"}
 
 
 def test_fan_speed_where_the_board_has_a_fan(clock):
