@@ -72,12 +72,12 @@ class Fleet(StrictModel):
 
     @model_validator(mode="after")
     def _name_format_works(self) -> Fleet:
-        from vigil.agent.nvml.profiles import PROFILES
+        from vigil.agent.nvml.scenario import ALL_PROFILES
 
         for i, profile in enumerate([self.profile, *(g.profile for g in self.profiles)]):
-            if profile not in PROFILES:
+            if profile not in ALL_PROFILES:
                 where = "profile" if i == 0 else f"profiles.{i - 1}.profile"
-                raise ValueError(f"{where}: {profile!r} is not one of {sorted(PROFILES)}")
+                raise ValueError(f"{where}: {profile!r} is not one of {sorted(ALL_PROFILES)}")
         try:
             first = self.name_format.format(0)
         except (IndexError, KeyError, ValueError) as exc:
@@ -193,11 +193,11 @@ class Job(StrictModel):
         if not self.heartbeats and not SLURM_JOB_ID.match(self.name):
             raise ValueError(f"an uninstrumented job (heartbeats: false) is named by its Slurm job id, as the "
                              f"agent's attribution names it: {self.name!r} is not one")
-        from vigil.agent.nvml.profiles import PROFILES
+        from vigil.agent.nvml.scenario import ALL_PROFILES
 
         for profile, factor in self.profile_compute_factor.items():
-            if profile not in PROFILES:
-                raise ValueError(f"profile_compute_factor: {profile!r} is not one of {sorted(PROFILES)}")
+            if profile not in ALL_PROFILES:
+                raise ValueError(f"profile_compute_factor: {profile!r} is not one of {sorted(ALL_PROFILES)}")
             if not 0 < factor <= 100:
                 raise ValueError(f"profile_compute_factor: {profile}: {factor:g} is not in (0, 100]")
         return self
