@@ -109,9 +109,12 @@ class AmdgpuDetector:
 
 
 def _gpu_of(node: NodeState, event: Event) -> int | None:
-    """The event's GPU: as the agent named it, else the node's GPU of the PCI bus id it names."""
-    if event.gpu is not None or event.pci_bus_id is None:
-        return event.gpu
+    """The event's GPU: as the agent named it (one its node reports; an index it does not report is
+    no GPU to reset), else the node's GPU of the PCI bus id it names."""
+    if event.gpu is not None:
+        return event.gpu if event.gpu in node.gpus else None
+    if event.pci_bus_id is None:
+        return None
     wanted = _bus(event.pci_bus_id)
     for hist in node.gpus.values():
         if hist.last.pci_bus_id and _bus(hist.last.pci_bus_id) == wanted:

@@ -73,6 +73,9 @@ def test_ring_timeouts_repeating_in_separate_bursts_drain():
 def test_a_line_naming_no_gpu_drains_the_node_instead_of_resetting():
     [f] = judge({10.0: [amd("poison_consumed", 9.0, gpu=None)]})
     assert f.gpu is None and f.action is Action.DRAIN
+    # A GPU index the node does not report (FakeNode has 8) is no GPU to reset either.
+    [g] = judge({10.0: [amd("poison_consumed", 9.0, gpu=4000)]})
+    assert g.gpu is None and g.action is Action.DRAIN
 
 
 def test_bus_id_names_the_gpu_when_the_agent_could_not():
