@@ -1,4 +1,4 @@
-"""Kernel-log faults: NVRM Xid, NVSwitch SXid, "fallen off the bus" and mlx5 driver errors.
+"""Kernel-log faults: NVRM Xid, NVSwitch SXid, "fallen off the bus", mlx5 and amdgpu driver errors.
 
 Reads kernel-log lines (their transport prefixes stripped by ``agent.kernel_log_prefix``) and
 turns the ones we care about into ``KernelEvent``s, one per fault: companion and detail lines
@@ -15,7 +15,7 @@ from typing import Literal
 
 from vigil.agent.kernel_log_prefix import KMSG_RE, split_line, timestamp_seconds
 
-EventKind = Literal["xid", "sxid", "gpu_lost", "mlx5_error"]
+EventKind = Literal["xid", "sxid", "gpu_lost", "mlx5_error", "amdgpu"]
 
 # NVRM Xid, every driver generation: "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=x, text"
 # (R470+ adds name=; R535+ writes pid='<unknown>'); old drivers may omit pid/name or "PCI:", and
@@ -71,6 +71,44 @@ MLX5_ERROR_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
                              re.IGNORECASE)),
     ("cqe_error", re.compile(r"CQE error|error cqe", re.IGNORECASE)),
 )
+# amdgpu (AMD Instinct) driver lines, as the real driver prints them (tests/fixtures/kernel-log/
+# amdgpu/PROVENANCE.md): "amdgpu 0000:dd:00.0: [amdgpu: ][{N}]<message>" where {N} is the RAS event
+# id of newer drivers (RAS_EVENT_LOG), or a "[drm:amdgpu_job_timedout [amdgpu]] *ERROR* ..." line
+# that names no device, or "amdgpu: <message>" without one.
+_AMDGPU_RE = re.compile(
+    r"^amdgpu (?P<bus>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]):\s*(?:\{\d+\})?(?:amdgpu:\s*)?"
+    r"(?:\{\d+\})?(?P<rest>.*)$"
+)
+_AMDGPU_NODEV_RE = re.compile(r"^(?:\[drm:amdgpu_\w+ \[amdgpu\]\] \*ERROR\*|amdgpu:)\s*(?P<rest>.*)$")
+# RAS error counts (amdgpu_ras.c, amdgpu_ras_error_print_error_data / amdgpu_ras_log_on_err_counter):
+# "[socket: S, die: D, ]N [new ]uncorrectable|correctable|deferred hardware errors detected[ in total]
+# in <block> block"; "no ..." and a count of 0 are the driver saying the GPU is fine.
+_AMDGPU_RAS_COUNT_RE = re.compile(
+    r"(?:socket: \d+, die: \d+, )?(?P<count>\d+|no) (?P<new>new )?(?P<sev>uncorrectable|correctable|deferred) "
+    r"hardware errors detected(?P<total> in total)? in (?P<block>\w+) block", re.IGNORECASE)
+# The driver's fatal-error interrupt: "uncorrectable hardware error(ERREVENT_ATHUB_INTERRUPT) detected!"
+_AMDGPU_RAS_FATAL_RE = re.compile(r"uncorrectable hardware error\((?P<what>\w+)\) detected")
+# Ring timeouts (amdgpu_job.c, amdgpu_job_timedout): "ring gfx_0.0.0 timeout, signaled seq=.., emitted
+# seq=.." (the job did not finish: the driver resets), or "ring gfx timeout, but soft recovered".
+_AMDGPU_RING_RE = re.compile(r"^ring (?P<ring>\S+) timeout(?P<soft>, but soft recovered)?")
+# (event name, pattern) of the other amdgpu lines that are events; every other amdgpu line (init,
+# page-fault detail, "GPU reset succeeded, trying to resume", the ACA register dump) is not one.
+AMDGPU_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("poison_consumed", re.compile(r"^poison is consumed by client \d+", re.IGNORECASE)),
+    ("poison_created", re.compile(r"^Poison is created", re.IGNORECASE)),
+    ("bad_page_threshold", re.compile(r"^Saved bad pages \d+ reaches threshold value \d+")),
+    ("gpu_reset_begin", re.compile(r"^GPU reset begin!")),
+    ("gpu_reset_succeeded", re.compile(r"^GPU reset\(\d+\) succeeded!")),
+    ("gpu_reset_failed", re.compile(r"^GPU reset(?:\(\d+\))? failed")),
+)
+# AMD's RAS blocks by their number (Linux drivers/gpu/drm/amd/amdgpu/amdgpu_ras.h, enum
+# amdgpu_ras_block; the names as amdgpu_ras.c's ras_block_string prints them): the event's ``code``.
+AMDGPU_RAS_BLOCKS: dict[str, int] = {
+    "umc": 0, "sdma": 1, "gfx": 2, "mmhub": 3, "athub": 4, "pcie_bif": 5, "hdp": 6, "xgmi_wafl": 7,
+    "df": 8, "smn": 9, "sem": 10, "mp0": 11, "mp1": 12, "fuse": 13, "mca": 14, "vcn": 15, "jpeg": 16,
+    "ih": 17, "mpio": 18,
+}
+
 # An mlx5 health event (the poll's "health compromised", a firmware assert) is followed by the
 # driver's dump of the health buffer, one register per line (Linux mlx5/core/health.c,
 # print_health_info): assert_var[0..4], assert_exit_ptr, ..., synd ("firmware internal error").
@@ -225,6 +263,8 @@ class KernelLogParser:
             return _parse_sxid(msg, ts_text, seq, line)
         if msg.startswith("mlx5_core"):
             return _parse_mlx5(msg, ts_text, seq, line), None
+        if "amdgpu" in msg:
+            return _parse_amdgpu(msg, ts_text, seq, line), None
         head = _FALLEN_HEAD_RE.search(msg)
         if head:
             state.fallen_bus = normalize_bus_id(head.group("bus"))
@@ -245,6 +285,9 @@ class KernelLogParser:
             return None  # nothing folds into other Xids, and a flood of them must stay cheap
         if ev.kind == "mlx5_error" and ev.error not in _MLX5_HEALTH_ERRORS:
             return None
+        if ev.kind == "amdgpu":
+            # A RAS count "in total" repeats the "new" line before it as a running total: one fault.
+            return "amdgpu" if ev.error == AMDGPU_RAS_TOTAL else None
         at = timestamp_seconds(ev.ts_text)
         if ev.kind == "gpu_lost":
             # The notice after the Xid 79 of the same GPU (or a repeat of the notice): one fault.
@@ -344,3 +387,43 @@ def _parse_mlx5(msg: str, ts_text: str, seq: int | None, line: str) -> KernelEve
             return KernelEvent("mlx5_error", normalize_bus_id(bus), None, rest, ts_text, seq, device=bus,
                                error=error, line=line)
     return None
+
+
+# The event name of a RAS running-total line (folded into the "new" count line it follows).
+AMDGPU_RAS_TOTAL = "ras_total"
+
+
+def _parse_amdgpu(msg: str, ts_text: str, seq: int | None, line: str) -> KernelEvent | None:
+    """An amdgpu driver line -> its event (``error``: the event's name, ``code``: the RAS block's
+    number where the line names one), or None for the driver's many lines that are no fault."""
+    m = _AMDGPU_RE.match(msg)
+    bus = device = None
+    if m:
+        device = m.group("bus").lower()
+        bus = normalize_bus_id(device)
+        rest = m.group("rest").strip()
+    else:
+        nm = _AMDGPU_NODEV_RE.match(msg)
+        if nm is None:
+            return None
+        rest = nm.group("rest").strip()
+    error: str | None = None
+    code: int | None = None
+    rm = _AMDGPU_RAS_COUNT_RE.search(rest)
+    if rm:
+        if rm.group("count").lower() == "no" or int(rm.group("count")) == 0:
+            return None
+        block = rm.group("block").lower()
+        code = AMDGPU_RAS_BLOCKS.get(block)
+        error = AMDGPU_RAS_TOTAL if rm.group("total") else f"ras_{rm.group('sev').lower()}"
+    elif _AMDGPU_RAS_FATAL_RE.search(rest):
+        error = "ras_fatal"
+    else:
+        ring = _AMDGPU_RING_RE.match(rest)
+        if ring:
+            error = "ring_timeout_recovered" if ring.group("soft") else "ring_timeout"
+        else:
+            error = next((name for name, pattern in AMDGPU_PATTERNS if pattern.match(rest)), None)
+    if error is None:
+        return None
+    return KernelEvent("amdgpu", bus, code, rest, ts_text, seq, device=device, error=error, line=line)

@@ -41,9 +41,9 @@ _UPTIME_RE = re.compile(r"^\[\s*(?P<ts>\d+(?:\.\d+)?)\]\s?")
 # mistaken for a host.
 _COLLECTED_HOST_RE = re.compile(
     r"^(?P<host>[A-Za-z0-9][\w.\-]*):[ \t]+"
-    r"(?=\[|\d|[A-Z][a-z]{2} [ \d]\d |[a-z]+\s*:\s*[a-z]+\s*:|<\d+>|NVRM:|nvidia-nvswitch\d+:|mlx5_core|kernel:)"
+    r"(?=\[|\d|[A-Z][a-z]{2} [ \d]\d |[a-z]+\s*:\s*[a-z]+\s*:|<\d+>|NVRM:|nvidia-nvswitch\d+:|mlx5_core|amdgpu|kernel:)"
 )
-_NOT_A_HOST_RE = re.compile(r"^(?:NVRM|kernel|mlx5_core|nvidia-nvswitch\d+)$")
+_NOT_A_HOST_RE = re.compile(r"^(?:NVRM|kernel|mlx5_core|amdgpu|nvidia-nvswitch\d+)$")
 
 
 @functools.lru_cache(maxsize=4096)

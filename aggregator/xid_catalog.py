@@ -467,10 +467,15 @@ def load_sxid_entries(text: str | None = None) -> list[SxidEntry]:
 
 
 def event_action(catalog: XidCatalog, kind: str, code: int | None, message: str = "",
-                 severity: str | None = None, sxids: SxidCatalog | None = None) -> Action:
+                 severity: str | None = None, sxids: SxidCatalog | None = None, error: str | None = None) -> Action:
     """What one kernel-log event calls for on its own (``vigil xid scan``): Xids by the catalog,
-    a GPU fallen off the bus as Xid 79, SXids by the line's severity or else the SXid catalog;
-    mlx5 NIC errors alert (the network detectors judge links)."""
+    a GPU fallen off the bus as Xid 79, SXids by the line's severity or else the SXid catalog,
+    amdgpu events (``error``: the event's name) by the amdgpu catalog; mlx5 NIC errors alert (the
+    network detectors judge links)."""
+    if kind == "amdgpu":
+        from vigil.aggregator.amdgpu_catalog import AmdgpuCatalog
+
+        return AmdgpuCatalog().entry(error or "").action
     if kind == "xid" and code is not None:
         return occurrence_action(catalog, code, message)
     if kind == "gpu_lost":

@@ -155,7 +155,8 @@ class Event(_Wire, kw_only=True):
     ``kind`` is one of: xid, sxid, gpu_lost, mlx5_error, link_down, link_up, link_flap,
     counter_reset, hang, rank_exit, nvml_unavailable, and from training logs nccl_timeout, cuda_error,
     nccl_warn (agent/app_log.py) and nccl_ras (agent/nccl_ras.py: ``rank`` and ``peer`` are the rank
-    and node NCCL's RAS reports unresponsive or dead). Subject fields that do not apply are None.
+    and node NCCL's RAS reports unresponsive or dead), and amdgpu_<event> (AMD GPU driver events,
+    ``code`` the RAS block's number: aggregator/amdgpu_catalog.py). Subject fields that do not apply are None.
     ``count`` > 1 means identical events were collapsed (a flood is counted, not forwarded line
     by line); ``ts`` is then the first occurrence and ``last_ts`` the latest.
     """

@@ -230,6 +230,16 @@ def fleet() -> dict[str, Any]:
                                           "Xid {{code}} (NVML)")], unit="ops", width=12,
               description="The same faults seen twice where both sources work: the kernel log (xid collector) "
                           "and NVML's event API (gpu collector)."),
+        Panel("AMD GPU driver events by event", [Target(
+            "sum by (event, block) (rate(vigil_amdgpu_events_total[5m])) > 0", "{{event}} {{block}}")],
+              unit="ops", width=12,
+              description="amdgpu kernel-log events (RAS errors by block, poison, bad-page threshold, ring "
+                          "timeouts, GPU resets): AMD's counterpart of the Xids; aggregator/amdgpu_catalog.py "
+                          "names them."),
+        _table("Worst GPUs: AMD driver events in the range",
+               'topk(10, sum by (node, gpu, uuid, event, block) (increase(vigil_amdgpu_events_total'
+               '{event!~"gpu_reset_begin|gpu_reset_succeeded|ras_correctable|ring_timeout_recovered"}[$__range])))'
+               ' > 0', description="The events that can act (the driver's own recoveries left out)."),
         Panel("GPUs with a failed or pending row remap",
               [Target("sum(vigil_gpu_row_remap_failure)", "remap failed"),
                Target("sum(vigil_gpu_row_remap_pending)", "remap pending"),
@@ -281,6 +291,8 @@ def fleet() -> dict[str, Any]:
 
 
 def node() -> dict[str, Any]:
+    # Every panel works for NVIDIA (NVML) and AMD (amdsmi) GPUs: the agent reports both under the
+    # same metric names (docs/amd.md); the model variable picks a hardware class.
     sel = 'node="$node", gpu=~"$gpu"'
     gpu_legend = "GPU {{gpu}}"
     items: list[Panel | Row] = [
@@ -289,16 +301,18 @@ def node() -> dict[str, Any]:
         Panel("Collectors succeeding", [Target('vigil_collector_success{node="$node"}', "{{collector}}")],
               kind="state-timeline", width=8, height=8),
         Panel("GPU health", [Target(f'vigil_gpu_health{{{sel}}} == 1', gpu_legend + " {{state}}")],
-              kind="state-timeline", width=24, height=6),
+              kind="state-timeline", width=24, height=6,
+              description="The GPU library's view of each GPU (NVML on NVIDIA, amdsmi on AMD)."),
         Row("Clocks, temperatures, power"),
-        Panel("SM clock", [Target(f"vigil_gpu_sm_clock_hertz{{{sel}}}", gpu_legend)], unit="hertz", width=8),
+        Panel("Graphics (SM) clock", [Target(f"vigil_gpu_sm_clock_hertz{{{sel}}}", gpu_legend)], unit="hertz",
+              width=8, description="NVIDIA's SM clock; AMD's graphics (SCLK) clock."),
         Panel("Memory clock", [Target(f"vigil_gpu_memory_clock_hertz{{{sel}}}", gpu_legend)], unit="hertz", width=8),
         Panel("Utilization", [Target(f"vigil_gpu_utilization_ratio{{{sel}}}", gpu_legend)], unit="percentunit",
               width=8),
         Panel("GPU temperature", [Target(f"vigil_gpu_temperature_celsius{{{sel}}}", gpu_legend),
                                   Target(f"max(vigil_gpu_slowdown_temperature_celsius{{{sel}}})", "slowdown")],
               unit="celsius", width=8),
-        Panel("HBM temperature", [Target(f"vigil_gpu_memory_temperature_celsius{{{sel}}}", gpu_legend),
+        Panel("HBM (memory) temperature", [Target(f"vigil_gpu_memory_temperature_celsius{{{sel}}}", gpu_legend),
                                   Target(f"max(vigil_gpu_memory_max_operating_temperature_celsius{{{sel}}})",
                                          "max operating")], unit="celsius", width=8),
         Panel("Power", [Target(f"vigil_gpu_power_watts{{{sel}}}", gpu_legend),
@@ -306,7 +320,8 @@ def node() -> dict[str, Any]:
         Panel("Clock event reasons (throttling)",
               [Target(f'vigil_gpu_clock_event_active{{{sel}, reason!="gpu_idle"}} == 1', gpu_legend + " {{reason}}")],
               kind="state-timeline", width=24, height=8,
-              description="NVML clock event reasons holding the clocks down; sw_power_cap is normal at full load."),
+              description="What holds the clocks down: NVML's clock event reasons on NVIDIA, amdsmi's violation "
+                          "status on AMD, under one set of names; sw_power_cap is normal at full load."),
         Row("Memory errors"),
         Panel("ECC errors per second", [Target(
             f'rate(vigil_gpu_ecc_errors_total{{{sel}, counter="volatile"}}[$__rate_interval])',
@@ -317,15 +332,24 @@ def node() -> dict[str, Any]:
                                              Target(f"vigil_gpu_row_remap_failure{{{sel}}}", gpu_legend + " failed")],
               width=8),
         Panel("Retired pages", [Target(f"vigil_gpu_retired_pages_total{{{sel}}}", gpu_legend + " {{cause}}")],
-              width=12, description="Page retirement (pre-A100 GPUs); A100 and later remap rows instead."),
+              width=12, description="Retired memory pages: NVIDIA before A100 (A100 and later remap rows instead) "
+                                    "and AMD Instinct (amdgpu's bad pages)."),
         Panel("Xids in the range", [Target(f"{_xids_by_source(sel, '$__range')} > 0",
                                            gpu_legend + " Xid {{code}} ({{source}})", instant=True)],
               kind="table", width=12,
-              description="Xids per GPU and code from the kernel log (source kmsg) and NVML's event API (nvml)."),
-        Row("NVLink and PCIe"),
-        Panel("NVLink links down", [Target(f"vigil_gpu_nvlink_state{{{sel}}} == 0", gpu_legend + " link {{link}}")],
-              kind="state-timeline", width=12),
-        Panel("NVLink errors per second", [Target(
+              description="NVIDIA: Xids per GPU and code from the kernel log (source kmsg) and NVML's event API "
+                          "(nvml)."),
+        Panel("AMD driver events in the range", [Target(
+            f"sum by (gpu, event, block) (increase(vigil_amdgpu_events_total{{{sel}}}[$__range])) > 0",
+            gpu_legend + " {{event}} {{block}}", instant=True)], kind="table", width=12,
+              description="AMD: amdgpu kernel-log events per GPU (RAS errors by block, poison, bad-page "
+                          "threshold, ring timeouts, GPU resets); aggregator/amdgpu_catalog.py says what each means."),
+        Row("GPU links (NVLink / XGMI) and PCIe"),
+        Panel("GPU links down (NVLink / XGMI)",
+              [Target(f"vigil_gpu_nvlink_state{{{sel}}} == 0", gpu_legend + " link {{link}}")],
+              kind="state-timeline", width=12,
+              description="NVIDIA NVLink or AMD Infinity Fabric (XGMI) links, under the same metric."),
+        Panel("GPU link errors per second (NVLink / XGMI)", [Target(
             f"sum by (gpu, error_type) (rate(vigil_gpu_nvlink_errors_total{{{sel}}}[$__rate_interval]))",
             gpu_legend + " {{error_type}}")], unit="ops", width=12),
         Panel("PCIe replays per second", [Target(
@@ -345,7 +369,7 @@ def node() -> dict[str, Any]:
         Panel("GPU PCIe link width", [
             Target(f"vigil_gpu_pcie_link_width{{{sel}}}", gpu_legend),
             Target(f"max(vigil_gpu_pcie_link_width_max{{{sel}}})", "max")], width=8),
-        Panel("GPU recovery action (NVML)",
+        Panel("GPU recovery action (NVIDIA)",
               [Target(f'vigil_gpu_recovery_action{{{sel}, action!="none"}} == 1', gpu_legend + " {{action}}")],
               kind="state-timeline", width=8,
               description="What the driver says recovers the GPU after an error (none when healthy)."),
@@ -382,11 +406,12 @@ def node() -> dict[str, Any]:
             Target('sum by (device, port) (rate(vigil_rdma_port_pfc_pause_frames_total{node="$node"}'
                    '[$__rate_interval]))', "{{device}}/{{port}} PFC")], unit="ops", width=24),
     ]
-    variables = [_query_var("node", "Node", "label_values(vigil_gpu_info, node)"),
+    variables = [_query_var("model", "GPU model", "label_values(vigil_gpu_info, name)", multi=True),
+                 _query_var("node", "Node", 'label_values(vigil_gpu_info{name=~"$model"}, node)'),
                  _query_var("gpu", "GPU", 'label_values(vigil_gpu_info{node="$node"}, gpu)', multi=True)]
     return dashboard("vigil-node", "vigil / Node drill-down",
-                     "One node: every GPU's clocks, temperatures, power, throttling, memory errors, NVLink and "
-                     "PCIe, and every RDMA port.", variables, items)
+                     "One node, NVIDIA or AMD: every GPU's clocks, temperatures, power, throttling, memory errors, "
+                     "GPU links (NVLink / XGMI) and PCIe, and every RDMA port.", variables, items)
 
 
 # The job view's bottleneck hints, a roofline rule of thumb rather than a measured limit: a job

@@ -197,3 +197,34 @@ def kernel_xid_line(bus_id: str, code: int, text: str, pid: int | None = None) -
     body = text or XID_TEXT.get(code, "")
     pid_text = str(pid) if pid is not None else "'<unknown>'"
     return f"NVRM: Xid (PCI:{bus_id}): {code}, pid={pid_text}, name=python3, {body}".rstrip(", ")
+
+
+# The RAS event id newer amdgpu drivers print in braces ("{1}"), as on a real MI300X node
+# (tests/fixtures/kernel-log/amdgpu/rocm-4021-*); the simulator writes the first event's.
+_RAS_EVENT_ID = "{1}"
+
+
+def amdgpu_lines(bus_id: str, event: str, block: str = "umc", count: int = 1) -> list[str]:
+    """The amdgpu driver's lines for ``event`` on the GPU at ``bus_id`` ("0000:05:00"), in the
+    formats of the real logs in tests/fixtures/kernel-log/amdgpu."""
+    dev = f"amdgpu {bus_id}.0:"
+    reset = f"{dev} amdgpu: GPU reset begin!"
+    timeout = f"{dev} ring gfx_0.0.0 timeout, signaled seq=57638, emitted seq=57641"
+    if event in ("ras_uncorrectable", "ras_correctable", "ras_deferred"):
+        severity = event.removeprefix("ras_")
+        counted = [f"{dev} {_RAS_EVENT_ID}socket: 0, die: 0, {count} new {severity} hardware errors detected "
+                   f"in {block} block",
+                   f"{dev} {_RAS_EVENT_ID}socket: 0, die: 0, {count} {severity} hardware errors detected in total "
+                   f"in {block} block"]
+        return [*counted, reset] if event == "ras_uncorrectable" else counted
+    lines = {
+        "ras_fatal": [f"{dev} {_RAS_EVENT_ID}uncorrectable hardware error(ERREVENT_ATHUB_INTERRUPT) detected!", reset],
+        "poison_consumed": [f"{dev} {_RAS_EVENT_ID}poison is consumed by client 12, kick off gpu reset flow", reset],
+        "bad_page_threshold": [f"{dev} amdgpu: Saved bad pages {count} reaches threshold value 128"],
+        "ring_timeout": [timeout, f"{dev}  Process python3 pid 4242 thread python3 pid 4242", reset,
+                         f"{dev} amdgpu: GPU reset(1) succeeded!"],
+        "ring_timeout_recovered": ["[drm:amdgpu_job_timedout [amdgpu]] *ERROR* ring gfx timeout, but soft recovered"],
+        "gpu_hang": [timeout, f"{dev}  Process python3 pid 4242 thread python3 pid 4242", reset,
+                     f"{dev} amdgpu: GPU reset(2) failed", f"{dev} amdgpu: GPU reset end with ret = -110"],
+    }
+    return lines[event]

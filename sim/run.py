@@ -52,12 +52,13 @@ from vigil.contract.wire import (
 )
 from vigil.sim import fabric
 from vigil.sim.clock import SimClock
-from vigil.sim.fleet import KernelLog, SimHost, SimNode, kernel_xid_line
+from vigil.sim.fleet import KernelLog, SimHost, SimNode, amdgpu_lines, kernel_xid_line
 from vigil.sim.probes import SimHardware, SimProbeAgent, node_rng, probe_seconds
 from vigil.sim.scenario import (
     PROBE_FAULTS,
     DataStall,
     Hang,
+    KernelAmdgpu,
     KernelXid,
     NvmlFault,
     PcieDevice,
@@ -258,8 +259,20 @@ ResetCommand = Callable[[Any, Sequence[str], float], str]
 
 
 def open_fake_backend(node_scenario: Any, clock: SimClock, seed: int, reset: ResetCommand | None = None) -> Any:
-    """The real PynvmlBackend over a FakeNvml: only NVIDIA's library is left out. ``reset``: what
-    its ``nvidia-smi --gpu-reset`` runs (default: FakeNvml's own imitation)."""
+    """The node's real GPU backend over its vendor's fake library: PynvmlBackend over FakeNvml for an
+    NVIDIA board, AmdSmiBackend over FakeAmdSmi for an AMD one (agent/amdsmi/profiles.py); only the
+    vendor's library is left out. ``reset``: what its GPU reset command runs (default: the fake's
+    own imitation)."""
+    from vigil.agent.nvml.scenario import ALL_PROFILES
+
+    if ALL_PROFILES[node_scenario.profile].vendor == "amd":
+        from vigil.agent.amdsmi.backend import AmdSmiBackend
+        from vigil.agent.amdsmi.fake import FakeAmdSmi
+
+        amd = FakeAmdSmi(node_scenario, clock, start=clock.start, seed=seed)
+        amd_backend = AmdSmiBackend(amd, run=None if reset is None else functools.partial(reset, amd))
+        amd_backend.init()
+        return amd_backend
     from vigil.agent.nvml.backend import PynvmlBackend
     from vigil.agent.nvml.fake import FakeNvml
 
@@ -367,7 +380,7 @@ class Simulation:
                     self._probe_faults.setdefault(n, []).append(fault)
         base = self.agent_config
         from vigil.agent.daemon import build_collectors
-        from vigil.agent.nvml.profiles import PROFILES
+        from vigil.agent.nvml.scenario import ALL_PROFILES as PROFILES
 
         link_layer = sc.fleet.link_layer
         hcas = sc.fleet.hcas_per_node
@@ -410,7 +423,7 @@ class Simulation:
                 sysfs = shared_sysfs[profile]
             node_fabric = fabric.NodeFabric(sysfs, **pci(profile)) if own_tree else None
             kern = quiet_log
-            if any(isinstance(f, KernelXid) or (isinstance(f, NvmlFault) and f.kind in _LOGGED)
+            if any(isinstance(f, KernelXid | KernelAmdgpu) or (isinstance(f, NvmlFault) and f.kind in _LOGGED)
                    for f in faults):
                 kern = self._kern_path(name)
             config = base.model_copy(update={"node": name, "topology": sc.topology_of(i)})
@@ -490,14 +503,22 @@ class Simulation:
         """A node of another GPU model than the fleet's runs the fleet's driver (a site installs one
         driver image on every node): the node-level drift to it from the start, where the model's
         profile was recorded with another driver (the H200 profile's 580 beside the H100's 535)."""
-        from vigil.agent.nvml.profiles import PROFILES
+        from vigil.agent.nvml.scenario import ALL_PROFILES as PROFILES
 
         fleet, board = PROFILES[self.scenario.fleet.profile], PROFILES[profile]
+        if board.vendor != fleet.vendor:
+            return []  # another vendor's GPUs run their own vendor's driver
         if (board.driver_version, board.cuda_driver_version) == (fleet.driver_version, fleet.cuda_driver_version):
             return []
         cuda = fleet.cuda_driver_version
         return [{"kind": "config_drift", "at_seconds": 0.0, "driver_version": fleet.driver_version,
                  "cuda_driver_version": f"{cuda // 1000}.{cuda % 1000 // 10}"}]
+
+    def _vendor(self, name: str) -> str:
+        """Whose GPUs node ``name`` has ("nvidia" or "amd"), from its board's profile."""
+        from vigil.agent.nvml.scenario import ALL_PROFILES
+
+        return ALL_PROFILES[self._nvml_setup[name][1]].vendor
 
     def _nvidia_smi(self, name: str, fake: Any, argv: Sequence[str], timeout_seconds: float) -> str:
         """``nvidia-smi --gpu-reset`` on node ``name``: FakeNvml's imitation (it refuses a GPU that
@@ -505,7 +526,8 @@ class Simulation:
         scenario's reset fixes the node (``remediation.reset_clears``); elsewhere the reset fails as
         nvidia-smi fails on a GPU a reset does not recover (exit 1), and the GPU keeps its fault."""
         if self.scenario.reset_clears(name):
-            return str(fake.nvidia_smi(argv, timeout_seconds))
+            imitation = fake.amd_smi if self._vendor(name) == "amd" else fake.nvidia_smi
+            return str(imitation(argv, timeout_seconds))
         raise subprocess.CalledProcessError(
             1, list(argv), output="", stderr=f"Unable to reset GPU {argv[-1]}: the GPU did not recover "
                                              f"(simulated: remediation.reset_clears)")
@@ -765,6 +787,11 @@ class Simulation:
             for k in range(fault.repeat + 1):
                 self._at(t0 + k * fault.every_seconds, lambda: node.kernel_log.write_lines(
                     self.clock.elapsed + 60.0, lines))
+        elif isinstance(fault, KernelAmdgpu):
+            amd = amdgpu_lines(node.pci_bus_ids[fault.gpu], fault.event, fault.block, fault.count)
+            for k in range(fault.repeat + 1):
+                self._at(t0 + k * fault.every_seconds, lambda: node.kernel_log.write_lines(
+                    self.clock.elapsed + 60.0, amd))
         elif isinstance(fault, PortDown):
             assert node.fabric is not None
             fab = node.fabric
@@ -819,7 +846,11 @@ class Simulation:
             duration = (fault.model_extra or {}).get("duration_seconds")
             if duration is not None:
                 self._at(t0 + float(duration), lambda: fab.set_fabric_manager(fabric.FABRIC_MANAGER_ACTIVE))
-        elif isinstance(fault, NvmlFault) and fault.kind in _LOGGED:
+        elif isinstance(fault, NvmlFault) and fault.kind in _LOGGED_AMD and self._vendor(node.name) == "amd":
+            amd_faulty = amdgpu_lines(node.pci_bus_ids[fault.gpu or 0], _LOGGED_AMD[fault.kind], "umc",
+                                      int((fault.model_extra or {}).get("count", 1)))
+            self._at(t0, lambda: node.kernel_log.write_lines(self.clock.elapsed + 60.0, amd_faulty))
+        elif isinstance(fault, NvmlFault) and fault.kind in _LOGGED and self._vendor(node.name) != "amd":
             code = int((fault.model_extra or {}).get("code", 0)) if fault.kind == "xid" else _LOGGED[fault.kind]
             line = kernel_xid_line(node.pci_bus_ids[fault.gpu or 0], code, "")
             self._at(t0, lambda: node.kernel_log.write(self.clock.elapsed + 60.0, line))
@@ -1171,6 +1202,11 @@ _FABRIC_MANAGER_FAULTS = ("fabric_manager_down",)
 # Xid catalog: 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus).
 _LOGGED = {"xid": 0, "ecc_uncorrectable": 48, "row_remap_pending": 63, "row_remap_failure": 64,
            "nvlink_down": 74, "gpu_lost": 79}
+# The node-scenario faults the amdgpu driver writes to the kernel log on an AMD board, as the event
+# whose lines sim/fleet.py amdgpu_lines writes: an uncorrectable UMC (HBM) error is logged with its
+# RAS count and a GPU reset (tests/fixtures/kernel-log/amdgpu). An XGMI link down or a lost GPU has no
+# line of its own in the real logs found: the backend's link status and health carry them.
+_LOGGED_AMD = {"ecc_uncorrectable": "ras_uncorrectable"}
 
 
 def _log_bus_id(nvml_bus_id: str) -> str:

@@ -72,12 +72,12 @@ class Fleet(StrictModel):
 
     @model_validator(mode="after")
     def _name_format_works(self) -> Fleet:
-        from vigil.agent.nvml.profiles import PROFILES
+        from vigil.agent.nvml.scenario import ALL_PROFILES
 
         for i, profile in enumerate([self.profile, *(g.profile for g in self.profiles)]):
-            if profile not in PROFILES:
+            if profile not in ALL_PROFILES:
                 where = "profile" if i == 0 else f"profiles.{i - 1}.profile"
-                raise ValueError(f"{where}: {profile!r} is not one of {sorted(PROFILES)}")
+                raise ValueError(f"{where}: {profile!r} is not one of {sorted(ALL_PROFILES)}")
         try:
             first = self.name_format.format(0)
         except (IndexError, KeyError, ValueError) as exc:
@@ -193,11 +193,11 @@ class Job(StrictModel):
         if not self.heartbeats and not SLURM_JOB_ID.match(self.name):
             raise ValueError(f"an uninstrumented job (heartbeats: false) is named by its Slurm job id, as the "
                              f"agent's attribution names it: {self.name!r} is not one")
-        from vigil.agent.nvml.profiles import PROFILES
+        from vigil.agent.nvml.scenario import ALL_PROFILES
 
         for profile, factor in self.profile_compute_factor.items():
-            if profile not in PROFILES:
-                raise ValueError(f"profile_compute_factor: {profile!r} is not one of {sorted(PROFILES)}")
+            if profile not in ALL_PROFILES:
+                raise ValueError(f"profile_compute_factor: {profile!r} is not one of {sorted(ALL_PROFILES)}")
             if not 0 < factor <= 100:
                 raise ValueError(f"profile_compute_factor: {profile}: {factor:g} is not in (0, 100]")
         return self
@@ -293,6 +293,29 @@ class KernelXid(_FaultBase):
         if self.gpus is None:
             return [self.gpu]
         return list(range(gpus_per_node)) if self.gpus == "all" else list(self.gpus)
+
+
+# The amdgpu events a ``kernel_amdgpu`` fault writes (sim/fleet.py amdgpu_lines writes each as the
+# real driver prints it: tests/fixtures/kernel-log/amdgpu); gpu_hang is a ring timeout whose GPU
+# reset fails (the hung GPU).
+AmdgpuEvent = Literal["ras_uncorrectable", "ras_correctable", "ras_deferred", "ras_fatal", "poison_consumed",
+                      "bad_page_threshold", "ring_timeout", "ring_timeout_recovered", "gpu_hang"]
+
+
+class KernelAmdgpu(_FaultBase):
+    """amdgpu (AMD GPU) driver lines written to the node's kernel log (what the xid collector tails):
+    RAS error counts in a block, the fatal RAS interrupt, poison, the bad-page threshold, ring
+    timeouts and a hung GPU, in the real driver's formats."""
+
+    kind: Literal["kernel_amdgpu"]
+    gpu: int = Field(default=0, ge=0)
+    event: AmdgpuEvent
+    # The RAS block of a ras_* event (amdgpu's names: umc is HBM, xgmi_wafl the XGMI links).
+    block: str = Field(default="umc", pattern=r"^(?:umc|sdma|gfx|mmhub|athub|pcie_bif|hdp|xgmi_wafl|df|smn|sem|mp0|"
+                                             r"mp1|fuse|mca|vcn|jpeg|ih|mpio)$")
+    count: int = Field(default=1, ge=1, le=1_000_000)  # errors in the RAS count, or bad pages saved
+    repeat: int = Field(default=0, ge=0, le=10_000)
+    every_seconds: float = Field(default=60.0, gt=0)
 
 
 class PortDown(_FaultBase):
@@ -543,8 +566,8 @@ PROBE_FAULTS = (UnderLoad, ProbeSlow)
 
 
 Fault = Annotated[
-    NvmlFault | KernelXid | PortDown | PcieDevice | PortFlap | PortErrors | RoceCongestion | SlowNode | DataStall | Hang
-    | Silence | Reboot | UnderLoad | ProbeSlow | UninstrumentedHang | UninstrumentedStraggler,
+    NvmlFault | KernelXid | KernelAmdgpu | PortDown | PcieDevice | PortFlap | PortErrors | RoceCongestion | SlowNode
+    | DataStall | Hang | Silence | Reboot | UnderLoad | ProbeSlow | UninstrumentedHang | UninstrumentedStraggler,
     Field(discriminator="kind"),
 ]
 
@@ -846,7 +869,7 @@ class Scenario(StrictModel):
                     and (not fault.gpus or not all(0 <= g < self.fleet.gpus_per_node for g in fault.gpus)):
                 raise ValueError(f"{where}.gpus: a non-empty list of indexes below gpus_per_node "
                                  f"{self.fleet.gpus_per_node}")
-            if isinstance(fault, NvmlFault | KernelXid) and fault.gpu is not None \
+            if isinstance(fault, NvmlFault | KernelXid | KernelAmdgpu) and fault.gpu is not None \
                     and fault.gpu >= self.fleet.gpus_per_node:
                 raise ValueError(f"{where}.gpu: {fault.gpu} >= gpus_per_node {self.fleet.gpus_per_node}")
             if isinstance(fault, SlowNode | Hang):

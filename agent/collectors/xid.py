@@ -1,8 +1,8 @@
 """Xid collector: follows the kernel log (/dev/kmsg, journalctl or a file) for GPU, NVSwitch and NIC faults.
 
-Counts NVRM Xid, NVSwitch SXid, "fallen off the bus" and mlx5 error faults per device (a fault's
-companion and detail lines are folded into it by the parser and counted apart), maps the PCI
-bus id to the GPU index and uuid through NVML identity, and forwards each new fault as an urgent
+Counts NVRM Xid, NVSwitch SXid, "fallen off the bus", mlx5 and amdgpu error faults per device (a
+fault's companion and detail lines are folded into it by the parser and counted apart), maps the PCI
+bus id to the GPU index and uuid through the GPU backend's identity, and forwards each new fault as an urgent
 ``Event`` (a flood is counted in full but forwarded collapsed and rate-limited per device and
 code). It does not judge what a code means: the aggregator's Xid catalog does.
 """
@@ -22,7 +22,7 @@ from pydantic import Field
 
 from vigil.agent.collectors.collector import Collection, CollectorConfig
 from vigil.agent.file_follower import FileFollower
-from vigil.agent.kernel_log import KernelEvent, KernelLogParser, normalize_bus_id
+from vigil.agent.kernel_log import AMDGPU_RAS_BLOCKS, KernelEvent, KernelLogParser, normalize_bus_id
 from vigil.agent.kernel_log_readers import (
     JOURNAL_ARGV,
     JournalReader,
@@ -89,6 +89,9 @@ FALLEN_OFF_BUS = MetricSpec("vigil_gpu_fallen_off_bus_total", MetricKind.COUNTER
 SXID_ERRORS = MetricSpec("vigil_nvswitch_sxid_errors_total", MetricKind.COUNTER,
                          "NVSwitch SXid lines in the kernel log, by switch and SXid code.",
                          labels=("switch", "pci_bus_id", "code"))
+AMDGPU_EVENTS = MetricSpec("vigil_amdgpu_events_total", MetricKind.COUNTER,
+                           "amdgpu (AMD Instinct) driver events in the kernel log, by GPU, event and RAS block "
+                           "(aggregator/amdgpu_catalog.py names them).", labels=(*_GPU, "event", "block"))
 MLX5_ERRORS = MetricSpec("vigil_mlx5_errors_total", MetricKind.COUNTER,
                          "mlx5_core driver error lines, by PCI function and error.", labels=("device", "error"))
 LINES_READ = MetricSpec("vigil_kernel_log_lines_read_total", MetricKind.COUNTER,
@@ -105,12 +108,13 @@ READ_ERRORS = MetricSpec("vigil_kernel_log_read_errors_total", MetricKind.COUNTE
 EVENTS_FORWARDED = MetricSpec("vigil_kernel_log_events_forwarded_total", MetricKind.COUNTER,
                               "Events handed to the reporter (collapsed floods count once).", labels=("kind",))
 
-SPECS = (XID_ERRORS, XID_LAST, FALLEN_OFF_BUS, SXID_ERRORS, MLX5_ERRORS, LINES_READ, LINES_FOLDED, LINES_UNPARSED,
-         READ_ERRORS, EVENTS_FORWARDED)
+SPECS = (XID_ERRORS, XID_LAST, FALLEN_OFF_BUS, SXID_ERRORS, AMDGPU_EVENTS, MLX5_ERRORS, LINES_READ, LINES_FOLDED,
+         LINES_UNPARSED, READ_ERRORS, EVENTS_FORWARDED)
 
 
 class GpuIdentities(Protocol):
-    """What the collector needs of NVML: PynvmlBackend satisfies it; tests pass a small table.
+    """What the collector needs of the GPU backend: PynvmlBackend and AmdSmiBackend satisfy it; tests
+    pass a small table.
     ``identity(i)`` returns an object with ``index``, ``uuid`` and ``pci_bus_id`` attributes."""
 
     def device_count(self) -> int: ...
@@ -205,6 +209,7 @@ class XidCollector:
         self._fallen: dict[tuple[int | None, str | None], float] = {}
         self._sxid: dict[tuple[str, str, int], float] = {}
         self._mlx5: dict[tuple[str, str], float] = {}
+        self._amdgpu: dict[tuple[int | None, str | None, str, str], float] = {}
         self._unparsed: dict[str, float] = {}
         self._folded: dict[str, float] = {}
         self._forwarded: dict[str, float] = {}
@@ -316,6 +321,12 @@ class XidCollector:
             skey = (ev.device or "", ev.pci_bus_id or "", ev.code)
             self._sxid[skey] = self._sxid.get(skey, 0) + 1
             fwd_key = ("sxid", ev.pci_bus_id, str(ev.code))
+        elif ev.kind == "amdgpu":
+            gpu = self._ids.lookup(ev.pci_bus_id, now)
+            block = amdgpu_block_name(ev.code)
+            akey = (gpu.index, gpu.uuid, ev.error or "", block)
+            self._amdgpu[akey] = self._amdgpu.get(akey, 0) + 1
+            fwd_key = (amdgpu_kind(ev), ev.pci_bus_id, block)
         else:
             mkey = (ev.device or "", ev.error or "")
             self._mlx5[mkey] = self._mlx5.get(mkey, 0) + 1
@@ -338,8 +349,9 @@ class XidCollector:
             p = self._pending.pop(key)
             self._last_forward[key] = now
             ev = p.event
+            kind = amdgpu_kind(ev) if ev.kind == "amdgpu" else ev.kind
             events.append(Event(
-                kind=ev.kind,
+                kind=kind,
                 ts=p.first_ts,
                 urgent=True,
                 message=_message(ev),
@@ -352,7 +364,7 @@ class XidCollector:
                 last_ts=p.last_ts if p.count > 1 else None,
                 source="kmsg",
             ))
-            self._forwarded[ev.kind] = self._forwarded.get(ev.kind, 0) + 1
+            self._forwarded[kind] = self._forwarded.get(kind, 0) + 1
         return events
 
     def _samples(self) -> list[Sample]:
@@ -363,7 +375,7 @@ class XidCollector:
         # Every count below moves only with a line read (or, for the paged Xid and fallen-off-bus
         # counters, a GPU first seen when the source opens), a read error or a forward: while none
         # of those changed, the samples built last time stand.
-        key = (self._lines, len(self._xid), len(self._fallen), tuple(self._read_errors.items()),
+        key = (self._lines, len(self._xid), len(self._fallen), len(self._amdgpu), tuple(self._read_errors.items()),
                tuple(self._forwarded.items()))
         if self._rest_samples is not None and self._rest_samples[0] == key:
             return samples + self._rest_samples[1]
@@ -378,6 +390,8 @@ class XidCollector:
         samples += [Sample.of(XID_LAST, t, gpu=lbl(g), uuid=lbl(u)) for (g, u), t in self._xid_last.items()]
         samples += [Sample.of(FALLEN_OFF_BUS, n, gpu=lbl(g), uuid=lbl(u)) for (g, u), n in self._fallen.items()]
         samples += [Sample.of(SXID_ERRORS, n, switch=s, pci_bus_id=b, code=c) for (s, b, c), n in self._sxid.items()]
+        samples += [Sample.of(AMDGPU_EVENTS, n, gpu=lbl(g), uuid=lbl(u), event=e, block=b)
+                    for (g, u, e, b), n in self._amdgpu.items()]
         samples += [Sample.of(MLX5_ERRORS, n, device=d, error=e) for (d, e), n in self._mlx5.items()]
         samples += [Sample.of(LINES_FOLDED, n, kind=k) for k, n in self._folded.items()]
         samples += [Sample.of(LINES_UNPARSED, n, reason=r) for r, n in self._unparsed.items()]
@@ -398,6 +412,19 @@ def _message(ev: KernelEvent) -> str:
     if ev.kind == "mlx5_error":
         return f"{ev.error}: {ev.text}"
     return ev.text
+
+
+def amdgpu_kind(ev: KernelEvent) -> str:
+    """The wire kind of an amdgpu event: ``amdgpu_<event>`` (aggregator/amdgpu_catalog.py's names)."""
+    return f"amdgpu_{ev.error}"
+
+
+def amdgpu_block_name(code: int | None) -> str:
+    """The RAS block a code numbers ("" for an event that names none)."""
+    return _BLOCK_NAMES.get(code, "") if code is not None else ""
+
+
+_BLOCK_NAMES = {number: name for name, number in AMDGPU_RAS_BLOCKS.items()}
 
 
 def _read_boot_id(path: Path) -> str:

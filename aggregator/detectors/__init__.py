@@ -16,6 +16,7 @@ from typing import Any, Protocol, get_type_hints
 from pydantic import Field, ValidationError
 
 from vigil.aggregator.decision import Finding
+from vigil.aggregator.detectors.amdgpu import AmdgpuDetector
 from vigil.aggregator.detectors.app_signals import AppSignalsDetector
 from vigil.aggregator.detectors.collective_culprit import CollectiveCulpritDetector
 from vigil.aggregator.detectors.config_drift import ConfigDriftDetector
@@ -61,6 +62,7 @@ class DetectorClass(Protocol):
 # config section name (under `detectors:`) -> detector class taking that section
 REGISTRY: dict[str, DetectorClass] = {
     "xid": XidDetector,
+    "amdgpu": AmdgpuDetector,
     "memory": MemoryDetector,
     "thermal": ThermalDetector,
     "pcie_nvlink": PcieNvlinkDetector,

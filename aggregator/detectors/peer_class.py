@@ -1,10 +1,11 @@
 """Hardware classes: which nodes are peers for a relative judgement (straggler, GPU peers).
 
-It reads a node's latest GPU states (model name, maximum SM clock, enforced power limit) and
-names its class; nodes of different classes run at different speeds by design (an H100 node in
-an H200 job is the scheduler's choice, not a fault), so peer-relative detectors compare a node
-only with nodes of its own class. It judges nothing; ``HardwareClasses`` is a detector's memo of
-each node's class, read again only when what names it changed (fleet change markers).
+It reads a node's latest GPU states (vendor and model name, maximum SM clock, enforced power
+limit) and names its class; nodes of different classes run at different speeds by design (an H100
+node in an H200 job is the scheduler's choice, an MI300X is another vendor's GPU, not a fault), so
+peer-relative detectors compare a node only with nodes of its own class. It judges nothing;
+``HardwareClasses`` is a detector's memo of each node's class, read again only when what names it
+changed (fleet change markers).
 """
 
 from __future__ import annotations
@@ -23,17 +24,27 @@ HardwareClass = tuple[str, int | None, int | None]
 UNKNOWN: HardwareClass = ("", None, None)
 
 
+def gpu_model(name: str | None, vendor: str | None) -> str:
+    """A GPU's model as its class names it: the library's name, qualified by the vendor where the
+    name does not start with it (NVML's "NVIDIA H100 80GB HBM3" and amdsmi's "AMD Instinct MI300X"
+    do; an unnamed GPU is "amd" or "nvidia"), so two vendors' GPUs are never one class."""
+    model = name or ""
+    if vendor and not model.lower().startswith(vendor.lower()):
+        model = f"{vendor} {model}".strip()
+    return model
+
+
 def hardware_class(node: NodeState, *, power_limit: bool = True) -> HardwareClass:
-    """The node's class: its GPUs' most common (model, max SM clock, power limit), with the clock
-    and the limit rounded. ``power_limit=False`` leaves the limit out (for a detector that judges
-    a lowered limit itself). A node that reports no GPU is of the ``UNKNOWN`` class."""
+    """The node's class: its GPUs' most common (vendor and model, max SM clock, power limit), with
+    the clock and the limit rounded. ``power_limit=False`` leaves the limit out (for a detector
+    that judges a lowered limit itself). A node that reports no GPU is of the ``UNKNOWN`` class."""
     classes: list[HardwareClass] = []
     for hist in node.gpus.values():
         s = hist.last
         clock = None if s.sm_clock_max_hertz is None else round(s.sm_clock_max_hertz / _CLOCK_STEP_HERTZ)
         limit = None if not power_limit or s.power_limit_watts is None \
             else round(s.power_limit_watts / _POWER_STEP_WATTS)
-        classes.append((s.name or "", clock, limit))
+        classes.append((gpu_model(s.name, s.vendor), clock, limit))
     if not classes:
         return UNKNOWN
     first = classes[0]
@@ -57,7 +68,8 @@ def describe(cls: HardwareClass) -> str:
 class HardwareClasses:
     """A detector's memo of ``hardware_class`` per node: what names a node's class changes only
     when a report of it changes a GPU's model, maximum SM clock or power limit, or replaces a GPU
-    (``NodeState.gpu_class_revision``; a node that registers again is a new ``NodeState``), so its
+    (``NodeState.gpu_class_revision``; a GPU's vendor changes only with the GPU, whose new uuid
+    moves it too; a node that registers again is a new ``NodeState``), so its
     class is read again only then, not once per node per evaluation (``Counter.most_common`` over
     its GPUs, ~5 us a node). ``start`` each evaluation: a view without change markers (built by
     hand) or of another fleet is read afresh."""

@@ -42,7 +42,8 @@ NOT_ON_ANY_SCENARIO = {
     "vigil_collector_failures_total",
 }
 # Kernel-log inputs that carry Xid, SXid, fallen-off-the-bus and mlx5 lines between them.
-KERNEL_LOGS = sorted((FIXTURES / "kernel-log").glob("*.log")) + sorted((FIXTURES / "kernel-log").glob("*.txt"))
+KERNEL_LOGS = (sorted((FIXTURES / "kernel-log").glob("*.log")) + sorted((FIXTURES / "kernel-log").glob("*.txt"))
+               + sorted((FIXTURES / "kernel-log" / "amdgpu").glob("*.log")))
 
 
 class Clock:

@@ -23,7 +23,7 @@ PROMTOOL = shutil.which("promtool")
 
 # Grafana's variables, replaced by values of the right shape before promtool parses a query.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h", "${datasource}": "prom",
-                     "$training_job": "llm", "$node": "n1", "$gpu": ".*"}
+                     "$training_job": "llm", "$node": "n1", "$gpu": ".*", "$model": ".*"}
 
 
 def dashboards() -> dict[str, dict[str, Any]]:

@@ -144,7 +144,7 @@ def _minimal_fault(kind: str, fields: list[str]) -> dict[str, Any]:
     model = next(m for m in members if kind in get_args(m.model_fields["kind"].annotation))
     required = [name for name, info in model.model_fields.items() if info.is_required()]
     # Fields whose model takes no 1: a probe_only's kind of load, a GPU list, the one HCA's index.
-    values: dict[str, Any] = {"job": "train", "what": "hbm", "gpus": [1], "hca": 0}
+    values: dict[str, Any] = {"job": "train", "what": "hbm", "gpus": [1], "hca": 0, "event": "ras_uncorrectable"}
     for name in (*required, *fields):
         fault.setdefault(name, values.get(name, 1))
     # Kinds whose fields are each optional though one of them must be given.
@@ -153,7 +153,7 @@ def _minimal_fault(kind: str, fields: list[str]) -> dict[str, Any]:
 
 
 def test_every_fault_kind_in_the_docs_table_is_accepted() -> None:
-    from vigil.agent.nvml.scenario import FAULT_KINDS
+    from vigil.agent.nvml.scenario import AMD_ONLY_FAULT_KINDS, FAULT_KINDS
 
     documented = _documented_fault_kinds()
     # Every node-level FakeNvml kind is documented, and every documented kind parses with the
@@ -168,6 +168,9 @@ def test_every_fault_kind_in_the_docs_table_is_accepted() -> None:
             fault["job"] = "7001"
             if kind == "uninstrumented_hang":
                 del fault["node"]  # the whole job
-        data = {**BASE, "fleet": {"nodes": 64, "link_layer": "Ethernet"}, "jobs": jobs, "faults": [fault]}
+        fleet: dict[str, Any] = {"nodes": 64, "link_layer": "Ethernet"}
+        if kind in AMD_ONLY_FAULT_KINDS:  # a kind only an AMD board shows: an MI300X fleet
+            fleet["profile"] = "mi300x-oam-192gb"
+        data = {**BASE, "fleet": fleet, "jobs": jobs, "faults": [fault]}
         sc = parse_scenario(data, f"docs-{kind}.yaml")
         assert sc.faults[0].kind == kind

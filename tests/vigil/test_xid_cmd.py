@@ -207,3 +207,14 @@ def test_scan_text_appends_the_decode(capsys: pytest.CaptureFixture[str]) -> Non
     assert out[0].split("\t")[-1] == ("[link 0, non-fatal, unit SAW_MVB, resolution IGNORE, "
                                       "investigate: CONTACT_SUPPORT]")
     assert out[0].split("\t")[3] == "observe"
+
+
+def test_scan_amdgpu_log_names_each_event_and_its_catalog_action(capsys: pytest.CaptureFixture[str]) -> None:
+    records = scan_json(FIXTURES / "amdgpu" / "kernel-bugzilla-201957-reset-failed-soft-recovered.log", capsys)
+    assert [(r["kind"], r["error"], r["action"]) for r in records] == [
+        ("amdgpu", "ring_timeout", "observe"), ("amdgpu", "gpu_reset_begin", "observe"),
+        ("amdgpu", "gpu_reset_failed", "reboot_node"), ("amdgpu", "ring_timeout_recovered", "observe"),
+        ("amdgpu", "ring_timeout_recovered", "observe"), ("amdgpu", "ring_timeout", "observe"),
+        ("amdgpu", "gpu_reset_begin", "observe")]
+    assert main(["xid", "scan", str(FIXTURES / "amdgpu" / "incident-mi50-umc-ue.log")]) == 0
+    assert "amdgpu ras_uncorrectable\treset_gpu" in capsys.readouterr().out

@@ -82,7 +82,7 @@ def _print_events(data: bytes, catalogs: tuple[XidCatalog, SxidCatalog], parser:
             continue
         events += 1
         ev = parsed.event
-        action = event_action(catalogs[0], ev.kind, ev.code, ev.text, ev.severity, catalogs[1])
+        action = event_action(catalogs[0], ev.kind, ev.code, ev.text, ev.severity, catalogs[1], ev.error)
         decoded = decode_nvlink(catalogs[0], ev.code, ev.text) if ev.kind == "xid" and ev.code is not None else None
         if as_json:
             out.write(json.dumps(_record(ev, action.value, decoded)) + "\n")
@@ -106,7 +106,7 @@ def _record(ev: KernelEvent, action: str, decoded: NvlinkDecode | None = None) -
 
 def _text(ev: KernelEvent, action: str, decoded: NvlinkDecode | None = None) -> str:
     what = {"xid": f"Xid {ev.code}", "sxid": f"SXid {ev.code}", "gpu_lost": "fallen off the bus",
-            "mlx5_error": f"mlx5 {ev.error}"}[ev.kind]
+            "mlx5_error": f"mlx5 {ev.error}", "amdgpu": f"amdgpu {ev.error}"}[ev.kind]
     where = ev.pci_bus_id or "-"
     if ev.kind == "sxid" and ev.device:
         where = f"{where} ({ev.device})"
