@@ -26,6 +26,7 @@ from vigil.aggregator.outbox import NodeActionsConfig, switched_on
 from vigil.aggregator.prober import ProbesConfig
 from vigil.aggregator.spares import SparesConfig
 from vigil.aggregator.store import StoreConfig
+from vigil.aggregator.trace import TraceConfig
 from vigil.contract.limits import REPORT_MAX_BYTES
 from vigil.contract.validation import (
     ConfigError,
@@ -97,6 +98,9 @@ class AggregatorConfig(StrictModel):
     job_recovery: JobRecoveryConfig = JobRecoveryConfig()
     # Off by default: the pool of healthy idle nodes a restart draws on (aggregator/spares.py).
     spares: SparesConfig = SparesConfig()
+    # Off by default: a bounded trace of the accepted traffic for ``vigil replay`` (aggregator/trace.py,
+    # docs/replay.md; it holds node names, job ids and host facts, no credential).
+    trace: TraceConfig = TraceConfig()
 
     @model_validator(mode="after")
     def _node_action_key(self) -> AggregatorConfig:
