@@ -49,6 +49,9 @@ REPORT = "report"
 ALERTS = "alerts"
 EVALUATION = "evaluation"
 KINDS = (REPORT, ALERTS, EVALUATION)
+# A segment is also closed once it is this fraction of ``max_age_seconds`` old, so that the age
+# bound removes whole segments at most an eighth late even when a quiet fleet fills none.
+AGE_SLICES = 8
 # A failing disk is logged at most this often (every dropped record is counted).
 ERROR_LOG_SECONDS = 60.0
 
@@ -196,6 +199,7 @@ class _Segment:
     path: Path
     size: int
     last_write: float  # wall seconds
+    opened: float  # wall seconds
 
 
 class TraceWriter:
@@ -227,7 +231,7 @@ class TraceWriter:
         self.directory.mkdir(parents=True, exist_ok=True)
         for path in segments(self.directory):  # a previous run's segments count against the bounds
             st = path.stat()
-            self._segments.append(_Segment(path, st.st_size, st.st_mtime))
+            self._segments.append(_Segment(path, st.st_size, st.st_mtime, st.st_mtime))
         self._queue: queue.Queue[list[tuple[str, float, bytes]] | None] | None = None
         self._thread: threading.Thread | None = None
         if background:
@@ -335,8 +339,10 @@ class TraceWriter:
         seg.last_write = self.wall()
 
     def _segment_for(self, frame_bytes: int) -> _Segment:
-        if self._file is not None and self._segments[-1].size + frame_bytes <= self.config.segment_bytes:
-            return self._segments[-1]
+        current = self._segments[-1] if self._file is not None else None
+        if (current is not None and current.size + frame_bytes <= self.config.segment_bytes
+                and self.wall() - current.opened < self.config.max_age_seconds / AGE_SLICES):
+            return current
         self._close_current()
         self._enforce_bounds(incoming=self.config.segment_bytes)
         now = self.wall()
@@ -352,7 +358,7 @@ class TraceWriter:
             path.unlink(missing_ok=True)
             raise
         self._file = f
-        seg = _Segment(path, len(start), now)
+        seg = _Segment(path, len(start), now, now)
         self._segments.append(seg)
         return seg
 
