@@ -90,11 +90,11 @@ def schema_errors(exc: SchemaError) -> list[dict[str, str]]:
     return [{"path": path or "(body)", "message": message}]
 
 
-def trace_header(config: AggregatorConfig, ledger: Ledger, clock: Callable[[], float]) -> dict[str, Any]:
+def trace_header(config: AggregatorConfig, started: float | None, opened_clock: float) -> dict[str, Any]:
     """What each trace segment states about the run it records: the configuration's hash, its
-    evaluation cadence, when the gate's start-up grace began, the clock reading at opening."""
+    evaluation cadence, when the gate's start-up grace began, the service's clock at opening."""
     return {"config_hash": config_digest(config), "evaluate_interval_seconds": config.evaluate_interval_seconds,
-            "started": ledger.gate.started, "opened_clock": clock()}
+            "started": started, "opened_clock": opened_clock}
 
 
 def node_state(node: NodeState, findings: list[Finding], now: float, silent_after: float) -> str:
@@ -169,7 +169,7 @@ class AggregatorService:
         # simulator's, written at once; else one of its own when ``trace.enabled``), and the sink
         # Alertmanager's route submits to (recorded there).
         if trace is None and config.trace.enabled:
-            trace = TraceWriter(config.trace, trace_header(config, ledger, clock), wall=self.wall)
+            trace = TraceWriter(config.trace, trace_header(config, ledger.gate.started, clock()), wall=self.wall)
         self.trace = trace
         self.alert_sink: Any = ledger if trace is None else TracedSink(ledger, trace)
         if trace is not None:

@@ -68,9 +68,8 @@ class TraceConfig(StrictModel):
     enabled: bool = False
     # Where the segments go (created if missing); nothing else may be written there.
     directory: str = "vigil-trace"
-    # The whole trace on disk; the oldest segments go first. At the 12,500-node design size and
-    # ~0.5 MiB per node-day (bench_replay) a day takes ~6 GiB: 1 GiB keeps ~4 h of it, or days of
-    # a few hundred nodes.
+    # The whole trace on disk; the oldest segments go first. At ~3 MiB per node-day (bench_replay:
+    # compact reports every 2.5 s) 1 GiB keeps ~2.5 days of 100 nodes, or 40 min of 12,500.
     max_bytes: int = Field(default=1 << 30, ge=1 << 20)
     # Segments whose last record is older than this are removed (a week).
     max_age_seconds: float = Field(default=7 * 86400.0, gt=0)

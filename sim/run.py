@@ -1220,10 +1220,10 @@ def build_service(scenario: Scenario, clock: SimClock, *, node_action_key_file: 
         raise ScenarioError(format_validation_error(exc, f"invalid scenario {scenario.name} (gate)")) from None
     trace = None
     if trace_dir is not None:
-        from vigil.aggregator.trace import TraceConfig, TraceWriter, config_digest
+        from vigil.aggregator.service import trace_header
+        from vigil.aggregator.trace import TraceConfig, TraceWriter
 
-        header = {"config_hash": config_digest(config), "evaluate_interval_seconds": config.evaluate_interval_seconds,
-                  "started": clock.start, "opened_clock": clock(), "source": "sim"}
+        header = {**trace_header(config, clock.start, clock()), "source": "sim"}
         trace = TraceWriter(TraceConfig(enabled=True, directory=str(trace_dir)), header, background=False, wall=clock)
     return AggregatorService.in_memory(config, gate_config, clock=clock, started=clock.start, trace=trace)
 
