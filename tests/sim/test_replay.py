@@ -135,3 +135,43 @@ def test_sim_trace_refuses_a_used_directory(tmp_path: Path, capsys: pytest.Captu
     (tmp_path / "x").write_text("")
     assert main(["sim", "--scenario", SCENARIO, "--trace", str(tmp_path)]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_a_live_services_trace_replays_to_its_stores_decisions(tmp_path: Path) -> None:
+    """The aggregator's path (not the simulator's): reports, an urgent Xid, an Alertmanager batch,
+    evaluations on the service's clock; replayed with the same configuration, the decisions are the
+    store's, an Alertmanager proposal included."""
+    from tests.aggregator.conftest import FakeNode
+    from vigil.aggregator.decision import Action, Decision
+    from vigil.aggregator.gate import GateConfig
+    from vigil.aggregator.service import AggregatorService, trace_header
+    from vigil.aggregator.trace import TraceWriter
+    from vigil.contract.wire import Event
+    from vigil.sim.replay import ReplayClock, recorded_from_store, replay, trace_span
+
+    config = parse_config({"trace": {"enabled": True, "directory": str(tmp_path)}})
+    clock = ReplayClock(1_800_000_000.0)
+    writer = TraceWriter(config.trace, trace_header(config, clock.now, clock.now), background=False)
+    service = AggregatorService.in_memory(config, GateConfig(), clock=clock, started=clock.now, trace=writer)
+    nodes = [FakeNode(f"node-{i}") for i in range(4)]
+    for step in range(40):
+        clock.now += 2.5
+        for node in nodes:
+            events = []
+            if step == 20 and node.name == "node-2":
+                events = [Event(kind="xid", ts=clock.now, code=79, gpu=3, urgent=True, source="kmsg",
+                                message="NVRM: Xid (PCI:0000:1b:00): 79, pid=0, GPU has fallen off the bus.")]
+            service.take(node.report(clock.now, events=events, urgent=bool(events)))
+        if step == 30:
+            service.alert_sink.submit([Decision(id="am-1", ts=clock.now, node="node-1", action=Action.DRAIN,
+                                                reason="NodeDiskFull", detector="alertmanager")],
+                                      clock.now, service.reporting())
+        service.evaluate_now()
+    writer.close()
+    reading = read_trace(tmp_path)
+    recorded = recorded_from_store(service.ledger.store.decisions(limit=1000), *trace_span(reading))
+    assert {(d["node"], d["detector"]) for d in recorded} >= {("node-2", "xid"), ("node-1", "alertmanager")}
+    replayed = replay(reading, config, GateConfig())
+    assert [d.to_json() for d in replayed.decisions] == recorded
+    assert diff(recorded, [d.to_json() for d in replayed.decisions]) == []
+    assert replayed.alerts == 1 and replayed.evaluations == 40 and replayed.refused == {}
