@@ -349,7 +349,7 @@ def make_app(config: AggregatorConfig, engine: Engine, ledger: Ledger, *,
     add_operator_routes(app, ledger, clock=clock, reporting=service.reporting, dry_run=config.dry_run,
                         void_node_actions=service.node_actions.void, refusals=refusals)
     add_isolation_routes(app, service.prober, view=engine.view, clock=clock, leads=leads)
-    add_routes(app, ledger, clock=clock, dry_run=config.dry_run, refusals=refusals,
+    add_routes(app, service.alert_sink, clock=clock, dry_run=config.dry_run, refusals=refusals,
                # the nodes that reported within the breaker's window: forged or departed
                # nodes cannot inflate its budget
                fleet_nodes=lambda now: engine.fleet.reporting_since(now - service.breaker_window),

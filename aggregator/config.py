@@ -33,6 +33,7 @@ from vigil.aggregator.precision import PrecisionConfig
 from vigil.aggregator.prober import ProbesConfig
 from vigil.aggregator.spares import SparesConfig
 from vigil.aggregator.store import StoreConfig
+from vigil.aggregator.trace import TraceConfig
 from vigil.contract.limits import REPORT_MAX_BYTES
 from vigil.contract.validation import (
     ConfigError,
@@ -104,6 +105,9 @@ class AggregatorConfig(StrictModel):
     job_recovery: JobRecoveryConfig = JobRecoveryConfig()
     # Off by default: the pool of healthy idle nodes a restart draws on (aggregator/spares.py).
     spares: SparesConfig = SparesConfig()
+    # Off by default: a bounded trace of the accepted traffic for ``vigil replay`` (aggregator/trace.py,
+    # docs/replay.md; it holds node names, job ids and host facts, no credential).
+    trace: TraceConfig = TraceConfig()
     # Off by default: each rule's precision from what happened after its removals, and a rule below
     # its target demoted from act to alert (aggregator/precision.py, docs/precision.md).
     precision: PrecisionConfig = PrecisionConfig()

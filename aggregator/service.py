@@ -41,6 +41,7 @@ from vigil.aggregator.store import WRITE_ERRORS
 from vigil.aggregator.synthetic_nodes import REFUSAL_REASON as SYNTHETIC_REFUSAL
 from vigil.aggregator.synthetic_nodes import forget_after_seconds as synthetic_forget_after
 from vigil.aggregator.synthetic_nodes import refusal as synthetic_refusal
+from vigil.aggregator.trace import TracedSink, TraceWriter, config_digest
 from vigil.contract.wire import REPORT_VERSIONS, Report, SchemaError, WireError, decode_report
 
 log = logging.getLogger("vigil.aggregator")
@@ -90,6 +91,13 @@ def schema_errors(exc: SchemaError) -> list[dict[str, str]]:
     return [{"path": path or "(body)", "message": message}]
 
 
+def trace_header(config: AggregatorConfig, started: float | None, opened_clock: float) -> dict[str, Any]:
+    """What each trace segment states about the run it records: the configuration's hash, its
+    evaluation cadence, when the gate's start-up grace began, the service's clock at opening."""
+    return {"config_hash": config_digest(config), "evaluate_interval_seconds": config.evaluate_interval_seconds,
+            "started": started, "opened_clock": opened_clock}
+
+
 def node_state(node: NodeState, findings: list[Finding], now: float, silent_after: float) -> str:
     if now - node.last_seen >= max(silent_after, 6 * node.interval_seconds):
         return "silent"
@@ -110,7 +118,7 @@ class AggregatorService:
 
     def __init__(self, config: AggregatorConfig, engine: Engine, ledger: Ledger, *, clock: Callable[[], float],
                  dispatcher: Dispatcher | None = None, outbox: Outbox | None = None,
-                 judge_executor: Executor | None = None) -> None:
+                 judge_executor: Executor | None = None, trace: TraceWriter | None = None) -> None:
         self.config = config
         self.engine = engine
         self.ledger = ledger
@@ -161,15 +169,24 @@ class AggregatorService:
         self._entries_refused_logged: dict[str, float] = {}  # node -> when its refused entries were last logged
         self._superseded = 0  # bumped when a synchronous evaluation takes over from an in-flight one
         self.reports_taken = 0  # reports that passed intake (ingested or held)
+        # The trace of accepted traffic vigil replay reads (aggregator/trace.py; ``trace``: the
+        # simulator's, written at once; else one of its own when ``trace.enabled``), and the sink
+        # Alertmanager's route submits to (recorded there).
+        if trace is None and config.trace.enabled:
+            trace = TraceWriter(config.trace, trace_header(config, ledger.gate.started, clock()), wall=self.wall)
+        self.trace = trace
+        self.alert_sink: Any = ledger if trace is None else TracedSink(ledger, trace)
+        if trace is not None:
+            self.metrics.registry.register(trace.collector())
 
     @classmethod
     def in_memory(cls, config: AggregatorConfig, gate: GateConfig, *, clock: Callable[[], float],
-                  started: float | None = None) -> AggregatorService:
+                  started: float | None = None, trace: TraceWriter | None = None) -> AggregatorService:
         """The service over the real engine and a ledger whose store is in memory, with no
         actuator (the simulator's). ``started``: when the aggregator started, as ``serve`` gives
         its gate (the breaker's start-up grace counts from it; None: no grace)."""
         ledger = Ledger.in_memory(gate, started=started)
-        return cls(config, Engine(config, ledger), ledger, clock=clock)
+        return cls(config, Engine(config, ledger), ledger, clock=clock, trace=trace)
 
     # -- what the fleet and the acting path look like -------------------------------------------
 
@@ -344,6 +361,8 @@ class AggregatorService:
             return Refused(500, "ingest_failed", "the report passed every check but failed to enter the fleet "
                            "(a defect, logged by the aggregator); send it again")
         self.reports_taken += 1
+        if self.trace is not None:
+            self.trace.report(report, now)
         metrics = self.metrics
         metrics.ingest_seconds.observe(time.perf_counter() - started)
         metrics.reports.inc()
@@ -467,6 +486,8 @@ class AggregatorService:
         admitted: list[Decision] = []
         try:
             now = self.clock()
+            if self.trace is not None:
+                self.trace.evaluation(now)
             self.watch_clocks(now)
             self.forget_departed(now)
             admitted = self.engine.evaluate(now)
@@ -486,6 +507,8 @@ class AggregatorService:
                 asyncio.get_running_loop().call_later(BUSY_RETRY_SECONDS, self.wake.set)
                 return
             now = self.clock()
+            if self.trace is not None:
+                self.trace.evaluation(now)
             self.watch_clocks(now)
             self.forget_departed(now)
             view = engine.prepare(now)
@@ -530,3 +553,5 @@ class AggregatorService:
         finally:
             if own:  # a judge in flight finishes first (about a second at most)
                 executor.shutdown(wait=True)
+            if self.trace is not None:  # what the trace buffered reaches the disk
+                self.trace.close()

@@ -28,6 +28,7 @@ MODULES = [
     "bench.bench_alertmanager_batch",
     "bench.bench_rdma",
     "bench.bench_sim",
+    "bench.bench_replay",
     "bench.bench_judgments",
     "bench.bench_faults",
     "bench.bench_probe_recovery",

@@ -298,7 +298,7 @@ class Simulation:
     def __init__(self, scenario: Scenario, *, seed: int | None = None,
                  observe: Callable[[Report, float], None] | None = None,
                  json_round_trip: bool = False, progress: Progress | None = None,
-                 workdir: Path | None = None) -> None:
+                 workdir: Path | None = None, trace_dir: Path | None = None) -> None:
         self.scenario = scenario
         self.seed = scenario.seed if seed is None else seed
         self.clock = SimClock()
@@ -319,7 +319,7 @@ class Simulation:
                 master = self.workdir / "node-action-master.key"
                 master.write_text(self._master_key.hex() + "\n")
             self.service = build_service(scenario, self.clock, node_action_key_file=master,
-                                         agent_resets=self._resets)
+                                         agent_resets=self._resets, trace_dir=trace_dir)
         except BaseException:
             if self._tmp is not None:
                 self._tmp.cleanup()
@@ -865,6 +865,8 @@ class Simulation:
             with service_gc():
                 result = self._loop(wall0)
         finally:
+            if self.service.trace is not None:  # ``trace_dir``: the trace complete on disk
+                self.service.trace.close()
             for node in self.nodes.values():
                 node.close()
             if self._tmp is not None:
@@ -1224,14 +1226,16 @@ def probing_enabled(scenario: Scenario) -> bool:
 
 
 def build_service(scenario: Scenario, clock: SimClock, *, node_action_key_file: Path | None = None,
-                  agent_resets: bool = True) -> AggregatorService:
+                  agent_resets: bool = True, trace_dir: Path | None = None) -> AggregatorService:
     """The real aggregator service, configured by the scenario, the gate in dry run over an
     in-memory store, on the simulated clock (its start-up grace counted from the simulation's
     start, as ``serve`` counts it from its own). Configuration errors name their key path under
     ``aggregator.`` or ``gate.``. ``node_action_key_file``: the master key file of agent resets
     (the simulator carries out GPU resets, ``remediation.reset_seconds``): the aggregator then runs
     with ``actuators.slurm.reset_gpu`` on (no actuator is built here; the simulator delivers the
-    drain); with ``agent_resets`` false the key only signs the prober's run_probes requests."""
+    drain); with ``agent_resets`` false the key only signs the prober's run_probes requests.
+    ``trace_dir``: the service records its trace there (aggregator/trace.py, written at once on the
+    simulated clock; ``vigil sim --trace``)."""
     from pydantic import ValidationError
 
     from vigil.aggregator.config import parse_config as parse_aggregator_config
@@ -1250,9 +1254,17 @@ def build_service(scenario: Scenario, clock: SimClock, *, node_action_key_file: 
         gate_config = GateConfig.model_validate({**scenario.gate, "dry_run": True})
     except ValidationError as exc:
         raise ScenarioError(format_validation_error(exc, f"invalid scenario {scenario.name} (gate)")) from None
-    return AggregatorService.in_memory(config, gate_config, clock=clock, started=clock.start)
+    trace = None
+    if trace_dir is not None:
+        from vigil.aggregator.service import trace_header
+        from vigil.aggregator.trace import TraceConfig, TraceWriter
+
+        header = {**trace_header(config, clock.start, clock()), "source": "sim"}
+        trace = TraceWriter(TraceConfig(enabled=True, directory=str(trace_dir)), header, background=False, wall=clock)
+    return AggregatorService.in_memory(config, gate_config, clock=clock, started=clock.start, trace=trace)
 
 
 def run_scenario(scenario: Scenario, *, seed: int | None = None, json_round_trip: bool = False,
-                 progress: Progress | None = None) -> SimResult:
-    return Simulation(scenario, seed=seed, json_round_trip=json_round_trip, progress=progress).run()
+                 progress: Progress | None = None, trace_dir: Path | None = None) -> SimResult:
+    return Simulation(scenario, seed=seed, json_round_trip=json_round_trip, progress=progress,
+                      trace_dir=trace_dir).run()

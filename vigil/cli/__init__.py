@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "demo": "vigil.cli.demo_cmd",
     "xid": "vigil.cli.xid_cmd",
     "sim": "vigil.cli.sim_cmd",
+    "replay": "vigil.cli.replay_cmd",
     "token": "vigil.cli.token_cmd",
     "loadgen": "vigil.cli.loadgen_cmd",
     "check": "vigil.cli.check_cmd",

@@ -39,6 +39,9 @@ def add_parser(sub: Any) -> None:
                         "share nodes) and run them in N processes (0: one per core), merging their verdicts; "
                         "refused for a scenario with faults, expectations, remediation or probes, since shards "
                         "share no aggregator (fleet-wide detectors and the breaker judge each shard alone)")
+    p.add_argument("--trace", metavar="DIR",
+                   help="record the aggregator's trace of the run in DIR (aggregator/trace.py) with the run's "
+                        "scenario and decisions, for vigil replay (docs/replay.md); not with --workers")
     p.add_argument("--log-level", default="ERROR", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument("--progress-every", type=float, default=PROGRESS_EVERY_SECONDS, metavar="SECONDS",
                    help="when stderr is not a terminal: a progress line at most every SECONDS of wall time "
@@ -109,13 +112,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"vigil sim: {exc}", file=sys.stderr)
         return 2
     if args.workers is not None:
+        if args.trace:
+            print("vigil sim: --trace records one aggregator's trace: not with --workers", file=sys.stderr)
+            return 2
         return _run_sharded(scenario, args)
+    trace_dir = None if args.trace is None else Path(args.trace)
+    if trace_dir is not None and trace_dir.exists() and any(trace_dir.iterdir()):
+        print(f"vigil sim: --trace {trace_dir}: not empty (a trace directory holds one run)", file=sys.stderr)
+        return 2
     progress: Callable[[float, float, int], None] | None = None
     if sys.stderr.isatty():
         progress = ProgressBar(sys.stderr)
     elif args.progress_every >= 0:
         progress = ProgressLines(sys.stderr, every_seconds=args.progress_every)
-    result = run_scenario(scenario, seed=args.seed, progress=progress)
+    result = run_scenario(scenario, seed=args.seed, progress=progress, trace_dir=trace_dir)
+    if trace_dir is not None:
+        from vigil.sim.replay import record_run
+
+        record_run(result, trace_dir)
     s = score(result)
     data = summary(result, s)
     if scenario.jobs and scenario.goodput.represents_seconds is not None:
