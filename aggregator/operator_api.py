@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +63,8 @@ async def _note(request: web.Request) -> str | web.Response:
         return ""
     try:
         body = await request.json()
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, "too_large", f"body exceeds {request.client_max_size - 1} bytes")
     except ValueError:
         return _error(400, "invalid_json", 'body must be a JSON object like {"note": "..."}')
     note = body.get("note", "") if isinstance(body, dict) else None
@@ -192,6 +195,8 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
         detector, rule = request.match_info["detector"], request.match_info["rule"]
         note = await _note(request)
         if isinstance(note, web.Response):
+            if refusals is not None:  # a body refused is counted as the rest of this door's refusals
+                refusals.count("operator", json.loads(note.text or "{}").get("error", "invalid_json"))
             return note
         try:
             if precision is None:
@@ -229,6 +234,8 @@ async def _ticket_body(request: web.Request) -> dict[str, Any] | tuple[int, str,
     """``{"fault": bool, "note": str}`` (note optional, one line, bounded), or the 400 refusal."""
     try:
         body = await request.json()
+    except web.HTTPRequestEntityTooLarge:
+        return 413, "too_large", f"body exceeds {request.client_max_size - 1} bytes"
     except ValueError:
         return 400, "invalid_json", 'body must be a JSON object like {"fault": true, "note": "..."}'
     if not isinstance(body, dict) or set(body) - {"fault", "note"}:

@@ -4,7 +4,8 @@ service, with a given configuration, on a clock driven by the recorded receive t
 It reads the trace's records (and, for a trace ``vigil sim --trace`` wrote, the run file beside them:
 the scenario, its configuration and its decisions) and returns the decisions the replayed service
 made, the diff against the recorded ones (added, removed, changed action, verdict or timing), and,
-where the trace is labelled (a simulated run's scenario), precision and recall of both. It never
+where the trace is labelled (a simulated run's scenario, or the outcomes the traced aggregator's store
+holds for its removals), precision and recall of both. It never
 sleeps, acts on nothing (the gate runs in dry run over an in-memory store) and writes no trace.
 """
 
@@ -12,14 +13,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vigil.aggregator.config import AggregatorConfig, parse_config
-from vigil.aggregator.decision import Decision
+from vigil.aggregator.decision import REMOVING_ACTIONS, Decision
 from vigil.aggregator.gate import GateConfig
+from vigil.aggregator.outcomes import CONFIRMED, NOT_CONFIRMED
 from vigil.aggregator.service import Accepted, AggregatorService
 from vigil.aggregator.trace import ALERTS, EVALUATION, REPORT, Problem, TraceConfig, TraceReading, read_trace
 from vigil.sim.run import SimDecision, SimResult, _rows_after
@@ -32,6 +34,7 @@ RUN_FILE = "sim-run.json"
 # decision at the same time: one evaluation cadence (the shipped 2.5 s) absorbs a pass's phase.
 TIMING_TOLERANCE_SECONDS = 2.5
 SCHEDULES = ("auto", "recorded", "cadence")
+REMOVING_VALUES = frozenset(a.value for a in REMOVING_ACTIONS)
 
 
 class ReplayError(Exception):
@@ -203,10 +206,13 @@ def _key(d: dict[str, Any]) -> tuple[Any, ...]:
     return d.get("node"), d.get("gpu"), d.get("job"), d.get("detector")
 
 
-def diff(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]],
-         tolerance_seconds: float = TIMING_TOLERANCE_SECONDS) -> list[Change]:
-    """The changes from ``recorded`` to ``replayed`` (each a decision's JSON with ``t``). A decision
-    of the same id in both is the same episode; the rest pair in time order per subject and detector."""
+Pairing = tuple[list[tuple[dict[str, Any], dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]
+
+
+def pair(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]]) -> Pairing:
+    """``recorded`` and ``replayed`` decisions paired: a decision of the same id in both is the same
+    episode; the rest pair in time order per subject and detector. Returns the pairs, the recorded
+    decisions left unpaired and the replayed ones left unpaired."""
     left = list(recorded)
     right = list(replayed)
     pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
@@ -222,17 +228,26 @@ def diff(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]],
             unpaired_left.append(d)
     unpaired_right = [d for ds in by_id.values() for d in ds]
     unpaired_right.sort(key=lambda d: d["t"])
-    changes: list[Change] = []
     rest: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for d in unpaired_right:
         rest.setdefault(_key(d), []).append(d)
+    only_left: list[dict[str, Any]] = []
     for d in unpaired_left:
         candidates = rest.get(_key(d))
         if candidates:
             pairs.append((d, candidates.pop(0)))
         else:
-            changes.append(Change("removed", d.get("node"), d["detector"], d, None))
-    changes += [Change("added", d.get("node"), d["detector"], None, d) for ds in rest.values() for d in ds]
+            only_left.append(d)
+    return pairs, only_left, [d for ds in rest.values() for d in ds]
+
+
+def diff(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]],
+         tolerance_seconds: float = TIMING_TOLERANCE_SECONDS) -> list[Change]:
+    """The changes from ``recorded`` to ``replayed`` (each a decision's JSON with ``t``), paired as
+    ``pair`` pairs them."""
+    pairs, only_left, only_right = pair(recorded, replayed)
+    changes = [Change("removed", d.get("node"), d["detector"], d, None) for d in only_left]
+    changes += [Change("added", d.get("node"), d["detector"], None, d) for d in only_right]
     for before, after in pairs:
         kind = None
         if before["action"] != after["action"]:
@@ -259,6 +274,52 @@ def quality(scenario: Scenario, seed: int, decisions: Sequence[dict[str, Any]]) 
             "false_removals": float(len(s.false_removals))}
 
 
+def is_removal(d: dict[str, Any]) -> bool:
+    """A decision (as the diff reads it) that took a node away: admitted, with a removing action."""
+    return bool(d.get("admitted")) and d.get("action") in REMOVING_VALUES and d.get("node") is not None
+
+
+def _side(labels: Sequence[str | None]) -> dict[str, float | None]:
+    confirmed = sum(1 for x in labels if x == CONFIRMED)
+    not_confirmed = sum(1 for x in labels if x == NOT_CONFIRMED)
+    labelled = confirmed + not_confirmed
+    return {"removals": len(labels), "confirmed": confirmed, "not_confirmed": not_confirmed,
+            "unlabelled": len(labels) - labelled, "precision": confirmed / labelled if labelled else None}
+
+
+def outcome_quality(recorded: Sequence[dict[str, Any]], replayed: Sequence[dict[str, Any]],
+                    labels: Mapping[str, str]) -> dict[str, dict[str, float | None]]:
+    """Precision of the recorded and the replayed removals from what happened next: ``labels``, each
+    recorded removal's outcome by decision id (the store's ``outcomes``: confirmed, not_confirmed;
+    anything else, or none, unlabelled). A replayed removal carries the label of the recorded removal
+    it pairs with (``pair``); one the recording did not make is unlabelled (nobody followed it).
+    ``dropped``: recorded removals the replay does not make (lost true positives: confirmed; avoided
+    false removals: not_confirmed). ``replayed.recall``: the confirmed removals the replay keeps over
+    the recorded confirmed ones (faults nobody removed are unknown to both)."""
+    def label(d: dict[str, Any]) -> str | None:
+        x = labels.get(str(d.get("id")))
+        return x if x in (CONFIRMED, NOT_CONFIRMED) else None
+
+    pairs, only_left, only_right = pair(recorded, replayed)
+    kept: list[str | None] = []
+    dropped: list[str | None] = [label(d) for d in only_left if is_removal(d)]
+    for before, after in pairs:
+        if is_removal(after):
+            kept.append(label(before) if is_removal(before) else None)
+        elif is_removal(before):
+            dropped.append(label(before))
+    added: list[str | None] = [None for d in only_right if is_removal(d)]
+    mine = _side([label(d) for d in recorded if is_removal(d)])
+    theirs = _side(kept + added)
+    confirmed = mine["confirmed"] or 0
+    theirs["recall"] = (theirs["confirmed"] or 0) / confirmed if confirmed else None
+    lost = _side(dropped)
+    return {"recorded": mine, "replayed": theirs,
+            "dropped": {"removals": lost["removals"], "confirmed": lost["confirmed"],
+                        "not_confirmed": lost["not_confirmed"], "unlabelled": lost["unlabelled"]},
+            "added": {"removals": float(len(added))}}
+
+
 @dataclass
 class ReplayReport:
     """What ``vigil replay`` prints: the replay, the diff, and precision/recall where labelled."""
@@ -267,6 +328,7 @@ class ReplayReport:
     recorded: list[dict[str, Any]] | None
     changes: list[Change]
     quality: dict[str, dict[str, float | None]]
+    outcomes: dict[str, dict[str, float | None]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         r = self.replayed
@@ -275,7 +337,8 @@ class ReplayReport:
                 "simulated_seconds": r.simulated_seconds, "wall_seconds": round(r.wall_seconds, 3),
                 "decisions": [d.to_json() for d in r.decisions],
                 "recorded_decisions": None if self.recorded is None else len(self.recorded),
-                "changes": [c.to_json() for c in self.changes], "quality": self.quality}
+                "changes": [c.to_json() for c in self.changes], "quality": self.quality,
+                "outcomes": self.outcomes}
 
 
 def recorded_from_store(rows: Sequence[Any], origin: float, until: float) -> list[dict[str, Any]]:
@@ -295,9 +358,11 @@ def trace_span(reading: TraceReading) -> tuple[float, float]:
 
 def replay_directory(directory: Path, config: AggregatorConfig | None = None, *, schedule: str = "auto",
                      recorded: list[dict[str, Any]] | None = None,
-                     tolerance_seconds: float = TIMING_TOLERANCE_SECONDS) -> ReplayReport:
+                     tolerance_seconds: float = TIMING_TOLERANCE_SECONDS,
+                     labels: Mapping[str, str] | None = None) -> ReplayReport:
     """The trace in ``directory`` replayed with ``config`` (None: the simulated run's own, from its run
-    file; else the defaults) and compared with ``recorded`` (None: the run file's decisions)."""
+    file; else the defaults) and compared with ``recorded`` (None: the run file's decisions); with
+    ``labels`` (the store's outcomes by decision id), scored from them (``outcome_quality``)."""
     if not directory.is_dir():
         raise ReplayError(f"{directory}: no such trace directory")
     run = load_run(directory)
@@ -319,4 +384,5 @@ def replay_directory(directory: Path, config: AggregatorConfig | None = None, *,
         labelled["replayed"] = quality(run.scenario, run.seed, after)
         if recorded is not None:
             labelled["recorded"] = quality(run.scenario, run.seed, recorded)
-    return ReplayReport(replayed, recorded, changes, labelled)
+    scored = outcome_quality(recorded, after, labels) if labels is not None and recorded is not None else None
+    return ReplayReport(replayed, recorded, changes, labelled, scored)

@@ -482,3 +482,155 @@ def test_the_probe_doors_refuse_what_they_cannot_trust(target: Target) -> None:
     assert target.post("/v1/reports", report, token("vnode3"), expect=400)["error"] == "schema"
     target.healthz()
     target.assert_nothing_drained()
+
+
+# -- issue 45's operator doors: a removal's outcome (a ticket closed) and a demoted rule promoted ------
+
+TICKET = "/v1/decisions/{}/outcome"
+PROMOTE = "/v1/precision/{}/{}/promote"
+# Credentials that may not close a ticket or promote a rule: (bearer, status, reason at the operator door).
+NOT_THE_OPERATOR = [(None, 401, "unauthenticated"), ("garbage", 401, "bad_credential"),
+                    (ROLE_TOKENS["read"], 403, "forbidden"), (ROLE_TOKENS["alertmanager"], 403, "forbidden")]
+# Bodies a ticket cannot be closed with: (body, reason of the 400).
+BAD_TICKETS: list[tuple[bytes | dict[str, Any], str]] = [
+    (b"{not json", "invalid_json"), (b"\xff\xfe", "invalid_json"), (b"[true]", "unknown_field"),
+    (b'"fault"', "unknown_field"), ({}, "bad_fault"), ({"fault": "true"}, "bad_fault"), ({"fault": 1}, "bad_fault"),
+    ({"fault": None}, "bad_fault"), ({"fault": True, "actor": "root"}, "unknown_field"),
+    ({"fault": True, "note": "x" * 501}, "bad_note"), ({"fault": True, "note": ["a"]}, "bad_note"),
+]
+
+
+def refuse_oversized(t: Target, path: str) -> None:
+    """A body over the aggregator's max_body_bytes (1 MiB) is cut before it is read: 413, counted."""
+    was = t.refusals("operator", "too_large")
+    status, body = raw_http(t.agg.port, [f"POST {path} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+                                         f"{ROLE_TOKENS['operator']}\r\nContent-Type: application/json\r\n"
+                                         f"Content-Length: {(1 << 20) + 28}\r\nConnection: close\r\n\r\n".encode(),
+                                         b'{"fault": true, "note": "' + b"x" * (1 << 20) + b'"}'])
+    assert status == 413 and json.loads(body)["error"] == "too_large", (status, body[:200])
+    assert t.refusals("operator", "too_large") == was + 1
+
+
+@dataclass
+class Precise:
+    """A second real aggregator, acting through a webhook nobody answers, with precision on and a prior
+    so weak that one unconfirmed removal demotes its rule: ``followed``, a drain whose outcome is not
+    known yet; the rule ``detector/rule`` demoted (another drain's ticket closed as no fault)."""
+
+    t: Target
+    followed: str
+    detector: str
+    rule: str
+
+    def standing(self) -> dict[str, Any]:
+        rules = self.t.agg.request("GET", "/v1/precision")["rules"]
+        return next(r for r in rules if (r["detector"], r["rule"]) == (self.detector, self.rule))
+
+
+@pytest.fixture(scope="module")
+def precise(tmp_path_factory: pytest.TempPathFactory, slurm_cluster: SlurmCluster) -> Iterator[Precise]:  # noqa: F811
+    root = tmp_path_factory.mktemp("precise")
+    (root / "webhook.secret").write_text("webhook-secret-0123456789\n")
+    config = {"dry_run": False, "evaluate_interval_seconds": 0.5,
+              "actuators": {"webhook": {"enabled": True, "url": f"http://127.0.0.1:{free_port()}/hook",
+                                        "secret_file": str(root / "webhook.secret"), "actions": ["drain"]},
+                            "delivery": {"base_backoff_seconds": 0.2, "max_backoff_seconds": 1, "poll_seconds": 0.2}},
+              "gate": {"breaker_floor_nodes": 4},
+              "precision": {"enabled": True, "prior_confirmed": 1, "prior_unconfirmed": 1}}
+    agg = AggregatorProcess(root, config)
+    agg.start()
+    nodes = {n: FakeNode(n, gpus=1, ports=0) for n in ("pnode1", "pnode2", "pnode3", "pnode4")}
+    t = Target(agg, slurm_cluster, nodes)
+    try:
+        for node in nodes.values():
+            agg.post_report(node.report(time.time()))
+        out = t.post("/v1/alertmanager", alertmanager_payload(alert("pnode1"), alert("pnode2")),
+                     ROLE_TOKENS["alertmanager"], expect=200)
+        assert out["proposed"] == 2, out
+        decisions, _ = agg.decisions()
+        drains = {d["node"]: d["id"] for d in decisions if d["action"] == "drain"}
+        assert set(drains) == {"pnode1", "pnode2"}, decisions
+        closed = t.post(TICKET.format(drains["pnode2"]), {"fault": False, "note": "no fault found"},
+                        ROLE_TOKENS["operator"], expect=200)
+        assert closed["label"] == "not_confirmed"
+        rules = agg.request("GET", "/v1/precision")["rules"]
+        demoted = [r for r in rules if r["demoted"]]
+        assert len(demoted) == 1 and demoted[0]["followed"] == 1, rules
+        yield Precise(t, drains["pnode1"], demoted[0]["detector"], demoted[0]["rule"])
+    finally:
+        agg.stop()
+
+
+def test_a_ticket_is_closed_only_by_the_operator_with_a_well_formed_verdict(precise: Precise) -> None:
+    t, path = precise.t, TICKET.format(precise.followed)
+    before = precise.standing()
+    counted = {r: t.refusals("operator", r) for r in ("unauthenticated", "bad_credential", "forbidden")}
+    for bearer, status, reason in [*NOT_THE_OPERATOR, (token("pnode1"), 403, "forbidden")]:
+        assert t.post(path, {"fault": True}, bearer, expect=status)["error"] == reason
+    assert t.refusals("operator", "unauthenticated") == counted["unauthenticated"] + 1
+    assert t.refusals("operator", "bad_credential") == counted["bad_credential"] + 1
+    assert t.refusals("operator", "forbidden") == counted["forbidden"] + 3
+    for body, reason in BAD_TICKETS:
+        was = t.refusals("operator", reason)
+        out = t.post(path, body, ROLE_TOKENS["operator"], expect=400)
+        assert out["error"] == reason and out["detail"], (body, out)
+        assert t.refusals("operator", reason) == was + 1
+    refuse_oversized(t, path)
+    # A decision nobody followed, or no decision id at all.
+    for decision, status, reason in (("no-such-decision", 404, "unknown_decision"), ("x" * 65, 400, "bad_decision"),
+                                     ("bad%24id", 400, "bad_decision")):
+        was = t.refusals("operator", reason)
+        out = t.post(TICKET.format(decision), {"fault": True}, ROLE_TOKENS["operator"], expect=status)
+        assert out["error"] == reason
+        assert t.refusals("operator", reason) == was + 1
+    # Nothing refused labelled the removal: it is still followed, the rule's counts unchanged.
+    assert precise.standing() == before and before["followed"] == 1
+    t.healthz()
+    # The operator's well-formed verdict labels it, once: a label is final.
+    assert t.post(path, {"fault": True, "note": "bad HBM"}, ROLE_TOKENS["operator"], expect=200)["label"] == "confirmed"
+    assert precise.standing()["followed"] == 0 and precise.standing()["confirmed"] == before["confirmed"] + 1
+    was = t.refusals("operator", "already_labelled")
+    assert t.post(path, {"fault": False}, ROLE_TOKENS["operator"], expect=409)["error"] == "already_labelled"
+    assert t.refusals("operator", "already_labelled") == was + 1
+
+
+def test_a_demoted_rule_is_promoted_only_by_the_operator(precise: Precise) -> None:
+    t, path = precise.t, PROMOTE.format(precise.detector, precise.rule)
+    assert precise.standing()["demoted"] is True
+    for bearer, status, reason in [*NOT_THE_OPERATOR, (token("pnode1"), 403, "forbidden")]:
+        was = t.refusals("operator", reason)
+        assert t.post(path, {"note": "trust me"}, bearer, expect=status)["error"] == reason
+        assert t.refusals("operator", reason) == was + 1
+    for body, reason in ((b"{not json", "invalid_json"), (b"[1]", "bad_note"), ({"note": 7}, "bad_note"),
+                         ({"note": "x" * 501}, "bad_note")):
+        was = t.refusals("operator", reason)
+        out = t.post(path, body, ROLE_TOKENS["operator"], expect=400)
+        assert out["error"] == reason and out["detail"], (body, out)
+        assert t.refusals("operator", reason) == was + 1
+    refuse_oversized(t, path)
+    # A rule that is not demoted (or does not exist) has nothing to promote.
+    for detector, rule in ((precise.detector, "no_such_rule"), ("x" * 200, precise.rule)):
+        was = t.refusals("operator", "not_demoted")
+        out = t.post(PROMOTE.format(detector, rule), {}, ROLE_TOKENS["operator"], expect=409)
+        assert out["error"] == "not_demoted" and len(out["detail"]) < 300
+        assert t.refusals("operator", "not_demoted") == was + 1
+    assert precise.standing()["demoted"] is True  # nothing refused moved it
+    t.healthz()
+    assert t.post(path, {"note": "replaced the PSU"}, ROLE_TOKENS["operator"], expect=200)["demoted"] is False
+    assert precise.standing()["demoted"] is False
+
+
+def test_the_precision_doors_of_an_aggregator_without_precision_answer_409(target: Target) -> None:
+    # The acting target runs with precision off: a ticket or a promotion is refused by name (409,
+    # counted), never a 5xx; credentials are checked first.
+    for path, body in ((TICKET.format("am-x"), {"fault": True}), (PROMOTE.format("xid", "xid"), {})):
+        target.post(path, body, None, expect=401)
+        target.post(path, body, ROLE_TOKENS["read"], expect=403)
+        was = target.refusals("operator", "precision_disabled")
+        assert target.post(path, body, ROLE_TOKENS["operator"], expect=409)["error"] == "precision_disabled"
+        assert target.refusals("operator", "precision_disabled") == was + 1
+    # Whatever the body: no removal is followed, so there is nothing a body could label.
+    assert target.post(TICKET.format("am-x"), b"{not json", ROLE_TOKENS["operator"],
+                       expect=409)["error"] == "precision_disabled"
+    assert target.agg.request("GET", "/v1/precision") == {"enabled": False, "rules": []}
+    target.assert_nothing_drained()

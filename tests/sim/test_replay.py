@@ -175,3 +175,87 @@ def test_a_live_services_trace_replays_to_its_stores_decisions(tmp_path: Path) -
     assert [d.to_json() for d in replayed.decisions] == recorded
     assert diff(recorded, [d.to_json() for d in replayed.decisions]) == []
     assert replayed.alerts == 1 and replayed.evaluations == 40 and replayed.refused == {}
+
+
+def test_a_stores_outcome_labels_score_both_configurations(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``vigil replay --store``: the traced aggregator's SQLite store holds its decisions and the outcome
+    labels of its removals (aggregator/precision.py). A configuration that turns two Xid codes into
+    alerts drops a confirmed removal (a lost true positive) and an unconfirmed one (an avoided false
+    removal); the two Alertmanager drains stay, one confirmed, one nobody labelled (counted apart)."""
+    from tests.aggregator.conftest import FakeNode
+    from vigil.aggregator.decision import REMOVING_ACTIONS, Action, Decision
+    from vigil.aggregator.engine import Engine
+    from vigil.aggregator.gate import Gate, GateConfig
+    from vigil.aggregator.ledger import Ledger
+    from vigil.aggregator.service import AggregatorService, trace_header
+    from vigil.aggregator.store import Store
+    from vigil.aggregator.trace import TraceWriter
+    from vigil.contract.wire import Event
+    from vigil.sim.replay import ReplayClock, outcome_quality
+
+    directory = tmp_path / "trace"
+    directory.mkdir()
+    db = tmp_path / "vigil.db"
+    config = parse_config({"trace": {"enabled": True, "directory": str(directory)}})
+    gate = GateConfig(dry_run=False, breaker_floor_nodes=10)  # four removals of six nodes: no breaker here
+    clock = ReplayClock(1_800_000_000.0)
+    writer = TraceWriter(config.trace, trace_header(config, clock.now, clock.now), background=False)
+    ledger = Ledger(Gate(gate, started=None), Store(db), actuators={})
+    service = AggregatorService(config, Engine(config, ledger), ledger, clock=clock, trace=writer)
+    nodes = [FakeNode(f"node-{i}") for i in range(6)]
+    xids = {(10, "node-2"): 79, (14, "node-3"): 48}
+    for step in range(40):
+        clock.now += 2.5
+        for node in nodes:
+            events = []
+            code = xids.get((step, node.name))
+            if code is not None:
+                events = [Event(kind="xid", ts=clock.now, code=code, gpu=3, urgent=True, source="kmsg",
+                                message=f"NVRM: Xid (PCI:0000:1b:00): {code}, pid=0, fault.")]
+            service.take(node.report(clock.now, events=events, urgent=bool(events)))
+        if step in (20, 24):
+            name = "node-1" if step == 20 else "node-0"
+            service.alert_sink.submit([Decision(id=f"am-{name}", ts=clock.now, node=name, action=Action.DRAIN,
+                                                reason="NodeDiskFull", detector="alertmanager")],
+                                      clock.now, service.reporting())
+        service.evaluate_now()
+    writer.close()
+    store = ledger.store
+    removals = {r.decision.node: r.decision for r in store.decisions(limit=1000, admitted_only=True)
+                if r.decision.action in REMOVING_ACTIONS}
+    assert set(removals) == {"node-0", "node-1", "node-2", "node-3"}
+    # What happened next: node-2's Xid 79 and node-1's disk confirmed, node-3's Xid not; node-0 still followed.
+    for node, label in (("node-2", "confirmed"), ("node-1", "confirmed"), ("node-3", "not_confirmed"),
+                        ("node-0", "")):
+        d = removals[node]
+        store.write_outcome(d.id, d.ts, node, d.detector, d.action.value, label, {})
+    store.close()
+
+    cfg = tmp_path / "alert.yaml"
+    cfg.write_text("detectors:\n  xid:\n    overrides: {79: alert, 48: alert}\n"
+                   "gate:\n  dry_run: false\n  breaker_floor_nodes: 10\n")
+    assert main(["replay", str(directory), "--store", str(db), "--config", str(cfg), "--json"]) == 0
+    scored = json.loads(capsys.readouterr().out)["outcomes"]
+    assert scored["recorded"] == {"removals": 4, "confirmed": 2, "not_confirmed": 1, "unlabelled": 1,
+                                  "precision": 2 / 3}
+    assert scored["replayed"] == {"removals": 2, "confirmed": 1, "not_confirmed": 0, "unlabelled": 1,
+                                  "precision": 1.0, "recall": 0.5}
+    assert scored["dropped"] == {"removals": 2, "confirmed": 1, "not_confirmed": 1, "unlabelled": 0}
+    assert scored["added"] == {"removals": 0}
+
+    # The same configuration: the same removals, the same figures, nothing dropped.
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("gate:\n  dry_run: false\n  breaker_floor_nodes: 10\n")
+    assert main(["replay", str(directory), "--store", str(db), "--config", str(plain)]) == 0
+    out = capsys.readouterr().out
+    assert "recorded  precision 0.667 over 4 removals: 2 / 1 / 1" in out
+    assert "replayed  precision 0.667 over 4 removals: 2 / 1 / 1, recall of the confirmed 1.000" in out
+    assert "dropped   0 removals" in out
+
+    # A removal the recording did not make is nobody's to label; a refused one is no removal.
+    a = {"id": "a", "node": "n1", "gpu": None, "job": None, "detector": "xid", "action": "drain", "t": 1.0,
+         "admitted": True}
+    b = {**a, "id": "b", "node": "n2"}
+    q = outcome_quality([a, {**b, "admitted": False}], [a, b], {"a": "not_confirmed", "b": "confirmed"})
+    assert q["recorded"]["precision"] == 0.0 and q["recorded"]["removals"] == 1
+    assert q["replayed"]["removals"] == 2 and q["replayed"]["unlabelled"] == 1 and q["added"] == {"removals": 0}

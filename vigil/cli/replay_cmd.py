@@ -3,7 +3,8 @@ with a given aggregator configuration, and the decisions that would change.
 
 It reads the trace directory, the configuration file and optionally the decision store the trace's
 aggregator wrote, runs sim/replay.py and prints the diff (added, removed, changed action, verdict or
-timing, each with its evidence) and, for a simulated run, precision and recall of both. It acts on
+timing, each with its evidence) and, for a simulated run or a store holding outcome labels, precision
+and recall of both. It acts on
 nothing and writes nothing (docs/replay.md).
 """
 
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"vigil replay: {exc}", file=sys.stderr)
         return 2
     recorded = None
+    labels: dict[str, str] | None = None
     if args.store:
         if not Path(args.store).exists():
             print(f"vigil replay: no decision store at {args.store}", file=sys.stderr)
@@ -58,15 +60,18 @@ def run(args: argparse.Namespace) -> int:
             store = Store(args.store)
             try:
                 rows = store.decisions(limit=1_000_000)
+                outcomes = store.outcomes()
             finally:
                 store.close()
         except StoreError as exc:
             print(f"vigil replay: {exc}", file=sys.stderr)
             return 2
         recorded = recorded_from_store(rows, *trace_span(read_trace(directory)))
+        # Each followed removal's label (aggregator/precision.py writes them; '' while still followed).
+        labels = {decision_id: label for decision_id, _, _, _, _, label, _ in outcomes} if outcomes else None
     try:
         report = replay_directory(directory, config, schedule=args.schedule, recorded=recorded,
-                                  tolerance_seconds=args.tolerance)
+                                  tolerance_seconds=args.tolerance, labels=labels)
     except ReplayError as exc:
         print(f"vigil replay: {exc}", file=sys.stderr)
         return 2
@@ -109,3 +114,21 @@ def _print_text(data: dict[str, Any]) -> None:
     for which, q in data["quality"].items():
         print(f"  {which:<9} precision {q['precision']}, recall {q['recall']}, removals {q['removals']:g}, "
               f"false removals {q['false_removals']:g}")
+    scored = data.get("outcomes")
+    if scored is not None:
+        print("  from the store's outcome labels (confirmed / not confirmed / unlabelled removals):")
+        for which in ("recorded", "replayed"):
+            q = scored[which]
+            recall = f", recall of the confirmed {_ratio(q['recall'])}" if which == "replayed" else ""
+            print(f"  {which:<9} precision {_ratio(q['precision'])} over {q['removals']:g} removals: "
+                  f"{q['confirmed']:g} / {q['not_confirmed']:g} / {q['unlabelled']:g}{recall}")
+        d = scored["dropped"]
+        print(f"  dropped   {d['removals']:g} removals: {d['confirmed']:g} confirmed (lost true positives), "
+              f"{d['not_confirmed']:g} not confirmed (avoided false removals), {d['unlabelled']:g} unlabelled")
+        print(f"  added     {scored['added']['removals']:g} removals nobody followed (unlabelled)")
+    elif data["recorded_decisions"] is not None and data["quality"] == {}:
+        print("  no outcome labels in the store: precision from outcomes needs precision.enabled")
+
+
+def _ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
