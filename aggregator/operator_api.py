@@ -112,6 +112,8 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
             return refused
         note = await _note(request)
         if isinstance(note, web.Response):
+            if refusals is not None:  # a body refused is counted as the rest of this door's refusals
+                refusals.count("operator", json.loads(note.text or "{}").get("error", "invalid_json"))
             return note
         try:
             was_held = await asyncio.to_thread(ledger.hold, node, held, clock(), note)

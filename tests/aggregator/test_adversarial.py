@@ -620,6 +620,15 @@ def test_a_demoted_rule_is_promoted_only_by_the_operator(precise: Precise) -> No
     assert precise.standing()["demoted"] is False
 
 
+def test_a_hold_or_resume_with_a_bad_body_is_refused_and_counted(target: Target) -> None:
+    for verb in ("hold", "resume"):
+        for body, reason in ((b"{not json", "invalid_json"), ({"note": 7}, "bad_note")):
+            was = target.refusals("operator", reason)
+            out = target.post(f"/v1/nodes/vnode3/{verb}", body, ROLE_TOKENS["operator"], expect=400)
+            assert out["error"] == reason and out["detail"], (verb, body, out)
+            assert target.refusals("operator", reason) == was + 1
+
+
 def test_the_precision_doors_of_an_aggregator_without_precision_answer_409(target: Target) -> None:
     # The acting target runs with precision off: a ticket or a promotion is refused by name (409,
     # counted), never a 5xx; credentials are checked first.
