@@ -26,13 +26,16 @@ NAME = "config_drift"
 
 # Every fact of NodeConfig but ``mixed`` (which names facts, judged on its own).
 NODE_CONFIG_FACTS = tuple(f.name for f in msgspec.structs.fields(NodeConfig) if f.name != "mixed")
-# The facts a job's nodes share whatever their hardware: the software stack and the GPU modes a
-# site sets (the cluster guide: one driver for every GPU of a job). The other facts belong to the
-# hardware class (VBIOS, firmware, clocks, power limit, GPU and HCA counts and models differ
-# between an H100 and an H200 node by design): they are compared only among the job's nodes of
-# one GPU model, and the GPU model itself never is (a mixed job is a class difference, not drift).
-JOB_WIDE_FACTS = frozenset({"driver_version", "cuda_driver_version", "kernel", "ecc_mode", "persistence_mode",
-                            "mig_mode", "ofed_version", "rdma_core_version"})
+# The facts a job's nodes share whatever their hardware: the host's software stack (kernel, the
+# RDMA stack). The GPU driver's facts and the GPU modes a site sets are shared by a job's nodes of
+# one vendor (the cluster guide: one driver for every GPU of a job; an NVIDIA node's driver 550 and
+# an AMD node's amdgpu 6.8 are both right, issue 46): compared among the job's nodes of one vendor.
+# The other facts belong to the hardware class (VBIOS, firmware, clocks, power limit, GPU and HCA
+# counts and models differ between an H100 and an H200 node by design): they are compared only
+# among the job's nodes of one GPU model, and the GPU model itself never is (a mixed job is a class
+# difference, not drift).
+VENDOR_WIDE_FACTS = frozenset({"driver_version", "cuda_driver_version", "ecc_mode", "persistence_mode", "mig_mode"})
+JOB_WIDE_FACTS = frozenset({"kernel", "ofed_version", "rdma_core_version"}) | VENDOR_WIDE_FACTS
 
 
 class ManifestClass(StrictModel):
@@ -235,16 +238,22 @@ class ConfigDriftDetector:
         drift: dict[str, list[tuple[str, Any, Any]]] = {}
         mix: dict[str, list[tuple[Any, int]]] = {}
         by_model: dict[str | None, list[tuple[str, NodeConfig]]] = {}
+        by_vendor: dict[str, list[tuple[str, NodeConfig]]] = {}
         for name, c in configs:
             by_model.setdefault(c.gpu_model, []).append((name, c))
+            by_vendor.setdefault(_vendor(view.nodes[name]), []).append((name, c))
         for fact in self._facts:
             if fact == "gpu_model":
                 continue
-            if fact in JOB_WIDE_FACTS or len(by_model) == 1:
+            if fact in VENDOR_WIDE_FACTS and len(by_vendor) > 1:
+                groups: dict[Any, list[tuple[str, NodeConfig]]] = dict(by_vendor)
+            elif fact in JOB_WIDE_FACTS or len(by_model) == 1:
                 self._compare_fact(view, fact, fact, configs, marked, drift, mix)
+                continue
             else:
-                for model, group in sorted(by_model.items(), key=lambda kv: str(kv[0])):
-                    self._compare_fact(view, fact, f"{fact} ({model})", group, marked, drift, mix)
+                groups = dict(by_model)
+            for group_name, group in sorted(groups.items(), key=lambda kv: str(kv[0])):
+                self._compare_fact(view, fact, f"{fact} ({group_name})", group, marked, drift, mix)
         return _JobVerdict(drift, mix, len(configs))
 
     def _compare_fact(self, view: FleetView, fact: str, label: str, configs: list[tuple[str, NodeConfig]],
@@ -332,6 +341,14 @@ class ConfigDriftDetector:
         if marked:
             self._manifest[node.name] = (node, node.config_revision, node.gpu_faults_revision, short)
         return short
+
+
+def _vendor(node: NodeState) -> str:
+    """The vendor of the node's GPUs (GpuState.vendor, the most common); "nvidia" where none says (an
+    agent from before issue 46 reads NVML only, and a node that reports no GPU has no driver to compare
+    against another vendor's)."""
+    vendors = Counter(g.last.vendor for g in node.gpus.values() if g.last.vendor is not None)
+    return vendors.most_common(1)[0][0] if vendors else "nvidia"
 
 
 def _gpu_links(gpus: Iterable[Any], expected: ManifestClass) -> list[str]:

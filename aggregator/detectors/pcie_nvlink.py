@@ -3,7 +3,8 @@
 It reads each GPU's PCIe replay counter and NVLink CRC, replay and recovery counters (as deltas
 between reports of one boot) and the list of NVLinks reported down. Sustained error rates above
 DCGM's thresholds drain the node; a link down asks for a reboot. A healthy H100 accumulates tens
-of PCIe replays between resets, so only rates are judged, never totals.
+of PCIe replays between resets, so only rates are judged, never totals. AMD's XGMI links arrive in
+the NVLink fields: decisions and keys are the same, reasons say XGMI for an AMD GPU.
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ class PcieNvlinkDetector:
     def __init__(self, config: PcieNvlinkConfig) -> None:
         self.config = config
         cfg = config
-        # counter, limit per second, action, label, display scale and unit
+        # counter, limit per second, action, label ({link}: the GPU's link, by vendor), display scale and unit
         self._checks = (
             ("pcie_replay_total", cfg.pcie_replays_per_minute / 60.0, cfg.pcie_action, "PCIe replays", 60.0, "min"),
-            ("nvlink_crc_errors_total", cfg.nvlink_crc_per_second, cfg.nvlink_action, "NVLink CRC errors", 1.0, "s"),
+            ("nvlink_crc_errors_total", cfg.nvlink_crc_per_second, cfg.nvlink_action, "{link} CRC errors", 1.0, "s"),
             ("nvlink_replay_errors_total", cfg.nvlink_replays_per_minute / 60.0, cfg.nvlink_action,
-             "NVLink replays", 60.0, "min"),
+             "{link} replays", 60.0, "min"),
             ("nvlink_recovery_errors_total", cfg.nvlink_recoveries_per_minute / 60.0, cfg.nvlink_action,
-             "NVLink recoveries", 60.0, "min"),
+             "{link} recoveries", 60.0, "min"),
         )
         # Nodes none of whose GPUs had a counter moved or a link down when last walked, with their
         # gpu_faults_revision then.
@@ -82,6 +83,7 @@ class PcieNvlinkDetector:
         cfg = self.config
         out: list[Finding] = []
         t0 = now - cfg.window_seconds
+        link = link_name(gpu)
         # No counter moved in the window: nothing to rate.
         for counter, limit_per_second, action, label, scale, per in (
                 self._checks if gpu.counters.last_increase_ts >= t0 else ()):
@@ -95,9 +97,11 @@ class PcieNvlinkDetector:
                 continue
             out.append(Finding(
                 detector=NAME, node=node.name, gpu=gpu.index, action=action, since=increases[0][0], key=counter,
-                reason=(f"GPU {gpu.index}: {label} at {rate * scale:.1f}/{per} "
+                reason=(f"GPU {gpu.index}: {label.format(link=link)} at {rate * scale:.1f}/{per} "
                         f"(limit {limit_per_second * scale:g}/{per})"),
-                evidence={"signal": counter, "uuid": gpu.uuid, "rate_per_second": round(rate, 4),
+                evidence={"signal": counter, "uuid": gpu.uuid,
+                          **({"link": link} if counter.startswith("nvlink_") else {}),
+                          "rate_per_second": round(rate, 4),
                           "limit_per_second": limit_per_second, "errors": errors,
                           "window_seconds": round(covered, 1)}))
         down = gpu.last.nvlink_links_down
@@ -109,7 +113,17 @@ class PcieNvlinkDetector:
                 since = sample.ts
             out.append(Finding(
                 detector=NAME, node=node.name, gpu=gpu.index, action=cfg.link_down_action, since=since,
-                key="nvlink_down", reason=f"GPU {gpu.index}: NVLink(s) {down} down",
-                evidence={"signal": "nvlink_links_down", "uuid": gpu.uuid, "links_down": list(down),
+                key="nvlink_down", reason=f"GPU {gpu.index}: {link}(s) {', '.join(map(str, down))} down",
+                evidence={"signal": "nvlink_links_down", "link": link, "uuid": gpu.uuid, "links_down": list(down),
                           "links_active": gpu.last.nvlink_links_active}))
         return out
+
+
+# What a GPU's links are called: AMD's XGMI links are reported in the NVLink fields (docs/amd.md), so
+# the counters and keys are shared and only the words follow the vendor.
+LINK_NAMES = {"nvidia": "NVLink", "amd": "XGMI"}
+
+
+def link_name(gpu: GpuHistory) -> str:
+    """"XGMI" for an AMD GPU, "NVLink" otherwise (an agent from before issue 46 reports no vendor)."""
+    return LINK_NAMES.get(gpu.last.vendor or "nvidia", "NVLink")

@@ -3,6 +3,7 @@ complete, tested both ways, and built only on metrics the agent or aggregator de
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,7 +14,9 @@ import yaml
 
 from tests.rules.promql_names import catalog_names, metric_names
 from vigil.agent.collectors.xid import PAGED_XID_CODES
+from vigil.aggregator.amdgpu_catalog import ENTRIES as AMDGPU_ENTRIES
 from vigil.aggregator.decision import Action
+from vigil.aggregator.detectors.amdgpu import AmdgpuConfig
 from vigil.aggregator.xid_catalog import XidCatalog
 
 RULES = Path(__file__).resolve().parents[2] / "rules"
@@ -141,6 +144,36 @@ def test_xid_alerts_follow_the_xid_catalog(alert: str, action: Action) -> None:
     assert expected, action
     assert _codes(alert) == expected
     assert _alerts()[alert]["labels"]["vigil_action"] == action.value
+
+
+def _amdgpu_events(alert: str) -> set[str]:
+    """The amdgpu events an alert selects; every selector of it names the same."""
+    expr = _alerts()[alert]["expr"]
+    selectors = {arm[:arm.index('"')] for arm in re.split(r'event=~?"', expr)[1:]}
+    assert len(selectors) == 1, selectors
+    return set(selectors.pop().split("|"))
+
+
+@pytest.mark.parametrize(("alert", "action"), [
+    ("VigilAmdGpuResetRequired", Action.RESET_GPU),
+    ("VigilAmdGpuBadPageThreshold", Action.INSPECT_HARDWARE),
+    ("VigilAmdGpuResetFailed", Action.REBOOT_NODE),
+])
+def test_amdgpu_alerts_follow_the_amdgpu_catalog(alert: str, action: Action) -> None:
+    expected = {e.name for e in AMDGPU_ENTRIES if e.category == "hardware" and e.action is action}
+    assert expected, action
+    assert _amdgpu_events(alert) == expected
+    assert _alerts()[alert]["labels"]["vigil_action"] == action.value
+
+
+def test_every_acting_amdgpu_event_pages_and_no_other_does() -> None:
+    paging = {e for alert in _alerts() if alert.startswith("VigilAmdGpu") for e in _amdgpu_events(alert)}
+    acting = {e.name for e in AMDGPU_ENTRIES if e.action not in (Action.OBSERVE, Action.ALERT)}
+    # ring_timeout observes once; its page is the detector's repeat rule (drain), not the catalog action.
+    assert paging == acting | {"ring_timeout"}
+    repeat = _alerts()["VigilAmdGpuRingTimeoutRepeated"]
+    assert repeat["labels"]["vigil_action"] == AmdgpuConfig().ring_timeout_repeat_action.value
+    assert repeat["expr"].rstrip().endswith(f">= {AmdgpuConfig().ring_timeout_repeat_threshold}")
 
 
 def test_metric_names_lexer_finds_selectors_not_functions() -> None:

@@ -96,6 +96,53 @@ def test_a_job_on_two_gpu_models_compares_class_facts_only_within_each_model():
         ("j1-n1", ["driver_version"]), ("j1-n8", ["vbios_version"])]
 
 
+MI300X = "AMD Instinct MI300X"
+AMDGPU = "6.8.5"
+
+
+def mixed_vendor_job(nvidia: int, amd: int, odd: dict[str, dict[str, Any]] | None = None) -> list[FakeNode]:
+    """One job j1 on ``nvidia`` H100 nodes then ``amd`` MI300X nodes (GpuState.vendor set on each GPU,
+    the amdgpu driver and no CUDA on the AMD ones, the same kernel and RDMA stack), and a job j2 of 8
+    H100 nodes."""
+    nodes = fleet_of({"j1": nvidia + amd, "j2": 8})
+    for i, node in enumerate(nodes):
+        is_amd = node.name.startswith("j1-") and i >= nvidia
+        for gpu in node.gpus.values():
+            gpu.update(vendor="amd" if is_amd else "nvidia", name=MI300X if is_amd else H100)
+        if is_amd:
+            node.config = config(driver_version=AMDGPU, cuda_driver_version=None, gpu_model=MI300X,
+                                 vbios_version="113-M3000100-102", power_limit_watts=750.0)
+        node.config = {**node.config, **(odd or {}).get(node.name, {})}
+    return nodes
+
+
+def test_a_job_on_two_vendors_compares_drivers_only_within_each_vendor():
+    # 6 H100 and 5 MI300X nodes in one job: NVIDIA's 535 and AMD's amdgpu 6.8.5 are both right
+    # (before issue 46's follow-up, the 5 AMD nodes were 5/11 of the job: a config_mix "roll-out").
+    assert judge(mixed_vendor_job(6, 5)) == []
+    # A job mostly AMD with one NVIDIA node: the NVIDIA node's driver is no drift either.
+    assert judge(mixed_vendor_job(1, 5)) == []
+
+
+def test_drift_within_one_vendor_of_a_mixed_job_is_still_found():
+    odd = {"j1-n7": {"driver_version": "6.10.5"}, "j1-n2": {"driver_version": NEW}}
+    found = judge(mixed_vendor_job(6, 5, odd))
+    assert sorted((f.node, f.key, f.evidence["facts"][0]["value"], f.evidence["facts"][0]["peers"])
+                  for f in found) == [("j1-n2", "config_drift", NEW, OLD),
+                                      ("j1-n7", "config_drift", "6.10.5", AMDGPU)]
+    # The host's stack is still the whole job's: one AMD node on another kernel is its drift.
+    [f] = judge(mixed_vendor_job(6, 5, {"j1-n8": {"kernel": "6.8.0"}}))
+    assert (f.node, f.evidence["facts"][0]["fact"]) == ("j1-n8", "kernel")
+
+
+def test_a_split_within_one_vendor_is_that_vendors_mix():
+    # 3 of 5 AMD nodes upgraded: a roll-out on the AMD partition, named as such; NVIDIA's untouched.
+    odd = {f"j1-n{i}": {"driver_version": "6.10.5"} for i in (6, 7, 8)}
+    [f] = judge(mixed_vendor_job(6, 5, odd))
+    assert (f.node, f.key) == (WHOLE_JOB, "config_mix")
+    assert f.evidence["mix"] == {"driver_version (amd)": [["6.10.5", 3], [AMDGPU, 2]]}
+
+
 def test_consistent_job_has_no_finding():
     assert judge(fleet_of({"j1": 8, "j2": 4})) == []
 
