@@ -104,16 +104,21 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
     async def get_gate(_: web.Request) -> web.Response:
         return web.json_response(ledger.gate_state(clock(), reporting()))
 
+    async def operator_note(request: web.Request) -> str | web.Response:
+        """The body's note, or its refusal counted at the operator door as the door's other refusals."""
+        note = await _note(request)
+        if isinstance(note, web.Response) and refusals is not None:
+            refusals.count("operator", json.loads(note.text or "{}").get("error", "invalid_json"))
+        return note
+
     async def change_hold(request: web.Request, held: bool) -> tuple[str, str, bool] | web.Response:
         """(node, note, whether it was held) after setting or releasing a hold."""
         node = request.match_info["node"]
         refused = bad_node("operator", node)
         if refused is not None:
             return refused
-        note = await _note(request)
+        note = await operator_note(request)
         if isinstance(note, web.Response):
-            if refusals is not None:  # a body refused is counted as the rest of this door's refusals
-                refusals.count("operator", json.loads(note.text or "{}").get("error", "invalid_json"))
             return note
         try:
             was_held = await asyncio.to_thread(ledger.hold, node, held, clock(), note)
@@ -195,10 +200,8 @@ def add_operator_routes(app: web.Application, ledger: Ledger, *, clock: Callable
         """An operator gives a demoted rule its action back."""
         precision = ledger.precision
         detector, rule = request.match_info["detector"], request.match_info["rule"]
-        note = await _note(request)
+        note = await operator_note(request)
         if isinstance(note, web.Response):
-            if refusals is not None:  # a body refused is counted as the rest of this door's refusals
-                refusals.count("operator", json.loads(note.text or "{}").get("error", "invalid_json"))
             return note
         try:
             if precision is None:
