@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,8 @@ import pytest
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.trace import read_trace, segments
 from vigil.cli import main
-from vigil.sim.replay import diff, load_run, record_run, replay_directory
+from vigil.cli.replay_cmd import SCHEDULE_CHOICES
+from vigil.sim.replay import SCHEDULES, diff, load_run, record_run, replay_directory
 from vigil.sim.run import run_scenario
 from vigil.sim.scenario import load_scenario
 
@@ -259,3 +262,13 @@ def test_a_stores_outcome_labels_score_both_configurations(tmp_path: Path, capsy
     q = outcome_quality([a, {**b, "admitted": False}], [a, b], {"a": "not_confirmed", "b": "confirmed"})
     assert q["recorded"]["precision"] == 0.0 and q["recorded"]["removals"] == 1
     assert q["replayed"]["removals"] == 2 and q["replayed"]["unlabelled"] == 1 and q["added"] == {"removals": 0}
+
+
+def test_building_the_cli_imports_no_simulator_code() -> None:
+    # The aggregator's image has no numpy and `vigil --version` builds every subcommand's parser:
+    # `vigil replay`'s may not import the simulator to get its choices.
+    assert SCHEDULE_CHOICES == SCHEDULES
+    code = ("import sys\nfrom vigil.cli import build_parser\nbuild_parser()\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('vigil.sim', 'numpy'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# sim/replay.py's SCHEDULES; named here so that building the parser imports no simulator code (the
+# aggregator's image has no numpy, and `vigil --version` builds every parser). A test holds them equal.
+SCHEDULE_CHOICES = ("auto", "recorded", "cadence")
+
 
 def add_parser(sub: Any) -> None:
-    from vigil.sim.replay import SCHEDULES, TIMING_TOLERANCE_SECONDS
-
     p = sub.add_parser("replay", help="replay a recorded trace against an aggregator configuration",
                        description="Run a trace (aggregator trace.enabled, or vigil sim --trace) through the "
                                    "fleet, detectors and gate with CONFIG on a simulated clock, and print the "
@@ -29,20 +31,33 @@ def add_parser(sub: Any) -> None:
                    "simulated run's own; else the defaults); its gate section is the gate's")
     p.add_argument("--store", metavar="PATH", help="the SQLite decision store the traced aggregator wrote: its "
                    "decisions within the trace's span are the recorded ones (a simulated run's are in its run file)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="auto",
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="auto",
                    help="when the replayed service evaluates: where the recorded one did (recorded), every "
                         "evaluate_interval_seconds and after urgent reports (cadence), or recorded when the "
                         "cadence is the recorded one (auto, the default)")
-    p.add_argument("--tolerance", type=float, default=TIMING_TOLERANCE_SECONDS, metavar="SECONDS",
-                   help=f"a timing change smaller than this is none (default {TIMING_TOLERANCE_SECONDS:g})")
+    p.add_argument("--tolerance", type=float, default=None, metavar="SECONDS",
+                   help="a timing change smaller than this is none (default: sim/replay.py's "
+                        "TIMING_TOLERANCE_SECONDS, 2.5)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        import numpy  # noqa: F401  (the simulator's pipeline, which a replay runs; not in the aggregator's image)
+    except ModuleNotFoundError:
+        print("vigil replay: a replay runs the simulator's pipeline, which needs numpy: "
+              "pip install 'vigil-fleet[sim]'", file=sys.stderr)
+        return 2
     from vigil.aggregator.config import ConfigError, load_config
     from vigil.aggregator.store import Store, StoreError
     from vigil.aggregator.trace import read_trace
-    from vigil.sim.replay import ReplayError, recorded_from_store, replay_directory, trace_span
+    from vigil.sim.replay import (
+        TIMING_TOLERANCE_SECONDS,
+        ReplayError,
+        recorded_from_store,
+        replay_directory,
+        trace_span,
+    )
 
     directory = Path(args.trace)
     try:
@@ -70,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
         # Each followed removal's label (aggregator/precision.py writes them; '' while still followed).
         labels = {decision_id: label for decision_id, _, _, _, _, label, _ in outcomes} if outcomes else None
     try:
+        tolerance = TIMING_TOLERANCE_SECONDS if args.tolerance is None else args.tolerance
         report = replay_directory(directory, config, schedule=args.schedule, recorded=recorded,
-                                  tolerance_seconds=args.tolerance, labels=labels)
+                                  tolerance_seconds=tolerance, labels=labels)
     except ReplayError as exc:
         print(f"vigil replay: {exc}", file=sys.stderr)
         return 2
