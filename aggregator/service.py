@@ -206,6 +206,12 @@ class AggregatorService:
         return dict(Counter(node_state(n, by_node.get(n.name, []), now, self.silent_after)
                             for n in self.engine.fleet.view().nodes.values()))
 
+    def take_alerts(self, decisions: list[Decision]) -> list[Decision]:
+        """Proposals from Alertmanager (already checked by aggregator/alertmanager_input.py) to the
+        gate, through the trace when one is kept; the admitted ones."""
+        admitted: list[Decision] = self.alert_sink.submit(decisions, self.clock(), self.reporting())
+        return admitted
+
     def reporting(self) -> int:
         """The nodes that reported within the breaker's window (forged or departed nodes cannot
         inflate its budget)."""

@@ -171,7 +171,7 @@ def replay(reading: TraceReading, config: AggregatorConfig, gate: GateConfig, *,
         elif rec.kind == ALERTS:
             out.alerts += 1
             decisions = [Decision.model_validate(d) for d in rec.alerts()]
-            service.ledger.submit(decisions, clock.now, service.reporting())
+            service.take_alerts(decisions)
             collect(clock.now)
     out.simulated_seconds = (records[-1].t - first) if records else 0.0
     out.wall_seconds = time.perf_counter() - wall0
