@@ -20,6 +20,7 @@ from pydantic import Field
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, HardwareClasses, describe
 from vigil.aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
+from vigil.aggregator.fleet.history import ClockWatch
 from vigil.contract.validation import StrictModel
 
 NAME = "gpu_peer"
@@ -215,6 +216,25 @@ class _ClockWindow:
         return clocks[middle] if count % 2 else (clocks[middle - 1] + clocks[middle]) / 2
 
 
+class _PeerGroup:
+    """One job's GPUs of one hardware class as the fleet holds them: the node entries that have
+    GPUs of the job (those judged are a subset: in the node's latest report, with a covered window),
+    and the band of clocks watched on all of them (``ClockWatch``, None: none yet). While no busy
+    sample in the persistence window left the band, and the band's low end is above ``clock_ratio``
+    times its high end, every judged window clock (a median of samples in the band) and the group's
+    median of them lie in the band, so no GPU is at or under ``clock_ratio`` of the median; with
+    the entries' power limits within ``power_limit_ratio`` of each other (``limits_quiet``) none is
+    flagged at all, and the group is passed over in O(1)."""
+
+    __slots__ = ("changed", "limits_quiet", "nodes", "watch")
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, _NodeGpus] = {}
+        self.watch: ClockWatch | None = None
+        self.limits_quiet = False
+        self.changed = True  # its entries changed since ``limits_quiet`` was read
+
+
 class GpuPeerDetector:
     name = NAME
 
@@ -226,60 +246,163 @@ class GpuPeerDetector:
         # its class, read again only when what names it changed.
         self._nodes: dict[str, _NodeGpus] = {}
         self._classes = HardwareClasses(power_limit=False)
+        # (job, hardware class) -> its GPUs and their watched band, kept while the views carry
+        # change markers (a view built by hand holds histories the fleet did not observe).
+        self._groups: dict[tuple[str, HardwareClass], _PeerGroup] = {}
+        # A band's ends: the low one above clock_ratio times the high one, with room for rounding.
+        ratio = config.clock_ratio
+        self._band = (math.sqrt(ratio) * (1 + 1e-9), (1 - 1e-9) / math.sqrt(ratio))
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
-        # (job, hardware class) -> its busy GPUs: peers are GPUs of one job and one class.
-        by_job: dict[tuple[str, HardwareClass], _Group] = {}
+        cfg = self.config
+        start = now - cfg.persistence_seconds
+        self._classes.start(view)
+        marked = view.revision is not None  # a view built by hand: no state is carried over
+        if marked:
+            judged = self._refresh(view, start)
+        else:
+            self._forget_groups()
+            self._nodes = {}
+            judged = self._fresh_groups(view)
         windows: dict[tuple[str, int], _ClockWindow] = {}
+        out: list[Finding] = []
+        for (job, cls), group in sorted(judged, key=lambda kv: (kv[0][0], describe(kv[0][1]))):
+            out.extend(self._judge_group(job, cls, group, now, windows, marked))
+        self._windows = windows
+        if self.config.report_untimed_jobs:
+            out.extend(self._untimed(view))
+        return out
+
+    def _refresh(self, view: FleetView, start: float) -> list[tuple[tuple[str, HardwareClass], _PeerGroup]]:
+        """Bring the groups to the nodes' state (a node's entry is read again only when what it
+        was read from changed) and return those that may hold a straggler: all but the quiet ones."""
         held = self._nodes
-        nodes: dict[str, _NodeGpus] = {}
+        jobs_revision = view.gpu_jobs_revision
+        for node in view.nodes.values():
+            entry = held.get(node.name)
+            if entry is not None and entry.holds(node, jobs_revision):
+                continue
+            fresh = self._node_gpus(node, jobs_revision)
+            if entry is not None and entry.node is node and entry.cls == fresh.cls and entry.gpus == fresh.gpus:
+                for job in {job for _, _, job, _ in fresh.gpus}:  # the same GPUs: the same groups
+                    self._groups[(job, fresh.cls)].nodes[node.name] = fresh
+            else:
+                if entry is not None:
+                    self._leave(entry)
+                self._join(fresh)
+            held[node.name] = fresh
+        if len(held) > len(view.nodes):
+            for name in [n for n in held if n not in view.nodes]:
+                self._leave(held.pop(name))
+        cfg = self.config
+        judged = []
+        for key, group in self._groups.items():
+            if group.changed:
+                group.changed = False
+                limits = [limit for entry in group.nodes.values() for _, _, job, limit in entry.gpus
+                          if job == key[0] and limit is not None]
+                low = min(limits, default=0.0)
+                group.limits_quiet = len(limits) < cfg.min_gpus or (
+                    low > 0 and low > cfg.power_limit_ratio * max(limits) * (1 + 1e-12))
+            watch = group.watch
+            if not (group.limits_quiet and watch is not None and watch.out_ts < start):
+                judged.append((key, group))
+        return judged
+
+    def _fresh_groups(self, view: FleetView) -> list[tuple[tuple[str, HardwareClass], _PeerGroup]]:
+        """Every node's entry read afresh, in groups of their own (nothing carried, nothing watched)."""
+        groups: dict[tuple[str, HardwareClass], _PeerGroup] = {}
+        for node in view.nodes.values():
+            entry = self._node_gpus(node, view.gpu_jobs_revision)
+            for job in {job for _, _, job, _ in entry.gpus}:
+                groups.setdefault((job, entry.cls), _PeerGroup()).nodes[node.name] = entry
+        return list(groups.items())
+
+    def _join(self, entry: _NodeGpus) -> None:
+        """The entry's GPUs join their groups, watched from now on where the group has a band."""
+        name = entry.node.name
+        for job in {job for _, _, job, _ in entry.gpus}:
+            group = self._groups.get((job, entry.cls))
+            if group is None:
+                group = self._groups[(job, entry.cls)] = _PeerGroup()
+            group.nodes[name] = entry
+            group.changed = True
+            if group.watch is not None:
+                for _, hist, gpu_job, _ in entry.gpus:
+                    if gpu_job == job:
+                        hist.watch_clocks(group.watch)
+
+    def _leave(self, entry: _NodeGpus) -> None:
+        name = entry.node.name
+        for job in {job for _, _, job, _ in entry.gpus}:
+            key = (job, entry.cls)
+            group = self._groups.get(key)
+            if group is None or group.nodes.get(name) is not entry:
+                continue
+            del group.nodes[name]
+            group.changed = True
+            if group.watch is not None:
+                for _, hist, gpu_job, _ in entry.gpus:
+                    if gpu_job == job:
+                        hist.unwatch_clocks(group.watch)
+            if not group.nodes:
+                del self._groups[key]
+
+    def _forget_groups(self) -> None:
+        for entry in self._nodes.values():
+            self._leave(entry)
+        self._groups.clear()
+
+    def _judge_group(self, job: str, cls: HardwareClass, members: _PeerGroup, now: float,
+                     windows: dict[tuple[str, int], _ClockWindow], marked: bool) -> list[Finding]:
+        """Each judged GPU's window clock (carried from the last pass where it can be), then the
+        group judged; a group of a carried fleet whose clocks fit a band is watched from then on."""
         cfg = self.config
         start = now - cfg.persistence_seconds
         min_utilization, min_reports = cfg.min_utilization_ratio, cfg.min_reports
         slack = cfg.persistence_seconds / cfg.min_reports
         carried = self._windows
-        self._classes.start(view)
-        marked = view.revision is not None  # a view built by hand: no state is carried over
-        jobs_revision = view.gpu_jobs_revision
-        for node in view.nodes.values():
-            entry = held.get(node.name) if marked else None
-            if entry is None or not entry.holds(node, jobs_revision):
-                entry = self._node_gpus(node, jobs_revision)
-            nodes[node.name] = entry
-            cls, group_job, group = entry.cls, None, None
+        group = _Group()
+        for entry in members.nodes.values():
+            node = entry.node
             node_seen = node.last_seen
-            for key, hist, job, power_limit in entry.gpus:
-                if hist.last_seen < node_seen:
-                    continue  # not in the node's latest report
+            for key, hist, gpu_job, power_limit in entry.gpus:
+                if gpu_job != job or hist.last_seen < node_seen:
+                    continue  # another job's, or not in the node's latest report
                 window = carried.get(key)
                 if window is not None and window.advance(hist, start, min_utilization):
                     windows[key] = window
-                    # ``window.median_clock``, written out: this runs for every busy GPU each pass.
-                    samples, count = window.samples, len(window.samples)
-                    if window.bad or count < min_reports or samples[0].ts - start > slack:
-                        continue
-                    clocks, middle = window.clocks, count // 2
-                    clock = clocks[middle] if count % 2 else (clocks[middle - 1] + clocks[middle]) / 2
+                    clock = window.median_clock(start, min_reports, slack)
                 else:
-                    carried_clock = self._carried_window_clock(windows, key, hist, now)
-                    if carried_clock is None:
-                        continue
-                    clock = carried_clock
-                if job != group_job or group is None:  # a node's GPUs usually run one job
-                    group_job, group = job, by_job.get((job, cls))
-                    if group is None:
-                        group = by_job[(job, cls)] = _Group()
+                    clock = self._carried_window_clock(windows, key, hist, now)
+                if clock is None:
+                    continue
                 group.clocks.append(clock)
                 group.limits.append(power_limit)
                 group.members.append((node, hist))
-        self._windows = windows
-        self._nodes = nodes
-        out: list[Finding] = []
-        for (job, cls), gpus in sorted(by_job.items(), key=lambda kv: (kv[0][0], describe(kv[0][1]))):
-            out.extend(self._judge(job, cls, gpus))
-        if self.config.report_untimed_jobs:
-            out.extend(self._untimed(view))
-        return out
+        if marked and group.clocks:
+            self._watch(job, members, group)
+        return self._judge(job, cls, group)
+
+    def _watch(self, job: str, members: _PeerGroup, group: _Group) -> None:
+        """A band around the group's median clock watched on all its GPUs, where its judged
+        clocks fit it and do not fit the band watched now (a band kept where it still fits: each
+        new one reads every sample the group's GPUs hold)."""
+        clocks = sorted(group.clocks)
+        median_clock = _sorted_median(clocks)
+        low, high = median_clock * self._band[0], median_clock * self._band[1]
+        if not (median_clock > 0 and low > self.config.clock_ratio * high and low <= clocks[0]
+                and clocks[-1] <= high):
+            return
+        watch = members.watch
+        if (watch is not None and watch.out_ts != math.inf and watch.low_hertz <= clocks[0]
+                and clocks[-1] <= watch.high_hertz):
+            return
+        watch = members.watch = ClockWatch(low, high, self.config.min_utilization_ratio)
+        for entry in members.nodes.values():
+            for _, hist, gpu_job, _ in entry.gpus:
+                if gpu_job == job:
+                    hist.watch_clocks(watch)
 
     def _node_gpus(self, node: NodeState, jobs_revision: int) -> _NodeGpus:
         """The node's healthy GPUs that run a job, each with that job, as its state is now."""

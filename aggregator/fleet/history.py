@@ -255,8 +255,33 @@ class LoadedRun:
         return self.since
 
 
+class ClockWatch:
+    """A band of SM clocks a reader watches over the GPUs it is attached to (``GpuHistory.watch_clocks``):
+    the time of the newest busy sample (a clock read, utilization read and at least
+    ``min_utilization_ratio``) whose clock lies outside [``low_hertz``, ``high_hertz``], over the
+    samples the histories held when it was attached and every one they took in since. A reader then
+    knows in O(1) that none of a group's busy samples since a time left the band (gpu_peer passes
+    over a job's GPUs so, docs/detectors.md). ``out_ts`` infinite: it no longer holds (another
+    watch replaced it on one of its GPUs)."""
+
+    __slots__ = ("high_hertz", "low_hertz", "min_utilization_ratio", "out_ts")
+
+    def __init__(self, low_hertz: float, high_hertz: float, min_utilization_ratio: float) -> None:
+        self.low_hertz = low_hertz
+        self.high_hertz = high_hertz
+        self.min_utilization_ratio = min_utilization_ratio
+        self.out_ts = -math.inf
+
+    def out(self, sample: GpuSample) -> bool:
+        """Whether ``sample`` is busy and outside the band."""
+        clock, utilization = sample.sm_clock_hertz, sample.utilization_gpu_ratio
+        return (clock is not None and utilization is not None and utilization >= self.min_utilization_ratio
+                and not self.low_hertz <= clock <= self.high_hertz)
+
+
 class GpuHistory:
-    __slots__ = ("counters", "first_seen", "index", "last", "last_seen", "link_below", "owned", "samples", "uuid")
+    __slots__ = ("clock_watch", "counters", "first_seen", "index", "last", "last_seen", "link_below", "owned",
+                 "samples", "uuid")
 
     def __init__(self, state: GpuState, ts: float, maxlen: int, state_maxlen: int) -> None:
         self.index = state.index
@@ -271,6 +296,27 @@ class GpuHistory:
         self.counters = CounterBaseline(maxlen)
         # The run of reports in which its PCIe link was below its maximum (None: at it, or unknown).
         self.link_below: LoadedRun | None = None
+        # The band of SM clocks a reader watches on this GPU (ClockWatch; None: none).
+        self.clock_watch: ClockWatch | None = None
+
+    def watch_clocks(self, watch: ClockWatch) -> None:
+        """Watch ``watch``'s band from now on: the samples held now are checked here, later ones
+        as they come (``observe``). A watch this replaces no longer holds."""
+        old = self.clock_watch
+        if old is not watch:
+            if old is not None:
+                old.out_ts = math.inf
+            self.clock_watch = watch
+        out_ts = watch.out_ts
+        for sample in self.samples:
+            if sample.ts > out_ts and watch.out(sample):
+                out_ts = sample.ts
+        watch.out_ts = out_ts
+
+    def unwatch_clocks(self, watch: ClockWatch) -> None:
+        """Stop watching ``watch`` (if it is the one watched)."""
+        if self.clock_watch is watch:
+            self.clock_watch = None
 
     def observe(self, s: GpuState, ts: float) -> bool:
         """``s``: the GPU's whole state (of this GPU: the fleet starts a new history for a new
@@ -286,6 +332,12 @@ class GpuHistory:
                                       s.clock_event_reasons, s.memory_temperature_celsius,
                                       s.memory_max_temperature_celsius, s.remap_pending, s.remap_failure,
                                       s.retired_pages_pending, s.nvlink_links_down, s.recovery_action))
+        watch = self.clock_watch
+        if watch is not None:  # ClockWatch.out written out: a few comparisons, only on a watched GPU
+            clock, utilization = s.sm_clock_hertz, s.utilization_gpu_ratio
+            if (clock is not None and utilization is not None and utilization >= watch.min_utilization_ratio
+                    and not watch.low_hertz <= clock <= watch.high_hertz and ts > watch.out_ts):
+                watch.out_ts = ts
         return self.counters.observe_values(ts, GPU_COUNTERS, (
             s.ecc_corrected_volatile, s.ecc_uncorrected_volatile, s.pcie_replay_total, s.nvlink_crc_errors_total,
             s.nvlink_replay_errors_total, s.nvlink_recovery_errors_total))
