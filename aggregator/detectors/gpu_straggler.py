@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from statistics import median
 
 from pydantic import Field
@@ -30,6 +32,8 @@ from vigil.aggregator.fleet import FleetView, JobState, NodeState, RankHistory
 from vigil.contract.validation import StrictModel
 
 NAME = "gpu_straggler"
+
+_WINDOW_SECONDS = attrgetter("last.window_seconds")  # a rank's summary window, read in C for every rank each pass
 
 # A run whose rank sent nothing for this many judged windows ends (the rank left the job).
 _ABSENT_WINDOWS_MAX = 8
@@ -99,6 +103,7 @@ class _Window:
     garbage collector to track (a tuple per rank of 8,192 made collections walk the fleet)."""
 
     ranks: list[RankHistory] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # the ranks' numbers
     computes: list[float] = field(default_factory=list)
     comms: list[float] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
@@ -185,7 +190,7 @@ class GpuStragglerDetector:
         ranks = list(job.ranks.values())
         if len(ranks) < cfg.min_ranks:
             return []
-        width = max([cfg.window_seconds] + [r.last.window_seconds for r in ranks])
+        width = max(chain((cfg.window_seconds,), map(_WINDOW_SECONDS, ranks)))
         # The node straggler's schedule: both detectors judge the same windows at the same time.
         interval = max([0.0] + [view.nodes[n].interval_seconds for n in self._nodes_of(view, job) if n in view.nodes])
         last = last_complete_window(ranks, interval, width, now)
@@ -196,64 +201,92 @@ class GpuStragglerDetector:
         if memo.last_judged is not None:
             first = max(first, memo.last_judged + 1, last - RANK_WINDOWS_MAX)
         if first <= last:
-            rows = self._rows(ranks, first, width)
+            rows = self._rows(view, ranks, first, last, width, now)
             for index in range(first, last + 1):
                 window = rows.get(index)
                 if window:
-                    self._advance(memo, index, self._verdict(view, memo, window, now))
+                    self._advance(memo, index, self._verdict(memo, window))
                 memo.last_judged = index
         for rank in [r for r, t in memo.removed.items() if now - t > cfg.removed_memory_seconds]:
             del memo.removed[rank]
             memo.episode_since.pop(rank, None)
         return self._findings(view, job, memo, now)
 
-    @staticmethod
-    def _rows(ranks: list[RankHistory], first: int, width: float) -> dict[int, _Window]:
-        """Each window from ``first`` on, with every rank's compute and comm p50 in it, in one
-        pass over each rank's newest windows. A rank without a collective wait (no phase times:
-        its compute is its step time, which a synchronous job shares) is not judged."""
-        out: dict[int, _Window] = {}
+    def _rows(self, view: FleetView, ranks: list[RankHistory], first: int, last: int, width: float,
+              now: float) -> dict[int, dict[HardwareClass, _Window]]:
+        """Each window from ``first`` to ``last``, with every rank's compute and comm p50 in it by
+        the hardware class of the rank's node, in one pass over each rank's newest windows. A rank
+        without a collective wait (no phase times: its compute is its step time, which a
+        synchronous job shares) is not judged."""
+        out: dict[int, dict[HardwareClass, _Window]] = {}
+        classes: dict[str, HardwareClass] = {}
         ceil = math.ceil
+        single = first == last  # the usual pass: one window to judge, each rank's newest entry
         for rank in ranks:
+            windows = rank.windows
+            if single and windows:
+                entry = windows[-1]
+                comm = entry[2]
+                if comm is not None and ceil(entry[0] / width - 1e-9) == first:
+                    # What the walk below takes, read without it (~2x cheaper for 100,000 ranks).
+                    cls = classes.get(rank.node)
+                    if cls is None:
+                        cls = classes[rank.node] = self._class_of(view, rank.node, now)
+                    by_class = out.get(first)
+                    if by_class is None:
+                        by_class = out[first] = {}
+                    window = by_class.get(cls)
+                    if window is None:
+                        window = by_class[cls] = _Window()
+                    window.ranks.append(rank)
+                    window.ids.append(rank.rank)
+                    window.computes.append(entry[1])
+                    window.comms.append(comm)
+                    window.steps.append(entry[3])
+                    continue
             seen = None
-            for entry in reversed(rank.windows):
+            for entry in reversed(windows):
                 k = ceil(entry[0] / width - 1e-9)
                 if k < first:
                     break
                 comm = entry[2]
-                if comm is None or k == seen:
+                if comm is None or k == seen or k > last:
                     continue  # the newest entry of a window stands (an agent sends one a window)
                 seen = k
-                window = out.get(k)
+                cls = classes.get(rank.node)
+                if cls is None:
+                    cls = classes[rank.node] = self._class_of(view, rank.node, now)
+                by_class = out.get(k)
+                if by_class is None:
+                    by_class = out[k] = {}
+                window = by_class.get(cls)
                 if window is None:
-                    window = out[k] = _Window()
+                    window = by_class[cls] = _Window()
                 window.ranks.append(rank)
+                window.ids.append(rank.rank)
                 window.computes.append(entry[1])
                 window.comms.append(comm)
                 window.steps.append(entry[3])
         return out
 
-    def _verdict(self, view: FleetView, memo: _JobMemo, window: _Window, now: float) -> _Verdict:
+    def _verdict(self, memo: _JobMemo, by_class: dict[HardwareClass, _Window]) -> _Verdict:
         cfg = self.config
-        ranks, computes_of, comms_of = window.ranks, window.computes, window.comms
-        groups: dict[HardwareClass, list[int]] = {}  # class -> positions in the window
-        classes: dict[str, HardwareClass] = {}
-        for i, rank in enumerate(ranks):
-            cls = classes.get(rank.node)
-            if cls is None:
-                cls = classes[rank.node] = self._class_of(view, rank.node, now)
-            groups.setdefault(cls, []).append(i)
         removed = memo.removed
         flagged: dict[int, _Flag] = {}
         nodes_of: dict[int, str] = {}
         judged: set[int] = set()
-        for cls, members in groups.items():
-            baseline = [i for i in members if ranks[i].rank not in removed] if removed else members
-            n = len(baseline)
+        for cls, window in by_class.items():
+            ranks, ids, computes_of, comms_of = window.ranks, window.ids, window.computes, window.comms
+            if removed and not removed.keys().isdisjoint(ids):
+                baseline = [i for i, rank_id in enumerate(ids) if rank_id not in removed]
+                base_computes, base_comms = [computes_of[i] for i in baseline], [comms_of[i] for i in baseline]
+            else:
+                base_computes, base_comms = computes_of, comms_of
+            n = len(base_computes)
             if n < cfg.min_ranks:
                 continue  # too few peers of this class: its ranks are not judged in this window
-            judged.update(ranks[i].rank for i in members)
-            computes = sorted([computes_of[i] for i in baseline])
+            judged.update(ids)
+            computes = sorted(base_computes)
             med = _sorted_median(computes)
             if med <= 0:
                 continue
@@ -262,16 +295,19 @@ class GpuStragglerDetector:
             spreads.append(mad_sigma(mad, n) / med)
             sigma = max(spreads[-1], median(spreads), cfg.min_spread_ratio) * med
             floor = med + max(cfg.min_excess_ratio * med, cfg.z_threshold * sigma)
-            comm_limit = sorted([comms_of[i] for i in baseline])[int(cfg.max_comm_quantile * (n - 1))]
-            outliers = [i for i in members if computes_of[i] >= floor and comms_of[i] <= comm_limit]
+            if max(computes_of) < floor:
+                continue  # the usual window: no rank is an outlier (nor more than allowed)
+            comm_limit = sorted(base_comms)[int(cfg.max_comm_quantile * (n - 1))]
+            outliers = [i for i, (compute, comm) in enumerate(zip(computes_of, comms_of, strict=True))
+                        if compute >= floor and comm <= comm_limit]
             allowed = max(1, math.floor(cfg.max_outlier_rank_share * n))
-            if sum(1 for i in outliers if ranks[i].rank not in removed) > allowed:
+            if sum(1 for i in outliers if ids[i] not in removed) > allowed:
                 continue  # job-wide: judged, nobody flagged
             for i in outliers:
                 compute = computes_of[i]
                 excess, z = round((compute - med) / med, 4), round((compute - med) / sigma, 2)
-                nodes_of[ranks[i].rank] = ranks[i].node
-                flagged[ranks[i].rank] = _Flag(excess, z, {
+                nodes_of[ids[i]] = ranks[i].node
+                flagged[ids[i]] = _Flag(excess, z, {
                     "compute_seconds_p50": round(compute, 6), "group_median_compute_seconds": round(med, 6),
                     "excess_ratio": excess, "z": z, "comm_seconds_p50": round(comms_of[i], 6),
                     "group_comm_seconds_limit": round(comm_limit, 6), "steps": window.steps[i], "group_ranks": n,
@@ -279,12 +315,13 @@ class GpuStragglerDetector:
         if flagged:
             # A node most of whose ranks are slow is the node straggler's: leave it to it.
             slow = Counter(nodes_of.values())
-            present = Counter(rank.node for rank in ranks if rank.node in slow)
+            present_of = Counter(rank.node for window in by_class.values() for rank in window.ranks
+                                 if rank.node in slow)
             for rank_id, node in nodes_of.items():
-                if slow[node] >= cfg.max_node_rank_share * present[node]:
+                if slow[node] >= cfg.max_node_rank_share * present_of[node]:
                     del flagged[rank_id]
                 else:
-                    flagged[rank_id].evidence.update(node_ranks_slow=slow[node], node_ranks=present[node])
+                    flagged[rank_id].evidence.update(node_ranks_slow=slow[node], node_ranks=present_of[node])
         return _Verdict(flagged, judged)
 
     def _advance(self, memo: _JobMemo, index: int, verdict: _Verdict) -> None:
