@@ -11,7 +11,8 @@ back with a remap failure, an NVLink and a port that come back up, a link back a
 
 The long way: a fresh GPU peer detector every pass (it reads every window whole); every GPU and
 port through ``_judge``; twins judging the view without change markers (every node's hardware
-class and the GPUs' jobs read afresh); the thermal detector's samples
+class and the GPUs' jobs read afresh), the GPU straggler's gathering and judging each window's ranks
+one by one (``LongWayGpuStraggler``); the thermal detector's samples
 counted one by one with its own tests, as before the short walk. A fifth of the passes are
 skipped, so the next finds two new samples a GPU."""
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 from collections import deque
+from typing import cast
 
 import pytest
 
@@ -28,15 +31,23 @@ from tests.aggregator.conftest import GBPS, FakeNode, rank_summary
 from vigil.agent.report_delta import delta, whole
 from vigil.aggregator.decision import Finding
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
-from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig, GpuStragglerDetector
+from vigil.aggregator.detectors.gpu_straggler import (
+    GpuStragglerConfig,
+    GpuStragglerDetector,
+    _Flag,
+    _JobMemo,
+    _Verdict,
+    _Window,
+)
 from vigil.aggregator.detectors.memory import MemoryConfig, MemoryDetector
 from vigil.aggregator.detectors.network import NetworkConfig, NetworkDetector
 from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkConfig, PcieNvlinkDetector
-from vigil.aggregator.detectors.peer_class import HardwareClasses, hardware_class
+from vigil.aggregator.detectors.peer_class import HardwareClass, HardwareClasses, describe, hardware_class
+from vigil.aggregator.detectors.straggler import SPREAD_MEMORY_WINDOWS, mad_sigma
 from vigil.aggregator.detectors.telemetry_hang import TelemetryHangConfig, TelemetryHangDetector
 from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerConfig, TelemetryStragglerDetector
 from vigil.aggregator.detectors.thermal import ThermalConfig, ThermalDetector
-from vigil.aggregator.fleet import Fleet, FleetView, GpuHistory, NodeState
+from vigil.aggregator.fleet import Fleet, FleetView, GpuHistory, NodeState, RankHistory
 from vigil.contract.wire import Report, decode_report
 
 NODES = 12
@@ -69,6 +80,85 @@ class LongWayThermal(ThermalDetector):
                         self._throttled_time.setdefault((node.name, gpu.index), deque()).append(
                             (sample.ts, min(sample.ts - before, 4 * node.interval_seconds)))
         return judge
+
+
+class LongWayGpuStraggler(GpuStragglerDetector):
+    """The GPU straggler detector gathering each window with the walk over every rank's newest
+    windows, then by hardware class rank by rank, and judging every class's ranks one by one with
+    the outlier scan: as before a window's ranks were read by class as they are read, the usual
+    rank's newest entry without the walk, and a window with no rank at its floor judged without
+    the scan."""
+
+    def _rows(self, view: FleetView, ranks: list[RankHistory], first: int, last: int, width: float,
+              now: float) -> dict[int, dict[HardwareClass, _Window]]:
+        flat: dict[int, list[tuple[RankHistory, tuple[float, float, float | None, int, float | None]]]] = {}
+        for rank in ranks:
+            seen = None
+            for entry in reversed(rank.windows):
+                k = math.ceil(entry[0] / width - 1e-9)
+                if k < first:
+                    break
+                if entry[2] is None or k == seen:
+                    continue
+                seen = k
+                flat.setdefault(k, []).append((rank, entry))
+        out: dict[int, dict[HardwareClass, _Window]] = {}
+        for k in range(first, last + 1):
+            classes: dict[str, HardwareClass] = {}
+            for rank, entry in flat.get(k, []):
+                if rank.node not in classes:
+                    classes[rank.node] = self._class_of(view, rank.node, now)
+                window = out.setdefault(k, {}).setdefault(classes[rank.node], _Window())
+                window.ranks.append(rank)
+                window.ids.append(rank.rank)
+                window.computes.append(entry[1])
+                window.comms.append(cast(float, entry[2]))
+                window.steps.append(entry[3])
+        return out
+
+    def _verdict(self, memo: _JobMemo, by_class: dict[HardwareClass, _Window]) -> _Verdict:
+        cfg = self.config
+        flagged: dict[int, _Flag] = {}
+        nodes_of: dict[int, str] = {}
+        judged: set[int] = set()
+        for cls, window in by_class.items():
+            members = list(range(len(window.ranks)))
+            baseline = [i for i in members if window.ids[i] not in memo.removed]
+            n = len(baseline)
+            if n < cfg.min_ranks:
+                continue
+            judged.update(window.ids)
+            computes = sorted(window.computes[i] for i in baseline)
+            med = statistics.median(computes)
+            if med <= 0:
+                continue
+            mad = statistics.median(abs(c - med) for c in computes)
+            spreads = memo.spreads.setdefault(cls, deque(maxlen=SPREAD_MEMORY_WINDOWS))
+            spreads.append(mad_sigma(mad, n) / med)
+            sigma = max(spreads[-1], statistics.median(spreads), cfg.min_spread_ratio) * med
+            floor = med + max(cfg.min_excess_ratio * med, cfg.z_threshold * sigma)
+            comm_limit = sorted(window.comms[i] for i in baseline)[int(cfg.max_comm_quantile * (n - 1))]
+            outliers = [i for i in members if window.computes[i] >= floor and window.comms[i] <= comm_limit]
+            if sum(1 for i in outliers if window.ids[i] not in memo.removed) > max(
+                    1, math.floor(cfg.max_outlier_rank_share * n)):
+                continue
+            for i in outliers:
+                compute = window.computes[i]
+                excess, z = round((compute - med) / med, 4), round((compute - med) / sigma, 2)
+                nodes_of[window.ids[i]] = window.ranks[i].node
+                flagged[window.ids[i]] = _Flag(excess, z, {
+                    "compute_seconds_p50": round(compute, 6), "group_median_compute_seconds": round(med, 6),
+                    "excess_ratio": excess, "z": z, "comm_seconds_p50": round(window.comms[i], 6),
+                    "group_comm_seconds_limit": round(comm_limit, 6), "steps": window.steps[i], "group_ranks": n,
+                    "hardware_class": describe(cls)})
+        every = [rank.node for window in by_class.values() for rank in window.ranks]
+        for rank_id, node in list(nodes_of.items()):
+            slow = sum(1 for other in nodes_of.values() if other == node)
+            if slow >= cfg.max_node_rank_share * every.count(node):
+                del flagged[rank_id]
+            else:
+                flagged[rank_id].evidence.update(node_ranks_slow=slow, node_ranks=every.count(node))
+        return _Verdict(flagged, judged)
 
 
 def every_gpu(detector: MemoryDetector | PcieNvlinkDetector, view: FleetView, now: float) -> list[Finding]:
@@ -187,7 +277,7 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
     memory, pcie = MemoryDetector(MemoryConfig()), PcieNvlinkDetector(PcieNvlinkConfig())
     telemetry, telemetry_twin = (TelemetryStragglerDetector(TelemetryStragglerConfig()),
                                  TelemetryStragglerDetector(TelemetryStragglerConfig()))
-    straggler, straggler_twin = GpuStragglerDetector(GpuStragglerConfig()), GpuStragglerDetector(GpuStragglerConfig())
+    straggler, straggler_twin = GpuStragglerDetector(GpuStragglerConfig()), LongWayGpuStraggler(GpuStragglerConfig())
     hang, hang_twin = TelemetryHangDetector(TelemetryHangConfig()), TelemetryHangDetector(TelemetryHangConfig())
     network = NetworkDetector(NetworkConfig(flap_slow_threshold=3, flap_daily_threshold=2))
     found: set[str] = set()
