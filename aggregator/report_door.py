@@ -13,6 +13,7 @@ decide who may speak: it calls what the application calls.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -38,12 +39,14 @@ log = logging.getLogger("vigil.aggregator")
 # 8,190 bytes, is within it); a report's headers are ~300 bytes.
 MAX_HEAD_BYTES = 16_384
 REQUEST_LINE = b"POST /v1/reports HTTP/1.1"
-# One header line as the lean path takes it: a token, a colon, visible ASCII, spaces or tabs. Obsolete
-# line folding, other bytes or a space before the colon: the connection goes to aiohttp (which refuses
-# or takes it as it always did).
-_HEADER_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([\x20-\x7e\t]*?)[ \t]*")
+# The head as the lean path takes it: its request line, then header lines of a token, a colon and
+# visible ASCII, spaces or tabs (checked at once: 4 us for an agent's head against 11 us line by line).
+# Obsolete line folding, other bytes, a space before a colon: the connection goes to aiohttp (which
+# refuses or takes it as it always did).
+_HEAD = re.compile(rb"POST /v1/reports HTTP/1\.1(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e]*)*")
 # Request headers that change how the body or the connection is read: aiohttp's.
 _AIOHTTP_FRAMING = frozenset({b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"})
+_BLANKS = b" \t"
 JSON = "application/json"
 JSON_UTF8 = "application/json; charset=utf-8"  # what aiohttp's json_response says
 
@@ -80,6 +83,11 @@ def outcome_answer(outcome: Accepted | Refused) -> Answer:
 INTERNAL = ("internal", "unexpected error; see the aggregator's log")
 
 
+@functools.cache
+def _status_line(status: int, content_type: str) -> str:
+    return f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n"
+
+
 class _Head(NamedTuple):
     length: int
     authorization: bytes | None
@@ -89,27 +97,25 @@ class _Head(NamedTuple):
 def parse_head(head: bytes, max_body_bytes: int) -> _Head | None:
     """A report request's head (request line and headers, without the blank line) as the lean path
     takes it, or None: aiohttp's to read."""
-    lines = head.split(b"\r\n")
-    if lines[0] != REQUEST_LINE:
+    if _HEAD.fullmatch(head) is None:
         return None
     length: int | None = None
     authorization: bytes | None = None
     close = False
-    for line in lines[1:]:
-        m = _HEADER_LINE.fullmatch(line)
-        if m is None:
-            return None
-        name = m[1].lower()
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.lower()
         if name == b"content-length":
-            if length is not None or not m[2].isdigit() or len(m[2]) > 12:
+            value = value.strip(_BLANKS)
+            if length is not None or not value.isdigit() or len(value) > 12:
                 return None
-            length = int(m[2])
+            length = int(value)
         elif name == b"authorization":
             if authorization is not None:
                 return None
-            authorization = m[2]
+            authorization = value.strip(_BLANKS)
         elif name == b"connection":
-            value = m[2].lower()
+            value = value.strip(_BLANKS).lower()
             if value == b"close":
                 close = True
             elif value != b"keep-alive":
@@ -175,6 +181,8 @@ class LeanReports(asyncio.Protocol):
         self._buf = b""
         self._head: _Head | None = None  # headers in, the body awaited
         self._speaker: str | None = None
+        self._authorization: bytes | None = None  # the last credential taken on this connection
+        self._authorized: str | None = None  # and the node it speaks for
         self._skip = 0  # body bytes of an answered request still to discard (shed, body timeout)
         self._close_after_skip = False
         self._timer: asyncio.TimerHandle | None = None
@@ -287,10 +295,14 @@ class LeanReports(asyncio.Protocol):
                 if head is None:
                     self._hand_over()
                     return
-                served, speaker = self.door.speaker(head.authorization)
-                if not served:
-                    self._hand_over()
-                    return
+                if head.authorization is None or head.authorization != self._authorization:
+                    # An agent sends the same credential on each request of a connection: checked once.
+                    served, speaker = self.door.speaker(head.authorization)
+                    if not served:
+                        self._hand_over()
+                        return
+                    self._authorization, self._authorized = head.authorization, speaker
+                speaker = self._authorized
                 self._buf = self._buf[end + 4:]
                 self._head, self._speaker = head, speaker
                 # Behind on its work, the aggregator sheds before reading the body (the cost a
@@ -351,8 +363,7 @@ class LeanReports(asyncio.Protocol):
     def _answer(self, answer: Answer, close: bool) -> None:
         assert self.transport is not None
         self.door.answered += 1
-        status = answer.status
-        head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {answer.content_type}\r\n"
+        head = (_status_line(answer.status, answer.content_type)
                 + (f"Retry-After: {answer.retry_after_seconds}\r\n" if answer.retry_after_seconds is not None else "")
                 + f"Content-Length: {len(answer.body)}\r\nDate: {rfc822_formatted_time()}\r\n"
                   f"Server: {SERVER_SOFTWARE}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n")

@@ -170,11 +170,13 @@ async def test_whatever_the_lean_path_does_not_take_is_aiohttps_and_answered_ali
         [b"POST /v1/reports HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + tok("a").encode()
          + b"\r\nContent-Length: 99999999\r\nConnection: close\r\n\r\n" + b"x" * 1000],  # too large
         [post(body, tok("a")), b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"],
+        # a credential taken once on a connection is not taken for another one after it
+        [post(encode(FakeNode("b").report(1000.0)), tok("b")), post(encode(a.report(1002.5)), "nope", close=True)],
     ]
     for chunks in cases:
         answers = await pair.both(chunks)
         assert answers and all(s < 500 for s, _, _ in answers), (chunks, answers)
-    assert pair.lean.door is not None and pair.lean.door.answered == 1
+    assert pair.lean.door is not None and pair.lean.door.answered == 2
     assert pair.lean.door.handed_over == len(cases)
     pair.counters()
 
