@@ -225,3 +225,12 @@ async def test_random_streams_of_reports_cut_anywhere_answer_alike(pair: Pair) -
         await pair.both(chunks)
     assert pair.lean.door is not None and pair.lean.door.answered > 20
     pair.counters()
+
+
+@pytest.mark.parametrize("pair", [{"server": {"keepalive_timeout_seconds": 0.2}}], indirect=True)
+async def test_an_idle_keep_alive_connection_is_closed_alike(pair: Pair) -> None:
+    a = FakeNode("a")
+    # no Connection: close: each side ends the connection once it has been idle for the keep-alive time
+    answers = await pair.both([post(encode(a.report(1000.0)), tok("a")), post(encode(a.report(1002.5)), tok("a"))])
+    assert [s for s, _, _ in answers] == [202, 202]
+    assert pair.lean.door is not None and pair.lean.door.answered == 2 and not pair.lean.door.connections
