@@ -258,10 +258,7 @@ class LeanReports(asyncio.Protocol):
         self._cancel_timers()
         self.door.handed_over += 1
         inner = self.inner = self.door.fallback()
-        inner.connection_made(self.transport)
-        if self._writing_paused:
-            self.transport.resume_reading()
-            inner.pause_writing()
+        inner.connection_made(self.transport)  # never while writing is paused: _serve reads nothing then
         buf, self._buf = self._buf, b""
         if buf:
             inner.data_received(buf)
