@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -234,3 +235,16 @@ async def test_an_idle_keep_alive_connection_is_closed_alike(pair: Pair) -> None
     answers = await pair.both([post(encode(a.report(1000.0)), tok("a")), post(encode(a.report(1002.5)), tok("a"))])
     assert [s for s, _, _ in answers] == [202, 202]
     assert pair.lean.door is not None and pair.lean.door.answered == 2 and not pair.lean.door.connections
+
+
+async def test_the_agents_own_http_client_is_served_on_the_lean_path(pair: Pair) -> None:
+    """What the agent sends (aiohttp's client, agent/reporter.py: a keep-alive session, a JSON body, a
+    bearer token) is taken by the lean path, none handed over: the saving reaches the real fleet."""
+    a = FakeNode("a")
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {tok('a')}"}
+    async with aiohttp.ClientSession(headers={"Content-Type": "application/json"}) as session:
+        for ts in (1000.0, 1002.5, 1005.0):
+            async with session.post(f"http://127.0.0.1:{pair.lean.port}/v1/reports", data=encode(a.report(ts)),
+                                    headers=headers) as resp:
+                assert resp.status == 202, await resp.text()
+    assert pair.lean.door is not None and pair.lean.door.answered == 3 and pair.lean.door.handed_over == 0
