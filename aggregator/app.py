@@ -5,7 +5,9 @@ whole (any framing, bounded in size and time) and handed to the service (aggrega
 which decodes, refuses or takes it and judges the fleet; this module turns its results into
 answers, mounts the gate's operator routes (``aggregator.operator_api``) and Alertmanager's,
 answers /healthz 503 while decisions cannot be stored, and measures its own event loop's lag and
-garbage-collection pauses. ``serve`` builds the ledger, the dispatcher and the listener.
+garbage-collection pauses. ``serve`` builds the ledger, the dispatcher and the listener, with the
+lean report path (aggregator/report_door.py) in front: it answers plain reports itself, by the same
+functions, and hands every other request to this application.
 """
 
 from __future__ import annotations
