@@ -5,7 +5,9 @@ whole (any framing, bounded in size and time) and handed to the service (aggrega
 which decodes, refuses or takes it and judges the fleet; this module turns its results into
 answers, mounts the gate's operator routes (``aggregator.operator_api``) and Alertmanager's,
 answers /healthz 503 while decisions cannot be stored, and measures its own event loop's lag and
-garbage-collection pauses. ``serve`` builds the ledger, the dispatcher and the listener.
+garbage-collection pauses. ``serve`` builds the ledger, the dispatcher and the listener, with the
+lean report path (aggregator/report_door.py) in front: it answers plain reports itself, by the same
+functions, and hands every other request to this application.
 """
 
 from __future__ import annotations
@@ -49,12 +51,13 @@ from vigil.aggregator.outbox import Outbox
 from vigil.aggregator.preflight import check_startable, ha_timing_problem, startup_problems
 from vigil.aggregator.prober import Prober
 from vigil.aggregator.redact import redact_json
-from vigil.aggregator.service import AggregatorService, Refused, node_state
+from vigil.aggregator.report_door import Answer, ReportDoor, outcome_answer, shed_answer
+from vigil.aggregator.service import AggregatorService, node_state
 from vigil.aggregator.spares import SparePool
 from vigil.aggregator.store import WRITE_ERRORS, Store, read_dsn
 from vigil.contract.scrape_encoding import encode_for_scraper
 from vigil.contract.validation import ConfigError
-from vigil.contract.wire import encode, to_readable
+from vigil.contract.wire import to_readable
 
 log = logging.getLogger("vigil.aggregator")
 
@@ -66,15 +69,17 @@ METRICS_KEY = web.AppKey("metrics", AggregatorMetrics)
 CONFIG_KEY = web.AppKey("config", AggregatorConfig)
 WAKE_KEY = web.AppKey("wake", asyncio.Event)
 PROBER_KEY = web.AppKey("prober", Prober)
+CREDENTIALS_KEY = web.AppKey("credentials", Credentials)
 # Runs one evaluation now (what the periodic task does): the simulator and tests call it on
 # their own clock.
 EVALUATE_KEY: web.AppKey[Callable[[], list[Decision]]] = web.AppKey("evaluate")
 
 MAX_DECISIONS_LIMIT = 10_000
+# After refusing a body, read what is still coming for at most this long (so a client mid-send sees
+# the answer), not aiohttp's default 10 s; the lean report path lingers as long.
+LINGERING_SECONDS = 1.0
 # The event loop's lag is measured by how late a timer of this period fires.
 LAG_PERIOD_SECONDS = 0.25
-# The 202 answer's header, whole: aiohttp copies it into each response (no content-type parse).
-JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 # The aggregator keeps every node's latest GPU, port and rank state alive: ~10^6 objects for a
@@ -209,6 +214,7 @@ def make_app(config: AggregatorConfig, engine: Engine, ledger: Ledger, *,
     ])
     app[SERVICE_KEY] = service
     app[REFUSALS_KEY] = refusals
+    app[CREDENTIALS_KEY] = credentials
     app.on_cleanup.append(credentials.close)  # the TokenReview client, if any
     app[ENGINE_KEY] = engine
     app[SINK_KEY] = ledger
@@ -230,30 +236,27 @@ def make_app(config: AggregatorConfig, engine: Engine, ledger: Ledger, *,
         app.cleanup_ctx.append(background("vigil-aggregator-spares", wire_spares(
             config, engine, ledger, metrics, dispatcher.actuators if dispatcher is not None else {}, clock)))
 
-    def refused(r: Refused) -> web.Response:
-        return _error(r.status, r.reason, r.detail, **r.extra)
+    def answer(a: Answer) -> web.Response:
+        headers = {"Content-Type": a.content_type}
+        if a.retry_after_seconds is not None:
+            headers["Retry-After"] = str(a.retry_after_seconds)
+        return web.Response(body=a.body, status=a.status, headers=headers)
 
     async def post_report(request: web.Request) -> web.Response:
+        # The report door for every request the lean path (aggregator/report_door.py) hands to
+        # aiohttp; the same answers, built by the same functions.
         # Behind on its work, the aggregator sheds before parsing (the cost a shed saves): the
         # sender takes nothing from the answer but when to come back, keeps its compact base
         # (nothing was taken) and resends no sooner than Retry-After (docs/reports.md, "Overload").
         speaker = request.get(NODE_KEY)
         shed = service.shed(speaker)
         if shed is not None:
-            return web.Response(body=encode({"error": "overloaded", "detail": shed.detail, "reason": shed.reason,
-                                             "retry_after_seconds": shed.retry_after_seconds}),
-                                status=shed.status, content_type="application/json",
-                                headers={"Retry-After": str(shed.retry_after_seconds)})
+            return answer(shed_answer(shed))
         try:
             body = await read_body(request, config.max_body_bytes, config.server.body_timeout_seconds)
         except BodyRefused as exc:
-            return refused(service.refuse(exc.status, exc.reason, exc.detail))
-        outcome = service.receive(body, speaker, time.perf_counter())
-        if isinstance(outcome, Refused):
-            return refused(outcome)
-        # The wire's own encoder (Structs as they are): 2.9 us against json_response's 8.1 us, on the
-        # path every report takes; its header given whole (1.7 us a response against content_type's 2.5).
-        return web.Response(body=encode(outcome.answer), status=202, headers=JSON_HEADERS)
+            return answer(outcome_answer(service.refuse(exc.status, exc.reason, exc.detail)))
+        return answer(outcome_answer(service.receive(body, speaker, time.perf_counter())))
 
     async def list_nodes(_: web.Request) -> web.Response:
         now = clock()
@@ -512,6 +515,17 @@ async def check_actuators(dispatcher: Dispatcher, metrics: AggregatorMetrics) ->
     await asyncio.gather(*(check(name, a) for name, a in sorted(dispatcher.actuators.items())))
 
 
+def report_door(app: web.Application, fallback: Callable[[], asyncio.Protocol]) -> ReportDoor:
+    """The lean report path (aggregator/report_door.py) in front of ``fallback``, aiohttp's protocol
+    factory for ``app``, with ``app``'s service, credentials and limits."""
+    config = app[CONFIG_KEY]
+    return ReportDoor(app[SERVICE_KEY], app[CREDENTIALS_KEY], fallback, max_body_bytes=config.max_body_bytes,
+                      body_timeout_seconds=config.server.body_timeout_seconds,
+                      keepalive_timeout_seconds=config.server.keepalive_timeout_seconds,
+                      lingering_seconds=LINGERING_SECONDS,
+                      open_without_credential=is_loopback(config.host) and config.dry_run)
+
+
 async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
                 on_ready: Callable[[str], None] | None = None) -> None:
     """Run the service until ``stop`` is set (or forever). It refuses to start (ConfigError, every
@@ -526,14 +540,16 @@ async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
     tune_gc()
     ssl_context = tls_context(config.tls.cert_file, config.tls.key_file) \
         if config.tls.cert_file and config.tls.key_file else None
-    # lingering: after refusing a body, read what is still coming for at most a second (so a
-    # client mid-send sees the answer), not aiohttp's default 10 s.
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                           keepalive_timeout=config.server.keepalive_timeout_seconds, lingering_time=1.0)
+                           keepalive_timeout=config.server.keepalive_timeout_seconds, lingering_time=LINGERING_SECONDS)
     await runner.setup()
     loop = asyncio.get_running_loop()
     assert runner.server is not None
-    guard = ConnectionGuard(runner.server, config.server,
+    # Plain reports are answered by the lean path, everything else by aiohttp's protocol (the
+    # application above); aiohttp's request machinery alone cost more than issue 47's 150 us budget
+    # for a report all included.
+    door = report_door(app, runner.server)
+    guard = ConnectionGuard(door, config.server,
                             lambda reason: app[REFUSALS_KEY].count("connections", reason))
     previous_handler = loop.get_exception_handler()
     loop.set_exception_handler(guard.exception_handler(previous_handler))
@@ -565,6 +581,7 @@ async def serve(config: AggregatorConfig, *, stop: asyncio.Event | None = None,
                 with contextlib.suppress(asyncio.CancelledError):
                     await checking
     finally:
+        door.close_all()
         await runner.cleanup()
         loop.set_exception_handler(previous_handler)
         if delivering is not None:

@@ -6,7 +6,10 @@ processes of a shared machine are not counted). The profiler is switched on by a
 PYTHONPATH: the shipped aggregator has no profiling hook. It reads the loadgen plan, prints the
 aggregator's main-thread CPU per report (/proc) and the top functions by own and cumulative time.
 
-    python -m bench.profile_intake [nodes] [seconds]
+    python -m bench.profile_intake [nodes] [seconds] [--no-judging]
+
+``--no-judging`` sets the aggregator's ``evaluate_interval_seconds`` to an hour: what is left is the
+intake alone (HTTP, auth, decode, ingest).
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ TOP = 35
 
 
 def main() -> int:
-    nodes = int(sys.argv[1]) if len(sys.argv) > 1 else 2_000
-    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 30.0
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    nodes = int(args[0]) if args else 2_000
+    seconds = float(args[1]) if len(args) > 1 else 30.0
+    extra = {"evaluate_interval_seconds": 3600.0} if "--no-judging" in sys.argv else None
     with tempfile.TemporaryDirectory(prefix="vigil-profile-intake-") as d:
         site = Path(d, "site")
         site.mkdir()
@@ -45,7 +50,7 @@ def main() -> int:
         env_before = dict(os.environ)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
         os.environ["VIGIL_BENCH_PROFILE"] = str(stats_path)
-        aggregator = SpawnedAggregator(Path(d))
+        aggregator = SpawnedAggregator(Path(d), extra)
         try:
             aggregator.start()
         finally:
