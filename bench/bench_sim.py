@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from bench.measure import Measurement
-from vigil.sim.run import run_scenario
+from vigil.sim.run import agent_metrics, run_scenario
 from vigil.sim.scenario import Scenario, load_scenario, parse_scenario, shortened
 from vigil.sim.score import return_to_service, score
 from vigil.sim.shards import run_sharded
@@ -46,9 +46,11 @@ def _fleet_hour(name: str) -> Measurement:
     first, end = ticks[dt], ticks[max(ticks)]
     rate = (end - first) / (max(ticks) - dt)  # CPU seconds per simulated second over one period
     hour = (first - cpu0) + rate * (sc.duration_seconds - dt)
+    metrics = "built" if agent_metrics(sc) else "left out (statistics run, agent_metrics: auto)"
     return Measurement(f"vigil sim, 1,000 healthy nodes x 1 simulated hour, {dt:g} s reports (CPU)",
                        round(hour, 1), "s", HOUR_BUDGET_SECONDS[name],
-                       note=f"{name}, extrapolated from its first {slice_seconds:g} s ({cpu:.1f} s CPU, "
+                       note=f"{name}, the agents' training /metrics samples {metrics}, "
+                            f"extrapolated from its first {slice_seconds:g} s ({cpu:.1f} s CPU, "
                             f"{wall:.1f} s wall; start-up and first interval {first - cpu0:.1f} s once, then "
                             f"{rate * dt * 1e6 / sc.fleet.nodes:.0f} us of CPU per node report all included)")
 

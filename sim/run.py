@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from pydantic import ConfigDict
@@ -76,6 +76,9 @@ from vigil.sim.scenario import (
 )
 from vigil.sim.training import JobFault, JobModel, StepBatch
 from vigil.sim.uninstrumented import UninstrumentedJob
+
+if TYPE_CHECKING:
+    from vigil.agent.collectors.rdma import RdmaConfig
 
 log = logging.getLogger("vigil.sim")
 
@@ -406,6 +409,14 @@ class Simulation:
         # and RDMA traffic), their GPU and RDMA collectors every report.
         quiet_jobs = {n for j in sc.jobs if not j.heartbeats for n in sc.resolve_nodes(j.nodes)}
         proc_roots: dict[str, Path] = {}
+        metrics = agent_metrics(sc)
+        # On the shared read-only tree the rdma collector's periodic rescan (every 60 s: longer
+        # than a report, shorter than a quiet node's 5-minute reads, so every read rescanned)
+        # finds what the first found: it rescans there only when the device list it compares
+        # every cycle changes. A rescan stats and lists ~370 files of 8 HCAs, half a quiet read.
+        rdma = cast("RdmaConfig", base.collectors.rdma)
+        shared_tree_collectors = base.collectors.model_copy(update={"rdma": rdma.model_copy(
+            update={"rescan_interval_seconds": max(rdma.rescan_interval_seconds, 2 * sc.duration_seconds)})})
         for i, name in enumerate(names):
             faults = self._faults_by_node.get(name, [])
             profile = profiles.get(name, sc.fleet.profile)
@@ -426,7 +437,8 @@ class Simulation:
             if any(isinstance(f, KernelXid | KernelAmdgpu) or (isinstance(f, NvmlFault) and f.kind in _LOGGED)
                    for f in faults):
                 kern = self._kern_path(name)
-            config = base.model_copy(update={"node": name, "topology": sc.topology_of(i)})
+            config = base.model_copy(update={"node": name, "topology": sc.topology_of(i),
+                                             **({} if own_tree else {"collectors": shared_tree_collectors})})
             node_intervals = dict(intervals)
             for collector in _SLOW_COLLECTORS:
                 seconds = getattr(config.collectors, collector).interval_seconds
@@ -443,7 +455,8 @@ class Simulation:
                 proc_roots[name] = fabric.build_proc(self.workdir / "proc" / name, SIM_KERNEL)
             host = SimHost(booted_at=self.clock.start - _UPTIME_AT_START_SECONDS)
             seams = Seams(nvml=self._nvml(name, nvml_faults), sysfs_root=sysfs, kmsg=kern, clock=self.clock,
-                          run=ethtool, extra={"pid_alive": self._pid_alive, "psutil": host},
+                          run=ethtool, extra={"pid_alive": self._pid_alive, "psutil": host,
+                                              "training_samples": metrics},
                           proc_root=proc_roots.get(name, shared_proc))
             node = SimNode(config, seams, build_collectors(config, seams), boot_id=self._boot_id(),
                            kernel_log=KernelLog(kern), fabric=node_fabric,
@@ -1217,6 +1230,17 @@ def _log_bus_id(nvml_bus_id: str) -> str:
     if len(parts) != 3:
         return nvml_bus_id.lower()
     return f"{parts[0][-4:]}:{parts[1]}:{parts[2].split('.')[0]}"
+
+
+def agent_metrics(scenario: Scenario) -> bool:
+    """Whether the simulated agents build the training collector's /metrics samples: ``on``,
+    ``off``, or (``auto``) everywhere but in a healthy-fleet statistics run, one that expects and
+    allows nothing and injects no fault (its verdict is "no removal", judged from the reports
+    alone, which the samples never reach)."""
+    if scenario.agent_metrics != "auto":
+        return scenario.agent_metrics == "on"
+    return bool(scenario.faults or scenario.expect or scenario.allow or scenario.expect_breaker != "any"
+                or scenario.remediation is not None or scenario.isolations or probing_enabled(scenario))
 
 
 def probing_enabled(scenario: Scenario) -> bool:

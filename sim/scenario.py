@@ -783,6 +783,12 @@ class Scenario(StrictModel):
     # agent whose collector interval is longer than its report interval. Costly collectors on
     # quiet nodes are what bounds a 1,000-node run; the faulty nodes always run every report.
     quiet_collector_intervals: dict[str, float] = Field(default_factory=dict)
+    # The training collector's /metrics samples on every simulated node: built every report for a
+    # scrape the simulator never makes (no report, detector or score reads them; about a third of
+    # the simulated agent's tick). "auto": built, except in a healthy-fleet statistics run (no
+    # faults, expectations, allowed removals, expected breaker, remediation or probes), where only
+    # what the aggregator judges is built (docs/simulator.md "Speed").
+    agent_metrics: Literal["auto", "on", "off"] = "auto"
     fleet: Fleet
     # Hardware faults reach the jobs on the node: a thermal or power-brake throttle slows the
     # ranks on that GPU by its clock ratio, a lost GPU stops its ranks (the job blocks in its

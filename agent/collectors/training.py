@@ -252,6 +252,16 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
+def p50_p90(sorted_values: Sequence[float]) -> tuple[float, float]:
+    """``percentile`` at 0.5 and 0.9, the same floats in one call. A window of one value (the
+    simulator's usual one heartbeat per rank and report, or a slow job's single step) is that
+    value plus 0.0, as percentile's arithmetic gives it (-0.0 becomes 0.0)."""
+    if len(sorted_values) == 1:
+        only = sorted_values[0] + 0.0
+        return only, only
+    return percentile(sorted_values, 0.5), percentile(sorted_values, 0.9)
+
+
 @dataclass(slots=True)
 class _Record:
     ts: float
@@ -317,6 +327,12 @@ class _Rank:
     window: tuple[float, int, bool, int, dict[str, Any]] | None = None
     # This rank's sample label tuples, built once (``TrainingCollector._samples``).
     labels: _RankLabels | None = None
+    # The samples built from ``last`` (its record, and what only a record changes: progress,
+    # heartbeats, signals, checkpoint), as (that record, samples before the window's quantiles,
+    # after them), and the window's two quantile samples with their values: reused while those
+    # are unchanged (``TrainingCollector._samples``).
+    sampled: tuple[_Record, tuple[Sample, ...], tuple[Sample, ...]] | None = None
+    window_samples: tuple[float, float, tuple[Sample, Sample]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,9 +464,13 @@ class TrainingCollector:
     name = "training"
     specs: Sequence[MetricSpec] = SPECS
 
-    def __init__(self, config: TrainingConfig, *, pid_alive: PidAlive = psutil.pid_exists) -> None:
+    def __init__(self, config: TrainingConfig, *, pid_alive: PidAlive = psutil.pid_exists,
+                 samples: bool = True) -> None:
         self._config = config
         self._pid_alive = pid_alive
+        # False: ``collect`` builds no /metrics samples, only the report's summaries and the events
+        # (the simulator's healthy-fleet statistics, which never scrape: docs/simulator.md).
+        self._build_samples = samples
         self._lock = threading.Lock()  # ingest runs on the server's thread, collect on a worker
         self._ranks: dict[tuple[str, int], _Rank] = {}
         self._names: dict[str, str] = {}  # job key -> the free name its heartbeats claim (a label)
@@ -598,14 +618,15 @@ class TrainingCollector:
     def collect(self, now: float) -> Collection:
         self._read_logs(now)
         events: list[Event] = [ev for tail in self._tails for ev in tail.signals.drain(now)]
+        start, end = self._window(now)
         with self._lock:
             self._evict(now)
             ranks = list(self._ranks.values())
             for r in ranks:
-                self._trim(r, now)
-                events.extend(self._watch(r, now))
-            summaries = [self._summary(r, now) for r in ranks]
-            samples = self._samples(ranks, summaries)
+                self._trim(r, start)
+                self._watch(r, now, events)
+            summaries = [self._summary(r, end) for r in ranks]
+            samples = self._samples(ranks, summaries) if self._build_samples else []
             tracked = {r.job for r in ranks}
             for job in [j for j in self._names if j not in tracked]:
                 del self._names[job]
@@ -644,10 +665,12 @@ class TrainingCollector:
                 self._rejected[reason] += 1
 
     def _evict(self, now: float) -> None:
+        evict_after = self._config.evict_after_seconds
         for key, r in list(self._ranks.items()):
             idle = now - r.last_seen_ts
-            # Never before its hang could be reported and seen for a while.
-            if idle < max(self._config.evict_after_seconds, 2 * self._hang_threshold(r)):
+            # Never before its hang could be reported and seen for a while (evict_after first: the
+            # floor of that bound, and what a rank heard from lately is below).
+            if idle < evict_after or idle < max(evict_after, 2 * self._hang_threshold(r)):
                 continue
             # A hung rank whose process still lives stays: forgetting it would look like recovery.
             if r.pid is not None and r.state != "exited" and self._pid_alive(r.pid):
@@ -661,14 +684,16 @@ class TrainingCollector:
         end = math.floor(now / width) * width
         return end - width, end
 
-    def _trim(self, r: _Rank, now: float) -> None:
-        start, _ = self._window(now)
-        while r.history and r.history[0].ts < start:
-            r.baseline_step = r.history.popleft().step
+    @staticmethod
+    def _trim(r: _Rank, start: float) -> None:
+        """Drop the records before the window that starts at ``start`` from the rank's history."""
+        hist = r.history
+        while hist and hist[0].ts < start:
+            r.baseline_step = hist.popleft().step
             r.dropped += 1
 
-    def _watch(self, r: _Rank, now: float) -> list[Event]:
-        events: list[Event] = []
+    def _watch(self, r: _Rank, now: float, events: list[Event]) -> None:
+        """The rank's state at ``now``; a hang or an exit, the first time, goes into ``events``."""
         alive = True
         if r.pid is not None:
             try:
@@ -682,7 +707,8 @@ class TrainingCollector:
                 events.append(Event(kind="rank_exit", ts=now, urgent=True, source="heartbeat", job=r.job,
                                     rank=r.rank, gpu=r.gpu,
                                     message=f"process {r.pid} of rank {r.rank} is gone at step {r.last.step}"))
-        elif r.last.phase is None and now - r.last_progress_ts >= self._hang_threshold(r):
+        elif (r.last.phase is None and now - r.last_progress_ts >= self._config.hang_seconds
+              and now - r.last_progress_ts >= self._hang_threshold(r)):  # the first: the threshold's floor
             r.state = "hung"
             if not r.hang_reported:
                 r.hang_reported = True
@@ -693,15 +719,14 @@ class TrainingCollector:
                                             f"for {stalled:.0f} s"))
         else:
             r.state = "running"
-        return events
 
     def _hang_threshold(self, r: _Rank) -> float:
         # A rank that normally advances less often than hang_seconds (a log line every N
         # iterations, very long steps) is hung only after missing a few of its own beats.
         return max(self._config.hang_seconds, HANG_GAP_FACTOR * r.progress_gap)
 
-    def _summary(self, r: _Rank, now: float) -> RankSummary:
-        _, end = self._window(now)
+    def _summary(self, r: _Rank, end: float) -> RankSummary:
+        """The rank's summary for the report, of the complete window that ends at ``end``."""
         fields = self._window_fields(r, end)
         ckpt = r.checkpoint
         if ckpt is not None:
@@ -776,8 +801,7 @@ class TrainingCollector:
         for (k50, k90), values in zip(_QUANTILE_KEYS, (step_v, compute_v, comm_v, data_v), strict=True):
             if values:
                 values.sort()
-                fields[k50] = percentile(values, 0.5)
-                fields[k90] = percentile(values, 0.9)
+                fields[k50], fields[k90] = p50_p90(values)
         if losses or norms or nonfinite:
             loss_last = losses[-1] if losses else None
             losses.sort()
@@ -797,33 +821,23 @@ class TrainingCollector:
             labels = r.labels
             if labels is None:
                 labels = r.labels = _RankLabels.of(r.job, r.rank)
-            jr = labels.jr
             last = r.last
-            append(Sample(LAST_STEP.name, float(last.step), jr))
-            if last.step_seconds is not None:
-                append(Sample(STEP_SECONDS.name, last.step_seconds, jr))
-            for phase_labels, value in zip(labels.phases, (last.compute_seconds, last.comm_seconds,
-                                                           last.data_seconds), strict=True):
-                if value is not None:
-                    append(Sample(PHASE_SECONDS.name, value, phase_labels))
-            if s.step_seconds_p50 is not None and s.step_seconds_p90 is not None:
-                append(Sample(WINDOW_STEP_SECONDS.name, s.step_seconds_p50, labels.p50))
-                append(Sample(WINDOW_STEP_SECONDS.name, s.step_seconds_p90, labels.p90))
-            append(Sample(LAST_PROGRESS.name, r.last_progress_ts, jr))
+            sampled = r.sampled
+            # Only _observe changes what these say, and it always puts a new record in ``last``: a
+            # rank that sent nothing since the last cycle keeps its samples (a Sample costs ~1 us).
+            if sampled is None or sampled[0] is not last:
+                sampled = r.sampled = (last, *self._record_samples(r, labels))
+            out.extend(sampled[1])
+            p50, p90 = s.step_seconds_p50, s.step_seconds_p90
+            if p50 is not None and p90 is not None:
+                window = r.window_samples
+                if window is None or window[0] != p50 or window[1] != p90:  # the quantiles are never -0.0
+                    window = r.window_samples = (p50, p90, (Sample(WINDOW_STEP_SECONDS.name, p50, labels.p50),
+                                                            Sample(WINDOW_STEP_SECONDS.name, p90, labels.p90)))
+                out.extend(window[2])
+            append(sampled[2][0])  # the last progress
             out.extend(labels.state_samples(r.state))
-            if r.received:
-                append(Sample(HEARTBEATS.name, float(r.received), jr))
-            if r.signals:
-                if r.last_loss is not None:
-                    append(Sample(LOSS.name, r.last_loss, jr))
-                if r.last_grad_norm is not None:
-                    append(Sample(GRAD_NORM.name, r.last_grad_norm, jr))
-                append(Sample(NONFINITE.name, float(r.nonfinite), jr))
-            ckpt = r.checkpoint
-            if ckpt is not None:
-                append(Sample(CHECKPOINT_STEP.name, float(ckpt.step), jr))
-                append(Sample(CHECKPOINT_TS.name, ckpt.ts, jr))
-                append(Sample(CHECKPOINT_SECONDS.name, ckpt.seconds, jr))
+            out.extend(sampled[2][1:])
         cached = self._rejected_samples
         if cached is None or cached[0] != self._rejected:  # refusals are rare: the same samples most cycles
             cached = self._rejected_samples = (dict(self._rejected), [
@@ -844,6 +858,36 @@ class TrainingCollector:
                        for kind in APP_SIGNAL_KINDS)
         return out
 
+    @staticmethod
+    def _record_samples(r: _Rank, labels: _RankLabels) -> tuple[tuple[Sample, ...], tuple[Sample, ...]]:
+        """The rank's samples that only its records change, built in the specs' label order (job,
+        rank, then the extra label): those before the window's quantiles, and those after (the
+        last progress first; the state samples go after it)."""
+        jr = labels.jr
+        last = r.last
+        head = [Sample(LAST_STEP.name, float(last.step), jr)]
+        if last.step_seconds is not None:
+            head.append(Sample(STEP_SECONDS.name, last.step_seconds, jr))
+        for phase_labels, value in zip(labels.phases, (last.compute_seconds, last.comm_seconds,
+                                                       last.data_seconds), strict=True):
+            if value is not None:
+                head.append(Sample(PHASE_SECONDS.name, value, phase_labels))
+        tail = [Sample(LAST_PROGRESS.name, r.last_progress_ts, jr)]
+        if r.received:
+            tail.append(Sample(HEARTBEATS.name, float(r.received), jr))
+        if r.signals:
+            if r.last_loss is not None:
+                tail.append(Sample(LOSS.name, r.last_loss, jr))
+            if r.last_grad_norm is not None:
+                tail.append(Sample(GRAD_NORM.name, r.last_grad_norm, jr))
+            tail.append(Sample(NONFINITE.name, float(r.nonfinite), jr))
+        ckpt = r.checkpoint
+        if ckpt is not None:
+            tail.append(Sample(CHECKPOINT_STEP.name, float(ckpt.step), jr))
+            tail.append(Sample(CHECKPOINT_TS.name, ckpt.ts, jr))
+            tail.append(Sample(CHECKPOINT_SECONDS.name, ckpt.seconds, jr))
+        return tuple(head), tuple(tail)
+
     def close(self) -> None:
         for tail in self._tails:
             tail.follower.close()
@@ -856,4 +900,6 @@ CONFIG = TrainingConfig
 def build(config: AgentConfig, seams: Seams) -> TrainingCollector:
     # The simulator may replace the process table; a real agent asks psutil.
     pid_alive = seams.extra.get("pid_alive", psutil.pid_exists)
-    return TrainingCollector(config.collectors.training, pid_alive=pid_alive)
+    # The simulator's healthy-fleet statistics leave the /metrics samples out (it never scrapes).
+    return TrainingCollector(config.collectors.training, pid_alive=pid_alive,
+                             samples=bool(seams.extra.get("training_samples", True)))

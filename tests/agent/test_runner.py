@@ -86,3 +86,44 @@ async def test_failures_leave_no_stale_samples_and_events_are_forwarded() -> Non
     assert seen and seen[0].events[0].code == 79
     success = [s for s in runner.self_samples() if s.name == "vigil_collector_success"]
     assert success[0].value == 0
+
+
+def test_a_list_section_checked_whole_fails_as_its_item_does() -> None:
+    """check_wire checks a section's list in one decode; a bad item still fails the cycle with
+    the error its own check names (checked again item by item), and a good list passes."""
+    import msgspec
+    import pytest
+
+    from vigil.agent.runner import check_wire
+    from vigil.contract.wire import RankSummary, check
+
+    def summary(rank: int, steps: int) -> RankSummary:
+        return RankSummary(job="4242", rank=rank, window_seconds=5.0, steps=steps, last_step=10,
+                           last_progress_ts=1.7e9, step_seconds_p50=1.0)
+
+    good = [summary(r, 3) for r in range(8)]
+    check_wire(Collection(report={"ranks": good}))
+    bad = [*good[:5], summary(5, -1), *good[6:]]
+    with pytest.raises(msgspec.ValidationError) as alone:
+        check(bad[5])
+    with pytest.raises(msgspec.ValidationError) as whole:
+        check_wire(Collection(report={"ranks": bad}))
+    assert str(whole.value) == str(alone.value)
+    failed = collect_once(_Fixed(Collection(report={"ranks": bad})), 1.0)
+    assert not failed.success and failed.error == f"ValidationError: {alone.value}"
+
+
+class _Fixed:
+    """A collector that returns one collection."""
+
+    name = "fixed"
+    specs: Sequence[MetricSpec] = ()
+
+    def __init__(self, collection: Collection) -> None:
+        self.collection = collection
+
+    def collect(self, now: float) -> Collection:
+        return self.collection
+
+    def close(self) -> None:
+        pass

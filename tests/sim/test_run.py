@@ -138,3 +138,27 @@ def test_big_scenario_passes(name: str) -> None:
     report = summary(result, s)
     assert s.passed, {k: report[k] for k in ("expectations", "false_drain_decisions", "forbid_violations",
                                              "removals", "breaker")}
+
+
+def test_statistics_runs_leave_out_only_the_agents_metrics() -> None:
+    """A healthy-fleet statistics run (no fault, nothing expected) builds no training /metrics
+    samples (``agent_metrics: auto``); every report, heartbeat and decision is what the full
+    agent gives (``on``), which a scenario with a fault keeps by default."""
+    from vigil.contract.wire import encode
+    from vigil.sim.run import Simulation, agent_metrics
+
+    sc = shortened(load_scenario("healthy-2s5-fleet"), 150)
+    assert not agent_metrics(sc) and agent_metrics(sc.model_copy(update={"agent_metrics": "on"}))
+    assert agent_metrics(load_scenario("kernel-xid-79"))
+    runs = {}
+    for mode in ("auto", "on"):
+        sent: list[tuple[bytes, float]] = []
+        sim = Simulation(sc.model_copy(update={"agent_metrics": mode}),
+                         observe=lambda report, t, sent=sent: sent.append((encode(report), t)))
+        result = sim.run()
+        training = [n.snapshot.results()["training"].collection for n in sim.nodes.values()]
+        runs[mode] = (sent, [(d.t, d.node, d.action, d.detector) for d in result.decisions], result.heartbeats,
+                      sum(len(c.samples) for c in training), sum(len(c.report["ranks"]) for c in training))
+    lean, full = runs["auto"], runs["on"]
+    assert lean[:3] == full[:3] and len(full[0]) == 24 * 60
+    assert lean[3] == 0 < full[3] and lean[4] == full[4] == 24 * 8
