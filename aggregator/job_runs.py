@@ -159,9 +159,8 @@ class JobRun:
         self.last_seen = now
         seen_of = self.ranks
         latest = self.incarnations[-1]
-        listed = list(ranks)
-        if shortcut and self._steady is not None and listed == self._steady:
-            lasts = list(map(_LAST, listed))
+        if shortcut and self._steady is not None and list(ranks) == self._steady:
+            lasts = list(map(_LAST, self._steady))
             if list(map(_PID, lasts)) == self._steady_pids and "exited" not in map(_STATE, lasts):
                 # Each rank as the usual-rank path below takes it: none exited (nor was: ``exited``
                 # stays 0), its step into the latest incarnation's lowest and highest, its checkpoint.
@@ -178,7 +177,7 @@ class JobRun:
                         latest.checkpoint_step = checkpoint
                 return
         self._settle()
-        for r in listed:
+        for r in ranks:
             s = r.last
             seen = seen_of.get(r.rank)
             # The usual rank (the same process, still in the latest incarnation, not back from an
@@ -209,10 +208,11 @@ class JobRun:
         latest = self.latest
         if latest.ended is None and ranks and all(r.last.state == "exited" for r in ranks):
             latest.ended = now
-        if shortcut and not self.exited and len(seen_of) == len(listed):
-            pids = [r.last.pid for r in listed]
-            if None not in pids and all(seen_of[r.rank].generation == latest.index for r in listed):
-                self._steady, self._steady_pids = listed, pids
+        # A rank without a pid (a tailed log) stops the test at once: the steady path is not for it.
+        if shortcut and not self.exited and len(seen_of) == len(ranks) and None not in map(_PID, map(_LAST, ranks)):
+            listed = list(ranks)
+            if all(seen_of[r.rank].generation == latest.index for r in listed):
+                self._steady, self._steady_pids = listed, [r.last.pid for r in listed]
 
     def _settle(self) -> None:
         """The steps of the steady observations into the ranks' records (their last_step), and the
