@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from vigil.aggregator.fleet import FleetView, RankHistory
 
@@ -20,6 +21,11 @@ from vigil.aggregator.fleet import FleetView, RankHistory
 MAX_INCARNATIONS = 32
 # (window end, last step) kept per rank without a pid, for its ``first_step`` test (two windows back).
 _WINDOWS_KEPT = 4
+_LAST = attrgetter("last")
+_PID = attrgetter("pid")
+_STATE = attrgetter("state")
+_LAST_STEP = attrgetter("last_step")
+_CHECKPOINT = attrgetter("checkpoint_step")
 
 
 @dataclass(slots=True)
@@ -51,7 +57,8 @@ class _RankSeen:
 class JobRun:
     """One job's incarnations, oldest first (at most MAX_INCARNATIONS)."""
 
-    __slots__ = ("_folded_best", "_folded_checkpoint", "exited", "incarnations", "job", "last_seen", "ranks")
+    __slots__ = ("_folded_best", "_folded_checkpoint", "_steady", "_steady_pids", "_steady_steps", "exited",
+                 "incarnations", "job", "last_seen", "ranks")
 
     def __init__(self, job: str, now: float) -> None:
         self.job = job
@@ -64,6 +71,14 @@ class JobRun:
         # The best step and checkpoint of incarnations no longer kept.
         self._folded_best: int | None = None
         self._folded_checkpoint: int | None = None
+        # The ranks (in the view's order) of an observation after which each was the usual rank
+        # (``observe``): a process of its own, none exited, all in the latest incarnation; their pids
+        # then, and their steps as last observed (not yet written to ``ranks``' last_step). While
+        # the same ranks keep those pids and none exits, an observation is the usual rank for every
+        # one of them: a few C-level list reads instead of a Python step per rank.
+        self._steady: list[RankHistory] | None = None
+        self._steady_pids: list[int | None] = []
+        self._steady_steps: list[int] | None = None
 
     @property
     def latest(self) -> Incarnation:
@@ -77,6 +92,15 @@ class JobRun:
     def incarnation_of(self, rank: int) -> int | None:
         seen = self.ranks.get(rank)
         return seen.generation if seen is not None else None
+
+    def last_step_of(self, rank: int) -> int | None:
+        """The rank's step as last observed (a steady observation's steps are kept aside)."""
+        if self._steady is not None and self._steady_steps is not None:
+            for r, step in zip(self._steady, self._steady_steps, strict=True):
+                if r.rank == rank:
+                    return step
+        seen = self.ranks.get(rank)
+        return seen.last_step if seen is not None else None
 
     def get(self, index: int) -> Incarnation | None:
         first = self.incarnations[0].index
@@ -135,6 +159,24 @@ class JobRun:
         self.last_seen = now
         seen_of = self.ranks
         latest = self.incarnations[-1]
+        if shortcut and self._steady is not None and list(ranks) == self._steady:
+            lasts = list(map(_LAST, self._steady))
+            if list(map(_PID, lasts)) == self._steady_pids and "exited" not in map(_STATE, lasts):
+                # Each rank as the usual-rank path below takes it: none exited (nor was: ``exited``
+                # stays 0), its step into the latest incarnation's lowest and highest, its checkpoint.
+                steps = self._steady_steps = list(map(_LAST_STEP, lasts))
+                low, high = min(steps), max(steps)
+                if latest.start_step is None or low < latest.start_step:
+                    latest.start_step = low
+                if latest.best_step is None or high > latest.best_step:
+                    latest.best_step = high
+                checkpoints = [c for c in map(_CHECKPOINT, lasts) if c is not None]
+                if checkpoints:
+                    checkpoint = max(checkpoints)
+                    if latest.checkpoint_step is None or checkpoint > latest.checkpoint_step:
+                        latest.checkpoint_step = checkpoint
+                return
+        self._settle()
         for r in ranks:
             s = r.last
             seen = seen_of.get(r.rank)
@@ -166,6 +208,19 @@ class JobRun:
         latest = self.latest
         if latest.ended is None and ranks and all(r.last.state == "exited" for r in ranks):
             latest.ended = now
+        # A rank without a pid (a tailed log) stops the test at once: the steady path is not for it.
+        if shortcut and not self.exited and len(seen_of) == len(ranks) and None not in map(_PID, map(_LAST, ranks)):
+            listed = list(ranks)
+            if all(seen_of[r.rank].generation == latest.index for r in listed):
+                self._steady, self._steady_pids = listed, [r.last.pid for r in listed]
+
+    def _settle(self) -> None:
+        """The steps of the steady observations into the ranks' records (their last_step), and the
+        steady path off until every rank is the usual rank again."""
+        if self._steady is not None and self._steady_steps is not None:
+            for r, step in zip(self._steady, self._steady_steps, strict=True):
+                self.ranks[r.rank].last_step = step
+        self._steady, self._steady_steps = None, None
 
     def _observe_rank(self, r: RankHistory, now: float) -> None:
         s = r.last

@@ -11,8 +11,10 @@ docs/detectors.md, "hang, silence, memory, pcie_nvlink".
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 from statistics import median
 
 from pydantic import Field
@@ -30,6 +32,15 @@ _GAPS_KEPT = 8
 JOB_NODES_NAMED = 16
 # NCCL log events carried in a finding's evidence (``nccl_events``), the latest first.
 NCCL_EVENTS_NAMED = 16
+# Evaluations whose progress times a job's pace record holds before they are folded into its
+# ranks' records (``_Pace``): the fold is the same per-rank work, paid once per this many passes.
+_PACE_RING = 16
+_LAST = attrgetter("last")
+_LAST_SEEN = attrgetter("last_seen")
+_REPORT_TS = attrgetter("report_ts")
+_PROGRESS_TS = attrgetter("last_progress_ts")
+_STATE = attrgetter("state")
+_PHASE = attrgetter("phase")
 
 
 class HangConfig(StrictModel):
@@ -84,6 +95,22 @@ class _Progress:
     gaps: deque[float]  # its recent gaps between progress updates
 
 
+@dataclass(slots=True)
+class _Pace:
+    """A job whose every rank was live and judged at the last evaluation, so that an evaluation
+    finding all of them running, recently progressed and on reporting nodes (``_all_running``)
+    only notes their progress times (C-level list reads) instead of walking each rank in Python.
+    The noted evaluations are folded into the ranks' ``_Progress`` records in order (``_fold``),
+    exactly as each evaluation would have updated them, before anything reads those records."""
+
+    job: JobState
+    members_revision: int
+    nodes: list[str]  # the nodes the job's ranks report from, as of members_revision
+    ranks: list[RankHistory] | None = None  # the ranks (in the job's order) the records are kept for
+    # Per deferred evaluation: each rank's last_progress_ts, and its phase (None: every rank's was None).
+    ring: list[tuple[list[float], list[str | None] | None]] = field(default_factory=list)
+
+
 class HangDetector:
     name = NAME
 
@@ -94,6 +121,8 @@ class HangDetector:
         self._progress: dict[str, dict[int, _Progress]] = {}
         # (job, rank) -> when it was first seen exited (the evaluation's ``now``), live ranks only.
         self._exited: dict[tuple[str, int], float] = {}
+        # job -> its pace record (``_Pace``): the evaluations not yet folded into ``_progress``.
+        self._pace: dict[str, _Pace] = {}
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -101,10 +130,82 @@ class HangDetector:
             out.extend(self._judge(view, job, now, view.revision is not None))
         for name in [n for n in self._progress if n not in view.jobs]:
             del self._progress[name]
+            self._pace.pop(name, None)
         if self._exited:
             for key in [k for k in self._exited if k[1] not in self._progress.get(k[0], ())]:
                 del self._exited[key]
         return out
+
+    def _all_running(self, view: FleetView, pace: _Pace, now: float) -> bool:
+        """Whether every rank of the job (``pace.ranks``, all live at the last evaluation) is live
+        now, running, and progressed within the least stall limit, so that ``_judge`` would find
+        nothing and only update the progress records; if so, the progress times are noted in
+        ``pace.ring``. Conservative: bounds over the job (its latest report, its earliest progress)
+        stand for each rank, and a bound that does not hold sends the job the long way.
+        Subtraction and multiplication are monotonic in floating point, so a bound holding
+        means each rank's own test (as ``_judge`` computes it) holds."""
+        cfg = self.config
+        job = pace.job
+        if view.jobs.get(job.name) is not job or job.members_revision != pace.members_revision:
+            return False  # a rank moved: the nodes are listed again on the long way
+        ranks = pace.ranks
+        assert ranks is not None
+        nodes = view.nodes
+        seen_max = -math.inf
+        gone_min = math.inf
+        for name in pace.nodes:
+            node = nodes.get(name)
+            if node is None:
+                return False
+            node_seen = node.last_seen
+            if now - node_seen >= cfg.node_silent_seconds:
+                return False
+            if node_seen > seen_max:
+                seen_max = node_seen
+            gone = cfg.rank_gone_intervals * node.interval_seconds
+            if gone < gone_min:
+                gone_min = gone
+        lasts = list(map(_LAST, ranks))
+        states = list(map(_STATE, lasts))
+        if states.count("running") != len(states):
+            return False
+        rank_seen = list(map(_LAST_SEEN, ranks))
+        seen_min = min(rank_seen)
+        # A rank is live when its node's latest report minus its own is within the gone limit.
+        if not seen_max - seen_min <= gone_min:
+            return False
+        tss = list(map(_PROGRESS_TS, lasts))
+        # min/max skip a NaN unless it comes first (then NaN, and the bound fails): a rank with a
+        # NaN progress time adds nothing to its stall (max(0.0, nan) is 0.0), as in ``_stall``.
+        bound = (now - seen_min) + max(0.0, max(map(_REPORT_TS, ranks)) - min(tss))
+        if not bound < min(cfg.min_stall_seconds, cfg.checkpoint_seconds, cfg.evaluation_seconds):
+            return False
+        phases = list(map(_PHASE, lasts))
+        pace.ring.append((tss, None if phases.count(None) == len(phases) else phases))
+        if len(pace.ring) >= _PACE_RING:
+            self._fold(pace, self._progress[job.name])
+        return True
+
+    @staticmethod
+    def _fold(pace: _Pace, progress: dict[int, _Progress]) -> None:
+        """The evaluations noted in ``pace.ring`` into the ranks' records, oldest first, as
+        ``_judge`` updates them (a gap when a rank advanced in training or no announced phase)."""
+        ring = pace.ring
+        if not ring:
+            return
+        assert pace.ranks is not None
+        for i, rank in enumerate(pace.ranks):
+            entry = progress[rank.rank]
+            last = entry.ts
+            gaps = entry.gaps
+            for tss, phases in ring:
+                ts = tss[i]
+                if ts > last:
+                    if phases is None or phases[i] is None or phases[i] == "training":
+                        gaps.append(ts - last)
+                    last = ts
+            entry.ts = last
+        ring.clear()
 
     @staticmethod
     def _gaps(live: list[RankHistory], progress: dict[int, _Progress]) -> dict[int, float]:
@@ -150,7 +251,13 @@ class HangDetector:
         progress = self._progress.get(job.name)
         if progress is None:
             progress = self._progress[job.name] = {}
-        for rank in job.ranks.values():
+        job_ranks = list(job.ranks.values())
+        pace = self._pace.get(job.name)
+        if pace is not None:
+            if shortcut and pace.ranks is not None and job_ranks == pace.ranks and self._all_running(view, pace, now):
+                return []  # noted in pace.ring: nothing below could find anything
+            self._fold(pace, progress)
+        for rank in job_ranks:
             node = nodes.get(rank.node)
             if node is None:
                 continue
@@ -180,6 +287,11 @@ class HangDetector:
             alive = {r.rank for r in live}
             for gone in [k for k in progress if k not in alive]:
                 del progress[gone]
+        if shortcut:
+            # Every rank live: each has a record, and the next evaluations may be noted in a ring.
+            if pace is None or pace.job is not job or pace.members_revision != job.members_revision:
+                pace = self._pace[job.name] = _Pace(job, job.members_revision, sorted(job.nodes()))
+            pace.ranks = job_ranks if len(live) == len(job_ranks) else None
         if shortcut and not maybe_stopped:
             return []  # every live rank progressed within the least limit: none stopped
         gaps = self._gaps(live, progress)

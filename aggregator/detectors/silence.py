@@ -8,6 +8,8 @@ guess why a node went quiet (the topology pass groups silent nodes under one rac
 
 from __future__ import annotations
 
+import math
+
 from pydantic import Field
 
 from vigil.aggregator.decision import Action, Finding
@@ -43,8 +45,14 @@ class SilenceDetector:
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         cfg = self.config
         out: list[Finding] = []
+        # Below both the least alert delay and the drain delay, a node with no missing or unhealthy
+        # GPU and NVML reachable has nothing to find (the usual node, passed over in a few reads;
+        # a view without markers is walked whole: its unhealthy GPUs are not kept).
+        calm = min(cfg.alert_after_seconds_min, cfg.drain_after_seconds) if view.revision is not None else -math.inf
         for node in view.nodes.values():
             quiet = now - node.last_seen
+            if quiet < calm and not node.missing_gpus and not node.unhealthy_gpus and node.nvml_down_since is None:
+                continue
             alert_after = max(cfg.alert_after_seconds_min, cfg.alert_after_intervals * node.interval_seconds)
             if quiet >= cfg.drain_after_seconds:
                 out.append(Finding(

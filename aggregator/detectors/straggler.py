@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from statistics import median
 
 from pydantic import Field
@@ -42,6 +43,10 @@ RANK_WINDOWS_MAX = 64
 # The run itself spans persistence_windows x (report interval / window) windows: a report
 # carries only its latest complete window, so at 10 s reports every other 5 s window has no data.
 _PRESENCE_SPARE_WINDOWS = 8
+_LAST = attrgetter("last")
+_LAST_SEEN = attrgetter("last_seen")
+_WINDOWS = attrgetter("windows")
+_WINDOW_SECONDS = attrgetter("window_seconds")
 
 class StragglerConfig(StrictModel):
     enabled: bool = True
@@ -180,7 +185,10 @@ def last_complete_window(ranks: list[RankHistory], interval: float, width: float
     current = math.floor(now / width + 1e-9)
     live_after = now - 2 * width - interval
     # A rank that stopped reporting (silent or drained node, ended rank) waits for nobody.
-    live = [rank.windows for rank in ranks if rank.last_seen >= live_after]
+    if ranks and min(map(_LAST_SEEN, ranks)) >= live_after:
+        live = list(map(_WINDOWS, ranks))  # the usual job: every rank live (C-level reads)
+    else:
+        live = [rank.windows for rank in ranks if rank.last_seen >= live_after]
     if not live:
         return max(deadline, current)
     if not all(live):
@@ -226,7 +234,7 @@ class StragglerDetector:
         ranks = list(job.ranks.values())
         if not ranks:
             return []
-        width = max(cfg.window_seconds, max([r.last.window_seconds for r in ranks]))
+        width = max(cfg.window_seconds, max(map(_WINDOW_SECONDS, map(_LAST, ranks))))
         nodes = self._membership(job)[0]
         interval = max([0.0] + [view.nodes[n].interval_seconds for n in nodes if n in view.nodes])
         last = last_complete_window(ranks, interval, width, now)
@@ -369,20 +377,24 @@ class StragglerDetector:
     def _node_stats(self, job: JobState, index: int, width: float) -> dict[str, _NodeWindow]:
         """Per node: the median over its ranks of each rank's own time (compute p50 + data p50),
         compute p50, data p50 and collective wait p50 in window ``index``."""
-        per_node: dict[str, list[tuple[float, float | None, float | None, int]]] = {}
+        per_node: dict[str, list[tuple[float, float, float | None, int, float | None]]] = {}
         ranks_of = self._membership(job)[1]
-        ceil = math.ceil
+        # An entry's window is ceil(end / width - 1e-9); for an integer index, ceil(x) == index
+        # exactly when index - 1 < x <= index, and ceil(x) < index when x <= index - 1: the same
+        # test with no call per entry (one or two entries per rank are read).
+        top, below = float(index), float(index - 1)
         for rank in job.ranks.values():
             for entry in reversed(rank.windows):
                 # (end, compute p50, comm p50, steps, data p50, ...): indexed, the tuple may grow.
-                k = ceil(entry[0] / width - 1e-9)
-                if k < index:
+                x = entry[0] / width - 1e-9
+                if x <= below:
                     break
-                if k == index:
+                if x <= top:
                     rows = per_node.get(rank.node)
                     if rows is None:
-                        rows = per_node[rank.node] = []
-                    rows.append((entry[1], entry[4], entry[2], entry[3]))
+                        per_node[rank.node] = [entry]
+                    else:
+                        rows.append(entry)
                     break
         cfg = self.config
         out: dict[str, _NodeWindow] = {}
@@ -390,10 +402,10 @@ class StragglerDetector:
             steps = sum([r[3] for r in rows])
             if len(rows) < cfg.min_node_rank_share * ranks_of[node] or steps < cfg.min_node_steps:
                 continue
-            datas = [r[1] for r in rows if r[1] is not None]
+            datas = [r[4] for r in rows if r[4] is not None]
             comms = [r[2] for r in rows if r[2] is not None]
             out[node] = _NodeWindow(
-                own=_median([r[0] + (r[1] or 0.0) for r in rows]), compute=_median([r[0] for r in rows]),
+                own=_median([r[1] + (r[4] or 0.0) for r in rows]), compute=_median([r[1] for r in rows]),
                 data=_median(datas) if datas else None,
                 comm=_median(comms) if len(comms) == len(rows) else None, ranks=len(rows), steps=steps)
         return out
