@@ -450,19 +450,45 @@ class Fleet:
 
     def _ingest_pcie(self, node: NodeState, section: list[PcieDevice], now: float, revision: int,
                      refused: dict[str, int]) -> None:
-        """A node's whole ``pcie`` section: devices it no longer lists are let go."""
+        """A node's whole ``pcie`` section: devices it no longer lists are let go.
+
+        A whole report carries the section every time (the agent reads sysfs every 10 s; a healthy
+        node's links and AER counters never move): one entry by entry equal to the devices held, in
+        their order, changes nothing but each device's read time, so it costs one list comparison
+        and a ``still`` per device instead of a bus-id normalisation, a comparison of the link and a
+        tuple of counters per device (the simulator's 16 devices a report: 150 us of its ~400 us
+        fleet update per whole report, issue 47). Any entry that differs takes the long way."""
+        held = node.pcie
+        if len(section) == len(held):
+            hists = list(held.values())
+            if [hist.last for hist in hists] == section:  # each entry its held device's (identity first)
+                for hist in hists:
+                    if not hist.counters.still(now):
+                        break  # no baseline to stand for this read (a reboot forgot it): the long way
+                else:
+                    return
+        self._take_pcie_section(node, section, now, revision, refused)
+
+    def _take_pcie_section(self, node: NodeState, section: list[PcieDevice], now: float, revision: int,
+                           refused: dict[str, int]) -> None:
+        """The long way: each entry of ``section`` in turn (what the short way stands for)."""
         held = node.pcie
         taken: dict[str, PcieHistory] = {}
         limit, maxlen = self.config.max_pcie_devices_per_node, self.config.history_reports
         for device in section:
-            bus_id = normal_bus_id(device.pci_bus_id)
+            raw = device.pci_bus_id
+            # A held key is normal already, and normal_bus_id(normal_bus_id(x)) == normal_bus_id(x): an id
+            # found as it came is its own normal form (the agent sends sysfs's), so it is normalised only when not.
+            hist = held.get(raw)
+            bus_id = raw if hist is not None else normal_bus_id(raw)
             if bus_id in taken:
                 _count(refused, "duplicate_pcie_device")
                 continue
             if len(taken) >= limit:
                 _count(refused, "too_many_pcie_devices")
                 continue
-            hist = held.get(bus_id)
+            if hist is None:
+                hist = held.get(bus_id)
             if hist is None or hist.last.kind != device.kind:
                 hist = PcieHistory(device, bus_id, maxlen)
                 node.pcie_revision = revision
