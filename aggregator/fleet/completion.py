@@ -19,26 +19,31 @@ from vigil.contract.wire import GpuState, PortState, RankSummary, field_defaults
 _M = TypeVar("_M", GpuState, PortState, RankSummary)
 
 
-def completer(model: type[_M], merged: str | None = None, *, in_place: bool = False) -> Callable[[_M, _M], _M]:
-    """See ``_generate``: a completer returning the completed state."""
-    complete: Callable[[_M, _M], _M] = _generate(model, merged, in_place=in_place, marks=None)
+def completer(model: type[_M], merged: str | None = None, *, in_place: bool = False,
+              matched: Collection[str] = ()) -> Callable[[_M, _M], _M]:
+    """See ``_generate``: a completer returning the completed state. ``matched``: the fields by which
+    the caller found the base (its identity: equal in both), not tested again."""
+    complete: Callable[[_M, _M], _M] = _generate(model, merged, in_place=in_place, marks=None, matched=matched)
     return complete
 
 
-def marking_completer(model: type[_M], marks: Mapping[str, int]) -> Callable[[_M, _M], int]:
+def marking_completer(model: type[_M], marks: Mapping[str, int],
+                      matched: Collection[str] = ()) -> Callable[[_M, _M], int]:
     """An in-place completer (``_generate``) that returns, instead of the state (its base, completed),
     the bits of ``marks`` of the fields the entry carried (OR-ed): what the fleet's change markers need
     to know of a compact entry, found by the tests completing it makes anyway, where testing the
     marked fields again cost ~1.1k of the ~7.6k instructions a compact GPU's completion and marks
-    took (bench_ingest_instructions)."""
+    took (bench_ingest_instructions). ``matched``: the fields by which the caller found the base
+    (its identity: equal in both), not tested again."""
     unknown = set(marks) - {f.name for f in msgspec.structs.fields(model)}
     if unknown:
         raise ValueError(f"marks name fields {model.__name__} does not have: {sorted(unknown)}")
-    complete: Callable[[_M, _M], int] = _generate(model, None, in_place=True, marks=marks)
+    complete: Callable[[_M, _M], int] = _generate(model, None, in_place=True, marks=marks, matched=matched)
     return complete
 
 
-def _generate(model: type[_M], merged: str | None, *, in_place: bool, marks: Mapping[str, int] | None) -> Any:
+def _generate(model: type[_M], merged: str | None, *, in_place: bool, marks: Mapping[str, int] | None,
+              matched: Collection[str] = ()) -> Any:
     """How a compact entry of ``model`` completes its base: every field it has away from its
     default changed (a required field may or may not have), so the new state is the base with
     each of them set from ``sent`` as decoded (tuples, Structs): a copy of the base, or with
@@ -56,7 +61,7 @@ def _generate(model: type[_M], merged: str | None, *, in_place: bool, marks: Map
     constants: dict[str, Any] = {"copy_struct": msgspec.structs.replace}  # with no changes: a copy
     defaults = field_defaults(model)  # a mutable default ({}) as the value it starts at, compared only
     for f in msgspec.structs.fields(model):
-        if f.name == merged:
+        if f.name == merged or f.name in matched:
             continue
         if not f.name.isidentifier():  # pragma: no cover - a Struct's field names are identifiers
             raise ValueError(f"{model.__name__}.{f.name} is not an identifier")
@@ -80,7 +85,8 @@ def _generate(model: type[_M], merged: str | None, *, in_place: bool, marks: Map
 
 # The GPU and rank completers update their base, which the fleet must own (``copy_struct``).
 complete_gpu = completer(GpuState, in_place=True)
-complete_rank = completer(RankSummary, in_place=True)
+# The fleet finds a rank's history by (job, rank): those two need no test.
+complete_rank = completer(RankSummary, in_place=True, matched=("job", "rank"))
 _complete_port_fields = completer(PortState, merged="counters")
 
 

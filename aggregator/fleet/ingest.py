@@ -71,7 +71,7 @@ _GPU_FAULTS, _GPU_CLASS, _GPU_JOB = 1, 2, 4
 complete_gpu_marked = marking_completer(GpuState, {
     **dict.fromkeys(("remap_pending", "remap_failure", "retired_pages_pending", "retired_pages_sbe",
                      "retired_pages_dbe"), _GPU_FAULTS),
-    **dict.fromkeys(_CLASS_FIELDS, _GPU_CLASS), "job": _GPU_JOB})
+    **dict.fromkeys(_CLASS_FIELDS, _GPU_CLASS), "job": _GPU_JOB}, matched=("index", "uuid"))
 
 # A GPU sample the thermal detector may act on is marked on ingest (NodeState.gpu_watch_revision),
 # so that it passes over a node none of whose samples it could act on in O(1). Watched: a clock-event

@@ -40,6 +40,7 @@ def test_marks_and_completion_match_the_field_by_field_tests(base: dict[str, Any
                                                            sparse: bool) -> None:
     if sparse:  # the usual compact entry: its identity and a field or two
         sent = {k: v for k, v in sent.items() if k in ("index", "uuid", "power_watts", "job", "remap_pending")}
+    sent = {**sent, "index": base["index"], "uuid": base["uuid"]}  # the fleet completes the base it found by these
     held, entry = convert(base, GpuState), convert(sent, GpuState)
     plain = complete_gpu(msgspec.structs.replace(held), entry)
     own = msgspec.structs.replace(held)
