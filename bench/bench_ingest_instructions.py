@@ -1,7 +1,8 @@
-"""Instructions per steady compact report (version 3, what the agent sends), decode with strict
-validation and the fleet update apart, counted by valgrind's callgrind over the same agent-built
-reports as bench_ingest. A count, not a time: it is the same on a busy machine, so two versions of
-the code compare by it where bench_ingest's rate moves by a third from one run to the next.
+"""Instructions per steady report, compact (version 3, what the agent sends) and whole (its first,
+and what the simulator hands the service), decode with strict validation and the fleet update
+apart, counted by valgrind's callgrind over the same agent-built reports as bench_ingest. A count,
+not a time: it is the same on a busy machine, so two versions of the code compare by it where
+bench_ingest's rate moves by a third from one run to the next.
 
 The reports are built here and handed to a child interpreter run under callgrind, which counts
 only inside ``functools.reduce`` (``--toggle-collect``), the call that wraps exactly the measured
@@ -26,7 +27,7 @@ from bench.measure import Measurement
 from vigil.contract.wire import decode_report
 
 # 100 nodes x 12 steady rounds: 1,200 reports, enough for a stable mean (callgrind runs the
-# interpreter ~50 times slower; the two counts run side by side, ~2 minutes).
+# interpreter ~50 times slower; the four counts run two at a time, ~4 minutes).
 NODES = 100
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
@@ -37,31 +38,32 @@ def measure() -> list[Measurement]:
         print("bench_ingest_instructions: valgrind is not installed (apt-get install valgrind): nothing measured",
               file=sys.stderr)
         return []
-    bodies = bench_ingest.payloads(compact=True, nodes=NODES)
-    steady = len(bodies) - NODES
-    with tempfile.TemporaryDirectory(prefix="vigil-bench-") as tmp:
-        path = Path(tmp) / "bodies.json"
-        path.write_text(json.dumps([[ts, body.decode()] for ts, body in bodies]))
-        runs = {phase: subprocess.Popen(
-            [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", "--collect-atstart=no",
-             "--toggle-collect=functools_reduce", sys.executable, "-m", "bench.bench_ingest_instructions",
-             phase, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for phase in ("decode", "update")}
-        counts: dict[str, float] = {}
-        for phase, run in runs.items():
-            _, err = run.communicate(timeout=1800)
-            found = _COLLECTED.search(err)
-            if run.returncode != 0 or found is None:
-                raise RuntimeError(f"callgrind ({phase}) exited {run.returncode}: {err[-2000:]}")
-            counts[phase] = int(found.group(1)) / steady
+    counts: dict[tuple[str, str], float] = {}
+    steady = 0
+    for kind in ("compact", "whole"):
+        bodies = bench_ingest.payloads(compact=kind == "compact", nodes=NODES)
+        steady = len(bodies) - NODES
+        with tempfile.TemporaryDirectory(prefix="vigil-bench-") as tmp:
+            path = Path(tmp) / "bodies.json"
+            path.write_text(json.dumps([[ts, body.decode()] for ts, body in bodies]))
+            runs = {phase: subprocess.Popen(
+                [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", "--collect-atstart=no",
+                 "--toggle-collect=functools_reduce", sys.executable, "-m", "bench.bench_ingest_instructions",
+                 phase, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                for phase in ("decode", "update")}
+            for phase, run in runs.items():
+                _, err = run.communicate(timeout=1800)
+                found = _COLLECTED.search(err)
+                if run.returncode != 0 or found is None:
+                    raise RuntimeError(f"callgrind ({kind} {phase}) exited {run.returncode}: {err[-2000:]}")
+                counts[kind, phase] = int(found.group(1)) / steady
     note = (f"callgrind, {NODES} nodes x {bench_ingest.ROUNDS - 1} steady rounds of the agent's reports "
             f"({steady:,} reports); the same on a busy machine")
     return [
-        Measurement("aggregator ingest: decode + strict validation, instructions a compact report",
-                    round(counts["decode"] / 1000, 1), "k instr", None, note=note),
-        Measurement("aggregator ingest: fleet update (Engine.ingest), instructions a compact report",
-                    round(counts["update"] / 1000, 1), "k instr", None, note=note),
-    ]
+        Measurement(f"aggregator ingest: {what}, instructions a {kind} report",
+                    round(counts[kind, phase] / 1000, 1), "k instr", None, note=note)
+        for kind in ("compact", "whole")
+        for phase, what in (("decode", "decode + strict validation"), ("update", "fleet update (Engine.ingest)"))]
 
 
 def _child(phase: str, path: str) -> None:

@@ -416,6 +416,27 @@ class PortHistory:
             self.max_rate_bits_per_second = rate
         return changed
 
+    def observe_moved(self, sent: PortState, ts: float) -> int | None:
+        """A compact entry of this port: when the state held is the fleet's own copy (``owned``) and
+        the entry carries nothing but counters (the usual entry: its link state, rate and flags as
+        held), they merge into the held state's and the read is taken as ``observe``'s fast path
+        takes it, returning what changed; None otherwise (the caller completes the entry and calls
+        ``observe``). One call a port where completing and observing made two and tested the entry
+        twice (bench_ingest_instructions)."""
+        if (self.last is not self.owned or sent.state is not None or sent.phys_state is not None
+                or sent.rate_bits_per_second is not None or sent.link_layer is not None or sent.netdev is not None
+                or sent.deltas or sent.rates_per_second or sent.flags):
+            return None
+        moved = sent.counters
+        counters = self.last.counters
+        counters.update(moved)
+        last_sample = self.samples[-1]
+        self.last_seen = ts
+        self.samples.append(PortSample(ts, last_sample.active, last_sample.rate_bits_per_second))
+        if len(counters) == self._names_for and self._judged.isdisjoint(moved) and self.counters.still(ts):
+            return 0  # none of the judged counters moved
+        return self._observe_counters(ts, counters, self.last.flags)
+
     def _observe_counters(self, ts: float, counters: dict[str, int], flags: dict[str, str]) -> int:
         if len(counters) != self._names_for or flags != self._flags:
             # The judged counters this port has, less the saturated ones (a saturated counter no
