@@ -201,7 +201,7 @@ class Agent:
                 else:
                     value = max(seen.value, sample.value) if sample.name == LAST_SUCCESS.name \
                         else seen.value + sample.value
-                    merged[key] = replace(seen, value=value)
+                    merged[key] = Sample(seen.name, value, seen.labels)
         return list(merged.values())
 
     def render_metrics(self) -> bytes:
