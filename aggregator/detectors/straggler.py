@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import add, attrgetter, ge, itemgetter, lt, not_, truediv
 from statistics import median
 from typing import cast
@@ -51,6 +51,7 @@ _LAST = attrgetter("last")
 _LAST_SEEN = attrgetter("last_seen")
 _WINDOWS = attrgetter("windows")
 _WINDOW_SECONDS = attrgetter("window_seconds")
+_INTERVAL = attrgetter("interval_seconds")
 _NEWEST = itemgetter(-1)
 # RankHistory.windows's entries: (end, compute p50, comm p50, steps, data p50).
 _Entry = tuple[float, float, float | None, int, float | None]
@@ -296,7 +297,9 @@ class StragglerDetector:
             return []
         width = max(cfg.window_seconds, max(map(_WINDOW_SECONDS, map(_LAST, ranks))))
         nodes = self._membership(job).nodes
-        interval = max([0.0] + [view.nodes[n].interval_seconds for n in nodes if n in view.nodes])
+        # The same values in the same order as [0.0] + [view.nodes[n].interval_seconds for n in
+        # nodes if n in view.nodes], read with C-level maps (a node state is never falsy).
+        interval = max(chain((0.0,), map(_INTERVAL, filter(None, map(view.nodes.get, nodes)))))
         last = last_complete_window(ranks, interval, width, now)
         memo = self._memo.get(job.name)
         if memo is None or memo.job is not job or memo.width != width:
