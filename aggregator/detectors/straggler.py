@@ -121,11 +121,22 @@ class StragglerConfig(StrictModel):
 @dataclass(slots=True)
 class _NodeWindow:
     own: float  # median over the node's ranks of compute p50 + data p50: the time it takes itself
-    compute: float
-    data: float | None  # median of its ranks' data p50, None when they report no data phase
     comm: float | None
     ranks: int
     steps: int
+    rows: list[_Entry]  # its ranks' entries in the window
+
+    # Read only for a class with a flagged node (its evidence): not worked out for every node.
+    @property
+    def compute(self) -> float:
+        """The median of its ranks' compute p50."""
+        return _median([r[1] for r in self.rows])
+
+    @property
+    def data(self) -> float | None:
+        """The median of its ranks' data p50, None when they report no data phase."""
+        datas = [r[4] for r in self.rows if r[4] is not None]
+        return _median(datas) if datas else None
 
 
 Evidence = dict[str, float | int | str | None]
@@ -420,11 +431,8 @@ class StragglerDetector:
         sigma = max(spread, median(spreads), cfg.min_spread_ratio) * med
         comms = [s.comm for s in baseline.values() if s.comm is not None]
         comm_med = median(comms) if len(comms) >= cfg.min_nodes else None
-        datas = [s.data for s in baseline.values() if s.data is not None]
-        data_med = median(datas) if datas else None
-        compute_med = median(s.compute for s in baseline.values())
         floor = max(cfg.min_excess_ratio * med, cfg.z_threshold * sigma)
-        flagged: dict[str, Evidence] = {}
+        hits: list[tuple[str, _NodeWindow, float]] = []
         for node, s in mine.items():
             excess = s.own - med
             if excess < floor:
@@ -432,14 +440,23 @@ class StragglerDetector:
             # The straggler waits least in the collective: everyone else waits for it.
             if comm_med is not None and (s.comm is None or s.comm > comm_med):
                 continue
+            hits.append((node, s, excess))
+        flagged: dict[str, Evidence] = {}
+        if hits:
+            node_datas = [s.data for s in baseline.values()]
+            datas = [d for d in node_datas if d is not None]
+            data_med = median(datas) if datas else None
+            compute_med = median(s.compute for s in baseline.values())
+        for node, s, excess in hits:
+            compute, data = s.compute, s.data
             flagged[node] = {
                 "own_seconds_node_median": round(s.own, 6), "class_median_own_seconds": round(med, 6),
-                "compute_seconds_node_median": round(s.compute, 6),
+                "compute_seconds_node_median": round(compute, 6),
                 "class_median_compute_seconds": round(compute_med, 6),
-                "data_seconds_node_median": None if s.data is None else round(s.data, 6),
+                "data_seconds_node_median": None if data is None else round(data, 6),
                 "class_median_data_seconds": None if data_med is None else round(data_med, 6),
-                "compute_excess_seconds": round(s.compute - compute_med, 3),
-                "data_excess_seconds": None if s.data is None or data_med is None else round(s.data - data_med, 3),
+                "compute_excess_seconds": round(compute - compute_med, 3),
+                "data_excess_seconds": None if data is None or data_med is None else round(data - data_med, 3),
                 "excess_ratio": round(excess / med, 4), "z": round(excess / sigma, 2),
                 "comm_seconds_node_median": s.comm, "class_median_comm_seconds": comm_med,
                 "ranks": s.ranks, "steps": s.steps, "class_nodes": len(baseline), "job_nodes": job_nodes,
@@ -527,9 +544,8 @@ class StragglerDetector:
             # statistic of all nodes in a few C-level passes (~1 us a node instead of ~6).
             slices = members.slices
             steps_of = list(map(sum, map(steps_all.__getitem__, slices)))
-            windows = map(_NodeWindow, _medians(owns, slices, n), _medians(computes, slices, n),
-                          repeat(None) if no_data else _medians(cast(list[float], datas), slices, n),
-                          _medians(cast(list[float], comms), slices, n), repeat(n), steps_of)
+            windows = map(_NodeWindow, _medians(owns, slices, n), _medians(cast(list[float], comms), slices, n),
+                          repeat(n), steps_of, map(rows.__getitem__, slices))
             return {node: w for node, w, steps in zip(members.names, windows, steps_of, strict=False)
                     if not steps < min_steps}
         for node, start, stop in members.spans:
@@ -538,14 +554,9 @@ class StragglerDetector:
             if steps < min_steps:
                 continue
             comm = comms[start:stop]
-            if no_data:
-                data = None
-            else:
-                present = [d for d in datas[start:stop] if d is not None]
-                data = _median(present) if present else None
-            out[node] = _NodeWindow(own=_median(owns[start:stop]), compute=_median(computes[start:stop]), data=data,
+            out[node] = _NodeWindow(own=_median(owns[start:stop]),
                                     comm=None if None in comm else _median(cast(list[float], comm)),
-                                    ranks=stop - start, steps=steps)
+                                    ranks=stop - start, steps=steps, rows=rows[start:stop])
         return out
 
     def _node_window(self, out: dict[str, _NodeWindow], node: str, rows: list[_Entry], ranks: int) -> None:
@@ -554,12 +565,10 @@ class StragglerDetector:
         steps = sum([r[3] for r in rows])
         if len(rows) < cfg.min_node_rank_share * ranks or steps < cfg.min_node_steps:
             return
-        datas = [r[4] for r in rows if r[4] is not None]
         comms = [r[2] for r in rows if r[2] is not None]
-        out[node] = _NodeWindow(
-            own=_median([r[1] + (r[4] or 0.0) for r in rows]), compute=_median([r[1] for r in rows]),
-            data=_median(datas) if datas else None,
-            comm=_median(comms) if len(comms) == len(rows) else None, ranks=len(rows), steps=steps)
+        out[node] = _NodeWindow(own=_median([r[1] + (r[4] or 0.0) for r in rows]),
+                                comm=_median(comms) if len(comms) == len(rows) else None, ranks=len(rows),
+                                steps=steps, rows=rows)
 
     def _class_findings(self, job: JobState, memo: _JobMemo, verdict: _Verdict, index: int) -> list[Finding]:
         """A class of the job slower than its largest class, or too small to be judged, in
