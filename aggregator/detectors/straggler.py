@@ -498,10 +498,13 @@ class StragglerDetector:
         return out
 
     def _node_stats_bulk(self, members: _Members, index: int, width: float) -> dict[str, _NodeWindow]:
-        """``_node_stats`` (the long way, rank by rank in Python: ~1.6 us a rank, 26 ms a pass at
-        2,000 nodes) with the ranks' entries read in bulk: each rank's newest entry, and where
-        that one lies beyond the window the entry the long way would pick, then each node's rows
-        as a slice of the job's ranks node by node. The same rows, so the same medians."""
+        """``_node_stats`` (the long way, rank by rank in Python) with the ranks' entries read in
+        bulk: each rank's newest entry, and where that one lies outside the window the entry the
+        long way would pick, then each node's rows as a slice of the job's ranks node by node. The
+        same rows, so the same medians. At 2,000 nodes (16,000 ranks) a pass that judges a window
+        took a median 49 ms the long way and 43 ms so (the detector's CPU, 8 passes each, busy
+        2-core machine): what is left is mostly reading each rank's objects at all (the newest
+        entries, the per-node sorts), which only work done at ingest would take off the pass."""
         lo, hi = _window_ends(index, width)
         order = members.order
         wins = list(map(_WINDOWS, order))
