@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter
+from functools import partial
+from itertools import chain, compress, repeat
+from operator import add, attrgetter, ge, itemgetter, lt, not_, truediv
 from statistics import median
+from typing import cast
 
 from pydantic import Field
 
@@ -47,6 +51,11 @@ _LAST = attrgetter("last")
 _LAST_SEEN = attrgetter("last_seen")
 _WINDOWS = attrgetter("windows")
 _WINDOW_SECONDS = attrgetter("window_seconds")
+_INTERVAL = attrgetter("interval_seconds")
+_NEWEST = itemgetter(-1)
+# RankHistory.windows's entries: (end, compute p50, comm p50, steps, data p50).
+_Entry = tuple[float, float, float | None, int, float | None]
+_END, _COMPUTE, _COMM, _STEPS, _DATA = (itemgetter(i) for i in range(5))
 
 class StragglerConfig(StrictModel):
     enabled: bool = True
@@ -112,11 +121,22 @@ class StragglerConfig(StrictModel):
 @dataclass(slots=True)
 class _NodeWindow:
     own: float  # median over the node's ranks of compute p50 + data p50: the time it takes itself
-    compute: float
-    data: float | None  # median of its ranks' data p50, None when they report no data phase
     comm: float | None
     ranks: int
     steps: int
+    rows: list[_Entry]  # its ranks' entries in the window
+
+    # Read only for a class with a flagged node (its evidence): not worked out for every node.
+    @property
+    def compute(self) -> float:
+        """The median of its ranks' compute p50."""
+        return _median([r[1] for r in self.rows])
+
+    @property
+    def data(self) -> float | None:
+        """The median of its ranks' data p50, None when they report no data phase."""
+        datas = [r[4] for r in self.rows if r[4] is not None]
+        return _median(datas) if datas else None
 
 
 Evidence = dict[str, float | int | str | None]
@@ -137,6 +157,19 @@ class _Verdict:
     # Older verdicts keep only their flagged nodes (a 30 min horizon of every node's presence
     # would cost 360 sets of the job's nodes); a run through a pruned window ends there.
     pruned: bool = False
+
+
+@dataclass(slots=True)
+class _Members:
+    """A job's ranks by node, as of its membership revision (``StragglerDetector._membership``)."""
+
+    nodes: set[str]
+    ranks_of: dict[str, int]  # node -> how many of the job's ranks it holds
+    order: list[RankHistory]  # the job's ranks, node by node
+    spans: list[tuple[str, int, int]]  # (node, start, stop): its ranks are order[start:stop]
+    slices: list[slice]  # slice(start, stop) of each span, in the same order
+    names: list[str]  # each span's node, in the same order
+    ranks_per_node: int | None  # how many ranks every node holds, None when they differ
 
 
 @dataclass(slots=True)
@@ -167,8 +200,8 @@ def mad_sigma(mad: float, n: int) -> float:
     return _MAD_TO_SIGMA * mad * _MAD_SMALL_N.get(n, n / (n - 0.8))
 
 
-def _median(values: list[float]) -> float:
-    """``statistics.median`` of a non-empty list, its arithmetic exactly, without its generality
+def _median(values: Iterable[float]) -> float:
+    """``statistics.median`` of non-empty values, its arithmetic exactly, without its generality
     (it runs for every node of every judged window)."""
     data = sorted(values)
     n = len(data)
@@ -195,8 +228,44 @@ def last_complete_window(ranks: list[RankHistory], interval: float, width: float
         return deadline  # a live rank with no window yet
     # The window of the live rank furthest behind: ceil is monotonic, so the window of the
     # earliest end is the least of their windows.
-    reached = min(current, math.ceil(min([w[-1][0] for w in live]) / width - 1e-9))
+    reached = min(current, math.ceil(min(map(_END, map(_NEWEST, live))) / width - 1e-9))
     return max(deadline, reached)
+
+
+def _medians(column: list[float], slices: list[slice], n: int) -> list[float]:
+    """``_median`` of each slice of ``column`` (``n`` values each), its arithmetic exactly."""
+    ordered = list(map(sorted, map(column.__getitem__, slices)))
+    i = n // 2
+    if n % 2:
+        return list(map(itemgetter(i), ordered))
+    return list(map(truediv, map(add, map(itemgetter(i - 1), ordered), map(itemgetter(i), ordered)), repeat(2)))
+
+
+def _window_ends(index: int, width: float) -> tuple[float, float]:
+    """(lo, hi): an entry's end ``e`` lies in window ``index`` (``index - 1 < e / width - 1e-9 <=
+    index``, the long way's test) exactly when ``lo < e <= hi``. ``e / width - 1e-9`` never
+    decreases as ``e`` grows (floating-point division and subtraction round monotonically), so
+    each bound is the largest float passing its half of the test, found from its estimate a few
+    ulps at a time."""
+    def largest_at_or_below(k: float) -> float:
+        e = (k + 1e-9) * width
+        while e / width - 1e-9 > k:
+            e = math.nextafter(e, -math.inf)
+        while (up := math.nextafter(e, math.inf)) / width - 1e-9 <= k:
+            e = up
+        return e
+    return largest_at_or_below(float(index - 1)), largest_at_or_below(float(index))
+
+
+def _pick(windows: deque[_Entry], lo: float, hi: float) -> _Entry | None:
+    """A rank's entry in the window ``_window_ends`` bounds, as the long way walks back to it."""
+    for entry in reversed(windows):
+        end = entry[0]
+        if end <= lo:
+            return None
+        if end <= hi:
+            return entry
+    return None
 
 
 class StragglerDetector:
@@ -208,8 +277,11 @@ class StragglerDetector:
         # Caches over the fleet ``_fleet`` (docs/detectors.md, "change markers"): each job's nodes as of its membership
         # revision, and each node's hardware class as of its class revision.
         self._fleet: object | None = None
-        self._job_nodes: dict[str, tuple[JobState, int, set[str], dict[str, int]]] = {}
+        self._job_nodes: dict[str, tuple[JobState, int, _Members]] = {}
         self._classes: dict[str, tuple[NodeState, int, HardwareClass]] = {}
+        # Windows whose ranks' entries were picked in bulk (``_node_stats``); tests check the
+        # shortcut they compare with the long way was taken.
+        self.bulk_windows = 0
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -235,8 +307,10 @@ class StragglerDetector:
         if not ranks:
             return []
         width = max(cfg.window_seconds, max(map(_WINDOW_SECONDS, map(_LAST, ranks))))
-        nodes = self._membership(job)[0]
-        interval = max([0.0] + [view.nodes[n].interval_seconds for n in nodes if n in view.nodes])
+        nodes = self._membership(job).nodes
+        # The same values in the same order as [0.0] + [view.nodes[n].interval_seconds for n in
+        # nodes if n in view.nodes], read with C-level maps (a node state is never falsy).
+        interval = max(chain((0.0,), map(_INTERVAL, filter(None, map(view.nodes.get, nodes)))))
         last = last_complete_window(ranks, interval, width, now)
         memo = self._memo.get(job.name)
         if memo is None or memo.job is not job or memo.width != width:
@@ -271,20 +345,33 @@ class StragglerDetector:
         return out + self._findings(job, memo, last, now)
 
 
-    def _membership(self, job: JobState) -> tuple[set[str], dict[str, int]]:
-        """The nodes ``job``'s ranks report from and how many of its ranks each holds, cached while
-        its membership stays (a rank's node changes only as its membership does:
-        fleet.JobState.members_revision)."""
+    def _membership(self, job: JobState) -> _Members:
+        """The nodes ``job``'s ranks report from, how many of its ranks each holds and its ranks
+        node by node, cached while its membership stays (a rank's node changes, and a rank's
+        history is replaced, only as its membership does: fleet.JobState.members_revision)."""
         cached = self._job_nodes.get(job.name) if self._fleet is not None else None
         if cached is not None and cached[0] is job and cached[1] == job.members_revision:
-            return cached[2], cached[3]
-        ranks_of: dict[str, int] = {}
+            return cached[2]
+        by_node: dict[str, list[RankHistory]] = {}
         for rank in job.ranks.values():
-            ranks_of[rank.node] = ranks_of.get(rank.node, 0) + 1
-        nodes = set(ranks_of)
+            mine = by_node.get(rank.node)
+            if mine is None:
+                by_node[rank.node] = [rank]
+            else:
+                mine.append(rank)
+        ranks_of = {node: len(mine) for node, mine in by_node.items()}
+        order = [rank for mine in by_node.values() for rank in mine]
+        spans: list[tuple[str, int, int]] = []
+        start = 0
+        for node, mine in by_node.items():
+            spans.append((node, start, start + len(mine)))
+            start += len(mine)
+        counts = set(ranks_of.values())
+        members = _Members(set(ranks_of), ranks_of, order, spans, [slice(a, b) for _, a, b in spans],
+                           [node for node, _, _ in spans], counts.pop() if len(counts) == 1 else None)
         if self._fleet is not None:
-            self._job_nodes[job.name] = (job, job.members_revision, nodes, ranks_of)
-        return nodes, ranks_of
+            self._job_nodes[job.name] = (job, job.members_revision, members)
+        return members
 
     def _classes_of(self, view: FleetView, nodes: set[str]) -> dict[str, HardwareClass]:
         """Each node's hardware class (UNKNOWN when classes are not compared or the node is not in
@@ -344,11 +431,8 @@ class StragglerDetector:
         sigma = max(spread, median(spreads), cfg.min_spread_ratio) * med
         comms = [s.comm for s in baseline.values() if s.comm is not None]
         comm_med = median(comms) if len(comms) >= cfg.min_nodes else None
-        datas = [s.data for s in baseline.values() if s.data is not None]
-        data_med = median(datas) if datas else None
-        compute_med = median(s.compute for s in baseline.values())
         floor = max(cfg.min_excess_ratio * med, cfg.z_threshold * sigma)
-        flagged: dict[str, Evidence] = {}
+        hits: list[tuple[str, _NodeWindow, float]] = []
         for node, s in mine.items():
             excess = s.own - med
             if excess < floor:
@@ -356,14 +440,23 @@ class StragglerDetector:
             # The straggler waits least in the collective: everyone else waits for it.
             if comm_med is not None and (s.comm is None or s.comm > comm_med):
                 continue
+            hits.append((node, s, excess))
+        flagged: dict[str, Evidence] = {}
+        if hits:
+            node_datas = [s.data for s in baseline.values()]
+            datas = [d for d in node_datas if d is not None]
+            data_med = median(datas) if datas else None
+            compute_med = median(s.compute for s in baseline.values())
+        for node, s, excess in hits:
+            compute, data = s.compute, s.data
             flagged[node] = {
                 "own_seconds_node_median": round(s.own, 6), "class_median_own_seconds": round(med, 6),
-                "compute_seconds_node_median": round(s.compute, 6),
+                "compute_seconds_node_median": round(compute, 6),
                 "class_median_compute_seconds": round(compute_med, 6),
-                "data_seconds_node_median": None if s.data is None else round(s.data, 6),
+                "data_seconds_node_median": None if data is None else round(data, 6),
                 "class_median_data_seconds": None if data_med is None else round(data_med, 6),
-                "compute_excess_seconds": round(s.compute - compute_med, 3),
-                "data_excess_seconds": None if s.data is None or data_med is None else round(s.data - data_med, 3),
+                "compute_excess_seconds": round(compute - compute_med, 3),
+                "data_excess_seconds": None if data is None or data_med is None else round(data - data_med, 3),
                 "excess_ratio": round(excess / med, 4), "z": round(excess / sigma, 2),
                 "comm_seconds_node_median": s.comm, "class_median_comm_seconds": comm_med,
                 "ranks": s.ranks, "steps": s.steps, "class_nodes": len(baseline), "job_nodes": job_nodes,
@@ -377,8 +470,11 @@ class StragglerDetector:
     def _node_stats(self, job: JobState, index: int, width: float) -> dict[str, _NodeWindow]:
         """Per node: the median over its ranks of each rank's own time (compute p50 + data p50),
         compute p50, data p50 and collective wait p50 in window ``index``."""
+        members = self._membership(job)
+        if self._fleet is not None and math.isfinite(width):
+            return self._node_stats_bulk(members, index, width)
         per_node: dict[str, list[tuple[float, float, float | None, int, float | None]]] = {}
-        ranks_of = self._membership(job)[1]
+        ranks_of = members.ranks_of
         # An entry's window is ceil(end / width - 1e-9); for an integer index, ceil(x) == index
         # exactly when index - 1 < x <= index, and ceil(x) < index when x <= index - 1: the same
         # test with no call per entry (one or two entries per rank are read).
@@ -396,19 +492,86 @@ class StragglerDetector:
                     else:
                         rows.append(entry)
                     break
-        cfg = self.config
         out: dict[str, _NodeWindow] = {}
         for node, rows in per_node.items():
-            steps = sum([r[3] for r in rows])
-            if len(rows) < cfg.min_node_rank_share * ranks_of[node] or steps < cfg.min_node_steps:
-                continue
-            datas = [r[4] for r in rows if r[4] is not None]
-            comms = [r[2] for r in rows if r[2] is not None]
-            out[node] = _NodeWindow(
-                own=_median([r[1] + (r[4] or 0.0) for r in rows]), compute=_median([r[1] for r in rows]),
-                data=_median(datas) if datas else None,
-                comm=_median(comms) if len(comms) == len(rows) else None, ranks=len(rows), steps=steps)
+            self._node_window(out, node, rows, ranks_of[node])
         return out
+
+    def _node_stats_bulk(self, members: _Members, index: int, width: float) -> dict[str, _NodeWindow]:
+        """``_node_stats`` (the long way, rank by rank in Python) with the ranks' entries read in
+        bulk: each rank's newest entry, and where that one lies outside the window the entry the
+        long way would pick, then each node's rows as a slice of the job's ranks node by node. The
+        same rows, so the same medians. At 2,000 nodes (16,000 ranks) a pass that judges a window
+        took a median 49 ms the long way and 43 ms so (the detector's CPU, 8 passes each, busy
+        2-core machine): what is left is mostly reading each rank's objects at all (the newest
+        entries, the per-node sorts), which only work done at ingest would take off the pass."""
+        lo, hi = _window_ends(index, width)
+        order = members.order
+        wins = list(map(_WINDOWS, order))
+        if not all(wins):
+            picks: list[_Entry | None] = [_pick(w, lo, hi) for w in wins]
+        else:
+            picks = list(map(_NEWEST, wins))
+            ends = list(map(_END, cast(list[_Entry], picks)))
+            # Newest entries outside the window (beyond it: the rank's next window came in; at or
+            # before its start: none in it) are picked the long way; a NaN end fails both tests.
+            for test in (partial(ge, hi), partial(lt, lo)):
+                for i in compress(range(len(picks)), map(not_, map(test, ends))):
+                    picks[i] = _pick(wins[i], lo, hi)
+        self.bulk_windows += 1
+        cfg = self.config
+        min_steps = cfg.min_node_steps
+        out: dict[str, _NodeWindow] = {}
+        if None in picks:  # a rank with no entry in the window: each node's rows filtered
+            for node, start, stop in members.spans:
+                rows = [r for r in picks[start:stop] if r is not None]
+                if rows:
+                    self._node_window(out, node, rows, stop - start)
+            return out
+        # Every rank has an entry (the usual window): columns over the job, each node's values a
+        # slice of them (C-level reads: at 2,000 nodes of 8 ranks, ~1 us a rank less than rows).
+        rows = cast(list[_Entry], picks)
+        computes = list(map(_COMPUTE, rows))
+        comms = list(map(_COMM, rows))
+        datas = list(map(_DATA, rows))
+        steps_all = list(map(_STEPS, rows))
+        if datas.count(None) == len(datas):
+            owns = list(map(add, computes, repeat(0.0)))  # r[1] + (None or 0.0), as the long way
+            no_data = True
+        else:
+            owns = [c + (d or 0.0) for c, d in zip(computes, datas, strict=True)]
+            no_data = False
+        n = members.ranks_per_node
+        if n is not None and comms.count(None) == 0 and (no_data or datas.count(None) == 0):
+            # Every node has n rows with a collective wait, all with a data phase or none: each
+            # statistic of all nodes in a few C-level passes (~1 us a node instead of ~6).
+            slices = members.slices
+            steps_of = list(map(sum, map(steps_all.__getitem__, slices)))
+            windows = map(_NodeWindow, _medians(owns, slices, n), _medians(cast(list[float], comms), slices, n),
+                          repeat(n), steps_of, map(rows.__getitem__, slices))
+            return {node: w for node, w, steps in zip(members.names, windows, steps_of, strict=False)
+                    if not steps < min_steps}
+        for node, start, stop in members.spans:
+            # Every rank of the node has a row: min_node_rank_share (at most 1) of them is met.
+            steps = sum(steps_all[start:stop])
+            if steps < min_steps:
+                continue
+            comm = comms[start:stop]
+            out[node] = _NodeWindow(own=_median(owns[start:stop]),
+                                    comm=None if None in comm else _median(cast(list[float], comm)),
+                                    ranks=stop - start, steps=steps, rows=rows[start:stop])
+        return out
+
+    def _node_window(self, out: dict[str, _NodeWindow], node: str, rows: list[_Entry], ranks: int) -> None:
+        """The long way's statistics of one node's ``rows`` (of its ``ranks``) into ``out``."""
+        cfg = self.config
+        steps = sum([r[3] for r in rows])
+        if len(rows) < cfg.min_node_rank_share * ranks or steps < cfg.min_node_steps:
+            return
+        comms = [r[2] for r in rows if r[2] is not None]
+        out[node] = _NodeWindow(own=_median([r[1] + (r[4] or 0.0) for r in rows]),
+                                comm=_median(comms) if len(comms) == len(rows) else None, ranks=len(rows),
+                                steps=steps, rows=rows)
 
     def _class_findings(self, job: JobState, memo: _JobMemo, verdict: _Verdict, index: int) -> list[Finding]:
         """A class of the job slower than its largest class, or too small to be judged, in
