@@ -43,11 +43,11 @@ from vigil.aggregator.detectors.memory import MemoryConfig, MemoryDetector
 from vigil.aggregator.detectors.network import NetworkConfig, NetworkDetector
 from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkConfig, PcieNvlinkDetector
 from vigil.aggregator.detectors.peer_class import HardwareClass, HardwareClasses, describe, hardware_class
-from vigil.aggregator.detectors.straggler import SPREAD_MEMORY_WINDOWS, mad_sigma
+from vigil.aggregator.detectors.straggler import SPREAD_MEMORY_WINDOWS, last_complete_window, mad_sigma
 from vigil.aggregator.detectors.telemetry_hang import TelemetryHangConfig, TelemetryHangDetector
 from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerConfig, TelemetryStragglerDetector
 from vigil.aggregator.detectors.thermal import ThermalConfig, ThermalDetector
-from vigil.aggregator.fleet import Fleet, FleetView, GpuHistory, NodeState, RankHistory
+from vigil.aggregator.fleet import Fleet, FleetView, GpuHistory, JobState, NodeState, RankHistory
 from vigil.contract.wire import Report, decode_report
 
 NODES = 12
@@ -88,6 +88,11 @@ class LongWayGpuStraggler(GpuStragglerDetector):
     the outlier scan: as before a window's ranks were read by class as they are read, the usual
     rank's newest entry without the walk, and a window with no rank at its floor judged without
     the scan."""
+
+    def _last_window(self, view: FleetView, job: JobState, ranks: list[RankHistory], width: float, now: float,
+                     judged: int | None) -> int:
+        interval = max([0.0] + [view.nodes[n].interval_seconds for n in job.nodes() if n in view.nodes])
+        return last_complete_window(ranks, interval, width, now)
 
     def _rows(self, view: FleetView, ranks: list[RankHistory], first: int, last: int, width: float,
               now: float) -> dict[int, dict[HardwareClass, _Window]]:
