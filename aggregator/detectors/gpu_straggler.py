@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from itertools import chain
-from operator import attrgetter, itemgetter
+from itertools import chain, repeat
+from operator import attrgetter, itemgetter, sub
 from statistics import median
 
 from pydantic import Field
@@ -119,7 +119,8 @@ class _Window:
 
 @dataclass(slots=True)
 class _Verdict:
-    """One judged window: evidence per flagged rank, and the ranks judged (flagged or not)."""
+    """One judged window: evidence per flagged rank, and the ranks judged (flagged or not; held
+    only where some rank has a run, the only ranks _advance asks about)."""
 
     flagged: dict[int, _Flag]
     judged: set[int]
@@ -231,17 +232,26 @@ class GpuStragglerDetector:
         current = math.floor(now / width + 1e-9)
         if judged is not None and judged >= current:
             return current  # last_complete_window is never past current: _judge judges nothing
-        interval = max([0.0] + [view.nodes[n].interval_seconds for n in self._nodes_of(view, job) if n in view.nodes])
-        if min(map(_LAST_SEEN, ranks)) < now - 2 * width - interval:
-            return last_complete_window(ranks, interval, width, now)  # a rank stopped reporting: the walk
-        # Every rank is live: last_complete_window's reading of them all, without the walk.
-        deadline = math.floor((now - interval - width) / width + 1e-9)
+        if min(map(_LAST_SEEN, ranks)) < now - 2 * width:
+            # A rank may have stopped reporting (its liveness is the nodes' interval's): the walk.
+            return last_complete_window(ranks, self._interval(view, job), width, now)
+        # Every rank is live whatever the interval: last_complete_window's reading of them all,
+        # without the walk, and the nodes' interval read only where the deadline may decide.
         windows = list(map(_WINDOWS, ranks))
         if not all(windows):
-            return deadline
+            return math.floor((now - self._interval(view, job) - width) / width + 1e-9)
         newest = list(map(_NEWEST, windows))
         self._newest = (ranks, newest)  # for _newest_columns in this pass: the ranks are read once
-        return max(deadline, min(current, math.ceil(min(map(_END, newest)) / width - 1e-9)))
+        reached = min(current, math.ceil(min(map(_END, newest)) / width - 1e-9))
+        # The deadline falls as the interval grows: at interval 0 it is the highest it can be.
+        if reached >= math.floor((now - width) / width + 1e-9):
+            return reached
+        return max(math.floor((now - self._interval(view, job) - width) / width + 1e-9), reached)
+
+    def _interval(self, view: FleetView, job: JobState) -> float:
+        """The longest reporting interval of the nodes ``job``'s ranks report from (straggler.py's
+        schedule: a window waits for one more report from each)."""
+        return max([0.0] + [view.nodes[n].interval_seconds for n in self._nodes_of(view, job) if n in view.nodes])
 
     def _newest_columns(self, view: FleetView, ranks: list[RankHistory], index: int, width: float,
                         now: float) -> dict[HardwareClass, _Window] | None:
@@ -368,12 +378,14 @@ class GpuStragglerDetector:
             n = len(base_computes)
             if n < cfg.min_ranks:
                 continue  # too few peers of this class: its ranks are not judged in this window
-            judged.update(ids)
+            if memo.runs:
+                judged.update(ids)  # _advance asks only about ranks with a run
             computes = sorted(base_computes)
             med = _sorted_median(computes)
             if med <= 0:
                 continue
-            mad = _sorted_median(sorted([abs(c - med) for c in computes]))
+            # |c - med| in C (map over the sorted column): a list comprehension costs ~3x.
+            mad = _sorted_median(sorted(map(abs, map(sub, computes, repeat(med, n)))))
             spreads = memo.spreads.setdefault(cls, deque(maxlen=SPREAD_MEMORY_WINDOWS))
             spreads.append(mad_sigma(mad, n) / med)
             sigma = max(spreads[-1], median(spreads), cfg.min_spread_ratio) * med
