@@ -16,7 +16,7 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode
 from tests.aggregator.detectors.test_incremental_gpu_side import LongWayGpuStraggler
-from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig, GpuStragglerDetector, _Window
+from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig, GpuStragglerDetector, _JobMemo, _Window
 from vigil.aggregator.detectors.peer_class import HardwareClass
 from vigil.aggregator.fleet import Fleet, FleetView, JobState, RankHistory
 from vigil.contract.wire import RankSummary
@@ -30,13 +30,18 @@ class CountingGpuStraggler(GpuStragglerDetector):
 
     def __init__(self, config: GpuStragglerConfig) -> None:
         super().__init__(config)
-        self.skipped = self.cut = self.walked = 0
+        self.skipped = self.cut = self.walked = self.widths_kept = 0
 
-    def _last_window(self, view: FleetView, job: JobState, ranks: list[RankHistory], width: float, now: float,
-                     judged: int | None) -> int:
-        if judged is not None and judged >= math.floor(now / width + 1e-9):
-            self.skipped += 1
-        return super()._last_window(view, job, ranks, width, now, judged)
+    def _width(self, view: FleetView, job: JobState) -> float:
+        held = self._widths.get(job.name)
+        width = super()._width(view, job)
+        self.widths_kept += held is not None and self._widths.get(job.name) is held
+        return width
+
+    def _judged_up_to_date(self, memo: _JobMemo, now: float) -> bool:
+        up_to_date = super()._judged_up_to_date(memo, now)
+        self.skipped += up_to_date
+        return up_to_date
 
     def _newest_columns(self, view: FleetView, ranks: list[RankHistory], index: int, width: float,
                         now: float) -> dict[HardwareClass, _Window] | None:
@@ -83,7 +88,9 @@ def test_the_short_ways_find_what_the_long_way_finds_every_pass(seed: int) -> No
                 slow = (ni, local) == (6, 2) and plan["slow"] <= at < plan["slow"] + 120
                 compute = (1.3 if slow else 1.0) * (1 + rng.uniform(-0.01, 0.01))
                 nocomm = ni == 7 and local == 1 and plan["nocomm"] <= at < plan["nocomm"] + 40
-                wide = ni == 8 and local == 7 and plan["wide"] <= at < plan["wide"] + 30
+                # A rank whose summary window is longer for a while, and the late rank's first 20 s.
+                wide = ((ni == 8 and local == 7 and plan["wide"] <= at < plan["wide"] + 30)
+                        or (ni == 3 and local == 0 and at < plan["join"] + 20))
                 node.ranks.append(RankSummary(
                     job="j", rank=rank, gpu=local, pid=1000 + rank, window_seconds=10.0 if wide else WINDOW,
                     window_end_ts=end, steps=2, last_step=int(at), last_progress_ts=at,
@@ -102,4 +109,4 @@ def test_the_short_ways_find_what_the_long_way_finds_every_pass(seed: int) -> No
                 found += len(got)
         t += 2.5
     assert found  # the slow rank was found the short way and the long way alike
-    assert short.skipped and short.cut and short.walked  # each way was taken
+    assert short.skipped and short.cut and short.walked and short.widths_kept  # each way was taken

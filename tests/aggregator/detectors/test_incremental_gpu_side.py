@@ -12,7 +12,7 @@ back with a remap failure, an NVLink and a port that come back up, a link back a
 The long way: a fresh GPU peer detector every pass (it reads every window whole); every GPU and
 port through ``_judge``; twins judging the view without change markers (every node's hardware
 class and the GPUs' jobs read afresh), the GPU straggler's gathering and judging each window's ranks
-one by one (``LongWayGpuStraggler``); the thermal detector's samples
+one by one, every rank read on every pass (``LongWayGpuStraggler``); the thermal detector's samples
 counted one by one with its own tests, as before the short walk. A fifth of the passes are
 skipped, so the next finds two new samples a GPU."""
 
@@ -89,8 +89,13 @@ class LongWayGpuStraggler(GpuStragglerDetector):
     rank's newest entry without the walk, and a window with no rank at its floor judged without
     the scan."""
 
-    def _last_window(self, view: FleetView, job: JobState, ranks: list[RankHistory], width: float, now: float,
-                     judged: int | None) -> int:
+    def _width(self, view: FleetView, job: JobState) -> float:
+        return max([self.config.window_seconds] + [r.last.window_seconds for r in job.ranks.values()])
+
+    def _judged_up_to_date(self, memo: _JobMemo, now: float) -> bool:
+        return False
+
+    def _last_window(self, view: FleetView, job: JobState, ranks: list[RankHistory], width: float, now: float) -> int:
         interval = max([0.0] + [view.nodes[n].interval_seconds for n in job.nodes() if n in view.nodes])
         return last_complete_window(ranks, interval, width, now)
 
