@@ -118,6 +118,19 @@ class _Window:
 
 
 @dataclass(slots=True)
+class _Roster:
+    """A job's ranks as of its membership revision, in the job's order, with their numbers and
+    nodes (lists read, never changed, by a pass: a window's columns may be these very lists)."""
+
+    job: JobState
+    revision: int
+    ranks: list[RankHistory]
+    ids: list[int]
+    nodes: list[str]
+    distinct_nodes: list[str]  # in order of first appearance
+
+
+@dataclass(slots=True)
 class _Verdict:
     """One judged window: evidence per flagged rank, and the ranks judged (flagged or not; held
     only where some rank has a run, the only ranks _advance asks about)."""
@@ -161,7 +174,7 @@ class GpuStragglerDetector:
         # node -> its hardware class and when it was read (_CLASS_REFRESH_SECONDS).
         self._classes: dict[str, tuple[HardwareClass, float]] = {}
         # job -> the nodes its ranks report from, as of its membership revision (a fleet's view).
-        self._job_nodes: dict[str, tuple[JobState, int, set[str]]] = {}
+        self._job_nodes: dict[str, _Roster] = {}
         # job -> its judged window's width as of its membership revision and the ranks' window
         # changes (_width).
         self._widths: dict[str, tuple[JobState, int, int, float]] = {}
@@ -177,20 +190,24 @@ class GpuStragglerDetector:
         for name in [n for n, m in self._memo.items() if view.jobs.get(n) is not m.job]:
             del self._memo[name]
         if len(self._job_nodes) > len(view.jobs):
-            self._job_nodes = {n: held for n, held in self._job_nodes.items() if view.jobs.get(n) is held[0]}
+            self._job_nodes = {n: held for n, held in self._job_nodes.items() if view.jobs.get(n) is held.job}
         if len(self._widths) > len(view.jobs):
             self._widths = {n: held for n, held in self._widths.items() if view.jobs.get(n) is held[0]}
         return out
 
-    def _nodes_of(self, view: FleetView, job: JobState) -> set[str]:
-        """The nodes ``job``'s ranks report from: a rank's node changes only as the job's
-        membership does (JobState.members_revision), so they are listed again only then."""
-        if view.revision is None:
-            return {r.node for r in job.ranks.values()}
+    def _roster(self, view: FleetView, job: JobState) -> _Roster:
+        """``job``'s ranks, their numbers and nodes: a rank's node changes only as the job's
+        membership does (JobState.members_revision), so they are listed again only then (reading
+        them from 100,000 ranks on each judged window cost ~10 ms a list)."""
         held = self._job_nodes.get(job.name)
-        if held is None or held[0] is not job or held[1] != job.members_revision:
-            held = self._job_nodes[job.name] = (job, job.members_revision, {r.node for r in job.ranks.values()})
-        return held[2]
+        if view.revision is None or held is None or held.job is not job or held.revision != job.members_revision:
+            ranks = list(job.ranks.values())
+            nodes = list(map(_NODE, ranks))
+            held = _Roster(job, job.members_revision, ranks, list(map(_RANK_ID, ranks)), nodes,
+                           list(dict.fromkeys(nodes)))
+            if view.revision is not None:
+                self._job_nodes[job.name] = held
+        return held
 
     def _class_of(self, view: FleetView, node: str, now: float) -> HardwareClass:
         held = self._classes.get(node)
@@ -210,13 +227,13 @@ class GpuStragglerDetector:
         if memo is None or memo.job is not job or memo.width != width:
             memo = self._memo[job.name] = _JobMemo(job, width)
         if not self._judged_up_to_date(memo, now):
-            ranks = list(job.ranks.values())
-            last = self._last_window(view, job, ranks, width, now)
+            roster = self._roster(view, job)
+            last = self._last_window(view, job, roster.ranks, width, now)
             first = last - cfg.persistence_windows - 1
             if memo.last_judged is not None:
                 first = max(first, memo.last_judged + 1, last - RANK_WINDOWS_MAX)
             if first <= last:
-                rows = self._rows(view, ranks, first, last, width, now)
+                rows = self._rows(view, roster, first, last, width, now)
                 for index in range(first, last + 1):
                     window = rows.get(index)
                     if window:
@@ -273,14 +290,16 @@ class GpuStragglerDetector:
     def _interval(self, view: FleetView, job: JobState) -> float:
         """The longest reporting interval of the nodes ``job``'s ranks report from (straggler.py's
         schedule: a window waits for one more report from each)."""
-        return max([0.0] + [view.nodes[n].interval_seconds for n in self._nodes_of(view, job) if n in view.nodes])
+        return max([0.0] + [view.nodes[n].interval_seconds for n in self._roster(view, job).distinct_nodes
+                            if n in view.nodes])
 
-    def _newest_columns(self, view: FleetView, ranks: list[RankHistory], index: int, width: float,
+    def _newest_columns(self, view: FleetView, roster: _Roster, index: int, width: float,
                         now: float) -> dict[HardwareClass, _Window] | None:
         """Window ``index`` as _rows gathers it where every rank's newest entry lies in it with a
         collective wait (the usual pass at the usual cadence): the columns cut in C from the
         newest entries, grouped by the hardware class of each node (one class a job: the columns
         whole). None where a rank's newest entry is elsewhere or lacks the wait (_rows walks)."""
+        ranks = roster.ranks
         held = self._newest
         if held is not None and held[0] is ranks:
             newest = held[1]
@@ -297,11 +316,11 @@ class GpuStragglerDetector:
             return None
         # A column a map: zip(*newest) costs 5-7x as much for 100,000 entries (an iterator a row).
         computes, steps = list(map(_COMPUTE, newest)), list(map(_STEPS, newest))
-        nodes = list(map(_NODE, ranks))
-        class_of = {node: self._class_of(view, node, now) for node in dict.fromkeys(nodes)}
+        nodes = roster.nodes
+        class_of = {node: self._class_of(view, node, now) for node in roster.distinct_nodes}
         if len(set(class_of.values())) == 1:
             cls = next(iter(class_of.values()))
-            return {cls: _Window(list(ranks), list(map(_RANK_ID, ranks)), computes, comms, steps)}
+            return {cls: _Window(ranks, roster.ids, computes, comms, steps)}  # the roster's lists: read only
         out: dict[HardwareClass, _Window] = {}
         for i, rank in enumerate(ranks):
             window = out.get(class_of[nodes[i]])
@@ -314,16 +333,17 @@ class GpuStragglerDetector:
             window.steps.append(steps[i])
         return out
 
-    def _rows(self, view: FleetView, ranks: list[RankHistory], first: int, last: int, width: float,
+    def _rows(self, view: FleetView, roster: _Roster, first: int, last: int, width: float,
               now: float) -> dict[int, dict[HardwareClass, _Window]]:
         """Each window from ``first`` to ``last``, with every rank's compute and comm p50 in it by
         the hardware class of the rank's node, in one pass over each rank's newest windows. A rank
         without a collective wait (no phase times: its compute is its step time, which a
         synchronous job shares) is not judged."""
         if first == last:
-            columns = self._newest_columns(view, ranks, first, width, now)
+            columns = self._newest_columns(view, roster, first, width, now)
             if columns is not None:
                 return {first: columns}
+        ranks = roster.ranks
         out: dict[int, dict[HardwareClass, _Window]] = {}
         classes: dict[str, HardwareClass] = {}
         ceil = math.ceil

@@ -16,9 +16,15 @@ import pytest
 
 from tests.aggregator.conftest import FakeNode
 from tests.aggregator.detectors.test_incremental_gpu_side import LongWayGpuStraggler
-from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig, GpuStragglerDetector, _JobMemo, _Window
+from vigil.aggregator.detectors.gpu_straggler import (
+    GpuStragglerConfig,
+    GpuStragglerDetector,
+    _JobMemo,
+    _Roster,
+    _Window,
+)
 from vigil.aggregator.detectors.peer_class import HardwareClass
-from vigil.aggregator.fleet import Fleet, FleetView, JobState, RankHistory
+from vigil.aggregator.fleet import Fleet, FleetView, JobState
 from vigil.contract.wire import RankSummary
 
 WINDOW = 5.0
@@ -43,9 +49,9 @@ class CountingGpuStraggler(GpuStragglerDetector):
         self.skipped += up_to_date
         return up_to_date
 
-    def _newest_columns(self, view: FleetView, ranks: list[RankHistory], index: int, width: float,
+    def _newest_columns(self, view: FleetView, roster: _Roster, index: int, width: float,
                         now: float) -> dict[HardwareClass, _Window] | None:
-        out = super()._newest_columns(view, ranks, index, width, now)
+        out = super()._newest_columns(view, roster, index, width, now)
         if out is None:
             self.walked += 1
         else:

@@ -36,6 +36,7 @@ from vigil.aggregator.detectors.gpu_straggler import (
     GpuStragglerDetector,
     _Flag,
     _JobMemo,
+    _Roster,
     _Verdict,
     _Window,
 )
@@ -99,10 +100,10 @@ class LongWayGpuStraggler(GpuStragglerDetector):
         interval = max([0.0] + [view.nodes[n].interval_seconds for n in job.nodes() if n in view.nodes])
         return last_complete_window(ranks, interval, width, now)
 
-    def _rows(self, view: FleetView, ranks: list[RankHistory], first: int, last: int, width: float,
+    def _rows(self, view: FleetView, roster: _Roster, first: int, last: int, width: float,
               now: float) -> dict[int, dict[HardwareClass, _Window]]:
         flat: dict[int, list[tuple[RankHistory, tuple[float, float, float | None, int, float | None]]]] = {}
-        for rank in ranks:
+        for rank in list(roster.job.ranks.values()):
             seen = None
             for entry in reversed(rank.windows):
                 k = math.ceil(entry[0] / width - 1e-9)
