@@ -12,10 +12,11 @@ nor hangs. Thresholds, guards, persistence, false-removal rate: docs/detectors.m
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from itertools import chain, repeat
-from operator import attrgetter, itemgetter, sub
+from itertools import chain
+from operator import attrgetter, itemgetter
 from statistics import median
 
 from pydantic import Field
@@ -426,8 +427,7 @@ class GpuStragglerDetector:
             med = _sorted_median(computes)
             if med <= 0:
                 continue
-            # |c - med| in C (map over the sorted column): a list comprehension costs ~3x.
-            mad = _sorted_median(sorted(map(abs, map(sub, computes, repeat(med, n)))))
+            mad = _sorted_mad(computes, med)
             spreads = memo.spreads.setdefault(cls, deque(maxlen=SPREAD_MEMORY_WINDOWS))
             spreads.append(mad_sigma(mad, n) / med)
             sigma = max(spreads[-1], median(spreads), cfg.min_spread_ratio) * med
@@ -514,6 +514,38 @@ def _sorted_median(values: list[float]) -> float:
     n = len(values)
     middle = n // 2
     return values[middle] if n % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def _sorted_mad(values: list[float], med: float) -> float:
+    """The median of ``abs(v - med)`` over sorted ``values``, without building or sorting the
+    deviations (100,000 new floats and their sort were ~20 ms of a judged window at 12,500
+    nodes): those under ``med`` are ``med - v`` (exactly ``abs(v - med)``: rounding is
+    symmetric) rising as ``v`` falls, the others ``v - med`` rising with ``v``; the middle of
+    the two rising runs is found by bisection, O(log n)."""
+    n = len(values)
+    split = bisect_left(values, med)
+
+    def below(i: int) -> float:  # the i-th smallest deviation of those under med
+        return med - values[split - 1 - i]
+
+    def above(j: int) -> float:  # the j-th smallest deviation of the others
+        return values[split + j] - med
+
+    def kth(k: int) -> float:  # the k-th smallest deviation (from 0)
+        lo, hi = max(0, k + 1 - (n - split)), min(k + 1, split)  # how many of the k + 1 least lie below
+        while lo < hi:
+            i = (lo + hi) // 2
+            if above(k - i) > below(i):
+                lo = i + 1
+            else:
+                hi = i
+        j = k + 1 - lo
+        if lo == 0:
+            return above(j - 1)
+        return below(lo - 1) if j == 0 else max(below(lo - 1), above(j - 1))
+
+    middle = n // 2
+    return kth(middle) if n % 2 else (kth(middle - 1) + kth(middle)) / 2
 
 
 def _gpu_of(rank: RankHistory, node: NodeState | None, job: JobState) -> tuple[int | None, str]:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.aggregator.conftest import FakeNode
 from tests.aggregator.detectors.test_incremental_gpu_side import LongWayGpuStraggler
@@ -21,6 +24,8 @@ from vigil.aggregator.detectors.gpu_straggler import (
     GpuStragglerDetector,
     _JobMemo,
     _Roster,
+    _sorted_mad,
+    _sorted_median,
     _Window,
 )
 from vigil.aggregator.detectors.peer_class import HardwareClass
@@ -116,3 +121,12 @@ def test_the_short_ways_find_what_the_long_way_finds_every_pass(seed: int) -> No
         t += 2.5
     assert found  # the slow rank was found the short way and the long way alike
     assert short.skipped and short.cut and short.walked and short.widths_kept  # each way was taken
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.5, 0.9, 1.0, 1.0, 1.01, 1.1, 2.0, 1e-9, 3.3]) | st.floats(0, 10),
+                min_size=1, max_size=40))
+def test_the_deviations_middle_is_the_sorted_deviations_middle(values: list[float]) -> None:
+    values.sort()
+    med = statistics.median(values)
+    assert _sorted_mad(values, med) == _sorted_median(sorted(abs(v - med) for v in values))
