@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, itemgetter
 from statistics import median
+from typing import cast
 
 from pydantic import Field
 
@@ -43,6 +44,7 @@ _NODE = attrgetter("node")
 _RANK_ID = attrgetter("rank")
 _NEWEST = itemgetter(-1)  # a rank's newest window entry (end, compute, comm, steps, data)
 _END, _COMPUTE, _COMM, _STEPS = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)
+_HELD_CLASS, _HELD_AT = itemgetter(0), itemgetter(1)  # a node's class and when it was read (_classes)
 
 # A run whose rank sent nothing for this many judged windows ends (the rank left the job).
 _ABSENT_WINDOWS_MAX = 8
@@ -318,9 +320,17 @@ class GpuStragglerDetector:
         # A column a map: zip(*newest) costs 5-7x as much for 100,000 entries (an iterator a row).
         computes, steps = list(map(_COMPUTE, newest)), list(map(_STEPS, newest))
         nodes = roster.nodes
-        class_of = {node: self._class_of(view, node, now) for node in roster.distinct_nodes}
-        if len(set(class_of.values())) == 1:
-            cls = next(iter(class_of.values()))
+        # Each node's class as _class_of gives it: read in C where every node's is held and fresh.
+        held_or_none = list(map(self._classes.get, roster.distinct_nodes))
+        held_classes = cast("list[tuple[HardwareClass, float]]", held_or_none)  # where None is not in it
+        if (None not in held_or_none and now - max(map(_HELD_AT, held_classes)) >= 0
+                and now - min(map(_HELD_AT, held_classes)) < _CLASS_REFRESH_SECONDS):
+            classes = list(map(_HELD_CLASS, held_classes))
+        else:
+            classes = [self._class_of(view, node, now) for node in roster.distinct_nodes]
+        class_of = dict(zip(roster.distinct_nodes, classes, strict=True))
+        if len(set(classes)) == 1:
+            cls = classes[0]
             return {cls: _Window(ranks, roster.ids, computes, comms, steps)}  # the roster's lists: read only
         out: dict[HardwareClass, _Window] = {}
         for i, rank in enumerate(ranks):

@@ -5,7 +5,7 @@ rank's newest entry lies in it cut into columns whole) find exactly what the lon
 windows), every pass, over a randomized job that breaks them: nodes reporting at their own phase
 (windows completing at different times), ranks leaving and joining, a rank that sends no
 collective wait, a rank with a longer summary window, a node whose clock steps back, two
-hardware classes, lost reports, skipped passes and passes whose time goes backwards."""
+hardware classes that become one, lost reports, skipped passes and passes whose time goes backwards."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def test_the_short_ways_find_what_the_long_way_finds_every_pass(seed: int) -> No
         for g in node.gpus.values():
             g["power_limit_watts"] = 500.0  # a second hardware class (two nodes: 16 ranks)
     phase = {node.name: rng.uniform(0, 2.5) for node in nodes}  # each node's report time in the 2.5 s
-    plan = {name: rng.uniform(40, 500) for name in ("slow", "leave", "join", "nocomm", "wide", "back", "drop")}
+    plan = {name: rng.uniform(40, 500) for name in ("slow", "leave", "join", "nocomm", "wide", "back", "drop",
+                                                     "limit")}
     fleet = Fleet()
     short, long = CountingGpuStraggler(GpuStragglerConfig()), LongWayGpuStraggler(GpuStragglerConfig())
     found = 0
@@ -80,6 +81,10 @@ def test_the_short_ways_find_what_the_long_way_finds_every_pass(seed: int) -> No
     t = 0.0
     while t < 700:
         reports = []
+        if plan["limit"] <= t < plan["limit"] + 2.5:
+            for node in nodes[10:]:
+                for g in node.gpus.values():
+                    g["power_limit_watts"] = 700.0  # one hardware class from now on, read within 30 s
         for ni, node in enumerate(nodes):
             at = t + phase[node.name]
             if rng.random() < 0.03:
@@ -117,6 +122,9 @@ def test_the_short_ways_find_what_the_long_way_finds_every_pass(seed: int) -> No
                 view = fleet.view()
                 got = short.evaluate(view, now)
                 assert got == long.evaluate(view, now)
+                # The memory the findings grow from too: each class's spreads, each rank's run.
+                assert {n: (m.last_judged, m.spreads, m.runs) for n, m in short._memo.items()} == {
+                    n: (m.last_judged, m.spreads, m.runs) for n, m in long._memo.items()}
                 found += len(got)
         t += 2.5
     assert found  # the slow rank was found the short way and the long way alike
