@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator
+from typing import ClassVar
 
 import msgspec
 
@@ -489,6 +490,14 @@ class PcieHistory:
 class RankHistory:
     __slots__ = ("gpu", "job", "last", "last_seen", "node", "owned", "rank", "report_ts", "window_count", "windows")
 
+    # Change marker (docs/detectors.md, "change markers"): how many summaries this process ever
+    # observed whose summary window differed from their rank's previous one. A reader that saw
+    # the same count and the same JobState.members_revision (a rank new to a job changes it)
+    # knows no rank of the job changed its window_seconds, without reading 100,000 ranks for it
+    # (gpu_straggler's judged window). One count for every fleet: another fleet's change only
+    # makes a reader read again. One comparison an observed summary.
+    window_seconds_changes: ClassVar[int] = 0
+
     def __init__(self, summary: RankSummary, node: str, ts: float, maxlen: int) -> None:
         self.job = summary.job
         self.rank = summary.rank
@@ -513,6 +522,8 @@ class RankHistory:
         its peers'."""
         self.node = node
         self.gpu = s.gpu
+        if s.window_seconds != self.last.window_seconds:
+            RankHistory.window_seconds_changes += 1
         self.last = s
         self.last_seen = ts
         # The agent's clock: compare with the summary's last_progress_ts, never with ours.

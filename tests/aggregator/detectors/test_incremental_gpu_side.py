@@ -12,7 +12,7 @@ back with a remap failure, an NVLink and a port that come back up, a link back a
 The long way: a fresh GPU peer detector every pass (it reads every window whole); every GPU and
 port through ``_judge``; twins judging the view without change markers (every node's hardware
 class and the GPUs' jobs read afresh), the GPU straggler's gathering and judging each window's ranks
-one by one (``LongWayGpuStraggler``); the thermal detector's samples
+one by one, every rank read on every pass (``LongWayGpuStraggler``); the thermal detector's samples
 counted one by one with its own tests, as before the short walk. A fifth of the passes are
 skipped, so the next finds two new samples a GPU."""
 
@@ -36,6 +36,7 @@ from vigil.aggregator.detectors.gpu_straggler import (
     GpuStragglerDetector,
     _Flag,
     _JobMemo,
+    _Roster,
     _Verdict,
     _Window,
 )
@@ -43,11 +44,11 @@ from vigil.aggregator.detectors.memory import MemoryConfig, MemoryDetector
 from vigil.aggregator.detectors.network import NetworkConfig, NetworkDetector
 from vigil.aggregator.detectors.pcie_nvlink import PcieNvlinkConfig, PcieNvlinkDetector
 from vigil.aggregator.detectors.peer_class import HardwareClass, HardwareClasses, describe, hardware_class
-from vigil.aggregator.detectors.straggler import SPREAD_MEMORY_WINDOWS, mad_sigma
+from vigil.aggregator.detectors.straggler import SPREAD_MEMORY_WINDOWS, last_complete_window, mad_sigma
 from vigil.aggregator.detectors.telemetry_hang import TelemetryHangConfig, TelemetryHangDetector
 from vigil.aggregator.detectors.telemetry_straggler import TelemetryStragglerConfig, TelemetryStragglerDetector
 from vigil.aggregator.detectors.thermal import ThermalConfig, ThermalDetector
-from vigil.aggregator.fleet import Fleet, FleetView, GpuHistory, NodeState, RankHistory
+from vigil.aggregator.fleet import Fleet, FleetView, GpuHistory, JobState, NodeState, RankHistory
 from vigil.contract.wire import Report, decode_report
 
 NODES = 12
@@ -89,10 +90,20 @@ class LongWayGpuStraggler(GpuStragglerDetector):
     rank's newest entry without the walk, and a window with no rank at its floor judged without
     the scan."""
 
-    def _rows(self, view: FleetView, ranks: list[RankHistory], first: int, last: int, width: float,
+    def _width(self, view: FleetView, job: JobState) -> float:
+        return max([self.config.window_seconds] + [r.last.window_seconds for r in job.ranks.values()])
+
+    def _judged_up_to_date(self, memo: _JobMemo, now: float) -> bool:
+        return False
+
+    def _last_window(self, view: FleetView, job: JobState, ranks: list[RankHistory], width: float, now: float) -> int:
+        interval = max([0.0] + [view.nodes[n].interval_seconds for n in job.nodes() if n in view.nodes])
+        return last_complete_window(ranks, interval, width, now)
+
+    def _rows(self, view: FleetView, roster: _Roster, first: int, last: int, width: float,
               now: float) -> dict[int, dict[HardwareClass, _Window]]:
         flat: dict[int, list[tuple[RankHistory, tuple[float, float, float | None, int, float | None]]]] = {}
-        for rank in ranks:
+        for rank in list(roster.job.ranks.values()):
             seen = None
             for entry in reversed(rank.windows):
                 k = math.ceil(entry[0] / width - 1e-9)
