@@ -8,13 +8,17 @@ like). It neither judges nor serves: app.py mounts ``render`` and supplies the r
 
 from __future__ import annotations
 
+import bisect
 import collections
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import prometheus_client.metrics
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
+from prometheus_client.utils import INF, floatToGoString
 
 from vigil.aggregator.admission import SHED_REASONS
 from vigil.aggregator.auth import Refusals
@@ -45,6 +49,71 @@ _INGEST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0
 _EVALUATE_BUCKETS = (1e-4, 1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # Issue #20 holds intake p99 under 100 ms: the buckets around it are the ones that matter.
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def _created_series() -> bool:
+    """Whether counters and histograms expose ``_created`` (prometheus_client's switch, read as it reads it)."""
+    return bool(getattr(prometheus_client.metrics, "_use_created", True))
+
+
+class TallyCounter(PromCollector):
+    """A counter without labels, exposed exactly as prometheus_client's ``Counter`` (``_total`` and
+    ``_created``) and counted by ``value += n`` on the event loop's thread: the per-report counters
+    cost 0.1 us each where ``Counter.inc`` (a lock and a value object) took 2.0 us, and the intake
+    counts two or three a report (issue 47). tests/aggregator/test_metrics_tally.py holds the
+    exposition to prometheus_client's."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.value = 0
+        self.created = time.time()
+        registry.register(self)
+
+    def inc(self, n: int = 1) -> None:
+        self.value += n
+
+    def collect(self) -> Iterator[Metric]:
+        metric = Metric(self.name, self.documentation, "counter")
+        metric.add_sample(self.name + "_total", {}, float(self.value))
+        if _created_series():
+            metric.add_sample(self.name + "_created", {}, self.created)
+        yield metric
+
+
+class TallyHistogram(PromCollector):
+    """A histogram without labels, exposed exactly as prometheus_client's ``Histogram`` (cumulative
+    buckets, ``_count``, ``_sum``, ``_created``); ``observe`` puts a value in its bucket by bisection
+    on the event loop's thread: 0.4 us where ``Histogram.observe`` (a locked value per bucket, a
+    Python loop over the bounds) took 4.5 us for each report's ingest time (issue 47)."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        bounds = [float(b) for b in buckets]
+        if bounds[-1] != INF:
+            bounds.append(INF)
+        self.bounds = tuple(bounds)
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+        self.created = time.time()
+        registry.register(self)
+
+    def observe(self, amount: float) -> None:
+        # The first bucket whose bound is >= amount, as Histogram's ``amount <= bound`` scan finds it.
+        self.counts[bisect.bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+    def collect(self) -> Iterator[Metric]:
+        metric = Metric(self.name, self.documentation, "histogram")
+        acc = 0.0
+        for bound, n in zip(self.bounds, list(self.counts), strict=True):
+            acc += n
+            metric.add_sample(self.name + "_bucket", {"le": floatToGoString(bound)}, acc)
+        metric.add_sample(self.name + "_count", {}, acc)
+        if self.bounds[0] >= 0:
+            metric.add_sample(self.name + "_sum", {}, self.sum)
+        if _created_series():
+            metric.add_sample(self.name + "_created", {}, self.created)
+        yield metric
 
 
 class _NodeStates(PromCollector):
@@ -313,7 +382,8 @@ class AggregatorMetrics:
                  fleet: Callable[[], FleetReadings] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.reports = Counter("vigil_aggregator_reports", "Reports accepted and ingested.", registry=r)
+        # Counted on each report taken: tallies (exposed as prometheus_client's, a tenth of the cost).
+        self.reports = TallyCounter("vigil_aggregator_reports", "Reports accepted and ingested.", r)
         self.rejections = Counter("vigil_aggregator_report_rejections",
                                   "Reports refused, by reason.", ["reason"], registry=r)
         for reason in REJECT_REASONS:
@@ -324,9 +394,8 @@ class AggregatorMetrics:
                                        "them).", ["kind"], registry=r)
         for kind in (*EVENT_KINDS, OTHER_EVENT_KIND):
             self.events_received.labels(kind)
-        self.ingest_seconds = Histogram("vigil_aggregator_ingest_duration_seconds",
-                                        "Time to validate and ingest one report.", buckets=_INGEST_BUCKETS,
-                                        registry=r)
+        self.ingest_seconds = TallyHistogram("vigil_aggregator_ingest_duration_seconds",
+                                             "Time to validate and ingest one report.", _INGEST_BUCKETS, r)
         self.evaluate_seconds = Histogram("vigil_aggregator_evaluate_duration_seconds",
                                           "Time to run every detector over the fleet once.",
                                           buckets=_EVALUATE_BUCKETS, registry=r)
@@ -349,9 +418,9 @@ class AggregatorMetrics:
                                           ["generation"], buckets=_LAG_BUCKETS, registry=r)
         for generation in GC_GENERATIONS:
             self.gc_pause_seconds.labels(generation)
-        self.held_reports = Counter("vigil_aggregator_reports_held",
-                                    "Accepted reports held back while the detectors read the fleet, ingested "
-                                    "right after.", registry=r)
+        self.held_reports = TallyCounter("vigil_aggregator_reports_held",
+                                         "Accepted reports held back while the detectors read the fleet, ingested "
+                                         "right after.", r)
         self.held_now = Gauge("vigil_aggregator_reports_held_now",
                               "Accepted reports waiting to enter the fleet now (held while the detectors "
                               "read it, then ingested in batches; server.admission.max_held_reports).", registry=r)

@@ -82,7 +82,7 @@ async def test_a_slow_detector_never_holds_intake_and_its_findings_go_through_th
         resp = await client.post("/v1/reports", data=encode(b.report(T0)), headers=auth("b"))
         assert resp.status == 202
         assert set(engine.fleet.view().nodes) == {"a"}
-        assert metrics.held_reports._value.get() == 1
+        assert metrics.held_reports.value == 1
         assert (await client.get("/healthz")).status == 200
         assert not sink.recent(10)
         detector.release.set()
