@@ -23,7 +23,7 @@ from vigil.aggregator.auth import Credentials, node_token
 from vigil.aggregator.config import parse_config
 from vigil.aggregator.engine import Engine
 from vigil.aggregator.listener import ConnectionGuard
-from vigil.aggregator.report_door import ReportDoor
+from vigil.aggregator.report_door import ReportDoor, parse_head
 from vigil.contract.wire import encode
 
 SECRET = b"site-secret-for-tests-0123456789abcdef"
@@ -248,3 +248,89 @@ async def test_the_agents_own_http_client_is_served_on_the_lean_path(pair: Pair)
                                     headers=headers) as resp:
                 assert resp.status == 202, await resp.text()
     assert pair.lean.door is not None and pair.lean.door.answered == 3 and pair.lean.door.handed_over == 0
+
+
+# parse_head as it was checked before issue 47's third round (one regular expression over the head, then
+# the lines): the reference the bytes-operation checks are held to.
+_REFERENCE_HEAD = re.compile(rb"POST /v1/reports HTTP/1\.1(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e]*)*")
+
+
+def _reference_parse_head(head: bytes, max_body_bytes: int) -> tuple[int, bytes | None, bool] | None:
+    if _REFERENCE_HEAD.fullmatch(head) is None:
+        return None
+    length: int | None = None
+    authorization: bytes | None = None
+    close = False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.lower()
+        if name == b"content-length":
+            value = value.strip(b" \t")
+            if length is not None or not value.isdigit() or len(value) > 12:
+                return None
+            length = int(value)
+        elif name == b"authorization":
+            if authorization is not None:
+                return None
+            authorization = value.strip(b" \t")
+        elif name == b"connection":
+            value = value.strip(b" \t").lower()
+            if value == b"close":
+                close = True
+            elif value != b"keep-alive":
+                return None
+        elif name in (b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"):
+            return None
+    if length is None or length > max_body_bytes:
+        return None
+    return length, authorization, close
+
+
+def test_parse_head_takes_and_refuses_what_the_regular_expression_did() -> None:
+    rng = random.Random(4747)
+    lines = [b"Host: 127.0.0.1:9500", b"Authorization: Bearer a.0123abcd", b"authorization:Bearer b.99",
+             b"Content-Type: application/json", b"Accept: */*", b"User-Agent: Python/3.11 aiohttp/3.9",
+             b"Content-Length: 2867", b"content-length:\t12 ", b"Content-Length: 99999999", b"Content-Length: -1",
+             b"Content-Length: 1234567890123", b"Connection: keep-alive", b"Connection: close",
+             b"connection: Close", b"Connection: upgrade", b"Transfer-Encoding: chunked", b"Expect: 100-continue",
+             b"Content-Encoding: gzip", b"Upgrade: h2c", b"X-Empty:", b"X-Colons: a:b:c", b"Bad Name: x",
+             b"Name : x", b": no name", b"no colon", b" folded", b"\tfolded", b"X-Ctl: a\x01b", b"X-High: \xc3\xa9",
+             b"X-Cr: a\rb", b"X-Lf: a\nb", b"X-Del: \x7f", b"X-Tab:\tvalue\t", b"X~!#$%&'*+-.^_`|: ok", b""]
+    firsts = [b"POST /v1/reports HTTP/1.1", b"POST /v1/reports HTTP/1.0", b"GET /v1/reports HTTP/1.1",
+              b"POST /v1/reports?x=1 HTTP/1.1", b"POST /v1/reports HTTP/1.1 ", b"post /v1/reports HTTP/1.1"]
+    seen = {True: 0, False: 0}
+    for _ in range(20_000):
+        picked = rng.choices(lines[:7], k=rng.randint(0, 5)) + rng.choices(lines, k=rng.choice([0, 0, 1, 2]))
+        if rng.random() < 0.7:
+            picked.append(b"Content-Length: 2867")
+        rng.shuffle(picked)
+        head = b"\r\n".join([rng.choice(firsts) if rng.random() < 0.2 else firsts[0], *picked])
+        if rng.random() < 0.1:  # a byte anywhere
+            i = rng.randrange(len(head) + 1)
+            head = head[:i] + bytes([rng.randrange(256)]) + head[i:]
+        limit = rng.choice([100, 1 << 20])
+        got = parse_head(head, limit)
+        expected = _reference_parse_head(head, limit)
+        assert (None if got is None else tuple(got)) == expected, head
+        seen[got is not None] += 1
+    assert seen[True] > 1_000 and seen[False] > 1_000  # both outcomes exercised
+
+
+def test_a_credential_verified_once_speaks_for_the_same_node_on_any_connection() -> None:
+    """The door's table of verified credentials answers as the check itself: served and the node for
+    the exact bytes that verified, nothing kept of one that did not."""
+    rng = random.Random(7)
+    credentials = Credentials(site_secret=SECRET)
+    door = ReportDoor(None, credentials, lambda: asyncio.Protocol(), max_body_bytes=1 << 20,  # type: ignore[arg-type]
+                      body_timeout_seconds=1, keepalive_timeout_seconds=1, lingering_seconds=1,
+                      open_without_credential=False)
+    candidates = [f"Bearer {tok(n)}".encode() for n in ("a", "b", "c")] + [
+        f"bearer {tok('a')}".encode(), f"Bearer  {tok('b')} ".encode(), b"Bearer nope", b"Basic abc",
+        f"Bearer {node_token(b'another-site-secret-0123456789abcdef', 'a')}".encode(), b"Bearer a.", b"", None]
+    for _ in range(500):
+        authorization = rng.choice(candidates)
+        fresh = ReportDoor(None, Credentials(site_secret=SECRET), lambda: asyncio.Protocol(),  # type: ignore[arg-type]
+                           max_body_bytes=1 << 20, body_timeout_seconds=1, keepalive_timeout_seconds=1,
+                           lingering_seconds=1, open_without_credential=False)
+        assert door.speaker(authorization) == fresh.speaker(authorization)
+    assert set(door._speakers.values()) == {"a", "b", "c"} and len(door._speakers) == 5
