@@ -374,7 +374,7 @@ class AggregatorService:
         metrics.reports.inc()
         if report.events:
             metrics.count_events(e.kind for e in report.events)
-        if report.urgent or any(e.urgent for e in report.events):
+        if report.urgent or (report.events and any(e.urgent for e in report.events)):
             self.wake.set()
         # report_versions: what this aggregator takes, so an agent may move to the compact form.
         answer: dict[str, Any] = {"status": "accepted", "node": report.node, "seq": report.seq,
