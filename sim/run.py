@@ -209,8 +209,8 @@ _SLOW_COLLECTORS = ("host", "pcie", "node_config")
 # steady). The PCIe and configuration collectors read only those (sysfs files, NVML's fixed
 # facts) and the report carries a collector's last result until it runs again, so there they run
 # once per agent (at its first cycle, and again after a reboot's restart): each later read gave
-# the same result, and cost ~5.9 and ~3.5 ms of CPU a node (a profile of healthy-1000x1h-10s:
-# 14% of its CPU at 12 reads a node an hour). The host collector reports the uptime, which moves:
+# the same result, and cost ~5.9 and ~3.5 ms of CPU a node under cProfile (14% of a profile of
+# healthy-1000x1h-10s, at 12 reads a node an hour). The host collector reports the uptime, which moves:
 # it runs every ``_UNCHANGING_SECONDS`` there. A node with its own tree or an NVML fault runs them
 # at their configured cadence.
 _UNCHANGING_SECONDS = 300.0
