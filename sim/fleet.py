@@ -148,6 +148,16 @@ class SimNode:
         ingest: Callable[[bytes, float, Sender], str | None] = self.training.ingest  # type: ignore[attr-defined]
         return ingest(payload, now, IN_PROCESS)  # the simulated scheduler's jobs, named by the scenario
 
+    def ingest_heartbeats(self, heartbeats: Sequence[tuple[float, bytes]]) -> None:
+        """``ingest_heartbeat`` for each (time, payload) in order, the collector's ingest looked up
+        once (a 1,000-node run delivers ~450,000 heartbeats every 300 simulated seconds at 10 s
+        reports); what each refusal was is counted by the collector."""
+        if self.training is None:
+            return
+        ingest: Callable[[bytes, float, Sender], str | None] = self.training.ingest  # type: ignore[attr-defined]
+        for now, payload in heartbeats:
+            ingest(payload, now, IN_PROCESS)
+
     def tick(self, now: float) -> Report | None:
         """Run every collector that is due and build this cycle's report (None while silent)."""
         if self.silent:
