@@ -12,7 +12,6 @@ nor hangs. Thresholds, guards, persistence, false-removal rate: docs/detectors.m
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import chain
@@ -30,6 +29,8 @@ from vigil.aggregator.detectors.straggler import (
     last_complete_window,
     mad_sigma,
 )
+from vigil.aggregator.detectors.straggler import sorted_mad as _sorted_mad
+from vigil.aggregator.detectors.straggler import sorted_median as _sorted_median
 from vigil.aggregator.fleet import FleetView, JobState, NodeState, RankHistory
 from vigil.contract.validation import StrictModel
 
@@ -251,9 +252,9 @@ class GpuStragglerDetector:
     def _width(self, view: FleetView, job: JobState) -> float:
         """The judged window: the configured one, or the job's longest summary window when longer.
         Read again only after the job's membership or some rank's summary window changed (the
-        change markers JobState.members_revision and RankHistory.window_seconds_changes): reading
+        change markers JobState.members_revision and JobState.columns.window_seconds_changes): reading
         it from 100,000 ranks was most of a pass with nothing to judge (~20 ms at 12,500 nodes)."""
-        changes = RankHistory.window_seconds_changes
+        changes = job.columns.window_seconds_changes
         held = self._widths.get(job.name)
         if (view.revision is not None and held is not None and held[0] is job and held[1] == job.members_revision
                 and held[2] == changes):
@@ -518,44 +519,6 @@ class GpuStragglerDetector:
                 evidence={"signal": "compute_seconds_p50", "rank": rank_id, "gpu": gpu, "gpu_source": source,
                           **flag.evidence, "causes": causes, **found, "windows": run.windows, "window_seconds": width}))
         return out
-
-
-def _sorted_median(values: list[float]) -> float:
-    n = len(values)
-    middle = n // 2
-    return values[middle] if n % 2 else (values[middle - 1] + values[middle]) / 2
-
-
-def _sorted_mad(values: list[float], med: float) -> float:
-    """The median of ``abs(v - med)`` over sorted ``values``, without building or sorting the
-    deviations (100,000 new floats and their sort were ~20 ms of a judged window at 12,500
-    nodes): those under ``med`` are ``med - v`` (exactly ``abs(v - med)``: rounding is
-    symmetric) rising as ``v`` falls, the others ``v - med`` rising with ``v``; the middle of
-    the two rising runs is found by bisection, O(log n)."""
-    n = len(values)
-    split = bisect_left(values, med)
-
-    def below(i: int) -> float:  # the i-th smallest deviation of those under med
-        return med - values[split - 1 - i]
-
-    def above(j: int) -> float:  # the j-th smallest deviation of the others
-        return values[split + j] - med
-
-    def kth(k: int) -> float:  # the k-th smallest deviation (from 0)
-        lo, hi = max(0, k + 1 - (n - split)), min(k + 1, split)  # how many of the k + 1 least lie below
-        while lo < hi:
-            i = (lo + hi) // 2
-            if above(k - i) > below(i):
-                lo = i + 1
-            else:
-                hi = i
-        j = k + 1 - lo
-        if lo == 0:
-            return above(j - 1)
-        return below(lo - 1) if j == 0 else max(below(lo - 1), above(j - 1))
-
-    middle = n // 2
-    return kth(middle) if n % 2 else (kth(middle - 1) + kth(middle)) / 2
 
 
 def _gpu_of(rank: RankHistory, node: NodeState | None, job: JobState) -> tuple[int | None, str]:
