@@ -132,6 +132,9 @@ class _Roster:
     ids: list[int]
     nodes: list[str]
     distinct_nodes: list[str]  # in order of first appearance
+    # Whether ``ranks`` are the job's columns' ranks in their slots' order (JobState.columns, kept by
+    # the fleet): then the columns are read in place of the ranks' newest windows.
+    columns: bool = False
 
 
 @dataclass(slots=True)
@@ -182,8 +185,6 @@ class GpuStragglerDetector:
         # job -> its judged window's width as of its membership revision and the ranks' window
         # changes (_width).
         self._widths: dict[str, tuple[JobState, int, int, float]] = {}
-        # Within one job's judging: its ranks (the list _judge reads) and their newest window entries.
-        self._newest: tuple[list[RankHistory], list[tuple[float, float, float | None, int, float | None]]] | None = None
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -205,10 +206,14 @@ class GpuStragglerDetector:
         them from 100,000 ranks on each judged window cost ~10 ms a list)."""
         held = self._job_nodes.get(job.name)
         if view.revision is None or held is None or held.job is not job or held.revision != job.members_revision:
-            ranks = list(job.ranks.values())
+            columns = job.columns
+            # The columns hold exactly the job's ranks (a job the fleet keeps; not one built by hand).
+            in_columns = view.revision is not None and len(columns.ranks) == len(job.ranks) and all(
+                rank.columns is columns and columns.ranks[rank.slot] is rank for rank in job.ranks.values())
+            ranks = list(columns.ranks if in_columns else job.ranks.values())
             nodes = list(map(_NODE, ranks))
             held = _Roster(job, job.members_revision, ranks, list(map(_RANK_ID, ranks)), nodes,
-                           list(dict.fromkeys(nodes)))
+                           list(dict.fromkeys(nodes)), in_columns)
             if view.revision is not None:
                 self._job_nodes[job.name] = held
         return held
@@ -232,7 +237,7 @@ class GpuStragglerDetector:
             memo = self._memo[job.name] = _JobMemo(job, width)
         if not self._judged_up_to_date(memo, now):
             roster = self._roster(view, job)
-            last = self._last_window(view, job, roster.ranks, width, now)
+            last = self._last_window(view, job, roster, width, now)
             first = last - cfg.persistence_windows - 1
             if memo.last_judged is not None:
                 first = max(first, memo.last_judged + 1, last - RANK_WINDOWS_MAX)
@@ -243,7 +248,6 @@ class GpuStragglerDetector:
                     if window:
                         self._advance(memo, index, self._verdict(memo, window))
                     memo.last_judged = index
-            self._newest = None
         for rank in [r for r, t in memo.removed.items() if now - t > cfg.removed_memory_seconds]:
             del memo.removed[rank]
             memo.episode_since.pop(rank, None)
@@ -270,22 +274,26 @@ class GpuStragglerDetector:
         other pass at 2.5 s reports and 5 s windows)."""
         return memo.last_judged is not None and memo.last_judged >= math.floor(now / memo.width + 1e-9)
 
-    def _last_window(self, view: FleetView, job: JobState, ranks: list[RankHistory], width: float, now: float) -> int:
+    def _last_window(self, view: FleetView, job: JobState, roster: _Roster, width: float, now: float) -> int:
         """The newest window that can be judged (straggler.py's last_complete_window, the node
         straggler's schedule: both detectors judge the same windows at the same time), read in C
-        over the job's ranks."""
+        over the job's columns (JobState.columns: two mins over lists where every rank is live and
+        has a window), else over its ranks."""
         current = math.floor(now / width + 1e-9)
-        if min(map(_LAST_SEEN, ranks)) < now - 2 * width:
+        ranks = roster.ranks
+        columns = job.columns if roster.columns else None
+        if min(columns.seen if columns is not None else map(_LAST_SEEN, ranks)) < now - 2 * width:
             # A rank may have stopped reporting (its liveness is the nodes' interval's): the walk.
             return last_complete_window(ranks, self._interval(view, job), width, now)
         # Every rank is live whatever the interval: last_complete_window's reading of them all,
         # without the walk, and the nodes' interval read only where the deadline may decide.
-        windows = list(map(_WINDOWS, ranks))
-        if not all(windows):
-            return math.floor((now - self._interval(view, job) - width) / width + 1e-9)
-        newest = list(map(_NEWEST, windows))
-        self._newest = (ranks, newest)  # for _newest_columns in this pass: the ranks are read once
-        reached = min(current, math.ceil(min(map(_END, newest)) / width - 1e-9))
+        newest = min(columns.ends) if columns is not None else -math.inf  # -inf: no window, or not a number
+        if newest == -math.inf:
+            windows = list(map(_WINDOWS, ranks))
+            if not all(windows):
+                return math.floor((now - self._interval(view, job) - width) / width + 1e-9)
+            newest = min(map(_END, map(_NEWEST, windows)))
+        reached = min(current, math.ceil(newest / width - 1e-9))
         # The deadline falls as the interval grows: at interval 0 it is the highest it can be.
         if reached >= math.floor((now - width) / width + 1e-9):
             return reached
@@ -304,22 +312,29 @@ class GpuStragglerDetector:
         newest entries, grouped by the hardware class of each node (one class a job: the columns
         whole). None where a rank's newest entry is elsewhere or lacks the wait (_rows walks)."""
         ranks = roster.ranks
-        held = self._newest
-        if held is not None and held[0] is ranks:
-            newest = held[1]
+        ceil = math.ceil
+        if roster.columns:
+            # The job's columns, slot by slot as the roster lists its ranks (read only here).
+            columns = roster.job.columns
+            comms, ends = columns.comms, columns.ends
+            least = min(ends)  # -inf: a rank with no window, or an end that is not a number
+            if (None in comms or least == -math.inf or ceil(least / width - 1e-9) != index
+                    or ceil(max(ends) / width - 1e-9) != index):
+                return None
+            computes, steps = columns.computes, columns.steps
         else:
             windows = list(map(_WINDOWS, ranks))
             if not all(windows):
                 return None
             newest = list(map(_NEWEST, windows))
-        comms = list(map(_COMM, newest))
-        ceil = math.ceil
-        # ceil is monotonic: the least and the greatest end in ``index`` put every end in it.
-        if (None in comms or ceil(min(map(_END, newest)) / width - 1e-9) != index
-                or ceil(max(map(_END, newest)) / width - 1e-9) != index):
-            return None
-        # A column a map: zip(*newest) costs 5-7x as much for 100,000 entries (an iterator a row).
-        computes, steps = list(map(_COMPUTE, newest)), list(map(_STEPS, newest))
+            comms = list(map(_COMM, newest))
+            # ceil is monotonic: the least and the greatest end in ``index`` put every end in it.
+            if (None in comms or ceil(min(map(_END, newest)) / width - 1e-9) != index
+                    or ceil(max(map(_END, newest)) / width - 1e-9) != index):
+                return None
+            # A column a map: zip(*newest) costs 5-7x as much for 100,000 entries (an iterator a row).
+            computes, steps = list(map(_COMPUTE, newest)), list(map(_STEPS, newest))
+        comms_of = cast("list[float]", comms)  # None is not in it
         nodes = roster.nodes
         # Each node's class as _class_of gives it: read in C where every node's is held and fresh.
         held_or_none = list(map(self._classes.get, roster.distinct_nodes))
@@ -332,7 +347,8 @@ class GpuStragglerDetector:
         class_of = dict(zip(roster.distinct_nodes, classes, strict=True))
         if len(set(classes)) == 1:
             cls = classes[0]
-            return {cls: _Window(ranks, roster.ids, computes, comms, steps)}  # the roster's lists: read only
+            # The roster's lists, or the job's columns themselves: read only, within this pass.
+            return {cls: _Window(ranks, roster.ids, computes, comms_of, steps)}
         out: dict[HardwareClass, _Window] = {}
         for i, rank in enumerate(ranks):
             window = out.get(class_of[nodes[i]])
@@ -341,7 +357,7 @@ class GpuStragglerDetector:
             window.ranks.append(rank)
             window.ids.append(rank.rank)
             window.computes.append(computes[i])
-            window.comms.append(comms[i])
+            window.comms.append(comms_of[i])
             window.steps.append(steps[i])
         return out
 

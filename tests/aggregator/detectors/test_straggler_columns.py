@@ -1,9 +1,10 @@
-"""The straggler detector judging from its jobs' rank columns (JobState.columns, kept by the fleet on
+"""The straggler detectors judging from their jobs' rank columns (JobState.columns, kept by the fleet on
 ingest: issue 47) finds exactly what the long way finds (rank by rank, on a view without markers),
 every pass, with the same memory (each window's verdict, each class's spreads), over a randomized
 fleet that moves the columns under it: ranks joining late, leaving (a node forgotten, ranks evicted
 by another job's), moving to another node, summary windows widening and narrowing, late and lost
-windows, a second hardware class, a real straggler and its lookalike (the whole job slowing down).
+windows, a second hardware class, a real straggler (a node, one GPU) and its lookalike (the whole job
+slowing down). The GPU straggler detector is held to its long way (``LongWayGpuStraggler``) alike.
 The fleet's columns mirror each job's ranks after every round."""
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any
 
 import pytest
 
+from tests.aggregator.detectors.test_gpu_straggler_short_way import CountingGpuStraggler
+from tests.aggregator.detectors.test_incremental_gpu_side import LongWayGpuStraggler
+from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig
 from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector, _Verdict
 from vigil.aggregator.fleet import Fleet, FleetConfig, JobState
 from vigil.contract.wire import GpuState, RankSummary, Report
@@ -48,6 +52,7 @@ class World:
         self.speed = {"a": 1.0, "b": 1.0, "c": 1.0}
         self.slow: dict[str, int | None] = {"a": None, "b": None, "c": None}
         self.factor = 1.25  # how much slower the slow node is: now and then near the floor (4%)
+        self.slow_rank: int | None = None  # one slow GPU of job "a" (waiting least in the collective)
         self.wide = {"a": False, "b": False, "c": False}
         self.late: set[int] = set()
         self.c_on = False
@@ -68,6 +73,8 @@ class World:
                 self.wide[job] = not self.wide[job]
         if rng.random() < 0.02:
             self.c_on = not self.c_on
+        if rng.random() < 0.02:
+            self.slow_rank = rng.randrange(40) if self.slow_rank is None else None
         if rng.random() < 0.01:
             self.silent[rng.randrange(NODES)] = rng.choice((2, 16))  # 16 passes: forgotten
         if rng.random() < 0.05:
@@ -110,10 +117,13 @@ class World:
         width = 10.0 if self.wide[job] else 5.0
         end = width * math.floor(t / width) - (width if n in self.late else 0.0)
         own = self.speed[job] * (self.factor if self.slow[job] == n else 1.0) * (1 + 0.01 * rng.uniform(-1, 1))
+        gpu_slow = job == "a" and rank == self.slow_rank
+        own *= 1.3 if gpu_slow else 1.0
         return RankSummary(
             job=job, rank=rank, gpu=rank % 4, state="running", window_seconds=width, window_end_ts=end,
             steps=rng.choice((1, 3, 3)), last_step=int(t), last_progress_ts=t, step_seconds_p50=own + 0.3,
-            compute_seconds_p50=own, comm_seconds_p50=0.3 * (2 - own) if rng.random() > 0.01 else None,
+            compute_seconds_p50=own,
+            comm_seconds_p50=0.05 if gpu_slow else 0.3 * (2 - own) if rng.random() > 0.01 else None,
             data_seconds_p50=0.02 * rng.random() if job != "b" else None)
 
 
@@ -151,3 +161,28 @@ def test_column_judging_finds_what_the_long_way_finds(seed: int) -> None:
     assert fast.bulk_windows > 0  # ... and the windows that are not the usual one took the long way
     assert any(k.startswith("drain:") for k in found), found
     assert fleet.evicted["ranks"] > 0  # job "c" evicted ranks of "a": slots given back
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_gpu_straggler_columns_find_what_the_long_way_finds(seed: int) -> None:
+    rng = random.Random(seed)
+    world = World(rng)
+    fleet = Fleet(FleetConfig(max_ranks_per_node=6, forget_after_seconds=60.0))
+    short, long = CountingGpuStraggler(GpuStragglerConfig()), LongWayGpuStraggler(GpuStragglerConfig())
+    found = 0
+    in_columns = 0
+    t = 1000.0
+    for _ in range(500):
+        t += INTERVAL
+        world.advance(t)
+        for report in world.reports(t):
+            fleet.ingest(report, t)
+        fleet.forget_departed(t, lambda _: 30.0)
+        view = fleet.view()
+        got = short.evaluate(view, t)
+        assert got == long.evaluate(view, t), t
+        assert {n: (m.last_judged, m.spreads, m.runs, m.removed) for n, m in short._memo.items()} == {
+            n: (m.last_judged, m.spreads, m.runs, m.removed) for n, m in long._memo.items()}, t
+        found += len(got)
+        in_columns += sum(roster.columns for roster in short._job_nodes.values())
+    assert found and in_columns and short.cut  # the slow GPU was found, and windows were cut from the columns
