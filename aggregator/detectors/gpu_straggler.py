@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import MutableSequence
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, itemgetter
@@ -116,8 +117,9 @@ class _Window:
 
     ranks: list[RankHistory] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # the ranks' numbers
-    computes: list[float] = field(default_factory=list)
-    comms: list[float] = field(default_factory=list)
+    # Lists, or the job's columns themselves (JobState.columns' arrays), read within one pass.
+    computes: MutableSequence[float] = field(default_factory=list)
+    comms: MutableSequence[float] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
 
 
@@ -313,15 +315,17 @@ class GpuStragglerDetector:
         whole). None where a rank's newest entry is elsewhere or lacks the wait (_rows walks)."""
         ranks = roster.ranks
         ceil = math.ceil
+        computes: MutableSequence[float]
+        comms_of: MutableSequence[float]
         if roster.columns:
             # The job's columns, slot by slot as the roster lists its ranks (read only here).
             columns = roster.job.columns
-            comms, ends = columns.comms, columns.ends
+            ends = columns.ends
             least = min(ends)  # -inf: a rank with no window, or an end that is not a number
-            if (None in comms or least == -math.inf or ceil(least / width - 1e-9) != index
+            if (1 in columns.no_comm or least == -math.inf or ceil(least / width - 1e-9) != index
                     or ceil(max(ends) / width - 1e-9) != index):
                 return None
-            computes, steps = columns.computes, columns.steps
+            computes, comms_of, steps = columns.computes, columns.comms, columns.steps
         else:
             windows = list(map(_WINDOWS, ranks))
             if not all(windows):
@@ -334,7 +338,7 @@ class GpuStragglerDetector:
                 return None
             # A column a map: zip(*newest) costs 5-7x as much for 100,000 entries (an iterator a row).
             computes, steps = list(map(_COMPUTE, newest)), list(map(_STEPS, newest))
-        comms_of = cast("list[float]", comms)  # None is not in it
+            comms_of = cast("list[float]", comms)  # None is not in it
         nodes = roster.nodes
         # Each node's class as _class_of gives it: read in C where every node's is held and fresh.
         held_or_none = list(map(self._classes.get, roster.distinct_nodes))
@@ -440,6 +444,8 @@ class GpuStragglerDetector:
         judged: set[int] = set()
         for cls, window in by_class.items():
             ranks, ids, computes_of, comms_of = window.ranks, window.ids, window.computes, window.comms
+            base_computes: MutableSequence[float]
+            base_comms: MutableSequence[float]
             if removed and not removed.keys().isdisjoint(ids):
                 baseline = [i for i, rank_id in enumerate(ids) if rank_id not in removed]
                 base_computes, base_comms = [computes_of[i] for i in baseline], [comms_of[i] for i in baseline]

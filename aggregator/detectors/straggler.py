@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain, compress, repeat
@@ -290,7 +290,7 @@ def last_complete_window(ranks: list[RankHistory], interval: float, width: float
     return max(deadline, reached)
 
 
-def _medians(column: list[float], slices: list[slice], n: int) -> list[float]:
+def _medians(column: Sequence[float], slices: list[slice], n: int) -> list[float]:
     """``_median`` of each slice of ``column`` (``n`` values each), its arithmetic exactly."""
     ordered = list(map(sorted, map(column.__getitem__, slices)))
     i = n // 2
@@ -518,7 +518,7 @@ class StragglerDetector:
         if not (lo < min(ends) and max(ends) <= hi):
             return None
         slots = members.slots
-        owns = columns.owns if slots is None else [columns.owns[i] for i in slots]
+        owns: Sequence[float] = columns.owns if slots is None else [columns.owns[i] for i in slots]
         medians = _medians(owns, members.slices, n)
         names = members.names
         removed = memo.removed

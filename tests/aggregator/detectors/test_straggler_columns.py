@@ -37,8 +37,10 @@ def assert_columns_mirror_ranks(job: JobState) -> None:
             assert columns.ends[slot] == -math.inf
             continue
         end, compute, comm, steps, data = rank.windows[-1]
-        assert (columns.ends[slot], columns.owns[slot], columns.computes[slot], columns.comms[slot],
-                columns.steps[slot]) == (end, compute + (data or 0.0), compute, comm, steps)
+        assert (columns.ends[slot], columns.owns[slot], columns.computes[slot], columns.steps[slot]) == (
+            end, compute + (data or 0.0), compute, steps)
+        assert columns.no_comm[slot] == (comm is None)
+        assert (comm is None and math.isnan(columns.comms[slot])) or columns.comms[slot] == comm
 
 
 class World:
