@@ -12,8 +12,8 @@ nor hangs. Thresholds, guards, persistence, false-removal rate: docs/detectors.m
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections import Counter, deque
+from collections.abc import MutableSequence
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, itemgetter
@@ -30,6 +30,8 @@ from vigil.aggregator.detectors.straggler import (
     last_complete_window,
     mad_sigma,
 )
+from vigil.aggregator.detectors.straggler import sorted_mad as _sorted_mad
+from vigil.aggregator.detectors.straggler import sorted_median as _sorted_median
 from vigil.aggregator.fleet import FleetView, JobState, NodeState, RankHistory
 from vigil.contract.validation import StrictModel
 
@@ -115,8 +117,9 @@ class _Window:
 
     ranks: list[RankHistory] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # the ranks' numbers
-    computes: list[float] = field(default_factory=list)
-    comms: list[float] = field(default_factory=list)
+    # Lists, or the job's columns themselves (JobState.columns' arrays), read within one pass.
+    computes: MutableSequence[float] = field(default_factory=list)
+    comms: MutableSequence[float] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
 
 
@@ -131,6 +134,9 @@ class _Roster:
     ids: list[int]
     nodes: list[str]
     distinct_nodes: list[str]  # in order of first appearance
+    # Whether ``ranks`` are the job's columns' ranks in their slots' order (JobState.columns, kept by
+    # the fleet): then the columns are read in place of the ranks' newest windows.
+    columns: bool = False
 
 
 @dataclass(slots=True)
@@ -181,8 +187,6 @@ class GpuStragglerDetector:
         # job -> its judged window's width as of its membership revision and the ranks' window
         # changes (_width).
         self._widths: dict[str, tuple[JobState, int, int, float]] = {}
-        # Within one job's judging: its ranks (the list _judge reads) and their newest window entries.
-        self._newest: tuple[list[RankHistory], list[tuple[float, float, float | None, int, float | None]]] | None = None
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -204,10 +208,14 @@ class GpuStragglerDetector:
         them from 100,000 ranks on each judged window cost ~10 ms a list)."""
         held = self._job_nodes.get(job.name)
         if view.revision is None or held is None or held.job is not job or held.revision != job.members_revision:
-            ranks = list(job.ranks.values())
+            columns = job.columns
+            # The columns hold exactly the job's ranks (a job the fleet keeps; not one built by hand).
+            in_columns = view.revision is not None and len(columns.ranks) == len(job.ranks) and all(
+                rank.columns is columns and columns.ranks[rank.slot] is rank for rank in job.ranks.values())
+            ranks = list(columns.ranks if in_columns else job.ranks.values())
             nodes = list(map(_NODE, ranks))
             held = _Roster(job, job.members_revision, ranks, list(map(_RANK_ID, ranks)), nodes,
-                           list(dict.fromkeys(nodes)))
+                           list(dict.fromkeys(nodes)), in_columns)
             if view.revision is not None:
                 self._job_nodes[job.name] = held
         return held
@@ -231,7 +239,7 @@ class GpuStragglerDetector:
             memo = self._memo[job.name] = _JobMemo(job, width)
         if not self._judged_up_to_date(memo, now):
             roster = self._roster(view, job)
-            last = self._last_window(view, job, roster.ranks, width, now)
+            last = self._last_window(view, job, roster, width, now)
             first = last - cfg.persistence_windows - 1
             if memo.last_judged is not None:
                 first = max(first, memo.last_judged + 1, last - RANK_WINDOWS_MAX)
@@ -242,7 +250,6 @@ class GpuStragglerDetector:
                     if window:
                         self._advance(memo, index, self._verdict(memo, window))
                     memo.last_judged = index
-            self._newest = None
         for rank in [r for r, t in memo.removed.items() if now - t > cfg.removed_memory_seconds]:
             del memo.removed[rank]
             memo.episode_since.pop(rank, None)
@@ -251,9 +258,9 @@ class GpuStragglerDetector:
     def _width(self, view: FleetView, job: JobState) -> float:
         """The judged window: the configured one, or the job's longest summary window when longer.
         Read again only after the job's membership or some rank's summary window changed (the
-        change markers JobState.members_revision and RankHistory.window_seconds_changes): reading
+        change markers JobState.members_revision and JobState.columns.window_seconds_changes): reading
         it from 100,000 ranks was most of a pass with nothing to judge (~20 ms at 12,500 nodes)."""
-        changes = RankHistory.window_seconds_changes
+        changes = job.columns.window_seconds_changes
         held = self._widths.get(job.name)
         if (view.revision is not None and held is not None and held[0] is job and held[1] == job.members_revision
                 and held[2] == changes):
@@ -269,22 +276,26 @@ class GpuStragglerDetector:
         other pass at 2.5 s reports and 5 s windows)."""
         return memo.last_judged is not None and memo.last_judged >= math.floor(now / memo.width + 1e-9)
 
-    def _last_window(self, view: FleetView, job: JobState, ranks: list[RankHistory], width: float, now: float) -> int:
+    def _last_window(self, view: FleetView, job: JobState, roster: _Roster, width: float, now: float) -> int:
         """The newest window that can be judged (straggler.py's last_complete_window, the node
         straggler's schedule: both detectors judge the same windows at the same time), read in C
-        over the job's ranks."""
+        over the job's columns (JobState.columns: two mins over lists where every rank is live and
+        has a window), else over its ranks."""
         current = math.floor(now / width + 1e-9)
-        if min(map(_LAST_SEEN, ranks)) < now - 2 * width:
+        ranks = roster.ranks
+        columns = job.columns if roster.columns else None
+        if min(columns.seen if columns is not None else map(_LAST_SEEN, ranks)) < now - 2 * width:
             # A rank may have stopped reporting (its liveness is the nodes' interval's): the walk.
             return last_complete_window(ranks, self._interval(view, job), width, now)
         # Every rank is live whatever the interval: last_complete_window's reading of them all,
         # without the walk, and the nodes' interval read only where the deadline may decide.
-        windows = list(map(_WINDOWS, ranks))
-        if not all(windows):
-            return math.floor((now - self._interval(view, job) - width) / width + 1e-9)
-        newest = list(map(_NEWEST, windows))
-        self._newest = (ranks, newest)  # for _newest_columns in this pass: the ranks are read once
-        reached = min(current, math.ceil(min(map(_END, newest)) / width - 1e-9))
+        newest = min(columns.ends) if columns is not None else -math.inf  # -inf: no window, or not a number
+        if newest == -math.inf:
+            windows = list(map(_WINDOWS, ranks))
+            if not all(windows):
+                return math.floor((now - self._interval(view, job) - width) / width + 1e-9)
+            newest = min(map(_END, map(_NEWEST, windows)))
+        reached = min(current, math.ceil(newest / width - 1e-9))
         # The deadline falls as the interval grows: at interval 0 it is the highest it can be.
         if reached >= math.floor((now - width) / width + 1e-9):
             return reached
@@ -303,22 +314,31 @@ class GpuStragglerDetector:
         newest entries, grouped by the hardware class of each node (one class a job: the columns
         whole). None where a rank's newest entry is elsewhere or lacks the wait (_rows walks)."""
         ranks = roster.ranks
-        held = self._newest
-        if held is not None and held[0] is ranks:
-            newest = held[1]
+        ceil = math.ceil
+        computes: MutableSequence[float]
+        comms_of: MutableSequence[float]
+        if roster.columns:
+            # The job's columns, slot by slot as the roster lists its ranks (read only here).
+            columns = roster.job.columns
+            ends = columns.ends
+            least = min(ends)  # -inf: a rank with no window, or an end that is not a number
+            if (1 in columns.no_comm or least == -math.inf or ceil(least / width - 1e-9) != index
+                    or ceil(max(ends) / width - 1e-9) != index):
+                return None
+            computes, comms_of, steps = columns.computes, columns.comms, columns.steps
         else:
             windows = list(map(_WINDOWS, ranks))
             if not all(windows):
                 return None
             newest = list(map(_NEWEST, windows))
-        comms = list(map(_COMM, newest))
-        ceil = math.ceil
-        # ceil is monotonic: the least and the greatest end in ``index`` put every end in it.
-        if (None in comms or ceil(min(map(_END, newest)) / width - 1e-9) != index
-                or ceil(max(map(_END, newest)) / width - 1e-9) != index):
-            return None
-        # A column a map: zip(*newest) costs 5-7x as much for 100,000 entries (an iterator a row).
-        computes, steps = list(map(_COMPUTE, newest)), list(map(_STEPS, newest))
+            comms = list(map(_COMM, newest))
+            # ceil is monotonic: the least and the greatest end in ``index`` put every end in it.
+            if (None in comms or ceil(min(map(_END, newest)) / width - 1e-9) != index
+                    or ceil(max(map(_END, newest)) / width - 1e-9) != index):
+                return None
+            # A column a map: zip(*newest) costs 5-7x as much for 100,000 entries (an iterator a row).
+            computes, steps = list(map(_COMPUTE, newest)), list(map(_STEPS, newest))
+            comms_of = cast("list[float]", comms)  # None is not in it
         nodes = roster.nodes
         # Each node's class as _class_of gives it: read in C where every node's is held and fresh.
         held_or_none = list(map(self._classes.get, roster.distinct_nodes))
@@ -331,7 +351,8 @@ class GpuStragglerDetector:
         class_of = dict(zip(roster.distinct_nodes, classes, strict=True))
         if len(set(classes)) == 1:
             cls = classes[0]
-            return {cls: _Window(ranks, roster.ids, computes, comms, steps)}  # the roster's lists: read only
+            # The roster's lists, or the job's columns themselves: read only, within this pass.
+            return {cls: _Window(ranks, roster.ids, computes, comms_of, steps)}
         out: dict[HardwareClass, _Window] = {}
         for i, rank in enumerate(ranks):
             window = out.get(class_of[nodes[i]])
@@ -340,7 +361,7 @@ class GpuStragglerDetector:
             window.ranks.append(rank)
             window.ids.append(rank.rank)
             window.computes.append(computes[i])
-            window.comms.append(comms[i])
+            window.comms.append(comms_of[i])
             window.steps.append(steps[i])
         return out
 
@@ -423,6 +444,8 @@ class GpuStragglerDetector:
         judged: set[int] = set()
         for cls, window in by_class.items():
             ranks, ids, computes_of, comms_of = window.ranks, window.ids, window.computes, window.comms
+            base_computes: MutableSequence[float]
+            base_comms: MutableSequence[float]
             if removed and not removed.keys().isdisjoint(ids):
                 baseline = [i for i, rank_id in enumerate(ids) if rank_id not in removed]
                 base_computes, base_comms = [computes_of[i] for i in baseline], [comms_of[i] for i in baseline]
@@ -518,44 +541,6 @@ class GpuStragglerDetector:
                 evidence={"signal": "compute_seconds_p50", "rank": rank_id, "gpu": gpu, "gpu_source": source,
                           **flag.evidence, "causes": causes, **found, "windows": run.windows, "window_seconds": width}))
         return out
-
-
-def _sorted_median(values: list[float]) -> float:
-    n = len(values)
-    middle = n // 2
-    return values[middle] if n % 2 else (values[middle - 1] + values[middle]) / 2
-
-
-def _sorted_mad(values: list[float], med: float) -> float:
-    """The median of ``abs(v - med)`` over sorted ``values``, without building or sorting the
-    deviations (100,000 new floats and their sort were ~20 ms of a judged window at 12,500
-    nodes): those under ``med`` are ``med - v`` (exactly ``abs(v - med)``: rounding is
-    symmetric) rising as ``v`` falls, the others ``v - med`` rising with ``v``; the middle of
-    the two rising runs is found by bisection, O(log n)."""
-    n = len(values)
-    split = bisect_left(values, med)
-
-    def below(i: int) -> float:  # the i-th smallest deviation of those under med
-        return med - values[split - 1 - i]
-
-    def above(j: int) -> float:  # the j-th smallest deviation of the others
-        return values[split + j] - med
-
-    def kth(k: int) -> float:  # the k-th smallest deviation (from 0)
-        lo, hi = max(0, k + 1 - (n - split)), min(k + 1, split)  # how many of the k + 1 least lie below
-        while lo < hi:
-            i = (lo + hi) // 2
-            if above(k - i) > below(i):
-                lo = i + 1
-            else:
-                hi = i
-        j = k + 1 - lo
-        if lo == 0:
-            return above(j - 1)
-        return below(lo - 1) if j == 0 else max(below(lo - 1), above(j - 1))
-
-    middle = n // 2
-    return kth(middle) if n % 2 else (kth(middle - 1) + kth(middle)) / 2
 
 
 def _gpu_of(rank: RankHistory, node: NodeState | None, job: JobState) -> tuple[int | None, str]:

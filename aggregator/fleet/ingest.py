@@ -185,7 +185,7 @@ class Fleet:
             for job_name, rank in node.ranks:
                 job = self._jobs.get(job_name)
                 if job is not None and job.ranks.get(rank) is not None and job.ranks[rank].node == node.name:
-                    del job.ranks[rank]
+                    job.columns.release(job.ranks.pop(rank))
                     job.members_revision = self.revision
         return gone
 
@@ -429,6 +429,7 @@ class Fleet:
                     job = jobs[summary.job] = JobState(summary.job)
                 if rhist is None:
                     rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
+                    job.columns.take(rhist)
                 else:
                     old = self._nodes.get(rhist.node)
                     if old is not None and old.ranks.pop((summary.job, summary.rank), None) is not None:
@@ -564,6 +565,7 @@ class Fleet:
         job = self._jobs.get(job_name)
         if job is not None and job.ranks.get(rank) is rhist:
             del job.ranks[rank]
+            job.columns.release(rhist)
             job.members_revision = self.revision
             if not job.ranks and job_name not in room.named_jobs:
                 del self._jobs[job_name]

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
 from vigil.aggregator.decision import Action
-from vigil.aggregator.fleet.history import GpuHistory, PcieHistory, PortHistory, RankHistory
+from vigil.aggregator.fleet.history import GpuHistory, PcieHistory, PortHistory, RankColumns, RankHistory
 from vigil.aggregator.xid_catalog import XidOccurrence
 from vigil.contract.wire import CollectiveState, Event, NodeActionResult, NodeConfig, Report, kernel_boot_id
 
@@ -33,6 +33,9 @@ class JobState:
     # Change marker (docs/detectors.md, "change markers"): the fleet revision of the latest change to its membership (a
     # rank joined, left, or moved to another node). Its ranks' summaries change every report.
     members_revision: int = 0
+    # Its ranks' newest windows as columns, a slot per rank (the fleet keeps them on ingest), and
+    # the change marker ``columns.window_seconds_changes`` (a rank's summary window changed).
+    columns: RankColumns = field(default_factory=RankColumns)
 
     def nodes(self) -> set[str]:
         return {r.node for r in self.ranks.values()}

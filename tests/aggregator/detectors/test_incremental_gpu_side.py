@@ -96,9 +96,9 @@ class LongWayGpuStraggler(GpuStragglerDetector):
     def _judged_up_to_date(self, memo: _JobMemo, now: float) -> bool:
         return False
 
-    def _last_window(self, view: FleetView, job: JobState, ranks: list[RankHistory], width: float, now: float) -> int:
+    def _last_window(self, view: FleetView, job: JobState, roster: _Roster, width: float, now: float) -> int:
         interval = max([0.0] + [view.nodes[n].interval_seconds for n in job.nodes() if n in view.nodes])
-        return last_complete_window(ranks, interval, width, now)
+        return last_complete_window(list(job.ranks.values()), interval, width, now)
 
     def _rows(self, view: FleetView, roster: _Roster, first: int, last: int, width: float,
               now: float) -> dict[int, dict[HardwareClass, _Window]]:

@@ -204,7 +204,8 @@ def test_incremental_detectors_find_what_the_long_way_finds(seed: int) -> None:
     assert {"hang", "crash_loop", "silence", "app_signals", "straggler"} <= {k.split(":")[0] for k in found}, found
     assert {"silence:gpu_lost", "silence:gpu_reset_required"} <= set(found), found
     straggler = next(fast for fast, _ in detectors if isinstance(fast, StragglerDetector))
-    assert straggler.bulk_windows > 0  # its windows were read in bulk, the twin's rank by rank
+    assert straggler.bulk_windows > 0  # its windows were read in bulk, the twin's rank by rank ...
+    assert straggler.column_windows > 0  # ... or from its jobs' columns (JobState.columns)
 
 
 @pytest.mark.parametrize("rate", [1.0, 0.1])
