@@ -9,14 +9,13 @@ guess why a node went quiet (the topology pass groups silent nodes under one rac
 from __future__ import annotations
 
 import math
-from heapq import heappop, heappush
 from operator import attrgetter
 
 from pydantic import Field
 
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.quiet_nodes import ChangedNodes
-from vigil.aggregator.fleet import FleetView, NodeState
+from vigil.aggregator.fleet import FleetView
 from vigil.contract.validation import StrictModel
 
 NAME = "silence"
@@ -46,14 +45,11 @@ class SilenceDetector:
     def __init__(self, config: SilenceConfig) -> None:
         self.config = config
         # The nodes to walk (docs/detectors.md, "change markers"): those whose missing or unhealthy
-        # GPUs or NVML reachability changed since the last pass (the gpu_health journal) and those
-        # with something to find when last walked (each pass); and the calm nodes, in cohorts:
-        # those found calm in one pass, due again when the oldest report among them may have
-        # reached the least delay (heap of (due, count, cohort)), each node in its latest cohort.
+        # GPUs or NVML reachability changed since the last pass (the gpu_health journal), those
+        # with something to find when last walked (each pass), and those whose last report may be
+        # at least the least delay old (found in the fleet's ReportTimes, a C-level ``min``: a
+        # replayed report moves last_seen, not the time kept there, so they are a few more).
         self._walk = ChangedNodes("gpu_health")
-        self._cohorts: list[tuple[float, int, list[NodeState]]] = []
-        self._cohort_of: dict[str, list[NodeState]] = {}
-        self._cohorts_made = 0
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         cfg = self.config
@@ -64,39 +60,23 @@ class SilenceDetector:
         calm = min(cfg.alert_after_seconds_min, cfg.drain_after_seconds) if view.revision is not None else -math.inf
         walk = self._walk
         nodes = walk.start(view, now)
-        cohorts, cohort_of = self._cohorts, self._cohort_of
-        calm_now: list[NodeState] = []  # found calm in this pass: the next cohort
-        oldest = math.inf  # the oldest report among them
-        if walk.every:
-            cohorts.clear()
-            cohort_of.clear()
-        else:
-            for name in walk.gone:
-                cohort_of.pop(name, None)
-            # A due cohort's nodes still calm (most: they reported since) join the next cohort
-            # unwalked; the others are walked with the journals' nodes, in the fleet's order.
-            walked = {node.name: node for node in nodes}
-            while cohorts and cohorts[0][0] <= now:
-                members = heappop(cohorts)[2]
-                for node in members:
-                    name = node.name
-                    if cohort_of.get(name) is not members or name in walked:
-                        continue  # in a newer cohort, gone (let go above), or walked anyway
-                    seen = node.last_seen
-                    if (now - seen < calm and not node.missing_gpus and not node.unhealthy_gpus
-                            and node.nvml_down_since is None):
-                        calm_now.append(node)
-                        if seen < oldest:
-                            oldest = seen
-                    else:
-                        walked[name] = node
-            if len(walked) > len(nodes):
+        times = view.report_times
+        if not walk.every and times is not None:
+            # The nodes whose last report may be that old (a millisecond and a thousandth of the
+            # delay younger too: rounding may not hide one), with the journals' nodes, in the
+            # fleet's order; a healthy fleet has none (the ``min``, ~0.2 ms at 12,500 nodes).
+            old = now - calm * 0.999 + 1e-3
+            if min(times.times, default=math.inf) <= old:
+                walked = {node.name: node for node in nodes}
+                slots = times.nodes
+                for slot in [i for i, seen in enumerate(times.times) if seen <= old]:
+                    node = slots[slot]
+                    if node is not None:
+                        walked[node.name] = node
                 nodes = sorted(walked.values(), key=_POSITION)
         for node in nodes:
             quiet = now - node.last_seen
             if quiet < calm and not node.missing_gpus and not node.unhealthy_gpus and node.nvml_down_since is None:
-                calm_now.append(node)
-                oldest = min(oldest, node.last_seen)
                 continue
             walk.again(node)
             alert_after = max(cfg.alert_after_seconds_min, cfg.alert_after_intervals * node.interval_seconds)
@@ -145,12 +125,4 @@ class SilenceDetector:
                     key="nvml_unavailable",
                     reason="the agent cannot reach NVML: no GPU state from this node",
                     evidence={"signal": "nvml_unavailable", "since": node.nvml_down_since}))
-        if calm_now and calm > -math.inf:
-            # Due a millisecond and a thousandth of the delay early: one due a little early is found
-            # calm again, one due late would miss a pass.
-            due = oldest + calm * 0.999 - 1e-3
-            self._cohorts_made += 1
-            heappush(cohorts, (due, self._cohorts_made, calm_now))
-            for node in calm_now:
-                cohort_of[node.name] = calm_now
         return out

@@ -37,7 +37,15 @@ from vigil.aggregator.fleet.history import (
     link_below_max,
     normal_bus_id,
 )
-from vigil.aggregator.fleet.view import ActionOutcome, FleetView, JobState, NodeJournals, NodeState, Removal
+from vigil.aggregator.fleet.view import (
+    ActionOutcome,
+    FleetView,
+    JobState,
+    NodeJournals,
+    NodeState,
+    Removal,
+    ReportTimes,
+)
 from vigil.aggregator.xid_catalog import XidOccurrence
 from vigil.contract.wire import (
     REPORT_VERSION,
@@ -114,6 +122,8 @@ class Fleet:
         # marker moved, appended where it moves; and the next node's place in the fleet's order.
         self.journals = NodeJournals()
         self._positions = 0
+        # Each node's state_seen in one list (view.ReportTimes: the silence and thermal detectors').
+        self.report_times = ReportTimes()
         # Entries dropped to keep a node within its caps, by kind (ports, ranks, jobs): the oldest
         # of those its latest report no longer named (vigil_aggregator_fleet_evictions_total).
         self.evicted: dict[str, int] = dict.fromkeys(EVICTION_KINDS, 0)
@@ -188,6 +198,7 @@ class Fleet:
         for node in gone:
             del self._nodes[node.name]
             members.append(node.name)
+            self.report_times.leave(node)
             for job_name, rank in node.ranks:
                 job = self._jobs.get(job_name)
                 if job is not None and job.ranks.get(rank) is not None and job.ranks[rank].node == node.name:
@@ -213,6 +224,7 @@ class Fleet:
             node = self._nodes[report.node] = NodeState(report, now, cfg)
             node.position = self._positions
             self._positions += 1
+            self.report_times.join(node)
             journals.members.names.append(node.name)  # all its markers are new
         elif report.boot_id == node.boot_id and report.seq <= node.seq:
             # A replayed or reordered report of this boot (the seq alone says so: the node's clock
@@ -255,7 +267,7 @@ class Fleet:
         elif report.seq != node.seq + 1:
             node.seq_gaps += 1
         node.seq = report.seq
-        node.last_seen = node.state_seen = now
+        node.last_seen = node.state_seen = self.report_times.times[node.slot] = now
         node.last_report_ts = report.ts
         node.interval_seconds = report.interval_seconds
         node.reports += 1
@@ -690,7 +702,8 @@ class Fleet:
         return FleetView(self._nodes, self._jobs, removed, agent_resets=self.agent_resets, probes=self.probes,
                          learned_probes=self.learned_probes, isolations=self.isolations, revision=self.revision,
                          fleet=self.identity, gpu_jobs_revision=self.gpu_jobs_revision,
-                         config_revision=self.config_revision, journals=self.journals)
+                         config_revision=self.config_revision, journals=self.journals,
+                         report_times=self.report_times)
 
 
 EVICTION_KINDS = ("ports", "ranks", "jobs")

@@ -74,6 +74,7 @@ class NodeState:
         # ``FleetView.nodes``), so that a detector walking only the nodes its journals name
         # (``NodeJournals``) walks them, and finds, in the order a walk of every node would.
         self.position = 0
+        self.slot = 0  # its place in the fleet's ReportTimes
         # The fleet revision of the latest change to this node's state, and of the latest change
         # to what names its hardware class (docs/detectors.md, "change markers"): a GPU's model, maximum SM clock or
         # power limit (``_CLASS_FIELDS``), or its GPU histories.
@@ -234,12 +235,42 @@ class NodeJournals:
                 journal.trim(keep)
 
 
+class ReportTimes:
+    """Each node's ``state_seen`` (its latest report but a replayed one, so never after its
+    ``last_seen``) in one list, by the node's slot (``NodeState.slot``; a slot let go by a
+    forgotten node is given to the next that joins, +inf while free), and the node in each slot.
+    One store per report on ingest, so that a detector reads every node's report time at C speed:
+    the silence detector finds the nodes that may be silent past a delay with a ``min`` over the
+    list instead of a test per node, and the thermal detector keeps what the last pass found in
+    a copy of it."""
+
+    __slots__ = ("_free", "nodes", "times")
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.nodes: list[NodeState | None] = []
+        self._free: list[int] = []
+
+    def join(self, node: NodeState) -> None:
+        if self._free:
+            node.slot = self._free.pop()
+            self.times[node.slot], self.nodes[node.slot] = node.state_seen, node
+        else:
+            node.slot = len(self.times)
+            self.times.append(node.state_seen)
+            self.nodes.append(node)
+
+    def leave(self, node: NodeState) -> None:
+        self.times[node.slot], self.nodes[node.slot] = math.inf, None
+        self._free.append(node.slot)
+
+
 class FleetView:
     """What detectors see: read-only mappings over the fleet (detectors must not mutate state),
     and the nodes vigil removed (empty unless the engine was asked for them)."""
 
     __slots__ = ("agent_resets", "config_revision", "fleet", "gpu_jobs_revision", "isolations", "jobs",
-                 "journals", "learned_probes", "nodes", "probes", "removed", "revision")
+                 "journals", "learned_probes", "nodes", "probes", "removed", "report_times", "revision")
 
     def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
                  removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False,
@@ -247,7 +278,7 @@ class FleetView:
                  learned_probes: Mapping[tuple[str, str], tuple[float, int]] | None = None,
                  isolations: Sequence[IsolationOutcome] = (), revision: int | None = None,
                  fleet: object | None = None, gpu_jobs_revision: int = 0, config_revision: int = 0,
-                 journals: NodeJournals | None = None) -> None:
+                 journals: NodeJournals | None = None, report_times: ReportTimes | None = None) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
         # Change markers (docs/detectors.md, "change markers"): the fleet's revision when the view was taken, and the
         # fleet's identity. A view built by hand (tests) has neither: ``revision`` None tells a
@@ -258,6 +289,7 @@ class FleetView:
         self.config_revision = config_revision  # Fleet.config_revision
         # The fleet's journals of node-side markers (None with ``revision`` None: walk every node).
         self.journals = journals if revision is not None else None
+        self.report_times = report_times if revision is not None else None  # Fleet.report_times
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
         self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
         # An admitted reset_gpu is carried out by the node's agent on a signed request, and its
