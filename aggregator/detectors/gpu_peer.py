@@ -19,6 +19,7 @@ from pydantic import Field
 
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, HardwareClasses, describe
+from vigil.aggregator.detectors.quiet_nodes import ChangedNodes
 from vigil.aggregator.fleet import FleetView, GpuHistory, GpuSample, NodeState
 from vigil.aggregator.fleet.history import ClockWatch
 from vigil.contract.validation import StrictModel
@@ -251,6 +252,10 @@ class GpuPeerDetector:
         # its class, read again only when what names it changed.
         self._nodes: dict[str, _NodeGpus] = {}
         self._classes = HardwareClasses(power_limit=False)
+        # The nodes whose entry is read again (docs/detectors.md, "change markers"): those whose
+        # GPUs' health, class or job attribution changed since the last pass (the journals), and
+        # those whose GPUs' jobs came from their ranks (``_NodeGpus.by_ranks``: each pass).
+        self._walk = ChangedNodes("gpu_health", "gpu_class", "gpu_jobs")
         # (job, hardware class) -> its GPUs and their watched band, kept while the views carry
         # change markers (a view built by hand holds histories the fleet did not observe).
         self._groups: dict[tuple[str, HardwareClass], _PeerGroup] = {}
@@ -259,15 +264,14 @@ class GpuPeerDetector:
         self._band = (math.sqrt(ratio) * (1 + 1e-9), (1 - 1e-9) / math.sqrt(ratio))
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
-        cfg = self.config
-        start = now - cfg.persistence_seconds
         self._classes.start(view)
         marked = view.revision is not None  # a view built by hand: no state is carried over
         if marked:
-            judged = self._refresh(view, start)
+            judged = self._refresh(view, now)
         else:
             self._forget_groups()
             self._nodes = {}
+            self._walk.reset()
             judged = self._fresh_groups(view)
         windows: dict[tuple[str, int], _ClockWindow] = {}
         out: list[Finding] = []
@@ -278,14 +282,24 @@ class GpuPeerDetector:
             out.extend(self._untimed(view))
         return out
 
-    def _refresh(self, view: FleetView, start: float) -> list[tuple[tuple[str, HardwareClass], _PeerGroup]]:
+    def _refresh(self, view: FleetView, now: float) -> list[tuple[tuple[str, HardwareClass], _PeerGroup]]:
         """Bring the groups to the nodes' state (a node's entry is read again only when what it
-        was read from changed) and return those that may hold a straggler: all but the quiet ones."""
+        was read from changed: the nodes the journals name) and return those that may hold a
+        straggler: all but the quiet ones."""
+        start = now - self.config.persistence_seconds
         held = self._nodes
         jobs_revision = view.gpu_jobs_revision
-        for node in view.nodes.values():
+        walk = self._walk
+        nodes = walk.start(view, now)
+        # Nodes gone from the view leave their groups.
+        gone = [n for n in held if n not in view.nodes] if walk.every else [n for n in walk.gone if n in held]
+        for name in gone:
+            self._leave(held.pop(name))
+        for node in nodes:
             entry = held.get(node.name)
             if entry is not None and entry.holds(node, jobs_revision):
+                if entry.by_ranks is not None:
+                    walk.again(node)
                 continue
             fresh = self._node_gpus(node, jobs_revision)
             if entry is not None and entry.node is node and entry.cls == fresh.cls and entry.gpus == fresh.gpus:
@@ -296,9 +310,8 @@ class GpuPeerDetector:
                     self._leave(entry)
                 self._join(fresh)
             held[node.name] = fresh
-        if len(held) > len(view.nodes):
-            for name in [n for n in held if n not in view.nodes]:
-                self._leave(held.pop(name))
+            if fresh.by_ranks is not None:
+                walk.again(node)
         cfg = self.config
         judged = []
         for key, group in self._groups.items():
@@ -527,10 +540,10 @@ class GpuPeerDetector:
         """One observation per job whose ranks step but send no phase times."""
         out = []
         for job in view.jobs.values():
-            ranks = list(job.ranks.values())
-            if len(ranks) < 2 or not any(r.last.steps > 0 for r in ranks):
+            ranks = job.ranks  # read in place: a timed job is told by its first ranks (100,000 a pass)
+            if len(ranks) < 2 or not any(r.last.steps > 0 for r in ranks.values()):
                 continue
-            if any(r.last.compute_seconds_p50 is not None for r in ranks):
+            if any(r.last.compute_seconds_p50 is not None for r in ranks.values()):
                 continue
             # Said once, on rank 0's node: a job seen partially first must not be said twice.
             first = job.ranks.get(0)

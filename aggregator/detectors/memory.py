@@ -11,7 +11,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from vigil.aggregator.decision import Action, Finding
-from vigil.aggregator.detectors.quiet_nodes import QuietNodes
+from vigil.aggregator.detectors.quiet_nodes import ChangedNodes
 from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState
 from vigil.contract.validation import StrictModel
 
@@ -49,9 +49,10 @@ class MemoryDetector:
 
     def __init__(self, config: MemoryConfig) -> None:
         self.config = config
-        # Nodes none of whose GPUs had a flag set or a counter moved when last walked, with their
-        # gpu_faults_revision then.
-        self._quiet = QuietNodes()
+        # The nodes to walk (docs/detectors.md, "change markers"): those whose GPUs' fault flags
+        # changed (gpu_faults_revision) or whose GPU counters moved since the last pass, and those
+        # with a flag set or a counter moved within the window when last walked.
+        self._walk = ChangedNodes("gpu_faults", "gpu_counters")
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
@@ -60,14 +61,10 @@ class MemoryDetector:
         # (``_judge``'s tests, in the order that skips the healthy GPU soonest: most of the fleet).
         moved_after = now - max(cfg.uncorrectable_window_seconds, cfg.recent_seconds)
         retired_limit = cfg.retired_pages_limit
-        # A node is passed over in O(1) while what made it quiet holds (change markers,
-        # docs/detectors.md, "change markers"): none of its GPUs' fault flags changed since (gpu_faults_revision) and
-        # no GPU counter moved within the window. A view without markers is walked whole.
-        quiet = self._quiet
-        marked = quiet.start(view)
-        for node in view.nodes.values():
-            if marked and node.gpu_counters_moved_ts < moved_after and quiet.holds(node, node.gpu_faults_revision):
-                continue
+        # A node none of whose GPUs had anything to judge when last walked is not visited until
+        # a fault flag changes or a counter moves (the journals); a view without them is walked whole.
+        walk = self._walk
+        for node in walk.start(view, now):
             flagged = False
             for gpu in node.gpus.values():
                 state = gpu.last
@@ -79,8 +76,8 @@ class MemoryDetector:
                 if gpu.last_seen < node.last_seen:
                     continue  # absent from the latest report: the silence detector's case
                 out.extend(self._judge(node, gpu, now))
-            if marked:
-                quiet.walked(node, node.gpu_faults_revision, not flagged)
+            if flagged:
+                walk.again(node)
         return out
 
     def _since(self, gpu: GpuHistory, flag: str) -> float:

@@ -16,7 +16,7 @@ from collections import Counter, deque
 from pydantic import Field, model_validator
 
 from vigil.aggregator.decision import Action, Finding
-from vigil.aggregator.detectors.quiet_nodes import QuietNodes
+from vigil.aggregator.detectors.quiet_nodes import ChangedNodes
 from vigil.aggregator.fleet import FleetView, NodeState, PortHistory, port_is_active
 from vigil.contract.validation import StrictModel
 from vigil.contract.wire import PORT_TRAFFIC_COUNTERS
@@ -126,9 +126,13 @@ class NetworkDetector:
         # site may set below a day's drops. Bounded: _DROPS_KEPT per port and counter, forgotten
         # when older than the window or when the port's node has left the view.
         self._drops: dict[PortKey, deque[tuple[float, float]]] = {}
-        # Nodes none of whose ports had a counter moved, a link down or a rate below its expected
-        # one when last walked, with their ports_revision then.
-        self._quiet = QuietNodes()
+        # The nodes to walk (docs/detectors.md, "change markers"): those whose ports' link state,
+        # rate or flags changed (ports_revision) or whose port counters moved since the last pass,
+        # and those with a port flagged when last walked (a counter moved within the longest
+        # horizon, a link down, a rate below its expected one). And the nodes whose new link drops
+        # are taken into the memory: those whose counters moved since, or within the drop window.
+        self._walk = ChangedNodes("ports", "port_counters")
+        self._drop_walk = ChangedNodes("port_counters")
 
     @property
     def drops_remembered(self) -> int:
@@ -137,13 +141,9 @@ class NetworkDetector:
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
-        # A node is passed over in O(1) while what made it quiet holds (change markers,
-        # docs/detectors.md, "change markers"): none of its ports' link state, rate or flags changed since
-        # (ports_revision) and no port counter moved within the horizon. A view without markers
-        # is walked whole.
-        quiet = self._quiet
-        marked = quiet.start(view)
-        self._remember_drops(view, now, marked)
+        # A node none of whose ports had anything to judge when last walked is not visited until
+        # a port's link changes or a counter moves (the journals); a view without them is walked whole.
+        self._remember_drops(view, now)
         shared = self._shared_drops(view, now)
         cfg = self.config
         # A port whose counters did not move over the longest horizon, that is not down after
@@ -151,9 +151,8 @@ class NetworkDetector:
         # tests, first the cheapest: most ports of the fleet).
         moved_after = now - self._flap_horizon()
         expected_rate, tolerance = cfg.expected_rate_bits_per_second, 1 - cfg.rate_tolerance_ratio
-        for node in view.nodes.values():
-            if marked and node.port_counters_moved_ts < moved_after and quiet.holds(node, node.ports_revision):
-                continue
+        walk = self._walk
+        for node in walk.start(view, now):
             flagged = False
             for port in node.ports.values():
                 if port.counters.last_increase_ts < moved_after:
@@ -166,23 +165,25 @@ class NetworkDetector:
                 if port.last_seen < node.last_seen:
                     continue
                 out.extend(self._judge(node, port, now, shared))
-            if marked:
-                quiet.walked(node, node.ports_revision, not flagged)
+            if flagged:
+                walk.again(node)
         return out
 
     def _drop_window(self) -> float:
         return max(self.config.flap_slow_window_seconds, self.config.flap_daily_window_seconds)
 
-    def _remember_drops(self, view: FleetView, now: float, marked: bool = False) -> None:
+    def _remember_drops(self, view: FleetView, now: float) -> None:
         """Take the ports' new link drops into the memory; forget what is older than the window.
-        ``marked``: the view has change markers (a node none of whose port counters moved after
-        the window's start is passed over in O(1))."""
+        A node none of whose port counters moved after the window's start is not visited (with
+        the journals: walked when a counter moves, and each pass while one moved within it)."""
         t0 = now - self._drop_window()
         for key in [k for k, drops in self._drops.items() if drops[-1][0] <= t0 or k[0] not in view.nodes]:
             del self._drops[key]
-        for node in view.nodes.values():
+        walk, marked = self._drop_walk, view.journals is not None
+        for node in walk.start(view, now):
             if marked and node.port_counters_moved_ts <= t0:
                 continue
+            walk.again(node)
             for port in node.ports.values():
                 if port.counters.last_increase_ts <= t0:
                     continue

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from vigil.aggregator.decision import Action, Finding, NodeAction
+from vigil.aggregator.detectors.quiet_nodes import ChangedNodes
 from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState, PcieHistory, normal_bus_id
 from vigil.contract.validation import StrictModel
 
@@ -67,15 +68,21 @@ class PcieLinkDetector:
 
     def __init__(self, config: PcieLinkConfig) -> None:
         self.config = config
+        # The nodes to walk (docs/detectors.md, "change markers"): those whose links below their
+        # maximum changed or whose AER counters rose since the last pass (the pcie_links journal),
+        # and those with a link below or an AER rise within the window when last walked.
+        self._walk = ChangedNodes("pcie_links")
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
         t0 = now - self.config.window_seconds
-        # A node with every link at its maximum and no AER counter moved within the window is
-        # passed over in O(1) (the fleet's marks, kept on ingest).
-        for node in view.nodes.values():
+        # A node with every link at its maximum and no AER counter moved within the window has
+        # nothing to judge (the fleet's marks, kept on ingest): not visited until they change.
+        walk = self._walk
+        for node in walk.start(view, now):
             if node.gpu_links_below or node.pcie_links_below or node.pcie_aer_moved_ts >= t0:
                 out.extend(self._judge(node, now))
+                walk.again(node)
         return out
 
     def _judge(self, node: NodeState, now: float) -> list[Finding]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from vigil.aggregator.decision import Action, Finding
-from vigil.aggregator.detectors.quiet_nodes import QuietNodes
+from vigil.aggregator.detectors.quiet_nodes import ChangedNodes
 from vigil.aggregator.fleet import FleetView, GpuHistory, NodeState
 from vigil.contract.validation import StrictModel
 
@@ -53,21 +53,18 @@ class PcieNvlinkDetector:
             ("nvlink_recovery_errors_total", cfg.nvlink_recoveries_per_minute / 60.0, cfg.nvlink_action,
              "{link} recoveries", 60.0, "min"),
         )
-        # Nodes none of whose GPUs had a counter moved or a link down when last walked, with their
-        # gpu_faults_revision then.
-        self._quiet = QuietNodes()
+        # The nodes to walk (docs/detectors.md, "change markers"): those whose GPUs' NVLinks down
+        # changed (gpu_faults_revision) or whose GPU counters moved since the last pass, and those
+        # with a counter moved within the window or a link down when last walked.
+        self._walk = ChangedNodes("gpu_faults", "gpu_counters")
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
         t0 = now - self.config.window_seconds
-        # A node is passed over in O(1) while what made it quiet holds (change markers,
-        # docs/detectors.md, "change markers"): no GPU's NVLinks down changed since (gpu_faults_revision) and no GPU
-        # counter moved within the window. A view without markers is walked whole.
-        quiet = self._quiet
-        marked = quiet.start(view)
-        for node in view.nodes.values():
-            if marked and node.gpu_counters_moved_ts < t0 and quiet.holds(node, node.gpu_faults_revision):
-                continue
+        # A node none of whose GPUs had anything to judge when last walked is not visited until
+        # its NVLinks down change or a counter moves (the journals); a view without them is walked whole.
+        walk = self._walk
+        for node in walk.start(view, now):
             flagged = False
             for gpu in node.gpus.values():
                 # No counter moved in the window and no link down: nothing to judge (most GPUs).
@@ -75,8 +72,8 @@ class PcieNvlinkDetector:
                     flagged = True
                     if gpu.last_seen >= node.last_seen:
                         out.extend(self._judge(node, gpu, now))
-            if marked:
-                quiet.walked(node, node.gpu_faults_revision, not flagged)
+            if flagged:
+                walk.again(node)
         return out
 
     def _judge(self, node: NodeState, gpu: GpuHistory, now: float) -> list[Finding]:

@@ -9,14 +9,17 @@ guess why a node went quiet (the topology pass groups silent nodes under one rac
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 from pydantic import Field
 
 from vigil.aggregator.decision import Action, Finding
+from vigil.aggregator.detectors.quiet_nodes import ChangedNodes
 from vigil.aggregator.fleet import FleetView
 from vigil.contract.validation import StrictModel
 
 NAME = "silence"
+_POSITION = attrgetter("position")
 
 
 class SilenceConfig(StrictModel):
@@ -41,18 +44,41 @@ class SilenceDetector:
 
     def __init__(self, config: SilenceConfig) -> None:
         self.config = config
+        # The nodes to walk (docs/detectors.md, "change markers"): those whose missing or unhealthy
+        # GPUs or NVML reachability changed since the last pass (the gpu_health journal), those
+        # with something to find when last walked (each pass), and those whose last report may be
+        # at least the least delay old (found in the fleet's ReportTimes, a C-level ``min``: a
+        # replayed report moves last_seen, not the time kept there, so they are a few more).
+        self._walk = ChangedNodes("gpu_health")
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         cfg = self.config
         out: list[Finding] = []
         # Below both the least alert delay and the drain delay, a node with no missing or unhealthy
-        # GPU and NVML reachable has nothing to find (the usual node, passed over in a few reads;
-        # a view without markers is walked whole: its unhealthy GPUs are not kept).
+        # GPU and NVML reachable has nothing to find (the usual node: a view without markers is
+        # walked whole, its unhealthy GPUs are not kept).
         calm = min(cfg.alert_after_seconds_min, cfg.drain_after_seconds) if view.revision is not None else -math.inf
-        for node in view.nodes.values():
+        walk = self._walk
+        nodes = walk.start(view, now)
+        times = view.report_times
+        if not walk.every and times is not None:
+            # The nodes whose last report may be that old (a millisecond and a thousandth of the
+            # delay younger too: rounding may not hide one), with the journals' nodes, in the
+            # fleet's order; a healthy fleet has none (the ``min``, ~0.2 ms at 12,500 nodes).
+            old = now - calm * 0.999 + 1e-3
+            if min(times.times, default=math.inf) <= old:
+                walked = {node.name: node for node in nodes}
+                slots = times.nodes
+                for slot in [i for i, seen in enumerate(times.times) if seen <= old]:
+                    node = slots[slot]
+                    if node is not None:
+                        walked[node.name] = node
+                nodes = sorted(walked.values(), key=_POSITION)
+        for node in nodes:
             quiet = now - node.last_seen
             if quiet < calm and not node.missing_gpus and not node.unhealthy_gpus and node.nvml_down_since is None:
                 continue
+            walk.again(node)
             alert_after = max(cfg.alert_after_seconds_min, cfg.alert_after_intervals * node.interval_seconds)
             if quiet >= cfg.drain_after_seconds:
                 out.append(Finding(

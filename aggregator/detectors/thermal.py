@@ -17,6 +17,7 @@ from itertools import islice
 from pydantic import Field
 
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding, JobAction
+from vigil.aggregator.detectors.quiet_nodes import ChangedNodes
 from vigil.aggregator.detectors.topology import ONSET
 from vigil.aggregator.fleet import (
     HBM_DEFAULT_LIMIT_CELSIUS,
@@ -81,23 +82,25 @@ class ThermalDetector:
         # throttled within the horizon are held. And the newest sample counted per GPU, by node.
         self._throttled_time: dict[tuple[str, int], deque[tuple[float, float]]] = {}
         self._counted: dict[str, dict[int, float]] = {}  # node -> GPU index -> newest sample counted
-        # Passing over a node in O(1) (docs/detectors.md, "change markers"): where the fleet marks every
+        # Passing over a node (docs/detectors.md, "change markers"): where the fleet marks every
         # sample this configuration may act on (NodeState.gpu_watch_revision), a node whose GPUs'
-        # newest samples were neither throttled nor hot when it was last walked, (the node, its
-        # revision then), is passed over while no watched sample came since and every GPU is in its
-        # latest report; what that pass would have counted (each GPU's newest sample, the node's
-        # state_seen) is written when it is next walked: (the node, state_seen, its GPUs then).
+        # newest samples were neither throttled nor hot when it was last walked, with every GPU
+        # in its latest report, (the node, how many GPUs it had), is not visited until the
+        # gpu_watch journal names it (a watched sample, a GPU left out of a report). What the
+        # passes over it would have counted (each GPU's newest sample: the node's state_seen at the
+        # last pass) is written when it is next walked, from each node's state_seen as the last
+        # pass found it (a copy of the fleet's ReportTimes, by the node's slot, made at C speed).
         self._watched = (self._reasons <= WATCHED_CLOCK_EVENTS
                          and config.memory_margin_celsius <= HBM_WATCH_BELOW_LIMIT_CELSIUS
                          and config.memory_max_celsius_default - config.memory_margin_celsius
                          >= HBM_DEFAULT_LIMIT_CELSIUS - HBM_WATCH_BELOW_LIMIT_CELSIUS)
+        self._walk = ChangedNodes("gpu_watch")
         self._clean: dict[str, tuple[NodeState, int]] = {}
-        self._passed: dict[str, tuple[NodeState, float, int]] = {}
-        self._fleet: object | None = None
+        self._seen_then: list[float] = []
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
-        for node, gpu in self._take_samples(view):
+        for node, gpu in self._take_samples(view, now):
             out.extend(self._judge(node, gpu, now))
         out.extend(self._long_horizon(view, out, now))
         throttled = {f.node for f in out if f.key in ("clock_throttle", "clock_throttle:intermittent")
@@ -106,7 +109,7 @@ class ThermalDetector:
             return out
         return self._job_relative(view, out, throttled)
 
-    def _take_samples(self, view: FleetView) -> list[tuple[NodeState, GpuHistory]]:
+    def _take_samples(self, view: FleetView, now: float) -> list[tuple[NodeState, GpuHistory]]:
         """One walk over the GPUs: the throttled samples not counted yet go into the long horizon's
         memory, and the GPUs to judge on the short horizon are returned (those in the node's latest
         report whose newest sample is throttled or hot: a run of either kind ends at the newest
@@ -119,25 +122,33 @@ class ThermalDetector:
         min_utilization, max_ratio = cfg.min_utilization_ratio, cfg.max_clock_ratio
         hbm_default, hbm_margin = cfg.memory_max_celsius_default, cfg.memory_margin_celsius
         judge: list[tuple[NodeState, GpuHistory]] = []
-        marked = view.revision is not None and self._watched
-        if not marked or view.fleet is not self._fleet:
-            self._settle_passed()
-            self._clean.clear()
-            self._fleet = view.fleet
-        clean_nodes, passed = self._clean, self._passed
-        for node in view.nodes.values():
+        marked = view.journals is not None and view.report_times is not None and self._watched
+        clean_nodes = self._clean
+        if marked:
+            walk = self._walk
+            nodes = walk.start(view, now)
+            every = walk.every
+            for name in walk.gone:
+                seen.pop(name, None)
+                clean_nodes.pop(name, None)
+        else:
+            self._walk.reset()
+            nodes, every = view.nodes.values(), True
+        if every:  # nodes gone from the view are let go
+            for name in [n for n in seen if n not in view.nodes]:
+                del seen[name]
+            for name in [n for n in clean_nodes if n not in view.nodes]:
+                del clean_nodes[name]
+        then = self._seen_then
+        for node in nodes:
             name, node_seen = node.name, node.last_seen
-            if marked:
-                walked = clean_nodes.get(name)
-                if (walked is not None and walked[0] is node and node.gpu_watch_revision <= walked[1]
-                        and node.gpus_reported == len(node.gpus)):
-                    passed[name] = (node, node.state_seen, len(node.gpus))
-                    continue
+            if clean_nodes:
+                walked = clean_nodes.pop(name, None)
+                if walked is not None:
+                    self._settle(name, walked, then[walked[0].slot])
             counted_of = seen.get(name)
             if counted_of is None:
                 counted_of = seen[name] = {}
-            if name in passed:
-                self._settle(name)
             clean = marked
             for gpu in node.gpus.values():
                 samples = gpu.samples
@@ -178,35 +189,32 @@ class ThermalDetector:
                     before = newer[i + 1].ts if i + 1 < len(newer) else counted
                     span = min(sample.ts - before, 4 * node.interval_seconds)
                     held.setdefault((name, index), deque()).append((sample.ts, span))
-            if clean:
-                clean_nodes[name] = (node, node.revision)
+            if clean and node.gpus_reported == len(node.gpus):
+                clean_nodes[name] = (node, len(node.gpus))
             elif marked:
-                clean_nodes.pop(name, None)
+                walk.again(node)
+        if marked and view.report_times is not None:
+            self._seen_then = view.report_times.times[:]
+        else:
+            clean_nodes.clear()
+            self._seen_then = []
         return judge
 
-    def _settle(self, name: str) -> None:
+    def _settle(self, name: str, walked: tuple[NodeState, int], state_seen: float) -> None:
         """What the passes over node ``name`` since it was last walked would have counted: each
-        GPU it had then, in its latest report, up to the node's state then (GPUs are never
-        forgotten, so they are the first ones of its GPUs in order; a GPU replaced since keeps its
-        index's count, as the walk keeps it)."""
-        node, state_seen, gpus = self._passed.pop(name)
+        GPU it had then (in its latest report at each of those passes) up to the node's state at
+        the last pass, ``state_seen`` (GPUs are never forgotten, so they are the first ones of its
+        GPUs in order; a GPU replaced since keeps its index's count, as the walk keeps it). For a
+        node walked at the last pass this writes what that walk counted."""
+        node, gpus = walked
         counted_of = self._counted.setdefault(name, {})
         for index in islice(node.gpus, gpus):
             counted_of[index] = state_seen
-
-    def _settle_passed(self) -> None:
-        for name in list(self._passed):
-            self._settle(name)
 
     def _long_horizon(self, view: FleetView, short: list[Finding], now: float) -> list[Finding]:
         """Throttled time per GPU over the long horizon, from the samples counted (``_take_samples``)."""
         cfg = self.config
         held = self._throttled_time
-        seen = self._counted
-        for name in [n for n in seen if n not in view.nodes]:
-            del seen[name]
-            self._passed.pop(name, None)
-            self._clean.pop(name, None)
         out: list[Finding] = []
         already = {(f.node, f.gpu) for f in short if f.key == "clock_throttle"}
         horizon = now - cfg.long_horizon_seconds

@@ -37,7 +37,15 @@ from vigil.aggregator.fleet.history import (
     link_below_max,
     normal_bus_id,
 )
-from vigil.aggregator.fleet.view import ActionOutcome, FleetView, JobState, NodeState, Removal
+from vigil.aggregator.fleet.view import (
+    ActionOutcome,
+    FleetView,
+    JobState,
+    NodeJournals,
+    NodeState,
+    Removal,
+    ReportTimes,
+)
 from vigil.aggregator.xid_catalog import XidOccurrence
 from vigil.contract.wire import (
     REPORT_VERSION,
@@ -110,6 +118,12 @@ class Fleet:
         # The revision of the latest change to any node's configuration facts, or to which nodes
         # the fleet holds (config_drift's fleet-wide value counts).
         self.config_revision = 0
+        # The journals of node-side markers (view.NodeJournals): the names of the nodes whose
+        # marker moved, appended where it moves; and the next node's place in the fleet's order.
+        self.journals = NodeJournals()
+        self._positions = 0
+        # Each node's state_seen in one list (view.ReportTimes: the silence and thermal detectors').
+        self.report_times = ReportTimes()
         # Entries dropped to keep a node within its caps, by kind (ports, ranks, jobs): the oldest
         # of those its latest report no longer named (vigil_aggregator_fleet_evictions_total).
         self.evicted: dict[str, int] = dict.fromkeys(EVICTION_KINDS, 0)
@@ -180,13 +194,17 @@ class Fleet:
         if gone:
             self.revision += 1
             self.gpu_jobs_revision = self.config_revision = self.revision
+        members = self.journals.members.names
         for node in gone:
             del self._nodes[node.name]
+            members.append(node.name)
+            self.report_times.leave(node)
             for job_name, rank in node.ranks:
                 job = self._jobs.get(job_name)
                 if job is not None and job.ranks.get(rank) is not None and job.ranks[rank].node == node.name:
                     job.columns.release(job.ranks.pop(rank))
                     job.members_revision = self.revision
+        self.journals.trim(len(self._nodes))
         return gone
 
     def ingest(self, report: Report, now: float) -> dict[str, int]:
@@ -201,8 +219,13 @@ class Fleet:
         base_seen = node.state_seen if report.base_seq is not None and node is not None \
             and node.boot_id == report.boot_id else None
         fresh = node is None
+        journals = self.journals
         if node is None:
             node = self._nodes[report.node] = NodeState(report, now, cfg)
+            node.position = self._positions
+            self._positions += 1
+            self.report_times.join(node)
+            journals.members.names.append(node.name)  # all its markers are new
         elif report.boot_id == node.boot_id and report.seq <= node.seq:
             # A replayed or reordered report of this boot (the seq alone says so: the node's clock
             # may have stepped back): its counters are older than what we hold, so applying them
@@ -238,12 +261,13 @@ class Fleet:
                 port.max_rate_bits_per_second = None
                 port.active_this_boot = False
             node.ports_revision = revision
+            journals.ports.names.append(node.name)
             for device in node.pcie.values():
                 device.counters.forget_baseline()
         elif report.seq != node.seq + 1:
             node.seq_gaps += 1
         node.seq = report.seq
-        node.last_seen = node.state_seen = now
+        node.last_seen = node.state_seen = self.report_times.times[node.slot] = now
         node.last_report_ts = report.ts
         node.interval_seconds = report.interval_seconds
         node.reports += 1
@@ -251,8 +275,10 @@ class Fleet:
             node.topology = dict(report.topology)
         if not report.nvml_available and node.nvml_down_since is None:
             node.nvml_down_since = now
-        elif report.nvml_available:
+            journals.gpu_health.names.append(node.name)
+        elif report.nvml_available and node.nvml_down_since is not None:
             node.nvml_down_since = None
+            journals.gpu_health.names.append(node.name)
         node.nvml_available = report.nvml_available
         node.failed_collectors = list(report.failed_collectors)
         if report.host is not None:
@@ -301,33 +327,51 @@ class Fleet:
                     base = with_cleared(base, names)
                 state = base
                 if marked or links_sent:
-                    if marked & _GPU_FAULTS or links_sent:
+                    if (marked & _GPU_FAULTS or links_sent) and node.gpu_faults_revision != revision:
                         node.gpu_faults_revision = revision
-                    if marked & _GPU_CLASS:
+                        journals.gpu_faults.names.append(node.name)
+                    if marked & _GPU_CLASS and node.gpu_class_revision != revision:
                         node.gpu_class_revision = revision
+                        journals.gpu_class.names.append(node.name)
                     if marked & _GPU_JOB:
                         self.gpu_jobs_revision = revision
+                        journals.gpu_jobs.names.append(node.name)
             elif hist is None or hist.uuid != state.uuid:
                 hist = gpus[index] = GpuHistory(state, ts, maxlen, state_maxlen)
+                if node.gpu_faults_revision != revision:
+                    journals.gpu_faults.names.append(node.name)
+                if node.gpu_class_revision != revision:
+                    journals.gpu_class.names.append(node.name)
+                journals.gpu_jobs.names.append(node.name)
                 node.gpu_class_revision = node.gpu_faults_revision = self.gpu_jobs_revision = revision
             else:
-                node.gpu_faults_revision = revision  # taken whole
+                if node.gpu_faults_revision != revision:  # taken whole
+                    node.gpu_faults_revision = revision
+                    journals.gpu_faults.names.append(node.name)
                 last = hist.last
                 if (state.name != last.name or state.sm_clock_max_hertz != last.sm_clock_max_hertz
-                        or state.power_limit_watts != last.power_limit_watts):
+                        or state.power_limit_watts != last.power_limit_watts) and node.gpu_class_revision != revision:
                     node.gpu_class_revision = revision
+                    journals.gpu_class.names.append(node.name)
                 if state.job != last.job:
                     self.gpu_jobs_revision = revision
-            if hist.observe(state, ts):
+                    journals.gpu_jobs.names.append(node.name)
+            if hist.observe(state, ts) and node.gpu_counters_moved_ts != ts:
                 node.gpu_counters_moved_ts = ts
+                journals.gpu_counters.names.append(node.name)
             reasons, hbm = state.clock_event_reasons, state.memory_temperature_celsius
-            if (reasons and not braking.isdisjoint(reasons)) or (hbm is not None and hbm >= (
-                    state.memory_max_temperature_celsius or hbm_limit) - hbm_watch):
+            if ((reasons and not braking.isdisjoint(reasons)) or (hbm is not None and hbm >= (
+                    state.memory_max_temperature_celsius or hbm_limit) - hbm_watch)) \
+                    and node.gpu_watch_revision != revision:
                 node.gpu_watch_revision = revision
+                journals.gpu_watch.names.append(node.name)
             if state.health != "ok":
-                node.unhealthy_gpus.add(index)
-            elif node.unhealthy_gpus:
+                if index not in node.unhealthy_gpus:
+                    node.unhealthy_gpus.add(index)
+                    journals.gpu_health.names.append(node.name)
+            elif node.unhealthy_gpus and index in node.unhealthy_gpus:
                 node.unhealthy_gpus.discard(index)
+                journals.gpu_health.names.append(node.name)
             # The fabric and PCIe link markers: a few reads per GPU (none without an NVSwitch
             # fabric or a link reading). The slow path only for a GPU whose fabric is not registered
             # and healthy (a state other than completed, a registration error, an unhealthy
@@ -343,18 +387,25 @@ class Fleet:
             if state.pcie_link_generation != state.pcie_link_generation_max \
                     or state.pcie_link_width != state.pcie_link_width_max or links_below:
                 self._observe_gpu_link(node, hist, state, ts)
-        node.gpus_reported = len(seen)
+        reported = len(seen)
+        if reported != node.gpus_reported or reported != len(gpus):  # a GPU left out, or their count changed
+            journals.gpu_watch.names.append(node.name)
+        node.gpus_reported = reported
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors
         if gpu_reader_ok:
             known = node.gpus_this_boot
+            missing = node.missing_gpus
             if not known <= seen:
                 for index in known - seen:
-                    node.missing_gpus.setdefault(index, ts)
-            if node.missing_gpus:
+                    if index not in missing:
+                        missing[index] = ts
+                        journals.gpu_health.names.append(node.name)
+            if missing:
                 for index in seen:
-                    node.missing_gpus.pop(index, None)
+                    if missing.pop(index, None) is not None:
+                        journals.gpu_health.names.append(node.name)
             if not seen <= known:
                 known |= seen
         ports = node.ports
@@ -376,7 +427,9 @@ class Fleet:
                     oldest = idle_ports.pop()
                     del ports[(oldest.device, oldest.port)]
                     self.evicted["ports"] += 1
-                    node.ports_revision = revision
+                    if node.ports_revision != revision:
+                        node.ports_revision = revision
+                        journals.ports.names.append(node.name)
                 if len(pstate.counters) > max_counters:
                     pstate = _within(pstate, {}, max_counters, refused)
                 phist = ports[key] = PortHistory(pstate, ts, maxlen, state_maxlen, self._port_counters)
@@ -391,17 +444,20 @@ class Fleet:
                 if not cleared:
                     changed = phist.observe_moved(pstate, ts)  # the usual entry: only counters moved
                     if changed is not None:
-                        if changed & PORT_COUNTERS_ROSE:
+                        if changed & PORT_COUNTERS_ROSE and node.port_counters_moved_ts != ts:
                             node.port_counters_moved_ts = ts
+                            journals.port_counters.names.append(node.name)
                         continue
                 pstate = complete_cleared(complete_port, pbase, pstate, cleared.get(("ports", i), ())) \
                     if cleared else complete_port(pbase, pstate)
             changed = phist.observe(pstate, ts, psent)
             if changed:
-                if changed & PORT_LINK_CHANGED:
+                if changed & PORT_LINK_CHANGED and node.ports_revision != revision:
                     node.ports_revision = revision
-                if changed & PORT_COUNTERS_ROSE:
+                    journals.ports.names.append(node.name)
+                if changed & PORT_COUNTERS_ROSE and node.port_counters_moved_ts != ts:
                     node.port_counters_moved_ts = ts
+                    journals.port_counters.names.append(node.name)
         jobs = self._jobs
         job: JobState | None = None
         room: _RankRoom | None = None  # built at the first rank new to this node
@@ -460,18 +516,20 @@ class Fleet:
         elif node.fabric_manager_down_since is None:
             node.fabric_manager_down_since = now
 
-    @staticmethod
-    def _observe_gpu_link(node: NodeState, hist: GpuHistory, state: GpuState, ts: float) -> None:
+    def _observe_gpu_link(self, node: NodeState, hist: GpuHistory, state: GpuState, ts: float) -> None:
         """A GPU whose link may be below its maximum: extend its run, or end it."""
         if link_below_max(state.pcie_link_generation, state.pcie_link_generation_max, state.pcie_link_width,
                           state.pcie_link_width_max):
             if hist.link_below is None:
                 hist.link_below = LoadedRun(ts)
                 node.gpu_links_below.add(hist.index)
+                self.journals.pcie_links.names.append(node.name)
             hist.link_below.observe(ts, state.utilization_gpu_ratio)
         else:
             hist.link_below = None
-            node.gpu_links_below.discard(hist.index)
+            if hist.index in node.gpu_links_below:
+                node.gpu_links_below.discard(hist.index)
+                self.journals.pcie_links.names.append(node.name)
 
     def _ingest_pcie(self, node: NodeState, section: list[PcieDevice], now: float, revision: int,
                      refused: dict[str, int]) -> None:
@@ -520,13 +578,17 @@ class Fleet:
             changed, rose = hist.observe(device, now)
             if changed:
                 node.pcie_revision = revision
-            if rose:
+            if rose and node.pcie_aer_moved_ts != now:
                 node.pcie_aer_moved_ts = now
+                self.journals.pcie_links.names.append(node.name)
             taken[bus_id] = hist
         if taken.keys() != held.keys():
             node.pcie_revision = revision
         node.pcie = taken
-        node.pcie_links_below = {bus_id for bus_id, hist in taken.items() if hist.link_below_since is not None}
+        below = {bus_id for bus_id, hist in taken.items() if hist.link_below_since is not None}
+        if below != node.pcie_links_below:
+            self.journals.pcie_links.names.append(node.name)
+        node.pcie_links_below = below
 
     def _measure_clock(self, node: NodeState, report: Report, now: float) -> None:
         """The node's clock against the aggregator's, from a report newer than any before it."""
@@ -638,10 +700,12 @@ class Fleet:
                     node.revision = self.revision
 
     def view(self, removed: Mapping[str, Removal] | None = None) -> FleetView:
+        self.journals.trim(len(self._nodes))  # bounded: here, once a pass, not on every append
         return FleetView(self._nodes, self._jobs, removed, agent_resets=self.agent_resets, probes=self.probes,
                          learned_probes=self.learned_probes, isolations=self.isolations, revision=self.revision,
                          fleet=self.identity, gpu_jobs_revision=self.gpu_jobs_revision,
-                         config_revision=self.config_revision)
+                         config_revision=self.config_revision, journals=self.journals,
+                         report_times=self.report_times)
 
 
 EVICTION_KINDS = ("ports", "ranks", "jobs")

@@ -73,6 +73,11 @@ class NodeState:
         self.nvml_down_since: float | None = None
         self.failed_collectors: list[str] = []
         self.reports = 0
+        # Its place in the fleet's order of nodes (set by the fleet when it joins: the order of
+        # ``FleetView.nodes``), so that a detector walking only the nodes its journals name
+        # (``NodeJournals``) walks them, and finds, in the order a walk of every node would.
+        self.position = 0
+        self.slot = 0  # its place in the fleet's ReportTimes
         # The fleet revision of the latest change to this node's state, and of the latest change
         # to what names its hardware class (docs/detectors.md, "change markers"): a GPU's model, maximum SM clock or
         # power limit (``_CLASS_FIELDS``), or its GPU histories.
@@ -163,19 +168,120 @@ class Removal(NamedTuple):
     held: bool
 
 
+class NodeJournal:
+    """One change marker's journal (docs/detectors.md, "change markers"): the names of the nodes
+    whose marker moved, in the order it moved, appended by the fleet on ingest (one list append
+    where the marker moves, nothing where it does not). A detector keeps its own cursor, a position
+    in it (``end`` when it last read), and walks the nodes named since instead of testing every
+    node; ``start`` is the position of ``names[0]``: the fleet lets go of the oldest entries
+    (``trim``), and a reader whose cursor is before ``start`` fell behind and walks everything."""
+
+    __slots__ = ("names", "start")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.start = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.names)
+
+    def since(self, cursor: int) -> list[str] | None:
+        """The names appended at or after position ``cursor``; None when they are let go."""
+        if cursor < self.start:
+            return None
+        return self.names[cursor - self.start:]
+
+    def trim(self, keep: int) -> None:
+        """Keep the newest ``keep`` entries at most."""
+        drop = len(self.names) - keep
+        if drop > 0:
+            del self.names[:drop]
+            self.start += drop
+
+
+class NodeJournals:
+    """The fleet's journals of node-side markers (``NodeJournal``), one per marker or group of
+    markers that one detector reads together. ``members``: a node joined (a new ``NodeState``:
+    all its markers are new) or was forgotten; every reader reads it beside its own."""
+
+    __slots__ = ("gpu_class", "gpu_counters", "gpu_faults", "gpu_health", "gpu_jobs", "gpu_watch", "members",
+                 "pcie_links", "port_counters", "ports")
+
+    def __init__(self) -> None:
+        self.members = NodeJournal()
+        # NodeState.gpu_faults_revision and gpu_counters_moved_ts moved.
+        self.gpu_faults = NodeJournal()
+        self.gpu_counters = NodeJournal()
+        # NodeState.gpu_watch_revision moved, or a report left one of its GPUs out or changed how
+        # many it had (``gpus_reported``).
+        self.gpu_watch = NodeJournal()
+        # NodeState.unhealthy_gpus, missing_gpus or nvml_down_since changed.
+        self.gpu_health = NodeJournal()
+        # NodeState.gpu_class_revision moved; a GPU's job attribution changed or a GPU history
+        # began (the node's part of Fleet.gpu_jobs_revision).
+        self.gpu_class = NodeJournal()
+        self.gpu_jobs = NodeJournal()
+        # NodeState.ports_revision and port_counters_moved_ts moved.
+        self.ports = NodeJournal()
+        self.port_counters = NodeJournal()
+        # NodeState.gpu_links_below or pcie_links_below changed, or pcie_aer_moved_ts moved.
+        self.pcie_links = NodeJournal()
+
+    def trim(self, nodes: int) -> None:
+        """Bound each journal: twice the fleet's nodes (and some room) is more than one round of
+        whole reports appends; a reader further behind walks every node, which costs no more."""
+        keep = 2 * nodes + 1024
+        for name in self.__slots__:
+            journal: NodeJournal = getattr(self, name)
+            if len(journal.names) > keep:
+                journal.trim(keep)
+
+
+class ReportTimes:
+    """Each node's ``state_seen`` (its latest report but a replayed one, so never after its
+    ``last_seen``) in one list, by the node's slot (``NodeState.slot``; a slot let go by a
+    forgotten node is given to the next that joins, +inf while free), and the node in each slot.
+    One store per report on ingest, so that a detector reads every node's report time at C speed:
+    the silence detector finds the nodes that may be silent past a delay with a ``min`` over the
+    list instead of a test per node, and the thermal detector keeps what the last pass found in
+    a copy of it."""
+
+    __slots__ = ("_free", "nodes", "times")
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.nodes: list[NodeState | None] = []
+        self._free: list[int] = []
+
+    def join(self, node: NodeState) -> None:
+        if self._free:
+            node.slot = self._free.pop()
+            self.times[node.slot], self.nodes[node.slot] = node.state_seen, node
+        else:
+            node.slot = len(self.times)
+            self.times.append(node.state_seen)
+            self.nodes.append(node)
+
+    def leave(self, node: NodeState) -> None:
+        self.times[node.slot], self.nodes[node.slot] = math.inf, None
+        self._free.append(node.slot)
+
+
 class FleetView:
     """What detectors see: read-only mappings over the fleet (detectors must not mutate state),
     and the nodes vigil removed (empty unless the engine was asked for them)."""
 
     __slots__ = ("agent_resets", "config_revision", "fleet", "gpu_jobs_revision", "isolations", "jobs",
-                 "learned_probes", "nodes", "probes", "removed", "revision")
+                 "journals", "learned_probes", "nodes", "probes", "removed", "report_times", "revision")
 
     def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
                  removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False,
                  probes: ProbesConfig | None = None,
                  learned_probes: Mapping[tuple[str, str], tuple[float, int]] | None = None,
                  isolations: Sequence[IsolationOutcome] = (), revision: int | None = None,
-                 fleet: object | None = None, gpu_jobs_revision: int = 0, config_revision: int = 0) -> None:
+                 fleet: object | None = None, gpu_jobs_revision: int = 0, config_revision: int = 0,
+                 journals: NodeJournals | None = None, report_times: ReportTimes | None = None) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
         # Change markers (docs/detectors.md, "change markers"): the fleet's revision when the view was taken, and the
         # fleet's identity. A view built by hand (tests) has neither: ``revision`` None tells a
@@ -184,6 +290,9 @@ class FleetView:
         self.fleet = fleet
         self.gpu_jobs_revision = gpu_jobs_revision  # Fleet.gpu_jobs_revision
         self.config_revision = config_revision  # Fleet.config_revision
+        # The fleet's journals of node-side markers (None with ``revision`` None: walk every node).
+        self.journals = journals if revision is not None else None
+        self.report_times = report_times if revision is not None else None  # Fleet.report_times
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
         self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
         # An admitted reset_gpu is carried out by the node's agent on a signed request, and its

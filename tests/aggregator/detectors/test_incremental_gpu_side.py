@@ -59,7 +59,9 @@ class LongWayThermal(ThermalDetector):
     """The thermal detector counting every new sample with ``_throttled`` and choosing the GPUs
     to judge with ``_throttled`` and ``_hbm_hot``: the walk before it was written out."""
 
-    def _take_samples(self, view: FleetView) -> list[tuple[NodeState, GpuHistory]]:
+    def _take_samples(self, view: FleetView, now: float) -> list[tuple[NodeState, GpuHistory]]:
+        for name in [n for n in self._counted if n not in view.nodes]:
+            del self._counted[name]  # a node gone from the view is counted afresh if it comes back
         judge = []
         for node in view.nodes.values():
             counted_of = self._counted.setdefault(node.name, {})
@@ -375,7 +377,7 @@ def test_thermal_counts_what_it_passed_over_as_the_walk_counts_it() -> None:
 
     for _ in range(8):
         report()
-    assert "n1" in short._passed  # quiet: passed over
+    assert "n1" in short._clean  # quiet: passed over
     for k in range(34):
         if k == 2:
             node.gpus[0].update(THROTTLED)
@@ -384,10 +386,10 @@ def test_thermal_counts_what_it_passed_over_as_the_walk_counts_it() -> None:
     node.gpus[0].update(sm_clock_hertz=1.98e9, clock_event_reasons=["sw_power_cap"])
     for _ in range(6):
         report()
-    assert "n1" in short._passed
+    assert "n1" in short._clean
     report(drop=(1,))
     report(drop=(1,))
-    assert "n1" not in short._passed  # a GPU out of the latest report: walked
+    assert "n1" not in short._clean  # a GPU out of the latest report: walked
     node.gpus[1].update(THROTTLED)
     for _ in range(3):
         report()
