@@ -7,6 +7,7 @@ change them. Nothing here reads a report's wire form or judges.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -133,12 +134,51 @@ class NodeState:
         # the agent reported with when the report carrying it arrived (the aggregator's clock).
         self.action_expiry: dict[str, float] = {}
         self.action_results: dict[str, ActionOutcome] = {}
+        # Issue 47, the marked nodes (MarkedNodes): its place in the order nodes joined (the fleet's
+        # nodes' order), the GPUs whose latest recovery_action is other than "none", and the newest
+        # time of an amdgpu event (kind amdgpu_*) it reported.
+        self.ordinal = next(_ORDINALS)
+        self.recovery_gpus: set[int] = set()
+        self.amdgpu_event_ts = -math.inf
 
     def summary(self) -> dict[str, object]:
         """What is kept of a node once the fleet forgets it (the store's archive)."""
         return {"node": self.name, "first_seen": self.first_seen, "last_seen": self.last_seen,
                 "boot_id": self.boot_id, "seq": self.seq, "reports": self.reports, "reboots": self.reboots,
                 "topology": self.topology, "gpus": sorted(self.gpus), "ports": [f"{d}/{p}" for d, p in self.ports]}
+
+
+_ORDINALS = itertools.count()
+
+
+class MarkedNodes:
+    """The few nodes some detectors judge, kept by Fleet.ingest (docs/detectors.md, "change markers"),
+    so that those detectors never touch the rest: the nodes with a GPU whose latest recovery_action is
+    other than "none" (``NodeState.recovery_gpus``), with any Xid record, with any amdgpu event
+    (``NodeState.amdgpu_event_ts``), with Flight Recorder state, with a fabric suspect GPU or Fabric
+    Manager down. ``in_order`` gives them in the fleet's order (a detector's findings stay in it)."""
+
+    __slots__ = ("amdgpu_events", "collectives", "fabric", "recovery_actions", "xids")
+
+    def __init__(self) -> None:
+        self.recovery_actions: set[NodeState] = set()
+        self.xids: set[NodeState] = set()
+        self.amdgpu_events: set[NodeState] = set()
+        self.collectives: set[NodeState] = set()
+        self.fabric: set[NodeState] = set()
+
+    def forget(self, node: NodeState) -> None:
+        for marked in (self.recovery_actions, self.xids, self.amdgpu_events, self.collectives, self.fabric):
+            marked.discard(node)
+
+    @staticmethod
+    def in_order(nodes: set[NodeState]) -> list[NodeState]:
+        """``nodes`` in the order the fleet holds them (the order they joined)."""
+        return sorted(nodes, key=_ordinal)
+
+
+def _ordinal(node: NodeState) -> int:
+    return node.ordinal
 
 
 class ActionOutcome(NamedTuple):
@@ -165,14 +205,15 @@ class FleetView:
     and the nodes vigil removed (empty unless the engine was asked for them)."""
 
     __slots__ = ("agent_resets", "config_revision", "fleet", "gpu_jobs_revision", "isolations", "jobs",
-                 "learned_probes", "nodes", "probes", "removed", "revision")
+                 "learned_probes", "marked", "nodes", "probes", "removed", "revision")
 
     def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
                  removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False,
                  probes: ProbesConfig | None = None,
                  learned_probes: Mapping[tuple[str, str], tuple[float, int]] | None = None,
                  isolations: Sequence[IsolationOutcome] = (), revision: int | None = None,
-                 fleet: object | None = None, gpu_jobs_revision: int = 0, config_revision: int = 0) -> None:
+                 fleet: object | None = None, gpu_jobs_revision: int = 0, config_revision: int = 0,
+                 marked: MarkedNodes | None = None) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
         # Change markers (docs/detectors.md, "change markers"): the fleet's revision when the view was taken, and the
         # fleet's identity. A view built by hand (tests) has neither: ``revision`` None tells a
@@ -181,6 +222,7 @@ class FleetView:
         self.fleet = fleet
         self.gpu_jobs_revision = gpu_jobs_revision  # Fleet.gpu_jobs_revision
         self.config_revision = config_revision  # Fleet.config_revision
+        self.marked = marked  # Fleet.marked (None: judge every node)
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
         self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
         # An admitted reset_gpu is carried out by the node's agent on a signed request, and its
