@@ -69,11 +69,14 @@ class XidDetector:
         self.catalog = catalog or XidCatalog.default(overrides=overrides, unknown_action=config.unknown_action)
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
-        # The fleet marks the nodes with an Xid record or a GPU asking for a recovery action
-        # (MarkedNodes): only those are read, in the fleet's order; a view without it, every node
-        # (12,500 nodes of 8 GPUs: 36-44 ms a pass, issue 47).
+        # The fleet marks the nodes with an Xid record (with the newest one's time) or a GPU asking for
+        # a recovery action (MarkedNodes): only those are read (an Xid older than the window is no
+        # finding), in the fleet's order; a view without it, every node (12,500 nodes of 8 GPUs:
+        # 36-44 ms a pass, issue 47).
         marked = view.marked if view.revision is not None else None
-        out = self._judge(view.nodes.values() if marked is None else MarkedNodes.in_order(marked.xids), now)
+        window = self.config.window_seconds  # _judge's test of each record, on the newest's time
+        out = self._judge(view.nodes.values() if marked is None else [
+            node for node in MarkedNodes.in_order(marked.xids) if now - node.xid_event_ts <= window], now)
         if self.config.recovery_action:
             out.extend(self._recovery_actions(
                 view.nodes.values() if marked is None else MarkedNodes.in_order(marked.recovery_actions)))

@@ -604,6 +604,7 @@ class Fleet:
             node.events.append((ts, event))
             if event.kind == "xid" and event.code is not None:
                 self._record_xid(node, event, ts, refused)
+                node.xid_event_ts = max(node.xid_event_ts, ts)
                 self.marked.xids.add(node)
             elif event.kind.startswith("amdgpu_"):  # amdgpu_catalog.KIND_PREFIX: the amdgpu detector's
                 node.amdgpu_event_ts = max(node.amdgpu_event_ts, ts)

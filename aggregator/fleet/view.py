@@ -136,9 +136,10 @@ class NodeState:
         self.action_results: dict[str, ActionOutcome] = {}
         # Issue 47, the marked nodes (MarkedNodes): its place in the order nodes joined (the fleet's
         # nodes' order), the GPUs whose latest recovery_action is other than "none", and the newest
-        # time of an amdgpu event (kind amdgpu_*) it reported.
+        # time of an Xid and of an amdgpu event (kind amdgpu_*) it reported.
         self.ordinal = next(_ORDINALS)
         self.recovery_gpus: set[int] = set()
+        self.xid_event_ts = -math.inf
         self.amdgpu_event_ts = -math.inf
 
     def summary(self) -> dict[str, object]:
@@ -154,8 +155,8 @@ _ORDINALS = itertools.count()
 class MarkedNodes:
     """The few nodes some detectors judge, kept by Fleet.ingest (docs/detectors.md, "change markers"),
     so that those detectors never touch the rest: the nodes with a GPU whose latest recovery_action is
-    other than "none" (``NodeState.recovery_gpus``), with any Xid record, with any amdgpu event
-    (``NodeState.amdgpu_event_ts``), with Flight Recorder state, with a fabric suspect GPU or Fabric
+    other than "none" (``NodeState.recovery_gpus``), with any Xid record (``NodeState.xid_event_ts``), with
+    any amdgpu event (``NodeState.amdgpu_event_ts``), with Flight Recorder state, with a fabric suspect GPU or Fabric
     Manager down. ``in_order`` gives them in the fleet's order (a detector's findings stay in it)."""
 
     __slots__ = ("amdgpu_events", "collectives", "fabric", "recovery_actions", "xids")

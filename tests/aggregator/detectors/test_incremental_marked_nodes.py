@@ -195,6 +195,7 @@ def test_a_recovery_action_cleared_in_a_compact_entry_unmarks_its_node() -> None
     assert not state.recovery_gpus and not fleet.marked.recovery_actions
     fleet.ingest(node.report(7.5, events=[Event(kind="xid", ts=7.5, code=79, gpu=1),
                                           Event(kind="amdgpu_ras_fatal", ts=7.0)]), 7.5)
-    assert fleet.marked.xids == fleet.marked.amdgpu_events == {state} and state.amdgpu_event_ts == 7.0
+    assert fleet.marked.xids == fleet.marked.amdgpu_events == {state}
+    assert (state.xid_event_ts, state.amdgpu_event_ts) == (7.5, 7.0)
     fleet.forget_departed(100.0, lambda n: 10.0)
     assert not fleet.marked.xids and not fleet.marked.amdgpu_events
