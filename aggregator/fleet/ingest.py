@@ -66,12 +66,17 @@ MAX_NODE_ACTIONS_KEPT = 64
 # moves NodeState.gpu_class_revision.
 _CLASS_FIELDS = frozenset({"name", "sm_clock_max_hertz", "power_limit_watts"})
 # What a compact GPU entry that carries one of these fields moves (a fault flag: gpu_faults_revision;
-# the class: gpu_class_revision; its job: the fleet's gpu_jobs_revision), told by its completion.
-_GPU_FAULTS, _GPU_CLASS, _GPU_JOB = 1, 2, 4
+# the class: gpu_class_revision; its job: the fleet's gpu_jobs_revision; its recovery action: the
+# marked nodes, MarkedNodes.recovery_actions), told by its completion.
+_GPU_FAULTS, _GPU_CLASS, _GPU_JOB, _GPU_RECOVERY = 1, 2, 4, 8
 complete_gpu_marked = marking_completer(GpuState, {
     **dict.fromkeys(("remap_pending", "remap_failure", "retired_pages_pending", "retired_pages_sbe",
                      "retired_pages_dbe"), _GPU_FAULTS),
-    **dict.fromkeys(_CLASS_FIELDS, _GPU_CLASS), "job": _GPU_JOB}, matched=("index", "uuid"))
+    **dict.fromkeys(_CLASS_FIELDS, _GPU_CLASS), "job": _GPU_JOB, "recovery_action": _GPU_RECOVERY},
+    matched=("index", "uuid"))
+
+# A GPU's recovery_action that asks for nothing (wire.RecoveryAction; None: not read).
+_NO_RECOVERY = frozenset({None, "none"})
 
 # A GPU sample the thermal detector may act on is marked on ingest (NodeState.gpu_watch_revision),
 # so that it passes over a node none of whose samples it could act on in O(1). Watched: a clock-event
@@ -305,7 +310,7 @@ class Fleet:
                     names = cleared.get(("gpus", i), ())
                     if names:
                         marked |= _GPU_FAULTS | (_GPU_CLASS if not _CLASS_FIELDS.isdisjoint(names) else 0) \
-                            | (_GPU_JOB if "job" in names else 0)
+                            | (_GPU_JOB if "job" in names else 0) | (_GPU_RECOVERY if "recovery_action" in names else 0)
                     base = with_cleared(base, names)
                 state = base
                 if marked or links_sent:
@@ -315,9 +320,13 @@ class Fleet:
                         node.gpu_class_revision = revision
                     if marked & _GPU_JOB:
                         self.gpu_jobs_revision = revision
+                    if marked & _GPU_RECOVERY:
+                        self._mark_recovery(node, index, state.recovery_action)
             elif hist is None or hist.uuid != state.uuid:
                 hist = gpus[index] = GpuHistory(state, ts, maxlen, state_maxlen)
                 node.gpu_class_revision = node.gpu_faults_revision = self.gpu_jobs_revision = revision
+                if state.recovery_action not in _NO_RECOVERY or node.recovery_gpus:
+                    self._mark_recovery(node, index, state.recovery_action)
             else:
                 node.gpu_faults_revision = revision  # taken whole
                 last = hist.last
@@ -326,6 +335,8 @@ class Fleet:
                     node.gpu_class_revision = revision
                 if state.job != last.job:
                     self.gpu_jobs_revision = revision
+                if state.recovery_action not in _NO_RECOVERY or node.recovery_gpus:
+                    self._mark_recovery(node, index, state.recovery_action)
             if hist.observe(state, ts):
                 node.gpu_counters_moved_ts = ts
             reasons, hbm = state.clock_event_reasons, state.memory_temperature_celsius
@@ -336,9 +347,6 @@ class Fleet:
                 node.unhealthy_gpus.add(index)
             elif node.unhealthy_gpus:
                 node.unhealthy_gpus.discard(index)
-            wanted = state.recovery_action  # the xid detector's marked nodes (MarkedNodes.recovery_actions)
-            if (wanted is not None and wanted != "none") or node.recovery_gpus:
-                self._mark_recovery(node, index, wanted)
             # The fabric and PCIe link markers: a few reads per GPU (none without an NVSwitch
             # fabric or a link reading). The slow path only for a GPU whose fabric is not registered
             # and healthy (a state other than completed, a registration error, an unhealthy
@@ -355,7 +363,7 @@ class Fleet:
                     or state.pcie_link_width != state.pcie_link_width_max or links_below:
                 self._observe_gpu_link(node, hist, state, ts)
         node.gpus_reported = len(seen)
-        if node.fabric_suspect_gpus or node.fabric_manager_down_since is not None:
+        if suspect or node.fabric_manager_down_since is not None:
             self.marked.fabric.add(node)
         elif node in self.marked.fabric:
             self.marked.fabric.discard(node)
@@ -543,8 +551,9 @@ class Fleet:
         node.pcie_links_below = {bus_id for bus_id, hist in taken.items() if hist.link_below_since is not None}
 
     def _mark_recovery(self, node: NodeState, index: int, wanted: str | None) -> None:
-        """GPU ``index``'s latest recovery action ``wanted`` into the node's and the fleet's marks."""
-        if wanted is not None and wanted != "none":
+        """GPU ``index``'s latest recovery action ``wanted`` into the node's and the fleet's marks
+        (from a GPU entry taken whole, or a compact one that carried or cleared it)."""
+        if wanted not in _NO_RECOVERY:
             node.recovery_gpus.add(index)
             self.marked.recovery_actions.add(node)
         else:
