@@ -15,6 +15,7 @@ from pydantic import Field
 from vigil.aggregator.amdgpu_catalog import AmdgpuCatalog, block_name, event_name
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.fleet import FleetView, NodeState
+from vigil.aggregator.fleet.view import MarkedNodes
 from vigil.aggregator.xid_catalog import APP_BURST_SECONDS, burst_spans
 from vigil.contract.validation import StrictModel
 from vigil.contract.wire import Event
@@ -47,7 +48,13 @@ class AmdgpuDetector:
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
         horizon = now - self.config.window_seconds
-        for node in view.nodes.values():
+        # The fleet marks the nodes that reported an amdgpu event, with the newest one's time
+        # (MarkedNodes.amdgpu_events, NodeState.amdgpu_event_ts): only those with one in the window
+        # are read, in the fleet's order (a walk of 12,500 NodeStates: 5-7 ms a pass, issue 47).
+        marked = view.marked if view.revision is not None else None
+        nodes = view.nodes.values() if marked is None else [
+            node for node in MarkedNodes.in_order(marked.amdgpu_events) if node.amdgpu_event_ts >= horizon]
+        for node in nodes:
             if not node.events:
                 continue
             # (gpu, event name, block) -> the times of its lines in the window, oldest first.

@@ -17,6 +17,8 @@ from pydantic import Field
 
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.fleet import FleetView
+from vigil.aggregator.fleet.view import MarkedNodes
+from vigil.aggregator.job_telemetry import JobNodes
 from vigil.contract.validation import StrictModel
 from vigil.contract.wire import CollectiveState
 
@@ -66,6 +68,7 @@ class CollectiveCulpritDetector:
         self.config = config
         # (job, group, seq, missing ranks) -> the evaluation that first saw it.
         self._first_seen: dict[tuple[str, str, int, tuple[int, ...]], float] = {}
+        self._job_nodes = JobNodes()  # which nodes hold each job's GPUs, listed again when that changed
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         cfg = self.config
@@ -73,7 +76,10 @@ class CollectiveCulpritDetector:
         groups: dict[str, dict[str, dict[int, _Rank]]] = {}
         conflicted: set[tuple[str, str]] = set()
         dumped_nodes: dict[str, set[str]] = {}
-        for node in view.nodes.values():
+        # The fleet marks the nodes with Flight Recorder state (MarkedNodes.collectives): only those
+        # are read, in the fleet's order (a walk of 12,500 nodes: 10 ms a pass, issue 47).
+        marked = view.marked if view.revision is not None else None
+        for node in view.nodes.values() if marked is None else MarkedNodes.in_order(marked.collectives):
             if now - node.last_seen > cfg.stale_seconds:
                 continue
             for s in node.collectives:
@@ -85,7 +91,7 @@ class CollectiveCulpritDetector:
         out: list[Finding] = []
         seen: set[tuple[str, str, int, tuple[int, ...]]] = set()
         for job, by_group in sorted(groups.items()):
-            if not self._job_nodes(view, job) <= dumped_nodes[job]:
+            if not self._nodes_of(view, job) <= dumped_nodes[job]:
                 continue  # a node the job runs on sent no dump: not enough to judge
             job_ranks = {r for ranks in by_group.values() for r in ranks}
             named: set[str] = set()
@@ -100,10 +106,12 @@ class CollectiveCulpritDetector:
             del self._first_seen[key]
         return out
 
-    @staticmethod
-    def _job_nodes(view: FleetView, job: str) -> set[str]:
+    def _nodes_of(self, view: FleetView, job: str) -> set[str]:
         """The nodes the fleet places the job on: its GPUs' attribution and its ranks' reports."""
-        nodes = {n.name for n in view.nodes.values() if any(g.last.job == job for g in n.gpus.values())}
+        if view.revision is None:
+            nodes = {n.name for n in view.nodes.values() if any(g.last.job == job for g in n.gpus.values())}
+        else:  # the job's listing (JobNodes: kept while no GPU's attribution changed), not every GPU
+            nodes = set(self._job_nodes.of(view).get(job, ()))
         state = view.jobs.get(job)
         return nodes | (state.nodes() if state is not None else set())
 

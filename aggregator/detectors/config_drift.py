@@ -143,6 +143,9 @@ class ConfigDriftDetector:
         self._manifest: dict[str, tuple[NodeState, int, int, list[str]]] = {}
         # When each episode was first found (the persistence clock and a stable ``since``).
         self._first: dict[tuple[str, str], float] = {}
+        # The nodes judged on their own (``_own_judged``), as of the fleet's config_revision.
+        self._own: list[NodeState] = []
+        self._own_revision: int | None = None
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         # Caches hold for one fleet and views with change markers (docs/detectors.md, "change
@@ -152,6 +155,7 @@ class ConfigDriftDetector:
             self._jobs.clear()
             self._manifest.clear()
             self._counts, self._counted, self._counted_revision = {}, {}, None
+            self._own, self._own_revision = [], None
             self._fleet = view.fleet if marked else None
         candidates: dict[tuple[str, str], tuple[Finding, float]] = {}
         drift: dict[str, list[dict[str, Any]]] = {}
@@ -173,7 +177,7 @@ class ConfigDriftDetector:
                 detector=NAME, node=node_name, action=cfg.action, key="config_drift", since=0.0,
                 reason=f"configuration drift: {text}", evidence={"signal": "config_drift", "facts": facts}),
                 cfg.persistence_seconds)
-        for node in view.nodes.values():
+        for node in self._own_judged(view, marked):
             config = node.config
             if config is None:
                 continue
@@ -199,6 +203,20 @@ class ConfigDriftDetector:
         if len(self._manifest) > len(view.nodes):
             self._manifest = {n: v for n, v in self._manifest.items() if n in view.nodes}
         return out
+
+    def _own_judged(self, view: FleetView, marked: bool) -> list[NodeState]:
+        """The nodes with something to judge on their own, in the fleet's order: a configuration whose
+        devices differ (``mixed``) or whose GPU model the manifest names. Listed again only when a
+        node's configuration changed or a node joined or left (the fleet's config_revision): a walk
+        of 12,500 nodes costs 6 ms a pass (issue 47)."""
+        if marked and self._own_revision == view.config_revision:
+            return self._own
+        manifest = self.config.manifest
+        own = [node for node in view.nodes.values() if (config := node.config) is not None
+               and (config.mixed or (manifest and (config.gpu_model or "") in manifest))]
+        if marked:
+            self._own, self._own_revision = own, view.config_revision
+        return own
 
     def _mix(self, job: JobState, verdict: _JobVerdict,
              candidates: dict[tuple[str, str], tuple[Finding, float]]) -> None:

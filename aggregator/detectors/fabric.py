@@ -17,6 +17,7 @@ from pydantic import Field
 
 from vigil.aggregator.decision import Action, Finding, NodeAction
 from vigil.aggregator.fleet import FleetView, NodeState
+from vigil.aggregator.fleet.view import MarkedNodes
 from vigil.contract.validation import StrictModel
 
 NAME = "fabric"
@@ -54,8 +55,11 @@ class FabricDetector:
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         out: list[Finding] = []
-        # Nodes with nothing suspect are passed over in O(1): the fleet keeps both marks on ingest.
-        for node in view.nodes.values():
+        # Nodes with nothing suspect are passed over in O(1): the fleet keeps both marks on ingest,
+        # and the nodes with either (MarkedNodes.fabric), read alone in the fleet's order (a walk
+        # of 12,500 nodes testing both: 8 ms a pass, issue 47).
+        marked = view.marked if view.revision is not None else None
+        for node in view.nodes.values() if marked is None else MarkedNodes.in_order(marked.fabric):
             if not node.fabric_suspect_gpus and node.fabric_manager_down_since is None:
                 continue
             finding = self._judge(node, now)

@@ -12,6 +12,7 @@ false-alert rate and lookalikes: docs/detectors.md, "telemetry_straggler".
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -20,6 +21,7 @@ from pydantic import Field
 from vigil.aggregator.decision import Action, Finding
 from vigil.aggregator.detectors.peer_class import HardwareClass, HardwareClasses, describe
 from vigil.aggregator.fleet import FleetView, NodeState
+from vigil.aggregator.job_telemetry import JobNodes
 from vigil.contract.validation import StrictModel
 
 NAME = "telemetry_straggler"
@@ -94,6 +96,7 @@ class TelemetryStragglerDetector:
         self._recent: dict[tuple[str, str], deque[_NodeFigures]] = {}
         self._seen: set[tuple[str, str]] = set()
         self._classes = HardwareClasses()  # each node's, read again when what names it changed
+        self._job_nodes = JobNodes()  # which nodes hold each job's GPUs, listed again when that changed
 
     def evaluate(self, view: FleetView, now: float) -> list[Finding]:
         flagged: dict[tuple[str, str], _Flag] = {}
@@ -122,7 +125,16 @@ class TelemetryStragglerDetector:
         the jobs no rank reports heartbeats for."""
         out: dict[str, dict[str, list[_Gpu]]] = {}
         instrumented = {name for name, job in view.jobs.items() if job.ranks}
-        for node in view.nodes.values():
+        nodes: Iterable[NodeState] = view.nodes.values()
+        if view.revision is not None:
+            # Only the nodes holding a GPU of a job with no ranks, in the fleet's order (the first
+            # node's job first, as the walk over every GPU: 100,000 GPUs cost 37 ms a pass, issue 47).
+            listing = self._job_nodes.of(view)
+            wanted = {name for job, per_node in listing.items() if job not in instrumented for name in per_node}
+            if not wanted:
+                return out
+            nodes = [node for node in nodes if node.name in wanted]
+        for node in nodes:
             oldest = now - self.config.fresh_intervals * node.interval_seconds
             for hist in node.gpus.values():
                 s = hist.last

@@ -41,6 +41,7 @@ from vigil.aggregator.fleet.view import (
     ActionOutcome,
     FleetView,
     JobState,
+    MarkedNodes,
     NodeJournals,
     NodeState,
     Removal,
@@ -74,12 +75,17 @@ MAX_NODE_ACTIONS_KEPT = 64
 # moves NodeState.gpu_class_revision.
 _CLASS_FIELDS = frozenset({"name", "sm_clock_max_hertz", "power_limit_watts"})
 # What a compact GPU entry that carries one of these fields moves (a fault flag: gpu_faults_revision;
-# the class: gpu_class_revision; its job: the fleet's gpu_jobs_revision), told by its completion.
-_GPU_FAULTS, _GPU_CLASS, _GPU_JOB = 1, 2, 4
+# the class: gpu_class_revision; its job: the fleet's gpu_jobs_revision; its recovery action: the
+# marked nodes, MarkedNodes.recovery_actions), told by its completion.
+_GPU_FAULTS, _GPU_CLASS, _GPU_JOB, _GPU_RECOVERY = 1, 2, 4, 8
 complete_gpu_marked = marking_completer(GpuState, {
     **dict.fromkeys(("remap_pending", "remap_failure", "retired_pages_pending", "retired_pages_sbe",
                      "retired_pages_dbe"), _GPU_FAULTS),
-    **dict.fromkeys(_CLASS_FIELDS, _GPU_CLASS), "job": _GPU_JOB}, matched=("index", "uuid"))
+    **dict.fromkeys(_CLASS_FIELDS, _GPU_CLASS), "job": _GPU_JOB, "recovery_action": _GPU_RECOVERY},
+    matched=("index", "uuid"))
+
+# A GPU's recovery_action that asks for nothing (wire.RecoveryAction; None: not read).
+_NO_RECOVERY = frozenset({None, "none"})
 
 # A GPU sample the thermal detector may act on is marked on ingest (NodeState.gpu_watch_revision),
 # so that it passes over a node none of whose samples it could act on in O(1). Watched: a clock-event
@@ -124,6 +130,9 @@ class Fleet:
         self._positions = 0
         # Each node's state_seen in one list (view.ReportTimes: the silence and thermal detectors').
         self.report_times = ReportTimes()
+        # The few nodes some detectors judge (xid, amdgpu, collective_culprit, fabric), so that they
+        # never touch the rest (issue 47: a walk of 12,500 nodes costs them 5-10 ms a pass).
+        self.marked = MarkedNodes()
         # Entries dropped to keep a node within its caps, by kind (ports, ranks, jobs): the oldest
         # of those its latest report no longer named (vigil_aggregator_fleet_evictions_total).
         self.evicted: dict[str, int] = dict.fromkeys(EVICTION_KINDS, 0)
@@ -199,6 +208,7 @@ class Fleet:
             del self._nodes[node.name]
             members.append(node.name)
             self.report_times.leave(node)
+            self.marked.forget(node)
             for job_name, rank in node.ranks:
                 job = self._jobs.get(job_name)
                 if job is not None and job.ranks.get(rank) is not None and job.ranks[rank].node == node.name:
@@ -291,6 +301,10 @@ class Fleet:
             self._ingest_pcie(node, report.pcie, now, revision, refused)
         # Whole in every report while the dumps are fresh (not a section): each report replaces it.
         node.collectives = tuple(report.collectives)
+        if node.collectives:
+            self.marked.collectives.add(node)
+        elif node in self.marked.collectives:
+            self.marked.collectives.discard(node)
         ts = now
         maxlen = cfg.history_reports
         # A compact report: (section, entry) -> the fields back at their defaults (rare: usually empty).
@@ -323,7 +337,7 @@ class Fleet:
                     names = cleared.get(("gpus", i), ())
                     if names:
                         marked |= _GPU_FAULTS | (_GPU_CLASS if not _CLASS_FIELDS.isdisjoint(names) else 0) \
-                            | (_GPU_JOB if "job" in names else 0)
+                            | (_GPU_JOB if "job" in names else 0) | (_GPU_RECOVERY if "recovery_action" in names else 0)
                     base = with_cleared(base, names)
                 state = base
                 if marked or links_sent:
@@ -336,6 +350,8 @@ class Fleet:
                     if marked & _GPU_JOB:
                         self.gpu_jobs_revision = revision
                         journals.gpu_jobs.names.append(node.name)
+                    if marked & _GPU_RECOVERY:
+                        self._mark_recovery(node, index, state.recovery_action)
             elif hist is None or hist.uuid != state.uuid:
                 hist = gpus[index] = GpuHistory(state, ts, maxlen, state_maxlen)
                 if node.gpu_faults_revision != revision:
@@ -344,6 +360,8 @@ class Fleet:
                     journals.gpu_class.names.append(node.name)
                 journals.gpu_jobs.names.append(node.name)
                 node.gpu_class_revision = node.gpu_faults_revision = self.gpu_jobs_revision = revision
+                if state.recovery_action not in _NO_RECOVERY or node.recovery_gpus:
+                    self._mark_recovery(node, index, state.recovery_action)
             else:
                 if node.gpu_faults_revision != revision:  # taken whole
                     node.gpu_faults_revision = revision
@@ -356,6 +374,8 @@ class Fleet:
                 if state.job != last.job:
                     self.gpu_jobs_revision = revision
                     journals.gpu_jobs.names.append(node.name)
+                if state.recovery_action not in _NO_RECOVERY or node.recovery_gpus:
+                    self._mark_recovery(node, index, state.recovery_action)
             if hist.observe(state, ts) and node.gpu_counters_moved_ts != ts:
                 node.gpu_counters_moved_ts = ts
                 journals.gpu_counters.names.append(node.name)
@@ -391,6 +411,10 @@ class Fleet:
         if reported != node.gpus_reported or reported != len(gpus):  # a GPU left out, or their count changed
             journals.gpu_watch.names.append(node.name)
         node.gpus_reported = reported
+        if suspect or node.fabric_manager_down_since is not None:
+            self.marked.fabric.add(node)
+        elif node in self.marked.fabric:
+            self.marked.fabric.discard(node)
         # A GPU that was in this boot's reports and is now absent fell off the bus, unless the
         # reader itself failed (then the report says so and "no data" is not "no GPU").
         gpu_reader_ok = report.nvml_available and "gpu" not in report.failed_collectors
@@ -590,6 +614,17 @@ class Fleet:
             self.journals.pcie_links.names.append(node.name)
         node.pcie_links_below = below
 
+    def _mark_recovery(self, node: NodeState, index: int, wanted: str | None) -> None:
+        """GPU ``index``'s latest recovery action ``wanted`` into the node's and the fleet's marks
+        (from a GPU entry taken whole, or a compact one that carried or cleared it)."""
+        if wanted not in _NO_RECOVERY:
+            node.recovery_gpus.add(index)
+            self.marked.recovery_actions.add(node)
+        else:
+            node.recovery_gpus.discard(index)
+            if not node.recovery_gpus:
+                self.marked.recovery_actions.discard(node)
+
     def _measure_clock(self, node: NodeState, report: Report, now: float) -> None:
         """The node's clock against the aggregator's, from a report newer than any before it."""
         skew = node.clock_skew_seconds = report.ts - now
@@ -643,6 +678,11 @@ class Fleet:
             node.events.append((ts, event))
             if event.kind == "xid" and event.code is not None:
                 self._record_xid(node, event, ts, refused)
+                node.xid_event_ts = max(node.xid_event_ts, ts)
+                self.marked.xids.add(node)
+            elif event.kind.startswith("amdgpu_"):  # amdgpu_catalog.KIND_PREFIX: the amdgpu detector's
+                node.amdgpu_event_ts = max(node.amdgpu_event_ts, ts)
+                self.marked.amdgpu_events.add(node)
 
     def _record_xid(self, node: NodeState, event: Event, ts: float, refused: dict[str, int]) -> None:
         """``event`` (an Xid) at ``ts`` on the aggregator's clock into its GPU's ring, de-duplicated."""
@@ -705,7 +745,7 @@ class Fleet:
                          learned_probes=self.learned_probes, isolations=self.isolations, revision=self.revision,
                          fleet=self.identity, gpu_jobs_revision=self.gpu_jobs_revision,
                          config_revision=self.config_revision, journals=self.journals,
-                         report_times=self.report_times)
+                         report_times=self.report_times, marked=self.marked)
 
 
 EVICTION_KINDS = ("ports", "ranks", "jobs")

@@ -11,6 +11,7 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -141,12 +142,47 @@ class NodeState:
         # the agent reported with when the report carrying it arrived (the aggregator's clock).
         self.action_expiry: dict[str, float] = {}
         self.action_results: dict[str, ActionOutcome] = {}
+        # Issue 47, the marked nodes (MarkedNodes): the GPUs whose latest recovery_action is other
+        # than "none", and the newest time of an Xid and of an amdgpu event (kind amdgpu_*) it reported.
+        self.recovery_gpus: set[int] = set()
+        self.xid_event_ts = -math.inf
+        self.amdgpu_event_ts = -math.inf
 
     def summary(self) -> dict[str, object]:
         """What is kept of a node once the fleet forgets it (the store's archive)."""
         return {"node": self.name, "first_seen": self.first_seen, "last_seen": self.last_seen,
                 "boot_id": self.boot_id, "seq": self.seq, "reports": self.reports, "reboots": self.reboots,
                 "topology": self.topology, "gpus": sorted(self.gpus), "ports": [f"{d}/{p}" for d, p in self.ports]}
+
+
+
+class MarkedNodes:
+    """The few nodes some detectors judge, kept by Fleet.ingest (docs/detectors.md, "change markers"),
+    so that those detectors never touch the rest: the nodes with a GPU whose latest recovery_action is
+    other than "none" (``NodeState.recovery_gpus``), with any Xid record (``NodeState.xid_event_ts``), with
+    any amdgpu event (``NodeState.amdgpu_event_ts``), with Flight Recorder state, with a fabric suspect GPU or Fabric
+    Manager down. ``in_order`` gives them in the fleet's order (a detector's findings stay in it)."""
+
+    __slots__ = ("amdgpu_events", "collectives", "fabric", "recovery_actions", "xids")
+
+    def __init__(self) -> None:
+        self.recovery_actions: set[NodeState] = set()
+        self.xids: set[NodeState] = set()
+        self.amdgpu_events: set[NodeState] = set()
+        self.collectives: set[NodeState] = set()
+        self.fabric: set[NodeState] = set()
+
+    def forget(self, node: NodeState) -> None:
+        for marked in (self.recovery_actions, self.xids, self.amdgpu_events, self.collectives, self.fabric):
+            marked.discard(node)
+
+    @staticmethod
+    def in_order(nodes: set[NodeState]) -> list[NodeState]:
+        """``nodes`` in the order the fleet holds them (the order they joined)."""
+        return sorted(nodes, key=_POSITION)
+
+
+_POSITION = attrgetter("position")  # NodeState.position: the fleet's order
 
 
 class ActionOutcome(NamedTuple):
@@ -273,7 +309,7 @@ class FleetView:
     and the nodes vigil removed (empty unless the engine was asked for them)."""
 
     __slots__ = ("agent_resets", "config_revision", "fleet", "gpu_jobs_revision", "isolations", "jobs",
-                 "journals", "learned_probes", "nodes", "probes", "removed", "report_times", "revision")
+                 "journals", "learned_probes", "marked", "nodes", "probes", "removed", "report_times", "revision")
 
     def __init__(self, nodes: dict[str, NodeState], jobs: dict[str, JobState],
                  removed: Mapping[str, Removal] | None = None, *, agent_resets: bool = False,
@@ -281,7 +317,8 @@ class FleetView:
                  learned_probes: Mapping[tuple[str, str], tuple[float, int]] | None = None,
                  isolations: Sequence[IsolationOutcome] = (), revision: int | None = None,
                  fleet: object | None = None, gpu_jobs_revision: int = 0, config_revision: int = 0,
-                 journals: NodeJournals | None = None, report_times: ReportTimes | None = None) -> None:
+                 journals: NodeJournals | None = None, report_times: ReportTimes | None = None,
+                 marked: MarkedNodes | None = None) -> None:
         self.nodes: Mapping[str, NodeState] = MappingProxyType(nodes)
         # Change markers (docs/detectors.md, "change markers"): the fleet's revision when the view was taken, and the
         # fleet's identity. A view built by hand (tests) has neither: ``revision`` None tells a
@@ -293,6 +330,7 @@ class FleetView:
         # The fleet's journals of node-side markers (None with ``revision`` None: walk every node).
         self.journals = journals if revision is not None else None
         self.report_times = report_times if revision is not None else None  # Fleet.report_times
+        self.marked = marked  # Fleet.marked (None: judge every node)
         self.jobs: Mapping[str, JobState] = MappingProxyType(jobs)
         self.removed: Mapping[str, Removal] = MappingProxyType(dict(removed or {}))
         # An admitted reset_gpu is carried out by the node's agent on a signed request, and its

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.aggregator.test_fleet_compact_property import values
 from vigil.aggregator.fleet.completion import complete_gpu, marking_completer
-from vigil.aggregator.fleet.ingest import _GPU_CLASS, _GPU_FAULTS, _GPU_JOB, complete_gpu_marked
+from vigil.aggregator.fleet.ingest import _GPU_CLASS, _GPU_FAULTS, _GPU_JOB, _GPU_RECOVERY, complete_gpu_marked
 from vigil.contract.wire import GpuState, convert
 
 GPU = values(mi.type_info(GpuState))
@@ -31,6 +31,8 @@ def _expected_marks(sent: GpuState) -> int:
         marks |= _GPU_CLASS
     if sent.job is not None:
         marks |= _GPU_JOB
+    if sent.recovery_action is not None:
+        marks |= _GPU_RECOVERY
     return marks
 
 
