@@ -15,15 +15,14 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from vigil.aggregator.fleet import FleetView, RankHistory
+from vigil.aggregator.fleet.history import RANK_LAST, RANK_STATE
 
 # Incarnations kept per job: far beyond any restart threshold (a few), bounded for a job that
 # restarts all day; what dropped off is folded into the job's best step and checkpoint before it.
 MAX_INCARNATIONS = 32
 # (window end, last step) kept per rank without a pid, for its ``first_step`` test (two windows back).
 _WINDOWS_KEPT = 4
-_LAST = attrgetter("last")
 _PID = attrgetter("pid")
-_STATE = attrgetter("state")
 _LAST_STEP = attrgetter("last_step")
 _CHECKPOINT = attrgetter("checkpoint_step")
 
@@ -160,8 +159,8 @@ class JobRun:
         seen_of = self.ranks
         latest = self.incarnations[-1]
         if shortcut and self._steady is not None and list(ranks) == self._steady:
-            lasts = list(map(_LAST, self._steady))
-            if list(map(_PID, lasts)) == self._steady_pids and "exited" not in map(_STATE, lasts):
+            lasts = list(map(RANK_LAST, self._steady))
+            if list(map(_PID, lasts)) == self._steady_pids and "exited" not in map(RANK_STATE, lasts):
                 # Each rank as the usual-rank path below takes it: none exited (nor was: ``exited``
                 # stays 0), its step into the latest incarnation's lowest and highest, its checkpoint.
                 steps = self._steady_steps = list(map(_LAST_STEP, lasts))
@@ -170,9 +169,10 @@ class JobRun:
                     latest.start_step = low
                 if latest.best_step is None or high > latest.best_step:
                     latest.best_step = high
-                checkpoints = [c for c in map(_CHECKPOINT, lasts) if c is not None]
-                if checkpoints:
-                    checkpoint = max(checkpoints)
+                checkpoints = list(map(_CHECKPOINT, lasts))
+                # Most ranks have no completed checkpoint to tell (None): counted in C, not filtered in Python.
+                if checkpoints.count(None) != len(checkpoints):
+                    checkpoint = max(c for c in checkpoints if c is not None)
                     if latest.checkpoint_step is None or checkpoint > latest.checkpoint_step:
                         latest.checkpoint_step = checkpoint
                 return
@@ -209,7 +209,7 @@ class JobRun:
         if latest.ended is None and ranks and all(r.last.state == "exited" for r in ranks):
             latest.ended = now
         # A rank without a pid (a tailed log) stops the test at once: the steady path is not for it.
-        if shortcut and not self.exited and len(seen_of) == len(ranks) and None not in map(_PID, map(_LAST, ranks)):
+        if shortcut and not self.exited and len(seen_of) == len(ranks) and None not in map(_PID, map(RANK_LAST, ranks)):
             listed = list(ranks)
             if all(seen_of[r.rank].generation == latest.index for r in listed):
                 self._steady, self._steady_pids = listed, [r.last.pid for r in listed]
