@@ -33,6 +33,14 @@ class JobState:
     # Change marker (docs/detectors.md, "change markers"): the fleet revision of the latest change to its membership (a
     # rank joined, left, or moved to another node). Its ranks' summaries change every report.
     members_revision: int = 0
+    # Change markers of the heartbeat-side detectors (docs/detectors.md, "change markers"): the fleet
+    # revision of the latest summary of one of its ranks whose window end changed (app_signals), and
+    # of the latest whose pid, state, phase, checkpoint step or non-finite step counts changed or
+    # whose step went back (job_runs, hang, app_signals). A rank new to the job or moved moves
+    # members_revision instead. A marker tells a change, not a state: a reader checks the state
+    # once, then trusts it while the marker stays.
+    windows_revision: int = 0
+    runs_revision: int = 0
 
     def nodes(self) -> set[str]:
         return {r.node for r in self.ranks.values()}
