@@ -14,16 +14,15 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from vigil.aggregator.fleet import FleetView, RankHistory
+from vigil.aggregator.fleet import FleetView, JobState, RankHistory
+from vigil.aggregator.fleet.history import RANK_LAST, RANK_STATE
 
 # Incarnations kept per job: far beyond any restart threshold (a few), bounded for a job that
 # restarts all day; what dropped off is folded into the job's best step and checkpoint before it.
 MAX_INCARNATIONS = 32
 # (window end, last step) kept per rank without a pid, for its ``first_step`` test (two windows back).
 _WINDOWS_KEPT = 4
-_LAST = attrgetter("last")
 _PID = attrgetter("pid")
-_STATE = attrgetter("state")
 _LAST_STEP = attrgetter("last_step")
 _CHECKPOINT = attrgetter("checkpoint_step")
 
@@ -57,8 +56,8 @@ class _RankSeen:
 class JobRun:
     """One job's incarnations, oldest first (at most MAX_INCARNATIONS)."""
 
-    __slots__ = ("_folded_best", "_folded_checkpoint", "_steady", "_steady_pids", "_steady_steps", "exited",
-                 "incarnations", "job", "last_seen", "ranks")
+    __slots__ = ("_folded_best", "_folded_checkpoint", "_steady", "_steady_pids", "_steady_revision", "_steady_steps",
+                 "exited", "incarnations", "job", "last_seen", "ranks")
 
     def __init__(self, job: str, now: float) -> None:
         self.job = job
@@ -79,6 +78,10 @@ class JobRun:
         self._steady: list[RankHistory] | None = None
         self._steady_pids: list[int | None] = []
         self._steady_steps: list[int] | None = None
+        # The fleet revision (FleetView.revision) of the latest observation that found the steady
+        # ranks so: while their job's ``runs_revision`` is no later (no pid, state or checkpoint
+        # changed, no step went back since), an observation needs only their steps' maximum.
+        self._steady_revision: int | None = None
 
     @property
     def latest(self) -> Incarnation:
@@ -153,15 +156,30 @@ class JobRun:
         self.incarnations.append(inc)
         return inc
 
-    def observe(self, ranks: Collection[RankHistory], now: float, shortcut: bool = True) -> None:
+    def observe(self, ranks: Collection[RankHistory], now: float, shortcut: bool = True,
+                job: JobState | None = None, revision: int | None = None) -> None:
         """The ranks' latest summaries at ``now``. ``shortcut`` False: every rank the long way
-        (``_observe_rank``), the reference the inlined usual case is tested against."""
+        (``_observe_rank``), the reference the inlined usual case is tested against. ``job`` and
+        ``revision``: the ranks' job and the view's revision, whose change marker
+        (``JobState.runs_revision``) lets a steady observation skip what did not change."""
         self.last_seen = now
         seen_of = self.ranks
         latest = self.incarnations[-1]
         if shortcut and self._steady is not None and list(ranks) == self._steady:
-            lasts = list(map(_LAST, self._steady))
-            if list(map(_PID, lasts)) == self._steady_pids and "exited" not in map(_STATE, lasts):
+            lasts = list(map(RANK_LAST, self._steady))
+            if (job is not None and revision is not None and self._steady_revision is not None
+                    and job.runs_revision <= self._steady_revision):
+                # No pid, state or checkpoint changed and no step went back since the steady ranks
+                # were last found so: what the path below finds of them holds still (their
+                # checkpoints are in already, none went below the lowest step); only the highest
+                # step can have moved.
+                steps = self._steady_steps = list(map(_LAST_STEP, lasts))
+                high = max(steps)
+                if latest.best_step is None or high > latest.best_step:
+                    latest.best_step = high
+                self._steady_revision = revision
+                return
+            if list(map(_PID, lasts)) == self._steady_pids and "exited" not in map(RANK_STATE, lasts):
                 # Each rank as the usual-rank path below takes it: none exited (nor was: ``exited``
                 # stays 0), its step into the latest incarnation's lowest and highest, its checkpoint.
                 steps = self._steady_steps = list(map(_LAST_STEP, lasts))
@@ -170,11 +188,13 @@ class JobRun:
                     latest.start_step = low
                 if latest.best_step is None or high > latest.best_step:
                     latest.best_step = high
-                checkpoints = [c for c in map(_CHECKPOINT, lasts) if c is not None]
-                if checkpoints:
-                    checkpoint = max(checkpoints)
+                checkpoints = list(map(_CHECKPOINT, lasts))
+                # Most ranks have no completed checkpoint to tell (None): counted in C, not filtered in Python.
+                if checkpoints.count(None) != len(checkpoints):
+                    checkpoint = max(c for c in checkpoints if c is not None)
                     if latest.checkpoint_step is None or checkpoint > latest.checkpoint_step:
                         latest.checkpoint_step = checkpoint
+                self._steady_revision = revision
                 return
         self._settle()
         for r in ranks:
@@ -209,10 +229,11 @@ class JobRun:
         if latest.ended is None and ranks and all(r.last.state == "exited" for r in ranks):
             latest.ended = now
         # A rank without a pid (a tailed log) stops the test at once: the steady path is not for it.
-        if shortcut and not self.exited and len(seen_of) == len(ranks) and None not in map(_PID, map(_LAST, ranks)):
+        if shortcut and not self.exited and len(seen_of) == len(ranks) and None not in map(_PID, map(RANK_LAST, ranks)):
             listed = list(ranks)
             if all(seen_of[r.rank].generation == latest.index for r in listed):
                 self._steady, self._steady_pids = listed, [r.last.pid for r in listed]
+                self._steady_revision = revision
 
     def _settle(self) -> None:
         """The steps of the steady observations into the ranks' records (their last_step), and the
@@ -220,7 +241,7 @@ class JobRun:
         if self._steady is not None and self._steady_steps is not None:
             for r, step in zip(self._steady, self._steady_steps, strict=True):
                 self.ranks[r.rank].last_step = step
-        self._steady, self._steady_steps = None, None
+        self._steady, self._steady_steps, self._steady_revision = None, None, None
 
     def _observe_rank(self, r: RankHistory, now: float) -> None:
         s = r.last
@@ -292,7 +313,7 @@ class JobRuns:
             if run is None:
                 run = self._runs[name] = JobRun(name, now)
             # A view without change markers is judged the long way (FleetView.without_markers).
-            run.observe(job.ranks.values(), now, view.revision is not None)
+            run.observe(job.ranks.values(), now, view.revision is not None, job, view.revision)
         for name in [n for n, run in self._runs.items() if now - run.last_seen > self.forget_seconds]:
             del self._runs[name]
 

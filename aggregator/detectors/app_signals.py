@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import compress
+from operator import attrgetter, ge, is_not, not_
 from statistics import median
 from typing import Any
 
@@ -22,7 +25,8 @@ from pydantic import Field
 
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.hang import JOB_NODES_NAMED
-from vigil.aggregator.fleet import FleetView, JobState
+from vigil.aggregator.fleet import FleetView, JobState, RankHistory
+from vigil.aggregator.fleet.history import RANK_LAST
 from vigil.aggregator.job_runs import MAX_INCARNATIONS, JobRun, JobRuns
 from vigil.aggregator.nccl_peers import PeerNames
 from vigil.contract.validation import StrictModel
@@ -36,6 +40,12 @@ _MAD_TO_SIGMA = 1.4826
 # oldest go first.
 _LOG_EPISODES_KEPT = 4096
 _MESSAGE_CHARS = 200
+_WINDOW_END = attrgetter("window_end_ts")
+_STEPS = attrgetter("steps")
+_LOSS = attrgetter("loss_p50")
+_NONFINITE = attrgetter("nonfinite_steps")
+_NONFINITE_LOSS = attrgetter("nonfinite_loss_steps")
+_KNOWN = partial(is_not, None)
 
 
 class AppSignalsConfig(StrictModel):
@@ -90,6 +100,25 @@ class _JobSignals:
 
 
 @dataclass(slots=True)
+class _Judged:
+    """A job's ranks as of ``members_revision`` (in the job's order) and the end of the last window
+    judged of each, in the same order: what ``_judge_bulk`` reads with C-level list operations. While
+    it is kept, its ``windows`` stand for the job's entries in ``_judged`` (written back, ``_settle``,
+    before the long way reads them)."""
+
+    job: JobState
+    members_revision: int
+    ranks: list[RankHistory]
+    windows: list[float]
+    # The fleet revision (FleetView.revision) at which ``windows`` were last compared with the
+    # ranks' window ends: while the job's ``windows_revision`` is no later, no window end moved.
+    revision: int
+    # The fleet revision at which no rank's summary counted a non-finite step (-1: not known so):
+    # while the job's ``runs_revision`` is no later, none does.
+    finite_revision: int = -1
+
+
+@dataclass(slots=True)
 class _LogEpisode:
     since: float
     latest: float
@@ -114,6 +143,10 @@ class AppSignalsDetector:
         # window with steps had a non-finite loss.
         self._judged: dict[str, dict[int, float]] = {}
         self._nan_now: dict[str, set[int]] = {}
+        # job -> its ranks and their judged window ends as lists (``_Judged``), for a view with
+        # change markers (``FleetView.revision``): the bulk path's record.
+        self._bulk: dict[str, _Judged] = {}
+        self.bulk_judged = 0  # jobs judged on the bulk path (a test's witness that it is taken)
         # node -> the last event seen in its ring (identity), so each event is read once.
         self._event_marker: dict[str, tuple[float, Event]] = {}
         self._logs: dict[tuple[str, str, str], _LogEpisode] = {}
@@ -124,7 +157,9 @@ class AppSignalsDetector:
         for job in view.jobs.values():
             run = self.runs.get(job.name)
             if run is not None:
-                out.extend(self._judge_job(job, run, now))
+                out.extend(self._judge_job(job, run, now, view.revision))
+        for name in [n for n in self._bulk if n not in view.jobs]:
+            del self._bulk[name]  # its job's record in ``_judged`` goes below
         for name in [j for j in self._jobs if self.runs.get(j) is None]:
             del self._jobs[name]
         # Forget the ranks (and jobs) no longer in the view. Every rank of a job in it was judged
@@ -147,15 +182,102 @@ class AppSignalsDetector:
 
     # -- loss --------------------------------------------------------------------------------------
 
-    def _judge_job(self, job: JobState, run: JobRun, now: float) -> list[Finding]:
-        state = self._jobs.setdefault(job.name, _JobSignals(losses=deque(maxlen=self.config.spike_history_windows)))
+    def _judge_job(self, job: JobState, run: JobRun, now: float, revision: int | None = None) -> list[Finding]:
+        state = self._jobs.get(job.name)
+        if state is None:
+            state = self._jobs[job.name] = _JobSignals(losses=deque(maxlen=self.config.spike_history_windows))
+        nan_now = self._nan_now.get(job.name)
+        if nan_now is None:
+            nan_now = self._nan_now[job.name] = set()
+        new_losses = self._judge_bulk(job, state, nan_now, revision) if revision is not None else None
+        if new_losses is None:
+            new_losses = self._judge_ranks(job, run, state, nan_now, now)
+            if revision is not None:
+                ranks = list(job.ranks.values())
+                judged = self._judged[job.name]
+                # A rank with no window end has a new window at each report (its arrival time),
+                # which no change marker tells: the record is then never taken as up to date.
+                known = None not in map(_WINDOW_END, map(RANK_LAST, ranks))
+                # A rank not in ``judged`` (a window end at or below -1: a hand-made clock) is judged
+                # as if it were there at -1.0, the long way's default.
+                self._bulk[job.name] = _Judged(job, job.members_revision, ranks,
+                                               [judged.get(r.rank, -1.0) for r in ranks], revision if known else -1)
+        else:
+            self.bulk_judged += 1
+            state.nan_since = None  # as the long way leaves it: no rank's latest window is non-finite
+        return self._findings(job, run, state, new_losses, now)
+
+    def _judge_bulk(self, job: JobState, state: _JobSignals, nan_now: set[int], revision: int) -> list[float] | None:
+        """The job's new windows judged as ``_judge_ranks`` judges them, in C-level list operations
+        over its ranks (``_Judged``): the new windows' losses. None (nothing changed): a rank
+        joined or left, a window end is unknown, a rank of the job had a non-finite loss or has one
+        now; the long way judges those. A job none of whose window ends moved since the last pass
+        (``JobState.windows_revision``) costs O(1); at 5 s windows and 2.5 s passes that is every
+        other pass. Otherwise each C-level read of 100,000 ranks' summaries costs ~8 ms (~80 ns a
+        rank, most of it the cache misses of summaries scattered in memory; a Python loop reading
+        one field is ~1.3x that, the long way ~1 us a rank)."""
+        rec = self._bulk.get(job.name)
+        if rec is None or rec.job is not job or rec.members_revision != job.members_revision or nan_now:
+            return None
+        if job.windows_revision <= rec.revision:
+            return []  # no rank's window end moved since they were judged (``judged >= window`` each)
+        lasts = list(map(RANK_LAST, rec.ranks))
+        ends = list(map(_WINDOW_END, lasts))
+        old = rec.windows
+        if ends == old:
+            rec.revision = revision
+            return []  # no rank's window moved: each was judged (``judged >= window``)
+        if None in ends:
+            return None  # the arrival time stands for the window end: the long way
+        skip = list(map(ge, old, ends))  # as the long way: judged >= window, not a new window
+        skipped = skip.count(True)
+        if skipped == len(skip):
+            rec.revision = revision
+            return []
+        fresh = list(compress(lasts, map(not_, skip))) if skipped else lasts
+        steps = list(map(_STEPS, fresh))
+        active = list(compress(fresh, steps)) if 0 in steps else fresh
+        finite = job.runs_revision <= rec.finite_revision
+        if not finite and not any(map(_NONFINITE, lasts)) and not any(map(_NONFINITE_LOSS, lasts)):
+            rec.finite_revision, finite = revision, True  # every rank's steps finite (checked once)
+        if not finite and any(map(_NONFINITE_LOSS, active)):
+            return None  # a non-finite loss: the long way notes it
+        losses = list(map(_LOSS, active))
+        unknown = losses.count(None)
+        # A window with steps and no finite loss, in a job that reports its loss (before or in this
+        # pass), is a non-finite loss where one of its steps was not finite (an agent predating
+        # nonfinite_loss_steps): the long way. One of a job that does not report it adds no loss
+        # and clears nothing.
+        if (unknown and not finite and (state.loss_seen or unknown < len(losses))
+                and any(map(_NONFINITE, active))):
+            return None
+        if unknown:
+            losses = list(filter(_KNOWN, losses)) if unknown < len(losses) else []
+        rec.windows = [w if s else e for w, e, s in zip(old, ends, skip, strict=True)] if skipped else ends
+        rec.revision = revision
+        if losses:
+            state.loss_seen = True
+        return losses
+
+    def _settle(self, name: str) -> None:
+        """The bulk record's window ends into ``_judged`` (the long way's record), and the record dropped."""
+        rec = self._bulk.pop(name, None)
+        if rec is None:
+            return
+        judged = self._judged.get(name)
+        if judged is None:
+            judged = self._judged[name] = {}
+        for r, window in zip(rec.ranks, rec.windows, strict=True):
+            judged[r.rank] = window
+
+    def _judge_ranks(self, job: JobState, run: JobRun, state: _JobSignals, nan_now: set[int],
+                     now: float) -> list[float]:
+        """The long way: each rank's new window, if any; the new windows' losses."""
+        self._settle(job.name)
         new_losses: list[float] = []
         judged = self._judged.get(job.name)
         if judged is None:
             judged = self._judged[job.name] = {}
-        nan_now = self._nan_now.get(job.name)
-        if nan_now is None:
-            nan_now = self._nan_now[job.name] = set()
         for r in job.ranks.values():
             s = r.last
             window = s.window_end_ts if s.window_end_ts is not None else r.last_seen
@@ -186,6 +308,10 @@ class AppSignalsDetector:
             state.loss_seen = state.loss_seen or s.loss_p50 is not None
         if nan_now.isdisjoint(job.ranks):
             state.nan_since = None
+        return new_losses
+
+    def _findings(self, job: JobState, run: JobRun, state: _JobSignals, new_losses: list[float],
+                  now: float) -> list[Finding]:
         out: list[Finding] = []
         named: list[list[str]] = []
 

@@ -33,6 +33,7 @@ from vigil.aggregator.detectors.straggler import (
 from vigil.aggregator.detectors.straggler import sorted_mad as _sorted_mad
 from vigil.aggregator.detectors.straggler import sorted_median as _sorted_median
 from vigil.aggregator.fleet import FleetView, JobState, NodeState, RankHistory
+from vigil.aggregator.fleet.history import RANK_LAST_SEEN
 from vigil.contract.validation import StrictModel
 
 NAME = "gpu_straggler"
@@ -40,7 +41,6 @@ NAME = "gpu_straggler"
 # A rank's fields read in C for every rank of a job (map, min, zip): ~0.05 us a rank where a
 # Python loop over the rank costs ~1 us (100,000 ranks at 12,500 nodes).
 _WINDOW_SECONDS = attrgetter("last.window_seconds")  # a rank's summary window
-_LAST_SEEN = attrgetter("last_seen")
 _WINDOWS = attrgetter("windows")
 _NODE = attrgetter("node")
 _RANK_ID = attrgetter("rank")
@@ -284,7 +284,7 @@ class GpuStragglerDetector:
         current = math.floor(now / width + 1e-9)
         ranks = roster.ranks
         columns = job.columns if roster.columns else None
-        if min(columns.seen if columns is not None else map(_LAST_SEEN, ranks)) < now - 2 * width:
+        if min(columns.seen if columns is not None else map(RANK_LAST_SEEN, ranks)) < now - 2 * width:
             # A rank may have stopped reporting (its liveness is the nodes' interval's): the walk.
             return last_complete_window(ranks, self._interval(view, job), width, now)
         # Every rank is live whatever the interval: last_complete_window's reading of them all,

@@ -11,7 +11,6 @@ docs/detectors.md, "hang, silence, memory, pcie_nvlink".
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -21,6 +20,7 @@ from pydantic import Field
 
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.fleet import FleetView, JobState, RankHistory
+from vigil.aggregator.fleet.history import RANK_LAST, RANK_LAST_SEEN, RANK_REPORT_TS, RANK_STATE
 from vigil.aggregator.nccl_peers import PeerNames, Suspect, job_nccl_events, suspect
 from vigil.contract.validation import StrictModel
 
@@ -35,12 +35,10 @@ NCCL_EVENTS_NAMED = 16
 # Evaluations whose progress times a job's pace record holds before they are folded into its
 # ranks' records (``_Pace``): the fold is the same per-rank work, paid once per this many passes.
 _PACE_RING = 16
-_LAST = attrgetter("last")
-_LAST_SEEN = attrgetter("last_seen")
-_REPORT_TS = attrgetter("report_ts")
 _PROGRESS_TS = attrgetter("last_progress_ts")
-_STATE = attrgetter("state")
 _PHASE = attrgetter("phase")
+_NODE_SEEN = attrgetter("last_seen")
+_NODE_INTERVAL = attrgetter("interval_seconds")
 
 
 class HangConfig(StrictModel):
@@ -109,6 +107,9 @@ class _Pace:
     ranks: list[RankHistory] | None = None  # the ranks (in the job's order) the records are kept for
     # Per deferred evaluation: each rank's last_progress_ts, and its phase (None: every rank's was None).
     ring: list[tuple[list[float], list[str | None] | None]] = field(default_factory=list)
+    # The fleet revision (FleetView.revision) at which every rank was found running with no phase:
+    # while the job's ``runs_revision`` is no later (no state or phase changed since), they still are.
+    quiet_revision: int = -1
 
 
 class HangDetector:
@@ -150,26 +151,31 @@ class HangDetector:
             return False  # a rank moved: the nodes are listed again on the long way
         ranks = pace.ranks
         assert ranks is not None
-        nodes = view.nodes
-        seen_max = -math.inf
-        gone_min = math.inf
-        for name in pace.nodes:
-            node = nodes.get(name)
-            if node is None:
-                return False
-            node_seen = node.last_seen
-            if now - node_seen >= cfg.node_silent_seconds:
-                return False
-            if node_seen > seen_max:
-                seen_max = node_seen
-            gone = cfg.rank_gone_intervals * node.interval_seconds
-            if gone < gone_min:
-                gone_min = gone
-        lasts = list(map(_LAST, ranks))
-        states = list(map(_STATE, lasts))
-        if states.count("running") != len(states):
+        # The job's nodes, read in C: all in the view, none silent (the earliest seen is not), the
+        # latest report, and the least gone limit (a positive multiple of the least interval:
+        # multiplication is monotonic in floating point, so it is the least product).
+        held = list(map(view.nodes.get, pace.nodes))
+        if None in held:
             return False
-        rank_seen = list(map(_LAST_SEEN, ranks))
+        node_seen = list(map(_NODE_SEEN, held))
+        if now - min(node_seen) >= cfg.node_silent_seconds:
+            return False
+        seen_max = max(node_seen)
+        gone_min = cfg.rank_gone_intervals * min(map(_NODE_INTERVAL, held))
+        lasts = list(map(RANK_LAST, ranks))
+        revision = view.revision
+        quiet = revision is not None and job.runs_revision <= pace.quiet_revision
+        phases: list[str | None] | None = None
+        if not quiet:
+            states = list(map(RANK_STATE, lasts))
+            if states.count("running") != len(states):
+                return False
+            phases = list(map(_PHASE, lasts))
+            if phases.count(None) == len(phases):
+                phases = None
+                if revision is not None:
+                    pace.quiet_revision = revision  # every rank running, none in a phase
+        rank_seen = list(map(RANK_LAST_SEEN, ranks))
         seen_min = min(rank_seen)
         # A rank is live when its node's latest report minus its own is within the gone limit.
         if not seen_max - seen_min <= gone_min:
@@ -177,11 +183,10 @@ class HangDetector:
         tss = list(map(_PROGRESS_TS, lasts))
         # min/max skip a NaN unless it comes first (then NaN, and the bound fails): a rank with a
         # NaN progress time adds nothing to its stall (max(0.0, nan) is 0.0), as in ``_stall``.
-        bound = (now - seen_min) + max(0.0, max(map(_REPORT_TS, ranks)) - min(tss))
+        bound = (now - seen_min) + max(0.0, max(map(RANK_REPORT_TS, ranks)) - min(tss))
         if not bound < min(cfg.min_stall_seconds, cfg.checkpoint_seconds, cfg.evaluation_seconds):
             return False
-        phases = list(map(_PHASE, lasts))
-        pace.ring.append((tss, None if phases.count(None) == len(phases) else phases))
+        pace.ring.append((tss, phases))
         if len(pace.ring) >= _PACE_RING:
             self._fold(pace, self._progress[job.name])
         return True

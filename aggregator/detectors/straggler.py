@@ -27,6 +27,7 @@ from pydantic import Field
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.peer_class import UNKNOWN, HardwareClass, describe, hardware_class
 from vigil.aggregator.fleet import FleetView, JobState, NodeState, RankHistory
+from vigil.aggregator.fleet.history import RANK_LAST, RANK_LAST_SEEN
 from vigil.contract.validation import StrictModel
 
 NAME = "straggler"
@@ -48,8 +49,6 @@ RANK_WINDOWS_MAX = 64
 # The run itself spans persistence_windows x (report interval / window) windows: a report
 # carries only its latest complete window, so at 10 s reports every other 5 s window has no data.
 _PRESENCE_SPARE_WINDOWS = 8
-_LAST = attrgetter("last")
-_LAST_SEEN = attrgetter("last_seen")
 _WINDOWS = attrgetter("windows")
 _WINDOW_SECONDS = attrgetter("window_seconds")
 _INTERVAL = attrgetter("interval_seconds")
@@ -276,7 +275,7 @@ def last_complete_window(ranks: list[RankHistory], interval: float, width: float
     current = math.floor(now / width + 1e-9)
     live_after = now - 2 * width - interval
     # A rank that stopped reporting (silent or drained node, ended rank) waits for nobody.
-    if ranks and min(map(_LAST_SEEN, ranks)) >= live_after:
+    if ranks and min(map(RANK_LAST_SEEN, ranks)) >= live_after:
         live = list(map(_WINDOWS, ranks))  # the usual job: every rank live (C-level reads)
     else:
         live = [rank.windows for rank in ranks if rank.last_seen >= live_after]
@@ -462,7 +461,7 @@ class StragglerDetector:
         held = self._widths.get(job.name) if members.columns else None
         if held is not None and held[0] is job and held[1] == job.members_revision and held[2] == changes:
             return held[3]
-        width = max(self.config.window_seconds, max(map(_WINDOW_SECONDS, map(_LAST, job.ranks.values()))))
+        width = max(self.config.window_seconds, max(map(_WINDOW_SECONDS, map(RANK_LAST, job.ranks.values()))))
         if members.columns:
             self._widths[job.name] = (job, job.members_revision, changes, width)
         return width

@@ -12,6 +12,7 @@ import math
 from array import array
 from collections import deque
 from collections.abc import Iterator, MutableSequence
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -618,3 +619,12 @@ class RankHistory:
                         columns.comms[slot] = comm
                         columns.no_comm[slot] = 0
                     columns.steps[slot] = s.steps
+
+
+# Readers of a RankHistory for C-level bulk reads over a job's ranks (``list(map(RANK_LAST, ranks))``,
+# ~40 ns a rank where a Python loop spends ~1 us): its latest summary, when that arrived (aggregator
+# clock), the report's own time (agent clock); and the summary's state (wire.RankSummary.state).
+RANK_LAST = attrgetter("last")
+RANK_LAST_SEEN = attrgetter("last_seen")
+RANK_REPORT_TS = attrgetter("report_ts")
+RANK_STATE = attrgetter("state")

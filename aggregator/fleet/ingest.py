@@ -521,8 +521,27 @@ class Fleet:
                 rbase = rhist.last
                 if rbase is not rhist.owned:
                     rbase = rhist.owned = copy_struct(rbase)
+                # -- the heartbeat-side detectors' markers (JobState.windows_revision, runs_revision): a
+                # compact entry carries only what changed (or what is away from its default).
+                if summary.window_end_ts is not None or cleared:
+                    job.windows_revision = revision  # type: ignore[union-attr]
+                if (summary.pid is not None or summary.state != "running" or summary.phase is not None
+                        or summary.checkpoint_step is not None or summary.nonfinite_steps
+                        or summary.nonfinite_loss_steps or summary.last_step < rbase.last_step or cleared):
+                    job.runs_revision = revision  # type: ignore[union-attr]
+                # -- end of the markers' block
                 summary = complete_cleared(complete_rank, rbase, summary, cleared.get(("ranks", i), ())) \
                     if cleared else complete_rank(rbase, summary)
+            else:
+                # -- the heartbeat-side detectors' markers: a whole summary against the rank's last.
+                rlast = rhist.last
+                if summary.window_end_ts is None or summary.window_end_ts != rlast.window_end_ts:
+                    job.windows_revision = revision  # type: ignore[union-attr]
+                if (summary.pid != rlast.pid or summary.state != rlast.state or summary.phase != rlast.phase
+                        or summary.checkpoint_step != rlast.checkpoint_step or summary.nonfinite_steps
+                        or summary.nonfinite_loss_steps or summary.last_step < rlast.last_step):
+                    job.runs_revision = revision  # type: ignore[union-attr]
+                # -- end of the markers' block
             job.last_seen = ts  # type: ignore[union-attr]  # rhist is one of its ranks
             rhist.observe(summary, node.name, ts, report.ts, offset)
         self._ingest_events(node, report, now, refused)

@@ -37,6 +37,14 @@ class JobState:
     # Its ranks' newest windows as columns, a slot per rank (the fleet keeps them on ingest), and
     # the change marker ``columns.window_seconds_changes`` (a rank's summary window changed).
     columns: RankColumns = field(default_factory=RankColumns)
+    # Change markers of the heartbeat-side detectors (docs/detectors.md, "change markers"): the fleet
+    # revision of the latest summary of one of its ranks whose window end changed (app_signals), and
+    # of the latest whose pid, state, phase, checkpoint step or non-finite step counts changed or
+    # whose step went back (job_runs, hang, app_signals). A rank new to the job or moved moves
+    # members_revision instead. A marker tells a change, not a state: a reader checks the state
+    # once, then trusts it while the marker stays.
+    windows_revision: int = 0
+    runs_revision: int = 0
 
     def nodes(self) -> set[str]:
         return {r.node for r in self.ranks.values()}

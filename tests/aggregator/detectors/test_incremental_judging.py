@@ -208,12 +208,15 @@ def test_incremental_detectors_find_what_the_long_way_finds(seed: int) -> None:
     assert straggler.column_windows > 0  # ... or from its jobs' columns (JobState.columns)
 
 
+@pytest.mark.parametrize("markers", [False, True])
 @pytest.mark.parametrize("rate", [1.0, 0.1])
-def test_job_run_usual_rank_shortcut_is_the_long_way(rate: float) -> None:
+def test_job_run_usual_rank_shortcut_is_the_long_way(rate: float, markers: bool) -> None:
     """JobRun.observe's inlined usual rank and its steady path (every rank the usual one: list
     reads) against ``_observe_rank`` for every rank: the same incarnations, steps, checkpoints and
     exited count over random restarts, exits and step counters going back (one process's counter
-    kept per epoch). ``rate`` scales how often things happen: at 0.1 most observations are steady."""
+    kept per epoch). ``rate`` scales how often things happen: at 0.1 most observations are steady.
+    ``markers``: the job's change marker (``JobState.runs_revision``) lets steady observations skip
+    what did not change."""
     rng = random.Random(7)
     steady = 0
     fleet = Fleet()
@@ -244,9 +247,13 @@ def test_job_run_usual_rank_shortcut_is_the_long_way(rate: float) -> None:
                  for r in range(6)]
         fleet.ingest(Report(node="a", boot_id="b", seq=n, ts=t, interval_seconds=INTERVAL, ranks=ranks), t)
         # Ranks leave the job's view now and then (and come back).
-        present = [r for r in fleet.view().jobs["j"].ranks.values() if rng.random() > 0.05 * rate]
+        view = fleet.view()
+        present = [r for r in view.jobs["j"].ranks.values() if rng.random() > 0.05 * rate]
         steady += fast._steady is not None and present == fast._steady
-        fast.observe(present, t)
+        if markers:
+            fast.observe(present, t, job=view.jobs["j"], revision=view.revision)
+        else:
+            fast.observe(present, t)
         slow.observe(present, t, shortcut=False)
         assert list(fast.incarnations) == list(slow.incarnations)
         assert {k: (v.pid, v.exited, fast.last_step_of(k), v.generation) for k, v in fast.ranks.items()} == \
