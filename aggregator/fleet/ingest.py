@@ -102,6 +102,10 @@ HBM_WATCH_BELOW_LIMIT_CELSIUS = 10.0
 
 
 _NODE_LAST_SEEN = attrgetter("last_seen")  # NodeState.last_seen
+# A fleet trims its journals at each view (once a judging pass) and here every so many reports,
+# so that one that ingests without judging (judging off, a pass that never comes) stays bounded:
+# at most this many reports' appends (a few names each) past 2 x nodes + 1,024 a journal.
+JOURNAL_TRIM_REPORTS = 4096
 
 
 class Fleet:
@@ -130,6 +134,7 @@ class Fleet:
         # The journals of node-side markers (view.NodeJournals): the names of the nodes whose
         # marker moved, appended where it moves; and the next node's place in the fleet's order.
         self.journals = NodeJournals()
+        self._reports_since_trim = 0  # the journals are also trimmed every JOURNAL_TRIM_REPORTS reports
         self._positions = 0
         # Each node's state_seen in one list (view.ReportTimes: the silence and thermal detectors').
         self.report_times = ReportTimes()
@@ -234,6 +239,10 @@ class Fleet:
             and node.boot_id == report.boot_id else None
         fresh = node is None
         journals = self.journals
+        self._reports_since_trim += 1
+        if self._reports_since_trim >= JOURNAL_TRIM_REPORTS:  # bounded where nobody takes a view
+            self._reports_since_trim = 0
+            journals.trim(len(self._nodes))
         if node is None:
             node = self._nodes[report.node] = NodeState(report, now, cfg)
             node.position = self._positions

@@ -183,3 +183,15 @@ def test_a_journal_names_a_node_once_a_report_where_its_marker_moves_and_never_w
     assert journals.members.names[-1] == "n1"
     journals.members.trim(0)  # bounded: what no reader has read may be let go (a reader behind walks all)
     assert journals.members.since(0) is None and journals.members.since(journals.members.end) == []
+
+
+def test_journals_stay_bounded_in_a_fleet_that_ingests_without_ever_taking_a_view() -> None:
+    from vigil.aggregator.fleet.ingest import JOURNAL_TRIM_REPORTS
+    fleet, node = Fleet(), linked("n1")
+    ts = 0.0
+    for _ in range(3 * JOURNAL_TRIM_REPORTS):  # whole reports: every GPU-fault marker moves each time
+        fleet.ingest(node.report(ts), ts)
+        ts += 2.5
+    journals = fleet.journals
+    assert journals.gpu_faults.end >= 3 * JOURNAL_TRIM_REPORTS  # each report appended
+    assert len(journals.gpu_faults.names) <= 2 * 1 + 1024 + JOURNAL_TRIM_REPORTS
