@@ -214,3 +214,5 @@ def test_bulk_paths_find_what_the_long_way_finds(seed: int) -> None:
     assert app.bulk_judged > PASSES, app.bulk_judged  # most jobs' passes took the bulk path
     # ... and of those that judged new windows, many read them from the jobs' columns (RankColumns)
     assert app.columns_judged > PASSES // 2, (app.columns_judged, app.bulk_judged)
+    hang = next(fast for fast, _ in pairs if isinstance(fast, HangDetector))
+    assert hang.columns_noted > PASSES // 2, hang.columns_noted  # its running jobs' passes read their columns
