@@ -522,8 +522,8 @@ class RankColumns:
     list and ~2 ms from an array (busy 2-core machine), and an array is no object for the garbage
     collector to walk."""
 
-    __slots__ = ("comms", "computes", "ends", "flags", "losses", "marks", "no_comm", "owns", "progress", "ranks",
-                 "report_ts", "seen", "steps", "window_seconds_changes")
+    __slots__ = ("comms", "computes", "ends", "flags", "last_steps", "losses", "marks", "no_comm", "owns", "progress",
+                 "ranks", "report_ts", "seen", "steps", "window_seconds_changes")
 
     def __init__(self) -> None:
         self.ranks: list[RankHistory] = []  # the rank in each slot
@@ -541,12 +541,14 @@ class RankColumns:
         # ``marks``: its window_end_ts as sent (the agent's clock; -inf for None and for an end that
         # is not a number: a reader takes the long way), ``losses``: loss_p50 (NaN for None: the
         # LOSS_UNKNOWN flag tells the two apart), ``progress``: last_progress_ts, ``report_ts``:
-        # the report's own time (RankHistory.report_ts), ``flags``: summary_flags.
+        # the report's own time (RankHistory.report_ts), ``flags``: summary_flags, ``last_steps``:
+        # last_step (a list: a count may exceed what an array of integers holds).
         self.marks = array("d")
         self.losses = array("d")
         self.progress = array("d")
         self.report_ts = array("d")
         self.flags = bytearray()
+        self.last_steps: list[int] = []
         # Change marker: how many summaries of the job's ranks came with a window_seconds other
         # than their rank's previous one. A reader that saw the same count and the same
         # JobState.members_revision knows no rank of the job changed its summary window.
@@ -580,6 +582,7 @@ class RankColumns:
         self.progress.append(s.last_progress_ts)
         self.report_ts.append(rank.report_ts)
         self.flags.append(summary_flags(s))
+        self.last_steps.append(s.last_step)
 
     def release(self, rank: RankHistory) -> None:
         """``rank`` leaves: the last slot's rank takes its slot."""
@@ -588,7 +591,7 @@ class RankColumns:
         slot, last = rank.slot, len(self.ranks) - 1
         columns: tuple[MutableSequence[Any], ...] = (self.ranks, self.ends, self.owns, self.computes, self.comms,
                                                      self.no_comm, self.steps, self.seen, self.marks, self.losses,
-                                                     self.progress, self.report_ts, self.flags)
+                                                     self.progress, self.report_ts, self.flags, self.last_steps)
         for column in columns:
             column[slot] = column[last]
             del column[last]
@@ -626,7 +629,7 @@ class RankHistory:
         """``offset``: the node's clock minus the aggregator's (NodeState.clock_offset_seconds): a
         window's end is placed on the aggregator's clock, so a skewed node's windows line up with
         its peers'. The rank's slot of its job's columns (``RankColumns``) follows: its last_seen and
-        latest summary's figures every summary (six array stores), its newest window's figures when
+        latest summary's figures every summary (seven stores), its newest window's figures when
         one is appended (a handful more every other report at 2.5 s reports and 5 s windows)."""
         self.node = node
         self.gpu = s.gpu
@@ -649,6 +652,7 @@ class RankHistory:
             # summary_flags written out: no call per summary on the ingest path
             columns.flags[slot] = ((s.steps == 0) | (s.nonfinite_steps != 0) << 1 | (s.nonfinite_loss_steps != 0) << 2
                                    | (loss is None) << 3 | (s.state != "running" or s.phase is not None) << 4)
+            columns.last_steps[slot] = s.last_step
         if s.steps > 0 and compute is not None:
             end = s.window_end_ts - offset if s.window_end_ts is not None else ts
             if not self.windows or self.windows[-1][0] < end:

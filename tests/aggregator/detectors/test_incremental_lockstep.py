@@ -216,3 +216,6 @@ def test_bulk_paths_find_what_the_long_way_finds(seed: int) -> None:
     assert app.columns_judged > PASSES // 2, (app.columns_judged, app.bulk_judged)
     hang = next(fast for fast, _ in pairs if isinstance(fast, HangDetector))
     assert hang.columns_noted > PASSES // 2, hang.columns_noted  # its running jobs' passes read their columns
+    crash = next(fast for fast, _ in pairs if isinstance(fast, CrashLoopDetector))
+    observed = sum(run.columns_observed for run in crash.runs)
+    assert observed > PASSES // 10, observed  # the quiet steady jobs' steps read from their columns
