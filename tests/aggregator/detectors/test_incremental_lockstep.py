@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.aggregator.detectors.test_straggler_columns import assert_columns_mirror_ranks
 from vigil.agent.report_delta import delta, whole
 from vigil.aggregator.detectors.app_signals import AppSignalsConfig, AppSignalsDetector
 from vigil.aggregator.detectors.crash_loop import CrashLoopConfig, CrashLoopDetector
@@ -189,6 +190,8 @@ def test_bulk_paths_find_what_the_long_way_finds(seed: int) -> None:
                 held[report.node] = report
         fleet.forget_idle_jobs(t)
         view = fleet.view()
+        for job in view.jobs.values():
+            assert_columns_mirror_ranks(job)  # the columns the bulk paths read
         bare = view.without_markers()
         for fast, slow in pairs:
             got = [f.model_dump() for f in fast.evaluate(view, t)]
