@@ -333,7 +333,10 @@ class AppSignalsDetector:
         known: bytes | bytearray = flags.translate(_LOSS_KNOWN)
         if skipped:
             known = bytes(map(and_, known, skip.translate(_FLIP)))
-        losses = list(compress(columns.losses, known)) if 0 in known else columns.losses.tolist()
+        if 1 not in known:
+            losses = []  # no new window with a loss (a job that does not report it: bench_evaluation's)
+        else:
+            losses = list(compress(columns.losses, known)) if 0 in known else columns.losses.tolist()
         total = sum(losses)
         if total != total:
             return None  # a loss that is not a number (sent so, not None): the list path keeps it
