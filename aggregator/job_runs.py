@@ -10,7 +10,7 @@ It decides nothing: the crash-loop and application-signal detectors each keep on
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -56,8 +56,9 @@ class _RankSeen:
 class JobRun:
     """One job's incarnations, oldest first (at most MAX_INCARNATIONS)."""
 
-    __slots__ = ("_folded_best", "_folded_checkpoint", "_steady", "_steady_pids", "_steady_revision", "_steady_steps",
-                 "exited", "incarnations", "job", "last_seen", "ranks")
+    __slots__ = ("_folded_best", "_folded_checkpoint", "_steady", "_steady_pids", "_steady_revision", "_steady_slots",
+                 "_steady_steps", "_steps_by_slot", "columns_observed", "exited", "incarnations", "job", "last_seen",
+                 "ranks")
 
     def __init__(self, job: str, now: float) -> None:
         self.job = job
@@ -78,6 +79,13 @@ class JobRun:
         self._steady: list[RankHistory] | None = None
         self._steady_pids: list[int | None] = []
         self._steady_steps: list[int] | None = None
+        # Each steady rank's slot in its job's columns (JobState.columns) where those held exactly the
+        # steady ranks when they were found so (None: they did not): the quiet observation then reads
+        # the steps from the columns, and ``_steady_steps`` is in their slot order (``_steady_slots``
+        # set and ``_steps_by_slot``: ``_steady_ordered`` reorders them).
+        self._steady_slots: list[int] | None = None
+        self._steps_by_slot = False
+        self.columns_observed = 0  # quiet observations read from the columns (a test's witness)
         # The fleet revision (FleetView.revision) of the latest observation that found the steady
         # ranks so: while their job's ``runs_revision`` is no later (no pid, state or checkpoint
         # changed, no step went back since), an observation needs only their steps' maximum.
@@ -99,7 +107,7 @@ class JobRun:
     def last_step_of(self, rank: int) -> int | None:
         """The rank's step as last observed (a steady observation's steps are kept aside)."""
         if self._steady is not None and self._steady_steps is not None:
-            for r, step in zip(self._steady, self._steady_steps, strict=True):
+            for r, step in zip(self._steady, self._steady_ordered(), strict=True):
                 if r.rank == rank:
                     return step
         seen = self.ranks.get(rank)
@@ -166,23 +174,31 @@ class JobRun:
         seen_of = self.ranks
         latest = self.incarnations[-1]
         if shortcut and self._steady is not None and list(ranks) == self._steady:
-            lasts = list(map(RANK_LAST, self._steady))
             if (job is not None and revision is not None and self._steady_revision is not None
                     and job.runs_revision <= self._steady_revision):
                 # No pid, state or checkpoint changed and no step went back since the steady ranks
                 # were last found so: what the path below finds of them holds still (their
                 # checkpoints are in already, none went below the lowest step); only the highest
-                # step can have moved.
-                steps = self._steady_steps = list(map(_LAST_STEP, lasts))
+                # step can have moved. Read from the job's columns where they hold these ranks (a
+                # copy and a max of a list, ~2 ms at 12,500 nodes where the summaries' were ~16 ms).
+                if self._steady_slots is not None:
+                    steps = self._steady_steps = job.columns.last_steps[:]
+                    self._steps_by_slot = True
+                    self.columns_observed += 1
+                else:
+                    steps = self._steady_steps = list(map(_LAST_STEP, map(RANK_LAST, self._steady)))
+                    self._steps_by_slot = False
                 high = max(steps)
                 if latest.best_step is None or high > latest.best_step:
                     latest.best_step = high
                 self._steady_revision = revision
                 return
+            lasts = list(map(RANK_LAST, self._steady))
             if list(map(_PID, lasts)) == self._steady_pids and "exited" not in map(RANK_STATE, lasts):
                 # Each rank as the usual-rank path below takes it: none exited (nor was: ``exited``
                 # stays 0), its step into the latest incarnation's lowest and highest, its checkpoint.
                 steps = self._steady_steps = list(map(_LAST_STEP, lasts))
+                self._steps_by_slot = False
                 low, high = min(steps), max(steps)
                 if latest.start_step is None or low < latest.start_step:
                     latest.start_step = low
@@ -234,14 +250,28 @@ class JobRun:
             if all(seen_of[r.rank].generation == latest.index for r in listed):
                 self._steady, self._steady_pids = listed, [r.last.pid for r in listed]
                 self._steady_revision = revision
+                columns = job.columns if job is not None else None
+                if columns is not None and len(columns.ranks) == len(listed) and all(
+                        r.columns is columns and columns.ranks[r.slot] is r for r in listed):
+                    self._steady_slots = [r.slot for r in listed]
+
+    def _steady_ordered(self) -> Sequence[int]:
+        """The steady observations' steps in ``_steady``'s order."""
+        steps = self._steady_steps
+        assert steps is not None
+        if self._steps_by_slot:
+            assert self._steady_slots is not None
+            return [steps[slot] for slot in self._steady_slots]
+        return steps
 
     def _settle(self) -> None:
         """The steps of the steady observations into the ranks' records (their last_step), and the
         steady path off until every rank is the usual rank again."""
         if self._steady is not None and self._steady_steps is not None:
-            for r, step in zip(self._steady, self._steady_steps, strict=True):
+            for r, step in zip(self._steady, self._steady_ordered(), strict=True):
                 self.ranks[r.rank].last_step = step
         self._steady, self._steady_steps, self._steady_revision = None, None, None
+        self._steady_slots, self._steps_by_slot = None, False
 
     def _observe_rank(self, r: RankHistory, now: float) -> None:
         s = r.last

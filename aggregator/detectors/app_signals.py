@@ -12,12 +12,14 @@ lookalikes: docs/detectors.md, "crash_loop, app_signals".
 
 from __future__ import annotations
 
+import math
+from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import compress
-from operator import attrgetter, ge, is_not, not_
+from operator import and_, attrgetter, ge, is_not, not_
 from statistics import median
 from typing import Any
 
@@ -26,7 +28,15 @@ from pydantic import Field
 from vigil.aggregator.decision import WHOLE_JOB, Action, Finding
 from vigil.aggregator.detectors.hang import JOB_NODES_NAMED
 from vigil.aggregator.fleet import FleetView, JobState, RankHistory
-from vigil.aggregator.fleet.history import RANK_LAST
+from vigil.aggregator.fleet.history import (
+    LOSS_UNKNOWN,
+    NONFINITE,
+    NONFINITE_LOSS,
+    RANK_LAST,
+    STEPLESS,
+    RankColumns,
+    flag_table,
+)
 from vigil.aggregator.job_runs import MAX_INCARNATIONS, JobRun, JobRuns
 from vigil.aggregator.nccl_peers import PeerNames
 from vigil.contract.validation import StrictModel
@@ -46,6 +56,11 @@ _LOSS = attrgetter("loss_p50")
 _NONFINITE = attrgetter("nonfinite_steps")
 _NONFINITE_LOSS = attrgetter("nonfinite_loss_steps")
 _KNOWN = partial(is_not, None)
+# RankColumns.flags to 1 where: a step was not finite (loss or other); the window had steps and a loss.
+_ANY_NONFINITE = flag_table(lambda b: bool(b & (NONFINITE | NONFINITE_LOSS)))
+_LOSS_KNOWN = flag_table(lambda b: not b & (STEPLESS | LOSS_UNKNOWN))
+# 0 and 1 swapped (a skip mask into a fresh one).
+_FLIP = bytes([1, 0]) + bytes(254)
 
 
 class AppSignalsConfig(StrictModel):
@@ -109,13 +124,17 @@ class _Judged:
     job: JobState
     members_revision: int
     ranks: list[RankHistory]
-    windows: list[float]
+    windows: MutableSequence[float]
     # The fleet revision (FleetView.revision) at which ``windows`` were last compared with the
     # ranks' window ends: while the job's ``windows_revision`` is no later, no window end moved.
     revision: int
     # The fleet revision at which no rank's summary counted a non-finite step (-1: not known so):
     # while the job's ``runs_revision`` is no later, none does.
     finite_revision: int = -1
+    # The job's columns (JobState.columns) where they held exactly its ranks when this was made:
+    # ``ranks`` are then in their slot order and ``windows`` an array('d'), and ``_judge_columns``
+    # reads the columns instead of the ranks' summaries (None: the lists are read).
+    columns: RankColumns | None = None
 
 
 @dataclass(slots=True)
@@ -147,6 +166,7 @@ class AppSignalsDetector:
         # change markers (``FleetView.revision``): the bulk path's record.
         self._bulk: dict[str, _Judged] = {}
         self.bulk_judged = 0  # jobs judged on the bulk path (a test's witness that it is taken)
+        self.columns_judged = 0  # ... of which their new windows were read from the job's columns
         # node -> the last event seen in its ring (identity), so each event is read once.
         self._event_marker: dict[str, tuple[float, Event]] = {}
         self._logs: dict[tuple[str, str, str], _LogEpisode] = {}
@@ -198,10 +218,19 @@ class AppSignalsDetector:
                 # A rank with no window end has a new window at each report (its arrival time),
                 # which no change marker tells: the record is then never taken as up to date.
                 known = None not in map(_WINDOW_END, map(RANK_LAST, ranks))
+                # Columns holding exactly the job's ranks (the fleet's; a job built by hand has none):
+                # the record follows their slot order (once per change of the job's ranks).
+                held = job.columns
+                columns: RankColumns | None = None
+                if len(held.ranks) == len(ranks) and all(
+                        r.columns is held and job.ranks.get(r.rank) is r for r in held.ranks):
+                    ranks, columns = list(held.ranks), held
                 # A rank not in ``judged`` (a window end at or below -1: a hand-made clock) is judged
                 # as if it were there at -1.0, the long way's default.
+                windows = [judged.get(r.rank, -1.0) for r in ranks]
                 self._bulk[job.name] = _Judged(job, job.members_revision, ranks,
-                                               [judged.get(r.rank, -1.0) for r in ranks], revision if known else -1)
+                                               windows if columns is None else array("d", windows),
+                                               revision if known else -1, columns=columns)
         else:
             self.bulk_judged += 1
             state.nan_since = None  # as the long way leaves it: no rank's latest window is non-finite
@@ -221,6 +250,10 @@ class AppSignalsDetector:
             return None
         if job.windows_revision <= rec.revision:
             return []  # no rank's window end moved since they were judged (``judged >= window`` each)
+        if rec.columns is not None:
+            judged = self._judge_columns(job, state, rec, rec.columns, revision)
+            if judged is not None:
+                return judged
         lasts = list(map(RANK_LAST, rec.ranks))
         ends = list(map(_WINDOW_END, lasts))
         old = rec.windows
@@ -253,8 +286,64 @@ class AppSignalsDetector:
             return None
         if unknown:
             losses = list(filter(_KNOWN, losses)) if unknown < len(losses) else []
-        rec.windows = [w if s else e for w, e, s in zip(old, ends, skip, strict=True)] if skipped else ends
+        windows = [w if s else e for w, e, s in zip(old, ends, skip, strict=True)] if skipped else ends
+        rec.windows = windows if rec.columns is None else array("d", windows)
         rec.revision = revision
+        if losses:
+            state.loss_seen = True
+        return losses
+
+    def _judge_columns(self, job: JobState, state: _JobSignals, rec: _Judged, columns: RankColumns,
+                       revision: int) -> list[float] | None:
+        """``_judge_bulk`` read from the job's columns (``rec.columns``, in ``rec.ranks``'s order) in
+        the usual case, every rank's window end known and every step finite: the new windows'
+        losses. None (nothing changed) where it is not that case: the summaries are read. Each
+        column read is one C-level pass over contiguous memory (~0.1 ms for a byte compare or a
+        translate of 100,000 flags, ~2 ms for a min or max of 100,000 doubles) where each read of a
+        field of the ranks' summaries is ~8 ms at 12,500 nodes."""
+        ends = columns.marks
+        old = rec.windows
+        assert isinstance(old, array)
+        # Byte-equal doubles are equal (no mark is NaN; a NaN of ``old`` differs from every mark).
+        if ends.tobytes() == old.tobytes():
+            rec.revision = revision
+            return []  # no rank's window moved: each was judged (``judged >= window``)
+        newest = min(ends, default=0.0)
+        if newest == -math.inf:
+            return None  # an unknown window end (the arrival time stands for it), or not a number
+        finite = job.runs_revision <= rec.finite_revision
+        flags = columns.flags
+        if not finite:
+            if 1 in flags.translate(_ANY_NONFINITE):
+                return None  # a non-finite step: the list path weighs it
+            rec.finite_revision = revision  # every rank's steps finite (checked once)
+        # Every judged end below every new one (the usual pass after windows ended: ~4 ms where
+        # comparing rank by rank is ~8 ms): no rank skips. ``max`` passes over a NaN of ``old``
+        # unless it comes first (then the bound fails), and ``ge`` finds a NaN below every end.
+        if max(old, default=-math.inf) < newest:
+            skip = b""
+            skipped = 0
+        else:
+            skip = bytes(map(ge, old, ends))  # as the long way: judged >= window, not a new window
+            skipped = skip.count(1)
+            if skipped == len(skip):
+                rec.revision = revision
+                return []
+        # Every step finite: the new windows with steps and a loss give theirs (None adds nothing).
+        known: bytes | bytearray = flags.translate(_LOSS_KNOWN)
+        if skipped:
+            known = bytes(map(and_, known, skip.translate(_FLIP)))
+        if 1 not in known:
+            losses = []  # no new window with a loss (a job that does not report it: bench_evaluation's)
+        else:
+            losses = list(compress(columns.losses, known)) if 0 in known else columns.losses.tolist()
+        total = sum(losses)
+        if total != total:
+            return None  # a loss that is not a number (sent so, not None): the list path keeps it
+        rec.windows = array("d", [w if s else e for w, e, s in zip(old, ends, skip, strict=True)]) if skipped \
+            else ends[:]
+        rec.revision = revision
+        self.columns_judged += 1
         if losses:
             state.loss_seen = True
         return losses

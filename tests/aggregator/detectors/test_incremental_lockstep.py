@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.aggregator.detectors.test_straggler_columns import assert_columns_mirror_ranks
 from vigil.agent.report_delta import delta, whole
 from vigil.aggregator.detectors.app_signals import AppSignalsConfig, AppSignalsDetector
 from vigil.aggregator.detectors.crash_loop import CrashLoopConfig, CrashLoopDetector
@@ -189,6 +190,8 @@ def test_bulk_paths_find_what_the_long_way_finds(seed: int) -> None:
                 held[report.node] = report
         fleet.forget_idle_jobs(t)
         view = fleet.view()
+        for job in view.jobs.values():
+            assert_columns_mirror_ranks(job)  # the columns the bulk paths read
         bare = view.without_markers()
         for fast, slow in pairs:
             got = [f.model_dump() for f in fast.evaluate(view, t)]
@@ -212,3 +215,10 @@ def test_bulk_paths_find_what_the_long_way_finds(seed: int) -> None:
     assert compacts > PASSES * NODES // 2, compacts
     app = next(fast for fast, _ in pairs if isinstance(fast, AppSignalsDetector))
     assert app.bulk_judged > PASSES, app.bulk_judged  # most jobs' passes took the bulk path
+    # ... and of those that judged new windows, many read them from the jobs' columns (RankColumns)
+    assert app.columns_judged > PASSES // 2, (app.columns_judged, app.bulk_judged)
+    hang = next(fast for fast, _ in pairs if isinstance(fast, HangDetector))
+    assert hang.columns_noted > PASSES // 2, hang.columns_noted  # its running jobs' passes read their columns
+    crash = next(fast for fast, _ in pairs if isinstance(fast, CrashLoopDetector))
+    observed = sum(run.columns_observed for run in crash.runs)
+    assert observed > PASSES // 10, observed  # the quiet steady jobs' steps read from their columns

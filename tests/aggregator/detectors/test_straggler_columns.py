@@ -5,7 +5,8 @@ fleet that moves the columns under it: ranks joining late, leaving (a node forgo
 by another job's), moving to another node, summary windows widening and narrowing, late and lost
 windows, a second hardware class, a real straggler (a node, one GPU) and its lookalike (the whole job
 slowing down). The GPU straggler detector is held to its long way (``LongWayGpuStraggler``) alike.
-The fleet's columns mirror each job's ranks after every round."""
+The fleet's columns mirror each job's ranks (their newest windows and latest summaries) after every
+round."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.aggregator.detectors.test_incremental_gpu_side import LongWayGpuStrag
 from vigil.aggregator.detectors.gpu_straggler import GpuStragglerConfig
 from vigil.aggregator.detectors.straggler import StragglerConfig, StragglerDetector, _Verdict
 from vigil.aggregator.fleet import Fleet, FleetConfig, JobState
+from vigil.aggregator.fleet.history import summary_flags
 from vigil.contract.wire import GpuState, RankSummary, Report
 
 INTERVAL = 2.5
@@ -33,6 +35,13 @@ def assert_columns_mirror_ranks(job: JobState) -> None:
     for slot, rank in enumerate(columns.ranks):
         assert rank.columns is columns and rank.slot == slot
         assert columns.seen[slot] == rank.last_seen
+        # The latest summary's figures (app_signals, hang, job_runs read them), every summary.
+        s = rank.last
+        assert columns.flags[slot] == summary_flags(s)
+        assert columns.marks[slot] == (s.window_end_ts if s.window_end_ts is not None else -math.inf)
+        assert (s.loss_p50 is None and math.isnan(columns.losses[slot])) or columns.losses[slot] == s.loss_p50
+        assert (columns.progress[slot], columns.report_ts[slot], columns.last_steps[slot]) == (
+            s.last_progress_ts, rank.report_ts, s.last_step)
         if not rank.windows:
             assert columns.ends[slot] == -math.inf
             continue
