@@ -80,7 +80,9 @@ _CLASS_FIELDS = frozenset({"name", "sm_clock_max_hertz", "power_limit_watts"})
 _GPU_FAULTS, _GPU_CLASS, _GPU_JOB, _GPU_RECOVERY = 1, 2, 4, 8
 complete_gpu_marked = marking_completer(GpuState, {
     **dict.fromkeys(("remap_pending", "remap_failure", "retired_pages_pending", "retired_pages_sbe",
-                     "retired_pages_dbe"), _GPU_FAULTS),
+                     "retired_pages_dbe",
+                     # the link's maxima: config_drift's manifest check (its cache is on this marker)
+                     "pcie_link_generation_max", "pcie_link_width_max"), _GPU_FAULTS),
     **dict.fromkeys(_CLASS_FIELDS, _GPU_CLASS), "job": _GPU_JOB, "recovery_action": _GPU_RECOVERY},
     matched=("index", "uuid"))
 

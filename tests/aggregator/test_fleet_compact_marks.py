@@ -25,7 +25,8 @@ def _expected_marks(sent: GpuState) -> int:
     """The tests Fleet.ingest made of a compact GPU entry before its completer told them."""
     marks = 0
     if (sent.remap_pending is not None or sent.remap_failure is not None or sent.retired_pages_pending is not None
-            or sent.retired_pages_sbe is not None or sent.retired_pages_dbe is not None):
+            or sent.retired_pages_sbe is not None or sent.retired_pages_dbe is not None
+            or sent.pcie_link_generation_max is not None or sent.pcie_link_width_max is not None):
         marks |= _GPU_FAULTS
     if sent.name is not None or sent.sm_clock_max_hertz is not None or sent.power_limit_watts is not None:
         marks |= _GPU_CLASS

@@ -45,7 +45,7 @@ def detectors() -> list[Any]:
                                     fabric_manager_down_seconds=20.0)),
         ConfigDriftDetector(ConfigDriftConfig(persistence_seconds=10.0, manifest_persistence_seconds=0.0)),
         ConfigDriftDetector(ConfigDriftConfig(persistence_seconds=10.0, manifest={
-            "NVIDIA H100": ManifestClass(gpu_count=8)})),
+            "NVIDIA H100": ManifestClass(gpu_count=8, gpu_pcie_generation=5)})),
         TelemetryStragglerDetector(TelemetryStragglerConfig(persistence_seconds=30.0, min_samples=3)),
     ]
 
@@ -87,6 +87,8 @@ def state_at(rng: random.Random, nodes: list[FakeNode], t: float, plan: dict[str
     nodes[9].config = {**nodes[9].config, "mixed": ["vbios_version"] if plan["mixed"] <= t < plan["mixed"] + 150
                        else []}
     nodes[10].config = {**nodes[10].config, "gpu_count": 7 if t >= plan["short"] else 8}
+    # A GPU whose link maximum reads below the manifest's for a while (a compact entry carries only it).
+    nodes[3].gpus[2]["pcie_link_generation_max"] = 4 if plan["link"] <= t < plan["link"] + 100 else 5
 
 
 def events_at(rng: random.Random, node: FakeNode, i: int, t: float, plan: dict[str, float]) -> list[Event]:
@@ -127,7 +129,7 @@ def test_the_marked_nodes_find_what_every_node_finds_every_pass(seed: int) -> No
     nodes = fleet_nodes()
     plan = {name: rng.uniform(40, 400) for name in
             ("u", "slow", "ranks_stop", "fabric", "fabric_health", "fm", "drift", "mixed", "short", "app_xid",
-             "hang")}
+             "hang", "link")}
     plan["slow"] = max(plan["slow"], plan["u"])
     plan["ranks_stop"] = max(plan["ranks_stop"], plan["drift"] + 60, plan["app_xid"] + 200, plan["hang"] + 60)
     fleet = Fleet(FleetConfig(job_forget_seconds=60.0))
