@@ -9,6 +9,8 @@ only inside ``functools.reduce`` (``--toggle-collect``), the call that wraps exa
 loop: the child's start-up, the first (whole) round and the decoding before the fleet update are
 not counted. Each counted call adds ~0.6k instructions of ``reduce`` and lambda a report. Where
 valgrind is not installed (``apt-get install valgrind``) it says so and measures nothing.
+``--update`` counts the fleet update alone (compact and whole side by side: ~2 minutes where the
+four counts take ~4), to compare two versions of aggregator/fleet.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ NODES = 100
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
 
-def measure() -> list[Measurement]:
+def measure(phases: tuple[str, ...] = ("decode", "update")) -> list[Measurement]:
+    """``phases``: what to count of each kind of report, "decode" and/or "update"."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         print("bench_ingest_instructions: valgrind is not installed (apt-get install valgrind): nothing measured",
@@ -40,18 +43,21 @@ def measure() -> list[Measurement]:
         return []
     counts: dict[tuple[str, str], float] = {}
     steady = 0
-    for kind in ("compact", "whole"):
-        bodies = bench_ingest.payloads(compact=kind == "compact", nodes=NODES)
-        steady = len(bodies) - NODES
-        with tempfile.TemporaryDirectory(prefix="vigil-bench-") as tmp:
-            path = Path(tmp) / "bodies.json"
+    with tempfile.TemporaryDirectory(prefix="vigil-bench-") as tmp:
+        jobs: list[tuple[str, str, Path]] = []
+        for kind in ("compact", "whole"):
+            bodies = bench_ingest.payloads(compact=kind == "compact", nodes=NODES)
+            steady = len(bodies) - NODES
+            path = Path(tmp) / f"{kind}.json"
             path.write_text(json.dumps([[ts, body.decode()] for ts, body in bodies]))
-            runs = {phase: subprocess.Popen(
+            jobs += [(kind, phase, path) for phase in phases]
+        for batch in (jobs[i:i + 2] for i in range(0, len(jobs), 2)):  # two at a time
+            runs = {(kind, phase): subprocess.Popen(
                 [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", "--collect-atstart=no",
                  "--toggle-collect=functools_reduce", sys.executable, "-m", "bench.bench_ingest_instructions",
                  phase, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                for phase in ("decode", "update")}
-            for phase, run in runs.items():
+                for kind, phase, path in batch}
+            for (kind, phase), run in runs.items():
                 _, err = run.communicate(timeout=1800)
                 found = _COLLECTED.search(err)
                 if run.returncode != 0 or found is None:
@@ -63,7 +69,8 @@ def measure() -> list[Measurement]:
         Measurement(f"aggregator ingest: {what}, instructions a {kind} report",
                     round(counts[kind, phase] / 1000, 1), "k instr", None, note=note)
         for kind in ("compact", "whole")
-        for phase, what in (("decode", "decode + strict validation"), ("update", "fleet update (Engine.ingest)"))]
+        for phase, what in (("decode", "decode + strict validation"), ("update", "fleet update (Engine.ingest)"))
+        if phase in phases]
 
 
 def _child(phase: str, path: str) -> None:
@@ -92,5 +99,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 3:
         _child(sys.argv[1], sys.argv[2])
     else:
-        for m in measure():
+        for m in measure(("update",) if sys.argv[1:] == ["--update"] else ("decode", "update")):
             print(m)
