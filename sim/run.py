@@ -353,6 +353,8 @@ class Simulation:
         self._port_added: dict[tuple[str, int], int] = {}
         # Per node, the heartbeats its ranks sent that its agent has not taken in yet: (ts, payload).
         self._inbox: dict[str, list[tuple[float, bytes]]] = {}
+        # The rdma collectors' descriptors on the shared read-only sysfs trees (closed after the run).
+        self._shared_files = fabric.SharedAttributeFiles()
         self.jobs: list[JobModel] = []
         # The uninstrumented jobs (``heartbeats: false``), by their model's place in ``jobs``.
         self._uninstrumented: dict[int, UninstrumentedJob] = {}
@@ -422,9 +424,15 @@ class Simulation:
         # than a report, shorter than a quiet node's 5-minute reads, so every read rescanned)
         # finds what the first found: it rescans there only when the device list it compares
         # every cycle changes. A rescan stats and lists ~370 files of 8 HCAs, half a quiet read.
+        # And its collectors keep their files open as an agent does, one descriptor per file
+        # shared by every node that reads the tree (``self._shared_files``), where their own
+        # descriptors would pass the process's limit and each counter was read by path (open,
+        # read, close: 192 files a node, ~2 ms a quiet read), unless the scenario says otherwise.
         rdma = cast("RdmaConfig", base.collectors.rdma)
+        keep_open = sc.agent.get("collectors", {}).get("rdma", {}).get("keep_files_open", True)
         shared_tree_collectors = base.collectors.model_copy(update={"rdma": rdma.model_copy(
-            update={"rescan_interval_seconds": max(rdma.rescan_interval_seconds, 2 * sc.duration_seconds)})})
+            update={"rescan_interval_seconds": max(rdma.rescan_interval_seconds, 2 * sc.duration_seconds),
+                    "keep_files_open": keep_open})})
         for i, name in enumerate(names):
             faults = self._faults_by_node.get(name, [])
             profile = profiles.get(name, sc.fleet.profile)
@@ -465,7 +473,8 @@ class Simulation:
             host = SimHost(booted_at=self.clock.start - _UPTIME_AT_START_SECONDS)
             seams = Seams(nvml=self._nvml(name, nvml_faults), sysfs_root=sysfs, kmsg=kern, clock=self.clock,
                           run=ethtool, extra={"pid_alive": self._pid_alive, "psutil": host,
-                                              "training_samples": metrics},
+                                              "training_samples": metrics,
+                                              **({} if own_tree else {"rdma_files": self._shared_files})},
                           proc_root=proc_roots.get(name, shared_proc))
             node = SimNode(config, seams, build_collectors(config, seams), boot_id=self._boot_id(),
                            kernel_log=KernelLog(kern), fabric=node_fabric,
@@ -891,6 +900,7 @@ class Simulation:
                 self.service.trace.close()
             for node in self.nodes.values():
                 node.close()
+            self._shared_files.close_all()
             if self._tmp is not None:
                 self._tmp.cleanup()
         return result
