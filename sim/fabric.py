@@ -9,8 +9,9 @@ port adds ``hw_counters/*``, its netdev under ``class/net`` and mlx5's per-prior
 counters; see tests/fixtures/sim/PROVENANCE.md). Port faults (link down, flaps, error and
 congestion counters) are written into the tree as the kernel would show them; so are a PCIe
 link trained down, AER counts, another HCA firmware or OFED release (tests/fixtures/sysfs/PROVENANCE.md,
-"pci/": the file formats). Nodes without such faults share one read-only tree. It emits nothing
-itself and judges nothing.
+"pci/": the file formats). Nodes without such faults share one read-only tree, and its rdma
+collectors share one descriptor per attribute (``SharedAttributeFiles``). It emits nothing itself
+and judges nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+
+from vigil.agent.collectors.rdma import AttributeFiles
 
 # IB PMA port counters (IBTA spec vol. 1, PortCounters attribute) as the mlx5 driver exposes
 # them under ports/N/counters; a healthy idle port shows them at 0.
@@ -332,3 +335,29 @@ class Ethtool:
         stats = self._fabric.pfc.get(argv[2], {}) if self._fabric is not None else {}
         lines = ["NIC statistics:", *(f"     {name}: {stats.get(name, 0)}" for name in PFC_COUNTERS)]
         return "\n".join(lines) + "\n"
+
+
+class SharedAttributeFiles(AttributeFiles):
+    """The rdma collectors' attribute files on the shared read-only tree: one descriptor per file
+    for every node that reads it (``AttributeFiles``: each reader preads at offset 0), held until
+    ``close_all``. A 1,000-node fleet's own descriptors (~40 a port, 8 ports a node) would be
+    far past the process's limit, so without these its collectors read each counter by path
+    (open, read, close: 192 files a node); a shared descriptor keeps them on the agent's usual
+    kept-open path (a pread each), with one set of descriptors per tree."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def open(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = super().open(path)
+        return fd
+
+    def close(self, fd: int) -> None:
+        del fd  # another node may still read it: closed by close_all
+
+    def close_all(self) -> None:
+        for fd in self._fds.values():
+            super().close(fd)
+        self._fds.clear()

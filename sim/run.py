@@ -353,6 +353,10 @@ class Simulation:
         self._port_added: dict[tuple[str, int], int] = {}
         # Per node, the heartbeats its ranks sent that its agent has not taken in yet: (ts, payload).
         self._inbox: dict[str, list[tuple[float, bytes]]] = {}
+        # Per job (by its place in ``jobs``), each rank's heartbeat head and tail (``_feed``).
+        self._frames: dict[int, list[tuple[str, str]]] = {}
+        # The rdma collectors' descriptors on the shared read-only sysfs trees (closed after the run).
+        self._shared_files = fabric.SharedAttributeFiles()
         self.jobs: list[JobModel] = []
         # The uninstrumented jobs (``heartbeats: false``), by their model's place in ``jobs``.
         self._uninstrumented: dict[int, UninstrumentedJob] = {}
@@ -422,9 +426,15 @@ class Simulation:
         # than a report, shorter than a quiet node's 5-minute reads, so every read rescanned)
         # finds what the first found: it rescans there only when the device list it compares
         # every cycle changes. A rescan stats and lists ~370 files of 8 HCAs, half a quiet read.
+        # And its collectors keep their files open as an agent does, one descriptor per file
+        # shared by every node that reads the tree (``self._shared_files``), where their own
+        # descriptors would pass the process's limit and each counter was read by path (open,
+        # read, close: 192 files a node, ~2 ms a quiet read), unless the scenario says otherwise.
         rdma = cast("RdmaConfig", base.collectors.rdma)
+        keep_open = sc.agent.get("collectors", {}).get("rdma", {}).get("keep_files_open", True)
         shared_tree_collectors = base.collectors.model_copy(update={"rdma": rdma.model_copy(
-            update={"rescan_interval_seconds": max(rdma.rescan_interval_seconds, 2 * sc.duration_seconds)})})
+            update={"rescan_interval_seconds": max(rdma.rescan_interval_seconds, 2 * sc.duration_seconds),
+                    "keep_files_open": keep_open})})
         for i, name in enumerate(names):
             faults = self._faults_by_node.get(name, [])
             profile = profiles.get(name, sc.fleet.profile)
@@ -465,7 +475,8 @@ class Simulation:
             host = SimHost(booted_at=self.clock.start - _UPTIME_AT_START_SECONDS)
             seams = Seams(nvml=self._nvml(name, nvml_faults), sysfs_root=sysfs, kmsg=kern, clock=self.clock,
                           run=ethtool, extra={"pid_alive": self._pid_alive, "psutil": host,
-                                              "training_samples": metrics},
+                                              "training_samples": metrics,
+                                              **({} if own_tree else {"rdma_files": self._shared_files})},
                           proc_root=proc_roots.get(name, shared_proc))
             node = SimNode(config, seams, build_collectors(config, seams), boot_id=self._boot_id(),
                            kernel_log=KernelLog(kern), fabric=node_fabric,
@@ -891,6 +902,7 @@ class Simulation:
                 self.service.trace.close()
             for node in self.nodes.values():
                 node.close()
+            self._shared_files.close_all()
             if self._tmp is not None:
                 self._tmp.cleanup()
         return result
@@ -1042,16 +1054,23 @@ class Simulation:
         data = batch.data_seconds[rows].T.tolist()
         alive = batch.alive[rows].T.tolist()
         n_rows = len(rows)
+        # Each rank's heartbeat head and tail, formatted once per job (every interval used to
+        # format them again for each of its ranks: 8,000 at 1,000 nodes).
+        index = self.jobs.index(model)
+        frames = self._frames.get(index)
+        if frames is None:
+            frames = self._frames[index] = [
+                (f'{{"job":"{job}","rank":{rank},"step":', f',"gpu":{rank % r_per % gpus},"pid":{pid_base + rank}}}')
+                for rank in range(len(model.nodes) * r_per)]
         for i, name in enumerate(model.nodes):
             # Rank by rank, each rank's in time order (an agent takes them in in this order).
             box = self._inbox.setdefault(name, [])
             for local in range(r_per):
                 rank = i * r_per + local
-                pending = [nt for nt in notes if nt[3][rank]]
+                pending = [nt for nt in notes if nt[3][rank]] if notes else []
                 rank_step, rank_comp, rank_comm = step_s[rank], comp[rank], comm[rank]
                 rank_data, rank_alive = data[rank], alive[rank]
-                head = f'{{"job":"{job}","rank":{rank},"step":'
-                tail = f',"gpu":{local % gpus},"pid":{pid_base + rank}}}'
+                head, tail = frames[rank]
                 for j in range(n_rows):
                     end = ends[j]
                     while pending and pending[0][0] < end:

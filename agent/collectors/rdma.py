@@ -86,6 +86,20 @@ class _Unusable(Exception):
 
 
 
+class AttributeFiles:
+    """How the collector opens the attributes it keeps open and closes them again: a descriptor
+    of its own per file, as an agent does. The simulator's nodes on one shared read-only tree
+    share one descriptor per file instead (sim/fabric.py ``SharedAttributeFiles``): pread at
+    offset 0 moves no file position, so readers of one descriptor cannot disturb each other."""
+
+    def open(self, path: str) -> int:
+        """A read-only descriptor of ``path``; OSError (FileNotFoundError, EMFILE) as os.open."""
+        return os.open(path, os.O_RDONLY)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+
 class _File:
     """One sysfs attribute read every cycle. Kept open and re-read with pread at offset 0, which
     makes sysfs call the attribute's show() again (kernel Documentation/filesystems/sysfs.rst):
@@ -96,11 +110,6 @@ class _File:
     def __init__(self, path: str, fd: int | None) -> None:
         self.path = path
         self.fd = fd
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
 
 @dataclass(slots=True)
@@ -156,8 +165,10 @@ class RdmaCollector:
     name = "rdma"
     specs: Sequence[MetricSpec] = SPECS
 
-    def __init__(self, config: RdmaConfig, sysfs_root: Path = Path("/sys"), run: CommandRunner = run_command) -> None:
+    def __init__(self, config: RdmaConfig, sysfs_root: Path = Path("/sys"), run: CommandRunner = run_command,
+                 files: AttributeFiles | None = None) -> None:
         self._config = config
+        self._files = files if files is not None else AttributeFiles()
         self._root = Path(sysfs_root)
         self._ib_dir = str(self._root / "class" / "infiniband")
         self._run = run
@@ -210,7 +221,7 @@ class RdmaCollector:
         if not self._config.keep_files_open:
             return _File(path, None) if os.path.exists(path) else None
         try:
-            return _File(path, os.open(path, os.O_RDONLY))
+            return _File(path, self._files.open(path))
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -310,7 +321,9 @@ class RdmaCollector:
     def _close_files(self) -> None:
         for port in self._ports:
             for f in port.files():
-                f.close()
+                if f.fd is not None:
+                    self._files.close(f.fd)
+                    f.fd = None
 
     # -- one cycle -----------------------------------------------------------------------------
 
@@ -559,4 +572,6 @@ CONFIG = RdmaConfig
 
 
 def build(config: AgentConfig, seams: Seams) -> RdmaCollector:
-    return RdmaCollector(config.collectors.section("rdma", RdmaConfig), sysfs_root=seams.sysfs_root, run=seams.run)
+    # The simulator's shared read-only tree passes its shared descriptors (``rdma_files``).
+    return RdmaCollector(config.collectors.section("rdma", RdmaConfig), sysfs_root=seams.sysfs_root, run=seams.run,
+                         files=seams.extra.get("rdma_files"))

@@ -1,7 +1,8 @@
 """What the simulator's shortcuts leave the same: the PCIe and configuration collectors, read once
 on a node that shares the read-only sysfs tree and has no NVML fault, read the same later (so
 every report carries what a read at the configured cadence would give); a node with an NVML
-fault still reads them at their cadence; the heartbeats' one-format bytes are the f-string's."""
+fault still reads them at their cadence; the heartbeats' one-format bytes are the f-string's; the
+rdma collectors sharing the read-only tree's descriptors report what reads by path report."""
 
 from __future__ import annotations
 
@@ -60,3 +61,39 @@ def test_heartbeat_format_is_the_f_strings() -> None:
         want = (f'{head}{step},"step_seconds":{times[0]:.6f},"compute_seconds":{times[1]:.6f},'
                 f'"comm_seconds":{times[2]:.6f},"data_seconds":{times[3]:.6f}{tail}')
         assert _HEARTBEAT % (head, step, *times, tail) == want
+
+
+def _reports(data: dict[str, object]) -> tuple[list[bytes], int]:
+    """Every report of a run of ``data``, and how many descriptors the shared tree held at most."""
+    reports: list[bytes] = []
+    held = [0]
+    sim: Simulation
+
+    def observe(report: Report, now: float) -> None:
+        reports.append(encode(report))
+        held[0] = max(held[0], len(sim._shared_files._fds))
+
+    sim = Simulation(parse_scenario(data), observe=observe)
+    sim.run()
+    assert not sim._shared_files._fds  # closed after the run
+    return reports, held[0]
+
+
+def test_shared_tree_descriptors_give_the_reports_of_reads_by_path() -> None:
+    # The rdma collectors of nodes on the shared read-only tree keep their files open on one
+    # descriptor per file between them; read by path (open, read, close each counter: what a
+    # large fleet did before) every report is the same. RoCE, so the netdev's carrier_changes
+    # and the ethtool PFC counters are read too; node-0002's flapping port has its own tree.
+    data: dict[str, object] = {
+        "name": "shared-descriptors", "duration_seconds": 200, "report_interval_seconds": 5,
+        "quiet_collector_intervals": {"rdma": 20},
+        "fleet": {"nodes": 4, "gpus_per_node": 2, "hcas_per_node": 2, "link_layer": "Ethernet"},
+        "jobs": [{"name": "j", "nodes": "node-0000..node-0003", "step_seconds": 2.0}],
+        "faults": [{"kind": "port_flap", "node": "node-0002", "hca": 1, "at_seconds": 60, "count": 3,
+                    "period_seconds": 20}]}
+    shared, held = _reports(data)
+    by_path, none_held = _reports({**data, "agent": {"collectors": {"rdma": {"keep_files_open": False}}}})
+    assert len(shared) == len(by_path) == 4 * 40
+    assert shared == by_path
+    # One node's files (2 ports: state, physical state, rate, each counter, carrier_changes), once.
+    assert 2 * 10 < held < 2 * 60 and none_held == 0

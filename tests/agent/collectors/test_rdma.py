@@ -11,7 +11,7 @@ import pytest
 
 from vigil.agent.collectors import REGISTRY
 from vigil.agent.collectors.collector import Collection
-from vigil.agent.collectors.rdma import RdmaCollector, RdmaConfig
+from vigil.agent.collectors.rdma import AttributeFiles, RdmaCollector, RdmaConfig
 from vigil.agent.collectors.rdma_counters import SPECS, parse_ethtool_stats, parse_rate_bits_per_second, parse_state
 from vigil.agent.config import parse_config
 from vigil.agent.exporter import SnapshotExporter, render
@@ -297,6 +297,58 @@ def test_kept_open_files_see_new_values_and_drop_after_the_rescan(tmp_path: Path
     rig.port_file("mlx5_0", "counters/symbol_error").unlink()
     s = rig.cycle(advance=30).samples
     assert value(s, "vigil_rdma_port_symbol_errors_total", device="mlx5_0", port="1") is None
+
+
+class SharedFiles(AttributeFiles):
+    """One descriptor per path for every collector that opens it, closed only by ``close_all``
+    (what the simulator's nodes on one read-only tree share), counting the opens it made."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+
+    def open(self, path: str) -> int:
+        if path not in self.fds:
+            self.fds[path] = super().open(path)
+        return self.fds[path]
+
+    def close(self, fd: int) -> None:
+        assert fd in self.fds.values()
+
+    def close_all(self) -> None:
+        for fd in self.fds.values():
+            super().close(fd)
+
+
+@pytest.mark.parametrize("fixture", [H100, ROCE])
+def test_collectors_sharing_descriptors_read_what_one_with_its_own_reads(tmp_path: Path, fixture: Path) -> None:
+    root = copy_root(fixture, tmp_path)
+    runner = FakeRunner({"ens1f0np0": ETHTOOL_TEXT, "ens1f1np1": ETHTOOL_TEXT})
+    shared = SharedFiles()
+    own = Rig(root, runner)
+    sharing = [RdmaCollector(RdmaConfig(), sysfs_root=root, run=runner, files=shared) for _ in range(2)]
+    try:
+        device = sorted(p.name for p in (root / "class" / "infiniband").iterdir())[0]
+        counters = sorted(p.name for p in own.port_file(device, "counters").iterdir()) \
+            if own.port_file(device, "counters").is_dir() else []
+        for step in range(6):
+            if counters:  # counters move between cycles, as on a port carrying traffic
+                name = counters[step % len(counters)]
+                own.port_file(device, f"counters/{name}").write_text(f"{1000 * step + 7}\n")
+            want = own.cycle()
+            for collector in sharing:
+                got = collector.collect(own.clock.t)
+                assert got.samples == want.samples
+                assert encode(got.report["ports"]) == encode(want.report["ports"])
+                assert got.events == want.events
+        opened = len(shared.fds)
+        assert opened > 10  # each attribute opened once between the two collectors
+        sharing[0].close()  # one node's collector closing leaves the other's reads alone
+        assert sharing[1].collect(own.clock.t + 1).samples == own.cycle().samples
+        assert len(shared.fds) == opened
+    finally:
+        for collector in sharing:
+            collector.close()
+        shared.close_all()
 
 
 def test_new_counter_file_appears_after_the_rescan_interval(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The training collector's window summary (``_window_fields``, the loop that runs for every rank
 every cycle) against the plain computation it replaced, over randomized histories: steps and
 restarts, phase announcements, missing phases, application signals (finite and not), records
-after the window's end and a clock that steps back."""
+after the window's end and a clock that steps back; a window of one record (its own shortcut),
+and the summary copied from the rank's template against ``RankSummary``'s own constructor."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ from typing import Any
 
 import pytest
 
-from vigil.agent.collectors.training import TrainingCollector, _Rank, _Record, p50_p90, percentile
+from vigil.agent.collectors.training import (
+    TrainingCollector,
+    TrainingConfig,
+    _Checkpoint,
+    _Rank,
+    _Record,
+    p50_p90,
+    percentile,
+)
+from vigil.contract.wire import RankSummary, encode
 
 _QUANTILE_KEYS = tuple((f"{name}_seconds_p50", f"{name}_seconds_p90") for name in ("step", "compute", "comm", "data"))
 
@@ -85,7 +95,7 @@ def _signal(rng: random.Random) -> float | str | None:
 @pytest.mark.parametrize("seed", range(8))
 def test_window_fields_equal_the_long_way(seed: int) -> None:
     rng = random.Random(seed)
-    compared = with_signals = 0
+    compared = with_signals = one_record = 0
     for _ in range(400):
         ts, step = 1000.0, rng.randrange(0, 50)
         history: deque[_Record] = deque()
@@ -101,7 +111,10 @@ def test_window_fields_equal_the_long_way(seed: int) -> None:
         r = _Rank(job="j", rank=0, gpu=0, pid=1, last=history[-1], trust="in_process", owner_pid=None,
                   last_progress_ts=ts, last_seen_ts=ts, history=history,
                   baseline_step=rng.choice((None, first.step, max(0, first.step - 2), first.step + 3)))
-        for end in (first.ts, rng.uniform(first.ts, ts + 1.0), ts + 5.0):
+        ends = [first.ts, rng.uniform(first.ts, ts + 1.0), ts + 5.0]
+        if len(history) > 1:
+            ends[0] = rng.uniform(first.ts, history[1].ts) if history[1].ts > first.ts else first.ts + 1e-6
+        for end in ends:
             r.window = None
             got = TrainingCollector._window_fields(r, end)
             want = _reference(r, end)
@@ -110,7 +123,43 @@ def test_window_fields_equal_the_long_way(seed: int) -> None:
             assert [repr(got[k]) for k in want] == [repr(want[k]) for k in want]  # -0.0 stays apart from 0.0
             compared += 1
             with_signals += "nonfinite_steps" in want
-    assert compared == 1200 and with_signals > 50
+            one_record += sum(1 for rec in history if rec.ts < end) == 1
+    assert compared == 1200 and with_signals > 50 and one_record > 200
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_summary_from_the_template_is_the_constructors(seed: int) -> None:
+    rng = random.Random(seed)
+    collector = TrainingCollector(TrainingConfig(window_seconds=rng.choice((2.5, 5.0))), samples=False)
+    for _ in range(300):
+        ts, step = 1000.0, rng.randrange(0, 50)
+        history: deque[_Record] = deque()
+        signals = rng.random() < 0.3
+        for _ in range(rng.randrange(1, 6)):
+            ts += rng.uniform(0.0, 2.0)
+            step += rng.randrange(0, 3)
+            history.append(_Record(ts, step, _value(rng), _value(rng), _value(rng), _value(rng),
+                                   phase=rng.choice((None, None, "checkpointing", "evaluating")),
+                                   loss=_signal(rng) if signals else None,
+                                   grad_norm=_signal(rng) if signals else None))
+        r = _Rank(job=rng.choice(("j", "123")), rank=rng.randrange(64), gpu=rng.choice((None, 0, 7)),
+                  pid=rng.choice((None, 4242)), last=history[-1], trust="in_process", owner_pid=None,
+                  last_progress_ts=ts - rng.uniform(0, 9), last_seen_ts=ts, history=history,
+                  baseline_step=rng.choice((None, max(0, history[0].step - 1))),
+                  state=rng.choice(("running", "hung", "exited")),
+                  checkpoint=_Checkpoint(step, ts, 3.5) if rng.random() < 0.3 else None)
+        for end in (rng.uniform(history[0].ts, ts + 1.0), ts + 5.0):  # a second cycle: the template reused
+            fields = _reference(r, end)
+            if r.checkpoint is not None:
+                fields.update(checkpoint_step=r.checkpoint.step, checkpoint_ts=r.checkpoint.ts,
+                              checkpoint_seconds=r.checkpoint.seconds)
+            want = RankSummary(job=r.job, rank=r.rank, gpu=r.gpu, pid=r.pid, state=r.state,
+                               window_seconds=collector.config.window_seconds, window_end_ts=end,
+                               last_step=r.last.step, last_progress_ts=r.last_progress_ts,
+                               phase=r.last.phase, **fields)  # type: ignore[arg-type]
+            got = collector._summary(r, end)
+            assert got == want
+            assert encode(got) == encode(want)
 
 
 def test_p50_p90_of_nothing_is_refused() -> None:
