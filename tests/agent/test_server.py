@@ -120,6 +120,28 @@ async def test_unix_datagrams_are_keyed_by_the_senders_job_and_udp_only_where_op
             assert _jobs(training) == {"4242"} and intake.refused == _refused(unverified=1)
 
 
+async def test_a_udp_datagram_is_judged_by_its_peer_then_the_sites_opt_in() -> None:
+    """The UDP protocol's branches: a peer off this node is refused as not_local whatever the
+    opt-in, a loopback one (unverified) only where the site opted in, and an accepted one reaches
+    the collector, keyed unverified; each refusal counted by its reason."""
+    for accept in (False, True):
+        intake, training = _intake(accept_unverified=accept)
+        udp = await start_udp(intake, "127.0.0.1", free_port())
+        try:
+            protocol = udp.get_protocol()
+            assert isinstance(protocol, asyncio.DatagramProtocol)
+            for peer in [("10.0.0.7", 5000), ("::ffff:10.0.0.7", 5000, 0, 0), ("127.0.0.1", 5000),
+                         ("127.8.9.10", 5000), ("::1", 5000, 0, 0)]:
+                protocol.datagram_received(HB, peer)
+        finally:
+            udp.close()
+        if accept:
+            assert _received(training) == 3 and _jobs(training) == {"unverified/llm"}
+            assert intake.refused == _refused(not_local=2)
+        else:
+            assert _received(training) == 0 and intake.refused == _refused(not_local=2, unverified=3)
+
+
 async def test_http_heartbeats_are_refused_unverified_unless_opted_in() -> None:
     intake, training = _intake()
     runner = web.AppRunner(make_heartbeat_app(intake))
