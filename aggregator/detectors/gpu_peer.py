@@ -103,16 +103,16 @@ class _NodeGpus:
     """A node's GPUs that may be judged (key, history, job, enforced power limit: healthy, with a
     job) and its hardware class, as its state was when they were read. They hold while what they
     were read from stays: a GPU's health (``NodeState.unhealthy_gpus``), job attribution
-    (``FleetView.gpu_jobs_revision``) and power limit (``NodeState.gpu_class_revision``); where a
-    GPU's job came from its node's ranks (``by_ranks``), until the node's next report or a rank
-    leaving it (a replayed report moves ``last_seen``, the ranks' freshness). Whether a GPU was in
-    the node's latest report is read each pass."""
+    (``FleetView.gpu_jobs_revision``) and power limit (``NodeState.gpu_class_revision``), and
+    where a GPU's job came from its node's ranks (``by_ranks``), which of them are fresh and the
+    GPUs they name (``NodeState.ranks_revision``). Whether a GPU was in the node's latest report
+    is read each pass."""
 
     __slots__ = ("by_ranks", "class_revision", "cls", "gpus", "jobs_revision", "node", "unhealthy")
 
     def __init__(self, node: NodeState, jobs_revision: int, cls: HardwareClass,
                  gpus: list[tuple[tuple[str, int], GpuHistory, str, float | None]],
-                 by_ranks: tuple[int, float, int] | None) -> None:
+                 by_ranks: int | None) -> None:
         self.node = node
         self.jobs_revision = jobs_revision
         self.class_revision = node.gpu_class_revision
@@ -122,12 +122,9 @@ class _NodeGpus:
         self.by_ranks = by_ranks
 
     def holds(self, node: NodeState, jobs_revision: int) -> bool:
-        if self.node is not node:
-            return False
-        if self.by_ranks is not None:
-            return self.by_ranks == (node.reports, node.last_seen, len(node.ranks))
-        return (self.jobs_revision == jobs_revision and self.class_revision == node.gpu_class_revision
-                and self.unhealthy == node.unhealthy_gpus)
+        return (self.node is node and self.jobs_revision == jobs_revision
+                and self.class_revision == node.gpu_class_revision and self.unhealthy == node.unhealthy_gpus
+                and (self.by_ranks is None or self.by_ranks == node.ranks_revision))
 
 
 class _ClockWindow:
@@ -253,9 +250,10 @@ class GpuPeerDetector:
         self._nodes: dict[str, _NodeGpus] = {}
         self._classes = HardwareClasses(power_limit=False)
         # The nodes whose entry is read again (docs/detectors.md, "change markers"): those whose
-        # GPUs' health, class or job attribution changed since the last pass (the journals), and
-        # those whose GPUs' jobs came from their ranks (``_NodeGpus.by_ranks``: each pass).
-        self._walk = ChangedNodes("gpu_health", "gpu_class", "gpu_jobs")
+        # GPUs' health, class or job attribution changed since the last pass, or which of whose
+        # ranks are fresh or the GPUs they name (the journals). Until the fifth round a node whose
+        # GPUs' jobs came from its ranks was read again every pass: 1,000 a pass in the simulator.
+        self._walk = ChangedNodes("gpu_health", "gpu_class", "gpu_jobs", "rank_gpus")
         # (job, hardware class) -> its GPUs and their watched band, kept while the views carry
         # change markers (a view built by hand holds histories the fleet did not observe).
         self._groups: dict[tuple[str, HardwareClass], _PeerGroup] = {}
@@ -298,8 +296,6 @@ class GpuPeerDetector:
         for node in nodes:
             entry = held.get(node.name)
             if entry is not None and entry.holds(node, jobs_revision):
-                if entry.by_ranks is not None:
-                    walk.again(node)
                 continue
             fresh = self._node_gpus(node, jobs_revision)
             if entry is not None and entry.node is node and entry.cls == fresh.cls and entry.gpus == fresh.gpus:
@@ -310,8 +306,6 @@ class GpuPeerDetector:
                     self._leave(entry)
                 self._join(fresh)
             held[node.name] = fresh
-            if fresh.by_ranks is not None:
-                walk.again(node)
         cfg = self.config
         judged = []
         for key, group in self._groups.items():
@@ -442,7 +436,7 @@ class GpuPeerDetector:
             if job is None:
                 continue
             gpus.append(((node.name, hist.index), hist, job, hist.last.power_limit_watts))
-        by_ranks = None if rank_gpus is None else (node.reports, node.last_seen, len(node.ranks))
+        by_ranks = None if rank_gpus is None else node.ranks_revision
         return _NodeGpus(node, jobs_revision, cls, gpus, by_ranks)
 
     def _carried_window_clock(self, windows: dict[tuple[str, int], _ClockWindow], key: tuple[str, int],

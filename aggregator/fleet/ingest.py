@@ -259,6 +259,9 @@ class Fleet:
             node.last_seen = max(node.last_seen, now)
             self.revision += 1
             node.revision = self.revision
+            if node.ranks:  # its ranks' freshness is reckoned from last_seen
+                self._ranks_moved(node, self.revision)
+                node.ranks_unrefreshed = True
             return refused
         self.revision += 1
         revision = node.revision = self.revision
@@ -501,6 +504,10 @@ class Fleet:
         job: JobState | None = None
         room: _RankRoom | None = None  # built at the first rank new to this node
         offset = node.clock_offset_seconds
+        # NodeState.ranks_revision's inputs: the ranks this report refreshed (each counted once: a
+        # rank already seen at ``ts`` is not), and whether one joined the node or named another GPU.
+        refreshed = 0
+        ranks_moved = False
         for i, summary in enumerate(report.ranks):
             if job is None or job.name != summary.job:
                 job = jobs.get(summary.job)
@@ -525,12 +532,15 @@ class Fleet:
                 if rhist is None:
                     rhist = job.ranks[summary.rank] = RankHistory(summary, node.name, ts, cfg.rank_history_reports)
                     job.columns.take(rhist)
+                    refreshed += 1  # seen at ``ts`` already: not counted below
                 else:
                     old = self._nodes.get(rhist.node)
                     if old is not None and old.ranks.pop((summary.job, summary.rank), None) is not None:
                         old.revision = revision  # a rank forgotten off it is a change to it
+                        self._ranks_moved(old, revision)
                 job.members_revision = revision
                 node.ranks[(summary.job, summary.rank)] = rhist
+                ranks_moved = True
                 room.jobs[summary.job] = room.jobs.get(summary.job, 0) + 1
             elif rhist.last_seen == base_seen:
                 rbase = rhist.last
@@ -558,9 +568,26 @@ class Fleet:
                     job.runs_revision = revision  # type: ignore[union-attr]
                 # -- end of the markers' block
             job.last_seen = ts  # type: ignore[union-attr]  # rhist is one of its ranks
+            if rhist.last_seen != ts:
+                refreshed += 1
+            if summary.gpu != rhist.gpu:
+                ranks_moved = True
             rhist.observe(summary, node.name, ts, report.ts, offset)
+        # A rank this report left out may have gone stale (gpu_peer reads a rank as fresh within
+        # _RANK_FRESH_INTERVALS of the node's last report), and the report after such a one may
+        # have refreshed it: both move the marker, as does a rank that joined or named another GPU.
+        unrefreshed = refreshed != len(node.ranks)
+        if ranks_moved or unrefreshed or node.ranks_unrefreshed:
+            self._ranks_moved(node, revision)
+        node.ranks_unrefreshed = unrefreshed
         self._ingest_events(node, report, now, refused)
         return refused
+
+    def _ranks_moved(self, node: NodeState, revision: int) -> None:
+        """Which of ``node``'s ranks are fresh, or which GPU one names, may have changed."""
+        if node.ranks_revision != revision:
+            node.ranks_revision = revision
+            self.journals.rank_gpus.names.append(node.name)
 
     @staticmethod
     def _ingest_host(node: NodeState, host: HostFacts, now: float) -> None:
@@ -689,6 +716,7 @@ class Fleet:
         if rhist is None:
             return
         self.evicted["ranks"] += 1
+        self._ranks_moved(node, self.revision)
         job_name, rank = key
         left = room.jobs[job_name] = room.jobs[job_name] - 1
         if not left:
@@ -772,6 +800,7 @@ class Fleet:
                 if node is not None:
                     node.ranks.pop((name, rank.rank), None)
                     node.revision = self.revision
+                    self._ranks_moved(node, self.revision)
 
     def view(self, removed: Mapping[str, Removal] | None = None) -> FleetView:
         self.journals.trim(len(self._nodes))  # bounded: here, once a pass, not on every append

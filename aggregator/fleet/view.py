@@ -92,6 +92,12 @@ class NodeState:
         # power limit (``_CLASS_FIELDS``), or its GPU histories.
         self.revision = 0
         self.gpu_class_revision = 0
+        # The fleet revision of the latest change to which of its ranks are fresh or which GPU one
+        # names (a rank joined or left it, a rank's GPU changed, a report or replay left one of its
+        # ranks unrefreshed, or the report after such a one): what gpu_peer's jobs of GPUs placed by
+        # their ranks are read from. ``ranks_unrefreshed``: its latest report or replay left one.
+        self.ranks_revision = 0
+        self.ranks_unrefreshed = False
         # What the GPU and port detectors read of it, kept on ingest so that they pass over a quiet
         # node in O(1) (docs/detectors.md, "change markers"): the newest time a judged counter of one of its GPUs or
         # ports increased (CounterBaseline.last_increase_ts, the largest of its GPUs' or ports'),
@@ -250,7 +256,7 @@ class NodeJournals:
     all its markers are new) or was forgotten; every reader reads it beside its own."""
 
     __slots__ = ("gpu_class", "gpu_counters", "gpu_faults", "gpu_health", "gpu_jobs", "gpu_watch", "members",
-                 "pcie_links", "port_counters", "ports")
+                 "pcie_links", "port_counters", "ports", "rank_gpus")
 
     def __init__(self) -> None:
         self.members = NodeJournal()
@@ -266,6 +272,8 @@ class NodeJournals:
         # began (the node's part of Fleet.gpu_jobs_revision).
         self.gpu_class = NodeJournal()
         self.gpu_jobs = NodeJournal()
+        # NodeState.ranks_revision moved (which of its ranks are fresh, or the GPU one names).
+        self.rank_gpus = NodeJournal()
         # NodeState.ports_revision and port_counters_moved_ts moved.
         self.ports = NodeJournal()
         self.port_counters = NodeJournal()

@@ -215,10 +215,17 @@ def faults(rng: random.Random, nodes: list[FakeNode], t: float, plan: dict[str, 
             g["clock_event_reasons"] = ["sw_power_cap"]
             g["utilization_gpu_ratio"] = 0.97
         if i >= 8:
-            # One rank 30% slow for a while (its peers wait for it in the collective).
-            node.ranks = [rank_summary("b", i * 8 + local, ts=t, gpu=local, step=int(t), comm=0.1 if slow else 0.4,
+            # One rank 30% slow for a while (its peers wait for it in the collective). Ranks left
+            # out of their node's reports long enough to go stale (gpu_peer: three intervals) and
+            # too briefly to, and a rank that names its neighbour's GPU for a while: the GPU it
+            # left has no job then.
+            node.ranks = [rank_summary("b", i * 8 + local, ts=t, gpu=gpu, step=int(t), comm=0.1 if slow else 0.4,
                                        compute=(1.3 if slow else 1.0) * (1 + rng.uniform(-0.01, 0.01)))
                           for local in node.gpus
+                          if not ((i, local) == (9, 5) and plan["rank_out"] <= t < plan["rank_out"] + 30)
+                          and not ((i, local) == (9, 6) and plan["rank_blip"] <= t < plan["rank_blip"] + 5)
+                          for gpu in [3 if (i, local) == (10, 2) and plan["rank_swap"] <= t < plan["rank_swap"] + 40
+                                      else local]
                           for slow in [(i, local) == (11, 3) and plan["slow_rank"] <= t < plan["slow_rank"] + 200]]
     # A whole rack throttled at once (a cooling failure): the job's, not its nodes'.
     if plan["rack"] <= t < plan["rack"] + 120:
@@ -283,6 +290,8 @@ def test_the_short_way_finds_what_the_long_way_finds_every_pass(seed: int) -> No
              "memory", "health", "attribution", "slow_rank")}
     wire = random.Random(-seed)  # how each report goes (its own stream: the faults' draws stay as they were)
     plan["absent"], plan["pause"] = wire.uniform(60, 400), wire.uniform(100, 700)
+    ranks = random.Random(seed + 100)  # the ranks' own (the other streams stay as they were)
+    plan.update({name: ranks.uniform(60, 700) for name in ("rank_out", "rank_blip", "rank_swap")})
     fleet = Fleet()
     peer_config = GpuPeerConfig()
     peer, thermal = GpuPeerDetector(peer_config), ThermalDetector(ThermalConfig())

@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from tests.aggregator.conftest import GBPS, FakeNode
+from tests.aggregator.conftest import GBPS, FakeNode, rank_summary
 from tests.aggregator.detectors.test_incremental_gpu_side import compact
 from vigil.aggregator.detectors.gpu_peer import GpuPeerConfig, GpuPeerDetector
 from vigil.aggregator.detectors.memory import MemoryConfig, MemoryDetector
@@ -183,6 +183,52 @@ def test_a_journal_names_a_node_once_a_report_where_its_marker_moves_and_never_w
     assert journals.members.names[-1] == "n1"
     journals.members.trim(0)  # bounded: what no reader has read may be let go (a reader behind walks all)
     assert journals.members.since(0) is None and journals.members.since(journals.members.end) == []
+
+
+def test_a_nodes_ranks_marker_moves_where_which_are_fresh_or_their_gpus_may_change() -> None:
+    """``NodeState.ranks_revision`` and the ``rank_gpus`` journal (gpu_peer's GPUs placed by their
+    ranks): moved by a rank joining, leaving or naming another GPU, by a report or a replay that
+    leaves one of the node's ranks unrefreshed, and by the report after it; never by a report that
+    refreshes every rank as it was."""
+    fleet, node, other = Fleet(), linked("n1"), linked("n2")
+    journals = fleet.journals
+    t = 0.0
+    sent: list[Report] = []
+
+    def report(ranks: list[tuple[int, int]], on: FakeNode = node, exited: int | None = None) -> bool:
+        """One report of ``on`` with these (rank, gpu); whether its marker moved (journaled once)."""
+        nonlocal t
+        t += 2.5
+        on.ranks = [rank_summary("b", rank, gpu=gpu, ts=t, compute=1.0, comm=0.1,
+                                 state="exited" if rank == exited else "running") for rank, gpu in ranks]
+        before, end = fleet._nodes[on.name].ranks_revision, journals.rank_gpus.end
+        sent.append(on.report(t))
+        fleet.ingest(sent[-1], t)
+        moved = fleet._nodes[on.name].ranks_revision != before
+        assert [n for n in journals.rank_gpus.names[end:] if n == on.name] == ([on.name] if moved else [])
+        return moved
+
+    fleet.ingest(node.report(t), t)
+    fleet.ingest(other.report(t), t)  # both join with no ranks
+    four = [(r, r) for r in range(4)]
+    assert report(four)  # ranks joined
+    assert not report(four) and not report(four)  # every rank refreshed as it was
+    assert report(four[:3])  # rank 3 left out: it may go stale
+    assert report(four[:3])  # and again
+    assert report(four)  # back: fresh again
+    assert not report(four)
+    moved = [(0, 0), (1, 1), (2, 3), (3, 3)]
+    assert report(moved)  # rank 2 names GPU 3
+    assert not report(moved)
+    fleet.ingest(sent[-2], t + 0.5)  # a replay moves last_seen alone: the ranks are older by it
+    assert journals.rank_gpus.names[-1] == "n1"
+    assert report(moved)  # the report after it
+    assert not report(moved, exited=3)  # a state is not what the marker follows
+    before = fleet._nodes["n1"].ranks_revision
+    assert report([(3, 0)], on=other)  # the exited rank taken by n2 ...
+    assert fleet._nodes["n1"].ranks_revision != before and "n1" in journals.rank_gpus.names[-2:]  # ... off n1
+    assert len(fleet._nodes["n1"].ranks) == 3
+    assert not report(moved[:3])  # n1 without it: every rank it holds refreshed
 
 
 def test_journals_stay_bounded_in_a_fleet_that_ingests_without_ever_taking_a_view() -> None:
