@@ -401,8 +401,10 @@ class PortHistory:
         (None: the report was whole), whose counters are only those that moved (its flags are
         whole). A compact entry that moved only counters leaves ``last`` itself, its counters
         updated in place: its link state, rate and flags are the last sample's. Returns what
-        changed: ``PORT_LINK_CHANGED`` (its link state, rate or flags may have), ``PORT_COUNTERS_ROSE``
-        (a judged counter increased), or 0 (the usual entry)."""
+        changed: ``PORT_LINK_CHANGED`` (its link state, rate or flags may have: a compact entry
+        carrying one of them, a whole one where one differs from the state held, or the port up
+        for the first time in this boot or at a better rate), ``PORT_COUNTERS_ROSE`` (a judged
+        counter increased), or 0 (the usual entry)."""
         counters, flags = state.counters, state.flags
         if sent is not None and state is self.last:
             # Only counters moved (the usual compact entry): the link state and rate are the last
@@ -414,20 +416,32 @@ class PortHistory:
                     and self.counters.still(ts)):  # else: none of the judged counters moved
                 return self._observe_counters(ts, counters, flags)
             return 0
+        last, samples = self.last, self.samples
+        prev = samples[-1] if samples else None  # None: its first state (``last`` is ``state``)
         self.last = state
         active = state.state in ACTIVE_PORT_STATES or port_is_active(state)  # the usual answer without a call
         rate = state.rate_bits_per_second
         self.last_seen = ts
-        self.samples.append(PortSample(ts, active, rate))
-        changed = PORT_LINK_CHANGED
+        samples.append(PortSample(ts, active, rate))
+        # A whole entry whose link state, rate and flags are those held (a whole report's usual
+        # port; in the simulator often the very object the last report held, so the link's
+        # activity, rate and flags are compared with what was taken from it then, not with it)
+        # changes nothing the link is judged on; anything else may have.
+        changed = 0 if (sent is None and prev is not None and active == prev.active
+                        and rate == prev.rate_bits_per_second and flags == self._flags
+                        and (last is state or (state.state == last.state and state.phys_state == last.phys_state
+                                               and state.link_layer == last.link_layer
+                                               and state.netdev == last.netdev))) else PORT_LINK_CHANGED
         if not (sent is not None and len(counters) == self._names_for and flags == self._flags
                 and self._judged.isdisjoint(sent.counters) and self.counters.still(ts)):
             changed |= self._observe_counters(ts, counters, flags)
-        if active:
+        if active and not (self.active_this_boot and self.ever_active):
             self.active_this_boot = True
             self.ever_active = True
+            changed |= PORT_LINK_CHANGED
         if rate is not None and (self.max_rate_bits_per_second is None or rate > self.max_rate_bits_per_second):
             self.max_rate_bits_per_second = rate
+            changed |= PORT_LINK_CHANGED
         return changed
 
     def observe_moved(self, sent: PortState, ts: float) -> int | None:

@@ -86,6 +86,12 @@ complete_gpu_marked = marking_completer(GpuState, {
     **dict.fromkeys(_CLASS_FIELDS, _GPU_CLASS), "job": _GPU_JOB, "recovery_action": _GPU_RECOVERY},
     matched=("index", "uuid"))
 
+# The fields of a GPU whose change moves gpu_faults_revision (the marking completer's _GPU_FAULTS,
+# and the NVLinks down), read at once from a whole entry and the state held.
+_GPU_FAULT_STATE = attrgetter("remap_pending", "remap_failure", "retired_pages_pending", "retired_pages_sbe",
+                              "retired_pages_dbe", "pcie_link_generation_max", "pcie_link_width_max",
+                              "nvlink_links_down")
+
 # A GPU's recovery_action that asks for nothing (wire.RecoveryAction; None: not read).
 _NO_RECOVERY = frozenset({None, "none"})
 
@@ -239,6 +245,9 @@ class Fleet:
         # the base; an entry with none, which no agent sends, is taken as it came).
         base_seen = node.state_seen if report.base_seq is not None and node is not None \
             and node.boot_id == report.boot_id else None
+        # The node's previous report (not a replay): a whole entry of a GPU that was in it moves
+        # the GPU markers only where what they follow changed, as a compact entry does.
+        prev_seen = node.state_seen if node is not None else None
         fresh = node is None
         journals = self.journals
         self._reports_since_trim += 1
@@ -381,10 +390,12 @@ class Fleet:
                 if state.recovery_action not in _NO_RECOVERY or node.recovery_gpus:
                     self._mark_recovery(node, index, state.recovery_action)
             else:
-                if node.gpu_faults_revision != revision:  # taken whole
+                last = hist.last
+                # Taken whole: a GPU back in the reports, or one whose marked fields changed.
+                if node.gpu_faults_revision != revision and (
+                        hist.last_seen != prev_seen or _GPU_FAULT_STATE(state) != _GPU_FAULT_STATE(last)):
                     node.gpu_faults_revision = revision
                     journals.gpu_faults.names.append(node.name)
-                last = hist.last
                 if (state.name != last.name or state.sm_clock_max_hertz != last.sm_clock_max_hertz
                         or state.power_limit_watts != last.power_limit_watts) and node.gpu_class_revision != revision:
                     node.gpu_class_revision = revision
@@ -492,7 +503,8 @@ class Fleet:
                         continue
                 pstate = complete_cleared(complete_port, pbase, pstate, cleared.get(("ports", i), ())) \
                     if cleared else complete_port(pbase, pstate)
-            changed = phist.observe(pstate, ts, psent)
+            back = phist.last_seen != prev_seen  # not in the node's previous report: taken as changed
+            changed = phist.observe(pstate, ts, psent) | (PORT_LINK_CHANGED if back else 0)
             if changed:
                 if changed & PORT_LINK_CHANGED and node.ports_revision != revision:
                     node.ports_revision = revision

@@ -14,6 +14,7 @@ import math
 import random
 from itertools import pairwise
 
+import msgspec
 import pytest
 
 from tests.aggregator.conftest import FakeNode, rank_summary
@@ -87,6 +88,8 @@ def _fault_reports() -> list[Report]:
         node.gpus[0]["temperature_celsius"] = 60.0 + k  # moves every report: judged by no fault test
         if k == 3:
             node.gpus[1]["remap_pending"] = True
+        if k == 4:
+            node.ports[0]["rate_bits_per_second"] /= 2  # trained down: a link fact, in no counter
         if k == 5:
             node.gpus[0]["nvlink_links_down"] = [1]
         if k == 6:
@@ -97,6 +100,8 @@ def _fault_reports() -> list[Report]:
             node.gpus[1]["ecc_corrected_volatile"] += 3
         if k == 9:
             node.ports[0]["counters"]["symbol_error"] += 2
+        if k == 10:
+            node.ports[1]["flags"] = {"port_rcv_errors": "saturated"}  # a counter pinned at its maximum
         out.append(node.report(k * 2.5))
     return out
 
@@ -114,14 +119,42 @@ def test_fault_and_port_markers_move_when_what_the_gpu_and_port_detectors_read_c
             ports.append(k)
         assert node.gpu_counters_moved_ts == (-math.inf if k < 8 else 8 * 2.5)
         assert node.port_counters_moved_ts == (-math.inf if k < 9 else 9 * 2.5)
-    if version is None:  # whole reports: every GPU and port taken whole
-        assert faults == ports == list(range(ROUNDS))
+    if version is None:  # whole reports: compared with the state held, the rounds that changed a fault field or a link
+        assert faults == [0, 3, 5, 6] and ports == [0, 4, 7, 10]
     else:  # the first whole; then only the rounds that changed a fault field or a port's link
         assert faults[:1] == ports[:1] == [0]
         assert {3, 5, 6} <= set(faults) <= {0, 3, 5, 6}
         # And the report after each (the fleet makes its own copy of the port's state then): never
         # the rounds that moved only a GPU's temperature or a counter.
-        assert {0, 7} <= set(ports) <= {0, 1, 7, 8}, ports
+        assert {0, 4, 7, 10} <= set(ports) <= {0, 1, 4, 5, 7, 8, 10, 11}, ports
+
+
+def test_a_whole_report_holding_the_same_entry_objects_moves_the_markers_only_where_they_changed() -> None:
+    """The simulator hands the service its agents' report objects: a whole report can hold the very
+    GPU and port states the last one held. Nothing changed marks nothing; a GPU's fault flag set in
+    a new read marks its node, and so does a link gone down or trained down even on the same port
+    object (a port is compared with the sample taken from it, not with itself)."""
+    fleet = Fleet()
+    report = FakeNode("n1", gpus=2, ports=2).report(0.0)
+    fleet.ingest(report, 0.0)
+    node = fleet.view().nodes["n1"]
+
+    def again(k: int) -> tuple[bool, bool]:
+        nonlocal report
+        faults, ports = node.gpu_faults_revision, node.ports_revision
+        report = msgspec.structs.replace(report, seq=report.seq + 1, ts=2.5 * k)  # the same entries
+        fleet.ingest(report, 2.5 * k)
+        return node.gpu_faults_revision != faults, node.ports_revision != ports
+
+    assert again(1) == (False, False)
+    report.ports[1].state = "1: DOWN"
+    assert again(2) == (False, True)
+    assert again(3) == (False, False)
+    report.ports[0].rate_bits_per_second = (report.ports[0].rate_bits_per_second or 0) / 2
+    assert again(4) == (False, True)
+    report.gpus[1] = msgspec.structs.replace(report.gpus[1], remap_pending=True)  # a new read (wire states are values)
+    assert again(5) == (True, False)
+    assert again(6) == (False, False)
 
 
 def test_a_rank_moving_to_another_node_is_a_change_to_the_node_it_left() -> None:

@@ -179,6 +179,11 @@ def test_a_journal_names_a_node_once_a_report_where_its_marker_moves_and_never_w
     before = journals.gpu_faults.end
     fleet.ingest(compact(fleet, base, report, 20.0), 20.0)
     assert journals.gpu_faults.names[before:] == ["n1"]  # two GPUs' flags: one entry
+    before = journals.gpu_faults.end
+    fleet.ingest(node.report(22.5), 22.5)  # whole, the flags as held: nothing to mark
+    node.gpus[2]["nvlink_links_down"] = [1]
+    fleet.ingest(node.report(25.0), 25.0)  # whole, a link down: marked
+    assert journals.gpu_faults.names[before:] == ["n1"]
     fleet.forget_departed(200.0, lambda n: 10.0)
     assert journals.members.names[-1] == "n1"
     journals.members.trim(0)  # bounded: what no reader has read may be let go (a reader behind walks all)
@@ -235,7 +240,8 @@ def test_journals_stay_bounded_in_a_fleet_that_ingests_without_ever_taking_a_vie
     from vigil.aggregator.fleet.ingest import JOURNAL_TRIM_REPORTS
     fleet, node = Fleet(), linked("n1")
     ts = 0.0
-    for _ in range(3 * JOURNAL_TRIM_REPORTS):  # whole reports: every GPU-fault marker moves each time
+    for _ in range(3 * JOURNAL_TRIM_REPORTS):  # a GPU's fault flag that flips every report: its marker moves each time
+        node.gpus[0]["remap_pending"] = not node.gpus[0]["remap_pending"]
         fleet.ingest(node.report(ts), ts)
         ts += 2.5
     journals = fleet.journals
