@@ -246,6 +246,13 @@ def _signals(state: _Rank, record: _Record) -> None:
         state.last_grad_norm = norm
 
 
+def _checkpointed(summary: RankSummary, ckpt: _Checkpoint | None) -> RankSummary:
+    """``summary`` with ``ckpt`` as its latest checkpoint (None: none)."""
+    if ckpt is None:
+        return _replace(summary, checkpoint_step=None, checkpoint_ts=None, checkpoint_seconds=None)
+    return _replace(summary, checkpoint_step=ckpt.step, checkpoint_ts=ckpt.ts, checkpoint_seconds=ckpt.seconds)
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default), q in [0, 1]."""
     if not sorted_values:
@@ -354,6 +361,12 @@ class _Rank:
     # The rank's summary with only what never changes set (job, rank, window width): each cycle's
     # summary is a copy of it (``TrainingCollector._summary``).
     template: RankSummary | None = None
+    # The rank's last summary and what it was built from: (the window's fields dict, ``last``,
+    # state, gpu, pid, last progress, checkpoint), compared by identity for the objects. Reused
+    # whole while all of them are unchanged; copied with the rank's own fields while only the
+    # window's fields are (``TrainingCollector._summary``).
+    summary: RankSummary | None = None
+    summary_of: tuple[dict[str, Any], _Record, str, int | None, int | None, float, _Checkpoint | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -694,13 +707,39 @@ class TrainingCollector:
         self._read_logs(now)
         events: list[Event] = [ev for tail in self._tails for ev in tail.signals.drain(now)]
         start, end = self._window(now)
+        evict_after = self._config.evict_after_seconds
+        hang_seconds = self._config.hang_seconds
+        pid_alive = self._pid_alive
+        summary = self._summary
+        ranks: list[_Rank] = []
+        summaries: list[RankSummary] = []
         with self._lock:
-            self._evict(now)
-            ranks = list(self._ranks.values())
-            for r in ranks:
-                self._trim(r, start)
-                self._watch(r, now, events)
-            summaries = [self._summary(r, end) for r in ranks]
+            # One pass per rank (eviction, trim, watch, summary) in the order the separate passes
+            # took: each step reads only its own rank, so the outcome is the same; the usual rank
+            # (heard from lately, history already trimmed, alive and advancing) costs no call
+            # beyond its pid check and its summary (8,000 ranks a cycle in the simulator).
+            # tests/agent/collectors/test_training_cycle.py holds it to the separate passes.
+            for key, r in list(self._ranks.items()):
+                if now - r.last_seen_ts >= evict_after and self._evictable(r, now):
+                    del self._ranks[key]
+                    self._evicted += 1
+                    continue
+                ranks.append(r)
+                hist = r.history
+                if hist and hist[0].ts < start:
+                    self._trim(r, start)
+                alive = True
+                pid = r.pid
+                if pid is not None:
+                    try:
+                        alive = pid_alive(pid)
+                    except Exception as exc:  # noqa: BLE001 - an unknown answer is not an exit
+                        log.warning("pid check for %s failed: %s", pid, exc)
+                if alive and (r.last.phase is not None or now - r.last_progress_ts < hang_seconds):
+                    r.state = "running"  # _watch's answer without its thresholds: not stalled long enough
+                else:
+                    self._watch(r, now, events, alive)
+                summaries.append(summary(r, end))
             samples = self._samples(ranks, summaries) if self._build_samples else []
             tracked = {r.job for r in ranks}
             for job in [j for j in self._names if j not in tracked]:
@@ -739,19 +778,16 @@ class TrainingCollector:
                 # Counted like a heartbeat over the limits, so the operator sees the same reason.
                 self._rejected[reason] += 1
 
-    def _evict(self, now: float) -> None:
+    def _evictable(self, r: _Rank, now: float) -> bool:
+        """Whether the rank is to be forgotten at ``now`` (before this cycle's watch)."""
         evict_after = self._config.evict_after_seconds
-        for key, r in list(self._ranks.items()):
-            idle = now - r.last_seen_ts
-            # Never before its hang could be reported and seen for a while (evict_after first: the
-            # floor of that bound, and what a rank heard from lately is below).
-            if idle < evict_after or idle < max(evict_after, 2 * self._hang_threshold(r)):
-                continue
-            # A hung rank whose process still lives stays: forgetting it would look like recovery.
-            if r.pid is not None and r.state != "exited" and self._pid_alive(r.pid):
-                continue
-            del self._ranks[key]
-            self._evicted += 1
+        idle = now - r.last_seen_ts
+        # Never before its hang could be reported and seen for a while (evict_after first: the
+        # floor of that bound, and what a rank heard from lately is below).
+        if idle < evict_after or idle < max(evict_after, 2 * self._hang_threshold(r)):
+            return False
+        # A hung rank whose process still lives stays: forgetting it would look like recovery.
+        return not (r.pid is not None and r.state != "exited" and self._pid_alive(r.pid))
 
     def _window(self, now: float) -> tuple[float, float]:
         """The latest complete summary window [start, end) at ``now``."""
@@ -767,14 +803,9 @@ class TrainingCollector:
             r.baseline_step = hist.popleft().step
             r.dropped += 1
 
-    def _watch(self, r: _Rank, now: float, events: list[Event]) -> None:
-        """The rank's state at ``now``; a hang or an exit, the first time, goes into ``events``."""
-        alive = True
-        if r.pid is not None:
-            try:
-                alive = self._pid_alive(r.pid)
-            except Exception as exc:  # noqa: BLE001 - an unknown answer is not an exit
-                log.warning("pid check for %s failed: %s", r.pid, exc)
+    def _watch(self, r: _Rank, now: float, events: list[Event], alive: object) -> None:
+        """The rank's state at ``now``, its process ``alive`` (pid_alive's answer, True when
+        unknown); a hang or an exit, the first time, goes into ``events``."""
         if not alive:
             r.state = "exited"
             if not r.exit_reported:
@@ -808,14 +839,37 @@ class TrainingCollector:
         ``RankSummary(...)`` with these fields, at a quarter of its cost (msgspec's keyword
         constructor of a 31-field Struct took 2.6-3.5 us with the window's fields spread in, its
         ``structs.replace`` 0.8 us: 8,000 ranks a cycle in the simulator).
-        tests/agent/collectors/test_training_window.py holds the two equal."""
+        tests/agent/collectors/test_training_window.py holds the two equal.
+
+        What the summary is built from is kept with it: while none of it changed (a rank heard
+        from less than once a cycle: at 2.5 s reports the simulator's ranks are in about a quarter
+        of the cycles, and a 5 s window is summarised twice) the last summary is the answer, and
+        while only the rank's own fields did (a heartbeat in the window in progress) it is copied
+        with those, the window's quantiles kept. Summaries are never changed once built, so
+        sharing one between reports is safe. tests/agent/collectors/test_training_cycle.py holds
+        both to a summary built afresh."""
         fields = self._window_fields(r, end)
+        last = r.last
+        ckpt = r.checkpoint
+        built = r.summary_of
+        if built is not None and built[0] is fields:
+            prev = r.summary
+            assert prev is not None
+            if (built[1] is last and built[2] == r.state and built[3] == r.gpu and built[4] == r.pid
+                    and built[5] == r.last_progress_ts and built[6] is ckpt):
+                return prev
+            summary = _replace(prev, gpu=r.gpu, pid=r.pid, state=r.state, last_step=last.step,
+                               last_progress_ts=r.last_progress_ts, phase=cast("JobPhase | None", last.phase))
+            if built[6] is not ckpt:
+                summary = _checkpointed(summary, ckpt)
+            r.summary = summary
+            r.summary_of = (fields, last, r.state, r.gpu, r.pid, r.last_progress_ts, ckpt)
+            return summary
         template = r.template
         if template is None:
             template = r.template = RankSummary(job=r.job, rank=r.rank, window_seconds=self._config.window_seconds,
                                                 steps=0, last_step=0, last_progress_ts=0.0)
         get = fields.get
-        last = r.last
         summary = _replace(
             template, gpu=r.gpu, pid=r.pid, state=r.state, window_end_ts=end, steps=fields["steps"],
             last_step=last.step, last_progress_ts=r.last_progress_ts,
@@ -826,10 +880,10 @@ class TrainingCollector:
             phase=cast("JobPhase | None", last.phase), first_step=fields["first_step"])
         if "nonfinite_steps" in fields:  # the window's application signals (_signal_fields)
             summary = _replace(summary, **{k: fields[k] for k in _SIGNAL_FIELDS})
-        ckpt = r.checkpoint
         if ckpt is not None:
-            summary = _replace(summary, checkpoint_step=ckpt.step, checkpoint_ts=ckpt.ts,
-                               checkpoint_seconds=ckpt.seconds)
+            summary = _checkpointed(summary, ckpt)
+        r.summary = summary
+        r.summary_of = (fields, last, r.state, r.gpu, r.pid, r.last_progress_ts, ckpt)
         return summary
 
     @staticmethod
