@@ -908,6 +908,14 @@ class TrainingCollector:
                 one = TrainingCollector._one_record_fields(r.baseline_step, rec)
                 r.window = (end, r.dropped, len(hist) > 1, len(hist), one)
                 return one
+            # Two records without signals (the simulator's other usual window: a 3.4 s step in a
+            # 5 s window holds one or two): the loop's result without its lists and sorts.
+            if (len(hist) > 1 and rec.ts < end and hist[1].ts < end and (len(hist) == 2 or hist[2].ts >= end)
+                    and rec.loss is None and rec.grad_norm is None and hist[1].loss is None
+                    and hist[1].grad_norm is None):
+                two = TrainingCollector._two_record_fields(r.baseline_step, rec, hist[1])
+                r.window = (end, r.dropped, len(hist) > 2, len(hist), two)
+                return two
         # One pass over the window into one list per phase: this runs for every rank every cycle
         # (8,000 ranks a cycle in the simulator), so the loop reads each field once and the rare
         # application signals are gathered by a second pass only when a record carries one.
@@ -989,6 +997,34 @@ class TrainingCollector:
         value = rec.data_seconds
         if value is not None:
             fields["data_seconds_p50"] = fields["data_seconds_p90"] = value + 0.0
+        return fields
+
+    @staticmethod
+    def _two_record_fields(baseline_step: int | None, a: _Record, b: _Record) -> dict[str, Any]:
+        """``_window_fields`` of a window that holds the two records ``a`` then ``b``, without
+        application signals: the loop's steps and first step, and per phase what ``p50_p90`` gives
+        for the two values sorted (a stable sort: ``b`` first only when below ``a``) or for the
+        one present; the window tests hold the two equal over random histories."""
+        step_a, step_b = a.step, b.step
+        steps = 1 if baseline_step is None else step_a - baseline_step if step_a > baseline_step else 0
+        if step_b > step_a:
+            steps += step_b - step_a
+        fields: dict[str, Any] = {"steps": steps, "first_step": step_b if step_b < step_a else step_a}
+        for k50, k90, x, y in (
+                ("step_seconds_p50", "step_seconds_p90", a.step_seconds if a.phase is None else None,
+                 b.step_seconds if b.phase is None else None),  # a phase announcement is no step
+                ("compute_seconds_p50", "compute_seconds_p90", a.compute_seconds, b.compute_seconds),
+                ("comm_seconds_p50", "comm_seconds_p90", a.comm_seconds, b.comm_seconds),
+                ("data_seconds_p50", "data_seconds_p90", a.data_seconds, b.data_seconds)):
+            if x is None:
+                if y is not None:
+                    fields[k50] = fields[k90] = y + 0.0
+            elif y is None:
+                fields[k50] = fields[k90] = x + 0.0
+            else:
+                lo, hi = (y, x) if y < x else (x, y)
+                fields[k50] = lo + (hi - lo) * 0.5
+                fields[k90] = lo + (hi - lo) * 0.9
         return fields
 
     @staticmethod
