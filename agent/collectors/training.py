@@ -836,51 +836,49 @@ class TrainingCollector:
 
         Built as a copy of the rank's own template (its job, rank and window width; every other
         field its default) with every field this cycle decides given by name: the same Struct as
-        ``RankSummary(...)`` with these fields, at a quarter of its cost (msgspec's keyword
-        constructor of a 31-field Struct took 2.6-3.5 us with the window's fields spread in, its
-        ``structs.replace`` 0.8 us: 8,000 ranks a cycle in the simulator).
+        ``RankSummary(...)`` with these fields, at a fraction of its cost (msgspec's keyword
+        constructor of a 31-field Struct took 2.6-3.5 us with the window's fields spread in).
+        It is copied twice, the window's fields then the rank's own: msgspec's ``structs.replace``
+        took 0.3 us with 14 keywords and 0.9-1.1 us with 15 to 17 (a cliff, measured on this
+        build), so two copies of 11 and 6 cost half of one of 17.
         tests/agent/collectors/test_training_window.py holds the two equal.
 
         What the summary is built from is kept with it: while none of it changed (a rank heard
-        from less than once a cycle: at 2.5 s reports the simulator's ranks are in about a quarter
-        of the cycles, and a 5 s window is summarised twice) the last summary is the answer, and
-        while only the rank's own fields did (a heartbeat in the window in progress) it is copied
-        with those, the window's quantiles kept. Summaries are never changed once built, so
-        sharing one between reports is safe. tests/agent/collectors/test_training_cycle.py holds
-        both to a summary built afresh."""
+        from less than once a cycle: at 2.5 s reports the simulator's ranks are in about three
+        cycles of four, and a 5 s window is summarised twice: 13% of its summaries) the last
+        summary is the answer, and while only the rank's own fields did (a heartbeat in the
+        window in progress) it is the base of the second copy, the window's fields kept.
+        Summaries are never changed once built, so sharing one between reports is safe.
+        tests/agent/collectors/test_training_cycle.py holds both to a summary built afresh."""
         fields = self._window_fields(r, end)
         last = r.last
         ckpt = r.checkpoint
         built = r.summary_of
-        if built is not None and built[0] is fields:
-            prev = r.summary
-            assert prev is not None
+        base = r.summary
+        if built is not None and built[0] is fields and base is not None:
             if (built[1] is last and built[2] == r.state and built[3] == r.gpu and built[4] == r.pid
                     and built[5] == r.last_progress_ts and built[6] is ckpt):
-                return prev
-            summary = _replace(prev, gpu=r.gpu, pid=r.pid, state=r.state, last_step=last.step,
-                               last_progress_ts=r.last_progress_ts, phase=cast("JobPhase | None", last.phase))
-            if built[6] is not ckpt:
-                summary = _checkpointed(summary, ckpt)
-            r.summary = summary
-            r.summary_of = (fields, last, r.state, r.gpu, r.pid, r.last_progress_ts, ckpt)
-            return summary
-        template = r.template
-        if template is None:
-            template = r.template = RankSummary(job=r.job, rank=r.rank, window_seconds=self._config.window_seconds,
-                                                steps=0, last_step=0, last_progress_ts=0.0)
-        get = fields.get
-        summary = _replace(
-            template, gpu=r.gpu, pid=r.pid, state=r.state, window_end_ts=end, steps=fields["steps"],
-            last_step=last.step, last_progress_ts=r.last_progress_ts,
-            step_seconds_p50=get("step_seconds_p50"), step_seconds_p90=get("step_seconds_p90"),
-            compute_seconds_p50=get("compute_seconds_p50"), compute_seconds_p90=get("compute_seconds_p90"),
-            comm_seconds_p50=get("comm_seconds_p50"), comm_seconds_p90=get("comm_seconds_p90"),
-            data_seconds_p50=get("data_seconds_p50"), data_seconds_p90=get("data_seconds_p90"),
-            phase=cast("JobPhase | None", last.phase), first_step=fields["first_step"])
-        if "nonfinite_steps" in fields:  # the window's application signals (_signal_fields)
-            summary = _replace(summary, **{k: fields[k] for k in _SIGNAL_FIELDS})
-        if ckpt is not None:
+                return base
+            base_ckpt = built[6]
+        else:
+            template = r.template
+            if template is None:
+                template = r.template = RankSummary(job=r.job, rank=r.rank, window_seconds=self._config.window_seconds,
+                                                    steps=0, last_step=0, last_progress_ts=0.0)
+            get = fields.get
+            base = _replace(
+                template, window_end_ts=end, steps=fields["steps"],
+                step_seconds_p50=get("step_seconds_p50"), step_seconds_p90=get("step_seconds_p90"),
+                compute_seconds_p50=get("compute_seconds_p50"), compute_seconds_p90=get("compute_seconds_p90"),
+                comm_seconds_p50=get("comm_seconds_p50"), comm_seconds_p90=get("comm_seconds_p90"),
+                data_seconds_p50=get("data_seconds_p50"), data_seconds_p90=get("data_seconds_p90"),
+                first_step=fields["first_step"])
+            if "nonfinite_steps" in fields:  # the window's application signals (_signal_fields)
+                base = _replace(base, **{k: fields[k] for k in _SIGNAL_FIELDS})
+            base_ckpt = None  # the template's: none
+        summary = _replace(base, gpu=r.gpu, pid=r.pid, state=r.state, last_step=last.step,
+                           last_progress_ts=r.last_progress_ts, phase=cast("JobPhase | None", last.phase))
+        if ckpt is not base_ckpt:
             summary = _checkpointed(summary, ckpt)
         r.summary = summary
         r.summary_of = (fields, last, r.state, r.gpu, r.pid, r.last_progress_ts, ckpt)
