@@ -707,24 +707,21 @@ class TrainingCollector:
         self._read_logs(now)
         events: list[Event] = [ev for tail in self._tails for ev in tail.signals.drain(now)]
         start, end = self._window(now)
-        evict_after = self._config.evict_after_seconds
         hang_seconds = self._config.hang_seconds
         pid_alive = self._pid_alive
         summary = self._summary
-        ranks: list[_Rank] = []
         summaries: list[RankSummary] = []
         with self._lock:
-            # One pass per rank (eviction, trim, watch, summary) in the order the separate passes
-            # took: each step reads only its own rank, so the outcome is the same; the usual rank
-            # (heard from lately, history already trimmed, alive and advancing) costs no call
-            # beyond its pid check and its summary (8,000 ranks a cycle in the simulator).
+            # Eviction first, on its own: its pid check may raise (the cycle fails), and it must do
+            # so before any rank's hang or exit is marked reported, or that event would be lost.
+            self._evict(now)
+            ranks = list(self._ranks.values())
+            # Then one pass per rank (trim, watch, summary) in the order the separate passes took:
+            # each step reads only its own rank, so the outcome is the same; the usual rank
+            # (history already trimmed, alive and advancing) costs no call beyond its pid check
+            # and its summary (8,000 ranks a cycle in the simulator).
             # tests/agent/collectors/test_training_cycle.py holds it to the separate passes.
-            for key, r in list(self._ranks.items()):
-                if now - r.last_seen_ts >= evict_after and self._evictable(r, now):
-                    del self._ranks[key]
-                    self._evicted += 1
-                    continue
-                ranks.append(r)
+            for r in ranks:
                 hist = r.history
                 if hist and hist[0].ts < start:
                     self._trim(r, start)
@@ -778,16 +775,19 @@ class TrainingCollector:
                 # Counted like a heartbeat over the limits, so the operator sees the same reason.
                 self._rejected[reason] += 1
 
-    def _evictable(self, r: _Rank, now: float) -> bool:
-        """Whether the rank is to be forgotten at ``now`` (before this cycle's watch)."""
+    def _evict(self, now: float) -> None:
         evict_after = self._config.evict_after_seconds
-        idle = now - r.last_seen_ts
-        # Never before its hang could be reported and seen for a while (evict_after first: the
-        # floor of that bound, and what a rank heard from lately is below).
-        if idle < evict_after or idle < max(evict_after, 2 * self._hang_threshold(r)):
-            return False
-        # A hung rank whose process still lives stays: forgetting it would look like recovery.
-        return not (r.pid is not None and r.state != "exited" and self._pid_alive(r.pid))
+        for key, r in list(self._ranks.items()):
+            idle = now - r.last_seen_ts
+            # Never before its hang could be reported and seen for a while (evict_after first: the
+            # floor of that bound, and what a rank heard from lately is below).
+            if idle < evict_after or idle < max(evict_after, 2 * self._hang_threshold(r)):
+                continue
+            # A hung rank whose process still lives stays: forgetting it would look like recovery.
+            if r.pid is not None and r.state != "exited" and self._pid_alive(r.pid):
+                continue
+            del self._ranks[key]
+            self._evicted += 1
 
     def _window(self, now: float) -> tuple[float, float]:
         """The latest complete summary window [start, end) at ``now``."""
@@ -803,7 +803,7 @@ class TrainingCollector:
             r.baseline_step = hist.popleft().step
             r.dropped += 1
 
-    def _watch(self, r: _Rank, now: float, events: list[Event], alive: object) -> None:
+    def _watch(self, r: _Rank, now: float, events: list[Event], alive: bool) -> None:
         """The rank's state at ``now``, its process ``alive`` (pid_alive's answer, True when
         unknown); a hang or an exit, the first time, goes into ``events``."""
         if not alive:

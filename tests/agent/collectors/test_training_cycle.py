@@ -161,3 +161,30 @@ def test_a_stall_of_exactly_hang_seconds_is_a_hang(stalled: float, state: str) -
     collection = c.collect(T0 + stalled)
     assert collection.report["ranks"][0].state == state
     assert [e.kind for e in collection.events] == ([] if state == "running" else ["hang"])
+
+
+class _FailsOnce:
+    """pid_alive seam: every pid lives, but the check of ``pid`` raises the first time."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid: int | None = pid
+
+    def __call__(self, pid: int) -> bool:
+        if pid == self.pid:
+            self.pid = None
+            raise OSError("process table unreadable")
+        return True
+
+
+def test_a_failed_eviction_check_loses_no_hang() -> None:
+    """Eviction's pid check raises (the cycle fails) before any rank's hang is marked reported:
+    the next cycle still reports it."""
+    c = TrainingCollector(TrainingConfig(hang_seconds=20.0, evict_after_seconds=40.0), pid_alive=_FailsOnce(8))
+    stalled = json.dumps({"job": "j", "rank": 0, "step": 5, "step_seconds": 1.0, "pid": 7}).encode()
+    idle = json.dumps({"job": "j", "rank": 1, "step": 5, "step_seconds": 1.0, "pid": 8}).encode()
+    assert c.ingest(stalled, T0, IN_PROCESS) is None and c.ingest(idle, T0, IN_PROCESS) is None
+    assert c.ingest(stalled, T0 + 30.0, IN_PROCESS) is None  # heard from, not advancing: hung, not idle
+    with pytest.raises(OSError):
+        c.collect(T0 + 45.0)  # rank 1 is idle past evict_after: its pid check raises
+    collection = c.collect(T0 + 47.5)
+    assert sorted((e.kind, e.rank) for e in collection.events) == [("hang", 0), ("hang", 1)]
