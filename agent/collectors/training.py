@@ -246,6 +246,13 @@ def _signals(state: _Rank, record: _Record) -> None:
         state.last_grad_norm = norm
 
 
+def _checkpointed(summary: RankSummary, ckpt: _Checkpoint | None) -> RankSummary:
+    """``summary`` with ``ckpt`` as its latest checkpoint (None: none)."""
+    if ckpt is None:
+        return _replace(summary, checkpoint_step=None, checkpoint_ts=None, checkpoint_seconds=None)
+    return _replace(summary, checkpoint_step=ckpt.step, checkpoint_ts=ckpt.ts, checkpoint_seconds=ckpt.seconds)
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default), q in [0, 1]."""
     if not sorted_values:
@@ -354,6 +361,12 @@ class _Rank:
     # The rank's summary with only what never changes set (job, rank, window width): each cycle's
     # summary is a copy of it (``TrainingCollector._summary``).
     template: RankSummary | None = None
+    # The rank's last summary and what it was built from: (the window's fields dict, ``last``,
+    # state, gpu, pid, last progress, checkpoint), compared by identity for the objects. Reused
+    # whole while all of them are unchanged; copied with the rank's own fields while only the
+    # window's fields are (``TrainingCollector._summary``).
+    summary: RankSummary | None = None
+    summary_of: tuple[dict[str, Any], _Record, str, int | None, int | None, float, _Checkpoint | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -694,13 +707,36 @@ class TrainingCollector:
         self._read_logs(now)
         events: list[Event] = [ev for tail in self._tails for ev in tail.signals.drain(now)]
         start, end = self._window(now)
+        hang_seconds = self._config.hang_seconds
+        pid_alive = self._pid_alive
+        summary = self._summary
+        summaries: list[RankSummary] = []
         with self._lock:
+            # Eviction first, on its own: its pid check may raise (the cycle fails), and it must do
+            # so before any rank's hang or exit is marked reported, or that event would be lost.
             self._evict(now)
             ranks = list(self._ranks.values())
+            # Then one pass per rank (trim, watch, summary) in the order the separate passes took:
+            # each step reads only its own rank, so the outcome is the same; the usual rank
+            # (history already trimmed, alive and advancing) costs no call beyond its pid check
+            # and its summary (8,000 ranks a cycle in the simulator).
+            # tests/agent/collectors/test_training_cycle.py holds it to the separate passes.
             for r in ranks:
-                self._trim(r, start)
-                self._watch(r, now, events)
-            summaries = [self._summary(r, end) for r in ranks]
+                hist = r.history
+                if hist and hist[0].ts < start:
+                    self._trim(r, start)
+                alive = True
+                pid = r.pid
+                if pid is not None:
+                    try:
+                        alive = pid_alive(pid)
+                    except Exception as exc:  # noqa: BLE001 - an unknown answer is not an exit
+                        log.warning("pid check for %s failed: %s", pid, exc)
+                if alive and (r.last.phase is not None or now - r.last_progress_ts < hang_seconds):
+                    r.state = "running"  # _watch's answer without its thresholds: not stalled long enough
+                else:
+                    self._watch(r, now, events, alive)
+                summaries.append(summary(r, end))
             samples = self._samples(ranks, summaries) if self._build_samples else []
             tracked = {r.job for r in ranks}
             for job in [j for j in self._names if j not in tracked]:
@@ -767,14 +803,9 @@ class TrainingCollector:
             r.baseline_step = hist.popleft().step
             r.dropped += 1
 
-    def _watch(self, r: _Rank, now: float, events: list[Event]) -> None:
-        """The rank's state at ``now``; a hang or an exit, the first time, goes into ``events``."""
-        alive = True
-        if r.pid is not None:
-            try:
-                alive = self._pid_alive(r.pid)
-            except Exception as exc:  # noqa: BLE001 - an unknown answer is not an exit
-                log.warning("pid check for %s failed: %s", r.pid, exc)
+    def _watch(self, r: _Rank, now: float, events: list[Event], alive: bool) -> None:
+        """The rank's state at ``now``, its process ``alive`` (pid_alive's answer, True when
+        unknown); a hang or an exit, the first time, goes into ``events``."""
         if not alive:
             r.state = "exited"
             if not r.exit_reported:
@@ -805,31 +836,52 @@ class TrainingCollector:
 
         Built as a copy of the rank's own template (its job, rank and window width; every other
         field its default) with every field this cycle decides given by name: the same Struct as
-        ``RankSummary(...)`` with these fields, at a quarter of its cost (msgspec's keyword
-        constructor of a 31-field Struct took 2.6-3.5 us with the window's fields spread in, its
-        ``structs.replace`` 0.8 us: 8,000 ranks a cycle in the simulator).
-        tests/agent/collectors/test_training_window.py holds the two equal."""
+        ``RankSummary(...)`` with these fields, at a fraction of its cost (msgspec's keyword
+        constructor of a 31-field Struct took 2.6-3.5 us with the window's fields spread in).
+        It is copied twice, the window's fields then the rank's own: msgspec's ``structs.replace``
+        took 0.3 us with 14 keywords and 0.9-1.1 us with 15 to 17 (a cliff, measured on this
+        build), so two copies of 11 and 6 cost half of one of 17.
+        tests/agent/collectors/test_training_window.py holds the two equal.
+
+        What the summary is built from is kept with it: while none of it changed (a rank heard
+        from less than once a cycle: at 2.5 s reports the simulator's ranks are in about three
+        cycles of four, and a 5 s window is summarised twice: 13% of its summaries) the last
+        summary is the answer, and while only the rank's own fields did (a heartbeat in the
+        window in progress) it is the base of the second copy, the window's fields kept.
+        Summaries are never changed once built, so sharing one between reports is safe.
+        tests/agent/collectors/test_training_cycle.py holds both to a summary built afresh."""
         fields = self._window_fields(r, end)
-        template = r.template
-        if template is None:
-            template = r.template = RankSummary(job=r.job, rank=r.rank, window_seconds=self._config.window_seconds,
-                                                steps=0, last_step=0, last_progress_ts=0.0)
-        get = fields.get
         last = r.last
-        summary = _replace(
-            template, gpu=r.gpu, pid=r.pid, state=r.state, window_end_ts=end, steps=fields["steps"],
-            last_step=last.step, last_progress_ts=r.last_progress_ts,
-            step_seconds_p50=get("step_seconds_p50"), step_seconds_p90=get("step_seconds_p90"),
-            compute_seconds_p50=get("compute_seconds_p50"), compute_seconds_p90=get("compute_seconds_p90"),
-            comm_seconds_p50=get("comm_seconds_p50"), comm_seconds_p90=get("comm_seconds_p90"),
-            data_seconds_p50=get("data_seconds_p50"), data_seconds_p90=get("data_seconds_p90"),
-            phase=cast("JobPhase | None", last.phase), first_step=fields["first_step"])
-        if "nonfinite_steps" in fields:  # the window's application signals (_signal_fields)
-            summary = _replace(summary, **{k: fields[k] for k in _SIGNAL_FIELDS})
         ckpt = r.checkpoint
-        if ckpt is not None:
-            summary = _replace(summary, checkpoint_step=ckpt.step, checkpoint_ts=ckpt.ts,
-                               checkpoint_seconds=ckpt.seconds)
+        built = r.summary_of
+        base = r.summary
+        if built is not None and built[0] is fields and base is not None:
+            if (built[1] is last and built[2] == r.state and built[3] == r.gpu and built[4] == r.pid
+                    and built[5] == r.last_progress_ts and built[6] is ckpt):
+                return base
+            base_ckpt = built[6]
+        else:
+            template = r.template
+            if template is None:
+                template = r.template = RankSummary(job=r.job, rank=r.rank, window_seconds=self._config.window_seconds,
+                                                    steps=0, last_step=0, last_progress_ts=0.0)
+            get = fields.get
+            base = _replace(
+                template, window_end_ts=end, steps=fields["steps"],
+                step_seconds_p50=get("step_seconds_p50"), step_seconds_p90=get("step_seconds_p90"),
+                compute_seconds_p50=get("compute_seconds_p50"), compute_seconds_p90=get("compute_seconds_p90"),
+                comm_seconds_p50=get("comm_seconds_p50"), comm_seconds_p90=get("comm_seconds_p90"),
+                data_seconds_p50=get("data_seconds_p50"), data_seconds_p90=get("data_seconds_p90"),
+                first_step=fields["first_step"])
+            if "nonfinite_steps" in fields:  # the window's application signals (_signal_fields)
+                base = _replace(base, **{k: fields[k] for k in _SIGNAL_FIELDS})
+            base_ckpt = None  # the template's: none
+        summary = _replace(base, gpu=r.gpu, pid=r.pid, state=r.state, last_step=last.step,
+                           last_progress_ts=r.last_progress_ts, phase=cast("JobPhase | None", last.phase))
+        if ckpt is not base_ckpt:
+            summary = _checkpointed(summary, ckpt)
+        r.summary = summary
+        r.summary_of = (fields, last, r.state, r.gpu, r.pid, r.last_progress_ts, ckpt)
         return summary
 
     @staticmethod
@@ -854,6 +906,14 @@ class TrainingCollector:
                 one = TrainingCollector._one_record_fields(r.baseline_step, rec)
                 r.window = (end, r.dropped, len(hist) > 1, len(hist), one)
                 return one
+            # Two records without signals (the simulator's other usual window: a 3.4 s step in a
+            # 5 s window holds one or two): the loop's result without its lists and sorts.
+            if (len(hist) > 1 and rec.ts < end and hist[1].ts < end and (len(hist) == 2 or hist[2].ts >= end)
+                    and rec.loss is None and rec.grad_norm is None and hist[1].loss is None
+                    and hist[1].grad_norm is None):
+                two = TrainingCollector._two_record_fields(r.baseline_step, rec, hist[1])
+                r.window = (end, r.dropped, len(hist) > 2, len(hist), two)
+                return two
         # One pass over the window into one list per phase: this runs for every rank every cycle
         # (8,000 ranks a cycle in the simulator), so the loop reads each field once and the rare
         # application signals are gathered by a second pass only when a record carries one.
@@ -935,6 +995,34 @@ class TrainingCollector:
         value = rec.data_seconds
         if value is not None:
             fields["data_seconds_p50"] = fields["data_seconds_p90"] = value + 0.0
+        return fields
+
+    @staticmethod
+    def _two_record_fields(baseline_step: int | None, a: _Record, b: _Record) -> dict[str, Any]:
+        """``_window_fields`` of a window that holds the two records ``a`` then ``b``, without
+        application signals: the loop's steps and first step, and per phase what ``p50_p90`` gives
+        for the two values sorted (a stable sort: ``b`` first only when below ``a``) or for the
+        one present; the window tests hold the two equal over random histories."""
+        step_a, step_b = a.step, b.step
+        steps = 1 if baseline_step is None else step_a - baseline_step if step_a > baseline_step else 0
+        if step_b > step_a:
+            steps += step_b - step_a
+        fields: dict[str, Any] = {"steps": steps, "first_step": step_b if step_b < step_a else step_a}
+        for k50, k90, x, y in (
+                ("step_seconds_p50", "step_seconds_p90", a.step_seconds if a.phase is None else None,
+                 b.step_seconds if b.phase is None else None),  # a phase announcement is no step
+                ("compute_seconds_p50", "compute_seconds_p90", a.compute_seconds, b.compute_seconds),
+                ("comm_seconds_p50", "comm_seconds_p90", a.comm_seconds, b.comm_seconds),
+                ("data_seconds_p50", "data_seconds_p90", a.data_seconds, b.data_seconds)):
+            if x is None:
+                if y is not None:
+                    fields[k50] = fields[k90] = y + 0.0
+            elif y is None:
+                fields[k50] = fields[k90] = x + 0.0
+            else:
+                lo, hi = (y, x) if y < x else (x, y)
+                fields[k50] = lo + (hi - lo) * 0.5
+                fields[k90] = lo + (hi - lo) * 0.9
         return fields
 
     @staticmethod

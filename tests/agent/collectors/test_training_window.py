@@ -1,8 +1,8 @@
 """The training collector's window summary (``_window_fields``, the loop that runs for every rank
 every cycle) against the plain computation it replaced, over randomized histories: steps and
 restarts, phase announcements, missing phases, application signals (finite and not), records
-after the window's end and a clock that steps back; a window of one record (its own shortcut),
-and the summary copied from the rank's template against ``RankSummary``'s own constructor."""
+after the window's end and a clock that steps back; windows of one and of two records (their own
+shortcuts), and the summary copied from the rank's template against ``RankSummary``'s own constructor."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def _signal(rng: random.Random) -> float | str | None:
 @pytest.mark.parametrize("seed", range(8))
 def test_window_fields_equal_the_long_way(seed: int) -> None:
     rng = random.Random(seed)
-    compared = with_signals = one_record = 0
+    compared = with_signals = one_record = two_records = 0
     for _ in range(400):
         ts, step = 1000.0, rng.randrange(0, 50)
         history: deque[_Record] = deque()
@@ -123,8 +123,10 @@ def test_window_fields_equal_the_long_way(seed: int) -> None:
             assert [repr(got[k]) for k in want] == [repr(want[k]) for k in want]  # -0.0 stays apart from 0.0
             compared += 1
             with_signals += "nonfinite_steps" in want
-            one_record += sum(1 for rec in history if rec.ts < end) == 1
-    assert compared == 1200 and with_signals > 50 and one_record > 200
+            in_window = sum(1 for rec in history if rec.ts < end)
+            one_record += in_window == 1
+            two_records += in_window == 2 and "nonfinite_steps" not in want
+    assert compared == 1200 and with_signals > 50 and one_record > 200 and two_records > 50
 
 
 @pytest.mark.parametrize("seed", range(4))
