@@ -341,6 +341,7 @@ class Fleet:
         suspect, links_below = node.fabric_suspect_gpus, node.gpu_links_below
         for i, state in enumerate(report.gpus):
             index = state.index
+            held = False  # whether ``state`` is the very one the GPU's history took last (whole entries)
             hist = gpus.get(index)
             if hist is None and len(gpus) >= cfg.max_gpus_per_node:
                 _count(refused, "too_many_gpus")  # never evicted: a GPU gone from the reports is evidence
@@ -385,12 +386,14 @@ class Fleet:
                     self._mark_recovery(node, index, state.recovery_action)
             else:
                 last = hist.last
+                # The state held itself (the simulator hands the service its agents' objects, the same
+                # ones until a GPU is read again; wire states are values) changed nothing it marks.
+                held = state is last
                 # Taken whole: a GPU back in the reports, or one whose fault fields (the marking
-                # completer's _GPU_FAULTS, and the NVLinks down) changed. The state held itself (the
-                # simulator hands the service its agents' objects; wire states are values) changed
-                # nothing. Tested field by field: an attrgetter of the eight, twice, cost ~4k
-                # instructions a GPU (bench_ingest_instructions), the chain ~1.5k.
-                if node.gpu_faults_revision != revision and (hist.last_seen != prev_seen or (state is not last and (
+                # completer's _GPU_FAULTS, and the NVLinks down) changed. Tested field by field: an
+                # attrgetter of the eight, twice, cost ~4k instructions a GPU (bench_ingest_instructions),
+                # the chain ~1.5k.
+                if node.gpu_faults_revision != revision and (hist.last_seen != prev_seen or (not held and (
                         state.remap_pending != last.remap_pending or state.remap_failure != last.remap_failure
                         or state.retired_pages_pending != last.retired_pages_pending
                         or state.retired_pages_sbe != last.retired_pages_sbe
@@ -400,16 +403,18 @@ class Fleet:
                         or state.pcie_link_width_max != last.pcie_link_width_max))):
                     node.gpu_faults_revision = revision
                     journals.gpu_faults.names.append(node.name)
-                if (state.name != last.name or state.sm_clock_max_hertz != last.sm_clock_max_hertz
-                        or state.power_limit_watts != last.power_limit_watts) and node.gpu_class_revision != revision:
-                    node.gpu_class_revision = revision
-                    journals.gpu_class.names.append(node.name)
-                if state.job != last.job:
-                    self.gpu_jobs_revision = revision
-                    journals.gpu_jobs.names.append(node.name)
-                if state.recovery_action not in _NO_RECOVERY or node.recovery_gpus:
-                    self._mark_recovery(node, index, state.recovery_action)
-            if hist.observe(state, ts) and node.gpu_counters_moved_ts != ts:
+                if not held:  # else its class, job and recovery action were taken with it (idempotent)
+                    if (state.name != last.name or state.sm_clock_max_hertz != last.sm_clock_max_hertz
+                            or state.power_limit_watts != last.power_limit_watts) \
+                            and node.gpu_class_revision != revision:
+                        node.gpu_class_revision = revision
+                        journals.gpu_class.names.append(node.name)
+                    if state.job != last.job:
+                        self.gpu_jobs_revision = revision
+                        journals.gpu_jobs.names.append(node.name)
+                    if state.recovery_action not in _NO_RECOVERY or node.recovery_gpus:
+                        self._mark_recovery(node, index, state.recovery_action)
+            if hist.observe(state, ts, held) and node.gpu_counters_moved_ts != ts:
                 node.gpu_counters_moved_ts = ts
                 journals.gpu_counters.names.append(node.name)
             reasons, hbm = state.clock_event_reasons, state.memory_temperature_celsius
@@ -508,7 +513,9 @@ class Fleet:
                 pstate = complete_cleared(complete_port, pbase, pstate, cleared.get(("ports", i), ())) \
                     if cleared else complete_port(pbase, pstate)
             back = phist.last_seen != prev_seen  # not in the node's previous report: taken as changed
-            changed = phist.observe(pstate, ts, psent) | (PORT_LINK_CHANGED if back else 0)
+            # A whole entry that is the state held (the simulator's quiet ports: as a GPU's, above).
+            changed = phist.observe(pstate, ts, psent, psent is None and pstate is phist.last) \
+                | (PORT_LINK_CHANGED if back else 0)
             if changed:
                 if changed & PORT_LINK_CHANGED and node.ports_revision != revision:
                     node.ports_revision = revision

@@ -132,8 +132,9 @@ def test_fault_and_port_markers_move_when_what_the_gpu_and_port_detectors_read_c
 def test_a_whole_report_holding_the_same_entry_objects_moves_the_markers_only_where_they_changed() -> None:
     """The simulator hands the service its agents' report objects: a whole report can hold the very
     GPU and port states the last one held. Nothing changed marks nothing; a GPU's fault flag set in
-    a new read marks its node, and so does a link gone down or trained down even on the same port
-    object (a port is compared with the sample taken from it, not with itself)."""
+    a new read marks its node, and so does a port's link gone down or trained down in a new read
+    (wire states are values: an agent's collector builds a new state at each read, and the very
+    state held again is taken as unchanged, its sample and counters as the last ones)."""
     fleet = Fleet()
     report = FakeNode("n1", gpus=2, ports=2).report(0.0)
     fleet.ingest(report, 0.0)
@@ -147,10 +148,11 @@ def test_a_whole_report_holding_the_same_entry_objects_moves_the_markers_only_wh
         return node.gpu_faults_revision != faults, node.ports_revision != ports
 
     assert again(1) == (False, False)
-    report.ports[1].state = "1: DOWN"
+    report.ports[1] = msgspec.structs.replace(report.ports[1], state="1: DOWN")
     assert again(2) == (False, True)
     assert again(3) == (False, False)
-    report.ports[0].rate_bits_per_second = (report.ports[0].rate_bits_per_second or 0) / 2
+    report.ports[0] = msgspec.structs.replace(report.ports[0],
+                                              rate_bits_per_second=(report.ports[0].rate_bits_per_second or 0) / 2)
     assert again(4) == (False, True)
     report.gpus[1] = msgspec.structs.replace(report.gpus[1], remap_pending=True)  # a new read (wire states are values)
     assert again(5) == (True, False)
