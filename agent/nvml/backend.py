@@ -363,6 +363,8 @@ class PynvmlBackend:
         self._health_errors = tuple(cls for cls, _ in self._health_of)
         self._reason_bits = tuple((name, int(getattr(nvml, const))) for name, const in CLOCK_EVENT_REASONS)
         self._nvlink_counters = tuple(int(getattr(nvml, const)) for _, const in NVLINK_ERROR_COUNTERS)
+        # Per GPU: the values its links read last time and the NvLinkReadings made of them.
+        self._nvlinks_last: dict[int, tuple[tuple[tuple[Any, ...], ...], tuple[NvLinkReading, ...]]] = {}
         # Constants looked up once: FakeNvml serves them through __getattr__, which is slow.
         self._c: dict[str, Any] = {name: getattr(nvml, name) for name in _CONSTANTS}
         self._value_members = _value_members(nvml)
@@ -966,33 +968,54 @@ class PynvmlBackend:
                       links: tuple[int, ...]) -> tuple[NvLinkReading, ...]:
         # _query's rules, inlined: 4 calls a link and 18 links on Hopper are most of a slow read's
         # calls, so each is one bound call in a try (free unless it raises); a failure goes
-        # through _failed as in _query, and a query answered NotSupported is not asked again.
+        # through _failed as in _query, and a query answered NotSupported is not asked again (the
+        # flags below are re-read from ``unsupported`` after each failure, the only thing that adds
+        # to it here, so every call _query would make is made and no other).
         unsupported = self._unsupported[index]
         nvml, error, failed = self._nvml, self._error, self._failed
         state_name, counter_name = "nvmlDeviceGetNvLinkState", "nvmlDeviceGetNvLinkErrorCounter"
         get_state, get_counter = getattr(nvml, state_name), getattr(nvml, counter_name)
         enabled = self._c["NVML_FEATURE_ENABLED"]
-        counters = self._nvlink_counters
-        out = []
+        crc_counter, replay_counter, recovery_counter = self._nvlink_counters
+        ask_state, ask_counter = state_name not in unsupported, counter_name not in unsupported
+        read: list[tuple[int, bool | None, int | None, int | None, int | None]] = []
         for link in links:
-            if state_name in unsupported:
-                active = None
-            else:
+            active = crc = replay = recovery = None
+            if ask_state:
                 try:
                     active = get_state(h, link) == enabled
                 except error as exc:
                     active = failed(index, e, state_name, exc)
-            values: list[int | None] = []
-            for counter in counters:
-                if counter_name in unsupported:
-                    values.append(None)
-                    continue
+                    ask_state = state_name not in unsupported
+            if ask_counter:
                 try:
-                    values.append(get_counter(h, link, counter))
+                    crc = get_counter(h, link, crc_counter)
                 except error as exc:
-                    values.append(failed(index, e, counter_name, exc))
-            out.append(NvLinkReading(link, active, values[0], values[1], values[2]))
-        return tuple(out)
+                    crc = failed(index, e, counter_name, exc)
+                    ask_counter = counter_name not in unsupported
+            if ask_counter:
+                try:
+                    replay = get_counter(h, link, replay_counter)
+                except error as exc:
+                    replay = failed(index, e, counter_name, exc)
+                    ask_counter = counter_name not in unsupported
+            if ask_counter:
+                try:
+                    recovery = get_counter(h, link, recovery_counter)
+                except error as exc:
+                    recovery = failed(index, e, counter_name, exc)
+                    ask_counter = counter_name not in unsupported
+            read.append((link, active, crc, replay, recovery))
+        # A healthy GPU's links read the same cycle after cycle: the readings of the last read are
+        # handed back while every value is as it was (the same tuple lets the collector see that
+        # by identity), rather than 18 frozen NvLinkReadings built again.
+        values = tuple(read)
+        last = self._nvlinks_last.get(index)
+        if last is not None and last[0] == values:
+            return last[1]
+        readings = tuple(NvLinkReading(*v) for v in values)
+        self._nvlinks_last[index] = (values, readings)
+        return readings
 
     # --- reset --------------------------------------------------------------------------------
 
