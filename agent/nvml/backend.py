@@ -15,7 +15,7 @@ import ctypes
 import logging
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
@@ -400,6 +400,11 @@ class PynvmlBackend:
             for word, name in FABRIC_HEALTH_CONDITIONS)
         self._recovery_actions = {int(getattr(nvml, const)): word for word, const in RECOVERY_ACTIONS}
         self._recovery_field = int(getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", RECOVERY_ACTION_FIELD))
+        # The two nvmlDeviceGetFieldValues asks of a read, with their keys in _unsupported made once.
+        self._memory_temperature_and_recovery = self._field_ask(
+            (self._c["NVML_FI_DEV_MEMORY_TEMP"], self._recovery_field))
+        self._nvlink_data = self._field_ask(((self._c["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"], NVLINK_ALL_LINKS),
+                                             (self._c["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"], NVLINK_ALL_LINKS)))
         # GPUs whose driver has no nvmlDeviceGetGpuFabricInfoV (FunctionNotFound: older drivers) or refuses
         # its v2 struct: asked with nvmlDeviceGetGpuFabricInfo (no health mask) from then on.
         self._fabric_v1: set[int] = set()
@@ -682,8 +687,8 @@ class PynvmlBackend:
         q = self._query
         util = q(index, e, "nvmlDeviceGetUtilizationRates", h)
         if util is not None:
-            r.utilization_gpu_ratio = util.gpu / 100.0
-            r.utilization_memory_ratio = util.memory / 100.0
+            r.utilization_gpu_ratio = _numeric_field(util, "gpu") / 100.0
+            r.utilization_memory_ratio = _numeric_field(util, "memory") / 100.0
         encoder = q(index, e, "nvmlDeviceGetEncoderUtilization", h)  # [percent, sampling period us]
         r.encoder_utilization_ratio = None if encoder is None else encoder[0] / 100.0
         decoder = q(index, e, "nvmlDeviceGetDecoderUtilization", h)
@@ -695,7 +700,7 @@ class PynvmlBackend:
         r.memory_clock_hertz = None if mem_clock is None else mem_clock * _MHZ
         temp = q(index, e, "nvmlDeviceGetTemperature", h, c["NVML_TEMPERATURE_GPU"])
         r.temperature_celsius = None if temp is None else float(temp)
-        temp_memory, action = self._field_values(index, e, h, (c["NVML_FI_DEV_MEMORY_TEMP"], self._recovery_field))
+        temp_memory, action = self._field_values(index, e, h, self._memory_temperature_and_recovery)
         r.memory_temperature_celsius = temp_memory
         r.recovery_action = None if action is None else self._recovery_action(e, int(action))
         power = q(index, e, "nvmlDeviceGetPowerUsage", h)
@@ -734,9 +739,7 @@ class PynvmlBackend:
         ident = self._identities.get(index)
         if slow and ident is not None and ident.nvlinks:
             r.nvlinks = self._read_nvlinks(index, e, h, ident.nvlinks)
-            tx, rx = self._field_values(index, e, h, (
-                (c["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"], NVLINK_ALL_LINKS),
-                (c["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"], NVLINK_ALL_LINKS)))
+            tx, rx = self._field_values(index, e, h, self._nvlink_data)
             r.nvlink_data_tx_bytes = None if tx is None else int(tx) * _KIB
             r.nvlink_data_rx_bytes = None if rx is None else int(rx) * _KIB
         if slow:
@@ -828,9 +831,10 @@ class PynvmlBackend:
                 errors.append(("nvmlDeviceGetMemoryInfo", error_reason(exc)))
                 return
             else:
-                r.memory_reserved_bytes = int(memory.reserved)
-                r.memory_used_bytes = int(memory.used) + r.memory_reserved_bytes
-                r.memory_total_bytes = int(memory.total)
+                get = _numeric_field  # past pynvml's str wrapper: these are numbers
+                r.memory_reserved_bytes = int(get(memory, "reserved"))
+                r.memory_used_bytes = int(get(memory, "used")) + r.memory_reserved_bytes
+                r.memory_total_bytes = int(get(memory, "total"))
                 return
         memory = self._query(index, errors, "nvmlDeviceGetMemoryInfo", h)
         if memory is not None:
@@ -945,24 +949,38 @@ class PynvmlBackend:
             return GpuConfigFacts(index=index, health=exc.health, errors=(*errors, ("device", exc.reason)))
 
     def _field_values(self, index: int, errors: list[tuple[str, str]], h: Any,
-                      fields: tuple[int | tuple[int, int], ...]) -> list[float | None]:
-        """One nvmlDeviceGetFieldValues call for ``fields`` (a field id, or (field id, scope id)):
-        each value, or None where its own nvmlReturn failed. A field answered NotSupported is a
-        device capability: it is never asked again, the other fields still are."""
+                      ask: tuple[tuple[int | tuple[int, int], ...], tuple[str, ...]]) -> list[float | None]:
+        """One nvmlDeviceGetFieldValues call for the fields of ``ask`` (a field id, or (field id,
+        scope id); with each its key in ``_unsupported``, made once by _field_ask): each value, or
+        None where its own nvmlReturn failed. A field answered NotSupported is a device capability:
+        it is never asked again, the other fields still are."""
+        fields, keys = ask
         unsupported = self._unsupported[index]
-        asked = [f for f in fields if f"nvmlDeviceGetFieldValues{f}" not in unsupported]
-        out: dict[int | tuple[int, int], float | None] = dict.fromkeys(fields)
+        out: list[float | None] = [None] * len(fields)
+        if unsupported.isdisjoint(keys):
+            slots: Sequence[int] = range(len(fields))
+            asked = list(fields)
+        else:
+            slots = [i for i, key in enumerate(keys) if key not in unsupported]
+            asked = [fields[i] for i in slots]
         values = self._query(index, errors, "nvmlDeviceGetFieldValues", h, asked) if asked else None
         success, not_supported = self._c["NVML_SUCCESS"], self._c["NVML_ERROR_NOT_SUPPORTED"]
-        for f, v in zip(asked, values or (), strict=False):
-            returned = v.nvmlReturn
+        members, get = self._value_members, _numeric_field  # numbers: past pynvml's str wrapper
+        for i, v in zip(slots, values or (), strict=False):
+            returned = get(v, "nvmlReturn")
             if returned == success:
-                out[f] = _field_value(self._value_members, v)
+                out[i] = float(getattr(get(v, "value"), members.get(get(v, "valueType"), "uiVal")))
             elif returned == not_supported:
-                unsupported.add(f"nvmlDeviceGetFieldValues{f}")
+                unsupported.add(keys[i])
             else:
                 errors.append(("nvmlDeviceGetFieldValues", f"field_return_{int(returned)}"))
-        return [out[f] for f in fields]
+        return out
+
+    @staticmethod
+    def _field_ask(fields: tuple[int | tuple[int, int], ...]) -> tuple[tuple[int | tuple[int, int], ...],
+                                                                         tuple[str, ...]]:
+        """``fields`` with the key each is remembered by in ``_unsupported`` when NotSupported."""
+        return fields, tuple(f"nvmlDeviceGetFieldValues{f}" for f in fields)
 
     def _read_nvlinks(self, index: int, e: list[tuple[str, str]], h: Any,
                       links: tuple[int, ...]) -> tuple[NvLinkReading, ...]:
@@ -1108,10 +1126,6 @@ def _value_members(nvml: Any) -> dict[int, str]:
     for const, member in _VALUE_MEMBERS:
         members.setdefault(int(getattr(nvml, const)), member)
     return members
-
-
-def _field_value(members: dict[int, str], v: Any) -> float:
-    return float(getattr(v.value, members.get(v.valueType, "uiVal")))
 
 
 def open_backend(config: NvmlConfig, clock: Callable[[], float]) -> PynvmlBackend | None:
