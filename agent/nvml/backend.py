@@ -339,6 +339,20 @@ class _HealthError(Exception):
         self.reason = reason
 
 
+class _Functions(dict[str, Callable[..., Any]]):
+    """The functions of an nvml module by name, each looked up once, when first asked for (a name
+    the module lacks raises AttributeError then, as getattr would)."""
+
+    def __init__(self, nvml: Any) -> None:
+        super().__init__()
+        self._nvml = nvml
+
+    def __missing__(self, name: str) -> Callable[..., Any]:
+        function: Callable[..., Any] = getattr(self._nvml, name)
+        self[name] = function
+        return function
+
+
 class PynvmlBackend:
     """NVML for the agent. ``nvml`` is the pynvml module or a FakeNvml (same names, same units)."""
 
@@ -347,6 +361,8 @@ class PynvmlBackend:
 
     def __init__(self, nvml: ModuleType | FakeNvml, run: CommandRunner | None = None) -> None:
         self._nvml: Any = nvml
+        # nvml's functions by name, each looked up on first use (about 30 _query calls a GPU read).
+        self._functions = _Functions(nvml)
         # Runs nvidia-smi for reset_gpu: the real command, or over FakeNvml its imitation, so that a
         # fake GPU is never reset by a real nvidia-smi and a scenario sees the reset.
         self._run: CommandRunner = run or (nvml.nvidia_smi if isinstance(nvml, FakeNvml) else run_command)
@@ -461,7 +477,7 @@ class PynvmlBackend:
         if name in self._unsupported[index]:
             return None
         try:
-            return getattr(self._nvml, name)(*args)
+            return self._functions[name](*args)
         except self._error as exc:
             return self._failed(index, errors, name, exc)
 
