@@ -617,7 +617,7 @@ class PynvmlBackend:
     def _gpm_call(self, index: int, errors: list[tuple[str, str]], name: str, *args: Any) -> bool:
         """One GPM call: False when it failed (NotSupported: the device never asked again)."""
         try:
-            getattr(self._nvml, name)(*args)
+            self._functions[name](*args)
         except self._gpm_function_missing:
             self._gpm_supported[index] = False  # a driver older than GPM (R520)
             return False
@@ -682,15 +682,15 @@ class PynvmlBackend:
                 ids[i].metricId = metric_id
         slots = request.metrics  # one attribute lookup: pynvml structs wrap __getattribute__
         try:
-            request.sample1 = previous
-            request.sample2 = sample
+            # Pointers, set as ctypes sets them: pynvml's __setattr__ only encodes a str.
+            _set_field(request, "sample1", previous)
+            _set_field(request, "sample2", sample)
             if not self._gpm_call(index, e, "nvmlGpmMetricsGet", request):
                 return
         finally:
             self._gpm_free(previous)
         success = self._c["NVML_SUCCESS"]
-        for i, (attr, _, scale) in enumerate(self._gpm_ids):
-            metric = slots[i]
+        for metric, (attr, _, scale) in zip(slots[:len(self._gpm_ids)], self._gpm_ids, strict=True):
             if _numeric_field(metric, "nvmlReturn") == success:
                 value = max(float(_numeric_field(metric, "value")), 0.0) * scale
                 # A percentage may overshoot 100 by rounding in the driver; a ratio stays in 0..1.
@@ -827,7 +827,7 @@ class PynvmlBackend:
         """One call on a MIG device handle: None when it fails (counted; not remembered as the
         parent's capability), health errors raise as for the parent."""
         try:
-            return getattr(self._nvml, name)(*args)
+            return self._functions[name](*args)
         except self._health_errors as exc:
             raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
         except self._error as exc:
@@ -1124,6 +1124,8 @@ def _address(handle: Any) -> int | None:
 # A numeric field of a pynvml struct read as ctypes reads it: pynvml's structs wrap every attribute
 # read in a __getattribute__ that only turns bytes into str, a cost per read that numbers never need.
 _numeric_field = object.__getattribute__
+# And a field set as ctypes sets it, past pynvml's __setattr__ (which only encodes a str first).
+_set_field = ctypes.Structure.__setattr__
 
 # nvmlValueType_t -> the member of nvmlValue_t that holds it; any other type reads uiVal.
 _VALUE_MEMBERS: tuple[tuple[str, str], ...] = (

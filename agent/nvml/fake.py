@@ -1211,9 +1211,12 @@ class FakeNvml:
         """Fills ``metrics[i].value`` (and nvmlReturn) for each requested metricId, from the two
         samples' GPU over the interval between them, as the real call does."""
         self._live()
-        if metrics_get.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+        # The numeric fields set and read as ctypes does, past pynvml's str/bytes wrappers.
+        get, put = object.__getattribute__, ctypes.Structure.__setattr__
+        if get(metrics_get, "version") != pynvml.NVML_GPM_METRICS_GET_VERSION:
             raise pynvml.NVMLError_ArgumentVersionMismatch()
-        first, second = self._gpm_sample(metrics_get.sample1), self._gpm_sample(metrics_get.sample2)
+        first = self._gpm_sample(get(metrics_get, "sample1"))
+        second = self._gpm_sample(get(metrics_get, "sample2"))
         handle = second.handle
         if handle is None or first.handle is not handle or first.t is None or second.t is None:
             raise pynvml.NVMLError_InvalidArgument()
@@ -1221,11 +1224,9 @@ class FakeNvml:
         if not handle.profile.gpm_supported:
             raise pynvml.NVMLError_NotSupported()
         values = handle.gpm(min(second.t, t))
-        slots = metrics_get.metrics
-        # The numeric fields set and read as ctypes does, past pynvml's str/bytes wrappers.
-        get, put = object.__getattribute__, ctypes.Structure.__setattr__
-        not_supported, success = pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_SUCCESS
-        for i in range(metrics_get.numMetrics):
+        slots = get(metrics_get, "metrics")
+        not_supported, success = _NOT_SUPPORTED, _SUCCESS
+        for i in range(get(metrics_get, "numMetrics")):
             metric = slots[i]
             value = values.get(get(metric, "metricId"))
             if value is None:
