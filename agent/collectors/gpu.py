@@ -322,8 +322,8 @@ _copy_state = _state_copier()
 def _reading_sampler() -> Callable[[list[Sample], GpuReading, _Labels, tuple[_Labels, ...]], None]:
     """``sample(out, reading, labels, labeled)``: a Sample into ``out`` for each _SIMPLE, then each
     _LABELED field of the reading that has a value (``labeled``: _LABELED's label sets in order),
-    compiled once like _state_copier: a getattr loop over 42 fields costs about half as much again
-    per GPU per cycle."""
+    compiled once like _state_copier: the getattr loop over those 42 fields took 7.2-7.6 us for an
+    H100's 36 samples against 4.3-5.1 us (timeit, shared 2-core machine)."""
     lines = ["def sample(out, r, labels, labeled):", "    append = out.append"]
     for attr, spec in _SIMPLE:
         lines += [f"    v = r.{attr}", "    if v is not None:",
