@@ -319,6 +319,27 @@ def _state_copier() -> Callable[[GpuState, GpuReading, GpuIdentity], None]:
 _copy_state = _state_copier()
 
 
+def _reading_sampler() -> Callable[[list[Sample], GpuReading, _Labels, tuple[_Labels, ...]], None]:
+    """``sample(out, reading, labels, labeled)``: a Sample into ``out`` for each _SIMPLE, then each
+    _LABELED field of the reading that has a value (``labeled``: _LABELED's label sets in order),
+    compiled once like _state_copier: the getattr loop over those 42 fields took 7.2-7.6 us for an
+    H100's 36 samples against 4.3-5.1 us (timeit, shared 2-core machine)."""
+    lines = ["def sample(out, r, labels, labeled):", "    append = out.append"]
+    for attr, spec in _SIMPLE:
+        lines += [f"    v = r.{attr}", "    if v is not None:",
+                  f"        append(Sample({spec.name!r}, float(v), labels))"]
+    for i, (attr, spec, _) in enumerate(_LABELED):
+        lines += [f"    v = r.{attr}", "    if v is not None:",
+                  f"        append(Sample({spec.name!r}, float(v), labeled[{i}]))"]
+    namespace: dict[str, Callable[[list[Sample], GpuReading, _Labels, tuple[_Labels, ...]], None]] = {}
+    # The source is built from the field names and metric names above only.
+    exec("\n".join(lines), {"Sample": Sample}, namespace)
+    return namespace["sample"]
+
+
+_sample_reading = _reading_sampler()
+
+
 # What each library answers for a lost GPU (agent/amdsmi/backend.py STATUS_HEALTH).
 _LOST_ERROR = {"nvml": "NVML_ERROR_GPU_IS_LOST", "amdsmi": "AMDSMI_STATUS_NOT_FOUND"}
 
@@ -503,14 +524,7 @@ class GpuCollector:
             out.extend(gpu.static_samples[:1])  # keep the identity of a lost GPU visible
             return out
         out.extend(gpu.static_samples)
-        for attr, spec in _SIMPLE:
-            value = getattr(r, attr)
-            if value is not None:
-                out.append(Sample(spec.name, float(value), labels))
-        for (attr, spec, _), labeled in zip(_LABELED, gpu.labeled, strict=True):
-            value = getattr(r, attr)
-            if value is not None:
-                out.append(Sample(spec.name, float(value), labeled))
+        _sample_reading(out, r, labels, gpu.labeled)
         mask = r.clock_event_reasons
         if mask is not None:
             reasons = gpu.clock_event_samples.get(mask)

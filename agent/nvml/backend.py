@@ -15,7 +15,7 @@ import ctypes
 import logging
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
@@ -339,6 +339,20 @@ class _HealthError(Exception):
         self.reason = reason
 
 
+class _Functions(dict[str, Callable[..., Any]]):
+    """The functions of an nvml module by name, each looked up once, when first asked for (a name
+    the module lacks raises AttributeError then, as getattr would)."""
+
+    def __init__(self, nvml: Any) -> None:
+        super().__init__()
+        self._nvml = nvml
+
+    def __missing__(self, name: str) -> Callable[..., Any]:
+        function: Callable[..., Any] = getattr(self._nvml, name)
+        self[name] = function
+        return function
+
+
 class PynvmlBackend:
     """NVML for the agent. ``nvml`` is the pynvml module or a FakeNvml (same names, same units)."""
 
@@ -347,6 +361,8 @@ class PynvmlBackend:
 
     def __init__(self, nvml: ModuleType | FakeNvml, run: CommandRunner | None = None) -> None:
         self._nvml: Any = nvml
+        # nvml's functions by name, each looked up on first use (about 30 _query calls a GPU read).
+        self._functions = _Functions(nvml)
         # Runs nvidia-smi for reset_gpu: the real command, or over FakeNvml its imitation, so that a
         # fake GPU is never reset by a real nvidia-smi and a scenario sees the reset.
         self._run: CommandRunner = run or (nvml.nvidia_smi if isinstance(nvml, FakeNvml) else run_command)
@@ -363,6 +379,8 @@ class PynvmlBackend:
         self._health_errors = tuple(cls for cls, _ in self._health_of)
         self._reason_bits = tuple((name, int(getattr(nvml, const))) for name, const in CLOCK_EVENT_REASONS)
         self._nvlink_counters = tuple(int(getattr(nvml, const)) for _, const in NVLINK_ERROR_COUNTERS)
+        # Per GPU: the values its links read last time and the NvLinkReadings made of them.
+        self._nvlinks_last: dict[int, tuple[tuple[tuple[Any, ...], ...], tuple[NvLinkReading, ...]]] = {}
         # Constants looked up once: FakeNvml serves them through __getattr__, which is slow.
         self._c: dict[str, Any] = {name: getattr(nvml, name) for name in _CONSTANTS}
         self._value_members = _value_members(nvml)
@@ -398,6 +416,11 @@ class PynvmlBackend:
             for word, name in FABRIC_HEALTH_CONDITIONS)
         self._recovery_actions = {int(getattr(nvml, const)): word for word, const in RECOVERY_ACTIONS}
         self._recovery_field = int(getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", RECOVERY_ACTION_FIELD))
+        # The two nvmlDeviceGetFieldValues asks of a read, with their keys in _unsupported made once.
+        self._memory_temperature_and_recovery = self._field_ask(
+            (self._c["NVML_FI_DEV_MEMORY_TEMP"], self._recovery_field))
+        self._nvlink_data = self._field_ask(((self._c["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"], NVLINK_ALL_LINKS),
+                                             (self._c["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"], NVLINK_ALL_LINKS)))
         # GPUs whose driver has no nvmlDeviceGetGpuFabricInfoV (FunctionNotFound: older drivers) or refuses
         # its v2 struct: asked with nvmlDeviceGetGpuFabricInfo (no health mask) from then on.
         self._fabric_v1: set[int] = set()
@@ -454,7 +477,7 @@ class PynvmlBackend:
         if name in self._unsupported[index]:
             return None
         try:
-            return getattr(self._nvml, name)(*args)
+            return self._functions[name](*args)
         except self._error as exc:
             return self._failed(index, errors, name, exc)
 
@@ -594,7 +617,7 @@ class PynvmlBackend:
     def _gpm_call(self, index: int, errors: list[tuple[str, str]], name: str, *args: Any) -> bool:
         """One GPM call: False when it failed (NotSupported: the device never asked again)."""
         try:
-            getattr(self._nvml, name)(*args)
+            self._functions[name](*args)
         except self._gpm_function_missing:
             self._gpm_supported[index] = False  # a driver older than GPM (R520)
             return False
@@ -659,15 +682,15 @@ class PynvmlBackend:
                 ids[i].metricId = metric_id
         slots = request.metrics  # one attribute lookup: pynvml structs wrap __getattribute__
         try:
-            request.sample1 = previous
-            request.sample2 = sample
+            # Pointers, set as ctypes sets them: pynvml's __setattr__ only encodes a str.
+            _set_field(request, "sample1", previous)
+            _set_field(request, "sample2", sample)
             if not self._gpm_call(index, e, "nvmlGpmMetricsGet", request):
                 return
         finally:
             self._gpm_free(previous)
         success = self._c["NVML_SUCCESS"]
-        for i, (attr, _, scale) in enumerate(self._gpm_ids):
-            metric = slots[i]
+        for metric, (attr, _, scale) in zip(slots[:len(self._gpm_ids)], self._gpm_ids, strict=True):
             if _numeric_field(metric, "nvmlReturn") == success:
                 value = max(float(_numeric_field(metric, "value")), 0.0) * scale
                 # A percentage may overshoot 100 by rounding in the driver; a ratio stays in 0..1.
@@ -680,8 +703,8 @@ class PynvmlBackend:
         q = self._query
         util = q(index, e, "nvmlDeviceGetUtilizationRates", h)
         if util is not None:
-            r.utilization_gpu_ratio = util.gpu / 100.0
-            r.utilization_memory_ratio = util.memory / 100.0
+            r.utilization_gpu_ratio = _numeric_field(util, "gpu") / 100.0
+            r.utilization_memory_ratio = _numeric_field(util, "memory") / 100.0
         encoder = q(index, e, "nvmlDeviceGetEncoderUtilization", h)  # [percent, sampling period us]
         r.encoder_utilization_ratio = None if encoder is None else encoder[0] / 100.0
         decoder = q(index, e, "nvmlDeviceGetDecoderUtilization", h)
@@ -693,7 +716,7 @@ class PynvmlBackend:
         r.memory_clock_hertz = None if mem_clock is None else mem_clock * _MHZ
         temp = q(index, e, "nvmlDeviceGetTemperature", h, c["NVML_TEMPERATURE_GPU"])
         r.temperature_celsius = None if temp is None else float(temp)
-        temp_memory, action = self._field_values(index, e, h, (c["NVML_FI_DEV_MEMORY_TEMP"], self._recovery_field))
+        temp_memory, action = self._field_values(index, e, h, self._memory_temperature_and_recovery)
         r.memory_temperature_celsius = temp_memory
         r.recovery_action = None if action is None else self._recovery_action(e, int(action))
         power = q(index, e, "nvmlDeviceGetPowerUsage", h)
@@ -732,9 +755,7 @@ class PynvmlBackend:
         ident = self._identities.get(index)
         if slow and ident is not None and ident.nvlinks:
             r.nvlinks = self._read_nvlinks(index, e, h, ident.nvlinks)
-            tx, rx = self._field_values(index, e, h, (
-                (c["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX"], NVLINK_ALL_LINKS),
-                (c["NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX"], NVLINK_ALL_LINKS)))
+            tx, rx = self._field_values(index, e, h, self._nvlink_data)
             r.nvlink_data_tx_bytes = None if tx is None else int(tx) * _KIB
             r.nvlink_data_rx_bytes = None if rx is None else int(rx) * _KIB
         if slow:
@@ -806,7 +827,7 @@ class PynvmlBackend:
         """One call on a MIG device handle: None when it fails (counted; not remembered as the
         parent's capability), health errors raise as for the parent."""
         try:
-            return getattr(self._nvml, name)(*args)
+            return self._functions[name](*args)
         except self._health_errors as exc:
             raise _HealthError(self.health_of(exc) or "unavailable", error_reason(exc)) from exc
         except self._error as exc:
@@ -826,9 +847,10 @@ class PynvmlBackend:
                 errors.append(("nvmlDeviceGetMemoryInfo", error_reason(exc)))
                 return
             else:
-                r.memory_reserved_bytes = int(memory.reserved)
-                r.memory_used_bytes = int(memory.used) + r.memory_reserved_bytes
-                r.memory_total_bytes = int(memory.total)
+                get = _numeric_field  # past pynvml's str wrapper: these are numbers
+                r.memory_reserved_bytes = int(get(memory, "reserved"))
+                r.memory_used_bytes = int(get(memory, "used")) + r.memory_reserved_bytes
+                r.memory_total_bytes = int(get(memory, "total"))
                 return
         memory = self._query(index, errors, "nvmlDeviceGetMemoryInfo", h)
         if memory is not None:
@@ -943,56 +965,91 @@ class PynvmlBackend:
             return GpuConfigFacts(index=index, health=exc.health, errors=(*errors, ("device", exc.reason)))
 
     def _field_values(self, index: int, errors: list[tuple[str, str]], h: Any,
-                      fields: tuple[int | tuple[int, int], ...]) -> list[float | None]:
-        """One nvmlDeviceGetFieldValues call for ``fields`` (a field id, or (field id, scope id)):
-        each value, or None where its own nvmlReturn failed. A field answered NotSupported is a
-        device capability: it is never asked again, the other fields still are."""
+                      ask: tuple[tuple[int | tuple[int, int], ...], tuple[str, ...]]) -> list[float | None]:
+        """One nvmlDeviceGetFieldValues call for the fields of ``ask`` (a field id, or (field id,
+        scope id); with each its key in ``_unsupported``, made once by _field_ask): each value, or
+        None where its own nvmlReturn failed. A field answered NotSupported is a device capability:
+        it is never asked again, the other fields still are."""
+        fields, keys = ask
         unsupported = self._unsupported[index]
-        asked = [f for f in fields if f"nvmlDeviceGetFieldValues{f}" not in unsupported]
-        out: dict[int | tuple[int, int], float | None] = dict.fromkeys(fields)
+        out: list[float | None] = [None] * len(fields)
+        if unsupported.isdisjoint(keys):
+            slots: Sequence[int] = range(len(fields))
+            asked = list(fields)
+        else:
+            slots = [i for i, key in enumerate(keys) if key not in unsupported]
+            asked = [fields[i] for i in slots]
         values = self._query(index, errors, "nvmlDeviceGetFieldValues", h, asked) if asked else None
         success, not_supported = self._c["NVML_SUCCESS"], self._c["NVML_ERROR_NOT_SUPPORTED"]
-        for f, v in zip(asked, values or (), strict=False):
-            returned = v.nvmlReturn
+        members, get = self._value_members, _numeric_field  # numbers: past pynvml's str wrapper
+        for i, v in zip(slots, values or (), strict=False):
+            returned = get(v, "nvmlReturn")
             if returned == success:
-                out[f] = _field_value(self._value_members, v)
+                out[i] = float(getattr(get(v, "value"), members.get(get(v, "valueType"), "uiVal")))
             elif returned == not_supported:
-                unsupported.add(f"nvmlDeviceGetFieldValues{f}")
+                unsupported.add(keys[i])
             else:
                 errors.append(("nvmlDeviceGetFieldValues", f"field_return_{int(returned)}"))
-        return [out[f] for f in fields]
+        return out
+
+    @staticmethod
+    def _field_ask(fields: tuple[int | tuple[int, int], ...]) -> tuple[tuple[int | tuple[int, int], ...],
+                                                                         tuple[str, ...]]:
+        """``fields`` with the key each is remembered by in ``_unsupported`` when NotSupported."""
+        return fields, tuple(f"nvmlDeviceGetFieldValues{f}" for f in fields)
 
     def _read_nvlinks(self, index: int, e: list[tuple[str, str]], h: Any,
                       links: tuple[int, ...]) -> tuple[NvLinkReading, ...]:
         # _query's rules, inlined: 4 calls a link and 18 links on Hopper are most of a slow read's
         # calls, so each is one bound call in a try (free unless it raises); a failure goes
-        # through _failed as in _query, and a query answered NotSupported is not asked again.
+        # through _failed as in _query, and a query answered NotSupported is not asked again (the
+        # flags below are re-read from ``unsupported`` after each failure, the only thing that adds
+        # to it here, so every call _query would make is made and no other).
         unsupported = self._unsupported[index]
         nvml, error, failed = self._nvml, self._error, self._failed
         state_name, counter_name = "nvmlDeviceGetNvLinkState", "nvmlDeviceGetNvLinkErrorCounter"
         get_state, get_counter = getattr(nvml, state_name), getattr(nvml, counter_name)
         enabled = self._c["NVML_FEATURE_ENABLED"]
-        counters = self._nvlink_counters
-        out = []
+        crc_counter, replay_counter, recovery_counter = self._nvlink_counters
+        ask_state, ask_counter = state_name not in unsupported, counter_name not in unsupported
+        read: list[tuple[int, bool | None, int | None, int | None, int | None]] = []
         for link in links:
-            if state_name in unsupported:
-                active = None
-            else:
+            active = crc = replay = recovery = None
+            if ask_state:
                 try:
                     active = get_state(h, link) == enabled
                 except error as exc:
                     active = failed(index, e, state_name, exc)
-            values: list[int | None] = []
-            for counter in counters:
-                if counter_name in unsupported:
-                    values.append(None)
-                    continue
+                    ask_state = state_name not in unsupported
+            if ask_counter:
                 try:
-                    values.append(get_counter(h, link, counter))
+                    crc = get_counter(h, link, crc_counter)
                 except error as exc:
-                    values.append(failed(index, e, counter_name, exc))
-            out.append(NvLinkReading(link, active, values[0], values[1], values[2]))
-        return tuple(out)
+                    crc = failed(index, e, counter_name, exc)
+                    ask_counter = counter_name not in unsupported
+            if ask_counter:
+                try:
+                    replay = get_counter(h, link, replay_counter)
+                except error as exc:
+                    replay = failed(index, e, counter_name, exc)
+                    ask_counter = counter_name not in unsupported
+            if ask_counter:
+                try:
+                    recovery = get_counter(h, link, recovery_counter)
+                except error as exc:
+                    recovery = failed(index, e, counter_name, exc)
+                    ask_counter = counter_name not in unsupported
+            read.append((link, active, crc, replay, recovery))
+        # A healthy GPU's links read the same cycle after cycle: the readings of the last read are
+        # handed back while every value is as it was (the same tuple lets the collector see that
+        # by identity), rather than 18 frozen NvLinkReadings built again.
+        values = tuple(read)
+        last = self._nvlinks_last.get(index)
+        if last is not None and last[0] == values:
+            return last[1]
+        readings = tuple(NvLinkReading(*v) for v in values)
+        self._nvlinks_last[index] = (values, readings)
+        return readings
 
     # --- reset --------------------------------------------------------------------------------
 
@@ -1067,6 +1124,8 @@ def _address(handle: Any) -> int | None:
 # A numeric field of a pynvml struct read as ctypes reads it: pynvml's structs wrap every attribute
 # read in a __getattribute__ that only turns bytes into str, a cost per read that numbers never need.
 _numeric_field = object.__getattribute__
+# And a field set as ctypes sets it, past pynvml's __setattr__ (which only encodes a str first).
+_set_field = ctypes.Structure.__setattr__
 
 # nvmlValueType_t -> the member of nvmlValue_t that holds it; any other type reads uiVal.
 _VALUE_MEMBERS: tuple[tuple[str, str], ...] = (
@@ -1085,10 +1144,6 @@ def _value_members(nvml: Any) -> dict[int, str]:
     for const, member in _VALUE_MEMBERS:
         members.setdefault(int(getattr(nvml, const)), member)
     return members
-
-
-def _field_value(members: dict[int, str], v: Any) -> float:
-    return float(getattr(v.value, members.get(v.valueType, "uiVal")))
 
 
 def open_backend(config: NvmlConfig, clock: Callable[[], float]) -> PynvmlBackend | None:

@@ -54,6 +54,11 @@ _SPIN_SM_ACTIVE_RATIO = 0.12
 _CODEC_SAMPLING_PERIOD_US = 100_000
 _NVLINK_FIELDS = (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX)
 _ALL_LINKS = 0xFFFFFFFF  # scopeId: every link summed (nvml.h, NVLink throughput counters)
+_MEMORY_TEMP_FIELD = pynvml.NVML_FI_DEV_MEMORY_TEMP
+# pynvml's return codes and value types the fake writes into its structs, looked up once.
+_SUCCESS, _NOT_SUPPORTED = pynvml.NVML_SUCCESS, pynvml.NVML_ERROR_NOT_SUPPORTED
+_INVALID_ARGUMENT = pynvml.NVML_ERROR_INVALID_ARGUMENT
+_UNSIGNED_INT, _UNSIGNED_LONG_LONG = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
 
 # MIG: at most 7 MIG devices per GPU (7 compute slices, NVIDIA MIG User Guide, "Partitioning"); the
 # GPU instance ids each size of instance takes, lowest free first (7g: 0; 4g: 1; 3g: 1-2; 2g: 3-5;
@@ -91,6 +96,30 @@ _RECOVERY_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvml.h; pynvml 13.
 _RECOVERY_ACTIONS = {"none": 0, "gpu_reset": 1, "node_reboot": 2, "drain_p2p": 3, "drain_and_reset": 4}
 # Verdicts a GPU reset answers (the driver names the reset as the cure): cleared by the fake's reset.
 _CLEARED_BY_RESET = frozenset({"gpu_reset", "drain_and_reset"})
+# GPM metric ids (pynvml's), looked up once rather than on every gpm() answer.
+_GPM_GRAPHICS_UTIL = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
+_GPM_SM_UTIL = pynvml.NVML_GPM_METRIC_SM_UTIL
+_GPM_SM_OCCUPANCY = pynvml.NVML_GPM_METRIC_SM_OCCUPANCY
+_GPM_ANY_TENSOR_UTIL = pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL
+_GPM_HMMA_TENSOR_UTIL = pynvml.NVML_GPM_METRIC_HMMA_TENSOR_UTIL
+_GPM_IMMA_TENSOR_UTIL = pynvml.NVML_GPM_METRIC_IMMA_TENSOR_UTIL
+_GPM_DFMA_TENSOR_UTIL = pynvml.NVML_GPM_METRIC_DFMA_TENSOR_UTIL
+_GPM_DRAM_BW_UTIL = pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL
+_GPM_FP16_UTIL = pynvml.NVML_GPM_METRIC_FP16_UTIL
+_GPM_FP32_UTIL = pynvml.NVML_GPM_METRIC_FP32_UTIL
+_GPM_FP64_UTIL = pynvml.NVML_GPM_METRIC_FP64_UTIL
+_GPM_PCIE_TX_PER_SEC = pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC
+_GPM_PCIE_RX_PER_SEC = pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC
+_GPM_NVLINK_TX_PER_SEC = pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC
+_GPM_NVLINK_RX_PER_SEC = pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC
+# A busy-spinning GPU's GPM answer (FakeGpuHandle.gpm), the same whatever the load.
+_GPM_SPINNING: dict[int, float] = {
+    _GPM_GRAPHICS_UTIL: 100.0, _GPM_SM_UTIL: 100.0 * _SPIN_SM_ACTIVE_RATIO,
+    _GPM_SM_OCCUPANCY: 100.0 * _SPIN_SM_ACTIVE_RATIO / 8,
+    **dict.fromkeys((_GPM_ANY_TENSOR_UTIL, _GPM_HMMA_TENSOR_UTIL, _GPM_IMMA_TENSOR_UTIL, _GPM_DFMA_TENSOR_UTIL,
+                     _GPM_DRAM_BW_UTIL, _GPM_FP16_UTIL, _GPM_FP64_UTIL, _GPM_NVLINK_TX_PER_SEC,
+                     _GPM_NVLINK_RX_PER_SEC), 0.0),
+    _GPM_FP32_UTIL: 1.0, _GPM_PCIE_TX_PER_SEC: 0.01, _GPM_PCIE_RX_PER_SEC: 0.01}
 _NVLINK_COUNTER_KIND = {
     pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc",
     pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay",
@@ -98,7 +127,14 @@ _NVLINK_COUNTER_KIND = {
 }
 
 
+_GPM_SAMPLE_POINTER = pynvml.c_nvmlGpmSample_t
+
+
 def _pointer_address(pointer: Any) -> int:
+    if type(pointer) is _GPM_SAMPLE_POINTER:
+        # The pointer's own bytes read as a void pointer: the address ctypes.cast gives, in 0.4 us
+        # against 1.0 us (timeit; the fake resolves six GPM sample pointers a GPU read).
+        return ctypes.c_void_p.from_buffer(pointer).value or 0
     return ctypes.cast(pointer, ctypes.c_void_p).value or 0
 
 
@@ -382,7 +418,10 @@ class FakeGpuHandle:
         """Whether the GPU busy-spins at ``t`` (and no probe loads it)."""
         if self.probe_loads:
             return False
-        return self.spin_now or any(start <= t < end for start, end in self.busy_spin)
+        if self.spin_now:
+            return True
+        # Asked several times a read: no generator for the (usual) GPU without busy_spin windows.
+        return bool(self.busy_spin) and any(start <= t < end for start, end in self.busy_spin)
 
     def utilization(self, t: float) -> float:
         if self.probe_loads or self.spinning(t):
@@ -399,6 +438,8 @@ class FakeGpuHandle:
             for f in self.under_load:
                 if f.window is not None and f.start <= t < f.end:
                     return f.window
+        if not self.windows:  # the usual GPU, asked five times a read: no spin check needed
+            return None
         spinning = self.spinning(t)
         for w in self.windows:
             # A software power cap holds only a GPU drawing at its limit: a polling kernel does not.
@@ -435,17 +476,8 @@ class FakeGpuHandle:
         job saturates DRAM with the tensor pipes nearly idle. A capped clock (power cap, brake,
         thermal) leaves the activity ratios, which are shares of cycles, as they are but moves less
         data per second, so DRAM and the interconnects scale with it."""
-        m = pynvml
         if self.spinning(t):  # a polling kernel on a few SMs: no tensor work, no traffic
-            return {m.NVML_GPM_METRIC_GRAPHICS_UTIL: 100.0, m.NVML_GPM_METRIC_SM_UTIL: 100.0 * _SPIN_SM_ACTIVE_RATIO,
-                    m.NVML_GPM_METRIC_SM_OCCUPANCY: 100.0 * _SPIN_SM_ACTIVE_RATIO / 8,
-                    **dict.fromkeys((m.NVML_GPM_METRIC_ANY_TENSOR_UTIL, m.NVML_GPM_METRIC_HMMA_TENSOR_UTIL,
-                                     m.NVML_GPM_METRIC_IMMA_TENSOR_UTIL, m.NVML_GPM_METRIC_DFMA_TENSOR_UTIL,
-                                     m.NVML_GPM_METRIC_DRAM_BW_UTIL, m.NVML_GPM_METRIC_FP16_UTIL,
-                                     m.NVML_GPM_METRIC_FP64_UTIL, m.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
-                                     m.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC), 0.0),
-                    m.NVML_GPM_METRIC_FP32_UTIL: 1.0,
-                    m.NVML_GPM_METRIC_PCIE_TX_PER_SEC: 0.01, m.NVML_GPM_METRIC_PCIE_RX_PER_SEC: 0.01}
+            return dict(_GPM_SPINNING)
         u = self.utilization(t)
         w = self.window(t)
         clock = w.clock_ratio if w is not None else 1.0
@@ -462,21 +494,21 @@ class FakeGpuHandle:
         pcie_mib = p.pcie_max_bytes_per_second / _MIB * 0.02 * (0.05 + u) * clock
         nvlink_mib = p.nvlink_count * _NVLINK_BYTES_PER_SECOND_PER_LINK / _MIB * nvlink
         return {
-            m.NVML_GPM_METRIC_GRAPHICS_UTIL: 100.0 * u,
-            m.NVML_GPM_METRIC_SM_UTIL: 100.0 * sm,
-            m.NVML_GPM_METRIC_SM_OCCUPANCY: 100.0 * occupancy,
-            m.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 100.0 * tensor,
-            m.NVML_GPM_METRIC_HMMA_TENSOR_UTIL: 100.0 * tensor,
-            m.NVML_GPM_METRIC_IMMA_TENSOR_UTIL: 0.0,
-            m.NVML_GPM_METRIC_DFMA_TENSOR_UTIL: 0.0,
-            m.NVML_GPM_METRIC_DRAM_BW_UTIL: 100.0 * dram,
-            m.NVML_GPM_METRIC_FP16_UTIL: 100.0 * fp16,
-            m.NVML_GPM_METRIC_FP32_UTIL: 100.0 * fp32,
-            m.NVML_GPM_METRIC_FP64_UTIL: 100.0 * fp64,
-            m.NVML_GPM_METRIC_PCIE_TX_PER_SEC: pcie_mib,
-            m.NVML_GPM_METRIC_PCIE_RX_PER_SEC: pcie_mib * 0.6,
-            m.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: nvlink_mib,
-            m.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: nvlink_mib,
+            _GPM_GRAPHICS_UTIL: 100.0 * u,
+            _GPM_SM_UTIL: 100.0 * sm,
+            _GPM_SM_OCCUPANCY: 100.0 * occupancy,
+            _GPM_ANY_TENSOR_UTIL: 100.0 * tensor,
+            _GPM_HMMA_TENSOR_UTIL: 100.0 * tensor,
+            _GPM_IMMA_TENSOR_UTIL: 0.0,
+            _GPM_DFMA_TENSOR_UTIL: 0.0,
+            _GPM_DRAM_BW_UTIL: 100.0 * dram,
+            _GPM_FP16_UTIL: 100.0 * fp16,
+            _GPM_FP32_UTIL: 100.0 * fp32,
+            _GPM_FP64_UTIL: 100.0 * fp64,
+            _GPM_PCIE_TX_PER_SEC: pcie_mib,
+            _GPM_PCIE_RX_PER_SEC: pcie_mib * 0.6,
+            _GPM_NVLINK_TX_PER_SEC: nvlink_mib,
+            _GPM_NVLINK_RX_PER_SEC: nvlink_mib,
         }
 
     def nvlink_data_kib(self, t: float) -> int:
@@ -849,8 +881,9 @@ class FakeNvml:
             raise pynvml.NVMLError_NotSupported()
         u = handle.utilization(t)
         rates = pynvml.c_nvmlUtilization_t()
-        rates.gpu = round(u * 100)
-        rates.memory = round(u * 45)  # memory-controller busy share: ~half of SM busy in LLM training
+        put = ctypes.Structure.__setattr__  # numbers, past pynvml's str-encoding wrapper
+        put(rates, "gpu", round(u * 100))
+        put(rates, "memory", round(u * 45))  # memory-controller busy share: ~half of SM busy in LLM training
         return rates
 
     def nvmlDeviceGetMemoryInfo(self, handle: FakeGpuHandle | FakeMigHandle, version: int | None = None) -> Any:
@@ -917,38 +950,42 @@ class FakeNvml:
         """As pynvml: each entry a field id or (field id, scope id)."""
         t = self._device(handle, "nvmlDeviceGetFieldValues")
         values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        # The numeric fields set as ctypes sets them, past pynvml's str-encoding __setattr__ (these
+        # are all numbers: the same bytes, without a wrapper call per field).
+        put, get = ctypes.Structure.__setattr__, object.__getattribute__
         for i, entry in enumerate(field_ids):
             field_id, scope = entry if isinstance(entry, tuple) else (entry, 0)
             v = values[i]
-            v.fieldId, v.scopeId = field_id, scope
+            put(v, "fieldId", field_id)
+            put(v, "scopeId", scope)
             if field_id in _NVLINK_FIELDS:
                 links = handle.nvlink_count
                 if not links:
-                    v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                    put(v, "nvmlReturn", _NOT_SUPPORTED)
                 elif scope != _ALL_LINKS and not 0 <= scope < links:
-                    v.nvmlReturn = pynvml.NVML_ERROR_INVALID_ARGUMENT
+                    put(v, "nvmlReturn", _INVALID_ARGUMENT)
                 else:
                     kib = handle.nvlink_data_kib(t)
-                    v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-                    v.value.ullVal = kib if scope == _ALL_LINKS else kib // links
-                    v.nvmlReturn = pynvml.NVML_SUCCESS
+                    put(v, "valueType", _UNSIGNED_LONG_LONG)
+                    get(v, "value").ullVal = kib if scope == _ALL_LINKS else kib // links
+                    put(v, "nvmlReturn", _SUCCESS)
             elif field_id == _RECOVERY_FIELD:
                 if not handle.recovery_action_supported:  # a driver that predates the field
-                    v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                    put(v, "nvmlReturn", _NOT_SUPPORTED)
                 else:
-                    v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
-                    v.value.uiVal = handle.recovery_action(t)
-                    v.nvmlReturn = pynvml.NVML_SUCCESS
-            elif field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+                    put(v, "valueType", _UNSIGNED_INT)
+                    get(v, "value").uiVal = handle.recovery_action(t)
+                    put(v, "nvmlReturn", _SUCCESS)
+            elif field_id == _MEMORY_TEMP_FIELD:
                 p = handle.profile
                 u = handle.utilization(t)
                 span = p.memory_temperature_busy_celsius - p.memory_temperature_idle_celsius
-                v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
-                extra = sum(x for start, end, x in handle.hbm_extra if start <= t < end)
-                v.value.uiVal = round(p.memory_temperature_idle_celsius + span * u + extra)
-                v.nvmlReturn = pynvml.NVML_SUCCESS
+                put(v, "valueType", _UNSIGNED_INT)
+                extra = sum(x for start, end, x in handle.hbm_extra if start <= t < end) if handle.hbm_extra else 0
+                get(v, "value").uiVal = round(p.memory_temperature_idle_celsius + span * u + extra)
+                put(v, "nvmlReturn", _SUCCESS)
             else:
-                v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                put(v, "nvmlReturn", _NOT_SUPPORTED)
         return values
 
     def _power_mw(self, handle: FakeGpuHandle, t: float) -> int:
@@ -1176,9 +1213,12 @@ class FakeNvml:
         """Fills ``metrics[i].value`` (and nvmlReturn) for each requested metricId, from the two
         samples' GPU over the interval between them, as the real call does."""
         self._live()
-        if metrics_get.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+        # The numeric fields set and read as ctypes does, past pynvml's str/bytes wrappers.
+        get, put = object.__getattribute__, ctypes.Structure.__setattr__
+        if get(metrics_get, "version") != pynvml.NVML_GPM_METRICS_GET_VERSION:
             raise pynvml.NVMLError_ArgumentVersionMismatch()
-        first, second = self._gpm_sample(metrics_get.sample1), self._gpm_sample(metrics_get.sample2)
+        first = self._gpm_sample(get(metrics_get, "sample1"))
+        second = self._gpm_sample(get(metrics_get, "sample2"))
         handle = second.handle
         if handle is None or first.handle is not handle or first.t is None or second.t is None:
             raise pynvml.NVMLError_InvalidArgument()
@@ -1186,11 +1226,9 @@ class FakeNvml:
         if not handle.profile.gpm_supported:
             raise pynvml.NVMLError_NotSupported()
         values = handle.gpm(min(second.t, t))
-        slots = metrics_get.metrics
-        # The numeric fields set and read as ctypes does, past pynvml's str/bytes wrappers.
-        get, put = object.__getattribute__, ctypes.Structure.__setattr__
-        not_supported, success = pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_SUCCESS
-        for i in range(metrics_get.numMetrics):
+        slots = get(metrics_get, "metrics")
+        not_supported, success = _NOT_SUPPORTED, _SUCCESS
+        for i in range(get(metrics_get, "numMetrics")):
             metric = slots[i]
             value = values.get(get(metric, "metricId"))
             if value is None:

@@ -4,13 +4,15 @@ makes the whole reading that health."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pynvml
+import pytest
 
-from vigil.agent.nvml.backend import PynvmlBackend
+from vigil.agent.nvml.backend import GpuReading, NvLinkReading, PynvmlBackend
 from vigil.agent.nvml.fake import FakeNvml
-from vigil.agent.nvml.scenario import DEFAULT_SCENARIO
+from vigil.agent.nvml.scenario import DEFAULT_SCENARIO, parse_node_scenario
 
 
 class Clock:
@@ -74,3 +76,104 @@ def test_nvlink_errors_follow_the_query_rules() -> None:
     lost = backend.read(1)
     assert (lost.health, lost.nvlinks, lost.errors) == ("lost", (), [("device", "gpu_is_lost")])
     assert backend.read(1, slow=False).health == "ok"  # no NVLink query, so nothing lost this time
+
+
+class RandomlyFailingLinks(FakeNvml):
+    """Every NVLink call may fail, drawn from a seeded stream: NotSupported (rarely), another error,
+    or a lost GPU (rarer). Logs each call it is asked, so two backends' calls can be compared."""
+
+    def __init__(self, *args: Any, rng_seed: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rng = random.Random(rng_seed)
+        self.calls: list[tuple[Any, ...]] = []
+
+    def _maybe_fail(self) -> None:
+        roll = self.rng.random()
+        if roll < 0.004:
+            raise pynvml.NVMLError_NotSupported()
+        if roll < 0.02:
+            raise self.rng.choice((pynvml.NVMLError_Unknown, pynvml.NVMLError_InvalidArgument,
+                                   pynvml.NVMLError_Timeout))()
+        if roll < 0.021:
+            raise pynvml.NVMLError_GpuIsLost()
+
+    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:
+        self.calls.append(("state", handle.index, link))
+        self._maybe_fail()
+        return super().nvmlDeviceGetNvLinkState(handle, link)
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, handle: Any, link: int, counter: int) -> int:
+        self.calls.append(("counter", handle.index, link, counter))
+        self._maybe_fail()
+        return super().nvmlDeviceGetNvLinkErrorCounter(handle, link, counter)
+
+
+class LongWayBackend(PynvmlBackend):
+    """The NVLink read as _query's rules state it, one _query a call: what the inlined read must equal."""
+
+    def _read_nvlinks(self, index: int, e: list[tuple[str, str]], h: Any,
+                      links: tuple[int, ...]) -> tuple[NvLinkReading, ...]:
+        enabled = pynvml.NVML_FEATURE_ENABLED
+        out = []
+        for link in links:
+            state = self._query(index, e, "nvmlDeviceGetNvLinkState", h, link)
+            counters = [self._query(index, e, "nvmlDeviceGetNvLinkErrorCounter", h, link, c)
+                        for c in (pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT, pynvml.NVML_NVLINK_ERROR_DL_REPLAY,
+                                  pynvml.NVML_NVLINK_ERROR_DL_RECOVERY)]
+            out.append(NvLinkReading(link, None if state is None else state == enabled, *counters))
+        return tuple(out)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_inlined_nvlink_read_equals_the_long_way_under_random_failures(seed: int) -> None:
+    _compare_with_the_long_way(seed)
+
+
+def _compare_with_the_long_way(seed: int) -> set[str]:
+    """Over evolving NVLink errors, links going down and calls failing at random (NotSupported
+    remembered, errors counted, lost GPUs), the backend's read asks the same calls in the same order
+    and answers the same readings, errors and remembered capabilities as one _query a call."""
+    rng = random.Random(seed)
+    faults: list[dict[str, Any]] = []
+    for _ in range(rng.randint(2, 10)):
+        gpu, link = rng.randrange(8), rng.randrange(18)
+        faults.append(rng.choice((
+            {"kind": "nvlink_errors", "gpu": gpu, "link": link, "at_seconds": rng.uniform(0, 600),
+             "rate_per_second": rng.uniform(0.01, 5.0), "error_type": rng.choice(("crc", "replay", "recovery"))},
+            {"kind": "nvlink_down", "gpu": gpu, "link": link, "at_seconds": rng.uniform(0, 600)})))
+    scenario = parse_node_scenario({"profile": "h100-sxm-80gb", "gpus": 8, "faults": faults})
+    clocks = Clock(), Clock()
+    fakes = [RandomlyFailingLinks(scenario, c, start=0.0, seed=seed, rng_seed=seed) for c in clocks]
+    fast, slow = PynvmlBackend(fakes[0]), LongWayBackend(fakes[1])
+    for b in (fast, slow):
+        b.init()
+    seen: set[str] = set()
+    for _ in range(30):
+        step = rng.choice((10.0, 60.0, 300.0))
+        for c in clocks:
+            c.t += step
+        for index in range(8):
+            got = [_read(b, index) for b in (fast, slow)]
+            assert got[0] == got[1]
+            assert fakes[0].calls == fakes[1].calls
+            if isinstance(got[0], GpuReading):
+                seen |= {reason for _, reason in got[0].errors}
+                seen |= {"lost"} if got[0].health == "lost" else set()
+        assert fast._unsupported == slow._unsupported
+    seen |= {"not_supported"} if any(fast._unsupported.values()) else set()
+    return seen
+
+
+def _read(backend: PynvmlBackend, index: int) -> GpuReading | str:
+    try:
+        backend.identity(index)
+    except pynvml.NVMLError as exc:
+        return type(exc).__name__
+    return backend.read(index)
+
+
+def test_the_random_failures_reach_every_rule() -> None:
+    seen: set[str] = set()
+    for seed in range(8):
+        seen |= _compare_with_the_long_way(seed)
+    assert {"unknown", "timeout", "invalid_argument", "gpu_is_lost", "lost", "not_supported"} <= seen
