@@ -5,6 +5,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# pytest-xdist workers: one per core, at most 4 (each worker may start its own PostgreSQL, Slurm
+# cluster or aggregator processes). Whole files go to one worker (--dist loadfile), so a module's
+# fixtures are made once. PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; echo $$n)
 
 .PHONY: test test-all demo bench lint typecheck typecheck-all system-packages clean
 
@@ -34,13 +38,13 @@ typecheck-all: $(STAMP)
 # shipped scenario trimmed to its deadlines.
 # Both build the container image in the background meanwhile (where root, buildah and debootstrap
 # are there; ~3 min cold, bounded by `timeout 900`, log in build/image.log): pytest is mostly one
-# busy core, and tests/deploy/test_image.py, run last, waits for the build's status file. A build
+# busy core per worker, and tests/deploy/test_image.py, scheduled last, waits for the build's status file. A build
 # still running when pytest ends (the image test deselected, pytest crashed) is stopped; after a
 # Ctrl-C of make itself the 900 s limit ends it.
 IMAGE_STATUS := $(CURDIR)/build/image.status
 define pytest_with_image
 	./scripts/build-image.sh --background
-	VIGIL_IMAGE_BUILD_STATUS=$(IMAGE_STATUS) $(BIN)/pytest -q $(1) $(PYTEST_ARGS); \
+	VIGIL_IMAGE_BUILD_STATUS=$(IMAGE_STATUS) $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(1) $(PYTEST_ARGS); \
 	  rc=$$?; ./scripts/build-image.sh --stop; exit $$rc
 endef
 

@@ -4,15 +4,34 @@
 connection takes its source port from (Prometheus scraping, HTTP clients), so a port chosen that
 way can be taken by a connection before the server under test binds it. These ports come from
 below the ephemeral range, are checked free for TCP and UDP, and are never handed out twice by one
-test process.
+test process. Under pytest-xdist (``make test`` runs the suite in parallel workers) each worker
+draws from its own slice of that range, so two workers never pick the same port between one's
+check and its server's bind.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+from collections.abc import Mapping
 
 _LOW, _HIGH = 20000, 32000  # Linux's default ephemeral range starts at 32768
+
+
+def _slice(low: int, high: int, environ: Mapping[str, str]) -> tuple[int, int]:
+    """This process's part of [low, high): the whole of it, or under pytest-xdist the worker's
+    own (``PYTEST_XDIST_WORKER`` gwN of ``PYTEST_XDIST_WORKER_COUNT``)."""
+    worker, count = environ.get("PYTEST_XDIST_WORKER", ""), environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()
+            and int(worker[2:]) < int(count)):
+        return low, high
+    index, total = int(worker[2:]), int(count)
+    width = (high - low) // total
+    return low + index * width, low + (index + 1) * width
+
+
+_LOW, _HIGH = _slice(_LOW, _HIGH, os.environ)
 _handed: set[int] = set()
 _rng = random.Random()
 
