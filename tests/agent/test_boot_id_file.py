@@ -51,7 +51,8 @@ def test_vigil_agent_boot_id_file_flag(tmp_path: Path) -> None:
     log = (tmp_path / "agent.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vigil", "agent", "--backend", "fake", "--node", "gpu-node-17",
-         "--listen", f"127.0.0.1:{port}", "--boot-id-file", str(path)],
+         "--listen", f"127.0.0.1:{port}", "--heartbeat-listen", f"127.0.0.1:{free_port()}",
+         "--boot-id-file", str(path)],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
     log.close()
     try:

@@ -124,7 +124,8 @@ def test_fake_agent_inside_serves_metrics_to_the_host(container: str, tmp_path: 
     log = tmp_path / "agent.log"
     with log.open("w") as err, subprocess.Popen(
             _run(container, "vigil", "agent", "--backend", "fake", "--node", "in-image",
-                 "--listen", f"127.0.0.1:{port}"), stdout=err, stderr=err) as proc:
+                 "--listen", f"127.0.0.1:{port}", "--heartbeat-listen", f"127.0.0.1:{free_port()}"),
+            stdout=err, stderr=err) as proc:
         try:
             body, deadline = "", time.monotonic() + 60
             while "vigil_gpu_info" not in body and time.monotonic() < deadline and proc.poll() is None:

@@ -90,7 +90,8 @@ def test_fake_agent_serves_metrics_from_any_directory(installed: tuple[Path, Pat
     log = cwd / "agent.log"
     with log.open("w") as err, subprocess.Popen(
             [str(bin_dir / "vigil"), "agent", "--backend", "fake", "--scenario", "faults-h100",
-             "--listen", f"127.0.0.1:{port}", "--node", "wheel-node"],
+             "--listen", f"127.0.0.1:{port}", "--heartbeat-listen", f"127.0.0.1:{free_port()}",
+             "--node", "wheel-node"],
             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
         try:
             assert proc.stdout is not None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.loopback import free_port
 from vigil.cli.log_format import TRACEBACK_INDENT, configure_logging, escape_controls
 
 # Raw characters no log line may hold (the test's own list: C0 but the line ends, DEL, C1,
@@ -22,7 +23,8 @@ _UNSAFE_CHARS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202
 
 @pytest.mark.parametrize("command", ["agent", "aggregator"])
 def test_json_log_lines_parse(tmp_path: Path, command: str) -> None:
-    extra = ["--backend", "fake", "--node", "json-node"] if command == "agent" else \
+    extra = ["--backend", "fake", "--node", "json-node", "--heartbeat-listen", f"127.0.0.1:{free_port()}"] \
+        if command == "agent" else \
         ["--store", str(tmp_path / "s.sqlite")]
     log = tmp_path / "err.log"
     with log.open("w") as err, subprocess.Popen(
