@@ -12,15 +12,14 @@ the address (every service must be given a port of its own, tests/loopback.py)."
 
 from __future__ import annotations
 
-import errno
 import logging
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.loopback import hold_ports
 from vigil.agent.collectors.training import TrainingConfig
 from vigil.agent.config import AgentConfig
 from vigil.aggregator.config import AggregatorConfig
@@ -41,28 +40,6 @@ def default_ports() -> set[int]:
         if "udp_listen" in training:
             addresses.append(training["udp_listen"])
     return {split_host_port(a)[1] for a in addresses}
-
-
-def hold_ports(ports: set[int]) -> list[socket.socket]:
-    """A listening TCP socket and a UDP socket on 127.0.0.1 for each of ``ports``; a port already
-    held (by another worker's guard, or a service on this machine) is left as it is: a test binding
-    it fails either way. Neither socket sets SO_REUSEADDR, and the TCP one listens, so a later bind
-    on the port, loopback or wildcard, is refused."""
-    held: list[socket.socket] = []
-    for port in sorted(ports):
-        for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
-            s = socket.socket(socket.AF_INET, kind)
-            try:
-                s.bind(("127.0.0.1", port))
-                if kind == socket.SOCK_STREAM:
-                    s.listen(1)
-            except OSError as exc:
-                s.close()
-                if exc.errno != errno.EADDRINUSE:
-                    raise
-                continue
-            held.append(s)
-    return held
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,11 +6,13 @@ way can be taken by a connection before the server under test binds it. These po
 below the ephemeral range, are checked free for TCP and UDP, and are never handed out twice by one
 test process. Under pytest-xdist (``make test`` runs the suite in parallel workers) each worker
 draws from its own slice of that range, so two workers never pick the same port between one's
-check and its server's bind.
+check and its server's bind. ``hold_ports`` keeps ports taken (the suite holds vigil's default
+ports with it: tests/conftest.py).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import socket
@@ -53,3 +55,25 @@ def free_port() -> int:
             _handed.add(port)
             return port
     raise RuntimeError("no free loopback port below the ephemeral range")
+
+
+def hold_ports(ports: set[int]) -> list[socket.socket]:
+    """A listening TCP socket and a UDP socket on 127.0.0.1 for each of ``ports``; a port already
+    held (by another worker's guard, or a service on this machine) is left as it is: a test binding
+    it fails either way. Neither socket sets SO_REUSEADDR, and the TCP one listens, so a later bind
+    on the port, loopback or wildcard, is refused."""
+    held: list[socket.socket] = []
+    for port in sorted(ports):
+        for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+            s = socket.socket(socket.AF_INET, kind)
+            try:
+                s.bind(("127.0.0.1", port))
+                if kind == socket.SOCK_STREAM:
+                    s.listen(1)
+            except OSError as exc:
+                s.close()
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            held.append(s)
+    return held

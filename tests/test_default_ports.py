@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from tests.conftest import default_ports, hold_ports
-from tests.loopback import free_port
+from tests.conftest import default_ports
+from tests.loopback import free_port, hold_ports
 
 
 def test_the_guard_holds_every_shipped_default() -> None:
