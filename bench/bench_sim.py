@@ -4,7 +4,8 @@ Runs shipped scenarios (trimmed where a full run would take minutes) through the
 aggregator code and reports the simulator's CPU for 1,000 healthy nodes x 1 simulated hour at 10 s
 and at 2.5 s reports (``healthy-1000x1h-10s``, ``healthy-1000x1h-2s5``, extrapolated from a slice),
 the node-days of healthy-fleet statistics per wall-hour on 2 cores (job shards in parallel
-processes, sim/shards.py), the fatal-Xid-to-decision latency in simulated time, and the time
+processes, sim/shards.py) and what a node report of it costs without its ranks, the
+fatal-Xid-to-decision latency in simulated time, and the time
 from fault to node back in service per action when the simulator carries out vigil's reboot or
 GPU reset (``remediation-reboot-fixes``, ``remediation-reset-fixes``, ``remediation-reset-not-fixed``:
 each under its scenario's gate settings, and under the gate's defaults). The
@@ -20,7 +21,7 @@ from bench.measure import Measurement
 from vigil.sim.run import agent_metrics, run_scenario
 from vigil.sim.scenario import Scenario, load_scenario, parse_scenario, shortened
 from vigil.sim.score import return_to_service, score
-from vigil.sim.shards import run_sharded
+from vigil.sim.shards import job_shards, run_sharded
 
 # The healthy 1,000-node hour (issue 47: <= 60 s of CPU at 10 s reports, <= 240 s at 2.5 s) and the
 # statistics rate (>= 1,000 node-days per wall-hour on 2 cores at 2.5 s).
@@ -60,7 +61,8 @@ def _node_days_per_hour(name: str = "healthy-2s5-100-node-days", slice_seconds: 
     shards in 2 processes (sim/shards.py), from the CPU the shards used over a slice of the
     statistics scenario, extrapolated to the whole scenario as ``_fleet_hour`` extrapolates the
     hour: each shard's start-up and first interval once, then its rate over the rest of the slice
-    (one quiet-collector period: every GPU and RDMA read once) for the scenario's duration. The
+    (one quiet-collector period: every GPU and RDMA read once) for the scenario's duration, then
+    its closing and scoring after the last step once. The
     slice's own figure, start-up counted in full against its 302.5 s, is in the note (issue 47's
     earlier rounds reported that one), as is the wall time of this run (a busy machine's wall
     clock says little)."""
@@ -69,9 +71,10 @@ def _node_days_per_hour(name: str = "healthy-2s5-100-node-days", slice_seconds: 
     merged = run_sharded(sc, workers=STATISTICS_CORES)
     dt = sc.report_interval_seconds
     nodes = sum(s.nodes for s in merged.shards)
-    steady = sum(s.cpu_seconds - s.start_cpu_seconds for s in merged.shards)
+    steady = sum(s.steps_cpu_seconds - s.start_cpu_seconds for s in merged.shards)
     start = sum(s.start_cpu_seconds for s in merged.shards)
-    full_cpu = start + steady * (full.duration_seconds - dt) / (slice_seconds - dt)
+    end = sum(s.cpu_seconds - s.steps_cpu_seconds for s in merged.shards)
+    full_cpu = start + steady * (full.duration_seconds - dt) / (slice_seconds - dt) + end
     full_node_days = nodes * full.duration_seconds / 86400.0
     per_hour = full_node_days * STATISTICS_CORES * 3600.0 / full_cpu
     slice_per_hour = merged.node_days * STATISTICS_CORES * 3600.0 / merged.cpu_seconds
@@ -83,11 +86,45 @@ def _node_days_per_hour(name: str = "healthy-2s5-100-node-days", slice_seconds: 
                             f"{STATISTICS_CORES} processes, extrapolated from its first {slice_seconds:g} s "
                             f"({merged.node_days:.2f} node-days, {merged.reports:,} node reports, "
                             f"{merged.cpu_seconds:.1f} s CPU: start-up and first interval {start:.1f} s once, then "
-                            f"{steady_us:.0f} us per node report all included); the slice alone, start-up included: "
+                            f"{steady_us:.0f} us per node report all included, then closing and scoring {end:.1f} s "
+                            f"once); the slice alone, start-up included: "
                             f"{slice_per_hour:.0f} node-days per wall-hour ({slice_us:.0f} us per node report); "
                             f"{merged.wall_seconds:.1f} s wall here "
                             f"({merged.node_days * 3600.0 / merged.wall_seconds:.0f} node-days per wall-hour as "
                             f"measured); {merged.false_removals} false removals")
+
+
+def _per_node_report_us(sc: Scenario) -> float:
+    """CPU per node report of ``sc`` from the end of its first interval to the end (start-up and
+    the first interval left out, as ``_fleet_hour`` leaves them)."""
+    ticks: dict[float, float] = {}
+    run_scenario(sc, progress=lambda done, total, _decisions: ticks.__setitem__(done, time.process_time()))
+    dt = sc.report_interval_seconds
+    reports = sc.fleet.nodes * (max(ticks) - dt) / dt
+    return (ticks[max(ticks)] - ticks[dt]) / reports * 1e6
+
+
+def _rank_free_node(name: str = "healthy-2s5-100-node-days", slice_seconds: float = 302.5) -> Measurement:
+    """What a node report of the statistics scenario costs without its ranks: its first job shard
+    run as shipped, then with its job removed (the same nodes, GPUs, ports, kernel logs and
+    detectors; no heartbeats, windows or summaries), one quiet-collector period each. No budget of
+    its own: beside the statistics row's budget as a cost per node report, it says how much of that
+    row any change to the rank path alone could win (docs/simulator.md, "Ninth look")."""
+    shard = job_shards(shortened(load_scenario(name), slice_seconds))[0]
+    data = shard.model_dump()
+    data["jobs"] = []
+    rank_free = parse_scenario(data, f"{shard.name}-without-its-job")
+    shipped_us, free_us = _per_node_report_us(shard), _per_node_report_us(rank_free)
+    ranks = sum(len(j.nodes) * j.ranks_per_node for j in shard.jobs) / shard.fleet.nodes  # a node's, on average
+    per_rank_us = (shipped_us - free_us) / ranks
+    reports_per_node_day = 86400.0 / shard.report_interval_seconds
+    budget_us = STATISTICS_CORES * 3600.0 / (NODE_DAYS_PER_HOUR_BUDGET * reports_per_node_day) * 1e6
+    return Measurement("healthy-fleet statistics at 2.5 s: a node report without its ranks (CPU)",
+                       round(free_us), "us", None,
+                       note=f"{shard.name} ({shard.fleet.nodes} nodes) without its job, against {shipped_us:.0f} us "
+                            f"as shipped: its {ranks:g} ranks a node cost {per_rank_us:.0f} us each; "
+                            f"the statistics budget ({NODE_DAYS_PER_HOUR_BUDGET:g} node-days per wall-hour on "
+                            f"{STATISTICS_CORES} cores) is {budget_us:.0f} us a node report, start-up aside")
 
 
 def _fatal_xid() -> Measurement:
@@ -166,7 +203,7 @@ def _return_to_service() -> list[Measurement]:
 
 def measure() -> list[Measurement]:
     return [_fleet_hour("healthy-1000x1h-10s"), _fleet_hour("healthy-1000x1h-2s5"), _node_days_per_hour(),
-            _fatal_xid(), *_return_to_service()]
+            _rank_free_node(), _fatal_xid(), *_return_to_service()]
 
 
 if __name__ == "__main__":

@@ -122,6 +122,9 @@ class ShardResult:
     # Of ``cpu_seconds``, the start-up and the first report interval (building every node's agent,
     # its first GPU, RDMA, PCIe and configuration reads): paid once however long the run.
     start_cpu_seconds: float = 0.0
+    # Of ``cpu_seconds``, everything up to the simulation's last step; the rest (closing every node,
+    # scoring) is paid once too.
+    steps_cpu_seconds: float = 0.0
 
     @property
     def node_days(self) -> float:
@@ -189,11 +192,13 @@ def run_shard(shard: Scenario, fleet_names: Sequence[str] | None = None) -> Shar
     ``fleet_names`` (shard node i is ``fleet_names[i]``)."""
     cpu0 = time.process_time()
     started: list[float] = []
+    stepped = [0.0]
 
     def progress(done: float, total: float, decisions: int) -> None:
         del total, decisions
+        stepped[0] = time.process_time() - cpu0
         if not started and done >= shard.report_interval_seconds:
-            started.append(time.process_time() - cpu0)
+            started.append(stepped[0])
 
     result = run_scenario(shard, progress=progress)
     s = score(result)
@@ -204,7 +209,8 @@ def run_shard(shard: Scenario, fleet_names: Sequence[str] | None = None) -> Shar
         reports=result.reports, passed=s.passed, removals=s.removal_count,
         proposed_removals=len({removal_key(d) for d in result.decisions if d.action in REMOVAL_ACTIONS}),
         false_removals=len(s.false_removals), decisions=decisions, wall_seconds=result.wall_seconds,
-        cpu_seconds=time.process_time() - cpu0, start_cpu_seconds=started[0] if started else 0.0)
+        cpu_seconds=time.process_time() - cpu0, start_cpu_seconds=started[0] if started else 0.0,
+        steps_cpu_seconds=stepped[0])
 
 
 def fleet_decision(d: SimDecision, shard: str, fleet_names: dict[str, str]) -> dict[str, Any]:

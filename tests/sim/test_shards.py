@@ -82,8 +82,9 @@ def test_merged_verdict_sums_node_days_and_unions_the_shards_decisions() -> None
     merged = run_sharded(sc, workers=1)
     assert merged.node_days == pytest.approx(24 * 40.0 / 86400.0)
     assert merged.reports == 24 * 16
-    # Each shard's start-up and first interval, paid once (bench_sim extrapolates past it): a part of its CPU.
-    assert all(0.0 < s.start_cpu_seconds < s.cpu_seconds for s in merged.shards)
+    # Each shard's start-up and first interval, and its closing and scoring after the last step, paid
+    # once (bench_sim extrapolates the steps between): parts of its CPU, in that order.
+    assert all(0.0 < s.start_cpu_seconds < s.steps_cpu_seconds < s.cpu_seconds for s in merged.shards)
     alone = [run_scenario(s) for s in job_shards(sc)]
     expected = sorted((d.t, d.node, d.job, d.action, f"healthy-2s5-fleet-shard{k}")
                       for k, r in enumerate(alone) for d in r.decisions)
