@@ -39,20 +39,16 @@ def _fleet_hour(name: str) -> Measurement:
     dt = sc.report_interval_seconds
     period = max(sc.quiet_collector_intervals.values(), default=dt)
     slice_seconds = dt + period
-    ticks: dict[float, float] = {}
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    run_scenario(shortened(sc, slice_seconds),
-                 progress=lambda done, total, _decisions: ticks.__setitem__(done, time.process_time()))
+    start, rate = _start_and_rate(shortened(sc, slice_seconds))
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    first, end = ticks[dt], ticks[max(ticks)]
-    rate = (end - first) / (max(ticks) - dt)  # CPU seconds per simulated second over one period
-    hour = (first - cpu0) + rate * (sc.duration_seconds - dt)
+    hour = start + rate * (sc.duration_seconds - dt)
     metrics = "built" if agent_metrics(sc) else "left out (statistics run, agent_metrics: auto)"
     return Measurement(f"vigil sim, 1,000 healthy nodes x 1 simulated hour, {dt:g} s reports (CPU)",
                        round(hour, 1), "s", HOUR_BUDGET_SECONDS[name],
                        note=f"{name}, the agents' training /metrics samples {metrics}, "
                             f"extrapolated from its first {slice_seconds:g} s ({cpu:.1f} s CPU, "
-                            f"{wall:.1f} s wall; start-up and first interval {first - cpu0:.1f} s once, then "
+                            f"{wall:.1f} s wall; start-up and first interval {start:.1f} s once, then "
                             f"{rate * dt * 1e6 / sc.fleet.nodes:.0f} us of CPU per node report all included)")
 
 
@@ -94,14 +90,19 @@ def _node_days_per_hour(name: str = "healthy-2s5-100-node-days", slice_seconds: 
                             f"measured); {merged.false_removals} false removals")
 
 
-def _per_node_report_us(sc: Scenario) -> float:
-    """CPU per node report of ``sc`` from the end of its first interval to the end (start-up and
-    the first interval left out, as ``_fleet_hour`` leaves them)."""
+def _start_and_rate(sc: Scenario) -> tuple[float, float]:
+    """Run ``sc``: the CPU seconds of its start-up and first report interval, and its CPU seconds
+    per simulated second from there to its last step (its closing after that left out)."""
     ticks: dict[float, float] = {}
+    cpu0 = time.process_time()
     run_scenario(sc, progress=lambda done, total, _decisions: ticks.__setitem__(done, time.process_time()))
-    dt = sc.report_interval_seconds
-    reports = sc.fleet.nodes * (max(ticks) - dt) / dt
-    return (ticks[max(ticks)] - ticks[dt]) / reports * 1e6
+    dt, last = sc.report_interval_seconds, max(ticks)
+    return ticks[dt] - cpu0, (ticks[last] - ticks[dt]) / (last - dt)
+
+
+def _per_node_report_us(sc: Scenario) -> float:
+    """CPU per node report of ``sc`` after its first interval (``_start_and_rate``'s rate)."""
+    return _start_and_rate(sc)[1] * sc.report_interval_seconds / sc.fleet.nodes * 1e6
 
 
 def _rank_free_node(name: str = "healthy-2s5-100-node-days", slice_seconds: float = 302.5) -> Measurement:
