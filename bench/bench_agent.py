@@ -18,6 +18,8 @@ for heartbeat intake.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import os
 import shutil
@@ -34,6 +36,7 @@ import yaml
 
 from bench.measure import Measurement
 from vigil.agent.attribution import IN_PROCESS
+from vigil.agent.collectors import COLLECTORS
 from vigil.agent.runner import collect_once
 from vigil.cli.agent_reports import HCAS, INTERVAL_SECONDS, SCENARIO, Clock, agent_reports, build_agent
 from vigil.cli.loadgen import free_port
@@ -58,6 +61,10 @@ SCRAPES = {15.0: 3, 1.0: 20}
 # A scrape's CPU is read from just before the request to this long after the answer, less the
 # idle rate over that window: the handler's deferred work (closing the connection) is in it.
 SCRAPE_SETTLE_SECONDS = 0.05
+# What a wake-up costs this machine, the idle daemon's floor: an otherwise idle loop woken by a
+# timer this often (a collector's cadence, in order of magnitude), this many times.
+WAKE_SECONDS = 0.25
+WAKES = 40
 
 
 def task_cpu_seconds(pid: int, proc_root: Path = Path("/proc")) -> float:
@@ -185,6 +192,47 @@ def measure_process() -> tuple[float, list[Measurement]]:
     return idle, rows
 
 
+def wake_cpu_us(hand_off: bool) -> float:
+    """CPU (every thread of this process) of one wake-up of an otherwise idle asyncio loop from a
+    WAKE_SECONDS timer; with ``hand_off``, also a no-op handed to a worker thread and its answer
+    handed back to the loop, as the agent's runner does for every collector cycle (agent/runner.py,
+    ``_Schedule``)."""
+    async def wakes() -> float:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            await asyncio.wrap_future(pool.submit(int))  # the worker thread started before the clock
+            cpu0 = time.process_time()
+            for _ in range(WAKES):
+                await asyncio.sleep(WAKE_SECONDS)
+                if hand_off:
+                    await asyncio.wrap_future(pool.submit(int))
+            return (time.process_time() - cpu0) / WAKES * 1e6
+    return asyncio.run(wakes())
+
+
+def shipped_cycles_per_second() -> float:
+    """Collector cycles a second of an agent at the shipped defaults: each collector the registry
+    enables by default, once per its default interval."""
+    configs = [module.CONFIG() for module in COLLECTORS.values()]
+    return sum(1.0 / c.interval_seconds for c in configs if c.enabled)
+
+
+def measure_wakes() -> list[Measurement]:
+    """This machine's price of a wake-up beside the idle agent's rows: the part of the daemon's own
+    CPU that no code of the agent's can remove short of waking less (docs/architecture.md section 9)."""
+    timer_us, cycle_us = wake_cpu_us(False), wake_cpu_us(True)
+    cycles = shipped_cycles_per_second()
+    return [
+        Measurement(f"this machine: CPU of an idle asyncio loop's wake-up ({WAKE_SECONDS:g} s timer)", timer_us, "us",
+                    None, note=f"{WAKES} wake-ups, every thread of this process: what this machine charges for "
+                                     "waking (docs/architecture.md section 9)"),
+        Measurement("this machine: CPU of a collector cycle's wake-ups (the timer, a hand-off to a worker and back)",
+                    cycle_us, "us", None,
+                    note=f"the shipped collectors run {cycles:.2f} cycles a second (their default intervals): "
+                         f"{cycles * cycle_us / 1000:.2f} ms/s of the idle agent process is waking before any "
+                         f"collector runs, beside the daemon's own {DAEMON_BUDGET_MS_PER_SECOND:g} ms/s"),
+    ]
+
+
 def report_build_seconds(compact: bool) -> list[float]:
     """CPU per report the Reporter builds, steady state: every report whole (none accepted), or
     with ``compact`` each accepted, the first (whole) left out and each later one compact."""
@@ -252,7 +300,7 @@ def measure() -> list[Measurement]:
     p50_us = {v: xs[len(xs) // 2] * 1e6 for v, xs in build.items()}
     compact_ms_per_s = mean_us[True] / 1000 / INTERVAL_SECONDS
     idle, process = measure_process()
-    return [*process,
+    return [*process, *measure_wakes(),
         Measurement("vigil agent process, idle: the daemon's own CPU per second", idle - cpu_ms, "ms",
                     DAEMON_BUDGET_MS_PER_SECOND,
                     note=f"the idle process ({idle:.2f} ms/s) less its collectors' cycles in-process "
