@@ -136,6 +136,10 @@ class FileFollower:
             lines.extend(p.decode("utf-8", "replace") for p in parts)
         return used, False
 
+    def wake_fd(self) -> int | None:
+        """None: a regular file polls readable whether or not it grew, so it is read at intervals."""
+        return None
+
     def cursor(self) -> dict[str, Any]:
         """Where the next read starts (the held partial line is read again), for resuming."""
         inode = self._ident[1] if self._ident is not None else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import stat
 import subprocess
 import threading
 from collections.abc import Callable, Sequence
@@ -29,6 +30,10 @@ class LineSource(Protocol):
 
     def read_lines(self, max_lines: int) -> list[str]: ...
 
+    def wake_fd(self) -> int | None:
+        """A descriptor that polls readable when new lines are there (None: ask at an interval)."""
+        ...
+
     def cursor(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
@@ -45,12 +50,15 @@ class KmsgReader:
     def __init__(self, path: str | Path = "/dev/kmsg") -> None:
         self.path = Path(path)
         self._fd: int | None = None
+        self._pollable = False  # the device (or a pipe) polls; a regular file is always "readable"
         self._partial = b""
         self.overruns = 0
 
     def read_lines(self, max_lines: int) -> list[str]:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+            mode = os.fstat(self._fd).st_mode
+            self._pollable = stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
         lines: list[str] = []
         while len(lines) < max_lines:
             try:
@@ -67,6 +75,11 @@ class KmsgReader:
             self._partial = parts.pop()
             lines.extend(p.decode("utf-8", "replace") for p in parts)
         return lines
+
+    def wake_fd(self) -> int | None:
+        """The open device: /dev/kmsg polls readable while a record is there that this reader
+        has not read (the kernel's devkmsg_poll), and with an error after an overrun."""
+        return self._fd if self._pollable else None
 
     def cursor(self) -> dict[str, Any]:
         return {}  # kmsg resumes by sequence number, which the collector tracks
@@ -113,6 +126,9 @@ class StreamReader:
                 break
             lines.append(item)
         return lines
+
+    def wake_fd(self) -> int | None:
+        return None  # its reader thread takes the lines off the stream
 
     def cursor(self) -> dict[str, Any]:
         return {}
@@ -171,6 +187,9 @@ class JournalReader:
         if not lines and self._reader.ended:
             raise OSError("journalctl exited")
         return lines
+
+    def wake_fd(self) -> int | None:
+        return self._reader.wake_fd()
 
     def cursor(self) -> dict[str, Any]:
         return {}

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from vigil.agent.collectors.collector import Collection, Collector
+from vigil.agent.collectors.collector import Collection, Collector, Wakeable
 from vigil.agent.metric import MetricKind, MetricSpec, Sample
 from vigil.agent.snapshot import CollectorResult, Snapshot
 from vigil.contract.wire import PortState, check, encode
@@ -191,7 +191,13 @@ class _Schedule:
     and loop iterations (scripts/agent-cpu-breakdown.py). The schedule is the one the coroutine
     kept: the next cycle is due an interval after the previous one was due, counted from when it
     finished or timed out; a cycle that falls behind starts the next one at once, never in a
-    burst; while a timed-out call is still running, each due cycle is skipped and counted."""
+    burst; while a timed-out call is still running, each due cycle is skipped and counted.
+
+    A ``Wakeable`` collector whose source polls (the xid collector on /dev/kmsg) is also started by
+    its descriptor turning readable: between cycles the loop watches it, and the next cycle
+    without a readable moment is due at the seconds the collector gives, not at its interval. The
+    descriptor is watched only while no call of the collector runs (the call reads it, and may
+    close it); a descriptor the loop cannot watch leaves the collector on its interval."""
 
     def __init__(self, runner: Runner, collector: Collector, interval: float, timeout: float,
                  loop: asyncio.AbstractEventLoop, crashed: asyncio.Future[object]) -> None:
@@ -208,6 +214,8 @@ class _Schedule:
         self._started: tuple[float, CollectorResult | None] = (0.0, None)  # (now, previous) of _waited
         self._deadline = 0.0  # loop time at which _waited times out
         self._stopped = False
+        self._wakeable = collector if isinstance(collector, Wakeable) else None
+        self._watched: int | None = None  # the descriptor the loop watches for a readable wake
 
     def start(self) -> None:
         self._next_at = self._loop.time()
@@ -215,6 +223,7 @@ class _Schedule:
 
     def stop(self) -> None:
         self._stopped = True
+        self._unwatch()
         if self._timer is not None and self._waited is None:  # a cycle's timeout timer stays
             self._timer.cancel()
             self._timer = None
@@ -239,6 +248,7 @@ class _Schedule:
         self._timer = None
         if self._stopped:
             return
+        self._unwatch()  # the call reads (and may close) what the loop watched
         runner, name = self._runner, self._collector.name
         if self._in_flight is not None and not self._in_flight.done():
             runner._skipped[name] += 1
@@ -286,10 +296,42 @@ class _Schedule:
             self._runner._on_events(result.collection)
         self._schedule_next()
 
+    def _readable(self) -> None:
+        """The watched descriptor has something: the cycle due later starts now."""
+        self._unwatch()
+        if self._stopped or self._waited is not None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._next_at = self._loop.time()
+        self._tick()
+
+    def _watch(self, fd: int) -> bool:
+        try:
+            self._loop.add_reader(fd, self._guarded, self._readable)
+        except (OSError, ValueError) as exc:  # not pollable after all: the interval it is
+            log.debug("collector %s: descriptor %s cannot be watched: %s", self._collector.name, fd, exc)
+            return False
+        self._watched = fd
+        return True
+
+    def _unwatch(self) -> None:
+        if self._watched is not None:
+            self._loop.remove_reader(self._watched)
+            self._watched = None
+
     def _schedule_next(self) -> None:
         if self._stopped:
             return
-        self._next_at += self._interval
+        interval = self._interval
+        # Watched only while no call runs: a timed-out one still running may never read what is
+        # there, and a readable descriptor would start (and skip) a cycle at every loop pass.
+        if self._wakeable is not None and (self._in_flight is None or self._in_flight.done()):
+            wake = self._wakeable.wake(self._runner._clock())
+            if wake is not None and self._watch(wake[0]):
+                interval = wake[1]
+        self._next_at += interval
         now = self._loop.time()
         if self._next_at < now:  # fell behind (slow cycle): start again from now, do not burst
             self._next_at = now

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import Field
 
@@ -41,6 +41,17 @@ class Collector(Protocol):
     def collect(self, now: float) -> Collection: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Wakeable(Protocol):
+    """A collector whose source can say when it has something new (the kernel log's /dev/kmsg is
+    readable when a record is logged). ``wake`` is asked on the runner's loop between cycles, never
+    during one: (a descriptor the loop may wait on for readability, the seconds until the next
+    cycle if it stays quiet), or None to be run at its interval. While it gives one, the runner
+    starts a cycle as soon as the descriptor is readable instead of polling it."""
+
+    def wake(self, now: float) -> tuple[int, float] | None: ...
 
 
 class CollectorConfig(StrictModel):

@@ -48,8 +48,16 @@ STATE_FILE = "xid_cursor.json"
 
 class XidConfig(CollectorConfig):
     # 0.5 s: a fatal Xid must reach the aggregator within a second (issue 3), and a cycle that
-    # finds nothing new costs one non-blocking read.
+    # finds nothing new costs one non-blocking read. This is the cadence of a source that cannot
+    # say when it has a line (a followed file, journalctl's pipe behind its reader thread).
     interval_seconds: float = Field(default=0.5, gt=0)
+    # /dev/kmsg polls readable when a record is logged: the runner starts a cycle then, so a line
+    # is read as soon as the kernel logs it, and otherwise only this often (the cycle without a
+    # line forwards a flood's folded count when its forward_interval_seconds is up, sooner when
+    # that comes first; it is never the first report of a fault, which went when its line was
+    # read). An idle agent's 0.5 s cycles were ~1 ms of its CPU a second (docs/architecture.md
+    # section 9), two wake-ups of the process each.
+    wake_interval_seconds: float = Field(default=5.0, gt=0)
     # kmsg: /dev/kmsg (needs CAP_SYSLOG or dmesg_restrict=0); journal: `journalctl -k -f` where
     # kmsg is not readable; file: follow a log file (rotation and truncation are survived).
     source: Literal["kmsg", "journal", "file"] = "kmsg"
@@ -302,6 +310,19 @@ class XidCollector:
         events = self._forward(now)
         self._save_state()
         return Collection(samples=self._samples(), events=events)
+
+    def wake(self, now: float) -> tuple[int, float] | None:
+        """(the kernel log's descriptor, seconds to the next cycle without a line) while the
+        source polls (/dev/kmsg; ``Wakeable``), else None: run at ``interval_seconds``."""
+        fd = self._source.wake_fd() if self._source is not None else None
+        if fd is None:
+            return None
+        seconds = self._config.wake_interval_seconds
+        if self._pending:  # a folded count waits for its key's forward interval
+            interval = self._config.forward_interval_seconds
+            due = min(self._last_forward.get(key, now) + interval for key in self._pending)
+            seconds = max(self._config.interval_seconds, min(seconds, due - now))
+        return fd, seconds
 
     def _count(self, ev: KernelEvent, now: float) -> None:
         gpu = _NO_GPU
