@@ -41,6 +41,13 @@ HEALTH_STATES = ("ok", "lost", "reset_required", "unavailable")
 
 
 class GpuConfig(CollectorConfig):
+    # One read per report: the reporter sends every 2.5 s (aggregator.interval_seconds) and a report
+    # carries the latest read, Prometheus scrapes every 15 s, and every series read here is a gauge
+    # of the moment or a counter (GPM's rates then span the report's whole interval, not its last
+    # second). A 1 s cadence read ~60% of the values for nobody: ~1.4 ms of an idle agent's CPU a
+    # second on the 2-core test VM (docs/architecture.md section 9). A GPU fault does not wait for
+    # it: Xids come through NVML's event thread and the kernel log as they happen.
+    interval_seconds: float = Field(default=2.5, gt=0)
     # NVLink state and error counters are 4 NVML queries per link (72 per H100) and move slowly;
     # a link that fails mid-cycle also raises Xid 74 through the event API at once. The energy
     # counter is read on this cadence too (3-12 ms a call on a real H100, half of a read's NVML
