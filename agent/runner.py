@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -197,7 +198,9 @@ class _Schedule:
     its descriptor turning readable: between cycles the loop watches it, and the next cycle
     without a readable moment is due at the seconds the collector gives, not at its interval. The
     descriptor is watched only while no call of the collector runs (the call reads it, and may
-    close it); a descriptor the loop cannot watch leaves the collector on its interval."""
+    close it); a descriptor the loop cannot watch leaves the collector on its interval. A readable
+    moment never starts a cycle sooner than the interval after the last one started: a flood that
+    keeps the descriptor readable is read at the interval's pace, as it was when polled."""
 
     def __init__(self, runner: Runner, collector: Collector, interval: float, timeout: float,
                  loop: asyncio.AbstractEventLoop, crashed: asyncio.Future[object]) -> None:
@@ -216,6 +219,7 @@ class _Schedule:
         self._stopped = False
         self._wakeable = collector if isinstance(collector, Wakeable) else None
         self._watched: int | None = None  # the descriptor the loop watches for a readable wake
+        self._last_start = -math.inf  # loop time at which the last cycle started
 
     def start(self) -> None:
         self._next_at = self._loop.time()
@@ -256,6 +260,7 @@ class _Schedule:
             return
         now = runner._clock()
         previous = runner.snapshot.results().get(name)
+        self._last_start = self._loop.time()
         future = runner._pool.submit(collect_once, self._collector, now, time.perf_counter, previous)
         self._in_flight = self._waited = future
         self._started = (now, previous)
@@ -297,15 +302,20 @@ class _Schedule:
         self._schedule_next()
 
     def _readable(self) -> None:
-        """The watched descriptor has something: the cycle due later starts now."""
+        """The watched descriptor has something: the cycle due later starts now, or once the
+        interval since the last one started is up."""
         self._unwatch()
         if self._stopped or self._waited is not None:
             return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._next_at = self._loop.time()
-        self._tick()
+        now = self._loop.time()
+        self._next_at = max(now, self._last_start + self._interval)
+        if self._next_at <= now:
+            self._tick()
+        else:
+            self._timer = self._loop.call_at(self._next_at, self._guarded, self._tick)
 
     def _watch(self, fd: int) -> bool:
         try:

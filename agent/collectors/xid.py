@@ -49,7 +49,8 @@ STATE_FILE = "xid_cursor.json"
 class XidConfig(CollectorConfig):
     # 0.5 s: a fatal Xid must reach the aggregator within a second (issue 3), and a cycle that
     # finds nothing new costs one non-blocking read. This is the cadence of a source that cannot
-    # say when it has a line (a followed file, journalctl's pipe behind its reader thread).
+    # say when it has a line (a followed file, journalctl's pipe behind its reader thread), and the
+    # shortest spacing of cycles on one that can (a flood is read at this pace either way).
     interval_seconds: float = Field(default=0.5, gt=0)
     # /dev/kmsg polls readable when a record is logged: the runner starts a cycle then, so a line
     # is read as soon as the kernel logs it, and otherwise only this often (the cycle without a

@@ -1,7 +1,8 @@
 """A collector whose source polls is run when the source has something, not only at its interval:
 the xid collector on /dev/kmsg (here a FIFO, which polls as the device does) reads a logged Xid at
-once while its interval is an hour, sleeps at the seconds it asks for otherwise, and falls back to
-its interval where the descriptor cannot be watched or a timed-out call still holds it."""
+once while its quiet cycle is an hour away, sleeps at the seconds it asks for otherwise, is never
+run faster than its interval by a source that stays readable, and falls back to its interval where
+the descriptor cannot be watched or a timed-out call still holds it."""
 
 from __future__ import annotations
 
@@ -51,10 +52,12 @@ class Piped:
     name = "piped"
     specs: Sequence[MetricSpec] = (VALUE,)
 
-    def __init__(self, fd: int | None, seconds: float, block: threading.Event | None = None) -> None:
+    def __init__(self, fd: int | None, seconds: float, block: threading.Event | None = None,
+                 drain: bool = True) -> None:
         self.fd = fd
         self.seconds = seconds
         self.block = block
+        self.drain = drain
         self.calls = 0
         self.read = 0
         self.asked = 0
@@ -63,7 +66,7 @@ class Piped:
         self.calls += 1
         if self.block is not None:
             self.block.wait(5)
-        while self.fd is not None:
+        while self.fd is not None and self.drain:
             try:
                 chunk = os.read(self.fd, 4096)
             except BlockingIOError:
@@ -96,14 +99,14 @@ async def test_a_readable_descriptor_starts_a_cycle_long_before_the_interval() -
     try:
         c = Piped(r, HOUR)
         assert isinstance(c, Wakeable)
-        runner = Runner([c], {"piped": (HOUR, 5.0)}, Snapshot(), on_events=lambda _: None)
+        runner = Runner([c], {"piped": (0.01, 5.0)}, Snapshot(), on_events=lambda _: None)
         stop = asyncio.Event()
         task = asyncio.create_task(runner.run(stop))
         await _until(lambda: c.calls == 1 and c.asked == 1)  # the first cycle, then the watch
         for n, total in ((1, 1), (2, 3), (3, 6)):
             os.write(w, b"x" * n)
             await _until(_read(c, total))
-        assert c.calls == 4  # one cycle a write, none at the hour's interval
+        assert c.calls == 4  # one cycle a write, none at the 0.01 s interval nor the hour's quiet one
         stop.set()
         await asyncio.wait_for(task, 5)
     finally:
@@ -121,6 +124,24 @@ async def test_a_quiet_descriptor_runs_at_the_seconds_the_collector_asks_for() -
         await _until(lambda: c.calls >= 5)  # an hour's interval, yet cycles every 0.02 s
         stop.set()
         await asyncio.wait_for(task, 5)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def test_a_source_that_stays_readable_is_read_at_the_interval_not_faster() -> None:
+    r, w = _pipe()
+    try:
+        c = Piped(r, HOUR, drain=False)  # a flood beyond what a cycle takes: readable after every one
+        os.write(w, b"flood")
+        runner = Runner([c], {"piped": (0.1, 5.0)}, Snapshot(), on_events=lambda _: None)
+        stop = asyncio.Event()
+        task = asyncio.create_task(runner.run(stop))
+        await _until(lambda: c.calls >= 3)
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        assert c.asked >= 3 and c.calls <= 12  # ~one cycle per 0.1 s, not one per loop pass
     finally:
         os.close(r)
         os.close(w)
@@ -200,9 +221,9 @@ def test_the_xid_collector_asks_to_be_woken_sooner_when_a_folded_count_is_due(fi
     assert c.wake(112.0) is None
 
 
-async def test_a_logged_xid_is_read_at_once_while_the_interval_is_an_hour(fifo: tuple[Path, int]) -> None:
+async def test_a_logged_xid_is_read_at_once_while_the_quiet_cycle_is_an_hour_away(fifo: tuple[Path, int]) -> None:
     path, writer = fifo
-    c = XidCollector(XidConfig(interval_seconds=HOUR, wake_interval_seconds=HOUR),
+    c = XidCollector(XidConfig(interval_seconds=0.01, wake_interval_seconds=HOUR),
                      open_source=lambda: KmsgReader(path), boot_id_path=Path("/nonexistent/boot_id"))
     events: list[int | None] = []
     got = asyncio.Event()
@@ -212,7 +233,7 @@ async def test_a_logged_xid_is_read_at_once_while_the_interval_is_an_hour(fifo: 
         got.set()
 
     snap = Snapshot()
-    runner = Runner([c], {"xid": (HOUR, 5.0)}, snap, on_events=on_events)
+    runner = Runner([c], {"xid": (0.01, 5.0)}, snap, on_events=on_events)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     await _until(lambda: "xid" in snap.results())  # the first cycle opened the device
