@@ -7,9 +7,10 @@ the descriptor cannot be watched or a timed-out call still holds it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -88,63 +89,57 @@ def _read(c: Piped, total: int) -> Callable[[], bool]:
     return lambda: c.read == total
 
 
-def _pipe() -> tuple[int, int]:
+@pytest.fixture
+def pipe() -> Iterator[tuple[int, int]]:
+    """(read end, non-blocking; write end), closed after the test."""
     r, w = os.pipe()
     os.set_blocking(r, False)
-    return r, w
-
-
-async def test_a_readable_descriptor_starts_a_cycle_long_before_the_interval() -> None:
-    r, w = _pipe()
     try:
-        c = Piped(r, HOUR)
-        assert isinstance(c, Wakeable)
-        runner = Runner([c], {"piped": (0.01, 5.0)}, Snapshot(), on_events=lambda _: None)
-        stop = asyncio.Event()
-        task = asyncio.create_task(runner.run(stop))
+        yield r, w
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@contextlib.asynccontextmanager
+async def _running(c: Piped, interval: float, timeout: float = 5.0) -> AsyncIterator[Runner]:
+    """The runner over ``c`` alone at ``interval``, stopped (and its cycles finished) on exit."""
+    runner = Runner([c], {c.name: (interval, timeout)}, Snapshot(), on_events=lambda _: None)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        yield runner
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_a_readable_descriptor_starts_a_cycle_long_before_the_interval(pipe: tuple[int, int]) -> None:
+    r, w = pipe
+    c = Piped(r, HOUR)
+    assert isinstance(c, Wakeable)
+    async with _running(c, 0.01):
         await _until(lambda: c.calls == 1 and c.asked == 1)  # the first cycle, then the watch
         for n, total in ((1, 1), (2, 3), (3, 6)):
             os.write(w, b"x" * n)
             await _until(_read(c, total))
-        assert c.calls == 4  # one cycle a write, none at the 0.01 s interval nor the hour's quiet one
-        stop.set()
-        await asyncio.wait_for(task, 5)
-    finally:
-        os.close(r)
-        os.close(w)
+    assert c.calls == 4  # one cycle a write, none at the 0.01 s interval nor the hour's quiet one
 
 
-async def test_a_quiet_descriptor_runs_at_the_seconds_the_collector_asks_for() -> None:
-    r, w = _pipe()
-    try:
-        c = Piped(r, 0.02)
-        runner = Runner([c], {"piped": (HOUR, 5.0)}, Snapshot(), on_events=lambda _: None)
-        stop = asyncio.Event()
-        task = asyncio.create_task(runner.run(stop))
+async def test_a_quiet_descriptor_runs_at_the_seconds_the_collector_asks_for(pipe: tuple[int, int]) -> None:
+    c = Piped(pipe[0], 0.02)
+    async with _running(c, HOUR):
         await _until(lambda: c.calls >= 5)  # an hour's interval, yet cycles every 0.02 s
-        stop.set()
-        await asyncio.wait_for(task, 5)
-    finally:
-        os.close(r)
-        os.close(w)
 
 
-async def test_a_source_that_stays_readable_is_read_at_the_interval_not_faster() -> None:
-    r, w = _pipe()
-    try:
-        c = Piped(r, HOUR, drain=False)  # a flood beyond what a cycle takes: readable after every one
-        os.write(w, b"flood")
-        runner = Runner([c], {"piped": (0.1, 5.0)}, Snapshot(), on_events=lambda _: None)
-        stop = asyncio.Event()
-        task = asyncio.create_task(runner.run(stop))
+async def test_a_source_that_stays_readable_is_read_at_the_interval_not_faster(pipe: tuple[int, int]) -> None:
+    r, w = pipe
+    c = Piped(r, HOUR, drain=False)  # a flood beyond what a cycle takes: readable after every one
+    os.write(w, b"flood")
+    async with _running(c, 0.1):
         await _until(lambda: c.calls >= 3)
         await asyncio.sleep(0.5)
-        stop.set()
-        await asyncio.wait_for(task, 5)
-        assert c.asked >= 3 and c.calls <= 12  # ~one cycle per 0.1 s, not one per loop pass
-    finally:
-        os.close(r)
-        os.close(w)
+    assert c.asked >= 3 and c.calls <= 12  # ~one cycle per 0.1 s, not one per loop pass
 
 
 async def test_a_descriptor_the_loop_cannot_watch_leaves_the_collector_on_its_interval(tmp_path: Path) -> None:
@@ -153,36 +148,24 @@ async def test_a_descriptor_the_loop_cannot_watch_leaves_the_collector_on_its_in
     fd = os.open(regular, os.O_RDONLY)  # epoll refuses a regular file
     try:
         c = Piped(fd, HOUR)
-        runner = Runner([c], {"piped": (0.02, 5.0)}, Snapshot(), on_events=lambda _: None)
-        stop = asyncio.Event()
-        task = asyncio.create_task(runner.run(stop))
-        await _until(lambda: c.calls >= 5)  # at its 0.02 s interval, not the hour it asked for
-        stop.set()
-        await asyncio.wait_for(task, 5)
+        async with _running(c, 0.02):
+            await _until(lambda: c.calls >= 5)  # at its 0.02 s interval, not the hour it asked for
     finally:
         os.close(fd)
 
 
-async def test_a_timed_out_call_still_running_is_not_woken_by_what_it_has_not_read() -> None:
-    r, w = _pipe()
+async def test_a_timed_out_call_still_running_is_not_woken_by_what_it_has_not_read(pipe: tuple[int, int]) -> None:
+    r, w = pipe
     gate = threading.Event()
-    try:
-        c = Piped(r, HOUR, block=gate)
-        os.write(w, b"pending")  # readable all along: a watch would start (and skip) a cycle every loop pass
-        runner = Runner([c], {"piped": (0.05, 0.05)}, Snapshot(), on_events=lambda _: None)
-        stop = asyncio.Event()
-        task = asyncio.create_task(runner.run(stop))
+    c = Piped(r, HOUR, block=gate)
+    os.write(w, b"pending")  # readable all along: a watch would start (and skip) a cycle every loop pass
+    async with _running(c, 0.05, timeout=0.05) as runner:
         await _until(lambda: runner._skipped["piped"] >= 3)
         await asyncio.sleep(0.25)
         skipped = runner._skipped["piped"]
         assert c.asked == 0 and skipped < 20  # ~one due cycle per 0.05 s, not one per loop pass
         gate.set()
         await _until(lambda: c.read == len(b"pending"))
-        stop.set()
-        await asyncio.wait_for(task, 5)
-    finally:
-        os.close(r)
-        os.close(w)
 
 
 def test_only_a_source_that_polls_gives_a_descriptor(tmp_path: Path, fifo: tuple[Path, int]) -> None:
